@@ -1,0 +1,101 @@
+"""Cost of the Tier-A certificate (radii + meter) relative to the attention it certifies.
+
+One decode step of a 30-layer model with 9 query heads, 3 KV heads (GQA, G=3), head dim 64, batch 1.
+Per layer, side by side in one run:
+
+* attention: ``q·Kᵀ`` (float32), softmax, ``·V`` — the read being certified;
+* certificate: query band norms (8 bands of whole RoPE pairs), Tier-A radii ``c = sc·ρ·‖q_b‖`` (one batched
+  matmul against the stored key band norms), and ``meter = min(1, eform, two_sided, ptm)`` in float64.
+
+Usage: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bounds_cost.py [--seq 512 1024 ...] [--repeats 7]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from tqdm import tqdm
+
+from kvcert.bounds import (
+    band_norms,
+    meter_and_unclipped,
+    query_band_norms,
+    round_up_f32,
+    tier_a_radius_from_qnorms,
+)
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, BANDS = 30, 9, 3, 64, 8
+GROUP = HEADS // KV_HEADS
+SCALE = HEAD_DIM**-0.5
+
+
+def make_layers(seq: int, gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    layers = []
+    for _ in range(LAYERS):
+        k = torch.randn(KV_HEADS, seq, HEAD_DIM, generator=gen)
+        v = torch.randn(KV_HEADS, seq, HEAD_DIM, generator=gen)
+        k_res = torch.randn(KV_HEADS, seq, HEAD_DIM, generator=gen) * 1e-2
+        q = torch.randn(KV_HEADS, GROUP, HEAD_DIM, generator=gen)
+        # stored witness, band-major [Hkv, 1, B, S] (float32 rounded up), passed as a [Hkv, 1, S, B] view
+        kn = round_up_f32(band_norms(k_res, BANDS)).transpose(-1, -2).contiguous().unsqueeze(1)
+        layers.append({"q": q, "k": k, "v": v, "kn": kn})
+    return layers
+
+
+def attention(layer: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = torch.matmul(layer["q"], layer["k"].transpose(-1, -2)) * SCALE
+    p = torch.softmax(scores, dim=-1)
+    return torch.matmul(p, layer["v"]), p
+
+
+def certificate(layer: dict[str, torch.Tensor], p: torch.Tensor) -> torch.Tensor:
+    qn = query_band_norms(layer["q"], BANDS)
+    c = tier_a_radius_from_qnorms(qn, layer["kn"].transpose(-1, -2), SCALE)
+    return meter_and_unclipped(p, c)[0]
+
+
+def paired_times(fn_a, fn_b, repeats: int) -> tuple[float, float]:
+    """Median CPU times (process_time) of two functions measured alternately, so that load from other
+    processes on a shared machine neither inflates nor biases one side."""
+    times_a, times_b = [], []
+    for _ in range(repeats):
+        for fn, acc in ((fn_a, times_a), (fn_b, times_b)):
+            t0 = time.process_time()
+            fn()
+            acc.append(time.process_time() - t0)
+    return sorted(times_a)[repeats // 2], sorted(times_b)[repeats // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seq", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    ap.add_argument("--repeats", type=int, default=11)
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for seq in tqdm(args.seq, desc="sequence lengths"):
+        layers = make_layers(seq, gen)
+        probs = [attention(layer)[1] for layer in layers]
+
+        def run_attention(layers=layers) -> None:
+            for layer in layers:
+                attention(layer)
+
+        def run_certificate(layers=layers, probs=probs) -> None:
+            for layer, p in zip(layers, probs, strict=True):
+                certificate(layer, p)
+
+        run_attention(), run_certificate()  # warm-up
+        t_att, t_cert = paired_times(run_attention, run_certificate, args.repeats)
+        rows.append((seq, t_att, t_cert))
+    print(f"threads={torch.get_num_threads()} L={LAYERS} H={HEADS} Hkv={KV_HEADS} D={HEAD_DIM} B={BANDS}")
+    print(f"{'S':>6} | {'attention ms':>12} | {'radii+meter ms':>14} | {'ratio':>6}")
+    print("-" * 48)
+    for seq, t_att, t_cert in rows:
+        print(f"{seq:>6} | {1e3 * t_att:>12.2f} | {1e3 * t_cert:>14.2f} | {t_cert / t_att:>6.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Question: what does certifying every attention read cost per decoded token?
+
+SmolLM2-135M (real weights, offline), one prompt of ``--context`` tokens, ``--steps`` greedy decode steps,
+measured side by side in one run (same prompt, same shared exact prefill, interleaved repetitions):
+
+* ``dense``           transformers ``DynamicCache``
+* ``hf-quantized``    transformers ``QuantizedCache`` (fp8 backend: the one that installs here)
+* ``kvcert-raw``      kvcert storage (int8 K + int4 V), certificates off (``certify=False``)
+* ``kvcert-certified``  the same, every (layer, head, step) cell certified, gate off
+* ``kvcert-gated``    the same, ``Gate.certified(0.2)``
+
+Prints ms/token and the ratios the issue targets: certified / raw (<= 1.10) and gated / dense (<= 1.5).
+Run: ``.venv/bin/python benchmarks/decode_overhead.py``
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+from transformers import DynamicCache, QuantizedCache
+
+from kvcert import CertifiedCache, Gate
+from kvcert.eval.corpora import pg_essays_text
+from kvcert.models import load
+
+
+def _decode(model, first_tok, cache, steps: int) -> float:
+    tok = first_tok
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(steps):
+            out = model(tok, past_key_values=cache, use_cache=True)
+            tok = out.logits[:, -1:].argmax(-1)
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model, tok = load("smollm2-135m")
+    ids = tok(pg_essays_text()[: args.context * 8], return_tensors="pt").input_ids[:, : args.context]
+    with torch.no_grad():
+        pre = DynamicCache(config=model.config)
+        out = model(ids, past_key_values=pre, use_cache=True)
+    first = out.logits[:, -1:].argmax(-1)
+
+    def copy_prefill() -> DynamicCache:
+        c = DynamicCache(config=model.config)
+        for i, layer in enumerate(pre.layers):
+            c.update(layer.keys.clone(), layer.values.clone(), i)
+        return c
+
+    def kv(certify: bool, gate: Gate | None) -> CertifiedCache:
+        c = CertifiedCache(model, keys="int8", values="int4", certify=certify, gate=gate)
+        c.ingest(pre)
+        return c
+
+    def hfq() -> QuantizedCache:
+        c = QuantizedCache(backend="fp8", config=model.config)
+        for i, layer in enumerate(pre.layers):
+            c.update(layer.keys.clone(), layer.values.clone(), i)
+        return c
+
+    variants = {
+        "dense": copy_prefill,
+        "hf-quantized (fp8)": hfq,
+        "kvcert-raw": lambda: kv(False, None),
+        "kvcert-certified": lambda: kv(True, Gate.off()),
+        "kvcert-gated (tau=0.2)": lambda: kv(True, Gate.certified(0.2)),
+    }
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in tqdm(range(args.reps), desc="repetitions"):
+        for name, make in variants.items():
+            cache = make()
+            times[name].append(_decode(model, first, cache, args.steps))
+            if isinstance(cache, CertifiedCache):
+                cache.detach()
+    best = {k: min(v) for k, v in times.items()}
+    table = Table(title=f"decode cost, SmolLM2-135M, context {args.context}, {args.steps} steps, best of {args.reps}")
+    table.add_column("variant")
+    table.add_column("ms/token", justify="right")
+    table.add_column("x dense", justify="right")
+    for k, v in best.items():
+        table.add_row(k, f"{v:.1f}", f"{v / best['dense']:.2f}")
+    console = Console()
+    console.print(table)
+    console.print(f"certified / raw = {best['kvcert-certified'] / best['kvcert-raw']:.3f} (target <= 1.10)")
+    console.print(f"gated / dense   = {best['kvcert-gated (tau=0.2)'] / best['dense']:.3f} (target <= 1.5)")
+
+
+if __name__ == "__main__":
+    main()

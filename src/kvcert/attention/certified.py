@@ -1,0 +1,289 @@
+"""The certified read path: served attention + per-cell certificate + gate + repair from the host tier.
+
+For one layer and one forward call with queries ``q[B, Hq, Q, D]`` over ``S`` stored tokens:
+
+1. served logits ``s̃ = sc·q·k̂`` from the decoded codes, ``p̃ = softmax(s̃)`` (float32 for the output; the
+   certificate uses ``softmax`` of the same float32 logits evaluated in float64);
+2. Tier-A radii ``c_t = sc·Σ_b ‖q_b‖ρ_{t,b} + φ_t`` where ``φ_t = sc·γ_D·‖q‖·(2‖k̂_t‖ + W_t)`` bounds the
+   float32 rounding of both logit dot products (``γ_D = D·u/(1 − D·u)``, ``u = 2^{-24}``), so the premise
+   ``|s̃_t − s_t| ≤ c_t`` holds for the logits the hardware actually computes;
+3. certificate ``meter(p̃, c)`` per (query head, query) cell; Tier B beside it for dithered keys
+   (non-adaptive: sound only for queries independent of the dither);
+4. KV-head verdict any-of-G; the gate repairs heads (exact SDPA on host K/V) or blocks (greedy by
+   contribution ``Σ_{t∈b} p̃_t(e^{c_t} − 1)``, doubling the block count until the cell is under threshold);
+5. two-term output-error bound ``‖ô − o‖ ≤ Σ p̃‖Δv‖ + 2·TV·max_t(‖v̂_t − ô‖ + ‖Δv_t‖) + ξ`` with ``ξ`` the
+   float32 evaluation slack ``2(S + D)u·max_t ‖v̂_t‖``;
+6. in validate mode, exact attention from the host tier and the true TV / output error per cell.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcert.bounds import (
+    meter_and_unclipped,
+    query_band_norms,
+    tier_a_radius_from_qnorms,
+    tier_b_radius,
+    tier_b_sigma2,
+)
+from kvcert.cache.gate import Gate
+from kvcert.cache.store import LayerStore
+
+_U = 2.0**-24
+
+
+def _gamma(n: int) -> float:
+    """Higham's ``γ_n = n·u/(1 − n·u)`` for float32 (bound on relative rounding of an n-term dot product)."""
+    return n * _U / (1 - n * _U)
+
+
+@dataclass
+class ReadResult:
+    """Everything the read path produced for one layer and one forward call.
+
+    Cell tensors are ``[B, Hq, Q]``; head tensors ``[B, Hkv]``.
+    """
+
+    out: torch.Tensor                 # [B, Q, Hq, Dv] attention output (HF layout)
+    cert_pre: torch.Tensor            # clipped Tier-A meter before repair
+    raw: torch.Tensor                 # unclipped Tier-A meter before repair (risk ranking)
+    cert: torch.Tensor                # clipped certificate of what was served (0 where repaired exactly)
+    tanh: torch.Tensor                # tanh(max c) reference form
+    cert_b: torch.Tensor | None       # Tier-B meter (dithered keys only; non-adaptive)
+    out_bound: torch.Tensor           # two-term output-error bound of what was served
+    key_term: torch.Tensor
+    value_term: torch.Tensor
+    repaired: torch.Tensor            # [B, Hkv] head repaired exactly
+    blocks: torch.Tensor              # [B, Hkv] blocks paged in (block granularity)
+    values_promoted: torch.Tensor     # [B, Hkv] values served exact
+    bytes_paged: int
+    true_tv: torch.Tensor | None = None        # validate: TV(exact, served before repair)
+    true_out_err: torch.Tensor | None = None   # validate: ‖served output − exact output‖₂
+
+
+def _masked_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``sc·q·kᵀ`` for grouped queries ``q[B, Hkv, M, D]``, ``k[B, Hkv, S, D]``; masked entries ``-inf``."""
+    return (torch.matmul(q, k.transpose(-1, -2)) * scaling).masked_fill(~mask, float("-inf"))
+
+
+def _probs64(logits: torch.Tensor) -> torch.Tensor:
+    """``softmax`` in float64; fully masked rows give all-zero rows instead of NaN."""
+    p = torch.softmax(logits.to(torch.float64), dim=-1)
+    return torch.nan_to_num(p, nan=0.0)
+
+
+def _meter(p: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(clipped, unclipped)`` meter per row; fully masked rows (no visible token) get 0."""
+    live = p.sum(-1) > 0
+    if bool(live.all()):
+        return meter_and_unclipped(p, c)
+    onehot = torch.zeros_like(p)
+    onehot[..., 0] = 1.0
+    clipped, raw = meter_and_unclipped(torch.where(live.unsqueeze(-1), p, onehot), c)
+    return torch.where(live, clipped, 0.0), torch.where(live, raw, 0.0)
+
+
+def _out_bound(p: torch.Tensor, tv: torch.Tensor, vhat: torch.Tensor, vres: torch.Tensor, out: torch.Tensor,
+               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two-term bound with centre = served output, plus float32 slack; shapes ``[B, Hkv, M]``."""
+    vres = vres.to(torch.float64)                                         # [B, Hkv, M, S] per cell
+    value_term = (p * vres).sum(-1)
+    vh = vhat.to(torch.float64)
+    dist = torch.cdist(out.to(torch.float64), vh)                        # [B, Hkv, M, S] ‖v̂_t − ô‖
+    spread = torch.where(mask, dist + vres, torch.zeros_like(dist)).amax(-1)
+    key_term = 2.0 * tv * spread
+    s, d = vhat.shape[-2], vhat.shape[-1]
+    vmax = vh.norm(dim=-1).amax(-1, keepdim=True)                         # [B, Hkv, 1]
+    slack = (2.0 * (s + d) * _U * (1 + 1e-6)) * vmax
+    return key_term + value_term + slack, key_term, value_term, slack.expand_as(key_term)
+
+
+def _group(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """``[B, Hq, Q, ...] -> [B, Hkv, G·Q, ...]`` (query heads of a KV head are contiguous)."""
+    b, hq, q = x.shape[:3]
+    return x.reshape(b, hkv, (hq // hkv) * q, *x.shape[3:])
+
+
+def _ungroup(x: torch.Tensor, hq: int, q: int) -> torch.Tensor:
+    """Inverse of :func:`_group` for cell tensors ``[B, Hkv, G·Q] -> [B, Hq, Q]``."""
+    return x.reshape(x.shape[0], hq, q)
+
+
+@dataclass(frozen=True)
+class ReadConfig:
+    """Static parameters of the read path for one cache."""
+
+    gate: Gate
+    validate: bool
+    delta_loc: float            # Tier-B per-cell failure budget
+
+
+@torch.no_grad()
+def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scaling: float,
+                   cfg: ReadConfig, exact_attention: callable) -> ReadResult:
+    """Serve attention for one layer from ``store`` and certify every (query head, query) cell.
+
+    ``mask[B, 1, Q, S]`` is the boolean visibility mask (True = attend). ``exact_attention(k, v)`` returns
+    the dense SDPA output ``[B, Q, Hq, Dv]`` over the given exact keys/values, used for head repair so a
+    repaired head equals the dense path's output.
+    """
+    assert store.k is not None and store.v is not None
+    b, hq, nq, d = q.shape
+    khat = store.k.served.view()
+    vhat = store.v.served.view()
+    hkv, s = khat.shape[1], khat.shape[2]
+    g = hq // hkv
+    qg = _group(q.to(torch.float32), hkv)                                     # [B, Hkv, M, D]
+    m = mask[:, :, None].expand(b, hkv, g, nq, s).reshape(b, hkv, g * nq, s)
+    logits = _masked_logits(qg, khat, m, scaling)
+    p64 = _probs64(logits)
+    p32 = p64.to(torch.float32)
+    out = torch.matmul(p32, vhat)                                             # [B, Hkv, M, Dv]
+
+    # Tier-A radii with float32 rounding slack, certificate per cell.
+    rho = store.k_band.view()
+    qb = query_band_norms(qg, store.bands, store.pairing)
+    c_a = tier_a_radius_from_qnorms(qb, rho.unsqueeze(2), scaling)
+    qn = qg.to(torch.float64).norm(dim=-1, keepdim=True)
+    w = rho.to(torch.float64).sum(-1)
+    slack = scaling * _gamma(d) * qn * (2 * store.k_hat_norm.view().to(torch.float64) + w).unsqueeze(2)
+    c = c_a + slack
+    cert_pre, raw = _meter(p64, c)
+    live = (p64.sum(-1) > 0).unsqueeze(-1)
+    tanh = torch.tanh(torch.where(m & live, c, torch.zeros_like(c)).amax(-1))
+
+    cert_b = None
+    if store.k_steps is not None:
+        codec = store.key_codec
+        qm = qg if codec.channel_mask is None else qg * codec.channel_mask.view(1, hkv, 1, d).to(qg)
+        sig2 = tier_b_sigma2(qm, store.k_steps.view().unsqueeze(2), scaling, codec.group_size)
+        u = tier_b_radius(sig2, s, cfg.delta_loc) + slack                   # same rounding slack
+        cert_b = _meter(p64, u)[0]
+
+    gate = cfg.gate
+    score = raw if gate.uses_unclipped else cert_pre
+    need = (score.amax(-1) > gate.threshold) if gate.mode != "off" else torch.zeros(b, hkv, dtype=torch.bool)
+    cert = cert_pre.clone()
+    repaired = torch.zeros(b, hkv, dtype=torch.bool)
+    blocks = torch.zeros(b, hkv, dtype=torch.int64)
+    promoted = torch.zeros(b, hkv, dtype=torch.bool)
+    vres = store.v_res.view()
+    vres_cell = vres.unsqueeze(2).expand(b, hkv, g * nq, s).clone()
+    p_served = p64.clone()
+    bytes_paged = 0
+    host_k, host_v = store.k.host.view(), store.v.host.view()
+    elt = host_k.element_size()
+
+    if need.any():
+        if gate.granularity == "head":
+            exact = exact_attention(host_k, host_v)                           # [B, Q, Hq, Dv]
+            ex = exact.permute(0, 2, 1, 3).reshape(b, hkv, g * nq, -1).to(out.dtype)
+            sel = need.view(b, hkv, 1, 1)
+            out = torch.where(sel, ex, out)
+            repaired = need.clone()
+            cert = torch.where(need.unsqueeze(-1), torch.zeros_like(cert), cert)
+            p_served = torch.where(sel, _probs64(_masked_logits(qg, host_k.to(torch.float32), m, scaling)),
+                                   p_served)
+            bytes_paged += int(need.sum()) * s * (host_k.shape[-1] + host_v.shape[-1]) * elt
+            if gate.persistent:
+                for bi, hi in need.nonzero().tolist():
+                    store.make_exact(bi, hi, 0, s)
+        else:
+            for bi, hi in need.nonzero().tolist():
+                res = _repair_blocks(qg[bi, hi], store, bi, hi, m[bi, hi], c[bi, hi], p64[bi, hi], scaling,
+                                     gate)
+                out[bi, hi], cert[bi, hi], p_served[bi, hi] = res.out, res.cert, res.p
+                vres_cell[bi, hi] = res.vres
+                blocks[bi, hi] = res.n_blocks
+                bytes_paged += res.tokens * (host_k.shape[-1] + host_v.shape[-1]) * elt
+
+    bound, key_term, value_term, slack = _out_bound(p_served, cert, vhat, vres_cell, out, m)
+    zero = repaired.view(b, hkv, 1)
+    key_term = torch.where(zero, torch.zeros_like(key_term), key_term)
+    value_term = torch.where(zero, torch.zeros_like(value_term), value_term)
+    bound = torch.where(zero, slack, bound)
+
+    if gate.value_tol is not None:
+        promote = ((value_term > gate.value_tol) & (value_term > key_term)).any(-1) & ~repaired
+        if promote.any():
+            sel = promote.view(b, hkv, 1, 1)
+            out = torch.where(sel, torch.matmul(p_served.to(torch.float32), host_v.to(torch.float32)), out)
+            bytes_paged += int(promote.sum()) * s * host_v.shape[-1] * elt
+            value_term = torch.where(promote.unsqueeze(-1), torch.zeros_like(value_term), value_term)
+            exact_v = _out_bound(p_served, cert, host_v.to(torch.float32), torch.zeros_like(vres_cell), out, m)
+            bound = torch.where(promote.unsqueeze(-1), exact_v[0], bound)
+            promoted = promote
+
+    result = ReadResult(
+        out=out.reshape(b, hq, nq, -1).transpose(1, 2),
+        cert_pre=_ungroup(cert_pre, hq, nq), raw=_ungroup(raw, hq, nq), cert=_ungroup(cert, hq, nq),
+        tanh=_ungroup(tanh, hq, nq), cert_b=None if cert_b is None else _ungroup(cert_b, hq, nq),
+        out_bound=_ungroup(bound, hq, nq), key_term=_ungroup(key_term, hq, nq),
+        value_term=_ungroup(value_term, hq, nq), repaired=repaired, blocks=blocks, values_promoted=promoted,
+        bytes_paged=bytes_paged,
+    )
+    if cfg.validate:
+        p_exact = _probs64(_masked_logits(qg, host_k.to(torch.float32), m, scaling))
+        true_tv = 0.5 * (p64 - p_exact).abs().sum(-1)
+        o_exact = torch.matmul(p_exact, host_v.to(torch.float64))
+        err = (out.to(torch.float64) - o_exact).norm(dim=-1)
+        result.true_tv = _ungroup(true_tv, hq, nq)
+        result.true_out_err = _ungroup(err, hq, nq)
+    return result
+
+
+@dataclass
+class _BlockRepair:
+    out: torch.Tensor
+    cert: torch.Tensor
+    p: torch.Tensor
+    vres: torch.Tensor
+    n_blocks: int
+    tokens: int
+
+
+def _repair_blocks(qg: torch.Tensor, store: LayerStore, bi: int, hi: int, m: torch.Tensor, c: torch.Tensor,
+                   p: torch.Tensor, scaling: float, gate: Gate) -> _BlockRepair:
+    """Page in whole token blocks of one (row, KV head) until every query cell is under the threshold.
+
+    Blocks are ordered by their largest contribution ``Σ_{t∈b} p̃_t(e^{c_t} − 1)`` over the cells; the number
+    of blocks doubles (1, 2, 4, …) until ``meter ≤ threshold`` for all cells, so at most twice the minimal
+    prefix of that order is paged. Paged tokens get radius 0 and exact K/V.
+    """
+    assert store.k is not None and store.v is not None
+    khat = store.k.served.view()[bi, hi]
+    vhat = store.v.served.view()[bi, hi]
+    hk = store.k.host.view()[bi, hi].to(torch.float32)
+    hv = store.v.host.view()[bi, hi].to(torch.float32)
+    vres = store.v_res.view()[bi, hi]
+    s = khat.shape[0]
+    bs = gate.block_size
+    nb = (s + bs - 1) // bs
+    contrib = p * torch.expm1(c)
+    pad = nb * bs - s
+    per_block = torch.nn.functional.pad(contrib, (0, pad)).reshape(contrib.shape[0], nb, bs).sum(-1).amax(0)
+    order = torch.argsort(per_block, descending=True, stable=True)
+    k = 1
+    while True:
+        chosen = order[: min(k, nb)]
+        tok = torch.zeros(nb, bs, dtype=torch.bool)
+        tok[chosen] = True
+        tok = tok.reshape(-1)[:s]
+        kmix = torch.where(tok.unsqueeze(-1), hk, khat)
+        vmix = torch.where(tok.unsqueeze(-1), hv, vhat)
+        cmix = torch.where(tok, torch.zeros_like(c), c)
+        logits = (qg @ kmix.T * scaling).masked_fill(~m, float("-inf"))
+        pm = _probs64(logits)
+        cert, raw = _meter(pm, cmix)
+        score = raw if gate.uses_unclipped else cert
+        if bool((score <= gate.threshold).all()) or k >= nb:
+            break
+        k *= 2
+    if gate.persistent:
+        for blk in chosen.tolist():
+            store.make_exact(bi, hi, blk * bs, min((blk + 1) * bs, s))
+    vres_mix = torch.where(tok, torch.zeros_like(vres), vres).unsqueeze(0).expand(qg.shape[0], s)
+    return _BlockRepair(pm.to(torch.float32) @ vmix, cert, pm, vres_mix, int(chosen.numel()), int(tok.sum()))

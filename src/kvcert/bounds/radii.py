@@ -1,0 +1,136 @@
+"""Per-token logit-error radii ``c_t ≥ |ε_t|`` for a compressed key cache.
+
+* **Tier A** (deterministic, adaptive-safe, ``certificates.md`` §4.2): with per-band key-residual norms
+  ``ρ_{t,b}`` over whole RoPE pairs, ``|ε_t| = sc·|⟨q, Δk_t⟩| ≤ sc·Σ_b ‖q_b‖·ρ_{t,b} =: c_t`` (Cauchy–Schwarz
+  inside each band). Bands of whole rotary pairs make both norms RoPE-invariant.
+* **Tier B** (subtractively dithered int8, non-adaptive queries, §5.3): the residual is uniform on
+  ``[−s/2, s/2]`` and independent of ``x``, so ``ε_t`` is sub-Gaussian with variance proxy
+  ``σ²_t = (sc²/12)·Σ_g s_{t,g}²‖q_g‖²`` and ``P(∃t: |ε_t| > u_t) ≤ δ_loc`` for
+  ``u_t = sqrt(2σ²_t ln(2S/δ_loc))``.
+
+All outputs are float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvcert.bounds.rope import Pairing, band_norms, round_up_f32
+from kvcert.bounds.softmax_tv import check_nonneg_finite
+
+
+def _check_scale(scale: float) -> float:
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite positive softmax scale, got {scale}")
+    return float(scale)
+
+
+def query_band_norms(q: torch.Tensor, bands: int, pairing: Pairing = "rotate_half") -> torch.Tensor:
+    """``‖q_b‖`` over the whole-RoPE-pair bands of the key witness: ``q[..., D] -> [..., bands]`` (float64).
+
+    Compute once per decode step and reuse for every token via ``tier_a_radius_from_qnorms``.
+    """
+    if not torch.isfinite(q).all():
+        raise ValueError("q contains non-finite entries")
+    return band_norms(q, bands, pairing)
+
+
+def _as_f32_up(x: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of a non-negative tensor that is never below it (exact for float32/16 input)."""
+    return round_up_f32(x) if x.dtype == torch.float64 else x.to(torch.float32)
+
+
+def tier_a_radius_from_qnorms(
+    q_band_norms: torch.Tensor, key_band_norms: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Tier-A radii ``c_t = scale·Σ_b ‖q_b‖·ρ_{t,b}`` from precomputed query band norms (one batched matmul).
+
+    ``q_band_norms[..., B]`` and ``key_band_norms[..., S, B]`` broadcast over leading dims; returns float64
+    ``[..., S]``. GQA fast path: pass ``q_band_norms[..., G, B]`` with ``key_band_norms[..., 1, S, B]`` (one
+    KV head read by ``G`` query heads) to get ``[..., G, S]`` without expanding the keys.
+
+    Rounding: the matmul runs in float32 on inputs rounded up to float32. A sum of ``B`` non-negative
+    products has relative error ≤ γ_{B+1} = (B+1)u/(1−(B+1)u), u = 2^-24, plus ≤ B·2^-150 absolute from
+    subnormal products; the result is multiplied by ``1 + (B+2)·2^-23 ≥ 1/(1 − (B+1)u)`` and raised by
+    ``B·2^-149`` in float64, so the returned radius is never below the exact one.
+    """
+    sc = _check_scale(scale)
+    qn = _as_f32_up(check_nonneg_finite(q_band_norms, "q_band_norms", None))
+    kn = _as_f32_up(check_nonneg_finite(key_band_norms, "key_band_norms", None))
+    bands = kn.shape[-1] if kn.dim() else 0
+    if kn.dim() < 2 or qn.dim() < 1 or qn.shape[-1] != bands:
+        raise ValueError(
+            "band dims differ or shapes invalid: "
+            f"q_band_norms {tuple(qn.shape)}, key_band_norms {tuple(kn.shape)}"
+        )
+    if kn.dim() >= 3 and kn.shape[-3] == 1 and qn.dim() >= 2:
+        # [..., G, B] @ [..., B, S] -> [..., G, S]: the G query heads share one key matrix
+        dots = torch.matmul(qn, kn.squeeze(-3).transpose(-1, -2))
+    else:
+        dots = torch.matmul(kn, qn.unsqueeze(-1)).squeeze(-1)
+    inflate = sc * (1.0 + (bands + 2) * 2.0**-23)
+    return dots.to(torch.float64).mul_(inflate).add_(bands * 2.0**-149 * sc)
+
+
+def tier_a_radius(
+    q: torch.Tensor, key_band_norms: torch.Tensor, scale: float, pairing: Pairing = "rotate_half"
+) -> torch.Tensor:
+    """Deterministic Tier-A radii ``c_t = scale·Σ_b ‖q_b‖·ρ_{t,b} ≥ |scale·⟨q, Δk_t⟩|`` for any query.
+
+    ``q[..., D]``, ``key_band_norms[..., S, B]`` (band norms of the key residual ``Δk_t`` over whole RoPE
+    pairs of the declared ``pairing``); returns ``c[..., S]`` in float64. Valid pre- or post-RoPE, at any
+    positions.
+    """
+    return tier_a_radius_from_qnorms(
+        query_band_norms(q, key_band_norms.shape[-1], pairing), key_band_norms, scale
+    )
+
+
+def tier_b_sigma2(
+    q: torch.Tensor,
+    steps: torch.Tensor,
+    scale: float,
+    group_size: int = 32,
+    channel_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Sub-Gaussian variance proxy of ``ε_t`` under subtractive dither: ``(scale²/12)·Σ_g s_{t,g}²‖q_g‖²``.
+
+    ``q[..., D]``; ``steps[..., S, D/group_size]`` are the quantiser steps of contiguous channel groups;
+    ``channel_mask[D]`` (1 = quantised, 0 = bypassed/exact) removes bypassed channels from ``‖q_g‖``.
+    Premise: per-channel residuals independent, uniform on ``[−s/2, s/2]`` and independent of ``q``
+    (non-adaptive query); then ``E e^{λε_t} ≤ exp(λ²σ²_t/2)`` [Lean ``sinh_le_mul_exp_sq_div_six``].
+    """
+    sc = _check_scale(scale)
+    if not torch.isfinite(q).all():
+        raise ValueError("q contains non-finite entries")
+    s = check_nonneg_finite(steps, "steps")
+    d = q.shape[-1]
+    if group_size < 1 or d % group_size:
+        raise ValueError(f"group_size={group_size} must divide the head dimension D={d}")
+    if s.dim() < 2 or s.shape[-1] != d // group_size:
+        raise ValueError(f"steps must have shape [..., S, {d // group_size}], got {tuple(s.shape)}")
+    q2 = q.to(torch.float64).square()
+    if channel_mask is not None:
+        if channel_mask.shape != (d,):
+            raise ValueError(f"channel_mask must have shape ({d},), got {tuple(channel_mask.shape)}")
+        if not bool(((channel_mask == 0) | (channel_mask == 1)).all()):
+            raise ValueError("channel_mask entries must be 0 (bypassed) or 1 (quantised)")
+        q2 = q2 * channel_mask.to(torch.float64)
+    qg2 = q2.unflatten(-1, (d // group_size, group_size)).sum(-1)
+    return torch.matmul(s.square(), qg2.unsqueeze(-1)).squeeze(-1) * (sc * sc / 12.0)
+
+
+def tier_b_radius(sigma2: torch.Tensor, n_tokens: int, delta_loc: float) -> torch.Tensor:
+    """Union radius ``u_t = sqrt(2σ²_t ln(2S/δ_loc))``: all ``S = n_tokens`` tokens obey ``|ε_t| ≤ u_t``
+    with probability ≥ 1−δ_loc.
+
+    The factor 2 in the logarithm pays for the two-sided tail ``P(|ε_t| > u) ≤ 2e^{−u²/(2σ²_t)}``.
+    """
+    s2 = check_nonneg_finite(sigma2, "sigma2")
+    if n_tokens < 1:
+        raise ValueError(f"n_tokens must be >= 1, got {n_tokens}")
+    if not (0.0 < delta_loc <= 1.0):
+        raise ValueError(f"delta_loc must lie in (0, 1], got {delta_loc}")
+    return torch.sqrt(2.0 * s2 * math.log(2.0 * n_tokens / delta_loc))

@@ -1,0 +1,78 @@
+"""Gate policies: which (KV head, step) reads are repaired from the exact host tier.
+
+* ``Gate.off()`` — never repair; certificates are still computed and reported.
+* ``Gate.certified(tau)`` — repair every KV head whose certificate exceeds ``tau`` for **any** of its
+  G query heads (KV-head any-of-G); unrepaired reads then carry a true certificate ``<= tau``.
+  ``tau = 0`` repairs every read whose radius is not identically zero.
+* ``Gate.risk_ranked(tau_gate)`` — for saturated schemes: rank by the *unclipped* meter and repair the
+  KV heads whose unclipped value exceeds ``tau_gate`` (values above 1 carry no certificate semantics
+  but still rank risk). Reads left unrepaired carry only their (possibly vacuous) clipped certificate.
+
+``granularity`` is ``"head"`` (page in the whole KV head) or ``"block"`` (page in the blocks with the
+largest contributions ``Σ_{t∈b} p̃_t(e^{c_t} − 1)`` until the cell is back under the threshold).
+``persistent=True`` writes repaired blocks back exact, so their radius is 0 from then on.
+``value_tol`` promotes values to exact for a KV head whose output-error value term dominates its key
+term and exceeds ``value_tol``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Mode = Literal["off", "certified", "risk_ranked"]
+Granularity = Literal["head", "block"]
+
+
+@dataclass(frozen=True)
+class Gate:
+    """A repair policy; construct with :meth:`off`, :meth:`certified` or :meth:`risk_ranked`."""
+
+    mode: Mode = "off"
+    threshold: float = float("inf")
+    granularity: Granularity = "head"
+    block_size: int = 64
+    persistent: bool = False
+    value_tol: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("off", "certified", "risk_ranked"):
+            raise ValueError(f"gate mode must be off, certified or risk_ranked, got {self.mode!r}")
+        if not self.threshold >= 0:
+            raise ValueError(f"gate threshold must be >= 0, got {self.threshold}")
+        if self.granularity not in ("head", "block"):
+            raise ValueError(f"granularity must be 'head' or 'block', got {self.granularity!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.value_tol is not None and not self.value_tol >= 0:
+            raise ValueError(f"value_tol must be >= 0, got {self.value_tol}")
+
+    @classmethod
+    def off(cls) -> Gate:
+        """Never repair (observe only)."""
+        return cls("off")
+
+    @classmethod
+    def certified(cls, tau: float = 0.2, *, granularity: Granularity = "head", block_size: int = 64,
+                  persistent: bool = False, value_tol: float | None = None) -> Gate:
+        """Repair every KV head whose clipped certificate exceeds ``tau`` for any of its query heads."""
+        return cls("certified", tau, granularity, block_size, persistent, value_tol)
+
+    @classmethod
+    def risk_ranked(cls, tau_gate: float = 5.0, *, granularity: Granularity = "head", block_size: int = 64,
+                    persistent: bool = False, value_tol: float | None = None) -> Gate:
+        """Repair every KV head whose *unclipped* meter exceeds ``tau_gate`` (saturated schemes)."""
+        return cls("risk_ranked", tau_gate, granularity, block_size, persistent, value_tol)
+
+    @property
+    def uses_unclipped(self) -> bool:
+        """Risk-ranked gating compares the unclipped meter; certified gating the clipped certificate."""
+        return self.mode == "risk_ranked"
+
+    def describe(self) -> str:
+        """A short human-readable label, e.g. ``certified(tau=0.2, head)``."""
+        if self.mode == "off":
+            return "off"
+        name = "tau" if self.mode == "certified" else "tau_gate"
+        extra = ", persistent" if self.persistent else ""
+        return f"{self.mode}({name}={self.threshold:g}, {self.granularity}{extra})"

@@ -1,0 +1,266 @@
+"""Tiered storage for one attention layer: compressed device tier, exact host tier, write-time witnesses.
+
+Layout per layer (``B`` batch rows, ``H`` KV heads, ``S`` tokens, ``D`` head dim):
+
+* **device tier** — the codec's packed chunks (real code and scale tensors; bytes are measured from
+  them) plus entries kept exact (fp16-equivalent bytes counted): tokens still *pending* (written in the
+  current forward, or waiting for a KIVI token block / residual window), non-finite entries,
+  unattributable writes and persistently repaired entries;
+* **host tier** — the exact originals, pinned when CUDA is present; repair pages in from here;
+* **witnesses** (small, device side) — per token the key-residual band norms ``ρ_{t,b}`` over whole
+  RoPE pairs (rounded up to float32), the served key norm ``‖k̂_t‖`` (for the floating-point slack),
+  the value residual norm ``‖Δv_t‖`` and, for the dithered codec, the per-group steps (Tier B);
+* **decode scratch** — the dequantized keys/values the read path attends over. A fused kernel would
+  dequantize in registers; this CPU reference keeps the decoded copy and reports it separately.
+
+Write protocol: new tokens are appended exact and *pending*; they are encoded at the start of the next
+write (so the forward that produced them attends to them exactly, as in-flight K/V). The witness is
+computed at encode time from the exact original, which makes it valid for every later read (the
+stored codes are immutable: cache-preserving contract, ``certificates.md`` §4.6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcert.bounds.rope import Pairing, band_norms, round_up_f32
+from kvcert.cache.buffer import GrowBuffer
+from kvcert.quant import Codec, DitherKey, Packed
+
+
+@dataclass
+class _Chunk:
+    """One encoded run of tokens ``[start, stop)`` (absolute slot indices) of one tensor (K or V)."""
+
+    start: int
+    stop: int
+    packed: Packed
+
+
+class _Tensorstore:
+    """Device + host storage of one of K or V for one layer."""
+
+    def __init__(self, codec: Codec, like: torch.Tensor, pin: bool) -> None:
+        self.codec = codec
+        self.host = GrowBuffer(like, pin=pin)
+        self.served = GrowBuffer(like.to(torch.float32))
+        b, h = like.shape[:2]
+        self.exact = GrowBuffer(torch.zeros(b, h, 1, dtype=torch.bool, device=like.device))
+        self.chunks: list[_Chunk] = []
+        self.n_encoded = 0          # tokens [0, n_encoded) went through the codec (relative to live window)
+        self.last_encoded = 0       # tokens encoded by the most recent encode_pending call
+
+    def encodable(self) -> int:
+        """How many pending tokens can be encoded now (whole ``block`` multiples outside the residual window)."""
+        avail = self.host.n - self.codec.residual_window - self.n_encoded
+        return max(avail // self.codec.block, 0) * self.codec.block
+
+    def packed_nbytes(self) -> int:
+        return sum(c.packed.nbytes for c in self.chunks)
+
+    def exact_nbytes(self, head_dim: int) -> int:
+        return int(self.exact.view().sum()) * head_dim * 2
+
+
+class LayerStore:
+    """All tiers of one layer; see the module docstring for the layout and the write protocol."""
+
+    def __init__(self, layer: int, key_codec: Codec, value_codec: Codec, *, bands: int, pairing: Pairing,
+                 seed: int) -> None:
+        self.layer = layer
+        self.key_codec = key_codec
+        self.value_codec = value_codec
+        self.bands = bands
+        self.pairing = pairing
+        self.seed = seed
+        self.k: _Tensorstore | None = None
+        self.v: _Tensorstore | None = None
+        self.base = 0                 # absolute slot index of live token 0 (after sliding-window trims)
+        self.nonfinite = 0            # entries kept exact because K or V had NaN/inf
+        self.fail_closed = 0          # entries kept exact because their row had no request identity
+
+    # ----------------------------------------------------------------------------------------- write
+    def _init(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        pin = torch.cuda.is_available()
+        self.k = _Tensorstore(self.key_codec, k[:, :, :0].to("cpu") if pin else k[:, :, :0], pin)
+        self.v = _Tensorstore(self.value_codec, v[:, :, :0].to("cpu") if pin else v[:, :, :0], pin)
+        b, h, _, d = k.shape
+        z = k.new_zeros((b, h, 0), dtype=torch.float32)
+        self.k_band = GrowBuffer(k.new_zeros((b, h, 0, self.bands), dtype=torch.float32))
+        self.k_hat_norm = GrowBuffer(z)
+        self.v_res = GrowBuffer(z)
+        self.k_steps: GrowBuffer | None = None
+        self.rows = torch.full((b,), -1, dtype=torch.int64)
+
+    @property
+    def n(self) -> int:
+        """Number of live (physical) tokens."""
+        return 0 if self.k is None else self.k.host.n
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, keep_exact_rows: torch.Tensor) -> None:
+        """Encode the previous pending tokens, then append ``k, v[B, H, T, D]`` as pending (exact).
+
+        ``rows[b]`` is the request UID of row ``b`` (used to key the dither); ``keep_exact_rows[b]`` marks
+        rows whose entries must never be compressed (fail-closed identity).
+        """
+        if self.k is None:
+            self._init(k, v)
+        assert self.k is not None and self.v is not None
+        self.rows = rows
+        self._keep_exact_rows = keep_exact_rows
+        self.encode_pending()
+        t = k.shape[2]
+        b, h = k.shape[:2]
+        for ts, x in ((self.k, k), (self.v, v)):
+            ts.host.append(x.to(ts.host.dtype).to(ts.host.view().device))
+            ts.served.append(x.to(torch.float32))
+            ts.exact.append(torch.ones(b, h, t, dtype=torch.bool, device=x.device))
+        self.k_band.append(k.new_zeros((b, h, t, self.bands), dtype=torch.float32))
+        self.k_hat_norm.append(round_up_f32(k.to(torch.float64).norm(dim=-1)))
+        self.v_res.append(k.new_zeros((b, h, t), dtype=torch.float32))
+        if self.k_steps is not None:
+            self.k_steps.append(k.new_zeros((b, h, t, self.k_steps.view().shape[-1]), dtype=torch.float32))
+
+    def encode_pending(self) -> None:
+        """Push every encodable pending token through its codec and record the write-time witnesses."""
+        assert self.k is not None and self.v is not None
+        for is_key, ts in ((True, self.k), (False, self.v)):
+            n = ts.encodable()
+            ts.last_encoded = n
+            if n == 0:
+                continue
+            lo, hi = ts.n_encoded, ts.n_encoded + n
+            x = ts.host.view()[:, :, lo:hi].to(torch.float32)
+            finite = torch.isfinite(x).all(dim=-1)                       # [B, H, n]
+            other = (self.v if is_key else self.k).host.view()[:, :, lo:hi]
+            finite &= torch.isfinite(other).all(dim=-1)                  # keep K and V of a bad token exact
+            keep = (~finite) | self._keep_exact_rows.view(-1, 1, 1).to(finite.device)
+            xin = torch.where(finite.unsqueeze(-1), x, torch.zeros_like(x))
+            key = None
+            if ts.codec.needs_key:
+                positions = torch.arange(self.base + lo, self.base + hi, dtype=torch.int64).expand(x.shape[0], -1)
+                key = DitherKey(self.seed, self.rows.to(torch.int64), self.layer, positions)
+            packed = ts.codec.encode(xin, key=key)
+            xhat = ts.codec.decode(packed, key=key).to(torch.float32)
+            xhat = torch.where(keep.unsqueeze(-1), x, xhat)
+            ts.chunks.append(_Chunk(self.base + lo, self.base + hi, packed))
+            ts.served.view()[:, :, lo:hi] = xhat
+            ts.exact.view()[:, :, lo:hi] = keep
+            resid = torch.where(keep.unsqueeze(-1), 0.0, xhat.to(torch.float64) - x.to(torch.float64))
+            if is_key:
+                self.nonfinite += int((~finite).sum())
+                self.fail_closed += int((finite & keep).sum())
+                self.k_band.view()[:, :, lo:hi] = round_up_f32(band_norms(resid, self.bands, self.pairing))
+                self.k_hat_norm.view()[:, :, lo:hi] = round_up_f32(
+                    torch.where(keep.unsqueeze(-1), 0.0, xhat.to(torch.float64)).norm(dim=-1))
+                steps = ts.codec.steps(packed)
+                if steps is not None:
+                    steps = torch.where(keep.unsqueeze(-1), torch.zeros_like(steps), steps.to(torch.float32))
+                    if self.k_steps is None:
+                        self.k_steps = GrowBuffer(steps[:, :, :0])
+                        self.k_steps.append(torch.zeros(*steps.shape[:2], ts.host.n, steps.shape[-1]))
+                    self.k_steps.view()[:, :, lo:hi] = steps
+            else:
+                self.v_res.view()[:, :, lo:hi] = round_up_f32(resid.norm(dim=-1))
+            ts.n_encoded = hi
+
+    # ------------------------------------------------------------------------------------ maintenance
+    def make_exact(self, b: int, h: int, lo: int, hi: int) -> int:
+        """Persistent repair: serve tokens ``[lo, hi)`` of (row b, KV head h) exact from now on.
+
+        Returns the bytes written back. The witness becomes 0 (radius 0) for those entries.
+        """
+        assert self.k is not None and self.v is not None
+        moved = 0
+        for ts in (self.k, self.v):
+            ts.served.view()[b, h, lo:hi] = ts.host.view()[b, h, lo:hi].to(torch.float32)
+            newly = ~ts.exact.view()[b, h, lo:hi]
+            moved += int(newly.sum()) * ts.host.view().shape[-1] * 2
+            ts.exact.view()[b, h, lo:hi] = True
+        self.k_band.view()[b, h, lo:hi] = 0.0
+        self.v_res.view()[b, h, lo:hi] = 0.0
+        self.k_hat_norm.view()[b, h, lo:hi] = round_up_f32(
+            self.k.served.view()[b, h, lo:hi].to(torch.float64).norm(dim=-1))
+        if self.k_steps is not None:
+            self.k_steps.view()[b, h, lo:hi] = 0.0
+        return moved
+
+    def drop_before(self, start: int) -> None:
+        """Discard live tokens ``[0, start)`` (sliding-window layers). Packed chunks wholly before are freed."""
+        if start <= 0 or self.k is None:
+            return
+        assert self.v is not None
+        for ts in (self.k, self.v):
+            for buf in (ts.host, ts.served, ts.exact):
+                buf.drop_before(start)
+            ts.n_encoded = max(ts.n_encoded - start, 0)
+            ts.chunks = [c for c in ts.chunks if c.stop > self.base + start]
+        for buf in (self.k_band, self.k_hat_norm, self.v_res):
+            buf.drop_before(start)
+        if self.k_steps is not None:
+            self.k_steps.drop_before(start)
+        self.base += start
+
+    def gather(self, keep: torch.Tensor) -> None:
+        """Eviction: keep only physical tokens ``keep[B, H, C]`` (sorted). Requires per-token codecs."""
+        assert self.k is not None and self.v is not None
+        for ts in (self.k, self.v):
+            if ts.codec.block != 1:
+                raise ValueError(f"eviction needs a per-token codec; {ts.codec.name!r} encodes token blocks")
+            self.encode_pending()
+            ts.chunks = [_Chunk(0, keep.shape[-1], _gather_packed(ts.chunks, keep))] if ts.chunks else []
+            for buf in (ts.host, ts.served, ts.exact):
+                buf.gather(keep)
+            ts.n_encoded = min(ts.n_encoded, keep.shape[-1])
+        for buf in (self.k_band, self.k_hat_norm, self.v_res):
+            buf.gather(keep)
+        if self.k_steps is not None:
+            self.k_steps.gather(keep)
+
+    # ---------------------------------------------------------------------------------------- bytes
+    def bytes_stored(self) -> int:
+        """Device-tier bytes measured from the stored tensors: packed chunks + exact entries (fp16)."""
+        if self.k is None:
+            return 0
+        assert self.v is not None
+        d = self.k.host.view().shape[-1]
+        dv = self.v.host.view().shape[-1]
+        return (self.k.packed_nbytes() + self.v.packed_nbytes() + self.k.exact_nbytes(d)
+                + self.v.exact_nbytes(dv))
+
+    def bytes_fp16(self) -> int:
+        """What an fp16 cache would hold for the same live tokens."""
+        if self.k is None:
+            return 0
+        assert self.v is not None
+        return (self.k.host.view().numel() + self.v.host.view().numel()) * 2
+
+    def bytes_witness(self) -> int:
+        """Write-time witness bytes (band norms, norms, Tier-B steps)."""
+        if self.k is None:
+            return 0
+        total = self.k_band.nbytes + self.k_hat_norm.nbytes + self.v_res.nbytes
+        return total + (self.k_steps.nbytes if self.k_steps is not None else 0)
+
+    def bytes_host(self) -> int:
+        """Host-tier bytes (exact originals)."""
+        if self.k is None:
+            return 0
+        assert self.v is not None
+        return self.k.host.nbytes + self.v.host.nbytes
+
+
+def _gather_packed(chunks: list[_Chunk], keep: torch.Tensor) -> Packed:
+    """Concatenate per-token packed chunks along the token axis and keep tokens ``keep[B, H, C]``."""
+    first = chunks[0].packed
+    tensors: dict[str, torch.Tensor] = {}
+    for name in first.tensors:
+        cat = torch.cat([c.packed.tensors[name] for c in chunks], dim=2)
+        if cat.shape[2] < keep.max().item() + 1:
+            raise ValueError("eviction index beyond encoded tokens")
+        idx = keep.reshape(*keep.shape, *([1] * (cat.dim() - 3))).expand(*keep.shape, *cat.shape[3:])
+        tensors[name] = torch.gather(cat, 2, idx)
+    shape = (*first.shape[:2], keep.shape[-1], *first.shape[3:])
+    return Packed(first.codec, shape, tensors)

@@ -1,0 +1,179 @@
+"""Per-cell telemetry of a certified cache: certificates, coverage, fallback, bytes, violations.
+
+A *cell* is (forward step, layer, batch row, query head). Only reads that touched at least one compressed
+entry are recorded: a read over exact entries only has nothing to certify. Within one forward call with
+several queries (chunked prefill), the recorded value is the worst (max) over its queries.
+
+Tiers: ``certificates`` / ``served`` are **certified** (Tier A, adaptive-safe); ``tier_b`` is **partially
+certified** (sound only for queries independent of the dither, i.e. non-adaptive); ``true_tv`` and
+``true_out_err`` are **measured** in validate mode against the exact host tier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+TIERS: dict[str, str] = {
+    "certificates": "certified",
+    "raw": "certified (unclipped meter; values >= 1 only rank risk)",
+    "served": "certified",
+    "tanh": "certified",
+    "out_bound": "certified",
+    "tier_b": "partially certified (non-adaptive queries only)",
+    "true_tv": "measured (validate mode)",
+    "true_out_err": "measured (validate mode)",
+}
+
+
+@dataclass
+class StepRecord:
+    """What one layer's read produced in one forward call (all ``[B, Hq]`` except head tensors ``[B, Hkv]``)."""
+
+    step: int
+    layer: int
+    cert: torch.Tensor
+    raw: torch.Tensor
+    served: torch.Tensor
+    tanh: torch.Tensor
+    out_bound: torch.Tensor
+    tier_b: torch.Tensor | None
+    repaired: torch.Tensor
+    blocks: torch.Tensor
+    true_tv: torch.Tensor | None
+    true_out_err: torch.Tensor | None
+    queries: int
+    violations: int = 0
+    out_violations: int = 0
+
+
+@dataclass
+class Telemetry:
+    """Snapshot of a cache's telemetry; tensors are ``[steps, layers, B, Hq]`` (NaN where not recorded)."""
+
+    certificates: torch.Tensor
+    raw: torch.Tensor
+    served: torch.Tensor
+    tanh: torch.Tensor
+    out_bound: torch.Tensor
+    tier_b: torch.Tensor | None
+    true_tv: torch.Tensor | None
+    true_out_err: torch.Tensor | None
+    repaired: torch.Tensor            # [steps, layers, B, Hkv] bool (head repair or any block paged)
+    group_size: int
+    violations: int                   # validate: cells with true TV > certificate
+    out_violations: int               # validate: cells with true output error > output bound
+    bytes_stored: int
+    bytes_fp16: int
+    bytes_paged: int
+    bytes_host: int
+    bytes_witness: int
+    head_dim: int
+    nonfinite: int
+    fail_closed: int
+    tier_b_delta: float | None
+    gate: str
+    tiers: dict[str, str] = field(default_factory=lambda: dict(TIERS))
+
+    @property
+    def recorded(self) -> torch.Tensor:
+        """Boolean mask of recorded cells ``[steps, layers, B, Hq]``."""
+        return ~torch.isnan(self.certificates)
+
+    @property
+    def cells(self) -> int:
+        """Number of recorded (step, layer, row, query head) cells."""
+        return int(self.recorded.sum())
+
+    def coverage(self, tau: float = 0.2, per: Literal["q_head", "kv_head"] = "q_head",
+                 which: Literal["certificates", "tier_b", "tanh"] = "certificates") -> float:
+        """Fraction of cells with certificate ``<= tau``.
+
+        ``per="kv_head"`` uses KV-head any-of-G: a KV-head cell counts only if all G query heads are certified.
+        """
+        if per not in ("q_head", "kv_head"):
+            raise ValueError(f"per must be 'q_head' or 'kv_head', got {per!r}")
+        vals = {"certificates": self.certificates, "tier_b": self.tier_b, "tanh": self.tanh}[which]
+        if vals is None:
+            raise ValueError(f"no {which} recorded (Tier B needs a dithered key codec)")
+        rec = self.recorded
+        if not rec.any():
+            return float("nan")
+        if per == "q_head":
+            return float((vals[rec] <= tau).double().mean())
+        s, l_, b, hq = vals.shape
+        grouped = vals.reshape(s, l_, b, hq // self.group_size, self.group_size)
+        rec_kv = rec.reshape(s, l_, b, hq // self.group_size, self.group_size).all(-1)
+        ok = (grouped <= tau).all(-1)
+        return float(ok[rec_kv].double().mean())
+
+    @property
+    def informative_fraction(self) -> float:
+        """Fraction of cells whose raw (unclipped) meter is < 1."""
+        rec = self.recorded
+        return float((self.raw[rec] < 1).double().mean()) if rec.any() else float("nan")
+
+    @property
+    def fallback_rate(self) -> float:
+        """Fraction of recorded KV-head reads that paged anything in from the host tier."""
+        rec = self.recorded
+        s, l_, b, hq = rec.shape
+        rec_kv = rec.reshape(s, l_, b, hq // self.group_size, self.group_size).any(-1)
+        return float(self.repaired[rec_kv].double().mean()) if rec_kv.any() else float("nan")
+
+    @property
+    def effective_bits(self) -> float:
+        """Stored bits per K/V element after gating: ``b_eff = (1 − f_fb)·b_stored + 16·f_fb``."""
+        if self.bytes_fp16 == 0:
+            return float("nan")
+        b_stored = 16.0 * self.bytes_stored / self.bytes_fp16
+        f = self.fallback_rate
+        f = 0.0 if f != f else f
+        return (1 - f) * b_stored + 16.0 * f
+
+    @property
+    def max_certificate(self) -> float:
+        """Worst recorded certificate."""
+        rec = self.recorded
+        return float(self.certificates[rec].max()) if rec.any() else float("nan")
+
+    def summary(self) -> dict[str, float | int | str | None]:
+        """Flat dictionary of headline numbers, each key suffixed by nothing; tiers are in ``self.tiers``."""
+        out: dict[str, float | int | str | None] = {
+            "cells": self.cells,
+            "coverage_q@0.2": self.coverage(0.2, "q_head"),
+            "coverage_kv@0.2": self.coverage(0.2, "kv_head"),
+            "informative_fraction": self.informative_fraction,
+            "max_certificate": self.max_certificate,
+            "fallback_rate": self.fallback_rate,
+            "violations": self.violations if self.true_tv is not None else None,
+            "out_violations": self.out_violations if self.true_out_err is not None else None,
+            "bytes_stored": self.bytes_stored,
+            "bytes_fp16": self.bytes_fp16,
+            "bytes_paged": self.bytes_paged,
+            "effective_bits": self.effective_bits,
+            "nonfinite": self.nonfinite,
+            "fail_closed": self.fail_closed,
+            "gate": self.gate,
+        }
+        if self.tier_b is not None:
+            out["coverage_tier_b_kv@0.2"] = self.coverage(0.2, "kv_head", which="tier_b")
+        return out
+
+
+def stack_records(records: list[StepRecord], layers: int, steps: int, attr: str) -> torch.Tensor | None:
+    """Assemble ``[steps, layers, B, H]`` from per-(step, layer) records (NaN / False where absent)."""
+    have = [r for r in records if getattr(r, attr) is not None]
+    if not have:
+        return None
+    sample = getattr(have[0], attr)
+    fill = False if sample.dtype == torch.bool else float("nan")
+    dtype = torch.bool if sample.dtype == torch.bool else torch.float64
+    out = torch.full((steps, layers, *sample.shape), fill, dtype=dtype)
+    for r in have:
+        val = getattr(r, attr)
+        if val.shape == sample.shape:
+            out[r.step, r.layer] = val.to(dtype)
+    return out

@@ -1,0 +1,1 @@
+"""The ``kvcert`` command line (typer); ``kvcert.cli.main:main`` is the console entry point."""

@@ -1,0 +1,99 @@
+"""Branch several KV schemes from one shared exact prefill and decode each greedily.
+
+The prefill is computed once with an exact ``DynamicCache``; every scheme's cache then ingests those
+exact K/V (as a serving engine would write them after prefill) and decodes greedily through its own
+compressed cache. This makes a scheme-by-scheme comparison paired on identical prompts and cheap on a
+CPU: the prefill dominates the cost of a long-context sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from kvcert.cache.gate import Gate
+from kvcert.cache.telemetry import Telemetry
+from kvcert.integrations.transformers import CertifiedCache
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A KV configuration to evaluate: ``keys=None`` means the uncompressed dense baseline."""
+
+    name: str
+    keys: str | None = None
+    values: str | None = None
+    gate: Gate = field(default_factory=Gate.off)
+    validate: bool = False
+    key_options: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def is_dense(self) -> bool:
+        """True for the uncompressed baseline."""
+        return self.keys is None
+
+
+@dataclass
+class BranchResult:
+    """Greedy continuation of one scheme and, for kvcert schemes, its telemetry."""
+
+    scheme: Scheme
+    tokens: list[int]
+    telemetry: Telemetry | None
+
+
+def _copy_cache(model: torch.nn.Module, src: DynamicCache) -> DynamicCache:
+    out = DynamicCache(config=model.config)
+    for i, layer in enumerate(src.layers):
+        out.update(layer.keys.clone(), layer.values.clone(), i)
+    for dst, s in zip(out.layers, src.layers, strict=True):
+        if hasattr(s, "cumulative_length"):
+            dst.cumulative_length = s.cumulative_length
+    return out
+
+
+def greedy_from(model: torch.nn.Module, first: torch.Tensor, cache: object, max_new_tokens: int,
+                eos_ids: Sequence[int]) -> list[int]:
+    """Greedy decode starting from token ``first[1, 1]`` through ``cache`` until EOS or the token budget."""
+    toks: list[int] = []
+    nxt = first
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            t = int(nxt.item())
+            if t in eos_ids:
+                break
+            toks.append(t)
+            if len(toks) == max_new_tokens:
+                break
+            out = model(nxt, past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+    return toks
+
+
+def run_branches(model: torch.nn.Module, input_ids: torch.Tensor, schemes: Sequence[Scheme],
+                 max_new_tokens: int, eos_ids: Sequence[int], seed: int = 0) -> list[BranchResult]:
+    """Prefill ``input_ids[1, T]`` once (exact), then decode each scheme from that prefill."""
+    if input_ids.shape[0] != 1:
+        raise ValueError("run_branches takes one prompt at a time (batch 1)")
+    with torch.no_grad():
+        pre = DynamicCache(config=model.config)
+        out = model(input_ids, past_key_values=pre, use_cache=True)
+    first = out.logits[:, -1:].argmax(-1)
+    results = []
+    for scheme in schemes:
+        if scheme.is_dense:
+            toks = greedy_from(model, first, _copy_cache(model, pre), max_new_tokens, eos_ids)
+            results.append(BranchResult(scheme, toks, None))
+            continue
+        cache = CertifiedCache(model, keys=scheme.keys, values=scheme.values or scheme.keys, gate=scheme.gate,
+                               validate=scheme.validate, seed=seed, key_options=dict(scheme.key_options))
+        try:
+            cache.ingest(pre)
+            toks = greedy_from(model, first, cache, max_new_tokens, eos_ids)
+        finally:
+            cache.detach()
+        results.append(BranchResult(scheme, toks, cache.telemetry()))
+    return results

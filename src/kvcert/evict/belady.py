@@ -1,0 +1,105 @@
+"""Clairvoyant references over a recorded trace (spec §11.6): the Belady policy and the served-mass ceiling.
+
+A *use* of item ``p`` at step ``s`` is ``κ_s · a_{s,p} >= threshold`` (attention by a correct prediction).
+
+- ``Belady(variant="next_use")``: classic MIN, evict the items whose next use is farthest in the future
+  (never used again = farthest). Realisable (kept sets are nested like any policy's) but, because an
+  evicted item can never come back, it is *not* guaranteed optimal here: it is the reference for
+  kept-set overlap, not a ceiling.
+- ``Belady(variant="future_mass")``: keep the top-C items by total future κ-weighted attention
+  ``Σ_{s > now} κ_s a_{s,p}``.
+- ``served_mass_ceiling``: the relaxed clairvoyant optimum of the served correct mass. At step ``s`` the
+  read sees the new item ``s`` plus at most ``C`` earlier items, so for *every* policy with budget ``C``
+
+      κ_s · Σ_{p present at s} a_{s,p}  <=  κ_s · (a_{s,s} + top-C sum of {a_{s,p} : p < s})
+
+  (the top-C sum of non-negative numbers maximises any ≤C-subset sum). This is the Belady value used for
+  the H2O -> Belady gap.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from kvcert.evict.base import F64, EvictionPolicy, LayerState
+
+BeladyVariant = Literal["next_use", "future_mass"]
+
+
+def _check_trace(attn: Tensor, kappa: Tensor) -> None:
+    if attn.dim() != 4 or attn.shape[0] != attn.shape[-1]:
+        raise ValueError(
+            f"attn must be [T, L, Hkv, T] (row s = query at position s), got {tuple(attn.shape)}"
+        )
+    if kappa.shape != attn.shape[:1]:
+        raise ValueError(f"kappa must be [T] = [{attn.shape[0]}], got {tuple(kappa.shape)}")
+
+
+class Belady(EvictionPolicy):
+    """Offline oracle over a recorded trace ``attn[T, L, Hkv, T]`` (full attention, row ``s`` over
+    positions ``<= s``) and ``kappa[T]``; batch size 1. Scores item ``p`` after step ``now`` by
+    ``−(next use step)`` or by its future κ-weighted attention; nothing is protected.
+    """
+
+    needs_attention = False
+
+    def __init__(
+        self, attn: Tensor, kappa: Tensor, variant: BeladyVariant = "next_use", threshold: float = 0.01
+    ) -> None:
+        _check_trace(attn, kappa)
+        if variant not in ("next_use", "future_mass"):
+            raise ValueError(f"variant must be 'next_use' or 'future_mass', got {variant!r}")
+        if not threshold > 0:
+            raise ValueError(f"threshold must be positive, got {threshold}")
+        super().__init__(sinks=0, recent=0)
+        self.variant, self.threshold = variant, threshold
+        weighted = kappa.to(F64)[:, None, None, None] * attn.to(F64)
+        steps = weighted.shape[0]
+        if variant == "future_mass":
+            suffix = weighted.flip(0).cumsum(0).flip(0)  # Σ_{s >= t}
+            self._table = torch.cat([suffix[1:], torch.zeros_like(suffix[:1])])  # Σ_{s > t}
+        else:
+            uses = weighted >= threshold
+            table = torch.empty_like(weighted)
+            nxt = torch.full(weighted.shape[1:], float(steps), dtype=F64)  # "never" = T (farthest)
+            for t in range(steps - 1, -1, -1):
+                table[t] = -nxt
+                nxt = torch.where(uses[t], torch.tensor(float(t), dtype=F64), nxt)
+            self._table = table
+
+    def _lookup(self, layer: int, positions: Tensor, now: Tensor) -> Tensor:
+        if positions.shape[0] != 1:
+            raise ValueError("Belady replays a recorded trace of batch size 1")
+        t = int(now[0])
+        if t >= self._table.shape[0] or int(positions.max()) >= self._table.shape[-1]:
+            raise ValueError(
+                f"step {t} or a position lies beyond the recorded trace of {self._table.shape[0]} steps"
+            )
+        return self._table[t, layer].gather(-1, positions[0])[None]
+
+    def _scores(self, layer: int, state: LayerState) -> Tensor:
+        return self._lookup(layer, state.positions, state.now)
+
+    def _prefill_scores(
+        self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None
+    ) -> Tensor:
+        return self._lookup(layer, positions, torch.full((1,), positions.shape[-1] - 1))
+
+
+def served_mass_ceiling(attn: Tensor, kappa: Tensor, budget: int) -> Tensor:
+    """Per-(step, layer, head) upper bound ``[T, L, Hkv]`` on any budget-``C`` policy's served correct mass
+    ``κ_s Σ_{p present at s} a_{s,p}`` (module doc); float64.
+    """
+    _check_trace(attn, kappa)
+    if budget <= 0:
+        raise ValueError(f"budget must be positive, got {budget}")
+    a = attn.to(F64)
+    steps = a.shape[0]
+    idx = torch.arange(steps)
+    earlier = (idx[None, :] < idx[:, None]).to(F64)[:, None, None, :]  # [s, 1, 1, p]: p < s
+    diag = a[idx, :, :, idx]  # [T, L, Hkv]
+    top = (a * earlier).sort(dim=-1, descending=True).values[..., :budget].sum(-1)
+    return kappa.to(F64)[:, None, None] * (diag + top)

@@ -1,0 +1,69 @@
+"""RMM(C, H): fixed-lag eviction on demonstrated utility (spec §11.2–11.5, a reconstruction).
+
+    DU_i(t) = Σ_{s = i..t} κ_s · a_{s,i}     (attention from predictions that turned out correct)
+
+Every item is *pending* for ``H`` steps (logical position ``> now − H``) and cannot be evicted; among
+committed items (age ``>= H``) the lowest ``DU`` goes first. ``κ_s`` arrives after step ``s``'s logits
+(``set_kappa``); until then the step's attention rows are buffered and do not count. With ``κ ≡ 1`` and
+``H = r``, ``DU`` is H2O's accumulated attention (added row by row in the same order, hence bit-identical)
+and the pending set is H2O's recent window, so the kept sets equal ``H2O(recent=r)`` exactly (§11.4).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvcert.evict.base import EvictionPolicy, LayerState, accumulate_rows
+from kvcert.evict.kappa import KAPPA_KINDS, KappaKind
+
+
+class RMM(EvictionPolicy):
+    """``RMM(lag, kappa, sinks)``: commit lag ``H = lag``; ``kappa`` names the correctness weight the driver
+    feeds through ``set_kappa`` (see ``kvcert.evict.kappa``); ``sinks`` first positions always kept.
+
+    Prefill variant (§11.5, "all later queries"): score_i = Σ_{s >= i} κ_s a_{s,i} over the prefill
+    queries, last ``lag`` positions protected; ``kappa[B, S]`` is required unless ``kappa="uniform"``.
+    """
+
+    def __init__(self, lag: int, kappa: KappaKind = "realised", sinks: int = 0) -> None:
+        if kappa not in KAPPA_KINDS:
+            raise ValueError(f"kappa must be one of {KAPPA_KINDS}, got {kappa!r}")
+        super().__init__(sinks=sinks, recent=lag)
+        self.lag = lag
+        self.kappa_kind = kappa
+
+    def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: Tensor) -> None:
+        state.rows.append(attn)
+        state.row_positions.append(qpos)
+
+    def set_kappa(self, step_positions: Tensor, kappa: Tensor) -> None:
+        """Apply ``κ[B, q]`` to the oldest buffered query group of every layer (FIFO).
+
+        ``ValueError`` (and no state change) if a layer has no buffered group or the group's query
+        positions differ from ``step_positions``.
+        """
+        super().set_kappa(step_positions, kappa)
+        for layer, state in self._layers.items():
+            if not state.row_positions or not torch.equal(state.row_positions[0], step_positions.long()):
+                raise ValueError(
+                    f"step_positions do not match the oldest unscored query group of layer {layer}"
+                )
+        for state in self._layers.values():
+            rows = state.rows.pop(0)
+            state.row_positions.pop(0)
+            state.scores = accumulate_rows(state.scores, rows, kappa)
+
+    def _prefill_scores(
+        self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None
+    ) -> Tensor:
+        assert attn is not None
+        if kappa is None:
+            if self.kappa_kind != "uniform":
+                raise ValueError(f"kappa [B, S] is required for RMM prefill with kappa={self.kappa_kind!r}")
+            kappa = torch.ones(attn.shape[0], attn.shape[-1], dtype=attn.dtype)
+        if kappa.shape != (attn.shape[0], attn.shape[-1]):
+            raise ValueError(
+                f"kappa must be [B, S] = {(attn.shape[0], attn.shape[-1])}, got {tuple(kappa.shape)}"
+            )
+        return (attn * kappa[:, None, :, None].to(attn.dtype)).sum(-2)

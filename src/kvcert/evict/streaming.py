@@ -1,0 +1,37 @@
+"""StreamingLLM: attention sinks plus the most recent window (spec §11.6)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from kvcert.evict.base import F64, EvictionPolicy, LayerState
+
+
+class StreamingLLM(EvictionPolicy):
+    """``StreamingLLM(sinks, window)``: keep the ``sinks`` first positions and the newest items.
+
+    Score = logical position (newer is better), sinks protected. With ``window`` set, at most
+    ``sinks + window`` items are kept whatever the budget; with ``window=None`` the window is
+    ``budget − sinks``. Attention is never read.
+    """
+
+    needs_attention = False
+
+    def __init__(self, sinks: int = 4, window: int | None = None) -> None:
+        if window is not None and window <= 0:
+            raise ValueError(f"window must be positive or None, got {window}")
+        super().__init__(sinks=sinks, recent=0)
+        self.window = window
+
+    def select(self, layer: int, budget: int) -> Tensor | None:
+        """As the base, with ``budget`` capped at ``sinks + window`` when ``window`` is set."""
+        cap = budget if self.window is None else min(budget, self.sinks + self.window)
+        return super().select(layer, cap)
+
+    def _scores(self, layer: int, state: LayerState) -> Tensor:
+        return state.positions.to(F64)
+
+    def _prefill_scores(
+        self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None
+    ) -> Tensor:
+        return positions.to(F64)

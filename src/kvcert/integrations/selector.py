@@ -1,0 +1,203 @@
+"""Per-layer q/k/v capture for any transformers attention model, and a top-k selection read path.
+
+``capture_attention(model)`` registers an attention function ``"kvcert_capture"`` (plus a mask function that
+always materialises the boolean visible set) through ``AttentionInterface`` / ``AttentionMaskInterface``,
+switches *this model only* to it, records what every attention call receives — post-RoPE ``query``, ``key``,
+``value``, the real softmax ``scaling`` and the visible mask — and computes the ordinary SDPA output, so the
+model's numbers are unchanged. Leaving the ``with`` block restores the previous implementation.
+
+``topk_attention`` is the sparse read: each query selects the top-``k`` visible keys by the attention scores
+or
+by a separate selector (indexer) score, then attends over the selection only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvcert.bounds.selection import topk_mask
+
+CAPTURE_NAME = "kvcert_capture"
+
+
+@dataclass(frozen=True)
+class CapturedAttention:
+    """One attention call: ``query[B, Hq, T, D]``, ``key``/``value[B, Hkv, S, D]``, ``visible[B, 1|Hq, T,
+    S]`` (bool).
+
+    ``scaling`` is the softmax scale the model used; ``softcap`` its logit soft-cap (``None`` if none).
+    """
+
+    layer: int
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    visible: torch.Tensor
+    scaling: float
+    softcap: float | None
+
+    @property
+    def groups(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.query.shape[1] // self.key.shape[1]
+
+
+def _capture_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """``sdpa_mask`` that always materialises the boolean mask (the meters need the visible set)."""
+    kwargs["allow_is_causal_skip"] = False
+    kwargs["allow_is_bidirectional_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+def _visible(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    t, s = query.shape[-2], key.shape[-2]
+    if mask is None:
+        raise ValueError("attention mask was not materialised; cannot determine the visible set")
+    vis = mask if mask.dtype == torch.bool else torch.isfinite(mask) & (mask == 0)
+    return vis[..., -t:, -s:].expand(query.shape[0], vis.shape[1], t, s)
+
+
+def _capture_attention_fn(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    sink: list[CapturedAttention] | None = getattr(module, "_kvcert_capture_sink", None)
+    if sink is not None:
+        sc = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+        sink.append(
+            CapturedAttention(
+                int(module.layer_idx),
+                query.detach(),
+                key.detach(),
+                value.detach(),
+                _visible(attention_mask, query, key),
+                sc,
+                kwargs.get("softcap"),
+            )
+        )
+    out, _ = sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    )
+    return out, None
+
+
+@contextmanager
+def capture_attention(model: torch.nn.Module) -> Iterator[list[CapturedAttention]]:
+    """Record every attention call of ``model`` inside the block into the yielded list (in call order)."""
+    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no attention modules with layer_idx/scaling to capture")
+    AttentionInterface.register(CAPTURE_NAME, _capture_attention_fn)
+    AttentionMaskInterface.register(CAPTURE_NAME, _capture_mask)
+    previous = model.config._attn_implementation
+    sink: list[CapturedAttention] = []
+    for m in modules:
+        m._kvcert_capture_sink = sink
+    model.set_attn_implementation(CAPTURE_NAME)
+    try:
+        yield sink
+    finally:
+        model.set_attn_implementation(previous)
+        for m in modules:
+            del m._kvcert_capture_sink
+
+
+def expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Repeat KV heads for GQA: ``[B, Hkv, S, D]`` -> ``[B, Hkv·groups, S, D]``."""
+    return x.repeat_interleave(groups, dim=1)
+
+
+def attention_scores(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``scaling·⟨q, k⟩`` in float64, GQA-expanded: ``[B, Hq, T, D] × [B, Hkv, S, D]`` -> ``[B, Hq, T,
+    S]``."""
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"query heads {query.shape[1]} not a multiple of key heads {key.shape[1]}")
+    k = expand_kv(key.to(torch.float64), query.shape[1] // key.shape[1])
+    return scaling * torch.matmul(query.to(torch.float64), k.transpose(-1, -2))
+
+
+@dataclass(frozen=True)
+class SparseRead:
+    """Result of ``topk_attention``: ``output[B, Hq, T, Dv]``, ``selected[B, Hq, T, S]``, ``probs`` over the
+    selection."""
+
+    output: torch.Tensor
+    selected: torch.Tensor
+    probs: torch.Tensor
+
+
+def topk_attention(
+    scores: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor,
+    k: int,
+    selector_scores: torch.Tensor | None = None,
+) -> SparseRead:
+    """Sparse read: select the top-``k`` visible keys per row by ``selector_scores`` (default: ``scores``),
+    then
+    ``output = softmax(scores restricted to the selection) @ value``.
+
+    ``scores[B, Hq, T, S]`` (already scaled), ``value[B, Hkv, S, Dv]``, ``visible`` broadcastable to
+    ``scores``.
+    With ``k ≥`` the number of visible keys this is dense attention.
+    """
+    vis = visible.expand(scores.shape)
+    sel = topk_mask(scores if selector_scores is None else selector_scores, vis, k)
+    probs = torch.softmax(scores.to(torch.float64).masked_fill(~sel, float("-inf")), dim=-1)
+    v = expand_kv(value.to(torch.float64), scores.shape[1] // value.shape[1])
+    return SparseRead(torch.matmul(probs, v), sel, probs)
+
+
+_DENSE_COMMON: dict[str, Any] = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+)
+DENSE_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "mistral", "gemma3_text")
+
+
+def tiny_dense_model(family: str, seed: int = 0) -> torch.nn.Module:
+    """A 2-layer, hidden-64 random-weight decoder of a dense-attention ``family`` (no hub access), in eval
+    mode.
+
+    ``gemma3_text`` alternates a sliding-window layer (window 8) and a global layer.
+    """
+    import transformers
+
+    extra: dict[str, Any] = {}
+    if family == "llama":
+        cfg_cls, model_cls = transformers.LlamaConfig, transformers.LlamaForCausalLM
+    elif family == "qwen2":
+        cfg_cls, model_cls = transformers.Qwen2Config, transformers.Qwen2ForCausalLM
+    elif family == "mistral":
+        cfg_cls, model_cls = transformers.MistralConfig, transformers.MistralForCausalLM
+        extra = dict(sliding_window=8)
+    elif family == "gemma3_text":
+        cfg_cls, model_cls = transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM
+        extra = dict(
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16
+        )
+    else:
+        raise ValueError(f"family must be one of {DENSE_FAMILIES}, got {family!r}")
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**_DENSE_COMMON, **extra))
+    return model.eval()

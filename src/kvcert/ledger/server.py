@@ -1,0 +1,234 @@
+"""A kvcert request queue that serves concurrent requests as mixed batches over a ledgered cache.
+
+This is **kvcert's own request queue**, not transformers' continuous batching: requests submitted from any
+thread wait in a queue; one worker thread takes up to ``max_batch`` of them (waiting at most
+``max_wait_s`` for the batch to fill), left-pads their prompts into one batch, opens a fresh
+:class:`~kvcert.integrations.transformers.CertifiedCache` whose rows carry the requests' UIDs, and decodes
+greedily until every request of the batch has its tokens. Requests of different lengths share a batch;
+a request joins only at a batch boundary (no in-flight admission).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from kvcert.cache.events import CacheObserver, ReadEvent, WriteEvent
+from kvcert.ledger.ledger import Ledger
+from kvcert.ledger.observer import LedgerObserver
+
+CacheFactory = Callable[[torch.nn.Module, torch.Tensor, LedgerObserver], Any]
+
+
+@dataclass(frozen=True)
+class Completion:
+    """Result of one request: its UID, the greedy continuation and the batch it was served in."""
+
+    uid: int
+    tokens: list[int]
+    batch: int
+    batch_uids: tuple[int, ...]
+
+
+@dataclass
+class _Pending:
+    uid: int
+    prompt: list[int]
+    max_new_tokens: int
+    future: Future[Completion] = field(default_factory=Future)
+
+
+class ObservedDynamicCache(DynamicCache):
+    """transformers' exact ``DynamicCache`` that reports its writes and reads to cache observers.
+
+    Every entry is stored exact, so every write event says ``compressed = False`` (witness 0); the events
+    carry the per-row request UIDs exactly as the certified cache's do. Used to drive the ledger when the
+    certified cache is not wanted (baselines, attribution tests).
+    """
+
+    def __init__(self, rows: torch.Tensor, observers: Sequence[CacheObserver]) -> None:
+        super().__init__()
+        self.rows = rows
+        self.observers = list(observers)
+        self._step = -1
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store exactly, then emit the write event and the read event of this layer."""
+        before = self.get_seq_length(layer_idx) if layer_idx < len(self.layers) else 0
+        k, v = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx == 0:
+            self._step += 1
+        b, h, t, _ = key_states.shape
+        zeros = torch.zeros((b, h, t))
+        write = WriteEvent(
+            layer=layer_idx,
+            rows=self.rows,
+            positions=torch.arange(before, before + t).expand(b, t),
+            compressed=torch.zeros((b, h, t), dtype=torch.bool),
+            witness=zeros,
+            value_witness=zeros,
+            codec="exact",
+            tier_b=False,
+        )
+        read = ReadEvent(
+            layer=layer_idx,
+            step=self._step,
+            rows=self.rows,
+            n_slots=torch.full((b,), before + t),
+            certificate=torch.zeros((b, h)),
+            repaired=torch.zeros((b, h), dtype=torch.bool),
+        )
+        for obs in self.observers:
+            obs.on_write(write)
+            obs.on_read(read)
+        return k, v
+
+
+def dynamic_cache() -> CacheFactory:
+    """Factory of an :class:`ObservedDynamicCache` per batch (exact storage, events for the ledger)."""
+
+    def make(model: torch.nn.Module, uids: torch.Tensor, observer: LedgerObserver) -> Any:
+        return ObservedDynamicCache(uids, [observer])
+
+    return make
+
+
+def certified_cache(keys: str = "int8", values: str = "int4", **options: Any) -> CacheFactory:
+    """Factory of a :class:`CertifiedCache` per batch with the rows' UIDs and the ledger observer."""
+
+    def make(model: torch.nn.Module, uids: torch.Tensor, observer: LedgerObserver) -> Any:
+        from kvcert.integrations.transformers import CertifiedCache
+
+        return CertifiedCache(
+            model, keys=keys, values=values, request_ids=uids, observers=[observer], **options
+        )
+
+    return make
+
+
+class BatchingServer:
+    """Serve ``model`` (a causal LM) for many threads; every batch's cache reports to ``ledger``.
+
+    Use as a context manager (starts/stops the worker). ``cache_factory(model, uids, observer)`` builds
+    the per-batch cache (default :func:`certified_cache`); a factory that returns an object with a
+    ``detach()`` method has it called after the batch.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ledger: Ledger,
+        *,
+        max_batch: int = 8,
+        max_wait_s: float = 0.05,
+        pad_token_id: int = 0,
+        cache_factory: CacheFactory | None = None,
+        pool: str = "kv",
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_wait_s < 0:
+            raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
+        self.model = model
+        self.ledger = ledger
+        self.max_batch = max_batch
+        self.max_wait_s = max_wait_s
+        self.pad_token_id = pad_token_id
+        self.cache_factory = cache_factory or certified_cache()
+        self.pool = pool
+        self.batches: list[tuple[int, ...]] = []
+        self._queue: queue.Queue[_Pending | None] = queue.Queue()
+        self._worker: threading.Thread | None = None
+
+    def __enter__(self) -> BatchingServer:
+        self._worker = threading.Thread(target=self._loop, name="kvcert-batcher", daemon=True)
+        self._worker.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._queue.put(None)
+        if self._worker is not None:
+            self._worker.join()
+
+    def submit(self, prompt: Sequence[int], max_new_tokens: int) -> Future[Completion]:
+        """Queue a request (thread-safe); its UID is allocated now, so it is never reused."""
+        if len(prompt) == 0:
+            raise ValueError("prompt must contain at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if self._worker is None:
+            raise RuntimeError("the server is not running; use it as a context manager")
+        p = _Pending(self.ledger.open_request(), [int(t) for t in prompt], int(max_new_tokens))
+        self._queue.put(p)
+        return p.future
+
+    def _loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            stop = False
+            while len(batch) < self.max_batch:
+                try:
+                    nxt = self._queue.get(timeout=self.max_wait_s)
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                batch.append(nxt)
+            try:
+                self._serve(batch)
+            except BaseException as exc:  # deliver the failure to every waiting caller
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(exc)
+            if stop:
+                return
+
+    @torch.no_grad()
+    def _serve(self, batch: list[_Pending]) -> None:
+        index = len(self.batches)
+        uids = tuple(p.uid for p in batch)
+        self.batches.append(uids)
+        width = max(len(p.prompt) for p in batch)
+        ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, p in enumerate(batch):
+            ids[i, width - len(p.prompt) :] = torch.tensor(p.prompt)
+            mask[i, width - len(p.prompt) :] = 1
+        observer = LedgerObserver(self.ledger, pool=f"{self.pool}/batch{index}")
+        cache = self.cache_factory(self.model, torch.tensor(uids, dtype=torch.int64), observer)
+        try:
+            out: list[list[int]] = [[] for _ in batch]
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            steps = max(p.max_new_tokens for p in batch)
+            for _ in range(steps):
+                logits = self.model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                ).logits[:, -1]
+                nxt = logits.argmax(-1)
+                for i in range(len(batch)):
+                    out[i].append(int(nxt[i]))
+                ids = nxt[:, None]
+                mask = torch.cat([mask, torch.ones((len(batch), 1), dtype=torch.long)], dim=1)
+                pos = pos[:, -1:] + 1
+        finally:
+            if hasattr(cache, "detach"):
+                cache.detach()
+        for i, p in enumerate(batch):
+            p.future.set_result(Completion(p.uid, out[i][: p.max_new_tokens], index, uids))

@@ -1,0 +1,79 @@
+"""Tiny random-weight causal LMs for tests, one per supported attention family.
+
+Each config is small enough to run a forward on CPU in milliseconds but keeps the structural features a
+KV-cache library must handle: grouped-query attention (more query heads than KV heads), RoPE, and for
+Gemma-3 the mix of sliding-window and full-attention layers (so the cache has different layer classes).
+Weights are initialised under a fixed seed, so two calls with the same arguments give identical models.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+)
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+}
+
+_FAMILIES: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
+    "llama": (LlamaConfig, {}),
+    "qwen2": (Qwen2Config, {}),
+    "mistral": (MistralConfig, {"sliding_window": None}),
+    "gemma3": (Gemma3TextConfig, {
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+    }),
+}
+
+SUPPORTED_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
+
+
+def tiny_config(family: str, **overrides: Any) -> PretrainedConfig:
+    """The tiny config of ``family`` with ``overrides`` applied (eager attention)."""
+    if family not in _FAMILIES:
+        raise ValueError(f"family: unknown {family!r}; supported are {list(SUPPORTED_FAMILIES)}")
+    cls, extra = _FAMILIES[family]
+    kwargs = {**_COMMON, **extra, **overrides}
+    if family == "gemma3" and "num_hidden_layers" in overrides and "layer_types" not in overrides:
+        n = int(kwargs["num_hidden_layers"])
+        kwargs["layer_types"] = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
+                                 for i in range(n)]
+    config = cls(**kwargs)
+    config._attn_implementation = "eager"
+    return config
+
+
+def tiny_random(family: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    """A tiny random-weight causal LM of ``family`` (one of :data:`SUPPORTED_FAMILIES`), in eval mode.
+
+    Deterministic: the weights depend only on ``(family, seed, overrides)``. ``overrides`` are passed to
+    the family's config class (e.g. ``vocab_size=len(tokenizer)``).
+    """
+    config = tiny_config(family, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return model.eval()

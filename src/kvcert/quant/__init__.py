@@ -1,0 +1,33 @@
+"""Quantizer registry and built-in KV codecs with real packed storage and measured byte counts."""
+
+from kvcert.quant.base import (
+    Codec,
+    DitherKey,
+    Packed,
+    Quantized,
+    bytes_per_token_head,
+    check_input,
+    quantize,
+    sample_key,
+)
+from kvcert.quant.dither import keyed_uniform
+from kvcert.quant.outlier import OutlierBypass
+from kvcert.quant.registry import BUILTINS, get, names, register, unregister
+
+__all__ = [
+    "BUILTINS",
+    "Codec",
+    "DitherKey",
+    "OutlierBypass",
+    "Packed",
+    "Quantized",
+    "bytes_per_token_head",
+    "check_input",
+    "get",
+    "keyed_uniform",
+    "names",
+    "quantize",
+    "register",
+    "sample_key",
+    "unregister",
+]

@@ -1,0 +1,87 @@
+"""Codec registry: built-in codecs by name plus user-registered black-box tensor functions.
+
+``get(name, **options)`` returns a fresh codec each call (codecs may hold calibration state). Options are
+forwarded to the codec constructor (e.g. ``group_size=32``, ``axis="value"`` for KIVI, ``block=`` for
+KVQuant); ``bypass=m`` wraps the codec in :class:`~kvcert.quant.outlier.OutlierBypass` with ``pairing=``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from kvcert.bounds.rope import Pairing
+from kvcert.quant.base import Codec
+from kvcert.quant.blackbox import BlackBoxCodec, check_function
+from kvcert.quant.dither import DitherInt8Codec
+from kvcert.quant.fp8 import Fp8Codec
+from kvcert.quant.identity import NoneCodec
+from kvcert.quant.kivi import KiviCodec
+from kvcert.quant.kvquant import KVQuantCodec
+from kvcert.quant.outlier import OutlierBypass
+from kvcert.quant.rtn import RTNCodec
+from kvcert.quant.sign import SignCodec
+
+BUILTINS: dict[str, Callable[..., Codec]] = {
+    "none": NoneCodec,
+    "int8": partial(RTNCodec, 8),
+    "int4": partial(RTNCodec, 4),
+    "int2": partial(RTNCodec, 2),
+    "dither-int8": DitherInt8Codec,
+    "fp8-e4m3": partial(Fp8Codec, "e4m3"),
+    "fp8-e5m2": partial(Fp8Codec, "e5m2"),
+    "fp8-e4m3-scaled": partial(Fp8Codec, "e4m3", True),
+    "fp8-e5m2-scaled": partial(Fp8Codec, "e5m2", True),
+    "kivi-2": partial(KiviCodec, 2),
+    "kivi-4": partial(KiviCodec, 4),
+    "kvquant-4": KVQuantCodec,
+    "sign-1": SignCodec,
+}
+_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+
+def names() -> list[str]:
+    """All codec names: built-ins first (registry order), then registered functions (sorted)."""
+    return list(BUILTINS) + sorted(_FUNCTIONS)
+
+
+def register(name: str, fn: Callable[[torch.Tensor], torch.Tensor], *, overwrite: bool = False) -> None:
+    """Register black-box ``fn: x[..., D] → x̂[..., D]`` as codec ``name`` (Tier A, measured via its residual).
+
+    Raises ``ValueError`` if ``fn`` is not callable, ``name`` is empty or a built-in, or already registered
+    without ``overwrite=True``. Shape preservation is checked at every encode.
+    """
+    check_function(name, fn)
+    if name in BUILTINS:
+        raise ValueError(f"codec name {name!r} is a built-in and cannot be replaced")
+    if name in _FUNCTIONS and not overwrite:
+        raise ValueError(f"codec {name!r} is already registered (pass overwrite=True to replace it)")
+    _FUNCTIONS[name] = fn
+
+
+def unregister(name: str) -> None:
+    """Remove a registered function; ``ValueError`` if ``name`` was not registered."""
+    if name not in _FUNCTIONS:
+        raise ValueError(f"no registered function named {name!r}")
+    del _FUNCTIONS[name]
+
+
+def get(name: str, *, bypass: int = 0, pairing: Pairing = "rotate_half", **options: object) -> Codec:
+    """A fresh codec ``name`` built with ``options``; ``bypass=m > 0`` wraps it in the outlier bypass.
+
+    Raises ``ValueError`` for an unknown name (listing :func:`names`) or options the codec does not take.
+    """
+    if name in BUILTINS:
+        try:
+            codec = BUILTINS[name](**options)
+        except TypeError as err:
+            raise ValueError(f"invalid options {sorted(options)} for codec {name!r}: {err}") from None
+    elif name in _FUNCTIONS:
+        if options:
+            raise ValueError(f"registered function {name!r} takes no options, got {sorted(options)}")
+        codec = BlackBoxCodec(name, _FUNCTIONS[name])
+    else:
+        raise ValueError(f"unknown codec {name!r}; known: {names()}")
+    return OutlierBypass(codec, bypass, pairing) if bypass else codec

@@ -1,0 +1,73 @@
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "probe"))
+from snapshot_factory import broken, good_dict, write  # noqa: E402
+
+from kvcert.cli.probe import app  # noqa: E402
+
+runner = CliRunner()
+
+
+def test_all_good_files_exit_zero(tmp_path):
+    a = write(tmp_path / "a.json", good_dict())
+    b = write(tmp_path / "b.json", good_dict())
+    result = runner.invoke(app, ["verify", str(a), str(b)])
+    assert result.exit_code == 0, result.output
+    assert f"PASS {a}" in result.output and f"PASS {b}" in result.output
+
+
+def test_any_failure_exits_one_and_names_stage_and_cause_per_file(tmp_path):
+    good = write(tmp_path / "good.json", good_dict())
+    nan = write(tmp_path / "nan.json", broken("nan"))
+    cover = write(tmp_path / "cover.json", broken("missing_path"))
+    sound = write(tmp_path / "sound.json", broken("certified_flip"))
+    result = runner.invoke(app, ["verify", str(good), str(nan), str(cover), str(sound)])
+    assert result.exit_code == 1
+    out = result.output
+    assert f"PASS {good}" in out
+    assert f"FAIL {nan} [magnitude]" in out and "non-finite value nan" in out
+    assert f"FAIL {cover} [coverage]" in out and "'recurrent'" in out
+    assert f"FAIL {sound} [soundness]" in out and "certified_flips = 2" in out
+    assert "3 of 4 snapshot(s) failed" in out
+
+
+def test_malformed_json_and_missing_files_exit_one(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema": ')
+    result = runner.invoke(app, ["verify", str(bad), str(tmp_path / "absent.json")])
+    assert result.exit_code == 1
+    assert f"FAIL {bad} [schema]" in result.output and "malformed JSON" in result.output
+    assert "no such file" in result.output
+
+
+def test_glob_patterns_expand(tmp_path):
+    for i in range(3):
+        write(tmp_path / f"rank{i}.json", good_dict())
+    write(tmp_path / "rank9.json", broken("zero_triggers"))
+    result = runner.invoke(app, ["verify", str(tmp_path / "rank*.json")])
+    assert result.exit_code == 1
+    assert result.output.count("PASS ") == 3 and "FAIL" in result.output and "zero-trigger" in result.output
+
+
+def test_no_files_exit_two():
+    result = runner.invoke(app, ["verify"])
+    assert result.exit_code == 2
+
+
+def test_mounts_as_probe_sub_app(tmp_path):
+    import typer
+
+    main = typer.Typer()
+
+    @main.command()
+    def version() -> None:
+        """Another top-level command, as the real CLI has."""
+
+    main.add_typer(app, name="probe")
+    good = write(tmp_path / "good.json", good_dict())
+    assert runner.invoke(main, ["probe", "verify", str(good)]).exit_code == 0
+    bad = write(tmp_path / "b.json", broken("nan"))
+    assert runner.invoke(main, ["probe", "verify", str(bad)]).exit_code == 1

@@ -1,0 +1,207 @@
+"""CertifiedCache inside transformers: exactness, per-cell soundness, bytes, padding, sliding windows, detach."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvcert
+from kvcert import Gate
+from kvcert.integrations.transformers import CacheClosedError, CertifiedCache
+from kvcert.models.tiny import tiny_random
+
+torch.set_num_threads(1)
+
+CODECS = [("int8", "int8"), ("int4", "int4"), ("int2", "int2"), ("dither-int8", "int4"), ("fp8-e4m3", "fp8-e4m3"),
+          ("kivi-2", "kivi-2"), ("kvquant-4", "int4"), ("sign-1", "int4")]
+
+
+def _tiny(family):
+    """Tiny random model with head_dim 32 (codecs use 32-channel scale groups)."""
+    return tiny_random(family, head_dim=32)
+
+
+def _greedy(model, ids, cache, steps, attention_mask=None):
+    out = model.generate(ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=steps,
+                         do_sample=False, min_new_tokens=steps, pad_token_id=0)
+    return out[:, ids.shape[1]:]
+
+
+def _decode_loop(model, ids, cache, steps):
+    """Manual forward loop (prefill + greedy decode); returns generated tokens."""
+    out = model(ids, past_key_values=cache, use_cache=True)
+    toks = []
+    nxt = out.logits[:, -1:].argmax(-1)
+    for _ in range(steps):
+        toks.append(nxt)
+        out = model(nxt, past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+    return torch.cat(toks, 1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_repair_everything_equals_dynamic_cache(family):
+    model = _tiny(family)
+    ids = torch.randint(3, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    ref = _decode_loop(model, ids, DynamicCache(config=model.config), 12)
+    cache = CertifiedCache(model, keys="int2", values="int2", gate=Gate.certified(tau=0.0))
+    got = _decode_loop(model, ids, cache, 12)
+    cache.detach()
+    assert torch.equal(ref, got)
+    tel = cache.telemetry()
+    assert tel.cells > 0 and tel.fallback_rate == 1.0
+
+
+@pytest.mark.parametrize("keys,values", CODECS)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3"])
+def test_validate_mode_zero_violations_per_cell(family, keys, values):
+    model = _tiny(family)
+    ids = torch.randint(3, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    cache = CertifiedCache(model, keys=keys, values=values, validate=True, seed=3)
+    _decode_loop(model, ids, cache, 10)
+    cache.detach()
+    tel = cache.telemetry()
+    assert tel.cells >= 10 * model.config.num_hidden_layers  # every decode step of every layer certified
+    assert tel.true_tv is not None and tel.violations == 0, tel.summary()
+    assert tel.out_violations == 0, tel.summary()
+    rec = tel.recorded
+    assert torch.all(tel.true_tv[rec] <= tel.certificates[rec])
+    assert torch.all(tel.true_out_err[rec] <= tel.out_bound[rec])
+
+
+def test_certified_gate_serves_every_cell_under_tau():
+    model = _tiny("llama")
+    ids = torch.randint(3, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(2))
+    for gran in ("head", "block"):
+        cache = CertifiedCache(model, keys="int2", values="int8", gate=Gate.certified(0.05, granularity=gran,
+                               block_size=8), validate=True, seed=0)
+        _decode_loop(model, ids, cache, 8)
+        cache.detach()
+        tel = cache.telemetry()
+        rec = tel.recorded
+        assert torch.all(tel.served[rec] <= 0.05 + 1e-12)
+        assert tel.violations == 0 and tel.out_violations == 0
+        assert tel.fallback_rate > 0
+
+
+def test_persistent_block_repair_zeroes_radius():
+    model = _tiny("llama")
+    ids = torch.randint(3, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(4))
+    cache = CertifiedCache(model, keys="int2", values="int8",
+                           gate=Gate.certified(0.01, granularity="block", block_size=4, persistent=True), seed=0)
+    _decode_loop(model, ids, cache, 4)
+    cache.detach()
+    store = cache.layers[0].store
+    exact = store.k.exact.view()
+    assert exact.any()
+    assert torch.all(store.k_band.view()[exact] == 0)
+    assert torch.equal(store.k.served.view()[exact], store.k.host.view()[exact].float())
+
+
+def test_risk_ranked_gate_uses_unclipped_meter():
+    model = _tiny("llama")
+    ids = torch.randint(3, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(5))
+    cache = CertifiedCache(model, keys="fp8-e4m3", values="fp8-e4m3", gate=Gate.risk_ranked(5.0), seed=0)
+    _decode_loop(model, ids, cache, 6)
+    cache.detach()
+    tel = cache.telemetry()
+    rec = tel.recorded
+    kv = tel.raw.reshape(*tel.raw.shape[:3], -1, tel.group_size).amax(-1)
+    assert torch.equal(tel.repaired[rec.reshape(*kv.shape, -1).any(-1)],
+                       (kv > 5.0)[rec.reshape(*kv.shape, -1).any(-1)])
+
+
+def test_bytes_int8_keys_int4_values_under_045_of_fp16():
+    model = _tiny("llama")
+    ids = torch.randint(3, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(6))
+    cache = CertifiedCache(model, keys="int8", values="int4")
+    _decode_loop(model, ids, cache, 2)
+    cache.detach()
+    for layer in cache.layers:
+        layer.store.encode_pending()
+    tel = cache.telemetry()
+    assert tel.bytes_stored <= 0.45 * tel.bytes_fp16, (tel.bytes_stored, tel.bytes_fp16)
+    # bytes come from the stored tensors: the packed chunk tensors add up to the reported number
+    store = cache.layers[0].store
+    measured = sum(t.numel() * t.element_size() for ts in (store.k, store.v) for c in ts.chunks
+                   for t in c.packed.tensors.values())
+    assert measured == store.k.packed_nbytes() + store.v.packed_nbytes()
+
+
+def test_generate_batch_two_with_left_padding():
+    model = _tiny("llama")
+    ids = torch.randint(3, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(7))
+    ids[1, :6] = 0
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    ref = _greedy(model, ids, DynamicCache(config=model.config), 6, attention_mask=mask)
+    cache = CertifiedCache(model, keys="int8", values="int8", gate=Gate.certified(0.0), validate=True)
+    got = _greedy(model, ids, cache, 6, attention_mask=mask)
+    cache.detach()
+    assert torch.equal(ref, got)
+    assert cache.telemetry().violations == 0
+
+
+def test_sliding_window_layers_trim_and_stay_exact_under_full_repair():
+    model = _tiny("gemma3")
+    window = model.config.sliding_window
+    ids = torch.randint(3, model.config.vocab_size, (1, 3 * window), generator=torch.Generator().manual_seed(8))
+    ref = _decode_loop(model, ids, DynamicCache(config=model.config), 2 * window)
+    cache = CertifiedCache(model, keys="int4", values="int4", gate=Gate.certified(0.0))
+    got = _decode_loop(model, ids, cache, 2 * window)
+    cache.detach()
+    assert torch.equal(ref, got)
+    sliding = [layer for layer in cache.layers if layer.is_sliding]
+    assert sliding and all(layer.store.n <= window for layer in sliding)
+
+
+def test_detach_restores_attention_and_closed_cache_raises():
+    model = _tiny("llama")
+    before = model.config._attn_implementation
+    with CertifiedCache(model, keys="int8", values="int8") as cache:
+        assert model.config._attn_implementation == "kvcert"
+    assert model.config._attn_implementation == before
+    ids = torch.randint(3, model.config.vocab_size, (1, 8))
+    with pytest.raises(CacheClosedError):
+        model(ids, past_key_values=cache)
+
+
+def test_unsupported_family_is_named():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="supported: llama"):
+        CertifiedCache(model)
+
+
+def test_non_finite_entries_kept_exact_and_counted():
+    model = _tiny("llama")
+    cache = CertifiedCache(model, keys="int8", values="int8")
+    store = cache.layers[0].store
+    k = torch.randn(1, model.config.num_key_value_heads, 6, model.config.head_dim)
+    v = torch.randn_like(k)
+    k[0, 0, 2, 3] = float("nan")
+    v[0, 1, 4, 0] = float("inf")
+    store.append(k, v, torch.tensor([0]), torch.tensor([False]))
+    store.append(k[:, :, :1], v[:, :, :1], torch.tensor([0]), torch.tensor([False]))
+    assert store.nonfinite == 2
+    assert store.k.exact.view()[0, 0, 2] and store.v.exact.view()[0, 1, 4]
+    assert not store.k.exact.view()[0, 0, 1]
+    cache.detach()
+
+
+def test_fail_closed_rows_without_identity_stay_exact():
+    model = _tiny("llama")
+    ids = torch.randint(3, model.config.vocab_size, (2, 16))
+    cache = CertifiedCache(model, keys="int4", values="int4", request_ids=[7, -1], require_identity=True)
+    _decode_loop(model, ids, cache, 2)
+    cache.detach()
+    store = cache.layers[0].store
+    assert store.k.exact.view()[1].all() and not store.k.exact.view()[0].all()
+    assert cache.telemetry().fail_closed > 0
+
+
+def test_public_api_is_exported():
+    assert kvcert.CertifiedCache is CertifiedCache
+    assert kvcert.Gate is Gate

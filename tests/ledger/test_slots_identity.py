@@ -1,0 +1,124 @@
+import threading
+
+import numpy as np
+import pytest
+
+from kvcert.ledger import Ledger, SlotState, UidAllocator, deterministic, empirical, observed
+
+
+def test_uids_monotone_never_reused_across_threads():
+    alloc = UidAllocator()
+    got: list[int] = []
+    lock = threading.Lock()
+
+    def work():
+        mine = [alloc.allocate() for _ in range(500)]
+        assert mine == sorted(mine) and len(set(mine)) == 500
+        with lock:
+            got.extend(mine)
+
+    ts = [threading.Thread(target=work) for _ in range(8)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert sorted(got) == list(range(4000))
+    alloc.advance_past(10)
+    assert alloc.allocate() == 4000
+
+
+def test_fail_closed_identity(ledger: Ledger):
+    uid = ledger.open_request()
+    states = ledger.write(
+        "kv", 0, np.arange(4), np.array([uid, -1, uid, -1]), observed(np.ones(4, bool)), rule="probabilistic"
+    )
+    assert states.tolist() == [
+        SlotState.COMPRESSED,
+        SlotState.KEPT_EXACT,
+        SlotState.COMPRESSED,
+        SlotState.KEPT_EXACT,
+    ]
+    assert ledger.counters["identity_fail_closed"] == 2
+    assert ledger.accounts[uid].budget.k == 1  # only the attributed owner spent
+    # a fully unattributable write spends nothing at all
+    ledger.write("kv", 0, np.arange(10, 13), np.full(3, -1), observed(np.ones(3, bool)), rule="probabilistic")
+    assert ledger.accounts[uid].budget.k == 1 and ledger.counters["identity_fail_closed"] == 5
+    located = [(i.slot, i.owner) for i in ledger.incidents if i.kind == "identity_fail_closed"]
+    assert located == [(1, -1), (3, -1), (10, -1), (11, -1), (12, -1)]
+    # reads without identity are served exact and counted
+    served = ledger.read("kv", 0, np.array([-1]), np.array([0]), np.array([3]))
+    assert not served.any() and ledger.counters["identity_fail_closed_reads"] == 3
+
+
+def test_invalidate_before_gate_and_stale_reads(ledger: Ledger):
+    a, b = ledger.open_request(), ledger.open_request()
+    ledger.write("kv", 0, np.arange(4), np.full(4, a), observed(np.ones(4, bool)))
+    key0 = ledger.slot_key("kv", 0, 2)
+    assert key0.generation == 1
+
+    seen = {}
+
+    def gate(shares, owners):
+        # the generation was bumped and the slot invalidated before any gate ran
+        seen["state"] = ledger.slot_state("kv", 0, 2)
+        raise RuntimeError("gate crashed")
+
+    with pytest.raises(RuntimeError, match="gate crashed"):
+        ledger.write("kv", 0, np.array([2]), np.array([b]), gate)
+    assert seen["state"] == (SlotState.UNWRITTEN, b, 2)
+    assert ledger.slot_state("kv", 0, 2) == (SlotState.UNWRITTEN, b, 2)
+    # the old reader, authorised at generation 1, reads a stale/unwritten slot: counted, never compressed
+    served = ledger.read("kv", 0, np.array([a]), np.array([2]), np.array([1]), generations=np.array([1]))
+    assert not served.any()
+    assert ledger.accounts[a].counts["n_read_unwritten"] == 1
+    # rewrite: now compressed at generation 3; a read expecting generation 1 is stale
+    ledger.write("kv", 0, np.array([2]), np.array([b]), observed(np.ones(1, bool)))
+    served = ledger.read(
+        "kv", 0, np.array([b, b]), np.array([2, 2]), np.array([1, 1]), generations=np.array([1, 3])
+    )
+    assert served.tolist() == [False, True]
+    assert ledger.accounts[b].counts["n_read_stale"] == 1
+    stale = [i for i in ledger.incidents if i.kind == "stale_read"]
+    assert [(s.slot, s.generation, s.owner, s.reader) for s in stale] == [(2, 3, b, b)]
+    assert ledger.counters["n_slot_reuse"] == 1
+
+
+def test_unwritten_reads_counted(ledger: Ledger):
+    a = ledger.open_request()
+    ledger.write("kv", 0, np.array([0, 2]), np.full(2, a), observed(np.ones(2, bool)))
+    served = ledger.read("kv", 0, np.array([a]), np.array([0]), np.array([5]))
+    assert served.tolist() == [True, False, True, False, False]
+    assert ledger.accounts[a].counts["n_read_unwritten"] == 3
+    assert sorted(i.slot for i in ledger.incidents if i.kind == "unwritten_read") == [1, 3, 4]
+
+
+def test_foreign_reads_attributed_to_owner(ledger: Ledger):
+    a, b = ledger.open_request(), ledger.open_request()
+    ledger.write("kv", 0, np.arange(4), np.full(4, a), observed(np.ones(4, bool)))
+    ledger.read("kv", 0, np.array([b]), np.array([0]), np.array([4]))
+    assert ledger.accounts[b].counts["n_read_foreign_owner"] == 4
+    assert ledger.accounts[a].counts["n_read_by_others"] == 4
+    assert {(i.owner, i.reader) for i in ledger.incidents if i.kind == "foreign_read"} == {(a, b)}
+
+
+def test_rules(ledger: Ledger):
+    a = ledger.open_request()
+    w = np.array([0.1, 0.5, np.nan, 0.2])
+    st = ledger.write("kv", 0, np.arange(4), np.full(4, a), deterministic(w, 0.2))
+    assert st.tolist() == [
+        SlotState.COMPRESSED,
+        SlotState.KEPT_EXACT,
+        SlotState.KEPT_EXACT,
+        SlotState.COMPRESSED,
+    ]
+    st = ledger.write("kv", 1, np.arange(4), np.full(4, a), observed(np.ones(4, bool)), rule="empirical")
+    assert (st == SlotState.KEPT_EXACT).all()  # empirical never enters
+    st = ledger.write("kv", 2, np.arange(2), np.full(2, a), empirical, rule="deterministic")
+    assert (st == SlotState.KEPT_EXACT).all()
+    assert ledger.accounts[a].budget.k == 0 and ledger.accounts[a].counts["n_empirical"] == 4
+    with pytest.raises(ValueError, match="rule"):
+        ledger.write("kv", 0, np.arange(1), np.full(1, a), empirical, rule="heuristic")
+    with pytest.raises(ValueError, match="no open account"):
+        ledger.write("kv", 0, np.arange(1), np.full(1, 99), empirical, rule="probabilistic")
+    with pytest.raises(ValueError, match="distinct"):
+        ledger.write("kv", 0, np.array([1, 1]), np.full(2, a), empirical)
+    with pytest.raises(ValueError, match="pool"):
+        ledger.write("", 0, np.arange(1), np.full(1, a), empirical)

@@ -5,7 +5,9 @@ Per layer, side by side in one run:
 
 * attention: ``q·Kᵀ`` (float32), softmax, ``·V`` — the read being certified;
 * certificate: query band norms (8 bands of whole RoPE pairs), Tier-A radii ``c = sc·ρ·‖q_b‖`` (one batched
-  matmul against the stored key band norms), and ``meter = min(1, eform, two_sided, ptm)`` in float64.
+  matmul against the stored key band norms), and ``meter = min(1, eform, two_sided, ptm)`` in float64,
+  (a) called per layer, as the cache does, and (b) batched over all layers in one call (same math; shows
+  how much of (a) is per-call overhead).
 
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bounds_cost.py [--seq 512 1024 ...] [--repeats 7]``
 """
@@ -56,16 +58,16 @@ def certificate(layer: dict[str, torch.Tensor], p: torch.Tensor) -> torch.Tensor
     return meter_and_unclipped(p, c)[0]
 
 
-def paired_times(fn_a, fn_b, repeats: int) -> tuple[float, float]:
-    """Median CPU times (process_time) of two functions measured alternately, so that load from other
+def paired_times(fns: list, repeats: int) -> list[float]:
+    """Median CPU times (process_time) of functions measured alternately, so that load from other
     processes on a shared machine neither inflates nor biases one side."""
-    times_a, times_b = [], []
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, acc in ((fn_a, times_a), (fn_b, times_b)):
+        for fn, acc in zip(fns, times, strict=True):
             t0 = time.process_time()
             fn()
             acc.append(time.process_time() - t0)
-    return sorted(times_a)[repeats // 2], sorted(times_b)[repeats // 2]
+    return [sorted(t)[repeats // 2] for t in times]
 
 
 def main() -> None:
@@ -87,14 +89,26 @@ def main() -> None:
             for layer, p in zip(layers, probs, strict=True):
                 certificate(layer, p)
 
-        run_attention(), run_certificate()  # warm-up
-        t_att, t_cert = paired_times(run_attention, run_certificate, args.repeats)
-        rows.append((seq, t_att, t_cert))
+        # all layers' stored witnesses in one tensor; served rows stacked once per step (timed)
+        kn_all = torch.stack([layer["kn"] for layer in layers])
+        q_all = torch.stack([layer["q"] for layer in layers])
+
+        def run_batched(probs=probs, kn_all=kn_all, q_all=q_all) -> None:
+            c = tier_a_radius_from_qnorms(query_band_norms(q_all, BANDS), kn_all.transpose(-1, -2), SCALE)
+            meter_and_unclipped(torch.stack(probs), c)
+
+        run_attention(), run_certificate(), run_batched()  # warm-up
+        rows.append((seq, *paired_times([run_attention, run_certificate, run_batched], args.repeats)))
     print(f"threads={torch.get_num_threads()} L={LAYERS} H={HEADS} Hkv={KV_HEADS} D={HEAD_DIM} B={BANDS}")
-    print(f"{'S':>6} | {'attention ms':>12} | {'radii+meter ms':>14} | {'ratio':>6}")
-    print("-" * 48)
-    for seq, t_att, t_cert in rows:
-        print(f"{seq:>6} | {1e3 * t_att:>12.2f} | {1e3 * t_cert:>14.2f} | {t_cert / t_att:>6.3f}")
+    print("per-layer: one certificate call per layer (as the cache reads); batched: one call for all layers")
+    head = ("S", "attention ms", "per-layer ms", "ratio", "batched ms", "ratio")
+    print(" | ".join(f"{h:>{w}}" for h, w in zip(head, (6, 12, 12, 6, 10, 6), strict=True)))
+    print("-" * 70)
+    for seq, t_att, t_cert, t_batch in rows:
+        print(
+            f"{seq:>6} | {1e3 * t_att:>12.2f} | {1e3 * t_cert:>12.2f} | {t_cert / t_att:>6.3f} | "
+            f"{1e3 * t_batch:>10.2f} | {t_batch / t_att:>6.3f}"
+        )
 
 
 if __name__ == "__main__":

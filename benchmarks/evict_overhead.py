@@ -28,9 +28,17 @@ LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 
 
 def _model() -> LlamaForCausalLM:
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=LAYERS,
-                      num_attention_heads=9, num_key_value_heads=KV_HEADS, max_position_embeddings=8192,
-                      tie_word_embeddings=True, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=9,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).eval()
 
@@ -53,7 +61,9 @@ def _decode_ms(model: LlamaForCausalLM, context: int, reps: int) -> list[float]:
 
 def _policy_ms(policy: EvictionPolicy, context: int, reps: int) -> list[float]:
     g = torch.Generator().manual_seed(1)
-    rows = torch.softmax(torch.randn(reps + 1, LAYERS, 1, KV_HEADS, 1, context + 1, generator=g, dtype=torch.float64), -1)
+    rows = torch.softmax(
+        torch.randn(reps + 1, LAYERS, 1, KV_HEADS, 1, context + 1, generator=g, dtype=torch.float64), -1
+    )
     positions = [torch.arange(context).expand(1, KV_HEADS, context) for _ in range(LAYERS)]
     times = []
     for step in range(reps + 1):  # step 0 warms the state up (first observe of a long context)
@@ -94,7 +104,9 @@ def main() -> None:
             policy.reset()
             cost[name] += _policy_ms(policy, args.context, args.reps)
     base = statistics.median(decode)
-    table = Table(title=f"per-step policy overhead, {LAYERS} layers x {KV_HEADS} KV heads, context {args.context}")
+    table = Table(
+        title=f"per-step policy overhead, {LAYERS} layers x {KV_HEADS} KV heads, context {args.context}"
+    )
     for col in ("what", "median ms/step", "ratio to decode step"):
         table.add_column(col)
     table.add_row("decode step (SmolLM2-135M shape)", f"{base:.2f}", "1.000")

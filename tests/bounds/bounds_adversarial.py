@@ -101,13 +101,17 @@ def make_cells(n: int, s: int, gen: torch.Generator) -> Cells:
 def tail_premise(cells: Cells, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Restrict the error to a random token subset ``T``: returns ``(p_exact_T, alpha_T, delta)``.
 
-    ``ε`` is zeroed outside ``T``; ``alpha_T`` is the exact mass of ``T`` and ``delta = max_{t∈T} |ε_t|``.
+    ``ε`` is zeroed outside ``T``; ``alpha_T`` is the exact mass of ``T`` (rounded up) and
+    ``delta = max_{t∈T} |ε_t|``.
     """
     n, s = cells.eps.shape
     in_t = torch.rand(n, s, generator=gen, dtype=F64) < torch.rand(n, 1, generator=gen, dtype=F64)
     eps_t = torch.where(in_t, cells.eps, torch.zeros_like(cells.eps))
     p_exact = torch.softmax(torch.log(cells.p_served) - eps_t, dim=-1)
-    alpha = torch.where(in_t, p_exact, torch.zeros_like(p_exact)).sum(-1).clamp(max=1.0)
+    alpha = torch.where(in_t, p_exact, torch.zeros_like(p_exact)).sum(-1)
+    # the premise needs α_T ≥ the exact mass: round the float64 sum up (relative 1e-12 for summation, and
+    # one ulp so that a mass that underflowed to 0, e.g. e^{-797}, becomes the smallest positive float)
+    alpha = torch.nextafter(alpha * (1 + 1e-12), torch.ones_like(alpha)).clamp(max=1.0)
     delta = eps_t.abs().amax(-1)
     return p_exact, alpha, delta
 

@@ -9,9 +9,7 @@ from kvcert.evict import H2O, RMM, AttentionTrace, Belady, EvictionPolicy, SnapK
 F64 = torch.float64
 
 
-def random_trace(
-    steps: int = 48, layers: int = 2, heads: int = 2, seed: int = 0, spiky: float = 3.0
-) -> AttentionTrace:
+def random_trace(steps: int = 48, layers: int = 2, heads: int = 2, seed: int = 0, spiky: float = 3.0) -> AttentionTrace:
     """Causal softmax rows of random logits (scale ``spiky``), κ uniform in [0, 1] (+ argmax-like 0/1)."""
     g = torch.Generator().manual_seed(seed)
     logits = spiky * torch.randn(steps, layers, heads, steps, generator=g, dtype=F64)

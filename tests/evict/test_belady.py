@@ -19,7 +19,7 @@ def test_ceiling_bounds_every_policy_per_cell(name, budget):
 
 
 def test_ceiling_is_attained_by_a_clairvoyant_recall():
-    """Tightness: for each cell the ceiling equals κ · (diag + top-C earlier mass), computed by brute force."""
+    """Tightness: each cell of the ceiling equals κ · (diag + top-C earlier mass), by brute force."""
     trace = random_trace(steps=10, layers=1, heads=1, seed=2)
     k = trace.kappa_of("realised")
     ceiling = served_mass_ceiling(trace.attn, k, 3)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from evict_traces import POLICY_NAMES, make_policies, random_trace
 
-from kvcert.evict import H2O, RMM, SnapKV, StreamingLLM, prefill_kept_count, replay
+from kvcert.evict import H2O, RMM, SnapKV, StreamingLLM, keep_top, prefill_kept_count, replay
 
 BUDGETS = [8, 13]
 
@@ -72,9 +72,7 @@ def test_prefill_kept_count_rule():
             prefill_kept_count(10, bad)
 
 
-@pytest.mark.parametrize(
-    "policy", [StreamingLLM(sinks=1), H2O(recent=2), SnapKV(window=2, kernel=3), RMM(lag=2)]
-)
+@pytest.mark.parametrize("policy", [StreamingLLM(sinks=1), H2O(recent=2), SnapKV(window=2, kernel=3), RMM(lag=2)])
 def test_batch_rows_are_independent(policy):
     """A batch of two gives the same kept sets as each row alone (chunked q=3 reads, then decode)."""
     g = torch.Generator().manual_seed(5)
@@ -110,6 +108,10 @@ def test_bad_inputs_fail_closed():
         p.observe(0, attn[0], torch.arange(4)[None])
     with pytest.raises(ValueError, match="finite"):
         p.observe(0, attn * float("nan"), torch.arange(4)[None])
+    with pytest.raises(ValueError, match="finite"):
+        p.observe(0, attn * float("inf"), torch.arange(4)[None])
+    with pytest.raises(ValueError, match="non-negative"):
+        p.observe(0, -attn, torch.arange(4)[None])
     with pytest.raises(ValueError, match="increasing"):
         p.observe(0, attn, torch.tensor([[0, 2, 1, 3]]))
     with pytest.raises(ValueError, match="observed"):
@@ -121,6 +123,10 @@ def test_bad_inputs_fail_closed():
         p.on_evict(0, torch.tensor([[[2, 1]]]))
     with pytest.raises(ValueError, match="kappa"):
         p.set_kappa(torch.tensor([[3]]), torch.tensor([[1.5]]))
+    with pytest.raises(ValueError, match="disagree"):
+        p.observe(0, torch.full((1, 1, 1, 5), 0.2, dtype=torch.float64), torch.tensor([[0, 1, 3, 4, 5]]))
+    with pytest.raises(ValueError, match="increasing"):
+        p.observe(0, torch.full((1, 1, 1, 5), 0.2, dtype=torch.float64), torch.tensor([[0, 1, 2, 3, 3]]))
     with pytest.raises(ValueError, match="shrank"):
         p.observe(0, attn[..., :3], torch.arange(3)[None])
     with pytest.raises(ValueError, match="window"):
@@ -142,3 +148,19 @@ def test_select_returns_none_within_budget_and_streaming_window_caps():
     attn = torch.full((1, 1, 1, 6), 1 / 6, dtype=torch.float64)
     p.observe(0, attn, torch.arange(6)[None])
     assert p.select(0, 10).tolist() == [[[0, 4, 5]]]  # sinks + window, budget 10 notwithstanding
+
+
+@pytest.mark.parametrize("n_evict", [1, 2, 5, 8, 9, 20])
+def test_keep_top_fast_path_matches_stable_sort(n_evict):
+    """Heavy ties (integer scores): the argmin path and the sort path keep the same, documented set."""
+    g = torch.Generator().manual_seed(n_evict)
+    s = 40
+    scores = torch.randint(0, 4, (3, 2, s), generator=g).to(torch.float64)
+    protected = torch.rand(3, 2, s, generator=g) < 0.2
+    budget = s - n_evict
+    keep = keep_top(scores, protected, budget)
+    key = scores.masked_fill(protected, float("inf"))
+    for b in range(3):
+        for h in range(2):
+            ranked = sorted(range(s), key=lambda i: (-key[b, h, i].item(), i))  # higher key, then lower index
+            assert keep[b, h].tolist() == sorted(ranked[:budget])

@@ -34,9 +34,7 @@ def test_trace_shapes_and_kappa(llama_trace):
     trace, out, tokens = llama_trace
     assert trace.attn.shape == (40, 2, 2, 40)
     p = torch.softmax(out.logits[0, :40].double(), -1)
-    assert torch.allclose(
-        trace.kappa["realised"], p.gather(-1, tokens[0, 1:, None])[:, 0], atol=1e-12, rtol=0
-    )
+    assert torch.allclose(trace.kappa["realised"], p.gather(-1, tokens[0, 1:, None])[:, 0], atol=1e-12, rtol=0)
     assert torch.allclose(trace.kappa["emitted"], p.max(-1).values, atol=1e-12, rtol=0)
     # the KV-head row is the mean of its two query heads' rows
     a0 = out.attentions[1][0, 2:4, 7, :40].double().mean(0)
@@ -50,6 +48,4 @@ def test_every_policy_on_a_real_trace(llama_trace, name):
     res = replay(make_policies(trace)[name], trace, budget, kappa="argmax")
     assert res.max_items <= budget
     assert torch.allclose(res.evicted_mass, evicted_mass(trace.attn, res.present), atol=1e-12, rtol=0)
-    assert (
-        res.served_mass <= served_mass_ceiling(trace.attn, trace.kappa_of("argmax"), budget) + 1e-12
-    ).all()
+    assert (res.served_mass <= served_mass_ceiling(trace.attn, trace.kappa_of("argmax"), budget) + 1e-12).all()

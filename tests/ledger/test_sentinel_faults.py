@@ -26,7 +26,7 @@ def test_rounds_formula_matches_spec_numbers():
     for b, m, r, d in [(1, 10, 1, 0.5), (3, 50, 7, 1e-3), (1, 1024, 128, 0.01), (5, 5, 2, 0.1)]:
         n = rounds_needed(b, m, r, d)
         assert miss_probability(b, m, r, n) <= d
-        assert n == 1 or miss_probability(b, m, r, n - 1) > d   # smallest such n
+        assert n == 1 or miss_probability(b, m, r, n - 1) > d  # smallest such n
     print(latency_table(1024, 128))
     with pytest.raises(ValueError, match="bad"):
         rounds_needed(0, 10, 1, 0.1)
@@ -77,7 +77,7 @@ def test_corrupt_code_detected_on_read_and_by_sentinel(rng):
     for s in (5, 9):
         inc = locate(led, "fault:corrupt_code", "k", 0, s)
         assert inc is not None and (inc.generation, inc.owner) == (1, a)
-        assert np.array_equal(out[s], x[s])                  # served exact from the host tier
+        assert np.array_equal(out[s], x[s])  # served exact from the host tier
     untouched = np.setdiff1d(np.arange(32), [5, 9])
     assert np.array_equal(out[untouched], exact_ref[untouched])
 
@@ -89,9 +89,9 @@ def test_stale_generation_detected_and_served_exact(rng):
     x = rng.normal(size=(4, 8))
     pool.write(np.arange(4), np.full(4, a), x)
     new = rng.normal(size=8)
-    reuse_without_invalidation(pool, 2, new)                 # slot 2 handed to b without the certified writer
+    reuse_without_invalidation(pool, 2, new)  # slot 2 handed to b without the certified writer
     out = pool.read(b, np.array([2]))
-    assert np.array_equal(out[0], new)                       # never served the previous generation's codes
+    assert np.array_equal(out[0], new)  # never served the previous generation's codes
     assert led.accounts[b].counts["n_read_stale"] == 1
     inc = locate(led, "stale_read", "k", 0, 2)
     assert inc is not None and (inc.generation, inc.owner, inc.reader) == (1, a, b)
@@ -103,9 +103,9 @@ def test_namespace_collision_detected(rng):
     a, b = led.open_request(), led.open_request()
     xa, xb = rng.normal(size=(4, 8)), rng.normal(size=(4, 8))
     keys.write(np.arange(4), np.full(4, a), xa)
-    index.write(np.arange(4), np.full(4, b), xb)             # same ledger keys: overwrites a's slot identity
+    index.write(np.arange(4), np.full(4, b), xb)  # same ledger keys: overwrites a's slot identity
     out = keys.read(a, np.arange(4))
-    assert np.array_equal(out, xa)                            # served exact (stale), never b's codes
+    assert np.array_equal(out, xa)  # served exact (stale), never b's codes
     c = led.accounts[a].counts
     assert c["n_read_foreign_owner"] == 4 and c["n_read_stale"] == 4
     inc = locate(led, "foreign_read", "pages", 0, 1)

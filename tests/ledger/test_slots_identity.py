@@ -122,3 +122,37 @@ def test_rules(ledger: Ledger):
         ledger.write("kv", 0, np.array([1, 1]), np.full(2, a), empirical)
     with pytest.raises(ValueError, match="pool"):
         ledger.write("", 0, np.arange(1), np.full(1, a), empirical)
+
+
+def test_dense_grid_read_equals_general_path():
+    # the observer's interleaved layout takes a fast path; it must count and locate exactly like the
+    # general strided path (same reads expressed as single-slot ranges)
+    def build():
+        led = Ledger()
+        a, b = led.open_request(), led.open_request()
+        # 3 ranges (R = 3) x 4 entries; slot 5 unwritten, slots of range 1 owned by b
+        slots = np.array([s for s in range(12) if s != 5])
+        owners = np.where(slots % 3 == 1, b, a)
+        comp = slots % 4 != 0
+        led.write("kv", 0, slots, owners, observed(comp))
+        return led, a, b
+
+    fast, a, b = build()
+    readers = np.array([a, a, b])
+    gens = np.array([-1, 2, 1])
+    s_fast = fast.read("kv", 0, readers, np.arange(3), np.full(3, 4), steps=np.full(3, 3), generations=gens)
+    slow, _, _ = build()
+    entry_slots = np.array([i + 3 * j for i in range(3) for j in range(4)])
+    s_slow = slow.read(
+        "kv",
+        0,
+        np.repeat(readers, 4),
+        entry_slots,
+        np.ones(12, dtype=np.int64),
+        generations=np.repeat(gens, 4),
+    )
+    assert np.array_equal(s_fast, s_slow)
+    for uid in (a, b):
+        assert fast.accounts[uid].counts == slow.accounts[uid].counts
+    assert fast.incidents == slow.incidents and len(fast.incidents) > 0
+    assert fast.accounts[b].counts["n_read_foreign_owner"] > 0 and fast.accounts[a].counts["n_read_stale"] > 0

@@ -92,8 +92,10 @@ def test_dense_chain_value_is_the_closed_form(models):
     for c in snap_res.chains:
         if c.path != "dense_kv":
             continue
-        w = _reading(snap_res.snapshot, c.layer, c.path, "band_witness").value
-        qn = _reading(snap_res.snapshot, c.layer, c.path, "qnorm").value  # scale·max‖q‖
+        witness = _reading(snap_res.snapshot, c.layer, c.path, "band_witness")
+        qnorm = _reading(snap_res.snapshot, c.layer, c.path, "qnorm")
+        assert witness.kind == "bound" and qnorm.kind == "reading"  # a coefficient is not an error bound
+        w, qn = witness.value, qnorm.value  # qn = scale·max‖q‖
         assert c.evaluation.value == pytest.approx(0.5 * math.expm1(2 * qn * w), rel=1e-9)
         # the per-cell certificate is never looser than the layer chain
         cert = _reading(snap_res.snapshot, c.layer, c.path, "certificates").value

@@ -86,19 +86,25 @@ def _meter(p: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return torch.where(live, clipped, 0.0), torch.where(live, raw, 0.0)
 
 
-def _out_bound(p: torch.Tensor, tv: torch.Tensor, vhat: torch.Tensor, vres: torch.Tensor, out: torch.Tensor,
+def _out_bound(p: torch.Tensor, tv: torch.Tensor, vhat: torch.Tensor, vres: torch.Tensor,
                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Two-term bound with centre = served output, plus float32 slack; shapes ``[B, Hkv, M]``."""
-    vres = vres.to(torch.float64)                                         # [B, Hkv, M, S] per cell
+    """Two-term output bound per cell, evaluated cheaply; returns ``(total, key, value, slack)`` ``[B, Hkv, M]``.
+
+    This is :func:`kvcert.bounds.output_error_bound` with the centre ``c = mean_t v̂_t`` of each KV head
+    (any centre is valid), so the spread ``max_t (‖v̂_t − c‖ + ‖Δv_t‖)`` over the visible tokens costs one
+    pass per KV head instead of one per query cell. ``vres[B, Hkv, M, S]`` is ``‖Δv_t‖`` as seen by each cell
+    (0 for entries served exact). ``slack = 2(S + D)u·max_t ‖v̂_t‖`` covers float32 evaluation of ``p̃·v̂``.
+    """
+    vres = vres.to(torch.float64)
     value_term = (p * vres).sum(-1)
     vh = vhat.to(torch.float64)
-    dist = torch.cdist(out.to(torch.float64), vh)                        # [B, Hkv, M, S] ‖v̂_t − ô‖
-    spread = torch.where(mask, dist + vres, torch.zeros_like(dist)).amax(-1)
-    key_term = 2.0 * tv * spread
+    dist = (vh - vh.mean(-2, keepdim=True)).norm(dim=-1)                 # [B, Hkv, S]
+    spread = torch.where(mask, dist.unsqueeze(2) + vres, torch.zeros_like(vres)).amax(-1)
+    key_term = 2.0 * tv.clamp(max=1.0) * spread
     s, d = vhat.shape[-2], vhat.shape[-1]
     vmax = vh.norm(dim=-1).amax(-1, keepdim=True)                         # [B, Hkv, 1]
-    slack = (2.0 * (s + d) * _U * (1 + 1e-6)) * vmax
-    return key_term + value_term + slack, key_term, value_term, slack.expand_as(key_term)
+    slack = ((2.0 * (s + d) * _U * (1 + 1e-6)) * vmax).expand_as(key_term)
+    return key_term + value_term + slack, key_term, value_term, slack
 
 
 def _group(x: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -200,7 +206,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
                 blocks[bi, hi] = res.n_blocks
                 bytes_paged += res.tokens * (host_k.shape[-1] + host_v.shape[-1]) * elt
 
-    bound, key_term, value_term, slack = _out_bound(p_served, cert, vhat, vres_cell, out, m)
+    bound, key_term, value_term, slack = _out_bound(p_served, cert, vhat, vres_cell, m)
     zero = repaired.view(b, hkv, 1)
     key_term = torch.where(zero, torch.zeros_like(key_term), key_term)
     value_term = torch.where(zero, torch.zeros_like(value_term), value_term)
@@ -213,7 +219,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
             out = torch.where(sel, torch.matmul(p_served.to(torch.float32), host_v.to(torch.float32)), out)
             bytes_paged += int(promote.sum()) * s * host_v.shape[-1] * elt
             value_term = torch.where(promote.unsqueeze(-1), torch.zeros_like(value_term), value_term)
-            exact_v = _out_bound(p_served, cert, host_v.to(torch.float32), torch.zeros_like(vres_cell), out, m)
+            exact_v = _out_bound(p_served, cert, host_v.to(torch.float32), torch.zeros_like(vres_cell), m)
             bound = torch.where(promote.unsqueeze(-1), exact_v[0], bound)
             promoted = promote
 

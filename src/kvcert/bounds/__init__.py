@@ -1,7 +1,9 @@
 """Pure math: softmax TV bounds, radii, output-error terms, failure budgets (torch in, torch out)."""
 
 from kvcert.bounds.budget import telescoping_delta, uniform_split
+from kvcert.bounds.latent import effective_query, latent_band_norms, latent_tier_a_radius, latent_tier_b_sigma2
 from kvcert.bounds.output import output_error_bound
+from kvcert.bounds.pooling import PoolingProfile, pool_weights, pooled, pooling_profile
 from kvcert.bounds.radii import (
     query_band_norms,
     tier_a_radius,
@@ -9,7 +11,21 @@ from kvcert.bounds.radii import (
     tier_b_radius,
     tier_b_sigma2,
 )
+from kvcert.bounds.recurrent import GateContraction, gate_contraction, half_life, unrolled_state_error
 from kvcert.bounds.rope import PAIRINGS, Pairing, band_norms, pair_components, round_up_f32
+from kvcert.bounds.selection import (
+    MassRatio,
+    RankPrefixCertificate,
+    SelectionMass,
+    hash_perturbation,
+    lost_gained_mass,
+    omitted_mass,
+    prefix_flips,
+    rank_prefix_certificate,
+    selection_distributions,
+    selector_attention_ratio,
+    topk_mask,
+)
 from kvcert.bounds.softmax_tv import (
     FORMS,
     PAPER_LEVEL_FORMS,
@@ -27,21 +43,43 @@ from kvcert.bounds.softmax_tv import (
 )
 
 __all__ = [
-    "FORMS",
-    "PAIRINGS",
-    "PAPER_LEVEL_FORMS",
-    "Pairing",
     "band_norms",
+    "effective_query",
+    "FORMS",
+    "gate_contraction",
+    "GateContraction",
+    "half_life",
+    "hash_perturbation",
+    "latent_band_norms",
+    "latent_tier_a_radius",
+    "latent_tier_b_sigma2",
+    "lost_gained_mass",
+    "MassRatio",
     "meter_and_unclipped",
+    "omitted_mass",
     "output_error_bound",
     "pair_components",
+    "Pairing",
+    "PAIRINGS",
+    "PAPER_LEVEL_FORMS",
+    "pool_weights",
+    "pooled",
+    "pooling_profile",
+    "PoolingProfile",
+    "prefix_flips",
     "query_band_norms",
+    "rank_prefix_certificate",
+    "RankPrefixCertificate",
     "round_up_f32",
+    "selection_distributions",
+    "SelectionMass",
+    "selector_attention_ratio",
     "telescoping_delta",
     "tier_a_radius",
     "tier_a_radius_from_qnorms",
     "tier_b_radius",
     "tier_b_sigma2",
+    "topk_mask",
     "true_tv",
     "tv_bound",
     "tv_eform",
@@ -53,4 +91,5 @@ __all__ = [
     "tv_two_sided",
     "tv_uniform",
     "uniform_split",
+    "unrolled_state_error",
 ]

@@ -13,14 +13,16 @@ Layout per layer (``B`` batch rows, ``H`` KV heads, ``S`` tokens, ``D`` head dim
 * **decode scratch** — the dequantized keys/values the read path attends over. A fused kernel would
   dequantize in registers; this CPU reference keeps the decoded copy and reports it separately.
 
-Write protocol: new tokens are appended exact and *pending*; they are encoded at the start of the next
-write (so the forward that produced them attends to them exactly, as in-flight K/V). The witness is
+Write protocol: new tokens are appended exact and *pending*; at the start of a later write, pending
+tokens are encoded in whole blocks of ``write_block`` tokens (so the forward that produced them attends
+to them exactly, as in-flight K/V, and a partial block stays exact until it fills). The witness is
 computed at encode time from the exact original, which makes it valid for every later read (the
 stored codes are immutable: cache-preserving contract, ``certificates.md`` §4.6).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -42,8 +44,9 @@ class _Chunk:
 class _Tensorstore:
     """Device + host storage of one of K or V for one layer."""
 
-    def __init__(self, codec: Codec, like: torch.Tensor, pin: bool) -> None:
+    def __init__(self, codec: Codec, like: torch.Tensor, pin: bool, write_block: int) -> None:
         self.codec = codec
+        self.block = math.lcm(codec.block, write_block)
         self.host = GrowBuffer(like, pin=pin)
         self.served = GrowBuffer(like.to(torch.float32))
         b, h = like.shape[:2]
@@ -53,9 +56,11 @@ class _Tensorstore:
         self.last_encoded = 0       # tokens encoded by the most recent encode_pending call
 
     def encodable(self) -> int:
-        """How many pending tokens can be encoded now (whole ``block`` multiples outside the residual window)."""
+        """How many pending tokens can be encoded now: whole blocks (``lcm(codec.block, write_block)``) outside
+        the codec's residual window. Encoding whole blocks amortises the per-write cost, as a serving kernel
+        quantises a full page atomically; the trailing partial block stays exact until it fills."""
         avail = self.host.n - self.codec.residual_window - self.n_encoded
-        return max(avail // self.codec.block, 0) * self.codec.block
+        return max(avail // self.block, 0) * self.block
 
     def packed_nbytes(self) -> int:
         return sum(c.packed.nbytes for c in self.chunks)
@@ -68,7 +73,10 @@ class LayerStore:
     """All tiers of one layer; see the module docstring for the layout and the write protocol."""
 
     def __init__(self, layer: int, key_codec: Codec, value_codec: Codec, *, bands: int, pairing: Pairing,
-                 seed: int) -> None:
+                 seed: int, write_block: int = 1) -> None:
+        if write_block < 1:
+            raise ValueError(f"write_block must be >= 1, got {write_block}")
+        self.write_block = write_block
         self.layer = layer
         self.key_codec = key_codec
         self.value_codec = value_codec
@@ -84,8 +92,9 @@ class LayerStore:
     # ----------------------------------------------------------------------------------------- write
     def _init(self, k: torch.Tensor, v: torch.Tensor) -> None:
         pin = torch.cuda.is_available()
-        self.k = _Tensorstore(self.key_codec, k[:, :, :0].to("cpu") if pin else k[:, :, :0], pin)
-        self.v = _Tensorstore(self.value_codec, v[:, :, :0].to("cpu") if pin else v[:, :, :0], pin)
+        self.k = _Tensorstore(self.key_codec, k[:, :, :0].to("cpu") if pin else k[:, :, :0], pin, self.write_block)
+        self.v = _Tensorstore(self.value_codec, v[:, :, :0].to("cpu") if pin else v[:, :, :0], pin,
+                              self.write_block)
         b, h, _, d = k.shape
         z = k.new_zeros((b, h, 0), dtype=torch.float32)
         self.k_band = GrowBuffer(k.new_zeros((b, h, 0, self.bands), dtype=torch.float32))

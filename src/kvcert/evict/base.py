@@ -25,6 +25,7 @@ ranks identically; ``"max"`` is the per-item maximum over the group and is not a
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -36,7 +37,9 @@ F64 = torch.float64
 
 
 def aggregate_gqa(attn: Tensor, n_kv_heads: int, how: GqaAggregation = "mean") -> Tensor:
-    """Aggregate ``attn[B, Hq, q, S]`` over the ``G = Hq / Hkv`` query heads of each KV head -> ``[B, Hkv, q, S]``.
+    """Aggregate ``attn[B, Hq, q, S]`` over the ``G = Hq / Hkv`` query heads of each KV head.
+
+    Returns ``[B, Hkv, q, S]``.
 
     Query head ``h`` belongs to KV head ``h // G`` (transformers' ``repeat_kv`` layout).
     """
@@ -69,7 +72,8 @@ def prefill_kept_count(seq_len: int, ratio: float) -> int:
 
 
 def causal_attention(queries: Tensor, keys: Tensor) -> Tensor:
-    """Causal softmax attention ``[B, Hq, S, S]`` (float64) from ``queries[B, Hq, S, D]``, ``keys[B, Hkv, S, D]``.
+    """Causal softmax attention ``[B, Hq, S, S]`` (float64) of ``queries[B, Hq, S, D]`` over
+    ``keys[B, Hkv, S, D]``.
 
     Scale ``1/sqrt(D)``; query head ``h`` reads KV head ``h // G``. Used when a prefill caller has no
     eager attention weights.
@@ -98,13 +102,27 @@ def keep_top(scores: Tensor, protected: Tensor, budget: int) -> Tensor:
         raise ValueError(f"budget must be positive, got {budget}")
     n_protected = int(protected.sum(-1).max()) if protected.numel() else 0
     if n_protected > budget:
-        raise ValueError(
-            f"budget={budget} is smaller than the {n_protected} protected items (sinks + recent/lag)"
-        )
+        raise ValueError(f"budget={budget} is smaller than the {n_protected} protected items (sinks + recent/lag)")
     key = scores.to(F64).masked_fill(protected, math.inf)
-    c = min(budget, scores.shape[-1])
-    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :c]
-    return order.sort(dim=-1).values
+    s = scores.shape[-1]
+    c = min(budget, s)
+    if s - c > _ARGMIN_MAX_EVICT:
+        order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :c]
+        return order.sort(dim=-1).values
+    # Few evictions (the decode case): pick the minimum key s − c times, ties to the highest index —
+    # the same set the stable sort drops, in O(S) per pick instead of a full sort.
+    picks = []
+    for _ in range(s - c):
+        idx = (s - 1) - key.flip(-1).argmin(dim=-1, keepdim=True)  # argmin returns the first minimum
+        picks.append(idx)
+        key = key.scatter(-1, idx, math.inf)
+    keep = torch.arange(c).expand(*scores.shape[:-1], c)
+    for e in torch.cat(picks, -1).sort(dim=-1).values.unbind(-1):  # skip evicted slots, ascending
+        keep = keep + (keep >= e[..., None])
+    return keep
+
+
+_ARGMIN_MAX_EVICT = 8
 
 
 def fit_slots(x: Tensor, length: int) -> Tensor:
@@ -119,13 +137,12 @@ class LayerState:
     scores: Tensor  # [B, Hkv, S] float64
     positions: Tensor  # [B, Hkv, S] long, logical position of each slot
     now: Tensor  # [B] long, position of the latest query observed
-    rows: list[Tensor] = field(
-        default_factory=list
-    )  # recorded query groups [B, Hkv, q, S_then] (policy-specific)
+    rows: list[Tensor] = field(default_factory=list)  # recorded query groups [B, Hkv, q, S_then] (policy-specific)
     row_positions: list[Tensor] = field(default_factory=list)  # [B, q] query positions of each group
+    issued: Tensor | None = None  # the keep tensor the last select returned (validated by construction)
 
 
-class EvictionPolicy:
+class EvictionPolicy(ABC):
     """Base scorer policy. Subclasses set ``sinks``/``recent`` and override the scoring hooks.
 
     Protected items (never evicted): logical position ``< sinks``, or ``> now − recent`` (the ``recent``
@@ -157,28 +174,33 @@ class EvictionPolicy:
         """
         if attn.dim() != 4:
             raise ValueError(f"attn must be [B, Hkv, q, S], got shape {tuple(attn.shape)}")
-        if not torch.isfinite(attn).all() or (attn < 0).any():
-            raise ValueError("attn must be finite and non-negative")
+        if attn.numel() and not (float(attn.min()) >= 0 and math.isfinite(float(attn.sum()))):
+            raise ValueError("attn must be finite and non-negative")  # NaN fails the min, ±inf the sum
         b, h, q, s = attn.shape
         if positions.dim() == 2:
             positions = positions[:, None, :].expand(b, h, s)
         if positions.shape != (b, h, s) or positions.dtype not in (torch.int32, torch.int64):
-            raise ValueError(
-                f"positions must be integer [B, S] or [B, Hkv, S] matching attn {tuple(attn.shape)}"
-            )
-        if s > 1 and not (positions.diff(dim=-1) > 0).all():
-            raise ValueError("positions must be strictly increasing along the slot axis")
+            raise ValueError(f"positions must be integer [B, S] or [B, Hkv, S] matching attn {tuple(attn.shape)}")
         if q > s:
             raise ValueError(f"attn has q={q} queries but only S={s} slots")
+        positions = positions.long()
         state = self._layers.get(layer)
         if state is None:
-            state = LayerState(torch.zeros(b, h, 0, dtype=F64), positions.long(), positions[:, 0, -1].long())
+            state = LayerState(torch.zeros(b, h, 0, dtype=F64), positions[..., :0], positions[:, 0, -1])
             self._layers[layer] = state
-        if s < state.scores.shape[-1] or state.scores.shape[:2] != (b, h):
+        old = state.scores.shape[-1]
+        if s < old or state.scores.shape[:2] != (b, h):
             raise ValueError(f"attn slots shrank or batch/heads changed without on_evict (layer {layer})")
+        # slots the policy already holds must be unchanged (catches a cache/policy gather mismatch);
+        # only the appended tail needs the strictly-increasing check
+        if not torch.equal(positions[..., :old], state.positions):
+            raise ValueError(f"positions disagree with the slots the policy holds for layer {layer}")
+        if s - old > 0 and not (positions[..., max(old - 1, 0) :].diff(dim=-1) > 0).all():
+            raise ValueError("positions must be strictly increasing along the slot axis")
+        state.issued = None
         state.scores = fit_slots(state.scores, s)
-        state.positions = positions.long().clone()
-        qpos = positions[:, 0, s - q :].long()
+        state.positions = positions.clone()
+        qpos = positions[:, 0, s - q :]
         state.now = qpos[:, -1]
         self._accumulate(layer, state, attn.to(F64), qpos)
 
@@ -190,8 +212,7 @@ class EvictionPolicy:
         """
         if step_positions.shape != kappa.shape or kappa.dim() != 2:
             raise ValueError(
-                f"step_positions and kappa must both be [B, q], got {tuple(step_positions.shape)}, "
-                f"{tuple(kappa.shape)}"
+                f"step_positions and kappa must both be [B, q], got {tuple(step_positions.shape)}, {tuple(kappa.shape)}"
             )
         if not torch.isfinite(kappa).all() or (kappa < 0).any() or (kappa > 1).any():
             raise ValueError("kappa must be finite and in [0, 1]")
@@ -201,20 +222,19 @@ class EvictionPolicy:
         state = self._state(layer)
         if state.scores.shape[-1] <= budget:
             return None
-        return keep_top(self._scores(layer, state), self._protected(state.positions, state.now), budget)
+        state.issued = keep_top(self._scores(layer, state), self._protected(state.positions, state.now), budget)
+        return state.issued
 
     def on_evict(self, layer: int, keep: Tensor) -> None:
         """Compact the layer's per-item state with the same gather the cache applied (``keep[B, Hkv, C]``)."""
         state = self._state(layer)
         s = state.scores.shape[-1]
-        if keep.dim() != 3 or keep.shape[:2] != state.scores.shape[:2] or keep.dtype != torch.long:
-            raise ValueError(
-                f"keep must be long [B, Hkv, C] matching the layer state, got {tuple(keep.shape)}"
-            )
-        if keep.numel() and (
-            int(keep.min()) < 0 or int(keep.max()) >= s or not (keep.diff(dim=-1) > 0).all()
-        ):
-            raise ValueError(f"keep must be strictly increasing physical indices in [0, {s})")
+        if keep is not state.issued:  # select's own output for the current state is valid by construction
+            if keep.dim() != 3 or keep.shape[:2] != state.scores.shape[:2] or keep.dtype != torch.long:
+                raise ValueError(f"keep must be long [B, Hkv, C] matching the layer state, got {tuple(keep.shape)}")
+            if keep.numel() and (int(keep.min()) < 0 or int(keep.max()) >= s or not (keep.diff(dim=-1) > 0).all()):
+                raise ValueError(f"keep must be strictly increasing physical indices in [0, {s})")
+        state.issued = None
         state.scores = state.scores.gather(-1, keep)
         state.positions = state.positions.gather(-1, keep)
         state.rows = [
@@ -270,15 +290,16 @@ class EvictionPolicy:
         return (positions < self.sinks) | (positions > (now[:, None, None] - self.recent))
 
     def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: Tensor) -> None:
-        """Update decode-mode state from ``attn[B, Hkv, q, S]`` (float64); default: nothing."""
+        """Update decode-mode state from ``attn[B, Hkv, q, S]`` (float64); default: no state to update."""
+        return None
 
     def _scores(self, layer: int, state: LayerState) -> Tensor:
         return state.scores
 
-    def _prefill_scores(
-        self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None
-    ) -> Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def _prefill_scores(self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None) -> Tensor:
+        """Prefill scores ``[B, Hkv, S]`` from ``attn[B, Hkv, S, S]`` (GQA-summed; ``None`` when
+        ``needs_attention`` is False) and ``kappa[B, S]`` (or ``None``)."""
 
     def _state(self, layer: int) -> LayerState:
         state = self._layers.get(layer)
@@ -296,5 +317,5 @@ def accumulate_rows(scores: Tensor, attn: Tensor, weights: Tensor | None = None)
     out = fit_slots(scores, attn.shape[-1]).clone()
     for r in range(attn.shape[2]):
         row = attn[:, :, r, :]
-        out = out + (row if weights is None else weights[:, r, None, None].to(F64) * row)
+        out.add_(row if weights is None else weights[:, r, None, None].to(F64) * row)
     return out

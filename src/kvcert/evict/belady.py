@@ -31,9 +31,7 @@ BeladyVariant = Literal["next_use", "future_mass"]
 
 def _check_trace(attn: Tensor, kappa: Tensor) -> None:
     if attn.dim() != 4 or attn.shape[0] != attn.shape[-1]:
-        raise ValueError(
-            f"attn must be [T, L, Hkv, T] (row s = query at position s), got {tuple(attn.shape)}"
-        )
+        raise ValueError(f"attn must be [T, L, Hkv, T] (row s = query at position s), got {tuple(attn.shape)}")
     if kappa.shape != attn.shape[:1]:
         raise ValueError(f"kappa must be [T] = [{attn.shape[0]}], got {tuple(kappa.shape)}")
 
@@ -75,17 +73,13 @@ class Belady(EvictionPolicy):
             raise ValueError("Belady replays a recorded trace of batch size 1")
         t = int(now[0])
         if t >= self._table.shape[0] or int(positions.max()) >= self._table.shape[-1]:
-            raise ValueError(
-                f"step {t} or a position lies beyond the recorded trace of {self._table.shape[0]} steps"
-            )
+            raise ValueError(f"step {t} or a position lies beyond the recorded trace of {self._table.shape[0]} steps")
         return self._table[t, layer].gather(-1, positions[0])[None]
 
     def _scores(self, layer: int, state: LayerState) -> Tensor:
         return self._lookup(layer, state.positions, state.now)
 
-    def _prefill_scores(
-        self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None
-    ) -> Tensor:
+    def _prefill_scores(self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None) -> Tensor:
         return self._lookup(layer, positions, torch.full((1,), positions.shape[-1] - 1))
 
 

@@ -21,8 +21,6 @@ class H2O(EvictionPolicy):
     def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: Tensor) -> None:
         state.scores = accumulate_rows(state.scores, attn)
 
-    def _prefill_scores(
-        self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None
-    ) -> Tensor:
+    def _prefill_scores(self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None) -> Tensor:
         assert attn is not None
         return attn.sum(-2)

@@ -62,7 +62,7 @@ def served_attention(attn: Tensor, keep_mask: Tensor) -> Tensor:
 
 
 def selection_tv(attn: Tensor, keep_mask: Tensor) -> Tensor:
-    """``TV(attn, served_attention(attn, K))`` computed directly as ``½ Σ |p − p̃|`` (rows of ``attn`` sum to 1)."""
+    """``TV(attn, served_attention(attn, K)) = ½ Σ |p − p̃|``, computed directly (rows sum to 1)."""
     return 0.5 * (attn.to(F64) - served_attention(attn, keep_mask)).abs().sum(-1)
 
 

@@ -46,24 +46,18 @@ class RMM(EvictionPolicy):
         super().set_kappa(step_positions, kappa)
         for layer, state in self._layers.items():
             if not state.row_positions or not torch.equal(state.row_positions[0], step_positions.long()):
-                raise ValueError(
-                    f"step_positions do not match the oldest unscored query group of layer {layer}"
-                )
+                raise ValueError(f"step_positions do not match the oldest unscored query group of layer {layer}")
         for state in self._layers.values():
             rows = state.rows.pop(0)
             state.row_positions.pop(0)
             state.scores = accumulate_rows(state.scores, rows, kappa)
 
-    def _prefill_scores(
-        self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None
-    ) -> Tensor:
+    def _prefill_scores(self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None) -> Tensor:
         assert attn is not None
         if kappa is None:
             if self.kappa_kind != "uniform":
                 raise ValueError(f"kappa [B, S] is required for RMM prefill with kappa={self.kappa_kind!r}")
             kappa = torch.ones(attn.shape[0], attn.shape[-1], dtype=attn.dtype)
         if kappa.shape != (attn.shape[0], attn.shape[-1]):
-            raise ValueError(
-                f"kappa must be [B, S] = {(attn.shape[0], attn.shape[-1])}, got {tuple(kappa.shape)}"
-            )
+            raise ValueError(f"kappa must be [B, S] = {(attn.shape[0], attn.shape[-1])}, got {tuple(kappa.shape)}")
         return (attn * kappa[:, None, :, None].to(attn.dtype)).sum(-2)

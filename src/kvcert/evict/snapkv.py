@@ -1,4 +1,4 @@
-"""SnapKV: attention of the last ``window`` queries, pooled over neighbouring slots, plus the window (§11.6)."""
+"""SnapKV: attention of the last ``window`` queries, pooled over neighbour slots, plus the window (§11.6)."""
 
 from __future__ import annotations
 
@@ -29,9 +29,7 @@ class SnapKV(EvictionPolicy):
     ``window`` observed query rows; pooling runs over physical slots (neighbours after eviction).
     """
 
-    def __init__(
-        self, window: int = 32, kernel: int = 5, pooling: Pooling = "avgpool", sinks: int = 0
-    ) -> None:
+    def __init__(self, window: int = 32, kernel: int = 5, pooling: Pooling = "avgpool", sinks: int = 0) -> None:
         if window <= 0:
             raise ValueError(f"window must be positive, got {window}")
         if kernel <= 0 or kernel % 2 == 0:
@@ -51,8 +49,6 @@ class SnapKV(EvictionPolicy):
     def _scores(self, layer: int, state: LayerState) -> Tensor:
         return pool_scores(state.rows[0].sum(2), self.kernel, self.pooling)
 
-    def _prefill_scores(
-        self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None
-    ) -> Tensor:
+    def _prefill_scores(self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None) -> Tensor:
         assert attn is not None
         return pool_scores(attn[:, :, -self.window :, :].sum(2), self.kernel, self.pooling)

@@ -31,7 +31,5 @@ class StreamingLLM(EvictionPolicy):
     def _scores(self, layer: int, state: LayerState) -> Tensor:
         return state.positions.to(F64)
 
-    def _prefill_scores(
-        self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None
-    ) -> Tensor:
+    def _prefill_scores(self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None) -> Tensor:
         return positions.to(F64)

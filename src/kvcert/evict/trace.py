@@ -89,7 +89,7 @@ def trace_from_attentions(
 
 @dataclass(frozen=True)
 class ReplayResult:
-    """Per (step, layer, head) replay record; ``present[T, L, Hkv, T]`` marks positions present at each read."""
+    """Per (step, layer, head) replay record; ``present[T, L, Hkv, T]``: positions present at each read."""
 
     present: Tensor
     evicted_mass: Tensor  # [T, L, Hkv] float64
@@ -102,9 +102,7 @@ class ReplayResult:
         return float(self.served_mass.sum())
 
 
-def replay(
-    policy: EvictionPolicy, trace: AttentionTrace, budget: int, kappa: KappaKind = "realised"
-) -> ReplayResult:
+def replay(policy: EvictionPolicy, trace: AttentionTrace, budget: int, kappa: KappaKind = "realised") -> ReplayResult:
     """Run ``policy`` over ``trace`` with ``budget`` items per KV head (see module doc)."""
     if budget <= 0:
         raise ValueError(f"budget must be positive, got {budget}")
@@ -133,13 +131,13 @@ def replay(
 
 
 def overlap(result: ReplayResult, reference: ReplayResult) -> Tensor:
-    """``|P ∩ R| / |R|`` per (step, layer, head): share of the reference's present set the policy also holds."""
+    """``|P ∩ R| / |R|`` per (step, layer, head): share of the reference's present set the policy holds."""
     both = (result.present & reference.present).sum(-1)
     return both.to(F64) / reference.present.sum(-1).to(F64)
 
 
 def gap_closed(value: float, low: float, high: float) -> float:
-    """``(value − low) / (high − low)``: fraction of the ``low -> high`` gap (H2O -> Belady) closed by ``value``;
-    ``nan`` when the gap is not positive (nothing to close)."""
+    """``(value − low) / (high − low)``: fraction of the ``low -> high`` gap (H2O -> Belady) closed by
+    ``value``; ``nan`` when the gap is not positive (nothing to close)."""
     gap = high - low
     return (value - low) / gap if gap > 0 else math.nan

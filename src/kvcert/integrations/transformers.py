@@ -11,6 +11,7 @@ Keys arrive post-RoPE; the band witness uses the model's RoPE pairing (HF models
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvcert.attention.certified import ReadConfig, ReadResult, certified_read
+from kvcert.attention.ladder import LadderConfig, LadderStats, ladder_read
 from kvcert.bounds import uniform_split
 from kvcert.bounds.rope import Pairing
 from kvcert.cache.events import CacheObserver, ReadEvent, WriteEvent
@@ -149,8 +151,9 @@ class CertifiedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         """Drop all stored tokens (the cache can then serve a new request)."""
-        self.store = LayerStore(self.store.layer, self.store.key_codec, self.store.value_codec,
-                                bands=self.store.bands, pairing=self.store.pairing, seed=self.store.seed)
+        st = self.store
+        self.store = LayerStore(st.layer, st.key_codec, st.value_codec, bands=st.bands, pairing=st.pairing,
+                                seed=st.seed, write_block=st.write_block)
         self.cumulative_length = 0
         self.returned = None
 
@@ -195,6 +198,10 @@ class CertifiedCache(Cache):
         certify: compute certificates (default). ``False`` serves the compressed cache with plain SDPA and
             records nothing — the uncertified baseline used to measure the certificate's cost; it cannot be
             combined with a gate or validate mode.
+        write_block: pending tokens are encoded in whole blocks of this many tokens (exact until then).
+        ladder: ``True`` (or a :class:`~kvcert.attention.ladder.LadderConfig`) serves through the RC tiered
+            read path with its four-rung fallback ladder instead of the meter-gated path; ``gate`` must then
+            be off. Rung counters are in ``cache.ladder_stats``.
     """
 
     def __init__(self, model: torch.nn.Module, keys: str | Codec = "int8", values: str | Codec = "int8", *,
@@ -203,7 +210,7 @@ class CertifiedCache(Cache):
                  require_identity: bool | None = None, delta_req: float = 1e-2, max_steps: int = 256,
                  observers: Sequence[CacheObserver] = (), seed: int | None = None,
                  key_options: dict[str, Any] | None = None, value_options: dict[str, Any] | None = None,
-                 certify: bool = True) -> None:
+                 certify: bool = True, write_block: int = 1, ladder: bool | LadderConfig = False) -> None:
         self.family = _model_family(model)
         cfg = model.config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(cfg)
@@ -211,6 +218,12 @@ class CertifiedCache(Cache):
         if not certify and (self.gate.mode != "off" or validate):
             raise ValueError("certify=False cannot be combined with a gate or validate=True")
         self.certify = certify
+        if ladder and self.gate.mode != "off":
+            raise ValueError("ladder=True has its own fallback rungs; use gate=Gate.off() with it")
+        self.ladder = bool(ladder)
+        base = ladder if isinstance(ladder, LadderConfig) else LadderConfig()
+        self._ladder_cfg = dataclasses.replace(base, validate=validate)
+        self.ladder_stats = LadderStats()
         self.validate = validate
         self.seed = int.from_bytes(os.urandom(4), "little") if seed is None else int(seed)
         self.observers = list(observers)
@@ -223,7 +236,7 @@ class CertifiedCache(Cache):
         for i in range(n_layers):
             kc = _resolve_codec(keys, "key", key_options or {})
             vc = _resolve_codec(values, "value", value_options or {})
-            store = LayerStore(i, kc, vc, bands=bands, pairing=pairing, seed=self.seed)
+            store = LayerStore(i, kc, vc, bands=bands, pairing=pairing, seed=self.seed, write_block=write_block)
             window = layer_kwargs[i].get("sliding_window") if layer_types[i] == "sliding_attention" else None
             layers.append(CertifiedLayer(store, window))
         super().__init__(layers=layers)
@@ -351,7 +364,11 @@ class CertifiedCache(Cache):
                                           scaling=scaling, **kwargs)
             return o
 
-        res = certified_read(query, store, mask, float(scaling), self._cfg, exact_attention)
+        if self.ladder:
+            res = ladder_read(query, store, mask, float(scaling), self._ladder_cfg, exact_attention,
+                              self.ladder_stats)
+        else:
+            res = certified_read(query, store, mask, float(scaling), self._cfg, exact_attention)
         self._record(layer, res, nq)
         return res.out.to(query.dtype)
 

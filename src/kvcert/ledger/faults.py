@@ -55,7 +55,7 @@ class LedgeredPool:
         self.host[slots] = x
         self.codes[slots], self.scale[slots], self.witness[slots] = codes, scale, w
         self.check[slots] = _checksum(codes)
-        self.src_gen[slots] = [self.ledger.slot_key(self.name, self.layer, int(s)).generation for s in slots]
+        self.src_gen[slots] = self.ledger.lookup(self.name, self.layer, slots)[2]
         return states
 
     def read(self, reader: int, slots: np.ndarray) -> np.ndarray:
@@ -78,14 +78,8 @@ class LedgeredPool:
 
     def written(self) -> np.ndarray:
         """Slots currently in the ``compressed`` state (the sentinel's population)."""
-        return np.array(
-            [
-                s
-                for s in range(self.codes.shape[0])
-                if self.ledger.slot_state(self.name, self.layer, s)[0] == SlotState.COMPRESSED
-            ],
-            dtype=np.int64,
-        )
+        every = np.arange(self.codes.shape[0])
+        return every[self.ledger.lookup(self.name, self.layer, every)[0] == SlotState.COMPRESSED]
 
     def verify(self, slots: np.ndarray) -> np.ndarray:
         """Host-tier check: ``‖decode(codes) − host‖ > witness`` (the write-time bound) marks a bad slot."""

@@ -42,7 +42,17 @@ _COUNTERS = (
     "n_read_shared",
     "n_read_by_others",
 )
-_WRITTEN = (SlotState.COMPRESSED, SlotState.KEPT_EXACT, SlotState.RESTORED_EXACT)
+# plain ints for the replay hot path (IntEnum attribute access is slow)
+_UNWRITTEN, _COMPRESSED, _KEPT, _RESTORED = (int(x) for x in SlotState)
+
+
+def _distinct(values: np.ndarray) -> list[int]:
+    """Distinct values in ascending order (fast path for the common single-owner batch)."""
+    if values.size == 0:
+        return []
+    if values.size <= 256:  # Python's set beats np.unique's fixed cost on the small per-call arrays
+        return sorted(set(values.tolist()))
+    return [int(v) for v in np.unique(values)]
 
 
 @dataclass
@@ -169,14 +179,15 @@ class Ledger:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         slots_a, owners_a = self._check_entries(slots, owners)
         with self._lock:
-            for uid in np.unique(owners_a[owners_a >= 0]):
-                self._account(int(uid))
+            owner_ids = _distinct(owners_a[owners_a >= 0])
+            for uid in owner_ids:
+                self._account(uid)
             table = self._table(pool, layer)
             previous = table.invalidate(slots_a, owners_a)
             shares = np.zeros(slots_a.size)
             if rule == "probabilistic":
-                for uid in np.unique(owners_a[owners_a >= 0]):
-                    shares[owners_a == uid] = self._account(int(uid)).budget.next_share()
+                for uid in owner_ids:
+                    shares[owners_a == uid] = self.accounts[uid].budget.next_share()
             nan = np.full(slots_a.size, np.nan)
             try:
                 decision = (
@@ -192,7 +203,7 @@ class Ledger:
                 )
                 raise
             states = self._enforce(decision, owners_a, rule)
-            factors = np.where(states == SlotState.KEPT_EXACT, np.nan, decision.log_factors)
+            factors = np.where(states == _KEPT, np.nan, decision.log_factors)
             self._commit(SlotWrite(pool, layer, slots_a, owners_a, states, rule, factors, fallback), previous)
             return states
 
@@ -227,8 +238,8 @@ class Ledger:
         if np.any(st < 0) or np.any(ct < 0) or np.any(sp < 0):
             raise ValueError("starts, counts and steps must be >= 0")
         with self._lock:
-            for uid in np.unique(r[r >= 0]):
-                self._account(int(uid))
+            for uid in _distinct(r[r >= 0]):
+                self._account(uid)
             return self._commit(SlotRead(pool, layer, r, st, sp, ct, gen, shared, fallback))
 
     def report_fault(self, kind: str, pool: str, layer: int, slot: int, detail: str = "") -> Incident:
@@ -236,6 +247,12 @@ class Ledger:
         with self._lock:
             self._commit(FaultReport(kind, pool, layer, int(slot), detail))
             return self._last_incident[kind]
+
+    def lookup(self, pool: str, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Vectorised ``(state, owner, generation)`` of ``slots`` (never-written slots: unwritten, gen 0)."""
+        with self._lock:
+            s, o, g = self._table(pool, layer).lookup(np.asarray(slots, dtype=np.int64))
+            return s.copy(), o.copy(), g.copy()
 
     def slot_key(self, pool: str, layer: int, slot: int) -> SlotKey:
         """Current identity (with generation) of one slot."""
@@ -316,7 +333,7 @@ class Ledger:
             raise ValueError(f"slots has {s.size} entries but owners has {o.size}")
         if np.any(s < 0):
             raise ValueError("slots must be >= 0")
-        if np.unique(s).size != s.size:
+        if (len(set(s.tolist())) if s.size <= 256 else np.unique(s).size) != s.size:
             raise ValueError("slots must be distinct within one write")
         return s, o
 
@@ -325,12 +342,12 @@ class Ledger:
         states = np.asarray(decision.states, dtype=np.uint8)
         if states.shape != owners.shape or decision.log_factors.shape != owners.shape:
             raise ValueError(f"decision covers {states.shape}, expected {owners.shape}")
-        if not np.isin(states, np.array(_WRITTEN, dtype=np.uint8)).all():
+        if states.size and not (_COMPRESSED <= int(states.min()) and int(states.max()) <= _RESTORED):
             raise ValueError("decision states must be compressed, kept_exact or restored_exact")
-        if rule == "deterministic" and np.any(states == SlotState.RESTORED_EXACT):
+        if rule == "deterministic" and np.any(states == _RESTORED):
             raise ValueError("restored_exact requires the probabilistic rule (an audited draw)")
         # Fail closed: no UID -> exact, no matter what the writer proposed.
-        return np.where(owners < 0, SlotState.KEPT_EXACT, states).astype(np.uint8)
+        return np.where(owners < 0, np.uint8(_KEPT), states)
 
     def _table(self, pool: str, layer: int) -> LayerSlots:
         if not isinstance(pool, str) or not pool:
@@ -407,20 +424,20 @@ class Ledger:
             self._incident(
                 "identity_fail_closed", ev.pool, ev.layer, ev.slots[lost], gens[lost], ev.owners[lost]
             )
-        restored = ev.states == SlotState.RESTORED_EXACT
+        restored = ev.states == _RESTORED
         self._incident(
             "auth_violation", ev.pool, ev.layer, ev.slots[restored], gens[restored], ev.owners[restored]
         )
         factors_all = []
-        for uid in np.unique(ev.owners[~lost]):
-            a = self.accounts[int(uid)]
+        for uid in _distinct(ev.owners[~lost]):
+            a = self.accounts[uid]
             mine = ev.owners == uid
             st = ev.states[mine]
             c = a.counts
-            c["n_written"] += int(np.count_nonzero(st != SlotState.UNWRITTEN))
-            c["n_compressed"] += int(np.count_nonzero(st == SlotState.COMPRESSED))
-            c["n_kept_exact"] += int(np.count_nonzero(st == SlotState.KEPT_EXACT))
-            c["n_restored_exact"] += int(np.count_nonzero(st == SlotState.RESTORED_EXACT))
+            c["n_written"] += int(np.count_nonzero(st != _UNWRITTEN))
+            c["n_compressed"] += int(np.count_nonzero(st == _COMPRESSED))
+            c["n_kept_exact"] += int(np.count_nonzero(st == _KEPT))
+            c["n_restored_exact"] += int(np.count_nonzero(st == _RESTORED))
             if ev.rule == "empirical":
                 c["n_empirical"] += int(st.size)
             if ev.rule == "probabilistic":
@@ -429,53 +446,90 @@ class Ledger:
                 f = ev.log_factors[mine]
                 f = f[~np.isnan(f)]
                 c["n_authorized"] += int(f.size)
-                c["n_auth_violations"] += int(np.count_nonzero(st == SlotState.RESTORED_EXACT))
+                c["n_auth_violations"] += int(np.count_nonzero(st == _RESTORED))
                 a.eprocess.update(f)
                 factors_all.append(f)
         if factors_all:
             self.eprocess.update(np.concatenate(factors_all))
 
+    @staticmethod
+    def _grid(ev: SlotRead, table: LayerSlots) -> int:
+        """Entries per range if ``ev`` reads the dense interleaved block ``[0, R·c)`` (range ``i`` = slots
+        ``i, i+R, …``, the certified-cache layout), else -1."""
+        r = ev.counts.size
+        if r == 0:
+            return -1
+        c = int(ev.counts[0])
+        ok = (ev.counts == c).all() and (ev.steps == r).all() and (ev.starts == np.arange(r)).all()
+        return c if ok and c * r <= table.state.shape[0] else -1
+
     def _apply_read(self, ev: SlotRead) -> np.ndarray:
-        readers, slots, want = ev.expand()
         if ev.fallback:
             self.counters["uid_group_fallbacks"] += 1
-        state, owner, gen = self._table(ev.pool, ev.layer).lookup(slots)
-        unwritten = state == SlotState.UNWRITTEN
+        table = self._table(ev.pool, ev.layer)
+        r = ev.counts.size
+        c = self._grid(ev, table)
+        if c >= 0:  # fast path: views of the dense block in [range, entry] layout, no gather
+            state, owner, gen = (
+                a[: r * c].reshape(c, r).T for a in (table.state, table.owner, table.generation)
+            )
+            readers, want = ev.readers[:, None], ev.generations[:, None]
+        else:
+            readers_e, slots_e, want_e = ev.expand()
+            state, owner, gen = table.lookup(slots_e)
+            readers, want = readers_e, want_e
+        unwritten = state == _UNWRITTEN
         stale = (want >= 0) & (want != gen) & ~unwritten
-        served = (state == SlotState.COMPRESSED) & ~stale & (readers >= 0)
+        served = (state == _COMPRESSED) & ~stale & (readers >= 0)
         foreign = (owner >= 0) & (owner != readers) & ~unwritten
-        no_id = readers < 0
+        flags = np.stack([served, unwritten, stale, foreign]).astype(np.int64)
+        if c >= 0:
+            per_range = flags.sum(axis=2)
+        else:  # entries are laid out range by range
+            per_range = np.zeros((4, r), dtype=np.int64)
+            nz = ev.counts > 0
+            if nz.any():
+                per_range[:, nz] = np.add.reduceat(flags, (np.cumsum(ev.counts) - ev.counts)[nz], axis=1)
+        no_id = ev.readers < 0
         if no_id.any():
-            self.counters["identity_fail_closed_reads"] += int(no_id.sum())
+            self.counters["identity_fail_closed_reads"] += int(ev.counts[no_id].sum())
         kind = "n_read_shared" if ev.shared else "n_read_foreign_owner"
-        for uid in np.unique(readers[~no_id]):
-            mine = readers == uid
-            c = self.accounts[int(uid)].counts
-            c["n_reads"] += int(np.count_nonzero(mine))
-            c["n_read_compressed"] += int(np.count_nonzero(served & mine))
-            c["n_read_exact"] += int(np.count_nonzero(~served & mine))
-            c["n_read_unwritten"] += int(np.count_nonzero(unwritten & mine))
-            c["n_read_stale"] += int(np.count_nonzero(stale & mine))
-            c[kind] += int(np.count_nonzero(foreign & mine))
-        for uid in np.unique(owner[foreign]):  # attributed to the writer; no δ is spent again
-            if int(uid) in self.accounts:
-                self.accounts[int(uid)].counts["n_read_by_others"] += int(
-                    np.count_nonzero(foreign & (owner == uid))
-                )
-        for name, mask in (
-            ("unwritten_read", unwritten),
-            ("stale_read", stale),
-            ("shared_read" if ev.shared else "foreign_read", foreign),
-        ):
-            if mask.any():
-                self._incident(name, ev.pool, ev.layer, slots[mask], gen[mask], owner[mask], readers[mask])
-        return served
+        for uid in _distinct(ev.readers[~no_id]):
+            mine = ev.readers == uid
+            n = int(ev.counts[mine].sum())
+            n_served, n_unwritten, n_stale, n_foreign = per_range[:, mine].sum(axis=1).tolist()
+            acc = self.accounts[uid].counts
+            acc["n_reads"] += n
+            acc["n_read_compressed"] += n_served
+            acc["n_read_exact"] += n - n_served
+            acc["n_read_unwritten"] += n_unwritten
+            acc["n_read_stale"] += n_stale
+            acc[kind] += n_foreign
+        if per_range[1:].any():  # rare: locate, attribute foreign reads to their writers
+            readers_e, slots_e, _ = ev.expand()
+            flat = [x.ravel() for x in (unwritten, stale, foreign, owner, gen)]
+            unwritten_f, stale_f, foreign_f, owner_f, gen_f = flat
+            for uid in _distinct(owner_f[foreign_f]):  # attributed to the writer; no δ is spent again
+                if uid in self.accounts:
+                    self.accounts[uid].counts["n_read_by_others"] += int(
+                        np.count_nonzero(foreign_f & (owner_f == uid))
+                    )
+            for name, mask in (
+                ("unwritten_read", unwritten_f),
+                ("stale_read", stale_f),
+                ("shared_read" if ev.shared else "foreign_read", foreign_f),
+            ):
+                if mask.any():
+                    self._incident(
+                        name, ev.pool, ev.layer, slots_e[mask], gen_f[mask], owner_f[mask], readers_e[mask]
+                    )
+        return served.ravel()
 
     def _apply_fault(self, ev: FaultReport) -> None:
         table = self._table(ev.pool, ev.layer)
         s, o, g = table.lookup(np.array([ev.slot], dtype=np.int64))
-        if s[0] == SlotState.COMPRESSED:
-            table.state[ev.slot] = SlotState.RESTORED_EXACT
+        if s[0] == _COMPRESSED:
+            table.state[ev.slot] = _RESTORED
         self.counters[f"fault:{ev.kind}"] += 1
         self._incident(f"fault:{ev.kind}", ev.pool, ev.layer, np.array([ev.slot]), g, o)
         self._last_incident[ev.kind] = Incident(

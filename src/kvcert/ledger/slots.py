@@ -69,6 +69,8 @@ class LayerSlots:
     def lookup(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(state, owner, generation)`` of ``slots``; slots never written read as unwritten, gen 0."""
         n = self.state.shape[0]
+        if slots.size == 0 or int(slots.max()) < n:
+            return self.state[slots], self.owner[slots], self.generation[slots]
         inside = slots < n
         idx = np.where(inside, slots, 0)
         state = np.where(inside, self.state[idx], SlotState.UNWRITTEN).astype(np.uint8)

@@ -42,7 +42,6 @@ from kvcert.bounds.selection import (
     prefix_flips,
     rank_prefix_certificate,
     selector_attention_ratio,
-    topk_mask,
 )
 from kvcert.bounds.softmax_tv import true_tv, tv_meter
 from kvcert.contracts import (
@@ -62,7 +61,13 @@ from kvcert.contracts import (
 from kvcert.contracts.registry import REGISTRY
 from kvcert.integrations.mla import LatentLayer, extract_latents
 from kvcert.integrations.recurrent import GateTrace, extract_forget_gates
-from kvcert.integrations.selector import CapturedAttention, attention_scores, capture_attention, expand_kv
+from kvcert.integrations.selector import (
+    CapturedAttention,
+    attention_scores,
+    capture_attention,
+    expand_kv,
+    topk_attention,
+)
 from kvcert.probe.snapshot import Declared, ProbeSnapshot, ReadingRecord, SelfChecks
 from kvcert.quant.base import Codec, Quantized, quantize, sample_key
 from kvcert.quant.dither import DitherInt8Codec
@@ -180,10 +185,13 @@ class _Recorder:
         name: str,
         value: float,
         suffix: str = "",
+        bound: bool = False,
         unclipped: bool = False,
     ) -> None:
+        """Record ``value`` with the registered tier of ``name``; ``bound`` marks a sound upper bound on an
+        error (never for empirical or offline values), everything else is a reading."""
         tier = REGISTRY.check_emittable(name).tier
-        kind = "reading" if tier is Tier.EMPIRICAL or metric.site == "offline" else "bound"
+        kind = "bound" if bound and tier is not Tier.EMPIRICAL and metric.site != "offline" else "reading"
         self.readings.append(
             ReadingRecord(
                 layer, path, metric, float(value), tier, kind, name + suffix, unclipped and kind == "bound"
@@ -201,7 +209,7 @@ class _Recorder:
         value, unclipped = ev.value, ev.m_out.norm == "tv"
         if unclipped and (ev.tier is Tier.EMPIRICAL or not math.isfinite(value)):
             value, unclipped = min(value, 1.0), False  # TV <= 1 always: readings and overflows are clipped
-        self.add(layer, path, ev.m_out, name, value, unclipped=unclipped)
+        self.add(layer, path, ev.m_out, name, value, bound=True, unclipped=unclipped)
 
 
 def _witness_violations(q: Quantized) -> int:
@@ -229,7 +237,7 @@ def _cell_checks(
     cert = tv_meter(p_served, torch.where(visible, radius, torch.zeros_like(radius)))
     tv = true_tv(_served_softmax(exact, visible), p_served)
     rec.counts["witness_violations"] += int((tv > cert + RADIUS_ATOL).sum())
-    rec.add(layer, path, ATTN_DIST_TV, "certificates", float(cert.max()))
+    rec.add(layer, path, ATTN_DIST_TV, "certificates", float(cert.max()), bound=True)
     rec.add(layer, path, TRUE_TV, "true_tv", float(tv.max()))
 
 
@@ -260,13 +268,13 @@ def _probe_dense(rec: _Recorder, cap: CapturedAttention, cfg: ProbeConfig) -> No
     radius = _key_radius(cap, kq)
     w_max = float(kq.band_norms.sum(-1).max())
     q_max = float(cap.query.to(torch.float64).norm(dim=-1).max())
-    rec.add(layer, "dense_kv", KV_ENTRY_L2, "band_witness", w_max)
+    rec.add(layer, "dense_kv", KV_ENTRY_L2, "band_witness", w_max, bound=True)
     rec.add(layer, "dense_kv", Q_NORM, "qnorm", cap.scaling * q_max)
     _cell_checks(rec, layer, "dense_kv", exact, served, radius, vis)
     dense = _dense_chain(w_max, cap.scaling, q_max)
     rec.chain(layer, "dense_kv", dense, 0.0, "chain_tv")
     rec.triggers += 1
-    _probe_selector(rec, cap, cfg, vis, exact, served, dense, w_max)
+    _probe_selector(rec, cap, cfg, vis, exact, served, dense)
 
 
 def _probe_selector(
@@ -277,7 +285,6 @@ def _probe_selector(
     exact: torch.Tensor,
     served: torch.Tensor,
     dense: Chain,
-    w_max: float,
 ) -> None:
     layer, path = cap.layer, "sparse_selector"
     sq = quantize(cfg.selector_codec, cap.key, bands=cfg.bands, pairing="rotate_half")
@@ -302,8 +309,8 @@ def _probe_selector(
     rec.add(layer, path, SEL_MASS, "lost_mass", lost)
     rec.add(layer, path, SEL_MASS, "gain_mass", gain)
     rec.add(layer, path, SELECTOR_DIST_TV, "sel_bS", float(mass.b_s.max()))
-    selected = topk_mask(selector, vis, k)
-    ratio = selector_attention_ratio(served, selector, vis, selected)
+    read = topk_attention(served, cap.value, vis, k, selector_scores=selector)
+    ratio = selector_attention_ratio(served, selector, vis, read.selected)
     rho = float(ratio.rho.max())
     rec.add(layer, path, Metric("selector_to_attention", "ratio", "consume"), "sel_bridge_rho", rho)
     term = (
@@ -340,7 +347,7 @@ def _probe_latent(rec: _Recorder, lat: LatentLayer, cfg: ProbeConfig, n_layers: 
     witness = cq.band_norms.sum(-1) + pq.band_norms.sum(-1)  # ≥ ‖[Δc, Δk_pe]‖
     w_max = float(witness.max())
     q_max = float(torch.cat([u, lat.q_pe.to(torch.float64)], -1).norm(dim=-1).max())
-    rec.add(layer, path, KV_ENTRY_L2, "latent_witness", w_max)
+    rec.add(layer, path, KV_ENTRY_L2, "latent_witness", w_max, bound=True)
     rec.add(layer, path, Q_NORM, "qnorm", lat.scaling * q_max)
     if cq.steps is not None and pq.steps is not None:
         s2 = latent_tier_b_sigma2(
@@ -355,6 +362,7 @@ def _probe_latent(rec: _Recorder, lat: LatentLayer, cfg: ProbeConfig, n_layers: 
             ATTN_DIST_TV,
             "latent_tier_b",
             float(tv_meter(p_served, torch.where(vis, ub, torch.zeros_like(ub))).max()),
+            bound=True,
         )
     rec.chain(layer, path, _dense_chain(w_max, lat.scaling, q_max), 0.0, "chain_tv")
     rec.triggers += 1

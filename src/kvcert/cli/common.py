@@ -1,0 +1,162 @@
+"""Shared CLI plumbing: model loading (zoo name, local path, ``tiny:<family>``), scheme and gate parsing."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import typer  # noqa: E402
+from transformers import AutoTokenizer, PreTrainedModel  # noqa: E402
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase  # noqa: E402
+
+from kvcert.cache.gate import Gate  # noqa: E402
+from kvcert.quant import BUILTINS  # noqa: E402
+
+TINY_PREFIX = "tiny:"
+TINY_TOKENIZER_MODEL = "smollm2-135m"
+TINY_HEAD_DIM = 64  # as SmolLM2; the grouped codecs need group sizes (32) that divide it
+DEFAULT_SCHEMES = "fp8-e4m3,int4,kivi-2,int2,dither-int8/int4"
+INFORMATIVE_MIN = 0.5
+CERTIFIED_TAU = 0.2
+RISK_TAU_GATE = 5.0
+
+
+@dataclass
+class LoadedModel:
+    """A model in eval mode, its tokenizer and the plain tokenizer folder (for RULER's generators)."""
+
+    name: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    tokenizer_dir: Path
+
+    @property
+    def eos_ids(self) -> list[int]:
+        """Token ids that end a greedy continuation (tokenizer EOS and the generation config's EOS)."""
+        ids = {self.tokenizer.eos_token_id}
+        gen = getattr(self.model, "generation_config", None)
+        extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+        ids.update(extra if isinstance(extra, list) else [extra])
+        return sorted(i for i in ids if i is not None)
+
+
+def load_model(spec: str, seed: int = 0) -> LoadedModel:
+    """Load ``spec``: a zoo name (``smollm2-135m``), a local transformers folder, or ``tiny:<family>``.
+
+    ``tiny:<family>`` is a random-weight model from :func:`kvcert.models.tiny.tiny_random` (weights seeded
+    by ``seed``) with its vocabulary matched to the SmolLM2 tokenizer. Raises ``ValueError`` naming
+    ``model`` for an unknown spec.
+    """
+    from kvcert.models.zoo import ZOO, converted_dir
+    from kvcert.models.zoo import load as zoo_load
+
+    if spec.startswith(TINY_PREFIX):
+        from kvcert.models.tiny import SUPPORTED_FAMILIES, tiny_random
+
+        family = spec[len(TINY_PREFIX) :]
+        if family not in SUPPORTED_FAMILIES:
+            raise ValueError(
+                f"model: unknown tiny family {family!r}; supported are {list(SUPPORTED_FAMILIES)}"
+            )
+        tok_dir = converted_dir(TINY_TOKENIZER_MODEL)
+        tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+        model = tiny_random(family, seed=seed, vocab_size=len(tok), head_dim=TINY_HEAD_DIM)
+        return LoadedModel(spec, model, tok, tok_dir)
+    if spec in ZOO:
+        model, tok = zoo_load(spec)
+        return LoadedModel(spec, model, tok, converted_dir(spec))
+    if Path(spec).is_dir():
+        model, tok = zoo_load(spec)
+        return LoadedModel(spec, model, tok, Path(spec))
+    raise ValueError(f"model: {spec!r} is not a known name {sorted(ZOO)}, a local folder, or tiny:<family>")
+
+
+@dataclass(frozen=True)
+class SchemeSpec:
+    """A compressed KV configuration: key codec and value codec (registry names)."""
+
+    keys: str
+    values: str
+
+    @property
+    def label(self) -> str:
+        """``keys`` when both codecs agree, else ``keys/values``."""
+        return self.keys if self.keys == self.values else f"{self.keys}/{self.values}"
+
+
+def parse_schemes(text: str) -> list[SchemeSpec]:
+    """Parse ``"int4,kivi-2,dither-int8/int4"``: comma-separated ``codec`` or ``keycodec/valuecodec``.
+
+    The dense (uncompressed) baseline is always run and must not be listed. Raises ``ValueError`` naming
+    ``schemes`` for unknown codecs, duplicates or an empty list.
+    """
+    out: list[SchemeSpec] = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        parts = item.split("/")
+        if len(parts) > 2:
+            raise ValueError(f"schemes: {item!r} has more than one '/' (use keycodec/valuecodec)")
+        for codec in parts:
+            if codec not in BUILTINS:
+                raise ValueError(f"schemes: unknown codec {codec!r}; known are {sorted(BUILTINS)}")
+        spec = SchemeSpec(parts[0], parts[-1])
+        if spec in out:
+            raise ValueError(f"schemes: {item!r} is listed twice")
+        out.append(spec)
+    if not out:
+        raise ValueError("schemes: no scheme given")
+    return out
+
+
+def parse_gate(text: str) -> Gate | None:
+    """Parse ``auto`` (``None``: each scheme by its meter), ``off``, ``certified:TAU``, ``risk:TAU``."""
+    if text == "auto":
+        return None
+    if text == "off":
+        return Gate.off()
+    kind, _, value = text.partition(":")
+    try:
+        threshold = float(value)
+    except ValueError:
+        raise ValueError(f"gate: expected auto, off, certified:TAU or risk:TAU, got {text!r}") from None
+    if kind == "certified":
+        return Gate.certified(threshold)
+    if kind == "risk":
+        return Gate.risk_ranked(threshold)
+    raise ValueError(f"gate: expected auto, off, certified:TAU or risk:TAU, got {text!r}")
+
+
+def auto_gate(informative_fraction: float) -> Gate:
+    """Gate for a scheme from its ungated meter: certified(τ=0.2) if at least half of its cells are
+    informative (raw meter < 1), else risk-ranked(τ_gate=5) — a saturated meter cannot certify τ=0.2
+    without paging nearly everything, but it still ranks risk."""
+    if informative_fraction >= INFORMATIVE_MIN:
+        return Gate.certified(CERTIFIED_TAU)
+    return Gate.risk_ranked(RISK_TAU_GATE)
+
+
+def default_out(command: str) -> Path:
+    """``runs/<command>-<UTC timestamp>``."""
+    return Path("runs") / f"{command}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+
+
+def command_line() -> str:
+    """The command line as typed (``kvcert`` + arguments)."""
+    return " ".join(["kvcert", *sys.argv[1:]])
+
+
+def bad_parameter(exc: ValueError) -> typer.BadParameter:
+    """Turn a parsing ``ValueError`` into a typer usage error with the same message."""
+    return typer.BadParameter(str(exc))
+
+
+def set_seed(seed: int) -> None:
+    """Seed torch's global generator (greedy decoding is deterministic; codecs take the seed directly)."""
+    torch.manual_seed(seed)

@@ -1,0 +1,66 @@
+"""``kvcert eval``: RULER accuracy per scheme with paired bootstrap CI and McNemar p against dense."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from kvcert.cli.common import DEFAULT_SCHEMES, bad_parameter, default_out, parse_gate, parse_schemes
+from kvcert.cli.ruler_command import RulerJob, execute
+
+TASK_PREFIX = "ruler:"
+
+
+def parse_task_option(text: str) -> tuple[str, ...]:
+    """``ruler:t1,t2`` -> ``("t1", "t2")``; raises ``ValueError`` naming ``task`` otherwise."""
+    if not text.startswith(TASK_PREFIX):
+        raise ValueError(f"task: expected ruler:<task1,task2,...>, got {text!r}")
+    tasks = tuple(t.strip() for t in text[len(TASK_PREFIX) :].split(",") if t.strip())
+    if not tasks:
+        raise ValueError("task: no RULER task after 'ruler:'")
+    return tasks
+
+
+def evaluate(
+    task: Annotated[str, typer.Option(help="ruler:<task1,task2,...>")] = "ruler:niah_single_1",
+    context: Annotated[int, typer.Option(help="RULER sequence length in tokens")] = 2048,
+    samples: Annotated[int, typer.Option(help="samples per task")] = 2,
+    schemes: Annotated[
+        str, typer.Option(help="comma-separated codecs or keycodec/valuecodec")
+    ] = DEFAULT_SCHEMES,
+    gate: Annotated[str, typer.Option(help="auto | off | certified:TAU | risk:TAU_GATE")] = "auto",
+    model: Annotated[
+        str, typer.Option(help="smollm2-135m, a local folder, or tiny:<family>")
+    ] = "smollm2-135m",
+    seed: Annotated[int, typer.Option(help="seed for data, codecs and bootstrap")] = 0,
+    max_new_tokens: Annotated[int | None, typer.Option(help="cap on RULER's generation budget")] = None,
+    resamples: Annotated[int, typer.Option(help="paired bootstrap resamples")] = 10_000,
+    out: Annotated[Path | None, typer.Option(help="report directory (default runs/eval-<timestamp>)")] = None,
+) -> None:
+    """Accuracy per scheme (raw and gated) with a paired bootstrap 95% CI and exact McNemar p against the
+    uncompressed run on the same samples, plus bytes per token, host page-in bytes and fallback rate."""
+    try:
+        tasks = parse_task_option(task)
+        specs = parse_schemes(schemes)
+        chosen = parse_gate(gate)
+    except ValueError as exc:
+        raise bad_parameter(exc) from exc
+    if resamples < 1:
+        raise typer.BadParameter(f"resamples must be >= 1, got {resamples}")
+    job = RulerJob(
+        "eval",
+        model,
+        tasks,
+        context,
+        samples,
+        tuple(specs),
+        chosen,
+        seed,
+        max_new_tokens,
+        resamples,
+        out or default_out("eval"),
+    )
+    execute(job, Console())

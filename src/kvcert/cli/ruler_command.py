@@ -1,0 +1,94 @@
+"""The shared body of ``kvcert run`` and ``kvcert eval``: load, generate RULER samples, decode, report."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from kvcert.cache.gate import Gate
+from kvcert.cli.common import SchemeSpec, command_line, load_model, set_seed
+from kvcert.cli.progress import progress_bar
+from kvcert.cli.ruler_report import write_report
+from kvcert.cli.workload import run_workload
+from kvcert.eval import ruler
+from kvcert.report.tables import to_rich
+
+
+@dataclass(frozen=True)
+class RulerJob:
+    """Inputs of one RULER evaluation (the ``config`` section of results.json)."""
+
+    name: str
+    model: str
+    tasks: tuple[str, ...]
+    context: int
+    samples: int
+    schemes: tuple[SchemeSpec, ...]
+    gate: Gate | None
+    seed: int
+    max_new_tokens: int | None
+    resamples: int
+    out: Path
+
+    def config(self) -> dict[str, object]:
+        """JSON-ready inputs."""
+        return {
+            "model": self.model,
+            "tasks": list(self.tasks),
+            "context": self.context,
+            "samples": self.samples,
+            "schemes": [s.label for s in self.schemes],
+            "gate": "auto" if self.gate is None else self.gate.describe(),
+            "seed": self.seed,
+            "max_new_tokens": self.max_new_tokens,
+            "bootstrap_resamples": self.resamples,
+            "out": str(self.out),
+        }
+
+
+def execute(job: RulerJob, console: Console) -> Path:
+    """Run ``job`` end to end; print the summary table and where the report is; return report.html."""
+    t0 = time.time()
+    for task in job.tasks:
+        if task not in ruler.TASK_NAMES:
+            raise typer.BadParameter(f"unknown RULER task {task!r}; supported are {list(ruler.TASK_NAMES)}")
+    set_seed(job.seed)
+    console.print(f"loading model [bold]{job.model}[/] ...")
+    loaded = load_model(job.model, job.seed)
+    t_load = time.time()
+    samples = []
+    with progress_bar("generating RULER samples", len(job.tasks), console) as tick:
+        for i, task in enumerate(job.tasks):
+            samples += ruler.load_task(task, job.context, job.samples, job.seed, loaded.tokenizer_dir)
+            tick(i)
+    t_data = time.time()
+    with progress_bar(
+        f"decoding {len(samples)} samples × {1 + 2 * len(job.schemes)} variants", len(samples), console
+    ) as tick:
+        result = run_workload(
+            loaded, samples, job.schemes, job.gate, job.seed, job.max_new_tokens, on_sample=tick
+        )
+    t_run = time.time()
+    volatile = {
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
+        "seconds": {"load": t_load - t0, "data": t_data - t_load, "decode": t_run - t_data},
+    }
+    json_path, html_path, table = write_report(
+        result,
+        job.out,
+        job.name,
+        command_line(),
+        job.config(),
+        job.seed,
+        job.resamples,
+        volatile,
+        f"kvcert {job.name}: {job.model}",
+    )
+    console.print(to_rich(table))
+    console.print(f"wall time {time.time() - t0:.0f} s; results: {json_path}")
+    console.print(f"report: [bold]{html_path}[/]")
+    return html_path

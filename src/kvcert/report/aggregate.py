@@ -1,0 +1,72 @@
+"""Reduce per-sample :class:`~kvcert.cache.telemetry.Telemetry` to report numbers and maps.
+
+Pooling over samples is by cells: a fraction pooled over samples is the cell-weighted mean of the
+per-sample fractions (each sample's fraction times its recorded cells, over all recorded cells), which
+equals the fraction computed on all cells at once for q-head quantities.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvcert.cache.telemetry import Telemetry
+
+
+def fp16_bytes_per_token(tel: Telemetry) -> float:
+    """Bytes of one token's K and V across all layers at fp16: ``2 (K,V) · 2 B · layers · Hkv · head_dim``."""
+    _, layers, _, hq = tel.certificates.shape
+    return float(2 * 2 * layers * (hq // tel.group_size) * tel.head_dim)
+
+
+def stored_fraction(tels: Sequence[Telemetry]) -> float:
+    """Stored bytes over the fp16 bytes of the same entries, pooled over samples."""
+    fp16 = sum(t.bytes_fp16 for t in tels)
+    return sum(t.bytes_stored for t in tels) / fp16 if fp16 else float("nan")
+
+
+def pooled(tels: Sequence[Telemetry], fn: Callable[[Telemetry], float]) -> float:
+    """Cell-weighted mean of ``fn(t)`` over samples (samples with no recorded cell or NaN are skipped)."""
+    num = den = 0.0
+    for t in tels:
+        v = fn(t)
+        if t.cells and v == v:
+            num += v * t.cells
+            den += t.cells
+    return num / den if den else float("nan")
+
+
+def cells(tels: Sequence[Telemetry], attr: str) -> torch.Tensor:
+    """All recorded cells of tensor ``attr`` (e.g. ``certificates``, ``tier_b``, ``true_tv``), flattened."""
+    out = []
+    for t in tels:
+        vals = getattr(t, attr)
+        if vals is not None:
+            out.append(vals[t.recorded].double())
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.float64)
+
+
+def layer_head(tels: Sequence[Telemetry], fn: Callable[[Telemetry], torch.Tensor]) -> torch.Tensor:
+    """``[layers, Hq]`` mean over samples, steps and rows of the cell map ``fn(t)`` (recorded cells only)."""
+    total = count = None
+    for t in tels:
+        vals = fn(t).double()
+        rec = t.recorded
+        s = torch.where(rec, vals, torch.zeros_like(vals)).sum(dim=(0, 2))
+        c = rec.sum(dim=(0, 2)).double()
+        total = s if total is None else total + s
+        count = c if count is None else count + c
+    if total is None or count is None:
+        raise ValueError("tels must not be empty")
+    return total / count  # NaN where a (layer, head) was never recorded
+
+
+def certificate_map(tels: Sequence[Telemetry]) -> torch.Tensor:
+    """Mean certified TV bound per (layer, query head)."""
+    return layer_head(tels, lambda t: t.certificates)
+
+
+def saturation_map(tels: Sequence[Telemetry]) -> torch.Tensor:
+    """Fraction of cells per (layer, query head) whose unclipped meter is ``>= 1`` (bound vacuous)."""
+    return layer_head(tels, lambda t: (t.raw >= 1).double())

@@ -1,0 +1,129 @@
+"""LayerStore: write protocol, witnesses valid per entry, byte accounting from tensors, maintenance ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcert.bounds import band_norms
+from kvcert.cache.buffer import GrowBuffer
+from kvcert.cache.gate import Gate
+from kvcert.cache.store import LayerStore
+from kvcert.quant import get
+
+
+def _store(keys="int8", values="int4", **kw):
+    return LayerStore(0, get(keys, **kw), get(values), bands=8, pairing="rotate_half", seed=1)
+
+
+def _kv(b=2, h=3, t=10, d=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, h, t, d, generator=g), torch.randn(b, h, t, d, generator=g)
+
+
+def _rows(b=2):
+    return torch.arange(b), torch.zeros(b, dtype=torch.bool)
+
+
+def test_new_tokens_pending_exact_then_encoded_on_next_write():
+    st = _store()
+    k, v = _kv()
+    st.append(k, v, *_rows())
+    assert st.k.exact.view().all() and st.k.n_encoded == 0
+    assert torch.equal(st.k.served.view(), k)
+    k2, v2 = _kv(t=1, seed=1)
+    st.append(k2, v2, *_rows())
+    assert st.k.n_encoded == 10 and not st.k.exact.view()[:, :, :10].any()
+    assert st.k.exact.view()[:, :, 10].all()
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2", "dither-int8", "fp8-e4m3", "sign-1", "kvquant-4"])
+def test_witness_bounds_every_entry(codec):
+    st = _store(codec)
+    k, v = _kv(t=32)
+    st.append(k, v, *_rows())
+    st.append(*_kv(t=1, seed=2), *_rows())
+    served = st.k.served.view()[:, :, :32].double()
+    resid = served - k.double()
+    rho = st.k_band.view()[:, :, :32].double()
+    exact_rho = band_norms(resid, 8, "rotate_half")
+    assert torch.all(rho >= exact_rho)                                    # rounded up, never below
+    assert torch.all(rho.sum(-1) >= resid.norm(dim=-1) * (1 - 1e-12))    # scalar witness W >= ||dk||
+    vres = st.v_res.view()[:, :, :32].double()
+    assert torch.all(vres >= (st.v.served.view()[:, :, :32].double() - v.double()).norm(dim=-1))
+
+
+def test_kivi_keys_wait_for_token_block_and_residual_window():
+    st = LayerStore(0, get("kivi-2", axis="key"), get("kivi-2", axis="value"), bands=8, pairing="rotate_half",
+                    seed=0)
+    k, v = _kv(t=40)
+    st.append(k, v, *_rows())
+    st.append(*_kv(t=1, seed=3), *_rows())
+    # 41 tokens, window 32 -> 9 encodable, but keys need whole 32-token blocks -> none yet
+    assert st.k.n_encoded == 0
+    st.append(*_kv(t=40, seed=4), *_rows())
+    st.append(*_kv(t=1, seed=5), *_rows())
+    assert st.k.n_encoded == 32 and st.k.exact.view()[:, :, 32:].all()
+
+
+def test_bytes_are_measured_from_packed_tensors():
+    st = _store("int8", "int4")
+    st.append(*_kv(t=16), *_rows())
+    st.append(*_kv(t=1, seed=1), *_rows())
+    packed = sum(t.numel() * t.element_size() for ts in (st.k, st.v) for c in ts.chunks
+                 for t in c.packed.tensors.values())
+    pending = 2 * (2 * 3 * 1 * 64 * 2)   # one pending token per row/head, fp16, for K and for V
+    assert st.bytes_stored() == packed + pending
+    assert st.bytes_fp16() == 2 * 2 * 3 * 17 * 64 * 2
+    # int8 G32 at D=64: 64 B codes + 4 B scales; int4: 32 + 4 -> (68 + 36) per token-head
+    assert packed == 2 * 3 * 16 * (68 + 36)
+
+
+def test_nonfinite_kept_exact_counted_and_never_quantized():
+    st = _store()
+    k, v = _kv(t=4)
+    k[1, 2, 1, 5] = float("inf")
+    st.append(k, v, *_rows())
+    st.append(*_kv(t=1, seed=1), *_rows())
+    assert st.nonfinite == 1
+    assert st.k.exact.view()[1, 2, 1] and st.v.exact.view()[1, 2, 1]
+    assert st.k_band.view()[1, 2, 1].sum() == 0
+
+
+def test_fail_closed_rows_and_persistent_repair():
+    st = _store()
+    st.append(*_kv(t=8), torch.tensor([5, -1]), torch.tensor([False, True]))
+    st.append(*_kv(t=1, seed=1), torch.tensor([5, -1]), torch.tensor([False, True]))
+    assert st.fail_closed == 3 * 8 and st.k.exact.view()[1].all()
+    moved = st.make_exact(0, 1, 2, 6)
+    assert moved == 2 * 4 * 64 * 2
+    assert torch.equal(st.k.served.view()[0, 1, 2:6], st.k.host.view()[0, 1, 2:6])
+    assert st.k_band.view()[0, 1, 2:6].sum() == 0 and st.v_res.view()[0, 1, 2:6].sum() == 0
+
+
+def test_sliding_trim_drops_old_chunks():
+    st = _store()
+    for i in range(4):
+        st.append(*_kv(t=8, seed=i), *_rows())
+    n_chunks = len(st.k.chunks)
+    st.drop_before(16)
+    assert st.n == 16 and st.base == 16 and len(st.k.chunks) < n_chunks
+
+
+def test_growbuffer_append_view_gather():
+    buf = GrowBuffer(torch.zeros(1, 2, 0, 3), capacity=2)
+    for i in range(5):
+        buf.append(torch.full((1, 2, 1, 3), float(i)))
+    assert buf.view().shape == (1, 2, 5, 3) and buf.view()[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4]
+    buf.gather(torch.tensor([[[0, 3], [1, 4]]]))
+    assert buf.view()[0, 0, :, 0].tolist() == [0, 3] and buf.view()[0, 1, :, 0].tolist() == [1, 4]
+
+
+def test_gate_validation_and_labels():
+    assert Gate.off().describe() == "off"
+    assert Gate.certified(0.2).describe() == "certified(tau=0.2, head)"
+    assert Gate.risk_ranked(5.0, granularity="block", persistent=True).uses_unclipped
+    with pytest.raises(ValueError, match="threshold"):
+        Gate.certified(-1.0)
+    with pytest.raises(ValueError, match="granularity"):
+        Gate("certified", 0.2, "row")  # type: ignore[arg-type]

@@ -1,0 +1,49 @@
+"""Parsing of --schemes / --gate / --task and the auto-gate rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcert.cache.gate import Gate
+from kvcert.cli.common import SchemeSpec, auto_gate, load_model, parse_gate, parse_schemes
+from kvcert.cli.evaluate import parse_task_option
+
+
+def test_parse_schemes() -> None:
+    assert parse_schemes("int4, dither-int8/int4") == [
+        SchemeSpec("int4", "int4"),
+        SchemeSpec("dither-int8", "int4"),
+    ]
+    assert SchemeSpec("dither-int8", "int4").label == "dither-int8/int4"
+    for bad, word in [("int4,nope", "nope"), ("", "no scheme"), ("int4,int4", "twice"), ("a/b/c", "one '/'")]:
+        with pytest.raises(ValueError, match=word):
+            parse_schemes(bad)
+
+
+def test_parse_gate() -> None:
+    assert parse_gate("auto") is None
+    assert parse_gate("off") == Gate.off()
+    assert parse_gate("certified:0.2") == Gate.certified(0.2)
+    assert parse_gate("risk:5") == Gate.risk_ranked(5.0)
+    for bad in ("certified", "risk:x", "maybe:1"):
+        with pytest.raises(ValueError, match="gate"):
+            parse_gate(bad)
+
+
+def test_auto_gate_rule_boundary() -> None:
+    assert auto_gate(0.5) == Gate.certified(0.2)
+    assert auto_gate(0.49) == Gate.risk_ranked(5.0)
+
+
+def test_parse_task_option() -> None:
+    assert parse_task_option("ruler:niah_single_1,vt") == ("niah_single_1", "vt")
+    for bad in ("niah_single_1", "ruler:"):
+        with pytest.raises(ValueError, match="task"):
+            parse_task_option(bad)
+
+
+def test_load_model_rejects_unknown_specs() -> None:
+    with pytest.raises(ValueError, match="model"):
+        load_model("tiny:nosuchfamily")
+    with pytest.raises(ValueError, match="model"):
+        load_model("/no/such/dir")

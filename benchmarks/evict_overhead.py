@@ -104,9 +104,7 @@ def main() -> None:
             policy.reset()
             cost[name] += _policy_ms(policy, args.context, args.reps)
     base = statistics.median(decode)
-    table = Table(
-        title=f"per-step policy overhead, {LAYERS} layers x {KV_HEADS} KV heads, context {args.context}"
-    )
+    table = Table(title=f"per-step policy overhead, {LAYERS} layers x {KV_HEADS} KV heads, context {args.context}")
     for col in ("what", "median ms/step", "ratio to decode step"):
         table.add_column(col)
     table.add_row("decode step (SmolLM2-135M shape)", f"{base:.2f}", "1.000")

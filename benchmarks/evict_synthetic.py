@@ -128,8 +128,7 @@ def main() -> None:
             for k, v in g.items():
                 gaps.setdefault(k, []).append(v)
         rows = {
-            k: [statistics.mean(v), statistics.mean(olap[k]) if k in olap else float("nan")]
-            for k, v in served.items()
+            k: [statistics.mean(v), statistics.mean(olap[k]) if k in olap else float("nan")] for k, v in served.items()
         }
         console.print(
             _table(
@@ -140,9 +139,7 @@ def main() -> None:
         )
         gap_rows = {f"H={h}": [statistics.mean(v), min(v), max(v)] for h, v in gaps.items()}
         console.print(
-            _table(
-                f"gap closed by RMM(H) vs H2O(recent=H), budget {budget}", gap_rows, ["mean", "min", "max"]
-            )
+            _table(f"gap closed by RMM(H) vs H2O(recent=H), budget {budget}", gap_rows, ["mean", "min", "max"])
         )
         ax.plot(
             list(gaps),

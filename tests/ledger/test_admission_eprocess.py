@@ -94,9 +94,7 @@ def test_dithered_admission_authorises_before_drawing_and_audits(rng):
     u, _, _ = sr_prior_radius(x, step, np.full(6, 6), np.full(6, share))
     assert adm.radius is not None and np.allclose(adm.radius, u)
     assert (u[1:] <= 1.0).all() and u[0] > 1.0
-    expect = [SlotState.KEPT_EXACT, SlotState.RESTORED_EXACT, SlotState.RESTORED_EXACT] + [
-        SlotState.COMPRESSED
-    ] * 3
+    expect = [SlotState.KEPT_EXACT, SlotState.RESTORED_EXACT, SlotState.RESTORED_EXACT] + [SlotState.COMPRESSED] * 3
     assert states.tolist() == expect
     acc = led.accounts[uid].counts
     assert acc["n_auth_violations"] == 2

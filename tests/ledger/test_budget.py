@@ -44,12 +44,8 @@ def test_accounts_are_independent_and_spend_once_per_write(ledger: Ledger):
     a, b = ledger.open_request(), ledger.open_request()
     # request a: 5 probabilistic writes of 3 entries each; request b: 1 write mixing both owners
     for i in range(5):
-        ledger.write(
-            "kv", 0, np.arange(3) + 3 * i, np.full(3, a), observed(np.ones(3, bool)), rule="probabilistic"
-        )
-    ledger.write(
-        "kv", 0, np.arange(100, 104), np.array([b, b, a, a]), observed(np.ones(4, bool)), rule="probabilistic"
-    )
+        ledger.write("kv", 0, np.arange(3) + 3 * i, np.full(3, a), observed(np.ones(3, bool)), rule="probabilistic")
+    ledger.write("kv", 0, np.arange(100, 104), np.array([b, b, a, a]), observed(np.ones(4, bool)), rule="probabilistic")
     acc_a, acc_b = ledger.accounts[a], ledger.accounts[b]
     assert acc_a.budget.k == 6 and acc_b.budget.k == 1  # one share per owner per write, own counters
     assert acc_b.budget.spent == Fraction(telescoping_delta(0, 0.01))  # b starts at delta_req/2

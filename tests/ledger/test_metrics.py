@@ -25,15 +25,10 @@ def test_prometheus_endpoint_on_localhost():
     finally:
         server.shutdown()
         server.server_close()
-    lines = {
-        ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in body.splitlines() if ln and not ln.startswith("#")
-    }
+    lines = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in body.splitlines() if ln and not ln.startswith("#")}
     assert lines['kvcert_ledger_identity_fail_closed{model="m-a",tier="certified"}'] == 1.0
     assert lines['kvcert_ledger_identity_fail_closed{model="m-b",tier="certified"}'] == 0.0
-    assert (
-        lines['kvcert_ledger_delta_spent_max{model="m-a",tier="certified"}']
-        == a_led.summary()["delta_spent_max"]
-    )
+    assert lines['kvcert_ledger_delta_spent_max{model="m-a",tier="certified"}'] == a_led.summary()["delta_spent_max"]
     assert lines['kvcert_ledger_coverage{model="m-a",tier="empirical"}'] == 0.5  # 2 of 4 reads compressed
     assert lines['kvcert_ledger_fallback_rate{model="m-a",tier="empirical"}'] == 1 / 3
     assert 'kvcert_ledger_eprocess_log_m{model="m-a",stat="crossed",tier="certified"}' in lines

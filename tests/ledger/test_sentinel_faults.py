@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from kvcert.ledger import Ledger, SampledSentinel, SlotState, latency_table, miss_probability, rounds_needed
+from kvcert.ledger import Ledger, SampledSentinel, SlotKey, SlotState, latency_table, miss_probability, rounds_needed
 from kvcert.ledger.faults import (
     LedgeredPool,
     collide_namespaces,
@@ -95,6 +95,7 @@ def test_stale_generation_detected_and_served_exact(rng):
     assert led.accounts[b].counts["n_read_stale"] == 1
     inc = locate(led, "stale_read", "k", 0, 2)
     assert inc is not None and (inc.generation, inc.owner, inc.reader) == (1, a, b)
+    assert inc.key == SlotKey("k", 0, 2, 1)
 
 
 def test_namespace_collision_detected(rng):

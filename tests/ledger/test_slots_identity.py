@@ -71,9 +71,7 @@ def test_invalidate_before_gate_and_stale_reads(ledger: Ledger):
     assert ledger.accounts[a].counts["n_read_unwritten"] == 1
     # rewrite: now compressed at generation 3; a read expecting generation 1 is stale
     ledger.write("kv", 0, np.array([2]), np.array([b]), observed(np.ones(1, bool)))
-    served = ledger.read(
-        "kv", 0, np.array([b, b]), np.array([2, 2]), np.array([1, 1]), generations=np.array([1, 3])
-    )
+    served = ledger.read("kv", 0, np.array([b, b]), np.array([2, 2]), np.array([1, 1]), generations=np.array([1, 3]))
     assert served.tolist() == [False, True]
     assert ledger.accounts[b].counts["n_read_stale"] == 1
     stale = [i for i in ledger.incidents if i.kind == "stale_read"]

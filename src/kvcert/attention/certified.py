@@ -64,18 +64,18 @@ class ReadResult:
     true_out_err: torch.Tensor | None = None   # validate: ‖served output − exact output‖₂
 
 
-def _masked_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+def masked_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
     """``sc·q·kᵀ`` for grouped queries ``q[B, Hkv, M, D]``, ``k[B, Hkv, S, D]``; masked entries ``-inf``."""
     return (torch.matmul(q, k.transpose(-1, -2)) * scaling).masked_fill(~mask, float("-inf"))
 
 
-def _probs64(logits: torch.Tensor) -> torch.Tensor:
+def probs64(logits: torch.Tensor) -> torch.Tensor:
     """``softmax`` in float64; fully masked rows give all-zero rows instead of NaN."""
     p = torch.softmax(logits.to(torch.float64), dim=-1)
     return torch.nan_to_num(p, nan=0.0)
 
 
-def _meter(p: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def served_meter(p: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(clipped, unclipped)`` meter per row; fully masked rows (no visible token) get 0."""
     live = p.sum(-1) > 0
     if bool(live.all()):
@@ -86,14 +86,16 @@ def _meter(p: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return torch.where(live, clipped, 0.0), torch.where(live, raw, 0.0)
 
 
-def _out_bound(p: torch.Tensor, tv: torch.Tensor, vhat: torch.Tensor, vres: torch.Tensor,
-               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _out_bound(p: torch.Tensor, tv: torch.Tensor, vhat: torch.Tensor, vres: torch.Tensor, mask: torch.Tensor,
+               phi_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Two-term output bound per cell, evaluated cheaply; returns ``(total, key, value, slack)`` ``[B, Hkv, M]``.
 
     This is :func:`kvcert.bounds.output_error_bound` with the centre ``c = mean_t v̂_t`` of each KV head
     (any centre is valid), so the spread ``max_t (‖v̂_t − c‖ + ‖Δv_t‖)`` over the visible tokens costs one
     pass per KV head instead of one per query cell. ``vres[B, Hkv, M, S]`` is ``‖Δv_t‖`` as seen by each cell
-    (0 for entries served exact). ``slack = 2(S + D)u·max_t ‖v̂_t‖`` covers float32 evaluation of ``p̃·v̂``.
+    (0 for entries served exact). ``slack = (2(S + D)u + 2·tanh(φ_max))·max_t ‖v̂_t‖`` covers float32
+    evaluation: ``2(S + D)u`` the softmax and ``p̃·v̂`` rounding, ``tanh(φ_max)`` the TV caused by the logit
+    rounding ``φ`` of the exact-attention kernel a repaired head is served from (deterministic tanh form).
     """
     vres = vres.to(torch.float64)
     value_term = (p * vres).sum(-1)
@@ -103,18 +105,19 @@ def _out_bound(p: torch.Tensor, tv: torch.Tensor, vhat: torch.Tensor, vres: torc
     key_term = 2.0 * tv.clamp(max=1.0) * spread
     s, d = vhat.shape[-2], vhat.shape[-1]
     vmax = vh.norm(dim=-1).amax(-1, keepdim=True)                         # [B, Hkv, 1]
-    slack = ((2.0 * (s + d) * _U * (1 + 1e-6)) * vmax).expand_as(key_term)
+    rel = 2.0 * (s + d) * _U * (1 + 1e-6) + 2.0 * torch.tanh(phi_max.to(torch.float64))
+    slack = (rel * vmax).expand_as(key_term)
     return key_term + value_term + slack, key_term, value_term, slack
 
 
-def _group(x: torch.Tensor, hkv: int) -> torch.Tensor:
+def group_heads(x: torch.Tensor, hkv: int) -> torch.Tensor:
     """``[B, Hq, Q, ...] -> [B, Hkv, G·Q, ...]`` (query heads of a KV head are contiguous)."""
     b, hq, q = x.shape[:3]
     return x.reshape(b, hkv, (hq // hkv) * q, *x.shape[3:])
 
 
-def _ungroup(x: torch.Tensor, hq: int, q: int) -> torch.Tensor:
-    """Inverse of :func:`_group` for cell tensors ``[B, Hkv, G·Q] -> [B, Hq, Q]``."""
+def ungroup_heads(x: torch.Tensor, hq: int, q: int) -> torch.Tensor:
+    """Inverse of :func:`group_heads` for cell tensors ``[B, Hkv, G·Q] -> [B, Hq, Q]``."""
     return x.reshape(x.shape[0], hq, q)
 
 
@@ -142,22 +145,40 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     vhat = store.v.served.view()
     hkv, s = khat.shape[1], khat.shape[2]
     g = hq // hkv
-    qg = _group(q.to(torch.float32), hkv)                                     # [B, Hkv, M, D]
+    qg = group_heads(q.to(torch.float32), hkv)                                     # [B, Hkv, M, D]
     m = mask[:, :, None].expand(b, hkv, g, nq, s).reshape(b, hkv, g * nq, s)
-    logits = _masked_logits(qg, khat, m, scaling)
-    p64 = _probs64(logits)
+    # Fail closed on non-finite data: a cell that sees a non-finite key/value (kept exact at write) or has a
+    # non-finite query cannot be certified; its KV head is served by the exact path and the cell reports 1.
+    bad_tok = ~(torch.isfinite(khat).all(-1) & torch.isfinite(vhat).all(-1))                 # [B, Hkv, S]
+    bad_cell = (m & bad_tok.unsqueeze(2)).any(-1) | ~torch.isfinite(qg).all(-1)             # [B, Hkv, M]
+    nonfinite = bool(bad_cell.any() or bad_tok.any())
+    if nonfinite:
+        khat, vhat = torch.nan_to_num(khat, 0.0, 0.0, 0.0), torch.nan_to_num(vhat, 0.0, 0.0, 0.0)
+        qg = torch.nan_to_num(qg, 0.0, 0.0, 0.0)
+    logits = masked_logits(qg, khat, m, scaling)
+    p64 = probs64(logits)
     p32 = p64.to(torch.float32)
     out = torch.matmul(p32, vhat)                                             # [B, Hkv, M, Dv]
 
     # Tier-A radii with float32 rounding slack, certificate per cell.
     rho = store.k_band.view()
+    khn = store.k_hat_norm.view()
+    if nonfinite:
+        rho, khn = torch.nan_to_num(rho, 0.0, 0.0, 0.0), torch.nan_to_num(khn, 0.0, 0.0, 0.0)
     qb = query_band_norms(qg, store.bands, store.pairing)
     c_a = tier_a_radius_from_qnorms(qb, rho.unsqueeze(2), scaling)
     qn = qg.to(torch.float64).norm(dim=-1, keepdim=True)
     w = rho.to(torch.float64).sum(-1)
-    slack = scaling * _gamma(d) * qn * (2 * store.k_hat_norm.view().to(torch.float64) + w).unsqueeze(2)
+    # γ_{D+1}: D products + the multiplication by the softmax scale
+    slack = scaling * _gamma(d + 1) * qn * (2 * khn.to(torch.float64) + w).unsqueeze(2)
+    host_knorm = khn.to(torch.float64) + w                                    # >= ||k_t|| (exact key)
+    phi_max = (2 * scaling * _gamma(d + 1) * qn.squeeze(-1).amax(-1, keepdim=True)
+               * host_knorm.amax(-1, keepdim=True))                            # [B, Hkv, 1]
     c = c_a + slack
-    cert_pre, raw = _meter(p64, c)
+    cert_pre, raw = served_meter(p64, c)
+    if nonfinite:
+        cert_pre = torch.where(bad_cell, 1.0, cert_pre)
+        raw = torch.where(bad_cell, float("inf"), raw)
     live = (p64.sum(-1) > 0).unsqueeze(-1)
     tanh = torch.tanh(torch.where(m & live, c, torch.zeros_like(c)).amax(-1))
 
@@ -167,11 +188,13 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
         qm = qg if codec.channel_mask is None else qg * codec.channel_mask.view(1, hkv, 1, d).to(qg)
         sig2 = tier_b_sigma2(qm, store.k_steps.view().unsqueeze(2), scaling, codec.group_size)
         u = tier_b_radius(sig2, s, cfg.delta_loc) + slack                   # same rounding slack
-        cert_b = _meter(p64, u)[0]
+        cert_b = served_meter(p64, u)[0]
 
     gate = cfg.gate
     score = raw if gate.uses_unclipped else cert_pre
     need = (score.amax(-1) > gate.threshold) if gate.mode != "off" else torch.zeros(b, hkv, dtype=torch.bool)
+    if nonfinite:
+        need = need | bad_cell.any(-1)
     cert = cert_pre.clone()
     repaired = torch.zeros(b, hkv, dtype=torch.bool)
     blocks = torch.zeros(b, hkv, dtype=torch.int64)
@@ -184,14 +207,14 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     elt = host_k.element_size()
 
     if need.any():
-        if gate.granularity == "head":
+        if gate.granularity == "head" or nonfinite:
             exact = exact_attention(host_k, host_v)                           # [B, Q, Hq, Dv]
             ex = exact.permute(0, 2, 1, 3).reshape(b, hkv, g * nq, -1).to(out.dtype)
             sel = need.view(b, hkv, 1, 1)
             out = torch.where(sel, ex, out)
             repaired = need.clone()
             cert = torch.where(need.unsqueeze(-1), torch.zeros_like(cert), cert)
-            p_served = torch.where(sel, _probs64(_masked_logits(qg, host_k.to(torch.float32), m, scaling)),
+            p_served = torch.where(sel, probs64(masked_logits(qg, host_k.to(torch.float32), m, scaling)),
                                    p_served)
             bytes_paged += int(need.sum()) * s * (host_k.shape[-1] + host_v.shape[-1]) * elt
             if gate.persistent:
@@ -206,7 +229,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
                 blocks[bi, hi] = res.n_blocks
                 bytes_paged += res.tokens * (host_k.shape[-1] + host_v.shape[-1]) * elt
 
-    bound, key_term, value_term, slack = _out_bound(p_served, cert, vhat, vres_cell, m)
+    bound, key_term, value_term, slack = _out_bound(p_served, cert, vhat, vres_cell, m, phi_max)
     zero = repaired.view(b, hkv, 1)
     key_term = torch.where(zero, torch.zeros_like(key_term), key_term)
     value_term = torch.where(zero, torch.zeros_like(value_term), value_term)
@@ -219,25 +242,25 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
             out = torch.where(sel, torch.matmul(p_served.to(torch.float32), host_v.to(torch.float32)), out)
             bytes_paged += int(promote.sum()) * s * host_v.shape[-1] * elt
             value_term = torch.where(promote.unsqueeze(-1), torch.zeros_like(value_term), value_term)
-            exact_v = _out_bound(p_served, cert, host_v.to(torch.float32), torch.zeros_like(vres_cell), m)
+            exact_v = _out_bound(p_served, cert, host_v.to(torch.float32), torch.zeros_like(vres_cell), m, phi_max)
             bound = torch.where(promote.unsqueeze(-1), exact_v[0], bound)
             promoted = promote
 
     result = ReadResult(
         out=out.reshape(b, hq, nq, -1).transpose(1, 2),
-        cert_pre=_ungroup(cert_pre, hq, nq), raw=_ungroup(raw, hq, nq), cert=_ungroup(cert, hq, nq),
-        tanh=_ungroup(tanh, hq, nq), cert_b=None if cert_b is None else _ungroup(cert_b, hq, nq),
-        out_bound=_ungroup(bound, hq, nq), key_term=_ungroup(key_term, hq, nq),
-        value_term=_ungroup(value_term, hq, nq), repaired=repaired, blocks=blocks, values_promoted=promoted,
+        cert_pre=ungroup_heads(cert_pre, hq, nq), raw=ungroup_heads(raw, hq, nq), cert=ungroup_heads(cert, hq, nq),
+        tanh=ungroup_heads(tanh, hq, nq), cert_b=None if cert_b is None else ungroup_heads(cert_b, hq, nq),
+        out_bound=ungroup_heads(bound, hq, nq), key_term=ungroup_heads(key_term, hq, nq),
+        value_term=ungroup_heads(value_term, hq, nq), repaired=repaired, blocks=blocks, values_promoted=promoted,
         bytes_paged=bytes_paged,
     )
     if cfg.validate:
-        p_exact = _probs64(_masked_logits(qg, host_k.to(torch.float32), m, scaling))
-        true_tv = 0.5 * (p64 - p_exact).abs().sum(-1)
+        p_exact = probs64(masked_logits(qg, host_k.to(torch.float32), m, scaling))
+        true_tv = (0.5 * (p64 - p_exact).abs().sum(-1)).clamp(max=1.0)      # TV <= 1; the sum may round above
         o_exact = torch.matmul(p_exact, host_v.to(torch.float64))
         err = (out.to(torch.float64) - o_exact).norm(dim=-1)
-        result.true_tv = _ungroup(true_tv, hq, nq)
-        result.true_out_err = _ungroup(err, hq, nq)
+        result.true_tv = ungroup_heads(true_tv, hq, nq)
+        result.true_out_err = ungroup_heads(err, hq, nq)
     return result
 
 
@@ -282,8 +305,8 @@ def _repair_blocks(qg: torch.Tensor, store: LayerStore, bi: int, hi: int, m: tor
         vmix = torch.where(tok.unsqueeze(-1), hv, vhat)
         cmix = torch.where(tok, torch.zeros_like(c), c)
         logits = (qg @ kmix.T * scaling).masked_fill(~m, float("-inf"))
-        pm = _probs64(logits)
-        cert, raw = _meter(pm, cmix)
+        pm = probs64(logits)
+        cert, raw = served_meter(pm, cmix)
         score = raw if gate.uses_unclipped else cert
         if bool((score <= gate.threshold).all()) or k >= nb:
             break

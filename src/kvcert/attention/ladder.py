@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcert.attention.certified import ReadResult, _group, _masked_logits, _meter, _probs64, _ungroup
+from kvcert.attention.certified import ReadResult, group_heads, masked_logits, probs64, served_meter, ungroup_heads
 from kvcert.bounds import query_band_norms, tier_a_radius_from_qnorms, true_tv
 from kvcert.bounds.rc import (
     block_log_mass,
@@ -141,12 +141,12 @@ def ladder_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scaling:
     host_k, host_v = store.k.host.view(), store.v.host.view()
     hkv, s, dv = khat.shape[1], khat.shape[2], vhat.shape[-1]
     g, bs = hq // hkv, cfg.block_size
-    qg = _group(q.to(torch.float32), hkv)                                         # [B, Hkv, M, D]
+    qg = group_heads(q.to(torch.float32), hkv)                                         # [B, Hkv, M, D]
     m = mask[:, :, None].expand(b, hkv, g, nq, s).reshape(b, hkv, g * nq, s)
 
     # Phase 1: served scoring, radii, block masses.
-    logits = _masked_logits(qg, khat, m, scaling)
-    p_hat = _probs64(logits)
+    logits = masked_logits(qg, khat, m, scaling)
+    p_hat = probs64(logits)
     rho = store.k_band.view()
     qb = query_band_norms(qg, store.bands, store.pairing)
     c_a = tier_a_radius_from_qnorms(qb, rho.unsqueeze(2), scaling)
@@ -154,7 +154,7 @@ def ladder_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scaling:
     w = rho.to(torch.float64).sum(-1).unsqueeze(2)
     phi = logit_rounding_radius(qn, store.k_hat_norm.view().unsqueeze(2), w, scaling, d)   # [B, Hkv, M, S]
     c = c_a + phi
-    cert_pre, raw = _meter(p_hat, c)
+    cert_pre, raw = served_meter(p_hat, c)
     tanh = torch.tanh(_masked_max(c, m))
     lm = block_log_mass(logits, bs)                                               # [B, Hkv, M, nb]
     p_block = torch.nan_to_num(torch.softmax(lm, dim=-1), nan=0.0)
@@ -172,8 +172,8 @@ def ladder_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scaling:
     # Phase 2: mixed keys / values.
     kmix = torch.where(f_tok.unsqueeze(-1), host_k.to(torch.float32), khat)
     vmix = torch.where(v_tok.unsqueeze(-1), host_v.to(torch.float32), vhat)
-    lmix = _masked_logits(qg, kmix, m, scaling)
-    p_mix = _probs64(lmix)
+    lmix = masked_logits(qg, kmix, m, scaling)
+    p_mix = probs64(lmix)
     out = torch.matmul(p_mix.to(torch.float32), vmix)                             # [B, Hkv, M, Dv]
 
     # Rung 4 monitor: paged compressed tokens must satisfy |s_exact − s̃| ≤ c + φ + eps_guard.
@@ -232,20 +232,20 @@ def ladder_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scaling:
         stats.last_key_paged, stats.last_value_promoted = f_tok, v_tok
 
     result = ReadResult(
-        out=out_hf, cert_pre=_ungroup(cert_pre, hq, nq), raw=_ungroup(raw, hq, nq),
-        cert=_ungroup(torch.where(exact_cell, zero, tv), hq, nq), tanh=_ungroup(tanh, hq, nq), cert_b=None,
-        out_bound=_ungroup(torch.where(exact_cell, exact_bound, bound), hq, nq),
-        key_term=_ungroup(torch.where(exact_cell, zero, e_key), hq, nq),
-        value_term=_ungroup(torch.where(exact_cell, zero, e_val), hq, nq),
+        out=out_hf, cert_pre=ungroup_heads(cert_pre, hq, nq), raw=ungroup_heads(raw, hq, nq),
+        cert=ungroup_heads(torch.where(exact_cell, zero, tv), hq, nq), tanh=ungroup_heads(tanh, hq, nq), cert_b=None,
+        out_bound=ungroup_heads(torch.where(exact_cell, exact_bound, bound), hq, nq),
+        key_term=ungroup_heads(torch.where(exact_cell, zero, e_key), hq, nq),
+        value_term=ungroup_heads(torch.where(exact_cell, zero, e_val), hq, nq),
         repaired=repaired, blocks=f_blocks.sum(-1), values_promoted=promote.any(-1),
         bytes_paged=int(paged.sum()),
     )
     if cfg.validate:
         # reference in float64 (stand-in for real arithmetic, which is what the bounds are relative to)
-        p_exact = _probs64(_masked_logits(qg.to(torch.float64), host_k.to(torch.float64), m, scaling))
+        p_exact = probs64(masked_logits(qg.to(torch.float64), host_k.to(torch.float64), m, scaling))
         o_exact = torch.matmul(p_exact, host_v.to(torch.float64))
         err = (out_hf.to(torch.float64).transpose(1, 2).reshape(b, hkv, g * nq, dv) - o_exact).norm(dim=-1)
         # TV ≤ 1 is exact; the float64 sum of |p − p̃| can exceed it by rounding when p ⟂ p̃
-        result.true_tv = _ungroup(true_tv(p_hat, p_exact).clamp(max=1.0), hq, nq)
-        result.true_out_err = _ungroup(err, hq, nq)
+        result.true_tv = ungroup_heads(true_tv(p_hat, p_exact).clamp(max=1.0), hq, nq)
+        result.true_out_err = ungroup_heads(err, hq, nq)
     return result

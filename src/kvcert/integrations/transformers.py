@@ -210,7 +210,7 @@ class CertifiedCache(Cache):
                  require_identity: bool | None = None, delta_req: float = 1e-2, max_steps: int = 256,
                  observers: Sequence[CacheObserver] = (), seed: int | None = None,
                  key_options: dict[str, Any] | None = None, value_options: dict[str, Any] | None = None,
-                 certify: bool = True, write_block: int = 1, ladder: bool | LadderConfig = False) -> None:
+                 certify: bool = True, write_block: int = 16, ladder: bool | LadderConfig = False) -> None:
         self.family = _model_family(model)
         cfg = model.config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(cfg)

@@ -14,7 +14,6 @@ import numpy as np
 
 Rule = Literal["deterministic", "probabilistic", "empirical"]
 RULES: tuple[Rule, ...] = ("deterministic", "probabilistic", "empirical")
-FaultKind = Literal["corrupt_code", "stale_generation", "namespace_collision", "identity_dropped"]
 
 
 @dataclass(frozen=True)
@@ -131,9 +130,7 @@ def decode(row: Row) -> Event:
         )
     if kind == "read":
         r = np.frombuffer(a, np.int64).reshape(4, -1)
-        return SlotRead(
-            m[0], int(m[1]), r[0], r[1], r[2], r[3], np.frombuffer(b, np.int64), bool(m[2]), bool(m[3])
-        )
+        return SlotRead(m[0], int(m[1]), r[0], r[1], r[2], r[3], np.frombuffer(b, np.int64), bool(m[2]), bool(m[3]))
     if kind == "fault":
         return FaultReport(m[0], m[1], int(m[2]), int(m[3]), m[4])
     raise ValueError(f"unknown event kind in log: {kind!r}")

@@ -10,8 +10,6 @@ owner)`` and counted, and no read may serve changed data without a counter movin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from kvcert.ledger.admission import deterministic
@@ -30,9 +28,7 @@ def _checksum(codes: np.ndarray) -> np.ndarray:
 class LedgeredPool:
     """``capacity`` slots of ``dim`` floats in ledger namespace ``name`` at ``layer``."""
 
-    def __init__(
-        self, ledger: Ledger, name: str, layer: int, capacity: int, dim: int, threshold: float
-    ) -> None:
+    def __init__(self, ledger: Ledger, name: str, layer: int, capacity: int, dim: int, threshold: float) -> None:
         if capacity < 1 or dim < 1:
             raise ValueError(f"capacity and dim must be >= 1, got {capacity}, {dim}")
         self.ledger = ledger
@@ -114,15 +110,6 @@ def collide_namespaces(
 def drop_identity(pool: LedgeredPool, slots: np.ndarray, x: np.ndarray) -> np.ndarray:
     """Fault 4: a write whose request identity was lost (owner -1); the ledger must fail closed."""
     return pool.write(slots, np.full(slots.size, -1), x)
-
-
-@dataclass(frozen=True)
-class Detection:
-    """Outcome of one injected fault: whether it was detected and where the ledger located it."""
-
-    fault: str
-    detected: bool
-    incident: Incident | None
 
 
 def locate(ledger: Ledger, kind: str, pool: str, layer: int, slot: int) -> Incident | None:

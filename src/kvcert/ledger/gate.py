@@ -69,9 +69,7 @@ def evaluate(snapshot: dict[str, Any], n_user_requests: int | None = None) -> Ga
         out.append(Criterion("n_user_requests", ok, f"{users} (want {want})"))
         over = [u for u, a in accounts.items() if not a["delta_spent"] <= a["delta_req"]]
         worst = max((a["delta_spent"] for a in accounts.values()), default=0.0)
-        out.append(
-            Criterion("all_budgets<=delta_req", not over, f"max delta_spent={worst:.7g}; over: {over}")
-        )
+        out.append(Criterion("all_budgets<=delta_req", not over, f"max delta_spent={worst:.7g}; over: {over}"))
         for name, key in (
             ("foreign_reads==0", "n_read_foreign_owner"),
             ("read_unwritten==0", "n_read_unwritten"),

@@ -310,9 +310,7 @@ class Ledger:
                 "n_accounts": len(self.accounts),
                 "n_user_requests": sum(1 for a in self.accounts.values() if a.counts["n_reads"] > 0),
                 "coverage": tot["n_read_compressed"] / tot["n_reads"] if tot["n_reads"] else 0.0,
-                "fallback_rate": (tot["n_kept_exact"] + tot["n_restored_exact"]) / written
-                if written
-                else 0.0,
+                "fallback_rate": (tot["n_kept_exact"] + tot["n_restored_exact"]) / written if written else 0.0,
                 "delta_spent_max": max((a.budget.spent_upper for a in self.accounts.values()), default=0.0),
                 "delta_spent_total": sum(a.budget.spent_upper for a in self.accounts.values()),
                 **{k: tot[k] for k in _COUNTERS},
@@ -388,15 +386,11 @@ class Ledger:
         self._incidents_kept[kind] += max(keep, 0)
         for j in range(max(keep, 0)):
             rd = UNATTRIBUTED if readers is None else int(readers[j])
-            self.incidents.append(
-                Incident(kind, pool, layer, int(slots[j]), int(gens[j]), int(owners[j]), rd)
-            )
+            self.incidents.append(Incident(kind, pool, layer, int(slots[j]), int(gens[j]), int(owners[j]), rd))
 
     def _apply(self, event: Event, previous: np.ndarray | None) -> np.ndarray:
         if isinstance(event, OpenRequest):
-            self.accounts[event.uid] = Account(
-                event.uid, RequestBudget(event.delta_req), EProcess(self.delta_e)
-            )
+            self.accounts[event.uid] = Account(event.uid, RequestBudget(event.delta_req), EProcess(self.delta_e))
             self.uids.advance_past(event.uid)
             return np.zeros(0, dtype=bool)
         if isinstance(event, SlotWrite):
@@ -421,13 +415,9 @@ class Ledger:
         lost = ev.owners < 0
         if lost.any():
             self.counters["identity_fail_closed"] += int(lost.sum())
-            self._incident(
-                "identity_fail_closed", ev.pool, ev.layer, ev.slots[lost], gens[lost], ev.owners[lost]
-            )
+            self._incident("identity_fail_closed", ev.pool, ev.layer, ev.slots[lost], gens[lost], ev.owners[lost])
         restored = ev.states == _RESTORED
-        self._incident(
-            "auth_violation", ev.pool, ev.layer, ev.slots[restored], gens[restored], ev.owners[restored]
-        )
+        self._incident("auth_violation", ev.pool, ev.layer, ev.slots[restored], gens[restored], ev.owners[restored])
         factors_all = []
         for uid in _distinct(ev.owners[~lost]):
             a = self.accounts[uid]
@@ -470,9 +460,7 @@ class Ledger:
         r = ev.counts.size
         c = self._grid(ev, table)
         if c >= 0:  # fast path: views of the dense block in [range, entry] layout, no gather
-            state, owner, gen = (
-                a[: r * c].reshape(c, r).T for a in (table.state, table.owner, table.generation)
-            )
+            state, owner, gen = (a[: r * c].reshape(c, r).T for a in (table.state, table.owner, table.generation))
             readers, want = ev.readers[:, None], ev.generations[:, None]
         else:
             readers_e, slots_e, want_e = ev.expand()
@@ -511,18 +499,14 @@ class Ledger:
             unwritten_f, stale_f, foreign_f, owner_f, gen_f = flat
             for uid in _distinct(owner_f[foreign_f]):  # attributed to the writer; no δ is spent again
                 if uid in self.accounts:
-                    self.accounts[uid].counts["n_read_by_others"] += int(
-                        np.count_nonzero(foreign_f & (owner_f == uid))
-                    )
+                    self.accounts[uid].counts["n_read_by_others"] += int(np.count_nonzero(foreign_f & (owner_f == uid)))
             for name, mask in (
                 ("unwritten_read", unwritten_f),
                 ("stale_read", stale_f),
                 ("shared_read" if ev.shared else "foreign_read", foreign_f),
             ):
                 if mask.any():
-                    self._incident(
-                        name, ev.pool, ev.layer, slots_e[mask], gen_f[mask], owner_f[mask], readers_e[mask]
-                    )
+                    self._incident(name, ev.pool, ev.layer, slots_e[mask], gen_f[mask], owner_f[mask], readers_e[mask])
         return served.ravel()
 
     def _apply_fault(self, ev: FaultReport) -> None:
@@ -532,6 +516,4 @@ class Ledger:
             table.state[ev.slot] = _RESTORED
         self.counters[f"fault:{ev.kind}"] += 1
         self._incident(f"fault:{ev.kind}", ev.pool, ev.layer, np.array([ev.slot]), g, o)
-        self._last_incident[ev.kind] = Incident(
-            f"fault:{ev.kind}", ev.pool, ev.layer, ev.slot, int(g[0]), int(o[0])
-        )
+        self._last_incident[ev.kind] = Incident(f"fault:{ev.kind}", ev.pool, ev.layer, ev.slot, int(g[0]), int(o[0]))

@@ -62,9 +62,7 @@ class LedgerCollector(Collector):
         for m, s in summaries.items():
             e = s["eprocess"]
             g.add_metric([m, "certified", "current"], float(e["log_m"]))
-            g.add_metric(
-                [m, "certified", "max"], float("nan") if e["log_m_max"] is None else float(e["log_m_max"])
-            )
+            g.add_metric([m, "certified", "max"], float("nan") if e["log_m_max"] is None else float(e["log_m_max"]))
             g.add_metric([m, "certified", "crossed"], float(e["crossed"]))
         yield g
 

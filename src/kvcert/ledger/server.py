@@ -108,9 +108,7 @@ def certified_cache(keys: str = "int8", values: str = "int4", **options: Any) ->
     def make(model: torch.nn.Module, uids: torch.Tensor, observer: LedgerObserver) -> Any:
         from kvcert.integrations.transformers import CertifiedCache
 
-        return CertifiedCache(
-            model, keys=keys, values=values, request_ids=uids, observers=[observer], **options
-        )
+        return CertifiedCache(model, keys=keys, values=values, request_ids=uids, observers=[observer], **options)
 
     return make
 

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from transformers import DynamicCache, QuantizedCache
 
 from kvcert import CertifiedCache, Gate
-from kvcert.eval.corpora import pg_essays_text
+from kvcert.eval.corpora import load_corpus
 from kvcert.models import load
 
 
@@ -47,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     model, tok = load("smollm2-135m")
-    ids = tok(pg_essays_text()[: args.context * 8], return_tensors="pt").input_ids[:, : args.context]
+    ids = tok(load_corpus("pg-essays")[: args.context * 8], return_tensors="pt").input_ids[:, : args.context]
     with torch.no_grad():
         pre = DynamicCache(config=model.config)
         out = model(ids, past_key_values=pre, use_cache=True)

@@ -125,7 +125,7 @@ def main() -> None:
         f"{args.steps} steps, median of {args.reps})"
     )
     for col in ("arm", "ms/step", f"ratio vs {base_arm}", "inside ledger ms/step", "inside / step"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", no_wrap=True)
     for arm, rows in res.items():
         t = statistics.median(x for x, _ in rows)
         inside = statistics.median(y for _, y in rows)

@@ -69,7 +69,7 @@ def main() -> None:
     assert s["n_written"] + s["n_reads"] == entries, "replay lost events"
     table = Table(title=f"replay throughput ({entries:,} entry events in {rows:,} rows, {args.per_row}/row)")
     for col in ("phase", "seconds", "rows/s", "entry events/s"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", no_wrap=True)
     table.add_row("generate (executemany)", f"{t_gen:.1f}", f"{rows / t_gen:,.0f}", f"{entries / t_gen:,.0f}")
     table.add_row("replay", f"{t_replay:.1f}", f"{rows / t_replay:,.0f}", f"{entries / t_replay:,.0f}")
     Console().print(table)

@@ -60,6 +60,7 @@ class ReadResult:
     blocks: torch.Tensor              # [B, Hkv] blocks paged in (block granularity)
     values_promoted: torch.Tensor     # [B, Hkv] values served exact
     bytes_paged: int
+    attn_kv: torch.Tensor | None = None        # [B, Hkv, Q, S] served attention summed over each KV head's G heads
     true_tv: torch.Tensor | None = None        # validate: TV(exact, served before repair)
     true_out_err: torch.Tensor | None = None   # validate: ‖served output − exact output‖₂
 
@@ -99,12 +100,12 @@ def _out_bound(p: torch.Tensor, tv: torch.Tensor, vhat: torch.Tensor, vres: torc
     """
     vres = vres.to(torch.float64)
     value_term = (p * vres).sum(-1)
-    vh = vhat.to(torch.float64)
-    dist = (vh - vh.mean(-2, keepdim=True)).norm(dim=-1)                 # [B, Hkv, S]
+    s, d = vhat.shape[-2], vhat.shape[-1]
+    up = 1.0 + 2.0 * (d + 4) * _U                        # covers float32 rounding of a D-term norm
+    dist = ((vhat - vhat.mean(-2, keepdim=True)).norm(dim=-1) * up).to(torch.float64)   # [B, Hkv, S]
     spread = torch.where(mask, dist.unsqueeze(2) + vres, torch.zeros_like(vres)).amax(-1)
     key_term = 2.0 * tv.clamp(max=1.0) * spread
-    s, d = vhat.shape[-2], vhat.shape[-1]
-    vmax = vh.norm(dim=-1).amax(-1, keepdim=True)                         # [B, Hkv, 1]
+    vmax = (vhat.norm(dim=-1).amax(-1, keepdim=True) * up).to(torch.float64)          # [B, Hkv, 1]
     rel = 2.0 * (s + d) * _U * (1 + 1e-6) + 2.0 * torch.tanh(phi_max.to(torch.float64))
     slack = (rel * vmax).expand_as(key_term)
     return key_term + value_term + slack, key_term, value_term, slack
@@ -149,10 +150,13 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     m = mask[:, :, None].expand(b, hkv, g, nq, s).reshape(b, hkv, g * nq, s)
     # Fail closed on non-finite data: a cell that sees a non-finite key/value (kept exact at write) or has a
     # non-finite query cannot be certified; its KV head is served by the exact path and the cell reports 1.
-    bad_tok = ~(torch.isfinite(khat).all(-1) & torch.isfinite(vhat).all(-1))                 # [B, Hkv, S]
-    bad_cell = (m & bad_tok.unsqueeze(2)).any(-1) | ~torch.isfinite(qg).all(-1)             # [B, Hkv, M]
-    nonfinite = bool(bad_cell.any() or bad_tok.any())
+    # Encoded entries were checked at write time (store.nonfinite counts them); only pending ones and q here.
+    nonfinite = (store.nonfinite > 0 or not bool(torch.isfinite(qg).all())
+                 or not bool(torch.isfinite(khat[:, :, store.k.n_encoded:]).all())
+                 or not bool(torch.isfinite(vhat[:, :, store.v.n_encoded:]).all()))
     if nonfinite:
+        bad_tok = ~(torch.isfinite(khat).all(-1) & torch.isfinite(vhat).all(-1))             # [B, Hkv, S]
+        bad_cell = (m & bad_tok.unsqueeze(2)).any(-1) | ~torch.isfinite(qg).all(-1)         # [B, Hkv, M]
         khat, vhat = torch.nan_to_num(khat, 0.0, 0.0, 0.0), torch.nan_to_num(vhat, 0.0, 0.0, 0.0)
         qg = torch.nan_to_num(qg, 0.0, 0.0, 0.0)
     logits = masked_logits(qg, khat, m, scaling)
@@ -168,7 +172,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     qb = query_band_norms(qg, store.bands, store.pairing)
     c_a = tier_a_radius_from_qnorms(qb, rho.unsqueeze(2), scaling)
     qn = qg.to(torch.float64).norm(dim=-1, keepdim=True)
-    w = rho.to(torch.float64).sum(-1)
+    w = (rho.sum(-1) * (1.0 + 2.0 * (store.bands + 2) * _U)).to(torch.float64)   # scalar witness W_t, rounded up
     # γ_{D+1}: D products + the multiplication by the softmax scale
     slack = scaling * _gamma(d + 1) * qn * (2 * khn.to(torch.float64) + w).unsqueeze(2)
     host_knorm = khn.to(torch.float64) + w                                    # >= ||k_t|| (exact key)
@@ -253,6 +257,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
         out_bound=ungroup_heads(bound, hq, nq), key_term=ungroup_heads(key_term, hq, nq),
         value_term=ungroup_heads(value_term, hq, nq), repaired=repaired, blocks=blocks, values_promoted=promoted,
         bytes_paged=bytes_paged,
+        attn_kv=p_served.reshape(b, hkv, g, nq, s).sum(2).to(torch.float32),
     )
     if cfg.validate:
         p_exact = probs64(masked_logits(qg, host_k.to(torch.float32), m, scaling))

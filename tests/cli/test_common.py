@@ -31,8 +31,8 @@ def test_parse_gate() -> None:
 
 
 def test_auto_gate_rule_boundary() -> None:
-    assert auto_gate(0.5) == Gate.certified(0.2)
-    assert auto_gate(0.49) == Gate.risk_ranked(5.0)
+    assert auto_gate(0.5) == Gate.certified(0.2, granularity="block", block_size=64, persistent=True)
+    assert auto_gate(0.49) == Gate.risk_ranked(5.0, granularity="block", block_size=64, persistent=True)
 
 
 def test_parse_task_option() -> None:

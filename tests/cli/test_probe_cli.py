@@ -1,12 +1,7 @@
-import sys
-from pathlib import Path
-
+from snapshot_factory import broken, good_dict, write
 from typer.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "probe"))
-from snapshot_factory import broken, good_dict, write  # noqa: E402
-
-from kvcert.cli.probe import app  # noqa: E402
+from kvcert.cli.probe import app
 
 runner = CliRunner()
 

@@ -1,11 +1,5 @@
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-# helpers (ledger_workload.py, crash_child.py) live next to the tests; importable in any import mode
-sys.path.insert(0, str(Path(__file__).parent))
 
 from kvcert.ledger import Ledger
 

@@ -5,6 +5,7 @@ from kvcert.bounds.latent import effective_query, latent_band_norms, latent_tier
 from kvcert.bounds.output import output_error_bound
 from kvcert.bounds.pooling import PoolingProfile, pool_weights, pooled, pooling_profile
 from kvcert.bounds.radii import (
+    dither_witness_moments,
     query_band_norms,
     tier_a_radius,
     tier_a_radius_from_qnorms,
@@ -43,6 +44,7 @@ from kvcert.bounds.softmax_tv import (
 )
 
 __all__ = [
+    "dither_witness_moments",
     "band_norms",
     "effective_query",
     "FORMS",

@@ -134,3 +134,36 @@ def tier_b_radius(sigma2: torch.Tensor, n_tokens: int, delta_loc: float) -> torc
     if not (0.0 < delta_loc <= 1.0):
         raise ValueError(f"delta_loc must lie in (0, 1], got {delta_loc}")
     return torch.sqrt(2.0 * s2 * math.log(2.0 * n_tokens / delta_loc))
+
+
+def dither_witness_moments(
+    steps: torch.Tensor,
+    group_size: int,
+    bands: int = 8,
+    pairing: Pairing = "rotate_half",
+    channel_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean bound ``m ≥ E W`` and bounded-difference constant ``C`` of the scalar dither witness.
+
+    For subtractive dither the residual coordinates ``r_c`` are independent and uniform on
+    ``[−s_c/2, s_c/2]`` (``s_c`` the step of channel ``c``'s group, 0 for bypassed channels). The scalar
+    witness ``W = Σ_b ‖r_b‖`` over bands of whole RoPE pairs then satisfies
+
+    * ``E W ≤ m = Σ_b (Σ_{c∈b} s_c²/12)^{1/2}`` (Jensen: ``E‖r_b‖ ≤ (E‖r_b‖²)^{1/2}``), and
+    * changing one coordinate moves ``W`` by at most ``s_c`` (reverse triangle inequality), so
+      ``C = Σ_c s_c²`` is McDiarmid's constant — the inputs of the drift e-process factor
+      ``exp(λ(W − m) − λ²C/8)`` (:mod:`kvcert.bounds.eprocess`).
+
+    ``steps[..., G]`` per-group steps with ``G·group_size = D``; returns float64 ``(m[...], C[...])``.
+    """
+    s = check_nonneg_finite(steps, "steps")
+    if group_size < 1 or s.dim() < 1:
+        raise ValueError(f"group_size must be >= 1 and steps at least 1-d, got {group_size}, {tuple(s.shape)}")
+    per_channel = s.repeat_interleave(group_size, dim=-1)
+    if channel_mask is not None:
+        if channel_mask.shape[-1] != per_channel.shape[-1]:
+            raise ValueError(f"channel_mask last dim {channel_mask.shape[-1]} != D = {per_channel.shape[-1]}")
+        per_channel = per_channel * channel_mask.to(torch.float64)
+    m = band_norms(per_channel, bands, pairing).sum(-1) / math.sqrt(12.0)
+    c = per_channel.square().sum(-1)
+    return m, c

@@ -21,7 +21,9 @@ class WriteEvent:
     (slots) written; padded positions are ``-1``. ``compressed[b, h, t]`` is False where the entry is
     stored exact (non-finite input, unattributable, pending KIVI block, persistent repair).
     ``witness[b, h, t]`` is the scalar key witness ``W = Σ_b ρ_b ≥ ‖Δk‖`` (0 where exact) and
-    ``value_witness`` the value residual norm. ``tier_b`` says the key codec is the dithered one.
+    ``value_witness`` the value residual norm. ``tier_b`` says the key codec is the dithered one; then
+    ``witness_mean[b, h, t] ≥ E W`` and ``witness_c[b, h, t]`` (McDiarmid's constant) are the inputs of
+    the drift e-process factor (:func:`kvcert.bounds.radii.dither_witness_moments`), else ``None``.
     """
 
     layer: int
@@ -33,13 +35,16 @@ class WriteEvent:
     codec: str
     tier_b: bool
     nonfinite: int = 0
+    witness_mean: torch.Tensor | None = None
+    witness_c: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class ReadEvent:
     """One layer's attention read at decode/prefill step ``step`` for ``B`` rows.
 
-    ``n_slots[b]`` logical slots were read by row ``b`` (padding excluded); ``certificate[b, h]`` is the
+    ``n_slots[b]`` physical slots were read by row ``b``, starting at absolute slot ``first_slot``
+    (non-zero after sliding-window trims); ``certificate[b, h]`` is the
     served Tier-A meter per query head (clipped to [0, 1]) for the last query of the step;
     ``repaired[b, g]`` marks KV heads served exact from the host tier.
     """
@@ -50,6 +55,7 @@ class ReadEvent:
     n_slots: torch.Tensor
     certificate: torch.Tensor
     repaired: torch.Tensor
+    first_slot: int = 0
 
 
 class CacheObserver(Protocol):

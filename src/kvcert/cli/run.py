@@ -25,7 +25,7 @@ def run(
         str, typer.Option(help="comma-separated codecs or keycodec/valuecodec")
     ] = DEFAULT_SCHEMES,
     seed: Annotated[int, typer.Option(help="seed for data, codecs and bootstrap")] = 0,
-    max_new_tokens: Annotated[int, typer.Option(help="cap on RULER's per-task generation budget")] = 32,
+    max_new_tokens: Annotated[int, typer.Option(help="cap on RULER's per-task generation budget")] = 16,
     out: Annotated[Path | None, typer.Option(help="report directory (default runs/run-<timestamp>)")] = None,
 ) -> None:
     """The main job: RULER needle tasks under each scheme, ungated and gated, against the dense baseline.

@@ -37,7 +37,7 @@ from kvcert.cache.events import CacheObserver, ReadEvent, WriteEvent
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 from kvcert.cache.telemetry import EvictRecord, StepRecord, Telemetry, stack_records
-from kvcert.evict import RMM, EvictionPolicy, causal_attention, serving_reading
+from kvcert.evict import RMM, EvictionPolicy, aggregate_gqa, causal_attention, serving_reading
 from kvcert.quant import Codec, get
 
 ATTN_NAME = "kvcert"
@@ -122,7 +122,11 @@ class CertifiedLayer(CacheLayerMixin):
         return self.returned, store.v.served.view()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """Physical KV length and offset for the mask (sliding layers keep ``window − 1`` past tokens)."""
+        """KV length and offset for the mask (sliding layers keep ``window − 1`` past tokens).
+
+        Without eviction slot ``j`` is position ``offset + j``. With eviction the length stays *logical*, so
+        transformers builds its mask in position space; the read path maps it onto the slots (``slot_mask``).
+        """
         if self.sliding_window is None:
             return self.cumulative_length + query_length, 0
         w = self.sliding_window
@@ -190,6 +194,60 @@ def _resolve_codec(spec: str | Codec, axis: str, options: dict[str, Any]) -> Cod
     if spec.startswith("kivi"):
         opts.setdefault("axis", axis)
     return get(spec, **opts)
+
+
+def slot_mask(logical: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Visibility ``[B, H, Q, S]`` of physical slots holding logical ``positions[B, H, S]``.
+
+    ``logical[B | 1, 1, Q, T]`` is the mask in position space (transformers' padding + causal mask with
+    ``T`` = the logical length); slot ``s`` of head ``h`` is visible to query ``i`` iff
+    ``logical[b, 0, i, positions[b, h, s]]``. Without eviction (``positions = arange``) it equals ``logical``.
+    """
+    b, h, s = positions.shape
+    lm = logical.to(torch.bool)
+    if lm.dim() != 4 or lm.shape[1] != 1 or (s and lm.shape[-1] <= int(positions.max())):
+        raise ValueError(f"mask must be [B, 1, Q, T] covering every logical position, got {tuple(lm.shape)}")
+    q, t = lm.shape[-2:]
+    return lm.expand(b, h, q, t).gather(-1, positions[:, :, None, :].expand(b, h, q, s))
+
+
+def grouped_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention ``[B, Hkv, G, Q, S]`` (float64 softmax of float32 logits, as the read path evaluates it) of
+    ``query[B, Hq, Q, D]`` over ``keys[B, Hkv, S, D]`` under the per-KV-head ``mask[B, Hkv, Q, S]``."""
+    b, hq, nq, _ = query.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    qg = group_heads(query.detach().to(torch.float32), hkv)
+    m = mask[:, :, None].expand(b, hkv, hq // hkv, nq, s).reshape(b, hkv, -1, s)
+    return probs64(masked_logits(qg, keys.detach().to(torch.float32), m, scaling)).reshape(b, hkv, hq // hkv, nq, s)
+
+
+def _check_eviction(cache: CertifiedCache, layers: Sequence[CertifiedLayer]) -> None:
+    """Fail closed on eviction settings that cannot be honoured (each message names the argument)."""
+    evict, budget, ratio = cache.evict, cache.budget, cache.compression_ratio
+    if evict is None:
+        if budget is not None or ratio is not None:
+            raise ValueError("budget / compression_ratio need evict=<EvictionPolicy>")
+        return
+    if not isinstance(evict, EvictionPolicy):
+        raise ValueError(f"evict must be a kvcert.evict.EvictionPolicy, got {type(evict).__name__}")
+    if (budget is None) == (ratio is None):
+        raise ValueError("evict needs exactly one of budget (decode-time) or compression_ratio (prefill)")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise ValueError(f"budget must be a positive int, got {budget!r}")
+    if budget is not None and budget < evict.sinks + evict.recent:
+        raise ValueError(f"budget={budget} is smaller than the policy's protected items: sinks={evict.sinks} "
+                         f"+ recent/lag/window={evict.recent}")
+    if ratio is not None and not 0.0 <= ratio < 1.0:
+        raise ValueError(f"compression_ratio must be in [0, 1), got {ratio}")
+    if cache.ladder:
+        raise ValueError("evict cannot be combined with ladder=True")
+    for layer in layers:
+        for codec in (layer.store.key_codec, layer.store.value_codec):
+            if codec.block != 1 or codec.residual_window:
+                raise ValueError(f"evict needs per-token codecs (block == 1, no residual window); keys/values "
+                                 f"codec {codec.name!r} encodes blocks of {codec.block} tokens")
+        if layer.is_sliding:
+            raise ValueError("evict is not supported on models with sliding-window layers")
 
 
 class CertifiedCache(Cache):
@@ -342,7 +400,7 @@ class CertifiedCache(Cache):
             lo, hi = before, store.k.n_encoded
             ev = WriteEvent(
                 layer=layer_idx, rows=rows.clone(),
-                positions=torch.arange(store.base + lo, store.base + hi).expand(b, -1).clone(),
+                positions=store.positions.view()[:, 0, lo:hi].clone(),  # logical (= base + slot w/o eviction)
                 compressed=~store.k.exact.view()[:, :, lo:hi].clone(),
                 witness=store.k_band.view()[:, :, lo:hi].sum(-1).clone(),
                 value_witness=store.v_res.view()[:, :, lo:hi].clone(),
@@ -353,19 +411,30 @@ class CertifiedCache(Cache):
                 obs.on_write(ev)
         return k, v
 
-    def ingest(self, past: Cache) -> None:
+    def ingest(self, past: Cache, attentions: Sequence[torch.Tensor] | None = None) -> None:
         """Take over the K/V of an exact prefill cache (e.g. a ``DynamicCache`` after a shared prefill).
 
         The entries become pending exactly as if this cache had run the prefill itself, so several schemes
         can branch from one prefill. Sliding layers take the last ``window − 1`` tokens like transformers.
-        With eviction the prefill's queries are not available: policies read the *key-proxy* attention
-        ``softmax(k_s·k_i/√D)`` (causal, per KV head) instead — compression mode compresses with it, budget
-        mode observes it.
+        With eviction, ``attentions`` (per layer, the prefill's causal attention probabilities
+        ``[B, Hq | Hkv, S, S]``; ``Hkv`` rows must be the mean over each group) lets several compressed caches
+        branch from one prefill; without it the policies read the *key-proxy* attention
+        ``softmax(k_s·k_i/√D)`` (causal, per KV head). Compression mode compresses with it, budget mode
+        observes it.
         """
         if self._step >= 0:
             raise ValueError("ingest() must be called on a fresh CertifiedCache")
         if len(past.layers) != len(self.layers):
             raise ValueError(f"cache has {len(past.layers)} layers, model has {len(self.layers)}")
+        if attentions is not None:
+            if len(attentions) != len(self.layers):
+                raise ValueError(f"attentions must hold one tensor per layer ({len(self.layers)}), "
+                                 f"got {len(attentions)}")
+            for i, (src, attn) in enumerate(zip(past.layers, attentions, strict=True)):
+                b, hkv, s = src.keys.shape[:3] if src.keys is not None else (0, 1, 0)
+                if attn.dim() != 4 or attn.shape[0] != b or attn.shape[1] % hkv or attn.shape[2:] != (s, s):
+                    raise ValueError(f"attentions[{i}] must be [B, H, S, S] = [{b}, k·{hkv}, {s}, {s}], "
+                                     f"got {tuple(attn.shape)}")
         for i, (src, layer) in enumerate(zip(past.layers, self.layers, strict=True)):
             if src.keys is None:
                 raise ValueError(f"layer {i} of the source cache is empty")
@@ -375,13 +444,17 @@ class CertifiedCache(Cache):
             layer.update(src.keys, src.values, rows, keep)
             layer.cumulative_length = src.get_seq_length()
             layer.store.encode_pending()   # the prefill is complete: nothing is in flight any more
-            if self.evict is not None and src.keys.shape[2] > 0:
-                proxy = causal_attention(src.keys, src.keys) if self.evict.needs_attention else None
-                if self.compression_ratio is not None and src.keys.shape[2] > 1:
-                    self._compress_prefill(layer, proxy, None)
-                elif self.budget is not None:
-                    attn = proxy if proxy is not None else _uniform_causal(src.keys.shape[:3])
-                    self._observe(layer, attn, 0 if i else src.keys.shape[2])
+            if self.evict is not None:
+                hkv, s = src.keys.shape[1:3]
+                attn = causal_attention(src.keys, src.keys) if attentions is None else attentions[i]
+                mean = aggregate_gqa(attn.to(torch.float64), hkv, "mean")       # [B, Hkv, S, S]
+                if self.compression_ratio is not None:
+                    layer.last_attn = mean[:, :, -1]
+                    if s > 1:
+                        self._compress_prefill(layer, attn if self.evict.needs_attention else None)
+                    layer.prefilled = True
+                else:
+                    self._observe(layer, mean, s)
         self._step = 0
 
     # ------------------------------------------------------------------------------------------ read
@@ -393,8 +466,12 @@ class CertifiedCache(Cache):
         scaling = module.scaling if scaling is None else scaling
         b, hq, nq, _ = query.shape
         s = key.shape[2]
+        logical = mask
         if self.evict is not None:
-            mask = slot_mask(mask, store.positions.view(), nq)                    # [B, Hkv, Q, S]
+            if logical is None:  # causal in position space over the logical length
+                t = layer.cumulative_length
+                logical = (torch.arange(t).view(1, t) <= (t - nq + torch.arange(nq)).view(nq, 1)).expand(b, 1, nq, t)
+            mask = slot_mask(logical, store.positions.view())                     # [B, Hkv, Q, S]
             sdpa_mask_ = mask.repeat_interleave(hq // mask.shape[1], dim=1)      # per query head
         else:
             if mask is None:
@@ -406,7 +483,7 @@ class CertifiedCache(Cache):
             # Uncertified baseline, or nothing compressed is visible (every entry exact): plain SDPA.
             out, _ = sdpa_attention_forward(module, query, key, value, sdpa_mask_, scaling=scaling, **kwargs)
             if self.evict is not None:
-                self._after_read(layer, query, key, mask, float(scaling), None)
+                self._after_read(layer, query, key, logical, float(scaling), None)
             return out
 
         def exact_attention(hk: torch.Tensor, hv: torch.Tensor) -> torch.Tensor:
@@ -421,37 +498,36 @@ class CertifiedCache(Cache):
             res = certified_read(query, store, mask, float(scaling), self._cfg, exact_attention)
         self._record(layer, res, nq)
         if self.evict is not None:
-            self._after_read(layer, query, key, mask, float(scaling), res.attn_kv)
+            self._after_read(layer, query, key, logical, float(scaling), res.attn_kv)
         return res.out.to(query.dtype)
 
     # ------------------------------------------------------------------------------------- eviction
-    def _after_read(self, layer: CertifiedLayer, query: torch.Tensor, served_k: torch.Tensor, mask: torch.Tensor,
-                    scaling: float, attn_kv: torch.Tensor | None) -> None:
+    def _after_read(self, layer: CertifiedLayer, query: torch.Tensor, served_k: torch.Tensor,
+                    logical: torch.Tensor, scaling: float, attn_kv: torch.Tensor | None) -> None:
         """Feed the read to the policy (budget mode) or compress the prefill (compression mode), and record
-        the validate-mode exact evicted mass of this read."""
+        the validate-mode exact evicted mass of this read. ``logical`` is the position-space mask."""
         assert self.evict is not None
-        store = layer.store
         b, hq, nq, _ = query.shape
-        hkv = served_k.shape[1]
+        g = hq // served_k.shape[1]
+        positions = layer.store.positions.view()
         if self.validate:
-            self._validate_reading(layer, query, mask, scaling)
+            self._validate_reading(layer, query, logical, scaling)
         if self.compression_ratio is not None:
             if nq > 1 and not layer.prefilled:
+                mask = slot_mask(logical, positions)
                 attn = None
                 if self.evict.needs_attention:
-                    qg = group_heads(query.to(torch.float32), hkv)
-                    m = mask[:, :, None].expand(b, hkv, hq // hkv, nq, -1).reshape(qg.shape[:3] + mask.shape[-1:])
-                    attn = probs64(masked_logits(qg, served_k.to(torch.float32), m, scaling)).reshape(
-                        b, hq, nq, -1)
-                self._compress_prefill(layer, attn, query)
+                    full = grouped_probs(query, served_k, mask, scaling)           # [B, Hkv, G, Q, S]
+                    attn, layer.last_attn = full.flatten(1, 2), full[:, :, :, -1].mean(2)
+                else:  # the last row only, for the serving reading
+                    last = grouped_probs(query[:, :, -1:], served_k, mask[:, :, -1:], scaling)
+                    layer.last_attn = last[:, :, :, 0].mean(2)
+                self._compress_prefill(layer, attn)
             layer.prefilled = True
             return
         if attn_kv is None:
-            qg = group_heads(query.to(torch.float32), hkv)
-            m = mask[:, :, None].expand(b, hkv, hq // hkv, nq, -1).reshape(qg.shape[:3] + mask.shape[-1:])
-            attn_kv = probs64(masked_logits(qg, served_k.to(torch.float32), m, scaling)).reshape(
-                b, hkv, hq // hkv, nq, -1).sum(2)
-        self._observe(layer, attn_kv.to(torch.float64) / (hq // hkv), nq)
+            attn_kv = grouped_probs(query, served_k, slot_mask(logical, positions), scaling).sum(2)
+        self._observe(layer, attn_kv.to(torch.float64) / g, nq)
 
     def _observe(self, layer: CertifiedLayer, attn: torch.Tensor, nq: int) -> None:
         """Budget mode: ``policy.observe`` the read (``attn[B, Hkv, q, S]``, mean over each group)."""
@@ -462,14 +538,16 @@ class CertifiedCache(Cache):
         if layer.store.layer == 0 and nq:
             self._kappa_groups.append(positions[:, 0, -nq:].clone())
 
-    def _compress_prefill(self, layer: CertifiedLayer, attn: torch.Tensor | None, query: torch.Tensor | None) -> None:
+    def _compress_prefill(self, layer: CertifiedLayer, attn: torch.Tensor | None) -> None:
         """Compression mode: keep ``prefill_kept_count(S, ratio)`` slots per KV head after the prefill read.
 
-        ``attn[B, Hq, S, S]`` is the prefill's served attention (``None`` for policies that ignore it);
-        RMM's prompt κ is :meth:`set_prefill_kappa`'s value, else ``κ ≡ 1`` (the prompt is given text).
+        ``attn[B, Hq, S, S]`` is the prefill's served attention, or ``[B, Hkv, S, S]`` key-proxy attention
+        (:meth:`ingest`), ``None`` for policies that ignore it; RMM's prompt κ is :meth:`set_prefill_kappa`'s
+        value, else ``κ ≡ 1`` (the prompt is given text).
         """
         assert self.evict is not None and self.compression_ratio is not None
         store = layer.store
+        assert store.k is not None and store.v is not None
         keys, values = store.k.host.view(), store.v.host.view()
         kappa = self._prefill_kappa
         if kappa is None:
@@ -477,11 +555,6 @@ class CertifiedCache(Cache):
         elif kappa.shape != (keys.shape[0], keys.shape[2]):
             raise ValueError(f"prefill kappa must be [B, S] = {(keys.shape[0], keys.shape[2])}, "
                              f"got {tuple(kappa.shape)}")
-        if attn is not None and attn.shape[1] != keys.shape[1] * (self.num_heads // self.num_kv_heads):
-            # key-proxy attention (ingest) has one row set per KV head: repeat it over the group
-            attn = attn.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
-        if attn is not None:
-            layer.last_attn = attn.reshape(attn.shape[0], keys.shape[1], -1, *attn.shape[2:])[:, :, :, -1].mean(2)
         keep = self.evict.prefill_keep(store.layer, keys, values, self.compression_ratio, attn=attn, kappa=kappa)
         if keep.shape[-1] < store.n:
             self._apply_eviction(layer, keep)
@@ -500,24 +573,21 @@ class CertifiedCache(Cache):
         self._evict_records.append(EvictRecord(step=self._step, layer=store.layer, serving_mass=serving,
                                                evicted=(n - keep.shape[-1]) * keep.shape[0] * keep.shape[1]))
 
-    def _validate_reading(self, layer: CertifiedLayer, query: torch.Tensor, mask: torch.Tensor,
+    def _validate_reading(self, layer: CertifiedLayer, query: torch.Tensor, logical: torch.Tensor,
                           scaling: float) -> None:
         """Exact evicted mass per (row, query head) of this read: the full exact attention over kept and
         archived (evicted) entries, its mass on the archived ones (worst over the read's queries)."""
         store = layer.store
+        assert store.k is not None
         b, hq, nq, _ = query.shape
         ev = store.evicted
         if not ev:
             mass = torch.zeros(b, hq, dtype=torch.float64)
         else:
-            keys = torch.cat([store.k.host.view(), ev["k"].view()], dim=2).to(torch.float32)
+            keys = torch.cat([store.k.host.view(), ev["k"].view()], dim=2)
             positions = torch.cat([store.positions.view(), ev["positions"].view()], dim=2)
-            hkv, g = keys.shape[1], hq // keys.shape[1]
-            full_mask = slot_mask(self._logical_mask, positions, nq)
-            qg = group_heads(query.to(torch.float32), hkv)
-            m = full_mask[:, :, None].expand(b, hkv, g, nq, -1).reshape(b, hkv, g * nq, -1)
-            p = probs64(masked_logits(qg, keys, m, scaling))
-            mass = p[..., store.n:].sum(-1).reshape(b, hq, nq).amax(-1)
+            p = grouped_probs(query, keys, slot_mask(logical, positions), scaling)
+            mass = p[..., store.n:].sum(-1).flatten(1, 2).amax(-1)
         self._evict_records.append(EvictRecord(step=self._step, layer=store.layer, evicted_mass=mass))
 
     def _settle_kappa(self) -> None:
@@ -626,4 +696,34 @@ class CertifiedCache(Cache):
             head_dim=stores[0].k.host.view().shape[-1] if stores[0].k is not None else 0,
             nonfinite=sum(s.nonfinite for s in stores), fail_closed=sum(s.fail_closed for s in stores),
             tier_b_delta=self.delta_req if self.tier_b else None, gate=self.gate.describe(),
+            evicted_mass=stack_records(self._evict_records, n_layers, max(steps, 1), "evicted_mass"),
+            evicted_mass_serving=stack_records(self._evict_records, n_layers, max(steps, 1), "serving_mass"),
+            evicted_entries=sum(r.evicted for r in self._evict_records),
         )
+
+    def reset(self) -> None:
+        """Drop all stored tokens and the eviction policy's state (the cache can serve a new request)."""
+        super().reset()
+        if self.evict is not None:
+            self.evict.reset()
+        self._kappa_groups = []
+        self._prefill_kappa = None
+
+
+class KappaFeeder(LogitsProcessor):
+    """Feeds RMM's correctness weight during ``model.generate``: ``κ`` = probability of the emitted token.
+
+    Greedy decoding emits the argmax, so ``κ = max softmax(scores)`` (kind ``"emitted"``, a confidence
+    proxy). Put it first in ``logits_processor`` (it reads the scores as it receives them) and use greedy
+    decoding. Scores pass through unchanged.
+    """
+
+    def __init__(self, cache: CertifiedCache) -> None:
+        if not isinstance(cache, CertifiedCache) or cache.evict is None:
+            raise ValueError("cache must be a CertifiedCache built with evict=<policy>")
+        self.cache = cache
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """Call ``cache.set_kappa(max softmax prob)`` for the forward that produced ``scores[B, V]``."""
+        self.cache.set_kappa(torch.softmax(scores.to(torch.float64), dim=-1).amax(-1))
+        return scores

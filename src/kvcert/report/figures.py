@@ -99,13 +99,13 @@ def accuracy_bars(points: Sequence[AccuracyPoint], baseline: float, path: Path) 
 def bytes_vs_accuracy(
     points: Sequence[AccuracyPoint], dense_bytes: float, baseline: float, path: Path
 ) -> Path:
-    """Scatter of bytes per token (stored + paged) against accuracy, dense baseline marked."""
+    """Scatter of effective bytes per token (``b_eff/16`` × fp16 bytes) against accuracy, dense marked."""
     fig, ax = plt.subplots(figsize=(6, 4))
     for p in points:
         ax.scatter(p.bytes_per_token, p.accuracy, color="tab:green" if p.gated else "tab:red")
         ax.annotate(p.label, (p.bytes_per_token, p.accuracy), fontsize=6)
     ax.scatter([dense_bytes], [baseline], color="k", marker="*", s=80, label="dense (fp16)")
-    ax.set_xlabel("KV bytes per token, all layers (stored + paged-in)")
+    ax.set_xlabel("effective KV bytes per token, all layers (paged-in reads at fp16)")
     ax.set_ylabel("accuracy (empirical)")
     ax.set_title("memory vs accuracy", fontsize=9)
     ax.legend(fontsize=7)

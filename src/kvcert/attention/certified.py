@@ -223,7 +223,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
             bytes_paged += int(need.sum()) * s * (host_k.shape[-1] + host_v.shape[-1]) * elt
             if gate.persistent:
                 for bi, hi in need.nonzero().tolist():
-                    store.make_exact(bi, hi, 0, s)
+                    store.make_exact(bi, hi, slice(0, s))
         else:
             for bi, hi in need.nonzero().tolist():
                 res = _repair_blocks(qg[bi, hi], store, bi, hi, m[bi, hi], c[bi, hi], p64[bi, hi], scaling,
@@ -283,9 +283,11 @@ def _repair_blocks(qg: torch.Tensor, store: LayerStore, bi: int, hi: int, m: tor
                    p: torch.Tensor, scaling: float, gate: Gate) -> _BlockRepair:
     """Page in whole token blocks of one (row, KV head) until every query cell is under the threshold.
 
-    Blocks are ordered by their largest contribution ``Σ_{t∈b} p̃_t(e^{c_t} − 1)`` over the cells; the number
-    of blocks doubles (1, 2, 4, …) until ``meter ≤ threshold`` for all cells, so at most twice the minimal
-    prefix of that order is paged. Paged tokens get radius 0 and exact K/V.
+    Blocks are ordered by their largest contribution ``Σ_{t∈b} p̃_t(e^{c_t} − 1)`` over the cells. The first
+    guess is the shortest prefix of that order whose *predicted* e-form ``½(A_k² − 1)`` with
+    ``A_k = 1 + Σ_{b∉prefix} contribution_b`` (current p̃, paged radii set to 0) is under the threshold for
+    every cell; the guess is then verified by recomputing the served attention with the paged blocks exact,
+    and doubled until the recomputed meter is under the threshold. Paged tokens get radius 0 and exact K/V.
     """
     assert store.k is not None and store.v is not None
     khat = store.k.served.view()[bi, hi]
@@ -298,9 +300,11 @@ def _repair_blocks(qg: torch.Tensor, store: LayerStore, bi: int, hi: int, m: tor
     nb = (s + bs - 1) // bs
     contrib = p * torch.expm1(c)
     pad = nb * bs - s
-    per_block = torch.nn.functional.pad(contrib, (0, pad)).reshape(contrib.shape[0], nb, bs).sum(-1).amax(0)
-    order = torch.argsort(per_block, descending=True, stable=True)
-    k = 1
+    rows = torch.nn.functional.pad(contrib, (0, pad)).reshape(contrib.shape[0], nb, bs).sum(-1)   # [M, nb]
+    order = torch.argsort(rows.amax(0), descending=True, stable=True)
+    remaining = rows.sum(-1, keepdim=True) - rows[:, order].cumsum(-1)                              # [M, nb]
+    predicted_ok = (0.5 * ((1.0 + remaining.clamp(min=0)) ** 2 - 1.0) <= gate.threshold).all(0)
+    k = int(predicted_ok.to(torch.int64).argmax()) + 1 if bool(predicted_ok.any()) else nb
     while True:
         chosen = order[: min(k, nb)]
         tok = torch.zeros(nb, bs, dtype=torch.bool)
@@ -317,7 +321,6 @@ def _repair_blocks(qg: torch.Tensor, store: LayerStore, bi: int, hi: int, m: tor
             break
         k *= 2
     if gate.persistent:
-        for blk in chosen.tolist():
-            store.make_exact(bi, hi, blk * bs, min((blk + 1) * bs, s))
+        store.make_exact(bi, hi, tok)
     vres_mix = torch.where(tok, torch.zeros_like(vres), vres).unsqueeze(0).expand(qg.shape[0], s)
     return _BlockRepair(pm.to(torch.float32) @ vmix, cert, pm, vres_mix, int(chosen.numel()), int(tok.sum()))

@@ -194,24 +194,23 @@ class LayerStore:
             ts.n_encoded = hi
 
     # ------------------------------------------------------------------------------------ maintenance
-    def make_exact(self, b: int, h: int, lo: int, hi: int) -> int:
-        """Persistent repair: serve tokens ``[lo, hi)`` of (row b, KV head h) exact from now on.
-
-        Returns the bytes written back. The witness becomes 0 (radius 0) for those entries.
+    def make_exact(self, b: int, h: int, tokens: slice | torch.Tensor) -> int:
+        """Persistent repair: serve ``tokens`` (a slice or a boolean mask over physical slots) of (row b, KV
+        head h) exact from now on. Returns the bytes written back; the witness becomes 0 (radius 0) there.
         """
         assert self.k is not None and self.v is not None
         moved = 0
         for ts in (self.k, self.v):
-            ts.served.view()[b, h, lo:hi] = ts.host.view()[b, h, lo:hi].to(torch.float32)
-            newly = ~ts.exact.view()[b, h, lo:hi]
+            ts.served.view()[b, h, tokens] = ts.host.view()[b, h, tokens].to(torch.float32)
+            newly = ~ts.exact.view()[b, h, tokens]
             moved += int(newly.sum()) * ts.host.view().shape[-1] * 2
-            ts.exact.view()[b, h, lo:hi] = True
-        self.k_band.view()[b, h, lo:hi] = 0.0
-        self.v_res.view()[b, h, lo:hi] = 0.0
-        self.k_hat_norm.view()[b, h, lo:hi] = round_up_f32(
-            self.k.served.view()[b, h, lo:hi].to(torch.float64).norm(dim=-1))
+            ts.exact.view()[b, h, tokens] = True
+        self.k_band.view()[b, h, tokens] = 0.0
+        self.v_res.view()[b, h, tokens] = 0.0
+        self.k_hat_norm.view()[b, h, tokens] = round_up_f32(
+            self.k.served.view()[b, h, tokens].to(torch.float64).norm(dim=-1))
         if self.k_steps is not None:
-            self.k_steps.view()[b, h, lo:hi] = 0.0
+            self.k_steps.view()[b, h, tokens] = 0.0
         return moved
 
     def drop_before(self, start: int) -> None:

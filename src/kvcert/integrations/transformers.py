@@ -31,7 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvcert.attention.certified import ReadConfig, ReadResult, certified_read, group_heads, masked_logits, probs64
 from kvcert.attention.ladder import LadderConfig, LadderStats, ladder_read
-from kvcert.bounds import uniform_split
+from kvcert.bounds import dither_witness_moments, uniform_split
 from kvcert.bounds.rope import Pairing
 from kvcert.cache.events import CacheObserver, ReadEvent, WriteEvent
 from kvcert.cache.gate import Gate
@@ -76,6 +76,17 @@ def kvcert_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 def _register() -> None:
     AttentionInterface.register(ATTN_NAME, kvcert_attention)
     AttentionMaskInterface.register(ATTN_NAME, _kvcert_mask)
+
+
+def _dither_moments(store: LayerStore, lo: int, hi: int) -> dict[str, torch.Tensor]:
+    """E-process inputs ``(witness_mean, witness_c)`` of the dither writes ``[lo, hi)`` (empty if not dithered)."""
+    if store.k_steps is None:
+        return {}
+    codec = store.key_codec
+    mask = None if codec.channel_mask is None else codec.channel_mask.view(1, -1, 1, codec.channel_mask.shape[-1])
+    mean, c = dither_witness_moments(store.k_steps.view()[:, :, lo:hi].to(torch.float64), codec.group_size,
+                                     store.bands, store.pairing, channel_mask=mask)
+    return {"witness_mean": mean, "witness_c": c}
 
 
 class CertifiedLayer(CacheLayerMixin):
@@ -406,6 +417,7 @@ class CertifiedCache(Cache):
                 value_witness=store.v_res.view()[:, :, lo:hi].clone(),
                 codec=self.key_codec_name, tier_b=self.tier_b,
                 nonfinite=store.nonfinite - nonfinite_before,
+                **_dither_moments(store, lo, hi),
             )
             for obs in self.observers:
                 obs.on_write(ev)

@@ -46,15 +46,22 @@ def empirical(shares: np.ndarray, owners: np.ndarray) -> Decision:
     return Decision(np.full(n, SlotState.KEPT_EXACT, dtype=np.uint8), _nan(n))
 
 
-def observed(compressed: np.ndarray) -> Decide:
-    """Rule 2 for a writer that already applied its deterministic certificate (e.g. the certified cache)."""
+def observed(compressed: np.ndarray, log_factors: np.ndarray | None = None) -> Decide:
+    """Rule 2 for a writer that already applied its certificate (e.g. the certified cache).
+
+    ``log_factors`` (optional, per entry) are the writer's realised e-process log-factors, e.g. from the
+    dither witness ``W`` and its moments ``(m, C)`` (:func:`kvcert.bounds.radii.dither_witness_moments`).
+    """
     mask = np.asarray(compressed, dtype=bool)
+    factors = _nan(mask.size) if log_factors is None else np.asarray(log_factors, dtype=np.float64)
+    if factors.shape != (mask.size,):
+        raise ValueError(f"log_factors has shape {factors.shape}, expected ({mask.size},)")
 
     def decide(shares: np.ndarray, owners: np.ndarray) -> Decision:
         if mask.shape != shares.shape:
             raise ValueError(f"compressed has shape {mask.shape}, expected {shares.shape}")
         states = np.where(mask, SlotState.COMPRESSED, SlotState.KEPT_EXACT).astype(np.uint8)
-        return Decision(states, _nan(mask.size))
+        return Decision(states, np.where(mask, factors, np.nan))
 
     return decide
 

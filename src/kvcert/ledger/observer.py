@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvcert.bounds.eprocess import eprocess_log_factor
 from kvcert.cache.events import ReadEvent, WriteEvent
 from kvcert.ledger.admission import observed
 from kvcert.ledger.ledger import Ledger
@@ -68,12 +69,20 @@ class LedgerObserver:
         slots = (pos[:, None, :] * b + bb) * h + hh
         owners = np.broadcast_to(owners_row[:, None, None], (b, h, t))
         rule = "probabilistic" if event.tier_b else "deterministic"
+        factors = None
+        if event.witness_mean is not None and event.witness_c is not None:
+            w = event.witness.detach().to("cpu", torch.float64).numpy()[valid]
+            m = event.witness_mean.detach().to("cpu", torch.float64).numpy()[valid]
+            c = event.witness_c.detach().to("cpu", torch.float64).numpy()[valid]
+            live = comp[valid] & (c > 0)
+            factors = np.full(w.shape, np.nan)
+            factors[live] = eprocess_log_factor(w[live], m[live], c[live])
         self.ledger.write(
             self.pool,
             event.layer,
             slots[valid],
             owners[valid],
-            observed(comp[valid]),
+            observed(comp[valid], factors),
             rule=rule,
             fallback=fallback,
         )

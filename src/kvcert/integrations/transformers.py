@@ -670,7 +670,8 @@ class CertifiedCache(Cache):
             rows = self.request_ids if self.request_ids is not None else torch.arange(res.cert.shape[0])
             n_slots = torch.full((res.cert.shape[0],), layer.store.n, dtype=torch.int64)
             ev = ReadEvent(layer=layer.store.layer, step=self._step, rows=rows.clone(), n_slots=n_slots,
-                           certificate=res.cert[..., -1].clone(), repaired=rec.repaired.clone())
+                           certificate=res.cert[..., -1].clone(), repaired=rec.repaired.clone(),
+                           first_slot=layer.store.base)
             for obs in self.observers:
                 obs.on_read(ev)
 

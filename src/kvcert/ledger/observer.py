@@ -96,10 +96,11 @@ class LedgerObserver:
         readers_row, fallback = self._owners(event.rows, b)
         n = event.n_slots.detach().to("cpu", torch.int64).numpy().reshape(-1)
         hw = self.high_water.get(event.layer, np.zeros(b, dtype=np.int64))
-        count_row = np.minimum(n, hw)
+        first = int(event.first_slot)                      # > 0 after sliding-window trims
+        count_row = np.clip(np.minimum(n, hw - first), 0, None)
         self.n_pending_reads += int((n - count_row).sum()) * h
         self.n_repaired_head_reads += int(rep.sum())
-        starts = (np.arange(b)[:, None] * h + np.arange(h)[None, :]).reshape(-1)
+        starts = ((first * b + np.arange(b)[:, None]) * h + np.arange(h)[None, :]).reshape(-1)
         self.ledger.read(
             self.pool,
             event.layer,

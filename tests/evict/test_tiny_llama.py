@@ -5,25 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 from evict_traces import POLICY_NAMES, make_policies
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvcert.evict import evicted_mass, replay, served_mass_ceiling, trace_from_attentions
+from kvcert.models.tiny import tiny_random
 
 
 @pytest.fixture(scope="module")
 def llama_trace():
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attn_implementation="eager",
-    )
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_random("llama", vocab_size=96, max_position_embeddings=128)   # eager attention
     tokens = torch.randint(0, 96, (1, 41))
     with torch.no_grad():
         out = model(tokens, output_attentions=True)

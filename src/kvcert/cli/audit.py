@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 
 from kvcert.cache.telemetry import Telemetry
-from kvcert.cli.common import bad_parameter, command_line, default_out, load_model, parse_schemes, set_seed
+from kvcert.cli.common import ModelOption, bad_parameter, command_line, default_out, load_model, parse_schemes, set_seed
 from kvcert.eval import ruler
 from kvcert.eval.branching import Scheme, run_branches
 from kvcert.eval.harness import prompt_ids
@@ -133,9 +133,7 @@ def _input_ids(
 def audit(
     keys: Annotated[str, typer.Option(help="key codec (registry name)")],
     values: Annotated[str | None, typer.Option(help="value codec (default: same as --keys)")] = None,
-    model: Annotated[
-        str, typer.Option(help="smollm2-135m, a local folder, or tiny:<family>")
-    ] = "smollm2-135m",
+    model: ModelOption = "smollm2-135m",
     prompt_file: Annotated[Path | None, typer.Option(help="text file to use as the prompt")] = None,
     task: Annotated[str | None, typer.Option(help="RULER task whose first sample is the prompt")] = None,
     context: Annotated[int, typer.Option(help="RULER length for --task")] = 2048,

@@ -7,6 +7,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -26,6 +27,11 @@ INFORMATIVE_MIN = 0.5
 CERTIFIED_TAU = 0.2
 RISK_TAU_GATE = 5.0
 REPAIR_BLOCK = 64
+
+# Options shared by the RULER / perplexity / audit commands.
+ModelOption = Annotated[str, typer.Option(help="smollm2-135m, a local transformers folder, or tiny:<family>")]
+SchemesOption = Annotated[str, typer.Option(help="comma-separated codecs or keycodec/valuecodec")]
+GateOption = Annotated[str, typer.Option(help="auto | off | certified:TAU | risk:TAU_GATE")]
 
 
 @dataclass

@@ -8,7 +8,16 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from kvcert.cli.common import DEFAULT_SCHEMES, bad_parameter, default_out, parse_gate, parse_schemes
+from kvcert.cli.common import (
+    DEFAULT_SCHEMES,
+    GateOption,
+    ModelOption,
+    SchemesOption,
+    bad_parameter,
+    default_out,
+    parse_gate,
+    parse_schemes,
+)
 from kvcert.cli.ruler_command import RulerJob, execute
 
 TASK_PREFIX = "ruler:"
@@ -28,13 +37,9 @@ def evaluate(
     task: Annotated[str, typer.Option(help="ruler:<task1,task2,...>")] = "ruler:niah_single_1",
     context: Annotated[int, typer.Option(help="RULER sequence length in tokens")] = 2048,
     samples: Annotated[int, typer.Option(help="samples per task")] = 2,
-    schemes: Annotated[
-        str, typer.Option(help="comma-separated codecs or keycodec/valuecodec")
-    ] = DEFAULT_SCHEMES,
-    gate: Annotated[str, typer.Option(help="auto | off | certified:TAU | risk:TAU_GATE")] = "auto",
-    model: Annotated[
-        str, typer.Option(help="smollm2-135m, a local folder, or tiny:<family>")
-    ] = "smollm2-135m",
+    schemes: SchemesOption = DEFAULT_SCHEMES,
+    gate: GateOption = "auto",
+    model: ModelOption = "smollm2-135m",
     seed: Annotated[int, typer.Option(help="seed for data, codecs and bootstrap")] = 0,
     max_new_tokens: Annotated[int | None, typer.Option(help="cap on RULER's generation budget")] = None,
     resamples: Annotated[int, typer.Option(help="paired bootstrap resamples")] = 10_000,

@@ -24,7 +24,10 @@ from kvcert.cache.gate import Gate
 from kvcert.cache.telemetry import Telemetry
 from kvcert.cli.common import (
     DEFAULT_SCHEMES,
+    GateOption,
     LoadedModel,
+    ModelOption,
+    SchemesOption,
     SchemeSpec,
     auto_gate,
     bad_parameter,
@@ -160,13 +163,9 @@ def ppl(
     windows: Annotated[int, typer.Option(help="number of consecutive windows")] = 2,
     prefix_fraction: Annotated[float, typer.Option(help="share of each window prefilled exactly")] = 0.5,
     chunk: Annotated[int, typer.Option(help="continuation tokens per forward through the cache")] = 64,
-    schemes: Annotated[
-        str, typer.Option(help="comma-separated codecs or keycodec/valuecodec")
-    ] = DEFAULT_SCHEMES,
-    gate: Annotated[str, typer.Option(help="auto | off | certified:TAU | risk:TAU_GATE")] = "auto",
-    model: Annotated[
-        str, typer.Option(help="smollm2-135m, a local folder, or tiny:<family>")
-    ] = "smollm2-135m",
+    schemes: SchemesOption = DEFAULT_SCHEMES,
+    gate: GateOption = "auto",
+    model: ModelOption = "smollm2-135m",
     seed: Annotated[int, typer.Option(help="seed for codecs")] = 0,
     out: Annotated[Path | None, typer.Option(help="report directory (default runs/ppl-<timestamp>)")] = None,
 ) -> None:

@@ -8,22 +8,18 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from kvcert.cli.common import DEFAULT_SCHEMES, bad_parameter, default_out, parse_schemes
+from kvcert.cli.common import DEFAULT_SCHEMES, ModelOption, SchemesOption, bad_parameter, default_out, parse_schemes
 from kvcert.cli.ruler_command import RulerJob, execute
 
 DEFAULT_TASKS = "niah_single_1,niah_single_2,niah_multikey_1"
 
 
 def run(
-    model: Annotated[
-        str, typer.Option(help="smollm2-135m, a local transformers folder, or tiny:<family>")
-    ] = "smollm2-135m",
+    model: ModelOption = "smollm2-135m",
     context: Annotated[int, typer.Option(help="RULER sequence length in tokens")] = 2048,
     tasks: Annotated[str, typer.Option(help="comma-separated RULER tasks")] = DEFAULT_TASKS,
     samples: Annotated[int, typer.Option(help="samples per task")] = 2,
-    schemes: Annotated[
-        str, typer.Option(help="comma-separated codecs or keycodec/valuecodec")
-    ] = DEFAULT_SCHEMES,
+    schemes: SchemesOption = DEFAULT_SCHEMES,
     seed: Annotated[int, typer.Option(help="seed for data, codecs and bootstrap")] = 0,
     max_new_tokens: Annotated[int, typer.Option(help="cap on RULER's per-task generation budget")] = 16,
     out: Annotated[Path | None, typer.Option(help="report directory (default runs/run-<timestamp>)")] = None,

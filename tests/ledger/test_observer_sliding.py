@@ -1,4 +1,8 @@
-"""Sliding-window layers trim old slots; the ledger must attribute reads from the first live slot on."""
+"""Sliding-window layers trim old slots; reads through the ledger observer must stay attributable.
+
+This exercises the trimmed path end to end (no unwritten, stale or foreign reads); it does not by itself
+distinguish reading from the first live slot versus slot 0 for a single request, since both are written.
+"""
 
 from __future__ import annotations
 

@@ -29,6 +29,15 @@ def test_any_failure_exits_one_and_names_stage_and_cause_per_file(tmp_path):
     assert "3 of 4 snapshot(s) failed" in out
 
 
+def test_unregistered_or_mislabelled_metrics_exit_one_naming_the_metric(tmp_path):
+    unknown = write(tmp_path / "unknown.json", broken("unregistered_metric"))
+    tier = write(tmp_path / "tier.json", broken("wrong_tier"))
+    result = runner.invoke(app, ["verify", str(unknown), str(tier)])
+    assert result.exit_code == 1
+    assert f"FAIL {unknown} [registry]" in result.output and "'made_up_meter'" in result.output
+    assert f"FAIL {tier} [registry]" in result.output and "'latent_witness' recorded as partial" in result.output
+
+
 def test_malformed_json_and_missing_files_exit_one(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"schema": ')

@@ -7,12 +7,12 @@ from pathlib import Path
 from kvcert.probe import PATHS
 
 LAYERS = [0, 1, 2]
-METRICS = {
-    "dense_kv": ("attn_dist:tv@consume", "bound", "certified", 0.031),
-    "latent_kv": ("kv_entry:l2@write", "bound", "certified", 0.42),
-    "sparse_selector": ("selector_dist:tv@consume", "bound", "partial", 0.002),
-    "recurrent": ("gate:log@offline", "reading", "empirical", -3.2),
-    "pooling": ("pool:frac@write", "reading", "empirical", 0.55),
+METRICS = {  # path -> (metric, kind, tier, value, registered name)
+    "dense_kv": ("attn_dist:tv@consume", "bound", "certified", 0.031, "certificates"),
+    "latent_kv": ("kv_entry:l2@write", "bound", "certified", 0.42, "latent_witness"),
+    "sparse_selector": ("selector_dist:tv@consume", "bound", "partial", 0.002, "sel_bS"),
+    "recurrent": ("forget_gate:log@consume", "reading", "empirical", -3.2, "gate_sum_log_a/max_channel"),
+    "pooling": ("pool_weights:frac@write", "reading", "empirical", 0.55, "pool_top1_norm/max"),
 }
 
 
@@ -25,7 +25,7 @@ def good_dict() -> dict:
             "value": METRICS[path][3] * (1 + layer / 10),
             "tier": METRICS[path][2],
             "kind": METRICS[path][1],
-            "name": f"{path}_meter",
+            "name": METRICS[path][4],
         }
         for layer in LAYERS
         for path in PATHS
@@ -65,6 +65,10 @@ def broken(mode: str) -> dict:
         d["self_checks"]["certified_flips"] = 2
     elif mode == "pooling_floor":
         d["self_checks"]["pooling_floor_violations"] = 1
+    elif mode == "unregistered_metric":
+        d["readings"][2]["name"] = "made_up_meter"
+    elif mode == "wrong_tier":
+        d["readings"][1]["tier"] = "partial"  # latent_witness is registered certified
     else:
         raise ValueError(f"unknown mode {mode!r}")
     return d

@@ -3,7 +3,9 @@ import re
 import pytest
 from snapshot_factory import broken, good_dict, write
 
+from kvcert.contracts import REGISTRY, Tier, TierRegistry
 from kvcert.probe import ProbeSnapshot, verify, verify_file
+from kvcert.probe.verify import registered_name
 
 
 def _verify(d: dict):
@@ -28,6 +30,8 @@ def test_good_snapshot_passes():
         ("witness_violation", "soundness", "witness_violations = 1"),
         ("certified_flip", "soundness", "certified_flips = 2"),
         ("pooling_floor", "soundness", "pooling_floor_violations = 1"),
+        ("unregistered_metric", "registry", "'made_up_meter' is not in the tier registry"),
+        ("wrong_tier", "registry", "'latent_witness' recorded as partial, registered as certified"),
     ],
 )
 def test_each_failure_mode_voids_the_run(mode, stage, cause):
@@ -95,3 +99,32 @@ def test_verify_file_reports_schema_failures(tmp_path):
     assert r.stage == "schema" and "self_checks" in r.reasons[0]
     with pytest.raises(ValueError, match="snapshot"):
         verify(good_dict())  # type: ignore[arg-type]
+
+
+def test_registry_checks_every_reading_with_suffixes_stripped():
+    d = good_dict()
+    names = {r["name"] for r in d["readings"]}
+    assert any("/" in n for n in names) and all(registered_name(n) in REGISTRY for n in names)
+    d["readings"][4]["name"] = "pool_top1_norm_v2/max"  # a near miss of a registered name
+    d["readings"][7]["tier"] = "empirical"  # sel_bS (partial) relabelled: a reading, so schema accepts it
+    d["readings"][7]["kind"] = "reading"
+    r = _verify(d)
+    assert r.stage == "registry" and len(r.reasons) == 2
+    assert "'pool_top1_norm_v2' is not in the tier registry" in r.reasons[0]
+    assert "'sel_bS' recorded as empirical, registered as partial" in r.reasons[1]
+
+
+def test_reference_quantities_cannot_be_bounds():
+    reg = TierRegistry(REGISTRY.check_emittable(n) for n in REGISTRY.names())
+    reg.register("shadow_tv", Tier.CERTIFIED, "TV against the exact cache (needs the reference)", True)
+    d = good_dict()
+    d["readings"][0]["name"] = "shadow_tv"  # dense_kv, a certified bound
+    r = verify(ProbeSnapshot.from_dict(d), registry=reg)
+    assert r.stage == "registry" and r.reasons == (
+        "registry: readings[0] 'shadow_tv' (layer 0, dense_kv): metric 'shadow_tv' needs the uncompressed "
+        "reference and cannot be a bound",
+    )
+    d["readings"][0]["kind"] = "reading"  # as a validate-mode reading it is allowed
+    assert verify(ProbeSnapshot.from_dict(d), registry=reg).ok
+    with pytest.raises(ValueError, match="registry"):
+        verify(ProbeSnapshot.from_dict(d), registry={})  # type: ignore[arg-type]

@@ -12,6 +12,8 @@ from kvcert.contracts.metric import (
     ATTN_DIST_TV,
     ATTN_LOGIT_LINF,
     ATTN_OUT_L2,
+    KV_BLOCK_L2,
+    KV_BLOCK_LINF,
     KV_ENTRY_L2,
     KV_ENTRY_REL,
     NORM_RANGES,
@@ -45,7 +47,8 @@ from kvcert.contracts.verdict import (
 )
 
 __all__ = [
-    "ATTN_DIST_TV", "ATTN_LOGIT_LINF", "ATTN_OUT_L2", "INPUT", "KV_ENTRY_L2", "KV_ENTRY_REL", "NORM_RANGES",
+    "ATTN_DIST_TV", "ATTN_LOGIT_LINF", "ATTN_OUT_L2", "INPUT", "KV_BLOCK_L2", "KV_BLOCK_LINF", "KV_ENTRY_L2",
+    "KV_ENTRY_REL", "NORM_RANGES",
     "REGISTRY", "SELECTOR_DIST_TV", "SELECTOR_SCORE_LINF", "SITES", "Bound", "Chain", "Composed", "Contract",
     "Emission", "Evaluation", "Metric", "MetricMismatch", "Premise", "PremiseViolation", "Reading",
     "ReferenceRequired", "Registration", "StageResult", "Tier", "TierRegistry", "UnregisteredMetric",

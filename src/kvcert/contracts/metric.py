@@ -86,3 +86,7 @@ ATTN_DIST_TV = Metric("attn_dist", "tv", "consume")
 SELECTOR_SCORE_LINF = Metric("selector_score", "linf", "consume")
 SELECTOR_DIST_TV = Metric("selector_dist", "tv", "consume")
 ATTN_OUT_L2 = Metric("attn_out", "l2", "consume")
+KV_BLOCK_L2 = Metric("kv_block", "l2", "write")
+"""Token errors of one pooling block aggregated in ℓ2: ``(Σ_j ‖Δ_j‖₂²)^{1/2}`` (input of the ℓ2 pooling form)."""
+KV_BLOCK_LINF = Metric("kv_block", "linf", "write")
+"""Token errors of one pooling block aggregated by their max: ``max_j ‖Δ_j‖₂`` (input of the ℓ∞ pooling form)."""

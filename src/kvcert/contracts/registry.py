@@ -118,6 +118,9 @@ BUILTIN: tuple[Registration, ...] = (
     Registration("score_bridge_eps", _C, "ε = scale·‖q‖·W by Cauchy-Schwarz [score_bridge]"),
     Registration("tv_uniform", _C, "½(e^{2ε}-1) [softmax_tv_bridge]"),
     Registration("tv_affine", _P, "e^{2ε₀}·ε on the runtime premise ε <= ε₀ [softmax_tv_affine]"),
+    Registration("logit_slack", _C, "float32 rounding of both logit dot products, sc·γ_{D+1}·‖q‖·(2‖k̂‖ + W)"),
+    Registration("chain_tv", _C, "per-layer chain store_witness -> score_bridge [-> fp32 logit rounding] -> "
+                 "softmax_uniform, evaluated with max-over-request coefficients"),
     # latent KV (MLA)
     Registration("latent_witness", _C, "band witness of the latent residual through u = W_UKᵀq (Tier A)"),
     Registration("latent_tier_b", _P, "sub-Gaussian dither radius with failure probability δ (Tier B)"),
@@ -127,17 +130,22 @@ BUILTIN: tuple[Registration, ...] = (
     Registration("gain_mass", _P, "Lemma S2 selector mass gained on perturbed selections"),
     Registration("sel_bS", _P, "Lemma S2 b_S = ½(m_out + m_in) in selector_dist:tv"),
     Registration("sel_bridge_rho", _E, "omitted attention / selector mass ratio: a sample statistic"),
+    Registration("sel_chain_tv", _E, "dense chain plus selection_s2 -> measured mass ratio rho (empirical)"),
     # recurrent state
     Registration("gate_a_t", _E, "forget-gate factors observed per channel; no certificate claimed"),
     Registration("gate_near_one_frac", _E, "observed fraction of forget factors >= 0.999"),
     Registration("gate_sum_log_a", _E, "observed Σ_t log a_t per channel (contraction criterion < 0)"),
     Registration("gate_half_life", _E, "half-life derived from observed gate factors"),
+    Registration("gate_non_contracting_frac", _E, "observed fraction of channels with Σ_t log a_t >= 0"),
+    Registration("gate_chain_product", _E, "max over channels of Π_t a_t: observed state-error decay"),
     # pooling
     Registration("pool_coef_l2", _C, "‖w‖₂ <= 1 for w >= 0, Σw = 1 [pool contract, ℓ2 form]"),
     Registration("pool_coef_linf", _C, "coefficient 1 with no assumption [pool_linf]"),
     Registration("pool_top1_norm", _E, "pooling concentration profile (observation)"),
     Registration("pool_entropy_n", _E, "normalised pooling-weight entropy (observation)"),
     Registration("pool_eff_frac", _E, "effective fraction of pooled entries (observation)"),
+    Registration("pool_chain_tv", _C, "per-layer chain pool_l2 -> store_witness -> score_bridge -> "
+                 "softmax_uniform on pooled entries, evaluated with max-over-request coefficients"),
     # self-check counters and coverage (observations: counts carry no bound)
     Registration("triggers", _E, "probe call count (coverage)"),
     Registration("witness_violations", _E, "self-check count: W < ‖Δ‖ (must be 0)"),

@@ -54,7 +54,6 @@ from kvcert.contracts import (
     Metric,
     Tier,
     bridges,
-    register,
     stages,
     tv_verdict,
 )
@@ -84,19 +83,6 @@ GATE_LOG = Metric("forget_gate", "log", "consume")
 GATE_FRAC = Metric("forget_gate", "frac", "consume")
 GATE_STEPS = Metric("forget_gate", "steps", "consume")
 TRUE_TV = Metric("attn_dist", "tv", "offline")
-
-register(
-    "chain_tv",
-    Tier.CERTIFIED,
-    "per-layer chain store_witness -> score_bridge -> softmax_uniform, "
-    "evaluated with max-over-request coefficients",
-)
-register(
-    "sel_chain_tv", Tier.EMPIRICAL, "dense chain plus selection_s2 -> measured mass ratio rho (empirical)"
-)
-register("gate_non_contracting_frac", Tier.EMPIRICAL, "observed fraction of channels with Σ_t log a_t >= 0")
-register("gate_chain_product", Tier.EMPIRICAL, "max over channels of Π_t a_t: observed state-error decay")
-
 
 @dataclass(frozen=True)
 class ProbeConfig:

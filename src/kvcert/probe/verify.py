@@ -1,9 +1,13 @@
-"""Acceptance gate for probe snapshots: coverage, then magnitude, then soundness (spec §8.1).
+"""Acceptance gate for probe snapshots: registry labels, coverage, magnitude, soundness (spec §8.1).
 
 Every stage is evaluated and the verdict is their conjunction; any failure voids the whole run's
 numbers. ``VerifyResult.stage`` names the first failing stage (``schema`` when the file could not be
 parsed at all), or ``"pass"``; ``reasons`` lists every failure, each prefixed by its stage.
 
+- **registry**: every reading's name is registered in the tier registry
+  (:data:`kvcert.contracts.REGISTRY`; a name ``base/suffix`` is looked up as ``base``), its recorded tier
+  equals the registered tier, and no ``bound`` is a quantity that needs the uncompressed reference.
+  A snapshot whose numbers carry labels the library never gave them is void.
 - **coverage**: the run triggered (``triggers > 0``), declares at least one layer and path, every
   declared layer and every declared path has at least one reading, and no reading is keyed by an
   undeclared layer or path (a probe attached where nothing was declared).
@@ -21,9 +25,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcert.contracts import REGISTRY, TierRegistry
 from kvcert.probe.snapshot import SELF_CHECKS, ProbeSnapshot, ReadingRecord, SnapshotError
 
-STAGES: tuple[str, ...] = ("schema", "coverage", "magnitude", "soundness")
+STAGES: tuple[str, ...] = ("schema", "registry", "coverage", "magnitude", "soundness")
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,27 @@ class VerifyResult:
     ok: bool
     stage: str
     reasons: tuple[str, ...]
+
+
+def registered_name(name: str) -> str:
+    """The registry key of a reading name: the part before the first ``/`` (``"gate_a_t/max"`` -> ``"gate_a_t"``)."""
+    return name.split("/", 1)[0]
+
+
+def _registry(snap: ProbeSnapshot, registry: TierRegistry) -> list[str]:
+    out = []
+    for i, r in enumerate(snap.readings):
+        where = f"readings[{i}] {r.name!r} (layer {r.layer}, {r.path})"
+        key = registered_name(r.name)
+        if key not in registry:
+            out.append(f"{where}: metric {key!r} is not in the tier registry")
+            continue
+        entry = registry.check_emittable(key)
+        if r.tier is not entry.tier:
+            out.append(f"{where}: metric {key!r} recorded as {r.tier.value}, registered as {entry.tier.value}")
+        if r.kind == "bound" and entry.requires_reference:
+            out.append(f"{where}: metric {key!r} needs the uncompressed reference and cannot be a bound")
+    return out
 
 
 def _coverage(snap: ProbeSnapshot) -> list[str]:
@@ -86,13 +112,20 @@ def _soundness(snap: ProbeSnapshot) -> list[str]:
     return [f"self-check {key} = {counts[key]} (must be 0)" for key in SELF_CHECKS if counts[key] != 0]
 
 
-def verify(snapshot: ProbeSnapshot) -> VerifyResult:
-    """Run coverage, magnitude and soundness on a parsed snapshot (all three; verdict = conjunction)."""
+def verify(snapshot: ProbeSnapshot, registry: TierRegistry = REGISTRY) -> VerifyResult:
+    """Run registry, coverage, magnitude and soundness on a parsed snapshot (all four; verdict = conjunction).
+
+    ``registry`` is the tier registry the labels are checked against (default: kvcert's).
+    """
     if not isinstance(snapshot, ProbeSnapshot):
         raise ValueError(f"snapshot must be a ProbeSnapshot, got {type(snapshot).__name__}")
+    if not isinstance(registry, TierRegistry):
+        raise ValueError(f"registry must be a TierRegistry, got {type(registry).__name__}")
     reasons: list[str] = []
     first = "pass"
-    for stage, check in (("coverage", _coverage), ("magnitude", _magnitude), ("soundness", _soundness)):
+    checks = (("registry", lambda s: _registry(s, registry)), ("coverage", _coverage), ("magnitude", _magnitude),
+              ("soundness", _soundness))
+    for stage, check in checks:
         failures = check(snapshot)
         if failures and first == "pass":
             first = stage

@@ -75,3 +75,35 @@ def test_mounts_as_probe_sub_app(tmp_path):
     assert runner.invoke(main, ["probe", "verify", str(good)]).exit_code == 0
     bad = write(tmp_path / "b.json", broken("nan"))
     assert runner.invoke(main, ["probe", "verify", str(bad)]).exit_code == 1
+
+
+def test_run_probes_a_dense_model_and_writes_a_passing_snapshot(tmp_path):
+    out = tmp_path / "llama.json"
+    result = runner.invoke(app, ["run", "--model", "tiny:llama", "--tokens", "12", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "paths dense_kv, sparse_selector, pooling" in result.output
+    rows = [line.split() for line in result.output.splitlines() if line.strip()[:1].isdigit()]
+    assert {(r[0], r[1]) for r in rows} == {(str(i), p) for i in (0, 1) for p in
+                                          ("dense_kv", "sparse_selector", "pooling")}
+    assert all(r[3] in ("certified", "partial", "empirical") for r in rows)  # every chain carries its tier
+    assert "‖w‖₂ (certified coefficient)" in result.output and f"snapshot {out}: PASS" in result.output
+    again = runner.invoke(app, ["verify", str(out)])
+    assert again.exit_code == 0 and f"PASS {out}" in again.output
+
+
+def test_run_covers_latent_and_recurrent_models(tmp_path):
+    for family, path in (("deepseek_v3", "latent_kv"), ("mamba2", "recurrent")):
+        out = tmp_path / f"{family}.json"
+        result = runner.invoke(app, ["run", "--model", f"tiny:{family}", "--tokens", "8", "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        assert f"paths {path}" in result.output and "pooling:" not in result.output
+        assert runner.invoke(app, ["verify", str(out)]).exit_code == 0
+
+
+def test_run_rejects_bad_options(tmp_path):
+    out = str(tmp_path / "x.json")
+    for args, cause in ((["--key-bits", "3"], "key_bits"), (["--tokens", "1"], "tokens"),
+                        (["--model", "tiny:mamba2", "--prompt", "hi"], "tokenizer"),
+                        (["--pool-weighting", "max"], "weighting"), (["--model", "tiny:gpt2"], "model")):
+        result = runner.invoke(app, ["run", "--out", out, *args])
+        assert result.exit_code == 2 and cause in result.output, (args, result.output)

@@ -20,24 +20,23 @@ from kvcert.quant.rtn import RTNCodec
 
 IDS = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(5))
 
+DENSE = ("dense_kv", "sparse_selector", "pooling")
 CONFIGS = {
-    "llama": (lambda: tiny_dense_model("llama"), ("dense_kv", "sparse_selector")),
-    "qwen2": (lambda: tiny_dense_model("qwen2"), ("dense_kv", "sparse_selector")),
-    "mistral-swa": (lambda: tiny_dense_model("mistral"), ("dense_kv", "sparse_selector")),
-    "gemma3-sliding+global": (lambda: tiny_dense_model("gemma3_text"), ("dense_kv", "sparse_selector")),
+    "llama": (lambda: tiny_dense_model("llama"), DENSE),
+    "qwen2": (lambda: tiny_dense_model("qwen2"), DENSE),
+    "mistral-swa": (lambda: tiny_dense_model("mistral"), ("dense_kv", "sparse_selector")),  # nothing to pool
+    "gemma3-sliding+global": (lambda: tiny_dense_model("gemma3_text"), DENSE),
     "deepseek_v3-mla": (lambda: tiny_deepseek_v3(), ("latent_kv",)),
     "deepseek_v3-mla-qlora": (lambda: tiny_deepseek_v3(q_lora_rank=16), ("latent_kv",)),
     "mamba2": (lambda: tiny_recurrent_model("mamba2"), ("recurrent",)),
-    "qwen3_next-gdn+attn": (
-        lambda: tiny_recurrent_model("qwen3_next"),
-        ("recurrent", "dense_kv", "sparse_selector"),
-    ),
+    "qwen3_next-gdn+attn": (lambda: tiny_recurrent_model("qwen3_next"), ("recurrent", *DENSE)),
 }
 EXPECTED_TIER = {
     "dense_kv": Tier.CERTIFIED,
     "latent_kv": Tier.CERTIFIED,
     "sparse_selector": Tier.EMPIRICAL,
     "recurrent": Tier.EMPIRICAL,
+    "pooling": Tier.CERTIFIED,
 }
 
 
@@ -87,32 +86,44 @@ def _reading(snap, layer, path, name):
     return r
 
 
-def test_dense_chain_value_is_the_closed_form(models):
-    snap_res = probe_request(models["qwen2"], IDS, run_id="r", model_name="qwen2")
-    for c in snap_res.chains:
-        if c.path != "dense_kv":
-            continue
-        witness = _reading(snap_res.snapshot, c.layer, c.path, "band_witness")
-        qnorm = _reading(snap_res.snapshot, c.layer, c.path, "qnorm")
-        assert witness.kind == "bound" and qnorm.kind == "reading"  # a coefficient is not an error bound
-        w, qn = witness.value, qnorm.value  # qn = scale·max‖q‖
-        assert c.evaluation.value == pytest.approx(0.5 * math.expm1(2 * qn * w), rel=1e-9)
-        # the per-cell certificate is never looser than the layer chain
-        cert = _reading(snap_res.snapshot, c.layer, c.path, "certificates").value
-        true = _reading(snap_res.snapshot, c.layer, c.path, "true_tv")
+def test_dense_chain_comes_from_the_live_cache_readings(models):
+    res = probe_request(models["qwen2"], IDS, run_id="r", model_name="qwen2")
+    dense = [c for c in res.chains if c.path == "dense_kv"]
+    assert [c.layer for c in dense] == [0, 1]
+    for c in dense:
+        assert c.chain.names == ("store_witness", "score_bridge", "logit_rounding", "softmax_uniform")
+        witness = _reading(res.snapshot, c.layer, c.path, "band_witness")
+        qnorm = _reading(res.snapshot, c.layer, c.path, "qnorm")
+        slack = _reading(res.snapshot, c.layer, c.path, "logit_slack")
+        assert witness.kind == slack.kind == "bound" and qnorm.kind == "reading"  # a coefficient is no bound
+        w, qn, phi = witness.value, qnorm.value, slack.value  # qn = scale·max‖q‖
+        assert c.evaluation.value == pytest.approx(0.5 * math.expm1(2 * (qn * w + phi)), rel=1e-9)
+        # the per-cell certificate is never looser than the layer chain, which bounds the worst cell
+        cert = _reading(res.snapshot, c.layer, c.path, "certificates").value
+        true = _reading(res.snapshot, c.layer, c.path, "true_tv")
         assert true.kind == "reading" and true.value <= cert <= min(1.0, c.evaluation.value) + 1e-12
+
+
+def test_hybrid_dense_layers_fall_back_to_captured_keys(models):
+    res = probe_request(models["qwen3_next-gdn+attn"], IDS, run_id="r", model_name="q3n")
+    (c,) = [c for c in res.chains if c.path == "dense_kv"]
+    assert c.layer == 1 and c.chain.names == ("store_witness", "score_bridge", "softmax_uniform")
+    w = _reading(res.snapshot, 1, "dense_kv", "band_witness").value
+    qn = _reading(res.snapshot, 1, "dense_kv", "qnorm").value
+    assert c.evaluation.value == pytest.approx(0.5 * math.expm1(2 * qn * w), rel=1e-9)
 
 
 def test_selector_chain_adds_the_selection_term(models):
     res = probe_request(models["llama"], IDS, run_id="r", model_name="llama")
-    dense = {c.layer: c for c in res.chains if c.path == "dense_kv"}
     for c in res.chains:
         if c.path == "sparse_selector":
+            w = _reading(res.snapshot, c.layer, c.path, "band_witness").value
+            qn = _reading(res.snapshot, c.layer, c.path, "qnorm").value
             rho = _reading(res.snapshot, c.layer, c.path, "sel_bridge_rho").value
             lost = _reading(res.snapshot, c.layer, c.path, "lost_mass").value
             gain = _reading(res.snapshot, c.layer, c.path, "gain_mass").value
             assert c.evaluation.value == pytest.approx(
-                dense[c.layer].evaluation.value + rho * 0.5 * (lost + gain), rel=1e-12
+                0.5 * math.expm1(2 * qn * w) + rho * 0.5 * (lost + gain), rel=1e-12
             )
 
 
@@ -163,6 +174,12 @@ def test_a_broken_margin_certificate_is_caught(models, monkeypatch):
 def test_bad_inputs(models):
     with pytest.raises(ValueError, match="one request"):
         probe_request(models["llama"], IDS.expand(2, -1), run_id="r", model_name="m")
+    with pytest.raises(ValueError, match="T >= 2"):
+        probe_request(models["llama"], IDS[:, :1], run_id="r", model_name="m")
+    with pytest.raises(ValueError, match="block"):
+        ProbeConfig(pool_block=0)
+    with pytest.raises(ValueError, match="pool_weighting"):
+        ProbeConfig(pool_block=None, pool_weighting="max")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="no supported memory class"):
         memory_paths(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="ranks"):

@@ -62,7 +62,8 @@ class PoolingProfile:
 
     ``a_l2 = ‖w‖₂`` (ℓ2 contract coefficient, certified), ``a_linf = 1`` (ℓ∞ form, certified),
     ``top1_norm = (max w − 1/B)/(1 − 1/B)``, ``entropy_n = H/log B``, ``eff_frac = e^H/B`` (empirical),
-    ``floor_violations`` = #blocks with ``max w < 1/B − 1e−4`` or ``‖w‖₂ < 1/√B − 1e−4`` (must be 0).
+    ``floor_mask`` marks blocks with ``max w < 1/B − 1e−4`` or ``‖w‖₂ < 1/√B − 1e−4``, ``floor_violations`` counts
+    them (must be 0).
     """
 
     block: int
@@ -71,6 +72,7 @@ class PoolingProfile:
     top1_norm: torch.Tensor
     entropy_n: torch.Tensor
     eff_frac: torch.Tensor
+    floor_mask: torch.Tensor
     floor_violations: int
 
 
@@ -96,5 +98,6 @@ def pooling_profile(w: torch.Tensor) -> PoolingProfile:
         top1_norm=top1_norm,
         entropy_n=entropy_n,
         eff_frac=ent.exp() / b,
+        floor_mask=viol,
         floor_violations=int(viol.sum()),
     )

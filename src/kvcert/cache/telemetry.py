@@ -8,6 +8,12 @@ Tiers: ``certificates`` / ``served`` are **certified** (Tier A, adaptive-safe); 
 certified** (sound only for queries independent of the dither, i.e. non-adaptive); ``true_tv`` and
 ``true_out_err`` are **measured** in validate mode against the exact host tier.
 
+Live chain readings (per cell, the inputs of the per-layer dense contract chain
+``store_witness(W) -> score_bridge -> logit_rounding(φ) -> softmax_uniform``, all **certified**):
+``witness`` is the largest band witness ``W_t = Σ_b ρ_tb`` (rounded up) over the tokens the KV head holds,
+``qnorm`` the score-bridge coefficient ``sc·max‖q‖₂`` over the read's queries, ``logit_slack`` the largest
+float32 rounding slack ``φ_t`` of the read's logits. Recorded by the meter-gated read path (not the ladder).
+
 Eviction (a selection operator): ``evicted_mass`` is the exact attention mass on evicted entries,
 ``TV(exact full attention, exact attention renormalised over the kept set)``, **measured** in validate
 mode from the evicted archive; ``evicted_mass_serving`` is the mass the evicted entries held on the last
@@ -34,6 +40,9 @@ TIERS: dict[str, str] = {
     "true_out_err": "measured (validate mode)",
     "evicted_mass": "measured (validate mode; exact TV of eviction = attention mass on evicted entries)",
     "evicted_mass_serving": "empirical (serving mode; last served mass of entries at their eviction)",
+    "witness": "certified (band witness W_t >= ‖Δk_t‖, max over the KV head's tokens)",
+    "qnorm": "certified (score-bridge coefficient sc·max‖q‖₂, exact per read)",
+    "logit_slack": "certified (float32 logit rounding bound, max over the read)",
 }
 
 
@@ -56,6 +65,9 @@ class StepRecord:
     queries: int
     violations: int = 0
     out_violations: int = 0
+    witness: torch.Tensor | None = None       # [B, Hq] max band witness W_t of the KV head's tokens
+    qnorm: torch.Tensor | None = None         # [B, Hq] sc·max‖q‖₂ over the read's queries
+    logit_slack: torch.Tensor | None = None   # [B, Hq] max float32 logit rounding slack φ_t
 
 
 @dataclass
@@ -103,6 +115,9 @@ class Telemetry:
     evicted_mass: torch.Tensor | None = None          # [steps, layers, B, Hq], all forward steps (NaN: none)
     evicted_mass_serving: torch.Tensor | None = None  # [steps, layers, B, Hkv], all forward steps
     evicted_entries: int = 0                          # entries evicted over all layers, rows and KV heads
+    witness: torch.Tensor | None = None               # [steps, layers, B, Hq] live chain readings (see module doc)
+    qnorm: torch.Tensor | None = None
+    logit_slack: torch.Tensor | None = None
     tiers: dict[str, str] = field(default_factory=lambda: dict(TIERS))
 
     @property

@@ -50,14 +50,15 @@ class CapturedAttention:
         return self.query.shape[1] // self.key.shape[1]
 
 
-def _capture_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+def materialised_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """``sdpa_mask`` that always materialises the boolean mask (the meters need the visible set)."""
     kwargs["allow_is_causal_skip"] = False
     kwargs["allow_is_bidirectional_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
 
-def _visible(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+def visible_set(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Boolean ``visible[B, 1|Hq, T, S]`` (True = attend) from a materialised boolean or additive mask."""
     t, s = query.shape[-2], key.shape[-2]
     if mask is None:
         raise ValueError("attention mask was not materialised; cannot determine the visible set")
@@ -84,7 +85,7 @@ def _capture_attention_fn(
                 query.detach(),
                 key.detach(),
                 value.detach(),
-                _visible(attention_mask, query, key),
+                visible_set(attention_mask, query, key),
                 sc,
                 kwargs.get("softcap"),
             )
@@ -96,24 +97,36 @@ def _capture_attention_fn(
 
 
 @contextmanager
+def attention_override(
+    model: torch.nn.Module, name: str, fn: Any, attr: str, values: dict[torch.nn.Module, Any]
+) -> Iterator[None]:
+    """Register ``fn`` as attention function ``name`` (with :func:`materialised_mask` as its mask function), set
+    ``module.<attr> = value`` for each module in ``values`` and switch *this model only* to ``name``; leaving
+    the block restores the previous implementation and removes the attributes."""
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, materialised_mask)
+    previous = model.config._attn_implementation
+    for m, value in values.items():
+        setattr(m, attr, value)
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+        for m in values:
+            delattr(m, attr)
+
+
+@contextmanager
 def capture_attention(model: torch.nn.Module) -> Iterator[list[CapturedAttention]]:
     """Record every attention call of ``model`` inside the block into the yielded list (in call order)."""
     modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
     if not modules:
         raise ValueError(f"{type(model).__name__} has no attention modules with layer_idx/scaling to capture")
-    AttentionInterface.register(CAPTURE_NAME, _capture_attention_fn)
-    AttentionMaskInterface.register(CAPTURE_NAME, _capture_mask)
-    previous = model.config._attn_implementation
     sink: list[CapturedAttention] = []
-    for m in modules:
-        m._kvcert_capture_sink = sink
-    model.set_attn_implementation(CAPTURE_NAME)
-    try:
+    with attention_override(model, CAPTURE_NAME, _capture_attention_fn, "_kvcert_capture_sink",
+                            dict.fromkeys(modules, sink)):
         yield sink
-    finally:
-        model.set_attn_implementation(previous)
-        for m in modules:
-            del m._kvcert_capture_sink
 
 
 def expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:

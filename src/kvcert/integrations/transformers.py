@@ -29,7 +29,16 @@ from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvcert.attention.certified import ReadConfig, ReadResult, certified_read, group_heads, masked_logits, probs64
+from kvcert.attention.certified import (
+    _U,
+    ReadConfig,
+    ReadResult,
+    _gamma,
+    certified_read,
+    group_heads,
+    masked_logits,
+    probs64,
+)
 from kvcert.attention.ladder import LadderConfig, LadderStats, ladder_read
 from kvcert.bounds import dither_witness_moments, uniform_split
 from kvcert.bounds.rope import Pairing
@@ -230,6 +239,27 @@ def grouped_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, s
     qg = group_heads(query.detach().to(torch.float32), hkv)
     m = mask[:, :, None].expand(b, hkv, hq // hkv, nq, s).reshape(b, hkv, -1, s)
     return probs64(masked_logits(qg, keys.detach().to(torch.float32), m, scaling)).reshape(b, hkv, hq // hkv, nq, s)
+
+
+def live_chain_readings(query: torch.Tensor, store: LayerStore, scaling: float) -> dict[str, torch.Tensor]:
+    """Per-cell inputs ``[B, Hq]`` of the dense contract chain for one read of ``query[B, Hq, Q, D]``.
+
+    ``witness``: ``max_t W_t`` with ``W_t = Σ_b ρ_tb`` summed and rounded up exactly as the read path does
+    (so ``W_t >= ‖k̂_t − k_t‖``); ``qnorm``: ``sc·max_Q ‖q‖₂`` of the float32 query the read path uses;
+    ``logit_slack``: ``sc·γ_{D+1}·max‖q‖·max_t(2‖k̂_t‖ + W_t)``, which bounds the float32 rounding of both
+    logit dot products. The max runs over every token the KV head holds (a superset of the visible ones);
+    non-finite entries are zeroed as in the read path (their cells fail closed there).
+    """
+    b, hq, _, d = query.shape
+    rho, khn, q = store.k_band.view(), store.k_hat_norm.view(), query.detach().to(torch.float32)
+    if store.nonfinite or not bool(torch.isfinite(q).all()):
+        rho, khn, q = (torch.nan_to_num(x, 0.0, 0.0, 0.0) for x in (rho, khn, q))
+    g = hq // rho.shape[1]
+    w = (rho.sum(-1) * (1.0 + 2.0 * (store.bands + 2) * _U)).to(torch.float64)  # [B, Hkv, S], as the read path
+    qn = q.to(torch.float64).norm(dim=-1).amax(-1)                              # [B, Hq]
+    w_max = w.amax(-1).repeat_interleave(g, dim=1)
+    k_max = (2.0 * khn.to(torch.float64) + w).amax(-1).repeat_interleave(g, dim=1)
+    return {"witness": w_max, "qnorm": scaling * qn, "logit_slack": scaling * _gamma(d + 1) * qn * k_max}
 
 
 def _check_eviction(cache: CertifiedCache, layers: Sequence[CertifiedLayer]) -> None:
@@ -508,7 +538,7 @@ class CertifiedCache(Cache):
                               self.ladder_stats)
         else:
             res = certified_read(query, store, mask, float(scaling), self._cfg, exact_attention)
-        self._record(layer, res, nq)
+        self._record(layer, res, nq, {} if self.ladder else live_chain_readings(query, store, float(scaling)))
         if self.evict is not None:
             self._after_read(layer, query, key, logical, float(scaling), res.attn_kv)
         return res.out.to(query.dtype)
@@ -652,7 +682,7 @@ class CertifiedCache(Cache):
             raise ValueError(f"layer {layer_idx} holds nothing yet")
         return store.positions.view().clone()
 
-    def _record(self, layer: CertifiedLayer, res: ReadResult, nq: int) -> None:
+    def _record(self, layer: CertifiedLayer, res: ReadResult, nq: int, live: dict[str, torch.Tensor]) -> None:
         def worst(x: torch.Tensor | None) -> torch.Tensor | None:
             return None if x is None else x.amax(-1).to(torch.float64)
 
@@ -661,7 +691,7 @@ class CertifiedCache(Cache):
             step=self._step, layer=layer.store.layer, cert=worst(res.cert_pre), raw=worst(res.raw),
             served=worst(res.cert), tanh=worst(res.tanh), out_bound=worst(res.out_bound),
             tier_b=worst(res.cert_b), repaired=res.repaired | (res.blocks > 0) | res.values_promoted,
-            blocks=res.blocks, true_tv=worst(res.true_tv), true_out_err=worst(res.true_out_err), queries=nq)
+            blocks=res.blocks, true_tv=worst(res.true_tv), true_out_err=worst(res.true_out_err), queries=nq, **live)
         if res.true_tv is not None and res.true_out_err is not None:
             rec.violations = int((res.true_tv > res.cert_pre).sum())
             rec.out_violations = int((res.true_out_err > res.out_bound).sum())
@@ -712,6 +742,7 @@ class CertifiedCache(Cache):
             evicted_mass=stack_records(self._evict_records, n_layers, max(steps, 1), "evicted_mass"),
             evicted_mass_serving=stack_records(self._evict_records, n_layers, max(steps, 1), "serving_mass"),
             evicted_entries=sum(r.evicted for r in self._evict_records),
+            witness=sel(stack("witness")), qnorm=sel(stack("qnorm")), logit_slack=sel(stack("logit_slack")),
         )
 
     def reset(self) -> None:

@@ -1,34 +1,40 @@
 """Heterogeneous-memory probe: live readings per layer for every memory class a model has, and the composed
 chain.
 
-``probe_request(model, input_ids, ...)`` runs one request through ``model`` and, per layer:
+``probe_request(model, input_ids, ...)`` serves one request through ``model`` and, per layer:
 
-* **dense_kv** (softmax attention over a K/V cache): quantize the captured post-RoPE keys with ``key_codec``;
-  band witness ``W_t`` (certified), Tier-A cell certificates ``tv_meter(p̃, c)`` and the chain
-  ``store_witness(max W) → score_bridge(scale, max‖q‖) → softmax_uniform`` (certified);
-* **sparse_selector** (a top-k read over the same layer's q/k/v): the selector scores come from an indexer
-copy
-  of the keys (``selector_codec``), the read attends over the selected keys with the served keys; rank-prefix
-  certificate with ``ε_row = max_t c^sel_t`` (partial), Lemma S2 masses on the ``ε_row`` hash perturbation
-  (partial), the selector→attention mass ratio ``ρ`` (empirical) and the chain
-  ``dense chain ∥ (selection_s2 → selector_mass_ratio(ρ_max))`` (empirical);
+* **dense_kv** (softmax attention over a K/V cache): the request runs through a validate-mode
+  :class:`~kvcert.integrations.transformers.CertifiedCache` (keys ``key_codec``; prefill, then teacher-forced
+  decode steps); its telemetry gives the live band witness, score-bridge coefficient, float32 rounding slack,
+  the worst cell certificate and the chain ``store_witness -> score_bridge -> logit_rounding -> softmax_uniform``
+  (:mod:`kvcert.probe.dense`, certified). Families the certified cache does not serve (hybrid Qwen3-Next) fall
+  back to the captured post-RoPE keys quantized with ``key_codec`` and the float64 chain without rounding;
+* **sparse_selector** (a top-k read over the same layer's captured q/k/v): the selector scores come from an
+  indexer copy of the keys (``selector_codec``), the read attends over the selected keys with the served keys
+  (captured keys quantized with ``key_codec``); rank-prefix certificate with ``ε_row = max_t c^sel_t``
+  (partial), Lemma S2 masses on the ``ε_row`` hash perturbation (partial), the selector→attention mass ratio
+  ``ρ`` (empirical) and the chain ``dense chain of the served keys ∥ (selection_s2 → selector_mass_ratio(ρ_max))``
+  (empirical);
+* **pooling** (block-pooled compressed entries, served live by :func:`kvcert.integrations.pooling.serve_pooled`
+  on full-attention layers, ``pool_block`` tokens per entry stored with ``key_codec``): the pooling contract
+  coefficients, the concentration profile, the pooled-floor self-check and the chain of
+  :mod:`kvcert.probe.pooling`;
 * **latent_kv** (MLA): quantize the latent and the rope key with ``latent_codec``; Tier A through ``u =
-W_UKᵀq``
-  plus the rope part, Tier B when the codec dithers, and the same chain shape as dense KV on the
+  W_UKᵀq`` plus the rope part, Tier B when the codec dithers, and the same chain shape as dense KV on the
   concatenated entry ``[c, k_pe]`` with query ``[u, q_pe]``;
 * **recurrent** (Mamba-2 / Gated DeltaNet): the forget-gate profile (empirical) and the chain stage
   ``e_T ≤ max_j Π_t a_{t,j} · e_0``.
 
 Soundness self-checks against the exact reference: ``witness_violations`` counts ``W_t < ‖Δ_t‖(1−1e−5)``,
-cells with ``|ε| > c`` and cells whose true TV exceeds their certificate; ``certified_flips`` counts top-r
-flips (exact vs selector) inside certified rows. Reference-dependent values are emitted only as readings
-(``true_tv``). The result carries a ``kvcert.probe/1`` snapshot and every layer's chain, tier, verdict and
-dominant stage.
+cells with ``|ε| > c``, cells whose true TV exceeds their certificate and layers whose chain is below their
+worst cell; ``certified_flips`` counts top-r flips (exact vs selector) inside certified rows;
+``pooling_floor_violations`` counts pooled blocks below the weight floors. Reference-dependent values are
+emitted only as readings (``true_tv``). The result carries a ``kvcert.probe/1`` snapshot, every layer's chain,
+tier, verdict and dominant stage, and the per-(layer, head, step) pooling meters.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -43,22 +49,10 @@ from kvcert.bounds.selection import (
     rank_prefix_certificate,
     selector_attention_ratio,
 )
-from kvcert.bounds.softmax_tv import true_tv, tv_meter
-from kvcert.contracts import (
-    ATTN_DIST_TV,
-    KV_ENTRY_L2,
-    SELECTOR_DIST_TV,
-    Chain,
-    Contract,
-    Evaluation,
-    Metric,
-    Tier,
-    bridges,
-    stages,
-    tv_verdict,
-)
-from kvcert.contracts.registry import REGISTRY
+from kvcert.bounds.softmax_tv import tv_meter
+from kvcert.contracts import ATTN_DIST_TV, KV_ENTRY_L2, SELECTOR_DIST_TV, Chain, Contract, Metric, Tier, bridges, stages
 from kvcert.integrations.mla import LatentLayer, extract_latents
+from kvcert.integrations.pooling import WEIGHTINGS, PoolingConfig, Weighting, pooled_layers
 from kvcert.integrations.recurrent import GateTrace, extract_forget_gates
 from kvcert.integrations.selector import (
     CapturedAttention,
@@ -67,31 +61,34 @@ from kvcert.integrations.selector import (
     expand_kv,
     topk_attention,
 )
-from kvcert.probe.snapshot import Declared, ProbeSnapshot, ReadingRecord, SelfChecks
+from kvcert.integrations.transformers import SUPPORTED_FAMILIES
+from kvcert.probe.chains import LayerChain
+from kvcert.probe.dense import DENSE_PATH, dense_chain, probe_dense_live
+from kvcert.probe.pooling import PoolingMeters, probe_pooling
+from kvcert.probe.recorder import Q_NORM, RADIUS_ATOL, TRUE_TV, Recorder, cell_checks, served_softmax
+from kvcert.probe.snapshot import Declared, ProbeSnapshot, SelfChecks
 from kvcert.quant.base import Codec, Quantized, quantize, sample_key
 from kvcert.quant.dither import DitherInt8Codec
 from kvcert.quant.rtn import RTNCodec
 
-WITNESS_RTOL = 1e-5
-RADIUS_ATOL = 1e-9
 RECURRENT_STATE = Metric("recurrent_state", "l2", "consume")
-Q_NORM = Metric("query", "l2", "consume")
 SEL_ROWS = Metric("selector_rows", "frac", "consume")
 SEL_MASS = Metric("selector_dist", "mass", "consume")
 GATE_FACTOR = Metric("forget_gate", "prob", "consume")
 GATE_LOG = Metric("forget_gate", "log", "consume")
 GATE_FRAC = Metric("forget_gate", "frac", "consume")
 GATE_STEPS = Metric("forget_gate", "steps", "consume")
-TRUE_TV = Metric("attn_dist", "tv", "offline")
+
 
 @dataclass(frozen=True)
 class ProbeConfig:
     """Codecs and meter parameters of a probe run.
 
-    ``key_codec`` stores dense keys, ``selector_codec`` the indexer copy of the keys used to select, and
-    ``latent_codec`` MLA latents and rope keys (their ``group_size`` must divide the head/latent dims);
-    ``bands`` Tier-A bands (whole RoPE pairs; contiguous for latents), ``top_k`` the selection size,
-    ``ranks`` the prefix lengths certified besides ``top_k``, ``delta_req`` the Tier-B request budget.
+    ``key_codec`` stores dense keys and pooled entries, ``selector_codec`` the indexer copy of the keys used to
+    select, and ``latent_codec`` MLA latents and rope keys (their ``group_size`` must divide the head/latent
+    dims); ``bands`` Tier-A bands (whole RoPE pairs; contiguous for latents), ``top_k`` the selection size,
+    ``ranks`` the prefix lengths certified besides ``top_k``, ``delta_req`` the Tier-B request budget;
+    ``pool_block`` tokens per pooled entry (``None``: no pooling path) and ``pool_weighting`` its weights.
     """
 
     key_codec: Codec = field(default_factory=lambda: RTNCodec(4, group_size=8))
@@ -103,6 +100,8 @@ class ProbeConfig:
     ranks: tuple[int, ...] = (1,)
     delta_req: float = 1e-2
     seed: int = 0
+    pool_block: int | None = 4
+    pool_weighting: Weighting = "attention"
 
     def __post_init__(self) -> None:
         if self.top_k < 1 or any(r < 1 or r > self.top_k for r in self.ranks):
@@ -111,129 +110,40 @@ class ProbeConfig:
             )
         if not 0.0 < self.delta_req < 1.0:
             raise ValueError(f"delta_req must lie in (0, 1), got {self.delta_req}")
+        if self.pool_block is not None:
+            self.pooling()  # validates pool_block and pool_weighting
+        elif self.pool_weighting not in WEIGHTINGS:
+            raise ValueError(f"pool_weighting must be one of {WEIGHTINGS}, got {self.pool_weighting!r}")
 
-
-@dataclass(frozen=True)
-class LayerChain:
-    """The composed chain of one (layer, path), its evaluation, tier, verdict and dominant stage.
-
-    ``verdict`` is the TV saturation verdict for certified/partial TV chains, ``None`` otherwise (an empirical
-    value is a reading and gets no verdict).
-    """
-
-    layer: int
-    path: str
-    chain: Chain
-    e_in: float
-    evaluation: Evaluation
-
-    @property
-    def tier(self) -> Tier:
-        """Weakest tier along the chain."""
-        return self.evaluation.tier
-
-    @property
-    def dominant_stage(self) -> str:
-        """The source with the largest share of the chain value."""
-        return self.evaluation.dominant_stage
-
-    @property
-    def verdict(self) -> str | None:
-        """``non-vacuous`` / ``marginal`` / ``saturated`` for a TV bound; ``None`` for a reading."""
-        ev = self.evaluation
-        if ev.tier is Tier.EMPIRICAL or ev.m_out.norm != "tv":
-            return None
-        return tv_verdict(ev.value).value
+    def pooling(self) -> PoolingConfig:
+        """The pooled memory of the pooling path (``ValueError`` if ``pool_block`` is None or invalid)."""
+        if self.pool_block is None:
+            raise ValueError("pool_block is None: this probe has no pooling path")
+        return PoolingConfig(self.pool_block, self.pool_weighting, self.key_codec, self.bands, self.seed)
 
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """A probe run: the snapshot (gate input) and every layer's chain."""
+    """A probe run: the snapshot (gate input), every layer's chain and, with a pooling path, its meters per
+    (layer, KV head, step)."""
 
     snapshot: ProbeSnapshot
     chains: tuple[LayerChain, ...]
+    pooling: PoolingMeters | None = None
 
 
-class _Recorder:
-    """Collects readings (tier from the registry), self-check counts and chains."""
+@dataclass(frozen=True)
+class _ServedKeys:
+    """One captured layer's keys quantized with ``key_codec``: exact and served scores, radii, witness, and the
+    worst cell certificate and true TV of the dense read over them (checked once, per cell)."""
 
-    def __init__(self) -> None:
-        self.readings: list[ReadingRecord] = []
-        self.chains: list[LayerChain] = []
-        self.counts = {"witness_violations": 0, "certified_flips": 0, "pooling_floor_violations": 0}
-        self.triggers = 0
-
-    def add(
-        self,
-        layer: int,
-        path: str,
-        metric: Metric,
-        name: str,
-        value: float,
-        suffix: str = "",
-        bound: bool = False,
-        unclipped: bool = False,
-    ) -> None:
-        """Record ``value`` with the registered tier of ``name``; ``bound`` marks a sound upper bound on an
-        error (never for empirical or offline values), everything else is a reading."""
-        tier = REGISTRY.check_emittable(name).tier
-        kind = "bound" if bound and tier is not Tier.EMPIRICAL and metric.site != "offline" else "reading"
-        self.readings.append(
-            ReadingRecord(
-                layer, path, metric, float(value), tier, kind, name + suffix, unclipped and kind == "bound"
-            )
-        )
-
-    def chain(self, layer: int, path: str, chain: Chain, e_in: float, name: str) -> None:
-        ev = chain.evaluate(e_in)
-        registered = REGISTRY.check_emittable(name).tier
-        if ev.tier is not registered:
-            raise ValueError(
-                f"chain {name!r} evaluated at tier {ev.tier.value}, registered {registered.value}"
-            )
-        self.chains.append(LayerChain(layer, path, chain, e_in, ev))
-        value, unclipped = ev.value, ev.m_out.norm == "tv"
-        if unclipped and (ev.tier is Tier.EMPIRICAL or not math.isfinite(value)):
-            value, unclipped = min(value, 1.0), False  # TV <= 1 always: readings and overflows are clipped
-        self.add(layer, path, ev.m_out, name, value, bound=True, unclipped=unclipped)
-
-
-def _witness_violations(q: Quantized) -> int:
-    w = q.band_norms.sum(-1)
-    return int((w < q.residual_norms * (1 - WITNESS_RTOL)).sum())
-
-
-def _served_softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-
-
-def _cell_checks(
-    rec: _Recorder,
-    layer: int,
-    path: str,
-    exact: torch.Tensor,
-    served: torch.Tensor,
-    radius: torch.Tensor,
-    visible: torch.Tensor,
-) -> None:
-    """Per-cell Tier-A soundness against the exact scores; emits the max certificate and the max true TV."""
-    err = (served - exact).abs()
-    rec.counts["witness_violations"] += int(((err > radius + RADIUS_ATOL) & visible).sum())
-    p_served = _served_softmax(served, visible)
-    cert = tv_meter(p_served, torch.where(visible, radius, torch.zeros_like(radius)))
-    tv = true_tv(_served_softmax(exact, visible), p_served)
-    rec.counts["witness_violations"] += int((tv > cert + RADIUS_ATOL).sum())
-    rec.add(layer, path, ATTN_DIST_TV, "certificates", float(cert.max()), bound=True)
-    rec.add(layer, path, TRUE_TV, "true_tv", float(tv.max()))
-
-
-def _dense_chain(witness: float, scale: float, q_norm: float) -> Chain:
-    return (
-        Chain()
-        .then(stages.store_witness(witness))
-        .then(bridges.score_bridge(scale, q_norm))
-        .then(bridges.softmax_uniform())
-    )
+    visible: torch.Tensor
+    exact: torch.Tensor
+    served: torch.Tensor
+    witness: float
+    qnorm: float
+    certificate: float
+    true_tv: float
 
 
 def _key_radius(cap: CapturedAttention, quant: Quantized) -> torch.Tensor:
@@ -241,40 +151,38 @@ def _key_radius(cap: CapturedAttention, quant: Quantized) -> torch.Tensor:
     return tier_a_radius(cap.query, kn.unsqueeze(-3), cap.scaling)
 
 
-def _probe_dense(rec: _Recorder, cap: CapturedAttention, cfg: ProbeConfig) -> None:
+def _served_keys(rec: Recorder, cap: CapturedAttention, cfg: ProbeConfig) -> _ServedKeys:
     if cap.softcap is not None:
         raise ValueError(
             f"layer {cap.layer}: attention logit soft-capping is not covered by the score bridge"
         )
-    layer, vis = cap.layer, cap.visible.expand(*cap.query.shape[:-1], cap.key.shape[-2])
     kq = quantize(cfg.key_codec, cap.key, bands=cfg.bands, pairing="rotate_half")
-    rec.counts["witness_violations"] += _witness_violations(kq)
+    rec.count_witness(kq.band_norms, kq.residual_norms)
+    q_max = float(cap.query.to(torch.float64).norm(dim=-1).max())
+    visible = cap.visible.expand(*cap.query.shape[:-1], cap.key.shape[-2])
     exact = attention_scores(cap.query, cap.key, cap.scaling)
     served = attention_scores(cap.query, kq.x_hat, cap.scaling)
-    radius = _key_radius(cap, kq)
-    w_max = float(kq.band_norms.sum(-1).max())
-    q_max = float(cap.query.to(torch.float64).norm(dim=-1).max())
-    rec.add(layer, "dense_kv", KV_ENTRY_L2, "band_witness", w_max, bound=True)
-    rec.add(layer, "dense_kv", Q_NORM, "qnorm", cap.scaling * q_max)
-    _cell_checks(rec, layer, "dense_kv", exact, served, radius, vis)
-    dense = _dense_chain(w_max, cap.scaling, q_max)
-    rec.chain(layer, "dense_kv", dense, 0.0, "chain_tv")
+    cert, worst = cell_checks(rec, exact, served, _key_radius(cap, kq), visible)
+    return _ServedKeys(visible, exact, served, float(kq.band_norms.sum(-1).max()), cap.scaling * q_max, cert, worst)
+
+
+def _probe_dense_captured(rec: Recorder, cap: CapturedAttention, sk: _ServedKeys) -> None:
+    """``dense_kv`` from the captured keys, for families the certified cache does not serve."""
+    rec.add(cap.layer, DENSE_PATH, KV_ENTRY_L2, "band_witness", sk.witness, bound=True)
+    rec.add(cap.layer, DENSE_PATH, Q_NORM, "qnorm", sk.qnorm)
+    rec.add(cap.layer, DENSE_PATH, ATTN_DIST_TV, "certificates", sk.certificate, bound=True)
+    rec.add(cap.layer, DENSE_PATH, TRUE_TV, "true_tv", sk.true_tv)
+    rec.chain(cap.layer, DENSE_PATH, dense_chain(sk.witness, sk.qnorm), 0.0, "chain_tv")
     rec.triggers += 1
-    _probe_selector(rec, cap, cfg, vis, exact, served, dense)
 
 
-def _probe_selector(
-    rec: _Recorder,
-    cap: CapturedAttention,
-    cfg: ProbeConfig,
-    vis: torch.Tensor,
-    exact: torch.Tensor,
-    served: torch.Tensor,
-    dense: Chain,
-) -> None:
+def _probe_selector(rec: Recorder, cap: CapturedAttention, cfg: ProbeConfig, sk: _ServedKeys) -> None:
     layer, path = cap.layer, "sparse_selector"
+    vis, exact, served = sk.visible, sk.exact, sk.served
+    rec.add(layer, path, KV_ENTRY_L2, "band_witness", sk.witness, bound=True)  # the served keys of the read
+    rec.add(layer, path, Q_NORM, "qnorm", sk.qnorm)
     sq = quantize(cfg.selector_codec, cap.key, bands=cfg.bands, pairing="rotate_half")
-    rec.counts["witness_violations"] += _witness_violations(sq)
+    rec.count_witness(sq.band_norms, sq.residual_norms)
     selector = attention_scores(cap.query, sq.x_hat, cap.scaling)
     sel_radius = _key_radius(cap, sq)
     rec.counts["witness_violations"] += int(
@@ -308,17 +216,18 @@ def _probe_selector(
             )
         )
     )
-    rec.chain(layer, path, dense.also(term), 0.0, "sel_chain_tv")
+    rec.chain(layer, path, dense_chain(sk.witness, sk.qnorm).also(term), 0.0, "sel_chain_tv")
     rec.triggers += 1
 
 
-def _probe_latent(rec: _Recorder, lat: LatentLayer, cfg: ProbeConfig, n_layers: int) -> None:
+def _probe_latent(rec: Recorder, lat: LatentLayer, cfg: ProbeConfig, n_layers: int) -> None:
     layer, path = lat.layer, "latent_kv"
     codec = cfg.latent_codec
     keys = [sample_key(x, cfg.seed, layer) if codec.needs_key else None for x in (lat.latent, lat.k_pe)]
     cq = quantize(codec, lat.latent, bands=cfg.bands, pairing="interleaved", key=keys[0])
     pq = quantize(codec, lat.k_pe, bands=cfg.pe_bands, pairing=lat.pairing, key=keys[1])
-    rec.counts["witness_violations"] += _witness_violations(cq) + _witness_violations(pq)
+    rec.count_witness(cq.band_norms, cq.residual_norms)
+    rec.count_witness(pq.band_norms, pq.residual_norms)
     u = effective_query(lat.q_nope, lat.w_uk)
     radius = latent_tier_a_radius(u, cq.band_norms, lat.scaling, lat.q_pe, pq.band_norms, lat.pairing)
 
@@ -329,7 +238,9 @@ def _probe_latent(rec: _Recorder, lat: LatentLayer, cfg: ProbeConfig, n_layers: 
 
     exact, served = scores(lat.latent, lat.k_pe), scores(cq.x_hat, pq.x_hat)
     vis = lat.visible.expand(served.shape)
-    _cell_checks(rec, layer, path, exact, served, radius, vis)
+    cert, worst = cell_checks(rec, exact, served, radius, vis)
+    rec.add(layer, path, ATTN_DIST_TV, "certificates", cert, bound=True)
+    rec.add(layer, path, TRUE_TV, "true_tv", worst)
     witness = cq.band_norms.sum(-1) + pq.band_norms.sum(-1)  # ≥ ‖[Δc, Δk_pe]‖
     w_max = float(witness.max())
     q_max = float(torch.cat([u, lat.q_pe.to(torch.float64)], -1).norm(dim=-1).max())
@@ -341,7 +252,7 @@ def _probe_latent(rec: _Recorder, lat: LatentLayer, cfg: ProbeConfig, n_layers: 
         )
         cells = n_layers * u.shape[-3] * u.shape[-2] * u.shape[0]
         ub = tier_b_radius(s2, vis.shape[-1], cfg.delta_req / cells)
-        p_served = _served_softmax(served, vis)
+        p_served = served_softmax(served, vis)
         rec.add(
             layer,
             path,
@@ -350,11 +261,11 @@ def _probe_latent(rec: _Recorder, lat: LatentLayer, cfg: ProbeConfig, n_layers: 
             float(tv_meter(p_served, torch.where(vis, ub, torch.zeros_like(ub))).max()),
             bound=True,
         )
-    rec.chain(layer, path, _dense_chain(w_max, lat.scaling, q_max), 0.0, "chain_tv")
+    rec.chain(layer, path, dense_chain(w_max, lat.scaling * q_max), 0.0, "chain_tv")
     rec.triggers += 1
 
 
-def _probe_recurrent(rec: _Recorder, trace: GateTrace) -> None:
+def _probe_recurrent(rec: Recorder, trace: GateTrace) -> None:
     layer, path = trace.layer, "recurrent"
     for b in range(trace.a.shape[0]):
         prof = gate_contraction(trace.a[b])
@@ -384,13 +295,15 @@ def _probe_recurrent(rec: _Recorder, trace: GateTrace) -> None:
     rec.triggers += 1
 
 
-def memory_paths(model: torch.nn.Module) -> tuple[str, ...]:
+def memory_paths(model: torch.nn.Module, config: ProbeConfig | None = None) -> tuple[str, ...]:
     """The probe paths ``model`` declares, from its module structure (before anything is measured).
 
     MLA attention (``kv_b_proj``) -> ``latent_kv``; a recurrent mixer (``A_log`` and ``dt_bias``) ->
-    ``recurrent``;
-    any other attention module -> ``dense_kv`` and ``sparse_selector``. ``ValueError`` if none is present.
+    ``recurrent``; any other attention module -> ``dense_kv`` and ``sparse_selector``, plus ``pooling`` when
+    ``config.pool_block`` is set (default) and the model has a full-attention layer to pool.
+    ``ValueError`` if none is present.
     """
+    cfg = config or ProbeConfig()
     mods = list(model.modules())
     paths = []
     if any(hasattr(m, "kv_b_proj") and hasattr(m, "layer_idx") for m in mods):
@@ -399,6 +312,8 @@ def memory_paths(model: torch.nn.Module) -> tuple[str, ...]:
         paths.append("recurrent")
     if any(hasattr(m, "scaling") and hasattr(m, "layer_idx") and not hasattr(m, "kv_b_proj") for m in mods):
         paths += ["dense_kv", "sparse_selector"]
+        if cfg.pool_block is not None and pooled_layers(model):
+            paths.append("pooling")
     if not paths:
         raise ValueError(
             f"{type(model).__name__}: no supported memory class (dense, latent, recurrent) found"
@@ -414,15 +329,17 @@ def probe_request(
     model_name: str,
     config: ProbeConfig | None = None,
 ) -> ProbeResult:
-    """Probe one request (``input_ids[1, T]``) on ``model``: readings, self-checks and chains for every layer.
+    """Probe one request (``input_ids[1, T]``, ``T >= 2``) on ``model``: readings, self-checks and chains for
+    every layer.
 
-    Raises ``ValueError`` for a batch other than 1 or a model with no supported memory class.
+    Raises ``ValueError`` for a batch other than 1, fewer than 2 tokens (the dense and pooled paths read the
+    stored prefill from decode steps) or a model with no supported memory class.
     """
     cfg = config or ProbeConfig()
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be one request [1, T], got {tuple(input_ids.shape)}")
-    paths = memory_paths(model)
-    rec = _Recorder()
+    paths = memory_paths(model, cfg)
+    rec = Recorder()
     n_layers = int(model.config.num_hidden_layers)
     mla: dict[int, LatentLayer] = {}
     if "latent_kv" in paths:
@@ -432,12 +349,22 @@ def probe_request(
     if "recurrent" in paths:
         for trace in extract_forget_gates(model, input_ids):
             _probe_recurrent(rec, trace)
+    meters = None
     if "dense_kv" in paths:
+        live = model.config.model_type in SUPPORTED_FAMILIES
+        if live:
+            probe_dense_live(rec, model, input_ids, cfg.key_codec, cfg.bands, cfg.seed)
         with torch.no_grad(), capture_attention(model) as caps:
             model(input_ids, use_cache=False)
         for cap in caps:
-            if cap.layer not in mla:
-                _probe_dense(rec, cap, cfg)
+            if cap.layer in mla:
+                continue
+            sk = _served_keys(rec, cap, cfg)
+            if not live:
+                _probe_dense_captured(rec, cap, sk)
+            _probe_selector(rec, cap, cfg, sk)
+    if "pooling" in paths:
+        meters = probe_pooling(rec, model, input_ids, cfg.pooling())
     snap = ProbeSnapshot(
         run_id=run_id,
         model=model_name,
@@ -447,4 +374,4 @@ def probe_request(
         readings=tuple(rec.readings),
         self_checks=SelfChecks(**rec.counts),
     )
-    return ProbeResult(snap, tuple(rec.chains))
+    return ProbeResult(snap, tuple(rec.chains), meters)

@@ -287,6 +287,11 @@ def test_rmm_prefill_kappa_changes_the_kept_set():
     ({"budget": 8}, "evict"),
     ({"evict": H2O(recent=2), "compression_ratio": 1.0}, "compression_ratio"),
     ({"evict": H2O(recent=2), "budget": 8, "ladder": True}, "ladder"),
+    ({"evict": H2O(recent=2), "budget": 8, "evict_chunk": 0}, "evict_chunk"),
+    ({"evict": H2O(recent=2), "budget": 8, "evict_chunk": 9}, "evict_chunk"),
+    ({"evict": H2O(recent=6), "budget": 8, "evict_chunk": 4}, "evict_chunk"),
+    ({"evict": H2O(recent=2), "budget": 8, "belady": True}, "belady"),
+    ({"evict": H2O(recent=2), "compression_ratio": 0.5, "validate": True, "belady": True}, "belady"),
 ])
 def test_bad_eviction_settings_fail_with_a_named_error(kwargs, match):
     model = _model()
@@ -324,3 +329,47 @@ def test_ingest_with_recorded_attention_keeps_what_the_in_forward_compression_ke
     assert any(not torch.equal(other.kept_positions(i), inline.kept_positions(i)) for i in range(2))
     with pytest.raises(ValueError, match="attentions"):
         CertifiedCache(model, evict=policy, compression_ratio=0.5).ingest(past, attentions=attentions[:1])
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_evict_chunk_evicts_that_many_at_once_within_the_budget(chunk):
+    model = _model()
+    ids = _ids(model, seed=23)
+    budget = 9
+    cache = CertifiedCache(model, keys="int8", values="int8", evict=H2O(recent=2), budget=budget, evict_chunk=chunk)
+    sizes = []
+    _decode(model, ids, cache, on_step=lambda c, _: sizes.append(c.layers[0].store.n))
+    # the size a decode read sees cycles budget − chunk + 2 .. budget + 1
+    assert max(sizes[1:]) == budget + 1 and min(sizes[1:]) == budget - chunk + 2
+    assert cache.telemetry().evicted_entries == 2 * 2 * (PROMPT + STEPS - cache.layers[0].store.n)
+
+
+def _teacher_forced(model, ids, policy, budget=10, prompt=12):
+    """Prefill ``prompt`` tokens, then feed the rest of ``ids`` one token at a time (the given tokens, not the
+    model's: layer 0's queries and keys then do not depend on what was evicted)."""
+    cache = CertifiedCache(model, keys="int8", values="int8", validate=True, evict=policy, budget=budget, belady=True)
+    with torch.no_grad():
+        model(ids[:, :prompt], past_key_values=cache, use_cache=True)
+        for t in range(prompt, ids.shape[1]):
+            model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+    cache.detach()
+    return cache
+
+
+def test_belady_overlap_in_cache_is_one_for_belady_on_the_same_trace():
+    """``belady_overlap`` compares the kept sets with Belady on the run's own exact trace. Teacher-forced,
+    layer 0's trace does not depend on the policy, so Belady built from a first run's recorded trace and
+    run in the cache overlaps the second run's Belady exactly; every reading is in [0, 1] (empirical)."""
+    model = _model()
+    ids = _ids(model, 36, seed=29)
+    first = _teacher_forced(model, ids, StreamingLLM(sinks=2))
+    tel = first.telemetry()
+    ov = tel.belady_overlap
+    assert ov.shape == (36 - 12 + 1, 2, 1, 2) and torch.isnan(ov[0]).all()   # prefill read: nothing evicted
+    assert ((ov[1:] >= 0) & (ov[1:] <= 1)).all() and (ov[1:] < 1).any()
+    assert "empirical" in tel.tiers["belady_overlap"] and 0 <= tel.summary()["mean_belady_overlap"] <= 1
+    attn, kappa = first.run_trace.dense()
+    assert torch.allclose(attn.sum(-1), torch.ones(36, 2, 2, dtype=torch.float64), atol=1e-12, rtol=0)
+    second = _teacher_forced(model, ids, Belady(attn, kappa)).telemetry().belady_overlap
+    assert (second[1:, 0] == 1).all()
+    assert ((second[1:] >= 0) & (second[1:] <= 1)).all()

@@ -19,7 +19,8 @@ Eviction (a selection operator): ``evicted_mass`` is the exact attention mass on
 mode from the evicted archive; ``evicted_mass_serving`` is the mass the evicted entries held on the last
 served read before their eviction, an **empirical** reading (no bound claimed). The quantization
 certificate of a read is relative to exact attention over the *kept* set; by the triangle inequality
-``TV(full, served) <= evicted_mass + certificate`` per cell.
+``TV(full, served) <= evicted_mass + certificate`` per cell. ``belady_overlap`` (``belady=True``) is the share
+of Belady's kept set (computed on the run's own exact trace) that the policy held at each read, **empirical**.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ TIERS: dict[str, str] = {
     "true_out_err": "measured (validate mode)",
     "evicted_mass": "measured (validate mode; exact TV of eviction = attention mass on evicted entries)",
     "evicted_mass_serving": "empirical (serving mode; last served mass of entries at their eviction)",
+    "belady_overlap": "empirical (validate mode; kept-set overlap |P ∩ R| / |R| with Belady(next use) on the run's "
+                      "own exact attention trace)",
     "witness": "certified (band witness W_t >= ‖Δk_t‖, max over the KV head's tokens)",
     "qnorm": "certified (score-bridge coefficient sc·max‖q‖₂, exact per read)",
     "logit_slack": "certified (float32 logit rounding bound, max over the read)",
@@ -115,6 +118,7 @@ class Telemetry:
     evicted_mass: torch.Tensor | None = None          # [steps, layers, B, Hq], all forward steps (NaN: none)
     evicted_mass_serving: torch.Tensor | None = None  # [steps, layers, B, Hkv], all forward steps
     evicted_entries: int = 0                          # entries evicted over all layers, rows and KV heads
+    belady_overlap: torch.Tensor | None = None        # [steps, layers, B, Hkv] (belady=True; NaN: nothing evicted)
     witness: torch.Tensor | None = None               # [steps, layers, B, Hq] live chain readings (see module doc)
     qnorm: torch.Tensor | None = None
     logit_slack: torch.Tensor | None = None
@@ -210,6 +214,9 @@ class Telemetry:
                 out[f"max_{name}"] = float(live.max()) if live.numel() else float("nan")
         if self.evicted_entries:
             out["evicted_entries"] = self.evicted_entries
+        if self.belady_overlap is not None:
+            live = self.belady_overlap[~torch.isnan(self.belady_overlap)]
+            out["mean_belady_overlap"] = float(live.mean()) if live.numel() else float("nan")
         return out
 
 

@@ -3,7 +3,8 @@
 Policies share one tensor-level scorer interface (``EvictionPolicy`` in ``base.py``): decode budget mode
 (``observe`` / ``set_kappa`` / ``select`` / ``on_evict`` / ``reset``) and prefill compression
 (``prefill_keep``). ``mass`` makes eviction observable (TV = evicted mass), ``trace`` records and replays
-attention traces, ``synthetic`` generates the delayed-reuse task. See ``docs/eviction.md``.
+attention traces, ``synthetic`` generates the delayed-reuse task, ``run_trace`` records a cache run's exact
+trace and compares its kept sets with Belady's. See ``docs/eviction.md``.
 """
 
 from kvcert.evict.base import (
@@ -12,6 +13,7 @@ from kvcert.evict.base import (
     aggregate_gqa,
     causal_attention,
     keep_top,
+    observed_attention,
     prefill_kept_count,
 )
 from kvcert.evict.belady import Belady, served_mass_ceiling
@@ -26,6 +28,7 @@ from kvcert.evict.mass import (
     validate_reading,
 )
 from kvcert.evict.rmm import RMM
+from kvcert.evict.run_trace import RunTrace
 from kvcert.evict.snapkv import SnapKV
 from kvcert.evict.streaming import StreamingLLM
 from kvcert.evict.synthetic import delayed_reuse_trace
@@ -49,6 +52,7 @@ __all__ = [
     "H2O",
     "KappaKind",
     "ReplayResult",
+    "RunTrace",
     "SnapKV",
     "StreamingLLM",
     "aggregate_gqa",
@@ -58,6 +62,7 @@ __all__ = [
     "evicted_mass",
     "gap_closed",
     "keep_top",
+    "observed_attention",
     "overlap",
     "prefill_kept_count",
     "replay",

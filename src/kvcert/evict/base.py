@@ -10,16 +10,27 @@ and a rule for which items are protected (sinks, recent window / commit lag). Se
 Two modes, one interface:
 
 - **decode budget**: ``observe`` each attention read, ``set_kappa`` when the step's correctness weight
-  arrives (after the logits), ``select(layer, budget)`` -> sorted physical indices ``[B, Hkv, C]`` to
-  keep (``None`` when nothing needs evicting), then ``on_evict(layer, keep)`` after the cache gathered
-  the same indices. Every KV head of a layer keeps the same count (storage stays rectangular); each head
-  chooses its own items. The budget holds after each ``select``; the next read sees ``<= C + q`` items.
+  arrives (after the logits), ``select(layer, budget, chunk)`` -> sorted physical indices ``[B, Hkv, C]`` to
+  keep (``None`` while the layer holds at most ``budget`` items), then ``on_evict(layer, keep)`` after the
+  cache gathered the same indices. Every KV head of a layer keeps the same count (storage stays
+  rectangular); each head chooses its own items. Once the layer holds more than ``budget`` items, ``select``
+  keeps ``C = budget − chunk + 1``: ``chunk = 1`` brings it back to exactly ``budget`` at every step; a larger
+  ``chunk`` evicts ``chunk`` items at once, so selection (and the cache's gather) runs once every ``chunk``
+  decode steps, as kvpress's ``DecodingPress`` compresses every ``compression_interval`` steps. The budget
+  holds after each ``select`` either way; the next read sees ``<= budget + q`` items.
 - **prefill compression** (kvpress convention): ``prefill_keep(layer, keys, values, ratio, ...)`` keeps
   ``prefill_kept_count(S, ratio)`` items per KV head.
 
 Attention passed to ``observe`` is already aggregated over the ``G`` query heads of each KV head
 (``aggregate_gqa``: ``"mean"`` = sum / G, a distribution, used by traces and the mass readings; ``"sum"``
 ranks identically; ``"max"`` is the per-item maximum over the group and is not a distribution).
+
+Per-step cost in decode: a layer's scores and positions live in capacity buffers that grow by doubling, so
+``observe`` writes only the appended slots and adds the new rows into the scores in place; ``select`` costs
+nothing until the budget is exceeded and then picks the ``k`` lowest keys by ``argmin`` (``k <= 8``) or by a
+``kthvalue`` threshold, never a sort. When the protected set is exactly the first ``sinks`` and the last
+``recent`` slots (checked on the positions; always the case inside the cache) only the slots in between are
+scored, without building a protected mask.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -92,37 +104,116 @@ def causal_attention(queries: Tensor, keys: Tensor) -> Tensor:
     return torch.softmax(logits.masked_fill(mask, -math.inf), dim=-1)
 
 
+def observed_attention(attn: Tensor, kappa: Tensor | None = None) -> Tensor:
+    """Prefill score ``[B, H, S]``: the mean (κ-weighted) attention a key receives from the queries that see it,
+
+        score_i = Σ_{s >= i} κ_s · a_{s,i} / (S − i)        (causal: the S − i queries at positions i..S−1)
+
+    ``attn[B, H, S, S]`` causal attention (summed or averaged over each group: the ranking is the same);
+    ``kappa[B, S]`` correctness weights, or ``None`` for κ ≡ 1 (then nothing is multiplied, so the value is
+    bit-identical to ``kappa = ones``). Without the division the column sum favours early keys, which more
+    queries see: a key every query attends to with weight ``1/(s+1)`` outranks a late key that every later
+    query attends to with weight 1/2. kvpress's ``ObservedAttentionPress`` divides by the same count.
+    """
+    if attn.dim() != 4 or attn.shape[-1] != attn.shape[-2]:
+        raise ValueError(f"attn must be [B, H, S, S], got {tuple(attn.shape)}")
+    s = attn.shape[-1]
+    if kappa is not None:
+        if kappa.shape != (attn.shape[0], s):
+            raise ValueError(f"kappa must be [B, S] = {(attn.shape[0], s)}, got {tuple(kappa.shape)}")
+        attn = attn * kappa[:, None, :, None].to(attn.dtype)
+    return attn.sum(-2) / torch.arange(s, 0, -1, dtype=attn.dtype)
+
+
+def _too_small(budget: int, n_protected: int) -> ValueError:
+    return ValueError(
+        f"budget={budget} (items kept after an eviction) is smaller than the {n_protected} protected items "
+        "(sinks + recent/lag)"
+    )
+
+
+def _lowest(key: np.ndarray, k: int) -> np.ndarray:
+    """Sorted indices ``[..., k]`` of the ``k`` lowest keys; among equal keys the higher index goes first.
+
+    ``argmin`` picks, ``O(k·S)``, for small ``k``, on a reversed view (numpy's ``argmin`` returns the first
+    minimum, i.e. the highest original index, without a copy; one call costs a fraction of torch's).
+    """
+    last = key.shape[-1] - 1
+    if k == 1:
+        return last - key[..., ::-1].argmin(-1)[..., None]
+    work, picks = key.copy(), []
+    for _ in range(k):
+        idx = last - work[..., ::-1].argmin(-1)[..., None]
+        picks.append(idx)
+        np.put_along_axis(work, idx, np.inf, -1)
+    return np.sort(np.concatenate(picks, -1), -1)
+
+
+def _kept_runs(dropped: np.ndarray, n: int) -> list[list[tuple[int, int, int]]]:
+    """Per row of the sorted ``dropped[..., k]``, the runs ``(start, stop, shift)`` of kept slots of
+    ``0..n−1``: slots ``start..stop−1`` move ``shift`` places left."""
+    runs = []
+    for d in dropped.reshape(-1, dropped.shape[-1]).tolist():
+        bounds = [-1, *d, n]
+        runs.append([(bounds[j] + 1, bounds[j + 1], j) for j in range(len(bounds) - 1)])
+    return runs
+
+
+def _complement(dropped: np.ndarray, n: int) -> np.ndarray:
+    """Sorted indices ``[..., n − k]`` of ``0..n−1`` without the sorted ``dropped[..., k]`` (run copies)."""
+    k = dropped.shape[-1]
+    idx = np.arange(n)
+    out = np.empty((math.prod(dropped.shape[:-1]), n - k), dtype=np.int64)
+    for r, runs in enumerate(_kept_runs(dropped, n)):
+        for start, stop, shift in runs:
+            out[r, start - shift : stop - shift] = idx[start:stop]
+    return out.reshape(*dropped.shape[:-1], n - k)
+
+
+def _top_mask(key: Tensor, c: int) -> Tensor:
+    """Boolean mask with exactly ``c`` True per row: the ``c`` highest keys, ties to the lower index.
+
+    Selection by threshold (``kthvalue``, ``O(S)``) instead of a sort: every key above the ``c``-th highest
+    value ``v`` is kept, then the lowest-indexed keys equal to ``v`` fill the remaining places.
+    """
+    v = key.kthvalue(key.shape[-1] - c + 1, dim=-1, keepdim=True).values
+    above = key > v
+    tied = key == v
+    return above | (tied & (tied.cumsum(-1) <= c - above.sum(-1, keepdim=True)))
+
+
+def _mask_indices(mask: Tensor, c: int) -> Tensor:
+    """Sorted indices ``[..., c]`` of the True entries of ``mask`` (exactly ``c`` per row)."""
+    return mask.nonzero()[:, -1].view(*mask.shape[:-1], c)
+
+
+def _keep_highest(key: Tensor, c: int) -> Tensor:
+    """Sorted indices ``[..., c]`` of the ``c`` highest keys, ties to the lower index."""
+    n = key.shape[-1]
+    if n == c:
+        return torch.arange(n).expand(*key.shape)
+    if n - c <= _ARGMIN_MAX_EVICT:
+        return torch.from_numpy(_complement(_lowest(key.numpy(), n - c), n))
+    return _mask_indices(_top_mask(key, c), c)
+
+
+_ARGMIN_MAX_EVICT = 8
+
+
 def keep_top(scores: Tensor, protected: Tensor, budget: int) -> Tensor:
     """Sorted physical indices ``[B, Hkv, C]`` of the ``C = min(budget, S)`` items with the highest key.
 
-    key = ``+inf`` for protected items, else ``scores``; ties go to the lower physical index (stable sort).
-    ``ValueError`` if some head has more protected items than ``budget`` (the budget cannot be honoured).
+    key = ``+inf`` for protected items, else ``scores``; ties go to the lower physical index (the set a
+    stable descending sort keeps). ``ValueError`` if some head has more protected items than ``budget``
+    (the budget cannot be honoured).
     """
     if budget <= 0:
         raise ValueError(f"budget must be positive, got {budget}")
     n_protected = int(protected.sum(-1).max()) if protected.numel() else 0
     if n_protected > budget:
-        raise ValueError(f"budget={budget} is smaller than the {n_protected} protected items (sinks + recent/lag)")
+        raise _too_small(budget, n_protected)
     key = scores.to(F64).masked_fill(protected, math.inf)
-    s = scores.shape[-1]
-    c = min(budget, s)
-    if s - c > _ARGMIN_MAX_EVICT:
-        order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :c]
-        return order.sort(dim=-1).values
-    # Few evictions (the decode case): pick the minimum key s − c times, ties to the highest index —
-    # the same set the stable sort drops, in O(S) per pick instead of a full sort.
-    picks = []
-    for _ in range(s - c):
-        idx = (s - 1) - key.flip(-1).argmin(dim=-1, keepdim=True)  # argmin returns the first minimum
-        picks.append(idx)
-        key = key.scatter(-1, idx, math.inf)
-    keep = torch.arange(c).expand(*scores.shape[:-1], c)
-    for e in torch.cat(picks, -1).sort(dim=-1).values.unbind(-1):  # skip evicted slots, ascending
-        keep = keep + (keep >= e[..., None])
-    return keep
-
-
-_ARGMIN_MAX_EVICT = 8
+    return _keep_highest(key, min(budget, scores.shape[-1]))
 
 
 def fit_slots(x: Tensor, length: int) -> Tensor:
@@ -132,14 +223,103 @@ def fit_slots(x: Tensor, length: int) -> Tensor:
 
 @dataclass
 class LayerState:
-    """Per-layer item state, kept in the cache's physical slot order."""
+    """Per-layer item state in the cache's physical slot order (CPU).
 
-    scores: Tensor  # [B, Hkv, S] float64
-    positions: Tensor  # [B, Hkv, S] long, logical position of each slot
-    now: Tensor  # [B] long, position of the latest query observed
+    Scores (float64) and logical positions (int64) of the ``n`` held slots live in numpy capacity buffers
+    ``[B, Hkv, cap]`` that grow by doubling: appending writes only the new slots, policies accumulate into
+    the scores in place, and an eviction moves the kept runs left in place (few evictions) or gathers into
+    a spare buffer pair and swaps. ``scores`` and ``positions`` are torch views of the first ``n`` slots
+    (shared memory, no copy); numpy is used for the per-step bookkeeping because its per-call cost on a
+    ``[B, Hkv, S]`` row is a fraction of torch's.
+
+    Recorded query groups (``rows``, policy-specific) are mapped through evictions lazily: an eviction only
+    records its ``keep``, and ``row(i)`` applies the evictions since group ``i`` was recorded when the group
+    is read (a group that leaves a policy's window before that is never gathered).
+    """
+
+    buffers: tuple[np.ndarray, np.ndarray]  # (scores [B, Hkv, cap] float64, positions [B, Hkv, cap] int64)
+    spare: tuple[np.ndarray, np.ndarray]
+    now: np.ndarray  # [B] int64, position of the latest query observed
+    n: int = 0
+    verified: bool = False  # the held positions were compared in full with the caller's since the last compaction
     rows: list[Tensor] = field(default_factory=list)  # recorded query groups [B, Hkv, q, S_then] (policy-specific)
-    row_positions: list[Tensor] = field(default_factory=list)  # [B, q] query positions of each group
+    row_epochs: list[int] = field(default_factory=list)  # evictions before each group was recorded
+    row_positions: list[np.ndarray] = field(default_factory=list)  # [B, q] query positions of each group
+    keeps: list[tuple[Tensor, int]] = field(default_factory=list)  # (keep, n before) not yet applied to all rows
+    epoch: int = 0  # evictions so far
     issued: Tensor | None = None  # the keep tensor the last select returned (validated by construction)
+    dropped: np.ndarray | None = None  # [B, Hkv, k] sorted slots ``issued`` leaves out (argmin path), else None
+
+    @classmethod
+    def empty(cls, batch: int, heads: int) -> LayerState:
+        """No items yet."""
+        bufs = (np.zeros((batch, heads, 0)), np.zeros((batch, heads, 0), dtype=np.int64))
+        return cls(bufs, bufs, np.zeros(batch, dtype=np.int64))
+
+    @property
+    def scores(self) -> Tensor:
+        """``[B, Hkv, n]`` float64 torch view of the score buffer (writes go to the state)."""
+        return torch.from_numpy(self.buffers[0][..., : self.n])
+
+    @property
+    def positions(self) -> Tensor:
+        """``[B, Hkv, n]`` int64 torch view of the position buffer."""
+        return torch.from_numpy(self.buffers[1][..., : self.n])
+
+    def extend(self, positions: np.ndarray) -> None:
+        """Append the slots ``positions[..., n:]`` (integer ``[B, Hkv, S]``, ``S >= n``) with score 0."""
+        s = positions.shape[-1]
+        if s > self.buffers[0].shape[-1]:
+            cap = max(2 * self.buffers[0].shape[-1], s, 64)
+            shape = (*self.buffers[0].shape[:2], cap)
+            grown = (np.zeros(shape), np.zeros(shape, dtype=np.int64))
+            for new, old in zip(grown, self.buffers, strict=True):
+                new[..., : self.n] = old[..., : self.n]
+            self.buffers, self.spare = grown, (np.empty_like(grown[0]), np.empty_like(grown[1]))
+        self.buffers[0][..., self.n : s] = 0.0
+        self.buffers[1][..., self.n : s] = positions[..., self.n :]
+        self.n = s
+
+    def evict(self, keep: Tensor, dropped: np.ndarray | None = None) -> None:
+        """Keep the slots ``keep[B, Hkv, C]`` (sorted physical indices); ``dropped[B, Hkv, k]``, when given, are
+        the sorted slots ``keep`` leaves out (then the kept runs move left in place instead of a gather)."""
+        if self.rows:
+            self.keeps.append((keep, self.n))
+        self.epoch += 1
+        if dropped is None:
+            c = keep.shape[-1]
+            for src, dst in zip(self.buffers, self.spare, strict=True):
+                torch.gather(torch.from_numpy(src[..., : self.n]), -1, keep, out=torch.from_numpy(dst[..., :c]))
+            self.spare, self.buffers, self.n = self.buffers, self.spare, c
+        else:
+            runs = _kept_runs(dropped, self.n)
+            for buf in self.buffers:
+                flat = buf.reshape(-1, buf.shape[-1])
+                for r, row in enumerate(runs):
+                    for start, stop, shift in row[1:]:
+                        flat[r, start - shift : stop - shift] = flat[r, start:stop]
+            self.n -= dropped.shape[-1]
+        self.verified = False
+
+    def add_rows(self, attn: Tensor) -> None:
+        """Record a query group ``attn[B, Hkv, q, n]``."""
+        self.rows.append(attn)
+        self.row_epochs.append(self.epoch)
+
+    def row(self, i: int) -> Tensor:
+        """Group ``i`` over the current slots ``[B, Hkv, q, S']``, ``S' <= n`` (slots appended after it was
+        recorded are missing: the group put no weight on them)."""
+        r = self.rows[i]
+        first = self.epoch - len(self.keeps)
+        for keep, n_before in self.keeps[self.row_epochs[i] - first :]:
+            r = fit_slots(r, n_before).gather(-1, keep[:, :, None, :].expand(-1, -1, r.shape[2], -1))
+        self.rows[i], self.row_epochs[i] = r, self.epoch
+        return r
+
+    def drop_rows(self, count: int) -> None:
+        """Forget the ``count`` oldest groups (and evictions no held group needs any more)."""
+        del self.rows[:count], self.row_epochs[:count]
+        del self.keeps[: min(self.row_epochs, default=self.epoch) - (self.epoch - len(self.keeps))]
 
 
 class EvictionPolicy(ABC):
@@ -174,8 +354,10 @@ class EvictionPolicy(ABC):
         """
         if attn.dim() != 4:
             raise ValueError(f"attn must be [B, Hkv, q, S], got shape {tuple(attn.shape)}")
-        if attn.numel() and not (float(attn.min()) >= 0 and math.isfinite(float(attn.sum()))):
-            raise ValueError("attn must be finite and non-negative")  # NaN fails the min, ±inf the sum
+        if attn.numel():
+            low, high = torch.aminmax(attn)
+            if not (float(low) >= 0 and math.isfinite(float(high))):  # NaN fails the min, +inf the max
+                raise ValueError("attn must be finite and non-negative")
         b, h, q, s = attn.shape
         if positions.dim() == 2:
             positions = positions[:, None, :].expand(b, h, s)
@@ -183,26 +365,28 @@ class EvictionPolicy(ABC):
             raise ValueError(f"positions must be integer [B, S] or [B, Hkv, S] matching attn {tuple(attn.shape)}")
         if q > s:
             raise ValueError(f"attn has q={q} queries but only S={s} slots")
-        positions = positions.long()
         state = self._layers.get(layer)
         if state is None:
-            state = LayerState(torch.zeros(b, h, 0, dtype=F64), positions[..., :0], positions[:, 0, -1])
-            self._layers[layer] = state
-        old = state.scores.shape[-1]
-        if s < old or state.scores.shape[:2] != (b, h):
+            state = self._layers[layer] = LayerState.empty(b, h)
+        old = state.n
+        if s < old or state.buffers[0].shape[:2] != (b, h):
             raise ValueError(f"attn slots shrank or batch/heads changed without on_evict (layer {layer})")
-        # slots the policy already holds must be unchanged (catches a cache/policy gather mismatch);
-        # only the appended tail needs the strictly-increasing check
-        if not torch.equal(positions[..., :old], state.positions):
+        pos, held = positions.numpy(), state.buffers[1][..., :old]
+        # held slots must be unchanged (catches a cache/policy gather mismatch): in full at the first read after
+        # an eviction; in between slots are only appended, and a slot removed without on_evict would shift the
+        # join slot old − 1, so that slot and the strictly increasing appended tail are checked
+        if old and not (
+            (pos[..., old - 1] == held[..., -1]).all() if state.verified else np.array_equal(pos[..., :old], held)
+        ):
             raise ValueError(f"positions disagree with the slots the policy holds for layer {layer}")
-        if s - old > 0 and not (positions[..., max(old - 1, 0) :].diff(dim=-1) > 0).all():
+        tail = pos[..., max(old - 1, 0) :]
+        if s > old and not (tail[..., 1:] > tail[..., :-1]).all():
             raise ValueError("positions must be strictly increasing along the slot axis")
-        state.issued = None
-        state.scores = fit_slots(state.scores, s)
-        state.positions = positions.clone()
-        qpos = positions[:, 0, s - q :]
-        state.now = qpos[:, -1]
-        self._accumulate(layer, state, attn.to(F64), qpos)
+        state.issued, state.dropped, state.verified = None, None, True
+        state.extend(pos)
+        state.now = pos[:, 0, -1].astype(np.int64)
+        attn = attn if attn.dtype == F64 else attn.to(F64)
+        self._accumulate(layer, state, attn, state.buffers[1][:, 0, s - q : s])
 
     def set_kappa(self, step_positions: Tensor, kappa: Tensor) -> None:
         """Correctness weights ``kappa[B, q] ∈ [0, 1]`` of the queries at ``step_positions[B, q]``.
@@ -217,29 +401,63 @@ class EvictionPolicy(ABC):
         if not torch.isfinite(kappa).all() or (kappa < 0).any() or (kappa > 1).any():
             raise ValueError("kappa must be finite and in [0, 1]")
 
-    def select(self, layer: int, budget: int) -> Tensor | None:
-        """Sorted physical indices ``[B, Hkv, C]`` to keep, ``C = budget``; ``None`` if ``S <= budget``."""
+    def select(self, layer: int, budget: int, chunk: int = 1) -> Tensor | None:
+        """Sorted physical indices ``[B, Hkv, budget − chunk + 1]`` to keep once the layer holds more than
+        ``budget`` items; ``None`` while it holds at most ``budget`` (module doc). ``1 <= chunk <= budget``."""
+        if not 1 <= chunk <= budget:
+            raise ValueError(f"chunk must be in [1, budget={budget}], got {chunk}")
         state = self._state(layer)
-        if state.scores.shape[-1] <= budget:
+        if state.n <= budget:
             return None
-        state.issued = keep_top(self._scores(layer, state), self._protected(state.positions, state.now), budget)
-        return state.issued
+        kept = budget - chunk + 1
+        n, lo, hi = state.n, self.sinks, state.n - self.recent
+        if lo < hi and self._edges_protected(state, lo, hi):
+            k = n - kept
+            if k > hi - lo:
+                raise _too_small(kept, n - (hi - lo))
+            if k <= _ARGMIN_MAX_EVICT:
+                dropped = self._drop_middle(layer, state, lo, hi, k)
+                keep = torch.from_numpy(_complement(dropped, n))
+            else:
+                dropped = None
+                mask = torch.ones(*state.scores.shape, dtype=torch.bool)
+                mask[..., lo:hi] = _top_mask(self._scores(layer, state)[..., lo:hi], hi - lo - k)
+                keep = _mask_indices(mask, kept)
+        else:
+            protected = self._protected(state.positions, torch.from_numpy(state.now))
+            keep, dropped = keep_top(self._scores(layer, state), protected, kept), None
+        state.issued, state.dropped = keep, dropped
+        return keep
+
+    def _edges_protected(self, state: LayerState, lo: int, hi: int) -> bool:
+        """Whether the protected slots are exactly ``[0, lo) ∪ [hi, n)`` (``lo = sinks``, ``hi = n − recent``).
+
+        Positions are strictly increasing integers, so slot ``lo − 1`` holding position ``sinks − 1`` puts
+        exactly the first ``sinks`` slots below ``sinks``, and slot ``hi`` holding ``now − recent + 1`` puts
+        exactly the last ``recent`` slots above ``now − recent`` (with ``recent = 0``: no slot above ``now``).
+        """
+        pos, now = state.buffers[1][..., : state.n], state.now
+        if lo > 0 and not (pos[..., lo - 1] == lo - 1).all():
+            return False
+        if hi == state.n:
+            return bool((pos[..., -1] <= now[:, None]).all())
+        return bool((pos[..., hi] == (now - (self.recent - 1))[:, None]).all())
+
+    def _drop_middle(self, layer: int, state: LayerState, lo: int, hi: int, k: int) -> np.ndarray:
+        """Sorted physical indices ``[B, Hkv, k]`` of the ``k`` lowest-scoring slots in ``[lo, hi)``."""
+        return _lowest(self._scores(layer, state).numpy()[..., lo:hi], k) + lo
 
     def on_evict(self, layer: int, keep: Tensor) -> None:
         """Compact the layer's per-item state with the same gather the cache applied (``keep[B, Hkv, C]``)."""
         state = self._state(layer)
-        s = state.scores.shape[-1]
+        s = state.n
         if keep is not state.issued:  # select's own output for the current state is valid by construction
             if keep.dim() != 3 or keep.shape[:2] != state.scores.shape[:2] or keep.dtype != torch.long:
                 raise ValueError(f"keep must be long [B, Hkv, C] matching the layer state, got {tuple(keep.shape)}")
             if keep.numel() and (int(keep.min()) < 0 or int(keep.max()) >= s or not (keep.diff(dim=-1) > 0).all()):
                 raise ValueError(f"keep must be strictly increasing physical indices in [0, {s})")
-        state.issued = None
-        state.scores = state.scores.gather(-1, keep)
-        state.positions = state.positions.gather(-1, keep)
-        state.rows = [
-            fit_slots(r, s).gather(-1, keep[:, :, None, :].expand(-1, -1, r.shape[2], -1)) for r in state.rows
-        ]
+        state.evict(keep, state.dropped if keep is state.issued else None)
+        state.issued = state.dropped = None
 
     # ---- prefill ---------------------------------------------------------------------------
     def prefill_keep(
@@ -289,8 +507,9 @@ class EvictionPolicy(ABC):
     def _protected(self, positions: Tensor, now: Tensor) -> Tensor:
         return (positions < self.sinks) | (positions > (now[:, None, None] - self.recent))
 
-    def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: Tensor) -> None:
-        """Update decode-mode state from ``attn[B, Hkv, q, S]`` (float64); default: no state to update."""
+    def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: np.ndarray) -> None:
+        """Update decode-mode state from ``attn[B, Hkv, q, S]`` (float64) read by the queries at positions
+        ``qpos[B, q]`` (a view of the state: copy to keep); default: no state to update."""
         return None
 
     def _scores(self, layer: int, state: LayerState) -> Tensor:
@@ -308,14 +527,19 @@ class EvictionPolicy(ABC):
         return state
 
 
-def accumulate_rows(scores: Tensor, attn: Tensor, weights: Tensor | None = None) -> Tensor:
-    """``scores + Σ_r w_r · attn[:, :, r, :]`` added row by row in query order (float64).
+def accumulate_rows(scores: np.ndarray, attn: Tensor, weights: Tensor | None = None) -> None:
+    """In place: ``scores[..., :S] += Σ_r w_r · attn[:, :, r, :]``, added row by row in query order (float64, CPU).
 
-    The fixed order makes the κ ≡ 1 sum bit-identical to the unweighted one (``1.0 · x == x``), which
-    the RMM -> H2O reduction relies on. ``weights``: ``[B, q]`` or ``None`` (unweighted).
+    ``scores`` is a state's numpy score view ``[B, Hkv, n]``; ``attn[B, Hkv, q, S]`` with ``S <= n`` (older rows
+    cover fewer slots); ``weights``: ``[B, q]`` or ``None`` (unweighted). The fixed order makes the κ ≡ 1 sum
+    bit-identical to the unweighted one (``1.0 · x == x``), which the RMM -> H2O reduction relies on. IEEE-754
+    float64 addition and multiplication are correctly rounded, so numpy computes exactly what torch would.
     """
-    out = fit_slots(scores, attn.shape[-1]).clone()
-    for r in range(attn.shape[2]):
-        row = attn[:, :, r, :]
-        out.add_(row if weights is None else weights[:, r, None, None].to(F64) * row)
-    return out
+    if attn.shape[-1] > scores.shape[-1]:
+        raise ValueError(f"attn covers {attn.shape[-1]} slots, the scores only {scores.shape[-1]}")
+    target = scores[..., : attn.shape[-1]]
+    a = attn.numpy()
+    w = None if weights is None else weights.to(F64).numpy()
+    for r in range(a.shape[2]):
+        row = a[:, :, r, :]
+        target += row if w is None else w[:, r, None, None] * row

@@ -2,25 +2,27 @@
 
 from __future__ import annotations
 
+import numpy as np
 from torch import Tensor
 
-from kvcert.evict.base import EvictionPolicy, LayerState, accumulate_rows
+from kvcert.evict.base import EvictionPolicy, LayerState, accumulate_rows, observed_attention
 
 
 class H2O(EvictionPolicy):
     """``H2O(recent)``: score_i = Σ_s a_{s,i} over every observed query; the ``recent`` newest positions
     are protected, so with budget ``C`` the heavy-hitter part holds ``C − recent`` items.
 
-    Prefill: the same score over all prefill queries (kvpress ``ObservedAttentionPress`` up to its
-    per-column normalisation), with the last ``recent`` positions protected.
+    Prefill: ``observed_attention`` — the same sum over the prefill queries divided by the number of queries
+    that see each key (``S − i``), as kvpress's ``ObservedAttentionPress``; the last ``recent`` positions
+    are protected.
     """
 
     def __init__(self, recent: int = 0, sinks: int = 0) -> None:
         super().__init__(sinks=sinks, recent=recent)
 
-    def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: Tensor) -> None:
-        state.scores = accumulate_rows(state.scores, attn)
+    def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: np.ndarray) -> None:
+        accumulate_rows(state.buffers[0][..., : state.n], attn)
 
     def _prefill_scores(self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None) -> Tensor:
         assert attn is not None
-        return attn.sum(-2)
+        return observed_attention(attn)

@@ -11,10 +11,10 @@ and the pending set is H2O's recent window, so the kept sets equal ``H2O(recent=
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 from torch import Tensor
 
-from kvcert.evict.base import EvictionPolicy, LayerState, accumulate_rows
+from kvcert.evict.base import EvictionPolicy, LayerState, accumulate_rows, observed_attention
 from kvcert.evict.kappa import KAPPA_KINDS, KappaKind
 
 
@@ -22,8 +22,10 @@ class RMM(EvictionPolicy):
     """``RMM(lag, kappa, sinks)``: commit lag ``H = lag``; ``kappa`` names the correctness weight the driver
     feeds through ``set_kappa`` (see ``kvcert.evict.kappa``); ``sinks`` first positions always kept.
 
-    Prefill variant (§11.5, "all later queries"): score_i = Σ_{s >= i} κ_s a_{s,i} over the prefill
-    queries, last ``lag`` positions protected; ``kappa[B, S]`` is required unless ``kappa="uniform"``.
+    Prefill variant (§11.5, "all later queries"): score_i = Σ_{s >= i} κ_s a_{s,i} / (S − i) over the prefill
+    queries (``observed_attention``: divided by the number of queries that see key ``i``, exactly as H2O's
+    prefill score, so κ ≡ 1 keeps H2O's sets), last ``lag`` positions protected; ``kappa[B, S]`` is
+    required unless ``kappa="uniform"``.
     """
 
     def __init__(self, lag: int, kappa: KappaKind = "realised", sinks: int = 0) -> None:
@@ -33,9 +35,9 @@ class RMM(EvictionPolicy):
         self.lag = lag
         self.kappa_kind = kappa
 
-    def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: Tensor) -> None:
-        state.rows.append(attn)
-        state.row_positions.append(qpos)
+    def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: np.ndarray) -> None:
+        state.add_rows(attn)
+        state.row_positions.append(qpos.copy())
 
     def set_kappa(self, step_positions: Tensor, kappa: Tensor) -> None:
         """Apply ``κ[B, q]`` to the oldest buffered query group of every layer (FIFO).
@@ -44,20 +46,18 @@ class RMM(EvictionPolicy):
         positions differ from ``step_positions``.
         """
         super().set_kappa(step_positions, kappa)
+        steps = step_positions.numpy()
         for layer, state in self._layers.items():
-            if not state.row_positions or not torch.equal(state.row_positions[0], step_positions.long()):
+            if not state.row_positions or not np.array_equal(state.row_positions[0], steps):
                 raise ValueError(f"step_positions do not match the oldest unscored query group of layer {layer}")
         for state in self._layers.values():
-            rows = state.rows.pop(0)
+            rows = state.row(0)
+            state.drop_rows(1)
             state.row_positions.pop(0)
-            state.scores = accumulate_rows(state.scores, rows, kappa)
+            accumulate_rows(state.buffers[0][..., : state.n], rows, kappa)
 
     def _prefill_scores(self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None) -> Tensor:
         assert attn is not None
-        if kappa is None:
-            if self.kappa_kind != "uniform":
-                raise ValueError(f"kappa [B, S] is required for RMM prefill with kappa={self.kappa_kind!r}")
-            kappa = torch.ones(attn.shape[0], attn.shape[-1], dtype=attn.dtype)
-        if kappa.shape != (attn.shape[0], attn.shape[-1]):
-            raise ValueError(f"kappa must be [B, S] = {(attn.shape[0], attn.shape[-1])}, got {tuple(kappa.shape)}")
-        return (attn * kappa[:, None, :, None].to(attn.dtype)).sum(-2)
+        if kappa is None and self.kappa_kind != "uniform":
+            raise ValueError(f"kappa [B, S] is required for RMM prefill with kappa={self.kappa_kind!r}")
+        return observed_attention(attn, kappa)

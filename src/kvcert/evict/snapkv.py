@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from kvcert.evict.base import EvictionPolicy, LayerState, fit_slots
+from kvcert.evict.base import EvictionPolicy, LayerState
 
 Pooling = Literal["avgpool", "maxpool"]
 
@@ -39,15 +40,27 @@ class SnapKV(EvictionPolicy):
         super().__init__(sinks=sinks, recent=window)
         self.window, self.kernel, self.pooling = window, kernel, pooling
 
-    def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: Tensor) -> None:
-        s = attn.shape[-1]
-        state.rows = [fit_slots(r, s) for r in state.rows] + [attn]
-        recent = torch.cat(state.rows, dim=2)[:, :, -self.window :, :]
-        state.rows = [recent]
-        state.row_positions = []
+    def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: np.ndarray) -> None:
+        # O(1) per step: keep the query groups covering the last ``window`` rows; they are mapped through
+        # evictions and stacked only when a score is needed (once per eviction)
+        state.add_rows(attn[:, :, -self.window :].clone() if attn.shape[2] > self.window else attn)
+        sizes = [r.shape[2] for r in state.rows]
+        drop = 0
+        while sum(sizes[drop + 1 :]) >= self.window:
+            drop += 1
+        state.drop_rows(drop)
 
     def _scores(self, layer: int, state: LayerState) -> Tensor:
-        return pool_scores(state.rows[0].sum(2), self.kernel, self.pooling)
+        groups = [state.row(i) for i in range(len(state.rows))]
+        at = min(sum(g.shape[2] for g in groups), self.window)
+        recent = torch.zeros(*state.buffers[0].shape[:2], at, state.n, dtype=torch.float64)  # the last rows
+        for g in reversed(groups):
+            m = min(g.shape[2], at)
+            recent[:, :, at - m : at, : g.shape[-1]] = g[:, :, g.shape[2] - m :]
+            at -= m
+        state.drop_rows(len(groups))
+        state.add_rows(recent)  # one group, already over the current slots
+        return pool_scores(recent.sum(2), self.kernel, self.pooling)
 
     def _prefill_scores(self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None) -> Tensor:
         assert attn is not None

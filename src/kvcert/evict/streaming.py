@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 from torch import Tensor
 
 from kvcert.evict.base import F64, EvictionPolicy, LayerState
@@ -23,10 +24,14 @@ class StreamingLLM(EvictionPolicy):
         super().__init__(sinks=sinks, recent=0)
         self.window = window
 
-    def select(self, layer: int, budget: int) -> Tensor | None:
-        """As the base, with ``budget`` capped at ``sinks + window`` when ``window`` is set."""
+    def select(self, layer: int, budget: int, chunk: int = 1) -> Tensor | None:
+        """As the base, with ``budget`` (and ``chunk``) capped at ``sinks + window`` when ``window`` is set."""
         cap = budget if self.window is None else min(budget, self.sinks + self.window)
-        return super().select(layer, cap)
+        return super().select(layer, cap, min(chunk, cap))
+
+    def _drop_middle(self, layer: int, state: LayerState, lo: int, hi: int, k: int) -> np.ndarray:
+        # positions increase along the slots: the k oldest unprotected items are the first k of [lo, hi)
+        return np.broadcast_to(np.arange(lo, lo + k), (*state.buffers[0].shape[:2], k))
 
     def _scores(self, layer: int, state: LayerState) -> Tensor:
         return state.positions.to(F64)

@@ -102,8 +102,11 @@ class ReplayResult:
         return float(self.served_mass.sum())
 
 
-def replay(policy: EvictionPolicy, trace: AttentionTrace, budget: int, kappa: KappaKind = "realised") -> ReplayResult:
-    """Run ``policy`` over ``trace`` with ``budget`` items per KV head (see module doc)."""
+def replay(
+    policy: EvictionPolicy, trace: AttentionTrace, budget: int, kappa: KappaKind = "realised", chunk: int = 1
+) -> ReplayResult:
+    """Run ``policy`` over ``trace`` with ``budget`` items per KV head, evicting ``chunk`` at a time (see module
+    doc and ``EvictionPolicy.select``)."""
     if budget <= 0:
         raise ValueError(f"budget must be positive, got {budget}")
     policy.reset()
@@ -121,7 +124,7 @@ def replay(policy: EvictionPolicy, trace: AttentionTrace, budget: int, kappa: Ka
             policy.observe(layer, (row / row.sum(-1, keepdim=True))[None, :, None, :], pos)
         policy.set_kappa(torch.tensor([[s]]), k[s : s + 1][None])
         for layer in range(n_layers):
-            keep = policy.select(layer, budget)
+            keep = policy.select(layer, budget, chunk)
             if keep is not None:
                 positions[layer] = positions[layer].gather(-1, keep)
                 policy.on_evict(layer, keep)

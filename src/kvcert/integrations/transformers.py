@@ -46,7 +46,7 @@ from kvcert.cache.events import CacheObserver, ReadEvent, WriteEvent
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 from kvcert.cache.telemetry import EvictRecord, StepRecord, Telemetry, stack_records
-from kvcert.evict import RMM, EvictionPolicy, aggregate_gqa, causal_attention, serving_reading
+from kvcert.evict import RMM, EvictionPolicy, RunTrace, aggregate_gqa, causal_attention, serving_reading
 from kvcert.quant import Codec, get
 
 ATTN_NAME = "kvcert"
@@ -278,6 +278,13 @@ def _check_eviction(cache: CertifiedCache, layers: Sequence[CertifiedLayer]) -> 
     if budget is not None and budget < evict.sinks + evict.recent:
         raise ValueError(f"budget={budget} is smaller than the policy's protected items: sinks={evict.sinks} "
                          f"+ recent/lag/window={evict.recent}")
+    chunk = cache.evict_chunk
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or (budget is not None and (
+            chunk > budget or budget - chunk + 1 < evict.sinks + evict.recent)):
+        raise ValueError(f"evict_chunk must be an int in [1, budget] leaving budget - evict_chunk + 1 >= the "
+                         f"policy's protected items ({evict.sinks + evict.recent}), got {chunk!r}")
+    if cache.belady and (budget is None or not cache.validate):
+        raise ValueError("belady=True needs decode-time eviction (budget=...) in validate mode (validate=True)")
     if ratio is not None and not 0.0 <= ratio < 1.0:
         raise ValueError(f"compression_ratio must be in [0, 1), got {ratio}")
     if cache.ladder:
@@ -319,6 +326,10 @@ class CertifiedCache(Cache):
             more than one token, a prefill or :meth:`ingest`, is compressed right after its read). Needs
             per-token codecs (``block == 1``), no ladder and no sliding-window layers. In validate mode the
             evicted entries stay in the host tier and the exact evicted mass is measured per cell.
+        evict_chunk: decode budget mode evicts this many slots at once, every ``evict_chunk`` steps (at most
+            ``budget`` slots either way; ``1``: back to exactly ``budget`` at every write).
+        belady: validate + budget mode: record the run's exact attention trace and report the kept-set
+            overlap with Belady on it (``telemetry().belady_overlap``; memory ``O(T² · L · Hkv)``).
     """
 
     def __init__(self, model: torch.nn.Module, keys: str | Codec = "int8", values: str | Codec = "int8", *,
@@ -329,7 +340,7 @@ class CertifiedCache(Cache):
                  key_options: dict[str, Any] | None = None, value_options: dict[str, Any] | None = None,
                  certify: bool = True, write_block: int = 16, ladder: bool | LadderConfig = False,
                  evict: EvictionPolicy | None = None, budget: int | None = None,
-                 compression_ratio: float | None = None) -> None:
+                 compression_ratio: float | None = None, evict_chunk: int = 1, belady: bool = False) -> None:
         self.family = _model_family(model)
         cfg = model.config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(cfg)
@@ -360,7 +371,9 @@ class CertifiedCache(Cache):
             layers.append(CertifiedLayer(store, window))
         super().__init__(layers=layers)
         self.evict, self.budget, self.compression_ratio = evict, budget, compression_ratio
+        self.evict_chunk, self.belady = evict_chunk, belady
         _check_eviction(self, layers)
+        self.run_trace = RunTrace(n_layers, budget, evict_chunk) if belady and budget is not None else None
         self._kappa_groups: list[torch.Tensor] = []       # query positions [B, q] of forwards awaiting κ
         self._prefill_kappa: torch.Tensor | None = None
         self._evict_records: list[EvictRecord] = []
@@ -423,7 +436,7 @@ class CertifiedCache(Cache):
             if self.budget is not None:
                 self._settle_kappa()
         if self.budget is not None and layer.store.n > 0:
-            keep = self.evict.select(layer_idx, self.budget)
+            keep = self.evict.select(layer_idx, self.budget, self.evict_chunk)
             if keep is not None:
                 self._apply_eviction(layer, keep)
                 self.evict.on_evict(layer_idx, keep)
@@ -466,6 +479,8 @@ class CertifiedCache(Cache):
         """
         if self._step >= 0:
             raise ValueError("ingest() must be called on a fresh CertifiedCache")
+        if self.belady:
+            raise ValueError("belady=True needs the prefill to run through the cache (no ingest)")
         if len(past.layers) != len(self.layers):
             raise ValueError(f"cache has {len(past.layers)} layers, model has {len(self.layers)}")
         if attentions is not None:
@@ -631,6 +646,11 @@ class CertifiedCache(Cache):
             p = grouped_probs(query, keys, slot_mask(logical, positions), scaling)
             mass = p[..., store.n:].sum(-1).flatten(1, 2).amax(-1)
         self._evict_records.append(EvictRecord(step=self._step, layer=store.layer, evicted_mass=mass))
+        if self.run_trace is not None:  # belady=True: the run's exact trace (kept + evicted, mean over G)
+            if not ev:
+                positions = store.positions.view()
+                p = grouped_probs(query, store.k.host.view(), slot_mask(logical, positions), scaling)
+            self.run_trace.record_read(self._step, store.layer, p.mean(2), positions, store.positions.view())
 
     def _settle_kappa(self) -> None:
         """At a new forward: forwards still awaiting κ get ``κ ≡ 1`` unless the policy needs a real κ."""
@@ -664,6 +684,8 @@ class CertifiedCache(Cache):
         if kappa.shape != positions.shape:
             raise ValueError(f"kappa must be [B] or [B, q] = {tuple(positions.shape)}, got {tuple(kappa.shape)}")
         self.evict.set_kappa(positions, kappa)
+        if self.run_trace is not None:
+            self.run_trace.record_kappa(positions, kappa)
         self._kappa_groups.pop(0)
 
     def set_prefill_kappa(self, kappa: torch.Tensor | None) -> None:
@@ -742,6 +764,7 @@ class CertifiedCache(Cache):
             evicted_mass=stack_records(self._evict_records, n_layers, max(steps, 1), "evicted_mass"),
             evicted_mass_serving=stack_records(self._evict_records, n_layers, max(steps, 1), "serving_mass"),
             evicted_entries=sum(r.evicted for r in self._evict_records),
+            belady_overlap=self.run_trace.overlap() if self.run_trace is not None else None,
             witness=sel(stack("witness")), qnorm=sel(stack("qnorm")), logit_slack=sel(stack("logit_slack")),
         )
 
@@ -752,6 +775,8 @@ class CertifiedCache(Cache):
             self.evict.reset()
         self._kappa_groups = []
         self._prefill_kappa = None
+        if self.run_trace is not None:
+            self.run_trace = RunTrace(len(self.layers), self.run_trace.budget, self.evict_chunk)
 
 
 class KappaFeeder(LogitsProcessor):

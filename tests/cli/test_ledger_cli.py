@@ -84,3 +84,29 @@ def test_sentinel_command():
     r = runner.invoke(app, ["sentinel", "--slots", "1024", "--r", "128", "--bad", "4"])
     assert r.exit_code == 0 and "prob >= 0.99: 10" in r.output
     assert runner.invoke(app, ["sentinel", "--slots", "10", "--r", "1", "--bad", "11"]).exit_code == 2
+
+
+def test_gate_replica_run_directory(tmp_path):
+    # rank*/ subdirectories are one replica run: every declared rank must be present and coupled
+    for rank in range(2):
+        led = Ledger(rank=rank, n_ranks=2)
+        _run(led, fail_closed=False)
+        (tmp_path / f"rank{rank}").mkdir()
+        led.save(tmp_path / f"rank{rank}" / "ledger.json")
+    r = runner.invoke(app, ["gate", str(tmp_path), "--requests", "3"])
+    # both ranks draw their dither from the same seed (_run), so they are coupled
+    assert r.exit_code == 0, r.output
+    assert "PASS  n_ranks_seen==n_ranks" in r.output and "2 of 2 ranks" in r.output
+    r = runner.invoke(app, ["gate", str(tmp_path / "rank0" / "ledger.json")])  # rank 0 alone
+    assert r.exit_code == 1 and "FAIL  n_ranks_seen==n_ranks" in r.output and "missing [1]" in r.output
+    snap = json.loads((tmp_path / "rank1" / "ledger.json").read_text())
+    snap["accounts"]["2"]["n_authorized"] -= 1
+    (tmp_path / "rank1" / "ledger.json").write_text(json.dumps(snap))
+    r = runner.invoke(app, ["gate", str(tmp_path)])
+    assert r.exit_code == 1 and "rank 1: account 2 n_authorized" in r.output
+    del snap["rank"]
+    (tmp_path / "rank1" / "ledger.json").write_text(json.dumps(snap))
+    r = runner.invoke(app, ["gate", str(tmp_path)])
+    assert r.exit_code == 1 and "missing data (a snapshot lacks rank or n_ranks)" in r.output
+    (tmp_path / "rank1" / "ledger.json").unlink()
+    assert runner.invoke(app, ["gate", str(tmp_path)]).exit_code == 2  # a rank directory without a ledger

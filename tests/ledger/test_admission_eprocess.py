@@ -51,6 +51,19 @@ def test_eprocess_post_update_max_and_alarm():
         e.update(np.array([np.nan]))
 
 
+def test_eprocess_add_is_a_batch_given_by_its_log_sum():
+    a, b = EProcess(0.01), EProcess(0.01)
+    a.update(np.array([-1.0, 0.25]))
+    b.add(-0.75, 2)
+    assert a.to_dict() == b.to_dict()
+    b.add(0.0, 0)  # an empty batch changes nothing, not even the maximum
+    assert a.to_dict() == b.to_dict()
+    with pytest.raises(ValueError, match="finite"):
+        b.add(math.inf, 1)
+    with pytest.raises(ValueError, match="n must be"):
+        b.add(0.0, -1)
+
+
 def test_alarm_under_drift_not_under_null(rng):
     d = 8
     step = np.full(d, 0.5)

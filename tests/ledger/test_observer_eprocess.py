@@ -18,8 +18,15 @@ def test_dither_writes_update_the_eprocess_and_int8_writes_do_not():
     for keys in ("dither-int8", "int8"):
         ledger = Ledger(delta_req=0.01, delta_e=0.01)
         uid = ledger.open_request()
-        cache = CertifiedCache(model, keys=keys, values="int8", request_ids=[uid],
-                               observers=[LedgerObserver(ledger)], write_block=1, seed=0)
+        cache = CertifiedCache(
+            model,
+            keys=keys,
+            values="int8",
+            request_ids=[uid],
+            observers=[LedgerObserver(ledger)],
+            write_block=1,
+            seed=0,
+        )
         with torch.no_grad():
             out = model(ids, past_key_values=cache)
             for _ in range(3):

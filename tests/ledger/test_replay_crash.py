@@ -6,11 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from ledger_workload import run_workload
 
 from kvcert.ledger import EventLog, Ledger, diff_states, read_events, replay
-from kvcert.ledger.events import encode
+from kvcert.ledger.events import OpenRequest, encode
 
 HERE = Path(__file__).parent
 
@@ -42,11 +43,12 @@ def test_replay_detects_a_lost_event(tmp_path):
     assert diffs and any("n_read" in d for d in diffs)
 
 
-def test_kill_9_recovers_every_committed_event(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "background"])
+def test_kill_9_recovers_every_committed_event(tmp_path, mode):
     path = tmp_path / "ledger.db"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     child = subprocess.Popen(
-        [sys.executable, str(HERE / "crash_child.py"), str(path), str(HERE)],
+        [sys.executable, str(HERE / "crash_child.py"), str(path), str(HERE), mode],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
@@ -90,3 +92,43 @@ def test_replay_rejects_bad_logs(tmp_path, bad):
         p.write_text("hello")
     with pytest.raises(ValueError, match="log"):
         replay(p)
+
+
+def test_background_log_commits_the_same_events_and_replays_equal(tmp_path):
+    log = EventLog(tmp_path / "bg.db", background=True, max_pending=4)
+    live = Ledger(log=log)
+    run_workload(live, 12)
+    live.save(tmp_path / "live.json")  # flushes first: the saved state and the log agree
+    rebuilt = replay(tmp_path / "bg.db")
+    saved = json.loads((tmp_path / "live.json").read_text())
+    assert diff_states(saved, json.loads(json.dumps(rebuilt.snapshot()))) == []
+    log.close()
+    ref = EventLog(tmp_path / "sync.db")
+    run_workload(Ledger(log=ref), 12)
+    ref.close()
+    # group commit changes when events become durable, never which events or their order
+    grouped = [encode(e) for e in read_events(tmp_path / "bg.db")]
+    assert grouped == [encode(e) for e in read_events(tmp_path / "sync.db")]
+
+
+def test_background_log_surfaces_a_writer_failure(tmp_path):
+    path = tmp_path / "bg.db"
+    log = EventLog(path, background=True)
+    led = Ledger(log=log)
+    uid = led.open_request()
+    led.flush()
+    other = sqlite3.connect(path)
+    other.execute("DROP TABLE events")  # the writer's next commit fails
+    other.commit()
+    other.close()
+    led.read("k", 0, np.array([uid]), np.array([0]), np.array([1]))
+    with pytest.raises(RuntimeError, match="writer failed"):
+        led.flush()
+    with pytest.raises(RuntimeError, match="writer failed"):
+        led.open_request()
+    with pytest.raises(RuntimeError, match="writer failed"):
+        log.close()
+    with pytest.raises(ValueError, match="closed"):
+        log.append(OpenRequest(99, 0.01))
+    with pytest.raises(ValueError, match="max_pending"):
+        EventLog(tmp_path / "x.db", background=True, max_pending=0)

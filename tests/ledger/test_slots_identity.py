@@ -154,3 +154,72 @@ def test_dense_grid_read_equals_general_path():
         assert fast.accounts[uid].counts == slow.accounts[uid].counts
     assert fast.incidents == slow.incidents and len(fast.incidents) > 0
     assert fast.accounts[b].counts["n_read_foreign_owner"] > 0 and fast.accounts[a].counts["n_read_stale"] > 0
+
+
+def test_trimmed_grid_read_equals_general_path():
+    # after sliding-window trims the observer reads the block [s0, s0 + R·c) (s0 > 0): same fast path
+    def build():
+        led = Ledger()
+        a, b = led.open_request(), led.open_request()
+        slots = np.arange(24)
+        led.write("kv", 0, slots, np.where(slots % 2 == 0, a, b), observed(slots % 5 != 0))
+        return led, a, b
+
+    fast, a, b = build()
+    readers = np.array([a, b])
+    s_fast = fast.read("kv", 0, readers, np.array([6, 7]), np.full(2, 8), steps=np.full(2, 2))
+    slow, _, _ = build()
+    entry_slots = np.array([6 + i + 2 * j for i in range(2) for j in range(8)])
+    s_slow = slow.read("kv", 0, np.repeat(readers, 8), entry_slots, np.ones(16, dtype=np.int64))
+    assert np.array_equal(s_fast, s_slow)
+    for uid in (a, b):
+        assert fast.accounts[uid].counts == slow.accounts[uid].counts
+    assert fast.accounts[a].counts["n_read_compressed"] == int((entry_slots[:8] % 5 != 0).sum())
+
+
+def test_a_repeated_read_sees_every_change_in_between():
+    # the ledger reuses the classification of an identical read only while the table is unchanged
+    led = Ledger()
+    a, b = led.open_request(), led.open_request()
+    led.write("kv", 0, np.arange(8), np.full(8, a), observed(np.ones(8, bool)))
+
+    def read() -> dict[str, int]:
+        led.read("kv", 0, np.array([a, a]), np.array([0, 1]), np.full(2, 4), steps=np.full(2, 2))
+        return dict(led.accounts[a].counts)
+
+    first = read()
+    again = read()
+    assert again["n_read_compressed"] - first["n_read_compressed"] == 8  # identical read, counted again
+    led.report_fault("corrupt_code", "kv", 0, 3)  # slot 3 restored exact
+    after_fault = read()
+    assert after_fault["n_read_compressed"] - again["n_read_compressed"] == 7
+    led.write("kv", 0, np.array([5]), np.array([b]), observed(np.zeros(1, bool)))  # slot 5: new owner, exact
+    after_write = read()
+    assert after_write["n_read_compressed"] - after_fault["n_read_compressed"] == 6
+    assert after_write["n_read_foreign_owner"] - after_fault["n_read_foreign_owner"] == 1
+    assert led.accounts[b].counts["n_read_by_others"] == 1
+
+
+def test_per_owner_write_accounting_matches_one_owner_at_a_time():
+    # one write with many owners is accounted exactly as the same entries written owner by owner
+    rng = np.random.default_rng(7)
+    owners_of = rng.integers(0, 5, 60)
+    comp = rng.random(60) < 0.7
+    factors = np.where(comp, -rng.random(60), np.nan)
+    mixed, split = Ledger(), Ledger()
+    for led in (mixed, split):
+        for _ in range(5):
+            led.open_request()
+    mixed.write("kv", 0, np.arange(60), owners_of, observed(comp, factors), rule="probabilistic")
+    for uid in range(5):
+        mine = owners_of == uid
+        split.write(
+            "kv", 0, np.flatnonzero(mine), owners_of[mine], observed(comp[mine], factors[mine]), rule="probabilistic"
+        )
+    for uid in range(5):
+        m, s = mixed.accounts[uid], split.accounts[uid]
+        assert m.counts == s.counts and m.budget.k == s.budget.k == 1
+        assert m.eprocess.n_factors == s.eprocess.n_factors == int((comp & (owners_of == uid)).sum())
+        assert m.eprocess.log_m == pytest.approx(s.eprocess.log_m, rel=1e-12)
+    assert mixed.eprocess.n_factors == int(comp.sum())
+    assert mixed.eprocess.log_m == pytest.approx(float(np.nansum(factors)), rel=1e-12)

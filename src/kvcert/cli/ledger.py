@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,13 +19,23 @@ app = typer.Typer(help="Request-level risk ledger: gate, replay, sentinel.", no_
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
+def _load_run(run: Path) -> list[dict[str, Any]]:
+    """The snapshots of a run: one (see :func:`_load`), or one per rank of a replica run directory that holds
+    ``rank{r}/`` subdirectories (:mod:`kvcert.ledger.replicas`)."""
+    if run.is_dir() and not any((run / name).is_file() for name in ("ledger.json", "ledger.db")):
+        ranks = sorted((p for p in run.iterdir() if p.is_dir() and re.fullmatch(r"rank\d+", p.name)), key=str)
+        if ranks:
+            return [_load(p) for p in ranks]
+    return [_load(run)]
+
+
 def _load(run: Path) -> dict[str, Any]:
     """A snapshot from a JSON file, a run directory holding ``ledger.json`` / ``ledger.db``, or a log."""
     if run.is_dir():
         for name in ("ledger.json", "ledger.db"):
             if (run / name).is_file():
                 return _load(run / name)
-        raise ValueError(f"run directory {str(run)!r} holds neither ledger.json nor ledger.db")
+        raise ValueError(f"run directory {str(run)!r} holds neither ledger.json, ledger.db nor rank*/ directories")
     if not run.is_file():
         raise ValueError(f"run {str(run)!r} does not exist")
     with run.open("rb") as fh:
@@ -42,18 +53,21 @@ def _load(run: Path) -> dict[str, Any]:
 
 @app.command()
 def gate(
-    run: Annotated[Path, typer.Argument(help="ledger snapshot JSON, event log, or run directory")],
+    run: Annotated[
+        Path, typer.Argument(help="ledger snapshot JSON, event log, run directory, or replica run (rank*/)")
+    ],
     requests: Annotated[
         int | None, typer.Option("--requests", help="exact number of user requests required")
     ] = None,
 ) -> None:
-    """Check the zero-criteria; exit 0 only if every criterion passes (missing data fails, exit 1)."""
+    """Check the zero-criteria (logical ones on rank 0; every declared rank present and coupled); exit 0 only
+    if every criterion passes (missing data fails, exit 1; an unreadable run exits 2)."""
     try:
-        snap = _load(run)
+        snaps = _load_run(run)
     except ValueError as exc:
         typer.echo(f"FAIL: {exc}", err=True)
         raise typer.Exit(2) from exc
-    result = evaluate(snap, n_user_requests=requests)
+    result = evaluate(snaps, n_user_requests=requests)
     for c in result.criteria:
         typer.echo(f"{'PASS' if c.passed else 'FAIL'}  {c.name:<32} {c.observed}")
     typer.echo(

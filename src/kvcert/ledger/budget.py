@@ -8,11 +8,26 @@ The ``k``-th probabilistic event of a request spends ``δ_k = δ_req/((k+1)(k+2)
 from __future__ import annotations
 
 import math
+import threading
 from fractions import Fraction
 
 from kvcert.bounds.budget import telescoping_delta
 
 __all__ = ["RequestBudget", "telescoping_delta"]
+
+_SHARES: dict[float, list[float]] = {}  # δ_req -> [δ_0, δ_1, …], computed once per process (exact rounding is slow)
+_SHARES_LOCK = threading.Lock()
+
+
+def _share(k: int, delta_req: float) -> float:
+    """``telescoping_delta(k, delta_req)``, memoised (every account walks the same schedule)."""
+    shares = _SHARES.get(delta_req)
+    if shares is None or k >= len(shares):
+        with _SHARES_LOCK:
+            shares = _SHARES.setdefault(delta_req, [])
+            while len(shares) <= k:
+                shares.append(telescoping_delta(len(shares), delta_req))
+    return shares[k]
 
 
 class RequestBudget:
@@ -22,21 +37,30 @@ class RequestBudget:
         telescoping_delta(0, delta_req)  # validates delta_req
         self.delta_req = float(delta_req)
         self.k = 0
-        self.spent = Fraction(0)
+        self._spent = Fraction(0)  # exact Σ_{i<_summed} δ_i; brought up to k when read
+        self._summed = 0
 
     def next_share(self) -> float:
         """The share the next probabilistic event will spend (does not spend it)."""
-        return telescoping_delta(self.k, self.delta_req)
+        return _share(self.k, self.delta_req)
 
     def spend(self) -> float:
         """Spend ``δ_k`` for the next probabilistic event, advance ``k``, return the share."""
         share = self.next_share()
         self.k += 1
-        self.spent += Fraction(share)
         return share
+
+    @property
+    def spent(self) -> Fraction:
+        """``Σ_{i<k} δ_i`` exactly (the float shares summed in rational arithmetic)."""
+        while self._summed < self.k:
+            self._spent += Fraction(_share(self._summed, self.delta_req))
+            self._summed += 1
+        return self._spent
 
     @property
     def spent_upper(self) -> float:
         """``Σ δ`` as a float rounded up (never below the exact sum)."""
-        f = float(self.spent)
-        return math.nextafter(f, math.inf) if Fraction(f) < self.spent else f
+        exact = self.spent
+        f = float(exact)
+        return math.nextafter(f, math.inf) if Fraction(f) < exact else f

@@ -7,6 +7,7 @@ once (anytime validity at batch granularity) and the **post-update** maximum is 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,12 +27,20 @@ class EProcess:
 
     def update(self, log_factors: np.ndarray) -> None:
         """Multiply in one batch of factors; alarm (sticky) when ``log M ≥ ln(1/δ_e)``."""
-        if log_factors.size == 0:
-            return
-        if not np.all(np.isfinite(log_factors)):
+        if log_factors.size and not np.all(np.isfinite(log_factors)):
             raise ValueError("log_factors must be finite")
-        self.log_m += float(np.sum(log_factors, dtype=np.float64))
-        self.n_factors += int(log_factors.size)
+        self.add(float(np.sum(log_factors, dtype=np.float64)), int(log_factors.size))
+
+    def add(self, log_sum: float, n: int) -> None:
+        """Multiply in one batch of ``n`` factors given by the sum of their logs (nothing if ``n == 0``)."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if n == 0:
+            return
+        if not math.isfinite(log_sum):
+            raise ValueError("log_factors must be finite")
+        self.log_m += log_sum
+        self.n_factors += n
         self.log_m_max = max(self.log_m_max, self.log_m)
         self.crossed = self.crossed or self.log_m >= alarm_threshold(self.delta_e)
 

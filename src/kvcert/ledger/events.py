@@ -6,6 +6,7 @@ redrawn, so applying the same events in the same order rebuilds the same state f
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Literal
@@ -87,6 +88,25 @@ Event = OpenRequest | SlotWrite | SlotRead | FaultReport
 Row = tuple[str, str, bytes | None, bytes | None, bytes | None, bytes | None]
 
 
+@functools.lru_cache(maxsize=4096)
+def _meta(*fields: str | int | bool) -> str:
+    """JSON of a read's header fields (memoised: a decode step repeats the same few headers)."""
+    return json.dumps(list(fields))
+
+
+def read_blobs(event: SlotRead) -> tuple[bytes, ...]:
+    """The int64 bytes of a read's ``readers, starts, steps, counts, generations`` (also the ledger's memo key)."""
+    arrays = (event.readers, event.starts, event.steps, event.counts, event.generations)
+    return tuple(np.asarray(a, dtype=np.int64).tobytes() for a in arrays)
+
+
+def read_row(event: SlotRead, blobs: tuple[bytes, ...]) -> Row:
+    """The log row of a read from its :func:`read_blobs`: the four range arrays back to back (the layout of
+    a ``[4, R]`` array), then the generations."""
+    meta = _meta(event.pool, event.layer, event.shared, event.fallback)
+    return "read", meta, b"".join(blobs[:4]), blobs[4], None, None
+
+
 def encode(event: Event) -> Row:
     """``(kind, meta-json, blob×4)`` row for the SQLite log."""
     if isinstance(event, OpenRequest):
@@ -102,9 +122,7 @@ def encode(event: Event) -> Row:
             event.log_factors.astype(np.float64).tobytes(),
         )
     if isinstance(event, SlotRead):
-        meta = json.dumps([event.pool, event.layer, event.shared, event.fallback])
-        ranges = np.stack([event.readers, event.starts, event.steps, event.counts]).astype(np.int64)
-        return "read", meta, ranges.tobytes(), event.generations.astype(np.int64).tobytes(), None, None
+        return read_row(event, read_blobs(event))
     if isinstance(event, FaultReport):
         meta = json.dumps([event.kind, event.pool, event.layer, event.slot, event.detail])
         return "fault", meta, None, None, None, None

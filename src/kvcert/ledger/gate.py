@@ -1,13 +1,35 @@
-"""The zero-criteria gate over a ledger snapshot (``heterogeneous-memory.md`` §5.9).
+"""The zero-criteria gate over ledger snapshots (``heterogeneous-memory.md`` §5.9).
 
 Machine-decidable, no soft thresholds, and **missing data fails**: a criterion whose inputs are absent
 from the snapshot is reported as failed with the reason.
+
+Replicas (tensor-parallel ranks, :mod:`kvcert.ledger.replicas`): every rank keeps its own ledger of the
+same logical events. The logical criteria are evaluated once, on rank 0; the two replica criteria require
+every declared rank to be present and every rank's accounts to be field-identical to rank 0's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+COUPLED_FIELDS: tuple[str, ...] = (
+    "n_compressed",
+    "n_kept_exact",
+    "n_restored_exact",
+    "delta_spent",
+    "n_prob_events",
+    "n_authorized",
+    "n_auth_violations",
+)
+"""Write-side account fields every rank must agree on (§5.9; the spec's ``n_fallback_exact`` is
+``n_kept_exact`` + ``n_restored_exact`` here, both compared)."""
+
+COUPLED_EPROCESS_FIELDS: tuple[str, ...] = ("log_m", "n_factors")
+"""E-process fields every rank must agree on: the realised draws enter the ledger only through the
+e-process factors, so ranks that drew differently (a rank-dependent seed) differ here even when the
+counters above agree (audit violations are rare by construction)."""
 
 
 @dataclass(frozen=True)
@@ -40,14 +62,88 @@ def _sum(accounts: dict[str, Any], key: str) -> int:
     return sum(int(a[key]) for a in accounts.values())
 
 
-def evaluate(snapshot: dict[str, Any], n_user_requests: int | None = None) -> GateResult:
-    """Evaluate the criteria on ``snapshot`` (from :meth:`Ledger.snapshot`).
+def evaluate(snapshot: dict[str, Any] | Sequence[dict[str, Any]], n_user_requests: int | None = None) -> GateResult:
+    """Evaluate the criteria on one snapshot (from :meth:`Ledger.snapshot`) or on the snapshots of all the
+    replica ranks of one run.
 
-    Criteria: user requests present (exactly ``n_user_requests`` if given), every account's
-    ``delta_spent ≤ delta_req``, 0 foreign reads outside declared sharing, 0 unwritten and 0 stale reads,
-    0 authorisation violations, 0 identity fail-closed entries and reads, 0 attribution fallbacks,
-    e-process has factors, its ``log M`` maximum is present, and it never crossed.
+    Criteria (on rank 0, or on the lowest rank present): user requests present (exactly
+    ``n_user_requests`` if given), every account's ``delta_spent ≤ delta_req``, 0 foreign reads outside
+    declared sharing, 0 unwritten and 0 stale reads, 0 authorisation violations, 0 identity fail-closed
+    entries and reads, 0 attribution fallbacks, e-process has factors, its ``log M`` maximum is present,
+    and it never crossed; then ``n_ranks_seen == n_ranks`` and replica coupling (see
+    :func:`replica_criteria`).
     """
+    snaps = [snapshot] if isinstance(snapshot, dict) else list(snapshot)
+    if not snaps:
+        raise ValueError("no snapshot to evaluate")
+    ranked = [s for s in snaps if isinstance(s.get("rank"), int)]
+    primary = min(ranked, key=lambda s: s["rank"]) if ranked else snaps[0]
+    return GateResult(_logical_criteria(primary, n_user_requests) + replica_criteria(snaps))
+
+
+def replica_criteria(snapshots: Sequence[dict[str, Any]]) -> tuple[Criterion, ...]:
+    """``n_ranks_seen==n_ranks``: every snapshot declares the same ``n_ranks`` and the ranks seen are exactly
+    ``0 … n_ranks−1`` (a missing rank fails; rank 0 alone with ``n_ranks > 1`` fails).
+    ``replica_coupling_identical``: every rank has the same accounts as rank 0, field-identical on
+    :data:`COUPLED_FIELDS` and :data:`COUPLED_EPROCESS_FIELDS`; a difference is reported with its rank,
+    account and field. With one rank the coupling holds trivially (and says so)."""
+    ranks = [s.get("rank") for s in snapshots]
+    declared = {s.get("n_ranks") for s in snapshots}
+    if any(not isinstance(r, int) for r in ranks) or any(not isinstance(n, int) for n in declared):
+        missing = "missing data (a snapshot lacks rank or n_ranks)"
+        return Criterion("n_ranks_seen==n_ranks", False, missing), Criterion(
+            "replica_coupling_identical", False, missing
+        )
+    seen = sorted(ranks)
+    if len(declared) != 1:
+        seen_ok, observed = False, f"ranks declare different n_ranks: {sorted(declared)}"
+    else:
+        n = declared.pop()
+        absent = sorted(set(range(n)) - set(seen))
+        extra = sorted({r for r in seen if not 0 <= r < n} | {r for r in seen if seen.count(r) > 1})
+        seen_ok = seen == list(range(n))
+        observed = f"{len(set(seen))} of {n} ranks seen {seen}" + (f"; missing {absent}" if absent else "")
+        observed += f"; duplicate or out-of-range {extra}" if extra else ""
+    by_rank = {s["rank"]: s for s in snapshots}
+    base_rank = min(by_rank)
+    base = by_rank[base_rank]
+    diffs: list[str] = []
+    for r in sorted(by_rank):
+        if r != base_rank:
+            diffs += _coupling_diffs(base, by_rank[r], r)
+    if diffs:
+        coupled = f"{len(diffs)} difference(s): " + "; ".join(diffs[:5]) + (" …" if len(diffs) > 5 else "")
+    elif len(by_rank) == 1:
+        coupled = f"trivially identical (rank {base_rank} only)"
+    else:
+        coupled = f"{len(by_rank)} ranks identical on {len(base.get('accounts', {}))} accounts"
+    return (
+        Criterion("n_ranks_seen==n_ranks", seen_ok, observed),
+        Criterion("replica_coupling_identical", not diffs, coupled),
+    )
+
+
+def _coupling_diffs(base: dict[str, Any], other: dict[str, Any], rank: int) -> list[str]:
+    """Every coupled field where rank ``rank`` differs from the base rank (missing data is a difference)."""
+    a, b = base.get("accounts"), other.get("accounts")
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return [f"rank {rank}: accounts missing"]
+    out = [f"rank {rank}: account {u} missing" for u in sorted(set(a) - set(b), key=int)]
+    out += [f"rank {rank}: account {u} not on rank {base['rank']}" for u in sorted(set(b) - set(a), key=int)]
+    for uid in sorted(set(a) & set(b), key=int):
+        for field in COUPLED_FIELDS:
+            x, y = a[uid].get(field), b[uid].get(field)
+            if x is None or x != y:
+                out.append(f"rank {rank}: account {uid} {field} {y!r} != {x!r}")
+        ea, eb = a[uid].get("eprocess") or {}, b[uid].get("eprocess") or {}
+        for field in COUPLED_EPROCESS_FIELDS:
+            x, y = ea.get(field), eb.get(field)
+            if x is None or x != y:
+                out.append(f"rank {rank}: account {uid} eprocess.{field} {y!r} != {x!r}")
+    return out
+
+
+def _logical_criteria(snapshot: dict[str, Any], n_user_requests: int | None) -> tuple[Criterion, ...]:
     out: list[Criterion] = []
 
     def need(*keys: str) -> dict[str, Any] | None:
@@ -96,4 +192,4 @@ def evaluate(snapshot: dict[str, Any], n_user_requests: int | None = None) -> Ga
         out.append(Criterion("eprocess_logM_present", isinstance(lm, float), str(lm)))
         crossed = eproc.get("crossed")
         out.append(Criterion("eprocess_not_crossed", crossed is False, str(crossed)))
-    return GateResult(tuple(out))
+    return tuple(out)

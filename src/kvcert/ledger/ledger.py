@@ -19,7 +19,17 @@ from kvcert.bounds.eprocess import alarm_threshold
 from kvcert.ledger.admission import Decide, Decision
 from kvcert.ledger.budget import RequestBudget
 from kvcert.ledger.eprocess import EProcess
-from kvcert.ledger.events import RULES, Event, FaultReport, OpenRequest, Rule, SlotRead, SlotWrite
+from kvcert.ledger.events import (
+    RULES,
+    Event,
+    FaultReport,
+    OpenRequest,
+    Rule,
+    SlotRead,
+    SlotWrite,
+    read_blobs,
+    read_row,
+)
 from kvcert.ledger.identity import UNATTRIBUTED, UidAllocator
 from kvcert.ledger.log import EventLog
 from kvcert.ledger.slots import LayerSlots, SlotKey, SlotState
@@ -47,12 +57,33 @@ _UNWRITTEN, _COMPRESSED, _KEPT, _RESTORED = (int(x) for x in SlotState)
 
 
 def _distinct(values: np.ndarray) -> list[int]:
-    """Distinct values in ascending order (fast path for the common single-owner batch)."""
+    """Distinct values in ascending order (Python's set beats ``np.unique``'s fixed cost on small arrays)."""
     if values.size == 0:
         return []
-    if values.size <= 256:  # Python's set beats np.unique's fixed cost on the small per-call arrays
+    if values.size <= 4096:
         return sorted(set(values.tolist()))
     return [int(v) for v in np.unique(values)]
+
+
+def _read_key(table: LayerSlots, ev: SlotRead) -> tuple[Any, ...]:
+    """Identity of a read's content at the table's current version (the read memo's key): the version, then
+    the read's :func:`~kvcert.ledger.events.read_blobs`."""
+    return (table.version, *read_blobs(ev))
+
+
+def _int64(a: np.ndarray) -> np.ndarray:
+    """``a`` as a flat int64 array (no numpy call when it already is one: the observer's hot path)."""
+    if type(a) is np.ndarray and a.ndim == 1 and a.dtype == np.int64:
+        return a
+    return np.asarray(a, dtype=np.int64).reshape(-1)
+
+
+def _groups(values: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """Distinct values (ascending) and each entry's index into them."""
+    uniq = _distinct(values)
+    if len(uniq) == 1:  # the common single-owner call
+        return uniq, np.zeros(values.size, dtype=np.intp)
+    return uniq, np.searchsorted(uniq, values)
 
 
 @dataclass
@@ -101,9 +132,12 @@ class Ledger:
     Args:
         delta_req: each request's failure budget (telescoping, per account).
         delta_e: the e-process model-validation budget (alarm at ``log M ≥ ln(1/δ_e)``).
-        log: event log every event is committed to *before* it is applied.
+        log: event log every event is appended to *before* it is applied (committed at once by a
+            synchronous log; by the next group commit of a background log, durable after :meth:`flush`).
         model: label for metrics.
         max_incidents: located incidents kept per kind (all are counted).
+        rank / n_ranks: this ledger's replica rank and the declared number of replicas (tensor-parallel
+            ranks each keep their own ledger of the same logical events; :mod:`kvcert.ledger.replicas`).
     """
 
     def __init__(
@@ -113,11 +147,17 @@ class Ledger:
         log: EventLog | None = None,
         model: str = "model",
         max_incidents: int = 256,
+        rank: int = 0,
+        n_ranks: int = 1,
     ) -> None:
         RequestBudget(delta_req)  # validates delta_req
         alarm_threshold(delta_e)  # validates delta_e
         if max_incidents < 0:
             raise ValueError(f"max_incidents must be >= 0, got {max_incidents}")
+        if not 0 <= rank < n_ranks:
+            raise ValueError(f"rank must lie in [0, n_ranks), got rank {rank} of {n_ranks}")
+        self.rank = int(rank)
+        self.n_ranks = int(n_ranks)
         self.delta_req = float(delta_req)
         self.delta_e = float(delta_e)
         self.model = model
@@ -145,6 +185,8 @@ class Ledger:
                     "delta_e": self.delta_e,
                     "model": model,
                     "max_incidents": max_incidents,
+                    "rank": self.rank,
+                    "n_ranks": self.n_ranks,
                 }
             )
 
@@ -185,9 +227,10 @@ class Ledger:
             table = self._table(pool, layer)
             previous = table.invalidate(slots_a, owners_a)
             shares = np.zeros(slots_a.size)
-            if rule == "probabilistic":
-                for uid in owner_ids:
-                    shares[owners_a == uid] = self.accounts[uid].budget.next_share()
+            if rule == "probabilistic" and owner_ids:
+                per_owner = np.array([self.accounts[uid].budget.next_share() for uid in owner_ids])
+                valid = owners_a >= 0
+                shares[valid] = per_owner[np.searchsorted(owner_ids, owners_a[valid])]
             nan = np.full(slots_a.size, np.nan)
             try:
                 decision = (
@@ -195,15 +238,17 @@ class Ledger:
                     if rule != "empirical"
                     else Decision(np.full(slots_a.size, SlotState.KEPT_EXACT, dtype=np.uint8), nan)
                 )
-            except BaseException:
+                states = self._enforce(decision, owners_a, rule)
+                factors = np.where(states == _KEPT, np.nan, decision.log_factors)
+                if np.isinf(factors).any():
+                    raise ValueError("log_factors must be finite (NaN where no draw happened)")
+            except BaseException:  # the slots stay unwritten (never served compressed), also in the log
                 unwritten = np.full(slots_a.size, SlotState.UNWRITTEN, dtype=np.uint8)
                 self._commit(
                     SlotWrite(pool, layer, slots_a, owners_a, unwritten, "deterministic", nan, fallback),
                     previous,
                 )
                 raise
-            states = self._enforce(decision, owners_a, rule)
-            factors = np.where(states == _KEPT, np.nan, decision.log_factors)
             self._commit(SlotWrite(pool, layer, slots_a, owners_a, states, rule, factors, fallback), previous)
             return states
 
@@ -222,25 +267,28 @@ class Ledger:
         """Record reads of strided slot ranges (see :class:`SlotRead`); returns the per-entry mask of reads
         that may be served compressed (``compressed`` state and matching generation). Every other read is
         served exact; unwritten, stale and foreign reads are counted and located."""
-        r = np.asarray(readers, dtype=np.int64).reshape(-1)
+        r = _int64(readers)
         n = r.size
-        st = np.asarray(starts, dtype=np.int64).reshape(-1)
-        ct = np.asarray(counts, dtype=np.int64).reshape(-1)
-        sp = np.ones(n, dtype=np.int64) if steps is None else np.asarray(steps, dtype=np.int64).reshape(-1)
-        gen = (
-            np.full(n, -1, dtype=np.int64)
-            if generations is None
-            else np.asarray(generations, dtype=np.int64).reshape(-1)
-        )
+        st = _int64(starts)
+        ct = _int64(counts)
+        sp = np.ones(n, dtype=np.int64) if steps is None else _int64(steps)
+        gen = np.full(n, -1, dtype=np.int64) if generations is None else _int64(generations)
         for name, a in (("starts", st), ("counts", ct), ("steps", sp), ("generations", gen)):
             if a.size != n:
                 raise ValueError(f"{name} has {a.size} entries, readers has {n}")
-        if np.any(st < 0) or np.any(ct < 0) or np.any(sp < 0):
-            raise ValueError("starts, counts and steps must be >= 0")
+        ev = SlotRead(pool, layer, r, st, sp, ct, gen, shared, fallback)
         with self._lock:
-            for uid in _distinct(r[r >= 0]):
-                self._account(uid)
-            return self._commit(SlotRead(pool, layer, r, st, sp, ct, gen, shared, fallback))
+            table = self._table(pool, layer)
+            key = _read_key(table, ev)
+            if table.read_memo is None or table.read_memo[0] != key:  # else: this exact read passed before
+                if n and min(int(st.min()), int(ct.min()), int(sp.min())) < 0:
+                    raise ValueError("starts, counts and steps must be >= 0")
+                for uid in set(r.tolist()):
+                    if uid >= 0:
+                        self._account(uid)
+            if self.log is not None:
+                self.log.append_rows([read_row(ev, key[1:])])  # the memo key already holds the bytes
+            return self._apply_read(ev, key)
 
     def report_fault(self, kind: str, pool: str, layer: int, slot: int, detail: str = "") -> Incident:
         """Record a detected fault at ``(pool, layer, slot)``; a compressed slot turns ``restored_exact``."""
@@ -285,6 +333,8 @@ class Ledger:
                 }
             return {
                 "model": self.model,
+                "rank": self.rank,
+                "n_ranks": self.n_ranks,
                 "delta_req": self.delta_req,
                 "delta_e": self.delta_e,
                 "accounts": {str(u): a.to_dict() for u, a in sorted(self.accounts.items())},
@@ -295,9 +345,17 @@ class Ledger:
                 "incidents": [vars(i) for i in self.incidents],
             }
 
+    def flush(self) -> None:
+        """Make every event applied so far durable in the log (no-op without a log)."""
+        if self.log is not None:
+            self.log.flush()
+
     def save(self, path: str | Path) -> None:
-        """Write :meth:`snapshot` as JSON (the input of ``kvcert ledger gate``)."""
-        Path(path).write_text(json.dumps(self.snapshot()))
+        """Write :meth:`snapshot` as JSON (the input of ``kvcert ledger gate``), after :meth:`flush`, so the
+        saved state and the log agree."""
+        with self._lock:
+            self.flush()
+            Path(path).write_text(json.dumps(self.snapshot()))
 
     def summary(self) -> dict[str, Any]:
         """Operator totals (metrics, CLI): coverage, fallback rate, δ spent, violations, e-process."""
@@ -329,10 +387,12 @@ class Ledger:
         o = np.asarray(owners, dtype=np.int64).reshape(-1)
         if s.shape != o.shape:
             raise ValueError(f"slots has {s.size} entries but owners has {o.size}")
-        if np.any(s < 0):
+        if s.size and int(s.min()) < 0:
             raise ValueError("slots must be >= 0")
-        if (len(set(s.tolist())) if s.size <= 256 else np.unique(s).size) != s.size:
-            raise ValueError("slots must be distinct within one write")
+        if s.size > 1:
+            ordered = np.sort(s)
+            if (ordered[1:] == ordered[:-1]).any():
+                raise ValueError("slots must be distinct within one write")
         return s, o
 
     @staticmethod
@@ -340,12 +400,15 @@ class Ledger:
         states = np.asarray(decision.states, dtype=np.uint8)
         if states.shape != owners.shape or decision.log_factors.shape != owners.shape:
             raise ValueError(f"decision covers {states.shape}, expected {owners.shape}")
-        if states.size and not (_COMPRESSED <= int(states.min()) and int(states.max()) <= _RESTORED):
-            raise ValueError("decision states must be compressed, kept_exact or restored_exact")
-        if rule == "deterministic" and np.any(states == _RESTORED):
-            raise ValueError("restored_exact requires the probabilistic rule (an audited draw)")
+        if states.size:
+            lo, hi = int(states.min()), int(states.max())
+            if not (_COMPRESSED <= lo and hi <= _RESTORED):
+                raise ValueError("decision states must be compressed, kept_exact or restored_exact")
+            if rule == "deterministic" and hi == _RESTORED:
+                raise ValueError("restored_exact requires the probabilistic rule (an audited draw)")
         # Fail closed: no UID -> exact, no matter what the writer proposed.
-        return np.where(owners < 0, np.uint8(_KEPT), states)
+        lost = owners < 0
+        return np.where(lost, np.uint8(_KEPT), states) if lost.any() else states
 
     def _table(self, pool: str, layer: int) -> LayerSlots:
         if not isinstance(pool, str) or not pool:
@@ -397,7 +460,7 @@ class Ledger:
             self._apply_write(event, previous)
             return np.zeros(0, dtype=bool)
         if isinstance(event, SlotRead):
-            return self._apply_read(event)
+            return self._apply_read(event, _read_key(self._table(event.pool, event.layer), event))
         if isinstance(event, FaultReport):
             self._apply_fault(event)
             return np.zeros(0, dtype=bool)
@@ -407,85 +470,163 @@ class Ledger:
         table = self._table(ev.pool, ev.layer)
         if previous is None:
             previous = table.invalidate(ev.slots, ev.owners)
-        table.state[ev.slots] = ev.states
+        table.set_states(ev.slots, ev.states)
         gens = table.generation[ev.slots]
         self.counters["n_slot_reuse"] += int(np.count_nonzero((previous >= 0) & (previous != ev.owners)))
         if ev.fallback:
             self.counters["uid_group_fallbacks"] += 1
-        lost = ev.owners < 0
+        owners, states, factors = ev.owners, ev.states, ev.log_factors
+        lost = owners < 0
         if lost.any():
             self.counters["identity_fail_closed"] += int(lost.sum())
-            self._incident("identity_fail_closed", ev.pool, ev.layer, ev.slots[lost], gens[lost], ev.owners[lost])
+            self._incident("identity_fail_closed", ev.pool, ev.layer, ev.slots[lost], gens[lost], owners[lost])
+            owners, states, factors = owners[~lost], states[~lost], factors[~lost]
         restored = ev.states == _RESTORED
-        self._incident("auth_violation", ev.pool, ev.layer, ev.slots[restored], gens[restored], ev.owners[restored])
-        factors_all = []
-        for uid in _distinct(ev.owners[~lost]):
+        if restored.any():
+            self._incident("auth_violation", ev.pool, ev.layer, ev.slots[restored], gens[restored], ev.owners[restored])
+        if owners.size == 0:
+            return
+        uids, inverse = _groups(owners)
+        k = len(uids)
+        # per owner and state (unwritten, compressed, kept, restored): one bincount over the whole call
+        per_state = np.bincount(inverse * 4 + states, minlength=4 * k).reshape(k, 4).tolist()
+        prob = ev.rule == "probabilistic"
+        if prob:
+            authorised = ~np.isnan(factors)
+            n_auth = np.bincount(inverse, weights=authorised, minlength=k).astype(np.int64).tolist()
+            sums = np.bincount(inverse, weights=np.where(authorised, factors, 0.0), minlength=k).tolist()
+        for j, uid in enumerate(uids):
             a = self.accounts[uid]
-            mine = ev.owners == uid
-            st = ev.states[mine]
             c = a.counts
-            c["n_written"] += int(np.count_nonzero(st != _UNWRITTEN))
-            c["n_compressed"] += int(np.count_nonzero(st == _COMPRESSED))
-            c["n_kept_exact"] += int(np.count_nonzero(st == _KEPT))
-            c["n_restored_exact"] += int(np.count_nonzero(st == _RESTORED))
+            _, n_comp, n_kept, n_rest = per_state[j]
+            c["n_written"] += n_comp + n_kept + n_rest
+            c["n_compressed"] += n_comp
+            c["n_kept_exact"] += n_kept
+            c["n_restored_exact"] += n_rest
             if ev.rule == "empirical":
-                c["n_empirical"] += int(st.size)
-            if ev.rule == "probabilistic":
+                c["n_empirical"] += sum(per_state[j])
+            if prob:
                 a.budget.spend()  # once per owner per write event, however many readers
                 c["n_prob_events"] += 1
-                f = ev.log_factors[mine]
-                f = f[~np.isnan(f)]
-                c["n_authorized"] += int(f.size)
-                c["n_auth_violations"] += int(np.count_nonzero(st == _RESTORED))
-                a.eprocess.update(f)
-                factors_all.append(f)
-        if factors_all:
-            self.eprocess.update(np.concatenate(factors_all))
+                c["n_authorized"] += n_auth[j]
+                c["n_auth_violations"] += n_rest
+                a.eprocess.add(sums[j], n_auth[j])
+        if prob:
+            self.eprocess.add(sum(sums), sum(n_auth))
 
     @staticmethod
-    def _grid(ev: SlotRead, table: LayerSlots) -> int:
-        """Entries per range if ``ev`` reads the dense interleaved block ``[0, R·c)`` (range ``i`` = slots
-        ``i, i+R, …``, the certified-cache layout), else -1."""
+    def _grid(ev: SlotRead, table: LayerSlots) -> tuple[int, int] | None:
+        """``(s0, c)`` if ``ev`` reads the dense interleaved block ``[s0, s0 + R·c)`` (range ``i`` = slots
+        ``s0 + i, s0 + i + R, …``: the certified-cache layout, ``s0 > 0`` after sliding-window trims)."""
         r = ev.counts.size
-        if r == 0:
-            return -1
-        c = int(ev.counts[0])
-        ok = (ev.counts == c).all() and (ev.steps == r).all() and (ev.starts == np.arange(r)).all()
-        return c if ok and c * r <= table.state.shape[0] else -1
+        s0, c = int(ev.starts[0]), int(ev.counts[0])
+        if s0 + r * c > table.state.shape[0] or int(ev.steps[0]) != r:
+            return None
+        same = ev.counts.min() == ev.counts.max() and ev.steps.min() == ev.steps.max()
+        if not (same and (ev.starts - s0 == np.arange(r)).all()):
+            return None
+        return s0, c
 
-    def _apply_read(self, ev: SlotRead) -> np.ndarray:
+    def _apply_read(self, ev: SlotRead, key: tuple[Any, ...]) -> np.ndarray:
+        """Apply a read; ``key`` (:func:`_read_key`) memoises its classification while the table is unchanged
+        (the decode steps between two writes of a layer repeat the same read)."""
         if ev.fallback:
             self.counters["uid_group_fallbacks"] += 1
         table = self._table(ev.pool, ev.layer)
-        r = ev.counts.size
-        c = self._grid(ev, table)
-        if c >= 0:  # fast path: views of the dense block in [range, entry] layout, no gather
-            state, owner, gen = (a[: r * c].reshape(c, r).T for a in (table.state, table.owner, table.generation))
-            readers, want = ev.readers[:, None], ev.generations[:, None]
+        if ev.counts.size == 0:
+            return np.zeros(0, dtype=bool)
+        memo = table.read_memo
+        if memo is not None and memo[0] == key:
+            _, totals, no_id, served = memo
+            self._account_reads(totals, no_id, ev.shared)
+            return served.copy()
+        per_range, served, located = self._classify(ev, table, self._grid(ev, table))
+        totals, no_id = self._reader_totals(ev, per_range)
+        self._account_reads(totals, no_id, ev.shared)
+        if located is not None:  # rare: locate every unwritten, stale and foreign read (never memoised)
+            self._locate(ev, *located)
         else:
-            readers_e, slots_e, want_e = ev.expand()
+            table.read_memo = (key, totals, no_id, served)
+        return served.copy()
+
+    @staticmethod
+    def _classify(
+        ev: SlotRead, table: LayerSlots, grid: tuple[int, int] | None
+    ) -> tuple[list[list[int]], np.ndarray, tuple[np.ndarray, ...] | None]:
+        """Per range ``[served, unwritten, foreign, stale]`` entry counts, the per-entry served mask (range-major)
+        and, if any read is unwritten, stale or foreign, the per-entry ``(unwritten, stale, foreign, owner,
+        generation)`` arrays (range-major) to locate them."""
+        r = ev.counts.size
+        if grid is not None:  # contiguous views of the dense block in [entry, range] layout, no gather
+            s0, c = grid
+            block = slice(s0, s0 + r * c)
+            state, owner, gen = (a[block].reshape(c, r) for a in (table.state, table.owner, table.generation))
+            readers, want = ev.readers, ev.generations
+        else:
+            readers, slots_e, want = ev.expand()
             state, owner, gen = table.lookup(slots_e)
-            readers, want = readers_e, want_e
         unwritten = state == _UNWRITTEN
-        stale = (want >= 0) & (want != gen) & ~unwritten
-        served = (state == _COMPRESSED) & ~stale & (readers >= 0)
-        foreign = (owner >= 0) & (owner != readers) & ~unwritten
-        flags = np.stack([served, unwritten, stale, foreign]).astype(np.int64)
-        if c >= 0:
-            per_range = flags.sum(axis=2)
-        else:  # entries are laid out range by range
-            per_range = np.zeros((4, r), dtype=np.int64)
-            nz = ev.counts > 0
-            if nz.any():
-                per_range[:, nz] = np.add.reduceat(flags, (np.cumsum(ev.counts) - ev.counts)[nz], axis=1)
-        no_id = ev.readers < 0
-        if no_id.any():
-            self.counters["identity_fail_closed_reads"] += int(ev.counts[no_id].sum())
-        kind = "n_read_shared" if ev.shared else "n_read_foreign_owner"
-        for uid in _distinct(ev.readers[~no_id]):
-            mine = ev.readers == uid
-            n = int(ev.counts[mine].sum())
-            n_served, n_unwritten, n_stale, n_foreign = per_range[:, mine].sum(axis=1).tolist()
+        served = state == _COMPRESSED
+        stale = None
+        if int(ev.generations.max()) >= 0:
+            stale = (want >= 0) & (want != gen) & ~unwritten
+            served &= ~stale
+        if int(ev.readers.min()) < 0:
+            served &= readers >= 0
+        mismatch = owner != readers
+        foreign = mismatch & (owner >= 0) & ~unwritten if mismatch.any() else None
+        per_range: list[list[int]] = []
+        for f in (served, unwritten, foreign, stale):
+            if f is None:
+                per_range.append([0] * r)
+            elif grid is not None:
+                per_range.append(f.sum(axis=0).tolist())
+            else:  # entries are laid out range by range
+                nz = ev.counts > 0
+                x = np.zeros(r, dtype=np.int64)
+                if nz.any():
+                    x[nz] = np.add.reduceat(f.astype(np.int64), (np.cumsum(ev.counts) - ev.counts)[nz])
+                per_range.append(x.tolist())
+
+        def flat(x: np.ndarray) -> np.ndarray:  # range-major, the order of ev.expand()
+            return x.T.ravel() if grid is not None else x
+
+        located = None
+        if any(any(x) for x in per_range[1:]):
+            none = np.zeros(state.shape, dtype=bool)
+            masks = (unwritten, none if stale is None else stale, none if foreign is None else foreign, owner, gen)
+            located = tuple(flat(x) for x in masks)
+        return per_range, flat(served), located
+
+    @staticmethod
+    def _reader_totals(ev: SlotRead, per_range: list[list[int]]) -> tuple[dict[int, list[int]], int]:
+        """Per reader ``[reads, served, unwritten, foreign, stale]`` (one Python pass over the ranges) and
+        the number of reads without a reader UID."""
+        totals: dict[int, list[int]] = {}
+        no_id = 0
+        for uid, n, n_served, n_unwritten, n_foreign, n_stale in zip(
+            ev.readers.tolist(), ev.counts.tolist(), *per_range, strict=True
+        ):
+            if uid < 0:
+                no_id += n
+                continue
+            t = totals.get(uid)
+            if t is None:
+                totals[uid] = [n, n_served, n_unwritten, n_foreign, n_stale]
+            else:
+                t[0] += n
+                t[1] += n_served
+                t[2] += n_unwritten
+                t[3] += n_foreign
+                t[4] += n_stale
+        return totals, no_id
+
+    def _account_reads(self, totals: dict[int, list[int]], no_id: int, shared: bool) -> None:
+        """Add per-reader read counts to the accounts."""
+        if no_id:
+            self.counters["identity_fail_closed_reads"] += no_id
+        kind = "n_read_shared" if shared else "n_read_foreign_owner"
+        for uid, (n, n_served, n_unwritten, n_foreign, n_stale) in totals.items():
             acc = self.accounts[uid].counts
             acc["n_reads"] += n
             acc["n_read_compressed"] += n_served
@@ -493,27 +634,34 @@ class Ledger:
             acc["n_read_unwritten"] += n_unwritten
             acc["n_read_stale"] += n_stale
             acc[kind] += n_foreign
-        if per_range[1:].any():  # rare: locate, attribute foreign reads to their writers
-            readers_e, slots_e, _ = ev.expand()
-            flat = [x.ravel() for x in (unwritten, stale, foreign, owner, gen)]
-            unwritten_f, stale_f, foreign_f, owner_f, gen_f = flat
-            for uid in _distinct(owner_f[foreign_f]):  # attributed to the writer; no δ is spent again
-                if uid in self.accounts:
-                    self.accounts[uid].counts["n_read_by_others"] += int(np.count_nonzero(foreign_f & (owner_f == uid)))
-            for name, mask in (
-                ("unwritten_read", unwritten_f),
-                ("stale_read", stale_f),
-                ("shared_read" if ev.shared else "foreign_read", foreign_f),
-            ):
-                if mask.any():
-                    self._incident(name, ev.pool, ev.layer, slots_e[mask], gen_f[mask], owner_f[mask], readers_e[mask])
-        return served.ravel()
+
+    def _locate(
+        self,
+        ev: SlotRead,
+        unwritten: np.ndarray,
+        stale: np.ndarray,
+        foreign: np.ndarray,
+        owner: np.ndarray,
+        gen: np.ndarray,
+    ) -> None:
+        """Record incidents for unwritten, stale and foreign reads; attribute foreign reads to their writers."""
+        readers, slots, _ = ev.expand()
+        for uid in _distinct(owner[foreign]):  # attributed to the writer; no δ is spent again
+            if uid in self.accounts:
+                self.accounts[uid].counts["n_read_by_others"] += int(np.count_nonzero(foreign & (owner == uid)))
+        for name, mask in (
+            ("unwritten_read", unwritten),
+            ("stale_read", stale),
+            ("shared_read" if ev.shared else "foreign_read", foreign),
+        ):
+            if mask.any():
+                self._incident(name, ev.pool, ev.layer, slots[mask], gen[mask], owner[mask], readers[mask])
 
     def _apply_fault(self, ev: FaultReport) -> None:
         table = self._table(ev.pool, ev.layer)
         s, o, g = table.lookup(np.array([ev.slot], dtype=np.int64))
         if s[0] == _COMPRESSED:
-            table.state[ev.slot] = _RESTORED
+            table.set_states(np.array([ev.slot]), np.array([_RESTORED], dtype=np.uint8))
         self.counters[f"fault:{ev.kind}"] += 1
         self._incident(f"fault:{ev.kind}", ev.pool, ev.layer, np.array([ev.slot]), g, o)
         self._last_incident[ev.kind] = Incident(f"fault:{ev.kind}", ev.pool, ev.layer, ev.slot, int(g[0]), int(o[0]))

@@ -18,6 +18,8 @@ from kvcert.cache.events import ReadEvent, WriteEvent
 from kvcert.ledger.admission import observed
 from kvcert.ledger.ledger import Ledger
 
+_RANGE_CACHE = 64  # cached (first slot, counts) read layouts per observer
+
 
 class LedgerObserver:
     """A :class:`~kvcert.cache.events.CacheObserver` that records every write and read in ``ledger``.
@@ -33,21 +35,32 @@ class LedgerObserver:
         self.pool = pool
         self.batch: int | None = None
         self.heads: int | None = None
-        self.high_water: dict[int, np.ndarray] = {}
+        self.high_water: dict[int, list[int]] = {}
         self.n_pending_reads = 0
-        self.n_repaired_head_reads = 0
+        self._offsets = np.zeros(0, dtype=np.int64)  # (b·H + h) for every (row, head) stream
+        self._steps = np.zeros(0, dtype=np.int64)
+        self._no_generation = np.zeros(0, dtype=np.int64)  # reads carry no authorisation-time generation
+        # read ranges change only with the rows and with (first slot, per-row counts): cached, read-only
+        self._read_rows: list[int] | None = None
+        self._readers = np.zeros(0, dtype=np.int64)
+        self._read_fallback = False
+        self._ranges: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
 
     def _shape(self, b: int, h: int) -> tuple[int, int]:
         if self.batch is None:
             self.batch, self.heads = b, h
+            self._offsets = _frozen(np.arange(b * h, dtype=np.int64))
+            self._steps = _frozen(np.full(b * h, b * h, dtype=np.int64))
+            self._no_generation = _frozen(np.full(b * h, -1, dtype=np.int64))
         if (b, h) != (self.batch, self.heads):
             raise ValueError(
                 f"event has batch {b} x {h} KV heads; this observer's cache has {self.batch} x {self.heads}"
             )
         return b, h
 
-    def _owners(self, rows: torch.Tensor, b: int) -> tuple[np.ndarray, bool]:
-        r = rows.detach().to("cpu", torch.int64).numpy().reshape(-1)
+    @staticmethod
+    def _owners(rows: torch.Tensor, b: int) -> tuple[np.ndarray, bool]:
+        r = rows.numpy(force=True).astype(np.int64, copy=False).reshape(-1)
         if r.size == b:
             return r, False
         if r.size == 0:
@@ -56,57 +69,76 @@ class LedgerObserver:
 
     def on_write(self, event: WriteEvent) -> None:
         """Record one layer's write (one ledger call)."""
-        comp = event.compressed.detach().to("cpu").numpy()
+        comp = event.compressed.numpy(force=True)
         b, h, t = comp.shape
         b, h = self._shape(b, h)
-        pos = event.positions.detach().to("cpu", torch.int64).numpy()
+        pos = event.positions.numpy(force=True).astype(np.int64, copy=False)
         if pos.shape != (b, t):
             raise ValueError(f"positions has shape {pos.shape}, expected {(b, t)}")
         owners_row, fallback = self._owners(event.rows, b)
-        valid = np.broadcast_to((pos >= 0)[:, None, :], (b, h, t))
-        bb = np.arange(b)[:, None, None]
-        hh = np.arange(h)[None, :, None]
-        slots = (pos[:, None, :] * b + bb) * h + hh
+        slots = pos[:, None, :] * (b * h) + self._offsets.reshape(b, h, 1)
         owners = np.broadcast_to(owners_row[:, None, None], (b, h, t))
+        valid = np.broadcast_to((pos >= 0)[:, None, :], (b, h, t))
+        everything = bool(valid.all())
+
+        def pick(x: np.ndarray) -> np.ndarray:
+            return x.reshape(-1) if everything else x[valid]
+
         rule = "probabilistic" if event.tier_b else "deterministic"
         factors = None
         if event.witness_mean is not None and event.witness_c is not None:
-            w = event.witness.detach().to("cpu", torch.float64).numpy()[valid]
-            m = event.witness_mean.detach().to("cpu", torch.float64).numpy()[valid]
-            c = event.witness_c.detach().to("cpu", torch.float64).numpy()[valid]
-            live = comp[valid] & (c > 0)
+            w, m, c = (
+                pick(x.numpy(force=True).astype(np.float64))
+                for x in (event.witness, event.witness_mean, event.witness_c)
+            )
+            live = pick(comp) & (c > 0)
             factors = np.full(w.shape, np.nan)
             factors[live] = eprocess_log_factor(w[live], m[live], c[live])
         self.ledger.write(
             self.pool,
             event.layer,
-            slots[valid],
-            owners[valid],
-            observed(comp[valid], factors),
+            pick(slots),
+            pick(owners),
+            observed(pick(comp), factors),
             rule=rule,
             fallback=fallback,
         )
-        hw = self.high_water.setdefault(event.layer, np.zeros(b, dtype=np.int64))
-        np.maximum(hw, np.where(pos >= 0, pos + 1, 0).max(-1), out=hw)
+        top = np.where(pos >= 0, pos + 1, 0).max(-1).tolist()
+        hw = self.high_water.setdefault(event.layer, [0] * b)
+        self.high_water[event.layer] = [max(x, y) for x, y in zip(hw, top, strict=True)]
 
     def on_read(self, event: ReadEvent) -> None:
         """Record one layer's read (one ledger call); returns nothing, the cache has already served."""
-        rep = event.repaired.detach().to("cpu").numpy()
-        b, h = self._shape(*rep.shape)
-        readers_row, fallback = self._owners(event.rows, b)
-        n = event.n_slots.detach().to("cpu", torch.int64).numpy().reshape(-1)
-        hw = self.high_water.get(event.layer, np.zeros(b, dtype=np.int64))
-        first = int(event.first_slot)                      # > 0 after sliding-window trims
-        count_row = np.clip(np.minimum(n, hw - first), 0, None)
-        self.n_pending_reads += int((n - count_row).sum()) * h
-        self.n_repaired_head_reads += int(rep.sum())
-        starts = ((first * b + np.arange(b)[:, None]) * h + np.arange(h)[None, :]).reshape(-1)
+        b, h = self._shape(*event.repaired.shape)
+        rows = event.rows.tolist()
+        if rows != self._read_rows:  # arrays are rebuilt only when the rows change (never within a batch)
+            readers_row, fallback = self._owners(event.rows, b)
+            self._read_rows, self._readers, self._read_fallback = rows, _frozen(np.repeat(readers_row, h)), fallback
+        n = event.n_slots.tolist()
+        first = int(event.first_slot)  # > 0 after sliding-window trims
+        hw = self.high_water.get(event.layer, [0] * b)
+        count_row = [max(min(x, top - first), 0) for x, top in zip(n, hw, strict=True)]
+        self.n_pending_reads += (sum(n) - sum(count_row)) * h
+        key = (first, *count_row)
+        ranges = self._ranges.get(key)
+        if ranges is None:
+            if len(self._ranges) >= _RANGE_CACHE:
+                self._ranges.clear()
+            starts = _frozen(self._offsets + first * b * h)
+            ranges = self._ranges[key] = (starts, _frozen(np.repeat(np.array(count_row, dtype=np.int64), h)))
         self.ledger.read(
             self.pool,
             event.layer,
-            np.repeat(readers_row, h),
-            starts,
-            np.repeat(count_row, h),
-            steps=np.full(b * h, b * h),
-            fallback=fallback,
+            self._readers,
+            ranges[0],
+            ranges[1],
+            steps=self._steps,
+            generations=self._no_generation,
+            fallback=self._read_fallback,
         )
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    """``a`` made read-only: cached range arrays are shared by many ledger events and must never change."""
+    a.flags.writeable = False
+    return a

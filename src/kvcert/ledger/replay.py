@@ -13,7 +13,7 @@ def replay(path: str | Path) -> Ledger:
     """A fresh :class:`Ledger` (without a log), configured from the log's metadata, with every committed
     event of ``path`` applied in order."""
     meta = read_meta(path)
-    missing = {"delta_req", "delta_e", "model", "max_incidents"} - meta.keys()
+    missing = {"delta_req", "delta_e", "model", "max_incidents", "rank", "n_ranks"} - meta.keys()
     if missing:
         raise ValueError(f"log {str(path)!r} lacks ledger metadata {sorted(missing)}")
     ledger = Ledger(
@@ -21,6 +21,8 @@ def replay(path: str | Path) -> Ledger:
         delta_e=meta["delta_e"],
         model=meta["model"],
         max_incidents=meta["max_incidents"],
+        rank=meta["rank"],
+        n_ranks=meta["n_ranks"],
     )
     for event in read_events(path):
         ledger.apply(event)

@@ -194,39 +194,52 @@ class BatchingServer:
             if stop:
                 return
 
-    @torch.no_grad()
     def _serve(self, batch: list[_Pending]) -> None:
         index = len(self.batches)
         uids = tuple(p.uid for p in batch)
         self.batches.append(uids)
-        width = max(len(p.prompt) for p in batch)
-        ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, p in enumerate(batch):
-            ids[i, width - len(p.prompt) :] = torch.tensor(p.prompt)
-            mask[i, width - len(p.prompt) :] = 1
         observer = LedgerObserver(self.ledger, pool=f"{self.pool}/batch{index}")
         cache = self.cache_factory(self.model, torch.tensor(uids, dtype=torch.int64), observer)
         try:
-            out: list[list[int]] = [[] for _ in batch]
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            steps = max(p.max_new_tokens for p in batch)
-            for _ in range(steps):
-                logits = self.model(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    position_ids=pos,
-                    past_key_values=cache,
-                    use_cache=True,
-                ).logits[:, -1]
-                nxt = logits.argmax(-1)
-                for i in range(len(batch)):
-                    out[i].append(int(nxt[i]))
-                ids = nxt[:, None]
-                mask = torch.cat([mask, torch.ones((len(batch), 1), dtype=torch.long)], dim=1)
-                pos = pos[:, -1:] + 1
+            out = decode_batch(
+                self.model, [p.prompt for p in batch], [p.max_new_tokens for p in batch], cache, self.pad_token_id
+            )
         finally:
             if hasattr(cache, "detach"):
                 cache.detach()
-        for i, p in enumerate(batch):
-            p.future.set_result(Completion(p.uid, out[i][: p.max_new_tokens], index, uids))
+        for p, tokens in zip(batch, out, strict=True):
+            p.future.set_result(Completion(p.uid, tokens, index, uids))
+
+
+@torch.no_grad()
+def decode_batch(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: Sequence[int],
+    cache: Any,
+    pad_token_id: int = 0,
+) -> list[list[int]]:
+    """Left-pad ``prompts`` into one batch and decode greedily through ``cache`` until every row has its
+    ``max_new_tokens[i]`` tokens; returns each row's tokens."""
+    if len(prompts) != len(max_new_tokens) or not prompts:
+        raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens (need >= 1 of each)")
+    b = len(prompts)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((b, width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((b, width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(list(p))
+        mask[i, width - len(p) :] = 1
+    out: list[list[int]] = [[] for _ in prompts]
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    for _ in range(max(max_new_tokens)):
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
+        ).logits[:, -1]
+        nxt = logits.argmax(-1)
+        for i in range(b):
+            out[i].append(int(nxt[i]))
+        ids = nxt[:, None]
+        mask = torch.cat([mask, torch.ones((b, 1), dtype=torch.long)], dim=1)
+        pos = pos[:, -1:] + 1
+    return [tokens[:n] for tokens, n in zip(out, max_new_tokens, strict=True)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any
 
 import numpy as np
 
@@ -46,25 +47,35 @@ class LayerSlots:
         self.state = np.zeros(capacity, dtype=np.uint8)
         self.owner = np.full(capacity, UNATTRIBUTED, dtype=np.int64)
         self.generation = np.zeros(capacity, dtype=np.int64)
+        self.version = 0  # bumped by every change (the key of the ledger's read memo)
+        self.read_memo: tuple[Any, ...] | None = None
 
     def _grow(self, need: int) -> None:
         cap = self.state.shape[0]
         if need <= cap:
             return
         new = max(2 * cap, need)
+        self.version += 1
         self.state = np.concatenate([self.state, np.zeros(new - cap, dtype=np.uint8)])
         self.owner = np.concatenate([self.owner, np.full(new - cap, UNATTRIBUTED, dtype=np.int64)])
         self.generation = np.concatenate([self.generation, np.zeros(new - cap, dtype=np.int64)])
 
     def invalidate(self, slots: np.ndarray, owners: np.ndarray) -> np.ndarray:
-        """Bump the generation, set the new owner and state ``unwritten``; return the previous owners."""
+        """Bump the generation, set the new owner and state ``unwritten`` of the **distinct** ``slots`` (one
+        write, validated by :meth:`Ledger.write`); return the previous owners."""
         if slots.size:
             self._grow(int(slots.max()) + 1)
-        previous = self.owner[slots].copy()
-        np.add.at(self.generation, slots, 1)
+        previous = self.owner[slots]  # fancy indexing: a copy
+        self.generation[slots] += 1
         self.state[slots] = SlotState.UNWRITTEN
         self.owner[slots] = owners
+        self.version += 1
         return previous
+
+    def set_states(self, slots: np.ndarray, states: np.ndarray) -> None:
+        """Set the state of already-invalidated ``slots`` (write outcome, fault restoration)."""
+        self.state[slots] = states
+        self.version += 1
 
     def lookup(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(state, owner, generation)`` of ``slots``; slots never written read as unwritten, gen 0."""

@@ -122,3 +122,23 @@ def test_query_band_norms_and_bad_inputs(gen):
         tier_a_radius_from_qnorms(qn, torch.ones(5, 4), 0.1)
     with pytest.raises(ValueError, match="scale"):
         tier_a_radius_from_qnorms(qn, torch.ones(5, 8), 0.0)
+
+
+def test_norm_up_f32_never_below_the_exact_norm(gen):
+    # exact reference: float32 squares are exact in float64, math.fsum sums them with one rounding, and
+    # Decimal takes the square root to 40 digits; per vector, over magnitudes from tiny to huge
+    import math
+    from decimal import Decimal, getcontext
+
+    from kvcert.bounds import norm_up_f32
+
+    getcontext().prec = 40
+    x = (torch.randn(400, 64, generator=gen) * torch.logspace(-18, 18, 400).unsqueeze(-1)).to(torch.float32)
+    x[0] = 0.0
+    x[1] = torch.tensor(1.0)  # a norm that is exactly representable: must not be rounded below
+    up = norm_up_f32(x)
+    assert up.dtype == torch.float32 and up.shape == (400,)
+    for row, bound in zip(x.tolist(), up.tolist(), strict=True):
+        exact = Decimal(math.fsum(v * v for v in row)).sqrt()
+        assert Decimal(bound) >= exact
+        assert Decimal(bound) <= exact * Decimal(1 + 2**-21) + Decimal(1e-45)

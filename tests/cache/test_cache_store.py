@@ -51,6 +51,37 @@ def test_witness_bounds_every_entry(codec):
     assert torch.all(rho.sum(-1) >= resid.norm(dim=-1) * (1 - 1e-12))    # scalar witness W >= ||dk||
     vres = st.v_res.view()[:, :, :32].double()
     assert torch.all(vres >= (st.v.served.view()[:, :, :32].double() - v.double()).norm(dim=-1))
+    _assert_norm_witnesses(st)
+
+
+def _assert_norm_witnesses(st):
+    """Every per-token norm witness bounds its norm from above, for every live token (pending or encoded)."""
+    khat, vhat = st.k.served.view().double(), st.v.served.view().double()
+    dk = khat - st.k.host.view().double()
+    assert torch.all(st.k_wit.view().double() >= dk.norm(dim=-1))                            # W_t >= ||dk||
+    assert torch.all(st.k_wit.view().double() >= st.k_band.view().double().sum(-1))
+    assert torch.all(st.k_hat_norm.view().double() >= khat.norm(dim=-1))
+    assert torch.all(st.v_hat_norm.view().double() >= vhat.norm(dim=-1))
+    assert torch.all(st.v_dist.view().double() >= (vhat - st.v_centre.double()).norm(dim=-1))
+
+
+def test_norm_witnesses_follow_repair_trim_and_eviction():
+    st = _store()
+    k, v = _kv(t=40)
+    st.append(k, v, *_rows())
+    st.append(*_kv(t=1, seed=3), *_rows())
+    centre = st.v_centre.clone()
+    st.make_exact(0, 1, slice(3, 17))
+    _assert_norm_witnesses(st)
+    assert float(st.k_wit.view()[0, 1, 3:17].abs().max()) == 0.0
+    st.gather(torch.tensor([0, 2, 5, 7, 30]).expand(2, 3, 5).contiguous())
+    _assert_norm_witnesses(st)
+    assert st.k_wit.n == st.v_dist.n == 5 and torch.equal(st.v_centre, centre)   # the centre never moves
+    st2 = _store()
+    st2.append(*_kv(t=20), *_rows())
+    st2.append(*_kv(t=1, seed=4), *_rows())
+    st2.drop_before(8)
+    _assert_norm_witnesses(st2)
 
 
 def test_kivi_keys_wait_for_token_block_and_residual_window():

@@ -11,8 +11,9 @@ For one layer and one forward call with queries ``q[B, Hq, Q, D]`` over ``S`` st
    (non-adaptive: sound only for queries independent of the dither);
 4. KV-head verdict any-of-G; the gate repairs heads (exact SDPA on host K/V) or blocks (greedy by
    contribution ``Σ_{t∈b} p̃_t(e^{c_t} − 1)``, doubling the block count until the cell is under threshold);
-5. two-term output-error bound ``‖ô − o‖ ≤ Σ p̃‖Δv‖ + 2·TV·max_t(‖v̂_t − ô‖ + ‖Δv_t‖) + ξ`` with ``ξ`` the
-   float32 evaluation slack ``2(S + D)u·max_t ‖v̂_t‖``;
+5. two-term output-error bound ``‖ô − o‖ ≤ Σ p̃‖Δv‖ + 2·TV·max_t(‖v̂_t − c‖ + ‖Δv_t‖) + ξ`` (``c`` the
+   store's fixed per-head value centre; every norm is a write-time witness, so no ``[S, D]`` pass per read)
+   with ``ξ`` the float32 evaluation slack ``2(S + D)u·max_t(‖v̂_t‖ + ‖Δv_t‖)``;
 6. in validate mode, exact attention from the host tier and the true TV / output error per cell.
 """
 
@@ -29,15 +30,11 @@ from kvcert.bounds import (
     tier_b_radius,
     tier_b_sigma2,
 )
+from kvcert.bounds.rc import U_F32, gamma_f32
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 
-_U = 2.0**-24
-
-
-def _gamma(n: int) -> float:
-    """Higham's ``γ_n = n·u/(1 − n·u)`` for float32 (bound on relative rounding of an n-term dot product)."""
-    return n * _U / (1 - n * _U)
+_U = U_F32
 
 
 @dataclass
@@ -66,14 +63,18 @@ class ReadResult:
 
 
 def masked_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``sc·q·kᵀ`` for grouped queries ``q[B, Hkv, M, D]``, ``k[B, Hkv, S, D]``; masked entries ``-inf``."""
-    return (torch.matmul(q, k.transpose(-1, -2)) * scaling).masked_fill(~mask, float("-inf"))
+    """``(sc·q)·kᵀ`` for grouped queries ``q[B, Hkv, M, D]``, ``k[B, Hkv, S, D]``; masked entries ``-inf``.
+
+    Scaling the query first keeps the rounding within ``γ_{D+1}·sc·Σ|q_i k_i|`` (one rounding per scaled
+    entry, then a D-term dot product), the bound the read path's slack ``φ`` assumes.
+    """
+    logits = torch.matmul(q * scaling, k.transpose(-1, -2))
+    return logits if bool(mask.all()) else logits.masked_fill_(~mask, float("-inf"))
 
 
 def probs64(logits: torch.Tensor) -> torch.Tensor:
-    """``softmax`` in float64; fully masked rows give all-zero rows instead of NaN."""
-    p = torch.softmax(logits.to(torch.float64), dim=-1)
-    return torch.nan_to_num(p, nan=0.0)
+    """``softmax`` evaluated in float64; fully masked rows give all-zero rows instead of NaN."""
+    return torch.softmax(logits, dim=-1, dtype=torch.float64).nan_to_num_(nan=0.0)
 
 
 def served_meter(p: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,28 +88,36 @@ def served_meter(p: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.
     return torch.where(live, clipped, 0.0), torch.where(live, raw, 0.0)
 
 
-def _out_bound(p: torch.Tensor, tv: torch.Tensor, vhat: torch.Tensor, vres: torch.Tensor, mask: torch.Tensor,
-               phi_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Two-term output bound per cell, evaluated cheaply; returns ``(total, key, value, slack)`` ``[B, Hkv, M]``.
+def _out_bound(p: torch.Tensor, tv: torch.Tensor, vres: torch.Tensor, spread: torch.Tensor, vmax: torch.Tensor,
+               s: int, d: int, phi_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two-term output bound per cell from per-token witnesses; returns ``(total, key, value, slack)`` ``[B, Hkv, M]``.
 
-    This is :func:`kvcert.bounds.output_error_bound` with the centre ``c = mean_t v̂_t`` of each KV head
-    (any centre is valid), so the spread ``max_t (‖v̂_t − c‖ + ‖Δv_t‖)`` over the visible tokens costs one
-    pass per KV head instead of one per query cell. ``vres[B, Hkv, M, S]`` is ``‖Δv_t‖`` as seen by each cell
-    (0 for entries served exact). ``slack = (2(S + D)u + 2·tanh(φ_max))·max_t ‖v̂_t‖`` covers float32
-    evaluation: ``2(S + D)u`` the softmax and ``p̃·v̂`` rounding, ``tanh(φ_max)`` the TV caused by the logit
-    rounding ``φ`` of the exact-attention kernel a repaired head is served from (deterministic tanh form).
+    This is :func:`kvcert.bounds.output_error_bound` with the store's fixed per-head centre ``c``:
+    ``‖ô − o‖ ≤ Σ_t p̃_t‖Δv_t‖ + 2·TV·max_t ‖v_t − c‖ + ξ`` and ``‖v_t − c‖ ≤ ‖v̂_t − c‖ + ‖Δv_t‖``, so
+    ``spread[B, Hkv, 1]`` is ``max_t (‖v̂_t − c‖ + ‖Δv_t‖)`` over a superset of the visible tokens (valid
+    whether or not a token is later served exact). ``vres[B, Hkv, S]`` is ``‖Δv_t‖`` *as served* (0 for
+    entries served exact). ``slack = (2(S + D)u + 2·tanh(φ_max))·vmax`` with ``vmax ≥ max_t ‖v_t‖, ‖v̂_t‖``
+    covers float32 evaluation: ``2(S + D)u`` the softmax and ``p̃·v̂`` rounding, ``tanh(φ_max)`` the TV
+    caused by the logit rounding ``φ`` of the exact-attention kernel a repaired head is served from.
     """
-    vres = vres.to(torch.float64)
-    value_term = (p * vres).sum(-1)
-    s, d = vhat.shape[-2], vhat.shape[-1]
-    up = 1.0 + 2.0 * (d + 4) * _U                        # covers float32 rounding of a D-term norm
-    dist = ((vhat - vhat.mean(-2, keepdim=True)).norm(dim=-1) * up).to(torch.float64)   # [B, Hkv, S]
-    spread = torch.where(mask, dist.unsqueeze(2) + vres, torch.zeros_like(vres)).amax(-1)
+    value_term = torch.linalg.vecdot(p, vres.to(torch.float64).unsqueeze(-2))
     key_term = 2.0 * tv.clamp(max=1.0) * spread
-    vmax = (vhat.norm(dim=-1).amax(-1, keepdim=True) * up).to(torch.float64)          # [B, Hkv, 1]
-    rel = 2.0 * (s + d) * _U * (1 + 1e-6) + 2.0 * torch.tanh(phi_max.to(torch.float64))
+    rel = 2.0 * (s + d) * _U * (1 + 1e-6) + 2.0 * torch.tanh(phi_max)
     slack = (rel * vmax).expand_as(key_term)
     return key_term + value_term + slack, key_term, value_term, slack
+
+
+def _value_spread(store: LayerStore, mask: torch.Tensor, nonfinite: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(max_t ‖v̂_t − c‖ + ‖Δv_t‖, max_t ‖v̂_t‖ + ‖Δv_t‖)`` per KV head ``[B, Hkv, 1]`` (float64) over every
+    token visible to any query of the read (``mask[B, 1|Hkv, Q, S]``): upper bounds for served and exact values."""
+    vres = store.v_res.view().to(torch.float64)
+    dist = store.v_dist.view().to(torch.float64) + vres
+    norm = store.v_hat_norm.view().to(torch.float64) + vres
+    if nonfinite:
+        dist, norm = torch.nan_to_num(dist, 0.0, 0.0, 0.0), torch.nan_to_num(norm, 0.0, 0.0, 0.0)
+    vis = mask.any(-2)                                                                  # [B, 1|Hkv, S]
+    return (torch.where(vis, dist, 0.0).amax(-1, keepdim=True),
+            torch.where(vis, norm, 0.0).amax(-1, keepdim=True))
 
 
 def group_heads(x: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -129,6 +138,7 @@ class ReadConfig:
     gate: Gate
     validate: bool
     delta_loc: float            # Tier-B per-cell failure budget
+    attn_kv: bool = True        # return the served attention per KV head (eviction policies read it)
 
 
 @torch.no_grad()
@@ -159,39 +169,36 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
         bad_cell = (m & bad_tok.unsqueeze(2)).any(-1) | ~torch.isfinite(qg).all(-1)         # [B, Hkv, M]
         khat, vhat = torch.nan_to_num(khat, 0.0, 0.0, 0.0), torch.nan_to_num(vhat, 0.0, 0.0, 0.0)
         qg = torch.nan_to_num(qg, 0.0, 0.0, 0.0)
+    full = bool(mask.all())                                                    # every token visible to every cell
     logits = masked_logits(qg, khat, m, scaling)
     p64 = probs64(logits)
-    p32 = p64.to(torch.float32)
-    out = torch.matmul(p32, vhat)                                             # [B, Hkv, M, Dv]
+    out = torch.matmul(p64.to(torch.float32), vhat)                          # [B, Hkv, M, Dv]
 
     # Tier-A radii with float32 rounding slack, certificate per cell.
-    rho = store.k_band.view()
-    khn = store.k_hat_norm.view()
+    rho, khn, w = store.k_band.view(), store.k_hat_norm.view(), store.k_wit.view()
     if nonfinite:
-        rho, khn = torch.nan_to_num(rho, 0.0, 0.0, 0.0), torch.nan_to_num(khn, 0.0, 0.0, 0.0)
+        rho, khn, w = (torch.nan_to_num(x, 0.0, 0.0, 0.0) for x in (rho, khn, w))
     qb = query_band_norms(qg, store.bands, store.pairing)
     c_a = tier_a_radius_from_qnorms(qb, rho.unsqueeze(2), scaling)
-    qn = qg.to(torch.float64).norm(dim=-1, keepdim=True)
-    w = (rho.sum(-1) * (1.0 + 2.0 * (store.bands + 2) * _U)).to(torch.float64)   # scalar witness W_t, rounded up
-    # γ_{D+1}: D products + the multiplication by the softmax scale
-    slack = scaling * _gamma(d + 1) * qn * (2 * khn.to(torch.float64) + w).unsqueeze(2)
-    host_knorm = khn.to(torch.float64) + w                                    # >= ||k_t|| (exact key)
-    phi_max = (2 * scaling * _gamma(d + 1) * qn.squeeze(-1).amax(-1, keepdim=True)
-               * host_knorm.amax(-1, keepdim=True))                            # [B, Hkv, 1]
-    c = c_a + slack
+    qn = qg.to(torch.float64).norm(dim=-1, keepdim=True)                       # [B, Hkv, M, 1]
+    # φ_t = sc·γ_{D+1}·‖q‖·(2‖k̂_t‖ + W_t): D products + the multiplication by the softmax scale, for the
+    # served and the exact key (‖k_t‖ ≤ ‖k̂_t‖ + W_t)
+    kfac = (2.0 * khn.to(torch.float64) + w.to(torch.float64)).unsqueeze(2)   # [B, Hkv, 1, S]
+    rate = scaling * gamma_f32(d + 1) * qn
+    c = c_a.addcmul_(rate, kfac)
+    phi_max = 2.0 * rate.amax(-2) * kfac.amax(-1)                              # [B, Hkv, 1]
     cert_pre, raw = served_meter(p64, c)
     if nonfinite:
         cert_pre = torch.where(bad_cell, 1.0, cert_pre)
         raw = torch.where(bad_cell, float("inf"), raw)
-    live = (p64.sum(-1) > 0).unsqueeze(-1)
-    tanh = torch.tanh(torch.where(m & live, c, torch.zeros_like(c)).amax(-1))
+    tanh = torch.tanh((c if full else torch.where(m, c, 0.0)).amax(-1))
 
     cert_b = None
     if store.k_steps is not None:
         codec = store.key_codec
         qm = qg if codec.channel_mask is None else qg * codec.channel_mask.view(1, hkv, 1, d).to(qg)
         sig2 = tier_b_sigma2(qm, store.k_steps.view().unsqueeze(2), scaling, codec.group_size)
-        u = tier_b_radius(sig2, s, cfg.delta_loc) + slack                   # same rounding slack
+        u = tier_b_radius(sig2, s, cfg.delta_loc) + rate * kfac                  # same rounding slack
         cert_b = served_meter(p64, u)[0]
 
     gate = cfg.gate
@@ -199,13 +206,15 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     need = (score.amax(-1) > gate.threshold) if gate.mode != "off" else torch.zeros(b, hkv, dtype=torch.bool)
     if nonfinite:
         need = need | bad_cell.any(-1)
-    cert = cert_pre.clone()
+    cert = cert_pre
     repaired = torch.zeros(b, hkv, dtype=torch.bool)
     blocks = torch.zeros(b, hkv, dtype=torch.int64)
     promoted = torch.zeros(b, hkv, dtype=torch.bool)
-    vres = store.v_res.view()
-    vres_cell = vres.unsqueeze(2).expand(b, hkv, g * nq, s).clone()
-    p_served = p64.clone()
+    spread, vmax = _value_spread(store, mask, nonfinite)                        # before any persistent repair
+    vres_served = store.v_res.view()
+    if nonfinite:
+        vres_served = torch.nan_to_num(vres_served, 0.0, 0.0, 0.0)
+    p_served = p64
     bytes_paged = 0
     host_k, host_v = store.k.host.view(), store.v.host.view()
     elt = host_k.element_size()
@@ -225,18 +234,20 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
                 for bi, hi in need.nonzero().tolist():
                     store.make_exact(bi, hi, slice(0, s))
         else:
+            cert, p_served, vres_served = cert.clone(), p_served.clone(), vres_served.clone()
             for bi, hi in need.nonzero().tolist():
                 res = _repair_blocks(qg[bi, hi], store, bi, hi, m[bi, hi], c[bi, hi], p64[bi, hi], scaling,
                                      gate)
                 out[bi, hi], cert[bi, hi], p_served[bi, hi] = res.out, res.cert, res.p
-                vres_cell[bi, hi] = res.vres
+                vres_served[bi, hi] = res.vres
                 blocks[bi, hi] = res.n_blocks
                 bytes_paged += res.tokens * (host_k.shape[-1] + host_v.shape[-1]) * elt
 
-    bound, key_term, value_term, slack = _out_bound(p_served, cert, vhat, vres_cell, m, phi_max)
+    bound, key_term, value_term, slack = _out_bound(p_served, cert, vres_served, spread, vmax, s,
+                                                    vhat.shape[-1], phi_max)
     zero = repaired.view(b, hkv, 1)
-    key_term = torch.where(zero, torch.zeros_like(key_term), key_term)
-    value_term = torch.where(zero, torch.zeros_like(value_term), value_term)
+    key_term = torch.where(zero, 0.0, key_term)
+    value_term = torch.where(zero, 0.0, value_term)
     bound = torch.where(zero, slack, bound)
 
     if gate.value_tol is not None:
@@ -245,9 +256,8 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
             sel = promote.view(b, hkv, 1, 1)
             out = torch.where(sel, torch.matmul(p_served.to(torch.float32), host_v.to(torch.float32)), out)
             bytes_paged += int(promote.sum()) * s * host_v.shape[-1] * elt
-            value_term = torch.where(promote.unsqueeze(-1), torch.zeros_like(value_term), value_term)
-            exact_v = _out_bound(p_served, cert, host_v.to(torch.float32), torch.zeros_like(vres_cell), m, phi_max)
-            bound = torch.where(promote.unsqueeze(-1), exact_v[0], bound)
+            value_term = torch.where(promote.unsqueeze(-1), 0.0, value_term)
+            bound = torch.where(promote.unsqueeze(-1), key_term + slack, bound)   # exact values: no value term
             promoted = promote
 
     result = ReadResult(
@@ -257,7 +267,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
         out_bound=ungroup_heads(bound, hq, nq), key_term=ungroup_heads(key_term, hq, nq),
         value_term=ungroup_heads(value_term, hq, nq), repaired=repaired, blocks=blocks, values_promoted=promoted,
         bytes_paged=bytes_paged,
-        attn_kv=p_served.reshape(b, hkv, g, nq, s).sum(2).to(torch.float32),
+        attn_kv=p_served.reshape(b, hkv, g, nq, s).sum(2).to(torch.float32) if cfg.attn_kv else None,
     )
     if cfg.validate:
         p_exact = probs64(masked_logits(qg, host_k.to(torch.float32), m, scaling))
@@ -322,5 +332,5 @@ def _repair_blocks(qg: torch.Tensor, store: LayerStore, bi: int, hi: int, m: tor
         k *= 2
     if gate.persistent:
         store.make_exact(bi, hi, tok)
-    vres_mix = torch.where(tok, torch.zeros_like(vres), vres).unsqueeze(0).expand(qg.shape[0], s)
+    vres_mix = torch.where(tok, torch.zeros_like(vres), vres)
     return _BlockRepair(pm.to(torch.float32) @ vmix, cert, pm, vres_mix, int(chosen.numel()), int(tok.sum()))

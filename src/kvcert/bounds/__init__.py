@@ -13,7 +13,7 @@ from kvcert.bounds.radii import (
     tier_b_sigma2,
 )
 from kvcert.bounds.recurrent import GateContraction, gate_contraction, half_life, unrolled_state_error
-from kvcert.bounds.rope import PAIRINGS, Pairing, band_norms, pair_components, round_up_f32
+from kvcert.bounds.rope import PAIRINGS, Pairing, band_norms, norm_up_f32, pair_components, round_up_f32
 from kvcert.bounds.selection import (
     MassRatio,
     RankPrefixCertificate,
@@ -72,6 +72,7 @@ __all__ = [
     "query_band_norms",
     "rank_prefix_certificate",
     "RankPrefixCertificate",
+    "norm_up_f32",
     "round_up_f32",
     "selection_distributions",
     "SelectionMass",

@@ -34,7 +34,13 @@ import torch
 
 from kvcert.bounds.softmax_tv import check_nonneg_finite, tv_tail
 
-_U = 2.0**-24
+U_F32 = 2.0**-24
+_U = U_F32
+
+
+def gamma_f32(n: int) -> float:
+    """Higham's ``γ_n = n·u/(1 − n·u)``, ``u = 2^-24``: relative rounding bound of an n-term float32 dot product."""
+    return n * _U / (1 - n * _U)
 #: relative inflation of a float64 softmax mass sum (covers its rounding for fewer than ~10^6 tokens)
 _MASS_INFLATE = 1.0 + 1e-9
 
@@ -160,7 +166,7 @@ def logit_rounding_radius(q_norm: torch.Tensor, k_hat_norm: torch.Tensor, key_wi
     if not (scale > 0 and head_dim >= 1):
         raise ValueError(f"scale must be > 0 and head_dim >= 1, got scale={scale}, head_dim={head_dim}")
     n = head_dim + 1
-    gamma = n * _U / (1 - n * _U)
+    gamma = gamma_f32(n)
     qn = check_nonneg_finite(q_norm, "q_norm")
     kn = check_nonneg_finite(k_hat_norm, "k_hat_norm")
     w = check_nonneg_finite(key_witness, "key_witness")

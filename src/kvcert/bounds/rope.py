@@ -68,3 +68,14 @@ def round_up_f32(x: torch.Tensor) -> torch.Tensor:
     """Cast a non-negative float64 witness to float32 rounding *up*, so the stored value is never smaller."""
     y = x.to(torch.float32)
     return torch.where(y.to(torch.float64) < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+
+
+def norm_up_f32(x: torch.Tensor) -> torch.Tensor:
+    """A float32 upper bound on ``‖x‖₂`` over the last dimension (``[..., D] -> [...]``).
+
+    The norm is evaluated in float64 (relative error ``≤ (D/2 + 2)·2^-53``: a D-term sum of squares, then a
+    square root), inflated by ``1 + (D + 4)·2^-53`` and rounded up to float32, so the stored value is never
+    below the exact norm of ``x`` (float32 or float64 input, exactly representable in float64).
+    """
+    d = x.shape[-1]
+    return round_up_f32(x.to(torch.float64).norm(dim=-1) * (1.0 + (d + 4) * 2.0**-53))

@@ -8,8 +8,11 @@ Layout per layer (``B`` batch rows, ``H`` KV heads, ``S`` tokens, ``D`` head dim
   unattributable writes and persistently repaired entries;
 * **host tier** — the exact originals, pinned when CUDA is present; repair pages in from here;
 * **witnesses** (small, device side) — per token the key-residual band norms ``ρ_{t,b}`` over whole
-  RoPE pairs (rounded up to float32), the served key norm ``‖k̂_t‖`` (for the floating-point slack),
-  the value residual norm ``‖Δv_t‖`` and, for the dithered codec, the per-group steps (Tier B);
+  RoPE pairs and their sum ``W_t = Σ_b ρ_{t,b} ≥ ‖Δk_t‖``, the served key norm ``‖k̂_t‖`` (for the
+  floating-point slack), the value residual norm ``‖Δv_t‖``, the served value norm ``‖v̂_t‖`` and its
+  distance ``‖v̂_t − c‖`` to a fixed per-head centre ``c`` (the output bound's spread), all rounded up to
+  float32, and, for the dithered codec, the per-group steps (Tier B). Every read reuses them instead of
+  re-reducing the ``[S, D]`` tensors;
 * **decode scratch** — the dequantized keys/values the read path attends over. A fused kernel would
   dequantize in registers; this CPU reference keeps the decoded copy and reports it separately.
 
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcert.bounds.rope import Pairing, band_norms, round_up_f32
+from kvcert.bounds.rope import Pairing, band_norms, norm_up_f32, round_up_f32
 from kvcert.cache.buffer import GrowBuffer
 from kvcert.quant import Codec, DitherKey, Packed
 
@@ -106,8 +109,13 @@ class LayerStore:
         b, h, _, d = k.shape
         z = k.new_zeros((b, h, 0), dtype=torch.float32)
         self.k_band = GrowBuffer(k.new_zeros((b, h, 0, self.bands), dtype=torch.float32))
+        self.k_wit = GrowBuffer(z)
         self.k_hat_norm = GrowBuffer(z)
         self.v_res = GrowBuffer(z)
+        self.v_hat_norm = GrowBuffer(z)
+        self.v_dist = GrowBuffer(z)
+        # any fixed centre makes the spread max_t ‖v̂_t − c‖ valid; the first write's mean keeps it small
+        self.v_centre = torch.nan_to_num(v.to(torch.float32), 0.0, 0.0, 0.0).mean(2, keepdim=True)
         self.k_steps: GrowBuffer | None = None
         self.positions = GrowBuffer(torch.zeros(b, h, 0, dtype=torch.int64, device=k.device))
         self.rows = torch.full((b,), -1, dtype=torch.int64)
@@ -136,8 +144,11 @@ class LayerStore:
             ts.served.append(x.to(torch.float32))
             ts.exact.append(torch.ones(b, h, t, dtype=torch.bool, device=x.device))
         self.k_band.append(k.new_zeros((b, h, t, self.bands), dtype=torch.float32))
-        self.k_hat_norm.append(round_up_f32(k.to(torch.float64).norm(dim=-1)))
+        self.k_wit.append(k.new_zeros((b, h, t), dtype=torch.float32))
+        self.k_hat_norm.append(norm_up_f32(k))
         self.v_res.append(k.new_zeros((b, h, t), dtype=torch.float32))
+        self.v_hat_norm.append(norm_up_f32(v))
+        self.v_dist.append(norm_up_f32(v.to(torch.float64) - self.v_centre))
         self.positions.append(torch.arange(self.appended, self.appended + t, device=k.device).expand(b, h, t))
         self.appended += t
         if self.k_steps is not None:
@@ -179,9 +190,11 @@ class LayerStore:
             if is_key:
                 self.nonfinite += int((~finite).sum())
                 self.fail_closed += int((finite & keep).sum())
-                self.k_band.view()[:, :, lo:hi] = round_up_f32(band_norms(resid, self.bands, self.pairing))
-                self.k_hat_norm.view()[:, :, lo:hi] = round_up_f32(
-                    torch.where(keep.unsqueeze(-1), 0.0, xhat.to(torch.float64)).norm(dim=-1))
+                rho = round_up_f32(band_norms(resid, self.bands, self.pairing))
+                self.k_band.view()[:, :, lo:hi] = rho
+                self.k_wit.view()[:, :, lo:hi] = round_up_f32(rho.to(torch.float64).sum(-1)
+                                                              * (1.0 + 2.0 * (self.bands + 2) * 2.0**-53))
+                self.k_hat_norm.view()[:, :, lo:hi] = norm_up_f32(torch.where(keep.unsqueeze(-1), 0.0, xhat))
                 steps = ts.codec.steps(packed)
                 if steps is not None:
                     steps = torch.where(keep.unsqueeze(-1), torch.zeros_like(steps), steps.to(torch.float32))
@@ -190,7 +203,10 @@ class LayerStore:
                         self.k_steps.append(torch.zeros(*steps.shape[:2], ts.host.n, steps.shape[-1]))
                     self.k_steps.view()[:, :, lo:hi] = steps
             else:
-                self.v_res.view()[:, :, lo:hi] = round_up_f32(resid.norm(dim=-1))
+                self.v_res.view()[:, :, lo:hi] = norm_up_f32(resid)
+                served = torch.where(keep.unsqueeze(-1), 0.0, xhat)
+                self.v_hat_norm.view()[:, :, lo:hi] = norm_up_f32(served)
+                self.v_dist.view()[:, :, lo:hi] = norm_up_f32(served.to(torch.float64) - self.v_centre)
             ts.n_encoded = hi
 
     # ------------------------------------------------------------------------------------ maintenance
@@ -206,12 +222,20 @@ class LayerStore:
             moved += int(newly.sum()) * ts.host.view().shape[-1] * 2
             ts.exact.view()[b, h, tokens] = True
         self.k_band.view()[b, h, tokens] = 0.0
+        self.k_wit.view()[b, h, tokens] = 0.0
         self.v_res.view()[b, h, tokens] = 0.0
-        self.k_hat_norm.view()[b, h, tokens] = round_up_f32(
-            self.k.served.view()[b, h, tokens].to(torch.float64).norm(dim=-1))
+        self.k_hat_norm.view()[b, h, tokens] = norm_up_f32(self.k.served.view()[b, h, tokens])
+        exact_v = self.v.served.view()[b, h, tokens]
+        self.v_hat_norm.view()[b, h, tokens] = norm_up_f32(exact_v)
+        self.v_dist.view()[b, h, tokens] = norm_up_f32(exact_v.to(torch.float64) - self.v_centre[b, h])
         if self.k_steps is not None:
             self.k_steps.view()[b, h, tokens] = 0.0
         return moved
+
+    def _token_buffers(self) -> tuple[GrowBuffer, ...]:
+        """The per-token witness and position buffers (trimmed and gathered together with the tiers)."""
+        return (self.k_band, self.k_wit, self.k_hat_norm, self.v_res, self.v_hat_norm, self.v_dist,
+                self.positions)
 
     def drop_before(self, start: int) -> None:
         """Discard live tokens ``[0, start)`` (sliding-window layers). Packed chunks wholly before are freed."""
@@ -223,7 +247,7 @@ class LayerStore:
                 buf.drop_before(start)
             ts.n_encoded = max(ts.n_encoded - start, 0)
             ts.chunks = [c for c in ts.chunks if c.stop > self.base + start]
-        for buf in (self.k_band, self.k_hat_norm, self.v_res, self.positions):
+        for buf in self._token_buffers():
             buf.drop_before(start)
         if self.k_steps is not None:
             self.k_steps.drop_before(start)
@@ -263,7 +287,7 @@ class LayerStore:
                 buf.gather(keep)
             ts.n_encoded = keep.shape[-1]
             ts.last_encoded = 0
-        for buf in (self.k_band, self.k_hat_norm, self.v_res, self.positions):
+        for buf in self._token_buffers():
             buf.gather(keep)
         if self.k_steps is not None:
             self.k_steps.gather(keep)
@@ -290,7 +314,7 @@ class LayerStore:
         """Write-time witness bytes (band norms, norms, Tier-B steps)."""
         if self.k is None:
             return 0
-        total = self.k_band.nbytes + self.k_hat_norm.nbytes + self.v_res.nbytes
+        total = sum(buf.nbytes for buf in self._token_buffers()[:-1])
         return total + (self.k_steps.nbytes if self.k_steps is not None else 0)
 
     def bytes_host(self) -> int:

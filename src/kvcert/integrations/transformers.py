@@ -30,10 +30,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvcert.attention.certified import (
-    _U,
     ReadConfig,
     ReadResult,
-    _gamma,
     certified_read,
     group_heads,
     masked_logits,
@@ -41,6 +39,7 @@ from kvcert.attention.certified import (
 )
 from kvcert.attention.ladder import LadderConfig, LadderStats, ladder_read
 from kvcert.bounds import dither_witness_moments, uniform_split
+from kvcert.bounds.rc import gamma_f32
 from kvcert.bounds.rope import Pairing
 from kvcert.cache.events import CacheObserver, ReadEvent, WriteEvent
 from kvcert.cache.gate import Gate
@@ -251,15 +250,15 @@ def live_chain_readings(query: torch.Tensor, store: LayerStore, scaling: float) 
     non-finite entries are zeroed as in the read path (their cells fail closed there).
     """
     b, hq, _, d = query.shape
-    rho, khn, q = store.k_band.view(), store.k_hat_norm.view(), query.detach().to(torch.float32)
+    w, khn, q = store.k_wit.view(), store.k_hat_norm.view(), query.detach().to(torch.float32)
     if store.nonfinite or not bool(torch.isfinite(q).all()):
-        rho, khn, q = (torch.nan_to_num(x, 0.0, 0.0, 0.0) for x in (rho, khn, q))
-    g = hq // rho.shape[1]
-    w = (rho.sum(-1) * (1.0 + 2.0 * (store.bands + 2) * _U)).to(torch.float64)  # [B, Hkv, S], as the read path
+        w, khn, q = (torch.nan_to_num(x, 0.0, 0.0, 0.0) for x in (w, khn, q))
+    g = hq // w.shape[1]
+    w = w.to(torch.float64)                                                     # [B, Hkv, S], as the read path
     qn = q.to(torch.float64).norm(dim=-1).amax(-1)                              # [B, Hq]
     w_max = w.amax(-1).repeat_interleave(g, dim=1)
     k_max = (2.0 * khn.to(torch.float64) + w).amax(-1).repeat_interleave(g, dim=1)
-    return {"witness": w_max, "qnorm": scaling * qn, "logit_slack": scaling * _gamma(d + 1) * qn * k_max}
+    return {"witness": w_max, "qnorm": scaling * qn, "logit_slack": scaling * gamma_f32(d + 1) * qn * k_max}
 
 
 def _check_eviction(cache: CertifiedCache, layers: Sequence[CertifiedLayer]) -> None:
@@ -382,7 +381,7 @@ class CertifiedCache(Cache):
         self.tier_b = bool(layers[0].store.key_codec.tier_b)
         self.delta_loc = uniform_split(delta_req, n_layers, self.num_heads, max_steps)
         self.delta_req = delta_req
-        self._cfg = ReadConfig(self.gate, validate, self.delta_loc)
+        self._cfg = ReadConfig(self.gate, validate, self.delta_loc, attn_kv=self.evict is not None)
         self._records: list[StepRecord] = []
         self._step = -1
         self._bytes_paged = 0

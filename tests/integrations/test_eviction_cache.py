@@ -373,3 +373,26 @@ def test_belady_overlap_in_cache_is_one_for_belady_on_the_same_trace():
     second = _teacher_forced(model, ids, Belady(attn, kappa)).telemetry().belady_overlap
     assert (second[1:, 0] == 1).all()
     assert ((second[1:] >= 0) & (second[1:] <= 1)).all()
+
+
+def test_snapkv_first_budget_eviction_after_ingest_keeps_the_prefill_compression_set():
+    """Decode-budget SnapKV evicting right after an ingested prefill scores the same window of prefill
+    queries as prefill compression, so at the same kept count it keeps exactly the same positions."""
+    model = _model()
+    ids = _ids(model, 60, seed=31)
+    model.set_attn_implementation("eager")
+    past = DynamicCache(config=model.config)
+    with torch.no_grad():
+        attentions = model(ids, past_key_values=past, use_cache=True, output_attentions=True).attentions
+    model.set_attn_implementation("sdpa")
+    compressed = CertifiedCache(model, keys="none", values="none", certify=False,
+                                evict=SnapKV(window=8, kernel=3), compression_ratio=0.5)
+    compressed.ingest(past, attentions=attentions)
+    budget = CertifiedCache(model, keys="none", values="none", certify=False, evict=SnapKV(window=8, kernel=3),
+                            budget=prefill_kept_count(60, 0.5))
+    budget.ingest(past, attentions=attentions)
+    with torch.no_grad():
+        model(ids[:, -1:], past_key_values=budget, use_cache=True)
+    for layer in range(2):
+        assert torch.equal(budget.kept_positions(layer)[..., :-1], compressed.kept_positions(layer))
+    assert budget.telemetry().evicted_entries == 2 * 2 * 30

@@ -40,7 +40,7 @@ def check_report(out: Path) -> dict:
 
 
 @pytest.mark.parametrize(
-    "command", [[], ["run"], ["audit"], ["eval"], ["ppl"], ["codecs"], ["probe"], ["ledger"]]
+    "command", [[], ["run"], ["audit"], ["eval"], ["ppl"], ["merge"], ["codecs"], ["probe"], ["ledger"]]
 )
 def test_help(command: list[str]) -> None:
     result = runner.invoke(app, [*command, "--help"])

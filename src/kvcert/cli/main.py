@@ -9,6 +9,7 @@ import typer
 from kvcert.cli.audit import audit
 from kvcert.cli.codecs import codecs
 from kvcert.cli.evaluate import evaluate
+from kvcert.cli.merge import merge
 from kvcert.cli.ppl import ppl
 from kvcert.cli.probe import app as probe_app
 from kvcert.cli.run import run
@@ -22,6 +23,7 @@ app.command("run")(run)
 app.command("audit")(audit)
 app.command("eval")(evaluate)
 app.command("ppl")(ppl)
+app.command("merge")(merge)
 app.command("codecs")(codecs)
 app.add_typer(probe_app, name="probe")
 if importlib.util.find_spec("kvcert.cli.ledger") is not None:

@@ -1,0 +1,177 @@
+"""``kvcert merge``: pool sharded ``kvcert eval`` runs (disjoint samples, same schemes) into one result.
+
+A long evaluation can be split by task across processes or machines; merging recomputes the paired
+statistics on the concatenated per-sample scores, so the merged accuracy, paired bootstrap CI and McNemar p
+are exactly those of one run over all samples. Telemetry-derived numbers are pooled from the shards:
+page-in bytes, cells, fail-closed entries and violations are summed, the maximum certificate is the maximum,
+and cell-weighted fractions (coverage, informative fraction, fallback rate, effective bits) are re-weighted
+by each shard's recorded cells — the same cell weighting one run applies over its samples. Stored bytes per
+token depend on each shard's token counts, which a results file does not hold: they are reported per shard.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from kvcert.cli.common import command_line
+from kvcert.cli.progress import progress_bar
+from kvcert.cli.workload import DENSE
+from kvcert.eval.stats import mcnemar, paired_bootstrap
+from kvcert.report.figures import AccuracyPoint, accuracy_bars
+from kvcert.report.html import write_html
+from kvcert.report.results import CERTIFIED, EMPIRICAL, build_document, tiered, write_results
+from kvcert.report.tables import ReportTable, fmt, to_rich
+
+SUMMED = ("page_in_bytes", "cells", "fail_closed", "violations")
+CELL_WEIGHTED = {
+    "coverage_q@0.2": CERTIFIED,
+    "coverage_kv@0.2": CERTIFIED,
+    "informative_fraction": CERTIFIED,
+    "fallback_rate": EMPIRICAL,
+    "effective_bits": EMPIRICAL,
+}
+
+
+def _value(node: dict[str, Any], key: str) -> Any:
+    return node[key]["value"] if key in node else None
+
+
+def load_shard(path: Path) -> dict[str, Any]:
+    """Read one run's ``results.json`` (a run directory or the file); ``ValueError`` naming what is missing."""
+    file = path / "results.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"{path}: no results.json")
+    doc = json.loads(file.read_text())
+    results = doc.get("results", {})
+    if doc.get("command") not in ("eval", "run") or "per_sample" not in results:
+        raise ValueError(f"{file}: not a kvcert eval/run results file (need per-sample scores)")
+    return doc
+
+
+def _check_compatible(docs: list[dict[str, Any]], paths: list[Path]) -> list[str]:
+    """Variant labels shared by every shard, with the same gate; samples must be disjoint."""
+    first = docs[0]["results"]["variants"]
+    labels = list(first)
+    seen: dict[tuple[str, int], Path] = {}
+    for doc, path in zip(docs, paths, strict=True):
+        variants = doc["results"]["variants"]
+        if list(variants) != labels:
+            raise ValueError(f"{path}: variants {list(variants)} differ from {labels}")
+        for lab in labels:
+            if variants[lab]["gate"] != first[lab]["gate"]:
+                raise ValueError(f"{path}: variant {lab!r} ran gate {variants[lab]['gate']!r}, "
+                                 f"another shard ran {first[lab]['gate']!r}")
+        if doc["config"].get("model") != docs[0]["config"].get("model"):
+            raise ValueError(f"{path}: model {doc['config'].get('model')!r} differs from the first shard's")
+        for s in doc["results"]["per_sample"]:
+            key = (s["task"], s["index"]["value"])
+            if key in seen:
+                raise ValueError(f"sample {key} appears in both {seen[key]} and {path}: shards must be disjoint")
+            seen[key] = path
+    if DENSE not in labels:
+        raise ValueError(f"the shards hold no {DENSE!r} baseline")
+    return labels
+
+
+def merge_results(docs: list[dict[str, Any]], paths: list[Path], seed: int, resamples: int) -> dict[str, Any]:
+    """The merged ``results`` section (every number tiered)."""
+    labels = _check_compatible(docs, paths)
+    per_sample = [s for d in docs for s in d["results"]["per_sample"]]
+    scores = {lab: [float(s["scores"][lab]["value"]) for s in per_sample] for lab in labels}
+    variants: dict[str, Any] = {}
+    for lab in labels:
+        parts = [d["results"]["variants"][lab] for d in docs]
+        out: dict[str, Any] = {
+            "gate": parts[0]["gate"],
+            "codecs": parts[0]["codecs"],
+            "accuracy": tiered(sum(scores[lab]) / len(scores[lab]), EMPIRICAL),
+            "samples": tiered(len(scores[lab]), EMPIRICAL),
+        }
+        if lab != DENSE:
+            boot = paired_bootstrap(scores[DENSE], scores[lab], resamples=resamples, seed=seed)
+            mc = mcnemar([s >= 1.0 for s in scores[DENSE]], [s >= 1.0 for s in scores[lab]])
+            out.update({
+                "diff_vs_dense": tiered(boot.diff, EMPIRICAL),
+                "ci95_low": tiered(boot.low, EMPIRICAL),
+                "ci95_high": tiered(boot.high, EMPIRICAL),
+                "mcnemar_p": tiered(mc.p_exact, EMPIRICAL),
+                "bootstrap_resamples": tiered(boot.resamples, EMPIRICAL),
+            })
+        if "cells" in parts[0]:
+            for key in SUMMED:
+                if all(key in p for p in parts):
+                    out[key] = tiered(sum(_value(p, key) for p in parts), EMPIRICAL)
+            cells = [_value(p, "cells") for p in parts]
+            for key, tier in CELL_WEIGHTED.items():
+                pairs = [(_value(p, key), c) for p, c in zip(parts, cells, strict=True)
+                         if _value(p, key) is not None and _value(p, key) == _value(p, key) and c]
+                den = sum(c for _, c in pairs)
+                out[key] = tiered(sum(v * c for v, c in pairs) / den if den else float("nan"), tier)
+            out["max_certificate"] = tiered(max(_value(p, "max_certificate") for p in parts), CERTIFIED)
+            out["bytes_per_token_fp16"] = parts[0]["bytes_per_token_fp16"]
+            out["bytes_per_token_stored_per_shard"] = [p["bytes_per_token_stored"] for p in parts]
+        variants[lab] = out
+    return {"variants": variants, "shards": [str(p) for p in paths], "per_sample": per_sample}
+
+
+def _table(merged: dict[str, Any]) -> ReportTable:
+    rows = []
+    for lab, v in merged["variants"].items():
+        ci = "–" if lab == DENSE else (f"{fmt(_value(v, 'diff_vs_dense'), percent=True)} "
+                                       f"[{fmt(_value(v, 'ci95_low'), percent=True)}, "
+                                       f"{fmt(_value(v, 'ci95_high'), percent=True)}]")
+        page = _value(v, "page_in_bytes")
+        rows.append((lab, v["gate"], fmt(_value(v, "accuracy"), percent=True), ci,
+                     fmt(_value(v, "mcnemar_p")), fmt(_value(v, "effective_bits")),
+                     fmt(None if page is None else page / 1e6), fmt(_value(v, "fallback_rate"), percent=True),
+                     fmt(_value(v, "coverage_kv@0.2"), percent=True)))
+    n = _value(merged["variants"][DENSE], "samples")
+    return ReportTable(
+        f"merged accuracy vs dense, paired over all {n} samples of {len(merged['shards'])} shard(s)",
+        ("variant", "gate", "accuracy", "Δ vs dense [95% CI]", "McNemar p", "eff. bits", "page-in MB",
+         "fallback", "KV-head cov@0.2"),
+        tuple(rows),
+        "accuracy, CI, p, bits, page-in, fallback: empirical; coverage: certified (Tier-A)",
+    )
+
+
+def merge(
+    runs: Annotated[list[Path], typer.Argument(help="run directories (or results.json files) of `kvcert eval`")],
+    out: Annotated[Path, typer.Option(help="directory for the merged results.json, report.html and PNG")],
+    seed: Annotated[int, typer.Option(help="bootstrap seed")] = 0,
+    resamples: Annotated[int, typer.Option(help="paired bootstrap resamples")] = 10_000,
+) -> None:
+    """Merge sharded `kvcert eval` runs: paired CI and McNemar recomputed on all samples together."""
+    console = Console()
+    try:
+        docs = []
+        with progress_bar("reading shards", len(runs), console) as tick:
+            for i, path in enumerate(runs):
+                docs.append(load_shard(path))
+                tick(i)
+        merged = merge_results(docs, runs, seed, resamples)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    out.mkdir(parents=True, exist_ok=True)
+    table = _table(merged)
+    dense = _value(merged["variants"][DENSE], "accuracy")
+    points = [
+        AccuracyPoint(lab, _value(v, "accuracy"), _value(v, "ci95_low"), _value(v, "ci95_high"),
+                      float("nan"), v["gate"] != "off")
+        for lab, v in merged["variants"].items() if lab != DENSE
+    ]
+    png = accuracy_bars(points, dense, out / "accuracy.png")
+    config = {"shards": [d["config"] for d in docs], "resamples": resamples}
+    doc = build_document("merge", config, merged, seed,
+                         {"merged_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    json_path = write_results(out / "results.json", doc)
+    html = write_html(out / "report.html", "kvcert merge", [__doc__.split("\n\n")[1].replace("\n", " ")],
+                      [table], [png], command_line())
+    console.print(to_rich(table))
+    console.print(f"results: {json_path}\nreport:  {html}")

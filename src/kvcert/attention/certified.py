@@ -60,6 +60,9 @@ class ReadResult:
     attn_kv: torch.Tensor | None = None        # [B, Hkv, Q, S] served attention summed over each KV head's G heads
     true_tv: torch.Tensor | None = None        # validate: TV(exact, served before repair)
     true_out_err: torch.Tensor | None = None   # validate: ‖served output − exact output‖₂
+    q_norm: torch.Tensor | None = None         # [B, Hq, Q] ‖q‖₂ of the float32 query (float64)
+    witness_max: torch.Tensor | None = None    # [B, Hkv] max_t W_t over the stored tokens
+    key_norm_max: torch.Tensor | None = None   # [B, Hkv] max_t (2‖k̂_t‖ + W_t) over the stored tokens
 
 
 def masked_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -186,7 +189,8 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     kfac = (2.0 * khn.to(torch.float64) + w.to(torch.float64)).unsqueeze(2)   # [B, Hkv, 1, S]
     rate = scaling * gamma_f32(d + 1) * qn
     c = c_a.addcmul_(rate, kfac)
-    phi_max = 2.0 * rate.amax(-2) * kfac.amax(-1)                              # [B, Hkv, 1]
+    kmax = kfac.amax(-1)                                                       # [B, Hkv, 1]
+    phi_max = 2.0 * rate.amax(-2) * kmax                                       # [B, Hkv, 1]
     cert_pre, raw = served_meter(p64, c)
     if nonfinite:
         cert_pre = torch.where(bad_cell, 1.0, cert_pre)
@@ -268,6 +272,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
         value_term=ungroup_heads(value_term, hq, nq), repaired=repaired, blocks=blocks, values_promoted=promoted,
         bytes_paged=bytes_paged,
         attn_kv=p_served.reshape(b, hkv, g, nq, s).sum(2).to(torch.float32) if cfg.attn_kv else None,
+        q_norm=qn.reshape(b, hq, nq), witness_max=w.amax(-1).to(torch.float64), key_norm_max=kmax.squeeze(-1),
     )
     if cfg.validate:
         p_exact = probs64(masked_logits(qg, host_k.to(torch.float32), m, scaling))

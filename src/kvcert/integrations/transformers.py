@@ -240,25 +240,22 @@ def grouped_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, s
     return probs64(masked_logits(qg, keys.detach().to(torch.float32), m, scaling)).reshape(b, hkv, hq // hkv, nq, s)
 
 
-def live_chain_readings(query: torch.Tensor, store: LayerStore, scaling: float) -> dict[str, torch.Tensor]:
-    """Per-cell inputs ``[B, Hq]`` of the dense contract chain for one read of ``query[B, Hq, Q, D]``.
+def live_chain_readings(res: ReadResult, scaling: float, head_dim: int) -> dict[str, torch.Tensor]:
+    """Per-cell inputs ``[B, Hq]`` of the dense contract chain for one certified read ``res`` (the read path
+    computed every ingredient; this only regroups them per query head).
 
-    ``witness``: ``max_t W_t`` with ``W_t = Σ_b ρ_tb`` summed and rounded up exactly as the read path does
-    (so ``W_t >= ‖k̂_t − k_t‖``); ``qnorm``: ``sc·max_Q ‖q‖₂`` of the float32 query the read path uses;
+    ``witness``: ``max_t W_t`` with the store's write-time ``W_t ≥ Σ_b ρ_tb ≥ ‖k̂_t − k_t‖``;
+    ``qnorm``: ``sc·max_Q ‖q‖₂`` of the float32 query the read path uses;
     ``logit_slack``: ``sc·γ_{D+1}·max‖q‖·max_t(2‖k̂_t‖ + W_t)``, which bounds the float32 rounding of both
     logit dot products. The max runs over every token the KV head holds (a superset of the visible ones);
     non-finite entries are zeroed as in the read path (their cells fail closed there).
     """
-    b, hq, _, d = query.shape
-    w, khn, q = store.k_wit.view(), store.k_hat_norm.view(), query.detach().to(torch.float32)
-    if store.nonfinite or not bool(torch.isfinite(q).all()):
-        w, khn, q = (torch.nan_to_num(x, 0.0, 0.0, 0.0) for x in (w, khn, q))
-    g = hq // w.shape[1]
-    w = w.to(torch.float64)                                                     # [B, Hkv, S], as the read path
-    qn = q.to(torch.float64).norm(dim=-1).amax(-1)                              # [B, Hq]
-    w_max = w.amax(-1).repeat_interleave(g, dim=1)
-    k_max = (2.0 * khn.to(torch.float64) + w).amax(-1).repeat_interleave(g, dim=1)
-    return {"witness": w_max, "qnorm": scaling * qn, "logit_slack": scaling * gamma_f32(d + 1) * qn * k_max}
+    assert res.q_norm is not None and res.witness_max is not None and res.key_norm_max is not None
+    g = res.q_norm.shape[1] // res.witness_max.shape[1]
+    qn = res.q_norm.amax(-1)                                                    # [B, Hq]
+    w_max = res.witness_max.repeat_interleave(g, dim=1)
+    k_max = res.key_norm_max.repeat_interleave(g, dim=1)
+    return {"witness": w_max, "qnorm": scaling * qn, "logit_slack": scaling * gamma_f32(head_dim + 1) * qn * k_max}
 
 
 def _check_eviction(cache: CertifiedCache, layers: Sequence[CertifiedLayer]) -> None:
@@ -552,7 +549,7 @@ class CertifiedCache(Cache):
                               self.ladder_stats)
         else:
             res = certified_read(query, store, mask, float(scaling), self._cfg, exact_attention)
-        self._record(layer, res, nq, {} if self.ladder else live_chain_readings(query, store, float(scaling)))
+        self._record(layer, res, nq, {} if self.ladder else live_chain_readings(res, float(scaling), query.shape[-1]))
         if self.evict is not None:
             self._after_read(layer, query, key, logical, float(scaling), res.attn_kv)
         return res.out.to(query.dtype)

@@ -12,14 +12,20 @@ the same samples. RMM gets the realised κ of the prompt (next-token probabiliti
 Per policy and budget: accuracy, the paired bootstrap CI of the difference to the reference and the exact
 McNemar p-value. Every number is empirical.
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/evict_ruler.py --samples 4 --context 2048
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/evict_ruler.py --samples 4 --context 2048 --out runs/ev2k
+    .venv/bin/python benchmarks/evict_ruler.py --report runs/ev2k runs/ev4k    # tables + plot from saved runs
+
+With ``--out DIR`` every sample's scores are appended to ``DIR/scores.jsonl`` as soon as they exist, so a
+stopped run keeps what it measured and runs can be sharded; ``--report`` pools runs per context length.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +40,7 @@ from kvcert.eval.stats import mcnemar, paired_bootstrap
 from kvcert.evict import H2O, RMM, EvictionPolicy, SnapKV, StreamingLLM, token_probability
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models import converted_dir, load
+from kvcert.report.figures import accuracy_vs_budget
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "streaming(sinks=4)": lambda: StreamingLLM(sinks=4),
@@ -88,6 +95,47 @@ def decode(model: PreTrainedModel, cache: CertifiedCache, first: torch.Tensor, m
     return torch.cat(toks, 1) if toks else first[:, :0]
 
 
+def table(context: int, rows: list[dict[str, Any]], configs: list[tuple[str, float]]) -> list[str]:
+    """Markdown table of one context length: accuracy, paired bootstrap CI and McNemar p per configuration."""
+    ref = [r["scores"]["reference@1.00"] for r in rows]
+    tasks = sorted({r["task"] for r in rows})
+    lines = [f"SmolLM2-135M, RULER {','.join(tasks)} @ {context}, {len(rows)} samples, prefill compression via "
+             "shared-prefill ingest (all numbers empirical)",
+             "| policy | kept | accuracy | Δ vs reference [95% paired bootstrap CI] | McNemar p |",
+             "|---|---|---|---|---|",
+             f"| reference (no eviction) | 100% | {sum(ref) / len(ref):.3f} | — | — |"]
+    for name, keep in configs:
+        got = [r["scores"][f"{name}@{keep:.2f}"] for r in rows]
+        ci = paired_bootstrap(ref, got, seed=0)
+        binary = all(v in (0.0, 1.0) for v in ref + got)
+        p = f"{mcnemar(ref, got).p_exact:.3f}" if binary else "n/a (partial scores)"
+        lines.append(f"| {name} | {keep:.0%} | {sum(got) / len(got):.3f} | {ci.diff:+.3f} [{ci.low:+.3f}, "
+                     f"{ci.high:+.3f}] | {p} |")
+    return lines
+
+
+def report(dirs: list[str]) -> None:
+    """Pool ``scores.jsonl`` of the given runs per context length; print the tables and write
+    ``accuracy-<context>.png`` (accuracy vs kept fraction with paired CIs) into the first run's directory."""
+    rows = [json.loads(line) for d in dirs for line in open(f"{d}/scores.jsonl") if line.strip()]
+    if not rows:
+        raise SystemExit(f"no samples recorded in {dirs}")
+    for context in sorted({r["context"] for r in rows}):
+        mine = [r for r in rows if r["context"] == context]
+        configs = [(k.rsplit("@", 1)[0], float(k.rsplit("@", 1)[1])) for k in mine[0]["scores"]
+                   if not k.startswith("reference@")]
+        print("\n".join(table(context, mine, configs)) + "\n")
+        series = {}
+        for name, keep in configs:
+            acc = [r["scores"][f"{name}@{keep:.2f}"] for r in mine]
+            ci = paired_bootstrap([r["scores"]["reference@1.00"] for r in mine], acc, seed=0)
+            series.setdefault(name, []).append((keep, sum(acc) / len(acc), ci.low, ci.high))
+        ref = sum(r["scores"]["reference@1.00"] for r in mine) / len(mine)
+        path = accuracy_vs_budget(series, ref, Path(dirs[0]) / f"accuracy-{context}.png",
+                                  f"SmolLM2-135M, RULER @ {context}, n = {len(mine)} (empirical)")
+        print(f"plot: {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_multikey_1")
@@ -96,18 +144,28 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", default="0.25,0.5,0.75", help="fractions of the prompt kept")
     parser.add_argument("--max-new", type=int, default=32, help="cap on new tokens (RULER budget if lower)")
+    parser.add_argument("--out", default=None, help="directory for scores.jsonl (one line per sample)")
+    parser.add_argument("--report", nargs="+", default=None, help="print tables and plot from saved runs")
     args = parser.parse_args()
+    if args.report:
+        report(args.report)
+        return
     torch.manual_seed(0)
     model, tok = load("smollm2-135m")
     model.eval()
-    samples: list[Sample] = []
+    samples: list[tuple[str, Sample]] = []
     for task in args.tasks.split(","):
-        samples += load_task(task, args.context, args.samples, args.seed, converted_dir("smollm2-135m"))
+        samples += [(task, s) for s in load_task(task, args.context, args.samples, args.seed,
+                                                 converted_dir("smollm2-135m"))]
     keeps = [float(k) for k in args.keep.split(",")]
     configs = [(name, k) for name in POLICIES for k in keeps]
-    scores: dict[tuple[str, float], list[float]] = {c: [] for c in [("reference", 1.0), *configs]}
+    log = None
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        log = open(Path(args.out) / "scores.jsonl", "a")
+    rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    for sample in tqdm(samples, desc="samples"):
+    for i, (task, sample) in enumerate(tqdm(samples, desc="samples")):
         ids = prompt_ids(tok, sample)
         max_new = min(sample.max_new_tokens, args.max_new)
         past, attentions, logits = shared_prefill(model, ids)
@@ -115,6 +173,7 @@ def main() -> None:
         kappa = torch.ones(1, ids.shape[1], dtype=torch.float64)
         kappa[:, :-1] = token_probability(logits[:, :-1], ids[:, 1:])   # realised κ of the prompt
         del logits
+        got: dict[str, float] = {}
         for name, keep in [("reference", 1.0), *configs]:
             kwargs = {} if name == "reference" else {"evict": POLICIES[name](), "compression_ratio": 1.0 - keep}
             cache = CertifiedCache(model, keys="none", values="none", certify=False, **kwargs)
@@ -123,21 +182,15 @@ def main() -> None:
             cache.ingest(past, attentions=attentions if kwargs else None)
             toks = decode(model, cache, first, max_new, tok.eos_token_id)
             cache.detach()
-            scores[(name, keep)].append(score(sample, tok.decode(toks[0], skip_special_tokens=True)))
-    elapsed = time.perf_counter() - t0
-    ref = scores[("reference", 1.0)]
-    print(f"SmolLM2-135M, RULER {args.tasks} @ {args.context}, {len(samples)} samples, seed {args.seed}, "
-          f"prefill compression via shared-prefill ingest, {elapsed / 60:.1f} min (all numbers empirical)")
-    print("| policy | kept | accuracy | Δ vs reference [95% paired bootstrap CI] | McNemar p |")
-    print("|---|---|---|---|---|")
-    print(f"| reference (no eviction) | 100% | {sum(ref) / len(ref):.3f} | — | — |")
-    for name, keep in configs:
-        got = scores[(name, keep)]
-        ci = paired_bootstrap(ref, got, seed=0)
-        binary = all(v in (0.0, 1.0) for v in ref + got)
-        p = f"{mcnemar(ref, got).p_exact:.3f}" if binary else "n/a (partial scores)"
-        print(f"| {name} | {keep:.0%} | {sum(got) / len(got):.3f} | {ci.diff:+.3f} [{ci.low:+.3f}, {ci.high:+.3f}] "
-              f"| {p} |")
+            got[f"{name}@{keep:.2f}"] = score(sample, tok.decode(toks[0], skip_special_tokens=True))
+        row = {"task": task, "index": i, "context": args.context, "seed": args.seed, "tokens": ids.shape[1],
+               "scores": got}
+        rows.append(row)
+        if log is not None:
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+    print(f"{len(rows)} samples in {(time.perf_counter() - t0) / 60:.1f} min")
+    print("\n".join(table(args.context, rows, configs)))
 
 
 if __name__ == "__main__":

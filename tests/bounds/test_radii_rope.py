@@ -7,7 +7,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kvcert.bounds import band_norms, query_band_norms, tier_a_radius, tier_a_radius_from_qnorms
+from kvcert.bounds import band_norms, query_band_norms, round_up_f32, tier_a_radius, tier_a_radius_from_qnorms
+from kvcert.bounds.radii import tier_a_radius_f32
 
 F64 = torch.float64
 D, HEADS = 64, 4
@@ -106,6 +107,9 @@ def test_float32_radius_never_below_exact_float64(gen):
     # the generic broadcast path agrees
     generic = tier_a_radius_from_qnorms(qn[:, 0], kn_stored, 0.125)
     assert bool((generic >= exact[:, 0]).all())
+    # the read path's unchecked entry point, fed float32 query norms rounded up, is the same computation
+    hot = tier_a_radius_f32(round_up_f32(qn), kn_stored.unsqueeze(1), 0.125)
+    assert torch.equal(hot, tier_a_radius_from_qnorms(qn, kn_stored.unsqueeze(1), 0.125))
 
 
 def test_query_band_norms_and_bad_inputs(gen):

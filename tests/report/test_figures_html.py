@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -33,6 +34,8 @@ def make_figures(tmp_path: Path) -> list[Path]:
         figures.accuracy_bars(pts, 1.0, tmp_path / "acc.png"),
         figures.bytes_vs_accuracy(pts, 1024.0, 1.0, tmp_path / "bytes.png"),
         figures.bound_scatter(tv, tv * 2, tmp_path / "scatter.png", "true", "bound", "scatter"),
+        figures.accuracy_vs_budget({"h2o": [(0.5, 0.4, -0.8, -0.2), (0.25, 0.1, -1.0, -0.6)],
+                                    "snapkv": [(0.5, 0.9, -0.2, 0.0)]}, 1.0, tmp_path / "budget.png", "budget"),
     ]
 
 
@@ -77,6 +80,8 @@ def _chromium() -> str | None:
 def test_html_renders_in_headless_chromium(tmp_path: Path) -> None:
     browser = _chromium()
     if browser is None:
+        # CI installs Debian's chromium (.ci/run) and sets KVCERT_REQUIRE_CHROMIUM=1: there it must not skip
+        assert not os.environ.get("KVCERT_REQUIRE_CHROMIUM"), "KVCERT_REQUIRE_CHROMIUM is set but no chromium found"
         pytest.skip("no chromium binary installed: HTML render check not run")
     page = write_html(
         tmp_path / "report.html",

@@ -7,8 +7,10 @@ For one layer and one forward call with queries ``q[B, Hq, Q, D]`` over ``S`` st
 2. Tier-A radii ``c_t = sc·Σ_b ‖q_b‖ρ_{t,b} + φ_t`` where ``φ_t = sc·γ_D·‖q‖·(2‖k̂_t‖ + W_t)`` bounds the
    float32 rounding of both logit dot products (``γ_D = D·u/(1 − D·u)``, ``u = 2^{-24}``), so the premise
    ``|s̃_t − s_t| ≤ c_t`` holds for the logits the hardware actually computes;
-3. certificate ``meter(p̃, c)`` per (query head, query) cell; Tier B beside it for dithered keys
-   (non-adaptive: sound only for queries independent of the dither);
+3. certificate ``meter(p̃, c)`` per (query head, query) cell — on CPU the softmax, the meter and the tanh
+   reference come from one fused kernel (:mod:`kvcert.bounds.fused`, tested to refine the eager forms, with
+   its float64 rounding covered); Tier B beside it for dithered keys (non-adaptive: sound only for queries
+   independent of the dither);
 4. KV-head verdict any-of-G; the gate repairs heads (exact SDPA on host K/V) or blocks (greedy by
    contribution ``Σ_{t∈b} p̃_t(e^{c_t} − 1)``, doubling the block count until the cell is under threshold);
 5. two-term output-error bound ``‖ô − o‖ ≤ Σ p̃‖Δv‖ + 2·TV·max_t(‖v̂_t − c‖ + ‖Δv_t‖) + ξ`` (``c`` the
@@ -23,13 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcert.bounds import (
-    meter_and_unclipped,
-    query_band_norms,
-    tier_a_radius_from_qnorms,
-    tier_b_radius,
-    tier_b_sigma2,
-)
+from kvcert.bounds import band_norms, meter_and_unclipped, round_up_f32, tier_b_radius, tier_b_sigma2
+from kvcert.bounds.fused import RADII_MAX_ROWS, read_radii, softmax_meter
+from kvcert.bounds.radii import tier_a_radius_f32
 from kvcert.bounds.rc import U_F32, gamma_f32
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
@@ -65,14 +63,18 @@ class ReadResult:
     key_norm_max: torch.Tensor | None = None   # [B, Hkv] max_t (2‖k̂_t‖ + W_t) over the stored tokens
 
 
-def masked_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+def masked_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scaling: float,
+                  full: bool | None = None) -> torch.Tensor:
     """``(sc·q)·kᵀ`` for grouped queries ``q[B, Hkv, M, D]``, ``k[B, Hkv, S, D]``; masked entries ``-inf``.
 
     Scaling the query first keeps the rounding within ``γ_{D+1}·sc·Σ|q_i k_i|`` (one rounding per scaled
-    entry, then a D-term dot product), the bound the read path's slack ``φ`` assumes.
+    entry, then a D-term dot product), the bound the read path's slack ``φ`` assumes. ``full``: the caller
+    already knows whether ``mask`` is all True (``None``: check).
     """
     logits = torch.matmul(q * scaling, k.transpose(-1, -2))
-    return logits if bool(mask.all()) else logits.masked_fill_(~mask, float("-inf"))
+    if full is None:
+        full = bool(mask.all())
+    return logits if full else logits.masked_fill_(~mask, float("-inf"))
 
 
 def probs64(logits: torch.Tensor) -> torch.Tensor:
@@ -89,6 +91,29 @@ def served_meter(p: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.
     onehot[..., 0] = 1.0
     clipped, raw = meter_and_unclipped(torch.where(live.unsqueeze(-1), p, onehot), c)
     return torch.where(live, clipped, 0.0), torch.where(live, raw, 0.0)
+
+
+def served_certificate(logits: torch.Tensor, c: torch.Tensor, m: torch.Tensor, full: bool,
+                       fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                           torch.Tensor]:
+    """``(p̃ float64, p̃ float32, meter, unclipped meter, tanh(max visible c))`` for masked float32 ``logits``.
+
+    On CPU (``fused=None``) one fused kernel (:func:`kvcert.bounds.fused.softmax_meter`, a tested refinement
+    of the forms below); elsewhere, or with ``fused=False``, the eager reference: :func:`probs64`,
+    :func:`served_meter` and ``tanh`` of the largest radius over the visible tokens (``m`` True).
+    """
+    if fused or (fused is None and logits.device.type == "cpu"):
+        return softmax_meter(logits, c)
+    p = probs64(logits)
+    cert, raw = served_meter(p, c)
+    return p, p.to(torch.float32), cert, raw, torch.tanh((c if full else torch.where(m, c, 0.0)).amax(-1))
+
+
+def _logit_slack_factors(qn: torch.Tensor, khn: torch.Tensor, w: torch.Tensor, scaling: float,
+                         d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sc·γ_{D+1}·‖q‖ [B, Hkv, M, 1], 2‖k̂_t‖ + W_t [B, Hkv, 1, S])``: their product is the float32 logit
+    rounding slack ``φ_t`` of one cell and token (float64)."""
+    return scaling * gamma_f32(d + 1) * qn, (2.0 * khn.to(torch.float64) + w.to(torch.float64)).unsqueeze(2)
 
 
 def _out_bound(p: torch.Tensor, tv: torch.Tensor, vres: torch.Tensor, spread: torch.Tensor, vmax: torch.Tensor,
@@ -110,14 +135,18 @@ def _out_bound(p: torch.Tensor, tv: torch.Tensor, vres: torch.Tensor, spread: to
     return key_term + value_term + slack, key_term, value_term, slack
 
 
-def _value_spread(store: LayerStore, mask: torch.Tensor, nonfinite: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _value_spread(store: LayerStore, mask: torch.Tensor, full: bool,
+                  nonfinite: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(max_t ‖v̂_t − c‖ + ‖Δv_t‖, max_t ‖v̂_t‖ + ‖Δv_t‖)`` per KV head ``[B, Hkv, 1]`` (float64) over every
-    token visible to any query of the read (``mask[B, 1|Hkv, Q, S]``): upper bounds for served and exact values."""
+    token visible to any query of the read (``mask[B, 1|Hkv, Q, S]``; ``full``: all of them): upper bounds for
+    served and exact values."""
     vres = store.v_res.view().to(torch.float64)
     dist = store.v_dist.view().to(torch.float64) + vres
     norm = store.v_hat_norm.view().to(torch.float64) + vres
     if nonfinite:
         dist, norm = torch.nan_to_num(dist, 0.0, 0.0, 0.0), torch.nan_to_num(norm, 0.0, 0.0, 0.0)
+    if full:
+        return dist.amax(-1, keepdim=True), norm.amax(-1, keepdim=True)
     vis = mask.any(-2)                                                                  # [B, 1|Hkv, S]
     return (torch.where(vis, dist, 0.0).amax(-1, keepdim=True),
             torch.where(vis, norm, 0.0).amax(-1, keepdim=True))
@@ -165,43 +194,44 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     # non-finite query cannot be certified; its KV head is served by the exact path and the cell reports 1.
     # Encoded entries were checked at write time (store.nonfinite counts them); only pending ones and q here.
     nonfinite = (store.nonfinite > 0 or not bool(torch.isfinite(qg).all())
-                 or not bool(torch.isfinite(khat[:, :, store.k.n_encoded:]).all())
-                 or not bool(torch.isfinite(vhat[:, :, store.v.n_encoded:]).all()))
+                 or (store.k.n_encoded < s and not bool(torch.isfinite(khat[:, :, store.k.n_encoded:]).all()))
+                 or (store.v.n_encoded < s and not bool(torch.isfinite(vhat[:, :, store.v.n_encoded:]).all())))
     if nonfinite:
         bad_tok = ~(torch.isfinite(khat).all(-1) & torch.isfinite(vhat).all(-1))             # [B, Hkv, S]
         bad_cell = (m & bad_tok.unsqueeze(2)).any(-1) | ~torch.isfinite(qg).all(-1)         # [B, Hkv, M]
         khat, vhat = torch.nan_to_num(khat, 0.0, 0.0, 0.0), torch.nan_to_num(vhat, 0.0, 0.0, 0.0)
         qg = torch.nan_to_num(qg, 0.0, 0.0, 0.0)
     full = bool(mask.all())                                                    # every token visible to every cell
-    logits = masked_logits(qg, khat, m, scaling)
-    p64 = probs64(logits)
-    out = torch.matmul(p64.to(torch.float32), vhat)                          # [B, Hkv, M, Dv]
+    logits = masked_logits(qg, khat, m, scaling, full)
 
     # Tier-A radii with float32 rounding slack, certificate per cell.
     rho, khn, w = store.k_band.view(), store.k_hat_norm.view(), store.k_wit.view()
     if nonfinite:
         rho, khn, w = (torch.nan_to_num(x, 0.0, 0.0, 0.0) for x in (rho, khn, w))
-    qb = query_band_norms(qg, store.bands, store.pairing)
-    c_a = tier_a_radius_from_qnorms(qb, rho.unsqueeze(2), scaling)
-    qn = qg.to(torch.float64).norm(dim=-1, keepdim=True)                       # [B, Hkv, M, 1]
     # φ_t = sc·γ_{D+1}·‖q‖·(2‖k̂_t‖ + W_t): D products + the multiplication by the softmax scale, for the
-    # served and the exact key (‖k_t‖ ≤ ‖k̂_t‖ + W_t)
-    kfac = (2.0 * khn.to(torch.float64) + w.to(torch.float64)).unsqueeze(2)   # [B, Hkv, 1, S]
-    rate = scaling * gamma_f32(d + 1) * qn
-    c = c_a.addcmul_(rate, kfac)
-    kmax = kfac.amax(-1)                                                       # [B, Hkv, 1]
-    phi_max = 2.0 * rate.amax(-2) * kmax                                       # [B, Hkv, 1]
-    cert_pre, raw = served_meter(p64, c)
+    # served and the exact key (‖k_t‖ ≤ ‖k̂_t‖ + W_t); c_t = Tier-A radius + φ_t
+    if qg.device.type == "cpu" and qg.shape[2] <= RADII_MAX_ROWS:                # decode-size read: one pass
+        c, qn, kmax, phi_max, wmax = read_radii(qg, rho, khn, w, scaling, gamma_f32(d + 1), store.pairing)
+    else:
+        qb = round_up_f32(band_norms(qg, store.bands, store.pairing))           # float32, never below ‖q_b‖
+        qn = qg.to(torch.float64).norm(dim=-1, keepdim=True)                   # [B, Hkv, M, 1]
+        rate, kfac = _logit_slack_factors(qn, khn, w, scaling, d)
+        c = tier_a_radius_f32(qb, rho.unsqueeze(2), scaling).addcmul_(rate, kfac)
+        kmax = kfac.amax(-1)                                                   # [B, Hkv, 1]
+        phi_max = 2.0 * rate.amax(-2) * kmax                                   # [B, Hkv, 1]
+        wmax = w.amax(-1, keepdim=True).to(torch.float64)
+    p64, p32, cert_pre, raw, tanh = served_certificate(logits, c, m, full)
+    out = torch.matmul(p32, vhat)                          # [B, Hkv, M, Dv]
     if nonfinite:
         cert_pre = torch.where(bad_cell, 1.0, cert_pre)
         raw = torch.where(bad_cell, float("inf"), raw)
-    tanh = torch.tanh((c if full else torch.where(m, c, 0.0)).amax(-1))
 
     cert_b = None
     if store.k_steps is not None:
         codec = store.key_codec
         qm = qg if codec.channel_mask is None else qg * codec.channel_mask.view(1, hkv, 1, d).to(qg)
         sig2 = tier_b_sigma2(qm, store.k_steps.view().unsqueeze(2), scaling, codec.group_size)
+        rate, kfac = _logit_slack_factors(qn, khn, w, scaling, d)
         u = tier_b_radius(sig2, s, cfg.delta_loc) + rate * kfac                  # same rounding slack
         cert_b = served_meter(p64, u)[0]
 
@@ -214,7 +244,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     repaired = torch.zeros(b, hkv, dtype=torch.bool)
     blocks = torch.zeros(b, hkv, dtype=torch.int64)
     promoted = torch.zeros(b, hkv, dtype=torch.bool)
-    spread, vmax = _value_spread(store, mask, nonfinite)                        # before any persistent repair
+    spread, vmax = _value_spread(store, mask, full, nonfinite)                        # before any persistent repair
     vres_served = store.v_res.view()
     if nonfinite:
         vres_served = torch.nan_to_num(vres_served, 0.0, 0.0, 0.0)
@@ -231,8 +261,9 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
             out = torch.where(sel, ex, out)
             repaired = need.clone()
             cert = torch.where(need.unsqueeze(-1), torch.zeros_like(cert), cert)
-            p_served = torch.where(sel, probs64(masked_logits(qg, host_k.to(torch.float32), m, scaling)),
-                                   p_served)
+            if cfg.attn_kv:   # a repaired head's served distribution only feeds the eviction policy's reading
+                exact_p = probs64(masked_logits(qg, host_k.to(torch.float32), m, scaling, full))
+                p_served = torch.where(sel, exact_p, p_served)
             bytes_paged += int(need.sum()) * s * (host_k.shape[-1] + host_v.shape[-1]) * elt
             if gate.persistent:
                 for bi, hi in need.nonzero().tolist():
@@ -249,10 +280,11 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
 
     bound, key_term, value_term, slack = _out_bound(p_served, cert, vres_served, spread, vmax, s,
                                                     vhat.shape[-1], phi_max)
-    zero = repaired.view(b, hkv, 1)
-    key_term = torch.where(zero, 0.0, key_term)
-    value_term = torch.where(zero, 0.0, value_term)
-    bound = torch.where(zero, slack, bound)
+    if bool(repaired.any()):   # an exactly repaired head: no key or value term, only the evaluation slack
+        zero = repaired.view(b, hkv, 1)
+        key_term = torch.where(zero, 0.0, key_term)
+        value_term = torch.where(zero, 0.0, value_term)
+        bound = torch.where(zero, slack, bound)
 
     if gate.value_tol is not None:
         promote = ((value_term > gate.value_tol) & (value_term > key_term)).any(-1) & ~repaired
@@ -272,10 +304,10 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
         value_term=ungroup_heads(value_term, hq, nq), repaired=repaired, blocks=blocks, values_promoted=promoted,
         bytes_paged=bytes_paged,
         attn_kv=p_served.reshape(b, hkv, g, nq, s).sum(2).to(torch.float32) if cfg.attn_kv else None,
-        q_norm=qn.reshape(b, hq, nq), witness_max=w.amax(-1).to(torch.float64), key_norm_max=kmax.squeeze(-1),
+        q_norm=qn.reshape(b, hq, nq), witness_max=wmax.squeeze(-1), key_norm_max=kmax.squeeze(-1),
     )
     if cfg.validate:
-        p_exact = probs64(masked_logits(qg, host_k.to(torch.float32), m, scaling))
+        p_exact = probs64(masked_logits(qg, host_k.to(torch.float32), m, scaling, full))
         true_tv = (0.5 * (p64 - p_exact).abs().sum(-1)).clamp(max=1.0)      # TV <= 1; the sum may round above
         o_exact = torch.matmul(p_exact, host_v.to(torch.float64))
         err = (out.to(torch.float64) - o_exact).norm(dim=-1)

@@ -65,13 +65,24 @@ def tier_a_radius_from_qnorms(
             "band dims differ or shapes invalid: "
             f"q_band_norms {tuple(qn.shape)}, key_band_norms {tuple(kn.shape)}"
         )
-    if kn.dim() >= 3 and kn.shape[-3] == 1 and qn.dim() >= 2:
+    return tier_a_radius_f32(qn, kn, sc)
+
+
+def tier_a_radius_f32(q_band_norms: torch.Tensor, key_band_norms: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`tier_a_radius_from_qnorms` without input checks, for the read path's hot loop.
+
+    Premise (the caller's): both inputs are float32, finite, non-negative and never below the exact band
+    norms (e.g. the store's write-time witnesses and :func:`round_up_f32` of float64 query band norms);
+    ``scale`` is a finite positive float. Same rounding argument and the same result.
+    """
+    bands = key_band_norms.shape[-1]
+    if key_band_norms.dim() >= 3 and key_band_norms.shape[-3] == 1 and q_band_norms.dim() >= 2:
         # [..., G, B] @ [..., B, S] -> [..., G, S]: the G query heads share one key matrix
-        dots = torch.matmul(qn, kn.squeeze(-3).transpose(-1, -2))
+        dots = torch.matmul(q_band_norms, key_band_norms.squeeze(-3).transpose(-1, -2))
     else:
-        dots = torch.matmul(kn, qn.unsqueeze(-1)).squeeze(-1)
-    inflate = sc * (1.0 + (bands + 2) * 2.0**-23)
-    return dots.to(torch.float64).mul_(inflate).add_(bands * 2.0**-149 * sc)
+        dots = torch.matmul(key_band_norms, q_band_norms.unsqueeze(-1)).squeeze(-1)
+    inflate = scale * (1.0 + (bands + 2) * 2.0**-23)
+    return dots.to(torch.float64).mul_(inflate).add_(bands * 2.0**-149 * scale)
 
 
 def tier_a_radius(

@@ -32,7 +32,7 @@ class GrowBuffer:
         """Append ``x[B, H, t, *tail]`` along the token axis."""
         t = x.shape[2]
         if self.n + t > self._data.shape[2]:
-            cap = max(2 * self._data.shape[2], self.n + t)
+            cap = max(2 * self._data.shape[2], 2 * (self.n + t))   # a large chunk leaves room to grow
             new = self._alloc(cap, self._data.dtype, self._data.device)
             new[:, :, : self.n] = self._data[:, :, : self.n]
             self._data = new

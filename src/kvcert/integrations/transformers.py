@@ -701,8 +701,10 @@ class CertifiedCache(Cache):
         return store.positions.view().clone()
 
     def _record(self, layer: CertifiedLayer, res: ReadResult, nq: int, live: dict[str, torch.Tensor]) -> None:
-        def worst(x: torch.Tensor | None) -> torch.Tensor | None:
-            return None if x is None else x.amax(-1).to(torch.float64)
+        def worst(x: torch.Tensor | None) -> torch.Tensor | None:   # max over the read's queries (a view if one)
+            if x is None:
+                return None
+            return x[..., 0].to(torch.float64) if x.shape[-1] == 1 else x.amax(-1).to(torch.float64)
 
         self._bytes_paged += res.bytes_paged
         rec = StepRecord(

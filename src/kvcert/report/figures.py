@@ -96,6 +96,28 @@ def accuracy_bars(points: Sequence[AccuracyPoint], baseline: float, path: Path) 
     return _save(fig, path)
 
 
+def accuracy_vs_budget(series: Mapping[str, Sequence[tuple[float, float, float, float]]], baseline: float,
+                       path: Path, title: str) -> Path:
+    """Accuracy against the kept fraction, one line per policy: ``series[name] = [(kept, acc, lo, hi)]`` with
+    ``lo``/``hi`` the paired 95% CI of (policy − reference), drawn around the reference accuracy."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, pts in series.items():
+        pts = sorted(pts)
+        kept = np.array([p[0] for p in pts])
+        acc = np.array([p[1] for p in pts])
+        lo = np.array([baseline + p[2] for p in pts])
+        hi = np.array([baseline + p[3] for p in pts])
+        ax.errorbar(kept, acc, yerr=[np.clip(acc - lo, 0, None), np.clip(hi - acc, 0, None)], marker="o",
+                    capsize=3, label=name)
+    ax.axhline(baseline, color="k", linestyle="--", linewidth=1, label="no eviction")
+    ax.set_xlabel("fraction of the prompt kept")
+    ax.set_ylabel("accuracy (empirical)")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    return _save(fig, Path(path))
+
+
 def bytes_vs_accuracy(
     points: Sequence[AccuracyPoint], dense_bytes: float, baseline: float, path: Path
 ) -> Path:

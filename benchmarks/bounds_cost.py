@@ -7,7 +7,11 @@ Per layer, side by side in one run:
 * certificate: query band norms (8 bands of whole RoPE pairs), Tier-A radii ``c = sc·ρ·‖q_b‖`` (one batched
   matmul against the stored key band norms), and ``meter = min(1, eform, two_sided, ptm)`` in float64,
   (a) called per layer, as the cache does, and (b) batched over all layers in one call (same math; shows
-  how much of (a) is per-call overhead).
+  how much of (a) is per-call overhead);
+* fused: what the CPU read path runs now — :func:`kvcert.bounds.fused.read_radii` (band norms, radii and the
+  float32 logit slack in one pass over token-major witnesses) and :func:`kvcert.bounds.fused.softmax_meter`
+  (served softmax, meter and tanh reference from the logits), per layer. It does more than (a) — the softmax
+  and the rounding slack — so its ratio is conservative.
 
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bounds_cost.py [--seq 512 1024 ...] [--repeats 7]``
 """
@@ -23,10 +27,13 @@ from tqdm import tqdm
 from kvcert.bounds import (
     band_norms,
     meter_and_unclipped,
+    norm_up_f32,
     query_band_norms,
     round_up_f32,
     tier_a_radius_from_qnorms,
 )
+from kvcert.bounds.fused import read_radii, softmax_meter
+from kvcert.bounds.rc import gamma_f32
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BANDS = 30, 9, 3, 64, 8
 GROUP = HEADS // KV_HEADS
@@ -42,7 +49,11 @@ def make_layers(seq: int, gen: torch.Generator) -> list[dict[str, torch.Tensor]]
         q = torch.randn(KV_HEADS, GROUP, HEAD_DIM, generator=gen)
         # stored witness, band-major [Hkv, 1, B, S] (float32 rounded up), passed as a [Hkv, 1, S, B] view
         kn = round_up_f32(band_norms(k_res, BANDS)).transpose(-1, -2).contiguous().unsqueeze(1)
-        layers.append({"q": q, "k": k, "v": v, "kn": kn})
+        # the cache's token-major witnesses [1, Hkv, S, B], ‖k̂_t‖ and W_t [1, Hkv, S] for the fused path
+        fused = {"rho": kn.squeeze(1).transpose(-1, -2).contiguous().unsqueeze(0),
+                 "khn": norm_up_f32(k).unsqueeze(0), "w": norm_up_f32(k_res).unsqueeze(0),
+                 "logits": (torch.matmul(q, k.transpose(-1, -2)) * SCALE).unsqueeze(0)}
+        layers.append({"q": q, "k": k, "v": v, "kn": kn, **fused})
     return layers
 
 
@@ -56,6 +67,12 @@ def certificate(layer: dict[str, torch.Tensor], p: torch.Tensor) -> torch.Tensor
     qn = query_band_norms(layer["q"], BANDS)
     c = tier_a_radius_from_qnorms(qn, layer["kn"].transpose(-1, -2), SCALE)
     return meter_and_unclipped(p, c)[0]
+
+
+def fused_certificate(layer: dict[str, torch.Tensor]) -> torch.Tensor:
+    c = read_radii(layer["q"].unsqueeze(0), layer["rho"], layer["khn"], layer["w"], SCALE,
+                   gamma_f32(HEAD_DIM + 1), "rotate_half")[0]
+    return softmax_meter(layer["logits"], c)[2]
 
 
 def paired_times(fns: list, repeats: int) -> list[float]:
@@ -97,17 +114,21 @@ def main() -> None:
             c = tier_a_radius_from_qnorms(query_band_norms(q_all, BANDS), kn_all.transpose(-1, -2), SCALE)
             meter_and_unclipped(torch.stack(probs), c)
 
-        run_attention(), run_certificate(), run_batched()  # warm-up
-        rows.append((seq, *paired_times([run_attention, run_certificate, run_batched], args.repeats)))
+        def run_fused(layers=layers) -> None:
+            for layer in layers:
+                fused_certificate(layer)
+
+        run_attention(), run_certificate(), run_batched(), run_fused()  # warm-up
+        rows.append((seq, *paired_times([run_attention, run_certificate, run_batched, run_fused], args.repeats)))
     print(f"threads={torch.get_num_threads()} L={LAYERS} H={HEADS} Hkv={KV_HEADS} D={HEAD_DIM} B={BANDS}")
     print("per-layer: one certificate call per layer (as the cache reads); batched: one call for all layers")
-    head = ("S", "attention ms", "per-layer ms", "ratio", "batched ms", "ratio")
-    print(" | ".join(f"{h:>{w}}" for h, w in zip(head, (6, 12, 12, 6, 10, 6), strict=True)))
-    print("-" * 70)
-    for seq, t_att, t_cert, t_batch in rows:
+    head = ("S", "attention ms", "per-layer ms", "ratio", "batched ms", "ratio", "fused ms", "ratio")
+    print(" | ".join(f"{h:>{w}}" for h, w in zip(head, (6, 12, 12, 6, 10, 6, 8, 6), strict=True)))
+    print("-" * 90)
+    for seq, t_att, t_cert, t_batch, t_fused in rows:
         print(
             f"{seq:>6} | {1e3 * t_att:>12.2f} | {1e3 * t_cert:>12.2f} | {t_cert / t_att:>6.3f} | "
-            f"{1e3 * t_batch:>10.2f} | {t_batch / t_att:>6.3f}"
+            f"{1e3 * t_batch:>10.2f} | {t_batch / t_att:>6.3f} | {1e3 * t_fused:>8.2f} | {t_fused / t_att:>6.3f}"
         )
 
 

@@ -108,7 +108,7 @@ def table(context: int, rows: list[dict[str, Any]], configs: list[tuple[str, flo
         got = [r["scores"][f"{name}@{keep:.2f}"] for r in rows]
         ci = paired_bootstrap(ref, got, seed=0)
         binary = all(v in (0.0, 1.0) for v in ref + got)
-        p = f"{mcnemar(ref, got).p_exact:.3f}" if binary else "n/a (partial scores)"
+        p = f"{mcnemar(ref, got).p_exact:.2g}" if binary else "n/a (partial scores)"
         lines.append(f"| {name} | {keep:.0%} | {sum(got) / len(got):.3f} | {ci.diff:+.3f} [{ci.low:+.3f}, "
                      f"{ci.high:+.3f}] | {p} |")
     return lines

@@ -30,10 +30,14 @@ def _setup(codec: str, s: int, seed: int, qscale: float, nq: int = 1):
 
 
 def _exact(st, q, mask, scale):
-    def fn(hk, hv):
+    def fn(hk, hv, heads=None):
         rep = torch.repeat_interleave
+        qq = q
+        if heads is not None:   # only KV heads h0..h1-1 and their query heads, as the cache's closure does
+            (h0, h1) = heads
+            qq, hk, hv = q[:, h0 * G:h1 * G], hk[:, h0:h1], hv[:, h0:h1]
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, rep(hk, G, 1), rep(hv, G, 1), attn_mask=mask, scale=scale)
+            qq, rep(hk, G, 1), rep(hv, G, 1), attn_mask=mask, scale=scale)
         return out.transpose(1, 2)
     return fn
 
@@ -68,6 +72,34 @@ def test_any_of_g_semantics_and_unrepaired_cells_carry_tau():
     per_kv = res.cert_pre.reshape(B, HKV, G).amax(-1) > tau
     assert torch.equal(res.repaired, per_kv)
     assert torch.all(res.cert <= tau)
+
+
+def test_partial_head_repair_recomputes_only_needed_heads_and_matches_dense():
+    st, q, mask = _setup("int8", 64, 1, 1.0)
+    scale = D**-0.5
+    off = certified_read(q, st, mask, scale, ReadConfig(Gate.off(), False, 1e-6), _exact(st, q, mask, scale))
+    per_head = off.cert_pre.reshape(B, HKV, G).amax(-1).amax(0).sort().values          # worst row per KV head
+    tau = float(per_head[-2:].mean())     # only the riskiest KV head is repaired, in the rows that need it
+    asked = []
+    exact = _exact(st, q, mask, scale)
+
+    def spy(hk, hv, heads=None):
+        asked.append(heads)
+        return exact(hk, hv, heads)
+
+    res = certified_read(q, st, mask, scale, ReadConfig(Gate.certified(tau), True, 1e-6), spy)
+    assert res.repaired.any() and not res.repaired.all()
+    need = res.repaired.any(0).nonzero().flatten().tolist()
+    assert asked == [(need[0], need[-1] + 1)] and need[-1] + 1 - need[0] < HKV
+    dense = exact(st.k.host.view(), st.v.host.view())                                  # [B, Q, Hq, Dv]
+    for bi in range(B):
+        for hi in range(HKV):
+            got, want = res.out[bi, :, hi * G:(hi + 1) * G], dense[bi, :, hi * G:(hi + 1) * G]
+            if res.repaired[bi, hi]:
+                assert torch.equal(got, want)
+            else:
+                assert torch.equal(got, off.out[bi, :, hi * G:(hi + 1) * G])
+    assert torch.all(res.true_out_err <= res.out_bound)
 
 
 def test_block_repair_greedy_until_under_tau():

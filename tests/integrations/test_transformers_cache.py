@@ -73,6 +73,27 @@ def test_validate_mode_zero_violations_per_cell(family, keys, values):
     assert torch.all(tel.true_out_err[rec] <= tel.out_bound[rec])
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])   # GQA (Gemma-3's tiny config is MQA: one KV head)
+def test_partial_head_repair_in_the_model_is_exact_per_head(family):
+    """τ at the median ungated certificate: some KV heads of a read are repaired, others not; the repaired
+    ones come from SDPA over only those heads (and their query heads) and must stay within the evaluation
+    slack of exact attention, the others within their two-term bound."""
+    model = _tiny(family)
+    ids = torch.randint(3, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(4))
+    probe = CertifiedCache(model, keys="int4", values="int8", seed=1)
+    _decode_loop(model, ids, probe, 6)
+    probe.detach()
+    certs = probe.telemetry().certificates
+    tau = float(certs[~torch.isnan(certs)].median())
+    cache = CertifiedCache(model, keys="int4", values="int8", gate=Gate.certified(tau), validate=True, seed=1)
+    _decode_loop(model, ids, cache, 6)
+    cache.detach()
+    tel = cache.telemetry()
+    rep = tel.repaired[1:].flatten(0, 1)                                           # decode reads [reads, B, Hkv]
+    assert bool((rep.any(-1) & ~rep.all(-1)).any()), "no read repaired only some of its KV heads"
+    assert tel.violations == 0 and tel.out_violations == 0, tel.summary()
+
+
 def test_certified_gate_serves_every_cell_under_tau():
     model = _tiny("llama")
     ids = torch.randint(3, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(2))

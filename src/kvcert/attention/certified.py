@@ -178,9 +178,10 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
                    cfg: ReadConfig, exact_attention: callable) -> ReadResult:
     """Serve attention for one layer from ``store`` and certify every (query head, query) cell.
 
-    ``mask[B, 1, Q, S]`` is the boolean visibility mask (True = attend). ``exact_attention(k, v)`` returns
-    the dense SDPA output ``[B, Q, Hq, Dv]`` over the given exact keys/values, used for head repair so a
-    repaired head equals the dense path's output.
+    ``mask[B, 1, Q, S]`` is the boolean visibility mask (True = attend). ``exact_attention(k, v, heads)``
+    returns the dense SDPA output ``[B, Q, (h1 − h0)·G, Dv]`` over the given exact keys/values for the KV
+    heads ``h0 ≤ h < h1`` of ``heads = (h0, h1)`` (all of them when ``None``) and their query heads, used for
+    head repair so a repaired head equals the dense path's output.
     """
     assert store.k is not None and store.v is not None
     b, hq, nq, d = q.shape
@@ -255,10 +256,12 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
 
     if need.any():
         if gate.granularity == "head" or nonfinite:
-            exact = exact_attention(host_k, host_v)                           # [B, Q, Hq, Dv]
-            ex = exact.permute(0, 2, 1, 3).reshape(b, hkv, g * nq, -1).to(out.dtype)
+            rows_need = need.any(0).nonzero().flatten()                       # KV heads some row repairs
+            h0, h1 = int(rows_need[0]), int(rows_need[-1]) + 1                # one range: views, no copies
+            exact = exact_attention(host_k, host_v, (h0, h1))                 # [B, Q, (h1 − h0)·G, Dv]
+            ex = exact.permute(0, 2, 1, 3).reshape(b, h1 - h0, g * nq, -1).to(out.dtype)
+            out[:, h0:h1] = torch.where(need[:, h0:h1].view(b, -1, 1, 1), ex, out[:, h0:h1])
             sel = need.view(b, hkv, 1, 1)
-            out = torch.where(sel, ex, out)
             repaired = need.clone()
             cert = torch.where(need.unsqueeze(-1), torch.zeros_like(cert), cert)
             if cfg.attn_kv:   # a repaired head's served distribution only feeds the eviction policy's reading

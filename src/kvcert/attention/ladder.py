@@ -43,7 +43,7 @@ from kvcert.bounds.rc import (
 )
 from kvcert.cache.store import LayerStore
 
-ExactAttention = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+ExactAttention = Callable[..., torch.Tensor]   # (k, v[, (h0, h1)]) -> dense SDPA output [B, Q, Hq', Dv]
 
 
 @dataclass(frozen=True)

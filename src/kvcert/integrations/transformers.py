@@ -539,9 +539,15 @@ class CertifiedCache(Cache):
                 self._after_read(layer, query, key, logical, float(scaling), None)
             return out
 
-        def exact_attention(hk: torch.Tensor, hv: torch.Tensor) -> torch.Tensor:
-            o, _ = sdpa_attention_forward(module, query, hk.to(query.dtype), hv.to(query.dtype), sdpa_mask_,
-                                          scaling=scaling, **kwargs)
+        def exact_attention(hk: torch.Tensor, hv: torch.Tensor, heads: tuple[int, int] | None = None
+                            ) -> torch.Tensor:
+            q, m = query, sdpa_mask_
+            if heads is not None:   # only KV heads h0..h1-1 and their query heads (views, no copies)
+                (h0, h1), g = heads, q.shape[1] // hk.shape[1]
+                q, hk, hv = q[:, h0 * g:h1 * g], hk[:, h0:h1], hv[:, h0:h1]
+                m = m[:, h0 * g:h1 * g] if m.shape[1] > 1 else m
+            o, _ = sdpa_attention_forward(module, q, hk.to(query.dtype), hv.to(query.dtype), m, scaling=scaling,
+                                          **kwargs)
             return o
 
         if self.ladder:

@@ -129,3 +129,26 @@ def test_value_promotion_zeroes_value_term():
     assert res.values_promoted.all()
     assert torch.all(res.value_term == 0)
     assert torch.all(res.true_out_err <= res.out_bound)
+
+
+@pytest.mark.parametrize("codec", ["int8", "int2", "dither-int8"])
+def test_decode_kernels_agree_with_the_eager_read_path(codec, monkeypatch):
+    """The fused decode kernels (CPU, few query rows) and the eager reference serve the same read: meter,
+    output, value term and output bound agree up to float32 effects (the eager radii round through float32,
+    the logits and outputs differ in summation order); both are sound in every cell."""
+    import kvcert.attention.certified as certified
+
+    st, q, mask = _setup(codec, 150, 4, 3.0, nq=2)
+    cfg = ReadConfig(Gate.off(), True, 1e-6)
+    fused = certified_read(q, st, mask, D**-0.5, cfg, _exact(st, q, mask, D**-0.5))
+    monkeypatch.setattr(certified, "DECODE_MAX_ROWS", 0)
+    eager = certified_read(q, st, mask, D**-0.5, cfg, _exact(st, q, mask, D**-0.5))
+    informative = eager.raw <= 10
+    # the eager radii round through float32 (inflated by (nb + 2)·2^-23), the kernels stay in float64
+    assert torch.allclose(fused.raw[informative], eager.raw[informative], rtol=2e-5, atol=1e-9)
+    assert torch.equal(fused.cert_pre >= 1, eager.cert_pre >= 1)
+    assert torch.allclose(fused.out, eager.out, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(fused.out_bound, eager.out_bound, rtol=1e-5)
+    assert torch.allclose(fused.value_term, eager.value_term, rtol=1e-5)
+    for res in (fused, eager):
+        assert torch.all(res.true_tv <= res.cert_pre) and torch.all(res.true_out_err <= res.out_bound)

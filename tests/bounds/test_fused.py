@@ -1,4 +1,4 @@
-"""The fused softmax + meter kernel refines the eager reference (``certificates.md`` §2.6), cell by cell."""
+"""The fused CPU kernels refine the eager reference (``certificates.md`` §2.6), cell by cell."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from bounds_adversarial import SLACK, make_cells
 
-from kvcert.attention.certified import served_certificate
+from kvcert.attention.certified import masked_logits, served_certificate
 from kvcert.bounds import band_norms, pair_components, round_up_f32, true_tv
-from kvcert.bounds.fused import read_radii, softmax_meter
+from kvcert.bounds.fused import logits_radii, meter_output, softmax_meter
 from kvcert.bounds.radii import tier_a_radius_f32
 from kvcert.bounds.rc import gamma_f32
 
@@ -102,7 +102,7 @@ def test_bad_shapes_are_named() -> None:
 
 def _exact_radii(q: torch.Tensor, rho: torch.Tensor, khn: torch.Tensor, w: torch.Tensor, sc: float,
                  gam: float, pairing: str) -> list[list[list[list[Decimal]]]]:
-    """``c`` of :func:`read_radii` in 50-digit decimal arithmetic from the float32 inputs (the exact value up
+    """``c`` of :func:`logits_radii` in 50-digit decimal arithmetic from the float32 inputs (the exact value up
     to 10^-45 relative)."""
     getcontext().prec = 50
     b, h, m, d = q.shape
@@ -128,47 +128,169 @@ def _exact_radii(q: torch.Tensor, rho: torch.Tensor, khn: torch.Tensor, w: torch
     return out
 
 
+def _store(b: int, h: int, s: int, d: int, nb: int, gen: torch.Generator, cap: int | None = None):
+    """Random float32 keys and key witnesses, each a ``[B, H, cap, ...]`` allocation of which ``s`` are live."""
+    cap = s if cap is None else cap
+    keys = torch.randn(b, h, cap, d, generator=gen) * 2
+    rho = torch.rand(b, h, cap, nb, generator=gen) * 0.1
+    khn = keys.norm(dim=-1) * (1 + 1e-6)
+    w = torch.rand(b, h, cap, generator=gen) * 0.1
+    return keys, rho, khn, w
+
+
 @pytest.mark.parametrize("pairing", ["rotate_half", "interleaved"])
-def test_read_radii_are_never_below_the_exact_radius_per_cell(pairing: str) -> None:
+def test_logits_radii_radii_are_never_below_the_exact_radius_per_cell(pairing: str) -> None:
     gen = torch.Generator().manual_seed(7)
     b, h, m, d, s, nb = 2, 2, 3, 16, 24, 4
     q = torch.randn(b, h, m, d, generator=gen) * torch.logspace(-3, 2, d)
-    rho = torch.rand(b, h, s, nb, generator=gen) * 0.1
+    keys, rho, khn, w = _store(b, h, s, d, nb, gen)
     rho[0, 0, 3] = 0.0
-    khn, w = torch.rand(b, h, s, generator=gen) * 10, torch.rand(b, h, s, generator=gen) * 0.1
     sc, gam = 0.125, gamma_f32(d + 1)
-    c, qn, kmax, phi, wmax = read_radii(q, rho, khn, w, sc, gam, pairing)
+    lr = logits_radii(q, keys, rho, khn, w, s, sc, gam, pairing)
+    assert lr is not None
     exact = _exact_radii(q, rho, khn, w, sc, gam, pairing)
     below = [(bi, hi, mi, t) for bi in range(b) for hi in range(h) for mi in range(m) for t in range(s)
-             if Decimal(float(c[bi, hi, mi, t])) < exact[bi][hi][mi][t]]
+             if Decimal(float(lr.c[bi, hi, mi, t])) < exact[bi][hi][mi][t]]
     assert not below, f"{len(below)} cells below the exact radius, e.g. {below[:3]}"
-    rel = max(float((Decimal(float(c[bi, hi, mi, t])) - exact[bi][hi][mi][t]) / exact[bi][hi][mi][t])
+    rel = max(float((Decimal(float(lr.c[bi, hi, mi, t])) - exact[bi][hi][mi][t]) / exact[bi][hi][mi][t])
               for bi in range(b) for hi in range(h) for mi in range(m) for t in range(s))
     assert rel < 1e-13                                      # the inflation is tiny
-    assert torch.allclose(qn[..., 0], q.to(torch.float64).norm(dim=-1), rtol=1e-14)
+    assert torch.allclose(lr.qn[..., 0], q.to(torch.float64).norm(dim=-1), rtol=1e-14)
     kf = 2 * khn.to(torch.float64) + w.to(torch.float64)
-    assert torch.equal(kmax[..., 0], kf.amax(-1)) and torch.equal(wmax[..., 0], w.to(torch.float64).amax(-1))
-    assert torch.all(phi[..., 0] >= 2 * sc * gam * qn[..., 0].amax(-1) * kf.amax(-1))
+    assert torch.equal(lr.kmax[..., 0], kf.amax(-1)) and torch.equal(lr.wmax[..., 0], w.to(torch.float64).amax(-1))
+    assert torch.all(lr.phi[..., 0] >= 2 * sc * gam * lr.qn[..., 0].amax(-1) * kf.amax(-1))
+
+
+@pytest.mark.parametrize("sc", [0.125, 0.1])
+def test_logits_are_within_the_float32_slack_of_the_exact_dot_product_per_cell(sc: float) -> None:
+    gen = torch.Generator().manual_seed(3)
+    b, h, m, d, s, nb = 2, 3, 4, 64, 257, 8
+    q = torch.randn(b, h, m, d, generator=gen) * torch.logspace(-2, 2, d)
+    keys, rho, khn, w = _store(b, h, s, d, nb, gen)
+    lr = logits_radii(q, keys, rho, khn, w, s, sc, gamma_f32(d + 1), "rotate_half")
+    assert lr is not None and lr.logits.dtype == torch.float32
+    exact = torch.einsum("bhmd,bhtd->bhmt", q.to(torch.float64), keys.to(torch.float64)) * sc
+    # the premise φ covers: |s̃_t − sc·q·k̂_t| <= γ_{D+1}·sc·Σ_j |q_j k̂_tj| (float64 reference error ~1e-16)
+    allow = gamma_f32(d + 1) * sc * torch.einsum("bhmd,bhtd->bhmt", q.abs().to(torch.float64),
+                                                  keys.abs().to(torch.float64))
+    err = (lr.logits.to(torch.float64) - exact).abs()
+    assert bool((err <= allow).all()), float((err - allow).max())
+    # and they are the eager read path's logits up to float32 rounding of a different summation order
+    eager = masked_logits(q, keys, torch.ones(1, dtype=torch.bool), sc, full=True)
+    assert torch.allclose(lr.logits, eager, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("pairing", ["rotate_half", "interleaved"])
-def test_read_radii_agree_with_the_eager_read_path(pairing: str) -> None:
+def test_logits_radii_agree_with_the_eager_read_path(pairing: str) -> None:
     gen = torch.Generator().manual_seed(11)
     b, h, m, d, s, nb = 1, 3, 3, 64, 300, 8
     q = torch.randn(b, h, m, d, generator=gen)
-    rho = torch.rand(b, h, s, nb, generator=gen) * 0.05
-    khn, w = torch.rand(b, h, s, generator=gen) * 5, torch.rand(b, h, s, generator=gen) * 0.05
-    c, *_ = read_radii(q, rho, khn, w, 0.125, gamma_f32(d + 1), pairing)
+    keys, rho, khn, w = _store(b, h, s, d, nb, gen)
+    lr = logits_radii(q, keys, rho, khn, w, s, 0.125, gamma_f32(d + 1), pairing)
+    assert lr is not None
     qb = round_up_f32(band_norms(q, nb, pairing))
     rate = 0.125 * gamma_f32(d + 1) * q.to(torch.float64).norm(dim=-1, keepdim=True)
     eager = tier_a_radius_f32(qb, rho.unsqueeze(2), 0.125).addcmul_(
         rate, (2 * khn.to(torch.float64) + w.to(torch.float64)).unsqueeze(2))
-    assert torch.allclose(c, eager, rtol=2e-6, atol=0)     # eager rounds through float32; the kernel does not
+    assert torch.allclose(lr.c, eager, rtol=2e-6, atol=0)     # eager rounds through float32; the kernel does not
 
 
-def test_read_radii_name_bad_shapes() -> None:
-    q = torch.zeros(1, 2, 3, 16)
-    with pytest.raises(ValueError, match="read_radii shapes differ"):
-        read_radii(q, torch.zeros(1, 2, 5, 3), torch.zeros(1, 2, 5), torch.zeros(1, 2, 5), 1.0, 1e-6, "rotate_half")
-    with pytest.raises(ValueError, match="read_radii shapes differ"):
-        read_radii(q, torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 6), torch.zeros(1, 2, 5), 1.0, 1e-6, "rotate_half")
+def test_kernels_read_only_the_live_prefix_of_an_allocation() -> None:
+    gen = torch.Generator().manual_seed(5)
+    b, h, m, d, s, nb, cap = 2, 2, 3, 32, 40, 4, 64
+    q = torch.randn(b, h, m, d, generator=gen)
+    keys, rho, khn, w = _store(b, h, s, d, nb, gen, cap=cap)
+    vals, vres, vdist, vhn = (torch.randn(b, h, cap, d, generator=gen), *(torch.rand(b, h, cap, generator=gen)
+                                                                            for _ in range(3)))
+    for x in (keys, rho, khn, w, vals, vres, vdist, vhn):
+        x[:, :, s:] = float("nan")                           # garbage beyond the live prefix is never read
+    big = logits_radii(q, keys, rho, khn, w, s, 0.125, gamma_f32(d + 1), "rotate_half")
+    live = [x[:, :, :s].contiguous() for x in (keys, rho, khn, w, vals, vres, vdist, vhn)]
+    small = logits_radii(q, *live[:4], s, 0.125, gamma_f32(d + 1), "rotate_half")
+    assert big is not None and small is not None
+    for x, y in zip(big, small, strict=True):
+        assert torch.equal(x, y)
+    mb, ms = meter_output(big, vals, vres, vdist, vhn, s), meter_output(small, *live[4:], s)
+    assert mb is not None and ms is not None
+    for x, y in zip(mb, ms, strict=True):
+        assert torch.equal(x, y)
+
+
+def _visible_mask(b: int, h: int, nq: int, s: int, gen: torch.Generator) -> torch.Tensor:
+    mask = torch.rand(b, h, nq, s, generator=gen) > 0.3
+    mask[0, 0, 0] = False                                    # one query of one head sees nothing
+    return mask
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_meter_output_agrees_with_the_eager_forms_per_cell(per_head: bool) -> None:
+    gen = torch.Generator().manual_seed(13)
+    b, h, g, nq, d, s, nb = 2, 2, 3, 2, 64, 200, 8
+    m = g * nq
+    q = torch.randn(b, h, m, d, generator=gen) * 3
+    keys, rho, khn, w = _store(b, h, s, d, nb, gen)
+    vals = torch.randn(b, h, s, d, generator=gen)
+    vres, vdist, vhn = (torch.rand(b, h, s, generator=gen) * 0.1, torch.rand(b, h, s, generator=gen) * 5,
+                        vals.norm(dim=-1))
+    mask = _visible_mask(b, h if per_head else 1, nq, s, gen)
+    vdist[~mask.any(2).expand(b, h, s)] = 1e6                 # a hidden token must not enter the spread
+    lr = logits_radii(q, keys, rho, khn, w, s, 0.125, gamma_f32(d + 1), "interleaved", mask=mask, nq=nq)
+    assert lr is not None
+    mo = meter_output(lr, vals, vres, vdist, vhn, s, mask=mask, nq=nq)
+    assert mo is not None
+    # row i of a KV head is query i mod nq: masked entries are -inf exactly where the query's mask hides them
+    rows = mask.expand(b, h, nq, s)[:, :, torch.arange(m) % nq]
+    assert torch.equal(lr.logits == float("-inf"), ~rows)
+    p, p32, cert, raw, tanh = softmax_meter(lr.logits, lr.c)
+    assert torch.equal(mo.p, p) and torch.equal(mo.p32, p32) and torch.equal(mo.cert, cert)
+    assert torch.equal(mo.raw, raw) and torch.equal(mo.tanh, tanh)
+    assert bool((mo.cert[0, 0, ::nq] == 0).all())             # the query that sees nothing: nothing served
+    exact_out = torch.matmul(p32.to(torch.float64), vals.to(torch.float64))
+    err = (mo.out.to(torch.float64) - exact_out).norm(dim=-1)
+    assert bool((err <= gamma_f32(s) * vhn.to(torch.float64).amax() * 1.001).all())   # γ_S·max‖v̂‖
+    vt = torch.linalg.vecdot(p, vres.to(torch.float64).unsqueeze(-2))
+    assert bool((mo.value_term >= vt).all()) and torch.allclose(mo.value_term, vt, rtol=1e-12)
+    vis = mask.any(2).expand(b, h, s)
+    r = vres.to(torch.float64)
+    spread = torch.where(vis, vdist.to(torch.float64) + r, 0.0).amax(-1, keepdim=True)
+    vmax = torch.where(vis, vhn.to(torch.float64) + r, 0.0).amax(-1, keepdim=True)
+    assert bool((mo.spread >= spread).all()) and torch.allclose(mo.spread, spread, rtol=1e-14)
+    assert bool((mo.vmax >= vmax).all()) and torch.allclose(mo.vmax, vmax, rtol=1e-14)
+    assert float(mo.spread.max()) < 1e6
+
+
+def test_non_finite_query_or_pending_entries_return_none() -> None:
+    gen = torch.Generator().manual_seed(17)
+    b, h, m, d, s, nb = 1, 2, 3, 16, 12, 4
+    q = torch.randn(b, h, m, d, generator=gen)
+    keys, rho, khn, w = _store(b, h, s, d, nb, gen)
+    vals, vres, vdist, vhn = torch.randn(b, h, s, d, generator=gen), *(torch.rand(b, h, s, generator=gen)
+                                                                        for _ in range(3))
+    args = (rho, khn, w, s, 0.125, gamma_f32(d + 1), "rotate_half")
+    bad_q = q.clone()
+    bad_q[0, 1, 2, 5] = float("nan")
+    assert logits_radii(bad_q, keys, *args) is None
+    bad_k = keys.clone()
+    bad_k[0, 1, s - 1, 0] = float("inf")
+    assert logits_radii(q, bad_k, *args, pending_from=s - 1) is None
+    lr = logits_radii(q, keys, *args)
+    assert lr is not None
+    bad_v = vals.clone()
+    bad_v[0, 0, s - 2, 3] = float("-inf")
+    assert meter_output(lr, bad_v, vres, vdist, vhn, s, pending_from=s - 2) is None
+    assert meter_output(lr, vals, vres, vdist, vhn, s, pending_from=s - 2) is not None
+
+
+def test_kernel_inputs_with_bad_shapes_or_layouts_are_named() -> None:
+    gen = torch.Generator().manual_seed(19)
+    q = torch.randn(1, 2, 3, 16, generator=gen)
+    keys, rho, khn, w = _store(1, 2, 8, 16, 4, gen)
+    args = (0.125, 1e-6, "rotate_half")
+    with pytest.raises(ValueError, match="D/2 divisible"):
+        logits_radii(q, keys, torch.zeros(1, 2, 8, 3), khn, w, 8, *args)
+    with pytest.raises(ValueError, match="keys .* must be a contiguous"):
+        logits_radii(q, keys.transpose(2, 3).contiguous().transpose(2, 3), rho, khn, w, 8, *args)
+    with pytest.raises(ValueError, match="witness .* must be a contiguous"):
+        logits_radii(q, keys, rho, khn, w[:, :, :5], 8, *args)
+    with pytest.raises(ValueError, match="mask .* must be"):
+        logits_radii(q, keys, rho, khn, w, 8, *args, mask=torch.ones(1, 3, 1, 8, dtype=torch.bool))

@@ -115,7 +115,7 @@ def test_rmm_with_late_kappa_equals_brute_force_demonstrated_utility(trace, dela
 @pytest.mark.parametrize("chunk", [1, 4, 7])
 def test_snapkv_decode_scores_equal_a_brute_force_window(trace, chunk):
     """SnapKV's decode score is the pooled sum of the last ``window`` served rows over the current slots,
-    whatever evictions happened since those rows were recorded (groups are mapped lazily)."""
+    whatever evictions happened since those rows were recorded (the window is kept by logical position)."""
     budget, window, kernel = 12, 6, 3
     policy = SnapKV(window=window, kernel=kernel)
     layers, heads = trace.attn.shape[1:3]

@@ -7,10 +7,12 @@ For one layer and one forward call with queries ``q[B, Hq, Q, D]`` over ``S`` st
 2. Tier-A radii ``c_t = sc·Σ_b ‖q_b‖ρ_{t,b} + φ_t`` where ``φ_t = sc·γ_D·‖q‖·(2‖k̂_t‖ + W_t)`` bounds the
    float32 rounding of both logit dot products (``γ_D = D·u/(1 − D·u)``, ``u = 2^{-24}``), so the premise
    ``|s̃_t − s_t| ≤ c_t`` holds for the logits the hardware actually computes;
-3. certificate ``meter(p̃, c)`` per (query head, query) cell — on CPU the softmax, the meter and the tanh
-   reference come from one fused kernel (:mod:`kvcert.bounds.fused`, tested to refine the eager forms, with
-   its float64 rounding covered); Tier B beside it for dithered keys (non-adaptive: sound only for queries
-   independent of the dither);
+3. certificate ``meter(p̃, c)`` per (query head, query) cell; Tier B beside it for dithered keys
+   (non-adaptive: sound only for queries independent of the dither). Decode-size CPU reads run steps 1–3, the
+   output and the per-read terms of step 5 in two numba kernels over the store's allocations
+   (:func:`kvcert.bounds.fused.logits_radii`, :func:`~kvcert.bounds.fused.meter_output`, each tested to
+   refine the eager forms with its rounding covered); prefill-size reads, other devices and reads that meet
+   a non-finite entry take the eager reference path (:func:`_eager_served`);
 4. KV-head verdict any-of-G; the gate repairs heads (exact SDPA on host K/V) or blocks (greedy by
    contribution ``Σ_{t∈b} p̃_t(e^{c_t} − 1)``, doubling the block count until the cell is under threshold);
 5. two-term output-error bound ``‖ô − o‖ ≤ Σ p̃‖Δv‖ + 2·TV·max_t(‖v̂_t − c‖ + ‖Δv_t‖) + ξ`` (``c`` the
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcert.bounds import band_norms, meter_and_unclipped, round_up_f32, tier_b_radius, tier_b_sigma2
-from kvcert.bounds.fused import RADII_MAX_ROWS, read_radii, softmax_meter
+from kvcert.bounds.fused import DECODE_MAX_ROWS, logits_radii, meter_output, softmax_meter
 from kvcert.bounds.radii import tier_a_radius_f32
 from kvcert.bounds.rc import U_F32, gamma_f32
 from kvcert.cache.gate import Gate
@@ -116,35 +118,32 @@ def _logit_slack_factors(qn: torch.Tensor, khn: torch.Tensor, w: torch.Tensor, s
     return scaling * gamma_f32(d + 1) * qn, (2.0 * khn.to(torch.float64) + w.to(torch.float64)).unsqueeze(2)
 
 
-def _out_bound(p: torch.Tensor, tv: torch.Tensor, vres: torch.Tensor, spread: torch.Tensor, vmax: torch.Tensor,
-               s: int, d: int, phi_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Two-term output bound per cell from per-token witnesses; returns ``(total, key, value, slack)`` ``[B, Hkv, M]``.
+def _out_bound(value_term: torch.Tensor, tv: torch.Tensor, spread: torch.Tensor, vmax: torch.Tensor, s: int, d: int,
+               phi_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two-term output bound per cell from per-token witnesses; returns ``(total, key, slack)`` ``[B, Hkv, M]``.
 
     This is :func:`kvcert.bounds.output_error_bound` with the store's fixed per-head centre ``c``:
     ``‖ô − o‖ ≤ Σ_t p̃_t‖Δv_t‖ + 2·TV·max_t ‖v_t − c‖ + ξ`` and ``‖v_t − c‖ ≤ ‖v̂_t − c‖ + ‖Δv_t‖``, so
     ``spread[B, Hkv, 1]`` is ``max_t (‖v̂_t − c‖ + ‖Δv_t‖)`` over a superset of the visible tokens (valid
-    whether or not a token is later served exact). ``vres[B, Hkv, S]`` is ``‖Δv_t‖`` *as served* (0 for
-    entries served exact). ``slack = (2(S + D)u + 2·tanh(φ_max))·vmax`` with ``vmax ≥ max_t ‖v_t‖, ‖v̂_t‖``
-    covers float32 evaluation: ``2(S + D)u`` the softmax and ``p̃·v̂`` rounding, ``tanh(φ_max)`` the TV
-    caused by the logit rounding ``φ`` of the exact-attention kernel a repaired head is served from.
+    whether or not a token is later served exact). ``value_term[B, Hkv, M]`` is ``Σ_t p̃_t‖Δv_t‖`` with
+    ``‖Δv_t‖`` *as served* (0 for entries served exact). ``slack = (2(S + D)u + 2·tanh(φ_max))·vmax`` with
+    ``vmax ≥ max_t ‖v_t‖, ‖v̂_t‖`` covers float32 evaluation: ``2(S + D)u`` the softmax and ``p̃·v̂``
+    rounding, ``tanh(φ_max)`` the TV caused by the logit rounding ``φ`` of the exact-attention kernel a
+    repaired head is served from.
     """
-    value_term = torch.linalg.vecdot(p, vres.to(torch.float64).unsqueeze(-2))
     key_term = 2.0 * tv.clamp(max=1.0) * spread
     rel = 2.0 * (s + d) * _U * (1 + 1e-6) + 2.0 * torch.tanh(phi_max)
     slack = (rel * vmax).expand_as(key_term)
-    return key_term + value_term + slack, key_term, value_term, slack
+    return key_term + value_term + slack, key_term, slack
 
 
-def _value_spread(store: LayerStore, mask: torch.Tensor, full: bool,
-                  nonfinite: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _value_spread(vres: torch.Tensor, vdist: torch.Tensor, vhn: torch.Tensor, mask: torch.Tensor,
+                  full: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(max_t ‖v̂_t − c‖ + ‖Δv_t‖, max_t ‖v̂_t‖ + ‖Δv_t‖)`` per KV head ``[B, Hkv, 1]`` (float64) over every
     token visible to any query of the read (``mask[B, 1|Hkv, Q, S]``; ``full``: all of them): upper bounds for
-    served and exact values."""
-    vres = store.v_res.view().to(torch.float64)
-    dist = store.v_dist.view().to(torch.float64) + vres
-    norm = store.v_hat_norm.view().to(torch.float64) + vres
-    if nonfinite:
-        dist, norm = torch.nan_to_num(dist, 0.0, 0.0, 0.0), torch.nan_to_num(norm, 0.0, 0.0, 0.0)
+    served and exact values, from the store's witnesses ``[B, Hkv, S]`` (finite)."""
+    r = vres.to(torch.float64)
+    dist, norm = vdist.to(torch.float64) + r, vhn.to(torch.float64) + r
     if full:
         return dist.amax(-1, keepdim=True), norm.amax(-1, keepdim=True)
     vis = mask.any(-2)                                                                  # [B, 1|Hkv, S]
@@ -173,82 +172,146 @@ class ReadConfig:
     attn_kv: bool = True        # return the served attention per KV head (eviction policies read it)
 
 
+@dataclass
+class _Served:
+    """The served read of one layer before gating (grouped layout ``[B, Hkv, M, ...]``, float64 unless
+    stated); produced by the fused decode kernels or the eager reference path."""
+
+    p64: torch.Tensor
+    p32: torch.Tensor             # float32 copy of p64 (what the output is computed from)
+    cert: torch.Tensor            # [B, Hkv, M] clipped Tier-A meter
+    raw: torch.Tensor             # [B, Hkv, M] unclipped meter
+    tanh: torch.Tensor
+    out: torch.Tensor             # [B, Hkv, M, Dv] float32
+    c: torch.Tensor               # [B, Hkv, M, S] radii incl. the logit rounding slack
+    qn: torch.Tensor              # [B, Hkv, M, 1] ‖q‖₂
+    kmax: torch.Tensor            # [B, Hkv, 1] max_t (2‖k̂_t‖ + W_t)
+    phi_max: torch.Tensor         # [B, Hkv, 1]
+    wmax: torch.Tensor            # [B, Hkv, 1]
+    value_term: torch.Tensor      # [B, Hkv, M] Σ_t p̃_t‖Δv_t‖
+    spread: torch.Tensor          # [B, Hkv, 1] max_t ‖v̂_t − c‖ + ‖Δv_t‖ over visible tokens
+    vmax: torch.Tensor            # [B, Hkv, 1] max_t ‖v̂_t‖ + ‖Δv_t‖ over visible tokens
+    qg: torch.Tensor              # [B, Hkv, M, D] float32 queries as certified (non-finite entries zeroed)
+    vres: torch.Tensor            # [B, Hkv, S] ‖Δv_t‖ as served (non-finite entries zeroed)
+    bad_cell: torch.Tensor | None = None   # [B, Hkv, M] cells that see a non-finite entry (fail closed)
+
+
+def _fused_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None, nq: int, s: int,
+                  scaling: float) -> _Served | None:
+    """Decode-size CPU reads: :func:`kvcert.bounds.fused.logits_radii` then :func:`~kvcert.bounds.fused.
+    meter_output` over the store's allocations (no copies). ``None`` when a query or pending entry is not
+    finite (the eager path then fails closed cell by cell)."""
+    assert store.k is not None and store.v is not None
+    lr = logits_radii(qg, store.k.served.array(), store.k_band.array(), store.k_hat_norm.array(),
+                      store.k_wit.array(), s, scaling, gamma_f32(qg.shape[-1] + 1), store.pairing, mask=mask,
+                      nq=nq, pending_from=store.k.n_encoded)
+    if lr is None:
+        return None
+    mo = meter_output(lr, store.v.served.array(), store.v_res.array(), store.v_dist.array(),
+                      store.v_hat_norm.array(), s, mask=mask, nq=nq, pending_from=store.v.n_encoded)
+    if mo is None:
+        return None
+    return _Served(mo.p, mo.p32, mo.cert, mo.raw, mo.tanh, mo.out, lr.c, lr.qn, lr.kmax, lr.phi, lr.wmax,
+                   mo.value_term, mo.spread, mo.vmax, qg, store.v_res.view())
+
+
+def _eager_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, m: torch.Tensor, full: bool,
+                  scaling: float) -> _Served:
+    """The reference read path (any device, any number of query rows, non-finite data).
+
+    Fail closed on non-finite data: a cell that sees a non-finite key/value (kept exact at write) or has a
+    non-finite query cannot be certified; it reports 1 (unclipped ``inf``) and its KV head is served by the
+    exact path. Encoded entries were checked at write time (``store.nonfinite`` counts them); pending ones
+    and the query are checked here.
+    """
+    assert store.k is not None and store.v is not None
+    khat, vhat = store.k.served.view(), store.v.served.view()
+    s, d = khat.shape[2], qg.shape[-1]
+    nonfinite = (store.nonfinite > 0 or not bool(torch.isfinite(qg).all())
+                 or (store.k.n_encoded < s and not bool(torch.isfinite(khat[:, :, store.k.n_encoded:]).all()))
+                 or (store.v.n_encoded < s and not bool(torch.isfinite(vhat[:, :, store.v.n_encoded:]).all())))
+    rho, khn, w = store.k_band.view(), store.k_hat_norm.view(), store.k_wit.view()
+    vres, vdist, vhn = store.v_res.view(), store.v_dist.view(), store.v_hat_norm.view()
+    bad_cell = None
+    if nonfinite:
+        bad_tok = ~(torch.isfinite(khat).all(-1) & torch.isfinite(vhat).all(-1))             # [B, Hkv, S]
+        bad_cell = (m & bad_tok.unsqueeze(2)).any(-1) | ~torch.isfinite(qg).all(-1)         # [B, Hkv, M]
+        khat, vhat, qg, rho, khn, w, vres, vdist, vhn = (torch.nan_to_num(x, 0.0, 0.0, 0.0) for x in (
+            khat, vhat, qg, rho, khn, w, vres, vdist, vhn))
+    logits = masked_logits(qg, khat, m, scaling, full)
+    # φ_t = sc·γ_{D+1}·‖q‖·(2‖k̂_t‖ + W_t): D products + the multiplication by the softmax scale, for the
+    # served and the exact key (‖k_t‖ ≤ ‖k̂_t‖ + W_t); c_t = Tier-A radius + φ_t
+    qb = round_up_f32(band_norms(qg, store.bands, store.pairing))           # float32, never below ‖q_b‖
+    qn = qg.to(torch.float64).norm(dim=-1, keepdim=True)                   # [B, Hkv, M, 1]
+    rate, kfac = _logit_slack_factors(qn, khn, w, scaling, d)
+    c = tier_a_radius_f32(qb, rho.unsqueeze(2), scaling).addcmul_(rate, kfac)
+    kmax = kfac.amax(-1)                                                   # [B, Hkv, 1]
+    phi_max = 2.0 * rate.amax(-2) * kmax                                   # [B, Hkv, 1]
+    wmax = w.amax(-1, keepdim=True).to(torch.float64)
+    p64, p32, cert, raw, tanh = served_certificate(logits, c, m, full)
+    out = torch.matmul(p32, vhat)                                          # [B, Hkv, M, Dv]
+    if bad_cell is not None:
+        cert = torch.where(bad_cell, 1.0, cert)
+        raw = torch.where(bad_cell, float("inf"), raw)
+    value_term = torch.linalg.vecdot(p64, vres.to(torch.float64).unsqueeze(-2))
+    spread, vmax = _value_spread(vres, vdist, vhn, mask, full)
+    return _Served(p64, p32, cert, raw, tanh, out, c, qn, kmax, phi_max, wmax, value_term, spread, vmax, qg, vres,
+                   bad_cell)
+
+
 @torch.no_grad()
 def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scaling: float,
                    cfg: ReadConfig, exact_attention: callable) -> ReadResult:
     """Serve attention for one layer from ``store`` and certify every (query head, query) cell.
 
-    ``mask[B, 1, Q, S]`` is the boolean visibility mask (True = attend). ``exact_attention(k, v, heads)``
+    ``mask[B, 1|Hkv, Q, S]`` is the boolean visibility mask (True = attend). ``exact_attention(k, v, heads)``
     returns the dense SDPA output ``[B, Q, (h1 − h0)·G, Dv]`` over the given exact keys/values for the KV
     heads ``h0 ≤ h < h1`` of ``heads = (h0, h1)`` (all of them when ``None``) and their query heads, used for
     head repair so a repaired head equals the dense path's output.
     """
     assert store.k is not None and store.v is not None
     b, hq, nq, d = q.shape
-    khat = store.k.served.view()
-    vhat = store.v.served.view()
-    hkv, s = khat.shape[1], khat.shape[2]
+    hkv, s = store.k.served.view().shape[1:3]
     g = hq // hkv
     qg = group_heads(q.to(torch.float32), hkv)                                     # [B, Hkv, M, D]
-    m = mask[:, :, None].expand(b, hkv, g, nq, s).reshape(b, hkv, g * nq, s)
-    # Fail closed on non-finite data: a cell that sees a non-finite key/value (kept exact at write) or has a
-    # non-finite query cannot be certified; its KV head is served by the exact path and the cell reports 1.
-    # Encoded entries were checked at write time (store.nonfinite counts them); only pending ones and q here.
-    nonfinite = (store.nonfinite > 0 or not bool(torch.isfinite(qg).all())
-                 or (store.k.n_encoded < s and not bool(torch.isfinite(khat[:, :, store.k.n_encoded:]).all()))
-                 or (store.v.n_encoded < s and not bool(torch.isfinite(vhat[:, :, store.v.n_encoded:]).all())))
-    if nonfinite:
-        bad_tok = ~(torch.isfinite(khat).all(-1) & torch.isfinite(vhat).all(-1))             # [B, Hkv, S]
-        bad_cell = (m & bad_tok.unsqueeze(2)).any(-1) | ~torch.isfinite(qg).all(-1)         # [B, Hkv, M]
-        khat, vhat = torch.nan_to_num(khat, 0.0, 0.0, 0.0), torch.nan_to_num(vhat, 0.0, 0.0, 0.0)
-        qg = torch.nan_to_num(qg, 0.0, 0.0, 0.0)
     full = bool(mask.all())                                                    # every token visible to every cell
-    logits = masked_logits(qg, khat, m, scaling, full)
+    sv = None
+    if qg.device.type == "cpu" and qg.shape[2] <= DECODE_MAX_ROWS and store.nonfinite == 0:
+        sv = _fused_served(qg, store, None if full else mask, nq, s, scaling)
+    m_cache: list[torch.Tensor] = []
 
-    # Tier-A radii with float32 rounding slack, certificate per cell.
-    rho, khn, w = store.k_band.view(), store.k_hat_norm.view(), store.k_wit.view()
-    if nonfinite:
-        rho, khn, w = (torch.nan_to_num(x, 0.0, 0.0, 0.0) for x in (rho, khn, w))
-    # φ_t = sc·γ_{D+1}·‖q‖·(2‖k̂_t‖ + W_t): D products + the multiplication by the softmax scale, for the
-    # served and the exact key (‖k_t‖ ≤ ‖k̂_t‖ + W_t); c_t = Tier-A radius + φ_t
-    if qg.device.type == "cpu" and qg.shape[2] <= RADII_MAX_ROWS:                # decode-size read: one pass
-        c, qn, kmax, phi_max, wmax = read_radii(qg, rho, khn, w, scaling, gamma_f32(d + 1), store.pairing)
-    else:
-        qb = round_up_f32(band_norms(qg, store.bands, store.pairing))           # float32, never below ‖q_b‖
-        qn = qg.to(torch.float64).norm(dim=-1, keepdim=True)                   # [B, Hkv, M, 1]
-        rate, kfac = _logit_slack_factors(qn, khn, w, scaling, d)
-        c = tier_a_radius_f32(qb, rho.unsqueeze(2), scaling).addcmul_(rate, kfac)
-        kmax = kfac.amax(-1)                                                   # [B, Hkv, 1]
-        phi_max = 2.0 * rate.amax(-2) * kmax                                   # [B, Hkv, 1]
-        wmax = w.amax(-1, keepdim=True).to(torch.float64)
-    p64, p32, cert_pre, raw, tanh = served_certificate(logits, c, m, full)
-    out = torch.matmul(p32, vhat)                          # [B, Hkv, M, Dv]
-    if nonfinite:
-        cert_pre = torch.where(bad_cell, 1.0, cert_pre)
-        raw = torch.where(bad_cell, float("inf"), raw)
+    def grouped_mask() -> torch.Tensor:                                         # [B, Hkv, M, S], built on demand
+        if not m_cache:
+            m_cache.append(mask[:, :, None].expand(b, hkv, g, nq, s).reshape(b, hkv, g * nq, s))
+        return m_cache[0]
+
+    if sv is None:
+        sv = _eager_served(qg, store, mask, grouped_mask(), full, scaling)
+    qg, p64, out, cert_pre, raw = sv.qg, sv.p64, sv.out, sv.cert, sv.raw
+    nonfinite = sv.bad_cell is not None
 
     cert_b = None
     if store.k_steps is not None:
         codec = store.key_codec
         qm = qg if codec.channel_mask is None else qg * codec.channel_mask.view(1, hkv, 1, d).to(qg)
         sig2 = tier_b_sigma2(qm, store.k_steps.view().unsqueeze(2), scaling, codec.group_size)
-        rate, kfac = _logit_slack_factors(qn, khn, w, scaling, d)
+        khn, w = store.k_hat_norm.view(), store.k_wit.view()
+        if nonfinite:
+            khn, w = torch.nan_to_num(khn, 0.0, 0.0, 0.0), torch.nan_to_num(w, 0.0, 0.0, 0.0)
+        rate, kfac = _logit_slack_factors(sv.qn, khn, w, scaling, d)
         u = tier_b_radius(sig2, s, cfg.delta_loc) + rate * kfac                  # same rounding slack
         cert_b = served_meter(p64, u)[0]
 
     gate = cfg.gate
     score = raw if gate.uses_unclipped else cert_pre
     need = (score.amax(-1) > gate.threshold) if gate.mode != "off" else torch.zeros(b, hkv, dtype=torch.bool)
-    if nonfinite:
-        need = need | bad_cell.any(-1)
+    if sv.bad_cell is not None:
+        need = need | sv.bad_cell.any(-1)
     cert = cert_pre
     repaired = torch.zeros(b, hkv, dtype=torch.bool)
     blocks = torch.zeros(b, hkv, dtype=torch.int64)
     promoted = torch.zeros(b, hkv, dtype=torch.bool)
-    spread, vmax = _value_spread(store, mask, full, nonfinite)                        # before any persistent repair
-    vres_served = store.v_res.view()
-    if nonfinite:
-        vres_served = torch.nan_to_num(vres_served, 0.0, 0.0, 0.0)
+    value_term = sv.value_term
     p_served = p64
     bytes_paged = 0
     host_k, host_v = store.k.host.view(), store.v.host.view()
@@ -265,24 +328,24 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
             repaired = need.clone()
             cert = torch.where(need.unsqueeze(-1), torch.zeros_like(cert), cert)
             if cfg.attn_kv:   # a repaired head's served distribution only feeds the eviction policy's reading
-                exact_p = probs64(masked_logits(qg, host_k.to(torch.float32), m, scaling, full))
+                exact_p = probs64(masked_logits(qg, host_k.to(torch.float32), grouped_mask(), scaling, full))
                 p_served = torch.where(sel, exact_p, p_served)
             bytes_paged += int(need.sum()) * s * (host_k.shape[-1] + host_v.shape[-1]) * elt
             if gate.persistent:
                 for bi, hi in need.nonzero().tolist():
                     store.make_exact(bi, hi, slice(0, s))
         else:
-            cert, p_served, vres_served = cert.clone(), p_served.clone(), vres_served.clone()
+            cert, p_served, value_term = cert.clone(), p_served.clone(), value_term.clone()
+            m = grouped_mask()
             for bi, hi in need.nonzero().tolist():
-                res = _repair_blocks(qg[bi, hi], store, bi, hi, m[bi, hi], c[bi, hi], p64[bi, hi], scaling,
+                res = _repair_blocks(qg[bi, hi], store, bi, hi, m[bi, hi], sv.c[bi, hi], p64[bi, hi], scaling,
                                      gate)
                 out[bi, hi], cert[bi, hi], p_served[bi, hi] = res.out, res.cert, res.p
-                vres_served[bi, hi] = res.vres
+                value_term[bi, hi] = torch.linalg.vecdot(res.p, res.vres.to(torch.float64).unsqueeze(-2))
                 blocks[bi, hi] = res.n_blocks
                 bytes_paged += res.tokens * (host_k.shape[-1] + host_v.shape[-1]) * elt
 
-    bound, key_term, value_term, slack = _out_bound(p_served, cert, vres_served, spread, vmax, s,
-                                                    vhat.shape[-1], phi_max)
+    bound, key_term, slack = _out_bound(value_term, cert, sv.spread, sv.vmax, s, out.shape[-1], sv.phi_max)
     if bool(repaired.any()):   # an exactly repaired head: no key or value term, only the evaluation slack
         zero = repaired.view(b, hkv, 1)
         key_term = torch.where(zero, 0.0, key_term)
@@ -302,15 +365,15 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     result = ReadResult(
         out=out.reshape(b, hq, nq, -1).transpose(1, 2),
         cert_pre=ungroup_heads(cert_pre, hq, nq), raw=ungroup_heads(raw, hq, nq), cert=ungroup_heads(cert, hq, nq),
-        tanh=ungroup_heads(tanh, hq, nq), cert_b=None if cert_b is None else ungroup_heads(cert_b, hq, nq),
+        tanh=ungroup_heads(sv.tanh, hq, nq), cert_b=None if cert_b is None else ungroup_heads(cert_b, hq, nq),
         out_bound=ungroup_heads(bound, hq, nq), key_term=ungroup_heads(key_term, hq, nq),
         value_term=ungroup_heads(value_term, hq, nq), repaired=repaired, blocks=blocks, values_promoted=promoted,
         bytes_paged=bytes_paged,
         attn_kv=p_served.reshape(b, hkv, g, nq, s).sum(2).to(torch.float32) if cfg.attn_kv else None,
-        q_norm=qn.reshape(b, hq, nq), witness_max=wmax.squeeze(-1), key_norm_max=kmax.squeeze(-1),
+        q_norm=sv.qn.reshape(b, hq, nq), witness_max=sv.wmax.squeeze(-1), key_norm_max=sv.kmax.squeeze(-1),
     )
     if cfg.validate:
-        p_exact = probs64(masked_logits(qg, host_k.to(torch.float32), m, scaling, full))
+        p_exact = probs64(masked_logits(qg, host_k.to(torch.float32), grouped_mask(), scaling, full))
         true_tv = (0.5 * (p64 - p_exact).abs().sum(-1)).clamp(max=1.0)      # TV <= 1; the sum may round above
         o_exact = torch.matmul(p_exact, host_v.to(torch.float64))
         err = (out.to(torch.float64) - o_exact).norm(dim=-1)

@@ -1,32 +1,39 @@
-"""Fused CPU kernel: served softmax and the cell certificate in one loop over the keys.
+"""Fused CPU kernels of the certified read path (numba): logits + radii, softmax + meter + output.
 
-The read path needs, per (query head, query) row of float32 logits ``s̃[S]`` (``-inf`` = masked) and Tier-A
-radii ``c[S]``: the served distribution ``p̃ = softmax(s̃)`` in float64, the meter
-``min(1, eform, two_sided, ptm)`` of :mod:`kvcert.bounds.softmax_tv`, its unclipped value and
-``tanh(max_t c_t)`` over the visible tokens. Evaluated as eager tensor ops that is some forty passes over
-``[rows, S]``; :func:`softmax_meter` does it with two vectorised ``exp`` ops and two passes per row in numba.
+The read path needs, per (query head, query) row over the ``S`` stored tokens: served float32 logits
+``s̃[S]`` (``-inf`` = masked), Tier-A radii ``c[S]`` with the float32 logit slack, the served distribution
+``p̃ = softmax(s̃)`` in float64, the meter ``min(1, eform, two_sided, ptm)`` of
+:mod:`kvcert.bounds.softmax_tv`, its unclipped value, ``tanh(max_t c_t)`` over the visible tokens, the output
+``p̃·v̂`` and the output bound's per-read terms. Evaluated as eager tensor ops that is some fifty small ops
+per layer; for decode-size reads :func:`logits_radii` and :func:`meter_output` do it in two kernel calls
+around two vectorised torch ops (``softmax`` and ``exp``), reading the cache's token-major allocations in
+place. :func:`softmax_meter` is the meter alone, for reads of any size.
 
 Refinement (``certificates.md`` §2.6: a kernel must be proved to refine the reference before it ships):
 
-* the formulas are those of :func:`kvcert.bounds.softmax_tv.meter_and_unclipped` on
+* the meter formulas are those of :func:`kvcert.bounds.softmax_tv.meter_and_unclipped` on
   ``probs64(logits)`` — same clamps (``A ≥ 1``, ``B₋ ≤ 1``), same handling of rows with a supported radius
   above 300 (``ptm`` replaced by the larger ``two_sided``), fully masked rows give 0, a NaN or negative radius
   on a supported token fails closed (unclipped ``+inf``, clipped 1);
 * float64 rounding is covered, not ignored: every ``A``, ``B₋`` and gap sum has at most ``S`` terms, each
-  term at most three roundings (``exp`` within 1 ulp, one product, one division), so with ``u = 2^-53``
-  each sum is within ``γ_{S+4}`` relative of its exact value. Each form gets its own allowance **added**
-  before the min: ``4γ_{S+4}(A² + 1)`` for ``eform`` and ``4γ_{S+4}(A/B₋ + A(A − 1/B₋) + 2)`` for ``ptm``
-  (``two_sided`` when a radius exceeds 300: ``4γ_{S+4}(A/B₋ + 1)``) — below ``10⁻¹¹`` for ``S ≤ 10⁴`` and
-  moderate ``A``, so no cell is visibly loosened — unless every supported radius is 0 (then ``p̃ = p``
-  exactly and the true TV is 0);
-* ``tests/bounds/test_fused.py`` checks the kernel against the reference on random, masked, huge-radius
-  and NaN rows (agreement to ``1e-9``, never below it by more than rounding), and every validate-mode test
-  of the certified cache runs through it.
+  term at most five roundings (``exp`` within 1 ulp, a reciprocal, products and the gap's two
+  subtractions), so with ``u = 2^-53`` each sum is within ``γ_{S+6}`` relative of its exact value (of its
+  terms' magnitudes, for the gap). Each form gets its own allowance **added** before the min:
+  ``4γ_{S+6}(A² + 1)`` for ``eform`` and ``4γ_{S+6}(A/B₋ + A(A − 1/B₋) + 2)`` for ``ptm`` (``two_sided``
+  when a radius exceeds 300: ``4γ_{S+6}(A/B₋ + 1)``) — below ``10⁻¹¹`` for ``S ≤ 10⁴`` and moderate ``A``,
+  so no cell is visibly loosened — unless every supported radius is 0 (then ``p̃ = p`` exactly and the
+  true TV is 0);
+* radii, logits and output carry their own stated roundings (see each function);
+* ``tests/bounds/test_fused.py`` checks the kernels against the reference on random, masked, huge-radius
+  and NaN rows (agreement to ``1e-9``, never below it by more than rounding), the radii against 50-digit
+  decimal arithmetic, the logits and the output against their float32 rounding bounds, and every
+  validate-mode test of the certified cache runs through them.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -37,72 +44,74 @@ _EXP_SAFE = 300.0   # same cut as kvcert.bounds.softmax_tv: above it ptm is repl
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
+def _meter_row(lg: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, p32: np.ndarray,
+               r: int) -> tuple[float, float, float]:  # pragma: no cover - compiled (covered by tests via numba)
+    """``(meter, unclipped meter, tanh(max visible c))`` of row ``r``; zeroes ``p[r]`` where it is not > 0
+    and writes ``p32[r] = float32(p[r])``."""
+    s = lg.shape[1]
+    gamma = (s + 6) * _U64 / (1.0 - (s + 6) * _U64)
+    inv_e = np.empty(s)
+    for t in range(s):                      # branch-free, so it vectorises; one rounding per reciprocal
+        inv_e[t] = 1.0 / ec[r, t]
+    cvis = 0.0
+    mass = 0.0
+    a = 0.0
+    b = 0.0
+    csup = 0.0
+    bad = False
+    for t in range(s):
+        ct = c[r, t]
+        if lg[r, t] > -np.inf and ct > cvis:
+            cvis = ct
+        pt = p[r, t]
+        if not pt > 0.0:                    # masked, underflowed, or a NaN row (nothing visible)
+            p[r, t] = 0.0
+            p32[r, t] = 0.0
+            continue
+        p32[r, t] = np.float32(pt)
+        if not ct >= 0.0:                   # NaN or negative radius: fail closed
+            bad = True
+            continue
+        if ct > csup:
+            csup = ct
+        mass += pt
+        a += pt * ec[r, t]
+        b += pt * inv_e[t]
+    tmax = math.tanh(cvis)
+    if bad:
+        return 1.0, np.inf, tmax
+    if mass == 0.0:                         # no visible token: nothing served, nothing to certify
+        return 0.0, 0.0, tmax
+    a = max(a / mass, 1.0)
+    b = min(b / mass, 1.0)
+    eform = 0.5 * (a * a - 1.0)
+    two = 0.5 * (a / b - b / a)
+    ptm = two
+    scale_t = a / b + 1.0                   # magnitude of the terms behind two_sided
+    if csup <= _EXP_SAFE:
+        k1 = a - 1.0 / b                    # >= 0: A·B₋ >= 1 (Jensen)
+        inv_a = 1.0 / a
+        gap = 0.0
+        for t in range(s):
+            pt = p[r, t]
+            if pt > 0.0:
+                g = 1.0 - ec[r, t] * k1 - inv_a * inv_e[t]
+                if g > 0.0:
+                    gap += pt * g
+        ptm = two - 0.5 * gap / mass
+        scale_t += a * k1 + 1.0             # Σ p̃ e^{c}·k1 = A·k1 bounds the gap terms
+    if csup > 0.0:                          # all supported radii 0: p̃ = p exactly, TV = 0 needs no slack
+        eform += 4.0 * gamma * (a * a + 1.0)
+        ptm += 4.0 * gamma * scale_t
+    m = max(min(eform, ptm), 0.0)
+    return min(m, 1.0), m, tmax
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def _rows(logits: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, p32: np.ndarray, cert: np.ndarray,
           raw: np.ndarray, tmax: np.ndarray) -> None:  # pragma: no cover - compiled (covered by tests via numba)
-    n_rows, s = logits.shape
-    gamma = (s + 4) * _U64 / (1.0 - (s + 4) * _U64)
-    for r in range(n_rows):
-        cvis = 0.0
-        mass = 0.0
-        a = 0.0
-        b = 0.0
-        csup = 0.0
-        bad = False
-        for t in range(s):
-            ct = c[r, t]
-            if logits[r, t] > -np.inf and ct > cvis:
-                cvis = ct
-            pt = p[r, t]
-            if not pt > 0.0:                    # masked, underflowed, or a NaN row (nothing visible)
-                p[r, t] = 0.0
-                p32[r, t] = 0.0
-                continue
-            p32[r, t] = np.float32(pt)
-            if not ct >= 0.0:                   # NaN or negative radius: fail closed
-                bad = True
-                continue
-            if ct > csup:
-                csup = ct
-            e = ec[r, t]
-            mass += pt
-            a += pt * e
-            b += pt / e
-        tmax[r] = math.tanh(cvis)
-        if bad:
-            cert[r] = 1.0
-            raw[r] = np.inf
-            continue
-        if mass == 0.0:                         # no visible token: nothing served, nothing to certify
-            cert[r] = 0.0
-            raw[r] = 0.0
-            continue
-        a = max(a / mass, 1.0)
-        b = min(b / mass, 1.0)
-        eform = 0.5 * (a * a - 1.0)
-        two = 0.5 * (a / b - b / a)
-        ptm = two
-        scale_t = a / b + 1.0                   # magnitude of the terms behind two_sided
-        if csup <= _EXP_SAFE:
-            k1 = a - 1.0 / b                    # >= 0: A·B₋ >= 1 (Jensen)
-            inv_a = 1.0 / a
-            gap = 0.0
-            for t in range(s):
-                pt = p[r, t]
-                if pt > 0.0:
-                    e = ec[r, t]
-                    g = 1.0 - e * k1 - inv_a / e
-                    if g > 0.0:
-                        gap += pt * g
-            ptm = two - 0.5 * gap / mass
-            scale_t += a * k1 + 1.0             # Σ p̃ e^{c}·k1 = A·k1 bounds the gap terms
-        if csup > 0.0:                          # all supported radii 0: p̃ = p exactly, TV = 0 needs no slack
-            eform += 4.0 * gamma * (a * a + 1.0)
-            ptm += 4.0 * gamma * scale_t
-        m = min(eform, ptm)
-        if m < 0.0:
-            m = 0.0
-        raw[r] = m
-        cert[r] = min(m, 1.0)
+    for r in range(logits.shape[0]):
+        cert[r], raw[r], tmax[r] = _meter_row(logits, p, c, ec, p32, r)
 
 
 def softmax_meter(logits: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
@@ -130,24 +139,107 @@ def softmax_meter(logits: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, 
             tmax.reshape(lead))
 
 
-#: reads with at most this many query rows per KV head use :func:`read_radii`; larger ones (prefill) use BLAS
-RADII_MAX_ROWS = 64
+#: reads with at most this many query rows per KV head use the decode kernels; larger ones (prefill) use BLAS
+DECODE_MAX_ROWS = 64
+
+
+class LogitsRadii(NamedTuple):
+    """What :func:`logits_radii` returns (float64 unless stated)."""
+
+    logits: torch.Tensor    # [B, Hkv, M, S] float32 served logits, -inf where masked
+    c: torch.Tensor         # [B, Hkv, M, S] Tier-A radius + float32 logit slack per token
+    qn: torch.Tensor        # [B, Hkv, M, 1] ‖q‖₂ of the float32 query
+    kmax: torch.Tensor      # [B, Hkv, 1] max_t (2‖k̂_t‖ + W_t)
+    phi: torch.Tensor       # [B, Hkv, 1] φ_max = 2·sc·γ·max_M ‖q‖·kmax (inflated)
+    wmax: torch.Tensor      # [B, Hkv, 1] max_t W_t
+
+
+class MeterOutput(NamedTuple):
+    """What :func:`meter_output` returns (float64 unless stated)."""
+
+    p: torch.Tensor         # [B, Hkv, M, S] served distribution softmax(logits)
+    p32: torch.Tensor       # [B, Hkv, M, S] float32 copy of p (what the output is computed from)
+    cert: torch.Tensor      # [B, Hkv, M] meter, clipped at 1
+    raw: torch.Tensor       # [B, Hkv, M] unclipped meter
+    tanh: torch.Tensor      # [B, Hkv, M] tanh(max visible c)
+    out: torch.Tensor       # [B, Hkv, M, Dv] float32 served output p32·v̂
+    value_term: torch.Tensor  # [B, Hkv, M] Σ_t p_t‖Δv_t‖ (rounded up)
+    spread: torch.Tensor    # [B, Hkv, 1] max over visible t of ‖v̂_t − centre‖ + ‖Δv_t‖ (rounded up)
+    vmax: torch.Tensor      # [B, Hkv, 1] max over visible t of ‖v̂_t‖ + ‖Δv_t‖ (rounded up)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
+def _dot_rows(qs: np.ndarray, k: np.ndarray, s: int, lg: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``lg[i, t] = Σ_j qs[i, j]·k[t, j]`` for ``t < s`` in float32, any summation order (so it vectorises):
+    each is within ``γ_D·Σ_j |qs_ij·k_tj|`` of the exact dot product, with or without fused multiply-adds."""
+    m, d = qs.shape
+    for t in range(s):
+        for i in range(m):
+            acc = np.float32(0.0)
+            for j in range(d):
+                acc += qs[i, j] * k[t, j]
+            lg[i, t] = acc
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
+def _band_dots(qb: np.ndarray, rho: np.ndarray, s: int, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``out[i, t] = Σ_b qb[i, b]·ρ[t, b]`` for ``t < s`` in float64 from float32 ``ρ``, any summation order:
+    a sum of ``nb`` non-negative products, at least ``(1 − u)^{nb+1}`` times the exact one."""
+    m, nb = qb.shape
+    for t in range(s):
+        for i in range(m):
+            acc = 0.0
+            for b in range(nb):
+                acc += qb[i, b] * np.float64(rho[t, b])
+            out[i, t] = acc
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract"})
+def _weighted_rows(p32: np.ndarray, v: np.ndarray, s: int, out: np.ndarray) -> None:  # pragma: no cover
+    """``out[i, :] = Σ_{t<s} p32[i, t]·v[t, :]`` accumulated in float32 over ``t`` (vectorised over the
+    feature axis; each ``v_t`` is read once for all rows): within ``γ_S·Σ_t p_t‖v_t‖`` of the exact sum in
+    norm."""
+    m, dv = out.shape
+    acc = np.zeros((m, dv), np.float32)
+    for t in range(s):
+        vt = v[t]
+        for i in range(m):
+            pt = p32[i, t]
+            a = acc[i]
+            for j in range(dv):
+                a[j] += pt * vt[j]
+    out[:, :] = acc
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _radii(q: np.ndarray, rho: np.ndarray, khn: np.ndarray, w: np.ndarray, scale: float, gam: float,
-           half: bool, c: np.ndarray, qn: np.ndarray, kmax: np.ndarray, phi: np.ndarray,
-           wmax: np.ndarray) -> None:  # pragma: no cover - compiled (covered by tests via numba)
+def _visible(mask: np.ndarray, full: bool, bi: int, h: int, nq: int, mi: int, t: int) -> bool:  # pragma: no cover
+    """Row ``mi`` of KV head ``h`` (query ``mi % nq``) sees token ``t``; ``mi < 0``: any query does."""
+    if full:
+        return True
+    hm = h if mask.shape[1] > 1 else 0
+    if mi >= 0:
+        return mask[bi, hm, mi % nq, t]
+    for qi in range(nq):
+        if mask[bi, hm, qi, t]:
+            return True
+    return False
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _logits_radii(q: np.ndarray, k: np.ndarray, rho: np.ndarray, khn: np.ndarray, w: np.ndarray, s: int,
+                  mask: np.ndarray, full: bool, nq: int, scale: float, gam: float, half: bool, k_from: int,
+                  lg: np.ndarray, c: np.ndarray, qn: np.ndarray, kmax: np.ndarray, phi: np.ndarray,
+                  wmax: np.ndarray) -> bool:  # pragma: no cover - compiled (covered by tests via numba)
     nbatch, nkv, nrows, d = q.shape
-    s, nbands = rho.shape[2], rho.shape[3]
+    nbands = rho.shape[3]
     npair = d // 2
     per = npair // nbands
-    # every output is a sum / product / square root of at most d + 2·nbands + 8 roundings of non-negative
+    # every radius is a sum / product / square root of at most d + 2·nbands + 8 roundings of non-negative
     # float64 terms (float32 inputs square exactly): computed >= exact·(1 − u)^K, undone by this factor
     infl = 1.0 + 2.0 * (d + 2 * nbands + 12) * _U64
+    qs = np.empty((nrows, d), np.float32)
     qb = np.empty((nrows, nbands))
     rate = np.empty(nrows)
-    kfs = np.empty(s)
     for bi in range(nbatch):
         for h in range(nkv):
             qmax = 0.0
@@ -156,74 +248,183 @@ def _radii(q: np.ndarray, rho: np.ndarray, khn: np.ndarray, w: np.ndarray, scale
                 for band in range(nbands):
                     acc = 0.0
                     for j in range(band * per, (band + 1) * per):
-                        if half:
-                            x = np.float64(q[bi, h, mi, j])
-                            y = np.float64(q[bi, h, mi, j + npair])
-                        else:
-                            x = np.float64(q[bi, h, mi, 2 * j])
-                            y = np.float64(q[bi, h, mi, 2 * j + 1])
+                        jx, jy = (j, j + npair) if half else (2 * j, 2 * j + 1)
+                        x = np.float64(q[bi, h, mi, jx])
+                        y = np.float64(q[bi, h, mi, jy])
                         acc += x * x + y * y
                     tot += acc
                     qb[mi, band] = math.sqrt(acc)
                 norm = math.sqrt(tot)
+                if not np.isfinite(norm):
+                    return False
                 qn[bi, h, mi] = norm
                 rate[mi] = scale * gam * norm
-                if norm > qmax:
-                    qmax = norm
+                qmax = max(qmax, norm)
+                for j in range(d):
+                    qs[mi, j] = np.float32(np.float64(q[bi, h, mi, j]) * scale)   # one rounding of the product
+            for t in range(k_from, s):                  # pending keys were not checked at write
+                for j in range(d):
+                    if not np.isfinite(k[bi, h, t, j]):
+                        return False
+            _dot_rows(qs, k[bi, h], s, lg[bi, h])
+            _band_dots(qb, rho[bi, h], s, c[bi, h])
             km = 0.0
             wm = 0.0
             for t in range(s):
                 wt = np.float64(w[bi, h, t])
                 kf = 2.0 * np.float64(khn[bi, h, t]) + wt
-                kfs[t] = kf
-                if kf > km:
-                    km = kf
-                if wt > wm:
-                    wm = wt
-            for mi in range(nrows):
-                r = rate[mi]
-                for t in range(s):
-                    dot = 0.0
-                    for band in range(nbands):
-                        dot += qb[mi, band] * np.float64(rho[bi, h, t, band])
-                    c[bi, h, mi, t] = (scale * dot + r * kfs[t]) * infl
+                km = max(km, kf)
+                wm = max(wm, wt)
+                for mi in range(nrows):
+                    c[bi, h, mi, t] = (scale * c[bi, h, mi, t] + rate[mi] * kf) * infl
+                    if not full and not _visible(mask, full, bi, h, nq, mi, t):
+                        lg[bi, h, mi, t] = -np.inf
             kmax[bi, h] = km
             wmax[bi, h] = wm
             phi[bi, h] = 2.0 * scale * gam * qmax * km * infl
+    return True
 
 
-def read_radii(q: torch.Tensor, rho: torch.Tensor, k_hat_norm: torch.Tensor, witness: torch.Tensor, scale: float,
-               gamma: float, pairing: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                    torch.Tensor]:
-    """The read path's radii in one pass: ``(c, ‖q‖, max_t(2‖k̂_t‖ + W_t), φ_max, max_t W_t)``.
+def _mask_arg(mask: torch.Tensor | None, b: int, h: int, nq: int, s: int) -> tuple[np.ndarray, bool]:
+    if mask is None:
+        return np.ones((1, 1, 1, 1), dtype=np.bool_), True
+    if mask.dim() != 4 or mask.shape[0] != b or mask.shape[1] not in (1, h) or mask.shape[2] != nq \
+            or mask.shape[3] < s:
+        raise ValueError(f"mask {tuple(mask.shape)} must be [B={b}, 1 or Hkv={h}, Q={nq}, >= S={s}] booleans")
+    return mask.to(torch.bool).numpy(), False
 
-    For grouped float32 queries ``q[B, Hkv, M, D]`` and the store's float32 write-time witnesses
-    ``rho[B, Hkv, S, nb]`` (key-residual band norms over whole RoPE pairs of ``pairing``),
-    ``k_hat_norm[B, Hkv, S]`` (``≥ ‖k̂_t‖``) and ``witness[B, Hkv, S]`` (``W_t ≥ ‖k̂_t − k_t‖``)::
 
-        c_t = sc·Σ_b ‖q_b‖·ρ_{t,b} + sc·γ·‖q‖·(2‖k̂_t‖ + W_t)        (Tier A + float32 logit slack φ_t)
+def _prefix(name: str, x: torch.Tensor | np.ndarray, lead: tuple[int, ...], s: int) -> np.ndarray:
+    """A C-contiguous float32 token-major allocation holding at least ``s`` tokens, as numpy (the kernels read
+    the first ``s``); a cache's growable buffers are passed whole (``GrowBuffer.array``), so no copy is made."""
+    a = x if isinstance(x, np.ndarray) else x.detach().numpy()
+    if a.shape[:2] != lead[:2] or a.shape[2] < s or a.shape[3:] != lead[3:] or a.dtype != np.float32 \
+            or not a.flags.c_contiguous:
+        raise ValueError(f"{name} {tuple(a.shape)} {a.dtype} must be a contiguous float32 "
+                         f"[{lead[0]}, {lead[1]}, >= {s}{''.join(f', {n}' for n in lead[3:])}] allocation")
+    return a
+
+
+def logits_radii(q: torch.Tensor, keys: torch.Tensor, rho: torch.Tensor, k_hat_norm: torch.Tensor,
+                 witness: torch.Tensor, s: int, scale: float, gamma: float, pairing: str, *,
+                 mask: torch.Tensor | None = None, nq: int = 1, pending_from: int = 0) -> LogitsRadii | None:
+    """Served logits and the read path's radii in one pass over the stored tokens (decode-size reads).
+
+    For grouped float32 queries ``q[B, Hkv, M, D]`` (row ``i`` is query ``i mod nq``) and the first ``s``
+    tokens of the store's float32 allocations — served keys ``keys[B, Hkv, ≥s, D]``, key-residual band norms
+    ``rho[B, Hkv, ≥s, nb]`` over whole RoPE pairs of ``pairing``, ``k_hat_norm`` (``≥ ‖k̂_t‖``) and
+    ``witness`` (``W_t ≥ ‖k̂_t − k_t‖``), each ``[B, Hkv, ≥s]``::
+
+        s̃_t = fl32(Σ_j fl32(sc·q_j)·k̂_tj)                            (−inf where ``mask`` hides t)
+        c_t = sc·Σ_b ‖q_b‖·ρ_{t,b} + sc·γ·‖q‖·(2‖k̂_t‖ + W_t)         (Tier A + float32 logit slack φ_t)
         φ_max = 2·sc·γ·max_M ‖q‖·max_t(2‖k̂_t‖ + W_t)
 
-    with ``γ`` the caller's float32 dot-product constant (``γ_{D+1}``). The same quantities as the eager
-    read path (band norms rounded up to float32, a float32 matmul inflated by ``1 + (nb + 2)2^-23``), but
-    evaluated in float64: squares of float32 entries are exact, every other step is a rounding of a
-    non-negative term, so each output is at least ``(1 − u)^K`` times its exact value with
-    ``K ≤ D + 2nb + 8``, ``u = 2^-53``; multiplying by ``1 + 2(D + 2nb + 12)u`` makes every ``c_t`` and
-    ``φ_max`` an upper bound on the exact expression (products of float32 values cannot underflow in
-    float64). ``‖q‖`` and the two maxima are reported as computed (readings). Premise (the caller's): all
-    inputs finite, witnesses non-negative, ``D/2`` divisible by ``nb``. Returns float64 ``c[B, Hkv, M, S]``,
-    ``‖q‖[B, Hkv, M, 1]`` and ``[B, Hkv, 1]`` maxima. CPU only; one scalar loop, meant for decode-size reads
-    (at most :data:`RADII_MAX_ROWS` query rows per KV head).
+    with ``γ`` the caller's float32 dot-product constant (``γ_{D+1}``). Soundness of the premise
+    ``|s̃_t − s_t| ≤ c_t``: the logit is one rounding of the scaled query and a float32 dot product in any
+    order, within ``γ_{D+1}·sc·Σ|q_j k̂_tj| ≤ sc·γ·‖q‖‖k̂_t‖`` of ``sc·q·k̂_t``, and the exact key's product
+    is covered by the Tier-A term plus ``sc·γ·‖q‖(‖k̂_t‖ + W_t)``. The radii are evaluated in float64:
+    squares of float32 entries are exact, every other step is a rounding of a non-negative term, so each is
+    at least ``(1 − u)^K`` times its exact value with ``K ≤ D + 2nb + 8``, ``u = 2^-53``; multiplying by
+    ``1 + 2(D + 2nb + 12)u`` makes every ``c_t`` and ``φ_max`` an upper bound on the exact expression.
+    ``‖q‖`` and the two maxima are reported as computed (readings). ``mask[B, 1|Hkv, nq, ≥S]`` (True =
+    visible; ``None``: every token). Premise (the caller's): stored witnesses finite and non-negative,
+    ``D/2`` divisible by ``nb``, keys before ``pending_from`` checked finite at write time. Returns ``None``
+    when the query or a pending key is not finite (the caller fails closed on its exact path). CPU only.
     """
     b, h, m, d = q.shape
-    s, nb = rho.shape[2], rho.shape[3]
-    if rho.shape[:2] != (b, h) or k_hat_norm.shape != (b, h, s) or witness.shape != (b, h, s) or (d // 2) % nb:
-        raise ValueError(f"read_radii shapes differ: q {tuple(q.shape)}, rho {tuple(rho.shape)}, "
-                         f"k_hat_norm {tuple(k_hat_norm.shape)}, witness {tuple(witness.shape)}")
-    c = torch.empty(b, h, m, s, dtype=torch.float64)
-    qn = torch.empty(b, h, m, 1, dtype=torch.float64)
-    kmax, phi, wmax = (torch.empty(b, h, 1, dtype=torch.float64) for _ in range(3))
-    _radii(q.detach().numpy(), rho.detach().numpy(), k_hat_norm.detach().numpy(), witness.detach().numpy(),
-           float(scale), float(gamma), pairing == "rotate_half", c.numpy(), qn.numpy()[..., 0],
-           kmax.numpy()[..., 0], phi.numpy()[..., 0], wmax.numpy()[..., 0])
-    return c, qn, kmax, phi, wmax
+    nb = rho.shape[-1]
+    if (d // 2) % nb or q.dtype != torch.float32 or m % nq:
+        raise ValueError(f"logits_radii: q {tuple(q.shape)} {q.dtype} must be float32 with D/2 divisible by "
+                         f"{nb} bands and M divisible by nq={nq}")
+    kk = _prefix("keys", keys, (b, h, s, d), s)
+    rr = _prefix("rho", rho, (b, h, s, nb), s)
+    kn = _prefix("k_hat_norm", k_hat_norm, (b, h, s), s)
+    ww = _prefix("witness", witness, (b, h, s), s)
+    mk, full = _mask_arg(mask, b, h, nq, s)
+    lg = np.empty((b, h, m, s), dtype=np.float32)
+    c = np.empty((b, h, m, s))
+    qn = np.empty((b, h, m, 1))
+    heads = np.empty((3, b, h, 1))                                  # kmax, phi, wmax
+    ok = _logits_radii(q.detach().contiguous().numpy(), kk, rr, kn, ww, s, mk, full, nq, float(scale),
+                       float(gamma), pairing == "rotate_half", pending_from, lg, c, qn[..., 0], heads[0, ..., 0],
+                       heads[1, ..., 0], heads[2, ..., 0])
+    if not ok:
+        return None
+    kmax, phi, wmax = torch.from_numpy(heads)
+    return LogitsRadii(torch.from_numpy(lg), torch.from_numpy(c), torch.from_numpy(qn), kmax, phi, wmax)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _meter_output(lg: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, v: np.ndarray,
+                  vres: np.ndarray, vdist: np.ndarray, vhn: np.ndarray, s: int, mask: np.ndarray, full: bool,
+                  nq: int, v_from: int, p32: np.ndarray, cert: np.ndarray, raw: np.ndarray, tmax: np.ndarray,
+                  out: np.ndarray, vterm: np.ndarray, spread: np.ndarray,
+                  vmax: np.ndarray) -> bool:  # pragma: no cover - compiled (covered by tests via numba)
+    nbatch, nkv, nrows = cert.shape
+    dv = v.shape[3]
+    up2 = 1.0 + 4.0 * _U64                          # one float64 addition of two non-negative float32 values
+    upv = 1.0 + 2.0 * (s + 2) * _U64                # an S-term float64 sum of non-negative products
+    for bi in range(nbatch):
+        for h in range(nkv):
+            for t in range(v_from, s):              # pending values were not checked at write
+                for j in range(dv):
+                    if not np.isfinite(v[bi, h, t, j]):
+                        return False
+            sp = 0.0
+            vm = 0.0
+            for t in range(s):
+                if _visible(mask, full, bi, h, nq, -1, t):
+                    r = np.float64(vres[bi, h, t])
+                    sp = max(sp, np.float64(vdist[bi, h, t]) + r)
+                    vm = max(vm, np.float64(vhn[bi, h, t]) + r)
+            spread[bi, h] = sp * up2
+            vmax[bi, h] = vm * up2
+            for r in range(nrows):
+                cert[bi, h, r], raw[bi, h, r], tmax[bi, h, r] = _meter_row(lg[bi, h], p[bi, h], c[bi, h],
+                                                                           ec[bi, h], p32[bi, h], r)
+                acc = 0.0
+                for t in range(s):
+                    acc += p[bi, h, r, t] * np.float64(vres[bi, h, t])
+                vterm[bi, h, r] = acc * upv
+            _weighted_rows(p32[bi, h], v[bi, h], s, out[bi, h])
+    return True
+
+
+def meter_output(lr: LogitsRadii, values: torch.Tensor, v_res: torch.Tensor, v_dist: torch.Tensor,
+                 v_hat_norm: torch.Tensor, s: int, *, mask: torch.Tensor | None = None, nq: int = 1,
+                 pending_from: int = 0) -> MeterOutput | None:
+    """Served softmax, certificate, output and the output bound's per-read terms in one pass per row.
+
+    From :func:`logits_radii`'s float32 logits and radii: ``p̃ = softmax(s̃)`` in float64 (a vectorised torch
+    op, as is ``e^{c}``), then per row the meter, its unclipped value and ``tanh(max visible c)`` exactly as
+    :func:`softmax_meter` (same rounding allowance, clamps and fail-closed rules), the float32 output
+    ``Σ_t fl32(p̃_t)·v̂_t`` (any order: within ``γ_S·max_t‖v̂_t‖`` of the exact sum in norm, which the read
+    path's evaluation slack covers), the value term ``Σ_t p̃_t‖Δv_t‖`` and, per KV head, ``spread = max_t
+    (‖v̂_t − c‖ + ‖Δv_t‖)`` and ``vmax = max_t (‖v̂_t‖ + ‖Δv_t‖)`` over tokens visible to any row; float64
+    sums of non-negative terms are multiplied by ``1 + 2(S + 2)u`` (maxima by ``1 + 4u``) so each is at
+    least its exact value. Inputs: the first ``s`` tokens of the float32 allocations ``values[B, Hkv, ≥s,
+    Dv]`` and the per-token witnesses ``v_res`` (``‖Δv_t‖``), ``v_dist`` (``‖v̂_t − c‖``), ``v_hat_norm``
+    (``‖v̂_t‖``), each ``[B, Hkv, ≥s]``. Returns ``None`` when a value at or after ``pending_from`` is not
+    finite (the caller fails closed). CPU only.
+    """
+    b, h, m, _ = lr.logits.shape
+    dv = values.shape[-1]
+    vv = _prefix("values", values, (b, h, s, dv), s)
+    vr = _prefix("v_res", v_res, (b, h, s), s)
+    vd = _prefix("v_dist", v_dist, (b, h, s), s)
+    vn = _prefix("v_hat_norm", v_hat_norm, (b, h, s), s)
+    mk, full = _mask_arg(mask, b, h, nq, s)
+    p = torch.softmax(lr.logits, dim=-1, dtype=torch.float64)
+    ec = torch.exp(lr.c)
+    p32 = np.empty((b, h, m, s), dtype=np.float32)
+    cells = np.empty((4, b, h, m))                                  # cert, raw, tanh, value term
+    out = np.empty((b, h, m, dv), dtype=np.float32)
+    heads = np.empty((2, b, h, 1))                                  # spread, vmax
+    ok = _meter_output(lr.logits.numpy(), p.numpy(), lr.c.numpy(), ec.numpy(), vv, vr, vd, vn, s, mk, full, nq,
+                       pending_from, p32, cells[0], cells[1], cells[2], out, cells[3], heads[0, ..., 0],
+                       heads[1, ..., 0])
+    if not ok:
+        return None
+    cert, raw, tanh, value_term = torch.from_numpy(cells)
+    spread, vmax = torch.from_numpy(heads)
+    return MeterOutput(p, torch.from_numpy(p32), cert, raw, tanh, torch.from_numpy(out), value_term, spread, vmax)

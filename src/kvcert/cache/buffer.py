@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -16,6 +17,8 @@ class GrowBuffer:
         self._shape = (b, h, tail)
         self._pin = pin
         self._data = self._alloc(max(capacity, like.shape[2]), like.dtype, like.device)
+        self._array: np.ndarray | None = None
+        self._array_of: torch.Tensor | None = None   # the allocation ``_array`` views
         self.n = 0
 
     def _alloc(self, cap: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -42,6 +45,14 @@ class GrowBuffer:
     def view(self) -> torch.Tensor:
         """The live prefix ``[B, H, n, *tail]`` (shares storage)."""
         return self._data[:, :, : self.n]
+
+    def array(self) -> np.ndarray:
+        """The whole C-contiguous allocation ``[B, H, capacity, *tail]`` as a numpy array sharing its memory
+        (CPU only; cached until the buffer reallocates); tokens ``[0, n)`` are live. For kernels that read a
+        token prefix without the copy a strided view would cost them."""
+        if self._array_of is not self._data:
+            self._array, self._array_of = self._data.numpy(), self._data
+        return self._array
 
     def drop_before(self, start: int) -> None:
         """Discard tokens ``[0, start)`` (sliding-window trimming); later tokens shift to the front."""

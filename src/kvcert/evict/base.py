@@ -40,6 +40,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numba
 import numpy as np
 import torch
 from torch import Tensor
@@ -149,25 +150,42 @@ def _lowest(key: np.ndarray, k: int) -> np.ndarray:
     return np.sort(np.concatenate(picks, -1), -1)
 
 
-def _kept_runs(dropped: np.ndarray, n: int) -> list[list[tuple[int, int, int]]]:
-    """Per row of the sorted ``dropped[..., k]``, the runs ``(start, stop, shift)`` of kept slots of
-    ``0..n−1``: slots ``start..stop−1`` move ``shift`` places left."""
-    runs = []
-    for d in dropped.reshape(-1, dropped.shape[-1]).tolist():
-        bounds = [-1, *d, n]
-        runs.append([(bounds[j] + 1, bounds[j + 1], j) for j in range(len(bounds) - 1)])
-    return runs
+@numba.njit(cache=True, nogil=True)
+def _complement_rows(dropped: np.ndarray, n: int, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    k = dropped.shape[1]
+    for r in range(dropped.shape[0]):
+        j = w = 0
+        for t in range(n):
+            if j < k and dropped[r, j] == t:
+                j += 1
+            else:
+                out[r, w] = t
+                w += 1
 
 
 def _complement(dropped: np.ndarray, n: int) -> np.ndarray:
-    """Sorted indices ``[..., n − k]`` of ``0..n−1`` without the sorted ``dropped[..., k]`` (run copies)."""
+    """Sorted indices ``[..., n − k]`` of ``0..n−1`` without the sorted ``dropped[..., k]`` (one O(n) walk)."""
     k = dropped.shape[-1]
-    idx = np.arange(n)
     out = np.empty((math.prod(dropped.shape[:-1]), n - k), dtype=np.int64)
-    for r, runs in enumerate(_kept_runs(dropped, n)):
-        for start, stop, shift in runs:
-            out[r, start - shift : stop - shift] = idx[start:stop]
+    _complement_rows(np.ascontiguousarray(dropped.reshape(-1, k), dtype=np.int64), n, out)
     return out.reshape(*dropped.shape[:-1], n - k)
+
+
+@numba.njit(cache=True, nogil=True)
+def _drop_in_place(buf: np.ndarray, dropped: np.ndarray, n: int) -> None:  # pragma: no cover - compiled
+    """Remove the sorted slots ``dropped[r]`` from ``buf[r, :n]``, moving later slots left (in place)."""
+    k = dropped.shape[1]
+    for r in range(buf.shape[0]):
+        if k == 0:
+            continue
+        w = dropped[r, 0]
+        j = 0
+        for t in range(w, n):
+            if j < k and dropped[r, j] == t:
+                j += 1
+            else:
+                buf[r, w] = buf[r, t]
+                w += 1
 
 
 def _top_mask(key: Tensor, c: int) -> Tensor:
@@ -292,12 +310,9 @@ class LayerState:
                 torch.gather(torch.from_numpy(src[..., : self.n]), -1, keep, out=torch.from_numpy(dst[..., :c]))
             self.spare, self.buffers, self.n = self.buffers, self.spare, c
         else:
-            runs = _kept_runs(dropped, self.n)
+            rows = np.ascontiguousarray(dropped.reshape(-1, dropped.shape[-1]), dtype=np.int64)
             for buf in self.buffers:
-                flat = buf.reshape(-1, buf.shape[-1])
-                for r, row in enumerate(runs):
-                    for start, stop, shift in row[1:]:
-                        flat[r, start - shift : stop - shift] = flat[r, start:stop]
+                _drop_in_place(buf.reshape(-1, buf.shape[-1]), rows, self.n)
             self.n -= dropped.shape[-1]
         self.verified = False
 

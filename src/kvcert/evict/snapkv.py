@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Literal
 
+import numba
 import numpy as np
 import torch
 from torch import Tensor
@@ -13,21 +15,84 @@ from kvcert.evict.base import EvictionPolicy, LayerState
 Pooling = Literal["avgpool", "maxpool"]
 
 
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _pool(x: np.ndarray, kernel: int, average: bool, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Each output folds its in-range window left to right (``acc = x[lo]; acc op= x[lo + 1]; ...``), as
+    torch's pooling does; interior windows are swept offset-major into a local accumulator (vectorises)."""
+    r = kernel // 2
+    n = x.shape[-1]
+    m = max(n - 2 * r, 0)
+    acc = np.empty(m)
+    for row in range(x.shape[0]):
+        xr = x[row]
+        for t in range(m):                      # interior: output t + r, window xr[t .. t + 2r]
+            acc[t] = xr[t]
+        for j in range(1, kernel):
+            if average:
+                for t in range(m):
+                    acc[t] = acc[t] + xr[t + j]
+            else:
+                for t in range(m):
+                    acc[t] = max(acc[t], xr[t + j])
+        if average:
+            for t in range(m):
+                out[row, t + r] = acc[t] / kernel
+        else:
+            out[row, r : r + m] = acc
+        for t in range(min(r, n)):              # edge windows, clipped to the row
+            out[row, t] = _edge(xr, t, r, kernel, average)
+        for t in range(max(n - r, r), n):
+            out[row, t] = _edge(xr, t, r, kernel, average)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _edge(xr: np.ndarray, t: int, r: int, kernel: int, average: bool) -> float:  # pragma: no cover - compiled
+    lo, hi = max(t - r, 0), min(t + r + 1, xr.shape[0])
+    v = xr[lo]
+    for i in range(lo + 1, hi):
+        v = v + xr[i] if average else max(v, xr[i])
+    return v / kernel if average else v
+
+
 def pool_scores(scores: Tensor, kernel: int, pooling: Pooling) -> Tensor:
-    """1-D pooling of ``scores[B, H, S]`` over the slot axis (stride 1, zero padding ``kernel // 2``)."""
+    """1-D pooling of float64 ``scores[B, H, S]`` over the slot axis, stride 1, ``kernel // 2`` on each side
+    (torch's ``avg_pool1d`` / ``max_pool1d`` semantics: the average counts the zero padding, i.e. divides
+    by ``kernel``; the maximum ignores it). One O(S·kernel) pass, summing left to right."""
     b, h, s = scores.shape
-    flat = scores.reshape(b * h, 1, s)
-    if pooling == "avgpool":
-        out = torch.nn.functional.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2)
-    else:
-        out = torch.nn.functional.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    flat = scores.detach().to(torch.float64).reshape(b * h, s).contiguous()
+    out = torch.empty_like(flat)
+    _pool(flat.numpy(), kernel, pooling == "avgpool", out.numpy())
     return out.reshape(b, h, s)
+
+
+@numba.njit(cache=True, nogil=True)
+def _subtract_by_position(scores: np.ndarray, positions: np.ndarray, n: int, old_pos: np.ndarray,
+                          old_row: np.ndarray) -> None:  # pragma: no cover - compiled (covered by tests via numba)
+    """``scores[b, h, j] −= old_row[b, h, k]`` for every held slot ``j < n`` whose position equals
+    ``old_pos[b, h, k]`` (both position arrays strictly increasing: one merge walk per head, O(S))."""
+    nb, nh, m = old_pos.shape
+    for b in range(nb):
+        for h in range(nh):
+            j = 0
+            for k in range(m):
+                p = old_pos[b, h, k]
+                while j < n and positions[b, h, j] < p:
+                    j += 1
+                if j == n:
+                    break
+                if positions[b, h, j] == p:
+                    scores[b, h, j] -= old_row[b, h, k]
 
 
 class SnapKV(EvictionPolicy):
     """``SnapKV(window, kernel, pooling)``: score_i = pool(Σ_{s in last window queries} a_{s,i}); the last
     ``window`` positions are protected. ``kernel`` odd. Decode mode applies the same score to the last
     ``window`` observed query rows; pooling runs over physical slots (neighbours after eviction).
+
+    Decode cost is O(S) per step: the window sum lives in the state's score buffer (so evictions move it
+    with the slots), each new row is added and the row that leaves the window is subtracted from the slots
+    that still hold its positions; it equals the fresh sum of the last ``window`` rows up to the float64
+    rounding of the running sum (~1e-16 relative).
     """
 
     def __init__(self, window: int = 32, kernel: int = 5, pooling: Pooling = "avgpool", sinks: int = 0) -> None:
@@ -39,28 +104,27 @@ class SnapKV(EvictionPolicy):
             raise ValueError(f"pooling must be 'avgpool' or 'maxpool', got {pooling!r}")
         super().__init__(sinks=sinks, recent=window)
         self.window, self.kernel, self.pooling = window, kernel, pooling
+        self._windows: dict[int, deque[tuple[np.ndarray, np.ndarray]]] = {}   # (positions, row) per layer
+
+    def reset(self) -> None:
+        """Forget all per-item state and the recorded windows (new request)."""
+        super().reset()
+        self._windows = {}
 
     def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: np.ndarray) -> None:
-        # O(1) per step: keep the query groups covering the last ``window`` rows; they are mapped through
-        # evictions and stacked only when a score is needed (once per eviction)
-        state.add_rows(attn[:, :, -self.window :].clone() if attn.shape[2] > self.window else attn)
-        sizes = [r.shape[2] for r in state.rows]
-        drop = 0
-        while sum(sizes[drop + 1 :]) >= self.window:
-            drop += 1
-        state.drop_rows(drop)
+        q, s = attn.shape[2:]
+        win = self._windows.setdefault(layer, deque())
+        pos = state.buffers[1][..., :s].copy()                      # shared by this call's rows
+        rows = attn[:, :, max(q - self.window, 0):].numpy()
+        for r in range(rows.shape[2]):
+            row = rows[:, :, r].copy()
+            state.buffers[0][..., :s] += row
+            win.append((pos, row))
+            if len(win) > self.window:
+                _subtract_by_position(state.buffers[0], state.buffers[1], state.n, *win.popleft())
 
     def _scores(self, layer: int, state: LayerState) -> Tensor:
-        groups = [state.row(i) for i in range(len(state.rows))]
-        at = min(sum(g.shape[2] for g in groups), self.window)
-        recent = torch.zeros(*state.buffers[0].shape[:2], at, state.n, dtype=torch.float64)  # the last rows
-        for g in reversed(groups):
-            m = min(g.shape[2], at)
-            recent[:, :, at - m : at, : g.shape[-1]] = g[:, :, g.shape[2] - m :]
-            at -= m
-        state.drop_rows(len(groups))
-        state.add_rows(recent)  # one group, already over the current slots
-        return pool_scores(recent.sum(2), self.kernel, self.pooling)
+        return pool_scores(state.scores, self.kernel, self.pooling)
 
     def _prefill_scores(self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None) -> Tensor:
         assert attn is not None

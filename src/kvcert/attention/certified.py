@@ -192,7 +192,6 @@ class _Served:
     spread: torch.Tensor          # [B, Hkv, 1] max_t ‖v̂_t − c‖ + ‖Δv_t‖ over visible tokens
     vmax: torch.Tensor            # [B, Hkv, 1] max_t ‖v̂_t‖ + ‖Δv_t‖ over visible tokens
     qg: torch.Tensor              # [B, Hkv, M, D] float32 queries as certified (non-finite entries zeroed)
-    vres: torch.Tensor            # [B, Hkv, S] ‖Δv_t‖ as served (non-finite entries zeroed)
     bad_cell: torch.Tensor | None = None   # [B, Hkv, M] cells that see a non-finite entry (fail closed)
 
 
@@ -212,7 +211,7 @@ def _fused_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None
     if mo is None:
         return None
     return _Served(mo.p, mo.p32, mo.cert, mo.raw, mo.tanh, mo.out, lr.c, lr.qn, lr.kmax, lr.phi, lr.wmax,
-                   mo.value_term, mo.spread, mo.vmax, qg, store.v_res.view())
+                   mo.value_term, mo.spread, mo.vmax, qg)
 
 
 def _eager_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, m: torch.Tensor, full: bool,
@@ -255,7 +254,7 @@ def _eager_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, m: to
         raw = torch.where(bad_cell, float("inf"), raw)
     value_term = torch.linalg.vecdot(p64, vres.to(torch.float64).unsqueeze(-2))
     spread, vmax = _value_spread(vres, vdist, vhn, mask, full)
-    return _Served(p64, p32, cert, raw, tanh, out, c, qn, kmax, phi_max, wmax, value_term, spread, vmax, qg, vres,
+    return _Served(p64, p32, cert, raw, tanh, out, c, qn, kmax, phi_max, wmax, value_term, spread, vmax, qg,
                    bad_cell)
 
 

@@ -164,3 +164,19 @@ def test_keep_top_fast_path_matches_stable_sort(n_evict):
         for h in range(2):
             ranked = sorted(range(s), key=lambda i: (-key[b, h, i].item(), i))  # higher key, then lower index
             assert keep[b, h].tolist() == sorted(ranked[:budget])
+
+
+def test_first_read_after_an_eviction_checks_every_held_slot():
+    """A cache that gathered other slots than the policy's ``keep`` is caught at the next read, in any slot."""
+    p = H2O(recent=1)
+    row = torch.full((1, 1, 1, 5), 0.2, dtype=torch.float64)
+    p.observe(0, row, torch.arange(5)[None])
+    keep = p.select(0, 3)
+    assert keep is not None
+    p.on_evict(0, keep)
+    assert p._state(0).positions[0, 0].tolist() == [0, 1, 4]  # equal scores: the lower slots win the ties
+    q = torch.full((1, 1, 1, 4), 0.25, dtype=torch.float64)
+    with pytest.raises(ValueError, match="disagree"):  # slot 1 is not the join slot: only the full check sees it
+        p.observe(0, q, torch.tensor([[0, 2, 4, 5]]))
+    p.observe(0, q, torch.tensor([[0, 1, 4, 5]]))
+    assert p._state(0).positions[0, 0].tolist() == [0, 1, 4, 5]

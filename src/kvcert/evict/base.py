@@ -172,10 +172,12 @@ def _complement(dropped: np.ndarray, n: int) -> np.ndarray:
 
 
 @numba.njit(cache=True, nogil=True)
-def _drop_in_place(buf: np.ndarray, dropped: np.ndarray, n: int) -> None:  # pragma: no cover - compiled
-    """Remove the sorted slots ``dropped[r]`` from ``buf[r, :n]``, moving later slots left (in place)."""
+def _drop_in_place(scores: np.ndarray, positions: np.ndarray, dropped: np.ndarray,
+                   n: int) -> None:  # pragma: no cover - compiled
+    """Remove the sorted slots ``dropped[r]`` from ``scores[r, :n]`` and ``positions[r, :n]``, moving later
+    slots left (in place, one pass over both buffers)."""
     k = dropped.shape[1]
-    for r in range(buf.shape[0]):
+    for r in range(scores.shape[0]):
         if k == 0:
             continue
         w = dropped[r, 0]
@@ -184,8 +186,44 @@ def _drop_in_place(buf: np.ndarray, dropped: np.ndarray, n: int) -> None:  # pra
             if j < k and dropped[r, j] == t:
                 j += 1
             else:
-                buf[r, w] = buf[r, t]
+                scores[r, w] = scores[r, t]
+                positions[r, w] = positions[r, t]
                 w += 1
+
+
+_READ_OK, _BAD_ATTN, _POSITIONS_DISAGREE, _NOT_INCREASING = 0, 1, 2, 3
+
+
+@numba.njit(cache=True, nogil=True)
+def _read_fault(attn: np.ndarray, pos: np.ndarray, held: np.ndarray, old: int,
+                full: bool) -> int:  # pragma: no cover - compiled
+    """First fault of one observed read, else ``_READ_OK``: ``attn[B, Hkv, q, S]`` not finite and
+    non-negative (NaN fails ``x >= 0``, +inf fails ``x < inf``); the caller's positions ``pos[B, Hkv, S]``
+    differ from the ``held[B, Hkv, >= old]`` ones on slots ``[0, old)`` (``full``) or on the join slot
+    ``old − 1``; the appended slots ``[old, S)`` not strictly increasing from the join slot on. The loops
+    fold without early exits so that they vectorise."""
+    bad = False
+    for b in range(attn.shape[0]):
+        for h in range(attn.shape[1]):
+            for r in range(attn.shape[2]):
+                row = attn[b, h, r]
+                for t in range(row.shape[0]):
+                    bad |= not (row[t] >= 0.0) or not (row[t] < np.inf)
+    if bad:
+        return _BAD_ATTN
+    for b in range(pos.shape[0]):
+        for h in range(pos.shape[1]):
+            p, q = pos[b, h], held[b, h]
+            for t in range(0 if full else max(old - 1, 0), old):
+                bad |= p[t] != q[t]
+    if bad:
+        return _POSITIONS_DISAGREE
+    for b in range(pos.shape[0]):
+        for h in range(pos.shape[1]):
+            p = pos[b, h]
+            for t in range(max(old, 1), p.shape[0]):
+                bad |= p[t] <= p[t - 1]
+    return _NOT_INCREASING if bad else _READ_OK
 
 
 def _top_mask(key: Tensor, c: int) -> Tensor:
@@ -311,8 +349,8 @@ class LayerState:
             self.spare, self.buffers, self.n = self.buffers, self.spare, c
         else:
             rows = np.ascontiguousarray(dropped.reshape(-1, dropped.shape[-1]), dtype=np.int64)
-            for buf in self.buffers:
-                _drop_in_place(buf.reshape(-1, buf.shape[-1]), rows, self.n)
+            scores, positions = (buf.reshape(-1, buf.shape[-1]) for buf in self.buffers)
+            _drop_in_place(scores, positions, rows, self.n)
             self.n -= dropped.shape[-1]
         self.verified = False
 
@@ -369,10 +407,6 @@ class EvictionPolicy(ABC):
         """
         if attn.dim() != 4:
             raise ValueError(f"attn must be [B, Hkv, q, S], got shape {tuple(attn.shape)}")
-        if attn.numel():
-            low, high = torch.aminmax(attn)
-            if not (float(low) >= 0 and math.isfinite(float(high))):  # NaN fails the min, +inf the max
-                raise ValueError("attn must be finite and non-negative")
         b, h, q, s = attn.shape
         if positions.dim() == 2:
             positions = positions[:, None, :].expand(b, h, s)
@@ -386,21 +420,21 @@ class EvictionPolicy(ABC):
         old = state.n
         if s < old or state.buffers[0].shape[:2] != (b, h):
             raise ValueError(f"attn slots shrank or batch/heads changed without on_evict (layer {layer})")
-        pos, held = positions.numpy(), state.buffers[1][..., :old]
+        attn = attn.detach().to(F64)
         # held slots must be unchanged (catches a cache/policy gather mismatch): in full at the first read after
         # an eviction; in between slots are only appended, and a slot removed without on_evict would shift the
         # join slot old − 1, so that slot and the strictly increasing appended tail are checked
-        if old and not (
-            (pos[..., old - 1] == held[..., -1]).all() if state.verified else np.array_equal(pos[..., :old], held)
-        ):
+        pos = positions.numpy()
+        fault = _read_fault(attn.numpy(), pos, state.buffers[1], old, not state.verified)
+        if fault == _BAD_ATTN:
+            raise ValueError("attn must be finite and non-negative")
+        if fault == _POSITIONS_DISAGREE:
             raise ValueError(f"positions disagree with the slots the policy holds for layer {layer}")
-        tail = pos[..., max(old - 1, 0) :]
-        if s > old and not (tail[..., 1:] > tail[..., :-1]).all():
+        if fault == _NOT_INCREASING:
             raise ValueError("positions must be strictly increasing along the slot axis")
         state.issued, state.dropped, state.verified = None, None, True
         state.extend(pos)
         state.now = pos[:, 0, -1].astype(np.int64)
-        attn = attn if attn.dtype == F64 else attn.to(F64)
         self._accumulate(layer, state, attn, state.buffers[1][:, 0, s - q : s])
 
     def set_kappa(self, step_positions: Tensor, kappa: Tensor) -> None:

@@ -59,10 +59,10 @@ def pool_scores(scores: Tensor, kernel: int, pooling: Pooling) -> Tensor:
     (torch's ``avg_pool1d`` / ``max_pool1d`` semantics: the average counts the zero padding, i.e. divides
     by ``kernel``; the maximum ignores it). One O(S·kernel) pass, summing left to right."""
     b, h, s = scores.shape
-    flat = scores.detach().to(torch.float64).reshape(b * h, s).contiguous()
-    out = torch.empty_like(flat)
-    _pool(flat.numpy(), kernel, pooling == "avgpool", out.numpy())
-    return out.reshape(b, h, s)
+    flat = np.ascontiguousarray(scores.detach().to(torch.float64).numpy().reshape(b * h, s))
+    out = np.empty_like(flat)
+    _pool(flat, kernel, pooling == "avgpool", out)
+    return torch.from_numpy(out).view(b, h, s)
 
 
 @numba.njit(cache=True, nogil=True)

@@ -12,11 +12,20 @@ the same samples. RMM gets the realised κ of the prompt (next-token probabiliti
 Per policy and budget: accuracy, the paired bootstrap CI of the difference to the reference and the exact
 McNemar p-value. Every number is empirical.
 
+``belady(future_mass)`` is the clairvoyant selection: per (layer, KV head) it keeps the prompt items with the
+most attention from the reference run's answer queries (the reads that produced the reference answer,
+recorded by one forward of the reference tokens over the exact prefill; κ = 1). It knows the answer's reads,
+which no deployable policy does; it is realisable (a kept set like any other) but not a proven accuracy
+ceiling.
+
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/evict_ruler.py --samples 4 --context 2048 --out runs/ev2k
     .venv/bin/python benchmarks/evict_ruler.py --report runs/ev2k runs/ev4k    # tables + plot from saved runs
 
 With ``--out DIR`` every sample's scores are appended to ``DIR/scores.jsonl`` as soon as they exist, so a
-stopped run keeps what it measured and runs can be sharded; ``--report`` pools runs per context length.
+stopped run keeps what it measured and runs can be sharded; ``--policies`` runs a subset (the reference
+always runs). ``--report`` pools runs per context length and merges the scores of one sample (same context,
+seed, task and rank within its task) found in several runs; a reference score that differs between them is
+an error.
 """
 
 from __future__ import annotations
@@ -37,16 +46,18 @@ from kvcert.eval import load_task
 from kvcert.eval.harness import prompt_ids
 from kvcert.eval.ruler import Sample, score
 from kvcert.eval.stats import mcnemar, paired_bootstrap
-from kvcert.evict import H2O, RMM, EvictionPolicy, SnapKV, StreamingLLM, token_probability
+from kvcert.evict import H2O, RMM, Belady, EvictionPolicy, SnapKV, StreamingLLM, token_probability
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models import converted_dir, load
 from kvcert.report.figures import accuracy_vs_budget
 
-POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
-    "streaming(sinks=4)": lambda: StreamingLLM(sinks=4),
-    "h2o(recent=32)": lambda: H2O(recent=32),
-    "snapkv(w=32,k=5)": lambda: SnapKV(window=32, kernel=5),
-    "rmm(lag=32,realised)": lambda: RMM(lag=32, kappa="realised"),
+POLICIES: dict[str, Callable[[torch.Tensor], EvictionPolicy]] = {  # argument: the answer trace (Belady only)
+    "streaming(sinks=4)": lambda _: StreamingLLM(sinks=4),
+    "h2o(recent=32)": lambda _: H2O(recent=32),
+    "snapkv(w=32,k=5)": lambda _: SnapKV(window=32, kernel=5),
+    "rmm(lag=32,realised)": lambda _: RMM(lag=32, kappa="realised"),
+    "belady(future_mass)": lambda answer: Belady(answer, torch.ones(answer.shape[0]), variant="future_mass",
+                                                 first=answer.shape[-1] - answer.shape[0]),
 }
 
 
@@ -56,13 +67,14 @@ _RECORDED: dict[int, torch.Tensor] = {}
 def _recording_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                          **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """SDPA that also records the causal prefill attention ``[B, Hkv, S, S]`` (mean over each group)."""
+    """SDPA that also records the causal attention ``[B, Hkv, q, K]`` of the ``q`` newest positions over all
+    ``K`` keys (mean over each group)."""
     out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  **kwargs)
-    b, hq, s, d = query.shape
-    hkv = key.shape[1]
-    logits = query.reshape(b, hkv, hq // hkv, s, d) @ key.unsqueeze(2).transpose(-1, -2) * scaling
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    b, hq, q, d = query.shape
+    hkv, k = key.shape[1], key.shape[2]
+    logits = query.reshape(b, hkv, hq // hkv, q, d) @ key.unsqueeze(2).transpose(-1, -2) * scaling
+    causal = torch.ones(q, k, dtype=torch.bool).tril(k - q)
     _RECORDED[module.layer_idx] = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1).mean(2)
     return out
 
@@ -81,6 +93,25 @@ def shared_prefill(model: PreTrainedModel, ids: torch.Tensor) -> tuple[DynamicCa
         model.set_attn_implementation(previous)
     attentions = [_RECORDED.pop(i) for i in range(len(past.layers))]
     return past, attentions, logits
+
+
+@torch.inference_mode()
+def answer_trace(model: PreTrainedModel, past: DynamicCache, toks: torch.Tensor) -> torch.Tensor:
+    """Attention ``[n, L, Hkv, S + n]`` of the answer queries (``toks[1, n]`` fed after the ``S``-token exact
+    prefill ``past``, as the reference decode fed them); ``past`` is cropped back to ``S`` afterwards."""
+    n = toks.shape[1]
+    if n == 0:
+        cfg = model.config
+        return torch.empty(0, cfg.num_hidden_layers, cfg.num_key_value_heads, past.get_seq_length())
+    AttentionInterface.register("evict-record", _recording_attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("evict-record")
+    try:
+        model(toks, past_key_values=past, use_cache=True, logits_to_keep=1)
+    finally:
+        model.set_attn_implementation(previous)
+        past.crop(-n)
+    return torch.stack([_RECORDED.pop(i)[0].transpose(0, 1) for i in range(len(past.layers))], 1)
 
 
 @torch.inference_mode()
@@ -114,16 +145,44 @@ def table(context: int, rows: list[dict[str, Any]], configs: list[tuple[str, flo
     return lines
 
 
+def merged_rows(dirs: list[str]) -> list[dict[str, Any]]:
+    """Rows of the runs' ``scores.jsonl``, one per sample: the scores of one sample (same context, seed, task
+    and rank within its task in its run) from several runs are merged; their reference scores must agree."""
+    merged: dict[tuple[int, int, str, int], dict[str, Any]] = {}
+    for d in dirs:
+        rank: dict[tuple[int, int, str], int] = {}
+        for line in open(f"{d}/scores.jsonl"):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            group = (row["context"], row["seed"], row["task"])
+            rank[group] = rank.get(group, -1) + 1
+            key = (*group, rank[group])
+            if key not in merged:
+                merged[key] = row
+                continue
+            held = merged[key]["scores"]
+            if held["reference@1.00"] != row["scores"]["reference@1.00"] or merged[key]["tokens"] != row["tokens"]:
+                raise SystemExit(f"{d}: sample {key} disagrees with an earlier run (reference score or length)")
+            held.update(row["scores"])
+    return list(merged.values())
+
+
 def report(dirs: list[str]) -> None:
-    """Pool ``scores.jsonl`` of the given runs per context length; print the tables and write
-    ``accuracy-<context>.png`` (accuracy vs kept fraction with paired CIs) into the first run's directory."""
-    rows = [json.loads(line) for d in dirs for line in open(f"{d}/scores.jsonl") if line.strip()]
+    """Pool the runs per context length (``merged_rows``); print the tables and write ``accuracy-<context>.png``
+    (accuracy vs kept fraction with paired CIs) into the first run's directory. A configuration enters a
+    table only if every sample of that context has it."""
+    rows = merged_rows(dirs)
     if not rows:
         raise SystemExit(f"no samples recorded in {dirs}")
     for context in sorted({r["context"] for r in rows}):
         mine = [r for r in rows if r["context"] == context]
-        configs = [(k.rsplit("@", 1)[0], float(k.rsplit("@", 1)[1])) for k in mine[0]["scores"]
-                   if not k.startswith("reference@")]
+        keys = [k for k in mine[0]["scores"] if not k.startswith("reference@")]
+        keys += sorted({k for r in mine for k in r["scores"]} - set(keys) - {"reference@1.00"})
+        partial = [k for k in keys if any(k not in r["scores"] for r in mine)]
+        if partial:
+            print(f"left out at {context} (not run on every sample): {', '.join(partial)}")
+        configs = [(k.rsplit("@", 1)[0], float(k.rsplit("@", 1)[1])) for k in keys if k not in partial]
         print("\n".join(table(context, mine, configs)) + "\n")
         series = {}
         for name, keep in configs:
@@ -143,6 +202,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", default="0.25,0.5,0.75", help="fractions of the prompt kept")
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), help="a subset of: " + "  ".join(POLICIES))
     parser.add_argument("--max-new", type=int, default=32, help="cap on new tokens (RULER budget if lower)")
     parser.add_argument("--out", default=None, help="directory for scores.jsonl (one line per sample)")
     parser.add_argument("--report", nargs="+", default=None, help="print tables and plot from saved runs")
@@ -150,6 +210,10 @@ def main() -> None:
     if args.report:
         report(args.report)
         return
+    names = args.policies
+    unknown = sorted(set(names) - set(POLICIES))
+    if unknown:
+        raise SystemExit(f"unknown policies {unknown}; known: {'  '.join(POLICIES)}")
     torch.manual_seed(0)
     model, tok = load("smollm2-135m")
     model.eval()
@@ -158,7 +222,7 @@ def main() -> None:
         samples += [(task, s) for s in load_task(task, args.context, args.samples, args.seed,
                                                  converted_dir("smollm2-135m"))]
     keeps = [float(k) for k in args.keep.split(",")]
-    configs = [(name, k) for name in POLICIES for k in keeps]
+    configs = [(name, k) for name in names for k in keeps]
     log = None
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -174,8 +238,10 @@ def main() -> None:
         kappa[:, :-1] = token_probability(logits[:, :-1], ids[:, 1:])   # realised κ of the prompt
         del logits
         got: dict[str, float] = {}
+        answer = torch.empty(0)
         for name, keep in [("reference", 1.0), *configs]:
-            kwargs = {} if name == "reference" else {"evict": POLICIES[name](), "compression_ratio": 1.0 - keep}
+            kwargs = {} if name == "reference" else {"evict": POLICIES[name](answer),
+                                                     "compression_ratio": 1.0 - keep}
             cache = CertifiedCache(model, keys="none", values="none", certify=False, **kwargs)
             if kwargs:
                 cache.set_prefill_kappa(kappa)
@@ -183,6 +249,8 @@ def main() -> None:
             toks = decode(model, cache, first, max_new, tok.eos_token_id)
             cache.detach()
             got[f"{name}@{keep:.2f}"] = score(sample, tok.decode(toks[0], skip_special_tokens=True))
+            if name == "reference" and any(n.startswith("belady") for n in names):
+                answer = answer_trace(model, past, toks)
         row = {"task": task, "index": i, "context": args.context, "seed": args.seed, "tokens": ids.shape[1],
                "scores": got}
         rows.append(row)

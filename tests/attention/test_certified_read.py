@@ -152,3 +152,22 @@ def test_decode_kernels_agree_with_the_eager_read_path(codec, monkeypatch):
     assert torch.allclose(fused.value_term, eager.value_term, rtol=1e-5)
     for res in (fused, eager):
         assert torch.all(res.true_tv <= res.cert_pre) and torch.all(res.true_out_err <= res.out_bound)
+
+
+@pytest.mark.parametrize("codec", ["int8", "int2"])
+def test_kernel_output_bound_is_the_eager_formula_per_cell(codec):
+    """The decode kernel forms the unrepaired output bound itself; on its own inputs it equals ``_out_bound``
+    (same float64 operations; ``tanh`` may differ by an ulp between libm and torch)."""
+    import kvcert.attention.certified as certified
+
+    st, q, mask = _setup(codec, 150, 5, 3.0, nq=2)
+    hkv = st.k.served.view().shape[1]
+    qg = certified.group_heads(q.to(torch.float32), hkv)
+    sv = certified._fused_served(qg, st, mask, 2, st.n, D**-0.5)
+    assert sv is not None
+    bound, key_term, slack = certified._out_bound(sv.value_term, sv.cert, sv.spread, sv.vmax, st.n,
+                                                  sv.out.shape[-1], sv.phi_max)
+    for got, want in ((sv.bound, bound), (sv.key_term, key_term), (sv.slack, slack)):
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, rtol=1e-14, atol=0), (got - want).abs().max()
+    assert torch.equal(sv.key_term, key_term)   # no transcendental in the key term: bit for bit

@@ -50,3 +50,27 @@ def test_belady_next_use_evicts_farthest():
         Belady(attn, kappa, variant="lru")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="kappa"):
         Belady(attn, kappa[:3])
+
+
+@pytest.mark.parametrize("variant", ["next_use", "future_mass"])
+def test_a_trace_of_the_answer_steps_scores_like_the_whole_trace(variant):
+    """Belady over rows ``first..T−1`` only (``first``) gives the whole trace's scores at every step it can
+    see (``now >= first − 1``), so the prefill selection of an ``S``-token prompt needs only the answer rows."""
+    trace = random_trace(steps=12, layers=2, heads=3, seed=5)
+    k = trace.kappa_of("realised")
+    whole = Belady(trace.attn, k, variant=variant, threshold=0.05)
+    first = 7
+    part = Belady(trace.attn[first:], k[first:], variant=variant, threshold=0.05, first=first)
+    positions = torch.arange(12).expand(1, 3, 12)
+    for now in range(first - 1, 12):
+        for layer in range(2):
+            got = part._lookup(layer, positions[..., : now + 1], torch.tensor([now]))
+            want = whole._lookup(layer, positions[..., : now + 1], torch.tensor([now]))
+            assert torch.equal(got, want), (now, layer)
+    keys = torch.randn(1, 3, first, 4, dtype=torch.float64)
+    for ratio in (0.25, 0.5, 0.75):
+        assert torch.equal(part.prefill_keep(0, keys, keys, ratio), whole.prefill_keep(0, keys, keys, ratio))
+    with pytest.raises(ValueError, match="outside the recorded trace"):
+        part._lookup(0, positions[..., :5], torch.tensor([first - 2]))
+    with pytest.raises(ValueError, match="first"):
+        Belady(trace.attn[first:], k[first:], first=first + 1)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-import kvcert.integrations.transformers as glue
+from kvcert.cache.telemetry import ChainInputs
 from kvcert.contracts import Chain, MetricMismatch, Tier, bridges, stages
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models.tiny import tiny_random
@@ -69,14 +69,14 @@ def test_live_witness_reading_matches_the_store(run):
 
 
 def test_an_understated_witness_is_caught_by_the_true_tv(monkeypatch):
-    real = glue.live_chain_readings
+    real = ChainInputs.readings
 
-    def understated(*args, **kwargs):
-        out = real(*args, **kwargs)
+    def understated(self):
+        out = real(self)
         out["witness"] = out["witness"] * 0.01
         return out
 
-    monkeypatch.setattr(glue, "live_chain_readings", understated)
+    monkeypatch.setattr(ChainInputs, "readings", understated)
     tel = _run("int4").telemetry()
     worst = [float(tel.true_tv[:, c.layer].nan_to_num(0.0).max()) - c.evaluation.value for c in dense_chains(tel)]
     assert max(worst) > 0  # the soundness comparison above can fail

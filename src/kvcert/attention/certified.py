@@ -192,6 +192,9 @@ class _Served:
     spread: torch.Tensor          # [B, Hkv, 1] max_t ‖v̂_t − c‖ + ‖Δv_t‖ over visible tokens
     vmax: torch.Tensor            # [B, Hkv, 1] max_t ‖v̂_t‖ + ‖Δv_t‖ over visible tokens
     qg: torch.Tensor              # [B, Hkv, M, D] float32 queries as certified (non-finite entries zeroed)
+    bound: torch.Tensor           # [B, Hkv, M] output bound of the unrepaired read (``_out_bound``)
+    key_term: torch.Tensor        # [B, Hkv, M]
+    slack: torch.Tensor           # [B, Hkv, M]
     bad_cell: torch.Tensor | None = None   # [B, Hkv, M] cells that see a non-finite entry (fail closed)
 
 
@@ -211,7 +214,7 @@ def _fused_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None
     if mo is None:
         return None
     return _Served(mo.p, mo.p32, mo.cert, mo.raw, mo.tanh, mo.out, lr.c, lr.qn, lr.kmax, lr.phi, lr.wmax,
-                   mo.value_term, mo.spread, mo.vmax, qg)
+                   mo.value_term, mo.spread, mo.vmax, qg, mo.bound, mo.key_term, mo.slack)
 
 
 def _eager_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, m: torch.Tensor, full: bool,
@@ -254,8 +257,9 @@ def _eager_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, m: to
         raw = torch.where(bad_cell, float("inf"), raw)
     value_term = torch.linalg.vecdot(p64, vres.to(torch.float64).unsqueeze(-2))
     spread, vmax = _value_spread(vres, vdist, vhn, mask, full)
+    bound, key_term, slack = _out_bound(value_term, cert, spread, vmax, s, out.shape[-1], phi_max)
     return _Served(p64, p32, cert, raw, tanh, out, c, qn, kmax, phi_max, wmax, value_term, spread, vmax, qg,
-                   bad_cell)
+                   bound, key_term, slack, bad_cell)
 
 
 @torch.no_grad()
@@ -316,7 +320,8 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     host_k, host_v = store.k.host.view(), store.v.host.view()
     elt = host_k.element_size()
 
-    if need.any():
+    need_any = bool(need.any())
+    if need_any:
         if gate.granularity == "head" or nonfinite:
             rows_need = need.any(0).nonzero().flatten()                       # KV heads some row repairs
             h0, h1 = int(rows_need[0]), int(rows_need[-1]) + 1                # one range: views, no copies
@@ -344,7 +349,9 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
                 blocks[bi, hi] = res.n_blocks
                 bytes_paged += res.tokens * (host_k.shape[-1] + host_v.shape[-1]) * elt
 
-    bound, key_term, slack = _out_bound(value_term, cert, sv.spread, sv.vmax, s, out.shape[-1], sv.phi_max)
+    bound, key_term, slack = sv.bound, sv.key_term, sv.slack
+    if need_any:   # repairs changed the meter or the value term of some cells: the bound follows them
+        bound, key_term, slack = _out_bound(value_term, cert, sv.spread, sv.vmax, s, out.shape[-1], sv.phi_max)
     if bool(repaired.any()):   # an exactly repaired head: no key or value term, only the evaluation slack
         zero = repaired.view(b, hkv, 1)
         key_term = torch.where(zero, 0.0, key_term)

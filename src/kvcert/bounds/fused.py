@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 _U64 = 2.0**-53
+_U32 = 2.0**-24
 _EXP_SAFE = 300.0   # same cut as kvcert.bounds.softmax_tv: above it ptm is replaced by two_sided
 
 
@@ -166,6 +167,9 @@ class MeterOutput(NamedTuple):
     value_term: torch.Tensor  # [B, Hkv, M] Σ_t p_t‖Δv_t‖ (rounded up)
     spread: torch.Tensor    # [B, Hkv, 1] max over visible t of ‖v̂_t − centre‖ + ‖Δv_t‖ (rounded up)
     vmax: torch.Tensor      # [B, Hkv, 1] max over visible t of ‖v̂_t‖ + ‖Δv_t‖ (rounded up)
+    bound: torch.Tensor     # [B, Hkv, M] output bound key_term + value_term + slack of the unrepaired read
+    key_term: torch.Tensor  # [B, Hkv, M] 2·min(meter, 1)·spread
+    slack: torch.Tensor     # [B, Hkv, M] (2(S + Dv)u₃₂(1 + 10⁻⁶) + 2·tanh(φ_max))·vmax
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
@@ -182,16 +186,20 @@ def _dot_rows(qs: np.ndarray, k: np.ndarray, s: int, lg: np.ndarray) -> None:  #
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
-def _band_dots(qb: np.ndarray, rho: np.ndarray, s: int, out: np.ndarray) -> None:  # pragma: no cover - compiled
-    """``out[i, t] = Σ_b qb[i, b]·ρ[t, b]`` for ``t < s`` in float64 from float32 ``ρ``, any summation order:
-    a sum of ``nb`` non-negative products, at least ``(1 − u)^{nb+1}`` times the exact one."""
+def _radius_rows(qb: np.ndarray, rho: np.ndarray, s: int, scale: float, rate: np.ndarray, kf: np.ndarray,
+                 infl: float, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``out[i, t] = (scale·Σ_b qb[i, b]·ρ[t, b] + rate[i]·kf[t])·infl`` for ``t < s`` in float64 from float32
+    ``ρ``, any summation order: every operand is non-negative, so the computed value is at least
+    ``(1 − u)^(nb + 4)`` times the exact one (``nb`` products and additions, two products and an addition,
+    fused or not)."""
     m, nb = qb.shape
     for t in range(s):
+        kt = kf[t]
         for i in range(m):
             acc = 0.0
             for b in range(nb):
                 acc += qb[i, b] * np.float64(rho[t, b])
-            out[i, t] = acc
+            out[i, t] = (scale * acc + rate[i] * kt) * infl
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract"})
@@ -240,6 +248,7 @@ def _logits_radii(q: np.ndarray, k: np.ndarray, rho: np.ndarray, khn: np.ndarray
     qs = np.empty((nrows, d), np.float32)
     qb = np.empty((nrows, nbands))
     rate = np.empty(nrows)
+    kf = np.empty(s)                                    # 2‖k̂_t‖ + W_t
     for bi in range(nbatch):
         for h in range(nkv):
             qmax = 0.0
@@ -267,27 +276,31 @@ def _logits_radii(q: np.ndarray, k: np.ndarray, rho: np.ndarray, khn: np.ndarray
                     if not np.isfinite(k[bi, h, t, j]):
                         return False
             _dot_rows(qs, k[bi, h], s, lg[bi, h])
-            _band_dots(qb, rho[bi, h], s, c[bi, h])
             km = 0.0
             wm = 0.0
             for t in range(s):
                 wt = np.float64(w[bi, h, t])
-                kf = 2.0 * np.float64(khn[bi, h, t]) + wt
-                km = max(km, kf)
+                kf[t] = 2.0 * np.float64(khn[bi, h, t]) + wt
+                km = max(km, kf[t])
                 wm = max(wm, wt)
+            _radius_rows(qb, rho[bi, h], s, scale, rate, kf, infl, c[bi, h])
+            if not full:
                 for mi in range(nrows):
-                    c[bi, h, mi, t] = (scale * c[bi, h, mi, t] + rate[mi] * kf) * infl
-                    if not full and not _visible(mask, full, bi, h, nq, mi, t):
-                        lg[bi, h, mi, t] = -np.inf
+                    for t in range(s):
+                        if not _visible(mask, full, bi, h, nq, mi, t):
+                            lg[bi, h, mi, t] = -np.inf
             kmax[bi, h] = km
             wmax[bi, h] = wm
             phi[bi, h] = 2.0 * scale * gam * qmax * km * infl
     return True
 
 
+_NO_MASK = np.ones((1, 1, 1, 1), dtype=np.bool_)   # placeholder the kernels never read (``full``)
+
+
 def _mask_arg(mask: torch.Tensor | None, b: int, h: int, nq: int, s: int) -> tuple[np.ndarray, bool]:
     if mask is None:
-        return np.ones((1, 1, 1, 1), dtype=np.bool_), True
+        return _NO_MASK, True
     if mask.dim() != 4 or mask.shape[0] != b or mask.shape[1] not in (1, h) or mask.shape[2] != nq \
             or mask.shape[3] < s:
         raise ValueError(f"mask {tuple(mask.shape)} must be [B={b}, 1 or Hkv={h}, Q={nq}, >= S={s}] booleans")
@@ -350,20 +363,22 @@ def logits_radii(q: torch.Tensor, keys: torch.Tensor, rho: torch.Tensor, k_hat_n
                        heads[1, ..., 0], heads[2, ..., 0])
     if not ok:
         return None
-    kmax, phi, wmax = torch.from_numpy(heads)
+    kmax, phi, wmax = (torch.from_numpy(x) for x in heads)
     return LogitsRadii(torch.from_numpy(lg), torch.from_numpy(c), torch.from_numpy(qn), kmax, phi, wmax)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _meter_output(lg: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, v: np.ndarray,
                   vres: np.ndarray, vdist: np.ndarray, vhn: np.ndarray, s: int, mask: np.ndarray, full: bool,
-                  nq: int, v_from: int, p32: np.ndarray, cert: np.ndarray, raw: np.ndarray, tmax: np.ndarray,
-                  out: np.ndarray, vterm: np.ndarray, spread: np.ndarray,
-                  vmax: np.ndarray) -> bool:  # pragma: no cover - compiled (covered by tests via numba)
+                  nq: int, v_from: int, phi: np.ndarray, p32: np.ndarray, cert: np.ndarray, raw: np.ndarray,
+                  tmax: np.ndarray, out: np.ndarray, vterm: np.ndarray, spread: np.ndarray, vmax: np.ndarray,
+                  key_term: np.ndarray, slack: np.ndarray,
+                  bound: np.ndarray) -> bool:  # pragma: no cover - compiled (covered by tests via numba)
     nbatch, nkv, nrows = cert.shape
     dv = v.shape[3]
     up2 = 1.0 + 4.0 * _U64                          # one float64 addition of two non-negative float32 values
     upv = 1.0 + 2.0 * (s + 2) * _U64                # an S-term float64 sum of non-negative products
+    rel0 = 2.0 * (s + dv) * _U32 * (1 + 1e-6)       # float32 softmax and p̃·v̂ evaluation, relative to vmax
     for bi in range(nbatch):
         for h in range(nkv):
             for t in range(v_from, s):              # pending values were not checked at write
@@ -379,6 +394,7 @@ def _meter_output(lg: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, 
                     vm = max(vm, np.float64(vhn[bi, h, t]) + r)
             spread[bi, h] = sp * up2
             vmax[bi, h] = vm * up2
+            sl = (rel0 + 2.0 * math.tanh(phi[bi, h])) * vmax[bi, h]
             for r in range(nrows):
                 cert[bi, h, r], raw[bi, h, r], tmax[bi, h, r] = _meter_row(lg[bi, h], p[bi, h], c[bi, h],
                                                                            ec[bi, h], p32[bi, h], r)
@@ -386,6 +402,9 @@ def _meter_output(lg: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, 
                 for t in range(s):
                     acc += p[bi, h, r, t] * np.float64(vres[bi, h, t])
                 vterm[bi, h, r] = acc * upv
+                key_term[bi, h, r] = 2.0 * min(cert[bi, h, r], 1.0) * spread[bi, h]
+                slack[bi, h, r] = sl
+                bound[bi, h, r] = key_term[bi, h, r] + vterm[bi, h, r] + sl
             _weighted_rows(p32[bi, h], v[bi, h], s, out[bi, h])
     return True
 
@@ -402,10 +421,13 @@ def meter_output(lr: LogitsRadii, values: torch.Tensor, v_res: torch.Tensor, v_d
     path's evaluation slack covers), the value term ``Σ_t p̃_t‖Δv_t‖`` and, per KV head, ``spread = max_t
     (‖v̂_t − c‖ + ‖Δv_t‖)`` and ``vmax = max_t (‖v̂_t‖ + ‖Δv_t‖)`` over tokens visible to any row; float64
     sums of non-negative terms are multiplied by ``1 + 2(S + 2)u`` (maxima by ``1 + 4u``) so each is at
-    least its exact value. Inputs: the first ``s`` tokens of the float32 allocations ``values[B, Hkv, ≥s,
-    Dv]`` and the per-token witnesses ``v_res`` (``‖Δv_t‖``), ``v_dist`` (``‖v̂_t − c‖``), ``v_hat_norm``
-    (``‖v̂_t‖``), each ``[B, Hkv, ≥s]``. Returns ``None`` when a value at or after ``pending_from`` is not
-    finite (the caller fails closed). CPU only.
+    least its exact value. The output bound of the unrepaired read per cell (``kvcert.attention.certified``'s
+    two-term bound with the store's fixed centre: ``key_term + value_term + slack``, ``key_term = 2·min(meter,
+    1)·spread``, ``slack = (2(S + Dv)u₃₂(1 + 10⁻⁶) + 2·tanh(φ_max))·vmax`` with ``φ_max = lr.phi``) is formed
+    here too, in the same float64 operations as the eager form. Inputs: the first ``s`` tokens of the
+    float32 allocations ``values[B, Hkv, ≥s, Dv]`` and the per-token witnesses ``v_res`` (``‖Δv_t‖``),
+    ``v_dist`` (``‖v̂_t − c‖``), ``v_hat_norm`` (``‖v̂_t‖``), each ``[B, Hkv, ≥s]``. Returns ``None`` when a
+    value at or after ``pending_from`` is not finite (the caller fails closed). CPU only.
     """
     b, h, m, _ = lr.logits.shape
     dv = values.shape[-1]
@@ -417,14 +439,14 @@ def meter_output(lr: LogitsRadii, values: torch.Tensor, v_res: torch.Tensor, v_d
     p = torch.softmax(lr.logits, dim=-1, dtype=torch.float64)
     ec = torch.exp(lr.c)
     p32 = np.empty((b, h, m, s), dtype=np.float32)
-    cells = np.empty((4, b, h, m))                                  # cert, raw, tanh, value term
+    cells = np.empty((7, b, h, m))                  # cert, raw, tanh, value term, key term, slack, bound
     out = np.empty((b, h, m, dv), dtype=np.float32)
     heads = np.empty((2, b, h, 1))                                  # spread, vmax
     ok = _meter_output(lr.logits.numpy(), p.numpy(), lr.c.numpy(), ec.numpy(), vv, vr, vd, vn, s, mk, full, nq,
-                       pending_from, p32, cells[0], cells[1], cells[2], out, cells[3], heads[0, ..., 0],
-                       heads[1, ..., 0])
+                       pending_from, lr.phi.numpy()[..., 0], p32, cells[0], cells[1], cells[2], out, cells[3],
+                       heads[0, ..., 0], heads[1, ..., 0], cells[4], cells[5], cells[6])
     if not ok:
         return None
-    cert, raw, tanh, value_term = torch.from_numpy(cells)
-    spread, vmax = torch.from_numpy(heads)
-    return MeterOutput(p, torch.from_numpy(p32), cert, raw, tanh, torch.from_numpy(out), value_term, spread, vmax)
+    t = torch.from_numpy
+    return MeterOutput(p, t(p32), t(cells[0]), t(cells[1]), t(cells[2]), t(out), t(cells[3]), t(heads[0]),
+                       t(heads[1]), t(cells[6]), t(cells[4]), t(cells[5]))

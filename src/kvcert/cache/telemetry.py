@@ -26,9 +26,12 @@ of Belady's kept set (computed on the run's own exact trace) that the policy hel
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 import torch
+
+from kvcert.bounds.rc import gamma_f32
 
 TIERS: dict[str, str] = {
     "certificates": "certified",
@@ -47,6 +50,33 @@ TIERS: dict[str, str] = {
     "qnorm": "certified (score-bridge coefficient sc·max‖q‖₂, exact per read)",
     "logit_slack": "certified (float32 logit rounding bound, max over the read)",
 }
+
+
+@dataclass(frozen=True)
+class ChainInputs:
+    """What one certified read measured for the dense contract chain; turned into the chain readings only
+    when telemetry is assembled (so serving pays for none of it).
+
+    ``witness``: ``max_t W_t`` with the store's write-time ``W_t ≥ Σ_b ρ_tb ≥ ‖k̂_t − k_t‖``;
+    ``qnorm``: ``sc·max_Q ‖q‖₂`` of the float32 query the read path uses;
+    ``logit_slack``: ``sc·γ_{D+1}·max‖q‖·max_t(2‖k̂_t‖ + W_t)``, which bounds the float32 rounding of both
+    logit dot products. The max runs over every token the KV head holds (a superset of the visible ones);
+    non-finite entries are zeroed as in the read path (their cells fail closed there).
+    """
+
+    q_norm: torch.Tensor        # [B, Hq, Q] ‖q‖₂ per query
+    witness_max: torch.Tensor   # [B, Hkv] max_t W_t
+    key_norm_max: torch.Tensor  # [B, Hkv] max_t (2‖k̂_t‖ + W_t)
+    scaling: float
+    head_dim: int
+
+    def readings(self) -> dict[str, torch.Tensor]:
+        """``{"witness", "qnorm", "logit_slack"}``, each ``[B, Hq]`` (float64)."""
+        g = self.q_norm.shape[1] // self.witness_max.shape[1]
+        qn = self.q_norm.amax(-1)
+        k_max = self.key_norm_max.repeat_interleave(g, dim=1)
+        return {"witness": self.witness_max.repeat_interleave(g, dim=1), "qnorm": self.scaling * qn,
+                "logit_slack": self.scaling * gamma_f32(self.head_dim + 1) * qn * k_max}
 
 
 @dataclass
@@ -68,9 +98,26 @@ class StepRecord:
     queries: int
     violations: int = 0
     out_violations: int = 0
-    witness: torch.Tensor | None = None       # [B, Hq] max band witness W_t of the KV head's tokens
-    qnorm: torch.Tensor | None = None         # [B, Hq] sc·max‖q‖₂ over the read's queries
-    logit_slack: torch.Tensor | None = None   # [B, Hq] max float32 logit rounding slack φ_t
+    chain: ChainInputs | None = None          # the dense chain's inputs (certified reads of the default path)
+
+    @cached_property
+    def _readings(self) -> dict[str, torch.Tensor]:
+        return {} if self.chain is None else self.chain.readings()
+
+    @property
+    def witness(self) -> torch.Tensor | None:
+        """``[B, Hq]`` max band witness ``W_t`` of the KV head's tokens (:class:`ChainInputs`)."""
+        return self._readings.get("witness")
+
+    @property
+    def qnorm(self) -> torch.Tensor | None:
+        """``[B, Hq]`` ``sc·max‖q‖₂`` over the read's queries."""
+        return self._readings.get("qnorm")
+
+    @property
+    def logit_slack(self) -> torch.Tensor | None:
+        """``[B, Hq]`` max float32 logit rounding slack ``φ_t``."""
+        return self._readings.get("logit_slack")
 
 
 @dataclass

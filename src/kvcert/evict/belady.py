@@ -37,44 +37,63 @@ def _check_trace(attn: Tensor, kappa: Tensor) -> None:
 
 
 class Belady(EvictionPolicy):
-    """Offline oracle over a recorded trace ``attn[T, L, Hkv, T]`` (full attention, row ``s`` over
-    positions ``<= s``) and ``kappa[T]``; batch size 1. Scores item ``p`` after step ``now`` by
-    ``−(next use step)`` or by its future κ-weighted attention; nothing is protected.
+    """Offline oracle over a recorded trace ``attn[n, L, Hkv, first + n]`` (full attention; row ``i`` is the
+    query at step ``first + i`` over positions ``<= first + i``) and ``kappa[n]``; batch size 1. Scores item
+    ``p`` after step ``now`` by ``−(next use step)`` or by its future κ-weighted attention; nothing is
+    protected. ``first = 0`` (the default) records every step; ``first = S`` records only the steps after an
+    ``S``-token prompt (the answer), which is all a prefill selection at ``now = S − 1`` looks at, without the
+    ``O(S²)`` prompt rows. Steps before ``first − 1`` cannot be looked up.
     """
 
     needs_attention = False
 
     def __init__(
-        self, attn: Tensor, kappa: Tensor, variant: BeladyVariant = "next_use", threshold: float = 0.01
+        self,
+        attn: Tensor,
+        kappa: Tensor,
+        variant: BeladyVariant = "next_use",
+        threshold: float = 0.01,
+        first: int = 0,
     ) -> None:
-        _check_trace(attn, kappa)
+        if first < 0 or attn.dim() != 4 or attn.shape[-1] != first + attn.shape[0]:
+            raise ValueError(
+                f"attn must be [n, L, Hkv, first + n] with first = {first} >= 0 (row i = query at step first + i), "
+                f"got {tuple(attn.shape)}"
+            )
+        if kappa.shape != attn.shape[:1]:
+            raise ValueError(f"kappa must be [n] = [{attn.shape[0]}], got {tuple(kappa.shape)}")
         if variant not in ("next_use", "future_mass"):
             raise ValueError(f"variant must be 'next_use' or 'future_mass', got {variant!r}")
         if not threshold > 0:
             raise ValueError(f"threshold must be positive, got {threshold}")
         super().__init__(sinks=0, recent=0)
-        self.variant, self.threshold = variant, threshold
+        self.variant, self.threshold, self.first = variant, threshold, first
         weighted = kappa.to(F64)[:, None, None, None] * attn.to(F64)
-        steps = weighted.shape[0]
+        rows = weighted.shape[0]
+        # table[t − first + 1] is the score after step t, for t in [first − 1, first + n − 1]
         if variant == "future_mass":
-            suffix = weighted.flip(0).cumsum(0).flip(0)  # Σ_{s >= t}
-            self._table = torch.cat([suffix[1:], torch.zeros_like(suffix[:1])])  # Σ_{s > t}
+            suffix = weighted.flip(0).cumsum(0).flip(0)  # suffix[i] = Σ_{recorded rows >= i} = Σ_{s > first + i − 1}
+            self._table = torch.cat([suffix, torch.zeros_like(suffix[:1])])
         else:
             uses = weighted >= threshold
-            table = torch.empty_like(weighted)
-            nxt = torch.full(weighted.shape[1:], float(steps), dtype=F64)  # "never" = T (farthest)
-            for t in range(steps - 1, -1, -1):
-                table[t] = -nxt
-                nxt = torch.where(uses[t], torch.tensor(float(t), dtype=F64), nxt)
+            table = torch.empty(rows + 1, *weighted.shape[1:], dtype=F64)
+            nxt = torch.full(weighted.shape[1:], float(first + rows), dtype=F64)  # "never" = first + n (farthest)
+            for i in range(rows - 1, -1, -1):
+                table[i + 1] = -nxt
+                nxt = torch.where(uses[i], torch.tensor(float(first + i), dtype=F64), nxt)
+            table[0] = -nxt
             self._table = table
 
     def _lookup(self, layer: int, positions: Tensor, now: Tensor) -> Tensor:
         if positions.shape[0] != 1:
             raise ValueError("Belady replays a recorded trace of batch size 1")
-        t = int(now[0])
-        if t >= self._table.shape[0] or int(positions.max()) >= self._table.shape[-1]:
-            raise ValueError(f"step {t} or a position lies beyond the recorded trace of {self._table.shape[0]} steps")
-        return self._table[t, layer].gather(-1, positions[0])[None]
+        i = int(now[0]) - self.first + 1
+        if not 0 <= i < self._table.shape[0] or int(positions.max()) >= self._table.shape[-1]:
+            raise ValueError(
+                f"step {int(now[0])} or a position lies outside the recorded trace (steps {self.first} to "
+                f"{self.first + self._table.shape[0] - 2})"
+            )
+        return self._table[i, layer].gather(-1, positions[0])[None]
 
     def _scores(self, layer: int, state: LayerState) -> Tensor:
         return self._lookup(layer, state.positions, state.now)

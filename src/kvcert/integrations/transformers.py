@@ -39,12 +39,11 @@ from kvcert.attention.certified import (
 )
 from kvcert.attention.ladder import LadderConfig, LadderStats, ladder_read
 from kvcert.bounds import dither_witness_moments, uniform_split
-from kvcert.bounds.rc import gamma_f32
 from kvcert.bounds.rope import Pairing
 from kvcert.cache.events import CacheObserver, ReadEvent, WriteEvent
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
-from kvcert.cache.telemetry import EvictRecord, StepRecord, Telemetry, stack_records
+from kvcert.cache.telemetry import ChainInputs, EvictRecord, StepRecord, Telemetry, stack_records
 from kvcert.evict import RMM, EvictionPolicy, RunTrace, aggregate_gqa, causal_attention, serving_reading
 from kvcert.quant import Codec, get
 
@@ -238,24 +237,6 @@ def grouped_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, s
     qg = group_heads(query.detach().to(torch.float32), hkv)
     m = mask[:, :, None].expand(b, hkv, hq // hkv, nq, s).reshape(b, hkv, -1, s)
     return probs64(masked_logits(qg, keys.detach().to(torch.float32), m, scaling)).reshape(b, hkv, hq // hkv, nq, s)
-
-
-def live_chain_readings(res: ReadResult, scaling: float, head_dim: int) -> dict[str, torch.Tensor]:
-    """Per-cell inputs ``[B, Hq]`` of the dense contract chain for one certified read ``res`` (the read path
-    computed every ingredient; this only regroups them per query head).
-
-    ``witness``: ``max_t W_t`` with the store's write-time ``W_t ≥ Σ_b ρ_tb ≥ ‖k̂_t − k_t‖``;
-    ``qnorm``: ``sc·max_Q ‖q‖₂`` of the float32 query the read path uses;
-    ``logit_slack``: ``sc·γ_{D+1}·max‖q‖·max_t(2‖k̂_t‖ + W_t)``, which bounds the float32 rounding of both
-    logit dot products. The max runs over every token the KV head holds (a superset of the visible ones);
-    non-finite entries are zeroed as in the read path (their cells fail closed there).
-    """
-    assert res.q_norm is not None and res.witness_max is not None and res.key_norm_max is not None
-    g = res.q_norm.shape[1] // res.witness_max.shape[1]
-    qn = res.q_norm.amax(-1)                                                    # [B, Hq]
-    w_max = res.witness_max.repeat_interleave(g, dim=1)
-    k_max = res.key_norm_max.repeat_interleave(g, dim=1)
-    return {"witness": w_max, "qnorm": scaling * qn, "logit_slack": scaling * gamma_f32(head_dim + 1) * qn * k_max}
 
 
 def _check_eviction(cache: CertifiedCache, layers: Sequence[CertifiedLayer]) -> None:
@@ -555,7 +536,9 @@ class CertifiedCache(Cache):
                               self.ladder_stats)
         else:
             res = certified_read(query, store, mask, float(scaling), self._cfg, exact_attention)
-        self._record(layer, res, nq, {} if self.ladder else live_chain_readings(res, float(scaling), query.shape[-1]))
+        chain = None if self.ladder else ChainInputs(res.q_norm, res.witness_max, res.key_norm_max, float(scaling),
+                                                    query.shape[-1])
+        self._record(layer, res, nq, chain)
         if self.evict is not None:
             self._after_read(layer, query, key, logical, float(scaling), res.attn_kv)
         return res.out.to(query.dtype)
@@ -706,18 +689,20 @@ class CertifiedCache(Cache):
             raise ValueError(f"layer {layer_idx} holds nothing yet")
         return store.positions.view().clone()
 
-    def _record(self, layer: CertifiedLayer, res: ReadResult, nq: int, live: dict[str, torch.Tensor]) -> None:
+    def _record(self, layer: CertifiedLayer, res: ReadResult, nq: int, chain: ChainInputs | None) -> None:
         def worst(x: torch.Tensor | None) -> torch.Tensor | None:   # max over the read's queries (a view if one)
             if x is None:
                 return None
-            return x[..., 0].to(torch.float64) if x.shape[-1] == 1 else x.amax(-1).to(torch.float64)
+            y = x[..., 0] if x.shape[-1] == 1 else x.amax(-1)
+            return y if y.dtype == torch.float64 else y.to(torch.float64)
 
         self._bytes_paged += res.bytes_paged
         rec = StepRecord(
             step=self._step, layer=layer.store.layer, cert=worst(res.cert_pre), raw=worst(res.raw),
             served=worst(res.cert), tanh=worst(res.tanh), out_bound=worst(res.out_bound),
             tier_b=worst(res.cert_b), repaired=res.repaired | (res.blocks > 0) | res.values_promoted,
-            blocks=res.blocks, true_tv=worst(res.true_tv), true_out_err=worst(res.true_out_err), queries=nq, **live)
+            blocks=res.blocks, true_tv=worst(res.true_tv), true_out_err=worst(res.true_out_err), queries=nq,
+            chain=chain)
         if res.true_tv is not None and res.true_out_err is not None:
             rec.violations = int((res.true_tv > res.cert_pre).sum())
             rec.out_violations = int((res.true_out_err > res.out_bound).sum())

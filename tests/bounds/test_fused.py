@@ -294,3 +294,23 @@ def test_kernel_inputs_with_bad_shapes_or_layouts_are_named() -> None:
         logits_radii(q, keys, rho, khn, w[:, :, :5], 8, *args)
     with pytest.raises(ValueError, match="mask .* must be"):
         logits_radii(q, keys, rho, khn, w, 8, *args, mask=torch.ones(1, 3, 1, 8, dtype=torch.bool))
+
+
+def test_softmax_and_exp_match_torch_per_entry() -> None:
+    """The kernels' softmax (numba shift and normalisation around numpy's ``exp``) is torch's float64 softmax up
+    to a few ulp per entry, masked entries are exactly 0 and a fully masked row is NaN (as torch gives, and as
+    the meter then treats as nothing visible); ``e^{c}`` is within an ulp of torch's."""
+    from kvcert.bounds.fused import _softmax_exp
+
+    g = torch.Generator().manual_seed(3)
+    lg = torch.randn(6, 257, generator=g) * torch.tensor([0.1, 1.0, 5.0, 30.0, 80.0, 1.0]).view(6, 1)
+    lg[1, ::3] = -torch.inf
+    lg[5] = -torch.inf
+    c = torch.rand(6, 257, generator=g, dtype=torch.float64) * 3
+    p, ec = _softmax_exp(lg.numpy(), c.numpy())
+    want = torch.softmax(lg, -1, dtype=torch.float64)
+    live = torch.isfinite(want)
+    assert torch.equal(torch.isnan(torch.from_numpy(p)), ~live)            # only the fully masked row
+    assert torch.allclose(torch.from_numpy(p)[live], want[live], rtol=1e-14, atol=0)
+    assert torch.all(torch.from_numpy(p)[1, ::3] == 0)
+    assert torch.allclose(torch.from_numpy(ec), torch.exp(c), rtol=4e-16, atol=0)

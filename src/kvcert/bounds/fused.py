@@ -6,8 +6,8 @@ The read path needs, per (query head, query) row over the ``S`` stored tokens: s
 :mod:`kvcert.bounds.softmax_tv`, its unclipped value, ``tanh(max_t c_t)`` over the visible tokens, the output
 ``p̃·v̂`` and the output bound's per-read terms. Evaluated as eager tensor ops that is some fifty small ops
 per layer; for decode-size reads :func:`logits_radii` and :func:`meter_output` do it in two kernel calls
-around two vectorised torch ops (``softmax`` and ``exp``), reading the cache's token-major allocations in
-place. :func:`softmax_meter` is the meter alone, for reads of any size.
+around two vectorised numpy ``exp`` calls (the softmax and ``e^{c}``, :func:`_softmax_exp`), reading the
+cache's token-major allocations in place. :func:`softmax_meter` is the meter alone, for reads of any size.
 
 Refinement (``certificates.md`` §2.6: a kernel must be proved to refine the reference before it ships):
 
@@ -115,6 +115,43 @@ def _rows(logits: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, p32:
         cert[r], raw[r], tmax[r] = _meter_row(logits, p, c, ec, p32, r)
 
 
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _shift_rows(lg: np.ndarray, z: np.ndarray) -> None:  # pragma: no cover - compiled (covered by tests via numba)
+    """``z[r, t] = float64(lg[r, t]) − max_t lg[r, t]`` in float64 (one rounding; ``−inf`` stays ``−inf``; a row
+    with no finite logit becomes NaN, as torch's softmax gives)."""
+    for r in range(lg.shape[0]):
+        m = -np.inf
+        for t in range(lg.shape[1]):
+            if lg[r, t] > m:
+                m = lg[r, t]
+        m64 = np.float64(m)
+        for t in range(lg.shape[1]):
+            z[r, t] = np.float64(lg[r, t]) - m64
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
+def _normalise_rows(e: np.ndarray) -> None:  # pragma: no cover - compiled (covered by tests via numba)
+    """``e[r] /= Σ_t e[r, t]`` in place (the sum in any order)."""
+    for r in range(e.shape[0]):
+        tot = 0.0
+        for t in range(e.shape[1]):
+            tot += e[r, t]
+        for t in range(e.shape[1]):
+            e[r, t] = e[r, t] / tot
+
+
+def _softmax_exp(lg: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(softmax(lg) in float64, e^{c})`` for float32 ``lg[R, S]`` and float64 ``c[R, S]``: the row shift and
+    the normalisation in numba, both exponentials as numpy's vectorised float64 ``exp`` (tested by numpy to
+    1 ulp, the accuracy the meter's rounding allowance assumes, as for torch's)."""
+    p = np.empty(lg.shape)
+    _shift_rows(lg, p)
+    np.exp(p, out=p)
+    _normalise_rows(p)
+    with np.errstate(over="ignore"):        # e^{c} = inf for huge radii: the meter's overflow-safe forms take it
+        return p, np.exp(c)
+
+
 def softmax_meter(logits: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                   torch.Tensor, torch.Tensor]:
     """``(p̃, p̃ as float32, meter, unclipped meter, tanh(max visible c))`` for float32 ``logits[..., S]``
@@ -122,22 +159,22 @@ def softmax_meter(logits: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, 
 
     ``p̃`` is float64 ``[..., S]`` (``softmax`` of the logits, all-zero on fully masked rows); the three cell
     tensors are float64 ``[...]``. The two element-wise exponentials (softmax and ``e^{c}``) run as
-    vectorised torch ops (1-ulp ``exp``); the kernel does every reduction in two passes per row. CPU only.
+    vectorised numpy ``exp`` (1 ulp); the kernel does every reduction in two passes per row. CPU only.
     """
     if logits.shape != c.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and radii {tuple(c.shape)} must have the same shape")
     if logits.device.type != "cpu" or c.device.type != "cpu":
         raise ValueError("softmax_meter runs on CPU tensors; use the eager forms for other devices")
     lead, s = logits.shape[:-1], logits.shape[-1]
-    lg = logits.detach().to(torch.float32).reshape(-1, s).contiguous()
-    cc = c.detach().to(torch.float64).reshape(-1, s).contiguous()
-    p = torch.softmax(lg, dim=-1, dtype=torch.float64)
-    ec = torch.exp(cc)
-    p32 = torch.empty_like(lg)
-    cert, raw, tmax = (torch.empty(lg.shape[0], dtype=torch.float64) for _ in range(3))
-    _rows(lg.numpy(), p.numpy(), cc.numpy(), ec.numpy(), p32.numpy(), cert.numpy(), raw.numpy(), tmax.numpy())
-    return (p.reshape(*lead, s), p32.reshape(*lead, s), cert.reshape(lead), raw.reshape(lead),
-            tmax.reshape(lead))
+    lg = logits.detach().to(torch.float32).reshape(-1, s).contiguous().numpy()
+    cc = c.detach().to(torch.float64).reshape(-1, s).contiguous().numpy()
+    p, ec = _softmax_exp(lg, cc)
+    p32 = np.empty(lg.shape, dtype=np.float32)
+    cells = np.empty((3, lg.shape[0]))                               # cert, raw, tmax
+    _rows(lg, p, cc, ec, p32, cells[0], cells[1], cells[2])
+    t = torch.from_numpy
+    return (t(p).reshape(*lead, s), t(p32).reshape(*lead, s), t(cells[0]).reshape(lead), t(cells[1]).reshape(lead),
+            t(cells[2]).reshape(lead))
 
 
 #: reads with at most this many query rows per KV head use the decode kernels; larger ones (prefill) use BLAS
@@ -414,8 +451,8 @@ def meter_output(lr: LogitsRadii, values: torch.Tensor, v_res: torch.Tensor, v_d
                  pending_from: int = 0) -> MeterOutput | None:
     """Served softmax, certificate, output and the output bound's per-read terms in one pass per row.
 
-    From :func:`logits_radii`'s float32 logits and radii: ``p̃ = softmax(s̃)`` in float64 (a vectorised torch
-    op, as is ``e^{c}``), then per row the meter, its unclipped value and ``tanh(max visible c)`` exactly as
+    From :func:`logits_radii`'s float32 logits and radii: ``p̃ = softmax(s̃)`` in float64 and ``e^{c}``
+    (:func:`_softmax_exp`), then per row the meter, its unclipped value and ``tanh(max visible c)`` exactly as
     :func:`softmax_meter` (same rounding allowance, clamps and fail-closed rules), the float32 output
     ``Σ_t fl32(p̃_t)·v̂_t`` (any order: within ``γ_S·max_t‖v̂_t‖`` of the exact sum in norm, which the read
     path's evaluation slack covers), the value term ``Σ_t p̃_t‖Δv_t‖`` and, per KV head, ``spread = max_t
@@ -436,17 +473,18 @@ def meter_output(lr: LogitsRadii, values: torch.Tensor, v_res: torch.Tensor, v_d
     vd = _prefix("v_dist", v_dist, (b, h, s), s)
     vn = _prefix("v_hat_norm", v_hat_norm, (b, h, s), s)
     mk, full = _mask_arg(mask, b, h, nq, s)
-    p = torch.softmax(lr.logits, dim=-1, dtype=torch.float64)
-    ec = torch.exp(lr.c)
+    lg, c = lr.logits.numpy(), lr.c.numpy()
+    p, ec = _softmax_exp(lg.reshape(-1, s), c.reshape(-1, s))
+    p, ec = p.reshape(b, h, m, s), ec.reshape(b, h, m, s)
     p32 = np.empty((b, h, m, s), dtype=np.float32)
     cells = np.empty((7, b, h, m))                  # cert, raw, tanh, value term, key term, slack, bound
     out = np.empty((b, h, m, dv), dtype=np.float32)
     heads = np.empty((2, b, h, 1))                                  # spread, vmax
-    ok = _meter_output(lr.logits.numpy(), p.numpy(), lr.c.numpy(), ec.numpy(), vv, vr, vd, vn, s, mk, full, nq,
+    ok = _meter_output(lg, p, c, ec, vv, vr, vd, vn, s, mk, full, nq,
                        pending_from, lr.phi.numpy()[..., 0], p32, cells[0], cells[1], cells[2], out, cells[3],
                        heads[0, ..., 0], heads[1, ..., 0], cells[4], cells[5], cells[6])
     if not ok:
         return None
     t = torch.from_numpy
-    return MeterOutput(p, t(p32), t(cells[0]), t(cells[1]), t(cells[2]), t(out), t(cells[3]), t(heads[0]),
+    return MeterOutput(t(p), t(p32), t(cells[0]), t(cells[1]), t(cells[2]), t(out), t(cells[3]), t(heads[0]),
                        t(heads[1]), t(cells[6]), t(cells[4]), t(cells[5]))

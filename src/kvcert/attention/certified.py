@@ -306,21 +306,23 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
         cert_b = served_meter(p64, u)[0]
 
     gate = cfg.gate
-    score = raw if gate.uses_unclipped else cert_pre
-    need = (score.amax(-1) > gate.threshold) if gate.mode != "off" else torch.zeros(b, hkv, dtype=torch.bool)
+    no_heads = torch.zeros(b, hkv, dtype=torch.bool)   # shared; the flags below are rebound, never written
+    need, need_any = no_heads, False
+    if gate.mode != "off":
+        need = (raw if gate.uses_unclipped else cert_pre).amax(-1) > gate.threshold
     if sv.bad_cell is not None:
         need = need | sv.bad_cell.any(-1)
+    if need is not no_heads:
+        need_any = bool(need.any())
     cert = cert_pre
-    repaired = torch.zeros(b, hkv, dtype=torch.bool)
+    repaired = promoted = no_heads
     blocks = torch.zeros(b, hkv, dtype=torch.int64)
-    promoted = torch.zeros(b, hkv, dtype=torch.bool)
     value_term = sv.value_term
     p_served = p64
     bytes_paged = 0
     host_k, host_v = store.k.host.view(), store.v.host.view()
     elt = host_k.element_size()
 
-    need_any = bool(need.any())
     if need_any:
         if gate.granularity == "head" or nonfinite:
             rows_need = need.any(0).nonzero().flatten()                       # KV heads some row repairs
@@ -352,7 +354,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     bound, key_term, slack = sv.bound, sv.key_term, sv.slack
     if need_any:   # repairs changed the meter or the value term of some cells: the bound follows them
         bound, key_term, slack = _out_bound(value_term, cert, sv.spread, sv.vmax, s, out.shape[-1], sv.phi_max)
-    if bool(repaired.any()):   # an exactly repaired head: no key or value term, only the evaluation slack
+    if need_any and bool(repaired.any()):   # an exactly repaired head: no key or value term, only the slack
         zero = repaired.view(b, hkv, 1)
         key_term = torch.where(zero, 0.0, key_term)
         value_term = torch.where(zero, 0.0, value_term)

@@ -79,22 +79,27 @@ class ChainInputs:
                 "logit_slack": self.scaling * gamma_f32(self.head_dim + 1) * qn * k_max}
 
 
+def _worst(x: torch.Tensor | None) -> torch.Tensor | None:
+    """Max over the read's queries (last axis) in float64; a view when the read had one query."""
+    if x is None:
+        return None
+    y = x[..., 0] if x.shape[-1] == 1 else x.amax(-1)
+    return y if y.dtype == torch.float64 else y.to(torch.float64)
+
+
 @dataclass
 class StepRecord:
-    """What one layer's read produced in one forward call (all ``[B, Hq]`` except head tensors ``[B, Hkv]``)."""
+    """What one layer's read produced in one forward call.
+
+    The read's cell tensors are kept as they came (``[B, Hq, Q]``, references, no copies) and reduced to the
+    worst query (``[B, Hq]``) only when read — telemetry is assembled rarely, reads happen every step. Head
+    tensors are ``[B, Hkv]``: ``repaired`` (head repair, any block paged, or values promoted) and ``blocks``.
+    """
 
     step: int
     layer: int
-    cert: torch.Tensor
-    raw: torch.Tensor
-    served: torch.Tensor
-    tanh: torch.Tensor
-    out_bound: torch.Tensor
-    tier_b: torch.Tensor | None
-    repaired: torch.Tensor
-    blocks: torch.Tensor
-    true_tv: torch.Tensor | None
-    true_out_err: torch.Tensor | None
+    cells: dict[str, torch.Tensor | None]   # cert_pre, raw, cert, tanh, out_bound, cert_b, true_tv, true_out_err
+    heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # repaired, blocks, values promoted ([B, Hkv])
     queries: int
     violations: int = 0
     out_violations: int = 0
@@ -103,6 +108,57 @@ class StepRecord:
     @cached_property
     def _readings(self) -> dict[str, torch.Tensor]:
         return {} if self.chain is None else self.chain.readings()
+
+    @property
+    def cert(self) -> torch.Tensor:
+        """``[B, Hq]`` certificate before gating (worst query)."""
+        return _worst(self.cells["cert_pre"])
+
+    @property
+    def raw(self) -> torch.Tensor:
+        """``[B, Hq]`` unclipped meter."""
+        return _worst(self.cells["raw"])
+
+    @property
+    def served(self) -> torch.Tensor:
+        """``[B, Hq]`` certificate of what was served (0 where repaired exactly)."""
+        return _worst(self.cells["cert"])
+
+    @property
+    def tanh(self) -> torch.Tensor:
+        """``[B, Hq]`` ``tanh(max visible c)``."""
+        return _worst(self.cells["tanh"])
+
+    @property
+    def out_bound(self) -> torch.Tensor:
+        """``[B, Hq]`` output error bound."""
+        return _worst(self.cells["out_bound"])
+
+    @property
+    def tier_b(self) -> torch.Tensor | None:
+        """``[B, Hq]`` Tier-B certificate (dither codecs), else None."""
+        return _worst(self.cells["cert_b"])
+
+    @property
+    def true_tv(self) -> torch.Tensor | None:
+        """``[B, Hq]`` validate-mode true TV, else None."""
+        return _worst(self.cells["true_tv"])
+
+    @property
+    def true_out_err(self) -> torch.Tensor | None:
+        """``[B, Hq]`` validate-mode true output error, else None."""
+        return _worst(self.cells["true_out_err"])
+
+    @cached_property
+    def repaired(self) -> torch.Tensor:
+        """``[B, Hkv]`` KV heads repaired, paged in blocks or with values promoted."""
+        rep, blocks, promoted = self.heads
+        return rep | (blocks > 0) | promoted
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """``[B, Hkv]`` blocks paged in."""
+        return self.heads[1]
 
     @property
     def witness(self) -> torch.Tensor | None:

@@ -690,19 +690,12 @@ class CertifiedCache(Cache):
         return store.positions.view().clone()
 
     def _record(self, layer: CertifiedLayer, res: ReadResult, nq: int, chain: ChainInputs | None) -> None:
-        def worst(x: torch.Tensor | None) -> torch.Tensor | None:   # max over the read's queries (a view if one)
-            if x is None:
-                return None
-            y = x[..., 0] if x.shape[-1] == 1 else x.amax(-1)
-            return y if y.dtype == torch.float64 else y.to(torch.float64)
-
         self._bytes_paged += res.bytes_paged
-        rec = StepRecord(
-            step=self._step, layer=layer.store.layer, cert=worst(res.cert_pre), raw=worst(res.raw),
-            served=worst(res.cert), tanh=worst(res.tanh), out_bound=worst(res.out_bound),
-            tier_b=worst(res.cert_b), repaired=res.repaired | (res.blocks > 0) | res.values_promoted,
-            blocks=res.blocks, true_tv=worst(res.true_tv), true_out_err=worst(res.true_out_err), queries=nq,
-            chain=chain)
+        cells = {"cert_pre": res.cert_pre, "raw": res.raw, "cert": res.cert, "tanh": res.tanh,
+                 "out_bound": res.out_bound, "cert_b": res.cert_b, "true_tv": res.true_tv,
+                 "true_out_err": res.true_out_err}
+        rec = StepRecord(step=self._step, layer=layer.store.layer, cells=cells,
+                         heads=(res.repaired, res.blocks, res.values_promoted), queries=nq, chain=chain)
         if res.true_tv is not None and res.true_out_err is not None:
             rec.violations = int((res.true_tv > res.cert_pre).sum())
             rec.out_violations = int((res.true_out_err > res.out_bound).sum())

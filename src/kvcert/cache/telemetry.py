@@ -92,13 +92,16 @@ class StepRecord:
     """What one layer's read produced in one forward call.
 
     The read's cell tensors are kept as they came (``[B, Hq, Q]``, references, no copies) and reduced to the
-    worst query (``[B, Hq]``) only when read — telemetry is assembled rarely, reads happen every step. Head
-    tensors are ``[B, Hkv]``: ``repaired`` (head repair, any block paged, or values promoted) and ``blocks``.
+    worst query only when read — telemetry is assembled rarely, reads happen every step. ``reading(name)``
+    gives ``[B, Hq]`` for the names in ``cells`` and the dense-chain readings ``witness`` / ``qnorm`` /
+    ``logit_slack`` (:class:`ChainInputs`), and ``[B, Hkv]`` for ``repaired`` (head repair, any block paged,
+    or values promoted) and ``blocks``.
     """
 
     step: int
     layer: int
-    cells: dict[str, torch.Tensor | None]   # cert_pre, raw, cert, tanh, out_bound, cert_b, true_tv, true_out_err
+    cells: dict[str, torch.Tensor | None]   # cert (before gating), raw, served, tanh, out_bound, tier_b, true_tv,
+                                            # true_out_err
     heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # repaired, blocks, values promoted ([B, Hkv])
     queries: int
     violations: int = 0
@@ -106,74 +109,21 @@ class StepRecord:
     chain: ChainInputs | None = None          # the dense chain's inputs (certified reads of the default path)
 
     @cached_property
-    def _readings(self) -> dict[str, torch.Tensor]:
+    def _chain_readings(self) -> dict[str, torch.Tensor]:
         return {} if self.chain is None else self.chain.readings()
 
-    @property
-    def cert(self) -> torch.Tensor:
-        """``[B, Hq]`` certificate before gating (worst query)."""
-        return _worst(self.cells["cert_pre"])
-
-    @property
-    def raw(self) -> torch.Tensor:
-        """``[B, Hq]`` unclipped meter."""
-        return _worst(self.cells["raw"])
-
-    @property
-    def served(self) -> torch.Tensor:
-        """``[B, Hq]`` certificate of what was served (0 where repaired exactly)."""
-        return _worst(self.cells["cert"])
-
-    @property
-    def tanh(self) -> torch.Tensor:
-        """``[B, Hq]`` ``tanh(max visible c)``."""
-        return _worst(self.cells["tanh"])
-
-    @property
-    def out_bound(self) -> torch.Tensor:
-        """``[B, Hq]`` output error bound."""
-        return _worst(self.cells["out_bound"])
-
-    @property
-    def tier_b(self) -> torch.Tensor | None:
-        """``[B, Hq]`` Tier-B certificate (dither codecs), else None."""
-        return _worst(self.cells["cert_b"])
-
-    @property
-    def true_tv(self) -> torch.Tensor | None:
-        """``[B, Hq]`` validate-mode true TV, else None."""
-        return _worst(self.cells["true_tv"])
-
-    @property
-    def true_out_err(self) -> torch.Tensor | None:
-        """``[B, Hq]`` validate-mode true output error, else None."""
-        return _worst(self.cells["true_out_err"])
-
-    @cached_property
-    def repaired(self) -> torch.Tensor:
-        """``[B, Hkv]`` KV heads repaired, paged in blocks or with values promoted."""
-        rep, blocks, promoted = self.heads
-        return rep | (blocks > 0) | promoted
-
-    @property
-    def blocks(self) -> torch.Tensor:
-        """``[B, Hkv]`` blocks paged in."""
-        return self.heads[1]
-
-    @property
-    def witness(self) -> torch.Tensor | None:
-        """``[B, Hq]`` max band witness ``W_t`` of the KV head's tokens (:class:`ChainInputs`)."""
-        return self._readings.get("witness")
-
-    @property
-    def qnorm(self) -> torch.Tensor | None:
-        """``[B, Hq]`` ``sc·max‖q‖₂`` over the read's queries."""
-        return self._readings.get("qnorm")
-
-    @property
-    def logit_slack(self) -> torch.Tensor | None:
-        """``[B, Hq]`` max float32 logit rounding slack ``φ_t``."""
-        return self._readings.get("logit_slack")
+    def reading(self, name: str) -> torch.Tensor | None:
+        """The reading ``name`` of this read (see the class doc); None where the read did not produce it."""
+        if name in self.cells:
+            return _worst(self.cells[name])
+        if name == "repaired":
+            rep, blocks, promoted = self.heads
+            return rep | (blocks > 0) | promoted
+        if name == "blocks":
+            return self.heads[1]
+        if name in ("witness", "qnorm", "logit_slack"):
+            return self._chain_readings.get(name)
+        raise ValueError(f"unknown step reading {name!r}")
 
 
 @dataclass
@@ -190,6 +140,10 @@ class EvictRecord:
     evicted_mass: torch.Tensor | None = None
     serving_mass: torch.Tensor | None = None
     evicted: int = 0
+
+    def reading(self, name: str) -> torch.Tensor | None:
+        """The field ``name`` (``evicted_mass`` or ``serving_mass``), as :func:`stack_records` reads records."""
+        return getattr(self, name)
 
 
 @dataclass
@@ -326,15 +280,14 @@ class Telemetry:
 def stack_records(records: list[StepRecord] | list[EvictRecord], layers: int, steps: int,
                   attr: str) -> torch.Tensor | None:
     """Assemble ``[steps, layers, B, H]`` from per-(step, layer) records (NaN / False where absent)."""
-    have = [r for r in records if getattr(r, attr) is not None]
+    have = [(r, v) for r in records if (v := r.reading(attr)) is not None]
     if not have:
         return None
-    sample = getattr(have[0], attr)
+    sample = have[0][1]
     fill = False if sample.dtype == torch.bool else float("nan")
     dtype = torch.bool if sample.dtype == torch.bool else torch.float64
     out = torch.full((steps, layers, *sample.shape), fill, dtype=dtype)
-    for r in have:
-        val = getattr(r, attr)
+    for r, val in have:
         if val.shape == sample.shape:
             out[r.step, r.layer] = val.to(dtype)
     return out

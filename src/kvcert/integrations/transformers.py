@@ -691,8 +691,8 @@ class CertifiedCache(Cache):
 
     def _record(self, layer: CertifiedLayer, res: ReadResult, nq: int, chain: ChainInputs | None) -> None:
         self._bytes_paged += res.bytes_paged
-        cells = {"cert_pre": res.cert_pre, "raw": res.raw, "cert": res.cert, "tanh": res.tanh,
-                 "out_bound": res.out_bound, "cert_b": res.cert_b, "true_tv": res.true_tv,
+        cells = {"cert": res.cert_pre, "raw": res.raw, "served": res.cert, "tanh": res.tanh,
+                 "out_bound": res.out_bound, "tier_b": res.cert_b, "true_tv": res.true_tv,
                  "true_out_err": res.true_out_err}
         rec = StepRecord(step=self._step, layer=layer.store.layer, cells=cells,
                          heads=(res.repaired, res.blocks, res.values_promoted), queries=nq, chain=chain)
@@ -704,7 +704,7 @@ class CertifiedCache(Cache):
             rows = self.request_ids if self.request_ids is not None else torch.arange(res.cert.shape[0])
             n_slots = torch.full((res.cert.shape[0],), layer.store.n, dtype=torch.int64)
             ev = ReadEvent(layer=layer.store.layer, step=self._step, rows=rows.clone(), n_slots=n_slots,
-                           certificate=res.cert[..., -1].clone(), repaired=rec.repaired.clone(),
+                           certificate=res.cert[..., -1].clone(), repaired=rec.reading("repaired"),
                            first_slot=layer.store.base)
             for obs in self.observers:
                 obs.on_read(ev)

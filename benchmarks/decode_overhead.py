@@ -1,7 +1,8 @@
 """Question: what does certifying every attention read cost per decoded token?
 
 SmolLM2-135M (real weights, offline), one prompt of ``--context`` tokens, ``--steps`` greedy decode steps,
-measured side by side in one run (same prompt, same shared exact prefill, interleaved repetitions):
+measured side by side in one run (same prompt, same shared exact prefill; within a repetition the variants
+take turns one decode step at a time, in an order that rotates every step; one warm-up repetition first):
 
 * ``dense``           transformers ``DynamicCache``
 * ``hf-quantized``    transformers ``QuantizedCache`` (fp8 backend: the one that installs here)
@@ -11,8 +12,8 @@ measured side by side in one run (same prompt, same shared exact prefill, interl
 
 Prints ms/token (best of ``--reps``) and the ratios the issue targets: certified / raw (<= 1.10) and gated /
 dense (<= 1.5), from the best times and as the median of the per-repetition ratios.
-Run: ``.venv/bin/python benchmarks/decode_overhead.py [--clock cpu]`` (``cpu``: single-threaded CPU time of the
-decoding thread, robust to other load on a shared machine; ``wall``: elapsed time with torch's threads).
+Run: ``.venv/bin/python benchmarks/decode_overhead.py [--clock cpu]`` (``cpu``: CPU time of the process with
+single-threaded torch, robust to other load on a shared machine; ``wall``: elapsed time with torch's threads).
 """
 
 from __future__ import annotations
@@ -32,14 +33,22 @@ from kvcert.eval.corpora import load_corpus
 from kvcert.models import load
 
 
-def _decode(model, first_tok, cache, steps: int, clock) -> float:
-    tok = first_tok
-    t0 = clock()
+def _decode_interleaved(model, first_tok, caches: dict, steps: int, clock) -> dict[str, float]:
+    """Decode ``steps`` greedy tokens with every cache, one step of each variant in turn (the order rotates
+    every step), and return each variant's ms/token: every variant sees the same slow and fast spells of a
+    shared machine, so their ratios are paired at the granularity of one decode step."""
+    names = list(caches)
+    toks = dict.fromkeys(names, first_tok)
+    spent = dict.fromkeys(names, 0.0)
     with torch.no_grad():
-        for _ in range(steps):
-            out = model(tok, past_key_values=cache, use_cache=True)
-            tok = out.logits[:, -1:].argmax(-1)
-    return (clock() - t0) / steps * 1e3
+        for step in range(steps):
+            k = step % len(names)
+            for name in names[k:] + names[:k]:
+                t0 = clock()
+                out = model(toks[name], past_key_values=caches[name], use_cache=True)
+                toks[name] = out.logits[:, -1:].argmax(-1)
+                spent[name] += clock() - t0
+    return {name: t / steps * 1e3 for name, t in spent.items()}
 
 
 def main() -> None:
@@ -48,13 +57,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                    help="wall: elapsed time, torch's default threads; cpu: CPU time of the decoding thread with "
-                         "single-threaded torch (what other processes on a shared machine do not inflate)")
+                    help="wall: elapsed time, torch's default threads; cpu: CPU time of this process (every thread, "
+                         "BLAS helpers included) with single-threaded torch (what other processes on a shared "
+                         "machine do not inflate)")
     args = ap.parse_args()
     clock = time.perf_counter
     if args.clock == "cpu":
         torch.set_num_threads(1)
-        clock = time.thread_time
+        clock = time.process_time
     torch.manual_seed(0)
     model, tok = load("smollm2-135m")
     ids = tok(load_corpus("pg-essays")[: args.context * 8], return_tensors="pt").input_ids[:, : args.context]
@@ -88,10 +98,12 @@ def main() -> None:
         "kvcert-gated (tau=0.2)": lambda: kv(True, Gate.certified(0.2)),
     }
     times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in tqdm(range(args.reps), desc="repetitions"):
-        for name, make in variants.items():
-            cache = make()
-            times[name].append(_decode(model, first, cache, args.steps, clock))
+    for rep in tqdm(range(args.reps + 1), desc="repetitions (the first warms up, not counted)"):
+        caches = {name: make() for name, make in variants.items()}
+        for name, ms in _decode_interleaved(model, first, caches, args.steps, clock).items():
+            if rep:
+                times[name].append(ms)
+        for cache in caches.values():
             if isinstance(cache, CertifiedCache):
                 cache.detach()
     best = {k: min(v) for k, v in times.items()}

@@ -15,8 +15,9 @@ Refinement (``certificates.md`` §2.6: a kernel must be proved to refine the ref
   ``probs64(logits)`` — same clamps (``A ≥ 1``, ``B₋ ≤ 1``), same handling of rows with a supported radius
   above 300 (``ptm`` replaced by the larger ``two_sided``), fully masked rows give 0, a NaN or negative radius
   on a supported token fails closed (unclipped ``+inf``, clipped 1);
-* float64 rounding is covered, not ignored: every ``A``, ``B₋`` and gap sum has at most ``S`` terms, each
-  term at most five roundings (``exp`` within 1 ulp, a reciprocal, products and the gap's two
+* float64 rounding is covered, not ignored: every ``A``, ``B₋`` and gap sum has at most ``S`` terms, added
+  in any order (the kernels let the compiler reassociate them into vector lanes), each term at most five
+  roundings (``exp`` within 1 ulp, a reciprocal, products and the gap's two
   subtractions), so with ``u = 2^-53`` each sum is within ``γ_{S+6}`` relative of its exact value (of its
   terms' magnitudes, for the gap). Each form gets its own allowance **added** before the min:
   ``4γ_{S+6}(A² + 1)`` for ``eform`` and ``4γ_{S+6}(A/B₋ + A(A − 1/B₋) + 2)`` for ``ptm`` (``two_sided``
@@ -44,6 +45,73 @@ _U32 = 2.0**-24
 _EXP_SAFE = 300.0   # same cut as kvcert.bounds.softmax_tv: above it ptm is replaced by two_sided
 
 
+@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
+def _row_sums(p: np.ndarray, c: np.ndarray, ec: np.ndarray, p32: np.ndarray,
+              r: int) -> tuple[float, float, float, int]:  # pragma: no cover - compiled (covered by tests via numba)
+    """``(Σ p̃, Σ p̃e^{c}, Σ p̃e^{-c}, #bad)`` over the tokens of row ``r`` with ``p̃_t > 0`` and ``c_t ≥ 0``;
+    zeroes ``p[r]`` where it is not > 0, writes ``p32[r] = float32(p[r])`` and counts the supported tokens
+    whose radius is NaN or negative. Branch-free selects and any summation order (``reassoc``), so the loop
+    vectorises; each sum is still within ``γ_S`` of its exact value (any order of an ``S``-term sum)."""
+    mass = 0.0
+    a = 0.0
+    b = 0.0
+    nbad = 0
+    for t in range(p.shape[1]):
+        pt = p[r, t]
+        pos = pt > 0.0
+        pz = pt if pos else 0.0
+        p[r, t] = pz
+        p32[r, t] = np.float32(pz)
+        ct = c[r, t]
+        use = pos and ct >= 0.0
+        nbad += 1 if pos and not ct >= 0.0 else 0
+        e = ec[r, t]
+        mass += pz if use else 0.0
+        a += pz * e if use else 0.0
+        b += pz / e if use else 0.0
+    return mass, a, b, nbad
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _row_maxima(lg: np.ndarray, p: np.ndarray, c: np.ndarray,
+                r: int) -> tuple[float, float]:  # pragma: no cover - compiled (covered by tests via numba)
+    """``(max c_t over visible t, max c_t over t with p̃_t > 0)``, each at least 0, NaN radii ignored; four
+    independent running maxima (exact in any order) so the compare chains overlap."""
+    s = p.shape[1]
+    v0 = v1 = s0 = s1 = 0.0
+    t = 0
+    while t + 2 <= s:
+        c0, c1 = c[r, t], c[r, t + 1]
+        x0 = c0 if lg[r, t] > -np.inf else 0.0
+        x1 = c1 if lg[r, t + 1] > -np.inf else 0.0
+        y0 = c0 if p[r, t] > 0.0 else 0.0
+        y1 = c1 if p[r, t + 1] > 0.0 else 0.0
+        v0 = x0 if x0 > v0 else v0
+        v1 = x1 if x1 > v1 else v1
+        s0 = y0 if y0 > s0 else s0
+        s1 = y1 if y1 > s1 else s1
+        t += 2
+    if t < s:
+        x0 = c[r, t] if lg[r, t] > -np.inf else 0.0
+        y0 = c[r, t] if p[r, t] > 0.0 else 0.0
+        v0 = x0 if x0 > v0 else v0
+        s0 = y0 if y0 > s0 else s0
+    return max(v0, v1), max(s0, s1)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
+def _row_gap(p: np.ndarray, ec: np.ndarray, k1: float, inv_a: float,
+             r: int) -> float:  # pragma: no cover - compiled (covered by tests via numba)
+    """``Σ_t p̃_t·max(0, 1 − e^{c_t}·k1 − e^{-c_t}/A)`` over ``p̃_t > 0`` (branch-free, any summation order)."""
+    gap = 0.0
+    for t in range(p.shape[1]):
+        pt = p[r, t]
+        e = ec[r, t]
+        g = 1.0 - e * k1 - inv_a / e
+        gap += pt * g if pt > 0.0 and g > 0.0 else 0.0
+    return gap
+
+
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _meter_row(lg: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, p32: np.ndarray,
                r: int) -> tuple[float, float, float]:  # pragma: no cover - compiled (covered by tests via numba)
@@ -51,35 +119,10 @@ def _meter_row(lg: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, p32
     and writes ``p32[r] = float32(p[r])``."""
     s = lg.shape[1]
     gamma = (s + 6) * _U64 / (1.0 - (s + 6) * _U64)
-    inv_e = np.empty(s)
-    for t in range(s):                      # branch-free, so it vectorises; one rounding per reciprocal
-        inv_e[t] = 1.0 / ec[r, t]
-    cvis = 0.0
-    mass = 0.0
-    a = 0.0
-    b = 0.0
-    csup = 0.0
-    bad = False
-    for t in range(s):
-        ct = c[r, t]
-        if lg[r, t] > -np.inf and ct > cvis:
-            cvis = ct
-        pt = p[r, t]
-        if not pt > 0.0:                    # masked, underflowed, or a NaN row (nothing visible)
-            p[r, t] = 0.0
-            p32[r, t] = 0.0
-            continue
-        p32[r, t] = np.float32(pt)
-        if not ct >= 0.0:                   # NaN or negative radius: fail closed
-            bad = True
-            continue
-        if ct > csup:
-            csup = ct
-        mass += pt
-        a += pt * ec[r, t]
-        b += pt * inv_e[t]
+    mass, a, b, nbad = _row_sums(p, c, ec, p32, r)
+    cvis, csup = _row_maxima(lg, p, c, r)
     tmax = math.tanh(cvis)
-    if bad:
+    if nbad:                                # a NaN or negative radius on a supported token: fail closed
         return 1.0, np.inf, tmax
     if mass == 0.0:                         # no visible token: nothing served, nothing to certify
         return 0.0, 0.0, tmax
@@ -91,15 +134,7 @@ def _meter_row(lg: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, p32
     scale_t = a / b + 1.0                   # magnitude of the terms behind two_sided
     if csup <= _EXP_SAFE:
         k1 = a - 1.0 / b                    # >= 0: A·B₋ >= 1 (Jensen)
-        inv_a = 1.0 / a
-        gap = 0.0
-        for t in range(s):
-            pt = p[r, t]
-            if pt > 0.0:
-                g = 1.0 - ec[r, t] * k1 - inv_a * inv_e[t]
-                if g > 0.0:
-                    gap += pt * g
-        ptm = two - 0.5 * gap / mass
+        ptm = two - 0.5 * _row_gap(p, ec, k1, 1.0 / a, r) / mass
         scale_t += a * k1 + 1.0             # Σ p̃ e^{c}·k1 = A·k1 bounds the gap terms
     if csup > 0.0:                          # all supported radii 0: p̃ = p exactly, TV = 0 needs no slack
         eform += 4.0 * gamma * (a * a + 1.0)
@@ -119,12 +154,20 @@ def _rows(logits: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, p32:
 def _shift_rows(lg: np.ndarray, z: np.ndarray) -> None:  # pragma: no cover - compiled (covered by tests via numba)
     """``z[r, t] = float64(lg[r, t]) − max_t lg[r, t]`` in float64 (one rounding; ``−inf`` stays ``−inf``; a row
     with no finite logit becomes NaN, as torch's softmax gives)."""
+    s = lg.shape[1]
     for r in range(lg.shape[0]):
-        m = -np.inf
-        for t in range(lg.shape[1]):
-            if lg[r, t] > m:
-                m = lg[r, t]
-        m64 = np.float64(m)
+        m0 = m1 = m2 = m3 = -np.inf        # four running maxima (exact in any order), so compares overlap
+        t = 0
+        while t + 4 <= s:
+            x0, x1, x2, x3 = lg[r, t], lg[r, t + 1], lg[r, t + 2], lg[r, t + 3]
+            m0 = x0 if x0 > m0 else m0
+            m1 = x1 if x1 > m1 else m1
+            m2 = x2 if x2 > m2 else m2
+            m3 = x3 if x3 > m3 else m3
+            t += 4
+        for u in range(t, s):
+            m0 = lg[r, u] if lg[r, u] > m0 else m0
+        m64 = np.float64(max(max(m0, m1), max(m2, m3)))
         for t in range(lg.shape[1]):
             z[r, t] = np.float64(lg[r, t]) - m64
 
@@ -239,21 +282,14 @@ def _radius_rows(qb: np.ndarray, rho: np.ndarray, s: int, scale: float, rate: np
             out[i, t] = (scale * acc + rate[i] * kt) * infl
 
 
-@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract"})
-def _weighted_rows(p32: np.ndarray, v: np.ndarray, s: int, out: np.ndarray) -> None:  # pragma: no cover
-    """``out[i, :] = Σ_{t<s} p32[i, t]·v[t, :]`` accumulated in float32 over ``t`` (vectorised over the
-    feature axis; each ``v_t`` is read once for all rows): within ``γ_S·Σ_t p_t‖v_t‖`` of the exact sum in
-    norm."""
-    m, dv = out.shape
-    acc = np.zeros((m, dv), np.float32)
+@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
+def _weighted_sum(p: np.ndarray, x: np.ndarray, s: int) -> float:  # pragma: no cover - compiled
+    """``Σ_{t<s} p[t]·float64(x[t])`` in float64, any summation order (vectorises): for non-negative terms
+    within ``γ_s`` relative of the exact sum."""
+    acc = 0.0
     for t in range(s):
-        vt = v[t]
-        for i in range(m):
-            pt = p32[i, t]
-            a = acc[i]
-            for j in range(dv):
-                a[j] += pt * vt[j]
-    out[:, :] = acc
+        acc += p[t] * np.float64(x[t])
+    return acc
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -408,7 +444,7 @@ def logits_radii(q: torch.Tensor, keys: torch.Tensor, rho: torch.Tensor, k_hat_n
 def _meter_output(lg: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, v: np.ndarray,
                   vres: np.ndarray, vdist: np.ndarray, vhn: np.ndarray, s: int, mask: np.ndarray, full: bool,
                   nq: int, v_from: int, phi: np.ndarray, p32: np.ndarray, cert: np.ndarray, raw: np.ndarray,
-                  tmax: np.ndarray, out: np.ndarray, vterm: np.ndarray, spread: np.ndarray, vmax: np.ndarray,
+                  tmax: np.ndarray, vterm: np.ndarray, spread: np.ndarray, vmax: np.ndarray,
                   key_term: np.ndarray, slack: np.ndarray,
                   bound: np.ndarray) -> bool:  # pragma: no cover - compiled (covered by tests via numba)
     nbatch, nkv, nrows = cert.shape
@@ -435,14 +471,10 @@ def _meter_output(lg: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, 
             for r in range(nrows):
                 cert[bi, h, r], raw[bi, h, r], tmax[bi, h, r] = _meter_row(lg[bi, h], p[bi, h], c[bi, h],
                                                                            ec[bi, h], p32[bi, h], r)
-                acc = 0.0
-                for t in range(s):
-                    acc += p[bi, h, r, t] * np.float64(vres[bi, h, t])
-                vterm[bi, h, r] = acc * upv
+                vterm[bi, h, r] = _weighted_sum(p[bi, h, r], vres[bi, h], s) * upv
                 key_term[bi, h, r] = 2.0 * min(cert[bi, h, r], 1.0) * spread[bi, h]
                 slack[bi, h, r] = sl
                 bound[bi, h, r] = key_term[bi, h, r] + vterm[bi, h, r] + sl
-            _weighted_rows(p32[bi, h], v[bi, h], s, out[bi, h])
     return True
 
 
@@ -453,18 +485,18 @@ def meter_output(lr: LogitsRadii, values: torch.Tensor, v_res: torch.Tensor, v_d
 
     From :func:`logits_radii`'s float32 logits and radii: ``p̃ = softmax(s̃)`` in float64 and ``e^{c}``
     (:func:`_softmax_exp`), then per row the meter, its unclipped value and ``tanh(max visible c)`` exactly as
-    :func:`softmax_meter` (same rounding allowance, clamps and fail-closed rules), the float32 output
-    ``Σ_t fl32(p̃_t)·v̂_t`` (any order: within ``γ_S·max_t‖v̂_t‖`` of the exact sum in norm, which the read
-    path's evaluation slack covers), the value term ``Σ_t p̃_t‖Δv_t‖`` and, per KV head, ``spread = max_t
-    (‖v̂_t − c‖ + ‖Δv_t‖)`` and ``vmax = max_t (‖v̂_t‖ + ‖Δv_t‖)`` over tokens visible to any row; float64
-    sums of non-negative terms are multiplied by ``1 + 2(S + 2)u`` (maxima by ``1 + 4u``) so each is at
+    :func:`softmax_meter` (same rounding allowance, clamps and fail-closed rules), the float32 output ``Σ_t
+    fl32(p̃_t)·v̂_t`` (a batched float32 BLAS product after the kernel; any order: within ``γ_S·max_t‖v̂_t‖`` of the
+    exact sum in norm, which the read path's evaluation slack covers), the value term ``Σ_t p̃_t‖Δv_t‖`` and, per KV
+    head, ``spread = max_t (‖v̂_t − c‖ + ‖Δv_t‖)`` and ``vmax = max_t (‖v̂_t‖ + ‖Δv_t‖)`` over tokens visible to any
+    row; float64 sums of non-negative terms are multiplied by ``1 + 2(S + 2)u`` (maxima by ``1 + 4u``) so each is at
     least its exact value. The output bound of the unrepaired read per cell (``kvcert.attention.certified``'s
     two-term bound with the store's fixed centre: ``key_term + value_term + slack``, ``key_term = 2·min(meter,
-    1)·spread``, ``slack = (2(S + Dv)u₃₂(1 + 10⁻⁶) + 2·tanh(φ_max))·vmax`` with ``φ_max = lr.phi``) is formed
-    here too, in the same float64 operations as the eager form. Inputs: the first ``s`` tokens of the
-    float32 allocations ``values[B, Hkv, ≥s, Dv]`` and the per-token witnesses ``v_res`` (``‖Δv_t‖``),
-    ``v_dist`` (``‖v̂_t − c‖``), ``v_hat_norm`` (``‖v̂_t‖``), each ``[B, Hkv, ≥s]``. Returns ``None`` when a
-    value at or after ``pending_from`` is not finite (the caller fails closed). CPU only.
+    1)·spread``, ``slack = (2(S + Dv)u₃₂(1 + 10⁻⁶) + 2·tanh(φ_max))·vmax`` with ``φ_max = lr.phi``) is formed here
+    too, in the same float64 operations as the eager form. Inputs: the first ``s`` tokens of the float32 allocations
+    ``values[B, Hkv, ≥s, Dv]`` and the per-token witnesses ``v_res`` (``‖Δv_t‖``), ``v_dist`` (``‖v̂_t − c‖``),
+    ``v_hat_norm`` (``‖v̂_t‖``), each ``[B, Hkv, ≥s]``. Returns ``None`` when a value at or after ``pending_from``
+    is not finite (the caller fails closed). CPU only.
     """
     b, h, m, _ = lr.logits.shape
     dv = values.shape[-1]
@@ -481,10 +513,11 @@ def meter_output(lr: LogitsRadii, values: torch.Tensor, v_res: torch.Tensor, v_d
     out = np.empty((b, h, m, dv), dtype=np.float32)
     heads = np.empty((2, b, h, 1))                                  # spread, vmax
     ok = _meter_output(lg, p, c, ec, vv, vr, vd, vn, s, mk, full, nq,
-                       pending_from, lr.phi.numpy()[..., 0], p32, cells[0], cells[1], cells[2], out, cells[3],
+                       pending_from, lr.phi.numpy()[..., 0], p32, cells[0], cells[1], cells[2], cells[3],
                        heads[0, ..., 0], heads[1, ..., 0], cells[4], cells[5], cells[6])
     if not ok:
         return None
+    np.matmul(p32, vv[:, :, :s], out=out)           # float32 BLAS: an S-term sum per entry, in some order
     t = torch.from_numpy
     return MeterOutput(t(p), t(p32), t(cells[0]), t(cells[1]), t(cells[2]), t(out), t(cells[3]), t(heads[0]),
                        t(heads[1]), t(cells[6]), t(cells[4]), t(cells[5]))

@@ -33,10 +33,11 @@ from kvcert.eval.corpora import load_corpus
 from kvcert.models import load
 
 
-def _decode_interleaved(model, first_tok, caches: dict, steps: int, clock) -> dict[str, float]:
+def _decode_interleaved(model, first_tok, caches: dict, steps: int, clock, own_attention: str) -> dict[str, float]:
     """Decode ``steps`` greedy tokens with every cache, one step of each variant in turn (the order rotates
     every step), and return each variant's ms/token: every variant sees the same slow and fast spells of a
-    shared machine, so their ratios are paired at the granularity of one decode step."""
+    shared machine, so their ratios are paired at the granularity of one decode step. Before its step (not
+    timed) a kvcert cache is made the model's active one, and other caches get the model's own attention."""
     names = list(caches)
     toks = dict.fromkeys(names, first_tok)
     spent = dict.fromkeys(names, 0.0)
@@ -44,8 +45,13 @@ def _decode_interleaved(model, first_tok, caches: dict, steps: int, clock) -> di
         for step in range(steps):
             k = step % len(names)
             for name in names[k:] + names[:k]:
+                cache = caches[name]
+                if isinstance(cache, CertifiedCache):
+                    cache.attach()
+                else:
+                    model.set_attn_implementation(own_attention)
                 t0 = clock()
-                out = model(toks[name], past_key_values=caches[name], use_cache=True)
+                out = model(toks[name], past_key_values=cache, use_cache=True)
                 toks[name] = out.logits[:, -1:].argmax(-1)
                 spent[name] += clock() - t0
     return {name: t / steps * 1e3 for name, t in spent.items()}
@@ -98,13 +104,17 @@ def main() -> None:
         "kvcert-gated (tau=0.2)": lambda: kv(True, Gate.certified(0.2)),
     }
     times: dict[str, list[float]] = {k: [] for k in variants}
+    own_attention = model.config._attn_implementation
     for rep in tqdm(range(args.reps + 1), desc="repetitions (the first warms up, not counted)"):
+        model.set_attn_implementation(own_attention)
         caches = {name: make() for name, make in variants.items()}
-        for name, ms in _decode_interleaved(model, first, caches, args.steps, clock).items():
+        for name, ms in _decode_interleaved(model, first, caches, args.steps, clock, own_attention).items():
             if rep:
                 times[name].append(ms)
-        for cache in caches.values():
+        for name, cache in caches.items():
             if isinstance(cache, CertifiedCache):
+                if cache.certify and cache.telemetry().certificates.shape[0] != args.steps:
+                    raise RuntimeError(f"{name}: not every decode step was certified; the timing is void")
                 cache.detach()
     best = {k: min(v) for k, v in times.items()}
     table = Table(title=f"decode cost, SmolLM2-135M, context {args.context}, {args.steps} steps, best of {args.reps}, "

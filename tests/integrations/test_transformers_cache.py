@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 import kvcert
 from kvcert import Gate
-from kvcert.integrations.transformers import CacheClosedError, CertifiedCache
+from kvcert.integrations.transformers import CacheClosedError, CacheNotActiveError, CertifiedCache
 from kvcert.models.tiny import tiny_random
 
 torch.set_num_threads(1)
@@ -189,6 +189,26 @@ def test_detach_restores_attention_and_closed_cache_raises():
     ids = torch.randint(3, model.config.vocab_size, (1, 8))
     with pytest.raises(CacheClosedError):
         model(ids, past_key_values=cache)
+
+
+def test_a_cache_that_is_not_the_models_active_one_raises_instead_of_serving_uncertified():
+    model = _tiny("llama")
+    ids = torch.randint(3, model.config.vocab_size, (1, 8))
+    first = CertifiedCache(model, keys="int8", values="int8")
+    second = CertifiedCache(model, keys="int8", values="int8")   # takes over the model's attention modules
+    with pytest.raises(CacheNotActiveError, match=r"cache.attach\(\)"):
+        model(ids, past_key_values=first)
+    model(ids, past_key_values=second)
+    first.attach()                                                # active again: certified reads resume
+    long = torch.randint(3, model.config.vocab_size, (1, 40))
+    model(long, past_key_values=first)
+    model(long[:, :1], past_key_values=first)                    # a decode read over compressed entries
+    assert first.telemetry().certificates.shape[0] >= 1
+    model.set_attn_implementation("sdpa")                         # kvcert attention switched off behind its back
+    with pytest.raises(CacheNotActiveError):
+        model(ids[:, :1], past_key_values=first)
+    first.detach()
+    second.detach()
 
 
 def test_unsupported_family_is_named():

@@ -55,6 +55,10 @@ class CacheClosedError(RuntimeError):
     """A detached or closed :class:`CertifiedCache` was used again."""
 
 
+class CacheNotActiveError(RuntimeError):
+    """A :class:`CertifiedCache` was used while its model served another cache's (or no) kvcert attention."""
+
+
 def _kvcert_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """``sdpa_mask`` that always materialises the boolean mask (the certificate needs the visible set)."""
     kwargs["allow_is_causal_skip"] = False
@@ -372,12 +376,25 @@ class CertifiedCache(Cache):
     def attach(self) -> CertifiedCache:
         """Register the kvcert attention + mask functions and activate them on this model only."""
         _register()
+        self._first_attn = None
         for module in self._model.modules():
             if hasattr(module, "layer_idx") and hasattr(module, "num_key_value_groups"):
                 module._kvcert_cache = self
+                if self._first_attn is None:
+                    self._first_attn = module
         self._model.set_attn_implementation(ATTN_NAME)
         self.attached = True
         return self
+
+    def _check_active(self) -> None:
+        """Fail closed instead of letting this cache's reads fall back to uncertified SDPA unseen: the model
+        must still run kvcert attention, and its attention modules must point at this cache."""
+        if getattr(self._first_attn, "_kvcert_cache", None) is not self \
+                or self._model.config._attn_implementation != ATTN_NAME:
+            raise CacheNotActiveError(
+                "this CertifiedCache is not the model's active cache (another CertifiedCache was attached to the "
+                "model after it, or the model's attention implementation was changed), so its reads would not "
+                "be certified; call cache.attach() to make it active again")
 
     def detach(self) -> None:
         """Restore the model's previous attention implementation; the cache cannot be used afterwards."""
@@ -409,6 +426,7 @@ class CertifiedCache(Cache):
         if layer.closed or not self.attached:
             raise CacheClosedError("this CertifiedCache was detached/closed; build a new one")
         if layer_idx == 0:
+            self._check_active()
             self._step += 1
             if self.budget is not None:
                 self._settle_kappa()

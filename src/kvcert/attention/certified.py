@@ -274,7 +274,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     """
     assert store.k is not None and store.v is not None
     b, hq, nq, d = q.shape
-    hkv, s = store.k.served.view().shape[1:3]
+    hkv, s = store.k.served.shape[1:3]
     g = hq // hkv
     qg = group_heads(q.to(torch.float32), hkv)                                     # [B, Hkv, M, D]
     full = bool(mask.all())                                                    # every token visible to every cell
@@ -320,10 +320,14 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     value_term = sv.value_term
     p_served = p64
     bytes_paged = 0
-    host_k, host_v = store.k.host.view(), store.v.host.view()
-    elt = host_k.element_size()
+    elt = store.k.host.dtype.itemsize
+    dk, dv = store.k.host.shape[-1], store.v.host.shape[-1]
+
+    def host() -> tuple[torch.Tensor, torch.Tensor]:   # exact K/V views, only for repairs and validation
+        return store.k.host.view(), store.v.host.view()
 
     if need_any:
+        host_k, host_v = host()
         if gate.granularity == "head" or nonfinite:
             rows_need = need.any(0).nonzero().flatten()                       # KV heads some row repairs
             h0, h1 = int(rows_need[0]), int(rows_need[-1]) + 1                # one range: views, no copies
@@ -336,7 +340,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
             if cfg.attn_kv:   # a repaired head's served distribution only feeds the eviction policy's reading
                 exact_p = probs64(masked_logits(qg, host_k.to(torch.float32), grouped_mask(), scaling, full))
                 p_served = torch.where(sel, exact_p, p_served)
-            bytes_paged += int(need.sum()) * s * (host_k.shape[-1] + host_v.shape[-1]) * elt
+            bytes_paged += int(need.sum()) * s * (dk + dv) * elt
             if gate.persistent:
                 for bi, hi in need.nonzero().tolist():
                     store.make_exact(bi, hi, slice(0, s))
@@ -349,7 +353,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
                 out[bi, hi], cert[bi, hi], p_served[bi, hi] = res.out, res.cert, res.p
                 value_term[bi, hi] = torch.linalg.vecdot(res.p, res.vres.to(torch.float64).unsqueeze(-2))
                 blocks[bi, hi] = res.n_blocks
-                bytes_paged += res.tokens * (host_k.shape[-1] + host_v.shape[-1]) * elt
+                bytes_paged += res.tokens * (dk + dv) * elt
 
     bound, key_term, slack = sv.bound, sv.key_term, sv.slack
     if need_any:   # repairs changed the meter or the value term of some cells: the bound follows them
@@ -364,8 +368,8 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
         promote = ((value_term > gate.value_tol) & (value_term > key_term)).any(-1) & ~repaired
         if promote.any():
             sel = promote.view(b, hkv, 1, 1)
-            out = torch.where(sel, torch.matmul(p_served.to(torch.float32), host_v.to(torch.float32)), out)
-            bytes_paged += int(promote.sum()) * s * host_v.shape[-1] * elt
+            out = torch.where(sel, torch.matmul(p_served.to(torch.float32), host()[1].to(torch.float32)), out)
+            bytes_paged += int(promote.sum()) * s * dv * elt
             value_term = torch.where(promote.unsqueeze(-1), 0.0, value_term)
             bound = torch.where(promote.unsqueeze(-1), key_term + slack, bound)   # exact values: no value term
             promoted = promote
@@ -381,6 +385,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
         q_norm=sv.qn.reshape(b, hq, nq), witness_max=sv.wmax.squeeze(-1), key_norm_max=sv.kmax.squeeze(-1),
     )
     if cfg.validate:
+        host_k, host_v = host()
         p_exact = probs64(masked_logits(qg, host_k.to(torch.float32), grouped_mask(), scaling, full))
         true_tv = (0.5 * (p64 - p_exact).abs().sum(-1)).clamp(max=1.0)      # TV <= 1; the sum may round above
         o_exact = torch.matmul(p_exact, host_v.to(torch.float64))

@@ -46,16 +46,22 @@ _EXP_SAFE = 300.0   # same cut as kvcert.bounds.softmax_tv: above it ptm is repl
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
-def _row_sums(p: np.ndarray, c: np.ndarray, ec: np.ndarray, p32: np.ndarray,
-              r: int) -> tuple[float, float, float, int]:  # pragma: no cover - compiled (covered by tests via numba)
-    """``(Σ p̃, Σ p̃e^{c}, Σ p̃e^{-c}, #bad)`` over the tokens of row ``r`` with ``p̃_t > 0`` and ``c_t ≥ 0``;
-    zeroes ``p[r]`` where it is not > 0, writes ``p32[r] = float32(p[r])`` and counts the supported tokens
-    whose radius is NaN or negative. Branch-free selects and any summation order (``reassoc``), so the loop
-    vectorises; each sum is still within ``γ_S`` of its exact value (any order of an ``S``-term sum)."""
+def _row_sums(lg: np.ndarray, p: np.ndarray, c: np.ndarray, cbits: np.ndarray, ec: np.ndarray, p32: np.ndarray,
+              r: int) -> tuple[float, float, float, int, int, int]:  # pragma: no cover - compiled (tested via numba)
+    """One pass over row ``r``: ``(Σ p̃, Σ p̃e^{c}, Σ p̃e^{-c}, #bad, bits of max visible c, bits of max supported
+    c)``, the sums over the tokens with ``p̃_t > 0`` and ``c_t ≥ 0``; zeroes ``p[r]`` where it is not > 0,
+    writes ``p32[r] = float32(p[r])`` and counts the supported tokens whose radius is NaN or negative.
+
+    Branch-free selects and any summation order (``reassoc``), so the loop vectorises; each sum is still within
+    ``γ_S`` of its exact value (any order of an ``S``-term sum). The maxima run over ``cbits`` (``c`` viewed as
+    int64): for non-negative floats the bit patterns order as the values, so an integer maximum of the selected
+    ``c_t ≥ 0`` (NaN and negative radii ignored, floor 0) is exact and vectorises too."""
     mass = 0.0
     a = 0.0
     b = 0.0
     nbad = 0
+    vis_bits = 0
+    sup_bits = 0
     for t in range(p.shape[1]):
         pt = p[r, t]
         pos = pt > 0.0
@@ -63,40 +69,27 @@ def _row_sums(p: np.ndarray, c: np.ndarray, ec: np.ndarray, p32: np.ndarray,
         p[r, t] = pz
         p32[r, t] = np.float32(pz)
         ct = c[r, t]
-        use = pos and ct >= 0.0
-        nbad += 1 if pos and not ct >= 0.0 else 0
+        okc = ct >= 0.0
+        use = pos and okc
+        nbad += 1 if pos and not okc else 0
+        bits = cbits[r, t]
+        vb = bits if okc and lg[r, t] > -np.inf else 0
+        sb = bits if use else 0
+        vis_bits = max(vis_bits, vb)
+        sup_bits = max(sup_bits, sb)
         e = ec[r, t]
         mass += pz if use else 0.0
         a += pz * e if use else 0.0
         b += pz / e if use else 0.0
-    return mass, a, b, nbad
+    return mass, a, b, nbad, vis_bits, sup_bits
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _row_maxima(lg: np.ndarray, p: np.ndarray, c: np.ndarray,
-                r: int) -> tuple[float, float]:  # pragma: no cover - compiled (covered by tests via numba)
-    """``(max c_t over visible t, max c_t over t with p̃_t > 0)``, each at least 0, NaN radii ignored; four
-    independent running maxima (exact in any order) so the compare chains overlap."""
-    s = p.shape[1]
-    v0 = v1 = s0 = s1 = 0.0
-    t = 0
-    while t + 2 <= s:
-        c0, c1 = c[r, t], c[r, t + 1]
-        x0 = c0 if lg[r, t] > -np.inf else 0.0
-        x1 = c1 if lg[r, t + 1] > -np.inf else 0.0
-        y0 = c0 if p[r, t] > 0.0 else 0.0
-        y1 = c1 if p[r, t + 1] > 0.0 else 0.0
-        v0 = x0 if x0 > v0 else v0
-        v1 = x1 if x1 > v1 else v1
-        s0 = y0 if y0 > s0 else s0
-        s1 = y1 if y1 > s1 else s1
-        t += 2
-    if t < s:
-        x0 = c[r, t] if lg[r, t] > -np.inf else 0.0
-        y0 = c[r, t] if p[r, t] > 0.0 else 0.0
-        v0 = x0 if x0 > v0 else v0
-        s0 = y0 if y0 > s0 else s0
-    return max(v0, v1), max(s0, s1)
+def _float_of_bits(bits: int) -> float:  # pragma: no cover - compiled (covered by tests via numba)
+    """The float64 whose IEEE bit pattern is ``bits``."""
+    x = np.empty(1, np.int64)
+    x[0] = bits
+    return x.view(np.float64)[0]
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
@@ -119,8 +112,8 @@ def _meter_row(lg: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, p32
     and writes ``p32[r] = float32(p[r])``."""
     s = lg.shape[1]
     gamma = (s + 6) * _U64 / (1.0 - (s + 6) * _U64)
-    mass, a, b, nbad = _row_sums(p, c, ec, p32, r)
-    cvis, csup = _row_maxima(lg, p, c, r)
+    mass, a, b, nbad, vis_bits, sup_bits = _row_sums(lg, p, c, c.view(np.int64), ec, p32, r)
+    cvis, csup = _float_of_bits(vis_bits), _float_of_bits(sup_bits)
     tmax = math.tanh(cvis)
     if nbad:                                # a NaN or negative radius on a supported token: fail closed
         return 1.0, np.inf, tmax

@@ -42,6 +42,12 @@ class GrowBuffer:
         self._data[:, :, self.n : self.n + t] = x
         self.n += t
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of :meth:`view` without building the view."""
+        b, h, tail = self._shape
+        return (b, h, self.n, *tail)
+
     def view(self) -> torch.Tensor:
         """The live prefix ``[B, H, n, *tail]`` (shares storage)."""
         return self._data[:, :, : self.n]

@@ -11,7 +11,7 @@ from bounds_adversarial import SLACK, make_cells
 
 from kvcert.attention.certified import masked_logits, served_certificate
 from kvcert.bounds import band_norms, pair_components, round_up_f32, true_tv
-from kvcert.bounds.fused import logits_radii, meter_output, softmax_meter
+from kvcert.bounds.fused import CELL_ROWS, all_visible, decode_read, logits_radii, meter_output, softmax_meter
 from kvcert.bounds.radii import tier_a_radius_f32
 from kvcert.bounds.rc import gamma_f32
 
@@ -257,6 +257,39 @@ def test_meter_output_agrees_with_the_eager_forms_per_cell(per_head: bool) -> No
     assert bool((mo.spread >= spread).all()) and torch.allclose(mo.spread, spread, rtol=1e-14)
     assert bool((mo.vmax >= vmax).all()) and torch.allclose(mo.vmax, vmax, rtol=1e-14)
     assert float(mo.spread.max()) < 1e6
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_decode_read_equals_the_checked_kernels_entry_for_entry(masked: bool) -> None:
+    gen = torch.Generator().manual_seed(17)
+    b, h, nq, d, s, nb, cap = 2, 2, 2, 64, 90, 8, 128
+    m = 3 * nq
+    q = torch.randn(b, h, m, d, generator=gen)
+    keys, rho, khn, w = _store(b, h, s, d, nb, gen, cap=cap)
+    vals = torch.randn(b, h, cap, d, generator=gen)
+    vres, vdist, vhn = (torch.rand(b, h, cap, generator=gen) for _ in range(3))
+    mask = _visible_mask(b, 1, nq, s, gen) if masked else None
+    lr = logits_radii(q, keys, rho, khn, w, s, 0.125, gamma_f32(d + 1), "rotate_half", mask=mask, nq=nq)
+    mo = meter_output(lr, vals, vres, vdist, vhn, s, mask=mask, nq=nq)
+    r = decode_read(q.numpy(), keys.numpy(), rho.numpy(), khn.numpy(), w.numpy(), vals.numpy(), vres.numpy(),
+                    vdist.numpy(), vhn.numpy(), s, 0.125, gamma_f32(d + 1), True,
+                    None if mask is None else mask.numpy(), nq, s, s)
+    assert lr is not None and mo is not None and r is not None
+    t = torch.from_numpy
+    assert torch.equal(t(r.p), mo.p) and torch.equal(t(r.c), lr.c) and torch.equal(t(r.qn), lr.qn[..., 0])
+    assert torch.equal(t(r.out), mo.out)
+    for i, name in enumerate(CELL_ROWS):
+        assert torch.equal(t(r.cells[i]), getattr(mo, name)), name
+    for i, x in enumerate((lr.kmax, lr.phi, lr.wmax, mo.spread, mo.vmax)):
+        assert torch.equal(t(r.heads[i]), x[..., 0])
+
+
+def test_all_visible_reads_every_entry_of_strided_masks() -> None:
+    mask = torch.ones(2, 1, 3, 50, dtype=torch.bool)
+    assert all_visible(mask) and all_visible(mask.expand(2, 4, 3, 50)) and all_visible(mask[:, :, :, ::2])
+    mask[1, 0, 2, 49] = False
+    assert not all_visible(mask) and not all_visible(mask.expand(2, 4, 3, 50))
+    assert all_visible(mask[:, :, :, :49]) and not all_visible(mask[1:, :, 2:, 49:])
 
 
 def test_non_finite_query_or_pending_entries_return_none() -> None:

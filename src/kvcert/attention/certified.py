@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvcert.bounds import band_norms, meter_and_unclipped, round_up_f32, tier_b_radius, tier_b_sigma2
-from kvcert.bounds.fused import DECODE_MAX_ROWS, logits_radii, meter_output, softmax_meter
+from kvcert.bounds.fused import DECODE_MAX_ROWS, all_visible, decode_read, softmax_meter
 from kvcert.bounds.radii import tier_a_radius_f32
 from kvcert.bounds.rc import U_F32, gamma_f32
 from kvcert.cache.gate import Gate
@@ -178,7 +179,6 @@ class _Served:
     stated); produced by the fused decode kernels or the eager reference path."""
 
     p64: torch.Tensor
-    p32: torch.Tensor             # float32 copy of p64 (what the output is computed from)
     cert: torch.Tensor            # [B, Hkv, M] clipped Tier-A meter
     raw: torch.Tensor             # [B, Hkv, M] unclipped meter
     tanh: torch.Tensor
@@ -196,25 +196,36 @@ class _Served:
     key_term: torch.Tensor        # [B, Hkv, M]
     slack: torch.Tensor           # [B, Hkv, M]
     bad_cell: torch.Tensor | None = None   # [B, Hkv, M] cells that see a non-finite entry (fail closed)
+    #: the kernels' cell tensors already in ``[B, Hq, Q]`` layout (same memory), by field name; ``out_ug`` the
+    #: output in ``[B, Q, Hq, Dv]``: the read result uses them while a repair has not replaced the field
+    ungrouped: dict[str, torch.Tensor] | None = None
+    out_ug: torch.Tensor | None = None
 
 
 def _fused_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None, nq: int, s: int,
                   scaling: float) -> _Served | None:
-    """Decode-size CPU reads: :func:`kvcert.bounds.fused.logits_radii` then :func:`~kvcert.bounds.fused.
-    meter_output` over the store's allocations (no copies). ``None`` when a query or pending entry is not
-    finite (the eager path then fails closed cell by cell)."""
+    """Decode-size CPU reads: :func:`kvcert.bounds.fused.decode_read` (the two tested kernels) over the store's
+    allocations (no copies), its numpy results wrapped as a few tensors (one per block, split by ``unbind``).
+    ``None`` when a query or pending entry is not finite (the eager path then fails closed cell by cell)."""
     assert store.k is not None and store.v is not None
-    lr = logits_radii(qg, store.k.served.array(), store.k_band.array(), store.k_hat_norm.array(),
-                      store.k_wit.array(), s, scaling, gamma_f32(qg.shape[-1] + 1), store.pairing, mask=mask,
-                      nq=nq, pending_from=store.k.n_encoded)
-    if lr is None:
+    b, hkv, m, d = qg.shape
+    q_np = np.ascontiguousarray(qg.detach().numpy())
+    mask_np = None if mask is None else mask.to(torch.bool).numpy()
+    r = decode_read(q_np, store.k.served.array(), store.k_band.array(), store.k_hat_norm.array(), store.k_wit.array(),
+                    store.v.served.array(), store.v_res.array(), store.v_dist.array(), store.v_hat_norm.array(), s,
+                    scaling, gamma_f32(d + 1), store.pairing == "rotate_half", mask_np, nq, store.k.n_encoded,
+                    store.v.n_encoded)
+    if r is None:
         return None
-    mo = meter_output(lr, store.v.served.array(), store.v_res.array(), store.v_dist.array(),
-                      store.v_hat_norm.array(), s, mask=mask, nq=nq, pending_from=store.v.n_encoded)
-    if mo is None:
-        return None
-    return _Served(mo.p, mo.p32, mo.cert, mo.raw, mo.tanh, mo.out, lr.c, lr.qn, lr.kmax, lr.phi, lr.wmax,
-                   mo.value_term, mo.spread, mo.vmax, qg, mo.bound, mo.key_term, mo.slack)
+    t = torch.from_numpy
+    hq, dv = hkv * (m // nq), r.out.shape[-1]
+    cert, raw, tanh, vterm, key_term, slack, bound = t(r.cells).unbind(0)
+    kmax, phi, wmax, spread, vmax = t(r.heads[..., None]).unbind(0)
+    ug = dict(zip(("cert", "raw", "tanh", "value_term", "key_term", "slack", "bound"),
+                  t(r.cells.reshape(-1, b, hq, nq)).unbind(0), strict=True))
+    return _Served(t(r.p), cert, raw, tanh, t(r.out), t(r.c), t(r.qn[..., None]), kmax, phi, wmax, vterm, spread,
+                   vmax, qg, bound, key_term, slack, ungrouped=ug,
+                   out_ug=t(r.out.reshape(b, hq, nq, dv).swapaxes(1, 2)))
 
 
 def _eager_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, m: torch.Tensor, full: bool,
@@ -258,7 +269,7 @@ def _eager_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, m: to
     value_term = torch.linalg.vecdot(p64, vres.to(torch.float64).unsqueeze(-2))
     spread, vmax = _value_spread(vres, vdist, vhn, mask, full)
     bound, key_term, slack = _out_bound(value_term, cert, spread, vmax, s, out.shape[-1], phi_max)
-    return _Served(p64, p32, cert, raw, tanh, out, c, qn, kmax, phi_max, wmax, value_term, spread, vmax, qg,
+    return _Served(p64, cert, raw, tanh, out, c, qn, kmax, phi_max, wmax, value_term, spread, vmax, qg,
                    bound, key_term, slack, bad_cell)
 
 
@@ -277,8 +288,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     hkv, s = store.k.served.shape[1:3]
     g = hq // hkv
     qg = group_heads(q.to(torch.float32), hkv)                                     # [B, Hkv, M, D]
-    # every token visible to every cell (numpy's all() on a CPU mask: a fraction of torch's per-call cost)
-    full = bool(mask.numpy().all() if mask.device.type == "cpu" else mask.all())
+    full = all_visible(mask) if mask.device.type == "cpu" else bool(mask.all())   # every token to every cell
     sv = None
     if qg.device.type == "cpu" and qg.shape[2] <= DECODE_MAX_ROWS and store.nonfinite == 0:
         sv = _fused_served(qg, store, None if full else mask, nq, s, scaling)
@@ -375,12 +385,17 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
             bound = torch.where(promote.unsqueeze(-1), key_term + slack, bound)   # exact values: no value term
             promoted = promote
 
+    ug = sv.ungrouped or {}
+
+    def cells(x: torch.Tensor, name: str) -> torch.Tensor:   # [B, Hq, Q]; the kernel's view if x is unchanged
+        return ug[name] if name in ug and x is getattr(sv, name) else ungroup_heads(x, hq, nq)
+
     result = ReadResult(
-        out=out.reshape(b, hq, nq, -1).transpose(1, 2),
-        cert_pre=ungroup_heads(cert_pre, hq, nq), raw=ungroup_heads(raw, hq, nq), cert=ungroup_heads(cert, hq, nq),
-        tanh=ungroup_heads(sv.tanh, hq, nq), cert_b=None if cert_b is None else ungroup_heads(cert_b, hq, nq),
-        out_bound=ungroup_heads(bound, hq, nq), key_term=ungroup_heads(key_term, hq, nq),
-        value_term=ungroup_heads(value_term, hq, nq), repaired=repaired, blocks=blocks, values_promoted=promoted,
+        out=sv.out_ug if sv.out_ug is not None and out is sv.out else out.reshape(b, hq, nq, -1).transpose(1, 2),
+        cert_pre=cells(cert_pre, "cert"), raw=cells(raw, "raw"), cert=cells(cert, "cert"), tanh=cells(sv.tanh, "tanh"),
+        cert_b=None if cert_b is None else ungroup_heads(cert_b, hq, nq),
+        out_bound=cells(bound, "bound"), key_term=cells(key_term, "key_term"),
+        value_term=cells(value_term, "value_term"), repaired=repaired, blocks=blocks, values_promoted=promoted,
         bytes_paged=bytes_paged,
         attn_kv=p_served.reshape(b, hkv, g, nq, s).sum(2).to(torch.float32) if cfg.attn_kv else None,
         q_norm=sv.qn.reshape(b, hq, nq), witness_max=sv.wmax.squeeze(-1), key_norm_max=sv.kmax.squeeze(-1),

@@ -216,6 +216,13 @@ def softmax_meter(logits: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, 
 #: reads with at most this many query rows per KV head use the decode kernels; larger ones (prefill) use BLAS
 DECODE_MAX_ROWS = 64
 
+#: rows of the per-cell block ``[7, B, Hkv, M]`` the decode kernels fill (see :class:`DecodeArrays`)
+CELL_ROWS = ("cert", "raw", "tanh", "value_term", "key_term", "slack", "bound")
+_CERT, _RAW, _TANH, _VTERM, _KEY, _SLACK, _BOUND = range(7)
+#: rows of the per-KV-head block ``[5, B, Hkv]``
+HEAD_ROWS = ("kmax", "phi", "wmax", "spread", "vmax")
+_KMAX, _PHI, _WMAX, _SPREAD, _VMAX = range(5)
+
 
 class LogitsRadii(NamedTuple):
     """What :func:`logits_radii` returns (float64 unless stated)."""
@@ -302,8 +309,8 @@ def _visible(mask: np.ndarray, full: bool, bi: int, h: int, nq: int, mi: int, t:
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _logits_radii(q: np.ndarray, k: np.ndarray, rho: np.ndarray, khn: np.ndarray, w: np.ndarray, s: int,
                   mask: np.ndarray, full: bool, nq: int, scale: float, gam: float, half: bool, k_from: int,
-                  lg: np.ndarray, c: np.ndarray, qn: np.ndarray, kmax: np.ndarray, phi: np.ndarray,
-                  wmax: np.ndarray) -> bool:  # pragma: no cover - compiled (covered by tests via numba)
+                  lg: np.ndarray, c: np.ndarray, qn: np.ndarray,
+                  heads: np.ndarray) -> bool:  # pragma: no cover - compiled (covered by tests via numba)
     nbatch, nkv, nrows, d = q.shape
     nbands = rho.shape[3]
     npair = d // 2
@@ -355,9 +362,9 @@ def _logits_radii(q: np.ndarray, k: np.ndarray, rho: np.ndarray, khn: np.ndarray
                     for t in range(s):
                         if not _visible(mask, full, bi, h, nq, mi, t):
                             lg[bi, h, mi, t] = -np.inf
-            kmax[bi, h] = km
-            wmax[bi, h] = wm
-            phi[bi, h] = 2.0 * scale * gam * qmax * km * infl
+            heads[_KMAX, bi, h] = km
+            heads[_WMAX, bi, h] = wm
+            heads[_PHI, bi, h] = 2.0 * scale * gam * qmax * km * infl
     return True
 
 
@@ -420,27 +427,36 @@ def logits_radii(q: torch.Tensor, keys: torch.Tensor, rho: torch.Tensor, k_hat_n
     kn = _prefix("k_hat_norm", k_hat_norm, (b, h, s), s)
     ww = _prefix("witness", witness, (b, h, s), s)
     mk, full = _mask_arg(mask, b, h, nq, s)
+    r = _logits_radii_arrays(q.detach().contiguous().numpy(), kk, rr, kn, ww, s, mk, full, nq, float(scale),
+                             float(gamma), pairing == "rotate_half", pending_from)
+    if r is None:
+        return None
+    lg, c, qn, heads = r
+    t = torch.from_numpy
+    return LogitsRadii(t(lg), t(c), t(qn[..., None]), t(heads[_KMAX, ..., None]), t(heads[_PHI, ..., None]),
+                       t(heads[_WMAX, ..., None]))
+
+
+def _logits_radii_arrays(q: np.ndarray, keys: np.ndarray, rho: np.ndarray, khn: np.ndarray, w: np.ndarray, s: int,
+                         mask: np.ndarray, full: bool, nq: int, scale: float, gamma: float, half: bool,
+                         k_from: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """:func:`logits_radii` on checked numpy inputs: ``(logits, c, ‖q‖ [B, Hkv, M], heads [5, B, Hkv])`` with
+    the ``kmax``, ``phi`` and ``wmax`` rows of ``heads`` filled (:data:`HEAD_ROWS`), or ``None``."""
+    b, h, m, _ = q.shape
     lg = np.empty((b, h, m, s), dtype=np.float32)
     c = np.empty((b, h, m, s))
-    qn = np.empty((b, h, m, 1))
-    heads = np.empty((3, b, h, 1))                                  # kmax, phi, wmax
-    ok = _logits_radii(q.detach().contiguous().numpy(), kk, rr, kn, ww, s, mk, full, nq, float(scale),
-                       float(gamma), pairing == "rotate_half", pending_from, lg, c, qn[..., 0], heads[0, ..., 0],
-                       heads[1, ..., 0], heads[2, ..., 0])
-    if not ok:
-        return None
-    kmax, phi, wmax = (torch.from_numpy(x) for x in heads)
-    return LogitsRadii(torch.from_numpy(lg), torch.from_numpy(c), torch.from_numpy(qn), kmax, phi, wmax)
+    qn = np.empty((b, h, m))
+    heads = np.empty((len(HEAD_ROWS), b, h))
+    ok = _logits_radii(q, keys, rho, khn, w, s, mask, full, nq, scale, gamma, half, k_from, lg, c, qn, heads)
+    return (lg, c, qn, heads) if ok else None
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _meter_output(lg: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, v: np.ndarray,
                   vres: np.ndarray, vdist: np.ndarray, vhn: np.ndarray, s: int, mask: np.ndarray, full: bool,
-                  nq: int, v_from: int, phi: np.ndarray, p32: np.ndarray, cert: np.ndarray, raw: np.ndarray,
-                  tmax: np.ndarray, vterm: np.ndarray, spread: np.ndarray, vmax: np.ndarray,
-                  key_term: np.ndarray, slack: np.ndarray,
-                  bound: np.ndarray) -> bool:  # pragma: no cover - compiled (covered by tests via numba)
-    nbatch, nkv, nrows = cert.shape
+                  nq: int, v_from: int, p32: np.ndarray, cells: np.ndarray,
+                  heads: np.ndarray) -> bool:  # pragma: no cover - compiled (covered by tests via numba)
+    nbatch, nkv, nrows = cells.shape[1:]
     dv = v.shape[3]
     up2 = 1.0 + 4.0 * _U64                          # one float64 addition of two non-negative float32 values
     upv = 1.0 + 2.0 * (s + 2) * _U64                # an S-term float64 sum of non-negative products
@@ -458,16 +474,22 @@ def _meter_output(lg: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, 
                     r = np.float64(vres[bi, h, t])
                     sp = max(sp, np.float64(vdist[bi, h, t]) + r)
                     vm = max(vm, np.float64(vhn[bi, h, t]) + r)
-            spread[bi, h] = sp * up2
-            vmax[bi, h] = vm * up2
-            sl = (rel0 + 2.0 * math.tanh(phi[bi, h])) * vmax[bi, h]
+            spread = sp * up2
+            vmax = vm * up2
+            heads[_SPREAD, bi, h] = spread
+            heads[_VMAX, bi, h] = vmax
+            sl = (rel0 + 2.0 * math.tanh(heads[_PHI, bi, h])) * vmax
             for r in range(nrows):
-                cert[bi, h, r], raw[bi, h, r], tmax[bi, h, r] = _meter_row(lg[bi, h], p[bi, h], c[bi, h],
-                                                                           ec[bi, h], p32[bi, h], r)
-                vterm[bi, h, r] = _weighted_sum(p[bi, h, r], vres[bi, h], s) * upv
-                key_term[bi, h, r] = 2.0 * min(cert[bi, h, r], 1.0) * spread[bi, h]
-                slack[bi, h, r] = sl
-                bound[bi, h, r] = key_term[bi, h, r] + vterm[bi, h, r] + sl
+                cert, raw, tmax = _meter_row(lg[bi, h], p[bi, h], c[bi, h], ec[bi, h], p32[bi, h], r)
+                vterm = _weighted_sum(p[bi, h, r], vres[bi, h], s) * upv
+                key_term = 2.0 * min(cert, 1.0) * spread
+                cells[_CERT, bi, h, r] = cert
+                cells[_RAW, bi, h, r] = raw
+                cells[_TANH, bi, h, r] = tmax
+                cells[_VTERM, bi, h, r] = vterm
+                cells[_KEY, bi, h, r] = key_term
+                cells[_SLACK, bi, h, r] = sl
+                cells[_BOUND, bi, h, r] = key_term + vterm + sl
     return True
 
 
@@ -498,19 +520,76 @@ def meter_output(lr: LogitsRadii, values: torch.Tensor, v_res: torch.Tensor, v_d
     vd = _prefix("v_dist", v_dist, (b, h, s), s)
     vn = _prefix("v_hat_norm", v_hat_norm, (b, h, s), s)
     mk, full = _mask_arg(mask, b, h, nq, s)
-    lg, c = lr.logits.numpy(), lr.c.numpy()
+    heads = np.empty((len(HEAD_ROWS), b, h))
+    heads[_PHI] = lr.phi.numpy()[..., 0]
+    r = _meter_output_arrays(lr.logits.numpy(), lr.c.numpy(), heads, vv, vr, vd, vn, s, mk, full, nq, pending_from)
+    if r is None:
+        return None
+    p, p32, cells, out = r
+    t = torch.from_numpy
+    return MeterOutput(t(p), t(p32), t(cells[_CERT]), t(cells[_RAW]), t(cells[_TANH]), t(out), t(cells[_VTERM]),
+                       t(heads[_SPREAD, ..., None]), t(heads[_VMAX, ..., None]), t(cells[_BOUND]), t(cells[_KEY]),
+                       t(cells[_SLACK]))
+
+
+def _meter_output_arrays(lg: np.ndarray, c: np.ndarray, heads: np.ndarray, values: np.ndarray, vres: np.ndarray,
+                         vdist: np.ndarray, vhn: np.ndarray, s: int, mask: np.ndarray, full: bool, nq: int,
+                         v_from: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """:func:`meter_output` on checked numpy inputs (``heads[phi]`` filled): ``(p̃, p̃ float32, cells [7, B,
+    Hkv, M] (:data:`CELL_ROWS`), output [B, Hkv, M, Dv])`` with the ``spread`` and ``vmax`` rows of ``heads``
+    filled, or ``None``."""
+    b, h, m, _ = lg.shape
     p, ec = _softmax_exp(lg.reshape(-1, s), c.reshape(-1, s))
     p, ec = p.reshape(b, h, m, s), ec.reshape(b, h, m, s)
     p32 = np.empty((b, h, m, s), dtype=np.float32)
-    cells = np.empty((7, b, h, m))                  # cert, raw, tanh, value term, key term, slack, bound
-    out = np.empty((b, h, m, dv), dtype=np.float32)
-    heads = np.empty((2, b, h, 1))                                  # spread, vmax
-    ok = _meter_output(lg, p, c, ec, vv, vr, vd, vn, s, mk, full, nq,
-                       pending_from, lr.phi.numpy()[..., 0], p32, cells[0], cells[1], cells[2], cells[3],
-                       heads[0, ..., 0], heads[1, ..., 0], cells[4], cells[5], cells[6])
-    if not ok:
+    cells = np.empty((len(CELL_ROWS), b, h, m))
+    if not _meter_output(lg, p, c, ec, values, vres, vdist, vhn, s, mask, full, nq, v_from, p32, cells, heads):
         return None
-    np.matmul(p32, vv[:, :, :s], out=out)           # float32 BLAS: an S-term sum per entry, in some order
-    t = torch.from_numpy
-    return MeterOutput(t(p), t(p32), t(cells[0]), t(cells[1]), t(cells[2]), t(out), t(cells[3]), t(heads[0]),
-                       t(heads[1]), t(cells[6]), t(cells[4]), t(cells[5]))
+    out = np.matmul(p32, values[:, :, :s])          # float32 BLAS: an S-term sum per entry, in some order
+    return p, p32, cells, out
+
+
+class DecodeArrays(NamedTuple):
+    """numpy results of :func:`decode_read` (float64 unless stated)."""
+
+    p: np.ndarray           # [B, Hkv, M, S] served distribution
+    c: np.ndarray           # [B, Hkv, M, S] radii incl. the float32 logit slack
+    qn: np.ndarray          # [B, Hkv, M] ‖q‖₂
+    cells: np.ndarray       # [7, B, Hkv, M] rows CELL_ROWS
+    heads: np.ndarray       # [5, B, Hkv] rows HEAD_ROWS
+    out: np.ndarray         # [B, Hkv, M, Dv] float32 served output
+
+
+def decode_read(q: np.ndarray, keys: np.ndarray, rho: np.ndarray, khn: np.ndarray, w: np.ndarray,
+                values: np.ndarray, vres: np.ndarray, vdist: np.ndarray, vhn: np.ndarray, s: int, scale: float,
+                gamma: float, half: bool, mask: np.ndarray | None, nq: int, k_from: int,
+                v_from: int) -> DecodeArrays | None:
+    """:func:`logits_radii` then :func:`meter_output` on numpy arrays, without their input checks or tensor
+    conversions: for the certified cache's read path, whose allocations are float32, C-contiguous and shaped
+    ``[B, Hkv, capacity ≥ s, ...]`` by construction (``kvcert.cache.buffer.GrowBuffer``), with a float32
+    C-contiguous query ``q[B, Hkv, M, D]`` and ``mask`` a ``[B, 1|Hkv, nq, ≥ s]`` boolean array or ``None``
+    (every token visible). Same kernels, same guarantees; ``None`` when a query or pending entry is not
+    finite."""
+    mk, full = (_NO_MASK, True) if mask is None else (mask, False)
+    r = _logits_radii_arrays(q, keys, rho, khn, w, s, mk, full, nq, scale, gamma, half, k_from)
+    if r is None:
+        return None
+    _, c, qn, heads = r
+    mo = _meter_output_arrays(r[0], c, heads, values, vres, vdist, vhn, s, mk, full, nq, v_from)
+    if mo is None:
+        return None
+    p, _, cells, out = mo
+    return DecodeArrays(p, c, qn, cells, heads, out)
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _all_set(mask: np.ndarray) -> bool:  # pragma: no cover - compiled (covered by tests via numba)
+    for x in mask.flat:
+        if not x:
+            return False
+    return True
+
+
+def all_visible(mask: torch.Tensor) -> bool:
+    """Whether a CPU boolean mask is all True (one compiled pass; no torch reduction dispatch)."""
+    return bool(_all_set(mask.numpy()))

@@ -24,12 +24,21 @@ For one layer and one forward call with queries ``q[B, Hq, Q, D]`` over ``S`` st
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
 
 from kvcert.bounds import band_norms, meter_and_unclipped, round_up_f32, tier_b_radius, tier_b_sigma2
-from kvcert.bounds.fused import DECODE_MAX_ROWS, all_visible, decode_read, softmax_meter
+from kvcert.bounds.fused import (
+    CELL_ROWS,
+    DECODE_MAX_ROWS,
+    HEAD_ROWS,
+    DecodeArrays,
+    all_visible,
+    decode_read,
+    softmax_meter,
+)
 from kvcert.bounds.radii import tier_a_radius_f32
 from kvcert.bounds.rc import U_F32, gamma_f32
 from kvcert.cache.gate import Gate
@@ -173,59 +182,93 @@ class ReadConfig:
     attn_kv: bool = True        # return the served attention per KV head (eviction policies read it)
 
 
-@dataclass
 class _Served:
     """The served read of one layer before gating (grouped layout ``[B, Hkv, M, ...]``, float64 unless
-    stated); produced by the fused decode kernels or the eager reference path."""
+    stated); produced by the fused decode kernels or the eager reference path.
 
-    p64: torch.Tensor
-    cert: torch.Tensor            # [B, Hkv, M] clipped Tier-A meter
-    raw: torch.Tensor             # [B, Hkv, M] unclipped meter
-    tanh: torch.Tensor
-    out: torch.Tensor             # [B, Hkv, M, Dv] float32
-    c: torch.Tensor               # [B, Hkv, M, S] radii incl. the logit rounding slack
-    qn: torch.Tensor              # [B, Hkv, M, 1] ‖q‖₂
-    kmax: torch.Tensor            # [B, Hkv, 1] max_t (2‖k̂_t‖ + W_t)
-    phi_max: torch.Tensor         # [B, Hkv, 1]
-    wmax: torch.Tensor            # [B, Hkv, 1]
-    value_term: torch.Tensor      # [B, Hkv, M] Σ_t p̃_t‖Δv_t‖
-    spread: torch.Tensor          # [B, Hkv, 1] max_t ‖v̂_t − c‖ + ‖Δv_t‖ over visible tokens
-    vmax: torch.Tensor            # [B, Hkv, 1] max_t ‖v̂_t‖ + ‖Δv_t‖ over visible tokens
-    qg: torch.Tensor              # [B, Hkv, M, D] float32 queries as certified (non-finite entries zeroed)
-    bound: torch.Tensor           # [B, Hkv, M] output bound of the unrepaired read (``_out_bound``)
-    key_term: torch.Tensor        # [B, Hkv, M]
-    slack: torch.Tensor           # [B, Hkv, M]
-    bad_cell: torch.Tensor | None = None   # [B, Hkv, M] cells that see a non-finite entry (fail closed)
-    #: the kernels' cell tensors already in ``[B, Hq, Q]`` layout (same memory), by field name; ``out_ug`` the
-    #: output in ``[B, Q, Hq, Dv]``: the read result uses them while a repair has not replaced the field
-    ungrouped: dict[str, torch.Tensor] | None = None
-    out_ug: torch.Tensor | None = None
+    Fields: ``p64`` served distribution, ``cert`` / ``raw`` clipped / unclipped Tier-A meter, ``tanh``,
+    ``out`` ``[B, Hkv, M, Dv]`` float32, ``c`` radii incl. the logit rounding slack, ``qn`` ``[B, Hkv, M, 1]``
+    ‖q‖₂, ``kmax`` / ``phi_max`` / ``wmax`` / ``spread`` / ``vmax`` ``[B, Hkv, 1]`` (max_t (2‖k̂_t‖ + W_t),
+    φ_max, max_t W_t, max_t ‖v̂_t − c‖ + ‖Δv_t‖ and max_t ‖v̂_t‖ + ‖Δv_t‖ over visible tokens), ``value_term``,
+    ``key_term``, ``slack``, ``bound`` (output bound of the unrepaired read, ``_out_bound``), ``qg`` the float32
+    queries as certified (non-finite entries zeroed), ``bad_cell`` cells that see a non-finite entry (fail
+    closed; eager path only). The eager path passes every field as a tensor; a fused read keeps the kernels'
+    numpy blocks and makes each tensor on first use, so a read that repairs nothing builds only the
+    ``[B, Hq, Q]`` cells (:meth:`ungrouped`), the output and the chain readings.
+    """
+
+    def __init__(self, qg: torch.Tensor, hq: int, nq: int, arrays: DecodeArrays | None = None,
+                 bad_cell: torch.Tensor | None = None, **tensors: torch.Tensor) -> None:
+        self.qg, self.bad_cell, self._r, self._hq, self._nq = qg, bad_cell, arrays, hq, nq
+        self._ug: dict[str, torch.Tensor] = {}
+        self.__dict__.update(tensors)           # eager: every field given (the cached properties never run)
+
+    def _cell(self, name: str) -> torch.Tensor:
+        assert self._r is not None
+        return torch.from_numpy(self._r.cells[CELL_ROWS.index(name)])
+
+    def _head(self, name: str) -> torch.Tensor:
+        assert self._r is not None
+        return torch.from_numpy(self._r.heads[HEAD_ROWS.index(name), ..., None])
+
+    p64 = cached_property(lambda self: torch.from_numpy(self._r.p))
+    out = cached_property(lambda self: torch.from_numpy(self._r.out))
+    c = cached_property(lambda self: torch.from_numpy(self._r.c))
+    qn = cached_property(lambda self: torch.from_numpy(self._r.qn[..., None]))
+    cert = cached_property(lambda self: self._cell("cert"))
+    raw = cached_property(lambda self: self._cell("raw"))
+    tanh = cached_property(lambda self: self._cell("tanh"))
+    value_term = cached_property(lambda self: self._cell("value_term"))
+    key_term = cached_property(lambda self: self._cell("key_term"))
+    slack = cached_property(lambda self: self._cell("slack"))
+    bound = cached_property(lambda self: self._cell("bound"))
+    kmax = cached_property(lambda self: self._head("kmax"))
+    phi_max = cached_property(lambda self: self._head("phi"))
+    wmax = cached_property(lambda self: self._head("wmax"))
+    spread = cached_property(lambda self: self._head("spread"))
+    vmax = cached_property(lambda self: self._head("vmax"))
+
+    def ungrouped(self, name: str) -> torch.Tensor:
+        """The cell field ``name`` as ``[B, Hq, Q]`` (a fused read: a view of the kernel's block)."""
+        if name not in self._ug:
+            if self._r is None:
+                self._ug[name] = ungroup_heads(getattr(self, name), self._hq, self._nq)
+            else:
+                b = self._r.cells.shape[1]
+                self._ug[name] = torch.from_numpy(self._r.cells[CELL_ROWS.index(name)].reshape(b, self._hq, self._nq))
+        return self._ug[name]
+
+    def out_heads_last(self) -> torch.Tensor:
+        """The output as ``[B, Q, Hq, Dv]`` (HF layout; shares memory with :attr:`out`)."""
+        b, dv = self.qg.shape[0], (self._r.out if self._r is not None else self.out).shape[-1]
+        if self._r is None:
+            return self.out.reshape(b, self._hq, self._nq, dv).transpose(1, 2)
+        return torch.from_numpy(self._r.out.reshape(b, self._hq, self._nq, dv).swapaxes(1, 2))
+
+    def chain(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(‖q‖ [B, Hq, Q], max_t W_t [B, Hkv], max_t (2‖k̂_t‖ + W_t) [B, Hkv])`` for the chain readings."""
+        b = self.qg.shape[0]
+        if self._r is None:
+            return self.qn.reshape(b, self._hq, self._nq), self.wmax.squeeze(-1), self.kmax.squeeze(-1)
+        t = torch.from_numpy
+        return (t(self._r.qn.reshape(b, self._hq, self._nq)), t(self._r.heads[HEAD_ROWS.index("wmax")]),
+                t(self._r.heads[HEAD_ROWS.index("kmax")]))
 
 
 def _fused_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None, nq: int, s: int,
                   scaling: float) -> _Served | None:
     """Decode-size CPU reads: :func:`kvcert.bounds.fused.decode_read` (the two tested kernels) over the store's
-    allocations (no copies), its numpy results wrapped as a few tensors (one per block, split by ``unbind``).
-    ``None`` when a query or pending entry is not finite (the eager path then fails closed cell by cell)."""
+    allocations (no copies); tensors are made from its numpy blocks on first use. ``None`` when a query or
+    pending entry is not finite (the eager path then fails closed cell by cell)."""
     assert store.k is not None and store.v is not None
-    b, hkv, m, d = qg.shape
+    _, hkv, m, d = qg.shape
     q_np = np.ascontiguousarray(qg.detach().numpy())
     mask_np = None if mask is None else mask.to(torch.bool).numpy()
     r = decode_read(q_np, store.k.served.array(), store.k_band.array(), store.k_hat_norm.array(), store.k_wit.array(),
                     store.v.served.array(), store.v_res.array(), store.v_dist.array(), store.v_hat_norm.array(), s,
                     scaling, gamma_f32(d + 1), store.pairing == "rotate_half", mask_np, nq, store.k.n_encoded,
                     store.v.n_encoded)
-    if r is None:
-        return None
-    t = torch.from_numpy
-    hq, dv = hkv * (m // nq), r.out.shape[-1]
-    cert, raw, tanh, vterm, key_term, slack, bound = t(r.cells).unbind(0)
-    kmax, phi, wmax, spread, vmax = t(r.heads[..., None]).unbind(0)
-    ug = dict(zip(("cert", "raw", "tanh", "value_term", "key_term", "slack", "bound"),
-                  t(r.cells.reshape(-1, b, hq, nq)).unbind(0), strict=True))
-    return _Served(t(r.p), cert, raw, tanh, t(r.out), t(r.c), t(r.qn[..., None]), kmax, phi, wmax, vterm, spread,
-                   vmax, qg, bound, key_term, slack, ungrouped=ug,
-                   out_ug=t(r.out.reshape(b, hq, nq, dv).swapaxes(1, 2)))
+    return None if r is None else _Served(qg, hkv * (m // nq), nq, arrays=r)
 
 
 def _eager_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, m: torch.Tensor, full: bool,
@@ -269,8 +312,10 @@ def _eager_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, m: to
     value_term = torch.linalg.vecdot(p64, vres.to(torch.float64).unsqueeze(-2))
     spread, vmax = _value_spread(vres, vdist, vhn, mask, full)
     bound, key_term, slack = _out_bound(value_term, cert, spread, vmax, s, out.shape[-1], phi_max)
-    return _Served(p64, cert, raw, tanh, out, c, qn, kmax, phi_max, wmax, value_term, spread, vmax, qg,
-                   bound, key_term, slack, bad_cell)
+    hq, nq = qg.shape[1] * (qg.shape[2] // mask.shape[2]), mask.shape[2]
+    return _Served(qg, hq, nq, bad_cell=bad_cell, p64=p64, cert=cert, raw=raw, tanh=tanh, out=out, c=c, qn=qn,
+                   kmax=kmax, phi_max=phi_max, wmax=wmax, value_term=value_term, spread=spread, vmax=vmax,
+                   bound=bound, key_term=key_term, slack=slack)
 
 
 @torch.no_grad()
@@ -301,7 +346,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
 
     if sv is None:
         sv = _eager_served(qg, store, mask, grouped_mask(), full, scaling)
-    qg, p64, out, cert_pre, raw = sv.qg, sv.p64, sv.out, sv.cert, sv.raw
+    qg = sv.qg
     nonfinite = sv.bad_cell is not None
 
     cert_b = None
@@ -314,22 +359,22 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
             khn, w = torch.nan_to_num(khn, 0.0, 0.0, 0.0), torch.nan_to_num(w, 0.0, 0.0, 0.0)
         rate, kfac = _logit_slack_factors(sv.qn, khn, w, scaling, d)
         u = tier_b_radius(sig2, s, cfg.delta_loc) + rate * kfac                  # same rounding slack
-        cert_b = served_meter(p64, u)[0]
+        cert_b = served_meter(sv.p64, u)[0]
 
     gate = cfg.gate
     no_heads = torch.zeros(b, hkv, dtype=torch.bool)   # shared; the flags below are rebound, never written
     need, need_any = no_heads, False
     if gate.mode != "off":
-        need = (raw if gate.uses_unclipped else cert_pre).amax(-1) > gate.threshold
+        need = (sv.raw if gate.uses_unclipped else sv.cert).amax(-1) > gate.threshold
     if sv.bad_cell is not None:
         need = need | sv.bad_cell.any(-1)
     if need is not no_heads:
         need_any = bool(need.any())
-    cert = cert_pre
     repaired = promoted = no_heads
     blocks = torch.zeros(b, hkv, dtype=torch.int64)
-    value_term = sv.value_term
-    p_served = p64
+    # what a repair or promotion changes; None = as served by the read (``sv``), so a read that changes
+    # nothing never builds the grouped tensors
+    out = cert = value_term = key_term = slack = bound = p_served = None
     bytes_paged = 0
     elt = store.k.host.dtype.itemsize
     dk, dv = store.k.host.shape[-1], store.v.host.shape[-1]
@@ -339,6 +384,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
 
     if need_any:
         host_k, host_v = host()
+        out, cert, value_term, p_served = sv.out, sv.cert, sv.value_term, sv.p64    # written below
         if gate.granularity == "head" or nonfinite:
             rows_need = need.any(0).nonzero().flatten()                       # KV heads some row repairs
             h0, h1 = int(rows_need[0]), int(rows_need[-1]) + 1                # one range: views, no copies
@@ -359,53 +405,56 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
             cert, p_served, value_term = cert.clone(), p_served.clone(), value_term.clone()
             m = grouped_mask()
             for bi, hi in need.nonzero().tolist():
-                res = _repair_blocks(qg[bi, hi], store, bi, hi, m[bi, hi], sv.c[bi, hi], p64[bi, hi], scaling,
+                res = _repair_blocks(qg[bi, hi], store, bi, hi, m[bi, hi], sv.c[bi, hi], sv.p64[bi, hi], scaling,
                                      gate)
                 out[bi, hi], cert[bi, hi], p_served[bi, hi] = res.out, res.cert, res.p
                 value_term[bi, hi] = torch.linalg.vecdot(res.p, res.vres.to(torch.float64).unsqueeze(-2))
                 blocks[bi, hi] = res.n_blocks
                 bytes_paged += res.tokens * (dk + dv) * elt
-
-    bound, key_term, slack = sv.bound, sv.key_term, sv.slack
-    if need_any:   # repairs changed the meter or the value term of some cells: the bound follows them
+        # repairs changed the meter or the value term of some cells: the bound follows them
         bound, key_term, slack = _out_bound(value_term, cert, sv.spread, sv.vmax, s, out.shape[-1], sv.phi_max)
-    if need_any and bool(repaired.any()):   # an exactly repaired head: no key or value term, only the slack
-        zero = repaired.view(b, hkv, 1)
-        key_term = torch.where(zero, 0.0, key_term)
-        value_term = torch.where(zero, 0.0, value_term)
-        bound = torch.where(zero, slack, bound)
+        if bool(repaired.any()):   # an exactly repaired head: no key or value term, only the slack
+            zero = repaired.view(b, hkv, 1)
+            key_term = torch.where(zero, 0.0, key_term)
+            value_term = torch.where(zero, 0.0, value_term)
+            bound = torch.where(zero, slack, bound)
 
     if gate.value_tol is not None:
-        promote = ((value_term > gate.value_tol) & (value_term > key_term)).any(-1) & ~repaired
+        vt = sv.value_term if value_term is None else value_term
+        kt = sv.key_term if key_term is None else key_term
+        promote = ((vt > gate.value_tol) & (vt > kt)).any(-1) & ~repaired
         if promote.any():
             sel = promote.view(b, hkv, 1, 1)
-            out = torch.where(sel, torch.matmul(p_served.to(torch.float32), host()[1].to(torch.float32)), out)
+            ps = sv.p64 if p_served is None else p_served
+            out = torch.where(sel, torch.matmul(ps.to(torch.float32), host()[1].to(torch.float32)),
+                              sv.out if out is None else out)
             bytes_paged += int(promote.sum()) * s * dv * elt
-            value_term = torch.where(promote.unsqueeze(-1), 0.0, value_term)
-            bound = torch.where(promote.unsqueeze(-1), key_term + slack, bound)   # exact values: no value term
+            value_term = torch.where(promote.unsqueeze(-1), 0.0, vt)
+            bound = torch.where(promote.unsqueeze(-1), kt + (sv.slack if slack is None else slack),   # exact values:
+                                sv.bound if bound is None else bound)                              # no value term
             promoted = promote
 
-    ug = sv.ungrouped or {}
+    def cells(x: torch.Tensor | None, name: str) -> torch.Tensor:   # [B, Hq, Q] of a changed field or of sv's
+        return sv.ungrouped(name) if x is None else ungroup_heads(x, hq, nq)
 
-    def cells(x: torch.Tensor, name: str) -> torch.Tensor:   # [B, Hq, Q]; the kernel's view if x is unchanged
-        return ug[name] if name in ug and x is getattr(sv, name) else ungroup_heads(x, hq, nq)
-
+    q_norm, witness_max, key_norm_max = sv.chain()
+    attn_kv = None
+    if cfg.attn_kv:
+        attn_kv = (sv.p64 if p_served is None else p_served).reshape(b, hkv, g, nq, s).sum(2).to(torch.float32)
     result = ReadResult(
-        out=sv.out_ug if sv.out_ug is not None and out is sv.out else out.reshape(b, hq, nq, -1).transpose(1, 2),
-        cert_pre=cells(cert_pre, "cert"), raw=cells(raw, "raw"), cert=cells(cert, "cert"), tanh=cells(sv.tanh, "tanh"),
+        out=sv.out_heads_last() if out is None else out.reshape(b, hq, nq, -1).transpose(1, 2),
+        cert_pre=sv.ungrouped("cert"), raw=sv.ungrouped("raw"), cert=cells(cert, "cert"), tanh=sv.ungrouped("tanh"),
         cert_b=None if cert_b is None else ungroup_heads(cert_b, hq, nq),
         out_bound=cells(bound, "bound"), key_term=cells(key_term, "key_term"),
         value_term=cells(value_term, "value_term"), repaired=repaired, blocks=blocks, values_promoted=promoted,
-        bytes_paged=bytes_paged,
-        attn_kv=p_served.reshape(b, hkv, g, nq, s).sum(2).to(torch.float32) if cfg.attn_kv else None,
-        q_norm=sv.qn.reshape(b, hq, nq), witness_max=sv.wmax.squeeze(-1), key_norm_max=sv.kmax.squeeze(-1),
+        bytes_paged=bytes_paged, attn_kv=attn_kv, q_norm=q_norm, witness_max=witness_max, key_norm_max=key_norm_max,
     )
     if cfg.validate:
         host_k, host_v = host()
         p_exact = probs64(masked_logits(qg, host_k.to(torch.float32), grouped_mask(), scaling, full))
-        true_tv = (0.5 * (p64 - p_exact).abs().sum(-1)).clamp(max=1.0)      # TV <= 1; the sum may round above
+        true_tv = (0.5 * (sv.p64 - p_exact).abs().sum(-1)).clamp(max=1.0)   # TV <= 1; the sum may round above
         o_exact = torch.matmul(p_exact, host_v.to(torch.float64))
-        err = (out.to(torch.float64) - o_exact).norm(dim=-1)
+        err = ((sv.out if out is None else out).to(torch.float64) - o_exact).norm(dim=-1)
         result.true_tv = ungroup_heads(true_tv, hq, nq)
         result.true_out_err = ungroup_heads(err, hq, nq)
     return result

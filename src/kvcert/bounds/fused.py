@@ -6,8 +6,11 @@ The read path needs, per (query head, query) row over the ``S`` stored tokens: s
 :mod:`kvcert.bounds.softmax_tv`, its unclipped value, ``tanh(max_t c_t)`` over the visible tokens, the output
 ``p̃·v̂`` and the output bound's per-read terms. Evaluated as eager tensor ops that is some fifty small ops
 per layer; for decode-size reads :func:`logits_radii` and :func:`meter_output` do it in two kernel calls
-around two vectorised numpy ``exp`` calls (the softmax and ``e^{c}``, :func:`_softmax_exp`), reading the
-cache's token-major allocations in place. :func:`softmax_meter` is the meter alone, for reads of any size.
+around two vectorised numpy ``exp`` calls (the softmax and ``e^{c}``, :func:`_softmax_exp`) and one batched
+float32 BLAS product (the output), reading the cache's token-major allocations in place.
+:func:`decode_read` runs the same two steps on numpy arrays without their input checks or tensor
+conversions (the certified cache's read path). :func:`softmax_meter` is the meter alone, for reads of any
+size.
 
 Refinement (``certificates.md`` §2.6: a kernel must be proved to refine the reference before it ships):
 

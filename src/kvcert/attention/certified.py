@@ -24,7 +24,7 @@ For one layer and one forward call with queries ``q[B, Hq, Q, D]`` over ``S`` st
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
 import numpy as np
 import torch
@@ -318,6 +318,13 @@ def _eager_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, m: to
                    bound=bound, key_term=key_term, slack=slack)
 
 
+@cache
+def _no_heads(b: int, hkv: int, dtype: torch.dtype) -> torch.Tensor:
+    """An all-zero ``[B, Hkv]`` head flag / count tensor shared by every read of that shape (never written in
+    place: a read that repairs or promotes builds its own)."""
+    return torch.zeros(b, hkv, dtype=dtype)
+
+
 @torch.no_grad()
 def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scaling: float,
                    cfg: ReadConfig, exact_attention: callable) -> ReadResult:
@@ -362,7 +369,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
         cert_b = served_meter(sv.p64, u)[0]
 
     gate = cfg.gate
-    no_heads = torch.zeros(b, hkv, dtype=torch.bool)   # shared; the flags below are rebound, never written
+    no_heads = _no_heads(b, hkv, torch.bool)   # shared by every read: the flags below are rebound, never written
     need, need_any = no_heads, False
     if gate.mode != "off":
         need = (sv.raw if gate.uses_unclipped else sv.cert).amax(-1) > gate.threshold
@@ -371,7 +378,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     if need is not no_heads:
         need_any = bool(need.any())
     repaired = promoted = no_heads
-    blocks = torch.zeros(b, hkv, dtype=torch.int64)
+    blocks = _no_heads(b, hkv, torch.int64)
     # what a repair or promotion changes; None = as served by the read (``sv``), so a read that changes
     # nothing never builds the grouped tensors
     out = cert = value_term = key_term = slack = bound = p_served = None
@@ -403,6 +410,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
                     store.make_exact(bi, hi, slice(0, s))
         else:
             cert, p_served, value_term = cert.clone(), p_served.clone(), value_term.clone()
+            blocks = torch.zeros(b, hkv, dtype=torch.int64)                   # written below
             m = grouped_mask()
             for bi, hi in need.nonzero().tolist():
                 res = _repair_blocks(qg[bi, hi], store, bi, hi, m[bi, hi], sv.c[bi, hi], sv.p64[bi, hi], scaling,

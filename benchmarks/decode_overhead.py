@@ -74,6 +74,7 @@ def main() -> None:
                     help="leave the objects of start-up (model, libraries) in Python's collected generations; by "
                          "default they are frozen after the prefill, as servers do after loading a model, so a "
                          "full collection does not rescan them")
+    ap.add_argument("--plot", metavar="PNG", help="also write the per-repetition times and ratios as a figure")
     args = ap.parse_args()
     clock = time.perf_counter
     if args.clock == "cpu":
@@ -140,12 +141,49 @@ def main() -> None:
     console.print(table)
     console.print(f"certified / raw = {best['kvcert-certified'] / best['kvcert-raw']:.3f} (target <= 1.10)")
     console.print(f"gated / dense   = {best['kvcert-gated (tau=0.2)'] / best['dense']:.3f} (target <= 1.5)")
-    # the same ratios per repetition (variants of one repetition run back to back), then their median: less
-    # sensitive than best-of to a slow spell on a shared machine hitting one variant only
-    for num, den, target in (("kvcert-certified", "kvcert-raw", 1.10), ("kvcert-gated (tau=0.2)", "dense", 1.5)):
-        per = [a / b for a, b in zip(times[num], times[den], strict=True)]
+    # the same ratios per repetition (the variants of a repetition take turns step by step), then their median:
+    # less sensitive than best-of to a slow spell on a shared machine hitting one variant only
+    ratios = {}
+    for num, den, target in TARGETS:
+        per = ratios[(num, den)] = [a / b for a, b in zip(times[num], times[den], strict=True)]
         console.print(f"{num} / {den} per repetition: {', '.join(f'{r:.3f}' for r in per)}; median "
                       f"{statistics.median(per):.3f} (target <= {target})")
+    if args.plot:
+        _plot(times, ratios, args.plot, table.title)
+        console.print(f"plot: {args.plot}")
+
+
+TARGETS = (("kvcert-certified", "kvcert-raw", 1.10), ("kvcert-gated (tau=0.2)", "dense", 1.5))
+
+
+def _plot(times: dict[str, list[float]], ratios: dict[tuple[str, str], list[float]], path: str, title: str) -> None:
+    """ms/token per variant (every repetition, median marked) and the two target ratios per repetition."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
+    names = list(times)
+    for i, name in enumerate(names):
+        left.scatter([i] * len(times[name]), times[name], s=12, color="tab:blue", alpha=0.6)
+        left.hlines(statistics.median(times[name]), i - 0.3, i + 0.3, color="black")
+    left.set_xticks(range(len(names)), [n.replace(" (", "\n(") for n in names], fontsize=8)
+    left.set_ylabel("ms / token (each repetition; bar = median)")
+    left.set_ylim(bottom=0)
+    for j, (num, den, target) in enumerate(TARGETS):
+        per = ratios[(num, den)]
+        right.scatter([j] * len(per), per, s=14, color="tab:orange", alpha=0.7)
+        right.hlines(target, j - 0.35, j + 0.35, color="tab:red", linestyles="dashed")
+        right.hlines(statistics.median(per), j - 0.25, j + 0.25, color="black")
+    right.set_xticks(range(len(TARGETS)), ["certified / raw\n(target ≤ 1.10)", "gated / dense\n(target ≤ 1.5)"],
+                     fontsize=8)
+    right.set_ylabel("ratio per repetition (dashed: target)")
+    right.axhline(1.0, color="grey", linewidth=0.5)
+    fig.suptitle(f"{title} (EMPIRICAL)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

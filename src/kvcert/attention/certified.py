@@ -23,8 +23,9 @@ For one layer and one forward call with queries ``q[B, Hq, Q, D]`` over ``S`` st
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cache
 
 import numpy as np
 import torch
@@ -193,40 +194,23 @@ class _Served:
     ``key_term``, ``slack``, ``bound`` (output bound of the unrepaired read, ``_out_bound``), ``qg`` the float32
     queries as certified (non-finite entries zeroed), ``bad_cell`` cells that see a non-finite entry (fail
     closed; eager path only). The eager path passes every field as a tensor; a fused read keeps the kernels'
-    numpy blocks and makes each tensor on first use, so a read that repairs nothing builds only the
-    ``[B, Hq, Q]`` cells (:meth:`ungrouped`), the output and the chain readings.
+    numpy blocks and makes each tensor on first use (``__getattr__`` over ``_FUSED_FIELDS``), so a read that
+    repairs nothing builds only the ``[B, Hq, Q]`` cells (:meth:`ungrouped`), the output and the chain
+    readings.
     """
 
     def __init__(self, qg: torch.Tensor, hq: int, nq: int, arrays: DecodeArrays | None = None,
                  bad_cell: torch.Tensor | None = None, **tensors: torch.Tensor) -> None:
         self.qg, self.bad_cell, self._r, self._hq, self._nq = qg, bad_cell, arrays, hq, nq
         self._ug: dict[str, torch.Tensor] = {}
-        self.__dict__.update(tensors)           # eager: every field given (the cached properties never run)
+        self.__dict__.update(tensors)           # eager: every field given (``__getattr__`` never runs)
 
-    def _cell(self, name: str) -> torch.Tensor:
-        assert self._r is not None
-        return torch.from_numpy(self._r.cells[CELL_ROWS.index(name)])
-
-    def _head(self, name: str) -> torch.Tensor:
-        assert self._r is not None
-        return torch.from_numpy(self._r.heads[HEAD_ROWS.index(name), ..., None])
-
-    p64 = cached_property(lambda self: torch.from_numpy(self._r.p))
-    out = cached_property(lambda self: torch.from_numpy(self._r.out))
-    c = cached_property(lambda self: torch.from_numpy(self._r.c))
-    qn = cached_property(lambda self: torch.from_numpy(self._r.qn[..., None]))
-    cert = cached_property(lambda self: self._cell("cert"))
-    raw = cached_property(lambda self: self._cell("raw"))
-    tanh = cached_property(lambda self: self._cell("tanh"))
-    value_term = cached_property(lambda self: self._cell("value_term"))
-    key_term = cached_property(lambda self: self._cell("key_term"))
-    slack = cached_property(lambda self: self._cell("slack"))
-    bound = cached_property(lambda self: self._cell("bound"))
-    kmax = cached_property(lambda self: self._head("kmax"))
-    phi_max = cached_property(lambda self: self._head("phi"))
-    wmax = cached_property(lambda self: self._head("wmax"))
-    spread = cached_property(lambda self: self._head("spread"))
-    vmax = cached_property(lambda self: self._head("vmax"))
+    def __getattr__(self, name: str) -> torch.Tensor:   # only for fields not built yet (fused reads)
+        r = self.__dict__.get("_r")
+        if r is None or name not in _FUSED_FIELDS:
+            raise AttributeError(name)
+        value = self.__dict__[name] = torch.from_numpy(_FUSED_FIELDS[name](r))
+        return value
 
     def ungrouped(self, name: str) -> torch.Tensor:
         """The cell field ``name`` as ``[B, Hq, Q]`` (a fused read: a view of the kernel's block)."""
@@ -240,10 +224,10 @@ class _Served:
 
     def out_heads_last(self) -> torch.Tensor:
         """The output as ``[B, Q, Hq, Dv]`` (HF layout; shares memory with :attr:`out`)."""
-        b, dv = self.qg.shape[0], (self._r.out if self._r is not None else self.out).shape[-1]
+        b = self.qg.shape[0]
         if self._r is None:
-            return self.out.reshape(b, self._hq, self._nq, dv).transpose(1, 2)
-        return torch.from_numpy(self._r.out.reshape(b, self._hq, self._nq, dv).swapaxes(1, 2))
+            return self.out.reshape(b, self._hq, self._nq, -1).transpose(1, 2)
+        return torch.from_numpy(self._r.out.reshape(b, self._hq, self._nq, -1).swapaxes(1, 2))
 
     def chain(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(‖q‖ [B, Hq, Q], max_t W_t [B, Hkv], max_t (2‖k̂_t‖ + W_t) [B, Hkv])`` for the chain readings."""
@@ -253,6 +237,15 @@ class _Served:
         t = torch.from_numpy
         return (t(self._r.qn.reshape(b, self._hq, self._nq)), t(self._r.heads[HEAD_ROWS.index("wmax")]),
                 t(self._r.heads[HEAD_ROWS.index("kmax")]))
+
+
+#: how each :class:`_Served` field of a fused read is read off :func:`kvcert.bounds.fused.decode_read`'s arrays
+_FUSED_FIELDS: dict[str, Callable[[DecodeArrays], np.ndarray]] = {
+    "p64": lambda r: r.p, "out": lambda r: r.out, "c": lambda r: r.c, "qn": lambda r: r.qn[..., None],
+    **{name: (lambda r, i=i: r.cells[i]) for i, name in enumerate(CELL_ROWS)},
+    **{("phi_max" if name == "phi" else name): (lambda r, i=i: r.heads[i, ..., None])
+       for i, name in enumerate(HEAD_ROWS)},
+}
 
 
 def _fused_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None, nq: int, s: int,

@@ -5,7 +5,12 @@ orders of magnitude, ε at ±radius extremes, interior, and extremal rank-thresh
 ``bound + 1e-12 >= true TV`` in every cell, and reports violations (must be 0) and the worst TV/bound ratio
 over informative cells (1e-9 <= bound < 1).
 
-Usage: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soundness_fuzz.py [--cells 10000000] [--seed 0]``
+With ``--codec-cells N`` it then runs ``N`` end-to-end cells per key-codec form (``tests/quant/codec_cells.py``:
+adversarial keys, the codec, its Tier-A witness, queries up to the Cauchy–Schwarz equality direction) and checks
+``radius ≥ |ε_t|`` per token and ``meter + 1e-12 ≥ TV`` per cell (``--cells 0`` runs only those).
+
+Usage: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soundness_fuzz.py [--cells 10000000] [--seed 0]
+[--codec-cells 10000000]``
 """
 
 from __future__ import annotations
@@ -19,13 +24,36 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "bounds"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "quant"))
 from bounds_adversarial import CI_PLAN, SLACK, all_form_bounds, informative_ratio, make_cells  # noqa: E402
+from codec_cells import CODEC_FORMS, CODEC_PLAN, make_codec_cells  # noqa: E402
+from codec_cells import violations as codec_violations  # noqa: E402
+
+
+def codec_fuzz(n_cells: int, gen: torch.Generator) -> bool:
+    """End-to-end codec forms: ``n_cells`` (whole rounds) per codec; prints a table, returns True if clean."""
+    per_round = sum(rows for _, rows in CODEC_PLAN)
+    rounds = -(-n_cells // per_round)
+    print(f"{'codec form':>14} | {'cells':>11} | {'radius viol.':>12} | {'meter viol.':>11} | {'max |eps|/c':>11}")
+    clean = True
+    for codec in CODEC_FORMS:
+        cells, bad_r, bad_m, tight = 0, 0, 0, 0.0
+        for _ in tqdm(range(rounds), desc=codec):
+            for s, rows in CODEC_PLAN:
+                batch = make_codec_cells(codec, rows, s, gen)
+                r, m = codec_violations(batch)
+                bad_r, bad_m, cells = bad_r + r, bad_m + m, cells + rows
+                tight = max(tight, float((batch.eps.abs() / batch.radius.clamp(min=1e-300)).max()))
+        print(f"{codec:>14} | {cells:>11,} | {bad_r:>12} | {bad_m:>11} | {tight:>11.6f}")
+        clean = clean and bad_r == 0 and bad_m == 0
+    return clean
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cells", type=int, default=10_000_000, help="cells per form (whole rounds)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--codec-cells", type=int, default=0, help="end-to-end cells per key-codec form (0: skip)")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(args.seed)
     per_round = sum(rows for _, rows in CI_PLAN)
@@ -49,7 +77,8 @@ def main() -> None:
     print("-" * 56)
     for form in cells:
         print(f"{form:>10} | {cells[form]:>11,} | {violations[form]:>10} | {worst[form]:>14.6f}")
-    if any(violations.values()):
+    codecs_clean = codec_fuzz(args.codec_cells, gen) if args.codec_cells else True
+    if any(violations.values()) or not codecs_clean:
         raise SystemExit("VIOLATIONS FOUND")
 
 

@@ -40,10 +40,11 @@ def _loop(model, ids, cache, steps):
     return toks
 
 
-def test_full_repair_matches_dynamic_cache_for_8_tokens(smollm2):
+@pytest.mark.parametrize("keys", ["int2", "hadamard-int4"])
+def test_full_repair_matches_dynamic_cache_for_8_tokens(smollm2, keys):
     model, tok, ids = smollm2
     ref = _loop(model, ids, DynamicCache(config=model.config), 8)
-    cache = CertifiedCache(model, keys="int2", values="int2", gate=Gate.certified(0.0))
+    cache = CertifiedCache(model, keys=keys, values="int2", gate=Gate.certified(0.0))
     got = _loop(model, ids, cache, 8)
     cache.detach()
     assert got == ref
@@ -51,7 +52,8 @@ def test_full_repair_matches_dynamic_cache_for_8_tokens(smollm2):
 
 
 @pytest.mark.parametrize("keys,values", [("int8", "int8"), ("int2", "int2"),
-                                         ("dither-int8", "int4"), ("fp8-e4m3", "fp8-e4m3"), ("kivi-2", "kivi-2")])
+                                         ("dither-int8", "int4"), ("fp8-e4m3", "fp8-e4m3"), ("kivi-2", "kivi-2"),
+                                         ("hadamard-int4", "int4")])
 def test_validate_zero_violations_real_weights(smollm2, keys, values):
     model, _, ids = smollm2
     cache = CertifiedCache(model, keys=keys, values=values, validate=True, seed=0)

@@ -14,7 +14,8 @@ from kvcert.models.tiny import tiny_random
 torch.set_num_threads(1)
 
 CODECS = [("int8", "int8"), ("int4", "int4"), ("int2", "int2"), ("dither-int8", "int4"), ("fp8-e4m3", "fp8-e4m3"),
-          ("kivi-2", "kivi-2"), ("kvquant-4", "int4"), ("sign-1", "int4")]
+          ("kivi-2", "kivi-2"), ("kvquant-4", "int4"), ("sign-1", "int4"), ("hadamard-int4", "int4"),
+          ("hadamard-int2", "int2")]
 
 
 def _tiny(family):
@@ -40,12 +41,13 @@ def _decode_loop(model, ids, cache, steps):
     return torch.cat(toks, 1)
 
 
+@pytest.mark.parametrize("keys", ["int2", "hadamard-int4", "hadamard-int2"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_repair_everything_equals_dynamic_cache(family):
+def test_repair_everything_equals_dynamic_cache(family, keys):
     model = _tiny(family)
     ids = torch.randint(3, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
     ref = _decode_loop(model, ids, DynamicCache(config=model.config), 12)
-    cache = CertifiedCache(model, keys="int2", values="int2", gate=Gate.certified(tau=0.0))
+    cache = CertifiedCache(model, keys=keys, values="int2", gate=Gate.certified(tau=0.0))
     got = _decode_loop(model, ids, cache, 12)
     cache.detach()
     assert torch.equal(ref, got)

@@ -67,6 +67,8 @@ def test_bytes_per_token_head_measured_at_d64():
         "kivi-4": 40,
         "kvquant-4": (1024 + 256 + 21 * 4) / 32,
         "sign-1": 12,
+        "hadamard-int4": 34,
+        "hadamard-int2": 18,
     }
     assert set(expected) == set(BUILTINS)
     for name, value in expected.items():

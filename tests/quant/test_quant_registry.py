@@ -18,6 +18,8 @@ BUILTIN_NAMES = [
     "kivi-4",
     "kvquant-4",
     "sign-1",
+    "hadamard-int4",
+    "hadamard-int2",
 ]
 
 

@@ -2,7 +2,8 @@
 
 ``get(name, **options)`` returns a fresh codec each call (codecs may hold calibration state). Options are
 forwarded to the codec constructor (e.g. ``group_size=32``, ``axis="value"`` for KIVI, ``block=`` for
-KVQuant); ``bypass=m`` wraps the codec in :class:`~kvcert.quant.outlier.OutlierBypass` with ``pairing=``.
+KVQuant, ``seed=`` / ``residual_window=`` for the Hadamard codecs); ``bypass=m`` wraps the codec in
+:class:`~kvcert.quant.outlier.OutlierBypass` with ``pairing=``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from kvcert.quant.base import Codec
 from kvcert.quant.blackbox import BlackBoxCodec, check_function
 from kvcert.quant.dither import DitherInt8Codec
 from kvcert.quant.fp8 import Fp8Codec
+from kvcert.quant.hadamard import HadamardCodec
 from kvcert.quant.identity import NoneCodec
 from kvcert.quant.kivi import KiviCodec
 from kvcert.quant.kvquant import KVQuantCodec
@@ -38,6 +40,8 @@ BUILTINS: dict[str, Callable[..., Codec]] = {
     "kivi-4": partial(KiviCodec, 4),
     "kvquant-4": KVQuantCodec,
     "sign-1": SignCodec,
+    "hadamard-int4": partial(HadamardCodec, 4),
+    "hadamard-int2": partial(HadamardCodec, 2),
 }
 _FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
 

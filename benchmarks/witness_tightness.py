@@ -1,0 +1,211 @@
+"""How informative are Tier-A key certificates at <= 4.5 bits? Informative fraction and stored bits per element
+of each key codec + witness on SmolLM2-135M, keys and queries captured from a real forward over corpus text.
+
+Per sample: ``--tokens`` tokens of a corpus at a seeded offset, one forward with an attention function that
+records the post-RoPE queries and keys of every layer; then, per (layer, query head) and each of the last
+``--queries`` positions (a decode-like read over the whole causal prefix), the served distribution
+``p̃ = softmax(sc·q·k̂)`` and the Tier-A radii ``c_t = sc·Σ_b ‖q_b‖ρ_{t,b}`` from the codec's residual band norms
+over whole RoPE pairs (exactly what the store keeps), and the unclipped meter. Columns:
+
+* ``informative`` — fraction of cells whose unclipped meter is < 1 (**certified**: the radii are sound for any
+  query, checked here per token: ``violations`` must be 0);
+* ``median meter``;
+* ``bits/elt`` — codec bytes measured from the packed tensors (codes + scales + zero points) ×8 / elements,
+  ``+ witness`` adds the band norms at the float32 the store keeps (``bands × 32 / D``); a window of ``W``
+  exact recent tokens adds its fp16 bytes at this context length;
+* ``oracle informative`` — the meter with the radius set to the true ``|ε_t|`` of this query (**empirical**, not a
+  certificate: no witness can be tighter, so it is the ceiling of any Tier-A witness for that codec).
+
+``qsw-k`` is the query-subspace witness ``|q·r| ≤ |Uᵀq·Uᵀr| + ‖q_⊥‖‖r_⊥‖`` with ``U`` the top-``k`` eigenvectors
+of the post-RoPE queries of each (layer, KV head), calibrated on ``--calib-corpus`` (another corpus than the one
+measured); ``Uᵀr`` is counted at fp16.
+
+Usage: ``OMP_NUM_THREADS=2 .venv/bin/python benchmarks/witness_tightness.py [--samples 2] [--tokens 2048]
+[--queries 32] [--corpus pg-essays] [--calib-corpus kjv] [--seed 1]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from kvcert.bounds import band_norms, meter_and_unclipped, tier_a_radius
+from kvcert.eval.corpora import load_corpus
+from kvcert.models.zoo import load
+from kvcert.quant import get
+
+D = 64
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A key codec, its witness bands, an exact recent-token window and (qsw) a query-subspace rank."""
+
+    label: str
+    codec: str
+    options: dict[str, int]
+    bands: int = 8
+    window: int = 0
+    qsw_rank: int = 0
+
+
+CANDIDATES = (
+    Candidate("int4 (g32) + 8 RoPE bands", "int4", {}),
+    Candidate("kivi-4 + 8 RoPE bands", "kivi-4", {}),
+    Candidate("hadamard-int4 + 1 band", "hadamard-int4", {}, bands=1),
+    Candidate("hadamard-int4 + 8 RoPE bands", "hadamard-int4", {}),
+    Candidate("hadamard-int4 (g32) + 32 RoPE bands", "hadamard-int4", {"group_size": 32}, bands=32),
+    Candidate("hadamard-int4 + qsw-16", "hadamard-int4", {}, bands=1, qsw_rank=16),
+    Candidate("hadamard-int4 + 8 bands + window 32", "hadamard-int4", {}, window=32),
+    Candidate("hadamard-int4 + 8 bands + window 128", "hadamard-int4", {}, window=128),
+    Candidate("hadamard-int2 + 8 RoPE bands", "hadamard-int2", {}),
+    Candidate("int8 (g32) + 8 RoPE bands", "int8", {}),
+)
+
+
+def capture(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+    """Post-RoPE queries ``[Hq, T, D]`` and keys ``[Hkv, T, D]`` of every layer (float64) and the softmax scale."""
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
+
+    def record(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):  # noqa: ANN001, ANN003
+        seen[module.layer_idx] = (query[0].to(torch.float64), key[0].to(torch.float64), float(scaling))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kw)
+
+    AttentionInterface.register("kvcert-witness-capture", record)
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = "kvcert-witness-capture"
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        model.config._attn_implementation = previous
+    layers = sorted(seen)
+    return [seen[i][0] for i in layers], [seen[i][1] for i in layers], seen[layers[0]][2]
+
+
+def texts(corpus: str, n: int, tokens: int, seed: int) -> list[str]:
+    text = load_corpus(corpus)
+    rng = random.Random(seed)
+    span = tokens * 8
+    return [text[o: o + span] for o in (rng.randrange(0, len(text) - span) for _ in range(n))]
+
+
+def subspaces(model: torch.nn.Module, tok, corpus: str, tokens: int, seed: int,  # noqa: ANN001
+              rank: int) -> list[list[torch.Tensor]]:
+    """Per layer and KV head: top-``rank`` eigenvectors ``[D, rank]`` of the post-RoPE query second moments."""
+    ids = tok(texts(corpus, 1, tokens, seed)[0], return_tensors="pt").input_ids[:, :tokens]
+    qs, ks, _ = capture(model, ids)
+    out = []
+    for q, k in zip(qs, ks, strict=True):
+        g = q.shape[0] // k.shape[0]
+        row = []
+        for h in range(k.shape[0]):
+            x = q[h * g:(h + 1) * g].reshape(-1, q.shape[-1])
+            ev, vec = torch.linalg.eigh(x.T @ x)
+            row.append(vec[:, ev.argsort(descending=True)[:rank]])
+        out.append(row)
+    return out
+
+
+def codec_bits(cand: Candidate, k: torch.Tensor) -> float:
+    """Measured codec bits per element of ``k[Hkv, T, D]`` (packed tensors, whole blocks)."""
+    codec = get(cand.codec, **cand.options)
+    t = k.shape[1] - k.shape[1] % codec.block
+    return codec.encode(k[None, :, :t].to(torch.float32)).nbytes * 8 / (k.shape[0] * t * k.shape[-1])
+
+
+def served(cand: Candidate, k: torch.Tensor) -> torch.Tensor:
+    codec = get(cand.codec, **cand.options)
+    t = k.shape[1] - k.shape[1] % codec.block
+    khat = codec.decode(codec.encode(k[None, :, :t].to(torch.float32)))[0].to(torch.float64)
+    return torch.cat([khat, k[:, t:]], 1)       # a trailing partial block stays exact (as the store keeps it)
+
+
+def measure(cand: Candidate, qs: list[torch.Tensor], ks: list[torch.Tensor], sc: float, nq: int,
+            sub: list[list[torch.Tensor]] | None) -> dict[str, torch.Tensor | int]:
+    raw, oracle, viol = [], [], 0
+    for layer, (q, k) in enumerate(zip(qs, ks, strict=True)):
+        hkv, s, _ = k.shape
+        g = q.shape[0] // hkv
+        khat = served(cand, k)
+        delta = khat - k
+        pos = torch.arange(s - nq, s).view(1, nq, 1)
+        t = torch.arange(s).view(1, 1, s)
+        vis, exact = t <= pos, t > pos - cand.window
+        for h in range(hkv):
+            qq = q[h * g:(h + 1) * g, s - nq:]                                       # [G, nq, D]
+            if cand.qsw_rank:
+                u = sub[layer][h]
+                a, w = qq @ u, delta[h] @ u
+                q_perp = (qq.square().sum(-1) - a.square().sum(-1)).clamp(min=0).sqrt()
+                r_perp = (delta[h].square().sum(-1) - w.square().sum(-1)).clamp(min=0).sqrt()
+                c = sc * ((a @ w.T).abs() + q_perp.unsqueeze(-1) * r_perp)
+            else:
+                rho = band_norms(delta[h], cand.bands)                                # [S, bands]
+                c = tier_a_radius(qq, rho.unsqueeze(0), sc)                           # [G, nq, S]
+            exact_logit = sc * qq @ k[h].T
+            logit = torch.where(exact, exact_logit, sc * qq @ khat[h].T)
+            eps = (logit - exact_logit).abs()
+            c = torch.where(exact | ~vis, 0.0, c)
+            viol += int(((eps > c) & vis).sum())
+            p = torch.softmax(logit.masked_fill(~vis, float("-inf")), -1)
+            raw.append(meter_and_unclipped(p, c)[1].flatten())
+            oracle.append(meter_and_unclipped(p, torch.where(vis, eps, 0.0))[1].flatten())
+    return {"raw": torch.cat(raw), "oracle": torch.cat(oracle), "violations": viol}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--queries", type=int, default=32, help="last positions of each sample read as decode steps")
+    ap.add_argument("--corpus", default="pg-essays")
+    ap.add_argument("--calib-corpus", default="kjv")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    if args.corpus == args.calib_corpus:
+        raise SystemExit("--calib-corpus must differ from --corpus (calibrate on one corpus, measure on another)")
+    model, tok = load("smollm2-135m")
+    rank = max(c.qsw_rank for c in CANDIDATES)
+    sub = subspaces(model, tok, args.calib_corpus, args.tokens, args.seed, rank) if rank else None
+    results: dict[str, list[dict]] = {c.label: [] for c in CANDIDATES}
+    bits: dict[str, float] = {}
+    for text in texts(args.corpus, args.samples, args.tokens, args.seed):
+        ids = tok(text, return_tensors="pt").input_ids[:, :args.tokens]
+        qs, ks, sc = capture(model, ids)
+        s = ks[0].shape[1]
+        for cand in CANDIDATES:
+            results[cand.label].append(measure(cand, qs, ks, sc, args.queries, sub))
+            base = codec_bits(cand, ks[0])
+            wit = (2 * cand.qsw_rank + 4) * 8 / D if cand.qsw_rank else cand.bands * 32 / D
+            win = cand.window / s * (16 - base - wit)
+            bits[cand.label] = base + wit + win
+            bits[cand.label + " codec"] = base
+    print(f"SmolLM2-135M, {args.corpus} (calibration: {args.calib_corpus}), samples={args.samples} "
+          f"tokens={args.tokens} queries/sample={args.queries} seed={args.seed}")
+    head = (f"{'key codec + witness':40s} | {'codec bits':>10s} | {'all bits':>8s} | {'informative':>11s} | "
+            f"{'median meter':>12s} | {'violations':>10s} | {'oracle informative':>18s}")
+    print(head)
+    print("-" * len(head))
+    for cand in CANDIDATES:
+        rs = results[cand.label]
+        raw = torch.cat([r["raw"] for r in rs])
+        orc = torch.cat([r["oracle"] for r in rs])
+        viol = sum(r["violations"] for r in rs)
+        print(f"{cand.label:40s} | {bits[cand.label + ' codec']:10.3f} | {bits[cand.label]:8.3f} | "
+              f"{float((raw < 1).double().mean()):11.3f} | {float(raw.median()):12.3g} | {viol:10d} | "
+              f"{float((orc < 1).double().mean()):18.3f}")
+    print(f"cells per codec: {raw.numel()}; informative/median meter: certified (Tier A, any query); oracle: "
+          "empirical ceiling (radius = true |ε| of the measured query)")
+    if any(r["violations"] for rs in results.values() for r in rs):
+        raise SystemExit("VIOLATIONS FOUND")
+
+
+if __name__ == "__main__":
+    main()

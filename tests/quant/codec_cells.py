@@ -1,0 +1,90 @@
+"""Adversarial end-to-end cells for a key codec + its Tier-A witness (shared by ``tests/quant`` and
+``benchmarks/soundness_fuzz.py``).
+
+A cell is one read: keys ``k[S, D]`` (Gaussian with a random overall scale over three orders of magnitude, fp16-exact,
+sometimes with outlier channels or a massive sink token), encoded and decoded by the codec; the witness is the
+band norms of the residual ``Δ = k̂ − k`` over whole RoPE pairs (what the store keeps); the query is built
+against it: the Cauchy–Schwarz equality direction band by band for one token (``q_b ∝ Δ_{j,b}``, positive
+weights, where the radius is exact up to rounding), the same for a sum of tokens, a random direction, or a
+mix, scaled so that logits range from tiny to saturated. Per cell: radii ``c_t`` (Tier A, rounded up), the
+realised logit errors ``ε_t = sc·q·Δ_t``, the served distribution ``softmax(sc·q·k̂)`` and the exact
+``softmax(sc·q·k)`` (float64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcert.bounds import band_norms, tier_a_radius, true_tv, tv_meter
+from kvcert.quant import get
+
+F64 = torch.float64
+CODEC_FORMS: tuple[str, ...] = ("hadamard-int4", "hadamard-int2")
+#: (S, cells) per chunk for the codec forms; one round is 10^5 cells
+CODEC_PLAN: tuple[tuple[int, int], ...] = ((4, 40_000), (16, 40_000), (64, 15_000), (256, 5_000))
+SLACK = 1e-12
+
+
+@dataclass(frozen=True)
+class CodecCells:
+    radius: torch.Tensor   # [n, S] Tier-A radii
+    eps: torch.Tensor      # [n, S] realised logit errors
+    meter: torch.Tensor    # [n] meter(p̃, c)
+    tv: torch.Tensor       # [n] TV(exact, served)
+
+
+def _keys(n: int, s: int, d: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(n, s, d, generator=gen)
+    x *= 10.0 ** (3 * torch.rand(n, 1, 1, generator=gen) - 2)
+    outliers = torch.rand(n, 1, 1, generator=gen) < 0.5
+    chans = torch.randint(0, d, (n, 1, 3), generator=gen).expand(n, s, 3)
+    boost = torch.where(outliers, 30.0 * torch.rand(n, 1, 1, generator=gen) + 1.0, torch.ones(n, 1, 1))
+    x.scatter_(-1, chans, x.gather(-1, chans) * boost.expand(n, s, 3))
+    sink = torch.rand(n, generator=gen) < 0.3
+    x[:, 0] *= torch.where(sink, 20.0, 1.0).view(n, 1)
+    return x.clamp(-60_000.0, 60_000.0).to(torch.float16).to(torch.float32)
+
+
+def make_codec_cells(codec: str, n: int, s: int, gen: torch.Generator, d: int = 64, bands: int = 8) -> CodecCells:
+    """``n`` adversarial cells of ``s`` tokens for ``codec`` (see the module docstring)."""
+    x = _keys(n, s, d, gen)
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+    c = get(codec, seed=seed)
+    k_hat = c.decode(c.encode(x[None]))[0].to(F64)
+    k = x.to(F64)
+    delta = k_hat - k
+    rho = band_norms(delta, bands)                                                      # [n, S, B]
+    # query: CS-equality direction for one token j (positive per-band weights), for a sum of tokens, random, or a mix
+    j = torch.randint(0, s, (n,), generator=gen)
+    dj = delta[torch.arange(n), j]                                                      # [n, D]
+    w = torch.rand(n, bands, generator=gen, dtype=F64) + 0.01
+    dj_hat = dj.unflatten(-1, (2, bands, d // (2 * bands)))                            # rotate_half bands
+    norm_b = dj_hat.square().sum((-3, -1), keepdim=True).sqrt().clamp(min=1e-300)
+    aligned = (dj_hat / norm_b * w.view(n, 1, bands, 1)).flatten(-3)
+    summed = delta.sum(1)
+    rnd = torch.randn(n, d, generator=gen, dtype=F64)
+    kind = torch.randint(0, 4, (n, 1), generator=gen)
+    mix = torch.rand(n, 1, generator=gen, dtype=F64)
+
+    def unit(v: torch.Tensor) -> torch.Tensor:
+        return v / v.norm(dim=-1, keepdim=True).clamp(min=1e-300)
+
+    q = torch.where(kind == 0, unit(aligned), torch.where(kind == 1, unit(summed), torch.where(
+        kind == 2, unit(rnd), unit(mix * unit(aligned) + (1 - mix) * unit(rnd)))))
+    q = q * (10.0 ** (4 * torch.rand(n, 1, generator=gen, dtype=F64) - 1)) / k.norm(dim=-1).amax(-1, keepdim=True)
+    q = q.to(torch.float32).to(F64)                                                     # a float32 query
+    sc = d**-0.5
+    radius = tier_a_radius(q, rho, sc)                                                  # [n, S]
+    served = sc * torch.einsum("nd,nsd->ns", q, k_hat)
+    exact = sc * torch.einsum("nd,nsd->ns", q, k)
+    p_served, p_exact = torch.softmax(served, -1), torch.softmax(exact, -1)
+    return CodecCells(radius, served - exact, tv_meter(p_served, radius), true_tv(p_exact, p_served))
+
+
+def violations(cells: CodecCells) -> tuple[int, int]:
+    """``(radius violations, meter violations)``: ``|ε_t| > c_t`` per token (relative 1e-12 for the float64
+    evaluation of the two dot products) and ``meter + SLACK < TV`` per cell."""
+    radius_bad = cells.eps.abs() > cells.radius * (1 + 1e-12) + 1e-300
+    return int(radius_bad.sum()), int((cells.meter + SLACK < cells.tv).sum())

@@ -23,7 +23,7 @@ from kvcert.quant import get
 F64 = torch.float64
 CODEC_FORMS: tuple[str, ...] = ("hadamard-int4", "hadamard-int2")
 #: (S, cells) per chunk for the codec forms; one round is 10^5 cells
-CODEC_PLAN: tuple[tuple[int, int], ...] = ((4, 40_000), (16, 40_000), (64, 15_000), (256, 5_000))
+CODEC_PLAN: tuple[tuple[int, int], ...] = ((4, 60_000), (16, 30_000), (64, 8_000), (256, 2_000))
 SLACK = 1e-12
 
 

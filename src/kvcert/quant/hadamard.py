@@ -1,4 +1,4 @@
-"""``hadamard-int{4,2,8}``: symmetric RTN in a randomized-Hadamard basis of the head dimension.
+"""``hadamard-int4`` / ``hadamard-int2``: symmetric RTN in a randomized-Hadamard basis of the head dimension.
 
 Encode: ``y = R x`` with ``R = H_n·diag(σ)/√n`` per block of ``n`` contiguous channels (``n`` the largest
 power of two dividing ``D``, ``H_n`` the Sylvester–Hadamard matrix, ``σ ∈ {±1}^D`` a sign vector drawn from
@@ -17,6 +17,7 @@ amax of a group — hence the step and the residual — shrinks on keys with out
 from __future__ import annotations
 
 import math
+from functools import cache
 
 import torch
 
@@ -41,29 +42,37 @@ def random_signs(d: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 2, (d,), generator=gen).to(torch.float64).mul_(2.0).sub_(1.0)
 
 
-def fwht(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Unnormalised fast Walsh–Hadamard transform ``H_n`` on each block of ``n`` channels of ``x[..., D]``."""
-    shape = x.shape
-    y = x.reshape(-1, shape[-1] // n, n)
-    h = 1
-    while h < n:
-        y = y.unflatten(-1, (n // (2 * h), 2, h))
-        a, b = y[..., 0, :], y[..., 1, :]
-        y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
-        h *= 2
-    return y.reshape(shape)
+@cache
+def hadamard_matrix(n: int) -> torch.Tensor:
+    """The Sylvester–Hadamard matrix ``H_n`` (float64, entries ±1, ``H_n H_nᵀ = n·I``; ``n`` a power of two)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"n must be a power of two, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h
+
+
+def _blockwise(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``H_n`` applied to each block of ``n`` contiguous channels of ``x[..., D]`` (``H_n`` is symmetric)."""
+    return (x.unflatten(-1, (x.shape[-1] // n, n)) @ hadamard_matrix(n).to(x.dtype)).flatten(-2)
 
 
 def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """``R x = H_n(σ ⊙ x)/√n`` blockwise, in float64 (``signs[D]``, ``x[..., D]``)."""
+    """``R x = H_n(σ ⊙ x)/√n`` blockwise (``signs[D]`` ±1, ``x[..., D]``), in ``x``'s precision (at least float32).
+
+    Rounding is harmless: the encoder quantises whatever ``y`` it computes, and the store's witness measures the
+    residual of the key it finally serves against the exact key (``docs/math.md`` §5)."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
     n = hadamard_block(x.shape[-1])
-    return fwht(x.to(torch.float64) * signs, n) / math.sqrt(n)
+    return _blockwise(x.to(dtype) * signs.to(dtype), n) / math.sqrt(n)
 
 
 def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """``Rᵀ y = σ ⊙ H_n y/√n`` blockwise, in float64: the inverse of :func:`rotate` (``H_n`` is symmetric)."""
+    """``Rᵀ y = σ ⊙ H_n y/√n`` blockwise: the inverse of :func:`rotate`, in ``y``'s precision (at least float32)."""
+    dtype = torch.promote_types(y.dtype, torch.float32)
     n = hadamard_block(y.shape[-1])
-    return fwht(y.to(torch.float64), n) / math.sqrt(n) * signs
+    return _blockwise(y.to(dtype), n) / math.sqrt(n) * signs.to(dtype)
 
 
 class HadamardCodec(Codec):
@@ -94,7 +103,7 @@ class HadamardCodec(Codec):
 
     def _encode(self, x: torch.Tensor, key: DitherKey | None) -> Packed:
         d = x.shape[-1]
-        y = rotate(x, random_signs(d, self.seed)).to(torch.float32)
+        y = rotate(x.to(torch.float32), random_signs(d, self.seed))
         inner = self._rtn(d).encode(y)
         return Packed(self.name, tuple(x.shape), inner.tensors)
 
@@ -102,4 +111,4 @@ class HadamardCodec(Codec):
         d = packed.shape[-1]
         rtn = self._rtn(d)
         y_hat = rtn.decode(Packed(rtn.name, packed.shape, packed.tensors))
-        return unrotate(y_hat, random_signs(d, self.seed)).to(torch.float32)
+        return unrotate(y_hat.to(torch.float32), random_signs(d, self.seed))

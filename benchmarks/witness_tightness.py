@@ -18,7 +18,7 @@ over whole RoPE pairs (exactly what the store keeps), and the unclipped meter. C
 
 ``qsw-k`` is the query-subspace witness ``|q·r| ≤ |Uᵀq·Uᵀr| + ‖q_⊥‖‖r_⊥‖`` with ``U`` the top-``k`` eigenvectors
 of the post-RoPE queries of each (layer, KV head), calibrated on ``--calib-corpus`` (another corpus than the one
-measured); ``Uᵀr`` is counted at fp16.
+measured); ``Uᵀr`` is counted at fp16 but used exact (optimistic: a stored fp16 copy adds an error term).
 
 Usage: ``OMP_NUM_THREADS=2 .venv/bin/python benchmarks/witness_tightness.py [--samples 2] [--tokens 2048]
 [--queries 32] [--corpus pg-essays] [--calib-corpus kjv] [--seed 1]``

@@ -86,8 +86,6 @@ def test_rotation_shrinks_the_residual_of_outlier_keys():
 def test_options_validated():
     with pytest.raises(ValueError, match="seed"):
         get("hadamard-int4", seed=1.5)
-    with pytest.raises(ValueError, match="residual_window"):
-        get("hadamard-int4", residual_window=-1)
     with pytest.raises(ValueError, match="group_size"):
         get("hadamard-int4", group_size=0)
     with pytest.raises(ValueError, match="group_size=48"):

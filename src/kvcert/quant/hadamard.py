@@ -82,21 +82,17 @@ class HadamardCodec(Codec):
     makes the coordinates comparable, so one scale suffices); an int must divide ``D``.
     """
 
-    def __init__(self, bits: int = 4, group_size: int | None = None, seed: int = 0,
-                 residual_window: int = 0) -> None:
+    def __init__(self, bits: int = 4, group_size: int | None = None, seed: int = 0) -> None:
         if group_size is not None:
             check_positive("group_size", group_size)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
-        if isinstance(residual_window, bool) or not isinstance(residual_window, int) or residual_window < 0:
-            raise ValueError(f"residual_window must be a non-negative int, got {residual_window!r}")
         self._inner_bits = bits
         RTNCodec(bits)  # validates bits
         self.name = f"hadamard-int{bits}"
         self.bits = float(bits)
         self._group = group_size
         self.seed = seed
-        self.residual_window = residual_window
 
     def _rtn(self, d: int) -> RTNCodec:
         return RTNCodec(self._inner_bits, d if self._group is None else self._group)

@@ -2,7 +2,7 @@
 
 ``get(name, **options)`` returns a fresh codec each call (codecs may hold calibration state). Options are
 forwarded to the codec constructor (e.g. ``group_size=32``, ``axis="value"`` for KIVI, ``block=`` for
-KVQuant, ``seed=`` / ``residual_window=`` for the Hadamard codecs); ``bypass=m`` wraps the codec in
+KVQuant, ``seed=`` for the Hadamard codecs); ``bypass=m`` wraps the codec in
 :class:`~kvcert.quant.outlier.OutlierBypass` with ``pairing=``.
 """
 

@@ -17,6 +17,9 @@ from transformers import AutoTokenizer, PreTrainedModel  # noqa: E402
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase  # noqa: E402
 
 from kvcert.cache.gate import Gate  # noqa: E402
+from kvcert.models.tiny import SUPPORTED_FAMILIES, tiny_random  # noqa: E402
+from kvcert.models.zoo import ZOO, converted_dir  # noqa: E402
+from kvcert.models.zoo import load as zoo_load  # noqa: E402
 from kvcert.quant import BUILTINS  # noqa: E402
 
 TINY_PREFIX = "tiny:"
@@ -60,12 +63,7 @@ def load_model(spec: str, seed: int = 0) -> LoadedModel:
     by ``seed``) with its vocabulary matched to the SmolLM2 tokenizer. Raises ``ValueError`` naming
     ``model`` for an unknown spec.
     """
-    from kvcert.models.zoo import ZOO, converted_dir
-    from kvcert.models.zoo import load as zoo_load
-
     if spec.startswith(TINY_PREFIX):
-        from kvcert.models.tiny import SUPPORTED_FAMILIES, tiny_random
-
         family = spec[len(TINY_PREFIX) :]
         if family not in SUPPORTED_FAMILIES:
             raise ValueError(

@@ -118,7 +118,7 @@ def converse(
 
     def step(ids: torch.Tensor | None, logits: torch.Tensor | None = None) -> torch.Tensor:
         if ids is not None:
-            logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         assert logits is not None
         if feed_kappa:
             cache.set_kappa(torch.softmax(logits.to(torch.float64), -1).amax(-1))

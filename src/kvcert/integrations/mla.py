@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
 from transformers import DynamicCache
 
 from kvcert.bounds.rope import Pairing, band_norms
@@ -171,8 +172,6 @@ def extract_latents(
 def tiny_deepseek_v3(seed: int = 0, q_lora_rank: int | None = None) -> torch.nn.Module:
     """A 2-layer, hidden-64 random-weight DeepSeek-V3 (MLA: latent 32, rope 8, nope 16; dense MLPs), eval
     mode."""
-    import transformers
-
     cfg = transformers.DeepseekV3Config(
         vocab_size=128,
         hidden_size=64,

@@ -2,9 +2,9 @@
 
 ``CertifiedCache(model, keys=..., values=..., gate=...)`` builds one :class:`CertifiedLayer` per decoder
 layer (sliding-window layers keep transformers' window semantics), registers the ``"kvcert"`` attention
-function **and** its mask function through ``AttentionInterface`` / ``AttentionMaskInterface`` and switches
+function **and** its mask function (:func:`kvcert.integrations.attention_impl.register_attention`) and switches
 *this model only* to it. ``detach()`` (or leaving the ``with`` block) restores the model's previous
-attention implementation. Pass the cache as ``past_key_values=cache`` (accepted through transformers 5.39).
+attention implementation. Pass the cache as ``cache=cache`` (transformers 5.24 renamed ``past_key_values``).
 
 Keys arrive post-RoPE; the band witness uses the model's RoPE pairing (HF models use ``rotate_half``).
 
@@ -24,10 +24,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, Cache, LogitsProcessor
+from transformers import Cache, LogitsProcessor
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvcert.attention.certified import (
     ReadConfig,
@@ -45,6 +44,7 @@ from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 from kvcert.cache.telemetry import ChainInputs, EvictRecord, StepRecord, Telemetry, stack_records
 from kvcert.evict import RMM, EvictionPolicy, RunTrace, aggregate_gqa, causal_attention, serving_reading
+from kvcert.integrations.attention_impl import register_attention
 from kvcert.quant import Codec, get
 
 ATTN_NAME = "kvcert"
@@ -57,13 +57,6 @@ class CacheClosedError(RuntimeError):
 
 class CacheNotActiveError(RuntimeError):
     """A :class:`CertifiedCache` was used while its model served another cache's (or no) kvcert attention."""
-
-
-def _kvcert_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """``sdpa_mask`` that always materialises the boolean mask (the certificate needs the visible set)."""
-    kwargs["allow_is_causal_skip"] = False
-    kwargs["allow_is_bidirectional_skip"] = False
-    return sdpa_mask(*args, **kwargs)
 
 
 def kvcert_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -82,11 +75,6 @@ def kvcert_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if kwargs.get("softcap") is not None:
         raise ValueError("kvcert attention does not support attention logit soft-capping")
     return cache._read(module, layer, query, key, value, attention_mask, scaling, kwargs), None
-
-
-def _register() -> None:
-    AttentionInterface.register(ATTN_NAME, kvcert_attention)
-    AttentionMaskInterface.register(ATTN_NAME, _kvcert_mask)
 
 
 def _dither_moments(store: LayerStore, lo: int, hi: int) -> dict[str, torch.Tensor]:
@@ -375,7 +363,7 @@ class CertifiedCache(Cache):
     # ------------------------------------------------------------------------------------ lifecycle
     def attach(self) -> CertifiedCache:
         """Register the kvcert attention + mask functions and activate them on this model only."""
-        _register()
+        register_attention(ATTN_NAME, kvcert_attention)
         self._first_attn = None
         for module in self._model.modules():
             if hasattr(module, "layer_idx") and hasattr(module, "num_key_value_groups"):
@@ -413,10 +401,6 @@ class CertifiedCache(Cache):
 
     def __exit__(self, *exc: object) -> None:
         self.detach()
-
-    def set_requests(self, request_ids: Sequence[int] | torch.Tensor) -> None:
-        """Set the request UID of every batch row (``-1`` = unknown)."""
-        self.request_ids = torch.as_tensor(request_ids, dtype=torch.int64)
 
     # ----------------------------------------------------------------------------------------- write
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,

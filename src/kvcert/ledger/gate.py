@@ -3,7 +3,7 @@
 Machine-decidable, no soft thresholds, and **missing data fails**: a criterion whose inputs are absent
 from the snapshot is reported as failed with the reason.
 
-Replicas (tensor-parallel ranks, :mod:`kvcert.ledger.replicas`): every rank keeps its own ledger of the
+Replicas (tensor-parallel ranks, :mod:`kvcert.serving.replicas`): every rank keeps its own ledger of the
 same logical events. The logical criteria are evaluated once, on rank 0; the two replica criteria require
 every declared rank to be present and every rank's accounts to be field-identical to rank 0's.
 """

@@ -137,7 +137,7 @@ class Ledger:
         model: label for metrics.
         max_incidents: located incidents kept per kind (all are counted).
         rank / n_ranks: this ledger's replica rank and the declared number of replicas (tensor-parallel
-            ranks each keep their own ledger of the same logical events; :mod:`kvcert.ledger.replicas`).
+            ranks each keep their own ledger of the same logical events; :mod:`kvcert.serving.replicas`).
     """
 
     def __init__(

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvcert.contracts import Tier
+from kvcert.integrations.live_probe.heterogeneous import ProbeConfig, probe_request
 from kvcert.probe import verify
-from kvcert.probe.heterogeneous import ProbeConfig, probe_request
 from kvcert.quant.rtn import RTNCodec
 
 pytestmark = pytest.mark.real_model

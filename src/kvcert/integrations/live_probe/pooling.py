@@ -24,10 +24,10 @@ import torch
 from kvcert.bounds.pooling import pooling_profile
 from kvcert.bounds.radii import tier_a_radius
 from kvcert.contracts import ATTN_DIST_TV, KV_ENTRY_L2, Chain, Metric, bridges, stages
+from kvcert.integrations.live_probe.request import serve_request
 from kvcert.integrations.pooling import PooledRead, PoolingConfig, serve_pooled
 from kvcert.integrations.selector import attention_scores, expand_kv
 from kvcert.probe.recorder import Q_NORM, RADIUS_ATOL, TRUE_TV, Recorder, cell_checks
-from kvcert.probe.request import serve_request
 
 POOL_PATH = "pooling"
 POOL_COEF = Metric("pool_weights", "l2", "write")

@@ -24,7 +24,7 @@ from kvcert.eval.harness import prompt_ids
 from kvcert.report import aggregate, figures
 from kvcert.report.html import write_html
 from kvcert.report.results import CERTIFIED, EMPIRICAL, PARTIAL, build_document, tiered, write_results
-from kvcert.report.tables import ReportTable, fmt, to_rich
+from kvcert.report.tables import ReportTable, fmt, print_table
 
 TAU = 0.2
 
@@ -217,7 +217,7 @@ def audit(
         figs,
         command_line(),
     )
-    console.print(to_rich(table))
+    print_table(console, table)
     console.print(f"results: {json_path}\nreport: [bold]{html_path}[/]")
     if tel.violations:
         console.print(

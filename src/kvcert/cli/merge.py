@@ -26,7 +26,7 @@ from kvcert.eval.stats import mcnemar, paired_bootstrap
 from kvcert.report.figures import AccuracyPoint, accuracy_bars
 from kvcert.report.html import write_html
 from kvcert.report.results import CERTIFIED, EMPIRICAL, build_document, tiered, write_results
-from kvcert.report.tables import ReportTable, fmt, to_rich
+from kvcert.report.tables import ReportTable, fmt, print_table
 
 SUMMED = ("page_in_bytes", "cells", "fail_closed", "violations")
 CELL_WEIGHTED = {
@@ -173,5 +173,5 @@ def merge(
     json_path = write_results(out / "results.json", doc)
     html = write_html(out / "report.html", "kvcert merge", [__doc__.split("\n\n")[1].replace("\n", " ")],
                       [table], [png], command_line())
-    console.print(to_rich(table))
+    print_table(console, table)
     console.print(f"results: {json_path}\nreport:  {html}")

@@ -45,7 +45,7 @@ from kvcert.integrations.transformers import CertifiedCache
 from kvcert.report import aggregate, figures
 from kvcert.report.html import write_html
 from kvcert.report.results import CERTIFIED, EMPIRICAL, build_document, tiered, write_results
-from kvcert.report.tables import ReportTable, fmt, to_rich
+from kvcert.report.tables import ReportTable, fmt, print_table
 
 CHARS_PER_TOKEN = 8  # characters read per needed token before tokenizing (generous)
 WINDOW_SLACK = 16  # extra tokens decoded into each window's text so re-tokenizing still yields ``context``
@@ -257,5 +257,5 @@ def ppl(
         figs,
         command_line(),
     )
-    console.print(to_rich(table))
+    print_table(console, table)
     console.print(f"results: {json_path}\nreport: [bold]{html_path}[/]")

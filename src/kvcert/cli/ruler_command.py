@@ -15,7 +15,7 @@ from kvcert.cli.progress import progress_bar
 from kvcert.cli.ruler_report import write_report
 from kvcert.cli.workload import run_workload
 from kvcert.eval import ruler
-from kvcert.report.tables import to_rich
+from kvcert.report.tables import print_table
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def execute(job: RulerJob, console: Console) -> Path:
         volatile,
         f"kvcert {job.name}: {job.model}",
     )
-    console.print(to_rich(table))
+    print_table(console, table)
     console.print(f"wall time {time.time() - t0:.0f} s; results: {json_path}")
     console.print(f"report: [bold]{html_path}[/]")
     return html_path

@@ -1,5 +1,5 @@
-"""Package layering of ``src/kvcert``, checked statically (``ast``) on every module: see docs/architecture.md
-§Packages and dependency direction.
+"""Package layering of ``src/kvcert``, checked statically (``ast``) on every module: see
+``docs/architecture.md#layering``.
 
 * A package may import only packages of a strictly lower layer (:data:`LAYER`), so the graph has no cycle and
   ``bounds`` / ``contracts`` (layer 0) import nothing else of kvcert.

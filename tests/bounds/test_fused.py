@@ -1,4 +1,4 @@
-"""The fused CPU kernels refine the eager reference (``certificates.md`` §2.6), cell by cell."""
+"""The fused CPU kernels refine the eager reference (``docs/read-path.md#kernel-refinement``), cell by cell."""
 
 from __future__ import annotations
 

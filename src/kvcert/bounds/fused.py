@@ -12,7 +12,7 @@ float32 BLAS product (the output), reading the cache's token-major allocations i
 conversions (the certified cache's read path). :func:`softmax_meter` is the meter alone, for reads of any
 size.
 
-Refinement (``certificates.md`` §2.6: a kernel must be proved to refine the reference before it ships):
+Refinement (``docs/read-path.md#kernel-refinement``: a kernel must refine the reference before it ships):
 
 * the meter formulas are those of :func:`kvcert.bounds.softmax_tv.meter_and_unclipped` on
   ``probs64(logits)`` — same clamps (``A ≥ 1``, ``B₋ ≤ 1``), same handling of rows with a supported radius

@@ -20,7 +20,7 @@ Write protocol: new tokens are appended exact and *pending*; at the start of a l
 tokens are encoded in whole blocks of ``write_block`` tokens (so the forward that produced them attends
 to them exactly, as in-flight K/V, and a partial block stays exact until it fills). The witness is
 computed at encode time from the exact original, which makes it valid for every later read (the
-stored codes are immutable: cache-preserving contract, ``certificates.md`` §4.6).
+stored codes are immutable: cache-preserving contract, ``docs/codecs.md#codec-contract``).
 
 Slots vs positions: every physical slot carries its *logical* position (``positions[B, H, S]``, the index
 of the token in the request's sequence, padding included). Without eviction slot ``j`` holds position

@@ -27,7 +27,7 @@ from transformers import DynamicCache
 from kvcert.bounds.rope import Pairing, band_norms
 from kvcert.integrations.selector import capture_attention
 
-HALF_ATOL = 5e-2  # bf16/fp16 models (heterogeneous-memory.md §3.3)
+HALF_ATOL = 5e-2  # bf16/fp16 models (docs/memory-meters.md#latent-kv)
 FULL_RTOL = 1e-4  # float32/float64 models: relative to the largest key entry
 
 

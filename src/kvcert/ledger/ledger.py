@@ -1,4 +1,4 @@
-"""The request-level risk ledger: accounts, slots, budgets, e-processes and incidents (§5.1, §5.6–§5.10).
+"""The request-level risk ledger: accounts, slots, budgets, e-processes and incidents (``docs/ledger.md``).
 
 Every state change is an event (:mod:`kvcert.ledger.events`) applied by one function, live or in replay,
 so a ledger rebuilt from its log equals the live ledger field for field. Public methods are thread-safe.

@@ -2,7 +2,7 @@
 
 In a tensor-parallel engine every rank runs the write and read hooks on the same logical entries (the
 scheduler on rank 0 broadcasts each batch), so every rank keeps its own ledger of identical accounts
-(``heterogeneous-memory.md`` §5.4, §5.7). :class:`ReplicaGroup` reproduces that on CPU: a coordinator (the
+(``docs/ledger.md#replicas``). :class:`ReplicaGroup` reproduces that on CPU: a coordinator (the
 scheduler) allocates the request UIDs, forms the batches and broadcasts each one to ``N`` rank
 processes; every rank decodes it greedily through its own
 :class:`~kvcert.integrations.transformers.CertifiedCache` + :class:`~kvcert.ledger.observer.LedgerObserver`

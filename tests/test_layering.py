@@ -95,6 +95,18 @@ def test_every_package_has_a_layer():
     assert not missing, f"declare the layer of {missing} in tests/test_layering.py LAYER (and docs/architecture.md)"
 
 
+def test_every_package_has_an_init_with_all():
+    bad = []
+    for init in [SRC / "__init__.py", *(d / "__init__.py" for d in SRC.rglob("*") if d.is_dir()
+                                        and d.name != "__pycache__")]:
+        if not init.is_file():
+            bad.append(f"{init.parent.relative_to(SRC.parent)}: no __init__.py")
+        elif not any(isinstance(node, (ast.Assign, ast.AnnAssign)) and "__all__" in ast.unparse(node).split("=")[0]
+                     for node in ast.parse(init.read_text(encoding="utf-8")).body):
+            bad.append(f"{init.relative_to(SRC.parent)}: no __all__")
+    assert not bad, "\n".join(bad)
+
+
 def test_imports_go_down_the_layers():
     bad = []
     for path in _modules():

@@ -51,10 +51,11 @@ _FAMILIES: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
 
 #: Overrides giving the sliding-window shapes the memory-path adapters and the live probe exercise: Mistral with a
-#: window of 8 on every layer (nothing global to pool), Gemma-3 with one sliding-window layer then one global layer.
+#: window of 8 on every layer (nothing global to pool), Gemma-3 with one sliding-window layer then one global layer
+#: and the softmax scale of real Gemma-3 models (``query_pre_attn_scalar`` = head dim).
 SLIDING_SHAPES: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": 8},
-    "gemma3": {"num_hidden_layers": 2, "num_key_value_heads": 2,
+    "gemma3": {"num_hidden_layers": 2, "num_key_value_heads": 2, "query_pre_attn_scalar": 16,
                "layer_types": ["sliding_attention", "full_attention"]},
 }
 

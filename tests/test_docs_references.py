@@ -76,6 +76,8 @@ def problems(path: Path) -> list[str]:
         if m := OUTSIDE.search(line):
             out.append(f"{where}:{n}: refers outside the repository ({m.group(0)!r}); cite a docs/ section")
         for ref, anchor in REF.findall(line):
+            if path.suffix == ".py" and re.search(f"""['"]{re.escape(ref)}['"]""", line):
+                continue  # a file name the code writes or reads (a string literal of just the name), not a citation
             target = _resolve(ref, path)
             if target is None:
                 out.append(f"{where}:{n}: {ref} does not exist in the repository")
@@ -120,6 +122,12 @@ def test_the_check_catches_a_planted_break(text, message, tmp_path):
     planted.write_text(text, encoding="utf-8")
     found = problems(planted)
     assert any(message in p for p in found), found
+
+
+def test_a_file_name_in_code_is_not_a_citation(tmp_path):
+    planted = tmp_path / "writer.py"
+    planted.write_text('out = root / "summary.md"\n', encoding="utf-8")
+    assert problems(planted) == []
 
 
 def test_a_good_reference_passes(tmp_path):

@@ -10,9 +10,11 @@ For one layer and one forward call with queries ``q[B, Hq, Q, D]`` over ``S`` st
 3. certificate ``meter(p̃, c)`` per (query head, query) cell; Tier B beside it for dithered keys
    (non-adaptive: sound only for queries independent of the dither). Decode-size CPU reads run steps 1–3, the
    output and the per-read terms of step 5 in two numba kernels over the store's allocations
-   (:func:`kvcert.bounds.fused.logits_radii`, :func:`~kvcert.bounds.fused.meter_output`, each tested to
-   refine the eager forms with its rounding covered); prefill-size reads, other devices and reads that meet
-   a non-finite entry take the eager reference path (:func:`_eager_served`);
+   (:func:`kvcert.kernels.numba_read.logits_radii`, :func:`~kvcert.kernels.numba_read.meter_output`, each tested to
+   refine the eager forms with its rounding covered), decode-size CUDA reads the same steps as Triton kernels
+   (:func:`kvcert.kernels.triton_read.decode_read`; the backend per read is :func:`kvcert.kernels.active`);
+   prefill-size reads, other devices and reads that meet a non-finite entry take the eager reference path
+   (:func:`_eager_served`);
 4. KV-head verdict any-of-G; the gate repairs heads (exact SDPA on host K/V) or blocks (greedy by
    contribution ``Σ_{t∈b} p̃_t(e^{c_t} − 1)``, doubling the block count until the cell is under threshold);
 5. two-term output-error bound ``‖ô − o‖ ≤ Σ p̃‖Δv‖ + 2·TV·max_t(‖v̂_t − c‖ + ‖Δv_t‖) + ξ`` (``c`` the
@@ -30,8 +32,9 @@ from functools import cache
 import numpy as np
 import torch
 
+from kvcert import kernels
 from kvcert.bounds import band_norms, meter_and_unclipped, round_up_f32, tier_b_radius, tier_b_sigma2
-from kvcert.bounds.fused import (
+from kvcert.kernels.numba_read import (
     CELL_ROWS,
     DECODE_MAX_ROWS,
     HEAD_ROWS,
@@ -111,7 +114,7 @@ def served_certificate(logits: torch.Tensor, c: torch.Tensor, m: torch.Tensor, f
                                                            torch.Tensor]:
     """``(p̃ float64, p̃ float32, meter, unclipped meter, tanh(max visible c))`` for masked float32 ``logits``.
 
-    On CPU (``fused=None``) one fused kernel (:func:`kvcert.bounds.fused.softmax_meter`, a tested refinement
+    On CPU (``fused=None``) one fused kernel (:func:`kvcert.kernels.numba_read.softmax_meter`, a tested refinement
     of the forms below); elsewhere, or with ``fused=False``, the eager reference: :func:`probs64`,
     :func:`served_meter` and ``tanh`` of the largest radius over the visible tokens (``m`` True).
     """
@@ -239,7 +242,7 @@ class _Served:
                 t(self._r.heads[HEAD_ROWS.index("kmax")]))
 
 
-#: how each :class:`_Served` field of a fused read is read off :func:`kvcert.bounds.fused.decode_read`'s arrays
+#: how each :class:`_Served` field of a fused read is read off :func:`kvcert.kernels.numba_read.decode_read`'s arrays
 _FUSED_FIELDS: dict[str, Callable[[DecodeArrays], np.ndarray]] = {
     "p64": lambda r: r.p, "out": lambda r: r.out, "c": lambda r: r.c, "qn": lambda r: r.qn[..., None],
     **{name: (lambda r, i=i: r.cells[i]) for i, name in enumerate(CELL_ROWS)},
@@ -250,7 +253,7 @@ _FUSED_FIELDS: dict[str, Callable[[DecodeArrays], np.ndarray]] = {
 
 def _fused_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None, nq: int, s: int,
                   scaling: float) -> _Served | None:
-    """Decode-size CPU reads: :func:`kvcert.bounds.fused.decode_read` (the two tested kernels) over the store's
+    """Decode-size CPU reads: :func:`kvcert.kernels.numba_read.decode_read` (the two tested kernels) over the store's
     allocations (no copies); tensors are made from its numpy blocks on first use. ``None`` when a query or
     pending entry is not finite (the eager path then fails closed cell by cell)."""
     assert store.k is not None and store.v is not None
@@ -262,6 +265,22 @@ def _fused_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None
                     scaling, gamma_f32(d + 1), store.pairing == "rotate_half", mask_np, nq, store.k.n_encoded,
                     store.v.n_encoded)
     return None if r is None else _Served(qg, hkv * (m // nq), nq, arrays=r)
+
+
+def _triton_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None, nq: int,
+                   scaling: float) -> _Served | None:
+    """Decode-size reads on the Triton kernels (:func:`kvcert.kernels.triton_read.decode_read`) over the store's
+    live views; ``None`` when a query or pending entry is not finite (the eager path then fails closed)."""
+    from kvcert.kernels import triton_read   # imports triton: only when this backend is in use
+
+    assert store.k is not None and store.v is not None
+    _, hkv, m, d = qg.shape
+    r = triton_read.decode_read(qg.detach().contiguous(), store.k.served.view(), store.k_band.view(),
+                                store.k_hat_norm.view(), store.k_wit.view(), store.v.served.view(),
+                                store.v_res.view(), store.v_dist.view(), store.v_hat_norm.view(), scaling,
+                                gamma_f32(d + 1), store.pairing == "rotate_half", mask, nq, store.k.n_encoded,
+                                store.v.n_encoded)
+    return None if r is None else _Served(qg, hkv * (m // nq), nq, **r._asdict())
 
 
 def _eager_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, m: torch.Tensor, full: bool,
@@ -297,7 +316,8 @@ def _eager_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, m: to
     kmax = kfac.amax(-1)                                                   # [B, Hkv, 1]
     phi_max = 2.0 * rate.amax(-2) * kmax                                   # [B, Hkv, 1]
     wmax = w.amax(-1, keepdim=True).to(torch.float64)
-    p64, p32, cert, raw, tanh = served_certificate(logits, c, m, full)
+    p64, p32, cert, raw, tanh = served_certificate(logits, c, m, full,
+                                                   fused=False if kernels.active(qg.device) == "torch" else None)
     out = torch.matmul(p32, vhat)                                          # [B, Hkv, M, Dv]
     if bad_cell is not None:
         cert = torch.where(bad_cell, 1.0, cert)
@@ -335,8 +355,12 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     qg = group_heads(q.to(torch.float32), hkv)                                     # [B, Hkv, M, D]
     full = all_visible(mask) if mask.device.type == "cpu" else bool(mask.all())   # every token to every cell
     sv = None
-    if qg.device.type == "cpu" and qg.shape[2] <= DECODE_MAX_ROWS and store.nonfinite == 0:
-        sv = _fused_served(qg, store, None if full else mask, nq, s, scaling)
+    backend = kernels.active(qg.device)
+    if backend != "torch" and qg.shape[2] <= DECODE_MAX_ROWS and store.nonfinite == 0:
+        if backend == "numba":
+            sv = _fused_served(qg, store, None if full else mask, nq, s, scaling)
+        elif s > 0:
+            sv = _triton_served(qg, store, None if full else mask, nq, scaling)
     m_cache: list[torch.Tensor] = []
 
     def grouped_mask() -> torch.Tensor:                                         # [B, Hkv, M, S], built on demand

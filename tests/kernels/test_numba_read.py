@@ -11,7 +11,7 @@ from bounds_adversarial import SLACK, make_cells
 
 from kvcert.attention.certified import masked_logits, served_certificate
 from kvcert.bounds import band_norms, pair_components, round_up_f32, true_tv
-from kvcert.bounds.fused import CELL_ROWS, all_visible, decode_read, logits_radii, meter_output, softmax_meter
+from kvcert.kernels.numba_read import CELL_ROWS, all_visible, decode_read, logits_radii, meter_output, softmax_meter
 from kvcert.bounds.radii import tier_a_radius_f32
 from kvcert.bounds.rc import gamma_f32
 
@@ -333,7 +333,7 @@ def test_softmax_and_exp_match_torch_per_entry() -> None:
     """The kernels' softmax (numba shift and normalisation around numpy's ``exp``) is torch's float64 softmax up
     to a few ulp per entry, masked entries are exactly 0 and a fully masked row is NaN (as torch gives, and as
     the meter then treats as nothing visible); ``e^{c}`` is within an ulp of torch's."""
-    from kvcert.bounds.fused import _softmax_exp
+    from kvcert.kernels.numba_read import _softmax_exp
 
     g = torch.Generator().manual_seed(3)
     lg = torch.randn(6, 257, generator=g) * torch.tensor([0.1, 1.0, 5.0, 30.0, 80.0, 1.0]).view(6, 1)

@@ -33,8 +33,8 @@ from kvcert.bounds import (
     round_up_f32,
     tier_a_radius_from_qnorms,
 )
-from kvcert.kernels.numba_read import logits_radii, meter_output
 from kvcert.bounds.rc import gamma_f32
+from kvcert.kernels.numba_read import logits_radii, meter_output
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BANDS = 30, 9, 3, 64, 8
 GROUP = HEADS // KV_HEADS

@@ -34,6 +34,10 @@ import torch
 
 from kvcert import kernels
 from kvcert.bounds import band_norms, meter_and_unclipped, round_up_f32, tier_b_radius, tier_b_sigma2
+from kvcert.bounds.radii import tier_a_radius_f32
+from kvcert.bounds.rc import U_F32, gamma_f32
+from kvcert.cache.gate import Gate
+from kvcert.cache.store import LayerStore
 from kvcert.kernels.numba_read import (
     CELL_ROWS,
     DECODE_MAX_ROWS,
@@ -43,10 +47,6 @@ from kvcert.kernels.numba_read import (
     decode_read,
     softmax_meter,
 )
-from kvcert.bounds.radii import tier_a_radius_f32
-from kvcert.bounds.rc import U_F32, gamma_f32
-from kvcert.cache.gate import Gate
-from kvcert.cache.store import LayerStore
 
 _U = U_F32
 
@@ -271,7 +271,7 @@ def _triton_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | Non
                    scaling: float) -> _Served | None:
     """Decode-size reads on the Triton kernels (:func:`kvcert.kernels.triton_read.decode_read`) over the store's
     live views; ``None`` when a query or pending entry is not finite (the eager path then fails closed)."""
-    from kvcert.kernels import triton_read   # imports triton: only when this backend is in use
+    from kvcert.kernels import triton_read  # imports triton: only when this backend is in use
 
     assert store.k is not None and store.v is not None
     _, hkv, m, d = qg.shape

@@ -40,6 +40,7 @@ import torch
 
 from kvcert import Gate, kernels, quant
 from kvcert.attention.certified import ReadConfig, certified_read, group_heads
+from kvcert.bounds.rc import gamma_f32
 from kvcert.cache.store import LayerStore
 
 
@@ -106,7 +107,7 @@ def check(device: torch.device, gen: torch.Generator) -> dict:
     sv = store
     tr = triton_read.decode_read(qg, sv.k.served.view(), sv.k_band.view(), sv.k_hat_norm.view(), sv.k_wit.view(),
                                  sv.v.served.view(), sv.v_res.view(), sv.v_dist.view(), sv.v_hat_norm.view(),
-                                 d ** -0.5, (d + 1) * 2.0**-24 / (1 - (d + 1) * 2.0**-24), True, None, 1,
+                                 d ** -0.5, gamma_f32(d + 1), True, None, 1,
                                  sv.k.n_encoded, sv.v.n_encoded, splits=4)
     assert tr is not None
     from kvcert.attention.certified import masked_logits, probs64, served_meter

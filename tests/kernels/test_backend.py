@@ -39,14 +39,10 @@ def _tiny(family: str):
 
 
 def _decode_loop(model, ids, cache, steps):
-    out = model(ids, past_key_values=cache, use_cache=True)
-    toks = []
-    nxt = out.logits[:, -1:].argmax(-1)
-    for _ in range(steps):
-        toks.append(nxt)
-        out = model(nxt, past_key_values=cache, use_cache=True)
-        nxt = out.logits[:, -1:].argmax(-1)
-    return torch.cat(toks, 1)
+    """Prefill ``ids`` then ``steps`` greedy tokens through ``cache``; returns the generated tokens."""
+    out = model.generate(ids, cache=cache, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                         pad_token_id=0)
+    return out[:, ids.shape[1]:]
 
 
 @pytest.fixture
@@ -83,7 +79,7 @@ def test_validate_mode_zero_violations_per_cell_on_triton(family, batch, keys, g
     model = _tiny(family)
     ids = torch.randint(3, model.config.vocab_size, (batch, 24), generator=torch.Generator().manual_seed(1))
     cache = CertifiedCache(model, keys=keys, values="int4", gate=gate, validate=True, seed=3, write_block=4)
-    _decode_loop(model, ids, cache, 3)
+    _decode_loop(model, ids, cache, 4)                  # the prefill, then 3 decode reads per layer
     cache.detach()
     tel = cache.telemetry()
     rec = tel.recorded

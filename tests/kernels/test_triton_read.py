@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from decimal import Decimal
 
 import pytest
 import torch
@@ -22,6 +23,16 @@ SC = 0.125
 def _witnesses(b: int, h: int, s: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     vals = torch.randn(b, h, s, 64, generator=gen)
     return vals, torch.rand(b, h, s, generator=gen) * 0.1, torch.rand(b, h, s, generator=gen) * 5, vals.norm(dim=-1)
+
+
+def _small_case(seed: int) -> tuple[torch.Tensor, ...]:
+    """``(q, keys, rho, khn, w, values, v_res, v_dist, v_hat_norm)`` of a small read: B=1, Hkv=2, M=2, D=16, S=12."""
+    gen = torch.Generator().manual_seed(seed)
+    b, h, m, d, s, nb = 1, 2, 2, 16, 12, 4
+    q = torch.randn(b, h, m, d, generator=gen)
+    keys, rho, khn, w = random_store(b, h, s, d, nb, gen)
+    vals, vres, vdist, vhn = (x[..., :d] if x.dim() == 4 else x for x in _witnesses(b, h, s, gen))
+    return q, keys, rho, khn, w, vals, vres, vdist, vhn
 
 
 def _mask(kind: str, b: int, h: int, nq: int, s: int, gen: torch.Generator) -> torch.Tensor | None:
@@ -89,16 +100,13 @@ def test_every_output_equals_the_numba_read_within_the_stated_allowances(kind: s
 
 
 def test_radii_are_never_below_the_exact_radius_per_cell() -> None:
-    gen = torch.Generator().manual_seed(29)
-    b, h, m, d, s, nb = 1, 2, 2, 16, 20, 4
-    q = torch.randn(b, h, m, d, generator=gen)
-    keys, rho, khn, w = random_store(b, h, s, d, nb, gen)
-    vals, vres, vdist, vhn = (x[..., :d] if x.dim() == 4 else x for x in _witnesses(b, h, s, gen))
+    q, keys, rho, khn, w, vals, vres, vdist, vhn = _small_case(29)
+    _, h, m, d = q.shape
+    s = keys.shape[2]
     gam = gamma_f32(d + 1)
     tr = triton_read.decode_read(q, keys, rho, khn, w, vals, vres, vdist, vhn, SC, gam, False, None, 1, s, s)
     assert tr is not None
     ex = exact_radii(q, rho, khn, w, SC, gam, "interleaved")
-    from decimal import Decimal
     for hi in range(h):
         for mi in range(m):
             for ti in range(s):
@@ -138,12 +146,9 @@ def test_certificates_and_radii_bound_exact_attention_per_cell_for_every_codec(c
 
 
 def test_non_finite_query_or_pending_entry_returns_none() -> None:
-    gen = torch.Generator().manual_seed(37)
-    b, h, m, d, s, nb = 1, 2, 2, 16, 12, 4
-    q = torch.randn(b, h, m, d, generator=gen)
-    keys, rho, khn, w = random_store(b, h, s, d, nb, gen)
-    vals, vres, vdist, vhn = (x[..., :d] if x.dim() == 4 else x for x in _witnesses(b, h, s, gen))
-    args = (SC, gamma_f32(d + 1), True, None, 1)
+    q, keys, rho, khn, w, vals, vres, vdist, vhn = _small_case(37)
+    s = keys.shape[2]
+    args = (SC, gamma_f32(q.shape[-1] + 1), True, None, 1)
     assert triton_read.decode_read(q, keys, rho, khn, w, vals, vres, vdist, vhn, *args, s, s) is not None
     bad = q.clone()
     bad[0, 1, 0, 3] = math.nan
@@ -154,11 +159,8 @@ def test_non_finite_query_or_pending_entry_returns_none() -> None:
 
 
 def test_bad_inputs_are_named() -> None:
-    gen = torch.Generator().manual_seed(41)
-    b, h, m, d, s, nb = 1, 2, 2, 16, 12, 4
-    q = torch.randn(b, h, m, d, generator=gen)
-    keys, rho, khn, w = random_store(b, h, s, d, nb, gen)
-    vals, vres, vdist, vhn = (x[..., :d] if x.dim() == 4 else x for x in _witnesses(b, h, s, gen))
+    q, keys, rho, khn, w, vals, vres, vdist, vhn = _small_case(41)
+    b, s = q.shape[0], keys.shape[2]
     args = (SC, 1e-6, True)
     with pytest.raises(ValueError, match="float32"):
         triton_read.decode_read(q.double(), keys, rho, khn, w, vals, vres, vdist, vhn, *args, None, 1, s, s)

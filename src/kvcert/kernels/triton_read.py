@@ -46,28 +46,32 @@ _TARGET_PROGRAMS = 264  # about two programs per multiprocessor of an H100/H200
 
 
 @triton.jit
+def _program(H, M, S, chunk, BM: tl.constexpr):
+    """``(bh, split, b, h, rows, row_ok, lo, hi)`` of this program: its (batch row × KV head) index and split, the
+    batch row and KV head, the padded query rows and which are real, and its token range ``[lo, hi)``."""
+    bh = tl.program_id(0)
+    sp = tl.program_id(1)
+    lo = sp * chunk
+    rm = tl.arange(0, BM)
+    return bh, sp, bh // H, bh % H, rm, rm < M, lo, tl.minimum(lo + chunk, S)
+
+
+@triton.jit
 def _logits_radii_kernel(qs_ptr, qb_ptr, rate_ptr, k_ptr, rho_ptr, khn_ptr, w_ptr, mask_ptr, lg_ptr, c_ptr,
                          mrow_ptr, kmax_ptr, wmax_ptr,
                          H, M, S, D, NQ, chunk, n_split, scale, infl,
                          skb, skh, skt, srb, srh, srt, snb, snh, sw_b, sw_h, smb, smh, smq,
                          NB: tl.constexpr, HAS_MASK: tl.constexpr, MASK_PER_HEAD: tl.constexpr,
                          BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
-    bh = tl.program_id(0)
-    sp = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    rm = tl.arange(0, BM)
+    bh, sp, b, h, rm, row_ok, lo, hi = _program(H, M, S, chunk, BM)
     rd = tl.arange(0, BD)
     rs = tl.arange(0, BS)
-    row_ok = rm < M
     qs = tl.load(qs_ptr + (bh * M + rm[:, None]) * D + rd[None, :], mask=row_ok[:, None] & (rd[None, :] < D),
                  other=0.0)
     rate = tl.load(rate_ptr + bh * M + rm, mask=row_ok, other=0.0)
     mrow = tl.full((BM,), float("-inf"), tl.float32)
     kmax = tl.zeros((BS,), tl.float64)
     wmax = tl.zeros((BS,), tl.float64)
-    lo = sp * chunk
-    hi = tl.minimum(lo + chunk, S)
     if MASK_PER_HEAD:
         mbase = mask_ptr + b * smb + h * smh
     else:
@@ -107,15 +111,10 @@ def _logits_radii_kernel(qs_ptr, qb_ptr, rate_ptr, k_ptr, rho_ptr, khn_ptr, w_pt
 @triton.jit
 def _exp_kernel(lg_ptr, m_ptr, e_ptr, tot_ptr, M, S, chunk, n_split,
                 BM: tl.constexpr, BS: tl.constexpr):
-    bh = tl.program_id(0)
-    sp = tl.program_id(1)
-    rm = tl.arange(0, BM)
+    bh, sp, _, _, rm, row_ok, lo, hi = _program(1, M, S, chunk, BM)
     rs = tl.arange(0, BS)
-    row_ok = rm < M
     m64 = tl.load(m_ptr + bh * BM + rm).to(tl.float64)
     tot = tl.zeros((BM,), tl.float64)
-    lo = sp * chunk
-    hi = tl.minimum(lo + chunk, S)
     for t0 in range(lo, hi, BS):
         t = t0 + rs
         ok = row_ok[:, None] & (t[None, :] < hi)
@@ -131,14 +130,9 @@ def _exp_kernel(lg_ptr, m_ptr, e_ptr, tot_ptr, M, S, chunk, n_split,
 def _sums_kernel(p_ptr, tot_ptr, lg_ptr, c_ptr, v_ptr, vres_ptr, out_ptr, sums_ptr, nbad_ptr, cmax_ptr,
                  H, M, S, DV, chunk, n_split, svb, svh, svt, sr_b, sr_h,
                  BM: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr):
-    bh = tl.program_id(0)
-    sp = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    rm = tl.arange(0, BM)
+    bh, sp, b, h, rm, row_ok, lo, hi = _program(H, M, S, chunk, BM)
     rs = tl.arange(0, BS)
     rd = tl.arange(0, BDV)
-    row_ok = rm < M
     tot = tl.load(tot_ptr + bh * BM + rm)
     mass = tl.zeros((BM,), tl.float64)
     a = tl.zeros((BM,), tl.float64)
@@ -148,8 +142,6 @@ def _sums_kernel(p_ptr, tot_ptr, lg_ptr, c_ptr, v_ptr, vres_ptr, out_ptr, sums_p
     cvis = tl.zeros((BM,), tl.float64)
     csup = tl.zeros((BM,), tl.float64)
     out = tl.zeros((BM, BDV), tl.float32)
-    lo = sp * chunk
-    hi = tl.minimum(lo + chunk, S)
     for t0 in range(lo, hi, BS):
         t = t0 + rs
         tok = t < hi
@@ -190,16 +182,11 @@ def _sums_kernel(p_ptr, tot_ptr, lg_ptr, c_ptr, v_ptr, vres_ptr, out_ptr, sums_p
 @triton.jit
 def _gap_kernel(p_ptr, c_ptr, k1_ptr, inva_ptr, gap_ptr, M, S, chunk, n_split,
                 BM: tl.constexpr, BS: tl.constexpr):
-    bh = tl.program_id(0)
-    sp = tl.program_id(1)
-    rm = tl.arange(0, BM)
+    bh, sp, _, _, rm, row_ok, lo, hi = _program(1, M, S, chunk, BM)
     rs = tl.arange(0, BS)
-    row_ok = rm < M
     k1 = tl.load(k1_ptr + bh * BM + rm)
     inv_a = tl.load(inva_ptr + bh * BM + rm)
     gap = tl.zeros((BM,), tl.float64)
-    lo = sp * chunk
-    hi = tl.minimum(lo + chunk, S)
     for t0 in range(lo, hi, BS):
         t = t0 + rs
         ok = row_ok[:, None] & (t[None, :] < hi)

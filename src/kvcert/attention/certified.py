@@ -419,7 +419,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
             repaired = need.clone()
             cert = torch.where(need.unsqueeze(-1), torch.zeros_like(cert), cert)
             if cfg.attn_kv:   # a repaired head's served distribution only feeds the eviction policy's reading
-                exact_p = probs64(masked_logits(qg, host_k.to(torch.float32), grouped_mask(), scaling, full))
+                exact_p = probs64(masked_logits(qg, host_k.to(qg.device, torch.float32), grouped_mask(), scaling, full))
                 p_served = torch.where(sel, exact_p, p_served)
             bytes_paged += int(need.sum()) * s * (dk + dv) * elt
             if gate.persistent:
@@ -447,11 +447,11 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     if gate.value_tol is not None:
         vt = sv.value_term if value_term is None else value_term
         kt = sv.key_term if key_term is None else key_term
-        promote = ((vt > gate.value_tol) & (vt > kt)).any(-1) & ~repaired
+        promote = ((vt > gate.value_tol) & (vt > kt)).any(-1) & ~repaired.to(vt.device)
         if promote.any():
             sel = promote.view(b, hkv, 1, 1)
             ps = sv.p64 if p_served is None else p_served
-            out = torch.where(sel, torch.matmul(ps.to(torch.float32), host()[1].to(torch.float32)),
+            out = torch.where(sel, torch.matmul(ps.to(torch.float32), host()[1].to(qg.device, torch.float32)),
                               sv.out if out is None else out)
             bytes_paged += int(promote.sum()) * s * dv * elt
             value_term = torch.where(promote.unsqueeze(-1), 0.0, vt)
@@ -476,9 +476,9 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     )
     if cfg.validate:
         host_k, host_v = host()
-        p_exact = probs64(masked_logits(qg, host_k.to(torch.float32), grouped_mask(), scaling, full))
+        p_exact = probs64(masked_logits(qg, host_k.to(qg.device, torch.float32), grouped_mask(), scaling, full))
         true_tv = (0.5 * (sv.p64 - p_exact).abs().sum(-1)).clamp(max=1.0)   # TV <= 1; the sum may round above
-        o_exact = torch.matmul(p_exact, host_v.to(torch.float64))
+        o_exact = torch.matmul(p_exact, host_v.to(qg.device, torch.float64))
         err = ((sv.out if out is None else out).to(torch.float64) - o_exact).norm(dim=-1)
         result.true_tv = ungroup_heads(true_tv, hq, nq)
         result.true_out_err = ungroup_heads(err, hq, nq)
@@ -508,8 +508,8 @@ def _repair_blocks(qg: torch.Tensor, store: LayerStore, bi: int, hi: int, m: tor
     assert store.k is not None and store.v is not None
     khat = store.k.served.view()[bi, hi]
     vhat = store.v.served.view()[bi, hi]
-    hk = store.k.host.view()[bi, hi].to(torch.float32)
-    hv = store.v.host.view()[bi, hi].to(torch.float32)
+    hk = store.k.host.view()[bi, hi].to(khat.device, torch.float32)   # host tier: pinned CPU beside a GPU
+    hv = store.v.host.view()[bi, hi].to(khat.device, torch.float32)
     vres = store.v_res.view()[bi, hi]
     s = khat.shape[0]
     bs = gate.block_size
@@ -523,7 +523,7 @@ def _repair_blocks(qg: torch.Tensor, store: LayerStore, bi: int, hi: int, m: tor
     k = int(predicted_ok.to(torch.int64).argmax()) + 1 if bool(predicted_ok.any()) else nb
     while True:
         chosen = order[: min(k, nb)]
-        tok = torch.zeros(nb, bs, dtype=torch.bool)
+        tok = torch.zeros(nb, bs, dtype=torch.bool, device=khat.device)
         tok[chosen] = True
         tok = tok.reshape(-1)[:s]
         kmix = torch.where(tok.unsqueeze(-1), hk, khat)

@@ -48,8 +48,10 @@ _TARGET_PROGRAMS = 264  # about two programs per multiprocessor of an H100/H200
 @triton.jit
 def _program(H, M, S, chunk, BM: tl.constexpr):
     """``(bh, split, b, h, rows, row_ok, lo, hi)`` of this program: its (batch row × KV head) index and split, the
-    batch row and KV head, the padded query rows and which are real, and its token range ``[lo, hi)``."""
-    bh = tl.program_id(0)
+    batch row and KV head, the padded query rows and which are real, and its token range ``[lo, hi)``. ``bh`` is
+    int64, so every offset built from it (or from ``b``, ``h``) is: a 32-bit product such as ``b·stride_b``
+    overflows at batch 32 × 128k tokens."""
+    bh = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     lo = sp * chunk
     rm = tl.arange(0, BM)

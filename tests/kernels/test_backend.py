@@ -19,6 +19,10 @@ def test_active_defaults_overrides_and_errors(monkeypatch) -> None:
     assert kernels.active("cpu") == "numba"
     assert kernels.active("cuda") == "triton"
     assert kernels.active("mps") == "torch"
+    monkeypatch.setattr(kernels.importlib.util, "find_spec", lambda name: None)   # a CUDA install without triton
+    assert kernels.active("cuda") == "torch"
+    monkeypatch.undo()
+    monkeypatch.delenv(kernels.ENV, raising=False)
     for name in kernels.BACKENDS:
         monkeypatch.setenv(kernels.ENV, name)
         assert kernels.active("cpu") == name

@@ -14,6 +14,7 @@ slack, softmax, meter, output and the output bound's per-read terms; ``docs/math
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -26,9 +27,10 @@ def active(device: torch.device | str | None = None) -> str:
     """The read-path backend a read of tensors on ``device`` uses: ``"numba"``, ``"torch"`` or ``"triton"``.
 
     ``device=None``: CUDA when it is available, else CPU. ``KVCERT_KERNEL`` (one of :data:`BACKENDS`) overrides
-    the default (``"triton"`` on CUDA, ``"numba"`` on CPU, ``"torch"`` elsewhere). Raises ``ValueError`` for an
-    unknown ``KVCERT_KERNEL`` value and for a forced backend that cannot run on ``device`` (``numba`` off CPU;
-    ``triton`` on CPU without ``TRITON_INTERPRET=1``; ``triton`` on devices other than CPU and CUDA).
+    the default (``"triton"`` on CUDA when ``triton`` is installed, ``"numba"`` on CPU, ``"torch"`` elsewhere).
+    Raises ``ValueError`` for an unknown ``KVCERT_KERNEL`` value and for a forced backend that cannot run on
+    ``device`` (``numba`` off CPU; ``triton`` on CPU without ``TRITON_INTERPRET=1``; ``triton`` on devices other
+    than CPU and CUDA).
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -36,7 +38,8 @@ def active(device: torch.device | str | None = None) -> str:
     forced = os.environ.get(ENV, "").strip().lower()
     if forced and forced not in BACKENDS:
         raise ValueError(f"{ENV}={os.environ[ENV]!r} is not a read-path backend; use one of {', '.join(BACKENDS)}")
-    name = forced or {"cuda": "triton", "cpu": "numba"}.get(kind, "torch")
+    name = forced or {"cuda": "triton" if importlib.util.find_spec("triton") else "torch",
+                      "cpu": "numba"}.get(kind, "torch")
     if name == "numba" and kind != "cpu":
         raise ValueError(f"{ENV}=numba runs on CPU tensors only; this read is on {kind}")
     if name == "triton":

@@ -169,3 +169,18 @@ def test_bad_inputs_are_named() -> None:
     with pytest.raises(ValueError, match="mask"):
         triton_read.decode_read(q, keys, rho, khn, w, vals, vres, vdist, vhn, *args,
                                 torch.ones(b, 3, 1, s, dtype=torch.bool), 1, s, s)
+
+
+def test_a_nan_or_negative_radius_on_a_supported_token_fails_closed() -> None:
+    q, keys, rho, khn, w, vals, vres, vdist, vhn = _small_case(43)
+    s = keys.shape[2]
+    rho[0, 0, 3, 1] = math.nan                                   # KV head 0: one token's radius is NaN
+    w[0, 1, 5], khn[0, 1, 5], rho[0, 1, 5] = -1.0, 0.0, 0.0       # KV head 1: one token's radius is negative
+    mask = torch.ones(1, 1, 1, s, dtype=torch.bool)
+    mask[..., 3] = False                                         # ... and hidden: nothing to fail on
+    for m, expect in ((None, (True, True)), (mask, (False, True))):
+        tr = triton_read.decode_read(q, keys, rho, khn, w, vals, vres, vdist, vhn, SC, gamma_f32(q.shape[-1] + 1),
+                                     True, m, 1, s, s)
+        assert tr is not None
+        for h, failed in enumerate(expect):
+            assert bool((tr.cert[0, h] == 1.0).all() and (tr.raw[0, h] == math.inf).all()) == failed, (m, h)

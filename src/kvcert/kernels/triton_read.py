@@ -159,7 +159,7 @@ def _sums_kernel(p_ptr, tot_ptr, lg_ptr, c_ptr, v_ptr, vres_ptr, out_ptr, sums_p
         pos = p > 0.0
         okc = c >= 0.0                                   # False for NaN
         use = pos & okc
-        nbad += tl.sum((pos & (okc == 0)).to(tl.int32), axis=1)
+        nbad += tl.sum((pos & ((c < 0.0) | (c != c))).to(tl.int32), axis=1)   # negative or NaN radius
         cvis = tl.maximum(cvis, tl.max(tl.where(okc & (lg > float("-inf")), c, 0.0), axis=1))
         csup = tl.maximum(csup, tl.max(tl.where(use, c, 0.0), axis=1))
         mass += tl.sum(tl.where(use, p, 0.0), axis=1)

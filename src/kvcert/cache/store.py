@@ -53,12 +53,12 @@ class _Chunk:
 class _Tensorstore:
     """Device + host storage of one of K or V for one layer."""
 
-    def __init__(self, codec: Codec, like: torch.Tensor, pin: bool, write_block: int,
-                 device: torch.device | None = None) -> None:
+    def __init__(self, codec: Codec, like: torch.Tensor, pin: bool, write_block: int, device: torch.device) -> None:
+        """``like``: an empty ``[B, H, 0, D]`` tensor of the host tier's dtype and device (pinned CPU beside a GPU);
+        ``device``: the device tier's device (that of the K/V written), which holds the served scratch."""
         self.codec = codec
         self.block = math.lcm(codec.block, write_block)
         self.host = GrowBuffer(like, pin=pin)
-        device = like.device if device is None else device   # the device tier's (the host tier may be pinned CPU)
         self.served = GrowBuffer(like.to(device, torch.float32))
         b, h = like.shape[:2]
         self.exact = GrowBuffer(torch.zeros(b, h, 1, dtype=torch.bool, device=device))

@@ -529,8 +529,8 @@ class CertifiedCache(Cache):
                 (h0, h1), g = heads, q.shape[1] // hk.shape[1]
                 q, hk, hv = q[:, h0 * g:h1 * g], hk[:, h0:h1], hv[:, h0:h1]
                 m = m[:, h0 * g:h1 * g] if m.shape[1] > 1 else m
-            o, _ = sdpa_attention_forward(module, q, hk.to(query.dtype), hv.to(query.dtype), m, scaling=scaling,
-                                          **kwargs)
+            hk, hv = (x.to(query.device, query.dtype, non_blocking=True) for x in (hk, hv))   # page-in from host
+            o, _ = sdpa_attention_forward(module, q, hk, hv, m, scaling=scaling, **kwargs)
             return o
 
         if self.ladder:

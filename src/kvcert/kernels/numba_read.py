@@ -28,7 +28,7 @@ Refinement (``docs/read-path.md#kernel-refinement``: a kernel must refine the re
   so no cell is visibly loosened — unless every supported radius is 0 (then ``p̃ = p`` exactly and the
   true TV is 0);
 * radii, logits and output carry their own stated roundings (see each function);
-* ``tests/bounds/test_fused.py`` checks the kernels against the reference on random, masked, huge-radius
+* ``tests/kernels/test_numba_read.py`` checks the kernels against the reference on random, masked, huge-radius
   and NaN rows (agreement to ``1e-9``, never below it by more than rounding), the radii against 50-digit
   decimal arithmetic, the logits and the output against their float32 rounding bounds, and every
   validate-mode test of the certified cache runs through them.

@@ -45,6 +45,8 @@ LAZY_OK: dict[str, str] = {
     "long_context_eval": "RULER's generators, a data package installed --no-deps; needed only for RULER tasks",
     "nltk": "pulled in only to patch RULER's sentence splitter while a RULER generator runs",
     "triton": "optional GPU dependency, imported only when a Triton kernel is requested",
+    "kvcert.kernels.triton_read": "imports triton at its top (optional GPU dependency): loaded only when the Triton "
+    "backend serves a read",
 }
 
 
@@ -143,7 +145,7 @@ def test_no_imports_inside_functions():
     bad = []
     for path in _modules():
         for node, module in _function_imports(ast.parse(path.read_text(encoding="utf-8")), path):
-            if module.split(".")[0] not in LAZY_OK:
+            if module.split(".")[0] not in LAZY_OK and module not in LAZY_OK:
                 bad.append(f"{_where(path, node)}: imports {module} inside a function")
     assert not bad, "move these imports to module level (or list an optional dependency in LAZY_OK):\n" + "\n".join(bad)
 

@@ -32,12 +32,12 @@ from functools import cache
 import numpy as np
 import torch
 
-from kvcert import kernels
 from kvcert.bounds import band_norms, meter_and_unclipped, round_up_f32, tier_b_radius, tier_b_sigma2
 from kvcert.bounds.radii import tier_a_radius_f32
 from kvcert.bounds.rc import U_F32, gamma_f32
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
+from kvcert.kernels import active as kernel_backend
 from kvcert.kernels.numba_read import (
     CELL_ROWS,
     DECODE_MAX_ROWS,
@@ -271,7 +271,7 @@ def _triton_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | Non
                    scaling: float) -> _Served | None:
     """Decode-size reads on the Triton kernels (:func:`kvcert.kernels.triton_read.decode_read`) over the store's
     live views; ``None`` when a query or pending entry is not finite (the eager path then fails closed)."""
-    from kvcert.kernels import triton_read  # imports triton: only when this backend is in use
+    import kvcert.kernels.triton_read as triton_read  # imports triton: only when this backend is in use
 
     assert store.k is not None and store.v is not None
     _, hkv, m, d = qg.shape
@@ -317,7 +317,7 @@ def _eager_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, m: to
     phi_max = 2.0 * rate.amax(-2) * kmax                                   # [B, Hkv, 1]
     wmax = w.amax(-1, keepdim=True).to(torch.float64)
     p64, p32, cert, raw, tanh = served_certificate(logits, c, m, full,
-                                                   fused=False if kernels.active(qg.device) == "torch" else None)
+                                                   fused=False if kernel_backend(qg.device) == "torch" else None)
     out = torch.matmul(p32, vhat)                                          # [B, Hkv, M, Dv]
     if bad_cell is not None:
         cert = torch.where(bad_cell, 1.0, cert)
@@ -355,7 +355,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     qg = group_heads(q.to(torch.float32), hkv)                                     # [B, Hkv, M, D]
     full = all_visible(mask) if mask.device.type == "cpu" else bool(mask.all())   # every token to every cell
     sv = None
-    backend = kernels.active(qg.device)
+    backend = kernel_backend(qg.device)
     if backend != "torch" and qg.shape[2] <= DECODE_MAX_ROWS and store.nonfinite == 0:
         if backend == "numba":
             sv = _fused_served(qg, store, None if full else mask, nq, s, scaling)

@@ -1,7 +1,7 @@
 """Read-path kernels bound to the store's memory layout, and the choice of backend per read.
 
 Three backends compute the same certified decode read (served logits, Tier-A radii with the float32 logit
-slack, softmax, meter, output and the output bound's per-read terms; ``docs/math.md`` §5):
+slack, softmax, meter, output and the output bound's per-read terms; ``docs/math.md#kernel-rounding``):
 
 * ``"numba"`` — :mod:`kvcert.kernels.numba_read`, CPU tensors (the default on CPU);
 * ``"triton"`` — :mod:`kvcert.kernels.triton_read`, CUDA tensors (the default there), or CPU tensors under the
@@ -18,6 +18,8 @@ import importlib.util
 import os
 
 import torch
+
+__all__ = ["BACKENDS", "ENV", "active"]
 
 BACKENDS: tuple[str, ...] = ("numba", "torch", "triton")
 ENV = "KVCERT_KERNEL"

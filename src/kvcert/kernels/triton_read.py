@@ -20,7 +20,7 @@ kernels with torch reductions:
 The meter, its clamps, overflow cut and fail-closed rules and the output bound are then formed per cell in
 float64 torch operations identical to the numba kernel's (:func:`_finish`). Every sum above, in the kernels
 and across splits, is evaluated in an order this module does not control; the stated allowances hold for any
-order (``docs/math.md`` §5): float32 sums (logits, output) are covered by the read path's ``γ_{D+1}`` logit
+order (``docs/math.md#kernel-rounding``): float32 sums (logits, output) are covered by the read path's ``γ_{D+1}`` logit
 slack and ``2(S + Dv)u₃₂`` evaluation slack, float64 sums (softmax normaliser, meter sums, radii, value term)
 by the meter's ``4γ_{S+6}`` allowance and the ``1 + 2(S + 2)u₆₄`` / ``1 + 2(D + 2nb + 12)u₆₄`` inflations.
 The float64 ``exp`` is assumed within 1 ulp (CUDA's ``exp``, numpy's under the interpreter; the device script
@@ -288,9 +288,9 @@ def decode_read(q: torch.Tensor, keys: torch.Tensor, rho: torch.Tensor, khn: tor
     ``khn ≥ ‖k̂_t‖``, ``w ≥ ‖k̂_t − k_t‖``, served values ``values[B, Hkv, S, Dv]`` and their witnesses
     ``vres ≥ ‖Δv_t‖``, ``vdist ≥ ‖v̂_t − centre‖``, ``vhn ≥ ‖v̂_t‖`` (each ``[B, Hkv, S]``), ``mask[B, 1|Hkv,
     nq, S]`` booleans (True = visible; ``None``: every token), ``gamma`` the float32 dot-product constant
-    ``γ_{D+1}``. Every returned field satisfies the numba kernel's contract (``docs/math.md`` §5): radii and
-    rounded-up sums never below their exact values, the meter with its ``4γ_{S+6}`` allowance at least the meter
-    of the computed ``p̃``, logits and output within the read path's float32 slacks. ``None`` when the query or a
+    ``γ_{D+1}``. Every returned field satisfies the numba kernel's contract (``docs/math.md#kernel-rounding``):
+    radii and rounded-up sums never below their exact values, the meter with its ``4γ_{S+6}`` allowance at least the
+    meter of the computed ``p̃``, logits and output within the read path's float32 slacks. ``None`` when the query or a
     key (value) at or after ``k_from`` (``v_from``) is not finite: the caller fails closed. ``splits``: splits of
     the token axis (``None``: :func:`default_splits`).
     """

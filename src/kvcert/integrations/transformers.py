@@ -532,8 +532,11 @@ class CertifiedCache(Cache):
             mask = mask.to(torch.bool)
             sdpa_mask_ = mask
         if not self.certify or (store.k.n_encoded == 0 and store.v.n_encoded == 0):
-            # Uncertified baseline, or nothing compressed is visible (every entry exact): plain SDPA.
-            out, _ = sdpa_attention_forward(module, query, key, value, sdpa_mask_, scaling=scaling, **kwargs)
+            # Uncertified baseline, or nothing compressed is visible (every entry exact): plain SDPA. The served
+            # tier is float32; a half-precision model's query gets K/V back in its own dtype (lossless here:
+            # every entry is exact, i.e. a float32 copy of a half value).
+            out, _ = sdpa_attention_forward(module, query, key.to(query.dtype), value.to(query.dtype), sdpa_mask_,
+                                            scaling=scaling, **kwargs)
             if self.evict is not None:
                 self._after_read(layer, query, key, logical, float(scaling), None)
             return out

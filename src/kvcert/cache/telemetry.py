@@ -25,6 +25,7 @@ of Belady's kept set (computed on the run's own exact trace) that the policy hel
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
@@ -179,6 +180,7 @@ class Telemetry:
     witness: torch.Tensor | None = None               # [steps, layers, B, Hq] live chain readings (see module doc)
     qnorm: torch.Tensor | None = None
     logit_slack: torch.Tensor | None = None
+    uncompressed_layers: tuple[int, ...] = ()         # sliding layers whose window never holds a write block
     tiers: dict[str, str] = field(default_factory=lambda: dict(TIERS))
 
     @property
@@ -244,7 +246,12 @@ class Telemetry:
         return float(self.certificates[rec].max()) if rec.any() else float("nan")
 
     def summary(self) -> dict[str, float | int | str | None]:
-        """Flat dictionary of headline numbers, each key suffixed by nothing; tiers are in ``self.tiers``."""
+        """Flat dictionary of headline numbers, each key suffixed by nothing; tiers are in ``self.tiers``.
+
+        The key set depends only on the cache's configuration, never on what was read: with zero recorded
+        cells (e.g. a decode that ended at its first token) ``cells`` is 0 and every rate or maximum over
+        cells (coverage, informative fraction, fallback rate, maximum certificate, ...) is ``None`` ("n/a":
+        nothing to count), where the properties themselves return NaN."""
         out: dict[str, float | int | str | None] = {
             "cells": self.cells,
             "coverage_q@0.2": self.coverage(0.2, "q_head"),
@@ -261,6 +268,7 @@ class Telemetry:
             "nonfinite": self.nonfinite,
             "fail_closed": self.fail_closed,
             "gate": self.gate,
+            "uncompressed_layers": len(self.uncompressed_layers),
         }
         if self.tier_b is not None:
             out["coverage_tier_b_kv@0.2"] = self.coverage(0.2, "kv_head", which="tier_b")
@@ -274,7 +282,7 @@ class Telemetry:
         if self.belady_overlap is not None:
             live = self.belady_overlap[~torch.isnan(self.belady_overlap)]
             out["mean_belady_overlap"] = float(live.mean()) if live.numel() else float("nan")
-        return out
+        return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in out.items()}
 
 
 def stack_records(records: list[StepRecord] | list[EvictRecord], layers: int, steps: int,

@@ -25,7 +25,15 @@ from kvcert.cli.workload import DENSE
 from kvcert.eval.stats import mcnemar, paired_bootstrap
 from kvcert.report.figures import AccuracyPoint, accuracy_bars
 from kvcert.report.html import write_html
-from kvcert.report.results import CERTIFIED, EMPIRICAL, build_document, read_results, tiered, write_results
+from kvcert.report.results import (
+    CERTIFIED,
+    EMPIRICAL,
+    build_document,
+    check_document,
+    load_json_object,
+    tiered,
+    write_results,
+)
 from kvcert.report.tables import ReportTable, fmt, to_rich
 
 SUMMED = ("page_in_bytes", "cells", "fail_closed", "violations")
@@ -45,13 +53,15 @@ def _value(node: dict[str, Any], key: str) -> Any:
 
 def load_shard(path: Path) -> dict[str, Any]:
     """Read one run's ``results.json`` (a run directory or the file), parsed and checked
-    (:func:`kvcert.report.results.read_results`, then :func:`check_shard`); ``ValueError`` naming the problem."""
+    (:func:`kvcert.report.results.check_document`, then :func:`check_shard`); ``ValueError`` naming the problem."""
     file = path / "results.json" if path.is_dir() else path
     if not file.is_file():
         raise ValueError(f"{path}: no results.json")
-    doc = read_results(file)
-    if doc.command not in ("eval", "run") or "per_sample" not in doc.results:
+    raw = load_json_object(file)
+    results = raw.get("results")
+    if raw.get("command") not in ("eval", "run") or not isinstance(results, dict) or "per_sample" not in results:
         raise ValueError(f"{file}: not a kvcert eval/run results file (need per-sample scores)")
+    doc = check_document(raw, file)
     check_shard(doc.document, file)
     return doc.document
 
@@ -215,7 +225,7 @@ def merge(
                 docs.append(load_shard(path))
                 tick(i)
         merged = merge_results(docs, runs, seed, resamples)
-        prepare_out(out, overwrite, inputs=runs)
+        prepare_out(out, overwrite, inputs=[p / "results.json" if p.is_dir() else p for p in runs])
     table = _table(merged)
     dense = _value(merged["variants"][DENSE], "accuracy")
     points = [

@@ -144,12 +144,12 @@ def prepare_out(out: Path, overwrite: bool, inputs: Sequence[Path] = ()) -> Path
     one of ``inputs`` (files this command reads). Results files are then written atomically
     (:func:`kvcert.report.results.write_text_atomic`), which replaces a name and never follows a link.
     """
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {out} exists and is not a directory")
     resolved = out.resolve()
     for src in inputs:
         if _inside(src.resolve(), resolved):
             raise InputError(f"--out {out} is or contains the input {src}: it would be overwritten")
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} exists and is not a directory")
     if out.is_dir():
         links = sorted(p.name for p in out.iterdir() if p.is_symlink())
         if links:

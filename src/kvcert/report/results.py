@@ -152,14 +152,10 @@ def _no_constant(name: str) -> float:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
-def read_results(path: Path) -> ResultsDocument:
-    """Parse ``path`` (a ``results.json``) into a :class:`ResultsDocument`.
-
-    Raises ``ValueError`` with one line naming the file and the first problem found: unreadable file,
-    invalid JSON (including ``NaN``/``Infinity`` literals, which :func:`write_results` never writes),
-    nesting too deep to parse, a top level that is not an object, a missing or mistyped ``command`` /
-    ``config`` / ``results``, or a number in ``results`` without a tier.
-    """
+def load_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; one-line ``ValueError`` naming the file for an unreadable file, invalid
+    JSON (including ``NaN``/``Infinity`` literals, which :func:`write_results` never writes), nesting too
+    deep to parse, or a top level that is not an object."""
     try:
         doc = json.loads(path.read_text(encoding="utf-8"), parse_constant=_no_constant)
     except (OSError, UnicodeDecodeError) as exc:
@@ -170,6 +166,12 @@ def read_results(path: Path) -> ResultsDocument:
         raise ValueError(f"{path}: not valid results JSON ({' '.join(str(exc).split())})") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: top level is {type(doc).__name__}, expected a JSON object")
+    return doc
+
+
+def check_document(doc: dict[str, Any], path: Path) -> ResultsDocument:
+    """``doc`` as a :class:`ResultsDocument`; ``ValueError`` naming ``path`` for a missing or mistyped
+    ``command`` / ``config`` / ``results`` or a number in ``results`` without a tier."""
     for key, kind in (("command", str), ("config", dict), ("results", dict)):
         if not isinstance(doc.get(key), kind):
             raise ValueError(f"{path}: {key!r} missing or not a {'string' if kind is str else 'JSON object'}")

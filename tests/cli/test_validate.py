@@ -182,7 +182,8 @@ def test_merge_refuses_shards_of_different_configurations(tmp_path: Path, field:
         ("not json", "not valid results JSON"),
         ("{\"a\": NaN}", "not valid results JSON"),
         ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
-        ("{\"command\": \"eval\", \"config\": {}, \"results\": {\"variants\": {\"dense\": {\"gate\": \"off\"}}, "
+        ("{\"command\": \"eval\", \"config\": {}, \"results\": {\"variants\": "
+         "{\"dense\": {\"gate\": \"off\", \"codecs\": null}}, "
          "\"per_sample\": [{\"task\": \"t\", \"index\": {\"value\": 0, \"tier\": \"empirical\"}, \"scores\": "
          "{\"dense\": {\"value\": 7, \"tier\": \"empirical\"}}}]}}", "score in [0, 1]"),
     ],

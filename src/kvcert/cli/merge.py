@@ -91,13 +91,14 @@ def check_shard(doc: dict[str, Any], where: Path) -> None:
     _need(isinstance(variants, dict) and bool(variants), where, "results.variants is not a non-empty object")
     labels = set(variants)
     for lab, v in variants.items():
-        _need(isinstance(v, dict) and isinstance(v.get("gate"), str), where,
-              f"results.variants[{lab!r}] needs a string 'gate'")
+        _need(isinstance(v, dict) and isinstance(v.get("gate"), str) and "codecs" in v, where,
+              f"results.variants[{lab!r}] needs a string 'gate' and 'codecs'")
         if "cells" in v:
             for key in (*SUMMED, *CELL_WEIGHTED, "max_certificate"):
                 leaf = v.get(key)
-                _need(key not in v or (isinstance(leaf, dict) and (leaf.get("value") is None or _is_number(leaf))),
-                      where, f"results.variants[{lab!r}].{key} is not a tiered number")
+                _need(key not in v or (isinstance(leaf, dict) and "value" in leaf and (
+                    leaf["value"] is None or (_is_number(leaf) and (key not in SUMMED or leaf["value"] >= 0)))),
+                      where, f"results.variants[{lab!r}].{key} is not a tiered number (a count >= 0 if summed)")
             _need(_is_number(v["cells"], integer=True) and v["cells"]["value"] >= 0, where,
                   f"results.variants[{lab!r}].cells is not a tiered count >= 0")
             for key in ("bytes_per_token_fp16", "bytes_per_token_stored"):
@@ -172,7 +173,8 @@ def merge_results(docs: list[dict[str, Any]], paths: list[Path], seed: int, resa
         if "cells" in parts[0]:
             for key in SUMMED:
                 if all(key in p for p in parts):
-                    out[key] = tiered(sum(_value(p, key) for p in parts), EMPIRICAL)
+                    counts = [_value(p, key) for p in parts]
+                    out[key] = tiered(None if None in counts else sum(counts), EMPIRICAL)
             cells = [_value(p, "cells") for p in parts]
             for key, tier in CELL_WEIGHTED.items():
                 pairs = [(_value(p, key), c) for p, c in zip(parts, cells, strict=True)

@@ -58,7 +58,8 @@ def untiered_numbers(node: object, path: str = "results") -> list[str]:
             ok = node["value"] is None or (
                 isinstance(node["value"], int | float) and not isinstance(node["value"], bool)
             )
-            return [] if ok and node["tier"] in {t.value for t in Tier} else [path]
+            tier_ok = isinstance(node["tier"], str) and node["tier"] in {t.value for t in Tier}
+            return [] if ok and tier_ok else [path]
         return [p for k, v in node.items() for p in untiered_numbers(v, f"{path}.{k}")]
     if isinstance(node, list):
         return [p for i, v in enumerate(node) for p in untiered_numbers(v, f"{path}[{i}]")]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
@@ -117,6 +117,7 @@ def test_merge_of_malformed_results_is_clean_and_writes_only_to_out(content: str
         result = runner.invoke(app, ["merge", str(root / "bad"), str(root / "good"), "--out", str(root / "out"),
                                      "--resamples", "20"])
         _clean_outcome(result)
+        event("merged" if result.exit_code == 0 else "refused")
         after = {k: v for k, v in _files(root).items() if not k.startswith("out/")}
         assert after == before   # inputs untouched, nothing written beside --out
         if result.exit_code != 0:
@@ -180,6 +181,7 @@ def test_argument_combinations_are_refused_cleanly_or_in_range(case: tuple[list[
         root = Path(tmp)
         result = runner.invoke(app, [*args, "--out", str(root / "out")])
         assert [p for p in root.iterdir() if p.name != "out"] == []
+        event("accepted" if isinstance(result.exception, Loaded) else "refused")
         if isinstance(result.exception, Loaded):   # accepted: every documented range holds
             assert values["model"] in ("tiny:llama", "tiny:gemma3")
             assert 1 <= values["context"] <= 4096

@@ -14,6 +14,11 @@ Live chain readings (per cell, the inputs of the per-layer dense contract chain
 ``qnorm`` the score-bridge coefficient ``sc·max‖q‖₂`` over the read's queries, ``logit_slack`` the largest
 float32 rounding slack ``φ_t`` of the read's logits. Recorded by the meter-gated read path (not the ladder).
 
+``uncompressed_layers``: sliding-window layers whose window can never hold one encodable write block, so
+they stay exact and contribute no cell (the cache warns at construction). With zero recorded cells every
+rate is NaN from its property and ``None`` in :meth:`Telemetry.summary` (whose key set never depends on
+what was read).
+
 Eviction (a selection operator): ``evicted_mass`` is the exact attention mass on evicted entries,
 ``TV(exact full attention, exact attention renormalised over the kept set)``, **measured** in validate
 mode from the evicted archive; ``evicted_mass_serving`` is the mass the evicted entries held on the last

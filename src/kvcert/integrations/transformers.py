@@ -8,6 +8,12 @@ attention implementation. Pass the cache as ``past_key_values=cache`` (accepted 
 
 Keys arrive post-RoPE; the band witness uses the model's RoPE pairing (HF models use ``rotate_half``).
 
+Half precision (bf16 / fp16 models): the exact host tier keeps the model's dtype, the served tier and every
+bound are float32 / float64 as for a float32 model (a half value is exact in float32), repairs compute exact
+attention in float32, and the served output is cast to the model's dtype last. The certificates and output
+bounds are about the float32 served output before that cast, the same rounding the model applies to its own
+attention output.
+
 Eviction (``evict=policy`` with ``budget=C`` or ``compression_ratio=r``, see ``docs/eviction.md``): every
 physical slot carries its logical position (``LayerStore.positions``). ``get_seq_length`` stays logical
 (RoPE position ids), and ``get_mask_sizes`` keeps reporting the *logical* length so transformers builds its

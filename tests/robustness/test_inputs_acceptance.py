@@ -18,13 +18,11 @@ torch.set_num_threads(1)
 
 
 def _decode(model: torch.nn.Module, ids: torch.Tensor, cache: object, steps: int) -> torch.Tensor:
-    out = model(ids, past_key_values=cache, use_cache=True)
-    toks = []
-    nxt = out.logits[:, -1:].argmax(-1)
+    """Prefill ``ids`` through ``cache``, then ``steps`` greedy tokens, one forward each."""
+    feed, toks = ids, []
     for _ in range(steps):
-        toks.append(nxt)
-        out = model(nxt, past_key_values=cache, use_cache=True)
-        nxt = out.logits[:, -1:].argmax(-1)
+        feed = model(feed, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        toks.append(feed)
     return torch.cat(toks, 1)
 
 
@@ -108,8 +106,8 @@ def test_detaching_a_replaced_cache_leaves_the_active_one_serving() -> None:
     second = CertifiedCache(model, keys="int8", values="int8")
     first.detach()
     ids = torch.randint(3, model.config.vocab_size, (1, 40))
-    model(ids, past_key_values=second)
-    model(ids[:, :1], past_key_values=second)
+    model(ids, cache=second)
+    model(ids[:, :1], cache=second)
     assert model.config._attn_implementation == "kvcert" and second.telemetry().cells > 0
     second.detach()
     assert model.config._attn_implementation == "eager"

@@ -11,6 +11,8 @@ from typer.testing import CliRunner
 from kvcert.cli import audit, ppl, ruler_command
 from kvcert.cli.main import app
 from kvcert.cli.validate import model_max_positions, prepare_out
+from kvcert.report.figures import AccuracyPoint, accuracy_bars
+from kvcert.report.html import write_html
 from kvcert.report.results import write_results
 
 runner = CliRunner()
@@ -132,6 +134,12 @@ def test_results_are_never_written_through_a_symlink(tmp_path: Path) -> None:
     assert not link.is_symlink() and json.loads(link.read_text())["command"] == "x"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []   # no temporary left behind
     assert (link.stat().st_mode & 0o777) != 0o600   # the mode of a plain write, not mkstemp's
+    for name in ("report.html", "figure.png"):
+        (tmp_path / name).symlink_to(target)
+    write_html(tmp_path / "report.html", "t", [], [], [], "kvcert x")
+    accuracy_bars([AccuracyPoint("int4", 0.5, 0.4, 0.6, 1.0, False)], 0.5, tmp_path / "figure.png")
+    assert target.read_text() == "precious"
+    assert not any(p.is_symlink() for p in tmp_path.iterdir())
 
 
 def _tiered(v: object) -> dict[str, object]:

@@ -141,8 +141,8 @@ def prepare_out(out: Path, overwrite: bool, inputs: Sequence[Path] = ()) -> Path
     Refused (``ValueError``): ``out`` exists and is not a directory; it cannot be created or written (a
     probe file is created and removed); it already holds a report (:data:`REPORT_FILES`) and ``overwrite``
     is false; it holds a symbolic link (results are never written through a link); or it is, or contains,
-    one of ``inputs`` (files this command reads). Results files are then written atomically
-    (:func:`kvcert.report.results.write_text_atomic`), which replaces a name and never follows a link.
+    one of ``inputs`` (files this command reads). Every report file is then written atomically
+    (:func:`kvcert.report.results.write_atomic`), which replaces a name and never follows a link.
     """
     resolved = out.resolve()
     for src in inputs:

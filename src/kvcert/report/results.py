@@ -104,8 +104,8 @@ def build_document(
     }
 
 
-def write_text_atomic(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a new temporary file in the same directory renamed over ``path``.
+def write_atomic(path: Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` through a new temporary file in the same directory renamed over ``path``.
 
     The temporary file is created exclusively (``O_CREAT | O_EXCL``: never through an existing name or
     link) and ``os.replace`` swaps the *name* ``path``: a symbolic link at ``path`` is replaced, its target
@@ -117,8 +117,8 @@ def write_text_atomic(path: Path, text: str) -> Path:
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)  # the mode a plain open() would give, not mkstemp's 0600
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -128,8 +128,9 @@ def write_text_atomic(path: Path, text: str) -> Path:
 
 def write_results(path: Path, document: dict[str, Any]) -> Path:
     """Write ``document`` as sorted, indented JSON (byte-identical for identical documents), atomically and
-    never through a link (:func:`write_text_atomic`)."""
-    return write_text_atomic(path, json.dumps(document, indent=2, sort_keys=True, allow_nan=False) + "\n")
+    never through a link (:func:`write_atomic`)."""
+    text = json.dumps(document, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    return write_atomic(path, text.encode("utf-8"))
 
 
 def without_volatile(document: dict[str, Any]) -> dict[str, Any]:

@@ -85,6 +85,9 @@ def test_unusable_arguments_are_refused_before_loading(no_loading: None, tmp_pat
 
 def test_a_folder_that_is_not_a_model_is_refused(no_loading: None, tmp_path: Path) -> None:
     refused(["eval", "--model", str(tmp_path), "--out", str(tmp_path / "o")], "no config.json")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    refused(["eval", "--model", str(tmp_path), "--out", str(tmp_path / "o")], "no tokenizer")
+    (tmp_path / "tokenizer_config.json").write_text("{}")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     refused(["eval", "--model", str(tmp_path), "--out", str(tmp_path / "o")], "gpt2", "llama")
     (tmp_path / "config.json").write_text("{not json")

@@ -61,7 +61,7 @@ def model_max_positions(spec: str) -> int | None:
 
     Accepts ``tiny:<family>`` (supported families of :mod:`kvcert.models.tiny`), a zoo name (the limit is
     read from the converted folder's ``config.json`` when it exists, else ``None``: checked after loading)
-    or a local folder with a ``config.json`` whose ``model_type`` the certified cache supports. Raises
+    or a local folder with a tokenizer and a ``config.json`` whose ``model_type`` the certified cache supports. Raises
     ``ValueError`` naming ``--model`` otherwise.
     """
     from kvcert.cli.common import TINY_PREFIX
@@ -85,6 +85,8 @@ def model_max_positions(spec: str) -> int | None:
     config = folder / "config.json"
     if not config.is_file():
         raise InputError(f"--model: folder {spec!r} is not a transformers model (no config.json)")
+    if not (folder / "tokenizer_config.json").is_file():
+        raise InputError(f"--model: folder {spec!r} holds no tokenizer (tokenizer_config.json)")
     family = _read_json(config, "--model").get("model_type")
     if family not in CACHE_FAMILIES:
         raise InputError(f"--model: {spec!r} has model_type {family!r}; the certified cache supports "

@@ -206,15 +206,19 @@ def test_merge_of_a_malformed_results_file_is_one_line(tmp_path: Path, content: 
     refused(["merge", str(shard), "--out", str(tmp_path / "m")], word)
 
 
-def test_an_empty_decode_reports_null_rates_end_to_end(tmp_path: Path) -> None:
+@pytest.mark.parametrize("gate", ["certified:0.2", "auto"])
+def test_an_empty_decode_reports_null_rates_end_to_end(tmp_path: Path, gate: str) -> None:
     """--max-new-tokens 1 decodes nothing through any cache (the one token comes from the exact prefill):
-    every compressed variant has 0 cells and its rates are null in results.json, with the keys present."""
+    every compressed variant has 0 cells and its rates are null in results.json, with the keys present; the
+    auto gate says its rule had no fraction to judge."""
     out = tmp_path / "e"
-    result = runner.invoke(app, ["eval", "--model", "tiny:llama", "--schemes", "int4", "--gate", "certified:0.2",
+    result = runner.invoke(app, ["eval", "--model", "tiny:llama", "--schemes", "int4", "--gate", gate,
                                  "--context", "512", "--samples", "1", "--max-new-tokens", "1", "--resamples", "20",
                                  "--out", str(out)])
     assert result.exit_code == 0, result.output
-    variants = json.loads((out / "results.json").read_text())["results"]["variants"]
+    results = json.loads((out / "results.json").read_text())["results"]
+    variants = results["variants"]
+    assert gate != "auto" or "n/a" in results["gate_choice"]["int4"]["rule"]
     for label in ("int4", "int4+gate"):
         v = variants[label]
         assert v["cells"]["value"] == 0

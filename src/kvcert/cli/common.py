@@ -121,21 +121,26 @@ def parse_schemes(text: str) -> list[SchemeSpec]:
 
 
 def parse_gate(text: str) -> Gate | None:
-    """Parse ``auto`` (``None``: each scheme by its meter), ``off``, ``certified:TAU``, ``risk:TAU``."""
+    """Parse ``auto`` (``None``: each scheme by its meter), ``off``, ``certified:TAU``, ``risk:TAU``.
+
+    ``TAU`` must be a finite number ``>= 0`` (``inf``, ``1e400``, ``nan`` and negatives are refused by
+    :class:`~kvcert.cache.gate.Gate`: an infinite threshold never repairs). ``ValueError`` naming ``--gate``.
+    """
     if text == "auto":
         return None
     if text == "off":
         return Gate.off()
     kind, _, value = text.partition(":")
+    if kind not in ("certified", "risk"):
+        raise ValueError(f"--gate: expected auto, off, certified:TAU or risk:TAU, got {text!r}")
     try:
         threshold = float(value)
     except ValueError:
-        raise ValueError(f"gate: expected auto, off, certified:TAU or risk:TAU, got {text!r}") from None
-    if kind == "certified":
-        return Gate.certified(threshold)
-    if kind == "risk":
-        return Gate.risk_ranked(threshold)
-    raise ValueError(f"gate: expected auto, off, certified:TAU or risk:TAU, got {text!r}")
+        raise ValueError(f"--gate: expected auto, off, certified:TAU or risk:TAU; {value!r} is not a number") from None
+    try:
+        return Gate.certified(threshold) if kind == "certified" else Gate.risk_ranked(threshold)
+    except ValueError as exc:
+        raise ValueError(f"--gate {text!r}: {exc}") from None
 
 
 def auto_gate(informative_fraction: float) -> Gate:
@@ -155,13 +160,9 @@ def default_out(command: str) -> Path:
 
 
 def command_line() -> str:
-    """The command line as typed (``kvcert`` + arguments)."""
-    return " ".join(["kvcert", *sys.argv[1:]])
-
-
-def bad_parameter(exc: ValueError) -> typer.BadParameter:
-    """Turn a parsing ``ValueError`` into a typer usage error with the same message."""
-    return typer.BadParameter(str(exc))
+    """The command line as typed (``kvcert`` + arguments), less ``--overwrite``: that flag only lets a run
+    replace an existing report, so a rerun with it records the same command as the first run."""
+    return " ".join(["kvcert", *(a for a in sys.argv[1:] if a != "--overwrite")])
 
 
 def set_seed(seed: int) -> None:

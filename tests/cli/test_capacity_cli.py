@@ -44,9 +44,9 @@ def test_tightness_quantiles_of_true_tv_over_certificate():
     ids = torch.randint(3, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(3))
     cache = CertifiedCache(model, keys="int4", values="int4", gate=Gate.off(), validate=True, seed=0)
     with torch.no_grad():
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, cache=cache, use_cache=True)
         for _ in range(6):
-            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+            out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
     cache.detach()
     tel = cache.telemetry()
     got = tightness(tel)

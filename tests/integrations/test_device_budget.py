@@ -18,14 +18,14 @@ torch.set_num_threads(1)
 
 def _stepwise(model, ids, cache, steps, check=None):
     """Prefill then greedy decode, calling ``check(cache)`` after every forward step."""
-    out = model(ids, past_key_values=cache, use_cache=True)
+    out = model(ids, cache=cache, use_cache=True)
     toks = []
     nxt = out.logits[:, -1:].argmax(-1)
     for _ in range(steps):
         if check is not None:
             check(cache)
         toks.append(nxt)
-        out = model(nxt, past_key_values=cache, use_cache=True)
+        out = model(nxt, cache=cache, use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
     if check is not None:
         check(cache)
@@ -36,14 +36,14 @@ def _ingested(model, ids, cache, steps, check):
     """Shared exact prefill ingested by the cache (as the eval harness runs), then decode with checks."""
     pre = DynamicCache(config=model.config)
     with torch.no_grad():
-        out = model(ids, past_key_values=pre, use_cache=True)
+        out = model(ids, cache=pre, use_cache=True)
         cache.ingest(pre)
         nxt = out.logits[:, -1:].argmax(-1)
         toks = []
         for _ in range(steps):
             check(cache)
             toks.append(nxt)
-            out = model(nxt, past_key_values=cache, use_cache=True)
+            out = model(nxt, cache=cache, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
         check(cache)
     return torch.cat(toks, 1)

@@ -74,7 +74,8 @@ def frontier_table(variants: dict[str, Any]) -> ReportTable:
 
     rows = []
     for label, v in sorted(variants.items(), key=lambda kv: dev(kv[1])):
-        ci = "–" if val(v, "ci95_low") is None else f"[{100 * val(v, 'ci95_low'):+.1f}, {100 * val(v, 'ci95_high'):+.1f}]"
+        low, high = val(v, "ci95_low"), val(v, "ci95_high")
+        ci = "–" if low is None else f"[{100 * low:+.1f}, {100 * high:+.1f}]"
         rows.append((label, v["kind"], v["gate"], fmt(val(v, "accuracy"), percent=True), ci, fmt(dev(v), 4),
                      fmt(val(v, "capacity") or (1.0 if label == DENSE else None), 2), fmt(val(v, "page_in_ratio"), 3),
                      fmt(val(v, "coverage_kv@0.2"), percent=True)))

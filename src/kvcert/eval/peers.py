@@ -89,7 +89,7 @@ def run_peers(model: torch.nn.Module, input_ids: torch.Tensor, peers: Sequence[P
         raise ValueError("run_peers takes one prompt at a time (batch 1)")
     with torch.no_grad():
         pre = DynamicCache(config=model.config)
-        out = model(input_ids, past_key_values=pre, use_cache=True)
+        out = model(input_ids, cache=pre, use_cache=True)
     first = out.logits[:, -1:].argmax(-1)
     results = []
     for spec in peers:

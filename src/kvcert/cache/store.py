@@ -113,6 +113,7 @@ class LayerStore:
         self.transient_repairs = 0    # persistent repairs refused by the device budget (served transient)
         self.bytes_transient = 0      # their page-in bytes
         self.released = 0             # held (repaired) entries released back to their codes by the budget
+        self.n_held = 0               # entries (K and V counted apart) currently held exact by persistent repair
         self.compacted = False        # an eviction merged the chunks (dither keys of the codes are lost)
         self.write_block = write_block
         self.layer = layer
@@ -260,6 +261,7 @@ class LayerStore:
             newly = ~ts.exact.view()[b, h, tokens]
             moved += int(newly.sum()) * ts.host.view().shape[-1] * 2
             ts.held.view()[b, h, tokens] |= newly
+            self.n_held += int(newly.sum())
             ts.exact.view()[b, h, tokens] = True
         self.k_band.view()[b, h, tokens] = 0.0
         self.k_wit.view()[b, h, tokens] = 0.0
@@ -307,7 +309,7 @@ class LayerStore:
         ``bytes_device <= device_budget·bytes_fp16`` or nothing is held. A released entry is served from its
         codes again with the write-time witnesses :meth:`_witnesses` computes from its exact original — the
         same values as at encode time, so every later certificate stays valid."""
-        if self.device_budget is None or self.k is None:
+        if self.device_budget is None or self.k is None or self.n_held == 0:   # O(1) on the decode path
             return
         assert self.v is not None
         limit = self.device_budget * self.bytes_fp16()
@@ -332,6 +334,7 @@ class LayerStore:
                     old.copy_(torch.where(held.view(*held.shape, *([1] * (val.dim() - 3))), val, old))
                 ts.exact.view()[:, :, lo:hi] &= ~held
                 self.released += int(held.sum())
+                self.n_held -= int(held.sum())
                 held.zero_()
                 if self.bytes_device() <= limit:
                     return
@@ -351,6 +354,7 @@ class LayerStore:
                 buf.drop_before(start)
             ts.n_encoded = max(ts.n_encoded - start, 0)
             ts.chunks = [c for c in ts.chunks if c.stop > self.base + start]
+        self.n_held = sum(int(ts.held.view().sum()) for ts in (self.k, self.v))
         for buf in self._token_buffers():
             buf.drop_before(start)
         if self.k_steps is not None:
@@ -392,6 +396,7 @@ class LayerStore:
             ts.n_encoded = keep.shape[-1]
             ts.last_encoded = 0
         self.compacted = True
+        self.n_held = sum(int(ts.held.view().sum()) for ts in (self.k, self.v))
         for buf in self._token_buffers():
             buf.gather(keep)
         if self.k_steps is not None:

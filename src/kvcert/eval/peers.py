@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, QuantizedCache
+from transformers import QuantizedCache
 
-from kvcert.eval.branching import greedy_from
+from kvcert.eval.branching import exact_prefill, greedy_from
 
 #: peer name -> (QuantizedCache backend, bits)
 PEERS: dict[str, tuple[str, int]] = {"quanto-int4": ("quanto", 4), "quanto-int2": ("quanto", 2)}
@@ -85,12 +85,7 @@ class PeerResult:
 def run_peers(model: torch.nn.Module, input_ids: torch.Tensor, peers: Sequence[PeerSpec], max_new_tokens: int,
               eos_ids: Sequence[int]) -> list[PeerResult]:
     """Prefill ``input_ids[1, T]`` once (exact), then decode each peer from that prefill."""
-    if input_ids.shape[0] != 1:
-        raise ValueError("run_peers takes one prompt at a time (batch 1)")
-    with torch.no_grad():
-        pre = DynamicCache(config=model.config)
-        out = model(input_ids, cache=pre, use_cache=True)
-    first = out.logits[:, -1:].argmax(-1)
+    pre, first = exact_prefill(model, input_ids)
     results = []
     for spec in peers:
         cache = spec.build(model)

@@ -34,7 +34,7 @@ def test_frontier_reports_every_variant_and_peer_with_device_bytes(tmp_path):
             assert v["bytes_per_token_device"]["tier"] == "empirical" and v["capacity"]["tier"] == "empirical"
             assert v["bytes_per_token_device"]["value"] == pytest.approx(fp16 / v["capacity"]["value"])
             assert v["ci95_low"]["value"] <= v["diff_vs_dense"]["value"] <= v["ci95_high"]["value"]
-    assert variants["quanto-int2(r=8)"]["bytes_per_token_device"]["value"] < fp16
+    assert variants["hf:quanto-int2(r=8)"]["bytes_per_token_device"]["value"] < fp16
     assert set(doc["results"]["per_sample"][0]["scores"]) == set(variants)
     assert (out / "frontier.png").is_file()
 

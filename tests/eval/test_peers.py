@@ -33,6 +33,16 @@ def test_run_peers_decode_from_one_prefill_and_int2_holds_less():
     assert r4.bytes_fp16 == r2.bytes_fp16 == 2 * 2 * (200 + 9) * 2 * 64 * 2   # layers · Hkv · tokens · (K+V) · D · 2 B
 
 
+def test_fp8_peer_holds_one_byte_per_element_plus_scales():
+    model = tiny_random("llama", head_dim=64)
+    cache = PeerSpec("fp8-e4m3").build(model)
+    k, v = torch.randn(1, 2, 100, 64), torch.randn(1, 2, 100, 64)
+    cache.update(k, v, 0)
+    cache.update(k[:, :, :3], v[:, :, :3], 0)            # appended with the frozen scale, no residual window
+    assert held_bytes(cache) == 2 * (2 * 103 * 64 + 4)
+    assert PeerSpec("fp8-e4m3").label == "hf:fp8-e4m3" and PeerSpec("quanto-int2", 8).label == "hf:quanto-int2(r=8)"
+
+
 def test_parse_peers_rejects_unknown_names_and_bad_window():
     assert parse_peers("") == []
     with pytest.raises(ValueError, match="peers"):

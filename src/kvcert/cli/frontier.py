@@ -42,7 +42,7 @@ from kvcert.report.html import write_html
 from kvcert.report.results import EMPIRICAL, build_document, tiered, write_results
 from kvcert.report.tables import ReportTable, fmt, to_rich
 
-PEER_KIND, DEFAULT_PEERS = "peer", "quanto-int4,quanto-int2"
+PEER_KIND, DEFAULT_PEERS = "peer", "quanto-int4,quanto-int2,fp8-e4m3"
 
 
 def peer_numbers(rec: VariantRecord, dense: VariantRecord, runs: list[PeerResult], fp16_token: float, seed: int,
@@ -96,7 +96,8 @@ def frontier(
     samples: Annotated[int, typer.Option(help="samples per task")] = 2,
     schemes: SchemesOption = DEFAULT_SCHEMES,
     gate: GateOption = "auto",
-    peers: Annotated[str, typer.Option(help="comma-separated peers (quanto-int4, quanto-int2) or ''")] = DEFAULT_PEERS,
+    peers: Annotated[str, typer.Option(help="comma-separated peers: quanto-int4, quanto-int2, fp8-e4m3 (or '')")
+                     ] = DEFAULT_PEERS,
     residual_length: Annotated[int, typer.Option(help="peers' full-precision residual window")] = 128,
     model: ModelOption = "smollm2-135m",
     seed: Annotated[int, typer.Option(help="seed for data, codecs and bootstrap")] = 0,

@@ -1,9 +1,11 @@
-"""Peer KV caches measured beside kvcert: transformers' ``QuantizedCache`` (quanto backend, KIVI-style).
+"""Peer KV caches measured beside kvcert: transformers' ``QuantizedCache`` (quanto int4 / int2, KIVI-style with a
+full-precision residual window; fp8-e4m3 with one frozen per-tensor scale).
 
 A peer decodes greedily from the same exact prefill as the kvcert branches (the prefill's K/V are written into
 it layer by layer, as a prefill through it would: the first write quantizes the whole prompt), and its device
 bytes are *measured* by walking the tensors it holds (:func:`held_bytes`): the quantized states (quanto's
-packed data, scales and shifts, through ``__tensor_flatten__``) and the full-precision residual window.
+packed data, scales and shifts, through ``__tensor_flatten__``; fp8 codes and scale) and the full-precision
+residual window.
 A peer has no certificate, gate or host tier.
 """
 
@@ -19,7 +21,8 @@ from transformers import QuantizedCache
 from kvcert.eval.branching import exact_prefill, greedy_from
 
 #: peer name -> (QuantizedCache backend, bits)
-PEERS: dict[str, tuple[str, int]] = {"quanto-int4": ("quanto", 4), "quanto-int2": ("quanto", 2)}
+PEERS: dict[str, tuple[str, int]] = {"quanto-int4": ("quanto", 4), "quanto-int2": ("quanto", 2),
+                                     "fp8-e4m3": ("fp8", 8)}
 
 
 @dataclass(frozen=True)
@@ -31,14 +34,17 @@ class PeerSpec:
 
     @property
     def label(self) -> str:
-        """Report label, e.g. ``quanto-int4(r=128)``."""
-        return f"{self.name}(r={self.residual_length})"
+        """Report label, e.g. ``hf:quanto-int4(r=128)``, ``hf:fp8-e4m3`` (no residual window)."""
+        window = "" if PEERS[self.name][0] == "fp8" else f"(r={self.residual_length})"
+        return f"hf:{self.name}{window}"
 
     def build(self, model: torch.nn.Module) -> QuantizedCache:
         """A fresh ``QuantizedCache`` for ``model`` (``ImportError`` naming the missing backend package)."""
         backend, bits = PEERS[self.name]
         if backend == "quanto" and importlib.util.find_spec("optimum.quanto") is None:
             raise ImportError(f"peer {self.name} needs optimum-quanto (pip install 'kvcert[peers]')")
+        if backend == "fp8":
+            return QuantizedCache(backend, model.config)
         return QuantizedCache(backend, model.config, nbits=bits, residual_length=self.residual_length)
 
 
@@ -53,8 +59,11 @@ def parse_peers(text: str, residual_length: int = 128) -> list[PeerSpec]:
     return [PeerSpec(n, residual_length) for n in names]
 
 
-def tensor_bytes(t: torch.Tensor) -> int:
-    """``nbytes`` of a tensor; for a wrapper subclass (quanto's QTensor) the sum over its inner tensors."""
+def tensor_bytes(t: torch.Tensor | tuple[torch.Tensor, ...]) -> int:
+    """``nbytes`` of a tensor; for a wrapper subclass (quanto's QTensor) or a tuple (fp8 codes and scale) the
+    sum over its inner tensors."""
+    if isinstance(t, tuple):
+        return sum(tensor_bytes(x) for x in t)
     if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
         names, _ = t.__tensor_flatten__()
         return sum(tensor_bytes(getattr(t, n)) for n in names)
@@ -67,7 +76,7 @@ def held_bytes(cache: QuantizedCache) -> int:
     for layer in cache.layers:
         for name in ("_quantized_keys", "_quantized_values", "keys", "values"):
             t = getattr(layer, name, None)
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor | tuple):
                 total += tensor_bytes(t)
     return total
 
@@ -92,8 +101,7 @@ def run_peers(model: torch.nn.Module, input_ids: torch.Tensor, peers: Sequence[P
         for i, layer in enumerate(pre.layers):
             cache.update(layer.keys.clone(), layer.values.clone(), i)
         toks = greedy_from(model, first, cache, max_new_tokens, eos_ids)
-        fp16 = sum(layer.cumulative_length * layer._quantized_keys.shape[0] * layer._quantized_keys.shape[1]
-                   * (layer._quantized_keys.shape[-1] + layer._quantized_values.shape[-1]) * 2
-                   for layer in cache.layers)
+        kv = pre.layers[0].keys.shape[1] * (pre.layers[0].keys.shape[-1] + pre.layers[0].values.shape[-1])
+        fp16 = sum(layer.cumulative_length * kv * 2 for layer in cache.layers)   # batch 1, K and V at 2 bytes
         results.append(PeerResult(spec, toks, held_bytes(cache), fp16))
     return results

@@ -126,8 +126,9 @@ def bytes_vs_accuracy(
     marked."""
     fig, ax = plt.subplots(figsize=(6, 4))
     colours = {True: "tab:green", False: "tab:red", None: "tab:blue"}
+    names = {True: "gated", False: "raw", None: "peer"}
     for p in points:
-        ax.scatter(p.bytes_per_token, p.accuracy, color=colours[p.gated])
+        ax.scatter(p.bytes_per_token, p.accuracy, color=colours[p.gated], label=names.pop(p.gated, None))
         ax.annotate(p.label, (p.bytes_per_token, p.accuracy), fontsize=6)
     ax.scatter([dense_bytes], [baseline], color="k", marker="*", s=80, label="dense (fp16)")
     ax.set_xlabel("device KV bytes per token at the end of the request, all layers (measured)")

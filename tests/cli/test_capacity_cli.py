@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -9,11 +11,13 @@ import torch
 from kvcert import Gate
 from kvcert.cli.audit import tightness
 from kvcert.cli.codecs import real_informative
+from kvcert.cli.merge import merge_results
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models.tiny import tiny_random
 from kvcert.quant import BUILTINS
 
 from .test_main_cli import RULER, TINY, check_report, invoke
+from .test_merge import _shard, _t
 
 torch.set_num_threads(1)
 
@@ -68,3 +72,13 @@ def test_codecs_real_prompt_informative_fraction():
     assert set(frac) == set(BUILTINS)
     assert frac["none"] == 1.0                                # exact keys: radius 0 up to float rounding
     assert all(0.0 <= f <= 1.0 for f in frac.values())
+
+
+def test_merge_pools_capacity_from_summed_device_and_fp16_bytes():
+    a = _shard("t1", [1, 1], [0, 1], cells=100, cov=0.2, page=10)
+    b = _shard("t2", [1, 0, 1], [1, 0, 0], cells=300, cov=0.6, page=5)
+    for doc, device, fp16 in ((a, 300, 1000), (b, 900, 2000)):
+        doc["results"]["variants"]["int2"].update(bytes_device=_t(device), bytes_fp16=_t(fp16))
+    v = merge_results([a, b], [Path("a"), Path("b")], seed=0, resamples=100)["variants"]["int2"]
+    assert v["bytes_device"]["value"] == 1200 and v["bytes_fp16"]["value"] == 3000
+    assert v["capacity"] == {"value": 2.5, "tier": "empirical"}

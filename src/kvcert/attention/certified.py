@@ -77,6 +77,7 @@ class ReadResult:
     q_norm: torch.Tensor | None = None         # [B, Hq, Q] ‖q‖₂ of the float32 query (float64)
     witness_max: torch.Tensor | None = None    # [B, Hkv] max_t W_t over the stored tokens
     key_norm_max: torch.Tensor | None = None   # [B, Hkv] max_t (2‖k̂_t‖ + W_t) over the stored tokens
+    held: torch.Tensor | None = None           # [B, Hkv] served entries kept exact by an earlier persistent repair
 
 
 def masked_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scaling: float,
@@ -422,9 +423,9 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
                 exact_p = probs64(masked_logits(qg, host_k.to(qg.device, torch.float32), grouped_mask(), scaling, full))
                 p_served = torch.where(sel, exact_p, p_served)
             bytes_paged += int(need.sum()) * s * (dk + dv) * elt
-            if gate.persistent:
+            if gate.persistent:   # kept within the store's device budget, else a transient page-in
                 for bi, hi in need.nonzero().tolist():
-                    store.make_exact(bi, hi, slice(0, s))
+                    store.persist(bi, hi, slice(0, s))
         else:
             cert, p_served, value_term = cert.clone(), p_served.clone(), value_term.clone()
             blocks = torch.zeros(b, hkv, dtype=torch.int64)                   # written below
@@ -473,6 +474,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
         out_bound=cells(bound, "bound"), key_term=cells(key_term, "key_term"),
         value_term=cells(value_term, "value_term"), repaired=repaired, blocks=blocks, values_promoted=promoted,
         bytes_paged=bytes_paged, attn_kv=attn_kv, q_norm=q_norm, witness_max=witness_max, key_norm_max=key_norm_max,
+        held=store.held_heads() if gate.persistent else None,
     )
     if cfg.validate:
         host_k, host_v = host()
@@ -536,7 +538,7 @@ def _repair_blocks(qg: torch.Tensor, store: LayerStore, bi: int, hi: int, m: tor
         if bool((score <= gate.threshold).all()) or k >= nb:
             break
         k *= 2
-    if gate.persistent:
-        store.make_exact(bi, hi, tok)
+    if gate.persistent:   # kept within the store's device budget, else a transient page-in
+        store.persist(bi, hi, tok)
     vres_mix = torch.where(tok, torch.zeros_like(vres), vres)
     return _BlockRepair(pm.to(torch.float32) @ vmix, cert, pm, vres_mix, int(chosen.numel()), int(tok.sum()))

@@ -37,6 +37,26 @@ from kvcert.report.results import CERTIFIED, EMPIRICAL, PARTIAL, build_document,
 from kvcert.report.tables import ReportTable, fmt, print_table
 
 TAU = 0.2
+QUANTILES = {"p10": 0.1, "median": 0.5, "p90": 0.9}
+
+
+def tightness(tel: Telemetry) -> dict[str, float]:
+    """Distribution of ``true TV / certificate`` over the recorded cells with a positive certificate
+    (validate mode): ``p10`` / ``median`` / ``p90`` over all of them, the same over the *informative* cells
+    (unclipped meter < 1, where the bound says something), and the cell counts. Soundness means every ratio is
+    ``<= 1``; a ratio near 1 means the bound is tight, near 0 that it is loose. Empirical (measured TV over a
+    certified bound). NaN where no cell qualifies."""
+    if tel.true_tv is None:
+        raise ValueError("tightness needs validate-mode telemetry (true_tv)")
+    rec = tel.recorded
+    cert, tv, raw = tel.certificates[rec], tel.true_tv[rec], tel.raw[rec]
+    out: dict[str, float] = {}
+    for scope, keep in (("", cert > 0), ("informative_", (cert > 0) & (raw < 1))):
+        ratio = (tv[keep] / cert[keep]).double()
+        for name, q in QUANTILES.items():
+            out[f"tightness_{scope}{name}"] = float(torch.quantile(ratio, q)) if ratio.numel() else float("nan")
+        out[f"tightness_{scope}cells"] = int(keep.sum())
+    return out
 
 
 def audit_numbers(tel: Telemetry) -> dict[str, Any]:
@@ -56,7 +76,10 @@ def audit_numbers(tel: Telemetry) -> dict[str, Any]:
             float(aggregate.cells([tel], "true_tv").max()) if tel.cells else None, EMPIRICAL
         ),
         "bytes_stored": tiered(tel.bytes_stored, EMPIRICAL),
+        "bytes_device": tiered(tel.bytes_device, EMPIRICAL),
+        "capacity": tiered(tel.capacity, EMPIRICAL),
         "bytes_fp16": tiered(tel.bytes_fp16, EMPIRICAL),
+        **{k: tiered(v, EMPIRICAL) for k, v in tightness(tel).items()},
         "fail_closed": tiered(tel.fail_closed, EMPIRICAL),
         "per_layer": [
             {
@@ -224,8 +247,16 @@ def audit(
         "informative_fraction",
         "max_certificate",
         "max_true_tv",
+        "tightness_p10",
+        "tightness_median",
+        "tightness_p90",
+        "tightness_cells",
+        "tightness_informative_median",
+        "tightness_informative_cells",
         "violations",
         "fail_closed",
+        "bytes_device",
+        "capacity",
     )
     table = ReportTable(
         f"audit {spec.label} on {model}",
@@ -235,7 +266,10 @@ def audit(
     html_path = write_html(
         out / "report.html",
         f"kvcert audit: {spec.label}",
-        [f"{ids.shape[1]} prompt tokens, {len(res.tokens)} decoded tokens, validate mode."],
+        [f"{ids.shape[1]} prompt tokens, {len(res.tokens)} decoded tokens, validate mode.",
+         "tightness = true TV / certificate per cell with a positive certificate (p10, median, p90; "
+         "'informative' restricts to cells whose unclipped meter is < 1): 1 is a tight bound, 0 a loose one, "
+         "above 1 a violation. Empirical (measured TV over a certified bound)."],
         [table],
         figs,
         command_line(),

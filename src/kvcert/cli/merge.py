@@ -36,13 +36,12 @@ from kvcert.report.results import (
 )
 from kvcert.report.tables import ReportTable, fmt, print_table
 
-SUMMED = ("page_in_bytes", "cells", "fail_closed", "violations")
+SUMMED = ("page_in_bytes", "cells", "fail_closed", "violations", "bytes_device", "bytes_fp16")
 CELL_WEIGHTED = {
     "coverage_q@0.2": CERTIFIED,
     "coverage_kv@0.2": CERTIFIED,
     "informative_fraction": CERTIFIED,
     "fallback_rate": EMPIRICAL,
-    "effective_bits": EMPIRICAL,
 }
 SAME_CONFIG = ("model", "context", "schemes", "gate", "max_new_tokens")
 
@@ -185,6 +184,8 @@ def merge_results(docs: list[dict[str, Any]], paths: list[Path], seed: int, resa
             out["max_certificate"] = tiered(max(maxima) if maxima else None, CERTIFIED)
             out["bytes_per_token_fp16"] = parts[0]["bytes_per_token_fp16"]
             out["bytes_per_token_stored_per_shard"] = [p["bytes_per_token_stored"] for p in parts]
+            if "bytes_device" in out and _value(out, "bytes_device"):   # measured: Σ fp16 / Σ device bytes
+                out["capacity"] = tiered(_value(out, "bytes_fp16") / _value(out, "bytes_device"), EMPIRICAL)
         variants[lab] = out
     return {"variants": variants, "shards": [str(p) for p in paths], "per_sample": per_sample}
 
@@ -197,16 +198,17 @@ def _table(merged: dict[str, Any]) -> ReportTable:
                                        f"{fmt(_value(v, 'ci95_high'), percent=True)}]")
         page = _value(v, "page_in_bytes")
         rows.append((lab, v["gate"], fmt(_value(v, "accuracy"), percent=True), ci,
-                     fmt(_value(v, "mcnemar_p")), fmt(_value(v, "effective_bits")),
+                     fmt(_value(v, "mcnemar_p")), fmt(_value(v, "capacity")),
                      fmt(None if page is None else page / 1e6), fmt(_value(v, "fallback_rate"), percent=True),
                      fmt(_value(v, "coverage_kv@0.2"), percent=True)))
     n = _value(merged["variants"][DENSE], "samples")
     return ReportTable(
         f"merged accuracy vs dense, paired over all {n} samples of {len(merged['shards'])} shard(s)",
-        ("variant", "gate", "accuracy", "Δ vs dense [95% CI]", "McNemar p", "eff. bits", "page-in MB",
+        ("variant", "gate", "accuracy", "Δ vs dense [95% CI]", "McNemar p", "capacity", "page-in MB",
          "fallback", "KV-head cov@0.2"),
         tuple(rows),
-        "accuracy, CI, p, bits, page-in, fallback: empirical; coverage: certified (Tier-A)",
+        "capacity = fp16 bytes / device bytes; accuracy, CI, p, capacity, page-in, fallback: empirical "
+        "(bytes measured); coverage: certified (Tier-A)",
     )
 
 

@@ -137,6 +137,10 @@ def run_ppl(
     return list(records.values()), {k: g.describe() for k, g in chosen.items()}
 
 
+def _value(results: dict[str, Any], label: str, key: str) -> Any:
+    return results["variants"][label].get(key, {}).get("value")
+
+
 def ppl_numbers(rec: PplRecord, dense: PplRecord) -> dict[str, Any]:
     """Tiered numbers of one variant (perplexity empirical; meter certified; bytes measured)."""
     out: dict[str, Any] = {
@@ -147,11 +151,9 @@ def ppl_numbers(rec: PplRecord, dense: PplRecord) -> dict[str, Any]:
     }
     tels = rec.telemetry
     if tels:
-        fp16_tok = aggregate.fp16_bytes_per_token(tels[0])
+        out.update({k: tiered(v, EMPIRICAL) for k, v in aggregate.byte_numbers(tels).items()})   # measured
         out.update(
             {
-                "bytes_per_token_stored": tiered(fp16_tok * aggregate.stored_fraction(tels), EMPIRICAL),
-                "page_in_bytes": tiered(sum(t.bytes_paged for t in tels), EMPIRICAL),
                 "fallback_rate": tiered(aggregate.pooled(tels, lambda t: t.fallback_rate), EMPIRICAL),
                 "coverage_kv@0.2": tiered(
                     aggregate.pooled(tels, lambda t: t.coverage(0.2, "kv_head")), CERTIFIED
@@ -218,6 +220,10 @@ def ppl(
         records, gates = run_ppl(loaded, texts, specs, chosen, context, prefix, chunk, seed, tick)
     dense = records[0]
     results = {"variants": {r.label: ppl_numbers(r, dense) for r in records}, "gate_choice": gates}
+    measured = [r for r in records if r.telemetry]
+    if measured:   # the dense row shows what an fp16 cache holds, to compare with
+        fp16_tok = aggregate.fp16_bytes_per_token(measured[0].telemetry[0])
+        results["variants"][dense.label].setdefault("bytes_per_token_fp16", tiered(fp16_tok, EMPIRICAL))
     config = {
         "model": model,
         "corpus": corpus,
@@ -235,20 +241,24 @@ def ppl(
     json_path = write_results(out / "results.json", doc)
     table = ReportTable(
         f"perplexity on {corpus} ({windows} × {context} tokens, exact prefix {prefix})",
-        ("scheme", "gate", "perplexity", "Δ vs dense", "bytes/token", "page-in B", "KV-head cov@0.2"),
+        ("scheme", "gate", "perplexity", "Δ vs dense", "dev B/tok", "capacity", "page-in ×fp16", "KV-head cov@0.2"),
         tuple(
             (
                 r.label,
                 r.gate.describe(),
                 fmt(r.perplexity, 5),
                 fmt(r.perplexity - dense.perplexity, 3),
-                fmt(results["variants"][r.label].get("bytes_per_token_stored", {}).get("value"), 4),
-                fmt(results["variants"][r.label].get("page_in_bytes", {}).get("value")),
+                fmt(_value(results, r.label, "bytes_per_token_device")
+                    or _value(results, r.label, "bytes_per_token_fp16"), 4),
+                fmt(_value(results, r.label, "capacity"), 2),
+                fmt(_value(results, r.label, "page_in_ratio"), 3),
                 fmt(results["variants"][r.label].get("coverage_kv@0.2", {}).get("value"), percent=True),
             )
             for r in records
         ),
-        "perplexity: empirical; coverage: certified; bytes: measured (empirical)",
+        "dev B/tok = device-tier bytes per token at the end (dense: fp16 K/V); capacity = fp16 / device bytes; "
+        "page-in ×fp16 = page-in traffic / fp16 K/V bytes. perplexity: empirical; coverage: certified; bytes, "
+        "capacity, page-in: measured (empirical)",
     )
     compressed = [r for r in records if r.telemetry and r.gate.mode == "off"]
     figs = (

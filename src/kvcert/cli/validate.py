@@ -22,6 +22,12 @@ from typing import Annotated, NoReturn
 
 import typer
 
+from kvcert.cli.common import TINY_PREFIX
+from kvcert.eval import ruler
+from kvcert.integrations.transformers import SUPPORTED_FAMILIES as CACHE_FAMILIES
+from kvcert.models.tiny import SUPPORTED_FAMILIES, tiny_config
+from kvcert.models.zoo import ZOO, cache_root
+
 EXIT_USAGE = 2
 REPORT_FILES = ("results.json", "report.html")
 
@@ -64,11 +70,6 @@ def model_max_positions(spec: str) -> int | None:
     or a local folder with a tokenizer and a ``config.json`` whose ``model_type`` the certified cache supports. Raises
     ``ValueError`` naming ``--model`` otherwise.
     """
-    from kvcert.cli.common import TINY_PREFIX
-    from kvcert.integrations.transformers import SUPPORTED_FAMILIES as CACHE_FAMILIES
-    from kvcert.models.tiny import SUPPORTED_FAMILIES, tiny_config
-    from kvcert.models.zoo import ZOO, cache_root
-
     if spec.startswith(TINY_PREFIX):
         family = spec[len(TINY_PREFIX) :]
         if family not in SUPPORTED_FAMILIES:
@@ -120,8 +121,6 @@ def context_fits(context: int, max_positions: int | None) -> None:
 
 def ruler_tasks(tasks: Sequence[str], context: int) -> None:
     """Known RULER tasks, each at least its generator's smallest context (see ``ruler.MIN_CONTEXT``)."""
-    from kvcert.eval import ruler
-
     if not tasks:
         raise InputError("--tasks: no RULER task given")
     for task in tasks:

@@ -73,15 +73,20 @@ def greedy_from(model: torch.nn.Module, first: torch.Tensor, cache: object, max_
     return toks
 
 
-def run_branches(model: torch.nn.Module, input_ids: torch.Tensor, schemes: Sequence[Scheme],
-                 max_new_tokens: int, eos_ids: Sequence[int], seed: int = 0) -> list[BranchResult]:
-    """Prefill ``input_ids[1, T]`` once (exact), then decode each scheme from that prefill."""
+def exact_prefill(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
+    """Prefill ``input_ids[1, T]`` into an exact ``DynamicCache``; return it and the greedy first token."""
     if input_ids.shape[0] != 1:
-        raise ValueError("run_branches takes one prompt at a time (batch 1)")
+        raise ValueError("branches take one prompt at a time (batch 1)")
     with torch.no_grad():
         pre = DynamicCache(config=model.config)
         out = model(input_ids, cache=pre, use_cache=True)
-    first = out.logits[:, -1:].argmax(-1)
+    return pre, out.logits[:, -1:].argmax(-1)
+
+
+def run_branches(model: torch.nn.Module, input_ids: torch.Tensor, schemes: Sequence[Scheme],
+                 max_new_tokens: int, eos_ids: Sequence[int], seed: int = 0) -> list[BranchResult]:
+    """Prefill ``input_ids[1, T]`` once (exact), then decode each scheme from that prefill."""
+    pre, first = exact_prefill(model, input_ids)
     results = []
     for scheme in schemes:
         if scheme.is_dense:

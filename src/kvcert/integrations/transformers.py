@@ -185,7 +185,7 @@ class CertifiedLayer(CacheLayerMixin):
         """Drop all stored tokens (the cache can then serve a new request)."""
         st = self.store
         self.store = LayerStore(st.layer, st.key_codec, st.value_codec, bands=st.bands, pairing=st.pairing,
-                                seed=st.seed, write_block=st.write_block)
+                                seed=st.seed, write_block=st.write_block, device_budget=st.device_budget)
         self.cumulative_length = 0
         self.returned = None
         self.last_attn = None
@@ -321,6 +321,12 @@ class CertifiedCache(Cache):
             ``budget`` slots either way; ``1``: back to exactly ``budget`` at every write).
         belady: validate + budget mode: record the run's exact attention trace and report the kept-set
             overlap with Belady on it (``telemetry().belady_overlap``; memory ``O(T² · L · Hkv)``).
+        device_budget: the most each layer's device tier may hold after persistent repair, as a fraction of
+            its live tokens' fp16 K/V bytes (default ``1.0``: a compressed cache never keeps more than fp16
+            would; ``None``: no cap). A repair that does not fit is served exact for that read and kept nowhere
+            (a transient page-in, counted in ``telemetry().transient_page_ins``); held repairs are released
+            when new tokens need the room. Value promotion is always transient. Only persistent gates keep
+            anything, so the budget never changes what other gates serve. See ``docs/architecture.md``.
     """
 
     def __init__(self, model: torch.nn.Module, keys: str | Codec = "int8", values: str | Codec = "int8", *,
@@ -331,7 +337,8 @@ class CertifiedCache(Cache):
                  key_options: dict[str, Any] | None = None, value_options: dict[str, Any] | None = None,
                  certify: bool = True, write_block: int = 16, ladder: bool | LadderConfig = False,
                  evict: EvictionPolicy | None = None, budget: int | None = None,
-                 compression_ratio: float | None = None, evict_chunk: int = 1, belady: bool = False) -> None:
+                 compression_ratio: float | None = None, evict_chunk: int = 1, belady: bool = False,
+                 device_budget: float | None = 1.0) -> None:
         self.family = _model_family(model)
         cfg = model.config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(cfg)
@@ -357,7 +364,8 @@ class CertifiedCache(Cache):
         for i in range(n_layers):
             kc = _resolve_codec(keys, "key", key_options or {})
             vc = _resolve_codec(values, "value", value_options or {})
-            store = LayerStore(i, kc, vc, bands=bands, pairing=pairing, seed=self.seed, write_block=write_block)
+            store = LayerStore(i, kc, vc, bands=bands, pairing=pairing, seed=self.seed, write_block=write_block,
+                               device_budget=device_budget)
             window = layer_kwargs[i].get("sliding_window") if layer_types[i] == "sliding_attention" else None
             layers.append(CertifiedLayer(store, window))
         super().__init__(layers=layers)
@@ -739,7 +747,8 @@ class CertifiedCache(Cache):
                  "out_bound": res.out_bound, "tier_b": res.cert_b, "true_tv": res.true_tv,
                  "true_out_err": res.true_out_err}
         rec = StepRecord(step=self._step, layer=layer.store.layer, cells=cells,
-                         heads=(res.repaired, res.blocks, res.values_promoted), queries=nq, chain=chain)
+                         heads=(res.repaired, res.blocks, res.values_promoted), queries=nq, chain=chain,
+                         held=res.held)
         if res.true_tv is not None and res.true_out_err is not None:
             rec.violations = int((res.true_tv > res.cert_pre).sum())
             rec.out_violations = int((res.true_out_err > res.out_bound).sum())
@@ -798,6 +807,10 @@ class CertifiedCache(Cache):
             belady_overlap=self.run_trace.overlap() if self.run_trace is not None else None,
             uncompressed_layers=self.uncompressed_layers,
             witness=sel(stack("witness")), qnorm=sel(stack("qnorm")), logit_slack=sel(stack("logit_slack")),
+            bytes_device=sum(s.bytes_device() for s in stores), fallback=sel(stack("fallback")),
+            transient_page_ins=sum(s.transient_repairs for s in stores),
+            bytes_transient=sum(s.bytes_transient for s in stores), released_entries=sum(s.released for s in stores),
+            device_budget=stores[0].device_budget,
         )
 
     def reset(self) -> None:

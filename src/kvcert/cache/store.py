@@ -236,19 +236,22 @@ class LayerStore:
     def _witnesses(self, is_key: bool, x: torch.Tensor, xhat: torch.Tensor, keep: torch.Tensor,
                    steps: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """Write-time witnesses ``{buffer name: [B, H, n(, ·)] values}`` of a token range with exact values
-        ``x``, decoded codes ``xhat`` and ``keep`` (entries served exact: residual 0): for keys the band norms
-        ``ρ_{t,b}`` of ``x̂ − x`` (rounded up), ``W_t ≥ Σ_b ρ_{t,b}`` (float64 summation slack included), ``‖k̂_t‖``
-        and the Tier-B steps; for values ``‖Δv_t‖``, ``‖v̂_t‖`` and ``‖v̂_t − c‖``, all rounded up to float32."""
+        ``x``, served values ``xhat`` (the decoded codes, or ``x`` itself where ``keep``) and ``keep`` (entries
+        served exact: residual 0): for keys the band norms ``ρ_{t,b}`` of ``x̂ − x`` (rounded up),
+        ``W_t ≥ Σ_b ρ_{t,b}`` (float64 summation slack included), ``‖k̂_t‖`` and the Tier-B steps; for values
+        ``‖Δv_t‖``, ``‖v̂_t‖`` and ``‖v̂_t − c‖``, all rounded up to float32. The norms are those of what is
+        *served*, exact entries included (the logit slack and the output bound's spread and ``vmax`` range over
+        them); only non-finite entries, whose reads fail closed, get 0 so the witnesses stay finite."""
         resid = torch.where(keep.unsqueeze(-1), 0.0, xhat.to(torch.float64) - x.to(torch.float64))
+        served = torch.where(torch.isfinite(xhat).all(-1, keepdim=True), xhat, 0.0)
         if is_key:
             rho = round_up_f32(band_norms(resid, self.bands, self.pairing))
             out = {"k_band": rho,
                    "k_wit": round_up_f32(rho.to(torch.float64).sum(-1) * (1.0 + 2.0 * (self.bands + 2) * 2.0**-53)),
-                   "k_hat_norm": norm_up_f32(torch.where(keep.unsqueeze(-1), 0.0, xhat))}
+                   "k_hat_norm": norm_up_f32(served)}
             if steps is not None:
                 out["k_steps"] = torch.where(keep.unsqueeze(-1), torch.zeros_like(steps), steps.to(torch.float32))
             return out
-        served = torch.where(keep.unsqueeze(-1), 0.0, xhat)
         return {"v_res": norm_up_f32(resid), "v_hat_norm": norm_up_f32(served),
                 "v_dist": norm_up_f32(served.to(torch.float64) - self.v_centre)}
 

@@ -22,7 +22,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvcert.bounds import tier_a_radius, true_tv, tv_meter
-from kvcert.cli.common import bad_parameter, load_model
+from kvcert.cli.common import load_model
+from kvcert.cli.validate import checked_inputs, model_max_positions
 from kvcert.eval import ruler
 from kvcert.eval.branching import Scheme, run_branches
 from kvcert.eval.harness import prompt_ids
@@ -127,11 +128,11 @@ def codecs(
 ) -> None:
     """Compare every built-in codec: measured bytes, empirical error, certified Tier-A meter, measured TV, and
     (with ``--model``) the certified informative fraction on a real prompt."""
-    try:
+    with checked_inputs("codecs"):
         rows = codec_rows(d, tokens, seed)
-        real = None if model is None else real_informative(model, context, steps, seed)
-    except ValueError as err:
-        raise bad_parameter(err) from None
+        if model is not None:
+            model_max_positions(model)
+    real = None if model is None else real_informative(model, context, steps, seed)
     table = Table(title=f"built-in codecs on synthetic post-RoPE keys (D={d}, T={tokens}, seed={seed})"
                         + ("" if model is None else f"; real prompt: {model}, {REAL_TASK} at {context} tokens"))
     table.add_column("codec")

@@ -23,7 +23,6 @@ from kvcert.cli.common import (
     GateOption,
     ModelOption,
     SchemesOption,
-    bad_parameter,
     command_line,
     default_out,
     load_model,
@@ -33,6 +32,15 @@ from kvcert.cli.common import (
 )
 from kvcert.cli.progress import progress_bar
 from kvcert.cli.ruler_report import results_section, variant_numbers
+from kvcert.cli.validate import (
+    OverwriteOption,
+    at_least,
+    checked_inputs,
+    context_fits,
+    model_max_positions,
+    prepare_out,
+    ruler_tasks,
+)
 from kvcert.cli.workload import DENSE, VariantRecord, WorkloadResult, run_workload
 from kvcert.eval import ruler
 from kvcert.eval.harness import prompt_ids
@@ -104,25 +112,31 @@ def frontier(
     max_new_tokens: Annotated[int | None, typer.Option(help="cap on RULER's generation budget")] = None,
     resamples: Annotated[int, typer.Option(help="paired bootstrap resamples")] = 10_000,
     out: Annotated[Path | None, typer.Option(help="report directory (default runs/frontier-<timestamp>)")] = None,
+    overwrite: OverwriteOption = False,
 ) -> None:
     """Accuracy vs device bytes per token for every scheme raw and gated and for peer caches (transformers'
     QuantizedCache), all on the same samples: table, frontier.png and report.html."""
-    try:
+    out = out or default_out("frontier")
+    with checked_inputs("frontier"):
         task_list = tuple(t.strip() for t in tasks.split(",") if t.strip())
-        bad = [t for t in task_list if t not in ruler.TASK_NAMES]
-        if not task_list or bad:
-            raise ValueError(f"tasks: unknown or empty {bad or tasks!r}; supported are {list(ruler.TASK_NAMES)}")
         specs = parse_schemes(schemes)
         chosen: Gate | None = parse_gate(gate)
         peer_specs = parse_peers(peers, residual_length)
-        if resamples < 1 or samples < 1:
-            raise ValueError(f"samples and resamples must be >= 1, got {samples}, {resamples}")
-    except ValueError as exc:
-        raise bad_parameter(exc) from exc
+        positions = model_max_positions(model)
+        ruler_tasks(task_list, context)
+        context_fits(context, positions)
+        at_least("samples", samples, 1)
+        at_least("resamples", resamples, 1)
+        at_least("residual-length", residual_length, 0)
+        if max_new_tokens is not None:
+            at_least("max-new-tokens", max_new_tokens, 1)
+        prepare_out(out, overwrite)
     console, t0 = Console(), time.time()
     set_seed(seed)
-    out = out or default_out("frontier")
     loaded = load_model(model, seed)
+    if positions is None:  # a zoo model converted by this load: its limit is known only now
+        with checked_inputs("frontier"):
+            context_fits(context, loaded.model.config.get_text_config().max_position_embeddings)
     data = [s for t in task_list for s in ruler.load_task(t, context, samples, seed, loaded.tokenizer_dir)]
     n_var = 1 + 2 * len(specs)
     with progress_bar(f"decoding {len(data)} samples × {n_var} variants", len(data), console) as tick:
@@ -144,7 +158,6 @@ def frontier(
               "schemes": [s.label for s in specs], "gate": gate, "peers": [p.label for p in peer_specs],
               "residual_length": residual_length, "seed": seed, "max_new_tokens": max_new_tokens,
               "bootstrap_resamples": resamples, "out": str(out)}
-    out.mkdir(parents=True, exist_ok=True)
     table = frontier_table(results["variants"])
     png = frontier_figure(result, results, out / "frontier.png")
     doc = build_document("frontier", config, results, seed, {"seconds": time.time() - t0}, command_line().split())

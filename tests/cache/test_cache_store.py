@@ -126,6 +126,7 @@ def test_fail_closed_rows_and_persistent_repair():
     st.append(*_kv(t=8), torch.tensor([5, -1]), torch.tensor([False, True]))
     st.append(*_kv(t=1, seed=1), torch.tensor([5, -1]), torch.tensor([False, True]))
     assert st.fail_closed == 3 * 8 and st.k.exact.view()[1].all()
+    _assert_norm_witnesses(st)   # norms of what is served: exact entries of a fail-closed row included
     moved = st.make_exact(0, 1, slice(2, 6))
     assert moved == 2 * 4 * 64 * 2
     assert torch.equal(st.k.served.view()[0, 1, 2:6], st.k.host.view()[0, 1, 2:6])

@@ -16,11 +16,25 @@ Layout per layer (``B`` batch rows, ``H`` KV heads, ``S`` tokens, ``D`` head dim
 * **decode scratch** — the dequantized keys/values the read path attends over. A fused kernel would
   dequantize in registers; this CPU reference keeps the decoded copy and reports it separately.
 
+Device bytes (:meth:`LayerStore.bytes_device`, *measured*): the packed codes (codes, scales, zero-points:
+every tensor of every :class:`Packed` chunk), the witness buffers (every live token) and the value centre,
+and every entry held exact on the device tier (pending / in-flight tokens, non-finite and fail-closed
+entries, persistently repaired entries) at 16 bits per element. A repaired entry keeps its codes (the
+chunks are rectangular), so repair *adds* bytes. Not counted: the decode scratch, the host tier and the
+bookkeeping masks / logical positions (``exact``, ``held``, ``positions``).
+
+Device budget (``device_budget=F``, a fraction of the live tokens' fp16 K/V bytes): a persistent repair
+(:meth:`LayerStore.persist`) is kept only if ``bytes_device`` stays ``<= F·bytes_fp16`` right after it;
+otherwise it is a *transient* page-in (served exact for that read, nothing kept) and is counted. When new
+tokens raise the floor (codes + witnesses + pending entries) above the budget, held repairs are released
+(newest chunk first) back to their codes and write-time witnesses, recomputed exactly as at encode time,
+so ``bytes_device <= max(F·bytes_fp16, floor)`` holds after every write and every read.
+
 Write protocol: new tokens are appended exact and *pending*; at the start of a later write, pending
 tokens are encoded in whole blocks of ``write_block`` tokens (so the forward that produced them attends
 to them exactly, as in-flight K/V, and a partial block stays exact until it fills). The witness is
 computed at encode time from the exact original, which makes it valid for every later read (the
-stored codes are immutable: cache-preserving contract, ``certificates.md`` §4.6).
+stored codes are immutable: cache-preserving contract, ``docs/codecs.md#codec-contract``).
 
 Slots vs positions: every physical slot carries its *logical* position (``positions[B, H, S]``, the index
 of the token in the request's sequence, padding included). Without eviction slot ``j`` holds position
@@ -48,18 +62,22 @@ class _Chunk:
     start: int
     stop: int
     packed: Packed
+    key: DitherKey | None = None   # the dither key it was encoded with (re-decoding on budget release)
 
 
 class _Tensorstore:
     """Device + host storage of one of K or V for one layer."""
 
-    def __init__(self, codec: Codec, like: torch.Tensor, pin: bool, write_block: int) -> None:
+    def __init__(self, codec: Codec, like: torch.Tensor, pin: bool, write_block: int, device: torch.device) -> None:
+        """``like``: an empty ``[B, H, 0, D]`` tensor of the host tier's dtype and device (pinned CPU beside a GPU);
+        ``device``: the device tier's device (that of the K/V written), which holds the served scratch."""
         self.codec = codec
         self.block = math.lcm(codec.block, write_block)
         self.host = GrowBuffer(like, pin=pin)
-        self.served = GrowBuffer(like.to(torch.float32))
+        self.served = GrowBuffer(like.to(device, torch.float32))
         b, h = like.shape[:2]
-        self.exact = GrowBuffer(torch.zeros(b, h, 1, dtype=torch.bool, device=like.device))
+        self.exact = GrowBuffer(torch.zeros(b, h, 1, dtype=torch.bool, device=device))
+        self.held = GrowBuffer(torch.zeros(b, h, 1, dtype=torch.bool, device=device))  # persistent repairs
         self.chunks: list[_Chunk] = []
         self.n_encoded = 0          # tokens [0, n_encoded) went through the codec (relative to live window)
         self.last_encoded = 0       # tokens encoded by the most recent encode_pending call
@@ -75,16 +93,30 @@ class _Tensorstore:
         return sum(c.packed.nbytes for c in self.chunks)
 
     def exact_nbytes(self, head_dim: int) -> int:
-        return int(self.exact.view().sum()) * head_dim * 2
+        return int(self.exact.view().sum()) * head_dim * EXACT_BYTES
+
+
+#: bytes per element of an entry held exact on the device tier (fp16 / bf16, the serving precision)
+EXACT_BYTES = 2
 
 
 class LayerStore:
-    """All tiers of one layer; see the module docstring for the layout and the write protocol."""
+    """All tiers of one layer; see the module docstring for the layout, the write protocol, the device bytes
+    and the device budget."""
 
     def __init__(self, layer: int, key_codec: Codec, value_codec: Codec, *, bands: int, pairing: Pairing,
-                 seed: int, write_block: int = 1) -> None:
+                 seed: int, write_block: int = 1, device_budget: float | None = None) -> None:
         if write_block < 1:
             raise ValueError(f"write_block must be >= 1, got {write_block}")
+        if device_budget is not None and not device_budget > 0:
+            raise ValueError(f"device_budget must be > 0 (a fraction of the fp16 K/V bytes) or None, "
+                             f"got {device_budget!r}")
+        self.device_budget = device_budget
+        self.transient_repairs = 0    # persistent repairs refused by the device budget (served transient)
+        self.bytes_transient = 0      # their page-in bytes
+        self.released = 0             # held (repaired) entries released back to their codes by the budget
+        self.n_held = 0               # entries (K and V counted apart) currently held exact by persistent repair
+        self.compacted = False        # an eviction merged the chunks (dither keys of the codes are lost)
         self.write_block = write_block
         self.layer = layer
         self.key_codec = key_codec
@@ -103,9 +135,10 @@ class LayerStore:
     # ----------------------------------------------------------------------------------------- write
     def _init(self, k: torch.Tensor, v: torch.Tensor) -> None:
         pin = torch.cuda.is_available()
-        self.k = _Tensorstore(self.key_codec, k[:, :, :0].to("cpu") if pin else k[:, :, :0], pin, self.write_block)
+        self.k = _Tensorstore(self.key_codec, k[:, :, :0].to("cpu") if pin else k[:, :, :0], pin, self.write_block,
+                              k.device)
         self.v = _Tensorstore(self.value_codec, v[:, :, :0].to("cpu") if pin else v[:, :, :0], pin,
-                              self.write_block)
+                              self.write_block, v.device)
         b, h, _, d = k.shape
         z = k.new_zeros((b, h, 0), dtype=torch.float32)
         self.k_band = GrowBuffer(k.new_zeros((b, h, 0, self.bands), dtype=torch.float32))
@@ -143,6 +176,7 @@ class LayerStore:
             ts.host.append(x.to(ts.host.dtype).to(ts.host.view().device))
             ts.served.append(x.to(torch.float32))
             ts.exact.append(torch.ones(b, h, t, dtype=torch.bool, device=x.device))
+            ts.held.append(torch.zeros(b, h, t, dtype=torch.bool, device=x.device))
         self.k_band.append(k.new_zeros((b, h, t, self.bands), dtype=torch.float32))
         self.k_wit.append(k.new_zeros((b, h, t), dtype=torch.float32))
         self.k_hat_norm.append(norm_up_f32(k))
@@ -153,6 +187,7 @@ class LayerStore:
         self.appended += t
         if self.k_steps is not None:
             self.k_steps.append(k.new_zeros((b, h, t, self.k_steps.view().shape[-1]), dtype=torch.float32))
+        self._release_over_budget()
 
     def encode_pending(self, flush: bool = False) -> None:
         """Push every encodable pending token through its codec and record the write-time witnesses.
@@ -169,10 +204,10 @@ class LayerStore:
             if n == 0:
                 continue
             lo, hi = ts.n_encoded, ts.n_encoded + n
-            x = ts.host.view()[:, :, lo:hi].to(torch.float32)
+            x = ts.host.view()[:, :, lo:hi].to(ts.served.view().device, torch.float32)   # encode on the device tier
             finite = torch.isfinite(x).all(dim=-1)                       # [B, H, n]
             other = (self.v if is_key else self.k).host.view()[:, :, lo:hi]
-            finite &= torch.isfinite(other).all(dim=-1)                  # keep K and V of a bad token exact
+            finite &= torch.isfinite(other).all(dim=-1).to(finite.device)   # keep K and V of a bad token exact
             keep = (~finite) | self._keep_exact_rows.view(-1, 1, 1).to(finite.device)
             xin = torch.where(finite.unsqueeze(-1), x, torch.zeros_like(x))
             key = None
@@ -183,31 +218,42 @@ class LayerStore:
             packed = ts.codec.encode(xin, key=key)
             xhat = ts.codec.decode(packed, key=key).to(torch.float32)
             xhat = torch.where(keep.unsqueeze(-1), x, xhat)
-            ts.chunks.append(_Chunk(self.base + lo, self.base + hi, packed))
+            ts.chunks.append(_Chunk(self.base + lo, self.base + hi, packed, key))
             ts.served.view()[:, :, lo:hi] = xhat
             ts.exact.view()[:, :, lo:hi] = keep
-            resid = torch.where(keep.unsqueeze(-1), 0.0, xhat.to(torch.float64) - x.to(torch.float64))
+            wit = self._witnesses(is_key, x, xhat, keep, ts.codec.steps(packed))
             if is_key:
                 self.nonfinite += int((~finite).sum())
                 self.fail_closed += int((finite & keep).sum())
-                rho = round_up_f32(band_norms(resid, self.bands, self.pairing))
-                self.k_band.view()[:, :, lo:hi] = rho
-                self.k_wit.view()[:, :, lo:hi] = round_up_f32(rho.to(torch.float64).sum(-1)
-                                                              * (1.0 + 2.0 * (self.bands + 2) * 2.0**-53))
-                self.k_hat_norm.view()[:, :, lo:hi] = norm_up_f32(torch.where(keep.unsqueeze(-1), 0.0, xhat))
-                steps = ts.codec.steps(packed)
-                if steps is not None:
-                    steps = torch.where(keep.unsqueeze(-1), torch.zeros_like(steps), steps.to(torch.float32))
-                    if self.k_steps is None:
-                        self.k_steps = GrowBuffer(steps[:, :, :0])
-                        self.k_steps.append(torch.zeros(*steps.shape[:2], ts.host.n, steps.shape[-1]))
-                    self.k_steps.view()[:, :, lo:hi] = steps
-            else:
-                self.v_res.view()[:, :, lo:hi] = norm_up_f32(resid)
-                served = torch.where(keep.unsqueeze(-1), 0.0, xhat)
-                self.v_hat_norm.view()[:, :, lo:hi] = norm_up_f32(served)
-                self.v_dist.view()[:, :, lo:hi] = norm_up_f32(served.to(torch.float64) - self.v_centre)
+                if "k_steps" in wit and self.k_steps is None:
+                    steps = wit["k_steps"]
+                    self.k_steps = GrowBuffer(steps[:, :, :0])
+                    self.k_steps.append(torch.zeros(*steps.shape[:2], ts.host.n, steps.shape[-1]))
+            for name, val in wit.items():
+                getattr(self, name).view()[:, :, lo:hi] = val
             ts.n_encoded = hi
+
+    def _witnesses(self, is_key: bool, x: torch.Tensor, xhat: torch.Tensor, keep: torch.Tensor,
+                   steps: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Write-time witnesses ``{buffer name: [B, H, n(, ·)] values}`` of a token range with exact values
+        ``x``, served values ``xhat`` (the decoded codes, or ``x`` itself where ``keep``) and ``keep`` (entries
+        served exact: residual 0): for keys the band norms ``ρ_{t,b}`` of ``x̂ − x`` (rounded up),
+        ``W_t ≥ Σ_b ρ_{t,b}`` (float64 summation slack included), ``‖k̂_t‖`` and the Tier-B steps; for values
+        ``‖Δv_t‖``, ``‖v̂_t‖`` and ``‖v̂_t − c‖``, all rounded up to float32. The norms are those of what is
+        *served*, exact entries included (the logit slack and the output bound's spread and ``vmax`` range over
+        them); only non-finite entries, whose reads fail closed, get 0 so the witnesses stay finite."""
+        resid = torch.where(keep.unsqueeze(-1), 0.0, xhat.to(torch.float64) - x.to(torch.float64))
+        served = torch.where(torch.isfinite(xhat).all(-1, keepdim=True), xhat, 0.0)
+        if is_key:
+            rho = round_up_f32(band_norms(resid, self.bands, self.pairing))
+            out = {"k_band": rho,
+                   "k_wit": round_up_f32(rho.to(torch.float64).sum(-1) * (1.0 + 2.0 * (self.bands + 2) * 2.0**-53)),
+                   "k_hat_norm": norm_up_f32(served)}
+            if steps is not None:
+                out["k_steps"] = torch.where(keep.unsqueeze(-1), torch.zeros_like(steps), steps.to(torch.float32))
+            return out
+        return {"v_res": norm_up_f32(resid), "v_hat_norm": norm_up_f32(served),
+                "v_dist": norm_up_f32(served.to(torch.float64) - self.v_centre)}
 
     # ------------------------------------------------------------------------------------ maintenance
     def make_exact(self, b: int, h: int, tokens: slice | torch.Tensor) -> int:
@@ -217,9 +263,11 @@ class LayerStore:
         assert self.k is not None and self.v is not None
         moved = 0
         for ts in (self.k, self.v):
-            ts.served.view()[b, h, tokens] = ts.host.view()[b, h, tokens].to(torch.float32)
+            ts.served.view()[b, h, tokens] = ts.host.view()[b, h, tokens].to(ts.served.view().device, torch.float32)
             newly = ~ts.exact.view()[b, h, tokens]
             moved += int(newly.sum()) * ts.host.view().shape[-1] * 2
+            ts.held.view()[b, h, tokens] |= newly
+            self.n_held += int(newly.sum())
             ts.exact.view()[b, h, tokens] = True
         self.k_band.view()[b, h, tokens] = 0.0
         self.k_wit.view()[b, h, tokens] = 0.0
@@ -232,6 +280,71 @@ class LayerStore:
             self.k_steps.view()[b, h, tokens] = 0.0
         return moved
 
+    # --------------------------------------------------------------------------------- device budget
+    def persist(self, b: int, h: int, tokens: slice | torch.Tensor) -> bool:
+        """Persistent repair of ``tokens`` of (row b, KV head h) within the device budget.
+
+        Kept (:meth:`make_exact`, returns True) iff ``bytes_device + added <= device_budget·bytes_fp16`` with
+        ``added`` the 16-bit bytes of the entries it makes exact; otherwise nothing is kept (the caller has
+        already served the read exact from the host tier: a *transient* page-in), the refusal and its page-in
+        bytes are counted, and False is returned. After an eviction merged a dithered store's chunks the codes
+        cannot be re-decoded for a later release, so repairs are then always transient under a budget.
+        """
+        assert self.k is not None and self.v is not None
+        if self.device_budget is None:
+            self.make_exact(b, h, tokens)
+            return True
+        added = sum(int((~ts.exact.view()[b, h, tokens]).sum()) * ts.host.shape[-1] * EXACT_BYTES
+                    for ts in (self.k, self.v))
+        locked = self.compacted and (self.key_codec.needs_key or self.value_codec.needs_key)
+        if locked or self.bytes_device() + added > self.device_budget * self.bytes_fp16():
+            n = int(torch.ones(self.n, dtype=torch.bool)[tokens].sum())
+            self.transient_repairs += 1
+            self.bytes_transient += n * (self.k.host.shape[-1] + self.v.host.shape[-1]) * self.k.host.dtype.itemsize
+            return False
+        self.make_exact(b, h, tokens)
+        return True
+
+    def held_heads(self) -> torch.Tensor:
+        """``[B, H]`` bool: the (row, KV head) holds an entry kept exact by a persistent repair."""
+        assert self.k is not None and self.v is not None
+        return self.k.held.view().any(-1) | self.v.held.view().any(-1)
+
+    def _release_over_budget(self) -> None:
+        """Release held (persistently repaired) entries, newest chunk first, K then V, until
+        ``bytes_device <= device_budget·bytes_fp16`` or nothing is held. A released entry is served from its
+        codes again with the write-time witnesses :meth:`_witnesses` computes from its exact original — the
+        same values as at encode time, so every later certificate stays valid."""
+        if self.device_budget is None or self.k is None or self.n_held == 0:   # O(1) on the decode path
+            return
+        assert self.v is not None
+        limit = self.device_budget * self.bytes_fp16()
+        if self.bytes_device() <= limit:
+            return
+        for is_key, ts in ((True, self.k), (False, self.v)):
+            for c in reversed(ts.chunks):
+                lo, hi = max(c.start - self.base, 0), c.stop - self.base
+                held = ts.held.view()[:, :, lo:hi]
+                if hi <= lo or not bool(held.any()) or (ts.codec.needs_key and c.key is None):
+                    continue
+                off = lo - (c.start - self.base)
+                x = ts.host.view()[:, :, lo:hi].to(torch.float32)
+                xhat = ts.codec.decode(c.packed, key=c.key).to(torch.float32)[:, :, off:]
+                steps = ts.codec.steps(c.packed)
+                wit = self._witnesses(is_key, x, xhat, torch.zeros_like(held), None if steps is None
+                                      else steps[:, :, off:])
+                served = ts.served.view()[:, :, lo:hi]
+                served.copy_(torch.where(held.unsqueeze(-1), xhat, served))
+                for name, val in wit.items():
+                    old = getattr(self, name).view()[:, :, lo:hi]
+                    old.copy_(torch.where(held.view(*held.shape, *([1] * (val.dim() - 3))), val, old))
+                ts.exact.view()[:, :, lo:hi] &= ~held
+                self.released += int(held.sum())
+                self.n_held -= int(held.sum())
+                held.zero_()
+                if self.bytes_device() <= limit:
+                    return
+
     def _token_buffers(self) -> tuple[GrowBuffer, ...]:
         """The per-token witness and position buffers (trimmed and gathered together with the tiers)."""
         return (self.k_band, self.k_wit, self.k_hat_norm, self.v_res, self.v_hat_norm, self.v_dist,
@@ -243,10 +356,11 @@ class LayerStore:
             return
         assert self.v is not None
         for ts in (self.k, self.v):
-            for buf in (ts.host, ts.served, ts.exact):
+            for buf in (ts.host, ts.served, ts.exact, ts.held):
                 buf.drop_before(start)
             ts.n_encoded = max(ts.n_encoded - start, 0)
             ts.chunks = [c for c in ts.chunks if c.stop > self.base + start]
+        self.n_held = sum(int(ts.held.view().sum()) for ts in (self.k, self.v))
         for buf in self._token_buffers():
             buf.drop_before(start)
         if self.k_steps is not None:
@@ -283,10 +397,12 @@ class LayerStore:
                 self.evicted[name].append(moved)
         for ts in (self.k, self.v):
             ts.chunks = [_Chunk(0, keep.shape[-1], _gather_packed(ts.chunks, keep))] if ts.chunks else []
-            for buf in (ts.host, ts.served, ts.exact):
+            for buf in (ts.host, ts.served, ts.exact, ts.held):
                 buf.gather(keep)
             ts.n_encoded = keep.shape[-1]
             ts.last_encoded = 0
+        self.compacted = True
+        self.n_held = sum(int(ts.held.view().sum()) for ts in (self.k, self.v))
         for buf in self._token_buffers():
             buf.gather(keep)
         if self.k_steps is not None:
@@ -294,7 +410,8 @@ class LayerStore:
 
     # ---------------------------------------------------------------------------------------- bytes
     def bytes_stored(self) -> int:
-        """Device-tier bytes measured from the stored tensors: packed chunks + exact entries (fp16)."""
+        """K/V bytes of the device tier measured from the stored tensors: packed chunks + exact entries (16-bit);
+        witnesses excluded (see :meth:`bytes_device` for everything resident)."""
         if self.k is None:
             return 0
         assert self.v is not None
@@ -311,11 +428,16 @@ class LayerStore:
         return (self.k.host.view().numel() + self.v.host.view().numel()) * 2
 
     def bytes_witness(self) -> int:
-        """Write-time witness bytes (band norms, norms, Tier-B steps)."""
+        """Write-time witness bytes (band norms, norms, Tier-B steps, the value centre)."""
         if self.k is None:
             return 0
-        total = sum(buf.nbytes for buf in self._token_buffers()[:-1])
+        total = sum(buf.nbytes for buf in self._token_buffers()[:-1]) + self.v_centre.nbytes
         return total + (self.k_steps.nbytes if self.k_steps is not None else 0)
+
+    def bytes_device(self) -> int:
+        """Everything resident on the device tier (measured): :meth:`bytes_stored` (codes, scales,
+        zero-points, exact entries at 16 bits) + :meth:`bytes_witness`. See the module docstring."""
+        return self.bytes_stored() + self.bytes_witness()
 
     def bytes_host(self) -> int:
         """Host-tier bytes (exact originals)."""

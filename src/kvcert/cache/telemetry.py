@@ -14,6 +14,11 @@ Live chain readings (per cell, the inputs of the per-layer dense contract chain
 ``qnorm`` the score-bridge coefficient ``sc·max‖q‖₂`` over the read's queries, ``logit_slack`` the largest
 float32 rounding slack ``φ_t`` of the read's logits. Recorded by the meter-gated read path (not the ladder).
 
+``uncompressed_layers``: sliding-window layers whose window can never hold one encodable write block, so
+they stay exact and contribute no cell (the cache warns at construction). With zero recorded cells every
+rate is NaN from its property and ``None`` in :meth:`Telemetry.summary` (whose key set never depends on
+what was read).
+
 Eviction (a selection operator): ``evicted_mass`` is the exact attention mass on evicted entries,
 ``TV(exact full attention, exact attention renormalised over the kept set)``, **measured** in validate
 mode from the evicted archive; ``evicted_mass_serving`` is the mass the evicted entries held on the last
@@ -25,6 +30,8 @@ of Belady's kept set (computed on the run's own exact trace) that the policy hel
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
@@ -49,7 +56,18 @@ TIERS: dict[str, str] = {
     "witness": "certified (band witness W_t >= ‖Δk_t‖, max over the KV head's tokens)",
     "qnorm": "certified (score-bridge coefficient sc·max‖q‖₂, exact per read)",
     "logit_slack": "certified (float32 logit rounding bound, max over the read)",
+    "bytes_device": "measured (Σ nbytes of every tensor resident on the device tier at the end: codes, scales, "
+                    "witnesses, exact entries at 16 bits)",
+    "bytes_host": "measured (exact host-tier copy)",
+    "bytes_paged": "measured (host -> device page-in traffic over the request)",
+    "capacity": "measured (bytes_fp16 / bytes_device)",
+    "fallback_rate": "measured (share of recorded KV-head reads served partly from an exact copy: paged in at the "
+                     "read or kept by an earlier persistent repair)",
 }
+
+
+def _warn_deprecated(name: str, use: str) -> None:
+    warnings.warn(f"Telemetry.{name} is deprecated; use {use}", DeprecationWarning, stacklevel=3)
 
 
 @dataclass(frozen=True)
@@ -107,6 +125,7 @@ class StepRecord:
     violations: int = 0
     out_violations: int = 0
     chain: ChainInputs | None = None          # the dense chain's inputs (certified reads of the default path)
+    held: torch.Tensor | None = None          # [B, Hkv] entries kept exact by an earlier persistent repair
 
     @cached_property
     def _chain_readings(self) -> dict[str, torch.Tensor]:
@@ -121,6 +140,9 @@ class StepRecord:
             return rep | (blocks > 0) | promoted
         if name == "blocks":
             return self.heads[1]
+        if name == "fallback":   # served partly from an exact copy: paged in now or held from an earlier repair
+            rep = self.reading("repaired")
+            return rep if self.held is None else rep | self.held
         if name in ("witness", "qnorm", "logit_slack"):
             return self._chain_readings.get(name)
         raise ValueError(f"unknown step reading {name!r}")
@@ -162,7 +184,7 @@ class Telemetry:
     group_size: int
     violations: int                   # validate: cells with true TV > certificate
     out_violations: int               # validate: cells with true output error > output bound
-    bytes_stored: int
+    bytes_stored: int                 # device K/V: codes + exact entries (witnesses excluded; see bytes_device)
     bytes_fp16: int
     bytes_paged: int
     bytes_host: int
@@ -179,6 +201,13 @@ class Telemetry:
     witness: torch.Tensor | None = None               # [steps, layers, B, Hq] live chain readings (see module doc)
     qnorm: torch.Tensor | None = None
     logit_slack: torch.Tensor | None = None
+    uncompressed_layers: tuple[int, ...] = ()         # sliding layers whose window never holds a write block
+    bytes_device: int = 0                             # everything resident on the device tier at the end
+    fallback: torch.Tensor | None = None              # [steps, layers, B, Hkv] bool (see fallback_rate)
+    transient_page_ins: int = 0                       # persistent repairs the device budget served transient
+    bytes_transient: int = 0                          # their page-in bytes (included in bytes_paged)
+    released_entries: int = 0                         # held entries released back to their codes by the budget
+    device_budget: float | None = None                # fraction of bytes_fp16 the repair path may fill
     tiers: dict[str, str] = field(default_factory=lambda: dict(TIERS))
 
     @property
@@ -221,15 +250,33 @@ class Telemetry:
 
     @property
     def fallback_rate(self) -> float:
-        """Fraction of recorded KV-head reads that paged anything in from the host tier."""
+        """Per read: the fraction of recorded KV-head reads that served at least one entry from an exact copy —
+        paged in from the host tier at that read (head / block repair, value promotion) or kept on the device
+        by an earlier persistent repair. A persistent gate that made a head exact at its first read therefore
+        counts on every later read of that head, not once."""
         rec = self.recorded
         s, l_, b, hq = rec.shape
         rec_kv = rec.reshape(s, l_, b, hq // self.group_size, self.group_size).any(-1)
-        return float(self.repaired[rec_kv].double().mean()) if rec_kv.any() else float("nan")
+        flags = self.repaired if self.fallback is None else self.fallback
+        return float(flags[rec_kv].double().mean()) if rec_kv.any() else float("nan")
+
+    @property
+    def capacity(self) -> float:
+        """``bytes_fp16 / bytes_device``: how many times more tokens than an fp16 cache fit in the same device
+        memory (measured, at the end of the request)."""
+        return self.bytes_fp16 / self.bytes_device if self.bytes_device else float("nan")
+
+    @property
+    def page_in_ratio(self) -> float:
+        """``bytes_paged / bytes_fp16``: page-in traffic over the request relative to its fp16 K/V (bandwidth,
+        measured; reported apart from capacity)."""
+        return self.bytes_paged / self.bytes_fp16 if self.bytes_fp16 else float("nan")
 
     @property
     def effective_bits(self) -> float:
-        """Stored bits per K/V element after gating: ``b_eff = (1 − f_fb)·b_stored + 16·f_fb``."""
+        """Deprecated (folds page-in traffic into a storage figure): use :attr:`capacity` (device bytes) and
+        :attr:`page_in_ratio` (bandwidth). Value unchanged: ``(1 − f_fb)·16·bytes_stored/bytes_fp16 + 16·f_fb``."""
+        _warn_deprecated("effective_bits", "capacity and page_in_ratio")
         if self.bytes_fp16 == 0:
             return float("nan")
         b_stored = 16.0 * self.bytes_stored / self.bytes_fp16
@@ -244,7 +291,15 @@ class Telemetry:
         return float(self.certificates[rec].max()) if rec.any() else float("nan")
 
     def summary(self) -> dict[str, float | int | str | None]:
-        """Flat dictionary of headline numbers, each key suffixed by nothing; tiers are in ``self.tiers``."""
+        """Flat dictionary of headline numbers, each key suffixed by nothing; tiers are in ``self.tiers``.
+
+        The key set depends only on the cache's configuration, never on what was read: with zero recorded
+        cells (e.g. a decode that ended at its first token) ``cells`` is 0 and every rate or maximum over
+        cells (coverage, informative fraction, fallback rate, maximum certificate, ...) is ``None`` ("n/a":
+        nothing to count), where the properties themselves return NaN.
+
+        Bytes are measured: ``bytes_device`` (capacity) and ``bytes_paged`` (bandwidth) are separate numbers;
+        ``effective_bits`` (deprecated) is no longer listed."""
         out: dict[str, float | int | str | None] = {
             "cells": self.cells,
             "coverage_q@0.2": self.coverage(0.2, "q_head"),
@@ -254,13 +309,18 @@ class Telemetry:
             "fallback_rate": self.fallback_rate,
             "violations": self.violations if self.true_tv is not None else None,
             "out_violations": self.out_violations if self.true_out_err is not None else None,
-            "bytes_stored": self.bytes_stored,
+            "bytes_device": self.bytes_device,
             "bytes_fp16": self.bytes_fp16,
+            "capacity": self.capacity,
+            "bytes_host": self.bytes_host,
             "bytes_paged": self.bytes_paged,
-            "effective_bits": self.effective_bits,
+            "page_in_ratio": self.page_in_ratio,
+            "transient_page_ins": self.transient_page_ins,
+            "bytes_stored": self.bytes_stored,
             "nonfinite": self.nonfinite,
             "fail_closed": self.fail_closed,
             "gate": self.gate,
+            "uncompressed_layers": len(self.uncompressed_layers),
         }
         if self.tier_b is not None:
             out["coverage_tier_b_kv@0.2"] = self.coverage(0.2, "kv_head", which="tier_b")
@@ -274,7 +334,7 @@ class Telemetry:
         if self.belady_overlap is not None:
             live = self.belady_overlap[~torch.isnan(self.belady_overlap)]
             out["mean_belady_overlap"] = float(live.mean()) if live.numel() else float("nan")
-        return out
+        return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in out.items()}
 
 
 def stack_records(records: list[StepRecord] | list[EvictRecord], layers: int, steps: int,

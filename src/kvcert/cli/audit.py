@@ -17,16 +17,46 @@ import typer
 from rich.console import Console
 
 from kvcert.cache.telemetry import Telemetry
-from kvcert.cli.common import ModelOption, bad_parameter, command_line, default_out, load_model, parse_schemes, set_seed
+from kvcert.cli.common import ModelOption, command_line, default_out, load_model, parse_schemes, set_seed
+from kvcert.cli.validate import (
+    OverwriteOption,
+    at_least,
+    checked_inputs,
+    context_fits,
+    fail,
+    model_max_positions,
+    prepare_out,
+    ruler_tasks,
+)
 from kvcert.eval import ruler
 from kvcert.eval.branching import Scheme, run_branches
 from kvcert.eval.harness import prompt_ids
 from kvcert.report import aggregate, figures
 from kvcert.report.html import write_html
 from kvcert.report.results import CERTIFIED, EMPIRICAL, PARTIAL, build_document, tiered, write_results
-from kvcert.report.tables import ReportTable, fmt, to_rich
+from kvcert.report.tables import ReportTable, fmt, print_table
 
 TAU = 0.2
+QUANTILES = {"p10": 0.1, "median": 0.5, "p90": 0.9}
+
+
+def tightness(tel: Telemetry) -> dict[str, float]:
+    """Distribution of ``true TV / certificate`` over the recorded cells with a positive certificate
+    (validate mode): ``p10`` / ``median`` / ``p90`` over all of them, the same over the *informative* cells
+    (unclipped meter < 1, where the bound says something), and the cell counts. Soundness means every ratio is
+    ``<= 1``; a ratio near 1 means the bound is tight, near 0 that it is loose. Empirical (measured TV over a
+    certified bound). NaN where no cell qualifies."""
+    if tel.true_tv is None:
+        raise ValueError("tightness needs validate-mode telemetry (true_tv)")
+    rec = tel.recorded
+    cert, tv, raw = tel.certificates[rec], tel.true_tv[rec], tel.raw[rec]
+    out: dict[str, float] = {}
+    for scope, keep in (("", cert > 0), ("informative_", (cert > 0) & (raw < 1))):
+        ratio = (tv[keep] / cert[keep]).double()
+        for name, q in QUANTILES.items():
+            out[f"tightness_{scope}{name}"] = float(torch.quantile(ratio, q)) if ratio.numel() else float("nan")
+        out[f"tightness_{scope}cells"] = int(keep.sum())
+    return out
 
 
 def audit_numbers(tel: Telemetry) -> dict[str, Any]:
@@ -46,7 +76,10 @@ def audit_numbers(tel: Telemetry) -> dict[str, Any]:
             float(aggregate.cells([tel], "true_tv").max()) if tel.cells else None, EMPIRICAL
         ),
         "bytes_stored": tiered(tel.bytes_stored, EMPIRICAL),
+        "bytes_device": tiered(tel.bytes_device, EMPIRICAL),
+        "capacity": tiered(tel.capacity, EMPIRICAL),
         "bytes_fp16": tiered(tel.bytes_fp16, EMPIRICAL),
+        **{k: tiered(v, EMPIRICAL) for k, v in tightness(tel).items()},
         "fail_closed": tiered(tel.fail_closed, EMPIRICAL),
         "per_layer": [
             {
@@ -113,21 +146,31 @@ def audit_figures(tel: Telemetry, label: str, out: Path) -> list[Path]:
 def _input_ids(
     loaded: Any, prompt_file: Path | None, task: str | None, context: int, seed: int
 ) -> torch.Tensor:
-    if (prompt_file is None) == (task is None):
-        raise typer.BadParameter("give exactly one of --prompt-file or --task")
     if prompt_file is not None:
-        if not prompt_file.is_file():
-            raise typer.BadParameter(f"prompt-file {prompt_file} does not exist")
         text = prompt_file.read_text(encoding="utf-8")
         ids = loaded.tokenizer(text, return_tensors="pt").input_ids
         if ids.shape[1] < 2:
-            raise typer.BadParameter(f"prompt-file {prompt_file} holds fewer than 2 tokens")
+            fail("audit", f"--prompt-file {prompt_file} holds fewer than 2 tokens")
         return ids
     assert task is not None
-    if task not in ruler.TASK_NAMES:
-        raise typer.BadParameter(f"task: unknown RULER task {task!r}; supported are {list(ruler.TASK_NAMES)}")
     sample = ruler.load_task(task, context, 1, seed, loaded.tokenizer_dir)[0]
     return prompt_ids(loaded.tokenizer, sample)
+
+
+def _check_prompt(prompt_file: Path | None, task: str | None, context: int) -> None:
+    """Exactly one prompt source: a readable UTF-8 text file, or a RULER task at a context it supports."""
+    if (prompt_file is None) == (task is None):
+        raise ValueError("give exactly one of --prompt-file or --task")
+    if prompt_file is not None:
+        if not prompt_file.is_file():
+            raise ValueError(f"--prompt-file {prompt_file} does not exist")
+        try:
+            prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--prompt-file {prompt_file} is not readable UTF-8 text ({type(exc).__name__})") from None
+    else:
+        assert task is not None
+        ruler_tasks((task,), context)
 
 
 def audit(
@@ -142,19 +185,22 @@ def audit(
     out: Annotated[
         Path | None, typer.Option(help="report directory (default runs/audit-<timestamp>)")
     ] = None,
+    overwrite: OverwriteOption = False,
 ) -> None:
     """Per layer × head certificate heatmap, saturation map, coverage vs τ, Tier A vs Tier B (dithered keys)
     and the validate-mode true TV beside the bound. Exits 1 if any cell's true TV exceeds its certificate."""
     console = Console()
-    try:
+    out = out or default_out("audit")
+    with checked_inputs("audit"):
         spec = parse_schemes(keys if values is None else f"{keys}/{values}")[0]
-    except ValueError as exc:
-        raise bad_parameter(exc) from exc
-    if max_new_tokens < 1:
-        raise typer.BadParameter(f"max-new-tokens must be >= 1, got {max_new_tokens}")
+        at_least("max-new-tokens", max_new_tokens, 1)
+        _check_prompt(prompt_file, task, context)
+        positions = model_max_positions(model)
+        if task is not None:
+            context_fits(context, positions)
+        prepare_out(out, overwrite)
     t0 = time.time()
     set_seed(seed)
-    out = out or default_out("audit")
     loaded = load_model(model, seed)
     ids = _input_ids(loaded, prompt_file, task, context, seed)
     console.print(f"auditing {spec.label} on {ids.shape[1]} prompt tokens (validate mode) ...")
@@ -201,8 +247,16 @@ def audit(
         "informative_fraction",
         "max_certificate",
         "max_true_tv",
+        "tightness_p10",
+        "tightness_median",
+        "tightness_p90",
+        "tightness_cells",
+        "tightness_informative_median",
+        "tightness_informative_cells",
         "violations",
         "fail_closed",
+        "bytes_device",
+        "capacity",
     )
     table = ReportTable(
         f"audit {spec.label} on {model}",
@@ -212,12 +266,15 @@ def audit(
     html_path = write_html(
         out / "report.html",
         f"kvcert audit: {spec.label}",
-        [f"{ids.shape[1]} prompt tokens, {len(res.tokens)} decoded tokens, validate mode."],
+        [f"{ids.shape[1]} prompt tokens, {len(res.tokens)} decoded tokens, validate mode.",
+         "tightness = true TV / certificate per cell with a positive certificate (p10, median, p90; "
+         "'informative' restricts to cells whose unclipped meter is < 1): 1 is a tight bound, 0 a loose one, "
+         "above 1 a violation. Empirical (measured TV over a certified bound)."],
         [table],
         figs,
         command_line(),
     )
-    console.print(to_rich(table))
+    print_table(console, table)
     console.print(f"results: {json_path}\nreport: [bold]{html_path}[/]")
     if tel.violations:
         console.print(

@@ -21,7 +21,7 @@ _SQLITE_MAGIC = b"SQLite format 3\x00"
 
 def _load_run(run: Path) -> list[dict[str, Any]]:
     """The snapshots of a run: one (see :func:`_load`), or one per rank of a replica run directory that holds
-    ``rank{r}/`` subdirectories (:mod:`kvcert.ledger.replicas`)."""
+    ``rank{r}/`` subdirectories (:mod:`kvcert.serving.replicas`)."""
     if run.is_dir() and not any((run / name).is_file() for name in ("ledger.json", "ledger.db")):
         ranks = sorted((p for p in run.iterdir() if p.is_dir() and re.fullmatch(r"rank\d+", p.name)), key=str)
         if ranks:

@@ -9,6 +9,7 @@ import typer
 from kvcert.cli.audit import audit
 from kvcert.cli.codecs import codecs
 from kvcert.cli.evaluate import evaluate
+from kvcert.cli.frontier import frontier
 from kvcert.cli.merge import merge
 from kvcert.cli.ppl import ppl
 from kvcert.cli.probe import app as probe_app
@@ -25,6 +26,7 @@ app.command("eval")(evaluate)
 app.command("ppl")(ppl)
 app.command("merge")(merge)
 app.command("codecs")(codecs)
+app.command("frontier")(frontier)
 app.add_typer(probe_app, name="probe")
 if importlib.util.find_spec("kvcert.cli.ledger") is not None:
     from kvcert.cli.ledger import app as ledger_app

@@ -68,20 +68,25 @@ def greedy_from(model: torch.nn.Module, first: torch.Tensor, cache: object, max_
             toks.append(t)
             if len(toks) == max_new_tokens:
                 break
-            out = model(nxt, past_key_values=cache, use_cache=True)
+            out = model(nxt, cache=cache, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
     return toks
+
+
+def exact_prefill(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
+    """Prefill ``input_ids[1, T]`` into an exact ``DynamicCache``; return it and the greedy first token."""
+    if input_ids.shape[0] != 1:
+        raise ValueError("branches take one prompt at a time (batch 1)")
+    with torch.no_grad():
+        pre = DynamicCache(config=model.config)
+        out = model(input_ids, cache=pre, use_cache=True)
+    return pre, out.logits[:, -1:].argmax(-1)
 
 
 def run_branches(model: torch.nn.Module, input_ids: torch.Tensor, schemes: Sequence[Scheme],
                  max_new_tokens: int, eos_ids: Sequence[int], seed: int = 0) -> list[BranchResult]:
     """Prefill ``input_ids[1, T]`` once (exact), then decode each scheme from that prefill."""
-    if input_ids.shape[0] != 1:
-        raise ValueError("run_branches takes one prompt at a time (batch 1)")
-    with torch.no_grad():
-        pre = DynamicCache(config=model.config)
-        out = model(input_ids, past_key_values=pre, use_cache=True)
-    first = out.logits[:, -1:].argmax(-1)
+    pre, first = exact_prefill(model, input_ids)
     results = []
     for scheme in schemes:
         if scheme.is_dense:

@@ -10,7 +10,7 @@ the logit error is the same whichever basis it is measured in, and the store's T
 the residual ``x̂ − x`` of the *served* keys in the original channel basis, over whole RoPE pairs) bounds it for
 any query with no change to the read path. The rotation spreads outlier channels over the block, so the
 amax of a group — hence the step and the residual — shrinks on keys with outlier channels
-(``docs/math.md`` §5). Stored tensors are those of the inner RTN codec (the sign vector is regenerated from
+(``docs/math.md#rotated-key-codecs``). Stored tensors are those of the inner RTN codec (the sign vector is regenerated from
 ``seed``, like the dither of ``dither-int8``); bytes are measured from them.
 """
 
@@ -62,7 +62,7 @@ def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """``R x = H_n(σ ⊙ x)/√n`` blockwise (``signs[D]`` ±1, ``x[..., D]``), in ``x``'s precision (at least float32).
 
     Rounding is harmless: the encoder quantises whatever ``y`` it computes, and the store's witness measures the
-    residual of the key it finally serves against the exact key (``docs/math.md`` §5)."""
+    residual of the key it finally serves against the exact key (``docs/math.md#rotated-key-codecs``)."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     n = hadamard_block(x.shape[-1])
     return _blockwise(x.to(dtype) * signs.to(dtype), n) / math.sqrt(n)

@@ -26,6 +26,33 @@ def stored_fraction(tels: Sequence[Telemetry]) -> float:
     return sum(t.bytes_stored for t in tels) / fp16 if fp16 else float("nan")
 
 
+def byte_numbers(tels: Sequence[Telemetry]) -> dict[str, float]:
+    """Measured byte figures of a variant pooled over its samples, capacity and bandwidth kept apart.
+
+    ``bytes_device`` / ``bytes_fp16`` / ``page_in_bytes`` / ``transient_page_ins`` are sums over samples;
+    ``capacity = Σ bytes_fp16 / Σ bytes_device``; ``page_in_ratio = Σ bytes_paged / Σ bytes_fp16`` (page-in
+    traffic relative to the requests' fp16 K/V); ``bytes_per_token_*`` scale the fp16 bytes of one token
+    (:func:`fp16_bytes_per_token`) by the device resp. stored (codes + exact entries) fraction.
+    """
+    fp16 = sum(t.bytes_fp16 for t in tels)
+    device = sum(t.bytes_device for t in tels)
+    paged = sum(t.bytes_paged for t in tels)
+    per_token = fp16_bytes_per_token(tels[0])
+    nan = float("nan")
+    return {
+        "bytes_per_token_device": per_token * device / fp16 if fp16 else nan,
+        "bytes_per_token_stored": per_token * stored_fraction(tels),
+        "bytes_per_token_fp16": per_token,
+        "capacity": fp16 / device if device else nan,
+        "bytes_device": device,
+        "bytes_fp16": fp16,
+        "bytes_host": sum(t.bytes_host for t in tels),
+        "page_in_bytes": paged,
+        "page_in_ratio": paged / fp16 if fp16 else nan,
+        "transient_page_ins": sum(t.transient_page_ins for t in tels),
+    }
+
+
 def pooled(tels: Sequence[Telemetry], fn: Callable[[Telemetry], float]) -> float:
     """Cell-weighted mean of ``fn(t)`` over samples (samples with no recorded cell or NaN are skipped)."""
     num = den = 0.0

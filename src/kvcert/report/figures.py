@@ -6,6 +6,7 @@ Titles carry the tier of what is drawn (certified bound, partial, measured).
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,15 +18,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from kvcert.report.results import write_atomic  # noqa: E402
+
 TAUS = np.linspace(0.0, 1.0, 101)
 
 
 def _save(fig: plt.Figure, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=90, metadata={"Software": None})
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=90, metadata={"Software": None})
     plt.close(fig)
-    return path
+    return write_atomic(path, png.getvalue())   # never through a link at ``path``
 
 
 def layer_head_map(values: torch.Tensor, path: Path, title: str, label: str, vmax: float = 1.0) -> Path:
@@ -67,7 +70,7 @@ class AccuracyPoint:
     diff_low: float
     diff_high: float
     bytes_per_token: float
-    gated: bool
+    gated: bool | None          # None: a peer cache that is not kvcert's (no gate, no certificate)
 
 
 def accuracy_bars(points: Sequence[AccuracyPoint], baseline: float, path: Path) -> Path:
@@ -121,13 +124,17 @@ def accuracy_vs_budget(series: Mapping[str, Sequence[tuple[float, float, float, 
 def bytes_vs_accuracy(
     points: Sequence[AccuracyPoint], dense_bytes: float, baseline: float, path: Path
 ) -> Path:
-    """Scatter of effective bytes per token (``b_eff/16`` × fp16 bytes) against accuracy, dense marked."""
+    """Scatter of device-tier bytes per token (measured: codes, scales, witnesses, exact entries) against
+    accuracy: gated green, raw red, peers (``gated=None``, e.g. transformers' QuantizedCache) blue, dense
+    marked."""
     fig, ax = plt.subplots(figsize=(6, 4))
+    colours = {True: "tab:green", False: "tab:red", None: "tab:blue"}
+    names = {True: "gated", False: "raw", None: "peer"}
     for p in points:
-        ax.scatter(p.bytes_per_token, p.accuracy, color="tab:green" if p.gated else "tab:red")
+        ax.scatter(p.bytes_per_token, p.accuracy, color=colours[p.gated], label=names.pop(p.gated, None))
         ax.annotate(p.label, (p.bytes_per_token, p.accuracy), fontsize=6)
     ax.scatter([dense_bytes], [baseline], color="k", marker="*", s=80, label="dense (fp16)")
-    ax.set_xlabel("effective KV bytes per token, all layers (paged-in reads at fp16)")
+    ax.set_xlabel("device KV bytes per token at the end of the request, all layers (measured)")
     ax.set_ylabel("accuracy (empirical)")
     ax.set_title("memory vs accuracy", fontsize=9)
     ax.legend(fontsize=7)

@@ -1,0 +1,200 @@
+"""``kvcert frontier``: RULER accuracy against device bytes for every scheme raw and gated, with peer caches.
+
+Every sample is decoded by dense, each scheme raw and gated (the ``kvcert eval`` workload, paired on one
+exact prefill) and each peer — transformers' ``QuantizedCache`` (quanto int4 / int2 with its residual
+window, :mod:`kvcert.eval.peers`) — from the same exact prefill of the same prompt. Accuracy and its paired
+bootstrap CI against dense are empirical; device bytes per token are measured at the end of each request
+(kvcert: ``Telemetry.bytes_device``; peers: the tensors the cache holds); page-in traffic is reported apart.
+Writes results.json, frontier.png (accuracy vs device bytes) and report.html.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from kvcert.cache.gate import Gate
+from kvcert.cli.common import (
+    DEFAULT_SCHEMES,
+    GateOption,
+    ModelOption,
+    SchemesOption,
+    command_line,
+    default_out,
+    load_model,
+    parse_gate,
+    parse_schemes,
+    set_seed,
+)
+from kvcert.cli.progress import progress_bar
+from kvcert.cli.ruler_report import results_section, variant_numbers
+from kvcert.cli.validate import (
+    OverwriteOption,
+    at_least,
+    checked_inputs,
+    context_fits,
+    model_max_positions,
+    prepare_out,
+    ruler_tasks,
+)
+from kvcert.cli.workload import DENSE, VariantRecord, WorkloadResult, run_workload
+from kvcert.eval import ruler
+from kvcert.eval.harness import prompt_ids
+from kvcert.eval.peers import PeerResult, parse_peers, run_peers
+from kvcert.report import figures
+from kvcert.report.html import write_html
+from kvcert.report.results import EMPIRICAL, build_document, tiered, write_results
+from kvcert.report.tables import ReportTable, fmt, to_rich
+
+PEER_KIND, DEFAULT_PEERS = "peer", "quanto-int4,quanto-int2,fp8-e4m3"
+
+
+def peer_numbers(rec: VariantRecord, dense: VariantRecord, runs: list[PeerResult], fp16_token: float, seed: int,
+                 resamples: int) -> dict[str, Any]:
+    """Tiered numbers of one peer: accuracy and paired stats vs dense (empirical), device bytes (measured)."""
+    device = sum(r.bytes_device for r in runs)
+    fp16 = sum(r.bytes_fp16 for r in runs)
+    return {
+        "gate": "none (peer)",
+        "kind": PEER_KIND,
+        **variant_numbers(rec, dense, seed, resamples),
+        "bytes_per_token_device": tiered(fp16_token * device / fp16, EMPIRICAL),
+        "bytes_per_token_fp16": tiered(fp16_token, EMPIRICAL),
+        "capacity": tiered(fp16 / device, EMPIRICAL),
+        "bytes_device": tiered(device, EMPIRICAL),
+        "bytes_fp16": tiered(fp16, EMPIRICAL),
+        "page_in_ratio": tiered(0.0, EMPIRICAL),
+    }
+
+
+def frontier_table(variants: dict[str, Any]) -> ReportTable:
+    """One row per variant, sorted by device bytes per token (dense at its fp16 bytes)."""
+
+    def val(v: dict[str, Any], key: str) -> Any:
+        return v[key]["value"] if key in v else None
+
+    def dev(v: dict[str, Any]) -> float:
+        return val(v, "bytes_per_token_device") or val(v, "bytes_per_token_fp16") or float("inf")
+
+    rows = []
+    for label, v in sorted(variants.items(), key=lambda kv: dev(kv[1])):
+        low, high = val(v, "ci95_low"), val(v, "ci95_high")
+        ci = "–" if low is None else f"[{100 * low:+.1f}, {100 * high:+.1f}]"
+        rows.append((label, v["kind"], v["gate"], fmt(val(v, "accuracy"), percent=True), ci, fmt(dev(v), 4),
+                     fmt(val(v, "capacity") or (1.0 if label == DENSE else None), 2), fmt(val(v, "page_in_ratio"), 3),
+                     fmt(val(v, "coverage_kv@0.2"), percent=True)))
+    return ReportTable(
+        "accuracy vs device bytes (paired against dense on the same samples)",
+        ("variant", "kind", "gate", "acc", "Δ CI95 (pp)", "dev B/tok", "capacity", "page-in ×fp16", "cov@0.2"),
+        tuple(rows),
+        "dev B/tok = bytes resident on the device tier per token at the end of the request, all layers (kvcert: "
+        "codes, scales, witnesses, exact entries; peers: quantized states + residual window; dense: fp16 K/V); "
+        "capacity = fp16 / device bytes; page-in ×fp16 = host page-in traffic / fp16 K/V bytes. Tiers: acc, CI "
+        "empirical; bytes, capacity, page-in measured (empirical); cov@0.2 certified.",
+    )
+
+
+def frontier(
+    tasks: Annotated[str, typer.Option(help="comma-separated RULER tasks")] = "niah_single_1,niah_multikey_1",
+    context: Annotated[int, typer.Option(help="RULER sequence length in tokens")] = 2048,
+    samples: Annotated[int, typer.Option(help="samples per task")] = 2,
+    schemes: SchemesOption = DEFAULT_SCHEMES,
+    gate: GateOption = "auto",
+    peers: Annotated[str, typer.Option(help="comma-separated peers: quanto-int4, quanto-int2, fp8-e4m3 (or '')")
+                     ] = DEFAULT_PEERS,
+    residual_length: Annotated[int, typer.Option(help="peers' full-precision residual window")] = 128,
+    model: ModelOption = "smollm2-135m",
+    seed: Annotated[int, typer.Option(help="seed for data, codecs and bootstrap")] = 0,
+    max_new_tokens: Annotated[int | None, typer.Option(help="cap on RULER's generation budget")] = None,
+    resamples: Annotated[int, typer.Option(help="paired bootstrap resamples")] = 10_000,
+    out: Annotated[Path | None, typer.Option(help="report directory (default runs/frontier-<timestamp>)")] = None,
+    overwrite: OverwriteOption = False,
+) -> None:
+    """Accuracy vs device bytes per token for every scheme raw and gated and for peer caches (transformers'
+    QuantizedCache), all on the same samples: table, frontier.png and report.html."""
+    out = out or default_out("frontier")
+    with checked_inputs("frontier"):
+        task_list = tuple(t.strip() for t in tasks.split(",") if t.strip())
+        specs = parse_schemes(schemes)
+        chosen: Gate | None = parse_gate(gate)
+        peer_specs = parse_peers(peers, residual_length)
+        positions = model_max_positions(model)
+        ruler_tasks(task_list, context)
+        context_fits(context, positions)
+        at_least("samples", samples, 1)
+        at_least("resamples", resamples, 1)
+        at_least("residual-length", residual_length, 0)
+        if max_new_tokens is not None:
+            at_least("max-new-tokens", max_new_tokens, 1)
+        prepare_out(out, overwrite)
+    console, t0 = Console(), time.time()
+    set_seed(seed)
+    loaded = load_model(model, seed)
+    if positions is None:  # a zoo model converted by this load: its limit is known only now
+        with checked_inputs("frontier"):
+            context_fits(context, loaded.model.config.get_text_config().max_position_embeddings)
+    data = [s for t in task_list for s in ruler.load_task(t, context, samples, seed, loaded.tokenizer_dir)]
+    n_var = 1 + 2 * len(specs)
+    with progress_bar(f"decoding {len(data)} samples × {n_var} variants", len(data), console) as tick:
+        result = run_workload(loaded, data, specs, chosen, seed, max_new_tokens, on_sample=tick)
+    peer_recs = {p.label: VariantRecord(p.label, None, Gate.off()) for p in peer_specs}
+    peer_runs: dict[str, list[PeerResult]] = {p.label: [] for p in peer_specs}
+    with progress_bar(f"decoding {len(data)} samples × {len(peer_specs)} peers", len(data), console) as tick:
+        for i, sample in enumerate(data):
+            budget = sample.max_new_tokens if max_new_tokens is None else min(max_new_tokens, sample.max_new_tokens)
+            for res in run_peers(loaded.model, prompt_ids(loaded.tokenizer, sample), peer_specs, budget,
+                                 loaded.eos_ids):
+                text = loaded.tokenizer.decode(res.tokens, skip_special_tokens=True)
+                peer_recs[res.spec.label].predictions.append(text)
+                peer_recs[res.spec.label].scores.append(ruler.score(sample, text))
+                peer_runs[res.spec.label].append(res)
+            tick(i)
+    results = frontier_results(result, peer_recs, peer_runs, seed, resamples)
+    config = {"model": model, "tasks": list(task_list), "context": context, "samples": samples,
+              "schemes": [s.label for s in specs], "gate": gate, "peers": [p.label for p in peer_specs],
+              "residual_length": residual_length, "seed": seed, "max_new_tokens": max_new_tokens,
+              "bootstrap_resamples": resamples, "out": str(out)}
+    table = frontier_table(results["variants"])
+    png = frontier_figure(result, results, out / "frontier.png")
+    doc = build_document("frontier", config, results, seed, {"seconds": time.time() - t0}, command_line().split())
+    json_path = write_results(out / "results.json", doc)
+    html = write_html(out / "report.html", f"kvcert frontier: {model}",
+                      [f"{len(data)} RULER samples ({', '.join(task_list)}) at {context} tokens, model {model}; "
+                       f"peers decode from the same exact prefill."], [table], [png], command_line())
+    console.print(to_rich(table))
+    console.print(f"results: {json_path}\nreport: [bold]{html}[/]")
+
+
+def frontier_results(result: WorkloadResult, peer_recs: dict[str, VariantRecord],
+                     peer_runs: dict[str, list[PeerResult]], seed: int, resamples: int) -> dict[str, Any]:
+    """``results`` of results.json: the eval workload's variants (each with its ``kind``) and the peers."""
+    results = results_section(result, seed, resamples)
+    for rec in result.variants:
+        results["variants"][rec.label]["kind"] = DENSE if rec.label == DENSE else ("gated" if rec.gated else "raw")
+    dense = result.variant(DENSE)
+    fp16_token = results["variants"][DENSE].get("bytes_per_token_fp16", {}).get("value")
+    for label, rec in peer_recs.items():
+        if fp16_token is None:
+            raise ValueError("peers need at least one kvcert scheme to measure the fp16 bytes per token")
+        results["variants"][label] = peer_numbers(rec, dense, peer_runs[label], fp16_token, seed, resamples)
+        for i, entry in enumerate(results["per_sample"]):
+            entry["scores"][label] = tiered(rec.scores[i], EMPIRICAL)
+            entry["predictions"][label] = rec.predictions[i]
+    return results
+
+
+def frontier_figure(result: WorkloadResult, results: dict[str, Any], path: Path) -> Path:
+    """Accuracy vs device bytes per token: raw red, gated green, peers blue, dense starred at fp16."""
+    variants = results["variants"]
+    points = [
+        figures.AccuracyPoint(label, v["accuracy"]["value"], v["ci95_low"]["value"], v["ci95_high"]["value"],
+                              v["bytes_per_token_device"]["value"],
+                              None if v["kind"] == PEER_KIND else v["kind"] == "gated")
+        for label, v in variants.items() if label != DENSE
+    ]
+    dense = variants[DENSE]
+    return figures.bytes_vs_accuracy(points, dense["bytes_per_token_fp16"]["value"], dense["accuracy"]["value"], path)

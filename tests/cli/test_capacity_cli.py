@@ -1,0 +1,84 @@
+"""``kvcert frontier``, the audit's tightness numbers and ``kvcert codecs --model`` on a tiny random model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvcert import Gate
+from kvcert.cli.audit import tightness
+from kvcert.cli.codecs import real_informative
+from kvcert.cli.merge import merge_results
+from kvcert.integrations.transformers import CertifiedCache
+from kvcert.models.tiny import tiny_random
+from kvcert.quant import BUILTINS
+
+from .test_main_cli import RULER, TINY, check_report, invoke
+from .test_merge import _shard, _t
+
+torch.set_num_threads(1)
+
+
+def test_frontier_reports_every_variant_and_peer_with_device_bytes(tmp_path):
+    pytest.importorskip("optimum.quanto")
+    out = tmp_path / "frontier"
+    result = invoke("frontier", *TINY, *RULER, "--tasks", "niah_single_1", "--schemes", "int4",
+                    "--gate", "certified:0.2", "--peers", "quanto-int2", "--residual-length", "8",
+                    "--resamples", "200", "--out", str(out))
+    assert "dev B/tok" in result.output
+    doc = check_report(out)
+    variants = doc["results"]["variants"]
+    assert {v["kind"] for v in variants.values()} == {"dense", "raw", "gated", "peer"}
+    fp16 = variants["dense"]["bytes_per_token_fp16"]["value"]
+    for label, v in variants.items():
+        if label != "dense":
+            assert v["bytes_per_token_device"]["tier"] == "empirical" and v["capacity"]["tier"] == "empirical"
+            assert v["bytes_per_token_device"]["value"] == pytest.approx(fp16 / v["capacity"]["value"])
+            assert v["ci95_low"]["value"] <= v["diff_vs_dense"]["value"] <= v["ci95_high"]["value"]
+    assert variants["hf:quanto-int2(r=8)"]["bytes_per_token_device"]["value"] < fp16
+    assert set(doc["results"]["per_sample"][0]["scores"]) == set(variants)
+    assert (out / "frontier.png").is_file()
+
+
+def test_tightness_quantiles_of_true_tv_over_certificate():
+    model = tiny_random("qwen2", head_dim=32)
+    ids = torch.randint(3, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(3))
+    cache = CertifiedCache(model, keys="int4", values="int4", gate=Gate.off(), validate=True, seed=0)
+    with torch.no_grad():
+        out = model(ids, cache=cache, use_cache=True)
+        for _ in range(6):
+            out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+    cache.detach()
+    tel = cache.telemetry()
+    got = tightness(tel)
+    rec = tel.recorded
+    cert, tv, raw = (x[rec].numpy() for x in (tel.certificates, tel.true_tv, tel.raw))
+    ratio = tv[cert > 0] / cert[cert > 0]
+    assert got["tightness_cells"] == ratio.size > 0
+    assert got["tightness_p10"] == pytest.approx(np.quantile(ratio, 0.1))
+    assert got["tightness_median"] == pytest.approx(np.quantile(ratio, 0.5))
+    assert got["tightness_p90"] == pytest.approx(np.quantile(ratio, 0.9))
+    assert got["tightness_informative_cells"] == int(((cert > 0) & (raw < 1)).sum())
+    assert ratio.max() <= 1.0                                 # sound per cell: true TV never above its bound
+    with pytest.raises(ValueError, match="validate"):
+        tightness(CertifiedCache(model, keys="int4", values="int4").telemetry())
+
+
+def test_codecs_real_prompt_informative_fraction():
+    frac = real_informative("tiny:llama", context=512, steps=2, seed=0)
+    assert set(frac) == set(BUILTINS)
+    assert frac["none"] == 1.0                                # exact keys: radius 0 up to float rounding
+    assert all(0.0 <= f <= 1.0 for f in frac.values())
+
+
+def test_merge_pools_capacity_from_summed_device_and_fp16_bytes():
+    a = _shard("t1", [1, 1], [0, 1], cells=100, cov=0.2, page=10)
+    b = _shard("t2", [1, 0, 1], [1, 0, 0], cells=300, cov=0.6, page=5)
+    for doc, device, fp16 in ((a, 300, 1000), (b, 900, 2000)):
+        doc["results"]["variants"]["int2"].update(bytes_device=_t(device), bytes_fp16=_t(fp16))
+    v = merge_results([a, b], [Path("a"), Path("b")], seed=0, resamples=100)["variants"]["int2"]
+    assert v["bytes_device"]["value"] == 1200 and v["bytes_fp16"]["value"] == 3000
+    assert v["capacity"] == {"value": 2.5, "tier": "empirical"}

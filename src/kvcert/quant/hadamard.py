@@ -10,8 +10,8 @@ the logit error is the same whichever basis it is measured in, and the store's T
 the residual ``x̂ − x`` of the *served* keys in the original channel basis, over whole RoPE pairs) bounds it for
 any query with no change to the read path. The rotation spreads outlier channels over the block, so the
 amax of a group — hence the step and the residual — shrinks on keys with outlier channels
-(``docs/math.md#rotated-key-codecs``). Stored tensors are those of the inner RTN codec (the sign vector is regenerated from
-``seed``, like the dither of ``dither-int8``); bytes are measured from them.
+(``docs/math.md#rotated-key-codecs``). Stored tensors are those of the inner RTN codec (the sign vector is
+regenerated from ``seed``, like the dither of ``dither-int8``); bytes are measured from them.
 """
 
 from __future__ import annotations

@@ -68,7 +68,9 @@ def legacy_copy(src: Path, dst: Path) -> Path:
         conn.execute(LEGACY_SCHEMA)
         conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
         for _, kind, meta, a, b, c, d, _ in rows(src):
-            conn.execute("INSERT INTO events (kind, meta, a, b, c, d) VALUES (?, ?, ?, ?, ?, ?)", (kind, meta, a, b, c, d))
+            conn.execute(
+                "INSERT INTO events (kind, meta, a, b, c, d) VALUES (?, ?, ?, ?, ?, ?)", (kind, meta, a, b, c, d)
+            )
         old = sqlite3.connect(src)
         for k, v in old.execute("SELECT key, value FROM meta").fetchall():
             if k not in ("chain", "head"):
@@ -84,7 +86,9 @@ def forged_log(path: Path, events: list, config: dict | None = None) -> Path:
     """A log whose chain is intact but whose events are chosen freely (what a buggy or hostile writer that
     recomputes the chain produces): only the per-event validation can refuse it."""
     log = EventLog(path)
-    log.set_meta(config or {"delta_req": 0.01, "delta_e": 0.01, "model": "m", "max_incidents": 8, "rank": 0, "n_ranks": 1})
+    log.set_meta(
+        config or {"delta_req": 0.01, "delta_e": 0.01, "model": "m", "max_incidents": 8, "rank": 0, "n_ranks": 1}
+    )
     log.append_rows(encode(e) if not isinstance(e, tuple) else e for e in events)
     log.close()
     return path

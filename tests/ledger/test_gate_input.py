@@ -43,7 +43,9 @@ def test_negative_counters_cannot_cancel(tmp_path):
 
 
 def test_a_duplicated_key_cannot_hide_a_failing_value(tmp_path):
-    text = json.dumps(_snapshot()).replace('"identity_fail_closed": 0', '"identity_fail_closed": 5, "identity_fail_closed": 0')
+    text = json.dumps(_snapshot()).replace(
+        '"identity_fail_closed": 0', '"identity_fail_closed": 5, "identity_fail_closed": 0'
+    )
     _assert_unusable(_gate_text(tmp_path, text), "duplicated key 'identity_fail_closed'")
 
 

@@ -66,18 +66,40 @@ def test_deleting_the_failing_events_no_longer_passes(tmp_path):
     ("name", "statements", "seq", "what"),
     [
         ("delete", [("DELETE FROM events WHERE seq = 3", ())], 3, "sequence broken: found seq 4"),
-        ("insert", [("UPDATE events SET seq = seq + 100 WHERE seq >= 4", ()),
-                    ("UPDATE events SET seq = seq - 99 WHERE seq >= 104", ()),
-                    ("INSERT INTO events SELECT 4, kind, meta, a, b, c, d, h FROM events WHERE seq = 1", ())],
-         4, "hash chain broken"),
-        ("reorder", [("UPDATE events SET seq = -1 WHERE seq = 2", ()), ("UPDATE events SET seq = 2 WHERE seq = 3", ()),
-                     ("UPDATE events SET seq = 3 WHERE seq = -1", ())], 2, "hash chain broken"),
-        ("duplicate_open", [("INSERT INTO events SELECT 10, kind, meta, a, b, c, d, h FROM events WHERE seq = 1", ())],
-         10, "hash chain broken"),
+        (
+            "insert",
+            [
+                ("UPDATE events SET seq = seq + 100 WHERE seq >= 4", ()),
+                ("UPDATE events SET seq = seq - 99 WHERE seq >= 104", ()),
+                ("INSERT INTO events SELECT 4, kind, meta, a, b, c, d, h FROM events WHERE seq = 1", ()),
+            ],
+            4,
+            "hash chain broken",
+        ),
+        (
+            "reorder",
+            [
+                ("UPDATE events SET seq = -1 WHERE seq = 2", ()),
+                ("UPDATE events SET seq = 2 WHERE seq = 3", ()),
+                ("UPDATE events SET seq = 3 WHERE seq = -1", ()),
+            ],
+            2,
+            "hash chain broken",
+        ),
+        (
+            "duplicate_open",
+            [("INSERT INTO events SELECT 10, kind, meta, a, b, c, d, h FROM events WHERE seq = 1", ())],
+            10,
+            "hash chain broken",
+        ),
         ("rewrite_states", [("UPDATE events SET c = zeroblob(8) WHERE seq = 2", ())], 2, "hash chain broken"),
         ("rewrite_budget", [("UPDATE meta SET value = '0.9' WHERE key = 'delta_req'", ())], 1, "configuration"),
-        ("rewrite_head", [("UPDATE meta SET value = '{\"seq\": 9, \"hash\": \"00\"}' WHERE key = 'head'", ())], 10,
-         "head recorded at close"),
+        (
+            "rewrite_head",
+            [('UPDATE meta SET value = \'{"seq": 9, "hash": "00"}\' WHERE key = \'head\'', ())],
+            10,
+            "head recorded at close",
+        ),
     ],
 )
 def test_every_edit_of_a_closed_log_is_refused_naming_the_first_bad_seq(tmp_path, name, statements, seq, what):
@@ -135,14 +157,26 @@ INVALID = {  # events the live API refuses, each with a recomputed (intact) chai
     "header_wrong_type": ([("open", '["0", 0.01]', None, None, None, None)], 1, "expected int"),
     "bool_as_int": ([("open", "[true, 0.01]", None, None, None, None)], 1, "expected int"),
     "unknown_kind": ([("bogus", "[]", None, None, None, None)], 1, "unknown event kind"),
-    "truncated_blob": ([OPEN, ("write", '["k", 0, "deterministic", false]', b"\0" * 7, b"", b"", b"")], 2,
-                       "not a whole number"),
-    "missing_blob": ([OPEN, ("write", '["k", 0, "deterministic", false]', None, None, None, None)], 2,
-                     "expected a byte array"),
-    "length_mismatch": ([OPEN, ("write", '["k", 0, "deterministic", false]', b"\0" * 16, b"\0" * 8, b"\1", b"\0" * 8)],
-                        2, "differ in length"),
-    "read_ranges_mismatch": ([OPEN, ("read", '["k", 0, false, false]', b"\0" * 24, b"\0" * 8, None, None)], 2,
-                             "differ in length"),
+    "truncated_blob": (
+        [OPEN, ("write", '["k", 0, "deterministic", false]', b"\0" * 7, b"", b"", b"")],
+        2,
+        "not a whole number",
+    ),
+    "missing_blob": (
+        [OPEN, ("write", '["k", 0, "deterministic", false]', None, None, None, None)],
+        2,
+        "expected a byte array",
+    ),
+    "length_mismatch": (
+        [OPEN, ("write", '["k", 0, "deterministic", false]', b"\0" * 16, b"\0" * 8, b"\1", b"\0" * 8)],
+        2,
+        "differ in length",
+    ),
+    "read_ranges_mismatch": (
+        [OPEN, ("read", '["k", 0, false, false]', b"\0" * 24, b"\0" * 8, None, None)],
+        2,
+        "differ in length",
+    ),
     "bad_rule": ([OPEN, ("write", '["k", 0, "lucky", false]', b"", b"", b"", b"")], 2, "rule must be one of"),
 }
 

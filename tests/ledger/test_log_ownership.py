@@ -10,7 +10,7 @@ import pytest
 from evidence_logs import closed_log, edit, run_requests
 
 from kvcert.ledger import EventLog, Ledger, replay
-from kvcert.ledger.log import LogExistsError, LogInUseError, LogIntegrityError
+from kvcert.ledger.log import LogExistsError, LogIntegrityError, LogInUseError
 from kvcert.ledger.replay import replay_verified
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -79,7 +79,9 @@ def test_concurrent_processes_on_one_path_the_second_refuses(tmp_path):
     script.write_text(_CHILD.format(src=SRC, helpers=HELPERS))
     first = subprocess.Popen([sys.executable, str(script), str(path), "3"], stdout=subprocess.PIPE, text=True)
     assert first.stdout is not None and first.stdout.readline().strip() == "OWNER"
-    others = [subprocess.run([sys.executable, str(script), str(path), "0"], capture_output=True, text=True) for _ in range(2)]
+    others = [
+        subprocess.run([sys.executable, str(script), str(path), "0"], capture_output=True, text=True) for _ in range(2)
+    ]
     assert first.wait() == 0
     for r in others:
         assert r.returncode == 3 and r.stdout.strip() in {"REFUSED LogInUseError", "REFUSED LogExistsError"}, r

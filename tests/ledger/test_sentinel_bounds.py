@@ -21,8 +21,15 @@ def _smallest_n(bad: int, total: int, r: int, delta: float) -> int:
 
 @pytest.mark.parametrize(
     ("bad", "total", "r", "delta"),
-    [(1, 10**12, 128, 0.01), (1, 10**12, 1, 0.001), (3, 10**15, 7, 0.1), (1, 2**62, 2**40, 0.01), (1, 1024, 32, 0.01),
-     (4, 1024, 128, 0.01), (1, 2, 1, 0.5)],
+    [
+        (1, 10**12, 128, 0.01),
+        (1, 10**12, 1, 0.001),
+        (3, 10**15, 7, 0.1),
+        (1, 2**62, 2**40, 0.01),
+        (1, 1024, 32, 0.01),
+        (4, 1024, 128, 0.01),
+        (1, 2, 1, 0.5),
+    ],
 )
 def test_rounds_needed_is_the_documented_smallest_n(bad, total, r, delta):
     start = time.perf_counter()

@@ -37,7 +37,11 @@ def _load_run(run: Path, expect_head: str | None = None) -> tuple[list[dict[str,
         ranks = sorted((p for p in run.iterdir() if p.is_dir() and re.fullmatch(r"rank\d+", p.name)), key=str)
         if ranks:
             loaded = [_load(p, None) for p in ranks]
-            evidence = [Criterion(f"{p.name}: {c.name}", c.passed, c.observed) for p, (_, cs) in zip(ranks, loaded, strict=True) for c in cs]
+            evidence = [
+                Criterion(f"{p.name}: {c.name}", c.passed, c.observed)
+                for p, (_, cs) in zip(ranks, loaded, strict=True)
+                for c in cs
+            ]
             return [snap for snap, _ in loaded], evidence
     snap, evidence = _load(run, expect_head)
     return [snap], evidence

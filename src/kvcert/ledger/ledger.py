@@ -383,7 +383,8 @@ class Ledger:
     def _check_read(self, ev: SlotRead) -> None:
         """The checks :meth:`read` applies to a read it has not seen before (see :meth:`check_event`)."""
         n = ev.readers.size
-        for name, a in (("starts", ev.starts), ("counts", ev.counts), ("steps", ev.steps), ("generations", ev.generations)):
+        arrays = (("starts", ev.starts), ("counts", ev.counts), ("steps", ev.steps), ("generations", ev.generations))
+        for name, a in arrays:
             if a.size != n:
                 raise ValueError(f"{name} has {a.size} entries, readers has {n}")
         if not n:

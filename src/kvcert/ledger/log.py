@@ -229,7 +229,8 @@ class EventLog:
         self._meta = _meta_rows(self._conn)
         if CHAIN_KEY not in self._meta:
             self._meta[CHAIN_KEY] = {"version": 1, "log_id": os.urandom(16).hex()}
-            self._conn.execute("INSERT INTO meta (key, value) VALUES (?, ?)", (CHAIN_KEY, json.dumps(self._meta[CHAIN_KEY])))
+            chain = (CHAIN_KEY, json.dumps(self._meta[CHAIN_KEY]))
+            self._conn.execute("INSERT INTO meta (key, value) VALUES (?, ?)", chain)
         if self._meta.pop(HEAD_KEY, None) is not None:  # open again: the head is recorded at the next close
             self._conn.execute("DELETE FROM meta WHERE key = ?", (HEAD_KEY,))
         self._lock = threading.Lock()
@@ -333,7 +334,8 @@ class EventLog:
             with self._lock:
                 if self._queue is None or self._queue.error is None:
                     head = {"seq": self._seq, "hash": self._prev.hex()}
-                    self._conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (HEAD_KEY, json.dumps(head)))
+                    row = (HEAD_KEY, json.dumps(head))
+                    self._conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", row)
                 self._conn.close()
         finally:
             self._release()
@@ -437,7 +439,8 @@ class LogReader:
             if head is not None:
                 if not (isinstance(head, dict) and head.get("seq") == self.seq and head.get("hash") == self.prev.hex()):
                     raise LogIntegrityError(
-                        f"log {str(p)!r}: event seq {self.seq + 1}: the head recorded at close ({head!r}) does not match "
+                        f"log {str(p)!r}: event seq {self.seq + 1}: the head recorded at close ({head!r}) does not "
+                        "match "
                         f"the last event (seq {self.seq}): events were removed from the end or the head was edited"
                     )
                 self.closed = True

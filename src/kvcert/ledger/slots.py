@@ -20,7 +20,6 @@ import numpy as np
 
 from kvcert.ledger.identity import UNATTRIBUTED
 
-
 MAX_SLOTS = 1 << 26
 """Slots per ``(pool, layer)`` table: slot ids lie in ``[0, MAX_SLOTS)`` (67,108,864: a 128k-token context
 × batch 64 × 8 KV heads in the observer's layout). The table is dense, so the bound caps its memory at

@@ -188,7 +188,10 @@ def _integrity(snap: ProbeSnapshot, require_digest: bool) -> list[str]:
         return ["no digest: the snapshot's integrity cannot be verified (re-run the probe)"] if require_digest else []
     actual = snap.digest()
     if snap.recorded_digest != actual:
-        return [f"digest {snap.recorded_digest[:19]}… does not match the content ({actual[:19]}…): edited after it was written"]
+        return [
+            f"digest {snap.recorded_digest[:19]}… does not match the content ({actual[:19]}…): "
+            "edited after it was written"
+        ]
     return []
 
 

@@ -11,6 +11,7 @@ Examples are derandomised (the same cases in every CI run) and bounded to keep e
 """
 
 import json
+import os
 import shutil
 import sqlite3
 import tempfile
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from evidence_logs import closed_log, forged_log, rows, run_requests
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from snapshot_factory import good_dict
 from typer.testing import CliRunner
@@ -33,7 +34,10 @@ from kvcert.strict_json import StrictJSONError
 from kvcert.strict_json import loads as strict_loads
 
 runner = CliRunner()
-FUZZ = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+EXAMPLES = int(os.environ.get("KVCERT_FUZZ_EXAMPLES", "40"))  # CI: 40 per property; deeper runs: docs/reliability.md
+FUZZ = settings(
+    max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 40, suppress_health_check=[HealthCheck.too_slow]
+)
 CASE_SECONDS = 5.0
 
 
@@ -141,7 +145,9 @@ def test_no_tampered_log_passes_the_gate(genuine, ops):
         conn.close()
         assume(rows(bad) != rows(genuine) or _meta(bad) != _meta(genuine))
         start = time.perf_counter()
-        _refused(runner.invoke(app, ["gate", str(bad)]))
+        result = runner.invoke(app, ["gate", str(bad)])
+        _refused(result)
+        event(f"gate exit {result.exit_code}")
         try:
             replay(bad)
         except LogError:
@@ -202,7 +208,9 @@ def test_forged_event_sequences_fail_cleanly(evs):
             led = replay(log)
         except LogError as exc:
             assert "event seq" in str(exc) and "\n" not in str(exc)
+            event("replay refused (LogError)")
         else:
+            event("replay applied (valid events)")
             for table in led.tables.values():
                 assert table.state.shape[0] <= 2**26
         assert time.perf_counter() - start < CASE_SECONDS

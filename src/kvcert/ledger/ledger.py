@@ -365,19 +365,21 @@ class Ledger:
             self._account(uid)
         if states.size == 0:
             return
-        if (states == _UNWRITTEN).any():
-            if not (states == _UNWRITTEN).all() or ev.rule != "deterministic" or not np.isnan(factors).all():
+        per_state = np.bincount(states, minlength=4)  # one pass: unwritten, compressed, kept, restored, unknown…
+        if per_state.size > 4:
+            raise ValueError(f"unknown slot state {per_state.size - 1}")
+        n_unwritten, _, n_kept, n_restored = per_state.tolist()
+        if n_unwritten:
+            if n_unwritten != states.size or ev.rule != "deterministic" or not np.isnan(factors).all():
                 raise ValueError("state unwritten is only logged for a whole failed write (deterministic, no factors)")
             return
-        if int(states.max()) > _RESTORED:
-            raise ValueError(f"unknown slot state {int(states.max())}")
-        if ev.rule != "probabilistic" and (states == _RESTORED).any():
+        if ev.rule != "probabilistic" and n_restored:
             raise ValueError(f"state restored_exact inside a {ev.rule} write (needs an audited probabilistic draw)")
-        if ev.rule == "empirical" and (states != _KEPT).any():
+        if ev.rule == "empirical" and n_kept != states.size:
             raise ValueError("an empirical write keeps every entry exact")
-        if ((owners < 0) & (states != _KEPT)).any():
+        if n_kept != states.size and int(owners.min()) < 0 and ((owners < 0) & (states != _KEPT)).any():
             raise ValueError("an unattributed entry (owner < 0) must be kept exact (fail closed)")
-        if np.isinf(factors).any() or (~np.isnan(factors[states == _KEPT])).any():
+        if np.isinf(factors).any() or (n_kept and not np.isnan(factors[states == _KEPT]).all()):
             raise ValueError("e-process factors must be finite, and NaN on kept_exact entries")
 
     def _check_read(self, ev: SlotRead) -> None:
@@ -389,13 +391,14 @@ class Ledger:
                 raise ValueError(f"{name} has {a.size} entries, readers has {n}")
         if not n:
             return
-        if min(int(ev.starts.min()), int(ev.counts.min()), int(ev.steps.min())) < 0:
+        ranges = np.stack((ev.starts, ev.counts, ev.steps))
+        if int(ranges.min()) < 0:
             raise ValueError("starts, counts and steps must be >= 0")
-        check_slot_range(0, max(int(ev.starts.max()), int(ev.steps.max()), int(ev.counts.max()) - 1), "read slot")
-        live = ev.counts > 0
-        if live.any():
-            last = ev.starts[live] + ev.steps[live] * (ev.counts[live] - 1)  # < 2^52: no int64 overflow
-            check_slot_range(0, int(last.max()), "read slot")
+        top = int(ranges.max())
+        if top > MAX_SLOTS:  # a start, count or step beyond the table; also keeps the product below from overflowing
+            raise ValueError(f"read slot must be < MAX_SLOTS = {MAX_SLOTS}, got a range value {top}")
+        last = ev.starts + ev.steps * np.maximum(ev.counts - 1, 0)
+        check_slot_range(0, int(last.max()), "read slot")
         if int(ev.counts.sum()) > MAX_SLOTS:
             raise ValueError(f"a read covers {int(ev.counts.sum())} entries, more than MAX_SLOTS = {MAX_SLOTS}")
         for uid in set(ev.readers.tolist()):

@@ -94,6 +94,8 @@ def test_deleting_the_failing_events_no_longer_passes(tmp_path):
         ),
         ("rewrite_states", [("UPDATE events SET c = zeroblob(8) WHERE seq = 2", ())], 2, "hash chain broken"),
         ("rewrite_budget", [("UPDATE meta SET value = '0.9' WHERE key = 'delta_req'", ())], 1, "configuration"),
+        ("drop_hashes", [("ALTER TABLE events DROP COLUMN h", ())], 1, "column has been removed"),
+        ("drop_chain_id", [("DELETE FROM meta WHERE key = 'chain'", ())], 1, "chain metadata missing"),
         (
             "rewrite_head",
             [('UPDATE meta SET value = \'{"seq": 9, "hash": "00"}\' WHERE key = \'head\'', ())],

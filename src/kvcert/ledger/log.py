@@ -409,10 +409,12 @@ class LogReader:
             except sqlite3.DatabaseError as exc:
                 raise LogError(f"log {str(p)!r} is not a kvcert ledger log: {exc}") from None
             prev = b""
+            chain = self.meta.get(CHAIN_KEY)
+            if not self.chained and chain is not None:
+                raise self._fail(1, "the log was written with a hash chain whose column has been removed")
             if self.chained:
-                chain = self.meta.get(CHAIN_KEY)
                 if not (isinstance(chain, dict) and isinstance(chain.get("log_id"), str)):
-                    raise LogIntegrityError(f"log {str(p)!r}: chain metadata missing or malformed")
+                    raise self._fail(1, "chain metadata missing or malformed (the genesis cannot be computed)")
                 prev = genesis(chain["log_id"], self.meta)
             expected = 1
             try:

@@ -280,3 +280,13 @@ def test_chain_metadata_is_written_once(tmp_path):
     assert meta["chain"]["version"] == 1 and len(meta["chain"]["log_id"]) == 32
     assert meta["head"]["seq"] == 9
     assert LogReader(log).path == log
+
+
+def test_expect_head_needs_a_single_log(tmp_path):
+    (tmp_path / "rank0").mkdir()
+    closed_log(tmp_path / "rank0" / "ledger.db")
+    _one_line_failure(_gate(tmp_path, "--expect-head", "1:00"), 2, "--expect-head names one log's head")
+    led = Ledger()
+    run_requests(led)
+    led.save(tmp_path / "s.json")
+    _one_line_failure(_gate(tmp_path / "s.json", "--expect-head", "1:00"), 2, "needs an event log")

@@ -36,6 +36,8 @@ def _load_run(run: Path, expect_head: str | None = None) -> tuple[list[dict[str,
     if run.is_dir() and not any((run / name).is_file() for name in ("ledger.json", "ledger.db")):
         ranks = sorted((p for p in run.iterdir() if p.is_dir() and re.fullmatch(r"rank\d+", p.name)), key=str)
         if ranks:
+            if expect_head is not None:
+                raise ValueError("--expect-head names one log's head; gate each rank's ledger.db on its own")
             loaded = [_load(p, None) for p in ranks]
             evidence = [
                 Criterion(f"{p.name}: {c.name}", c.passed, c.observed)

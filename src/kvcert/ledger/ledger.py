@@ -361,8 +361,9 @@ class Ledger:
         states, factors = np.asarray(ev.states), np.asarray(ev.log_factors, dtype=np.float64)
         if states.shape != slots.shape or factors.shape != slots.shape:
             raise ValueError(f"write has {slots.size} slots but {states.size} states and {factors.size} factors")
-        for uid in _distinct(owners[owners >= 0]):
-            self._account(uid)
+        for uid in _distinct(owners):
+            if uid >= 0:
+                self._account(uid)
         if states.size == 0:
             return
         per_state = np.bincount(states, minlength=4)  # one pass: unwritten, compressed, kept, restored, unknown…
@@ -391,16 +392,24 @@ class Ledger:
                 raise ValueError(f"{name} has {a.size} entries, readers has {n}")
         if not n:
             return
-        ranges = np.stack((ev.starts, ev.counts, ev.steps))
-        if int(ranges.min()) < 0:
-            raise ValueError("starts, counts and steps must be >= 0")
-        top = int(ranges.max())
-        if top > MAX_SLOTS:  # a start, count or step beyond the table; also keeps the product below from overflowing
-            raise ValueError(f"read slot must be < MAX_SLOTS = {MAX_SLOTS}, got a range value {top}")
-        last = ev.starts + ev.steps * np.maximum(ev.counts - 1, 0)
-        check_slot_range(0, int(last.max()), "read slot")
-        if int(ev.counts.sum()) > MAX_SLOTS:
-            raise ValueError(f"a read covers {int(ev.counts.sum())} entries, more than MAX_SLOTS = {MAX_SLOTS}")
+        if n <= 64:  # the common few ranges: Python ints beat a dozen numpy calls (and cannot overflow)
+            starts, counts, steps = ev.starts.tolist(), ev.counts.tolist(), ev.steps.tolist()
+            if min(min(starts), min(counts), min(steps)) < 0:
+                raise ValueError("starts, counts and steps must be >= 0")
+            last = max(a + b * max(c - 1, 0) for a, b, c in zip(starts, steps, counts, strict=True))
+            total = sum(counts)
+        else:
+            ranges = np.stack((ev.starts, ev.counts, ev.steps))
+            if int(ranges.min()) < 0:
+                raise ValueError("starts, counts and steps must be >= 0")
+            top = int(ranges.max())
+            if top > MAX_SLOTS:  # keeps the product below from overflowing int64
+                raise ValueError(f"read slot must be < MAX_SLOTS = {MAX_SLOTS}, got a range value {top}")
+            last = int((ev.starts + ev.steps * np.maximum(ev.counts - 1, 0)).max())
+            total = int(ev.counts.sum())
+        check_slot_range(0, last, "read slot")
+        if total > MAX_SLOTS:
+            raise ValueError(f"a read covers {total} entries, more than MAX_SLOTS = {MAX_SLOTS}")
         for uid in set(ev.readers.tolist()):
             if uid >= 0:
                 self._account(uid)
@@ -474,10 +483,9 @@ class Ledger:
         if s.shape != o.shape:
             raise ValueError(f"slots has {s.size} entries but owners has {o.size}")
         if s.size:
-            check_slot_range(int(s.min()), int(s.max()), "slots")
-        if s.size > 1:
-            ordered = np.sort(s)
-            if (ordered[1:] == ordered[:-1]).any():
+            ordered = np.sort(s) if s.size > 1 else s  # one sort: range (first, last) and distinctness
+            check_slot_range(int(ordered[0]), int(ordered[-1]), "slots")
+            if s.size > 1 and (ordered[1:] == ordered[:-1]).any():
                 raise ValueError("slots must be distinct within one write")
         return s, o
 

@@ -152,10 +152,16 @@ def _array(blob: object, dtype: type, what: str) -> np.ndarray:
     return np.frombuffer(blob, dtype)
 
 
-def _meta_fields(kind: str, meta: object) -> list[object]:
+def _meta_fields(kind: str, meta: object) -> tuple[object, ...]:
     """The JSON header of a row, type-checked against its kind (``bool`` is not an ``int`` here)."""
     if not isinstance(meta, str):
         raise LogError(f"{kind} header: expected JSON text, got {type(meta).__name__}")
+    return _parse_meta(kind, meta)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_meta(kind: str, meta: str) -> tuple[object, ...]:
+    """:func:`_meta_fields` of text (memoised: a log repeats the same few headers)."""
     try:
         m = json.loads(meta)
     except (json.JSONDecodeError, RecursionError) as exc:
@@ -169,7 +175,7 @@ def _meta_fields(kind: str, meta: object) -> list[object]:
             ok = False
         if not ok:
             raise LogError(f"{kind} header field {i}: expected {want.__name__}, got {value!r}")
-    return m
+    return tuple(m)
 
 
 def decode(row: Row) -> Event:

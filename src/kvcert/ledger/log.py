@@ -84,18 +84,16 @@ def genesis(log_id: str, meta: dict[str, Any]) -> bytes:
 
 
 def chain_hash(prev: bytes, seq: int, row: Row) -> bytes:
-    """``h_seq = SHA-256(h_{seq-1} ‖ seq ‖ row)``; every field is length-prefixed and typed, so no two
-    different rows hash the same input."""
-    m = hashlib.sha256(prev)
-    m.update(seq.to_bytes(8, "big", signed=True))
+    """``h_seq = SHA-256(h_{seq-1} ‖ seq ‖ row)``; every field is length-prefixed and typed (``n`` none, ``s``
+    text, ``b`` bytes), so no two different rows hash the same input."""
+    parts = [prev, seq.to_bytes(8, "big", signed=True)]
     for x in row:
         if x is None:
-            m.update(b"n")
-            continue
-        b = x.encode() if isinstance(x, str) else bytes(x)
-        m.update((b"s" if isinstance(x, str) else b"b") + len(b).to_bytes(8, "big"))
-        m.update(b)
-    return m.digest()
+            parts.append(b"n")
+        else:
+            b = x.encode() if isinstance(x, str) else bytes(x)
+            parts += (b"s" if isinstance(x, str) else b"b", len(b).to_bytes(8, "big"), b)
+    return hashlib.sha256(b"".join(parts)).digest()
 
 
 def _commit_rows(conn: sqlite3.Connection, lock: threading.Lock, rows: Iterable[ChainedRow]) -> None:

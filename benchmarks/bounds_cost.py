@@ -8,9 +8,9 @@ Per layer, side by side in one run:
   matmul against the stored key band norms), and ``meter = min(1, eform, two_sided, ptm)`` in float64,
   (a) called per layer, as the cache does, and (b) batched over all layers in one call (same math; shows
   how much of (a) is per-call overhead);
-* fused read: what the CPU read path runs now for decode — :func:`kvcert.bounds.fused.logits_radii` (served
+* fused read: what the CPU read path runs now for decode — :func:`kvcert.kernels.numba_read.logits_radii` (served
   logits, band norms, radii and the float32 logit slack in one pass over token-major allocations) and
-  :func:`kvcert.bounds.fused.meter_output` (served softmax, meter, tanh reference, output ``p̃·v̂`` and the
+  :func:`kvcert.kernels.numba_read.meter_output` (served softmax, meter, tanh reference, output ``p̃·v̂`` and the
   output bound's terms), per layer. It computes the attention itself too, so its certificate cost is
   reported as ``(fused read − attention) / attention``.
 
@@ -33,8 +33,8 @@ from kvcert.bounds import (
     round_up_f32,
     tier_a_radius_from_qnorms,
 )
-from kvcert.bounds.fused import logits_radii, meter_output
 from kvcert.bounds.rc import gamma_f32
+from kvcert.kernels.numba_read import logits_radii, meter_output
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BANDS = 30, 9, 3, 64, 8
 GROUP = HEADS // KV_HEADS

@@ -55,7 +55,7 @@ def _decode_interleaved(model, first_tok, caches: dict, steps: int, clock, own_a
                 else:
                     model.set_attn_implementation(own_attention)
                 t0 = clock()
-                out = model(toks[name], past_key_values=cache, use_cache=True)
+                out = model(toks[name], cache=cache, use_cache=True)
                 toks[name] = out.logits[:, -1:].argmax(-1)
                 spent[name] += clock() - t0
     return {name: t / steps * 1e3 for name, t in spent.items()}
@@ -85,7 +85,7 @@ def main() -> None:
     ids = tok(load_corpus("pg-essays")[: args.context * 8], return_tensors="pt").input_ids[:, : args.context]
     with torch.no_grad():
         pre = DynamicCache(config=model.config)
-        out = model(ids, past_key_values=pre, use_cache=True)
+        out = model(ids, cache=pre, use_cache=True)
     first = out.logits[:, -1:].argmax(-1)
     if not args.no_gc_freeze:
         gc.collect()

@@ -77,7 +77,7 @@ def main() -> None:
     ids = tok(load_corpus("pg-essays")[: args.context * 8], return_tensors="pt").input_ids[:, : args.context]
     with torch.no_grad():
         pre = DynamicCache(config=model.config)
-        first = model(ids, past_key_values=pre, use_cache=True).logits[:, -1:].argmax(-1)
+        first = model(ids, cache=pre, use_cache=True).logits[:, -1:].argmax(-1)
     reads, collector = _ReadClock(), _GcClock()
     rows = []
     for frozen in (False, True):
@@ -92,7 +92,7 @@ def main() -> None:
                 collector.active, tok_, t0 = True, first, time.process_time()
                 with torch.no_grad():
                     for _ in range(args.steps):
-                        tok_ = model(tok_, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                        tok_ = model(tok_, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
                 step, collector.active = (time.process_time() - t0) / args.steps, False
                 cache.detach()
                 if rep:

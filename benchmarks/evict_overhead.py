@@ -58,7 +58,7 @@ def _decode_ms(model: LlamaForCausalLM, context: int, reps: int) -> list[float]:
     with torch.no_grad():
         for _ in range(reps):
             t0 = time.thread_time()
-            model(tok, past_key_values=cache, position_ids=pos, use_cache=True)
+            model(tok, cache=cache, position_ids=pos, use_cache=True)
             times.append((time.thread_time() - t0) * 1e3)
             cache.crop(-1)
     return times

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvcert.eval import load_task
@@ -47,6 +47,7 @@ from kvcert.eval.harness import prompt_ids
 from kvcert.eval.ruler import Sample, score
 from kvcert.eval.stats import mcnemar, paired_bootstrap
 from kvcert.evict import H2O, RMM, Belady, EvictionPolicy, SnapKV, StreamingLLM, token_probability
+from kvcert.integrations.attention_impl import swapped_attention
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models import converted_dir, load
 from kvcert.report.figures import accuracy_vs_budget
@@ -83,14 +84,9 @@ def _recording_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
 def shared_prefill(model: PreTrainedModel, ids: torch.Tensor) -> tuple[DynamicCache, list[torch.Tensor],
                                                                           torch.Tensor]:
     """Exact prefill: (K/V cache, per-layer attention ``[1, Hkv, S, S]``, logits ``[1, S, V]``)."""
-    AttentionInterface.register("evict-record", _recording_attention)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("evict-record")
     past = DynamicCache(config=model.config)
-    try:
-        logits = model(ids, past_key_values=past, use_cache=True, logits_to_keep=0).logits
-    finally:
-        model.set_attn_implementation(previous)
+    with swapped_attention(model, "evict-record", _recording_attention, mask=None):
+        logits = model(ids, cache=past, use_cache=True, logits_to_keep=0).logits
     attentions = [_RECORDED.pop(i) for i in range(len(past.layers))]
     return past, attentions, logits
 
@@ -103,13 +99,10 @@ def answer_trace(model: PreTrainedModel, past: DynamicCache, toks: torch.Tensor)
     if n == 0:
         cfg = model.config
         return torch.empty(0, cfg.num_hidden_layers, cfg.num_key_value_heads, past.get_seq_length())
-    AttentionInterface.register("evict-record", _recording_attention)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("evict-record")
     try:
-        model(toks, past_key_values=past, use_cache=True, logits_to_keep=1)
+        with swapped_attention(model, "evict-record", _recording_attention, mask=None):
+            model(toks, cache=past, use_cache=True, logits_to_keep=1)
     finally:
-        model.set_attn_implementation(previous)
         past.crop(-n)
     return torch.stack([_RECORDED.pop(i)[0].transpose(0, 1) for i in range(len(past.layers))], 1)
 
@@ -122,7 +115,7 @@ def decode(model: PreTrainedModel, cache: CertifiedCache, first: torch.Tensor, m
     nxt = first
     while len(toks) < max_new and int(nxt) != eos:
         toks.append(nxt)
-        nxt = model(nxt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        nxt = model(nxt, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
     return torch.cat(toks, 1) if toks else first[:, :0]
 
 

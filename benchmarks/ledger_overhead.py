@@ -81,7 +81,7 @@ def _run(model, ids, mask, observer: _Timed | None, steps: int, write_block: int
     )
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache)
         tok = out.logits[:, -1:].argmax(-1)
         if log is not None:
             log.flush()  # the prefill's events are not part of the decode measurement
@@ -92,7 +92,7 @@ def _run(model, ids, mask, observer: _Timed | None, steps: int, write_block: int
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype)], 1)
             pos = pos[:, -1:] + 1
             t, c = time.perf_counter(), time.process_time()
-            out = model(input_ids=tok, attention_mask=mask, position_ids=pos, past_key_values=cache)
+            out = model(input_ids=tok, attention_mask=mask, position_ids=pos, cache=cache)
             tok = out.logits[:, -1:].argmax(-1)
             walls.append(time.perf_counter() - t)
             cpus.append(time.process_time() - c)

@@ -21,17 +21,17 @@ import time
 import torch
 from tqdm import tqdm
 
+from kvcert.integrations.live_probe.heterogeneous import probe_request
 from kvcert.integrations.mla import tiny_deepseek_v3
 from kvcert.integrations.recurrent import tiny_recurrent_model
-from kvcert.integrations.selector import tiny_dense_model
+from kvcert.models.tiny import SLIDING_SHAPES, tiny_random
 from kvcert.probe import verify
-from kvcert.probe.heterogeneous import probe_request
 
 CONFIGS = {
-    "llama": lambda: tiny_dense_model("llama"),
-    "qwen2": lambda: tiny_dense_model("qwen2"),
-    "mistral (SWA 8)": lambda: tiny_dense_model("mistral"),
-    "gemma3 (sliding+global)": lambda: tiny_dense_model("gemma3_text"),
+    "llama": lambda: tiny_random("llama", attn_implementation="sdpa"),
+    "qwen2": lambda: tiny_random("qwen2", attn_implementation="sdpa"),
+    "mistral (SWA 8)": lambda: tiny_random("mistral", attn_implementation="sdpa", **SLIDING_SHAPES["mistral"]),
+    "gemma3 (sliding+global)": lambda: tiny_random("gemma3", attn_implementation="sdpa", **SLIDING_SHAPES["gemma3"]),
     "deepseek_v3 (MLA)": lambda: tiny_deepseek_v3(),
     "deepseek_v3 (MLA, q-LoRA)": lambda: tiny_deepseek_v3(q_lora_rank=16),
     "mamba2": lambda: tiny_recurrent_model("mamba2"),

@@ -1,6 +1,6 @@
 """Question: how fast does ``replay`` rebuild a ledger from a log of >= 10^7 events?
 
-Generates a log of ``--events`` entry-level events (the spec's unit: one entry written or read) packed
+Generates a log of ``--events`` entry-level events (the ledger's unit: one entry written or read) packed
 into ledger rows of ``--per-row`` entries (half write rows, half read rows, ``--requests`` accounts,
 probabilistic writes with e-process factors), committed with ``executemany`` in large transactions.
 Then times :func:`kvcert.ledger.replay` on it and prints rows/s and entry events/s.

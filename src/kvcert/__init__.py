@@ -7,6 +7,7 @@ is too large.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from kvcert import bounds
@@ -26,14 +27,10 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     """Import heavy entry points (transformers glue) only when first used."""
     if name in _LAZY:
-        import importlib
-
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
-    if name in {"quant", "contracts", "cache", "attention", "evict", "ledger", "probe", "models", "eval",
-                "report"}:
-        import importlib
-
+    if name in {"quant", "contracts", "cache", "attention", "evict", "ledger", "probe", "integrations", "serving",
+                "models", "eval", "report"}:
         return importlib.import_module(f"kvcert.{name}")
     raise AttributeError(f"module 'kvcert' has no attribute {name!r}")
 

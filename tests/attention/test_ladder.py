@@ -214,10 +214,10 @@ def test_live_tiny_model_zero_violations():
     ids = torch.randint(3, model.config.vocab_size, (2, 72), generator=torch.Generator().manual_seed(0))
     # small K_max so rung 1 pages blocks
     cache = CertifiedCache(model, keys="int4", values="int4", validate=True, seed=0, ladder=LadderConfig(k_max=2))
-    out = model(ids, past_key_values=cache, use_cache=True)
+    out = model(ids, cache=cache, use_cache=True)
     nxt = out.logits[:, -1:].argmax(-1)
     for _ in range(6):
-        out = model(nxt, past_key_values=cache, use_cache=True)
+        out = model(nxt, cache=cache, use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
     cache.detach()
     tel = cache.telemetry()

@@ -1,4 +1,5 @@
-"""Must-fail regressions: the retracted forms of spec §3 are NOT bounds (implemented here only).
+"""Must-fail regressions: the retracted forms of ``docs/math.md#retracted-forms`` are NOT bounds (implemented here
+only).
 
 Each test shows a concrete violation, and that the shipped form holds on the same case.
 """
@@ -16,7 +17,7 @@ F64 = torch.float64
 
 
 def retracted_dispersion(p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """§3.1 ``½ e^{2c_max}(E_p̃|c − c̄| + c̄(e^{c_max} − 1))`` — NOT a bound (Lean ``flawedBound``)."""
+    """Bound-dispersion ``½ e^{2c_max}(E_p̃|c − c̄| + c̄(e^{c_max} − 1))`` — NOT a bound (Lean ``flawedBound``)."""
     c_bar = (p * c).sum(-1, keepdim=True)
     c_max = c.amax(-1)
     disp = (p * (c - c_bar).abs()).sum(-1)
@@ -26,7 +27,7 @@ def retracted_dispersion(p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 def averaged_variance_cert(
     p: torch.Tensor, sigma2: torch.Tensor, n_tokens: int, delta: float
 ) -> torch.Tensor:
-    """§3.2 M3 shortcut ``½(e^{2u(V̄)} − 1)`` with ``V̄ = Σ p̃_t σ²_t`` — NOT a bound."""
+    """M3 shortcut ``½(e^{2u(V̄)} − 1)`` with ``V̄ = Σ p̃_t σ²_t`` — NOT a bound."""
     u_bar = tier_b_radius((p * sigma2).sum(-1), n_tokens, delta)
     return 0.5 * torch.expm1(2 * u_bar)
 

@@ -1,4 +1,5 @@
-"""Test vectors (spec §2.7), hypothesis properties, blockwise refinement (§2.6), overflow and bad input."""
+"""Test vectors, hypothesis properties, blockwise refinement (``docs/read-path.md#kernel-refinement``), overflow, bad
+input."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from kvcert.bounds.softmax_tv import moments
 F64 = torch.float64
 
 
-# ---------------------------------------------------------------- spec §2.7 two-token instance
+# ---------------------------------------------------------------- two-token instance (docs/math.md#retracted-forms)
 def test_two_token_vectors():
     p = torch.tensor([0.5, 0.5], dtype=F64)
     c = torch.tensor([0.1, 0.1], dtype=F64)
@@ -107,7 +108,7 @@ def test_zero_radius_gives_zero(logits):
         assert 0.0 <= tv_bound(p, torch.zeros_like(p), form).item() <= 1e-15, form
 
 
-# ---------------------------------------------------------------- blockwise refinement (§2.6)
+# ---------------------------------------------------------- blockwise refinement (docs/read-path.md#kernel-refinement)
 def test_blockwise_accumulation_equals_per_token_sum():
     gen = torch.Generator().manual_seed(3)
     blocks, size = 32, 16

@@ -77,7 +77,7 @@ def test_run_writes_report_and_reproduces(tmp_path: Path) -> None:
             assert v["coverage_kv@0.2"]["tier"] == "certified" and v["accuracy"]["tier"] == "empirical"
             assert v["bytes_per_token_stored"]["value"] < v["bytes_per_token_fp16"]["value"]
     assert len(doc["results"]["per_sample"]) == 2
-    invoke(*args)
+    invoke(*args, "--overwrite")  # an existing report is replaced only on request
     again = load(out)
     assert without_volatile(again) == without_volatile(doc)
     assert "seconds" in again["volatile"]

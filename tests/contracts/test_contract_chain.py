@@ -58,7 +58,7 @@ def test_right_chain_is_accepted_and_composes():
 
 
 def test_ill_typed_reference_chain_is_rejected():
-    """Spec §4.2/§4.7: the retracted E1 sum added a relative storage witness to a selector TV."""
+    """``docs/contracts.md#chains``: the retracted E1 sum added a relative storage witness to a selector TV."""
     store_rel = stages.relative_store_witness(0.0231)
     select = stages.selection_s2(LOST, GAIN)
     with pytest.raises(MetricMismatch, match="selector_dist:tv@consume.*kv_entry:rel_witness@write"):

@@ -1,4 +1,4 @@
-"""Spec §11.4: RMM(κ ≡ 1, H = r) keeps bit-for-bit the same sets as H2O(recent = r)."""
+"""``docs/eviction.md#h2o-reduction``: RMM(κ ≡ 1, H = r) keeps bit-for-bit the same sets as H2O(recent = r)."""
 
 from __future__ import annotations
 

@@ -72,7 +72,7 @@ def test_tampered_up_projection_fails_self_check(model, monkeypatch):
 
 
 def test_non_mla_model_rejected():
-    from kvcert.integrations.selector import tiny_dense_model
+    from kvcert.models.tiny import tiny_random
 
     with pytest.raises(ValueError, match="no MLA"):
-        extract_latents(tiny_dense_model("llama"), IDS)
+        extract_latents(tiny_random("llama", attn_implementation="sdpa"), IDS)

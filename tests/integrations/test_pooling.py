@@ -15,7 +15,7 @@ from kvcert.integrations.pooling import (
     serve_pooled,
 )
 from kvcert.integrations.recurrent import tiny_recurrent_model
-from kvcert.integrations.selector import tiny_dense_model
+from kvcert.models.tiny import SLIDING_SHAPES, tiny_random
 from kvcert.quant.base import quantize
 from kvcert.quant.kivi import KiviCodec
 from kvcert.quant.rtn import RTNCodec
@@ -35,7 +35,7 @@ def _serve(model, config):
         out = model(IDS[:, :PREFILL], use_cache=True)
         logits = [out.logits]
         for t in range(PREFILL, IDS.shape[1]):
-            out = model(IDS[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            out = model(IDS[:, t : t + 1], cache=out.cache, use_cache=True)
             logits.append(out.logits)
     for h in hooks:
         h.remove()
@@ -60,7 +60,7 @@ def _brute_weights(q_all, k_all, j, block, scaling, weighting, groups):
 @pytest.mark.parametrize("weighting", ["attention", "mean"])
 @pytest.mark.parametrize("codec", [None, RTNCodec(4, group_size=8)])
 def test_live_reads_match_brute_force(weighting, codec):
-    model = tiny_dense_model("llama", seed=1)
+    model = tiny_random("llama", seed=1, attn_implementation="sdpa")
     block = 4
     reads, o_in, _ = _serve(model, PoolingConfig(block=block, weighting=weighting, codec=codec, bands=4))
     assert model.config._attn_implementation == "sdpa"  # restored
@@ -110,7 +110,7 @@ def test_live_reads_match_brute_force(weighting, codec):
 
 
 def test_block_one_exact_memory_is_the_dense_model():
-    model = tiny_dense_model("qwen2", seed=2)
+    model = tiny_random("qwen2", seed=2, attn_implementation="sdpa")
     with torch.no_grad():
         ref = model(IDS).logits
     _, _, logits = _serve(model, PoolingConfig(block=1, weighting="mean"))
@@ -147,18 +147,20 @@ def test_weights_are_distributions_even_without_visible_tokens():
 
 
 def test_layers_and_bad_inputs():
-    assert pooled_layers(tiny_dense_model("llama")) == (0, 1)
-    assert pooled_layers(tiny_dense_model("gemma3_text")) == (1,)  # layer 0 is sliding-window
-    assert pooled_layers(tiny_dense_model("mistral")) == ()  # every layer is sliding-window
+    assert pooled_layers(tiny_random("llama", attn_implementation="sdpa")) == (0, 1)
+    gemma3 = tiny_random("gemma3", attn_implementation="sdpa", **SLIDING_SHAPES["gemma3"])
+    mistral = tiny_random("mistral", attn_implementation="sdpa", **SLIDING_SHAPES["mistral"])
+    assert pooled_layers(gemma3) == (1,)  # layer 0 is sliding-window
+    assert pooled_layers(mistral) == ()  # every layer is sliding-window
     assert pooled_layers(tiny_recurrent_model("qwen3_next")) == (1,)  # layer 0 is Gated DeltaNet
     with pytest.raises(ValueError, match="no full-attention"):
-        with serve_pooled(tiny_dense_model("mistral")):
+        with serve_pooled(mistral):
             pass
     for kwargs, match in [({"block": 0}, "block"), ({"weighting": "max"}, "weighting"),
                           ({"codec": KiviCodec(2, group_size=8, axis="key")}, "per-token"), ({"bands": 0}, "bands")]:
         with pytest.raises(ValueError, match=match):
             PoolingConfig(**kwargs)
-    model = tiny_dense_model("llama")
+    model = tiny_random("llama", attn_implementation="sdpa", vocab_size=128)
     with torch.no_grad(), serve_pooled(model, PoolingConfig(block=4)):
         out = model(IDS[:, :5], use_cache=True)
         with pytest.raises(ValueError, match="every exact token so far"):

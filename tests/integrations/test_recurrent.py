@@ -53,7 +53,7 @@ def test_gated_deltanet_gates():
 def test_unsupported_family_and_model():
     with pytest.raises(ValueError, match="family"):
         tiny_recurrent_model("rwkv")
-    from kvcert.integrations.selector import tiny_dense_model
+    from kvcert.models.tiny import tiny_random
 
     with pytest.raises(ValueError, match="no supported recurrent mixer"):
-        extract_forget_gates(tiny_dense_model("qwen2"), torch.zeros(1, 4, dtype=torch.long))
+        extract_forget_gates(tiny_random("qwen2", attn_implementation="sdpa"), torch.zeros(1, 4, dtype=torch.long))

@@ -5,21 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcert.integrations.selector import (
-    DENSE_FAMILIES,
-    attention_scores,
-    capture_attention,
-    expand_kv,
-    tiny_dense_model,
-    topk_attention,
-)
+from kvcert.integrations.selector import attention_scores, capture_attention, expand_kv, topk_attention
+from kvcert.models.tiny import SLIDING_SHAPES, SUPPORTED_FAMILIES, tiny_random
 
 IDS = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(2))
 
 
-@pytest.mark.parametrize("family", DENSE_FAMILIES)
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
 def test_capture_reproduces_model_attention(family):
-    model = tiny_dense_model(family, seed=4)
+    model = tiny_random(family, seed=4, attn_implementation="sdpa", **SLIDING_SHAPES.get(family, {}))
     o_in: dict[int, torch.Tensor] = {}
     hooks = [
         layer.self_attn.o_proj.register_forward_pre_hook(
@@ -43,7 +37,7 @@ def test_capture_reproduces_model_attention(family):
         ours = p @ expand_kv(cap.value.double(), cap.groups)  # [B, H, T, Dv]
         theirs = o_in[cap.layer].view(1, 20, 4, 16).transpose(1, 2)
         assert torch.allclose(ours, theirs.double(), atol=1e-5)
-    if family in ("gemma3_text", "mistral"):
+    if family in ("gemma3", "mistral"):
         assert int(caps[0].visible.sum()) < 20 * 21 // 2  # sliding window on layer 0
 
 
@@ -69,7 +63,7 @@ def test_topk_attention_matches_brute_force():
 
 def test_bad_inputs():
     with pytest.raises(ValueError, match="family"):
-        tiny_dense_model("gpt2")
+        tiny_random("gpt2")
     with pytest.raises(ValueError, match="multiple"):
         attention_scores(torch.zeros(1, 3, 2, 4), torch.zeros(1, 2, 2, 4), 1.0)
     with pytest.raises(ValueError, match="no attention modules"):

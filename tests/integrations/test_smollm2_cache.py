@@ -17,13 +17,8 @@ PROMPT = ("The quick brown fox jumps over the lazy dog. " * 3 + "In a hole in th
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    zoo = pytest.importorskip("kvcert.models.zoo")
-    try:
-        model, tok = zoo.load("smollm2-135m")
-    except zoo.ModelPackageMissingError as err:  # pragma: no cover - depends on the machine
-        pytest.skip(str(err))
-    torch.set_num_threads(2)
+def smollm2(smollm2_model):
+    model, tok = smollm2_model
     ids = tok(PROMPT, return_tensors="pt").input_ids
     return model, tok, ids
 

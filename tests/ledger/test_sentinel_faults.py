@@ -20,7 +20,8 @@ def _binom_two_sided_p(k: int, n: int, p: float) -> float:
 
 
 def test_rounds_formula_matches_spec_numbers():
-    # §7.2: M = 1024, B = 1, δ = 0.01 -> 148/74/37/19 rounds at r = 32/64/128/256; B = 4, r = 128 -> 10
+    # docs/ledger.md#sampled-sentinel: M = 1024, B = 1, δ = 0.01 -> 148/74/37/19 rounds at r = 32/64/128/256;
+    # B = 4, r = 128 -> 10
     assert [rounds_needed(1, 1024, r, 0.01) for r in (32, 64, 128, 256)] == [148, 74, 37, 19]
     assert rounds_needed(4, 1024, 128, 0.01) == 10
     for b, m, r, d in [(1, 10, 1, 0.5), (3, 50, 7, 1e-3), (1, 1024, 128, 0.01), (5, 5, 2, 0.1)]:

@@ -13,7 +13,7 @@ def test_tiny_random_forward_and_cache(family):
     assert model.config._attn_implementation == "eager"
     ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     cache = DynamicCache(config=cfg)
-    logits = model(ids, past_key_values=cache, use_cache=True).logits
+    logits = model(ids, cache=cache, use_cache=True).logits
     assert logits.shape == (1, 12, cfg.vocab_size) and torch.isfinite(logits).all()
     assert cache.get_seq_length() == 12
     # same seed -> identical weights; different seed -> different weights
@@ -28,7 +28,7 @@ def test_gemma3_mixes_sliding_and_global_layers():
     types = model.config.layer_types
     assert types.count("full_attention") == 2 and types.count("sliding_attention") == 4
     cache = DynamicCache(config=model.config)
-    model(torch.arange(20).unsqueeze(0), past_key_values=cache, use_cache=True)
+    model(torch.arange(20).unsqueeze(0), cache=cache, use_cache=True)
     kinds = {type(layer).__name__ for layer in cache.layers}
     assert kinds == {"DynamicLayer", "DynamicSlidingWindowLayer"}
 

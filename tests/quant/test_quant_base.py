@@ -71,7 +71,7 @@ def test_bytes_per_token_head_measured_at_d64():
     assert set(expected) == set(BUILTINS)
     for name, value in expected.items():
         assert bytes_per_token_head(get(name), D=64) == value, name
-    assert bytes_per_token_head(get("int8"), D=128) == 136  # spec §8.2
+    assert bytes_per_token_head(get("int8"), D=128) == 136  # docs/codecs.md#bytes
     assert bytes_per_token_head(get("int8", bypass=4), D=128) == 152
     with pytest.raises(ValueError, match="D must be"):
         bytes_per_token_head(get("int8"), D=0)

@@ -10,9 +10,11 @@ For one layer and one forward call with queries ``q[B, Hq, Q, D]`` over ``S`` st
 3. certificate ``meter(p̃, c)`` per (query head, query) cell; Tier B beside it for dithered keys
    (non-adaptive: sound only for queries independent of the dither). Decode-size CPU reads run steps 1–3, the
    output and the per-read terms of step 5 in two numba kernels over the store's allocations
-   (:func:`kvcert.bounds.fused.logits_radii`, :func:`~kvcert.bounds.fused.meter_output`, each tested to
-   refine the eager forms with its rounding covered); prefill-size reads, other devices and reads that meet
-   a non-finite entry take the eager reference path (:func:`_eager_served`);
+   (:func:`kvcert.kernels.numba_read.logits_radii`, :func:`~kvcert.kernels.numba_read.meter_output`, each tested to
+   refine the eager forms with its rounding covered), decode-size CUDA reads the same steps as Triton kernels
+   (:func:`kvcert.kernels.triton_read.decode_read`; the backend per read is :func:`kvcert.kernels.active`);
+   prefill-size reads, other devices and reads that meet a non-finite entry take the eager reference path
+   (:func:`_eager_served`);
 4. KV-head verdict any-of-G; the gate repairs heads (exact SDPA on host K/V) or blocks (greedy by
    contribution ``Σ_{t∈b} p̃_t(e^{c_t} − 1)``, doubling the block count until the cell is under threshold);
 5. two-term output-error bound ``‖ô − o‖ ≤ Σ p̃‖Δv‖ + 2·TV·max_t(‖v̂_t − c‖ + ‖Δv_t‖) + ξ`` (``c`` the
@@ -31,7 +33,12 @@ import numpy as np
 import torch
 
 from kvcert.bounds import band_norms, meter_and_unclipped, round_up_f32, tier_b_radius, tier_b_sigma2
-from kvcert.bounds.fused import (
+from kvcert.bounds.radii import tier_a_radius_f32
+from kvcert.bounds.rc import U_F32, gamma_f32
+from kvcert.cache.gate import Gate
+from kvcert.cache.store import LayerStore
+from kvcert.kernels import active as kernel_backend
+from kvcert.kernels.numba_read import (
     CELL_ROWS,
     DECODE_MAX_ROWS,
     HEAD_ROWS,
@@ -40,10 +47,6 @@ from kvcert.bounds.fused import (
     decode_read,
     softmax_meter,
 )
-from kvcert.bounds.radii import tier_a_radius_f32
-from kvcert.bounds.rc import U_F32, gamma_f32
-from kvcert.cache.gate import Gate
-from kvcert.cache.store import LayerStore
 
 _U = U_F32
 
@@ -111,7 +114,7 @@ def served_certificate(logits: torch.Tensor, c: torch.Tensor, m: torch.Tensor, f
                                                            torch.Tensor]:
     """``(p̃ float64, p̃ float32, meter, unclipped meter, tanh(max visible c))`` for masked float32 ``logits``.
 
-    On CPU (``fused=None``) one fused kernel (:func:`kvcert.bounds.fused.softmax_meter`, a tested refinement
+    On CPU (``fused=None``) one fused kernel (:func:`kvcert.kernels.numba_read.softmax_meter`, a tested refinement
     of the forms below); elsewhere, or with ``fused=False``, the eager reference: :func:`probs64`,
     :func:`served_meter` and ``tanh`` of the largest radius over the visible tokens (``m`` True).
     """
@@ -239,7 +242,7 @@ class _Served:
                 t(self._r.heads[HEAD_ROWS.index("kmax")]))
 
 
-#: how each :class:`_Served` field of a fused read is read off :func:`kvcert.bounds.fused.decode_read`'s arrays
+#: how each :class:`_Served` field of a fused read is read off :func:`kvcert.kernels.numba_read.decode_read`'s arrays
 _FUSED_FIELDS: dict[str, Callable[[DecodeArrays], np.ndarray]] = {
     "p64": lambda r: r.p, "out": lambda r: r.out, "c": lambda r: r.c, "qn": lambda r: r.qn[..., None],
     **{name: (lambda r, i=i: r.cells[i]) for i, name in enumerate(CELL_ROWS)},
@@ -250,7 +253,7 @@ _FUSED_FIELDS: dict[str, Callable[[DecodeArrays], np.ndarray]] = {
 
 def _fused_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None, nq: int, s: int,
                   scaling: float) -> _Served | None:
-    """Decode-size CPU reads: :func:`kvcert.bounds.fused.decode_read` (the two tested kernels) over the store's
+    """Decode-size CPU reads: :func:`kvcert.kernels.numba_read.decode_read` (the two tested kernels) over the store's
     allocations (no copies); tensors are made from its numpy blocks on first use. ``None`` when a query or
     pending entry is not finite (the eager path then fails closed cell by cell)."""
     assert store.k is not None and store.v is not None
@@ -262,6 +265,22 @@ def _fused_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None
                     scaling, gamma_f32(d + 1), store.pairing == "rotate_half", mask_np, nq, store.k.n_encoded,
                     store.v.n_encoded)
     return None if r is None else _Served(qg, hkv * (m // nq), nq, arrays=r)
+
+
+def _triton_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None, nq: int,
+                   scaling: float) -> _Served | None:
+    """Decode-size reads on the Triton kernels (:func:`kvcert.kernels.triton_read.decode_read`) over the store's
+    live views; ``None`` when a query or pending entry is not finite (the eager path then fails closed)."""
+    import kvcert.kernels.triton_read as triton_read  # imports triton: only when this backend is in use
+
+    assert store.k is not None and store.v is not None
+    _, hkv, m, d = qg.shape
+    r = triton_read.decode_read(qg.detach().contiguous(), store.k.served.view(), store.k_band.view(),
+                                store.k_hat_norm.view(), store.k_wit.view(), store.v.served.view(),
+                                store.v_res.view(), store.v_dist.view(), store.v_hat_norm.view(), scaling,
+                                gamma_f32(d + 1), store.pairing == "rotate_half", mask, nq, store.k.n_encoded,
+                                store.v.n_encoded)
+    return None if r is None else _Served(qg, hkv * (m // nq), nq, **r._asdict())
 
 
 def _eager_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, m: torch.Tensor, full: bool,
@@ -297,7 +316,8 @@ def _eager_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, m: to
     kmax = kfac.amax(-1)                                                   # [B, Hkv, 1]
     phi_max = 2.0 * rate.amax(-2) * kmax                                   # [B, Hkv, 1]
     wmax = w.amax(-1, keepdim=True).to(torch.float64)
-    p64, p32, cert, raw, tanh = served_certificate(logits, c, m, full)
+    p64, p32, cert, raw, tanh = served_certificate(logits, c, m, full,
+                                                   fused=False if kernel_backend(qg.device) == "torch" else None)
     out = torch.matmul(p32, vhat)                                          # [B, Hkv, M, Dv]
     if bad_cell is not None:
         cert = torch.where(bad_cell, 1.0, cert)
@@ -335,8 +355,12 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     qg = group_heads(q.to(torch.float32), hkv)                                     # [B, Hkv, M, D]
     full = all_visible(mask) if mask.device.type == "cpu" else bool(mask.all())   # every token to every cell
     sv = None
-    if qg.device.type == "cpu" and qg.shape[2] <= DECODE_MAX_ROWS and store.nonfinite == 0:
-        sv = _fused_served(qg, store, None if full else mask, nq, s, scaling)
+    backend = kernel_backend(qg.device)
+    if backend != "torch" and qg.shape[2] <= DECODE_MAX_ROWS and store.nonfinite == 0:
+        if backend == "numba":
+            sv = _fused_served(qg, store, None if full else mask, nq, s, scaling)
+        elif s > 0:
+            sv = _triton_served(qg, store, None if full else mask, nq, scaling)
     m_cache: list[torch.Tensor] = []
 
     def grouped_mask() -> torch.Tensor:                                         # [B, Hkv, M, S], built on demand
@@ -395,7 +419,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
             repaired = need.clone()
             cert = torch.where(need.unsqueeze(-1), torch.zeros_like(cert), cert)
             if cfg.attn_kv:   # a repaired head's served distribution only feeds the eviction policy's reading
-                exact_p = probs64(masked_logits(qg, host_k.to(torch.float32), grouped_mask(), scaling, full))
+                exact_p = probs64(masked_logits(qg, host_k.to(qg.device, torch.float32), grouped_mask(), scaling, full))
                 p_served = torch.where(sel, exact_p, p_served)
             bytes_paged += int(need.sum()) * s * (dk + dv) * elt
             if gate.persistent:
@@ -423,11 +447,11 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     if gate.value_tol is not None:
         vt = sv.value_term if value_term is None else value_term
         kt = sv.key_term if key_term is None else key_term
-        promote = ((vt > gate.value_tol) & (vt > kt)).any(-1) & ~repaired
+        promote = ((vt > gate.value_tol) & (vt > kt)).any(-1) & ~repaired.to(vt.device)
         if promote.any():
             sel = promote.view(b, hkv, 1, 1)
             ps = sv.p64 if p_served is None else p_served
-            out = torch.where(sel, torch.matmul(ps.to(torch.float32), host()[1].to(torch.float32)),
+            out = torch.where(sel, torch.matmul(ps.to(torch.float32), host()[1].to(qg.device, torch.float32)),
                               sv.out if out is None else out)
             bytes_paged += int(promote.sum()) * s * dv * elt
             value_term = torch.where(promote.unsqueeze(-1), 0.0, vt)
@@ -452,9 +476,9 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     )
     if cfg.validate:
         host_k, host_v = host()
-        p_exact = probs64(masked_logits(qg, host_k.to(torch.float32), grouped_mask(), scaling, full))
+        p_exact = probs64(masked_logits(qg, host_k.to(qg.device, torch.float32), grouped_mask(), scaling, full))
         true_tv = (0.5 * (sv.p64 - p_exact).abs().sum(-1)).clamp(max=1.0)   # TV <= 1; the sum may round above
-        o_exact = torch.matmul(p_exact, host_v.to(torch.float64))
+        o_exact = torch.matmul(p_exact, host_v.to(qg.device, torch.float64))
         err = ((sv.out if out is None else out).to(torch.float64) - o_exact).norm(dim=-1)
         result.true_tv = ungroup_heads(true_tv, hq, nq)
         result.true_out_err = ungroup_heads(err, hq, nq)
@@ -484,8 +508,8 @@ def _repair_blocks(qg: torch.Tensor, store: LayerStore, bi: int, hi: int, m: tor
     assert store.k is not None and store.v is not None
     khat = store.k.served.view()[bi, hi]
     vhat = store.v.served.view()[bi, hi]
-    hk = store.k.host.view()[bi, hi].to(torch.float32)
-    hv = store.v.host.view()[bi, hi].to(torch.float32)
+    hk = store.k.host.view()[bi, hi].to(khat.device, torch.float32)   # host tier: pinned CPU beside a GPU
+    hv = store.v.host.view()[bi, hi].to(khat.device, torch.float32)
     vres = store.v_res.view()[bi, hi]
     s = khat.shape[0]
     bs = gate.block_size
@@ -499,7 +523,7 @@ def _repair_blocks(qg: torch.Tensor, store: LayerStore, bi: int, hi: int, m: tor
     k = int(predicted_ok.to(torch.int64).argmax()) + 1 if bool(predicted_ok.any()) else nb
     while True:
         chosen = order[: min(k, nb)]
-        tok = torch.zeros(nb, bs, dtype=torch.bool)
+        tok = torch.zeros(nb, bs, dtype=torch.bool, device=khat.device)
         tok[chosen] = True
         tok = tok.reshape(-1)[:s]
         kmix = torch.where(tok.unsqueeze(-1), hk, khat)

@@ -1,4 +1,4 @@
-"""RC tiered-cache read path with its four-rung fallback ladder (``certificates.md`` §10, ``ladder=True``).
+"""RC tiered-cache read path with its four-rung fallback ladder (``docs/ladder.md``, ``ladder=True``).
 
 For one layer and one forward call with queries ``q[B, Hq, Q, D]`` over ``S`` stored tokens, per KV head:
 

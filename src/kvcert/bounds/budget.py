@@ -1,4 +1,4 @@
-"""Failure-budget splits for probabilistic (Tier-B) certificates (``certificates.md`` §5.4).
+"""Failure-budget splits for probabilistic (Tier-B) certificates (``docs/math.md#failure-budgets``).
 
 Each returned share is rounded **down** to a float, so any finite sum of shares never exceeds the
 exact-arithmetic total and the union bound stays request-sound. [Lean L3 ``request_budget_sound``]

@@ -1,4 +1,4 @@
-"""E-process factors for the drift sentinel (``heterogeneous-memory.md`` §5.8), pure float64 math.
+"""E-process factors for the drift sentinel (``docs/math.md#e-process-factor``), pure float64 math.
 
 For an authorised write entry with realised witness ``W`` (a function of independent bounded coordinates
 whose one-coordinate changes are bounded by ``Δ_c``), pre-draw mean term ``m ≥ E[W]`` and

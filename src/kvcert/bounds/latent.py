@@ -8,7 +8,7 @@ An MLA cache stores a latent ``c_t ∈ ℝ^r`` per token plus a shared decoupled
 A stored latent ``ĉ_t = c_t + Δc_t`` and rope key ``k̂_pe,t = k_pe,t + Δk_pe,t`` change the score by
 
     ε_t = sm·( u_hᵀ Δc_t + q_peᵀ Δk_pe,t ),    u_h := W_UK^{(h)ᵀ} q_nope  (effective query,
-    ``heterogeneous-memory.md`` §3.3)
+    ``docs/memory-meters.md#latent-kv``)
 
 so, by Cauchy–Schwarz inside each band (Tier A, deterministic, any query):
 

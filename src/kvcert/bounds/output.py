@@ -8,7 +8,7 @@ Since ``Σ_t (p̃_t − p_t) = 0``, for any centre ``c``:
 
 (triangle inequality on the first sum, Hölder on the second, ``‖v_t − c‖ ≤ ‖v̂_t − c‖ + ‖Δv_t‖``).
 The max runs over the support of ``p̃`` (masked tokens have ``p_t = p̃_t = 0``). The result is an
-``output:l2`` certificate, a different metric from the TV certificates (``certificates.md`` §10.5).
+``output:l2`` certificate, a different metric from the TV certificates (``docs/math.md#output-bound``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Block-pooling contract (Lemma P1) and concentration profile (``heterogeneous-memory.md`` §3.9).
+"""Block-pooling contract (Lemma P1) and concentration profile (``docs/memory-meters.md#pooling``).
 
 A pooled entry is ``c = Σ_j w_j x_j`` over a block of ``B`` tokens with ``w ≥ 0``, ``Σ_j w_j = 1``; token
 errors

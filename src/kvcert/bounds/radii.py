@@ -1,9 +1,10 @@
 """Per-token logit-error radii ``c_t ≥ |ε_t|`` for a compressed key cache.
 
-* **Tier A** (deterministic, adaptive-safe, ``certificates.md`` §4.2): with per-band key-residual norms
+* **Tier A** (deterministic, adaptive-safe, ``docs/math.md#tier-a-radius``): with per-band key-residual norms
   ``ρ_{t,b}`` over whole RoPE pairs, ``|ε_t| = sc·|⟨q, Δk_t⟩| ≤ sc·Σ_b ‖q_b‖·ρ_{t,b} =: c_t`` (Cauchy–Schwarz
   inside each band). Bands of whole rotary pairs make both norms RoPE-invariant.
-* **Tier B** (subtractively dithered int8, non-adaptive queries, §5.3): the residual is uniform on
+* **Tier B** (subtractively dithered int8, non-adaptive queries, ``docs/math.md#tier-b-radius``): the residual is
+  uniform on
   ``[−s/2, s/2]`` and independent of ``x``, so ``ε_t`` is sub-Gaussian with variance proxy
   ``σ²_t = (sc²/12)·Σ_g s_{t,g}²‖q_g‖²`` and ``P(∃t: |ε_t| > u_t) ≤ δ_loc`` for
   ``u_t = sqrt(2σ²_t ln(2S/δ_loc))``.

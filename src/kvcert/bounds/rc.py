@@ -1,4 +1,4 @@
-"""Pure math of the RC tiered-cache read path (``certificates.md`` §10): block masses, the adaptive block
+"""Pure math of the RC tiered-cache read path (``docs/ladder.md#rc-bound``): block masses, the adaptive block
 selector, the mass lemma and the two-term output bound ``E_key + E_val``.
 
 Setting, per attention cell. Exact logits ``s_t = sc·⟨q, k_t⟩`` (real arithmetic), served (scoring) logits

@@ -1,4 +1,4 @@
-"""Recurrent-state gate contraction (``heterogeneous-memory.md`` §3.10): an **empirical** meter.
+"""Recurrent-state gate contraction (``docs/memory-meters.md#recurrent``): an **empirical** meter.
 
 A gated recurrence ``S_t = a_t ⊙ S_{t−1} + B_t`` propagates a state error per channel as
 ``e_t ≤ a_t e_{t−1} + b_t`` (R2), which unrolls (discrete Grönwall, R1) to

@@ -4,7 +4,7 @@ RoPE rotates each complex pair ``z_j`` by a unit phasor ``e^{i·pos·θ_j}``. A 
 pairs therefore has a position-invariant Euclidean norm (band-unitarity), so a band norm computed
 at write time is valid for every later query position.
 
-Pairing conventions (``certificates.md`` §4.3):
+Pairing conventions (``docs/math.md#rope-pairings``):
 
 * ``rotate_half`` (HF Llama/Qwen2/Gemma): pair ``j`` is ``(x_j, x_{j+D/2})``;
 * ``interleaved`` (GPT-J, Meta reference, llama.cpp "normal"): pair ``j`` is ``(x_{2j}, x_{2j+1})``.

@@ -1,18 +1,20 @@
 """Top-k selection meters: rank-prefix margin certificate, Lemma S2 lost/gained mass, selector→attention
 ratio.
 
-* **Rank-prefix stability** [Lean ``rank_prefix_stable``; ``heterogeneous-memory.md`` §3.5]. If every score
+* **Rank-prefix stability** [Lean ``rank_prefix_stable``; ``docs/memory-meters.md#rank-prefix``]. If every score
 moves
   by at most ``ε`` (``|s_i − s'_i| ≤ ε``) and the served margin ``s_(r) − s_(r+1) > 2ε``, the top-``r``
   *set* of
   ``s'`` equals that of ``s``. The factor 2 cannot be halved (one side falls by ``ε``, the other rises by
   ``ε``).
   The premise is decided per row, so the certificate holds on a decidable subset of rows: **partial** tier.
-* **Lemma S2** (§3.6). With ``p`` the softmax over the original selection ``I`` and ``p̂`` the softmax over the
+* **Lemma S2** (``docs/memory-meters.md#lemma-s2``). With ``p`` the softmax over the original selection ``I`` and
+  ``p̂`` the softmax over the
   perturbed selection ``Î`` (both zero outside their set),
   ``TV(p, p̂) = ½(m_out + m_in) + ½Σ_{I∩Î}|p_i − p̂_i|`` with ``m_out = Σ_{I∖Î} p``, ``m_in = Σ_{Î∖I} p̂``,
   so the selection stage is the contract ``(a_S, b_S) = (1, ½(m_out + m_in))`` in ``selector_dist:tv``.
-* **Selector→attention ratio** (§3.7, empirical). ``m_attn`` / ``m_sel`` are the masses the selection omits
+* **Selector→attention ratio** (``docs/memory-meters.md#selector-ratio``, empirical). ``m_attn`` / ``m_sel`` are the
+  masses the selection omits
 under
   the attention softmax and the selector softmax; ``ρ = m_attn / max(m_sel, 1e−9)`` is a measurement, never
   a bound.
@@ -191,7 +193,7 @@ def omitted_mass(scores: torch.Tensor, valid: torch.Tensor, selected: torch.Tens
 def selector_attention_ratio(
     attn_scores: torch.Tensor, selector_scores: torch.Tensor, valid: torch.Tensor, selected: torch.Tensor
 ) -> MassRatio:
-    """Selector→attention mass ratio on the same (row, candidate set, selected set); **empirical** (§3.7).
+    """Selector→attention mass ratio on the same (row, candidate set, selected set); **empirical**.
 
     ``ρ`` measured on truncation sets is a sample statistic; ``max ρ`` is not a confidence bound.
     """

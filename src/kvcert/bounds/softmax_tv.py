@@ -1,6 +1,7 @@
 """Sound upper bounds on the total variation between exact and served (perturbed) softmax attention.
 
-Setting (``certificates.md`` §1–§2). Exact logits ``s``, served logits ``s̃ = s + ε``; the served
+Setting (``docs/math.md#notation``, ``docs/math.md#softmax-tv-bounds``). Exact logits ``s``, served logits
+``s̃ = s + ε``; the served
 distribution ``p̃ = softmax(s̃)`` is observable, the exact one is ``p_t = p̃_t e^{-ε_t}/Z`` with
 ``Z = Σ_t p̃_t e^{-ε_t}``. Every ``(p, c)`` form below bounds ``TV(p, p̃) = ½Σ_t|p_t − p̃_t|`` for **every**
 ``ε`` with ``|ε_t| ≤ c_t``, using only ``p̃`` and the per-token radii ``c``. With

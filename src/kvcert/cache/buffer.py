@@ -76,11 +76,6 @@ class GrowBuffer:
         self._data[:, :, : kept.shape[2]] = kept
         self.n = kept.shape[2]
 
-    def batch_select(self, index: torch.Tensor) -> None:
-        """Keep only batch rows ``index`` (beam search / request removal)."""
-        self._data = self._data[index]
-        self._shape = (self._data.shape[0], *self._shape[1:])
-
     @property
     def nbytes(self) -> int:
         """Bytes of the live prefix (not the reserved capacity)."""

@@ -3,7 +3,8 @@
 * ``Gate.off()`` — never repair; certificates are still computed and reported.
 * ``Gate.certified(tau)`` — repair every KV head whose certificate exceeds ``tau`` for **any** of its
   G query heads (KV-head any-of-G); unrepaired reads then carry a true certificate ``<= tau``.
-  ``tau = 0`` repairs every read whose radius is not identically zero.
+  ``tau = 0`` repairs every read whose radius is not identically zero. ``tau`` must be finite: an
+  infinite threshold would never repair and label an unrepaired read "certified" (``ValueError``).
 * ``Gate.risk_ranked(tau_gate)`` — for saturated schemes: rank by the *unclipped* meter and repair the
   KV heads whose unclipped value exceeds ``tau_gate`` (values above 1 carry no certificate semantics
   but still rank risk). Reads left unrepaired carry only their (possibly vacuous) clipped certificate.
@@ -17,6 +18,7 @@ term and exceeds ``value_tol``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,6 +42,9 @@ class Gate:
             raise ValueError(f"gate mode must be off, certified or risk_ranked, got {self.mode!r}")
         if not self.threshold >= 0:
             raise ValueError(f"gate threshold must be >= 0, got {self.threshold}")
+        if self.mode != "off" and not math.isfinite(self.threshold):
+            raise ValueError(f"a {self.mode} gate needs a finite threshold (tau >= 0); got {self.threshold} "
+                             "(an infinite threshold never repairs: use Gate.off() to observe only)")
         if self.granularity not in ("head", "block"):
             raise ValueError(f"granularity must be 'head' or 'block', got {self.granularity!r}")
         if self.block_size < 1:

@@ -20,7 +20,7 @@ Write protocol: new tokens are appended exact and *pending*; at the start of a l
 tokens are encoded in whole blocks of ``write_block`` tokens (so the forward that produced them attends
 to them exactly, as in-flight K/V, and a partial block stays exact until it fills). The witness is
 computed at encode time from the exact original, which makes it valid for every later read (the
-stored codes are immutable: cache-preserving contract, ``certificates.md`` §4.6).
+stored codes are immutable: cache-preserving contract, ``docs/codecs.md#codec-contract``).
 
 Slots vs positions: every physical slot carries its *logical* position (``positions[B, H, S]``, the index
 of the token in the request's sequence, padding included). Without eviction slot ``j`` holds position
@@ -53,13 +53,15 @@ class _Chunk:
 class _Tensorstore:
     """Device + host storage of one of K or V for one layer."""
 
-    def __init__(self, codec: Codec, like: torch.Tensor, pin: bool, write_block: int) -> None:
+    def __init__(self, codec: Codec, like: torch.Tensor, pin: bool, write_block: int, device: torch.device) -> None:
+        """``like``: an empty ``[B, H, 0, D]`` tensor of the host tier's dtype and device (pinned CPU beside a GPU);
+        ``device``: the device tier's device (that of the K/V written), which holds the served scratch."""
         self.codec = codec
         self.block = math.lcm(codec.block, write_block)
         self.host = GrowBuffer(like, pin=pin)
-        self.served = GrowBuffer(like.to(torch.float32))
+        self.served = GrowBuffer(like.to(device, torch.float32))
         b, h = like.shape[:2]
-        self.exact = GrowBuffer(torch.zeros(b, h, 1, dtype=torch.bool, device=like.device))
+        self.exact = GrowBuffer(torch.zeros(b, h, 1, dtype=torch.bool, device=device))
         self.chunks: list[_Chunk] = []
         self.n_encoded = 0          # tokens [0, n_encoded) went through the codec (relative to live window)
         self.last_encoded = 0       # tokens encoded by the most recent encode_pending call
@@ -103,9 +105,10 @@ class LayerStore:
     # ----------------------------------------------------------------------------------------- write
     def _init(self, k: torch.Tensor, v: torch.Tensor) -> None:
         pin = torch.cuda.is_available()
-        self.k = _Tensorstore(self.key_codec, k[:, :, :0].to("cpu") if pin else k[:, :, :0], pin, self.write_block)
+        self.k = _Tensorstore(self.key_codec, k[:, :, :0].to("cpu") if pin else k[:, :, :0], pin, self.write_block,
+                              k.device)
         self.v = _Tensorstore(self.value_codec, v[:, :, :0].to("cpu") if pin else v[:, :, :0], pin,
-                              self.write_block)
+                              self.write_block, v.device)
         b, h, _, d = k.shape
         z = k.new_zeros((b, h, 0), dtype=torch.float32)
         self.k_band = GrowBuffer(k.new_zeros((b, h, 0, self.bands), dtype=torch.float32))
@@ -169,10 +172,10 @@ class LayerStore:
             if n == 0:
                 continue
             lo, hi = ts.n_encoded, ts.n_encoded + n
-            x = ts.host.view()[:, :, lo:hi].to(torch.float32)
+            x = ts.host.view()[:, :, lo:hi].to(ts.served.view().device, torch.float32)   # encode on the device tier
             finite = torch.isfinite(x).all(dim=-1)                       # [B, H, n]
             other = (self.v if is_key else self.k).host.view()[:, :, lo:hi]
-            finite &= torch.isfinite(other).all(dim=-1)                  # keep K and V of a bad token exact
+            finite &= torch.isfinite(other).all(dim=-1).to(finite.device)   # keep K and V of a bad token exact
             keep = (~finite) | self._keep_exact_rows.view(-1, 1, 1).to(finite.device)
             xin = torch.where(finite.unsqueeze(-1), x, torch.zeros_like(x))
             key = None
@@ -217,7 +220,7 @@ class LayerStore:
         assert self.k is not None and self.v is not None
         moved = 0
         for ts in (self.k, self.v):
-            ts.served.view()[b, h, tokens] = ts.host.view()[b, h, tokens].to(torch.float32)
+            ts.served.view()[b, h, tokens] = ts.host.view()[b, h, tokens].to(ts.served.view().device, torch.float32)
             newly = ~ts.exact.view()[b, h, tokens]
             moved += int(newly.sum()) * ts.host.view().shape[-1] * 2
             ts.exact.view()[b, h, tokens] = True

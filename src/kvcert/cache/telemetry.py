@@ -14,6 +14,11 @@ Live chain readings (per cell, the inputs of the per-layer dense contract chain
 ``qnorm`` the score-bridge coefficient ``sc·max‖q‖₂`` over the read's queries, ``logit_slack`` the largest
 float32 rounding slack ``φ_t`` of the read's logits. Recorded by the meter-gated read path (not the ladder).
 
+``uncompressed_layers``: sliding-window layers whose window can never hold one encodable write block, so
+they stay exact and contribute no cell (the cache warns at construction). With zero recorded cells every
+rate is NaN from its property and ``None`` in :meth:`Telemetry.summary` (whose key set never depends on
+what was read).
+
 Eviction (a selection operator): ``evicted_mass`` is the exact attention mass on evicted entries,
 ``TV(exact full attention, exact attention renormalised over the kept set)``, **measured** in validate
 mode from the evicted archive; ``evicted_mass_serving`` is the mass the evicted entries held on the last
@@ -25,6 +30,7 @@ of Belady's kept set (computed on the run's own exact trace) that the policy hel
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
@@ -179,6 +185,7 @@ class Telemetry:
     witness: torch.Tensor | None = None               # [steps, layers, B, Hq] live chain readings (see module doc)
     qnorm: torch.Tensor | None = None
     logit_slack: torch.Tensor | None = None
+    uncompressed_layers: tuple[int, ...] = ()         # sliding layers whose window never holds a write block
     tiers: dict[str, str] = field(default_factory=lambda: dict(TIERS))
 
     @property
@@ -244,7 +251,12 @@ class Telemetry:
         return float(self.certificates[rec].max()) if rec.any() else float("nan")
 
     def summary(self) -> dict[str, float | int | str | None]:
-        """Flat dictionary of headline numbers, each key suffixed by nothing; tiers are in ``self.tiers``."""
+        """Flat dictionary of headline numbers, each key suffixed by nothing; tiers are in ``self.tiers``.
+
+        The key set depends only on the cache's configuration, never on what was read: with zero recorded
+        cells (e.g. a decode that ended at its first token) ``cells`` is 0 and every rate or maximum over
+        cells (coverage, informative fraction, fallback rate, maximum certificate, ...) is ``None`` ("n/a":
+        nothing to count), where the properties themselves return NaN."""
         out: dict[str, float | int | str | None] = {
             "cells": self.cells,
             "coverage_q@0.2": self.coverage(0.2, "q_head"),
@@ -261,6 +273,7 @@ class Telemetry:
             "nonfinite": self.nonfinite,
             "fail_closed": self.fail_closed,
             "gate": self.gate,
+            "uncompressed_layers": len(self.uncompressed_layers),
         }
         if self.tier_b is not None:
             out["coverage_tier_b_kv@0.2"] = self.coverage(0.2, "kv_head", which="tier_b")
@@ -274,7 +287,7 @@ class Telemetry:
         if self.belady_overlap is not None:
             live = self.belady_overlap[~torch.isnan(self.belady_overlap)]
             out["mean_belady_overlap"] = float(live.mean()) if live.numel() else float("nan")
-        return out
+        return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in out.items()}
 
 
 def stack_records(records: list[StepRecord] | list[EvictRecord], layers: int, steps: int,

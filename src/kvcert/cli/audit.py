@@ -17,14 +17,24 @@ import typer
 from rich.console import Console
 
 from kvcert.cache.telemetry import Telemetry
-from kvcert.cli.common import ModelOption, bad_parameter, command_line, default_out, load_model, parse_schemes, set_seed
+from kvcert.cli.common import ModelOption, command_line, default_out, load_model, parse_schemes, set_seed
+from kvcert.cli.validate import (
+    OverwriteOption,
+    at_least,
+    checked_inputs,
+    context_fits,
+    fail,
+    model_max_positions,
+    prepare_out,
+    ruler_tasks,
+)
 from kvcert.eval import ruler
 from kvcert.eval.branching import Scheme, run_branches
 from kvcert.eval.harness import prompt_ids
 from kvcert.report import aggregate, figures
 from kvcert.report.html import write_html
 from kvcert.report.results import CERTIFIED, EMPIRICAL, PARTIAL, build_document, tiered, write_results
-from kvcert.report.tables import ReportTable, fmt, to_rich
+from kvcert.report.tables import ReportTable, fmt, print_table
 
 TAU = 0.2
 
@@ -113,21 +123,31 @@ def audit_figures(tel: Telemetry, label: str, out: Path) -> list[Path]:
 def _input_ids(
     loaded: Any, prompt_file: Path | None, task: str | None, context: int, seed: int
 ) -> torch.Tensor:
-    if (prompt_file is None) == (task is None):
-        raise typer.BadParameter("give exactly one of --prompt-file or --task")
     if prompt_file is not None:
-        if not prompt_file.is_file():
-            raise typer.BadParameter(f"prompt-file {prompt_file} does not exist")
         text = prompt_file.read_text(encoding="utf-8")
         ids = loaded.tokenizer(text, return_tensors="pt").input_ids
         if ids.shape[1] < 2:
-            raise typer.BadParameter(f"prompt-file {prompt_file} holds fewer than 2 tokens")
+            fail("audit", f"--prompt-file {prompt_file} holds fewer than 2 tokens")
         return ids
     assert task is not None
-    if task not in ruler.TASK_NAMES:
-        raise typer.BadParameter(f"task: unknown RULER task {task!r}; supported are {list(ruler.TASK_NAMES)}")
     sample = ruler.load_task(task, context, 1, seed, loaded.tokenizer_dir)[0]
     return prompt_ids(loaded.tokenizer, sample)
+
+
+def _check_prompt(prompt_file: Path | None, task: str | None, context: int) -> None:
+    """Exactly one prompt source: a readable UTF-8 text file, or a RULER task at a context it supports."""
+    if (prompt_file is None) == (task is None):
+        raise ValueError("give exactly one of --prompt-file or --task")
+    if prompt_file is not None:
+        if not prompt_file.is_file():
+            raise ValueError(f"--prompt-file {prompt_file} does not exist")
+        try:
+            prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--prompt-file {prompt_file} is not readable UTF-8 text ({type(exc).__name__})") from None
+    else:
+        assert task is not None
+        ruler_tasks((task,), context)
 
 
 def audit(
@@ -142,19 +162,22 @@ def audit(
     out: Annotated[
         Path | None, typer.Option(help="report directory (default runs/audit-<timestamp>)")
     ] = None,
+    overwrite: OverwriteOption = False,
 ) -> None:
     """Per layer × head certificate heatmap, saturation map, coverage vs τ, Tier A vs Tier B (dithered keys)
     and the validate-mode true TV beside the bound. Exits 1 if any cell's true TV exceeds its certificate."""
     console = Console()
-    try:
+    out = out or default_out("audit")
+    with checked_inputs("audit"):
         spec = parse_schemes(keys if values is None else f"{keys}/{values}")[0]
-    except ValueError as exc:
-        raise bad_parameter(exc) from exc
-    if max_new_tokens < 1:
-        raise typer.BadParameter(f"max-new-tokens must be >= 1, got {max_new_tokens}")
+        at_least("max-new-tokens", max_new_tokens, 1)
+        _check_prompt(prompt_file, task, context)
+        positions = model_max_positions(model)
+        if task is not None:
+            context_fits(context, positions)
+        prepare_out(out, overwrite)
     t0 = time.time()
     set_seed(seed)
-    out = out or default_out("audit")
     loaded = load_model(model, seed)
     ids = _input_ids(loaded, prompt_file, task, context, seed)
     console.print(f"auditing {spec.label} on {ids.shape[1]} prompt tokens (validate mode) ...")
@@ -217,7 +240,7 @@ def audit(
         figs,
         command_line(),
     )
-    console.print(to_rich(table))
+    print_table(console, table)
     console.print(f"results: {json_path}\nreport: [bold]{html_path}[/]")
     if tel.violations:
         console.print(

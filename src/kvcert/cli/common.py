@@ -17,6 +17,9 @@ from transformers import AutoTokenizer, PreTrainedModel  # noqa: E402
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase  # noqa: E402
 
 from kvcert.cache.gate import Gate  # noqa: E402
+from kvcert.models.tiny import SUPPORTED_FAMILIES, tiny_random  # noqa: E402
+from kvcert.models.zoo import ZOO, converted_dir  # noqa: E402
+from kvcert.models.zoo import load as zoo_load  # noqa: E402
 from kvcert.quant import BUILTINS  # noqa: E402
 
 TINY_PREFIX = "tiny:"
@@ -60,12 +63,7 @@ def load_model(spec: str, seed: int = 0) -> LoadedModel:
     by ``seed``) with its vocabulary matched to the SmolLM2 tokenizer. Raises ``ValueError`` naming
     ``model`` for an unknown spec.
     """
-    from kvcert.models.zoo import ZOO, converted_dir
-    from kvcert.models.zoo import load as zoo_load
-
     if spec.startswith(TINY_PREFIX):
-        from kvcert.models.tiny import SUPPORTED_FAMILIES, tiny_random
-
         family = spec[len(TINY_PREFIX) :]
         if family not in SUPPORTED_FAMILIES:
             raise ValueError(
@@ -123,21 +121,26 @@ def parse_schemes(text: str) -> list[SchemeSpec]:
 
 
 def parse_gate(text: str) -> Gate | None:
-    """Parse ``auto`` (``None``: each scheme by its meter), ``off``, ``certified:TAU``, ``risk:TAU``."""
+    """Parse ``auto`` (``None``: each scheme by its meter), ``off``, ``certified:TAU``, ``risk:TAU``.
+
+    ``TAU`` must be a finite number ``>= 0`` (``inf``, ``1e400``, ``nan`` and negatives are refused by
+    :class:`~kvcert.cache.gate.Gate`: an infinite threshold never repairs). ``ValueError`` naming ``--gate``.
+    """
     if text == "auto":
         return None
     if text == "off":
         return Gate.off()
     kind, _, value = text.partition(":")
+    if kind not in ("certified", "risk"):
+        raise ValueError(f"--gate: expected auto, off, certified:TAU or risk:TAU, got {text!r}")
     try:
         threshold = float(value)
     except ValueError:
-        raise ValueError(f"gate: expected auto, off, certified:TAU or risk:TAU, got {text!r}") from None
-    if kind == "certified":
-        return Gate.certified(threshold)
-    if kind == "risk":
-        return Gate.risk_ranked(threshold)
-    raise ValueError(f"gate: expected auto, off, certified:TAU or risk:TAU, got {text!r}")
+        raise ValueError(f"--gate: expected auto, off, certified:TAU or risk:TAU; {value!r} is not a number") from None
+    try:
+        return Gate.certified(threshold) if kind == "certified" else Gate.risk_ranked(threshold)
+    except ValueError as exc:
+        raise ValueError(f"--gate {text!r}: {exc}") from None
 
 
 def auto_gate(informative_fraction: float) -> Gate:
@@ -157,13 +160,9 @@ def default_out(command: str) -> Path:
 
 
 def command_line() -> str:
-    """The command line as typed (``kvcert`` + arguments)."""
-    return " ".join(["kvcert", *sys.argv[1:]])
-
-
-def bad_parameter(exc: ValueError) -> typer.BadParameter:
-    """Turn a parsing ``ValueError`` into a typer usage error with the same message."""
-    return typer.BadParameter(str(exc))
+    """The command line as typed (``kvcert`` + arguments), less ``--overwrite``: that flag only lets a run
+    replace an existing report, so a rerun with it records the same command as the first run."""
+    return " ".join(["kvcert", *(a for a in sys.argv[1:] if a != "--overwrite")])
 
 
 def set_seed(seed: int) -> None:

@@ -13,12 +13,12 @@ from kvcert.cli.common import (
     GateOption,
     ModelOption,
     SchemesOption,
-    bad_parameter,
     default_out,
     parse_gate,
     parse_schemes,
 )
 from kvcert.cli.ruler_command import RulerJob, execute
+from kvcert.cli.validate import OverwriteOption, checked_inputs
 
 TASK_PREFIX = "ruler:"
 
@@ -44,17 +44,14 @@ def evaluate(
     max_new_tokens: Annotated[int | None, typer.Option(help="cap on RULER's generation budget")] = None,
     resamples: Annotated[int, typer.Option(help="paired bootstrap resamples")] = 10_000,
     out: Annotated[Path | None, typer.Option(help="report directory (default runs/eval-<timestamp>)")] = None,
+    overwrite: OverwriteOption = False,
 ) -> None:
     """Accuracy per scheme (raw and gated) with a paired bootstrap 95% CI and exact McNemar p against the
     uncompressed run on the same samples, plus bytes per token, host page-in bytes and fallback rate."""
-    try:
+    with checked_inputs("eval"):
         tasks = parse_task_option(task)
         specs = parse_schemes(schemes)
         chosen = parse_gate(gate)
-    except ValueError as exc:
-        raise bad_parameter(exc) from exc
-    if resamples < 1:
-        raise typer.BadParameter(f"resamples must be >= 1, got {resamples}")
     job = RulerJob(
         "eval",
         model,
@@ -67,5 +64,6 @@ def evaluate(
         max_new_tokens,
         resamples,
         out or default_out("eval"),
+        overwrite,
     )
     execute(job, Console())

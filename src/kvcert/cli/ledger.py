@@ -32,7 +32,7 @@ def _integrity(reader: LogReader, expect_head: str | None) -> list[Criterion]:
 
 def _load_run(run: Path, expect_head: str | None = None) -> tuple[list[dict[str, Any]], list[Criterion]]:
     """The snapshots of a run and its evidence criteria: one run (see :func:`_load`), or one per rank of a
-    replica run directory that holds ``rank{r}/`` subdirectories (:mod:`kvcert.ledger.replicas`)."""
+    replica run directory that holds ``rank{r}/`` subdirectories (:mod:`kvcert.serving.replicas`)."""
     if run.is_dir() and not any((run / name).is_file() for name in ("ledger.json", "ledger.db")):
         ranks = sorted((p for p in run.iterdir() if p.is_dir() and re.fullmatch(r"rank\d+", p.name)), key=str)
         if ranks:

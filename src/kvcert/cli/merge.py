@@ -11,7 +11,6 @@ token depend on each shard's token counts, which a results file does not hold: t
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -21,12 +20,21 @@ from rich.console import Console
 
 from kvcert.cli.common import command_line
 from kvcert.cli.progress import progress_bar
+from kvcert.cli.validate import OverwriteOption, at_least, checked_inputs, prepare_out
 from kvcert.cli.workload import DENSE
 from kvcert.eval.stats import mcnemar, paired_bootstrap
 from kvcert.report.figures import AccuracyPoint, accuracy_bars
 from kvcert.report.html import write_html
-from kvcert.report.results import CERTIFIED, EMPIRICAL, build_document, tiered, write_results
-from kvcert.report.tables import ReportTable, fmt, to_rich
+from kvcert.report.results import (
+    CERTIFIED,
+    EMPIRICAL,
+    build_document,
+    check_document,
+    load_json_object,
+    tiered,
+    write_results,
+)
+from kvcert.report.tables import ReportTable, fmt, print_table
 
 SUMMED = ("page_in_bytes", "cells", "fail_closed", "violations")
 CELL_WEIGHTED = {
@@ -36,6 +44,7 @@ CELL_WEIGHTED = {
     "fallback_rate": EMPIRICAL,
     "effective_bits": EMPIRICAL,
 }
+SAME_CONFIG = ("model", "context", "schemes", "gate", "max_new_tokens")
 
 
 def _value(node: dict[str, Any], key: str) -> Any:
@@ -43,23 +52,78 @@ def _value(node: dict[str, Any], key: str) -> Any:
 
 
 def load_shard(path: Path) -> dict[str, Any]:
-    """Read one run's ``results.json`` (a run directory or the file); ``ValueError`` naming what is missing."""
+    """Read one run's ``results.json`` (a run directory or the file), parsed and checked
+    (:func:`kvcert.report.results.check_document`, then :func:`check_shard`); ``ValueError`` naming the problem."""
     file = path / "results.json" if path.is_dir() else path
     if not file.is_file():
         raise ValueError(f"{path}: no results.json")
-    doc = json.loads(file.read_text())
-    results = doc.get("results", {})
-    if doc.get("command") not in ("eval", "run") or "per_sample" not in results:
+    raw = load_json_object(file)
+    results = raw.get("results")
+    if raw.get("command") not in ("eval", "run") or not isinstance(results, dict) or "per_sample" not in results:
         raise ValueError(f"{file}: not a kvcert eval/run results file (need per-sample scores)")
-    return doc
+    doc = check_document(raw, file)
+    check_shard(doc.document, file)
+    return doc.document
+
+
+def _need(ok: bool, where: Path, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{where}: {what}")
+
+
+def _is_number(leaf: Any, *, integer: bool = False) -> bool:
+    if not isinstance(leaf, dict) or "value" not in leaf:
+        return False
+    v = leaf["value"]
+    kinds = (int,) if integer else (int, float)
+    return isinstance(v, kinds) and not isinstance(v, bool)
+
+
+def check_shard(doc: dict[str, Any], where: Path) -> None:
+    """Check every field :func:`merge_results` reads: ``config`` an object; ``results.variants`` an object of
+    objects with a string ``gate`` (and, with telemetry, numeric or null tiered ``cells`` etc.);
+    ``results.per_sample`` a list of ``{"task": str, "index": tiered int, "scores": {label: tiered number in
+    [0, 1]}}`` with exactly the variant labels. ``ValueError`` naming the file and the first bad field."""
+    _need(isinstance(doc.get("config"), dict), where, "'config' is not a JSON object")
+    results = doc.get("results")
+    _need(isinstance(results, dict), where, "'results' is not a JSON object")
+    variants, per_sample = results.get("variants"), results.get("per_sample")
+    _need(isinstance(variants, dict) and bool(variants), where, "results.variants is not a non-empty object")
+    labels = set(variants)
+    for lab, v in variants.items():
+        _need(isinstance(v, dict) and isinstance(v.get("gate"), str) and "codecs" in v, where,
+              f"results.variants[{lab!r}] needs a string 'gate' and 'codecs'")
+        if "cells" in v:
+            for key in (*SUMMED, *CELL_WEIGHTED, "max_certificate"):
+                leaf = v.get(key)
+                _need(key not in v or (isinstance(leaf, dict) and "value" in leaf and (
+                    leaf["value"] is None or (_is_number(leaf) and (key not in SUMMED or leaf["value"] >= 0)))),
+                      where, f"results.variants[{lab!r}].{key} is not a tiered number (a count >= 0 if summed)")
+            _need(_is_number(v["cells"], integer=True) and v["cells"]["value"] >= 0, where,
+                  f"results.variants[{lab!r}].cells is not a tiered count >= 0")
+            for key in ("bytes_per_token_fp16", "bytes_per_token_stored"):
+                _need(key in v, where, f"results.variants[{lab!r}] lacks {key}")
+    _need(isinstance(per_sample, list) and bool(per_sample), where, "results.per_sample is not a non-empty list")
+    for i, s in enumerate(per_sample):
+        at = f"results.per_sample[{i}]"
+        _need(isinstance(s, dict) and isinstance(s.get("task"), str), where, f"{at} needs a string 'task'")
+        _need(_is_number(s.get("index"), integer=True), where, f"{at}.index is not a tiered integer")
+        scores = s.get("scores")
+        _need(isinstance(scores, dict) and set(scores) == labels, where,
+              f"{at}.scores must hold exactly the variants {sorted(labels)}")
+        for lab, leaf in scores.items():
+            _need(_is_number(leaf) and 0.0 <= leaf["value"] <= 1.0, where,
+                  f"{at}.scores[{lab!r}] is not a tiered score in [0, 1]")
 
 
 def _check_compatible(docs: list[dict[str, Any]], paths: list[Path]) -> list[str]:
-    """Variant labels shared by every shard, with the same gate; samples must be disjoint."""
+    """Variant labels shared by every shard, with the same gate and the same :data:`SAME_CONFIG` fields;
+    samples must be disjoint."""
     first = docs[0]["results"]["variants"]
     labels = list(first)
     seen: dict[tuple[str, int], Path] = {}
     for doc, path in zip(docs, paths, strict=True):
+        check_shard(doc, path)
         variants = doc["results"]["variants"]
         if list(variants) != labels:
             raise ValueError(f"{path}: variants {list(variants)} differ from {labels}")
@@ -67,8 +131,11 @@ def _check_compatible(docs: list[dict[str, Any]], paths: list[Path]) -> list[str
             if variants[lab]["gate"] != first[lab]["gate"]:
                 raise ValueError(f"{path}: variant {lab!r} ran gate {variants[lab]['gate']!r}, "
                                  f"another shard ran {first[lab]['gate']!r}")
-        if doc["config"].get("model") != docs[0]["config"].get("model"):
-            raise ValueError(f"{path}: model {doc['config'].get('model')!r} differs from the first shard's")
+        for key in SAME_CONFIG:
+            mine, theirs = doc["config"].get(key), docs[0]["config"].get(key)
+            if mine != theirs:
+                raise ValueError(f"{path}: {key} {mine!r} differs from the first shard's ({theirs!r}); "
+                                 "shards must share model, context, schemes, gate and max_new_tokens")
         for s in doc["results"]["per_sample"]:
             key = (s["task"], s["index"]["value"])
             if key in seen:
@@ -106,14 +173,16 @@ def merge_results(docs: list[dict[str, Any]], paths: list[Path], seed: int, resa
         if "cells" in parts[0]:
             for key in SUMMED:
                 if all(key in p for p in parts):
-                    out[key] = tiered(sum(_value(p, key) for p in parts), EMPIRICAL)
+                    counts = [_value(p, key) for p in parts]
+                    out[key] = tiered(None if None in counts else sum(counts), EMPIRICAL)
             cells = [_value(p, "cells") for p in parts]
             for key, tier in CELL_WEIGHTED.items():
                 pairs = [(_value(p, key), c) for p, c in zip(parts, cells, strict=True)
                          if _value(p, key) is not None and _value(p, key) == _value(p, key) and c]
                 den = sum(c for _, c in pairs)
                 out[key] = tiered(sum(v * c for v, c in pairs) / den if den else float("nan"), tier)
-            out["max_certificate"] = tiered(max(_value(p, "max_certificate") for p in parts), CERTIFIED)
+            maxima = [m for p in parts if (m := _value(p, "max_certificate")) is not None]
+            out["max_certificate"] = tiered(max(maxima) if maxima else None, CERTIFIED)
             out["bytes_per_token_fp16"] = parts[0]["bytes_per_token_fp16"]
             out["bytes_per_token_stored_per_shard"] = [p["bytes_per_token_stored"] for p in parts]
         variants[lab] = out
@@ -146,19 +215,19 @@ def merge(
     out: Annotated[Path, typer.Option(help="directory for the merged results.json, report.html and PNG")],
     seed: Annotated[int, typer.Option(help="bootstrap seed")] = 0,
     resamples: Annotated[int, typer.Option(help="paired bootstrap resamples")] = 10_000,
+    overwrite: OverwriteOption = False,
 ) -> None:
     """Merge sharded `kvcert eval` runs: paired CI and McNemar recomputed on all samples together."""
     console = Console()
-    try:
+    with checked_inputs("merge"):
+        at_least("resamples", resamples, 1)
         docs = []
         with progress_bar("reading shards", len(runs), console) as tick:
             for i, path in enumerate(runs):
                 docs.append(load_shard(path))
                 tick(i)
         merged = merge_results(docs, runs, seed, resamples)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    out.mkdir(parents=True, exist_ok=True)
+        prepare_out(out, overwrite, inputs=[p / "results.json" if p.is_dir() else p for p in runs])
     table = _table(merged)
     dense = _value(merged["variants"][DENSE], "accuracy")
     points = [
@@ -169,9 +238,9 @@ def merge(
     png = accuracy_bars(points, dense, out / "accuracy.png")
     config = {"shards": [d["config"] for d in docs], "resamples": resamples}
     doc = build_document("merge", config, merged, seed,
-                         {"merged_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                         {"merged_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, command_line().split())
     json_path = write_results(out / "results.json", doc)
     html = write_html(out / "report.html", "kvcert merge", [__doc__.split("\n\n")[1].replace("\n", " ")],
                       [table], [png], command_line())
-    console.print(to_rich(table))
+    print_table(console, table)
     console.print(f"results: {json_path}\nreport:  {html}")

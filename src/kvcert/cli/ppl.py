@@ -30,7 +30,6 @@ from kvcert.cli.common import (
     SchemesOption,
     SchemeSpec,
     auto_gate,
-    bad_parameter,
     command_line,
     default_out,
     load_model,
@@ -39,13 +38,21 @@ from kvcert.cli.common import (
     set_seed,
 )
 from kvcert.cli.progress import progress_bar
+from kvcert.cli.validate import (
+    OverwriteOption,
+    at_least,
+    checked_inputs,
+    context_fits,
+    model_max_positions,
+    prepare_out,
+)
 from kvcert.eval.corpora import CORPORA, load_corpus
 from kvcert.eval.harness import perplexity
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.report import aggregate, figures
 from kvcert.report.html import write_html
 from kvcert.report.results import CERTIFIED, EMPIRICAL, build_document, tiered, write_results
-from kvcert.report.tables import ReportTable, fmt, to_rich
+from kvcert.report.tables import ReportTable, fmt, print_table
 
 CHARS_PER_TOKEN = 8  # characters read per needed token before tokenizing (generous)
 WINDOW_SLACK = 16  # extra tokens decoded into each window's text so re-tokenizing still yields ``context``
@@ -168,36 +175,42 @@ def ppl(
     model: ModelOption = "smollm2-135m",
     seed: Annotated[int, typer.Option(help="seed for codecs")] = 0,
     out: Annotated[Path | None, typer.Option(help="report directory (default runs/ppl-<timestamp>)")] = None,
+    overwrite: OverwriteOption = False,
 ) -> None:
     """Teacher-forced perplexity under each scheme, ungated and gated, with the continuation read through
     the compressed cache; bytes per token, page-in and meter coverage beside it."""
-    try:
+    out = out or default_out("ppl")
+    with checked_inputs("ppl"):
         specs = parse_schemes(schemes)
         chosen = parse_gate(gate)
         if corpus not in CORPORA:
-            raise ValueError(f"corpus: expected one of {sorted(CORPORA)}, got {corpus!r}")
-    except ValueError as exc:
-        raise bad_parameter(exc) from exc
-    if not 0.0 < prefix_fraction < 1.0:
-        raise typer.BadParameter(f"prefix-fraction must be in (0, 1), got {prefix_fraction}")
-    prefix = int(context * prefix_fraction)
-    if prefix < 1 or context - prefix < 2 or windows < 1 or chunk < 1:
-        raise typer.BadParameter(
-            f"need context*prefix_fraction >= 1, >= 2 scored tokens, windows >= 1, "
-            f"chunk >= 1 (got context={context}, windows={windows}, chunk={chunk})"
-        )
+            raise ValueError(f"--corpus: expected one of {sorted(CORPORA)}, got {corpus!r}")
+        if not 0.0 < prefix_fraction < 1.0:
+            raise ValueError(f"--prefix-fraction must be in (0, 1), got {prefix_fraction}")
+        at_least("context", context, 3)
+        at_least("windows", windows, 1)
+        at_least("chunk", chunk, 1)
+        prefix = int(context * prefix_fraction)
+        if prefix < 1 or context - prefix < 2:
+            raise ValueError(f"need context*prefix_fraction >= 1 and >= 2 scored tokens "
+                             f"(got context={context}, prefix-fraction={prefix_fraction})")
+        positions = model_max_positions(model)
+        context_fits(context, positions)
+        prepare_out(out, overwrite)
     console, t0 = Console(), time.time()
     set_seed(seed)
-    out = out or default_out("ppl")
     loaded = load_model(model, seed)
-    try:
-        text = load_corpus(corpus)
-    except ImportError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    need = (context + WINDOW_SLACK) * windows
-    ids = loaded.tokenizer(text[: need * CHARS_PER_TOKEN], return_tensors="pt").input_ids[0]
-    if ids.numel() < need:
-        raise typer.BadParameter(f"corpus {corpus} has {ids.numel()} tokens, need {need}")
+    with checked_inputs("ppl"):
+        if positions is None:  # a zoo model converted by this load: its limit is known only now
+            context_fits(context, loaded.model.config.get_text_config().max_position_embeddings)
+        try:
+            text = load_corpus(corpus)
+        except ImportError as exc:
+            raise ValueError(str(exc)) from exc
+        need = (context + WINDOW_SLACK) * windows
+        ids = loaded.tokenizer(text[: need * CHARS_PER_TOKEN], return_tensors="pt").input_ids[0]
+        if ids.numel() < need:
+            raise ValueError(f"corpus {corpus} has {ids.numel()} tokens, need {need} for --windows/--context")
     texts = [
         loaded.tokenizer.decode(ids[i * context : (i + 1) * context + WINDOW_SLACK]) for i in range(windows)
     ]
@@ -257,5 +270,5 @@ def ppl(
         figs,
         command_line(),
     )
-    console.print(to_rich(table))
+    print_table(console, table)
     console.print(f"results: {json_path}\nreport: [bold]{html_path}[/]")

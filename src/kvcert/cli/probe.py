@@ -16,8 +16,12 @@ import torch
 import typer
 
 from kvcert.cli.common import TINY_PREFIX, load_model
+from kvcert.integrations.live_probe.heterogeneous import ProbeConfig, probe_request
+from kvcert.integrations.mla import tiny_deepseek_v3
+from kvcert.integrations.recurrent import tiny_recurrent_model
 from kvcert.probe.verify import VerifyResult, verify_file
 from kvcert.probe.verify import verify as gate_snapshot
+from kvcert.quant.rtn import RTNCodec
 
 HETEROGENEOUS_TINY = ("deepseek_v3", "mamba2", "qwen3_next")
 KEY_BITS = (2, 4, 8)
@@ -78,11 +82,7 @@ def _load(spec: str, seed: int) -> tuple[torch.nn.Module, object | None]:
         loaded = load_model(spec, seed=seed)
         return loaded.model, loaded.tokenizer
     if family == "deepseek_v3":
-        from kvcert.integrations.mla import tiny_deepseek_v3
-
         return tiny_deepseek_v3(seed=seed), None
-    from kvcert.integrations.recurrent import tiny_recurrent_model
-
     return tiny_recurrent_model(family, seed=seed), None
 
 
@@ -114,9 +114,6 @@ def run(
     seed: Annotated[int, typer.Option(help="weights (tiny models), token ids and dither seed")] = 0,
 ) -> None:
     """Probe one request on MODEL: per-layer chains, the snapshot in OUT, and its gate (exit 0 pass, 1 fail)."""
-    from kvcert.probe.heterogeneous import ProbeConfig, probe_request
-    from kvcert.quant.rtn import RTNCodec
-
     try:
         if key_bits not in KEY_BITS:
             raise ValueError(f"key_bits must be one of {KEY_BITS}, got {key_bits}")

@@ -6,16 +6,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import typer
 from rich.console import Console
 
 from kvcert.cache.gate import Gate
 from kvcert.cli.common import SchemeSpec, command_line, load_model, set_seed
 from kvcert.cli.progress import progress_bar
 from kvcert.cli.ruler_report import write_report
+from kvcert.cli.validate import at_least, checked_inputs, context_fits, model_max_positions, prepare_out, ruler_tasks
 from kvcert.cli.workload import run_workload
 from kvcert.eval import ruler
-from kvcert.report.tables import to_rich
+from kvcert.report.tables import print_table
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class RulerJob:
     max_new_tokens: int | None
     resamples: int
     out: Path
+    overwrite: bool = False
 
     def config(self) -> dict[str, object]:
         """JSON-ready inputs."""
@@ -53,12 +54,21 @@ class RulerJob:
 def execute(job: RulerJob, console: Console) -> Path:
     """Run ``job`` end to end; print the summary table and where the report is; return report.html."""
     t0 = time.time()
-    for task in job.tasks:
-        if task not in ruler.TASK_NAMES:
-            raise typer.BadParameter(f"unknown RULER task {task!r}; supported are {list(ruler.TASK_NAMES)}")
+    with checked_inputs(job.name):
+        positions = model_max_positions(job.model)
+        ruler_tasks(job.tasks, job.context)
+        context_fits(job.context, positions)
+        at_least("samples", job.samples, 1)
+        at_least("resamples", job.resamples, 1)
+        if job.max_new_tokens is not None:
+            at_least("max-new-tokens", job.max_new_tokens, 1)
+        prepare_out(job.out, job.overwrite)
     set_seed(job.seed)
     console.print(f"loading model [bold]{job.model}[/] ...")
     loaded = load_model(job.model, job.seed)
+    if positions is None:  # a zoo model converted by this load: its limit is known only now
+        with checked_inputs(job.name):
+            context_fits(job.context, loaded.model.config.get_text_config().max_position_embeddings)
     t_load = time.time()
     samples = []
     with progress_bar("generating RULER samples", len(job.tasks), console) as tick:
@@ -88,7 +98,7 @@ def execute(job: RulerJob, console: Console) -> Path:
         volatile,
         f"kvcert {job.name}: {job.model}",
     )
-    console.print(to_rich(table))
+    print_table(console, table)
     console.print(f"wall time {time.time() - t0:.0f} s; results: {json_path}")
     console.print(f"report: [bold]{html_path}[/]")
     return html_path

@@ -61,7 +61,9 @@ def variant_numbers(rec: VariantRecord, dense: VariantRecord, seed: int, resampl
                 "informative_fraction": tiered(
                     aggregate.pooled(tels, lambda t: t.informative_fraction), CERTIFIED
                 ),
-                "max_certificate": tiered(max(t.max_certificate for t in tels), CERTIFIED),
+                "max_certificate": tiered(  # samples with no cell (NaN) do not count, in any order
+                    max((m for t in tels if (m := t.max_certificate) == m), default=None), CERTIFIED
+                ),
                 "cells": tiered(sum(t.cells for t in tels), EMPIRICAL),
                 "fail_closed": tiered(sum(t.fail_closed for t in tels), EMPIRICAL),
             }
@@ -196,7 +198,9 @@ def _figures(result: WorkloadResult, results: dict[str, Any], out: Path) -> list
     if points:
         figs.append(figures.accuracy_bars(points, baseline, out / "accuracy.png"))
         dense_bytes = variants[compressed[0].label]["bytes_per_token_fp16"]["value"]
-        figs.append(figures.bytes_vs_accuracy(points, dense_bytes, baseline, out / "bytes_vs_accuracy.png"))
+        placed = [p for p in points if p.bytes_per_token is not None]   # None: no read, no effective bytes
+        if placed:
+            figs.append(figures.bytes_vs_accuracy(placed, dense_bytes, baseline, out / "bytes_vs_accuracy.png"))
     return figs
 
 

@@ -8,8 +8,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from kvcert.cli.common import DEFAULT_SCHEMES, ModelOption, SchemesOption, bad_parameter, default_out, parse_schemes
+from kvcert.cli.common import DEFAULT_SCHEMES, ModelOption, SchemesOption, default_out, parse_schemes
 from kvcert.cli.ruler_command import RulerJob, execute
+from kvcert.cli.validate import OverwriteOption, checked_inputs
 
 DEFAULT_TASKS = "niah_single_1,niah_single_2,niah_multikey_1"
 
@@ -23,6 +24,7 @@ def run(
     seed: Annotated[int, typer.Option(help="seed for data, codecs and bootstrap")] = 0,
     max_new_tokens: Annotated[int, typer.Option(help="cap on RULER's per-task generation budget")] = 16,
     out: Annotated[Path | None, typer.Option(help="report directory (default runs/run-<timestamp>)")] = None,
+    overwrite: OverwriteOption = False,
 ) -> None:
     """The main job: RULER needle tasks under each scheme, ungated and gated, against the dense baseline.
 
@@ -30,10 +32,8 @@ def run(
     half of its cells are informative, else risk-ranked(τ_gate=5). Writes report.html, PNGs and
     results.json to --out and prints a summary table.
     """
-    try:
+    with checked_inputs("run"):
         specs = parse_schemes(schemes)
-    except ValueError as exc:
-        raise bad_parameter(exc) from exc
     task_list = tuple(t.strip() for t in tasks.split(",") if t.strip())
     job = RulerJob(
         "run",
@@ -47,5 +47,6 @@ def run(
         max_new_tokens,
         10_000,
         out or default_out("run"),
+        overwrite,
     )
     execute(job, Console())

@@ -113,7 +113,8 @@ def run_workload(
                 gate_choice[spec.label] = {
                     "informative_fraction": frac,
                     "gate": chosen.describe(),
-                    "rule": "certified(0.2) if informative_fraction >= 0.5 else risk_ranked(5)",
+                    "rule": "certified(0.2) if informative_fraction >= 0.5 else risk_ranked(5)" + (
+                        "" if frac == frac else "; no compressed read on the first sample: fraction n/a"),
                 }
             gated = [
                 _scheme(

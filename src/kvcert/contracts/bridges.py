@@ -1,4 +1,4 @@
-"""Bridges between metrics, as contracts (spec §3.4, §3.7, §4.3).
+"""Bridges between metrics, as contracts (``docs/contracts.md#bridges``).
 
 A bridge changes the metric an error is measured in. Scalar transfer functions are pure Python
 (float in, float out) so that ``kvcert.contracts`` has no tensor dependency.

@@ -1,4 +1,4 @@
-"""Typed composition of local contracts (spec §4.1–4.3).
+"""Typed composition of local contracts (``docs/contracts.md#chains``).
 
 ``Chain`` is immutable; every method returns a new chain.
 

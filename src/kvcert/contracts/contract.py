@@ -1,4 +1,4 @@
-"""Local contracts ``e_out <= a·e_in + b`` except with probability ``delta`` (spec §4.1).
+"""Local contracts ``e_out <= a·e_in + b`` except with probability ``delta`` (``docs/contracts.md#local-contracts``).
 
 A :class:`Contract` is the proof obligation a stage of a memory path discharges: given an input error
 ``e_in`` measured in ``m_in``, the output error measured in ``m_out`` satisfies

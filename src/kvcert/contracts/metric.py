@@ -3,7 +3,7 @@
 A metric names *what* is perturbed (the object, e.g. ``kv_entry``), *how* the perturbation is
 measured (the norm, e.g. ``l2`` or ``tv``) and *where* it is observed (the site: ``write``,
 ``consume`` or ``offline``). Two metrics are equal only if all three parts are equal; a contract
-chain composes only across equal metrics (spec §4.2), so an error measured at the write site can
+chain composes only across equal metrics (``docs/contracts.md#metrics``), so an error measured at the write site can
 never be silently reused as a consume-site error, and a relative witness can never be added to a
 selector TV.
 """

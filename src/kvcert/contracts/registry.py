@@ -1,4 +1,5 @@
-"""Tier registry: every number kvcert emits is registered with its tier and the reason (spec §4.4).
+"""Tier registry: every number kvcert emits is registered with its tier and the reason
+(``docs/contracts.md#tier-rules``).
 
 Rules enforced here:
 1. Emitting (or checking) an unregistered name is a hard error (:class:`UnregisteredMetric`), never a

@@ -1,4 +1,5 @@
-"""Local contracts of memory stages that are not bridges (spec §2.3, §3.2, §3.3, §3.6, §3.9)."""
+"""Local contracts of memory stages that are not bridges (``docs/contracts.md#local-contracts``,
+``docs/memory-meters.md``)."""
 
 from __future__ import annotations
 

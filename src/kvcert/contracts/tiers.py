@@ -1,4 +1,5 @@
-"""The three tiers every emitted number carries, ordered CERTIFIED > PARTIAL > EMPIRICAL (spec §4.4).
+"""The three tiers every emitted number carries, ordered CERTIFIED > PARTIAL > EMPIRICAL
+(``docs/contracts.md#tier-rules``).
 
 - certified: a sound upper bound exists (and holds for every input satisfying its stated assumptions);
 - partial: the bound holds only on a decidable subset (a runtime-checked premise, certified rows);

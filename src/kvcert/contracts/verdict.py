@@ -1,4 +1,4 @@
-"""Bounds vs diagnostic readings, and saturation verdicts for TV-valued bounds (spec §4.5).
+"""Bounds vs diagnostic readings, and saturation verdicts for TV-valued bounds (``docs/contracts.md#verdicts``).
 
 A :class:`Bound` is a sound upper bound (tier certified or partial); only a Bound can be formatted
 as a bound or given a verdict. A :class:`Reading` is a value without bound semantics: anything

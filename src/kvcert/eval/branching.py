@@ -68,7 +68,7 @@ def greedy_from(model: torch.nn.Module, first: torch.Tensor, cache: object, max_
             toks.append(t)
             if len(toks) == max_new_tokens:
                 break
-            out = model(nxt, past_key_values=cache, use_cache=True)
+            out = model(nxt, cache=cache, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
     return toks
 
@@ -80,7 +80,7 @@ def run_branches(model: torch.nn.Module, input_ids: torch.Tensor, schemes: Seque
         raise ValueError("run_branches takes one prompt at a time (batch 1)")
     with torch.no_grad():
         pre = DynamicCache(config=model.config)
-        out = model(input_ids, past_key_values=pre, use_cache=True)
+        out = model(input_ids, cache=pre, use_cache=True)
     first = out.logits[:, -1:].argmax(-1)
     results = []
     for scheme in schemes:

@@ -94,7 +94,7 @@ def generate_answers(model: PreTrainedModel, tok: PreTrainedTokenizerBase, sampl
         ids = prompt_ids(tok, sample).to(model.device)
         cache = _fresh_cache(model, cache_factory)
         start = time.perf_counter()
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
                              max_new_tokens=max_new_tokens or sample.max_new_tokens, do_sample=False,
                              temperature=None, top_p=None, top_k=None, pad_token_id=pad)
         seconds = time.perf_counter() - start
@@ -137,12 +137,12 @@ def perplexity(model: PreTrainedModel, tok: PreTrainedTokenizerBase, text: str, 
         raise ValueError(f"stride must be >= 1, got {stride}")
     ids = ids[:, :context].to(model.device)
     cache = _fresh_cache(model, cache_factory)
-    logits = model(ids[:, :prefix], past_key_values=cache, use_cache=True).logits
+    logits = model(ids[:, :prefix], cache=cache, use_cache=True).logits
     last = logits[:, -1]
     total = 0.0
     for start in range(prefix, context, stride):
         chunk = ids[:, start:min(start + stride, context)]
-        out = model(chunk, past_key_values=cache, use_cache=True).logits
+        out = model(chunk, cache=cache, use_cache=True).logits
         preds = torch.cat([last.unsqueeze(1), out[:, :-1]], dim=1)
         total += _nll_sum(preds, chunk)
         last = out[:, -1]

@@ -4,7 +4,7 @@ A RULER ``niah_multiquery`` / ``niah_multikey`` style sample asks for several ne
 final question is split into one question per key, asked in turn in one conversation: turn 1 is the
 context followed by the first question, every later turn only its question, and the generated answers stay
 in the conversation. The KV cache is never reset, so whatever an eviction policy dropped while answering
-turn 1 is gone for turn 3 — the regime where arrival-time eviction decisions hurt (spec §11.6, issue 5).
+turn 1 is gone for turn 3 — the regime where arrival-time eviction decisions hurt (``docs/eviction.md#policies``).
 
 Questions and answer prefixes are RULER's own template with a single key (``What are all the special
 magic numbers for <key> mentioned in the provided text?`` / ``The special magic numbers for <key>
@@ -118,7 +118,7 @@ def converse(
 
     def step(ids: torch.Tensor | None, logits: torch.Tensor | None = None) -> torch.Tensor:
         if ids is not None:
-            logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         assert logits is not None
         if feed_kappa:
             cache.set_kappa(torch.softmax(logits.to(torch.float64), -1).amax(-1))

@@ -1,4 +1,4 @@
-"""Eviction policies with observability (spec §11): StreamingLLM, H2O, SnapKV, RMM, Belady oracle.
+"""Eviction policies with observability (``docs/eviction.md``): StreamingLLM, H2O, SnapKV, RMM, Belady oracle.
 
 Policies share one tensor-level scorer interface (``EvictionPolicy`` in ``base.py``): decode budget mode
 (``observe`` / ``set_kappa`` / ``select`` / ``on_evict`` / ``reset``) and prefill compression

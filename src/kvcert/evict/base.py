@@ -1,4 +1,5 @@
-"""Shared scorer interface for eviction policies (spec §11): per-item scores + protected set -> top-C.
+"""Shared scorer interface for eviction policies (``docs/eviction.md#eviction-interface``): per-item scores + protected
+set -> top-C.
 
 Every policy is a *scorer*: it keeps a float64 score per cached item (per layer, batch row, KV head)
 and a rule for which items are protected (sinks, recent window / commit lag). Selection is shared:

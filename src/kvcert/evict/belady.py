@@ -1,4 +1,5 @@
-"""Clairvoyant references over a recorded trace (spec §11.6): the Belady policy and the served-mass ceiling.
+"""Clairvoyant references over a recorded trace (``docs/eviction.md#belady``): the Belady policy and the served-mass
+ceiling.
 
 A *use* of item ``p`` at step ``s`` is ``κ_s · a_{s,p} >= threshold`` (attention by a correct prediction).
 

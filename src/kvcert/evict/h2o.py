@@ -1,4 +1,4 @@
-"""H2O: heavy hitters by accumulated attention plus a protected recent window (spec §11.6)."""
+"""H2O: heavy hitters by accumulated attention plus a protected recent window (``docs/eviction.md#policies``)."""
 
 from __future__ import annotations
 

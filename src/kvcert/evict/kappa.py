@@ -1,4 +1,4 @@
-"""Correctness weights κ_s ∈ [0, 1] for the prediction made at step s (spec §11.1).
+"""Correctness weights κ_s ∈ [0, 1] for the prediction made at step s (``docs/eviction.md#eviction-model``).
 
 - ``"realised"`` (a): ``p_θ(y_{s+1} | x_{<=s})``, probability of the realised / true next token
   (exact under teacher forcing or prefill);

@@ -1,4 +1,4 @@
-"""RMM(C, H): fixed-lag eviction on demonstrated utility (spec §11.2–11.5, a reconstruction).
+"""RMM(C, H): fixed-lag eviction on demonstrated utility (``docs/eviction.md#eviction-model``, a reconstruction).
 
     DU_i(t) = Σ_{s = i..t} κ_s · a_{s,i}     (attention from predictions that turned out correct)
 
@@ -6,7 +6,8 @@ Every item is *pending* for ``H`` steps (logical position ``> now − H``) and c
 committed items (age ``>= H``) the lowest ``DU`` goes first. ``κ_s`` arrives after step ``s``'s logits
 (``set_kappa``); until then the step's attention rows are buffered and do not count. With ``κ ≡ 1`` and
 ``H = r``, ``DU`` is H2O's accumulated attention (added row by row in the same order, hence bit-identical)
-and the pending set is H2O's recent window, so the kept sets equal ``H2O(recent=r)`` exactly (§11.4).
+and the pending set is H2O's recent window, so the kept sets equal ``H2O(recent=r)`` exactly
+(``docs/eviction.md#h2o-reduction``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ class RMM(EvictionPolicy):
     """``RMM(lag, kappa, sinks)``: commit lag ``H = lag``; ``kappa`` names the correctness weight the driver
     feeds through ``set_kappa`` (see ``kvcert.evict.kappa``); ``sinks`` first positions always kept.
 
-    Prefill variant (§11.5, "all later queries"): score_i = Σ_{s >= i} κ_s a_{s,i} / (S − i) over the prefill
+    Prefill variant (``docs/eviction.md#prefill-scores``, "all later queries"):
+    score_i = Σ_{s >= i} κ_s a_{s,i} / (S − i) over the prefill
     queries (``observed_attention``: divided by the number of queries that see key ``i``, exactly as H2O's
     prefill score, so κ ≡ 1 keeps H2O's sets), last ``lag`` positions protected; ``kappa[B, S]`` is
     required unless ``kappa="uniform"``.

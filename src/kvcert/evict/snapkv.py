@@ -1,4 +1,5 @@
-"""SnapKV: attention of the last ``window`` queries, pooled over neighbour slots, plus the window (§11.6)."""
+"""SnapKV: attention of the last ``window`` queries, pooled over neighbour slots, plus the window
+(``docs/eviction.md#policies``)."""
 
 from __future__ import annotations
 

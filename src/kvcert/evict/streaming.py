@@ -1,4 +1,4 @@
-"""StreamingLLM: attention sinks plus the most recent window (spec §11.6)."""
+"""StreamingLLM: attention sinks plus the most recent window (``docs/eviction.md#policies``)."""
 
 from __future__ import annotations
 

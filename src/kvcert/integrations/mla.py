@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
 from transformers import DynamicCache
 
 from kvcert.bounds.rope import Pairing, band_norms
 from kvcert.integrations.selector import capture_attention
 
-HALF_ATOL = 5e-2  # bf16/fp16 models (heterogeneous-memory.md §3.3)
+HALF_ATOL = 5e-2  # bf16/fp16 models (docs/memory-meters.md#latent-kv)
 FULL_RTOL = 1e-4  # float32/float64 models: relative to the largest key entry
 
 
@@ -171,8 +172,6 @@ def extract_latents(
 def tiny_deepseek_v3(seed: int = 0, q_lora_rank: int | None = None) -> torch.nn.Module:
     """A 2-layer, hidden-64 random-weight DeepSeek-V3 (MLA: latent 32, rope 8, nope 16; dense MLPs), eval
     mode."""
-    import transformers
-
     cfg = transformers.DeepseekV3Config(
         vocab_size=128,
         hidden_size=64,

@@ -10,7 +10,7 @@ reads; every other attention call runs plain SDPA. Leaving the ``with`` block re
   its keys and values are pooled into one entry ``c_j = Σ_i w_i x_i`` with weights ``w >= 0``, ``Σ_i w_i = 1``
   decided from exact data at that moment, and the entry is stored through ``codec`` with the band witness of
   its residual beside it. Pooling acts on the uncompressed tokens, so the token error entering ``U_pool`` is 0
-  (``heterogeneous-memory.md`` §2.4, structural correction 1).
+  (``docs/memory-meters.md#pooled-floor``).
 * **read**: a query at position ``p`` attends over the entries of the blocks completed by ``p`` and the exact
   tokens of its own incomplete block (positions ``B·⌊(p+1)/B⌋ … p``), within the model's own mask:
   ``softmax(sc·q·k̂) @ v̂`` in float64, GQA-expanded.

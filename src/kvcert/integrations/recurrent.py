@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import transformers
 
 RECURRENT_FAMILIES: tuple[str, ...] = ("mamba2", "qwen3_next")
 
@@ -107,8 +108,6 @@ def tiny_recurrent_model(family: str, seed: int = 0) -> torch.nn.Module:
     """A 2-layer, hidden-64 random-weight model: ``mamba2`` (two SSM layers) or ``qwen3_next`` (a Gated
     DeltaNet
     layer followed by a full-attention layer), eval mode, no hub access."""
-    import transformers
-
     torch.manual_seed(seed)
     if family == "mamba2":
         cfg = transformers.Mamba2Config(

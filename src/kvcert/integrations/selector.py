@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvcert.bounds.selection import topk_mask
+from kvcert.integrations.attention_impl import swapped_attention
 
 CAPTURE_NAME = "kvcert_capture"
 
@@ -48,13 +47,6 @@ class CapturedAttention:
     def groups(self) -> int:
         """Query heads per KV head (GQA)."""
         return self.query.shape[1] // self.key.shape[1]
-
-
-def materialised_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """``sdpa_mask`` that always materialises the boolean mask (the meters need the visible set)."""
-    kwargs["allow_is_causal_skip"] = False
-    kwargs["allow_is_bidirectional_skip"] = False
-    return sdpa_mask(*args, **kwargs)
 
 
 def visible_set(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -103,16 +95,12 @@ def attention_override(
     """Register ``fn`` as attention function ``name`` (with :func:`materialised_mask` as its mask function), set
     ``module.<attr> = value`` for each module in ``values`` and switch *this model only* to ``name``; leaving
     the block restores the previous implementation and removes the attributes."""
-    AttentionInterface.register(name, fn)
-    AttentionMaskInterface.register(name, materialised_mask)
-    previous = model.config._attn_implementation
     for m, value in values.items():
         setattr(m, attr, value)
-    model.set_attn_implementation(name)
     try:
-        yield
+        with swapped_attention(model, name, fn):
+            yield
     finally:
-        model.set_attn_implementation(previous)
         for m in values:
             delattr(m, attr)
 
@@ -173,44 +161,3 @@ def topk_attention(
     probs = torch.softmax(scores.to(torch.float64).masked_fill(~sel, float("-inf")), dim=-1)
     v = expand_kv(value.to(torch.float64), scores.shape[1] // value.shape[1])
     return SparseRead(torch.matmul(probs, v), sel, probs)
-
-
-_DENSE_COMMON: dict[str, Any] = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-)
-DENSE_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "mistral", "gemma3_text")
-
-
-def tiny_dense_model(family: str, seed: int = 0) -> torch.nn.Module:
-    """A 2-layer, hidden-64 random-weight decoder of a dense-attention ``family`` (no hub access), in eval
-    mode.
-
-    ``gemma3_text`` alternates a sliding-window layer (window 8) and a global layer.
-    """
-    import transformers
-
-    extra: dict[str, Any] = {}
-    if family == "llama":
-        cfg_cls, model_cls = transformers.LlamaConfig, transformers.LlamaForCausalLM
-    elif family == "qwen2":
-        cfg_cls, model_cls = transformers.Qwen2Config, transformers.Qwen2ForCausalLM
-    elif family == "mistral":
-        cfg_cls, model_cls = transformers.MistralConfig, transformers.MistralForCausalLM
-        extra = dict(sliding_window=8)
-    elif family == "gemma3_text":
-        cfg_cls, model_cls = transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM
-        extra = dict(
-            sliding_window=8, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16
-        )
-    else:
-        raise ValueError(f"family must be one of {DENSE_FAMILIES}, got {family!r}")
-    torch.manual_seed(seed)
-    model = model_cls(cfg_cls(**_DENSE_COMMON, **extra))
-    return model.eval()

@@ -2,11 +2,17 @@
 
 ``CertifiedCache(model, keys=..., values=..., gate=...)`` builds one :class:`CertifiedLayer` per decoder
 layer (sliding-window layers keep transformers' window semantics), registers the ``"kvcert"`` attention
-function **and** its mask function through ``AttentionInterface`` / ``AttentionMaskInterface`` and switches
+function **and** its mask function (:func:`kvcert.integrations.attention_impl.register_attention`) and switches
 *this model only* to it. ``detach()`` (or leaving the ``with`` block) restores the model's previous
-attention implementation. Pass the cache as ``past_key_values=cache`` (accepted through transformers 5.39).
+attention implementation. Pass the cache as ``cache=cache`` (transformers 5.24 renamed ``past_key_values``).
 
 Keys arrive post-RoPE; the band witness uses the model's RoPE pairing (HF models use ``rotate_half``).
+
+Half precision (bf16 / fp16 models): the exact host tier keeps the model's dtype, the served tier and every
+bound are float32 / float64 as for a float32 model (a half value is exact in float32), repairs compute exact
+attention in float32, and the served output is cast to the model's dtype last. The certificates and output
+bounds are about the float32 served output before that cast, the same rounding the model applies to its own
+attention output.
 
 Eviction (``evict=policy`` with ``budget=C`` or ``compression_ratio=r``, see ``docs/eviction.md``): every
 physical slot carries its logical position (``LayerStore.positions``). ``get_seq_length`` stays logical
@@ -19,15 +25,16 @@ exact repair path see a per-KV-head mask that matches the compacted slots.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, Cache, LogitsProcessor
+from transformers import Cache, LogitsProcessor
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvcert.attention.certified import (
     ReadConfig,
@@ -45,6 +52,7 @@ from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 from kvcert.cache.telemetry import ChainInputs, EvictRecord, StepRecord, Telemetry, stack_records
 from kvcert.evict import RMM, EvictionPolicy, RunTrace, aggregate_gqa, causal_attention, serving_reading
+from kvcert.integrations.attention_impl import register_attention
 from kvcert.quant import Codec, get
 
 ATTN_NAME = "kvcert"
@@ -57,13 +65,6 @@ class CacheClosedError(RuntimeError):
 
 class CacheNotActiveError(RuntimeError):
     """A :class:`CertifiedCache` was used while its model served another cache's (or no) kvcert attention."""
-
-
-def _kvcert_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """``sdpa_mask`` that always materialises the boolean mask (the certificate needs the visible set)."""
-    kwargs["allow_is_causal_skip"] = False
-    kwargs["allow_is_bidirectional_skip"] = False
-    return sdpa_mask(*args, **kwargs)
 
 
 def kvcert_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -82,11 +83,6 @@ def kvcert_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if kwargs.get("softcap") is not None:
         raise ValueError("kvcert attention does not support attention logit soft-capping")
     return cache._read(module, layer, query, key, value, attention_mask, scaling, kwargs), None
-
-
-def _register() -> None:
-    AttentionInterface.register(ATTN_NAME, kvcert_attention)
-    AttentionMaskInterface.register(ATTN_NAME, _kvcert_mask)
 
 
 def _dither_moments(store: LayerStore, lo: int, hi: int) -> dict[str, torch.Tensor]:
@@ -279,6 +275,20 @@ def _check_eviction(cache: CertifiedCache, layers: Sequence[CertifiedLayer]) -> 
             raise ValueError("evict is not supported on models with sliding-window layers")
 
 
+def _uncompressible_sliding_layers(layers: Sequence[CertifiedLayer]) -> tuple[int, ...]:
+    """Sliding layers that can never encode a token: a sliding layer holds at most ``window − 1`` tokens when
+    it encodes (:meth:`CertifiedLayer.update` trims before appending), and a codec encodes only whole blocks
+    of ``lcm(codec.block, write_block)`` tokens beyond its residual window; if that exceeds ``window − 1``
+    for both the key and the value codec, the layer stays exact forever."""
+    out = []
+    for i, layer in enumerate(layers):
+        st = layer.store
+        need = min(math.lcm(c.block, st.write_block) + c.residual_window for c in (st.key_codec, st.value_codec))
+        if layer.sliding_window is not None and layer.sliding_window - 1 < need:
+            out.append(i)
+    return tuple(out)
+
+
 class CertifiedCache(Cache):
     """A transformers ``Cache`` whose every attention read is certified, gated and repairable.
 
@@ -351,6 +361,12 @@ class CertifiedCache(Cache):
             window = layer_kwargs[i].get("sliding_window") if layer_types[i] == "sliding_attention" else None
             layers.append(CertifiedLayer(store, window))
         super().__init__(layers=layers)
+        self.uncompressed_layers = _uncompressible_sliding_layers(layers)
+        if self.uncompressed_layers:
+            warnings.warn(f"kvcert: sliding-window layers {list(self.uncompressed_layers)} hold fewer tokens than one "
+                          "write block of their codecs, so they stay exact: nothing there is compressed, read "
+                          "through a certificate or counted in cells (telemetry().uncompressed_layers)",
+                          UserWarning, stacklevel=2)
         self.evict, self.budget, self.compression_ratio = evict, budget, compression_ratio
         self.evict_chunk, self.belady = evict_chunk, belady
         _check_eviction(self, layers)
@@ -368,14 +384,18 @@ class CertifiedCache(Cache):
         self._step = -1
         self._bytes_paged = 0
         self._model = model
-        self._previous_impl = model.config._attn_implementation
         self.attached = False
         self.attach()
 
     # ------------------------------------------------------------------------------------ lifecycle
     def attach(self) -> CertifiedCache:
-        """Register the kvcert attention + mask functions and activate them on this model only."""
-        _register()
+        """Register the kvcert attention + mask functions and activate them on this model only.
+
+        The model's own implementation is remembered on the model (once, while it is not already on kvcert
+        attention), so detaching restores it whatever order several caches of one model are detached in."""
+        register_attention(ATTN_NAME, kvcert_attention)
+        if self._model.config._attn_implementation != ATTN_NAME:
+            self._model._kvcert_original_impl = self._model.config._attn_implementation
         self._first_attn = None
         for module in self._model.modules():
             if hasattr(module, "layer_idx") and hasattr(module, "num_key_value_groups"):
@@ -397,13 +417,17 @@ class CertifiedCache(Cache):
                 "be certified; call cache.attach() to make it active again")
 
     def detach(self) -> None:
-        """Restore the model's previous attention implementation; the cache cannot be used afterwards."""
+        """Close the cache; the cache cannot be used afterwards. If it is the model's active cache, the model
+        gets back the attention implementation it had before any kvcert cache was attached; a cache that
+        another one has since replaced leaves the model to the active one."""
         if not self.attached:
             return
+        active = getattr(self._first_attn, "_kvcert_cache", None) is self
         for module in self._model.modules():
             if getattr(module, "_kvcert_cache", None) is self:
                 del module._kvcert_cache
-        self._model.set_attn_implementation(self._previous_impl)
+        if active:
+            self._model.set_attn_implementation(self._model._kvcert_original_impl)
         self.attached = False
         for layer in self.layers:
             layer.closed = True
@@ -413,10 +437,6 @@ class CertifiedCache(Cache):
 
     def __exit__(self, *exc: object) -> None:
         self.detach()
-
-    def set_requests(self, request_ids: Sequence[int] | torch.Tensor) -> None:
-        """Set the request UID of every batch row (``-1`` = unknown)."""
-        self.request_ids = torch.as_tensor(request_ids, dtype=torch.int64)
 
     # ----------------------------------------------------------------------------------------- write
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
@@ -532,8 +552,11 @@ class CertifiedCache(Cache):
             mask = mask.to(torch.bool)
             sdpa_mask_ = mask
         if not self.certify or (store.k.n_encoded == 0 and store.v.n_encoded == 0):
-            # Uncertified baseline, or nothing compressed is visible (every entry exact): plain SDPA.
-            out, _ = sdpa_attention_forward(module, query, key, value, sdpa_mask_, scaling=scaling, **kwargs)
+            # Uncertified baseline, or nothing compressed is visible (every entry exact): plain SDPA. The served
+            # tier is float32; a half-precision model's query gets K/V back in its own dtype (lossless here:
+            # every entry is exact, i.e. a float32 copy of a half value).
+            out, _ = sdpa_attention_forward(module, query, key.to(query.dtype), value.to(query.dtype), sdpa_mask_,
+                                            scaling=scaling, **kwargs)
             if self.evict is not None:
                 self._after_read(layer, query, key, logical, float(scaling), None)
             return out
@@ -545,8 +568,11 @@ class CertifiedCache(Cache):
                 (h0, h1), g = heads, q.shape[1] // hk.shape[1]
                 q, hk, hv = q[:, h0 * g:h1 * g], hk[:, h0:h1], hv[:, h0:h1]
                 m = m[:, h0 * g:h1 * g] if m.shape[1] > 1 else m
-            o, _ = sdpa_attention_forward(module, q, hk.to(query.dtype), hv.to(query.dtype), m, scaling=scaling,
-                                          **kwargs)
+            # page-in from host; a repair is exact in float32 (the precision the output bound models), also for
+            # half models
+            work = torch.promote_types(query.dtype, torch.float32)
+            hk, hv = (x.to(query.device, work, non_blocking=True) for x in (hk, hv))
+            o, _ = sdpa_attention_forward(module, q.to(work), hk, hv, m, scaling=scaling, **kwargs)
             return o
 
         if self.ladder:
@@ -738,19 +764,24 @@ class CertifiedCache(Cache):
             return stack_records(recs, n_layers, max(steps, 1), attr)
 
         certs = stack("cert")
+        no_reads = certs is None   # e.g. a decode that ended at once (EOS first): zero cells, same fields
         if certs is None:
             certs = torch.full((0, n_layers, 1, self.num_heads), float("nan"), dtype=torch.float64)
         keep = ~torch.isnan(certs).flatten(1).all(1)
+        produced = {"tier_b": self.tier_b, "true_tv": self.validate, "true_out_err": self.validate}
 
-        def sel(x: torch.Tensor | None) -> torch.Tensor | None:
+        def sel(x: torch.Tensor | None, name: str = "") -> torch.Tensor | None:
+            if x is None and no_reads and produced.get(name, name in ("raw", "served", "tanh", "out_bound")):
+                return certs.clone()   # an empty [0, L, 1, Hq] cell tensor: no cell, not "not recorded"
             return None if x is None else x[keep]
 
         repaired = stack("repaired")
         stores = [layer.store for layer in self.layers]
         return Telemetry(
-            certificates=certs[keep], raw=sel(stack("raw")), served=sel(stack("served")),
-            tanh=sel(stack("tanh")), out_bound=sel(stack("out_bound")), tier_b=sel(stack("tier_b")),
-            true_tv=sel(stack("true_tv")), true_out_err=sel(stack("true_out_err")),
+            certificates=certs[keep], raw=sel(stack("raw"), "raw"), served=sel(stack("served"), "served"),
+            tanh=sel(stack("tanh"), "tanh"), out_bound=sel(stack("out_bound"), "out_bound"),
+            tier_b=sel(stack("tier_b"), "tier_b"), true_tv=sel(stack("true_tv"), "true_tv"),
+            true_out_err=sel(stack("true_out_err"), "true_out_err"),
             repaired=sel(repaired) if repaired is not None else torch.zeros(0, dtype=torch.bool),
             group_size=self.num_heads // self.num_kv_heads,
             violations=sum(r.violations for r in recs),
@@ -765,6 +796,7 @@ class CertifiedCache(Cache):
             evicted_mass_serving=stack_records(self._evict_records, n_layers, max(steps, 1), "serving_mass"),
             evicted_entries=sum(r.evicted for r in self._evict_records),
             belady_overlap=self.run_trace.overlap() if self.run_trace is not None else None,
+            uncompressed_layers=self.uncompressed_layers,
             witness=sel(stack("witness")), qnorm=sel(stack("qnorm")), logit_slack=sel(stack("logit_slack")),
         )
 

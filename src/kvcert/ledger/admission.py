@@ -1,4 +1,4 @@
-"""The three admission rules of the certified ledger (``heterogeneous-memory.md`` §5.1, §5.4).
+"""The three admission rules of the certified ledger (``docs/ledger.md#admission-rules``).
 
 1. **Empirical** objects never enter: every entry is kept exact (:func:`empirical`).
 2. **Deterministic** certificates enter at ``δ = 0``: compress iff the machine-checked premise holds,
@@ -78,7 +78,8 @@ def deterministic(witness: np.ndarray, threshold: float) -> Decide:
 def sr_prior_radius(
     x: np.ndarray, step: np.ndarray, n_event: np.ndarray, delta: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Pre-draw radius of stochastic rounding ``x[N, D]`` onto the grid ``step[N, D]`` (§5.4).
+    """Pre-draw radius of stochastic rounding ``x[N, D]`` onto the grid ``step[N, D]``
+    (``docs/ledger.md#admission-rules``).
 
     With ``θ = frac(x/Δ)`` the rounding residual ``r_c ∈ {−θΔ, (1−θ)Δ}`` has ``E r_c = 0`` and
     ``E r_c² = θ(1−θ)Δ²``; the witness ``W = ‖r‖₂`` satisfies ``E W ≤ m := √(Σ θ(1−θ)Δ²)`` (Jensen) and

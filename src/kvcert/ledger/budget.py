@@ -1,4 +1,4 @@
-"""Per-request telescoping failure budget (``heterogeneous-memory.md`` §5.1, rule 3).
+"""Per-request telescoping failure budget (``docs/ledger.md#admission-rules``, rule 3).
 
 The ``k``-th probabilistic event of a request spends ``δ_k = δ_req/((k+1)(k+2))`` (from
 :func:`kvcert.bounds.budget.telescoping_delta`, rounded down), so after ``n`` events

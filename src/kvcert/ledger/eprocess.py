@@ -1,4 +1,4 @@
-"""Running e-process (drift sentinel): ``log M_t`` accumulated per write batch (§5.8).
+"""Running e-process (drift sentinel): ``log M_t`` accumulated per write batch (``docs/ledger.md#drift-sentinel``).
 
 One instance per request account and one global instance that is never reset. Factors come from
 :func:`kvcert.bounds.eprocess.eprocess_log_factor`; the factors of one write batch are multiplied in at

@@ -1,4 +1,4 @@
-"""Fault-injection harness over a small ledgered int8 pool (``heterogeneous-memory.md`` §5.6, §5.7, §7).
+"""Fault-injection harness over a small ledgered int8 pool (``docs/ledger.md#fault-injection``).
 
 :class:`LedgeredPool` is a minimal compressed pool driven through the :class:`Ledger`: int8 codes and a
 per-slot scale (device tier), an exact copy (host tier), a write-time witness ``‖x̂ − x‖`` with a

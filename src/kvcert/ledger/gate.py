@@ -1,9 +1,9 @@
-"""The zero-criteria gate over ledger snapshots (``heterogeneous-memory.md`` §5.9).
+"""The zero-criteria gate over ledger snapshots (``docs/ledger.md#ledger-gate``).
 
 Machine-decidable, no soft thresholds, and **missing data fails**: a criterion whose inputs are absent
 from the snapshot is reported as failed with the reason.
 
-Replicas (tensor-parallel ranks, :mod:`kvcert.ledger.replicas`): every rank keeps its own ledger of the
+Replicas (tensor-parallel ranks, :mod:`kvcert.serving.replicas`): every rank keeps its own ledger of the
 same logical events. The logical criteria are evaluated once, on rank 0; the two replica criteria require
 every declared rank to be present and every rank's accounts to be field-identical to rank 0's.
 """
@@ -24,7 +24,8 @@ COUPLED_FIELDS: tuple[str, ...] = (
     "n_authorized",
     "n_auth_violations",
 )
-"""Write-side account fields every rank must agree on (§5.9; the spec's ``n_fallback_exact`` is
+"""Write-side account fields every rank must agree on (``docs/ledger.md#ledger-gate``; the design's
+``n_fallback_exact`` is
 ``n_kept_exact`` + ``n_restored_exact`` here, both compared)."""
 
 COUPLED_EPROCESS_FIELDS: tuple[str, ...] = ("log_m", "n_factors")

@@ -1,4 +1,4 @@
-"""Request identity: monotone UIDs that are never reused (``heterogeneous-memory.md`` §5.7)."""
+"""Request identity: monotone UIDs that are never reused (``docs/ledger.md#slots-and-identity``)."""
 
 from __future__ import annotations
 

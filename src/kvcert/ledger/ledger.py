@@ -1,4 +1,4 @@
-"""The request-level risk ledger: accounts, slots, budgets, e-processes and incidents (§5.1, §5.6–§5.10).
+"""The request-level risk ledger: accounts, slots, budgets, e-processes and incidents (``docs/ledger.md``).
 
 Every state change is an event (:mod:`kvcert.ledger.events`) applied by one function, live or in replay,
 so a ledger rebuilt from its log equals the live ledger field for field. Public methods are thread-safe.
@@ -140,7 +140,7 @@ class Ledger:
         model: label for metrics.
         max_incidents: located incidents kept per kind (all are counted).
         rank / n_ranks: this ledger's replica rank and the declared number of replicas (tensor-parallel
-            ranks each keep their own ledger of the same logical events; :mod:`kvcert.ledger.replicas`).
+            ranks each keep their own ledger of the same logical events; :mod:`kvcert.serving.replicas`).
     """
 
     def __init__(

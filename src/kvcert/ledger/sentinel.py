@@ -1,4 +1,4 @@
-"""Sampled sentinel and its detection-latency guarantee (``heterogeneous-memory.md`` §7.2).
+"""Sampled sentinel and its detection-latency guarantee (``docs/ledger.md#sampled-sentinel``).
 
 Each round draws ``r`` slots uniformly **with replacement** from the ``M`` written slots and verifies
 them against the host tier. With ``B`` bad slots (independent of the sampling) one round misses all of

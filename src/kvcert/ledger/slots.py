@@ -1,6 +1,6 @@
 """Slot table: state, owner and generation of every physical entry, keyed by (pool, layer, slot).
 
-State machine (``heterogeneous-memory.md`` §5.6, §7.1)::
+State machine (``docs/ledger.md#slots-and-identity``)::
 
     unwritten --(write, admitted)--> compressed --(audit violation)--> restored_exact
     unwritten --(write, rejected | unattributable | empirical)--> kept_exact

@@ -50,9 +50,18 @@ _FAMILIES: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
 
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
 
+#: Overrides giving the sliding-window shapes the memory-path adapters and the live probe exercise: Mistral with a
+#: window of 8 on every layer (nothing global to pool), Gemma-3 with one sliding-window layer then one global layer
+#: and the softmax scale of real Gemma-3 models (``query_pre_attn_scalar`` = head dim).
+SLIDING_SHAPES: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": 8},
+    "gemma3": {"num_hidden_layers": 2, "num_key_value_heads": 2, "query_pre_attn_scalar": 16,
+               "layer_types": ["sliding_attention", "full_attention"]},
+}
 
-def tiny_config(family: str, **overrides: Any) -> PretrainedConfig:
-    """The tiny config of ``family`` with ``overrides`` applied (eager attention)."""
+
+def tiny_config(family: str, attn_implementation: str = "eager", **overrides: Any) -> PretrainedConfig:
+    """The tiny config of ``family`` with ``overrides`` applied (``attn_implementation``: eager by default)."""
     if family not in _FAMILIES:
         raise ValueError(f"family: unknown {family!r}; supported are {list(SUPPORTED_FAMILIES)}")
     cls, extra = _FAMILIES[family]
@@ -62,18 +71,19 @@ def tiny_config(family: str, **overrides: Any) -> PretrainedConfig:
         kwargs["layer_types"] = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
                                  for i in range(n)]
     config = cls(**kwargs)
-    config._attn_implementation = "eager"
+    config._attn_implementation = attn_implementation
     return config
 
 
-def tiny_random(family: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
+def tiny_random(family: str, seed: int = 0, attn_implementation: str = "eager", **overrides: Any) -> PreTrainedModel:
     """A tiny random-weight causal LM of ``family`` (one of :data:`SUPPORTED_FAMILIES`), in eval mode.
 
     Deterministic: the weights depend only on ``(family, seed, overrides)``. ``overrides`` are passed to
-    the family's config class (e.g. ``vocab_size=len(tokenizer)``).
+    the family's config class (e.g. ``vocab_size=len(tokenizer)``, or :data:`SLIDING_SHAPES`);
+    ``attn_implementation`` is the transformers attention the model starts with (``"eager"`` or ``"sdpa"``).
     """
-    config = tiny_config(family, **overrides)
+    config = tiny_config(family, attn_implementation, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     return model.eval()

@@ -1,4 +1,5 @@
-"""Acceptance gate for probe snapshots: registry labels, coverage, magnitude, soundness (spec §8.1).
+"""Acceptance gate for probe snapshots: registry labels, coverage, magnitude, soundness
+(``docs/contracts.md#probe-verify``).
 
 Every stage is evaluated and the verdict is their conjunction; any failure voids the whole run's
 numbers. ``VerifyResult.stage`` names the first failing stage (``schema`` when the file could not be

@@ -1,6 +1,6 @@
 """The stored form of a compressed KV tensor, the codec interface, and ``quantize`` (encode + witnesses).
 
-Contract (``certificates.md`` §4.6): a codec is a shape- and token-preserving map ``x → x̂`` whose stored
+Contract (``docs/codecs.md#codec-contract``): a codec is a shape- and token-preserving map ``x → x̂`` whose stored
 form (:class:`Packed`) holds only the tensors that would live in device memory; ``decode`` is a pure
 function of the stored form (and, for dithered codecs, of the regenerated dither key). The Tier-A
 witness of the residual ``x̂ − x`` is computed once at write time by :func:`quantize`.

@@ -1,4 +1,4 @@
-"""Registered black-box codecs: any tensor function ``x[..., D] → x̂[..., D]`` (``certificates.md`` §4.6).
+"""Registered black-box codecs: any tensor function ``x[..., D] → x̂[..., D]`` (``docs/codecs.md#black-box-codecs``).
 
 Such a scheme is measured only through its residual ``x̂ − x`` (Tier A); its stored form is the returned
 ``x̂`` itself, so its byte count is that tensor's (dtype as returned by the function).

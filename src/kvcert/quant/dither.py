@@ -1,4 +1,4 @@
-"""``dither-int8``: subtractive uniform dither int8 (Tier A + B, ``certificates.md`` §5.1).
+"""``dither-int8``: subtractive uniform dither int8 (Tier A + B, ``docs/codecs.md#dither-int8``).
 
 ``s = amax_g/126.5`` per token per channel group (fp16, rounded up), ``code = round(x/s + u)``,
 ``x̂ = s·(code − u)`` with ``u ~ U[−½, ½)`` regenerated from a counter-based keyed hash. Since

@@ -1,4 +1,4 @@
-"""``kivi-2`` / ``kivi-4``: KIVI-style asymmetric min/max quantisation (anchors.md §3.1).
+"""``kivi-2`` / ``kivi-4``: KIVI-style asymmetric min/max quantisation (``docs/codecs.md#kivi``).
 
 ``zero = min`` (fp16, rounded down), ``scale = (max − zero)/(2^b − 1)`` (fp16, rounded up),
 ``code = round((x − zero)/scale) ∈ [0, 2^b − 1]``, ``x̂ = zero + scale·code``; hence ``|x̂ − x| ≤ scale/2``.

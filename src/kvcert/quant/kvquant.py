@@ -1,4 +1,4 @@
-"""``kvquant-4``: KVQuant-like dense-and-sparse 4-bit codec (anchors.md §3.2, registry §12).
+"""``kvquant-4``: KVQuant-like dense-and-sparse 4-bit codec (``docs/codecs.md#kvquant-4``).
 
 Per token block of ``block`` tokens and per (batch row, head): the top ``outlier_frac`` of entries by
 magnitude (``k = ceil(outlier_frac·block·D)``) are stored sparse as fp16 values + int16 in-block flat indices;

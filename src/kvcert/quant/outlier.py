@@ -1,4 +1,4 @@
-"""Outlier-bypass wrapper (``certificates.md`` §7): keep ``m`` RoPE pairs per head exact in fp16.
+"""Outlier-bypass wrapper (``docs/codecs.md#outlier-bypass``): keep ``m`` RoPE pairs per head exact in fp16.
 
 At the first encode the top-``m`` pairs by energy ``Σ_{b,t} |z_j|²`` are chosen per head and then fixed
 (calibrated once). The inner codec sees those channels **zeroed**, so they are excluded from the amax of its

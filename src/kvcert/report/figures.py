@@ -6,6 +6,7 @@ Titles carry the tier of what is drawn (certified bound, partial, measured).
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,15 +18,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from kvcert.report.results import write_atomic  # noqa: E402
+
 TAUS = np.linspace(0.0, 1.0, 101)
 
 
 def _save(fig: plt.Figure, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=90, metadata={"Software": None})
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=90, metadata={"Software": None})
     plt.close(fig)
-    return path
+    return write_atomic(path, png.getvalue())   # never through a link at ``path``
 
 
 def layer_head_map(values: torch.Tensor, path: Path, title: str, label: str, vmax: float = 1.0) -> Path:

@@ -7,6 +7,7 @@ import html
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvcert.report.results import write_atomic
 from kvcert.report.tables import ReportTable
 
 _STYLE = """body{font-family:sans-serif;margin:2em;max-width:1200px;color:#222}
@@ -67,6 +68,5 @@ def write_html(
     figures: Sequence[Path],
     command: str,
 ) -> Path:
-    """Write :func:`render` to ``path``."""
-    path.write_text(render(title, paragraphs, tables, figures, command), encoding="utf-8")
-    return path
+    """Write :func:`render` to ``path`` (atomically, never through a link: :func:`write_atomic`)."""
+    return write_atomic(path, render(title, paragraphs, tables, figures, command).encode("utf-8"))

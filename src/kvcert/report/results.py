@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import sys
+import tempfile
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -55,7 +58,8 @@ def untiered_numbers(node: object, path: str = "results") -> list[str]:
             ok = node["value"] is None or (
                 isinstance(node["value"], int | float) and not isinstance(node["value"], bool)
             )
-            return [] if ok and node["tier"] in {t.value for t in Tier} else [path]
+            tier_ok = isinstance(node["tier"], str) and node["tier"] in {t.value for t in Tier}
+            return [] if ok and tier_ok else [path]
         return [p for k, v in node.items() for p in untiered_numbers(v, f"{path}.{k}")]
     if isinstance(node, list):
         return [p for i, v in enumerate(node) for p in untiered_numbers(v, f"{path}[{i}]")]
@@ -100,13 +104,83 @@ def build_document(
     }
 
 
-def write_results(path: Path, document: dict[str, Any]) -> Path:
-    """Write ``document`` as sorted, indented JSON (byte-identical for identical documents)."""
+def write_atomic(path: Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` through a new temporary file in the same directory renamed over ``path``.
+
+    The temporary file is created exclusively (``O_CREAT | O_EXCL``: never through an existing name or
+    link) and ``os.replace`` swaps the *name* ``path``: a symbolic link at ``path`` is replaced, its target
+    is never written. A reader sees the old file or the complete new one, never a partial write.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=2, sort_keys=True, allow_nan=False) + "\n", encoding="utf-8")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # the mode a plain open() would give, not mkstemp's 0600
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
+
+
+def write_results(path: Path, document: dict[str, Any]) -> Path:
+    """Write ``document`` as sorted, indented JSON (byte-identical for identical documents), atomically and
+    never through a link (:func:`write_atomic`)."""
+    text = json.dumps(document, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    return write_atomic(path, text.encode("utf-8"))
 
 
 def without_volatile(document: dict[str, Any]) -> dict[str, Any]:
     """``document`` minus its wall-clock section: what a same-seed rerun must reproduce exactly."""
     return {k: v for k, v in document.items() if k != VOLATILE_KEY}
+
+
+@dataclass(frozen=True)
+class ResultsDocument:
+    """A results file read back and checked: ``command`` a string, ``config`` and ``results`` JSON objects,
+    every number under ``results`` a tiered leaf (:func:`untiered_numbers` is empty)."""
+
+    command: str
+    config: dict[str, Any]
+    results: dict[str, Any]
+    document: dict[str, Any]   # the whole parsed file
+    source: Path
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def load_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; one-line ``ValueError`` naming the file for an unreadable file, invalid
+    JSON (including ``NaN``/``Infinity`` literals, which :func:`write_results` never writes), nesting too
+    deep to parse, or a top level that is not an object."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"), parse_constant=_no_constant)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read: {type(exc).__name__}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to be a results file") from None
+    except ValueError as exc:  # json.JSONDecodeError and the constants above
+        raise ValueError(f"{path}: not valid results JSON ({' '.join(str(exc).split())})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: top level is {type(doc).__name__}, expected a JSON object")
+    return doc
+
+
+def check_document(doc: dict[str, Any], path: Path) -> ResultsDocument:
+    """``doc`` as a :class:`ResultsDocument`; ``ValueError`` naming ``path`` for a missing or mistyped
+    ``command`` / ``config`` / ``results`` or a number in ``results`` without a tier."""
+    for key, kind in (("command", str), ("config", dict), ("results", dict)):
+        if not isinstance(doc.get(key), kind):
+            raise ValueError(f"{path}: {key!r} missing or not a {'string' if kind is str else 'JSON object'}")
+    try:
+        bad = untiered_numbers(doc["results"])
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to be a results file") from None
+    if bad:
+        raise ValueError(f"{path}: numbers without a tier at {bad[:3]}")
+    return ResultsDocument(doc["command"], doc["config"], doc["results"], doc, path)

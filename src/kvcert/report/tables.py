@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from rich.console import Console
 from rich.table import Table
 
 
@@ -42,3 +43,24 @@ def to_rich(table: ReportTable) -> Table:
     for row in table.rows:
         out.add_row(*row)
     return out
+
+
+def to_markdown(table: ReportTable) -> str:
+    """The table as GitHub markdown (title in bold, numbers right-aligned, the note below), every cell in full."""
+    def line(cells: tuple[str, ...]) -> str:
+        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+    align = tuple(":--" if i == 0 else "--:" for i in range(len(table.columns)))
+    lines = [f"**{table.title}**", "", line(table.columns), line(align), *(line(row) for row in table.rows)]
+    if table.note:
+        lines += ["", table.note]
+    return "\n".join(lines)
+
+
+def print_table(console: Console, table: ReportTable) -> None:
+    """Print ``table`` readably wherever the output goes: a rich table on a terminal; markdown, never cut to the
+    console width, when stdout is a file or a pipe (rich would otherwise truncate cells to 80 columns)."""
+    if console.is_terminal:
+        console.print(to_rich(table))
+    else:
+        console.print(to_markdown(table), crop=False, soft_wrap=True, markup=False, highlight=False)

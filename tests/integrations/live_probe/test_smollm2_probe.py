@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvcert.contracts import Tier
+from kvcert.integrations.live_probe.heterogeneous import ProbeConfig, probe_request
 from kvcert.probe import verify
-from kvcert.probe.heterogeneous import ProbeConfig, probe_request
 from kvcert.quant.rtn import RTNCodec
 
 pytestmark = pytest.mark.real_model
@@ -16,13 +16,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog. In a hole in the ground t
 
 
 @pytest.fixture(scope="module")
-def probed():
-    zoo = pytest.importorskip("kvcert.models.zoo")
-    try:
-        model, tok = zoo.load("smollm2-135m")
-    except zoo.ModelPackageMissingError as err:  # pragma: no cover - depends on the machine
-        pytest.skip(str(err))
-    torch.set_num_threads(2)
+def probed(smollm2_model):
+    model, tok = smollm2_model
     ids = tok(PROMPT, return_tensors="pt").input_ids[:, :16]
     cfg = ProbeConfig(key_codec=RTNCodec(8, group_size=8))
     return probe_request(model, ids, run_id="smollm2", model_name="smollm2-135m", config=cfg)

@@ -2,7 +2,7 @@
 
 In a tensor-parallel engine every rank runs the write and read hooks on the same logical entries (the
 scheduler on rank 0 broadcasts each batch), so every rank keeps its own ledger of identical accounts
-(``heterogeneous-memory.md`` §5.4, §5.7). :class:`ReplicaGroup` reproduces that on CPU: a coordinator (the
+(``docs/ledger.md#replicas``). :class:`ReplicaGroup` reproduces that on CPU: a coordinator (the
 scheduler) allocates the request UIDs, forms the batches and broadcasts each one to ``N`` rank
 processes; every rank decodes it greedily through its own
 :class:`~kvcert.integrations.transformers.CertifiedCache` + :class:`~kvcert.ledger.observer.LedgerObserver`
@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 from kvcert.ledger.ledger import Ledger
 from kvcert.ledger.log import EventLog
 from kvcert.ledger.observer import LedgerObserver
-from kvcert.ledger.server import certified_cache, decode_batch
+from kvcert.serving.server import certified_cache, decode_batch
 
 SeedFn = Callable[[int, int], int]
 
@@ -127,7 +127,7 @@ class ReplicaGroup:
         self.n_batches = 0
         self._ctx = mp.get_context(cfg.start_method)
         if cfg.start_method == "forkserver":  # ranks fork from a server that imported torch once (fast start)
-            self._ctx.set_forkserver_preload(["kvcert.ledger.replicas", "kvcert.integrations.transformers"])
+            self._ctx.set_forkserver_preload(["kvcert.serving.replicas", "kvcert.integrations.transformers"])
         self._outbox: Any = None
         self._inboxes: list[Any] = []
         self._procs: list[Any] = []

@@ -21,10 +21,10 @@ import torch
 
 from kvcert.cache.telemetry import Telemetry
 from kvcert.contracts import ATTN_DIST_TV, ATTN_LOGIT_LINF, KV_ENTRY_L2, Chain, bridges, stages
+from kvcert.integrations.live_probe.request import serve_request
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.probe.chains import LayerChain
 from kvcert.probe.recorder import Q_NORM, RADIUS_ATOL, TRUE_TV, Recorder
-from kvcert.probe.request import serve_request
 from kvcert.quant import Codec
 
 DENSE_PATH = "dense_kv"

@@ -9,9 +9,9 @@ import torch
 
 from kvcert.cache.telemetry import ChainInputs
 from kvcert.contracts import Chain, MetricMismatch, Tier, bridges, stages
+from kvcert.integrations.live_probe.dense import dense_chains
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models.tiny import tiny_random
-from kvcert.probe.dense import dense_chains
 
 IDS = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
 
@@ -21,9 +21,9 @@ def _run(keys: str, **kwargs) -> CertifiedCache:
     model = tiny_random("llama", head_dim=32)
     cache = CertifiedCache(model, keys=keys, values="int8", validate=True, write_block=1, seed=1, **kwargs)
     with torch.no_grad():
-        model(IDS[:, :8], past_key_values=cache, use_cache=True)
+        model(IDS[:, :8], cache=cache, use_cache=True)
         for t in range(8, IDS.shape[1]):
-            model(IDS[:, t : t + 1], past_key_values=cache, use_cache=True)
+            model(IDS[:, t : t + 1], cache=cache, use_cache=True)
     cache.detach()
     return cache
 

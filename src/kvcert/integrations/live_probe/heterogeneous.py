@@ -7,8 +7,9 @@ chain.
   :class:`~kvcert.integrations.transformers.CertifiedCache` (keys ``key_codec``; prefill, then teacher-forced
   decode steps); its telemetry gives the live band witness, score-bridge coefficient, float32 rounding slack,
   the worst cell certificate and the chain ``store_witness -> score_bridge -> logit_rounding -> softmax_uniform``
-  (:mod:`kvcert.probe.dense`, certified). Families the certified cache does not serve (hybrid Qwen3-Next) fall
-  back to the captured post-RoPE keys quantized with ``key_codec`` and the float64 chain without rounding;
+  (:mod:`kvcert.integrations.live_probe.dense`, certified). Families the certified cache does not serve (hybrid
+  Qwen3-Next) fall back to the captured post-RoPE keys quantized with ``key_codec`` and the float64 chain
+  without rounding;
 * **sparse_selector** (a top-k read over the same layer's captured q/k/v): the selector scores come from an
   indexer copy of the keys (``selector_codec``), the read attends over the selected keys with the served keys
   (captured keys quantized with ``key_codec``); rank-prefix certificate with ``ε_row = max_t c^sel_t``
@@ -18,7 +19,7 @@ chain.
 * **pooling** (block-pooled compressed entries, served live by :func:`kvcert.integrations.pooling.serve_pooled`
   on full-attention layers, ``pool_block`` tokens per entry stored with ``key_codec``): the pooling contract
   coefficients, the concentration profile, the pooled-floor self-check and the chain of
-  :mod:`kvcert.probe.pooling`;
+  :mod:`kvcert.integrations.live_probe.pooling`;
 * **latent_kv** (MLA): quantize the latent and the rope key with ``latent_codec``; Tier A through ``u =
   W_UKᵀq`` plus the rope part, Tier B when the codec dithers, and the same chain shape as dense KV on the
   concatenated entry ``[c, k_pe]`` with query ``[u, q_pe]``;
@@ -51,6 +52,8 @@ from kvcert.bounds.selection import (
 )
 from kvcert.bounds.softmax_tv import tv_meter
 from kvcert.contracts import ATTN_DIST_TV, KV_ENTRY_L2, SELECTOR_DIST_TV, Chain, Contract, Metric, Tier, bridges, stages
+from kvcert.integrations.live_probe.dense import DENSE_PATH, dense_chain, probe_dense_live
+from kvcert.integrations.live_probe.pooling import PoolingMeters, probe_pooling
 from kvcert.integrations.mla import LatentLayer, extract_latents
 from kvcert.integrations.pooling import WEIGHTINGS, PoolingConfig, Weighting, pooled_layers
 from kvcert.integrations.recurrent import GateTrace, extract_forget_gates
@@ -63,8 +66,6 @@ from kvcert.integrations.selector import (
 )
 from kvcert.integrations.transformers import SUPPORTED_FAMILIES
 from kvcert.probe.chains import LayerChain
-from kvcert.probe.dense import DENSE_PATH, dense_chain, probe_dense_live
-from kvcert.probe.pooling import PoolingMeters, probe_pooling
 from kvcert.probe.recorder import Q_NORM, RADIUS_ATOL, TRUE_TV, Recorder, cell_checks, served_softmax
 from kvcert.probe.snapshot import Declared, ProbeSnapshot, SelfChecks
 from kvcert.quant.base import Codec, Quantized, quantize, sample_key

@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from kvcert.cache.events import CacheObserver, ReadEvent, WriteEvent
+from kvcert.integrations.transformers import CertifiedCache
 from kvcert.ledger.ledger import Ledger
 from kvcert.ledger.observer import LedgerObserver
 
@@ -106,8 +107,6 @@ def certified_cache(keys: str = "int8", values: str = "int4", **options: Any) ->
     """Factory of a :class:`CertifiedCache` per batch with the rows' UIDs and the ledger observer."""
 
     def make(model: torch.nn.Module, uids: torch.Tensor, observer: LedgerObserver) -> Any:
-        from kvcert.integrations.transformers import CertifiedCache
-
         return CertifiedCache(model, keys=keys, values=values, request_ids=uids, observers=[observer], **options)
 
     return make
@@ -234,7 +233,7 @@ def decode_batch(
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     for _ in range(max(max_new_tokens)):
         logits = model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
+            input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True
         ).logits[:, -1]
         nxt = logits.argmax(-1)
         for i in range(b):

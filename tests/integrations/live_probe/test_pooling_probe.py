@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-import kvcert.probe.pooling as pool_probe
+import kvcert.integrations.live_probe.pooling as pool_probe
 from kvcert.contracts import Tier
+from kvcert.integrations.live_probe.heterogeneous import ProbeConfig, probe_request
+from kvcert.integrations.live_probe.pooling import pooling_meters
+from kvcert.integrations.live_probe.request import serve_request
 from kvcert.integrations.pooling import PoolingConfig, serve_pooled
-from kvcert.integrations.selector import tiny_dense_model
+from kvcert.models.tiny import tiny_random
 from kvcert.probe import verify
-from kvcert.probe.heterogeneous import ProbeConfig, probe_request
-from kvcert.probe.pooling import pooling_meters
-from kvcert.probe.request import serve_request
 from kvcert.quant.rtn import RTNCodec
 
 IDS = torch.randint(0, 128, (1, 22), generator=torch.Generator().manual_seed(7))
@@ -23,7 +23,7 @@ IDS = torch.randint(0, 128, (1, 22), generator=torch.Generator().manual_seed(7))
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_dense_model("llama", seed=3)
+    return tiny_random("llama", seed=3, attn_implementation="sdpa")
 
 
 def _reading(snap, layer, name):
@@ -123,7 +123,7 @@ def test_a_broken_entry_radius_is_caught(model, monkeypatch):
 def test_bad_inputs():
     with pytest.raises(ValueError, match="never fired"):
         pooling_meters([], 2)
-    model = tiny_dense_model("llama")
+    model = tiny_random("llama", attn_implementation="sdpa")
     with serve_pooled(model, PoolingConfig(block=4)) as reads:
         serve_request(model, IDS[:, :6])
     with pytest.raises(ValueError, match="layers"):

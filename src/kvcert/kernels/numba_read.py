@@ -12,7 +12,7 @@ float32 BLAS product (the output), reading the cache's token-major allocations i
 conversions (the certified cache's read path). :func:`softmax_meter` is the meter alone, for reads of any
 size.
 
-Refinement (``certificates.md`` §2.6: a kernel must be proved to refine the reference before it ships):
+Refinement (``docs/read-path.md#kernel-refinement``: a kernel must refine the reference before it ships):
 
 * the meter formulas are those of :func:`kvcert.bounds.softmax_tv.meter_and_unclipped` on
   ``probs64(logits)`` — same clamps (``A ≥ 1``, ``B₋ ≤ 1``), same handling of rows with a supported radius
@@ -28,7 +28,7 @@ Refinement (``certificates.md`` §2.6: a kernel must be proved to refine the ref
   so no cell is visibly loosened — unless every supported radius is 0 (then ``p̃ = p`` exactly and the
   true TV is 0);
 * radii, logits and output carry their own stated roundings (see each function);
-* ``tests/bounds/test_fused.py`` checks the kernels against the reference on random, masked, huge-radius
+* ``tests/kernels/test_numba_read.py`` checks the kernels against the reference on random, masked, huge-radius
   and NaN rows (agreement to ``1e-9``, never below it by more than rounding), the radii against 50-digit
   decimal arithmetic, the logits and the output against their float32 rounding bounds, and every
   validate-mode test of the certified cache runs through them.

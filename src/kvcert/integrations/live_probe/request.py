@@ -19,8 +19,8 @@ def serve_request(model: torch.nn.Module, input_ids: torch.Tensor, cache: Cache 
                          f"{tuple(input_ids.shape)}")
     prefill = (t + 1) // 2
     with torch.no_grad():
-        out = model(input_ids[:, :prefill], past_key_values=cache, use_cache=True)
+        out = model(input_ids[:, :prefill], cache=cache, use_cache=True)
         for i in range(prefill, t):
-            past = cache if cache is not None else out.past_key_values
-            out = model(input_ids[:, i : i + 1], past_key_values=past, use_cache=True)
+            past = cache if cache is not None else out.cache
+            out = model(input_ids[:, i : i + 1], cache=past, use_cache=True)
     return 1 + t - prefill

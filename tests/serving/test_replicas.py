@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from kvcert.cli.ledger import app
 from kvcert.ledger import diff_states, evaluate, replay
-from kvcert.ledger.replicas import ReplicaConfig, ReplicaGroup, rank_dir
 from kvcert.models.tiny import tiny_random
+from kvcert.serving.replicas import ReplicaConfig, ReplicaGroup, rank_dir
 
 PROMPTS = [[(7 * i + 5 * j) % 250 + 3 for j in range(4 + 3 * i)] for i in range(3)]
 LENGTHS = [3, 4, 2]

@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvcert.cache.events import ReadEvent, WriteEvent
 from kvcert.ledger import Ledger, LedgerObserver, SlotState, evaluate
-from kvcert.ledger.server import BatchingServer, ObservedDynamicCache, certified_cache, dynamic_cache
+from kvcert.serving.server import BatchingServer, ObservedDynamicCache, certified_cache, dynamic_cache
 
 
 def _write(layer, rows, t0, t, compressed, tier_b=False, b=2, h=2):

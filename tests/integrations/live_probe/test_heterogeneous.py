@@ -9,23 +9,30 @@ import math
 import pytest
 import torch
 
-import kvcert.probe.heterogeneous as het
+import kvcert.integrations.live_probe.heterogeneous as het
 from kvcert.contracts import Tier
+from kvcert.integrations.live_probe.heterogeneous import ProbeConfig, memory_paths, probe_request
 from kvcert.integrations.mla import tiny_deepseek_v3
 from kvcert.integrations.recurrent import tiny_recurrent_model
-from kvcert.integrations.selector import tiny_dense_model
+from kvcert.models.tiny import SLIDING_SHAPES, tiny_random
 from kvcert.probe import ProbeSnapshot, verify
-from kvcert.probe.heterogeneous import ProbeConfig, memory_paths, probe_request
 from kvcert.quant.rtn import RTNCodec
 
 IDS = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(5))
 
 DENSE = ("dense_kv", "sparse_selector", "pooling")
+
+
+def _dense(family: str):
+    """The tiny ``family`` model (SDPA; Mistral and Gemma-3 in their sliding-window shapes), built on call."""
+    return lambda: tiny_random(family, attn_implementation="sdpa", **SLIDING_SHAPES.get(family, {}))
+
+
 CONFIGS = {
-    "llama": (lambda: tiny_dense_model("llama"), DENSE),
-    "qwen2": (lambda: tiny_dense_model("qwen2"), DENSE),
-    "mistral-swa": (lambda: tiny_dense_model("mistral"), ("dense_kv", "sparse_selector")),  # nothing to pool
-    "gemma3-sliding+global": (lambda: tiny_dense_model("gemma3_text"), DENSE),
+    "llama": (_dense("llama"), DENSE),
+    "qwen2": (_dense("qwen2"), DENSE),
+    "mistral-swa": (_dense("mistral"), ("dense_kv", "sparse_selector")),  # nothing to pool
+    "gemma3-sliding+global": (_dense("gemma3"), DENSE),
     "deepseek_v3-mla": (lambda: tiny_deepseek_v3(), ("latent_kv",)),
     "deepseek_v3-mla-qlora": (lambda: tiny_deepseek_v3(q_lora_rank=16), ("latent_kv",)),
     "mamba2": (lambda: tiny_recurrent_model("mamba2"), ("recurrent",)),

@@ -1,19 +1,20 @@
-"""The fused CPU kernels refine the eager reference (``certificates.md`` §2.6), cell by cell."""
+"""The fused CPU kernels refine the eager reference (``docs/read-path.md#kernel-refinement``), cell by cell."""
 
 from __future__ import annotations
 
 import math
-from decimal import Decimal, getcontext
+from decimal import Decimal
 
 import pytest
 import torch
 from bounds_adversarial import SLACK, make_cells
+from read_cases import exact_radii, random_store
 
 from kvcert.attention.certified import masked_logits, served_certificate
-from kvcert.bounds import band_norms, pair_components, round_up_f32, true_tv
-from kvcert.bounds.fused import CELL_ROWS, all_visible, decode_read, logits_radii, meter_output, softmax_meter
+from kvcert.bounds import band_norms, round_up_f32, true_tv
 from kvcert.bounds.radii import tier_a_radius_f32
 from kvcert.bounds.rc import gamma_f32
+from kvcert.kernels.numba_read import CELL_ROWS, all_visible, decode_read, logits_radii, meter_output, softmax_meter
 
 PLAN = ((2, 20_000), (5, 10_000), (16, 10_000), (64, 4_000), (256, 1_000), (1024, 300), (4096, 60))
 
@@ -100,55 +101,17 @@ def test_bad_shapes_are_named() -> None:
         softmax_meter(torch.zeros(2, 3), torch.zeros(2, 4, dtype=torch.float64))
 
 
-def _exact_radii(q: torch.Tensor, rho: torch.Tensor, khn: torch.Tensor, w: torch.Tensor, sc: float,
-                 gam: float, pairing: str) -> list[list[list[list[Decimal]]]]:
-    """``c`` of :func:`logits_radii` in 50-digit decimal arithmetic from the float32 inputs (the exact value up
-    to 10^-45 relative)."""
-    getcontext().prec = 50
-    b, h, m, d = q.shape
-    nb = rho.shape[-1]
-    re, im = pair_components(q, pairing)
-    per = (d // 2) // nb
-    dsc, dgam = Decimal(sc), Decimal(gam)
-    out = []
-    for bi in range(b):
-        heads = []
-        for hi in range(h):
-            rows = []
-            for mi in range(m):
-                sq = [Decimal(float(re[bi, hi, mi, j])) ** 2 + Decimal(float(im[bi, hi, mi, j])) ** 2
-                      for j in range(d // 2)]
-                qb = [sum(sq[k * per:(k + 1) * per], Decimal(0)).sqrt() for k in range(nb)]
-                qn = sum(sq, Decimal(0)).sqrt()
-                rows.append([dsc * sum((qb[k] * Decimal(float(rho[bi, hi, t, k])) for k in range(nb)), Decimal(0))
-                             + dsc * dgam * qn * (2 * Decimal(float(khn[bi, hi, t])) + Decimal(float(w[bi, hi, t])))
-                             for t in range(rho.shape[2])])
-            heads.append(rows)
-        out.append(heads)
-    return out
-
-
-def _store(b: int, h: int, s: int, d: int, nb: int, gen: torch.Generator, cap: int | None = None):
-    """Random float32 keys and key witnesses, each a ``[B, H, cap, ...]`` allocation of which ``s`` are live."""
-    cap = s if cap is None else cap
-    keys = torch.randn(b, h, cap, d, generator=gen) * 2
-    rho = torch.rand(b, h, cap, nb, generator=gen) * 0.1
-    khn = keys.norm(dim=-1) * (1 + 1e-6)
-    w = torch.rand(b, h, cap, generator=gen) * 0.1
-    return keys, rho, khn, w
-
-
 @pytest.mark.parametrize("pairing", ["rotate_half", "interleaved"])
 def test_logits_radii_radii_are_never_below_the_exact_radius_per_cell(pairing: str) -> None:
     gen = torch.Generator().manual_seed(7)
     b, h, m, d, s, nb = 2, 2, 3, 16, 24, 4
     q = torch.randn(b, h, m, d, generator=gen) * torch.logspace(-3, 2, d)
-    keys, rho, khn, w = _store(b, h, s, d, nb, gen)
+    keys, rho, khn, w = random_store(b, h, s, d, nb, gen)
     rho[0, 0, 3] = 0.0
     sc, gam = 0.125, gamma_f32(d + 1)
     lr = logits_radii(q, keys, rho, khn, w, s, sc, gam, pairing)
     assert lr is not None
-    exact = _exact_radii(q, rho, khn, w, sc, gam, pairing)
+    exact = exact_radii(q, rho, khn, w, sc, gam, pairing)
     below = [(bi, hi, mi, t) for bi in range(b) for hi in range(h) for mi in range(m) for t in range(s)
              if Decimal(float(lr.c[bi, hi, mi, t])) < exact[bi][hi][mi][t]]
     assert not below, f"{len(below)} cells below the exact radius, e.g. {below[:3]}"
@@ -166,7 +129,7 @@ def test_logits_are_within_the_float32_slack_of_the_exact_dot_product_per_cell(s
     gen = torch.Generator().manual_seed(3)
     b, h, m, d, s, nb = 2, 3, 4, 64, 257, 8
     q = torch.randn(b, h, m, d, generator=gen) * torch.logspace(-2, 2, d)
-    keys, rho, khn, w = _store(b, h, s, d, nb, gen)
+    keys, rho, khn, w = random_store(b, h, s, d, nb, gen)
     lr = logits_radii(q, keys, rho, khn, w, s, sc, gamma_f32(d + 1), "rotate_half")
     assert lr is not None and lr.logits.dtype == torch.float32
     exact = torch.einsum("bhmd,bhtd->bhmt", q.to(torch.float64), keys.to(torch.float64)) * sc
@@ -185,7 +148,7 @@ def test_logits_radii_agree_with_the_eager_read_path(pairing: str) -> None:
     gen = torch.Generator().manual_seed(11)
     b, h, m, d, s, nb = 1, 3, 3, 64, 300, 8
     q = torch.randn(b, h, m, d, generator=gen)
-    keys, rho, khn, w = _store(b, h, s, d, nb, gen)
+    keys, rho, khn, w = random_store(b, h, s, d, nb, gen)
     lr = logits_radii(q, keys, rho, khn, w, s, 0.125, gamma_f32(d + 1), pairing)
     assert lr is not None
     qb = round_up_f32(band_norms(q, nb, pairing))
@@ -199,7 +162,7 @@ def test_kernels_read_only_the_live_prefix_of_an_allocation() -> None:
     gen = torch.Generator().manual_seed(5)
     b, h, m, d, s, nb, cap = 2, 2, 3, 32, 40, 4, 64
     q = torch.randn(b, h, m, d, generator=gen)
-    keys, rho, khn, w = _store(b, h, s, d, nb, gen, cap=cap)
+    keys, rho, khn, w = random_store(b, h, s, d, nb, gen, cap=cap)
     vals, vres, vdist, vhn = (torch.randn(b, h, cap, d, generator=gen), *(torch.rand(b, h, cap, generator=gen)
                                                                             for _ in range(3)))
     for x in (keys, rho, khn, w, vals, vres, vdist, vhn):
@@ -228,7 +191,7 @@ def test_meter_output_agrees_with_the_eager_forms_per_cell(per_head: bool) -> No
     b, h, g, nq, d, s, nb = 2, 2, 3, 2, 64, 200, 8
     m = g * nq
     q = torch.randn(b, h, m, d, generator=gen) * 3
-    keys, rho, khn, w = _store(b, h, s, d, nb, gen)
+    keys, rho, khn, w = random_store(b, h, s, d, nb, gen)
     vals = torch.randn(b, h, s, d, generator=gen)
     vres, vdist, vhn = (torch.rand(b, h, s, generator=gen) * 0.1, torch.rand(b, h, s, generator=gen) * 5,
                         vals.norm(dim=-1))
@@ -265,7 +228,7 @@ def test_decode_read_equals_the_checked_kernels_entry_for_entry(masked: bool) ->
     b, h, nq, d, s, nb, cap = 2, 2, 2, 64, 90, 8, 128
     m = 3 * nq
     q = torch.randn(b, h, m, d, generator=gen)
-    keys, rho, khn, w = _store(b, h, s, d, nb, gen, cap=cap)
+    keys, rho, khn, w = random_store(b, h, s, d, nb, gen, cap=cap)
     vals = torch.randn(b, h, cap, d, generator=gen)
     vres, vdist, vhn = (torch.rand(b, h, cap, generator=gen) for _ in range(3))
     mask = _visible_mask(b, 1, nq, s, gen) if masked else None
@@ -296,7 +259,7 @@ def test_non_finite_query_or_pending_entries_return_none() -> None:
     gen = torch.Generator().manual_seed(17)
     b, h, m, d, s, nb = 1, 2, 3, 16, 12, 4
     q = torch.randn(b, h, m, d, generator=gen)
-    keys, rho, khn, w = _store(b, h, s, d, nb, gen)
+    keys, rho, khn, w = random_store(b, h, s, d, nb, gen)
     vals, vres, vdist, vhn = torch.randn(b, h, s, d, generator=gen), *(torch.rand(b, h, s, generator=gen)
                                                                         for _ in range(3))
     args = (rho, khn, w, s, 0.125, gamma_f32(d + 1), "rotate_half")
@@ -317,7 +280,7 @@ def test_non_finite_query_or_pending_entries_return_none() -> None:
 def test_kernel_inputs_with_bad_shapes_or_layouts_are_named() -> None:
     gen = torch.Generator().manual_seed(19)
     q = torch.randn(1, 2, 3, 16, generator=gen)
-    keys, rho, khn, w = _store(1, 2, 8, 16, 4, gen)
+    keys, rho, khn, w = random_store(1, 2, 8, 16, 4, gen)
     args = (0.125, 1e-6, "rotate_half")
     with pytest.raises(ValueError, match="D/2 divisible"):
         logits_radii(q, keys, torch.zeros(1, 2, 8, 3), khn, w, 8, *args)
@@ -333,7 +296,7 @@ def test_softmax_and_exp_match_torch_per_entry() -> None:
     """The kernels' softmax (numba shift and normalisation around numpy's ``exp``) is torch's float64 softmax up
     to a few ulp per entry, masked entries are exactly 0 and a fully masked row is NaN (as torch gives, and as
     the meter then treats as nothing visible); ``e^{c}`` is within an ulp of torch's."""
-    from kvcert.bounds.fused import _softmax_exp
+    from kvcert.kernels.numba_read import _softmax_exp
 
     g = torch.Generator().manual_seed(3)
     lg = torch.randn(6, 257, generator=g) * torch.tensor([0.1, 1.0, 5.0, 30.0, 80.0, 1.0]).view(6, 1)

@@ -1,4 +1,4 @@
-"""Live meters of the pooled memory path (``heterogeneous-memory.md`` §3.9) and its per-layer chain.
+"""Live meters of the pooled memory path (``docs/memory-meters.md#pooling``) and its per-layer chain.
 
 ``probe_pooling`` serves a request through :func:`kvcert.integrations.pooling.serve_pooled` and reads, for every
 pooled read:
@@ -12,7 +12,7 @@ pooled read:
 
 Per layer the chain ``pool_l2(max ‖w‖₂) -> store_witness(max W) -> score_bridge(1, sc·max‖q‖) ->
 softmax_uniform`` is evaluated at ``e_in = 0``: pooling acts on the uncompressed tokens, so its coefficient
-multiplies a zero token error and the store witness dominates (spec §2.4, correction 1). Certified.
+multiplies a zero token error and the store witness dominates (``docs/memory-meters.md#pooled-floor``). Certified.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import torch
 from kvcert.bounds.pooling import pooling_profile
 from kvcert.bounds.radii import tier_a_radius
 from kvcert.contracts import ATTN_DIST_TV, KV_ENTRY_L2, Chain, Metric, bridges, stages
+from kvcert.integrations.live_probe.request import serve_request
 from kvcert.integrations.pooling import PooledRead, PoolingConfig, serve_pooled
 from kvcert.integrations.selector import attention_scores, expand_kv
 from kvcert.probe.recorder import Q_NORM, RADIUS_ATOL, TRUE_TV, Recorder, cell_checks
-from kvcert.probe.request import serve_request
 
 POOL_PATH = "pooling"
 POOL_COEF = Metric("pool_weights", "l2", "write")

@@ -1,0 +1,390 @@
+"""The certified decode read as Triton kernels (CUDA; CPU under ``TRITON_INTERPRET=1``).
+
+Same read as :func:`kvcert.kernels.numba_read.decode_read`, over the same store allocations (the dequantized
+float32 scratch ``served`` and the write-time witnesses, read in place through their strides; this first
+version does not dequantize the codecs' packed codes in registers), as four kernels over a grid of
+``(batch row × KV head, split)``: each split owns a contiguous run of tokens (split-K, so a long context keeps
+every multiprocessor busy at batch 1), and the few per-row partial results of the splits are combined between
+kernels with torch reductions:
+
+1. :func:`_logits_radii_kernel` — ``s̃_t = fl32(Σ_j fl32(sc·q_j)·k̂_tj)`` (an IEEE float32 ``tl.dot``, never
+   TF32; ``−inf`` where masked), the radius ``c_t`` in float64 and per split the row maximum of ``s̃`` and the
+   head maxima of ``2‖k̂_t‖ + W_t`` and ``W_t``;
+2. :func:`_exp_kernel` — ``e_t = exp(float64(s̃_t) − max s̃)`` and per split its row sum;
+3. :func:`_sums_kernel` — ``p̃_t = e_t / Σ e``, the float32 output ``Σ_t fl32(p̃_t)·v̂_t`` (IEEE float32 dot),
+   the value term ``Σ_t p̃_t‖Δv_t‖`` and the meter's sums ``Σ p̃``, ``A·Σp̃``, ``B₋·Σp̃`` over the supported
+   tokens, the count of supported tokens with a NaN or negative radius, the largest visible and supported
+   radius;
+4. :func:`_gap_kernel` — the ``ptm`` gap ``Σ_t p̃_t·max(0, 1 − e^{c_t}(A − 1/B₋) − e^{−c_t}/A)``.
+
+The meter, its clamps, overflow cut and fail-closed rules and the output bound are then formed per cell in
+float64 torch operations identical to the numba kernel's (:func:`_finish`). Every sum above, in the kernels
+and across splits, is evaluated in an order this module does not control; the stated allowances hold for any
+order (``docs/math.md#kernel-rounding``): float32 sums (logits, output) are covered by the read path's ``γ_{D+1}`` logit
+slack and ``2(S + Dv)u₃₂`` evaluation slack, float64 sums (softmax normaliser, meter sums, radii, value term)
+by the meter's ``4γ_{S+6}`` allowance and the ``1 + 2(S + 2)u₆₄`` / ``1 + 2(D + 2nb + 12)u₆₄`` inflations.
+The float64 ``exp`` is assumed within 1 ulp (CUDA's ``exp``, numpy's under the interpreter; the device script
+checks it on the GPU). Queries and stored entries are float32 (the store's scratch is float32; half-precision
+queries are converted before the read).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+_U64 = 2.0**-53
+_U32 = 2.0**-24
+_EXP_SAFE = 300.0       # as kvcert.bounds.softmax_tv: above it ptm is replaced by two_sided
+BLOCK_S = 64            # tokens per tile
+_TARGET_PROGRAMS = 264  # about two programs per multiprocessor of an H100/H200
+
+
+@triton.jit
+def _program(H, M, S, chunk, BM: tl.constexpr):
+    """``(bh, split, b, h, rows, row_ok, lo, hi)`` of this program: its (batch row × KV head) index and split, the
+    batch row and KV head, the padded query rows and which are real, and its token range ``[lo, hi)``. ``bh`` is
+    int64, so every offset built from it (or from ``b``, ``h``) is: a 32-bit product such as ``b·stride_b``
+    overflows at batch 32 × 128k tokens."""
+    bh = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    lo = sp * chunk
+    rm = tl.arange(0, BM)
+    return bh, sp, bh // H, bh % H, rm, rm < M, lo, tl.minimum(lo + chunk, S)
+
+
+@triton.jit
+def _logits_radii_kernel(qs_ptr, qb_ptr, rate_ptr, k_ptr, rho_ptr, khn_ptr, w_ptr, mask_ptr, lg_ptr, c_ptr,
+                         mrow_ptr, kmax_ptr, wmax_ptr,
+                         H, M, S, D, NQ, chunk, n_split, scale, infl,
+                         skb, skh, skt, srb, srh, srt, snb, snh, sw_b, sw_h, smb, smh, smq,
+                         NB: tl.constexpr, HAS_MASK: tl.constexpr, MASK_PER_HEAD: tl.constexpr,
+                         BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
+    bh, sp, b, h, rm, row_ok, lo, hi = _program(H, M, S, chunk, BM)
+    rd = tl.arange(0, BD)
+    rs = tl.arange(0, BS)
+    qs = tl.load(qs_ptr + (bh * M + rm[:, None]) * D + rd[None, :], mask=row_ok[:, None] & (rd[None, :] < D),
+                 other=0.0)
+    rate = tl.load(rate_ptr + bh * M + rm, mask=row_ok, other=0.0)
+    mrow = tl.full((BM,), float("-inf"), tl.float32)
+    kmax = tl.zeros((BS,), tl.float64)
+    wmax = tl.zeros((BS,), tl.float64)
+    if MASK_PER_HEAD:
+        mbase = mask_ptr + b * smb + h * smh
+    else:
+        mbase = mask_ptr + b * smb
+    for t0 in range(lo, hi, BS):
+        t = t0 + rs
+        tok = t < hi
+        kt = tl.load(k_ptr + b * skb + h * skh + t[:, None] * skt + rd[None, :],
+                     mask=tok[:, None] & (rd[None, :] < D), other=0.0)
+        lg = tl.dot(qs, tl.trans(kt), input_precision="ieee")                  # [BM, BS] float32
+        vis = row_ok[:, None] & tok[None, :]
+        if HAS_MASK:
+            mk = tl.load(mbase + (rm % NQ)[:, None] * smq + t[None, :], mask=vis, other=0)
+            vis = vis & (mk != 0)
+        lg = tl.where(vis, lg, float("-inf"))
+        cell = (bh * M + rm[:, None]) * S + t[None, :]
+        store_ok = row_ok[:, None] & tok[None, :]
+        tl.store(lg_ptr + cell, lg, mask=store_ok)
+        mrow = tl.maximum(mrow, tl.max(lg, axis=1))
+        wt = tl.load(w_ptr + b * sw_b + h * sw_h + t, mask=tok, other=0.0).to(tl.float64)
+        kf = 2.0 * tl.load(khn_ptr + b * snb + h * snh + t, mask=tok, other=0.0).to(tl.float64) + wt
+        kmax = tl.maximum(kmax, kf)
+        wmax = tl.maximum(wmax, wt)
+        acc = tl.zeros((BM, BS), tl.float64)
+        for j in tl.static_range(NB):
+            qbj = tl.load(qb_ptr + (bh * M + rm) * NB + j, mask=row_ok, other=0.0)
+            rj = tl.load(rho_ptr + b * srb + h * srh + t * srt + j, mask=tok, other=0.0).to(tl.float64)
+            acc += qbj[:, None] * rj[None, :]
+        c = (scale * acc + rate[:, None] * kf[None, :]) * infl
+        tl.store(c_ptr + cell, c, mask=store_ok)
+    part = bh * n_split + sp
+    tl.store(mrow_ptr + part * BM + rm, mrow)
+    tl.store(kmax_ptr + part, tl.max(kmax, axis=0))
+    tl.store(wmax_ptr + part, tl.max(wmax, axis=0))
+
+
+@triton.jit
+def _exp_kernel(lg_ptr, m_ptr, e_ptr, tot_ptr, M, S, chunk, n_split,
+                BM: tl.constexpr, BS: tl.constexpr):
+    bh, sp, _, _, rm, row_ok, lo, hi = _program(1, M, S, chunk, BM)
+    rs = tl.arange(0, BS)
+    m64 = tl.load(m_ptr + bh * BM + rm).to(tl.float64)
+    tot = tl.zeros((BM,), tl.float64)
+    for t0 in range(lo, hi, BS):
+        t = t0 + rs
+        ok = row_ok[:, None] & (t[None, :] < hi)
+        cell = (bh * M + rm[:, None]) * S + t[None, :]
+        lg = tl.load(lg_ptr + cell, mask=ok, other=float("-inf"))
+        e = tl.where(lg > float("-inf"), tl.exp(lg.to(tl.float64) - m64[:, None]), 0.0)
+        tl.store(e_ptr + cell, e, mask=ok)
+        tot += tl.sum(e, axis=1)
+    tl.store(tot_ptr + (bh * n_split + sp) * BM + rm, tot)
+
+
+@triton.jit
+def _sums_kernel(p_ptr, tot_ptr, lg_ptr, c_ptr, v_ptr, vres_ptr, out_ptr, sums_ptr, nbad_ptr, cmax_ptr,
+                 H, M, S, DV, chunk, n_split, svb, svh, svt, sr_b, sr_h,
+                 BM: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr):
+    bh, sp, b, h, rm, row_ok, lo, hi = _program(H, M, S, chunk, BM)
+    rs = tl.arange(0, BS)
+    rd = tl.arange(0, BDV)
+    tot = tl.load(tot_ptr + bh * BM + rm)
+    mass = tl.zeros((BM,), tl.float64)
+    a = tl.zeros((BM,), tl.float64)
+    bm = tl.zeros((BM,), tl.float64)
+    vterm = tl.zeros((BM,), tl.float64)
+    nbad = tl.zeros((BM,), tl.int32)
+    cvis = tl.zeros((BM,), tl.float64)
+    csup = tl.zeros((BM,), tl.float64)
+    out = tl.zeros((BM, BDV), tl.float32)
+    for t0 in range(lo, hi, BS):
+        t = t0 + rs
+        tok = t < hi
+        ok = row_ok[:, None] & tok[None, :]
+        cell = (bh * M + rm[:, None]) * S + t[None, :]
+        e = tl.load(p_ptr + cell, mask=ok, other=0.0)
+        p = e / tl.where(tot > 0.0, tot, 1.0)[:, None]                       # dead rows: e = 0
+        p = tl.where(p > 0.0, p, 0.0)
+        tl.store(p_ptr + cell, p, mask=ok)
+        c = tl.load(c_ptr + cell, mask=ok, other=0.0)
+        lg = tl.load(lg_ptr + cell, mask=ok, other=float("-inf"))
+        ec = tl.exp(c)
+        pos = p > 0.0
+        okc = c >= 0.0                                   # False for NaN
+        use = pos & okc
+        nbad += tl.sum((pos & ((c < 0.0) | (c != c))).to(tl.int32), axis=1)   # negative or NaN radius
+        cvis = tl.maximum(cvis, tl.max(tl.where(okc & (lg > float("-inf")), c, 0.0), axis=1))
+        csup = tl.maximum(csup, tl.max(tl.where(use, c, 0.0), axis=1))
+        mass += tl.sum(tl.where(use, p, 0.0), axis=1)
+        a += tl.sum(tl.where(use, p * ec, 0.0), axis=1)
+        bm += tl.sum(tl.where(use, p / ec, 0.0), axis=1)
+        vr = tl.load(vres_ptr + b * sr_b + h * sr_h + t, mask=tok, other=0.0).to(tl.float64)
+        vterm += tl.sum(p * vr[None, :], axis=1)
+        vt = tl.load(v_ptr + b * svb + h * svh + t[:, None] * svt + rd[None, :],
+                     mask=tok[:, None] & (rd[None, :] < DV), other=0.0)
+        out += tl.dot(p.to(tl.float32), vt, input_precision="ieee")
+    part = bh * n_split + sp
+    tl.store(out_ptr + (part * BM + rm[:, None]) * BDV + rd[None, :], out)
+    tl.store(sums_ptr + (part * 4 + 0) * BM + rm, mass)
+    tl.store(sums_ptr + (part * 4 + 1) * BM + rm, a)
+    tl.store(sums_ptr + (part * 4 + 2) * BM + rm, bm)
+    tl.store(sums_ptr + (part * 4 + 3) * BM + rm, vterm)
+    tl.store(nbad_ptr + part * BM + rm, nbad)
+    tl.store(cmax_ptr + (part * 2 + 0) * BM + rm, cvis)
+    tl.store(cmax_ptr + (part * 2 + 1) * BM + rm, csup)
+
+
+@triton.jit
+def _gap_kernel(p_ptr, c_ptr, k1_ptr, inva_ptr, gap_ptr, M, S, chunk, n_split,
+                BM: tl.constexpr, BS: tl.constexpr):
+    bh, sp, _, _, rm, row_ok, lo, hi = _program(1, M, S, chunk, BM)
+    rs = tl.arange(0, BS)
+    k1 = tl.load(k1_ptr + bh * BM + rm)
+    inv_a = tl.load(inva_ptr + bh * BM + rm)
+    gap = tl.zeros((BM,), tl.float64)
+    for t0 in range(lo, hi, BS):
+        t = t0 + rs
+        ok = row_ok[:, None] & (t[None, :] < hi)
+        cell = (bh * M + rm[:, None]) * S + t[None, :]
+        p = tl.load(p_ptr + cell, mask=ok, other=0.0)
+        ec = tl.exp(tl.load(c_ptr + cell, mask=ok, other=0.0))
+        g = 1.0 - ec * k1[:, None] - inv_a[:, None] / ec
+        gap += tl.sum(tl.where((p > 0.0) & (g > 0.0), p * g, 0.0), axis=1)
+    tl.store(gap_ptr + (bh * n_split + sp) * BM + rm, gap)
+
+
+class TritonRead(NamedTuple):
+    """What :func:`decode_read` returns: the fields of the certified read path's served read (float64 unless
+    stated; grouped layout ``[B, Hkv, M, ...]``)."""
+
+    logits: torch.Tensor      # [B, Hkv, M, S] float32 served logits, -inf where masked
+    p64: torch.Tensor         # [B, Hkv, M, S] served distribution
+    c: torch.Tensor           # [B, Hkv, M, S] radii incl. the float32 logit slack
+    qn: torch.Tensor          # [B, Hkv, M, 1] ‖q‖₂
+    cert: torch.Tensor        # [B, Hkv, M] meter, clipped at 1
+    raw: torch.Tensor         # [B, Hkv, M] unclipped meter
+    tanh: torch.Tensor        # [B, Hkv, M] tanh(max visible c)
+    value_term: torch.Tensor  # [B, Hkv, M] Σ_t p̃_t‖Δv_t‖ (rounded up)
+    key_term: torch.Tensor    # [B, Hkv, M] 2·min(meter, 1)·spread
+    slack: torch.Tensor       # [B, Hkv, M] float32 evaluation slack
+    bound: torch.Tensor       # [B, Hkv, M] output bound of the unrepaired read
+    kmax: torch.Tensor        # [B, Hkv, 1] max_t (2‖k̂_t‖ + W_t)
+    phi_max: torch.Tensor     # [B, Hkv, 1] φ_max
+    wmax: torch.Tensor        # [B, Hkv, 1] max_t W_t
+    spread: torch.Tensor      # [B, Hkv, 1] max over visible t of ‖v̂_t − centre‖ + ‖Δv_t‖ (rounded up)
+    vmax: torch.Tensor        # [B, Hkv, 1] max over visible t of ‖v̂_t‖ + ‖Δv_t‖ (rounded up)
+    out: torch.Tensor         # [B, Hkv, M, Dv] float32 served output
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+def default_splits(bh: int, s: int, device: torch.device) -> int:
+    """Splits of the token axis: one on CPU (the interpreter runs programs one by one); on a GPU enough for
+    about :data:`_TARGET_PROGRAMS` programs, never a split shorter than one tile."""
+    if device.type != "cuda":
+        return 1
+    return max(1, min(triton.cdiv(s, BLOCK_S), triton.cdiv(_TARGET_PROGRAMS, bh)))
+
+
+def _query_terms(q: torch.Tensor, nb: int, half: bool, scale: float,
+                 gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(fl32(sc·q), ‖q_b‖ [.., nb], ‖q‖ [..], sc·γ·‖q‖)`` in float64 (the first float32), as the numba kernel:
+    squares of float32 entries are exact, then sums and square roots (each one rounding per step)."""
+    d = q.shape[-1]
+    q64 = q.to(torch.float64)
+    x, y = (q64[..., : d // 2], q64[..., d // 2:]) if half else (q64[..., 0::2], q64[..., 1::2])
+    band_sq = (x * x + y * y).reshape(*q.shape[:-1], nb, d // 2 // nb).sum(-1)
+    norm = band_sq.sum(-1).sqrt()
+    return (q64 * scale).to(torch.float32), band_sq.sqrt(), norm, scale * gamma * norm
+
+
+def _finish(sums: torch.Tensor, nbad: torch.Tensor, cmax: torch.Tensor, gap_of: object,
+            s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(meter, unclipped meter, tanh(max visible c))`` per row from the combined kernel sums, in the float64
+    operations of :func:`kvcert.kernels.numba_read._meter_row` (same clamps, cut, allowance, fail-closed)."""
+    mass, a_sum, b_sum = sums[0], sums[1], sums[2]
+    cvis, csup = cmax[0], cmax[1]
+    gamma = (s + 6) * _U64 / (1.0 - (s + 6) * _U64)
+    live = (mass > 0.0) & (nbad == 0)
+    safe_mass = torch.where(live, mass, 1.0)
+    a = torch.clamp(torch.where(live, a_sum, 1.0) / safe_mass, min=1.0)
+    b = torch.clamp(torch.where(live, b_sum, 1.0) / safe_mass, max=1.0)
+    eform = 0.5 * (a * a - 1.0)
+    two = 0.5 * (a / b - b / a)
+    small = live & (csup <= _EXP_SAFE)
+    k1 = torch.where(small, a - 1.0 / b, 0.0)
+    inv_a = torch.where(small, 1.0 / a, 0.0)
+    gap = gap_of(k1, inv_a)
+    ptm = torch.where(small, two - 0.5 * gap / safe_mass, two)
+    scale_t = a / b + 1.0 + torch.where(small, a * k1 + 1.0, 0.0)
+    loose = csup > 0.0
+    eform = torch.where(loose, eform + 4.0 * gamma * (a * a + 1.0), eform)
+    ptm = torch.where(loose, ptm + 4.0 * gamma * scale_t, ptm)
+    m = torch.clamp(torch.minimum(eform, ptm), min=0.0)
+    raw = torch.where(nbad > 0, math.inf, torch.where(live, m, 0.0))
+    cert = torch.where(nbad > 0, 1.0, torch.where(live, torch.clamp(m, max=1.0), 0.0))
+    return cert, raw, torch.tanh(cvis)
+
+
+@np.errstate(divide="ignore", invalid="ignore", over="ignore")   # interpreter: unselected branches
+def decode_read(q: torch.Tensor, keys: torch.Tensor, rho: torch.Tensor, khn: torch.Tensor, w: torch.Tensor,
+                values: torch.Tensor, vres: torch.Tensor, vdist: torch.Tensor, vhn: torch.Tensor, scale: float,
+                gamma: float, half: bool, mask: torch.Tensor | None, nq: int, k_from: int, v_from: int,
+                splits: int | None = None) -> TritonRead | None:
+    """The certified decode read of :func:`kvcert.kernels.numba_read.decode_read` on the Triton kernels.
+
+    Inputs are the store's live views (any strides with a unit stride on the last axis): float32 queries
+    ``q[B, Hkv, M, D]`` (row ``i`` is query ``i mod nq``), served keys ``keys[B, Hkv, S, D]``, key-residual
+    band norms ``rho[B, Hkv, S, nb]`` over the RoPE pairs of ``half`` (``rotate_half``) or interleaved pairs,
+    ``khn ≥ ‖k̂_t‖``, ``w ≥ ‖k̂_t − k_t‖``, served values ``values[B, Hkv, S, Dv]`` and their witnesses
+    ``vres ≥ ‖Δv_t‖``, ``vdist ≥ ‖v̂_t − centre‖``, ``vhn ≥ ‖v̂_t‖`` (each ``[B, Hkv, S]``), ``mask[B, 1|Hkv,
+    nq, S]`` booleans (True = visible; ``None``: every token), ``gamma`` the float32 dot-product constant
+    ``γ_{D+1}``. Every returned field satisfies the numba kernel's contract (``docs/math.md#kernel-rounding``):
+    radii and rounded-up sums never below their exact values, the meter with its ``4γ_{S+6}`` allowance at least the
+    meter of the computed ``p̃``, logits and output within the read path's float32 slacks. ``None`` when the query or a
+    key (value) at or after ``k_from`` (``v_from``) is not finite: the caller fails closed. ``splits``: splits of
+    the token axis (``None``: :func:`default_splits`).
+    """
+    bsz, h, m, d = q.shape
+    s, dv, nb = keys.shape[2], values.shape[-1], rho.shape[-1]
+    if q.dtype != torch.float32 or (d // 2) % nb or m % nq or s == 0:
+        raise ValueError(f"triton decode_read: q {tuple(q.shape)} {q.dtype} must be float32 with D/2 divisible by "
+                         f"{nb} bands, M divisible by nq={nq} and S > 0 tokens (got {s})")
+    for name, x in (("keys", keys), ("rho", rho), ("k_hat_norm", khn), ("witness", w), ("values", values),
+                    ("v_res", vres), ("v_dist", vdist), ("v_hat_norm", vhn)):
+        if x.dtype != torch.float32 or x.stride(-1) != 1 or x.shape[:3] != (bsz, h, s) or x.dim() != (
+                4 if name in ("keys", "rho", "values") else 3):
+            raise ValueError(f"{name} {tuple(x.shape)} {x.dtype} must be float32 [B={bsz}, Hkv={h}, S={s}, ...] "
+                             "with unit stride on its last axis")
+    if not bool(torch.isfinite(q).all()) or not bool(torch.isfinite(keys[:, :, k_from:]).all()) \
+            or not bool(torch.isfinite(values[:, :, v_from:]).all()):
+        return None
+    dev = q.device
+    qs, qb, qn, rate = _query_terms(q, nb, half, scale, gamma)
+    qs = qs.contiguous()
+    qb = qb.contiguous()
+    rate = rate.contiguous()
+    bh = bsz * h
+    n_split = splits or default_splits(bh, s, dev)
+    chunk = triton.cdiv(triton.cdiv(s, n_split), BLOCK_S) * BLOCK_S
+    n_split = triton.cdiv(s, chunk)
+    bm, bd, bdv = _pow2(m), _pow2(d), _pow2(dv)
+    grid = (bh, n_split)
+    infl = 1.0 + 2.0 * (d + 2 * nb + 12) * _U64
+    lg = torch.empty(bsz, h, m, s, dtype=torch.float32, device=dev)
+    c = torch.empty(bsz, h, m, s, dtype=torch.float64, device=dev)
+    mrow = torch.empty(bh, n_split, bm, dtype=torch.float32, device=dev)
+    kpart = torch.empty(bh, n_split, dtype=torch.float64, device=dev)
+    wpart = torch.empty(bh, n_split, dtype=torch.float64, device=dev)
+    if mask is None:
+        mk, has_mask, per_head, mstr = q, False, False, (0, 0, 0)
+    else:
+        if mask.dim() != 4 or mask.shape[0] != bsz or mask.shape[1] not in (1, h) or mask.shape[2] != nq \
+                or mask.shape[3] < s:
+            raise ValueError(f"mask {tuple(mask.shape)} must be [B={bsz}, 1 or Hkv={h}, Q={nq}, >= S={s}] booleans")
+        mk = mask[..., :s].to(torch.uint8)
+        has_mask, per_head, mstr = True, mask.shape[1] > 1, (mk.stride(0), mk.stride(1), mk.stride(2))
+        if mk.stride(3) != 1:
+            mk = mk.contiguous()
+            mstr = (mk.stride(0), mk.stride(1), mk.stride(2))
+    _logits_radii_kernel[grid](qs, qb, rate, keys, rho, khn, w, mk, lg, c, mrow, kpart, wpart,
+                               h, m, s, d, nq, chunk, n_split, float(scale), infl,
+                               keys.stride(0), keys.stride(1), keys.stride(2), rho.stride(0), rho.stride(1),
+                               rho.stride(2), khn.stride(0), khn.stride(1), w.stride(0), w.stride(1), *mstr,
+                               NB=nb, HAS_MASK=has_mask, MASK_PER_HEAD=per_head, BM=bm, BS=BLOCK_S, BD=bd)
+    mmax = mrow.amax(1).contiguous()                                           # [BH, BM] exact
+    p = torch.empty(bsz, h, m, s, dtype=torch.float64, device=dev)
+    tpart = torch.empty(bh, n_split, bm, dtype=torch.float64, device=dev)
+    _exp_kernel[grid](lg, mmax, p, tpart, m, s, chunk, n_split, BM=bm, BS=BLOCK_S)
+    tot = tpart.sum(1).contiguous()
+    opart = torch.empty(bh, n_split, bm, bdv, dtype=torch.float32, device=dev)
+    sums = torch.empty(bh, n_split, 4, bm, dtype=torch.float64, device=dev)
+    nbad = torch.empty(bh, n_split, bm, dtype=torch.int32, device=dev)
+    cmax = torch.empty(bh, n_split, 2, bm, dtype=torch.float64, device=dev)
+    _sums_kernel[grid](p, tot, lg, c, values, vres, opart, sums, nbad, cmax, h, m, s, dv, chunk, n_split,
+                       values.stride(0), values.stride(1), values.stride(2), vres.stride(0), vres.stride(1),
+                       BM=bm, BS=BLOCK_S, BDV=bdv)
+    cells = sums.sum(1)[..., :m].reshape(bsz, h, 4, m).movedim(2, 0)             # [4, B, Hkv, M]
+    extremes = cmax.amax(1)[..., :m].reshape(bsz, h, 2, m).movedim(2, 0)
+    bad = nbad.sum(1)[..., :m].reshape(bsz, h, m)
+
+    def gap_of(k1: torch.Tensor, inv_a: torch.Tensor) -> torch.Tensor:
+        pad = (0, bm - m)
+        k1p = torch.nn.functional.pad(k1.reshape(bh, m), pad).contiguous()
+        iap = torch.nn.functional.pad(inv_a.reshape(bh, m), pad).contiguous()
+        gpart = torch.empty(bh, n_split, bm, dtype=torch.float64, device=dev)
+        _gap_kernel[grid](p, c, k1p, iap, gpart, m, s, chunk, n_split, BM=bm, BS=BLOCK_S)
+        return gpart.sum(1)[:, :m].reshape(bsz, h, m)
+
+    cert, raw, tmax = _finish(cells, bad, extremes, gap_of, s)
+    out = opart.sum(1)[:, :m, :dv].reshape(bsz, h, m, dv)
+    # per KV head: spread and vmax over the tokens visible to any row, rounded up (one float64 addition)
+    up2 = 1.0 + 4.0 * _U64
+    r64 = vres.to(torch.float64)
+    dist, norm = vdist.to(torch.float64) + r64, vhn.to(torch.float64) + r64
+    if mask is not None:
+        vis = mask[..., :s].to(torch.bool).any(-2)                             # [B, 1|Hkv, S]
+        dist, norm = torch.where(vis, dist, 0.0), torch.where(vis, norm, 0.0)
+    spread = dist.amax(-1, keepdim=True).clamp(min=0.0) * up2
+    vmax = norm.amax(-1, keepdim=True).clamp(min=0.0) * up2
+    kmax = kpart.amax(1).reshape(bsz, h, 1)
+    wmax = wpart.amax(1).reshape(bsz, h, 1)
+    phi = 2.0 * scale * gamma * qn.amax(-1, keepdim=True) * kmax * infl
+    upv = 1.0 + 2.0 * (s + 2) * _U64
+    vterm = cells[3] * upv
+    rel0 = 2.0 * (s + dv) * _U32 * (1 + 1e-6)
+    slack = ((rel0 + 2.0 * torch.tanh(phi)) * vmax).expand(bsz, h, m)
+    key_term = 2.0 * torch.clamp(cert, max=1.0) * spread
+    bound = key_term + vterm + slack
+    return TritonRead(logits=lg, p64=p, c=c, qn=qn.unsqueeze(-1), cert=cert, raw=raw, tanh=tmax, value_term=vterm,
+                      key_term=key_term, slack=slack, bound=bound, kmax=kmax, phi_max=phi, wmax=wmax,
+                      spread=spread, vmax=vmax, out=out)

@@ -4,7 +4,7 @@ import copy
 import json
 from pathlib import Path
 
-from kvcert.probe import PATHS
+from kvcert.probe import PATHS, ProbeSnapshot, SnapshotError
 
 LAYERS = [0, 1, 2]
 METRICS = {  # path -> (metric, kind, tier, value, registered name)
@@ -74,6 +74,15 @@ def broken(mode: str) -> dict:
     return d
 
 
-def write(path: Path, data: dict) -> Path:
-    path.write_text(json.dumps(data))
+def with_digest(data: dict) -> dict:
+    """``data`` with the digest :meth:`ProbeSnapshot.write` would record (unchanged if it does not parse)."""
+    try:
+        return {**data, "digest": ProbeSnapshot.from_dict(data).digest()}
+    except SnapshotError:
+        return data
+
+
+def write(path: Path, data: dict, digest: bool = True) -> Path:
+    """Write ``data`` as a probe run would (with its digest), or without one (``digest=False``)."""
+    path.write_text(json.dumps(with_digest(data) if digest else data))
     return path

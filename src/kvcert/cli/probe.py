@@ -51,7 +51,8 @@ def _expand(patterns: list[str]) -> list[tuple[str, Path | None]]:
 def verify(
     files: Annotated[list[str] | None, typer.Argument(help="snapshot files or glob patterns")] = None,
 ) -> None:
-    """Gate each snapshot: coverage, magnitude, soundness. Exit 0 all pass, 1 any failure, 2 no files."""
+    """Gate each snapshot: integrity (its digest), registry, coverage, magnitude, soundness. Exit 0 all pass,
+    1 any failure (also an unreadable or malformed file), 2 no files."""
     if not files:
         typer.echo("no snapshot files given", err=True)
         raise typer.Exit(EXIT_NO_FILES)

@@ -129,26 +129,81 @@ def encode(event: Event) -> Row:
     raise TypeError(f"not a ledger event: {type(event).__name__}")
 
 
+class LogError(ValueError):
+    """A ledger log that cannot be trusted as evidence: malformed (missing fields, wrong types, truncated
+    arrays), tampered (broken hash chain, gap or reorder in the sequence numbers) or holding an event the
+    live API would have refused. The message is one line and names the first bad sequence number."""
+
+
+_META_TYPES: dict[str, tuple[type, ...]] = {
+    "open": (int, float),
+    "write": (str, int, str, bool),
+    "read": (str, int, bool, bool),
+    "fault": (str, str, int, int, str),
+}
+
+
+def _array(blob: object, dtype: type, what: str) -> np.ndarray:
+    if not isinstance(blob, bytes):
+        raise LogError(f"{what}: expected a byte array, got {type(blob).__name__}")
+    size = np.dtype(dtype).itemsize
+    if len(blob) % size:
+        raise LogError(f"{what}: {len(blob)} bytes is not a whole number of {np.dtype(dtype).name} values")
+    return np.frombuffer(blob, dtype)
+
+
+def _meta_fields(kind: str, meta: object) -> tuple[object, ...]:
+    """The JSON header of a row, type-checked against its kind (``bool`` is not an ``int`` here)."""
+    if not isinstance(meta, str):
+        raise LogError(f"{kind} header: expected JSON text, got {type(meta).__name__}")
+    return _parse_meta(kind, meta)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_meta(kind: str, meta: str) -> tuple[object, ...]:
+    """:func:`_meta_fields` of text (memoised: a log repeats the same few headers)."""
+    try:
+        m = json.loads(meta)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise LogError(f"{kind} header is not valid JSON: {str(exc)[:80]}") from None
+    types = _META_TYPES[kind]
+    if not isinstance(m, list) or len(m) != len(types):
+        raise LogError(f"{kind} header: expected a list of {len(types)} fields, got {meta[:80]!r}")
+    for i, (value, want) in enumerate(zip(m, types, strict=True)):
+        ok = isinstance(value, int | float) if want is float else isinstance(value, want)
+        if want is not bool and isinstance(value, bool):
+            ok = False
+        if not ok:
+            raise LogError(f"{kind} header field {i}: expected {want.__name__}, got {value!r}")
+    return tuple(m)
+
+
 def decode(row: Row) -> Event:
-    """Inverse of :func:`encode`."""
+    """Inverse of :func:`encode`; :class:`LogError` naming the problem for a row of the wrong shape (unknown
+    kind, header of the wrong type or length, arrays of mismatched lengths)."""
+    if not isinstance(row, tuple) or len(row) != 6:
+        raise LogError("a log row must hold kind, header and four arrays")
     kind, meta, a, b, c, d = row
-    m = json.loads(meta)
+    if kind not in _META_TYPES:
+        raise LogError(f"unknown event kind in log: {kind!r}")
+    m = _meta_fields(kind, meta)
     if kind == "open":
-        return OpenRequest(int(m[0]), float(m[1]))
+        return OpenRequest(int(m[0]), float(m[1]))  # type: ignore[arg-type]
     if kind == "write":
-        return SlotWrite(
-            m[0],
-            int(m[1]),
-            np.frombuffer(a, np.int64),
-            np.frombuffer(b, np.int64),
-            np.frombuffer(c, np.uint8),
-            m[2],
-            np.frombuffer(d, np.float64),
-            bool(m[3]),
-        )
+        if m[2] not in RULES:
+            raise LogError(f"write rule must be one of {RULES}, got {m[2]!r}")
+        slots, owners = _array(a, np.int64, "write slots"), _array(b, np.int64, "write owners")
+        states, factors = _array(c, np.uint8, "write states"), _array(d, np.float64, "write factors")
+        if not slots.size == owners.size == states.size == factors.size:
+            raise LogError(
+                f"write arrays differ in length: slots {slots.size}, owners {owners.size}, states {states.size}, "
+                f"factors {factors.size}"
+            )
+        return SlotWrite(m[0], m[1], slots, owners, states, m[2], factors, m[3])  # type: ignore[arg-type]
     if kind == "read":
-        r = np.frombuffer(a, np.int64).reshape(4, -1)
-        return SlotRead(m[0], int(m[1]), r[0], r[1], r[2], r[3], np.frombuffer(b, np.int64), bool(m[2]), bool(m[3]))
-    if kind == "fault":
-        return FaultReport(m[0], m[1], int(m[2]), int(m[3]), m[4])
-    raise ValueError(f"unknown event kind in log: {kind!r}")
+        ranges, gens = _array(a, np.int64, "read ranges"), _array(b, np.int64, "read generations")
+        if ranges.size != 4 * gens.size:
+            raise LogError(f"read arrays differ in length: {ranges.size} range values for {gens.size} ranges")
+        r = ranges.reshape(4, -1)
+        return SlotRead(m[0], m[1], r[0], r[1], r[2], r[3], gens, m[2], m[3])  # type: ignore[arg-type]
+    return FaultReport(m[0], m[1], m[2], m[3], m[4])  # type: ignore[arg-type]

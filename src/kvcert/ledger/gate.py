@@ -10,6 +10,7 @@ every declared rank to be present and every rank's accounts to be field-identica
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,8 +60,87 @@ class GateResult:
         return 0 if self.passed else 1
 
 
-def _sum(accounts: dict[str, Any], key: str) -> int:
-    return sum(int(a[key]) for a in accounts.values())
+class GateInputError(ValueError):
+    """A snapshot handed to the gate has a field of the wrong type or range (named in the message)."""
+
+
+ACCOUNT_COUNTERS: tuple[str, ...] = (
+    "k", "n_written", "n_compressed", "n_kept_exact", "n_restored_exact", "n_authorized", "n_auth_violations",
+    "n_prob_events", "n_empirical", "n_reads", "n_read_compressed", "n_read_exact", "n_read_unwritten",
+    "n_read_stale", "n_read_foreign_owner", "n_read_shared", "n_read_by_others",
+)  # fmt: skip
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_fields(obj: dict[str, Any], where: str, checks: dict[str, tuple[Any, str]]) -> None:
+    for key, (ok, want) in checks.items():
+        if key in obj and not ok(obj[key]):
+            raise GateInputError(f"{where}.{key}: expected {want}, got {obj[key]!r}")
+
+
+def _check_eprocess(e: object, where: str) -> None:
+    if not isinstance(e, dict):
+        raise GateInputError(f"{where}: expected an object, got {type(e).__name__}")
+    _check_fields(e, where, {
+        "log_m": (_real, "a finite number"),
+        "log_m_max": (lambda v: v is None or _real(v), "a finite number or null"),
+        "n_factors": (_count, "an int >= 0"),
+        "crossed": (lambda v: isinstance(v, bool), "true or false"),
+        "delta_e": (lambda v: _real(v) and 0 < v < 1, "a number in (0, 1)"),
+    })  # fmt: skip
+
+
+def check_snapshot(data: object, where: str = "snapshot") -> dict[str, Any]:
+    """``data`` if every field the gate reads has its type and range (:class:`GateInputError` naming the
+    first that does not). Absent fields are allowed: the gate then fails the criterion as missing data.
+    Checked: ``rank``/``n_ranks`` (ints, ``0 <= rank < n_ranks``), ``accounts`` (UID keys; counters ints
+    >= 0, so negative counters cannot cancel; ``delta_req`` in (0, 1], ``delta_spent`` >= 0; e-process),
+    ``global`` counters (ints >= 0) and the global ``eprocess``."""
+    if not isinstance(data, dict):
+        raise GateInputError(f"{where}: expected a ledger snapshot object, got {type(data).__name__}")
+    _check_fields(data, where, {
+        "rank": (_count, "an int >= 0"),
+        "n_ranks": (lambda v: _count(v) and v >= 1, "an int >= 1"),
+    })  # fmt: skip
+    if _count(data.get("rank")) and _count(data.get("n_ranks")) and not data["rank"] < data["n_ranks"]:
+        raise GateInputError(f"{where}: rank {data['rank']} outside [0, n_ranks={data['n_ranks']})")
+    accounts = data.get("accounts", {})
+    if not isinstance(accounts, dict):
+        raise GateInputError(f"{where}.accounts: expected an object, got {type(accounts).__name__}")
+    for uid, a in accounts.items():
+        at = f"{where}.accounts.{uid}"
+        if not (uid.isdigit() and uid.isascii()):
+            raise GateInputError(f"{at}: account keys are request UIDs (ints >= 0)")
+        if not isinstance(a, dict):
+            raise GateInputError(f"{at}: expected an object, got {type(a).__name__}")
+        _check_fields(a, at, {k: (_count, "an int >= 0") for k in ACCOUNT_COUNTERS})
+        _check_fields(a, at, {
+            "uid": (lambda v, u=uid: _count(v) and str(v) == u, f"the account key {uid}"),
+            "delta_req": (lambda v: _real(v) and 0 < v <= 1, "a number in (0, 1]"),
+            "delta_spent": (lambda v: _real(v) and v >= 0, "a finite number >= 0"),
+        })  # fmt: skip
+        if "eprocess" in a:
+            _check_eprocess(a["eprocess"], f"{at}.eprocess")
+    glob = data.get("global", {})
+    if not isinstance(glob, dict):
+        raise GateInputError(f"{where}.global: expected an object, got {type(glob).__name__}")
+    _check_fields(glob, f"{where}.global", {k: (_count, "an int >= 0") for k in glob})
+    if "eprocess" in data:
+        _check_eprocess(data["eprocess"], f"{where}.eprocess")
+    return data
+
+
+def _sum(accounts: dict[str, Any], key: str) -> int | None:
+    """Total of ``key`` over the accounts; None if any account lacks it (missing data)."""
+    values = [a.get(key) for a in accounts.values()]
+    return None if None in values else sum(values)  # type: ignore[arg-type]
 
 
 def evaluate(snapshot: dict[str, Any] | Sequence[dict[str, Any]], n_user_requests: int | None = None) -> GateResult:
@@ -77,6 +157,8 @@ def evaluate(snapshot: dict[str, Any] | Sequence[dict[str, Any]], n_user_request
     snaps = [snapshot] if isinstance(snapshot, dict) else list(snapshot)
     if not snaps:
         raise ValueError("no snapshot to evaluate")
+    for i, snap in enumerate(snaps):
+        check_snapshot(snap, f"snapshot[{i}]" if len(snaps) > 1 else "snapshot")
     ranked = [s for s in snaps if isinstance(s.get("rank"), int)]
     primary = min(ranked, key=lambda s: s["rank"]) if ranked else snaps[0]
     return GateResult(_logical_criteria(primary, n_user_requests) + replica_criteria(snaps))
@@ -164,8 +246,8 @@ def _logical_criteria(snapshot: dict[str, Any], n_user_requests: int | None) -> 
         ok = users > 0 if n_user_requests is None else users == n_user_requests
         want = ">0" if n_user_requests is None else f"=={n_user_requests}"
         out.append(Criterion("n_user_requests", ok, f"{users} (want {want})"))
-        over = [u for u, a in accounts.items() if not a["delta_spent"] <= a["delta_req"]]
-        worst = max((a["delta_spent"] for a in accounts.values()), default=0.0)
+        over = [u for u, a in accounts.items() if not a.get("delta_spent", math.inf) <= a.get("delta_req", -1.0)]
+        worst = max((a.get("delta_spent", math.nan) for a in accounts.values()), default=0.0)
         out.append(Criterion("all_budgets<=delta_req", not over, f"max delta_spent={worst:.7g}; over: {over}"))
         for name, key in (
             ("foreign_reads==0", "n_read_foreign_owner"),
@@ -174,7 +256,7 @@ def _logical_criteria(snapshot: dict[str, Any], n_user_requests: int | None) -> 
             ("auth_violations==0", "n_auth_violations"),
         ):
             v = _sum(accounts, key)
-            out.append(Criterion(name, v == 0, str(v)))
+            out.append(Criterion(name, v == 0, "missing data" if v is None else str(v)))
     if glob is not None:
         for name, key in (
             ("identity_fail_closed==0", "identity_fail_closed"),

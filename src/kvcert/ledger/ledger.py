@@ -31,8 +31,8 @@ from kvcert.ledger.events import (
     read_row,
 )
 from kvcert.ledger.identity import UNATTRIBUTED, UidAllocator
-from kvcert.ledger.log import EventLog
-from kvcert.ledger.slots import LayerSlots, SlotKey, SlotState
+from kvcert.ledger.log import EventLog, read_events
+from kvcert.ledger.slots import MAX_SLOTS, LayerSlots, SlotKey, SlotState, check_slot_range
 
 _COUNTERS = (
     "n_written",
@@ -134,6 +134,9 @@ class Ledger:
         delta_e: the e-process model-validation budget (alarm at ``log M ≥ ln(1/δ_e)``).
         log: event log every event is appended to *before* it is applied (committed at once by a
             synchronous log; by the next group commit of a background log, durable after :meth:`flush`).
+            A log opened with ``EventLog(path, resume=True)`` that already holds events is **continued**:
+            the ledger first re-applies (and validates) them, so accounts, slots and request ids carry on
+            where the earlier run stopped; its configuration must equal the one stored in the log.
         model: label for metrics.
         max_incidents: located incidents kept per kind (all are counted).
         rank / n_ranks: this ledger's replica rank and the declared number of replicas (tensor-parallel
@@ -179,7 +182,7 @@ class Ledger:
         self._last_incident: dict[str, Incident] = {}
         self._lock = threading.RLock()
         if log is not None:
-            log.set_meta(
+            log.set_meta(  # refuses a resumed log whose stored configuration differs
                 {
                     "delta_req": self.delta_req,
                     "delta_e": self.delta_e,
@@ -189,6 +192,9 @@ class Ledger:
                     "n_ranks": self.n_ranks,
                 }
             )
+            if log.head[0]:  # a resumed log: continue its accounts, slots and request ids
+                for event in read_events(log.path):
+                    self.apply(event)
 
     # ------------------------------------------------------------------------------------- public API
     def open_request(self, delta_req: float | None = None) -> int:
@@ -281,17 +287,14 @@ class Ledger:
             table = self._table(pool, layer)
             key = _read_key(table, ev)
             if table.read_memo is None or table.read_memo[0] != key:  # else: this exact read passed before
-                if n and min(int(st.min()), int(ct.min()), int(sp.min())) < 0:
-                    raise ValueError("starts, counts and steps must be >= 0")
-                for uid in set(r.tolist()):
-                    if uid >= 0:
-                        self._account(uid)
+                self._check_read(ev)
             if self.log is not None:
                 self.log.append_rows([read_row(ev, key[1:])])  # the memo key already holds the bytes
             return self._apply_read(ev, key)
 
     def report_fault(self, kind: str, pool: str, layer: int, slot: int, detail: str = "") -> Incident:
         """Record a detected fault at ``(pool, layer, slot)``; a compressed slot turns ``restored_exact``."""
+        check_slot_range(int(slot), int(slot), "fault slot")
         with self._lock:
             self._commit(FaultReport(kind, pool, layer, int(slot), detail))
             return self._last_incident[kind]
@@ -315,9 +318,101 @@ class Ledger:
             return SlotState(int(s[0])), int(o[0]), int(g[0])
 
     def apply(self, event: Event) -> None:
-        """Apply one already-committed event (replay)."""
+        """Apply one already-committed event (replay) after checking it against the invariants the live API
+        enforces (:meth:`check_event`); ``ValueError`` naming the violation, the state unchanged."""
         with self._lock:
+            self.check_event(event)
             self._apply(event, None)
+
+    def check_event(self, event: Event) -> None:
+        """``ValueError`` unless ``event`` is one the live API could have logged in the current state:
+
+        * ``OpenRequest``: a valid ``delta_req`` and a UID above every UID opened so far (UIDs are
+          allocated strictly increasing and never reused: a repeated or out-of-order open is refused);
+        * ``SlotWrite``: slots distinct and in ``[0, MAX_SLOTS)``; owners either unattributed (< 0, then
+          ``kept_exact``) or open accounts; states as :meth:`write` leaves them — all ``unwritten`` only for
+          a failed gate (logged as deterministic, no factors), otherwise compressed / kept / restored with
+          ``restored_exact`` only under the probabilistic rule and only ``kept_exact`` under the empirical
+          one; no infinite e-process factor and none on a ``kept_exact`` entry;
+        * ``SlotRead``: the checks of :meth:`read` (ranges non-negative and inside ``[0, MAX_SLOTS)``,
+          at most ``MAX_SLOTS`` entries, readers unattributed or open accounts);
+        * ``FaultReport``: a slot in ``[0, MAX_SLOTS)``; every event: a non-empty pool and a layer >= 0.
+        """
+        if isinstance(event, OpenRequest):
+            RequestBudget(event.delta_req)
+            if event.uid < self.uids.next_uid:
+                what = "opened again" if event.uid in self.accounts else "out of order"
+                raise ValueError(f"request UID {event.uid} {what} (UIDs are allocated from {self.uids.next_uid})")
+            return
+        if isinstance(event, SlotWrite):
+            self._check_write_event(event)
+        elif isinstance(event, SlotRead):
+            self._check_read(event)
+        elif isinstance(event, FaultReport):
+            check_slot_range(event.slot, event.slot, "fault slot")
+        else:
+            raise TypeError(f"not a ledger event: {type(event).__name__}")
+        self._table(event.pool, event.layer)  # pool and layer
+
+    def _check_write_event(self, ev: SlotWrite) -> None:
+        if ev.rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {ev.rule!r}")
+        slots, owners = self._check_entries(ev.slots, ev.owners)
+        states, factors = np.asarray(ev.states), np.asarray(ev.log_factors, dtype=np.float64)
+        if states.shape != slots.shape or factors.shape != slots.shape:
+            raise ValueError(f"write has {slots.size} slots but {states.size} states and {factors.size} factors")
+        for uid in _distinct(owners):
+            if uid >= 0:
+                self._account(uid)
+        if states.size == 0:
+            return
+        per_state = np.bincount(states, minlength=4)  # one pass: unwritten, compressed, kept, restored, unknown…
+        if per_state.size > 4:
+            raise ValueError(f"unknown slot state {per_state.size - 1}")
+        n_unwritten, _, n_kept, n_restored = per_state.tolist()
+        if n_unwritten:
+            if n_unwritten != states.size or ev.rule != "deterministic" or not np.isnan(factors).all():
+                raise ValueError("state unwritten is only logged for a whole failed write (deterministic, no factors)")
+            return
+        if ev.rule != "probabilistic" and n_restored:
+            raise ValueError(f"state restored_exact inside a {ev.rule} write (needs an audited probabilistic draw)")
+        if ev.rule == "empirical" and n_kept != states.size:
+            raise ValueError("an empirical write keeps every entry exact")
+        if n_kept != states.size and int(owners.min()) < 0 and ((owners < 0) & (states != _KEPT)).any():
+            raise ValueError("an unattributed entry (owner < 0) must be kept exact (fail closed)")
+        if np.isinf(factors).any() or (n_kept and not np.isnan(factors[states == _KEPT]).all()):
+            raise ValueError("e-process factors must be finite, and NaN on kept_exact entries")
+
+    def _check_read(self, ev: SlotRead) -> None:
+        """The checks :meth:`read` applies to a read it has not seen before (see :meth:`check_event`)."""
+        n = ev.readers.size
+        arrays = (("starts", ev.starts), ("counts", ev.counts), ("steps", ev.steps), ("generations", ev.generations))
+        for name, a in arrays:
+            if a.size != n:
+                raise ValueError(f"{name} has {a.size} entries, readers has {n}")
+        if not n:
+            return
+        if n <= 64:  # the common few ranges: Python ints beat a dozen numpy calls (and cannot overflow)
+            starts, counts, steps = ev.starts.tolist(), ev.counts.tolist(), ev.steps.tolist()
+            if min(min(starts), min(counts), min(steps)) < 0:
+                raise ValueError("starts, counts and steps must be >= 0")
+            last = max(a + b * max(c - 1, 0) for a, b, c in zip(starts, steps, counts, strict=True))
+            total = sum(counts)
+        else:
+            ranges = np.stack((ev.starts, ev.counts, ev.steps))
+            if int(ranges.min()) < 0:
+                raise ValueError("starts, counts and steps must be >= 0")
+            top = int(ranges.max())
+            if top > MAX_SLOTS:  # keeps the product below from overflowing int64
+                raise ValueError(f"read slot must be < MAX_SLOTS = {MAX_SLOTS}, got a range value {top}")
+            last = int((ev.starts + ev.steps * np.maximum(ev.counts - 1, 0)).max())
+            total = int(ev.counts.sum())
+        check_slot_range(0, last, "read slot")
+        if total > MAX_SLOTS:
+            raise ValueError(f"a read covers {total} entries, more than MAX_SLOTS = {MAX_SLOTS}")
+        for uid in set(ev.readers.tolist()):
+            if uid >= 0:
+                self._account(uid)
 
     # ------------------------------------------------------------------------------------- snapshot
     def snapshot(self) -> dict[str, Any]:
@@ -387,11 +482,10 @@ class Ledger:
         o = np.asarray(owners, dtype=np.int64).reshape(-1)
         if s.shape != o.shape:
             raise ValueError(f"slots has {s.size} entries but owners has {o.size}")
-        if s.size and int(s.min()) < 0:
-            raise ValueError("slots must be >= 0")
-        if s.size > 1:
-            ordered = np.sort(s)
-            if (ordered[1:] == ordered[:-1]).any():
+        if s.size:
+            ordered = np.sort(s) if s.size > 1 else s  # one sort: range (first, last) and distinctness
+            check_slot_range(int(ordered[0]), int(ordered[-1]), "slots")
+            if s.size > 1 and (ordered[1:] == ordered[:-1]).any():
                 raise ValueError("slots must be distinct within one write")
         return s, o
 

@@ -5,28 +5,42 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvcert.ledger.events import LogError
 from kvcert.ledger.ledger import Ledger
-from kvcert.ledger.log import read_events, read_meta
+from kvcert.ledger.log import LogReader, read_meta
+
+_CONFIG = {"delta_req": float, "delta_e": float, "model": str, "max_incidents": int, "rank": int, "n_ranks": int}
 
 
 def replay(path: str | Path) -> Ledger:
     """A fresh :class:`Ledger` (without a log), configured from the log's metadata, with every committed
-    event of ``path`` applied in order."""
+    event of ``path`` verified (:class:`~kvcert.ledger.log.LogReader`), checked
+    (:meth:`Ledger.check_event`) and applied in order; :class:`~kvcert.ledger.events.LogError` (one line,
+    naming the first bad ``seq``) otherwise."""
+    return replay_verified(path)[0]
+
+
+def replay_verified(path: str | Path) -> tuple[Ledger, LogReader]:
+    """:func:`replay`, also returning the exhausted :class:`LogReader` (chained? closed? head?)."""
     meta = read_meta(path)
-    missing = {"delta_req", "delta_e", "model", "max_incidents", "rank", "n_ranks"} - meta.keys()
+    missing = _CONFIG.keys() - meta.keys()
     if missing:
-        raise ValueError(f"log {str(path)!r} lacks ledger metadata {sorted(missing)}")
-    ledger = Ledger(
-        delta_req=meta["delta_req"],
-        delta_e=meta["delta_e"],
-        model=meta["model"],
-        max_incidents=meta["max_incidents"],
-        rank=meta["rank"],
-        n_ranks=meta["n_ranks"],
-    )
-    for event in read_events(path):
-        ledger.apply(event)
-    return ledger
+        raise LogError(f"log {str(path)!r} lacks ledger metadata {sorted(missing)}")
+    for key, kind in _CONFIG.items():
+        value = meta[key]
+        if isinstance(value, bool) or not (isinstance(value, kind) or (kind is float and isinstance(value, int))):
+            raise LogError(f"log {str(path)!r}: metadata {key} must be {kind.__name__}, got {value!r}")
+    try:
+        ledger = Ledger(**{k: meta[k] for k in _CONFIG})
+    except ValueError as exc:
+        raise LogError(f"log {str(path)!r}: metadata: {exc}") from None
+    reader = LogReader(path)
+    for event in reader:
+        try:
+            ledger.apply(event)
+        except ValueError as exc:
+            raise LogError(f"log {str(path)!r}: event seq {reader.seq}: {exc}") from None
+    return ledger, reader
 
 
 def diff_states(a: Any, b: Any, path: str = "$") -> list[str]:

@@ -7,23 +7,30 @@ them with probability ``q = (1 − B/M)^r`` (independent draws), ``n`` independe
     q^n ≤ δ   ⇔   n ≥ ln δ / ln q = ln δ / (r · ln(1 − B/M))        (ln q < 0 flips the inequality)
 
 and ``n(δ) = ⌈ln δ / (r · ln(1 − B/M))⌉`` rounds detect at least one bad slot with probability ≥ 1 − δ.
+It is the **smallest** such ``n``: ``q^(n−1) > δ``. The quotient is evaluated in 60-digit decimal arithmetic
+(``1 − B/M`` is exact there), so the ceiling is the exact smallest ``n`` also when ``B/M`` is ~1e-12 and a
+float ``(1 − B/M)^(r·n)`` would be off by millions of rounds. ``M`` and ``r`` are at most :data:`MAX_COUNT`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from decimal import Decimal, localcontext
 
 import numpy as np
 
+MAX_COUNT = 1 << 62
+"""Largest accepted ``M`` (slots) and ``r`` (draws per round): int64 sampling range."""
+
 
 def _check(bad: int, total: int, r: int) -> None:
-    if total < 1:
-        raise ValueError(f"total (M) must be >= 1, got {total}")
+    if not 1 <= total <= MAX_COUNT:
+        raise ValueError(f"total (M) must lie in [1, 2^62], got {total}")
     if not 1 <= bad <= total:
         raise ValueError(f"bad (B) must lie in [1, M={total}], got {bad}")
-    if r < 1:
-        raise ValueError(f"r must be >= 1, got {r}")
+    if not 1 <= r <= MAX_COUNT:
+        raise ValueError(f"r must lie in [1, 2^62], got {r}")
 
 
 def miss_probability(bad: int, total: int, r: int, rounds: int) -> float:
@@ -31,22 +38,22 @@ def miss_probability(bad: int, total: int, r: int, rounds: int) -> float:
     _check(bad, total, r)
     if rounds < 0:
         raise ValueError(f"rounds must be >= 0, got {rounds}")
-    return (1.0 - bad / total) ** (r * rounds)
+    return math.exp(r * rounds * math.log1p(-bad / total)) if bad < total else float(rounds == 0)
 
 
 def rounds_needed(bad: int, total: int, r: int, delta: float) -> int:
-    """Smallest ``n`` with ``(1 − B/M)^(r·n) ≤ δ``: ``⌈ln δ / (r·ln(1 − B/M))⌉`` (1 when ``B = M``)."""
+    """Smallest ``n >= 1`` with ``(1 − B/M)^(r·n) ≤ δ``: ``⌈ln δ / (r·ln(1 − B/M))⌉`` (1 when ``B = M``),
+    in 60-digit decimal arithmetic (module docstring); ``ValueError`` for arguments out of range."""
     _check(bad, total, r)
     if not 0.0 < delta < 1.0:
         raise ValueError(f"delta must lie in (0, 1), got {delta}")
     if bad == total:
         return 1
-    n = max(1, math.ceil(math.log(delta) / (r * math.log1p(-bad / total))))
-    while n > 1 and miss_probability(bad, total, r, n - 1) <= delta:  # guard against float rounding
-        n -= 1
-    while miss_probability(bad, total, r, n) > delta:
-        n += 1
-    return n
+    with localcontext() as ctx:
+        ctx.prec = 60
+        log_q = (1 - Decimal(bad) / Decimal(total)).ln() * r
+        quotient = Decimal(delta).ln() / log_q  # both logs < 0
+        return max(1, int(quotient.to_integral_value(rounding="ROUND_CEILING")))
 
 
 def latency_table(

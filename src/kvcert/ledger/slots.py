@@ -20,6 +20,19 @@ import numpy as np
 
 from kvcert.ledger.identity import UNATTRIBUTED
 
+MAX_SLOTS = 1 << 26
+"""Slots per ``(pool, layer)`` table: slot ids lie in ``[0, MAX_SLOTS)`` (67,108,864: a 128k-token context
+× batch 64 × 8 KV heads in the observer's layout). The table is dense, so the bound caps its memory at
+~1.1 GB; a write, read or fault outside it is refused before anything is allocated."""
+
+
+def check_slot_range(first: int, last: int, what: str) -> None:
+    """``ValueError`` unless ``0 <= first`` and ``last < MAX_SLOTS`` (``first``/``last``: smallest/largest id)."""
+    if first < 0:
+        raise ValueError(f"{what} must be >= 0, got {first}")
+    if last >= MAX_SLOTS:
+        raise ValueError(f"{what} must be < MAX_SLOTS = {MAX_SLOTS}, got {last}")
+
 
 class SlotState(IntEnum):
     """Explicit state of one slot."""

@@ -7,8 +7,17 @@
  "readings": [{"layer": int, "path": path, "metric": "obj:norm@site", "value": number,
                "tier": "certified"|"partial"|"empirical", "kind": "bound"|"reading", "name": str,
                "unclipped": bool (optional, default false)}],
- "self_checks": {"witness_violations": int, "certified_flips": int, "pooling_floor_violations": int}}
+ "self_checks": {"witness_violations": int, "certified_flips": int, "pooling_floor_violations": int},
+ "digest": "sha256:<64 hex>" (written by ProbeSnapshot.write; optional when parsing)}
 ```
+
+Integrity: :meth:`ProbeSnapshot.write` adds ``digest``, the SHA-256 of the canonical JSON of the content
+(:meth:`ProbeSnapshot.digest`: keys sorted, no whitespace, everything but the digest itself), and
+:func:`kvcert.probe.verify.verify_file` fails a file whose digest is absent or does not match its content.
+Files are parsed with :func:`kvcert.strict_json.loads`: a duplicated key (``{"x": 5, "x": 0}`` would
+otherwise keep the last value and hide the first) or nesting deeper than
+:data:`kvcert.strict_json.MAX_DEPTH` is a :class:`SnapshotError`, never a silent overwrite or a
+``RecursionError``.
 
 Parsing is strict and fails closed (:class:`SnapshotError`, naming the field): missing or unknown
 keys, wrong types, unknown paths/tiers/kinds, malformed metrics, and a ``bound`` with tier
@@ -21,18 +30,24 @@ extensions ``NaN``/``Infinity`` so that they survive to the gate.
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvcert.contracts import Metric, Tier
+from kvcert.strict_json import StrictJSONError
+from kvcert.strict_json import loads as strict_loads
 
 SCHEMA = "kvcert.probe/1"
 PATHS: tuple[str, ...] = ("dense_kv", "latent_kv", "sparse_selector", "recurrent", "pooling")
 KINDS: tuple[str, ...] = ("bound", "reading")
 READING_FIELDS: tuple[str, ...] = ("layer", "path", "metric", "value", "tier", "kind", "name")
 SELF_CHECKS: tuple[str, ...] = ("witness_violations", "certified_flips", "pooling_floor_violations")
+TOP_FIELDS: tuple[str, ...] = ("schema", "run_id", "model", "family", "declared", "triggers", "readings", "self_checks")
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 class SnapshotError(ValueError):
@@ -149,9 +164,14 @@ class ProbeSnapshot:
     readings: tuple[ReadingRecord, ...]
     self_checks: SelfChecks
     schema: str = SCHEMA
+    recorded_digest: str | None = field(default=None, compare=False)
+    """The ``digest`` a parsed file carried (None: none, e.g. built in memory); see :meth:`digest`."""
 
     def __post_init__(self) -> None:
         _typed(self.schema, self.schema == SCHEMA, "schema", repr(SCHEMA))
+        if self.recorded_digest is not None:
+            _typed(self.recorded_digest, isinstance(self.recorded_digest, str)
+                   and _DIGEST.fullmatch(self.recorded_digest) is not None, "digest", "'sha256:' + 64 hex digits")
         for key in ("run_id", "model", "family"):
             value = getattr(self, key)
             _typed(value, isinstance(value, str) and bool(value.strip()), key, "a non-empty str")
@@ -171,6 +191,12 @@ class ProbeSnapshot:
             "self_checks": self.self_checks.to_dict(),
         }
 
+    def digest(self) -> str:
+        """``sha256:`` + SHA-256 of the canonical JSON of :meth:`to_dict` (keys sorted, no whitespace): equal
+        for equal content however the file is laid out, different after any edit of a field."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=True)
+        return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
     def to_json(self, indent: int | None = None) -> str:
         """JSON text (NaN/inf written as ``NaN``/``Infinity`` so the gate can see them)."""
         return json.dumps(self.to_dict(), indent=indent, allow_nan=True)
@@ -178,8 +204,7 @@ class ProbeSnapshot:
     @classmethod
     def from_dict(cls, data: object) -> ProbeSnapshot:
         """Parse a decoded JSON object; :class:`SnapshotError` naming the first problem."""
-        top = _fields(data, "snapshot", ("schema", "run_id", "model", "family", "declared", "triggers",
-                                         "readings", "self_checks"))
+        top = _fields(data, "snapshot", TOP_FIELDS, ("digest",))
         _typed(top["schema"], top["schema"] == SCHEMA, "schema", repr(SCHEMA))
         dec = _fields(top["declared"], "declared", ("layers", "paths"))
         layers = _typed(dec["layers"], isinstance(dec["layers"], list), "declared.layers", "a list")
@@ -197,21 +222,24 @@ class ProbeSnapshot:
         checks = _fields(top["self_checks"], "self_checks", SELF_CHECKS)
         return cls(run_id=top["run_id"], model=top["model"], family=top["family"],
                    declared=Declared(tuple(layers), tuple(paths)), triggers=top["triggers"],
-                   readings=tuple(readings), self_checks=SelfChecks(**checks), schema=top["schema"])
+                   readings=tuple(readings), self_checks=SelfChecks(**checks), schema=top["schema"],
+                   recorded_digest=top.get("digest"))
 
     @classmethod
     def from_json(cls, text: str) -> ProbeSnapshot:
-        """Parse JSON text; :class:`SnapshotError` on malformed JSON or schema violations."""
+        """Parse JSON text strictly (duplicate keys and deep nesting refused); :class:`SnapshotError` on
+        malformed JSON or schema violations."""
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise SnapshotError(f"malformed JSON: {exc}") from None
+            data = strict_loads(text)
+        except StrictJSONError as exc:
+            raise SnapshotError(str(exc)) from None
         return cls.from_dict(data)
 
     def write(self, path: str | Path) -> Path:
-        """Write the snapshot as JSON to ``path`` and return it."""
+        """Write the snapshot as JSON with its :meth:`digest` to ``path`` and return it."""
         out = Path(path)
-        out.write_text(self.to_json(indent=1) + "\n", encoding="utf-8")
+        data = {**self.to_dict(), "digest": self.digest()}
+        out.write_text(json.dumps(data, indent=1, allow_nan=True) + "\n", encoding="utf-8")
         return out
 
     @classmethod

@@ -111,6 +111,13 @@ def make_page_cells(n: int, s_r: int, s_o: int, page_size: int, d: int, gen: tor
                      page_size)
 
 
+def page_violations(name: str, bound: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
+    """Cells where ``bound`` fails to dominate ``truth`` beyond float64 rounding (relative for the logits, whose
+    magnitude reaches 10^3; NaN counts as a violation)."""
+    slack = SLACK * (1.0 + truth.abs()) if name == "page_logit" else SLACK
+    return ~(bound + slack >= truth)
+
+
 def page_checks(cells: PageCells, gamma: float | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``name -> (bound, truth)`` per cell: page logit bound vs the page's largest exact logit (plus the rounding
     allowance), omitted-mass bound vs exact omitted mass, direct form and composed certificate vs true TV."""

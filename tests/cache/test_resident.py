@@ -1,4 +1,4 @@
-"""Resident set + page summaries + recall inside CertifiedCache: soundness per cell, exactness at tau = 0, accounting."""
+"""Resident set, page summaries and recall in CertifiedCache: per-cell soundness, exactness at tau = 0, accounting."""
 
 from __future__ import annotations
 

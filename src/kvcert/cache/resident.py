@@ -23,7 +23,6 @@ import torch
 from kvcert.attention.certified import (
     ReadResult,
     _eager_served,
-    _logit_slack_factors,
     _out_bound,
     group_heads,
     masked_logits,

@@ -51,6 +51,8 @@ def test_box_contains_every_key_and_bound_attained_at_corners(n_tok, page_size, 
         part = keys[:, j * page_size:(j + 1) * page_size].to(F64)
         assert bool((s.lo[:, j:j + 1].to(F64) <= part).all() and (part <= s.hi[:, j:j + 1].to(F64)).all())
         assert bool((part.norm(dim=-1) <= s.norm[:, j:j + 1].to(F64)).all())
+        ball = (part - s.centre[:, j:j + 1].to(F64)).norm(dim=-1)
+        assert bool((ball <= s.radius[:, j:j + 1].to(F64)).all())
     # a key moved to the corner of its page's box and a query aligned with that corner: the bound is attained
     # up to the float16 outward rounding of the box
     sign = torch.where(torch.rand(2, d, generator=gen) < 0.5, -1.0, 1.0)
@@ -140,7 +142,7 @@ def test_composition_identity_terms():
 def test_out_of_range_keys_give_a_finite_norm_bound_never_nan():
     keys = torch.tensor([[[70000.0, -1.0], [1.0, -70000.0]]])
     s = summarize_pages(keys, 2)
-    assert torch.isinf(s.hi[0, 0, 0]) and torch.isinf(s.lo[0, 0, 1])
+    assert torch.isinf(s.hi[0, 0, 0]) and torch.isinf(s.lo[0, 0, 1]) and bool(torch.isfinite(s.centre).all())
     u = page_logit_bound(torch.tensor([[[1.0, 1.0]]]), s, 1.0, 0.0)
     assert bool(torch.isfinite(u).all()) and float(u) >= 70000.0 - 1.0
 

@@ -65,7 +65,7 @@ def test_tau_zero_is_token_identical_to_dynamic_cache(models, family, policy):
 @pytest.mark.parametrize("codec", ["none", "int8", "int4"])
 def test_validate_mode_zero_violations_in_every_cell(models, family, policy, codec):
     model = models[family]
-    ids = _ids(model, seed=1)
+    ids = _ids(model, batch=2, seed=1)
     for gate in (Gate.off(), Gate.certified(0.3)):
         with CertifiedCache(model, keys=codec, values=codec, resident=0.25, select=POLICIES[policy](), gate=gate,
                             validate=True, page_size=4) as cache:
@@ -101,7 +101,7 @@ def test_accounting_of_summaries_recall_and_resident_fraction(models):
         omitted = PROMPT - kept
         assert omitted % 5 == 0                      # full pages only: every recalled page holds 5 tokens
         pages = omitted // 5
-        per_layer = hkv * pages * (2 * d * 2 + 4) + pages * 8 + 3 * hkv * 4
+        per_layer = hkv * pages * (3 * d * 2 + 2 * 4) + pages * 8 + 3 * hkv * 4   # box, centre; radius, norm
         assert tel.bytes_summary == cfg.num_hidden_layers * per_layer
         assert tel.resident_fraction == pytest.approx((kept + STEPS) / (PROMPT + STEPS))
         # K and V of every recalled token (fp32 host copies of the tiny model)
@@ -112,6 +112,21 @@ def test_accounting_of_summaries_recall_and_resident_fraction(models):
         assert s["pages_recalled"] == tel.pages_recalled and s["resident_fraction"] == tel.resident_fraction
         assert s["recall_violations"] is None         # not validated
         assert 0 < s["mean_omitted_mass_bound"] <= s["max_omitted_mass_bound"] <= 1
+
+
+def test_a_tau_no_recall_can_meet_falls_back_to_exact_attention_over_every_token(models):
+    """int8 resident keys carry a quantization certificate > 1e-6 even with every page recalled: the head is then
+    served by exact attention over all tokens (dense tokens, bytes_paged), after the recall tried."""
+    model = models["qwen2"]
+    ids = _ids(model, seed=4)
+    ref = _decode(model, ids, DynamicCache(config=model.config))
+    with CertifiedCache(model, keys="int8", values="int8", resident=0.25, select=H2O(recent=3),
+                        gate=Gate.certified(1e-6), validate=True, page_size=4) as cache:
+        assert torch.equal(_decode(model, ids, cache), ref)
+        tel = cache.telemetry()
+    rec = tel.recorded
+    assert tel.bytes_paged > 0 and tel.violations == 0 and tel.recall_violations == 0
+    assert bool((tel.served[rec] == 0).all())
 
 
 def test_resident_one_keeps_everything_and_reads_as_before(models):

@@ -6,11 +6,13 @@ the device). The served distribution ``p̃`` is the softmax of ``s̃`` over ``R`
 the exact one ``p`` the softmax of the exact logits ``s`` over every visible token.
 
 * :func:`summarize_pages` — per page of consecutive keys: a per-channel box ``lo ≤ k ≤ hi`` rounded
-  *outward* to the storage dtype (float16 by default), a float32 upper bound on the largest key norm, and the
-  token count. The rounding makes the box contain every key of the page exactly.
-* :func:`page_logit_bound` — ``u_P ≥ sc·⟨q, k⟩ + 3·sc·γ·‖q‖·‖k‖`` for every key ``k`` of page ``P``: the box
-  bound ``sc·Σ_i max(q_i lo_i, q_i hi_i)`` (or ``sc·‖q‖·N_P`` when smaller) plus three times the float32 logit
-  rounding allowance ``sc·γ·‖q‖·‖k‖`` of the caller, with the float64 evaluation error added on top.
+  *outward* to the storage dtype (float16 by default), a ball (centre ``m`` in the storage dtype, float32 radius
+  ``r ≥ max ‖k − m‖`` rounded up), a float32 upper bound on the largest key norm, and the token count. The
+  rounding makes box and ball contain every key of the page exactly.
+* :func:`page_logit_bound` — ``u_P ≥ sc·⟨q, k⟩ + 3·sc·γ·‖q‖·‖k‖`` for every key ``k`` of page ``P``: the smallest
+  of the box bound ``sc·Σ_i max(q_i lo_i, q_i hi_i)``, the ball bound ``sc·(⟨q, m⟩ + ‖q‖ r)`` and ``sc·‖q‖·N_P``,
+  plus three times the float32 logit rounding allowance ``sc·γ·‖q‖·‖k‖`` of the caller, with the float64
+  evaluation error added on top.
 * :func:`omitted_certificate` — with ``A = Σ_R p̃ e^{c}``, ``B₋ = Σ_R p̃ e^{−c}`` and
   ``U = Σ_P n_P e^{u_P − lse(s̃)}``: the omitted-mass bound ``m̄ = U/(B₋ + U) ≥ Σ_{t∉R} p_t``, the direct
   form ``D = 1 − B₋/(A + U) ≥ TV(p, p̃)``, and the composed certificate ``min(1, D, meter + m̄)``.
@@ -52,11 +54,14 @@ class PageSummary:
 
     ``lo``/``hi`` ``[..., P, D]`` (storage dtype): every key ``k`` of page ``j`` has ``lo_j ≤ k ≤ hi_j``
     channel-wise, exactly (outward rounding). ``norm`` ``[..., P]`` float32: ``≥ max_{k∈j} ‖k‖₂``.
+    ``centre`` ``[..., P, D]`` (storage dtype) and ``radius`` ``[..., P]`` float32: ``‖k − centre_j‖₂ ≤ radius_j``.
     ``count`` ``[P]`` int64: tokens in page ``j`` (every page but possibly the last has ``page_size``).
     """
 
     lo: torch.Tensor
     hi: torch.Tensor
+    centre: torch.Tensor
+    radius: torch.Tensor
     norm: torch.Tensor
     count: torch.Tensor
     page_size: int
@@ -69,15 +74,17 @@ class PageSummary:
     @property
     def nbytes(self) -> int:
         """Device bytes of the summary (box, norms and counts)."""
-        return sum(t.numel() * t.element_size() for t in (self.lo, self.hi, self.norm, self.count))
+        return sum(t.numel() * t.element_size() for t in (self.lo, self.hi, self.centre, self.radius, self.norm,
+                                                           self.count))
 
 
 def summarize_pages(keys: torch.Tensor, page_size: int, dtype: torch.dtype = torch.float16) -> PageSummary:
     """Summarize ``keys[..., N, D]`` in pages of ``page_size`` consecutive tokens (the last page may be short).
 
     Contract: for every page ``j`` and key ``k`` in it, ``lo_j ≤ k ≤ hi_j`` (each channel; the min/max are
-    exact in float64 and rounded outward to ``dtype``) and ``‖k‖₂ ≤ norm_j`` (float64 norm inflated by its
-    rounding allowance ``(D + 4)·2^-53``, rounded up to float32). Raises ``ValueError`` for ``N == 0`` (an empty
+    exact in float64 and rounded outward to ``dtype``), ``‖k − centre_j‖₂ ≤ radius_j`` (centre: the box midpoint
+    cast to ``dtype``; the distance to the *stored* centre is evaluated in float64) and ``‖k‖₂ ≤ norm_j`` (each
+    float64 norm inflated by its rounding allowance ``(D + 4)·2^-53``, rounded up to float32). Raises ``ValueError`` for ``N == 0`` (an empty
     page has nothing to summarize), ``page_size < 1``, a non-float ``dtype`` or non-finite keys.
     """
     if keys.dim() < 2:
@@ -98,11 +105,15 @@ def summarize_pages(keys: torch.Tensor, page_size: int, dtype: torch.dtype = tor
     valid = (torch.arange(pages * page_size) < n).reshape(pages, page_size, 1)
     lo = torch.where(valid, padded, float("inf")).amin(-2)
     hi = torch.where(valid, padded, float("-inf")).amax(-2)
-    norms = padded.norm(dim=-1) * (1.0 + (d + 4) * _U64)                       # [..., P, page_size]
-    norm = norms.amax(-1)                                                        # padding rows are 0
+    inflate = 1.0 + (d + 4) * _U64
+    norm = padded.norm(dim=-1).amax(-1) * inflate                                # padding rows are 0
+    centre = (0.5 * (lo + hi)).to(dtype)
+    centre = torch.where(torch.isfinite(centre), centre, 0.0)                  # out of range: centre at 0
+    dist = torch.where(valid[..., 0], (padded - centre.to(F64).unsqueeze(-2)).norm(dim=-1), 0.0)
     count = torch.full((pages,), page_size, dtype=torch.int64)
     count[-1] = n - (pages - 1) * page_size
-    return PageSummary(_round_out(lo, dtype, up=False), _round_out(hi, dtype, up=True),
+    return PageSummary(_round_out(lo, dtype, up=False), _round_out(hi, dtype, up=True), centre,
+                       _round_out(dist.amax(-1) * inflate, torch.float32, up=True),
                        _round_out(norm, torch.float32, up=True), count, page_size)
 
 
@@ -116,7 +127,8 @@ def page_logit_bound(q: torch.Tensor, summary: PageSummary, scaling: float, gamm
     token is served with). Evaluation: ``sc·min(Σ_i max(q_i lo_i, q_i hi_i), ‖q‖·N_j) + 3·sc·γ·‖q‖·N_j`` in float64
     plus ``(D + 16)·2^-52·sc·(Σ_i |q_i|·max(|lo_i|, |hi_i|) + 4‖q‖·N_j)``, which covers every float64 rounding of
     the evaluation (each term's magnitude is at most that sum). A box entry outside the storage range is
-    ``±inf`` and gives ``u = +inf`` wherever ``q_i ≠ 0`` (never NaN).
+    ``±inf`` there, which the ball and norm bounds keep finite (never NaN). The ball term
+    ``sc·(⟨q, m⟩ + ‖q‖ r)`` adds ``Σ_i |q_i m_i| + ‖q‖ r`` to the evaluation bracket.
     """
     if not scaling > 0 or not gamma >= 0:
         raise ValueError(f"scaling must be > 0 and gamma >= 0, got {scaling}, {gamma}")
@@ -132,8 +144,12 @@ def page_logit_bound(q: torch.Tensor, summary: PageSummary, scaling: float, gamm
     mag = torch.where(zero, 0.0, qd.abs() * torch.maximum(lo.abs(), hi.abs())).sum(-1)
     qn = q.to(F64).norm(dim=-1, keepdim=True)                      # [..., M, 1]
     qk = qn * summary.norm.to(F64).unsqueeze(-2)                   # [..., M, P] ≥ ‖q‖·‖k‖
-    err = (d + 16) * 2.0**-52 * scaling * (torch.where(torch.isinf(mag), 0.0, mag) + 4.0 * qk)
-    return scaling * torch.minimum(box, qk) + 3.0 * scaling * gamma * qk + err
+    centre = summary.centre.to(F64).unsqueeze(-3)                  # [..., 1, P, D]
+    ball_dot = (qd * centre).sum(-1)
+    ball_mag = (qd * centre).abs().sum(-1) + qn * summary.radius.to(F64).unsqueeze(-2)
+    best = torch.minimum(torch.minimum(box, qk), ball_dot + qn * summary.radius.to(F64).unsqueeze(-2))
+    err = (d + 16) * 2.0**-52 * scaling * (torch.where(torch.isinf(mag), 0.0, mag) + ball_mag + 4.0 * qk)
+    return scaling * best + 3.0 * scaling * gamma * qk + err
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,15 @@ from hypothesis import strategies as st
 from pages_adversarial import PAGE_PLAN, make_page_cells, page_checks, page_violations
 
 from kvcert.bounds import tv_meter
-from kvcert.bounds.pages import omitted_certificate, page_logit_bound, page_weights, summarize_pages
+from kvcert.bounds.pages import (
+    omitted_certificate,
+    page_logit_bound,
+    page_weights,
+    pool_pages,
+    sketch_keys,
+    summarize_pages,
+    token_logit_bound,
+)
 from kvcert.bounds.rc import gamma_f32
 
 F64 = torch.float64
@@ -21,7 +29,7 @@ def test_page_forms_sound_in_every_cell():
     """>= 2*10^5 adversarial cells: every bound dominates its truth in every cell, and the fuzz reaches tight cells."""
     gen = torch.Generator().manual_seed(1707)
     cells_seen = 0
-    worst = dict.fromkeys(("omitted_mass", "composed"), 0.0)
+    worst = dict.fromkeys(("omitted_mass", "composed", "omitted_mass_int8"), 0.0)
     for s_r, s_o, ps, d, rows in PAGE_PLAN:
         cells = make_page_cells(rows, s_r, s_o, ps, d, gen)
         for name, (bound, truth) in page_checks(cells).items():
@@ -36,6 +44,7 @@ def test_page_forms_sound_in_every_cell():
     # adversarial, not just random: corner-aligned needles make the omitted-mass bound nearly attained
     assert worst["omitted_mass"] > 0.9
     assert worst["composed"] > 0.5
+    assert worst["omitted_mass_int8"] > 0.9
 
 
 @settings(max_examples=200, deadline=None)
@@ -81,6 +90,30 @@ def test_page_bound_covers_the_rounding_allowance():
         radius = 2 * sc * gamma * q.to(F64).norm(dim=-1, keepdim=True) * keys.to(F64).norm(dim=-1).unsqueeze(1)
         need = (served + radius).reshape(3, 5, 5, 8).amax(-1)
         assert bool((u >= need).all())
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 12), st.integers(0, 2**31 - 1))
+def test_int8_sketch_witness_and_pooling(n_tok, d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    keys = (torch.randn(2, n_tok, d, generator=gen, dtype=F64) * 10 ** torch.empty(1).uniform_(-3, 3,
+                                                                                               generator=gen)).float()
+    keys[0, 0] = 0.0                                                       # an all-zero key is sketched exactly
+    sk = sketch_keys(keys)
+    khat = sk.codes.to(F64) * sk.scale.to(F64).unsqueeze(-1)
+    assert bool(((keys.to(F64) - khat).norm(dim=-1) <= sk.err.to(F64)).all())
+    assert bool((keys.to(F64).norm(dim=-1) <= sk.norm.to(F64)).all()) and float(sk.err[0, 0]) == 0.0
+    q = torch.randn(2, 3, d, generator=gen)
+    u = token_logit_bound(q, sk, 0.3, 1e-3)
+    exact = 0.3 * q.to(F64) @ keys.to(F64).transpose(1, 2)
+    need = exact + 3 * 0.3 * 1e-3 * q.to(F64).norm(dim=-1, keepdim=True) * keys.to(F64).norm(dim=-1).unsqueeze(1)
+    assert bool((u >= need).all())
+    visible = torch.rand(2, 3, n_tok, generator=gen) < 0.7
+    pooled, seen = pool_pages(u, visible, 4)
+    for j in range(pooled.shape[-1]):
+        part = torch.where(visible, u.exp(), 0.0)[..., j * 4:(j + 1) * 4].sum(-1)
+        assert bool((seen[..., j] * pooled[..., j].exp() >= part * (1 - 1e-15)).all())
+        assert bool((seen[..., j] == visible[..., j * 4:(j + 1) * 4].any(-1)).all())
 
 
 def _recall_read(cells_q, keys_r, keys_o, sc, recalled_pages, page_size):
@@ -149,6 +182,9 @@ def test_out_of_range_keys_give_a_finite_norm_bound_never_nan():
 
 @pytest.mark.parametrize(("call", "match"), [
     (lambda: summarize_pages(torch.zeros(1, 0, 4), 2), "empty page"),
+    (lambda: sketch_keys(torch.zeros(1, 0, 4)), "empty page"),
+    (lambda: sketch_keys(torch.tensor([[[1.0, float("nan")]]])), "keys contains non-finite"),
+    (lambda: token_logit_bound(torch.zeros(1, 5), sketch_keys(torch.ones(1, 3, 4)), 1.0, 0.0), "head dim"),
     (lambda: summarize_pages(torch.tensor([[[1.0, float("nan")]]]), 2), "keys contains non-finite"),
     (lambda: summarize_pages(torch.tensor([[[1.0, float("inf")]]]), 2), "keys contains non-finite"),
     (lambda: summarize_pages(torch.zeros(1, 3, 4), 0), "page_size"),

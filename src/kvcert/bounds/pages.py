@@ -13,6 +13,9 @@ the exact one ``p`` the softmax of the exact logits ``s`` over every visible tok
   of the box bound ``sc·Σ_i max(q_i lo_i, q_i hi_i)``, the ball bound ``sc·(⟨q, m⟩ + ‖q‖ r)`` and ``sc·‖q‖·N_P``,
   plus three times the float32 logit rounding allowance ``sc·γ·‖q‖·‖k‖`` of the caller, with the float64
   evaluation error added on top.
+* :func:`sketch_keys` / :func:`token_logit_bound` / :func:`pool_pages` — the same contract per token from an int8
+  sketch of every omitted key (codes + per-token scale and error witness), pooled per page as
+  ``log Σ_{t∈P} e^{u_t}``: far tighter than a page box, at half the keys' float16 bytes (plus 12 bytes per token).
 * :func:`omitted_certificate` — with ``A = Σ_R p̃ e^{c}``, ``B₋ = Σ_R p̃ e^{−c}`` and
   ``U = Σ_P n_P e^{u_P − lse(s̃)}``: the omitted-mass bound ``m̄ = U/(B₋ + U) ≥ Σ_{t∉R} p_t``, the direct
   form ``D = 1 − B₋/(A + U) ≥ TV(p, p̃)``, and the composed certificate ``min(1, D, meter + m̄)``.
@@ -82,10 +85,11 @@ def summarize_pages(keys: torch.Tensor, page_size: int, dtype: torch.dtype = tor
     """Summarize ``keys[..., N, D]`` in pages of ``page_size`` consecutive tokens (the last page may be short).
 
     Contract: for every page ``j`` and key ``k`` in it, ``lo_j ≤ k ≤ hi_j`` (each channel; the min/max are
-    exact in float64 and rounded outward to ``dtype``), ``‖k − centre_j‖₂ ≤ radius_j`` (centre: the box midpoint
-    cast to ``dtype``; the distance to the *stored* centre is evaluated in float64) and ``‖k‖₂ ≤ norm_j`` (each
-    float64 norm inflated by its rounding allowance ``(D + 4)·2^-53``, rounded up to float32). Raises ``ValueError`` for ``N == 0`` (an empty
-    page has nothing to summarize), ``page_size < 1``, a non-float ``dtype`` or non-finite keys.
+    exact in float64 and rounded outward to ``dtype``), ``‖k − centre_j‖₂ ≤ radius_j`` (centre: the box
+    midpoint cast to ``dtype``; the distance to the *stored* centre is evaluated in float64) and
+    ``‖k‖₂ ≤ norm_j`` (each float64 norm inflated by its rounding allowance ``(D + 4)·2^-53``, rounded up to
+    float32). Raises ``ValueError`` for ``N == 0`` (an empty page has nothing to summarize),
+    ``page_size < 1``, a non-float ``dtype`` or non-finite keys.
     """
     if keys.dim() < 2:
         raise ValueError(f"keys must be [..., N, D], got shape {tuple(keys.shape)}")
@@ -211,3 +215,80 @@ def omitted_certificate(p_served: torch.Tensor, radius: torch.Tensor, weights: t
     direct = torch.where(inf, 1.0, 1.0 - b / (a + uf).clamp(min=1e-300)).clamp(0.0, 1.0)
     cert = torch.minimum(direct, meter.to(F64) + mass).clamp(max=1.0)
     return OmittedCertificate(a, b, u, mass, direct, cert)
+
+
+@dataclass(frozen=True)
+class KeySketch:
+    """Per-token int8 sketch of keys ``[..., N, D]``: ``k̂_t = scale_t · codes_t`` with ``‖k_t − k̂_t‖₂ ≤ err_t``.
+
+    ``codes`` int8 ``[..., N, D]``; ``scale``, ``err``, ``norm`` float32 ``[..., N]`` (``norm ≥ ‖k_t‖₂``).
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    err: torch.Tensor
+    norm: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the sketch (codes and the three per-token floats)."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.err, self.norm))
+
+
+def sketch_keys(keys: torch.Tensor) -> KeySketch:
+    """Symmetric per-token int8 sketch of ``keys[..., N, D]`` with a rounded-up error witness.
+
+    Contract: ``‖k_t − scale_t·codes_t‖₂ ≤ err_t`` and ``‖k_t‖₂ ≤ norm_t``, both evaluated in float64 from the
+    *stored* scale and codes, inflated by ``(D + 4)·2^-53`` and rounded up to float32. Raises ``ValueError`` for
+    no tokens or non-finite keys.
+    """
+    if keys.dim() < 2 or keys.shape[-2] == 0:
+        raise ValueError(f"keys must be [..., N, D] with N > 0 (an empty page cannot be summarized), "
+                         f"got shape {tuple(keys.shape)}")
+    _finite(keys, "keys")
+    x = keys.to(F64)
+    d = x.shape[-1]
+    amax = x.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / 127.0, 1.0).to(torch.float32)
+    codes = torch.round(x / scale.to(F64).unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    khat = codes.to(F64) * scale.to(F64).unsqueeze(-1)
+    inflate = 1.0 + (d + 4) * _U64
+    return KeySketch(codes, scale, _round_out((x - khat).norm(dim=-1) * inflate, torch.float32, up=True),
+                     _round_out(x.norm(dim=-1) * inflate, torch.float32, up=True))
+
+
+def token_logit_bound(q: torch.Tensor, sketch: KeySketch, scaling: float, gamma: float) -> torch.Tensor:
+    """Per-token bound ``u[..., M, N] ≥ sc·⟨q_m, k_t⟩ + 3·sc·γ·‖q_m‖·‖k_t‖`` from an int8 sketch (the contract of
+    :func:`page_logit_bound` for pages of one token): ``sc·(⟨q, k̂_t⟩ + ‖q‖·err_t) + 3·sc·γ·‖q‖·norm_t`` in float64
+    plus ``(D + 16)·2^-52·sc·(Σ_i |q_i k̂_ti| + ‖q‖·err_t + 4‖q‖·norm_t)`` for the evaluation's rounding.
+    """
+    if not scaling > 0 or not gamma >= 0:
+        raise ValueError(f"scaling must be > 0 and gamma >= 0, got {scaling}, {gamma}")
+    _finite(q, "q")
+    if q.shape[-1] != sketch.codes.shape[-1]:
+        raise ValueError(f"q has head dim {q.shape[-1]}, the sketch {sketch.codes.shape[-1]}")
+    d = q.shape[-1]
+    q64 = q.to(F64)
+    khat = sketch.codes.to(F64) * sketch.scale.to(F64).unsqueeze(-1)
+    dot = q64 @ khat.transpose(-1, -2)
+    mag = q64.abs() @ khat.abs().transpose(-1, -2)
+    qn = q64.norm(dim=-1, keepdim=True)
+    e, nrm = qn * sketch.err.to(F64).unsqueeze(-2), qn * sketch.norm.to(F64).unsqueeze(-2)
+    err = (d + 16) * 2.0**-52 * scaling * (mag + e + 4.0 * nrm)
+    return scaling * (dot + e) + 3.0 * scaling * gamma * nrm + err
+
+
+def pool_pages(bound: torch.Tensor, visible: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token logit bounds ``[..., N]`` -> per-page ``(log Σ_{t∈P visible} e^{u_t}, 1[P has a visible token])``.
+
+    ``n_P e^{u_P}`` with these is exactly ``Σ_{t∈P visible} e^{u_t}``, so :func:`page_weights` and
+    :func:`omitted_certificate` take them unchanged; pages are ``page_size`` consecutive tokens.
+    """
+    n = bound.shape[-1]
+    pages = -(-n // page_size)
+    pad = pages * page_size - n
+    u = torch.nn.functional.pad(torch.where(visible, bound.to(F64), float("-inf")), (0, pad), value=float("-inf"))
+    pooled = torch.logsumexp(u.reshape(*u.shape[:-1], pages, page_size), dim=-1)
+    pooled = pooled + (page_size + 4) * 2.0**-52 * (1.0 + pooled.abs())      # float64 logsumexp rounding
+    seen = torch.isfinite(pooled)
+    return torch.where(seen, pooled, 0.0), seen.to(torch.int64)

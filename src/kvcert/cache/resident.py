@@ -30,17 +30,30 @@ from kvcert.attention.certified import (
     served_meter,
     ungroup_heads,
 )
-from kvcert.bounds.pages import PageSummary, omitted_certificate, page_logit_bound, page_weights, summarize_pages
+from kvcert.bounds.pages import (
+    KeySketch,
+    PageSummary,
+    omitted_certificate,
+    page_logit_bound,
+    page_weights,
+    pool_pages,
+    sketch_keys,
+    summarize_pages,
+    token_logit_bound,
+)
 from kvcert.bounds.rc import gamma_f32
 from kvcert.bounds.rope import norm_up_f32
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 
 F64 = torch.float64
+SUMMARIES: tuple[str, ...] = ("box", "int8")
 
 
-def check_resident(resident: object, gate: Gate, certify: bool, page_size: object) -> float:
+def check_resident(resident: object, gate: Gate, certify: bool, page_size: object, summary: object) -> float:
     """Validate the resident-set arguments; return the fraction. Each error names the argument."""
+    if summary not in SUMMARIES:
+        raise ValueError(f"summary must be one of {', '.join(SUMMARIES)}, got {summary!r}")
     if isinstance(resident, bool) or not isinstance(resident, (int, float)) or not 0.0 < resident <= 1.0:
         raise ValueError(f"resident must be a fraction in (0, 1], got {resident!r}")
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
@@ -63,12 +76,15 @@ def can_omit(store: LayerStore) -> bool:
 class OmittedPages:
     """Device-side summary of one layer's omitted tokens (archive order, pages of ``page_size`` tokens).
 
-    ``summary`` box/norm per page ``[B, Hkv, P, ...]``; ``v_spread`` / ``v_norm`` / ``k_norm`` ``[B, Hkv, 1]``
-    float32 upper bounds on ``max ‖v_t − centre‖``, ``max ‖v_t‖`` and ``max ‖k_t‖`` over the omitted tokens
-    (the output bound's spread and slack need them).
+    Exactly one of ``box`` (per page: box, ball, norm ``[B, Hkv, P, ...]``; ``summary="box"``) and
+    ``sketch`` (per token: int8 codes and error witness ``[B, Hkv, N, ...]``; ``summary="int8"``).
+    ``v_spread`` / ``v_norm`` / ``k_norm`` ``[B, Hkv, 1]`` float32 upper bounds on ``max ‖v_t − centre‖``,
+    ``max ‖v_t‖`` and ``max ‖k_t‖`` over the omitted tokens (the output bound's spread and slack need them).
     """
 
-    summary: PageSummary
+    page_size: int
+    box: PageSummary | None
+    sketch: KeySketch | None
     v_spread: torch.Tensor
     v_norm: torch.Tensor
     k_norm: torch.Tensor
@@ -76,14 +92,18 @@ class OmittedPages:
     @property
     def nbytes(self) -> int:
         """Device bytes of the summary (counted as device bytes, separately from the KV codes)."""
-        return self.summary.nbytes + sum(t.numel() * t.element_size() for t in (self.v_spread, self.v_norm,
+        held = self.box if self.box is not None else self.sketch
+        assert held is not None
+        return held.nbytes + sum(t.numel() * t.element_size() for t in (self.v_spread, self.v_norm,
                                                                                  self.k_norm))
 
 
-def summarize_omitted(store: LayerStore, page_size: int) -> OmittedPages:
-    """Summarize the store's evicted archive (the omitted tokens) in pages of ``page_size``."""
+def summarize_omitted(store: LayerStore, page_size: int, summary: str = "box") -> OmittedPages:
+    """Summarize the store's evicted archive (the omitted tokens) in pages of ``page_size`` (``summary`` kind)."""
     k, v = store.evicted["k"].view(), store.evicted["v"].view()
-    return OmittedPages(summarize_pages(k, page_size), norm_up_f32(v.to(F64) - store.v_centre).amax(-1, keepdim=True),
+    box = summarize_pages(k, page_size) if summary == "box" else None
+    sketch = sketch_keys(k) if summary == "int8" else None
+    return OmittedPages(page_size, box, sketch, norm_up_f32(v.to(F64) - store.v_centre).amax(-1, keepdim=True),
                         norm_up_f32(v).amax(-1, keepdim=True), norm_up_f32(k).amax(-1, keepdim=True))
 
 
@@ -151,10 +171,14 @@ def resident_read(q: torch.Tensor, store: LayerStore, pages: OmittedPages, mask:
     live = m.any(-1)                                                                  # [B, Hkv, M]
     bad = ~live if sv.bad_cell is None else (~live | sv.bad_cell)
     gamma = gamma_f32(d + 1)
-    summ = pages.summary
-    n_pages, ps = summ.pages, summ.page_size
-    u = page_logit_bound(qg, summ, scaling, gamma)                                    # [B, Hkv, M, P]
-    counts = _page_counts(m_o, ps, n_pages)
+    ps = pages.page_size
+    n_pages = -(-m_o.shape[-1] // ps)
+    if pages.box is not None:
+        u = page_logit_bound(qg, pages.box, scaling, gamma)                           # [B, Hkv, M, P]
+        counts = _page_counts(m_o, ps, n_pages)
+    else:   # per-token bounds pooled per page: n_P e^{u_P} = Σ_{t∈P visible} e^{u_t}
+        assert pages.sketch is not None
+        u, counts = pool_pages(token_logit_bound(qg, pages.sketch, scaling, gamma), m_o, ps)
     w = page_weights(torch.where(live.unsqueeze(-1), logits, 0.0), u, counts)
     w = torch.where(bad.unsqueeze(-1), float("inf"), w)                               # fail closed
     oc = omitted_certificate(sv.p64, torch.where(m, sv.c, 0.0), w, sv.cert)

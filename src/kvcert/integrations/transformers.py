@@ -330,9 +330,10 @@ class CertifiedCache(Cache):
         resident: certified sparse attention (``docs/eviction.md``, "Resident set and recall"): after the prefill
             each (layer, KV head) keeps this fraction (in (0, 1]) of its tokens resident, chosen by ``select``
             (default :func:`default_select`); the whole KV stays in the host tier, page summaries of the omitted
-            tokens (``page_size`` consecutive omitted tokens per page) on the device. Every read's certificate
-            bounds the TV against exact attention over *every* token; ``Gate.certified(tau)`` recalls pages
-            until it is ``<= tau`` (``tau = 0``: the dense answer). Exclusive with ``evict``.
+            tokens (``page_size`` consecutive omitted tokens per page; ``summary="box"``: per page a float16 box
+            and ball, ``"int8"``: an int8 sketch of every omitted key with its error witness) on the device. Every
+            read's certificate bounds the TV against exact attention over *every* token; ``Gate.certified(tau)``
+            recalls pages until it is ``<= tau`` (``tau = 0``: the dense answer). Exclusive with ``evict``.
     """
 
     def __init__(self, model: torch.nn.Module, keys: str | Codec = "int8", values: str | Codec = "int8", *,
@@ -344,7 +345,8 @@ class CertifiedCache(Cache):
                  certify: bool = True, write_block: int = 16, ladder: bool | LadderConfig = False,
                  evict: EvictionPolicy | None = None, budget: int | None = None,
                  compression_ratio: float | None = None, evict_chunk: int = 1, belady: bool = False,
-                 resident: float | None = None, select: EvictionPolicy | None = None, page_size: int = 16) -> None:
+                 resident: float | None = None, select: EvictionPolicy | None = None, page_size: int = 16,
+                 summary: str = "box") -> None:
         self.family = _model_family(model)
         cfg = model.config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(cfg)
@@ -379,11 +381,11 @@ class CertifiedCache(Cache):
             if evict is not None or budget is not None or compression_ratio is not None:
                 raise ValueError("resident=... picks its tokens with select=<policy>; do not pass evict, budget or "
                                  "compression_ratio with it")
-            self.resident = check_resident(resident, self.gate, certify, page_size)
+            self.resident = check_resident(resident, self.gate, certify, page_size, summary)
             evict, compression_ratio = select if select is not None else default_select(), 1.0 - self.resident
         elif select is not None:
             raise ValueError("select=<policy> needs resident=<fraction in (0, 1]>")
-        self.page_size = page_size
+        self.page_size, self.summary = page_size, summary
         self._pages: dict[int, OmittedPages] = {}          # resident mode: summaries of each layer's omitted pages
         self._resident_records: list[ResidentRecord] = []
         self.evict, self.budget, self.compression_ratio = evict, budget, compression_ratio
@@ -692,7 +694,7 @@ class CertifiedCache(Cache):
             serving = serving_reading(layer.last_attn, kept).mass
         store.gather(keep, retain_evicted=self.validate or self.resident is not None)
         if self.resident is not None:
-            self._pages[store.layer] = summarize_omitted(store, self.page_size)
+            self._pages[store.layer] = summarize_omitted(store, self.page_size, self.summary)
         layer.last_attn = None
         self._evict_records.append(EvictRecord(step=self._step, layer=store.layer, serving_mass=serving,
                                                evicted=(n - keep.shape[-1]) * keep.shape[0] * keep.shape[1]))

@@ -129,6 +129,30 @@ def test_a_tau_no_recall_can_meet_falls_back_to_exact_attention_over_every_token
     assert bool((tel.served[rec] == 0).all())
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("policy", ["h2o", "streaming"])
+def test_int8_sketch_summary_is_sound_and_exact_at_tau_zero(models, family, policy):
+    model = models[family]
+    ids = _ids(model, batch=2, seed=5)
+    ref = _decode(model, ids, DynamicCache(config=model.config))
+    with CertifiedCache(model, keys="int8", values="int8", resident=0.25, select=POLICIES[policy](),
+                        gate=Gate.certified(0.0), page_size=4, summary="int8") as cache:
+        assert torch.equal(_decode(model, ids, cache), ref)
+    with CertifiedCache(model, keys="int4", values="int4", resident=0.25, select=POLICIES[policy](),
+                        gate=Gate.certified(0.3), validate=True, page_size=4, summary="int8") as cache:
+        _decode(model, ids, cache)
+        tel = cache.telemetry()
+    rec = tel.recorded
+    assert tel.violations == 0 and tel.out_violations == 0 and tel.recall_violations == 0
+    assert bool((tel.served[rec] <= 0.3).all())
+    live = ~torch.isnan(tel.omitted_mass_bound)
+    assert bool((tel.omitted_mass[live] <= tel.omitted_mass_bound[live]).all())
+    omitted = PROMPT - (PROMPT - math.floor(0.75 * PROMPT + 1e-9))
+    hkv, d = model.config.num_key_value_heads, 32
+    per_layer = 2 * hkv * omitted * (d + 3 * 4) + 3 * 2 * hkv * 4     # batch 2: codes + 3 floats per token
+    assert tel.bytes_summary == model.config.num_hidden_layers * per_layer
+
+
 def test_resident_one_keeps_everything_and_reads_as_before(models):
     model = models["llama"]
     ids = _ids(model, seed=3)
@@ -148,6 +172,7 @@ def test_resident_one_keeps_everything_and_reads_as_before(models):
     ({"resident": True}, "resident must be a fraction"),
     ({"resident": "0.5"}, "resident must be a fraction"),
     ({"resident": 0.5, "page_size": 0}, "page_size"),
+    ({"resident": 0.5, "summary": "int3"}, "summary must be one of"),
     ({"resident": 0.5, "evict": H2O(recent=2), "compression_ratio": 0.5}, "select=<policy>"),
     ({"select": H2O(recent=2)}, "needs resident"),
     ({"resident": 0.5, "gate": Gate.certified(0.2, granularity="block")}, "head granularity"),

@@ -21,13 +21,14 @@ ceiling.
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/evict_ruler.py --samples 4 --context 2048 --out runs/ev2k
     .venv/bin/python benchmarks/evict_ruler.py --report runs/ev2k runs/ev4k    # tables + plot from saved runs
 
-``--recall TAU`` adds, for every policy and kept fraction, the recall-gated variant ``recall(τ):<policy>``:
-``CertifiedCache(resident=keep, select=policy, gate=Gate.certified(τ))`` (``docs/eviction.md``, "Resident set and
-recall") over the same ingested prefill — the same resident set as the plain policy, the omitted tokens kept in
-the host tier and recalled page by page while a read's certificate exceeds τ (exact storage, so the certificate
-is the omitted-mass bound plus float32 rounding). Its page-in cost is recorded per sample (``recall`` in
-``scores.jsonl``: bytes recalled or paged for dense fallback, decode reads, fp16 KV bytes of the prompt) and
-reported as the mean page-in bytes per decode step relative to the prompt's fp16 KV bytes.
+``--recall TAU`` adds, for every policy and kept fraction, the recall-gated variant ``recall(τ,<summary>):<policy>``:
+``CertifiedCache(resident=keep, select=policy, gate=Gate.certified(τ), summary=...)`` (``--summary``, default
+int8; ``docs/eviction.md``, "Resident set and recall") over the same ingested prefill — the same resident set as
+the plain policy, the omitted tokens kept in the host tier and recalled page by page while a read's certificate
+exceeds τ (exact storage, so the certificate is the omitted-mass bound plus float32 rounding). Its page-in cost
+is recorded per sample (``recall`` in ``scores.jsonl``: bytes recalled or paged for dense fallback, decode reads,
+fp16 KV bytes of the prompt) and reported as the mean page-in bytes per decode step relative to the prompt's
+fp16 KV bytes.
 
 With ``--out DIR`` every sample's scores are appended to ``DIR/scores.jsonl`` as soon as they exist, so a
 stopped run keeps what it measured and runs can be sharded; ``--policies`` runs a subset (the reference
@@ -232,6 +233,8 @@ def main() -> None:
     parser.add_argument("--report", nargs="+", default=None, help="print tables and plot from saved runs")
     parser.add_argument("--recall", type=float, default=None,
                         help="also run every policy recall-gated at this tau (resident set + recall)")
+    parser.add_argument("--summary", choices=("box", "int8"), default="int8",
+                        help="page summary of the recall-gated variant (docs/eviction.md)")
     args = parser.parse_args()
     if args.report:
         report(args.report)
@@ -250,7 +253,7 @@ def main() -> None:
     keeps = [float(k) for k in args.keep.split(",")]
     configs = [(name, k) for name in names for k in keeps]
     if args.recall is not None:
-        configs += [(f"recall({args.recall:g}):{name}", k) for name in names for k in keeps]
+        configs += [(f"recall({args.recall:g},{args.summary}):{name}", k) for name in names for k in keeps]
     log = None
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -273,7 +276,8 @@ def main() -> None:
             if name == "reference":
                 kwargs: dict[str, Any] = {"certify": False}
             elif name.startswith("recall("):
-                kwargs = {"resident": keep, "select": POLICIES[base](answer), "gate": Gate.certified(args.recall)}
+                kwargs = {"resident": keep, "select": POLICIES[base](answer), "gate": Gate.certified(args.recall),
+                          "summary": args.summary}
             else:
                 kwargs = {"evict": POLICIES[base](answer), "compression_ratio": 1.0 - keep, "certify": False}
             cache = CertifiedCache(model, keys="none", values="none", **kwargs)

@@ -62,13 +62,13 @@ def test_tau_zero_is_token_identical_to_dynamic_cache(models, family, policy):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-@pytest.mark.parametrize("codec", ["none", "int8", "int4"])
-def test_validate_mode_zero_violations_in_every_cell(models, family, policy, codec):
+@pytest.mark.parametrize(("codec", "summary"), [("none", "int8"), ("int8", "int8"), ("int4", "int8"), ("int8", "box")])
+def test_validate_mode_zero_violations_in_every_cell(models, family, policy, codec, summary):
     model = models[family]
     ids = _ids(model, batch=2, seed=1)
     for gate in (Gate.off(), Gate.certified(0.3)):
         with CertifiedCache(model, keys=codec, values=codec, resident=0.25, select=POLICIES[policy](), gate=gate,
-                            validate=True, page_size=4) as cache:
+                            validate=True, page_size=4, summary=summary) as cache:
             _decode(model, ids, cache)
             tel = cache.telemetry()
         rec = tel.recorded
@@ -94,7 +94,7 @@ def test_accounting_of_summaries_recall_and_resident_fraction(models):
     cfg = model.config
     hkv, d = cfg.num_key_value_heads, 32
     with CertifiedCache(model, keys="int8", values="int8", resident=0.25, select=StreamingLLM(sinks=2),
-                        gate=Gate.certified(0.3), page_size=5) as cache:
+                        gate=Gate.certified(0.3), page_size=5, summary="box") as cache:
         _decode(model, ids, cache)
         tel = cache.telemetry()
         kept = PROMPT - math.floor(0.75 * PROMPT + 1e-9)
@@ -131,7 +131,7 @@ def test_a_tau_no_recall_can_meet_falls_back_to_exact_attention_over_every_token
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("policy", ["h2o", "streaming"])
-def test_int8_sketch_summary_is_sound_and_exact_at_tau_zero(models, family, policy):
+def test_int8_sketch_summary_is_exact_at_tau_zero_and_counts_its_bytes(models, family, policy):
     model = models[family]
     ids = _ids(model, batch=2, seed=5)
     ref = _decode(model, ids, DynamicCache(config=model.config))
@@ -157,7 +157,7 @@ def test_resident_one_keeps_everything_and_reads_as_before(models):
     model = models["llama"]
     ids = _ids(model, seed=3)
     with CertifiedCache(model, keys="int8", values="int8", resident=1.0, gate=Gate.certified(0.2),
-                        validate=True) as cache:
+                        validate=True) as cache:                    # default select (SnapKV) and summary (int8)
         _decode(model, ids, cache)
         tel = cache.telemetry()
     assert tel.resident_fraction == 1.0 and tel.pages_recalled == 0 and tel.bytes_summary == 0

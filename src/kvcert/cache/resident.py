@@ -98,7 +98,7 @@ class OmittedPages:
                                                                                  self.k_norm))
 
 
-def summarize_omitted(store: LayerStore, page_size: int, summary: str = "box") -> OmittedPages:
+def summarize_omitted(store: LayerStore, page_size: int, summary: str = "int8") -> OmittedPages:
     """Summarize the store's evicted archive (the omitted tokens) in pages of ``page_size`` (``summary`` kind)."""
     k, v = store.evicted["k"].view(), store.evicted["v"].view()
     box = summarize_pages(k, page_size) if summary == "box" else None

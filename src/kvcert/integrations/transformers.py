@@ -38,11 +38,7 @@ from kvcert.attention.certified import (
     probs64,
 )
 from kvcert.attention.ladder import LadderConfig, LadderStats, ladder_read
-from kvcert.bounds import dither_witness_moments, uniform_split
-from kvcert.bounds.rope import Pairing
-from kvcert.cache.events import CacheObserver, ReadEvent, WriteEvent
-from kvcert.cache.gate import Gate
-from kvcert.cache.resident import (
+from kvcert.attention.resident import (
     OmittedPages,
     ResidentRecord,
     can_omit,
@@ -50,6 +46,10 @@ from kvcert.cache.resident import (
     resident_read,
     summarize_omitted,
 )
+from kvcert.bounds import dither_witness_moments, uniform_split
+from kvcert.bounds.rope import Pairing
+from kvcert.cache.events import CacheObserver, ReadEvent, WriteEvent
+from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 from kvcert.cache.telemetry import ChainInputs, EvictRecord, StepRecord, Telemetry, stack_records
 from kvcert.evict import (
@@ -602,7 +602,7 @@ class CertifiedCache(Cache):
 
     def _resident_read(self, module: torch.nn.Module, store: LayerStore, query: torch.Tensor, logical: torch.Tensor,
                        mask: torch.Tensor, scaling: float, kwargs: dict[str, Any]) -> ReadResult:
-        """Resident mode: :func:`kvcert.cache.resident.resident_read` with the exact attention over every token
+        """Resident mode: :func:`kvcert.attention.resident.resident_read` with the exact attention over every token
         (resident + omitted, gathered back into position order) as its dense fallback."""
         assert store.k is not None and store.v is not None
         ev = store.evicted

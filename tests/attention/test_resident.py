@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from kvcert import Gate
-from kvcert.cache.resident import can_omit
+from kvcert.attention.resident import can_omit
 from kvcert.cache.store import LayerStore
 from kvcert.evict import H2O, RMM, SnapKV, StreamingLLM
 from kvcert.integrations.transformers import CertifiedCache

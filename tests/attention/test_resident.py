@@ -195,3 +195,34 @@ def test_non_finite_layer_keeps_every_token_resident():
     bad = LayerStore(0, get("int8"), get("int8"), bands=2, pairing="rotate_half", seed=0)
     bad.append(k, torch.randn(1, 2, 5, 8), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.bool))
     assert not can_omit(bad)
+
+
+@torch.no_grad()
+def _decode_padded(model, ids, mask, cache, steps=STEPS):
+    out = model(ids, attention_mask=mask, cache=cache, use_cache=True)
+    toks = []
+    for _ in range(steps):
+        nxt = out.logits[:, -1:].argmax(-1)
+        toks.append(nxt)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        out = model(nxt, attention_mask=mask, cache=cache, use_cache=True)
+    return torch.cat(toks, 1)
+
+
+def test_left_padded_batch_masks_omitted_tokens_by_position(models):
+    """Padding tokens may be omitted (their pages are summarised) but never count as visible: tau = 0 matches
+    DynamicCache on a left-padded batch and validate mode stays at 0 violations."""
+    model = models["llama"]
+    ids = _ids(model, batch=2, seed=6)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    ref = _decode_padded(model, ids, mask, DynamicCache(config=model.config))
+    with CertifiedCache(model, keys="int8", values="int8", resident=0.25, select=StreamingLLM(sinks=2),
+                        gate=Gate.certified(0.0), page_size=4) as cache:
+        assert torch.equal(_decode_padded(model, ids, mask, cache), ref)
+    with CertifiedCache(model, keys="int8", values="int8", resident=0.25, select=H2O(recent=3),
+                        gate=Gate.certified(0.3), validate=True, page_size=4) as cache:
+        _decode_padded(model, ids, mask, cache)
+        tel = cache.telemetry()
+    assert tel.violations == 0 and tel.out_violations == 0 and tel.recall_violations == 0
+    assert bool((tel.served[tel.recorded] <= 0.3).all())

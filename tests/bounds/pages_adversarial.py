@@ -16,16 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcert.bounds import pages as pg
 from kvcert.bounds import true_tv, tv_meter
-from kvcert.bounds.pages import (
-    omitted_certificate,
-    page_logit_bound,
-    page_weights,
-    pool_pages,
-    sketch_keys,
-    summarize_pages,
-    token_logit_bound,
-)
 from kvcert.bounds.rc import gamma_f32
 
 F64 = torch.float64
@@ -132,8 +124,8 @@ def page_checks(cells: PageCells, gamma: float | None = None) -> dict[str, tuple
     ``token_logit`` / ``*_int8`` entries the same for the int8 key sketch (per-token bounds pooled per page)."""
     d = cells.q.shape[-1]
     gamma = gamma_f32(d + 1) if gamma is None else gamma
-    summary = summarize_pages(cells.keys_o, cells.page_size)
-    u = page_logit_bound(cells.q.unsqueeze(1), summary, cells.scaling, gamma)[:, 0]        # [n, P]
+    summary = pg.summarize_pages(cells.keys_o, cells.page_size)
+    u = pg.page_logit_bound(cells.q.unsqueeze(1), summary, cells.scaling, gamma)[:, 0]        # [n, P]
     n, s_o = cells.s_o.shape
     pages = summary.pages
     pad = pages * cells.page_size - s_o
@@ -141,15 +133,15 @@ def page_checks(cells: PageCells, gamma: float | None = None) -> dict[str, tuple
     need = cells.s_o + 3.0 * cells.scaling * gamma * cells.q.to(F64).norm(dim=-1, keepdim=True) * knorm
     need = torch.nn.functional.pad(need, (0, pad), value=float("-inf")).reshape(n, pages, -1).amax(-1)
     vis = torch.nn.functional.pad(cells.visible_o, (0, pad)).reshape(n, pages, -1).sum(-1)
-    w = page_weights(cells.served, u, vis)
+    w = pg.page_weights(cells.served, u, vis)
     meter = tv_meter(cells.p_served, cells.radius)
-    oc = omitted_certificate(cells.p_served, cells.radius, w, meter)
+    oc = pg.omitted_certificate(cells.p_served, cells.radius, w, meter)
     tv = cells.tv
     # the int8 sketch: per-token bounds pooled per page
     need_tok = cells.s_o + 3.0 * cells.scaling * gamma * cells.q.to(F64).norm(dim=-1, keepdim=True) * knorm
-    u_tok = token_logit_bound(cells.q.unsqueeze(1), sketch_keys(cells.keys_o), cells.scaling, gamma)[:, 0]
-    pooled, seen = pool_pages(u_tok, cells.visible_o, cells.page_size)
-    oc8 = omitted_certificate(cells.p_served, cells.radius, page_weights(cells.served, pooled, seen), meter)
+    u_tok = pg.token_logit_bound(cells.q.unsqueeze(1), pg.sketch_keys(cells.keys_o), cells.scaling, gamma)[:, 0]
+    pooled, seen = pg.pool_pages(u_tok, cells.visible_o, cells.page_size)
+    oc8 = pg.omitted_certificate(cells.p_served, cells.radius, pg.page_weights(cells.served, pooled, seen), meter)
     return {"page_logit": (u, need), "omitted_mass": (oc.mass, cells.true_mass), "direct": (oc.direct, tv),
             "composed": (oc.certificate, tv), "token_logit": (u_tok, need_tok),
             "omitted_mass_int8": (oc8.mass, cells.true_mass), "composed_int8": (oc8.certificate, tv)}

@@ -10,16 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pages_adversarial import PAGE_PLAN, make_page_cells, page_checks, page_violations
 
+from kvcert.bounds import pages as pg
 from kvcert.bounds import tv_meter
-from kvcert.bounds.pages import (
-    omitted_certificate,
-    page_logit_bound,
-    page_weights,
-    pool_pages,
-    sketch_keys,
-    summarize_pages,
-    token_logit_bound,
-)
 from kvcert.bounds.rc import gamma_f32
 
 F64 = torch.float64
@@ -53,7 +45,7 @@ def test_box_contains_every_key_and_bound_attained_at_corners(n_tok, page_size, 
     gen = torch.Generator().manual_seed(seed)
     keys = (torch.randn(2, n_tok, d, generator=gen, dtype=F64) * 10 ** torch.empty(1).uniform_(-3, 3,
                                                                                                generator=gen)).float()
-    s = summarize_pages(keys, page_size)
+    s = pg.summarize_pages(keys, page_size)
     pages = s.pages
     assert pages == math.ceil(n_tok / page_size) and int(s.count.sum()) == n_tok
     for j in range(pages):
@@ -68,9 +60,9 @@ def test_box_contains_every_key_and_bound_attained_at_corners(n_tok, page_size, 
     first = keys[:, :page_size]
     keys = keys.clone()
     keys[:, 0] = torch.where(sign > 0, first.amax(1), first.amin(1))
-    s = summarize_pages(keys, page_size)
+    s = pg.summarize_pages(keys, page_size)
     q = (sign * torch.rand(2, d, generator=gen).add(0.1)).unsqueeze(1)                     # [2, 1, D]
-    u = page_logit_bound(q, s, 0.5, 0.0)                                                    # [2, 1, P]
+    u = pg.page_logit_bound(q, s, 0.5, 0.0)                                                    # [2, 1, P]
     exact = 0.5 * (keys.to(F64) @ q.transpose(1, 2).to(F64))[..., 0]                       # [2, N]
     mag = 0.5 * (keys[:, 0].to(F64).abs() * q[:, 0].to(F64).abs()).sum(-1)
     assert bool((u[:, 0, 0] - exact[:, 0] <= 2.0**-10 * mag + 1e-300).all())
@@ -85,7 +77,7 @@ def test_page_bound_covers_the_rounding_allowance():
         keys = torch.randn(3, 40, d, generator=gen) * 30
         q = torch.randn(3, 5, d, generator=gen) * 20
         sc, gamma = 1 / math.sqrt(d), gamma_f32(d + 1)
-        u = page_logit_bound(q, summarize_pages(keys, 8), sc, gamma)                      # [3, 5, 5]
+        u = pg.page_logit_bound(q, pg.summarize_pages(keys, 8), sc, gamma)                      # [3, 5, 5]
         served = torch.matmul(q * sc, keys.transpose(-1, -2)).to(F64)                     # float32, as the read path
         radius = 2 * sc * gamma * q.to(F64).norm(dim=-1, keepdim=True) * keys.to(F64).norm(dim=-1).unsqueeze(1)
         need = (served + radius).reshape(3, 5, 5, 8).amax(-1)
@@ -99,17 +91,17 @@ def test_int8_sketch_witness_and_pooling(n_tok, d, seed):
     keys = (torch.randn(2, n_tok, d, generator=gen, dtype=F64) * 10 ** torch.empty(1).uniform_(-3, 3,
                                                                                                generator=gen)).float()
     keys[0, 0] = 0.0                                                       # an all-zero key is sketched exactly
-    sk = sketch_keys(keys)
+    sk = pg.sketch_keys(keys)
     khat = sk.codes.to(F64) * sk.scale.to(F64).unsqueeze(-1)
     assert bool(((keys.to(F64) - khat).norm(dim=-1) <= sk.err.to(F64)).all())
     assert bool((keys.to(F64).norm(dim=-1) <= sk.norm.to(F64)).all()) and float(sk.err[0, 0]) == 0.0
     q = torch.randn(2, 3, d, generator=gen)
-    u = token_logit_bound(q, sk, 0.3, 1e-3)
+    u = pg.token_logit_bound(q, sk, 0.3, 1e-3)
     exact = 0.3 * q.to(F64) @ keys.to(F64).transpose(1, 2)
     need = exact + 3 * 0.3 * 1e-3 * q.to(F64).norm(dim=-1, keepdim=True) * keys.to(F64).norm(dim=-1).unsqueeze(1)
     assert bool((u >= need).all())
     visible = torch.rand(2, 3, n_tok, generator=gen) < 0.7
-    pooled, seen = pool_pages(u, visible, 4)
+    pooled, seen = pg.pool_pages(u, visible, 4)
     for j in range(pooled.shape[-1]):
         part = torch.where(visible, u.exp(), 0.0)[..., j * 4:(j + 1) * 4].sum(-1)
         assert bool((seen[..., j] * pooled[..., j].exp() >= part * (1 - 1e-15)).all())
@@ -132,11 +124,11 @@ def _recall_read(cells_q, keys_r, keys_o, sc, recalled_pages, page_size):
     rest = [j for j in range(keys_o.shape[0] // page_size) if j not in recalled_pages]
     if rest:
         ko = torch.cat([keys_o[j * page_size:(j + 1) * page_size] for j in rest])
-        u = page_logit_bound(cells_q, summarize_pages(ko, page_size), sc, gamma)
-        w = page_weights(logits, u, torch.full((len(rest),), page_size))
+        u = pg.page_logit_bound(cells_q, pg.summarize_pages(ko, page_size), sc, gamma)
+        w = pg.page_weights(logits, u, torch.full((len(rest),), page_size))
     else:
         w = torch.zeros(cells_q.shape[0], 1, dtype=F64)
-    return omitted_certificate(p, rad, w, tv_meter(p, rad))
+    return pg.omitted_certificate(p, rad, w, tv_meter(p, rad))
 
 
 @settings(max_examples=60, deadline=None)
@@ -164,38 +156,38 @@ def test_composition_identity_terms():
     p = torch.tensor([[0.5, 0.3, 0.2]], dtype=F64)
     c = torch.tensor([[0.01, 0.2, 0.0]], dtype=F64)
     meter = tv_meter(p, c)
-    oc = omitted_certificate(p, c, torch.zeros(1, 2, dtype=F64), meter)
+    oc = pg.omitted_certificate(p, c, torch.zeros(1, 2, dtype=F64), meter)
     assert float(oc.mass) == 0.0
     a, b = float((p * c.exp()).sum()), float((p * (-c).exp()).sum())
     assert float(oc.certificate) == pytest.approx(min(float(meter), 1 - b / a), rel=1e-12)
-    inf = omitted_certificate(p, c, torch.tensor([[float("inf"), 1.0]], dtype=F64), meter)
+    inf = pg.omitted_certificate(p, c, torch.tensor([[float("inf"), 1.0]], dtype=F64), meter)
     assert float(inf.mass) == 1.0 and float(inf.certificate) == 1.0
 
 
 def test_out_of_range_keys_give_a_finite_norm_bound_never_nan():
     keys = torch.tensor([[[70000.0, -1.0], [1.0, -70000.0]]])
-    s = summarize_pages(keys, 2)
+    s = pg.summarize_pages(keys, 2)
     assert torch.isinf(s.hi[0, 0, 0]) and torch.isinf(s.lo[0, 0, 1]) and bool(torch.isfinite(s.centre).all())
-    u = page_logit_bound(torch.tensor([[[1.0, 1.0]]]), s, 1.0, 0.0)
+    u = pg.page_logit_bound(torch.tensor([[[1.0, 1.0]]]), s, 1.0, 0.0)
     assert bool(torch.isfinite(u).all()) and float(u) >= 70000.0 - 1.0
 
 
 @pytest.mark.parametrize(("call", "match"), [
-    (lambda: summarize_pages(torch.zeros(1, 0, 4), 2), "empty page"),
-    (lambda: sketch_keys(torch.zeros(1, 0, 4)), "empty page"),
-    (lambda: sketch_keys(torch.tensor([[[1.0, float("nan")]]])), "keys contains non-finite"),
-    (lambda: token_logit_bound(torch.zeros(1, 5), sketch_keys(torch.ones(1, 3, 4)), 1.0, 0.0), "head dim"),
-    (lambda: summarize_pages(torch.tensor([[[1.0, float("nan")]]]), 2), "keys contains non-finite"),
-    (lambda: summarize_pages(torch.tensor([[[1.0, float("inf")]]]), 2), "keys contains non-finite"),
-    (lambda: summarize_pages(torch.zeros(1, 3, 4), 0), "page_size"),
-    (lambda: summarize_pages(torch.zeros(1, 3, 4), 2, torch.int8), "floating dtype"),
-    (lambda: page_logit_bound(torch.full((1, 4), float("nan")), summarize_pages(torch.zeros(1, 3, 4), 2), 1.0, 0.0),
-     "q contains non-finite"),
-    (lambda: page_logit_bound(torch.zeros(1, 5), summarize_pages(torch.zeros(1, 3, 4), 2), 1.0, 0.0), "head dim"),
-    (lambda: page_weights(torch.full((1, 2), float("-inf")), torch.zeros(1, 1), torch.ones(1)), "finite entry"),
-    (lambda: omitted_certificate(torch.ones(1, 2) / 2, torch.ones(1, 3), torch.zeros(1, 1), torch.zeros(1)),
+    (lambda: pg.summarize_pages(torch.zeros(1, 0, 4), 2), "empty page"),
+    (lambda: pg.sketch_keys(torch.zeros(1, 0, 4)), "empty page"),
+    (lambda: pg.sketch_keys(torch.tensor([[[1.0, float("nan")]]])), "keys contains non-finite"),
+    (lambda: pg.token_logit_bound(torch.zeros(1, 5), pg.sketch_keys(torch.ones(1, 3, 4)), 1.0, 0.0), "head dim"),
+    (lambda: pg.summarize_pages(torch.tensor([[[1.0, float("nan")]]]), 2), "keys contains non-finite"),
+    (lambda: pg.summarize_pages(torch.tensor([[[1.0, float("inf")]]]), 2), "keys contains non-finite"),
+    (lambda: pg.summarize_pages(torch.zeros(1, 3, 4), 0), "page_size"),
+    (lambda: pg.summarize_pages(torch.zeros(1, 3, 4), 2, torch.int8), "floating dtype"),
+    (lambda: pg.page_logit_bound(torch.full((1, 4), float("nan")), pg.summarize_pages(torch.zeros(1, 3, 4), 2),
+                                 1.0, 0.0), "q contains non-finite"),
+    (lambda: pg.page_logit_bound(torch.zeros(1, 5), pg.summarize_pages(torch.zeros(1, 3, 4), 2), 1.0, 0.0), "head dim"),
+    (lambda: pg.page_weights(torch.full((1, 2), float("-inf")), torch.zeros(1, 1), torch.ones(1)), "finite entry"),
+    (lambda: pg.omitted_certificate(torch.ones(1, 2) / 2, torch.ones(1, 3), torch.zeros(1, 1), torch.zeros(1)),
      "same shape"),
-    (lambda: omitted_certificate(torch.ones(1, 2) / 2, -torch.ones(1, 2), torch.zeros(1, 1), torch.zeros(1)),
+    (lambda: pg.omitted_certificate(torch.ones(1, 2) / 2, -torch.ones(1, 2), torch.zeros(1, 1), torch.zeros(1)),
      "non-negative"),
 ])
 def test_bad_input_raises_a_clear_error(call, match):

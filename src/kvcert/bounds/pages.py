@@ -40,6 +40,15 @@ def _finite(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} contains non-finite entries")
 
 
+def _check_query(q: torch.Tensor, head_dim: int, scaling: float, gamma: float) -> None:
+    """``ValueError`` unless ``scaling > 0``, ``gamma >= 0``, ``q`` finite with the summary's head dim."""
+    if not scaling > 0 or not gamma >= 0:
+        raise ValueError(f"scaling must be > 0 and gamma >= 0, got {scaling}, {gamma}")
+    _finite(q, "q")
+    if q.shape[-1] != head_dim:
+        raise ValueError(f"q has head dim {q.shape[-1]}, the summary {head_dim}")
+
+
 def _round_out(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
     """Cast float64 ``x`` to ``dtype`` rounding up (``up``) or down: the result is ``≥ x`` resp. ``≤ x``.
 
@@ -134,11 +143,7 @@ def page_logit_bound(q: torch.Tensor, summary: PageSummary, scaling: float, gamm
     ``±inf`` there, which the ball and norm bounds keep finite (never NaN). The ball term
     ``sc·(⟨q, m⟩ + ‖q‖ r)`` adds ``Σ_i |q_i m_i| + ‖q‖ r`` to the evaluation bracket.
     """
-    if not scaling > 0 or not gamma >= 0:
-        raise ValueError(f"scaling must be > 0 and gamma >= 0, got {scaling}, {gamma}")
-    _finite(q, "q")
-    if q.shape[-1] != summary.lo.shape[-1]:
-        raise ValueError(f"q has head dim {q.shape[-1]}, the pages {summary.lo.shape[-1]}")
+    _check_query(q, summary.lo.shape[-1], scaling, gamma)
     d = q.shape[-1]
     qd = q.to(F64).unsqueeze(-2)                                   # [..., M, 1, D]
     lo, hi = summary.lo.to(F64).unsqueeze(-3), summary.hi.to(F64).unsqueeze(-3)   # [..., 1, P, D]
@@ -262,11 +267,7 @@ def token_logit_bound(q: torch.Tensor, sketch: KeySketch, scaling: float, gamma:
     :func:`page_logit_bound` for pages of one token): ``sc·(⟨q, k̂_t⟩ + ‖q‖·err_t) + 3·sc·γ·‖q‖·norm_t`` in float64
     plus ``(D + 16)·2^-52·sc·(Σ_i |q_i k̂_ti| + ‖q‖·err_t + 4‖q‖·norm_t)`` for the evaluation's rounding.
     """
-    if not scaling > 0 or not gamma >= 0:
-        raise ValueError(f"scaling must be > 0 and gamma >= 0, got {scaling}, {gamma}")
-    _finite(q, "q")
-    if q.shape[-1] != sketch.codes.shape[-1]:
-        raise ValueError(f"q has head dim {q.shape[-1]}, the sketch {sketch.codes.shape[-1]}")
+    _check_query(q, sketch.codes.shape[-1], scaling, gamma)
     d = q.shape[-1]
     q64 = q.to(F64)
     khat = sketch.codes.to(F64) * sketch.scale.to(F64).unsqueeze(-1)

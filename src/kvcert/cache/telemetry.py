@@ -189,8 +189,8 @@ class Telemetry:
     witness: torch.Tensor | None = None               # [steps, layers, B, Hq] live chain readings (see module doc)
     qnorm: torch.Tensor | None = None
     logit_slack: torch.Tensor | None = None
-    omitted_mass_bound: torch.Tensor | None = None    # [steps, layers, B, Hq] resident set (see module doc)
-    omitted_mass: torch.Tensor | None = None          # [steps, layers, B, Hq] validate mode
+    omitted_mass_bound: torch.Tensor | None = None    # [steps, layers, B, Hq] resident set, all forward steps
+    omitted_mass: torch.Tensor | None = None          # (as evicted_mass; NaN: no resident read), validate mode
     resident_fraction: float | None = None            # resident slots / written tokens (None: no resident set)
     pages_recalled: int = 0
     bytes_recalled: int = 0

@@ -109,14 +109,17 @@ def test_int8_sketch_witness_and_pooling(n_tok, d, seed):
 
 
 def _recall_read(cells_q, keys_r, keys_o, sc, recalled_pages, page_size):
-    """Served read of R ∪ (recalled pages): float32 logits; resident radius = fixed quantization radius + rounding,
-    recalled radius = rounding only; remaining pages summarised. Returns the OmittedCertificate terms."""
+    """Served read of R ∪ (recalled pages): float32 logits (the resident ones as first read); resident radius =
+    fixed quantization radius + rounding, recalled radius = rounding only; remaining pages summarised. Returns the
+    OmittedCertificate terms."""
     d = keys_r.shape[-1]
     gamma = gamma_f32(d + 1)
     tok = torch.cat([torch.arange(j * page_size, (j + 1) * page_size) for j in recalled_pages]) \
         if recalled_pages else torch.zeros(0, dtype=torch.int64)
     keys = torch.cat([keys_r, keys_o[tok]], 0)
-    logits = (cells_q * sc) @ keys.T                                                         # [M, S]
+    # as the read path: the resident logits are those of the first read, the recalled ones are computed apart
+    # (one float32 matmul over a different column count may round the resident logits differently)
+    logits = torch.cat([(cells_q * sc) @ keys_r.T, (cells_q * sc) @ keys_o[tok].T], -1)   # [M, S]
     qn = cells_q.to(F64).norm(dim=-1, keepdim=True)
     rad = 2 * sc * gamma * qn * keys.to(F64).norm(dim=-1)
     rad[:, : keys_r.shape[0]] += 0.01

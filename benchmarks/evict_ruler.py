@@ -21,6 +21,15 @@ ceiling.
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/evict_ruler.py --samples 4 --context 2048 --out runs/ev2k
     .venv/bin/python benchmarks/evict_ruler.py --report runs/ev2k runs/ev4k    # tables + plot from saved runs
 
+``--recall TAU`` adds, for every policy and kept fraction, the recall-gated variant ``recall(τ,<summary>):<policy>``:
+``CertifiedCache(resident=keep, select=policy, gate=Gate.certified(τ), summary=...)`` (``--summary``, default
+int8; ``docs/eviction.md``, "Resident set and recall") over the same ingested prefill — the same resident set as
+the plain policy, the omitted tokens kept in the host tier and recalled page by page while a read's certificate
+exceeds τ (exact storage, so the certificate is the omitted-mass bound plus float32 rounding). Its page-in cost
+is recorded per sample (``recall`` in ``scores.jsonl``: bytes recalled or paged for dense fallback, decode reads,
+fp16 KV bytes of the prompt) and reported as the mean page-in bytes per decode step relative to the prompt's
+fp16 KV bytes.
+
 With ``--out DIR`` every sample's scores are appended to ``DIR/scores.jsonl`` as soon as they exist, so a
 stopped run keeps what it measured and runs can be sharded; ``--policies`` runs a subset (the reference
 always runs). ``--report`` pools runs per context length and merges the scores of one sample (same context,
@@ -42,6 +51,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvcert import Gate
 from kvcert.eval import load_task
 from kvcert.eval.harness import prompt_ids
 from kvcert.eval.ruler import Sample, score
@@ -138,6 +148,20 @@ def table(context: int, rows: list[dict[str, Any]], configs: list[tuple[str, flo
     return lines
 
 
+def recall_cost(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: mean page-in bytes per decode step (recall + dense fallback) as a share of the prompt's fp16
+    KV bytes, per recall-gated configuration (measured)."""
+    names = sorted({k for r in rows for k in r.get("recall", {})})
+    if not names:
+        return []
+    lines = ["| recall-gated config | page-in per decode step / fp16 KV of the prompt (mean, max over samples) |",
+             "|---|---|"]
+    for key in names:
+        share = [c["paged"] / max(c["steps"], 1) / c["fp16"] for r in rows if (c := r.get("recall", {}).get(key))]
+        lines.append(f"| {key} | {sum(share) / len(share):.3f}, {max(share):.3f} |")
+    return lines
+
+
 def merged_rows(dirs: list[str]) -> list[dict[str, Any]]:
     """Rows of the runs' ``scores.jsonl``, one per sample: the scores of one sample (same context, seed, task
     and rank within its task in its run) from several runs are merged; their reference scores must agree."""
@@ -158,6 +182,7 @@ def merged_rows(dirs: list[str]) -> list[dict[str, Any]]:
             if held["reference@1.00"] != row["scores"]["reference@1.00"] or merged[key]["tokens"] != row["tokens"]:
                 raise SystemExit(f"{d}: sample {key} disagrees with an earlier run (reference score or length)")
             held.update(row["scores"])
+            merged[key].setdefault("recall", {}).update(row.get("recall", {}))
     return list(merged.values())
 
 
@@ -176,7 +201,7 @@ def report(dirs: list[str]) -> None:
         if partial:
             print(f"left out at {context} (not run on every sample): {', '.join(partial)}")
         configs = [(k.rsplit("@", 1)[0], float(k.rsplit("@", 1)[1])) for k in keys if k not in partial]
-        print("\n".join(table(context, mine, configs)) + "\n")
+        print("\n".join(table(context, mine, configs) + recall_cost(mine)) + "\n")
         series = {}
         for name, keep in configs:
             acc = [r["scores"][f"{name}@{keep:.2f}"] for r in mine]
@@ -199,6 +224,10 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=32, help="cap on new tokens (RULER budget if lower)")
     parser.add_argument("--out", default=None, help="directory for scores.jsonl (one line per sample)")
     parser.add_argument("--report", nargs="+", default=None, help="print tables and plot from saved runs")
+    parser.add_argument("--recall", type=float, default=None,
+                        help="also run every policy recall-gated at this tau (resident set + recall)")
+    parser.add_argument("--summary", choices=("box", "int8"), default="int8",
+                        help="page summary of the recall-gated variant (docs/eviction.md)")
     args = parser.parse_args()
     if args.report:
         report(args.report)
@@ -216,6 +245,8 @@ def main() -> None:
                                                  converted_dir("smollm2-135m"))]
     keeps = [float(k) for k in args.keep.split(",")]
     configs = [(name, k) for name in names for k in keeps]
+    if args.recall is not None:
+        configs += [(f"recall({args.recall:g},{args.summary}):{name}", k) for name in names for k in keeps]
     log = None
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -231,27 +262,41 @@ def main() -> None:
         kappa[:, :-1] = token_probability(logits[:, :-1], ids[:, 1:])   # realised κ of the prompt
         del logits
         got: dict[str, float] = {}
+        cost: dict[str, dict[str, int]] = {}
         answer = torch.empty(0)
         for name, keep in [("reference", 1.0), *configs]:
-            kwargs = {} if name == "reference" else {"evict": POLICIES[name](answer),
-                                                     "compression_ratio": 1.0 - keep}
-            cache = CertifiedCache(model, keys="none", values="none", certify=False, **kwargs)
-            if kwargs:
+            base = name.split(":", 1)[-1]
+            if name == "reference":
+                kwargs: dict[str, Any] = {"certify": False}
+            elif name.startswith("recall("):
+                kwargs = {"resident": keep, "select": POLICIES[base](answer), "gate": Gate.certified(args.recall),
+                          "summary": args.summary}
+            else:
+                kwargs = {"evict": POLICIES[base](answer), "compression_ratio": 1.0 - keep, "certify": False}
+            cache = CertifiedCache(model, keys="none", values="none", **kwargs)
+            if name != "reference":
                 cache.set_prefill_kappa(kappa)
-            cache.ingest(past, attentions=attentions if kwargs else None)
+            cache.ingest(past, attentions=attentions if name != "reference" else None)
             toks = decode(model, cache, first, max_new, tok.eos_token_id)
+            if name.startswith("recall("):
+                tel = cache.telemetry()
+                cfg = model.config
+                head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+                fp16 = ids.shape[1] * cfg.num_hidden_layers * cfg.num_key_value_heads * 2 * head_dim * 2
+                cost[f"{name}@{keep:.2f}"] = {"paged": tel.bytes_recalled + tel.bytes_paged,
+                                              "steps": toks.shape[1], "fp16": fp16}
             cache.detach()
             got[f"{name}@{keep:.2f}"] = score(sample, tok.decode(toks[0], skip_special_tokens=True))
             if name == "reference" and any(n.startswith("belady") for n in names):
                 answer = answer_trace(model, past, toks)
         row = {"task": task, "index": i, "context": args.context, "seed": args.seed, "tokens": ids.shape[1],
-               "scores": got}
+               "scores": got, "recall": cost}
         rows.append(row)
         if log is not None:
             log.write(json.dumps(row) + "\n")
             log.flush()
     print(f"{len(rows)} samples in {(time.perf_counter() - t0) / 60:.1f} min")
-    print("\n".join(table(args.context, rows, configs)))
+    print("\n".join(table(args.context, rows, configs) + recall_cost(rows)))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ With ``--codec-cells N`` it then runs ``N`` end-to-end cells per key-codec form 
 adversarial keys, the codec, its Tier-A witness, queries up to the Cauchy–Schwarz equality direction) and checks
 ``radius ≥ |ε_t|`` per token and ``meter + 1e-12 ≥ TV`` per cell (``--cells 0`` runs only those).
 
+The page forms (``kvcert.bounds.pages``: page logit bound, omitted-mass bound, direct form, composed certificate of
+a resident read) run on their own adversarial cells (``tests/bounds/pages_adversarial.py``: corner-aligned
+queries, needles, masked omitted tokens), ``--page-cells`` of them (0 skips them).
+
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soundness_fuzz.py [--cells 10000000] [--seed 0]
 [--codec-cells 10000000]``
 """
@@ -28,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "quant"))
 from bounds_adversarial import CI_PLAN, SLACK, all_form_bounds, informative_ratio, make_cells  # noqa: E402
 from codec_cells import CODEC_FORMS, CODEC_PLAN, make_codec_cells  # noqa: E402
 from codec_cells import violations as codec_violations  # noqa: E402
+from pages_adversarial import PAGE_PLAN, make_page_cells, page_checks, page_violations  # noqa: E402
 
 
 def codec_fuzz(n_cells: int, gen: torch.Generator) -> bool:
@@ -54,10 +59,12 @@ def main() -> None:
     ap.add_argument("--cells", type=int, default=10_000_000, help="cells per form (whole rounds)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--codec-cells", type=int, default=0, help="end-to-end cells per key-codec form (0: skip)")
+    ap.add_argument("--page-cells", type=int, default=10_000_000, help="cells of the page forms (whole rounds)")
+    ap.add_argument("--forms", choices=("all", "pages"), default="all", help="'pages': only the page forms")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(args.seed)
     per_round = sum(rows for _, rows in CI_PLAN)
-    rounds = -(-args.cells // per_round)
+    rounds = 0 if args.forms == "pages" else -(-args.cells // per_round)
     cells: dict[str, int] = {}
     violations: dict[str, int] = {}
     worst: dict[str, float] = {}
@@ -72,11 +79,24 @@ def main() -> None:
                     violations[form] = violations.get(form, 0) + int(bad.sum())
                     worst[form] = max(worst.get(form, 0.0), float(informative_ratio(bound, tv).max()))
                 bar.update(rows)
+    per_page_round = sum(plan[-1] for plan in PAGE_PLAN)
+    page_rounds = -(-args.page_cells // per_page_round)
+    with tqdm(total=page_rounds * per_page_round, unit="cell", unit_scale=True, desc="pages") as bar:
+        for _ in range(page_rounds):
+            for s_r, s_o, ps, d, rows in PAGE_PLAN:
+                checks = page_checks(make_page_cells(rows, s_r, s_o, ps, d, gen))
+                for form, (bound, truth) in checks.items():
+                    bad = page_violations(form, bound, truth)
+                    cells[form] = cells.get(form, 0) + rows
+                    violations[form] = violations.get(form, 0) + int(bad.sum())
+                    ratio = torch.zeros(1) if form.endswith("_logit") else informative_ratio(bound, truth)
+                    worst[form] = max(worst.get(form, 0.0), float(ratio.max()))
+                bar.update(rows)
     print(f"seed={args.seed} rounds={rounds} wall={time.perf_counter() - t0:.0f}s slack={SLACK:g}")
-    print(f"{'form':>10} | {'cells':>11} | {'violations':>10} | {'worst TV/bound':>14}")
-    print("-" * 56)
+    print(f"{'form':>12} | {'cells':>11} | {'violations':>10} | {'worst TV/bound':>14}")
+    print("-" * 58)
     for form in cells:
-        print(f"{form:>10} | {cells[form]:>11,} | {violations[form]:>10} | {worst[form]:>14.6f}")
+        print(f"{form:>12} | {cells[form]:>11,} | {violations[form]:>10} | {worst[form]:>14.6f}")
     codecs_clean = codec_fuzz(args.codec_cells, gen) if args.codec_cells else True
     if any(violations.values()) or not codecs_clean:
         raise SystemExit("VIOLATIONS FOUND")

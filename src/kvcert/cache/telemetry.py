@@ -26,6 +26,14 @@ served read before their eviction, an **empirical** reading (no bound claimed). 
 certificate of a read is relative to exact attention over the *kept* set; by the triangle inequality
 ``TV(full, served) <= evicted_mass + certificate`` per cell. ``belady_overlap`` (``belady=True``) is the share
 of Belady's kept set (computed on the run's own exact trace) that the policy held at each read, **empirical**.
+
+Resident set (``CertifiedCache(..., resident=R)``, ``kvcert.attention.resident``): every certificate above is then
+relative to exact attention over *every* token (resident and omitted). ``omitted_mass_bound`` is the per-cell
+bound on the attention mass of the omitted tokens before recall (**certified**), ``omitted_mass`` its exact value
+(**measured**, validate mode); ``pages_recalled`` / ``bytes_recalled`` count what recall paged in from the host
+tier (transient, K and V), ``bytes_summary`` the device bytes of the page summaries (not in ``bytes_stored``),
+``resident_fraction`` the share of written tokens held resident; ``recall_violations`` (validate) counts cells
+whose exact omitted mass exceeded its bound or whose true TV after recall exceeded the served certificate.
 """
 
 from __future__ import annotations
@@ -63,6 +71,8 @@ TIERS: dict[str, str] = {
     "capacity": "measured (bytes_fp16 / bytes_device)",
     "fallback_rate": "measured (share of recorded KV-head reads served partly from an exact copy: paged in at the "
                      "read or kept by an earlier persistent repair)",
+    "omitted_mass_bound": "certified (resident set: bound on the exact attention mass of the omitted tokens)",
+    "omitted_mass": "measured (validate mode; exact attention mass of the omitted tokens)",
 }
 
 
@@ -208,6 +218,13 @@ class Telemetry:
     bytes_transient: int = 0                          # their page-in bytes (included in bytes_paged)
     released_entries: int = 0                         # held entries released back to their codes by the budget
     device_budget: float | None = None                # fraction of bytes_fp16 the repair path may fill
+    omitted_mass_bound: torch.Tensor | None = None    # [steps, layers, B, Hq] resident set, all forward steps
+    omitted_mass: torch.Tensor | None = None          # (as evicted_mass; NaN: no resident read), validate mode
+    resident_fraction: float | None = None            # resident slots / written tokens (None: no resident set)
+    pages_recalled: int = 0
+    bytes_recalled: int = 0
+    bytes_summary: int = 0
+    recall_violations: int = 0
     tiers: dict[str, str] = field(default_factory=lambda: dict(TIERS))
 
     @property
@@ -334,6 +351,15 @@ class Telemetry:
         if self.belady_overlap is not None:
             live = self.belady_overlap[~torch.isnan(self.belady_overlap)]
             out["mean_belady_overlap"] = float(live.mean()) if live.numel() else float("nan")
+        if self.resident_fraction is not None:
+            out.update(resident_fraction=self.resident_fraction, pages_recalled=self.pages_recalled,
+                       bytes_recalled=self.bytes_recalled, bytes_summary=self.bytes_summary,
+                       recall_violations=self.recall_violations if self.omitted_mass is not None else None)
+            for name in ("omitted_mass_bound", "omitted_mass"):
+                vals = getattr(self, name)
+                live = vals[~torch.isnan(vals)] if vals is not None else torch.zeros(0)
+                out[f"max_{name}"] = float(live.max()) if live.numel() else float("nan")
+                out[f"mean_{name}"] = float(live.mean()) if live.numel() else float("nan")
         return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in out.items()}
 
 

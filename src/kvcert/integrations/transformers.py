@@ -45,13 +45,29 @@ from kvcert.attention.certified import (
     probs64,
 )
 from kvcert.attention.ladder import LadderConfig, LadderStats, ladder_read
+from kvcert.attention.resident import (
+    OmittedPages,
+    ResidentRecord,
+    can_omit,
+    check_resident,
+    resident_read,
+    summarize_omitted,
+)
 from kvcert.bounds import dither_witness_moments, uniform_split
 from kvcert.bounds.rope import Pairing
 from kvcert.cache.events import CacheObserver, ReadEvent, WriteEvent
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 from kvcert.cache.telemetry import ChainInputs, EvictRecord, StepRecord, Telemetry, stack_records
-from kvcert.evict import RMM, EvictionPolicy, RunTrace, aggregate_gqa, causal_attention, serving_reading
+from kvcert.evict import (
+    RMM,
+    EvictionPolicy,
+    RunTrace,
+    SnapKV,
+    aggregate_gqa,
+    causal_attention,
+    serving_reading,
+)
 from kvcert.integrations.attention_impl import register_attention
 from kvcert.quant import Codec, get
 
@@ -327,6 +343,13 @@ class CertifiedCache(Cache):
             (a transient page-in, counted in ``telemetry().transient_page_ins``); held repairs are released
             when new tokens need the room. Value promotion is always transient. Only persistent gates keep
             anything, so the budget never changes what other gates serve. See ``docs/architecture.md``.
+        resident: certified sparse attention (``docs/eviction.md``, "Resident set and recall"): after the prefill
+            each (layer, KV head) keeps this fraction (in (0, 1]) of its tokens resident, chosen by ``select``
+            (default :func:`default_select`); the whole KV stays in the host tier, page summaries of the omitted
+            tokens (``page_size`` consecutive omitted tokens per page; ``summary="int8"``: an int8 sketch of every
+            omitted key with its error witness, ``"box"``: per page a float16 box and ball) on the device. Every
+            read's certificate bounds the TV against exact attention over *every* token; ``Gate.certified(tau)``
+            recalls pages until it is ``<= tau`` (``tau = 0``: the dense answer). Exclusive with ``evict``.
     """
 
     def __init__(self, model: torch.nn.Module, keys: str | Codec = "int8", values: str | Codec = "int8", *,
@@ -338,7 +361,8 @@ class CertifiedCache(Cache):
                  certify: bool = True, write_block: int = 16, ladder: bool | LadderConfig = False,
                  evict: EvictionPolicy | None = None, budget: int | None = None,
                  compression_ratio: float | None = None, evict_chunk: int = 1, belady: bool = False,
-                 device_budget: float | None = 1.0) -> None:
+                 device_budget: float | None = 1.0, resident: float | None = None,
+                 select: EvictionPolicy | None = None, page_size: int = 16, summary: str = "int8") -> None:
         self.family = _model_family(model)
         cfg = model.config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(cfg)
@@ -375,6 +399,18 @@ class CertifiedCache(Cache):
                           "write block of their codecs, so they stay exact: nothing there is compressed, read "
                           "through a certificate or counted in cells (telemetry().uncompressed_layers)",
                           UserWarning, stacklevel=2)
+        self.resident: float | None = None
+        if resident is not None:   # a resident set is prefill compression that keeps the omitted tokens on the host
+            if evict is not None or budget is not None or compression_ratio is not None:
+                raise ValueError("resident=... picks its tokens with select=<policy>; do not pass evict, budget or "
+                                 "compression_ratio with it")
+            self.resident = check_resident(resident, self.gate, certify, page_size, summary)
+            evict, compression_ratio = select if select is not None else default_select(), 1.0 - self.resident
+        elif select is not None:
+            raise ValueError("select=<policy> needs resident=<fraction in (0, 1]>")
+        self.page_size, self.summary = page_size, summary
+        self._pages: dict[int, OmittedPages] = {}          # resident mode: summaries of each layer's omitted pages
+        self._resident_records: list[ResidentRecord] = []
         self.evict, self.budget, self.compression_ratio = evict, budget, compression_ratio
         self.evict_chunk, self.belady = evict_chunk, belady
         _check_eviction(self, layers)
@@ -583,7 +619,9 @@ class CertifiedCache(Cache):
             o, _ = sdpa_attention_forward(module, q.to(work), hk, hv, m, scaling=scaling, **kwargs)
             return o
 
-        if self.ladder:
+        if store.layer in self._pages:
+            res = self._resident_read(module, store, query, logical, mask, float(scaling), kwargs)
+        elif self.ladder:
             res = ladder_read(query, store, mask, float(scaling), self._ladder_cfg, exact_attention,
                               self.ladder_stats)
         else:
@@ -594,6 +632,31 @@ class CertifiedCache(Cache):
         if self.evict is not None:
             self._after_read(layer, query, key, logical, float(scaling), res.attn_kv)
         return res.out.to(query.dtype)
+
+    def _resident_read(self, module: torch.nn.Module, store: LayerStore, query: torch.Tensor, logical: torch.Tensor,
+                       mask: torch.Tensor, scaling: float, kwargs: dict[str, Any]) -> ReadResult:
+        """Resident mode: :func:`kvcert.attention.resident.resident_read` with the exact attention over every token
+        (resident + omitted, gathered back into position order) as its dense fallback."""
+        assert store.k is not None and store.v is not None
+        ev = store.evicted
+        positions = torch.cat([store.positions.view(), ev["positions"].view()], 2)
+        host = {"k": store.k.host.view(), "v": store.v.host.view()}
+
+        def dense_exact(heads: tuple[int, int]) -> torch.Tensor:
+            order = positions.argsort(-1)
+            hk, hv = (torch.cat([host[name], ev[name].view()], 2).gather(
+                2, order[..., None].expand(-1, -1, -1, host[name].shape[-1])) for name in ("k", "v"))
+            (h0, h1), g = heads, query.shape[1] // hk.shape[1]
+            m = slot_mask(logical, positions.gather(2, order)).repeat_interleave(g, dim=1)[:, h0 * g:h1 * g]
+            o, _ = sdpa_attention_forward(module, query[:, h0 * g:h1 * g], hk[:, h0:h1].to(query.dtype),
+                                          hv[:, h0:h1].to(query.dtype), m, scaling=scaling, **kwargs)
+            return o
+
+        res, rec = resident_read(query, store, self._pages[store.layer], mask,
+                                 slot_mask(logical, ev["positions"].view()), scaling, self.gate, self.validate,
+                                 dense_exact, self._step)
+        self._resident_records.append(rec)
+        return res
 
     # ------------------------------------------------------------------------------------- eviction
     def _after_read(self, layer: CertifiedLayer, query: torch.Tensor, served_k: torch.Tensor,
@@ -650,7 +713,7 @@ class CertifiedCache(Cache):
             raise ValueError(f"prefill kappa must be [B, S] = {(keys.shape[0], keys.shape[2])}, "
                              f"got {tuple(kappa.shape)}")
         keep = self.evict.prefill_keep(store.layer, keys, values, self.compression_ratio, attn=attn, kappa=kappa)
-        if keep.shape[-1] < store.n:
+        if keep.shape[-1] < store.n and (self.resident is None or can_omit(store)):
             self._apply_eviction(layer, keep)
         layer.prefilled = True
 
@@ -662,7 +725,9 @@ class CertifiedCache(Cache):
         if layer.last_attn is not None and layer.last_attn.shape[-1] == n:
             kept = torch.zeros(keep.shape[0], keep.shape[1], n, dtype=torch.bool).scatter(-1, keep, True)
             serving = serving_reading(layer.last_attn, kept).mass
-        store.gather(keep, retain_evicted=self.validate)
+        store.gather(keep, retain_evicted=self.validate or self.resident is not None)
+        if self.resident is not None:
+            self._pages[store.layer] = summarize_omitted(store, self.page_size, self.summary)
         layer.last_attn = None
         self._evict_records.append(EvictRecord(step=self._step, layer=store.layer, serving_mass=serving,
                                                evicted=(n - keep.shape[-1]) * keep.shape[0] * keep.shape[1]))
@@ -807,21 +872,51 @@ class CertifiedCache(Cache):
             belady_overlap=self.run_trace.overlap() if self.run_trace is not None else None,
             uncompressed_layers=self.uncompressed_layers,
             witness=sel(stack("witness")), qnorm=sel(stack("qnorm")), logit_slack=sel(stack("logit_slack")),
-            bytes_device=sum(s.bytes_device() for s in stores), fallback=sel(stack("fallback")),
+            bytes_device=sum(s.bytes_device() for s in stores) + self._summary_bytes(), fallback=sel(stack("fallback")),
             transient_page_ins=sum(s.transient_repairs for s in stores),
             bytes_transient=sum(s.bytes_transient for s in stores), released_entries=sum(s.released for s in stores),
             device_budget=stores[0].device_budget,
+            **self._resident_telemetry(max(steps, 1)),
         )
+
+    def _summary_bytes(self) -> int:
+        """Bytes of the omitted pages' summaries (resident mode), held on the device tier beside the stores."""
+        return sum(p.nbytes for p in self._pages.values())
+
+    def _resident_telemetry(self, steps: int) -> dict[str, Any]:
+        """The resident-set fields of :class:`Telemetry` (none without ``resident=``)."""
+        if self.resident is None:
+            return {}
+        recs, n_layers = self._resident_records, len(self.layers)
+        stores = [layer.store for layer in self.layers]
+        held = sum(s.n for s in stores)
+        omitted = sum(s.evicted["k"].view().shape[2] for s in stores if s.evicted)
+        return {
+            "omitted_mass_bound": stack_records(recs, n_layers, steps, "mass_bound"),
+            "omitted_mass": stack_records(recs, n_layers, steps, "true_mass"),
+            "resident_fraction": held / (held + omitted) if held + omitted else float("nan"),
+            "pages_recalled": sum(r.pages for r in recs), "bytes_recalled": sum(r.bytes for r in recs),
+            "bytes_summary": self._summary_bytes(),
+            "recall_violations": sum(r.violations for r in recs),
+        }
 
     def reset(self) -> None:
         """Drop all stored tokens and the eviction policy's state (the cache can serve a new request)."""
         super().reset()
+        self._pages = {}
         if self.evict is not None:
             self.evict.reset()
         self._kappa_groups = []
         self._prefill_kappa = None
         if self.run_trace is not None:
             self.run_trace = RunTrace(len(self.layers), self.run_trace.budget, self.evict_chunk)
+
+
+def default_select() -> EvictionPolicy:
+    """The resident set's default policy: ``SnapKV(window=32, kernel=5)``, the policy that left the least attention
+    mass outside the resident set in the measurement of ``docs/eviction.md`` ("Resident set and recall"). It
+    protects its 32-token window: prompts with fewer than ``32 / resident`` tokens need another ``select``."""
+    return SnapKV(window=32, kernel=5)
 
 
 class KappaFeeder(LogitsProcessor):

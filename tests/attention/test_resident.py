@@ -1,0 +1,228 @@
+"""Resident set, page summaries and recall in CertifiedCache: per-cell soundness, exactness at tau = 0, accounting."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvcert import Gate
+from kvcert.attention.resident import can_omit
+from kvcert.cache.store import LayerStore
+from kvcert.evict import H2O, RMM, SnapKV, StreamingLLM
+from kvcert.integrations.transformers import CertifiedCache
+from kvcert.models.tiny import tiny_random
+
+torch.set_num_threads(1)
+
+PROMPT, STEPS = 40, 6
+POLICIES = {
+    "streaming": lambda: StreamingLLM(sinks=2),
+    "h2o": lambda: H2O(recent=3),
+    "snapkv": lambda: SnapKV(window=3, kernel=3),
+    "rmm": lambda: RMM(lag=3, kappa="uniform"),
+}
+
+
+def _ids(model, n=PROMPT, batch=1, seed=0):
+    return torch.randint(3, model.config.vocab_size, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def _decode(model, ids, cache, steps=STEPS):
+    out = model(ids, cache=cache, use_cache=True)
+    toks = []
+    for _ in range(steps):
+        nxt = out.logits[:, -1:].argmax(-1)
+        toks.append(nxt)
+        out = model(nxt, cache=cache, use_cache=True)
+    return torch.cat(toks, 1)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {family: tiny_random(family, head_dim=32) for family in ("llama", "qwen2")}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_tau_zero_is_token_identical_to_dynamic_cache(models, family, policy):
+    model = models[family]
+    ids = _ids(model, batch=2)
+    ref = _decode(model, ids, DynamicCache(config=model.config))
+    for resident in (0.1, 0.5):
+        with CertifiedCache(model, keys="int4", values="int4", resident=resident, select=POLICIES[policy](),
+                            gate=Gate.certified(0.0), page_size=4) as cache:
+            assert torch.equal(_decode(model, ids, cache), ref)
+            tel = cache.telemetry()
+            assert tel.resident_fraction < 1 and tel.summary()["bytes_summary"] > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize(("codec", "summary"), [("none", "int8"), ("int8", "int8"), ("int4", "int8"), ("int8", "box")])
+def test_validate_mode_zero_violations_in_every_cell(models, family, policy, codec, summary):
+    model = models[family]
+    ids = _ids(model, batch=2, seed=1)
+    for gate in (Gate.off(), Gate.certified(0.3)):
+        with CertifiedCache(model, keys=codec, values=codec, resident=0.25, select=POLICIES[policy](), gate=gate,
+                            validate=True, page_size=4, summary=summary) as cache:
+            _decode(model, ids, cache)
+            tel = cache.telemetry()
+        rec = tel.recorded
+        assert tel.cells > 0
+        # one certificate per cell bounds the TV against exact attention over EVERY token (omitted ones too)
+        assert tel.violations == 0 and tel.out_violations == 0 and tel.recall_violations == 0
+        assert bool((tel.true_tv[rec] <= tel.certificates[rec]).all())
+        live = ~torch.isnan(tel.omitted_mass_bound)
+        assert bool(live.any())
+        assert bool((tel.omitted_mass[live] <= tel.omitted_mass_bound[live]).all())
+        # the omitted tokens matter here: a certificate blind to them would be violated
+        assert float(tel.true_tv[rec].max()) > 0.2
+        if gate.mode == "certified":   # recall brought every served cell under tau without a dense fallback
+            assert bool((tel.served[rec] <= 0.3).all())
+            assert tel.pages_recalled > 0 and tel.bytes_recalled > 0
+        else:
+            assert tel.pages_recalled == 0 and torch.equal(tel.served[rec], tel.certificates[rec])
+
+
+def test_accounting_of_summaries_recall_and_resident_fraction(models):
+    model = models["llama"]
+    ids = _ids(model, seed=2)
+    cfg = model.config
+    hkv, d = cfg.num_key_value_heads, 32
+    with CertifiedCache(model, keys="int8", values="int8", resident=0.25, select=StreamingLLM(sinks=2),
+                        gate=Gate.certified(0.3), page_size=5, summary="box") as cache:
+        _decode(model, ids, cache)
+        tel = cache.telemetry()
+        kept = PROMPT - math.floor(0.75 * PROMPT + 1e-9)
+        omitted = PROMPT - kept
+        assert omitted % 5 == 0                      # full pages only: every recalled page holds 5 tokens
+        pages = omitted // 5
+        per_layer = hkv * pages * (3 * d * 2 + 2 * 4) + pages * 8 + 3 * hkv * 4   # box, centre; radius, norm
+        assert tel.bytes_summary == cfg.num_hidden_layers * per_layer
+        assert tel.resident_fraction == pytest.approx((kept + STEPS) / (PROMPT + STEPS))
+        # K and V of every recalled token (fp32 host copies of the tiny model)
+        assert tel.pages_recalled > 0
+        assert tel.bytes_recalled == tel.pages_recalled * 5 * 2 * d * 4
+        assert tel.bytes_stored < tel.bytes_fp16      # summaries are counted apart from the stored codes
+        s = tel.summary()
+        assert s["pages_recalled"] == tel.pages_recalled and s["resident_fraction"] == tel.resident_fraction
+        assert s["recall_violations"] is None         # not validated
+        assert 0 < s["mean_omitted_mass_bound"] <= s["max_omitted_mass_bound"] <= 1
+
+
+def test_a_tau_no_recall_can_meet_falls_back_to_exact_attention_over_every_token(models):
+    """int8 resident keys carry a quantization certificate > 1e-6 even with every page recalled: the head is then
+    served by exact attention over all tokens (dense tokens, bytes_paged), after the recall tried."""
+    model = models["qwen2"]
+    ids = _ids(model, seed=4)
+    ref = _decode(model, ids, DynamicCache(config=model.config))
+    with CertifiedCache(model, keys="int8", values="int8", resident=0.25, select=H2O(recent=3),
+                        gate=Gate.certified(1e-6), validate=True, page_size=4) as cache:
+        assert torch.equal(_decode(model, ids, cache), ref)
+        tel = cache.telemetry()
+    rec = tel.recorded
+    assert tel.bytes_paged > 0 and tel.violations == 0 and tel.recall_violations == 0
+    assert bool((tel.served[rec] == 0).all())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("policy", ["h2o", "streaming"])
+def test_int8_sketch_summary_is_exact_at_tau_zero_and_counts_its_bytes(models, family, policy):
+    model = models[family]
+    ids = _ids(model, batch=2, seed=5)
+    ref = _decode(model, ids, DynamicCache(config=model.config))
+    with CertifiedCache(model, keys="int8", values="int8", resident=0.25, select=POLICIES[policy](),
+                        gate=Gate.certified(0.0), page_size=4, summary="int8") as cache:
+        assert torch.equal(_decode(model, ids, cache), ref)
+    with CertifiedCache(model, keys="int4", values="int4", resident=0.25, select=POLICIES[policy](),
+                        gate=Gate.certified(0.3), validate=True, page_size=4, summary="int8") as cache:
+        _decode(model, ids, cache)
+        tel = cache.telemetry()
+    rec = tel.recorded
+    assert tel.violations == 0 and tel.out_violations == 0 and tel.recall_violations == 0
+    assert bool((tel.served[rec] <= 0.3).all())
+    live = ~torch.isnan(tel.omitted_mass_bound)
+    assert bool((tel.omitted_mass[live] <= tel.omitted_mass_bound[live]).all())
+    omitted = PROMPT - (PROMPT - math.floor(0.75 * PROMPT + 1e-9))
+    hkv, d = model.config.num_key_value_heads, 32
+    per_layer = 2 * hkv * omitted * (d + 3 * 4) + 3 * 2 * hkv * 4     # batch 2: codes + 3 floats per token
+    assert tel.bytes_summary == model.config.num_hidden_layers * per_layer
+
+
+def test_resident_one_keeps_everything_and_reads_as_before(models):
+    model = models["llama"]
+    ids = _ids(model, seed=3)
+    with CertifiedCache(model, keys="int8", values="int8", resident=1.0, gate=Gate.certified(0.2),
+                        validate=True) as cache:                    # default select (SnapKV) and summary (int8)
+        _decode(model, ids, cache)
+        tel = cache.telemetry()
+    assert tel.resident_fraction == 1.0 and tel.pages_recalled == 0 and tel.bytes_summary == 0
+    assert tel.omitted_mass_bound is None and tel.violations == 0
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"resident": 0.0}, "resident must be a fraction"),
+    ({"resident": -0.5}, "resident must be a fraction"),
+    ({"resident": 1.5}, "resident must be a fraction"),
+    ({"resident": float("nan")}, "resident must be a fraction"),
+    ({"resident": True}, "resident must be a fraction"),
+    ({"resident": "0.5"}, "resident must be a fraction"),
+    ({"resident": 0.5, "page_size": 0}, "page_size"),
+    ({"resident": 0.5, "summary": "int3"}, "summary must be one of"),
+    ({"resident": 0.5, "evict": H2O(recent=2), "compression_ratio": 0.5}, "select=<policy>"),
+    ({"select": H2O(recent=2)}, "needs resident"),
+    ({"resident": 0.5, "gate": Gate.certified(0.2, granularity="block")}, "head granularity"),
+    ({"resident": 0.5, "gate": Gate.risk_ranked(5.0)}, "head granularity"),
+    ({"resident": 0.5, "certify": False}, "certify=True"),
+])
+def test_bad_resident_arguments_raise_clear_errors(models, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CertifiedCache(models["llama"], keys="int8", values="int8", **kwargs)
+
+
+def test_non_finite_layer_keeps_every_token_resident():
+    from kvcert.quant import get
+
+    store = LayerStore(0, get("int8"), get("int8"), bands=2, pairing="rotate_half", seed=0)
+    k = torch.randn(1, 2, 5, 8)
+    store.append(k, torch.randn(1, 2, 5, 8), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.bool))
+    assert can_omit(store)
+    k[0, 1, 3, 2] = float("nan")
+    bad = LayerStore(0, get("int8"), get("int8"), bands=2, pairing="rotate_half", seed=0)
+    bad.append(k, torch.randn(1, 2, 5, 8), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.bool))
+    assert not can_omit(bad)
+
+
+@torch.no_grad()
+def _decode_padded(model, ids, mask, cache, steps=STEPS):
+    out = model(ids, attention_mask=mask, cache=cache, use_cache=True)
+    toks = []
+    for _ in range(steps):
+        nxt = out.logits[:, -1:].argmax(-1)
+        toks.append(nxt)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        out = model(nxt, attention_mask=mask, cache=cache, use_cache=True)
+    return torch.cat(toks, 1)
+
+
+def test_left_padded_batch_masks_omitted_tokens_by_position(models):
+    """Padding tokens may be omitted (their pages are summarised) but never count as visible: tau = 0 matches
+    DynamicCache on a left-padded batch and validate mode stays at 0 violations."""
+    model = models["llama"]
+    ids = _ids(model, batch=2, seed=6)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    ref = _decode_padded(model, ids, mask, DynamicCache(config=model.config))
+    with CertifiedCache(model, keys="int8", values="int8", resident=0.25, select=StreamingLLM(sinks=2),
+                        gate=Gate.certified(0.0), page_size=4) as cache:
+        assert torch.equal(_decode_padded(model, ids, mask, cache), ref)
+    with CertifiedCache(model, keys="int8", values="int8", resident=0.25, select=H2O(recent=3),
+                        gate=Gate.certified(0.3), validate=True, page_size=4) as cache:
+        _decode_padded(model, ids, mask, cache)
+        tel = cache.telemetry()
+    assert tel.violations == 0 and tel.out_violations == 0 and tel.recall_violations == 0
+    assert bool((tel.served[tel.recorded] <= 0.3).all())

@@ -1,0 +1,147 @@
+"""Vectorised adversarial cells for the page bound and the omitted-mass certificate (shared by
+``tests/bounds/test_pages.py`` and ``benchmarks/soundness_fuzz.py``).
+
+A cell is one query over ``S_R`` resident tokens (served logits ``s̃ = s + ε``, ``|ε| ≤ c``, radii over six orders
+of magnitude) and ``S_O`` omitted tokens in pages of ``page_size`` (a summary only). Adversarial structure:
+keys clustered per page (tight boxes) or spread; queries aligned with a page corner (the corner is then a real
+key, so the box bound is attained up to rounding); a *needle* omitted key pushed along the query so the omitted
+mass is large; omitted tokens masked at random; radii that make the resident meter informative or saturated.
+Exact logits are evaluated in float64 from the float32 keys and query.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvcert.bounds import pages as pg
+from kvcert.bounds import true_tv, tv_meter
+from kvcert.bounds.rc import gamma_f32
+
+F64 = torch.float64
+# (S_R, S_O, page_size, D, rows) per chunk
+PAGE_PLAN: tuple[tuple[int, int, int, int, int], ...] = (
+    (1, 1, 1, 4, 60_000),
+    (2, 7, 3, 8, 70_000),
+    (6, 18, 4, 8, 55_000),
+    (16, 48, 16, 16, 12_000),
+    (32, 96, 16, 32, 4_000),
+    (128, 384, 64, 64, 500),
+    (512, 1536, 256, 64, 50),
+)
+# float64 rounding of the brute-force references (sums of at most ~10^3 terms of magnitude <= 1)
+SLACK = 1e-12
+
+
+@dataclass(frozen=True)
+class PageCells:
+    """One batch of cells and everything the checks need (float64 unless stated)."""
+
+    q: torch.Tensor            # [n, D] float32
+    keys_o: torch.Tensor       # [n, S_O, D] float32 omitted keys
+    s_o: torch.Tensor          # [n, S_O] exact omitted logits
+    visible_o: torch.Tensor    # [n, S_O] bool
+    served: torch.Tensor       # [n, S_R] served resident logits
+    radius: torch.Tensor       # [n, S_R]
+    p_served: torch.Tensor     # [n, S_R]
+    p_exact: torch.Tensor      # [n, S_R + S_O] (omitted masked tokens 0)
+    scaling: float
+    page_size: int
+
+    @property
+    def true_mass(self) -> torch.Tensor:
+        return self.p_exact[:, self.served.shape[1]:].sum(-1)
+
+    @property
+    def tv(self) -> torch.Tensor:
+        pad = torch.zeros_like(self.p_exact[:, self.served.shape[1]:])
+        return true_tv(self.p_exact, torch.cat([self.p_served, pad], -1))
+
+
+def make_page_cells(n: int, s_r: int, s_o: int, page_size: int, d: int, gen: torch.Generator) -> PageCells:
+    """``n`` adversarial cells (see the module docstring)."""
+    u = lambda *shape: torch.rand(*shape, generator=gen, dtype=F64)  # noqa: E731
+    z = lambda *shape: torch.randn(*shape, generator=gen, dtype=F64)  # noqa: E731
+    pick = lambda k: torch.randint(0, k, (n, 1), generator=gen)  # noqa: E731
+    scale = 10.0 ** (u(n, 1, 1) * 2.5 - 1.0)
+    pages = -(-s_o // page_size)
+    # omitted keys: spread, or clustered around one centre per page (tight boxes)
+    centre = z(n, pages, d).repeat_interleave(page_size, 1)[:, :s_o]
+    clustered = (pick(2) == 0).unsqueeze(-1)
+    keys_o = scale * torch.where(clustered, centre + 0.05 * z(n, s_o, d), z(n, s_o, d))
+    keys_r = scale * z(n, s_r, d)
+    q = z(n, d) * 10.0 ** (u(n, 1) * 2.0 - 1.0)
+    # corner-aligned queries: q = ±|q| channel-wise and one key of a random page moved to the page box's corner
+    corner = pick(3) == 0
+    page = torch.randint(0, pages, (n,), generator=gen)
+    idx = (page * page_size).clamp(max=s_o - 1)
+    sign = torch.where(u(n, d) < 0.5, -1.0, 1.0).to(F64)
+    rows = torch.arange(n)
+    members = (torch.arange(s_o).view(1, -1) // page_size) == page.view(-1, 1)          # [n, S_O]
+    lo = torch.where(members.unsqueeze(-1), keys_o, float("inf")).amin(1)
+    hi = torch.where(members.unsqueeze(-1), keys_o, float("-inf")).amax(1)
+    q = torch.where(corner, q.abs() * sign, q)
+    moved = keys_o.clone()
+    moved[rows, idx] = torch.where(sign > 0, hi, lo)
+    keys_o = torch.where(corner.unsqueeze(-1), moved, keys_o)
+    # needle: one omitted key pushed along q (large omitted mass)
+    needle = pick(3) == 1
+    push = keys_o.clone()
+    push[rows, idx] = push[rows, idx] + q / q.norm(dim=-1, keepdim=True) * scale[:, 0] * 8.0 * u(n, 1)
+    keys_o = torch.where(needle.unsqueeze(-1), push, keys_o)
+    q32, ko32, kr32 = q.to(torch.float32), keys_o.to(torch.float32), keys_r.to(torch.float32)
+    sc = 1.0 / math.sqrt(d)
+    s_o_logits = sc * torch.einsum("nd,nsd->ns", q32.to(F64), ko32.to(F64))
+    s_r_logits = sc * torch.einsum("nd,nsd->ns", q32.to(F64), kr32.to(F64))
+    visible = (u(n, s_o) >= 0.1) | (pick(4) != 0)
+    # resident radii and realised errors (extremes, interior, by served rank)
+    mag = 10.0 ** (u(n, 1) * 5.5 - 5.0)
+    radius = mag * torch.where(pick(2) == 0, torch.ones(n, s_r, dtype=F64), torch.exp(z(n, s_r)))
+    mode = pick(3)
+    signs = torch.where(u(n, s_r) < 0.5, -1.0, 1.0).to(F64)
+    ranks = torch.argsort(torch.argsort(-s_r_logits, dim=-1), dim=-1).to(F64)
+    split = torch.where(ranks <= torch.floor(u(n, 1) * s_r), 1.0, -1.0).to(F64)
+    unit = torch.where(mode == 0, signs, torch.where(mode == 1, 2.0 * u(n, s_r) - 1.0, split))
+    served = s_r_logits + radius * unit
+    p_served = torch.softmax(served, -1)
+    full = torch.cat([s_r_logits, s_o_logits.masked_fill(~visible, float("-inf"))], -1)
+    return PageCells(q32, ko32, s_o_logits, visible, served, radius, p_served, torch.softmax(full, -1), sc,
+                     page_size)
+
+
+def page_violations(name: str, bound: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
+    """Cells where ``bound`` fails to dominate ``truth`` beyond float64 rounding (relative for the logits, whose
+    magnitude reaches 10^3; NaN counts as a violation)."""
+    slack = SLACK * (1.0 + truth.abs()) if name.endswith("_logit") else SLACK
+    return ~(bound + slack >= truth)
+
+
+def page_checks(cells: PageCells, gamma: float | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``name -> (bound, truth)`` per cell: page logit bound vs the page's largest exact logit (plus the rounding
+    allowance), omitted-mass bound vs exact omitted mass, direct form and composed certificate vs true TV; the
+    ``token_logit`` / ``*_int8`` entries the same for the int8 key sketch (per-token bounds pooled per page)."""
+    d = cells.q.shape[-1]
+    gamma = gamma_f32(d + 1) if gamma is None else gamma
+    summary = pg.summarize_pages(cells.keys_o, cells.page_size)
+    u = pg.page_logit_bound(cells.q.unsqueeze(1), summary, cells.scaling, gamma)[:, 0]        # [n, P]
+    n, s_o = cells.s_o.shape
+    pages = summary.pages
+    pad = pages * cells.page_size - s_o
+    knorm = cells.keys_o.to(F64).norm(dim=-1)
+    need = cells.s_o + 3.0 * cells.scaling * gamma * cells.q.to(F64).norm(dim=-1, keepdim=True) * knorm
+    need = torch.nn.functional.pad(need, (0, pad), value=float("-inf")).reshape(n, pages, -1).amax(-1)
+    vis = torch.nn.functional.pad(cells.visible_o, (0, pad)).reshape(n, pages, -1).sum(-1)
+    w = pg.page_weights(cells.served, u, vis)
+    meter = tv_meter(cells.p_served, cells.radius)
+    oc = pg.omitted_certificate(cells.p_served, cells.radius, w, meter)
+    tv = cells.tv
+    # the int8 sketch: per-token bounds pooled per page
+    need_tok = cells.s_o + 3.0 * cells.scaling * gamma * cells.q.to(F64).norm(dim=-1, keepdim=True) * knorm
+    u_tok = pg.token_logit_bound(cells.q.unsqueeze(1), pg.sketch_keys(cells.keys_o), cells.scaling, gamma)[:, 0]
+    pooled, seen = pg.pool_pages(u_tok, cells.visible_o, cells.page_size)
+    oc8 = pg.omitted_certificate(cells.p_served, cells.radius, pg.page_weights(cells.served, pooled, seen), meter)
+    return {"page_logit": (u, need), "omitted_mass": (oc.mass, cells.true_mass), "direct": (oc.direct, tv),
+            "composed": (oc.certificate, tv), "token_logit": (u_tok, need_tok),
+            "omitted_mass_int8": (oc8.mass, cells.true_mass), "composed_int8": (oc8.certificate, tv)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -17,6 +18,8 @@ from transformers import AutoTokenizer, PreTrainedModel  # noqa: E402
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase  # noqa: E402
 
 from kvcert.cache.gate import Gate  # noqa: E402
+from kvcert.evict import H2O, RMM, EvictionPolicy, StreamingLLM  # noqa: E402
+from kvcert.integrations.transformers import default_select  # noqa: E402
 from kvcert.models.tiny import SUPPORTED_FAMILIES, tiny_random  # noqa: E402
 from kvcert.models.zoo import ZOO, converted_dir  # noqa: E402
 from kvcert.models.zoo import load as zoo_load  # noqa: E402
@@ -35,6 +38,19 @@ REPAIR_BLOCK = 64
 ModelOption = Annotated[str, typer.Option(help="smollm2-135m, a local transformers folder, or tiny:<family>")]
 SchemesOption = Annotated[str, typer.Option(help="comma-separated codecs or keycodec/valuecodec")]
 GateOption = Annotated[str, typer.Option(help="auto | off | certified:TAU | risk:TAU_GATE")]
+
+# Resident-set selection policies by CLI name (``docs/eviction.md#resident-set-and-recall``): each call builds a
+# fresh policy (policies keep per-request state). snapkv is the library's default_select (SnapKV(window=32,
+# kernel=5)); the others use their constructors' defaults, RMM with the same 32-token protected tail as SnapKV.
+SELECT_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "snapkv": default_select,
+    "streaming": StreamingLLM,
+    "h2o": H2O,
+    "rmm": lambda: RMM(lag=32, kappa="uniform"),
+}
+DEFAULT_SELECT = "snapkv"
+RUN_RESIDENT_FRACTION = 0.25
+RUN_RESIDENT_CODEC = "int8"
 
 
 @dataclass
@@ -141,6 +157,48 @@ def parse_gate(text: str) -> Gate | None:
         return Gate.certified(threshold) if kind == "certified" else Gate.risk_ranked(threshold)
     except ValueError as exc:
         raise ValueError(f"--gate {text!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class ResidentPlan:
+    """Resident variants of a RULER job: each listed scheme also runs with a resident set of ``fraction`` of
+    its tokens chosen by ``select`` (a :data:`SELECT_POLICIES` name), gated by ``gate`` (``certified(τ)`` at
+    head granularity, or ``off``: certificates without recall)."""
+
+    fraction: float
+    select: str
+    gate: Gate
+    specs: tuple[SchemeSpec, ...]
+
+    def policy(self) -> EvictionPolicy:
+        """A fresh selection policy for one request."""
+        return SELECT_POLICIES[self.select]()
+
+
+def check_resident_options(resident: float | None, select: str | None) -> None:
+    """``--resident`` in (0, 1] and ``--select`` a known policy (only together with ``--resident``);
+    ``ValueError`` naming the option otherwise."""
+    if resident is not None and not 0.0 < resident <= 1.0:
+        raise ValueError(f"--resident must be a fraction in (0, 1], got {resident}")
+    if select is not None:
+        if resident is None:
+            raise ValueError("--select picks the resident set: pass --resident <fraction in (0, 1]> with it")
+        if select not in SELECT_POLICIES:
+            raise ValueError(f"--select: unknown policy {select!r}; known are {', '.join(SELECT_POLICIES)}")
+
+
+def resident_gate(gate: Gate | None) -> Gate:
+    """The gate of a resident variant from the job's ``--gate``: ``auto`` -> ``certified(0.2)``, ``certified:TAU``
+    -> ``certified(TAU)`` (both at head granularity, the granularity a resident read recalls at), ``off`` -> off.
+    ``risk:TAU`` has no resident form (recall needs a certificate to stop at): ``ValueError`` naming ``--gate``."""
+    if gate is None:
+        return Gate.certified(CERTIFIED_TAU)
+    if gate.mode == "off":
+        return gate
+    if gate.mode != "certified":
+        raise ValueError(f"--resident needs --gate auto, off or certified:TAU (recall stops at a certified tau), "
+                         f"got {gate.describe()}")
+    return Gate.certified(gate.threshold)
 
 
 def auto_gate(informative_fraction: float) -> Gate:

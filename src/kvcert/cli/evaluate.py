@@ -10,12 +10,17 @@ from rich.console import Console
 
 from kvcert.cli.common import (
     DEFAULT_SCHEMES,
+    DEFAULT_SELECT,
+    SELECT_POLICIES,
     GateOption,
     ModelOption,
+    ResidentPlan,
     SchemesOption,
+    check_resident_options,
     default_out,
     parse_gate,
     parse_schemes,
+    resident_gate,
 )
 from kvcert.cli.ruler_command import RulerJob, execute
 from kvcert.cli.validate import OverwriteOption, checked_inputs
@@ -45,13 +50,23 @@ def evaluate(
     resamples: Annotated[int, typer.Option(help="paired bootstrap resamples")] = 10_000,
     out: Annotated[Path | None, typer.Option(help="report directory (default runs/eval-<timestamp>)")] = None,
     overwrite: OverwriteOption = False,
+    resident: Annotated[float | None, typer.Option(
+        help="also run each scheme with a resident set of this fraction of its tokens, in (0, 1] "
+             "(variant <scheme>+resident, gated certified at --gate's tau, 0.2 for auto)")] = None,
+    select: Annotated[str | None, typer.Option(
+        help=f"resident-set policy: {' | '.join(SELECT_POLICIES)} (default {DEFAULT_SELECT}; needs --resident)",
+    )] = None,
 ) -> None:
-    """Accuracy per scheme (raw and gated) with a paired bootstrap 95% CI and exact McNemar p against the
-    uncompressed run on the same samples, plus bytes per token, host page-in bytes and fallback rate."""
+    """Accuracy per scheme (raw and gated, and resident with --resident) with a paired bootstrap 95% CI and exact
+    McNemar p against the uncompressed run on the same samples, plus bytes per token, host page-in bytes and
+    fallback rate (and resident fraction, omitted-mass bound and recall for resident variants)."""
     with checked_inputs("eval"):
         tasks = parse_task_option(task)
         specs = parse_schemes(schemes)
         chosen = parse_gate(gate)
+        check_resident_options(resident, select)
+        plan = None if resident is None else ResidentPlan(resident, select or DEFAULT_SELECT, resident_gate(chosen),
+                                                          tuple(specs))
     job = RulerJob(
         "eval",
         model,
@@ -65,5 +80,6 @@ def evaluate(
         resamples,
         out or default_out("eval"),
         overwrite,
+        plan,
     )
     execute(job, Console())

@@ -7,6 +7,9 @@ page-in bytes, cells, fail-closed entries and violations are summed, the maximum
 and cell-weighted fractions (coverage, informative fraction, fallback rate, effective bits) are re-weighted
 by each shard's recorded cells — the same cell weighting one run applies over its samples. Stored bytes per
 token depend on each shard's token counts, which a results file does not hold: they are reported per shard.
+Resident variants (``--resident``): shards must share ``--resident`` and ``--select``; pages / bytes recalled,
+summary bytes and recall violations are summed, the omitted-mass maxima are the maximum, the resident fraction is
+the sample-weighted mean (as one run's mean over samples) and the recall ratio is recomputed from the sums.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from rich.console import Console
 
 from kvcert.cli.common import command_line
 from kvcert.cli.progress import progress_bar
+from kvcert.cli.ruler_report import resident_table
 from kvcert.cli.validate import OverwriteOption, at_least, checked_inputs, prepare_out
 from kvcert.cli.workload import DENSE
 from kvcert.eval.stats import mcnemar, paired_bootstrap
@@ -36,14 +40,16 @@ from kvcert.report.results import (
 )
 from kvcert.report.tables import ReportTable, fmt, print_table
 
-SUMMED = ("page_in_bytes", "cells", "fail_closed", "violations", "bytes_device", "bytes_fp16")
+SUMMED = ("page_in_bytes", "cells", "fail_closed", "violations", "bytes_device", "bytes_fp16",
+          "pages_recalled", "bytes_recalled", "bytes_summary", "recall_violations")
+MAXED = {"max_certificate": CERTIFIED, "max_omitted_mass_bound": CERTIFIED, "max_omitted_mass": EMPIRICAL}
 CELL_WEIGHTED = {
     "coverage_q@0.2": CERTIFIED,
     "coverage_kv@0.2": CERTIFIED,
     "informative_fraction": CERTIFIED,
     "fallback_rate": EMPIRICAL,
 }
-SAME_CONFIG = ("model", "context", "schemes", "gate", "max_new_tokens")
+SAME_CONFIG = ("model", "context", "schemes", "gate", "max_new_tokens", "resident", "select")
 
 
 def _value(node: dict[str, Any], key: str) -> Any:
@@ -93,7 +99,7 @@ def check_shard(doc: dict[str, Any], where: Path) -> None:
         _need(isinstance(v, dict) and isinstance(v.get("gate"), str) and "codecs" in v, where,
               f"results.variants[{lab!r}] needs a string 'gate' and 'codecs'")
         if "cells" in v:
-            for key in (*SUMMED, *CELL_WEIGHTED, "max_certificate"):
+            for key in (*SUMMED, *CELL_WEIGHTED, *MAXED, "resident_fraction"):
                 leaf = v.get(key)
                 _need(key not in v or (isinstance(leaf, dict) and "value" in leaf and (
                     leaf["value"] is None or (_is_number(leaf) and (key not in SUMMED or leaf["value"] >= 0)))),
@@ -134,7 +140,8 @@ def _check_compatible(docs: list[dict[str, Any]], paths: list[Path]) -> list[str
             mine, theirs = doc["config"].get(key), docs[0]["config"].get(key)
             if mine != theirs:
                 raise ValueError(f"{path}: {key} {mine!r} differs from the first shard's ({theirs!r}); "
-                                 "shards must share model, context, schemes, gate and max_new_tokens")
+                                 "shards must share model, context, schemes, gate, max_new_tokens, resident and "
+                                 "select")
         for s in doc["results"]["per_sample"]:
             key = (s["task"], s["index"]["value"])
             if key in seen:
@@ -156,6 +163,7 @@ def merge_results(docs: list[dict[str, Any]], paths: list[Path], seed: int, resa
         out: dict[str, Any] = {
             "gate": parts[0]["gate"],
             "codecs": parts[0]["codecs"],
+            **({"select": parts[0]["select"]} if "select" in parts[0] else {}),
             "accuracy": tiered(sum(scores[lab]) / len(scores[lab]), EMPIRICAL),
             "samples": tiered(len(scores[lab]), EMPIRICAL),
         }
@@ -180,8 +188,18 @@ def merge_results(docs: list[dict[str, Any]], paths: list[Path], seed: int, resa
                          if _value(p, key) is not None and _value(p, key) == _value(p, key) and c]
                 den = sum(c for _, c in pairs)
                 out[key] = tiered(sum(v * c for v, c in pairs) / den if den else float("nan"), tier)
-            maxima = [m for p in parts if (m := _value(p, "max_certificate")) is not None]
-            out["max_certificate"] = tiered(max(maxima) if maxima else None, CERTIFIED)
+            for key, tier in MAXED.items():
+                if any(key in p for p in parts):
+                    maxima = [m for p in parts if (m := _value(p, key)) is not None]
+                    out[key] = tiered(max(maxima) if maxima else None, tier)
+            if all("resident_fraction" in p for p in parts):   # one run: the mean over its samples
+                n = [len(d["results"]["per_sample"]) for d in docs]
+                fractions = [_value(p, "resident_fraction") for p in parts]
+                out["resident_fraction"] = tiered(sum(f * k for f, k in zip(fractions, n, strict=True)) / sum(n)
+                                                  if None not in fractions else None, EMPIRICAL)
+                fp16, recalled = _value(out, "bytes_fp16"), _value(out, "bytes_recalled")
+                out["recall_ratio"] = tiered(recalled / fp16 if fp16 and recalled is not None else float("nan"),
+                                             EMPIRICAL)
             out["bytes_per_token_fp16"] = parts[0]["bytes_per_token_fp16"]
             out["bytes_per_token_stored_per_shard"] = [p["bytes_per_token_stored"] for p in parts]
             if "bytes_device" in out and _value(out, "bytes_device"):   # measured: Σ fp16 / Σ device bytes
@@ -230,7 +248,9 @@ def merge(
                 tick(i)
         merged = merge_results(docs, runs, seed, resamples)
         prepare_out(out, overwrite, inputs=[p / "results.json" if p.is_dir() else p for p in runs])
-    table = _table(merged)
+    tables = [_table(merged)]
+    if (kept := resident_table(merged)) is not None:
+        tables.append(kept)
     dense = _value(merged["variants"][DENSE], "accuracy")
     points = [
         AccuracyPoint(lab, _value(v, "accuracy"), _value(v, "ci95_low"), _value(v, "ci95_high"),
@@ -243,6 +263,7 @@ def merge(
                          {"merged_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, command_line().split())
     json_path = write_results(out / "results.json", doc)
     html = write_html(out / "report.html", "kvcert merge", [__doc__.split("\n\n")[1].replace("\n", " ")],
-                      [table], [png], command_line())
-    print_table(console, table)
+                      tables, [png], command_line())
+    for table in tables:
+        print_table(console, table)
     console.print(f"results: {json_path}\nreport:  {html}")

@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 
 from kvcert.cache.gate import Gate
-from kvcert.cli.common import SchemeSpec, command_line, load_model, set_seed
+from kvcert.cli.common import ResidentPlan, SchemeSpec, command_line, load_model, set_seed
 from kvcert.cli.progress import progress_bar
 from kvcert.cli.ruler_report import write_report
 from kvcert.cli.validate import at_least, checked_inputs, context_fits, model_max_positions, prepare_out, ruler_tasks
@@ -34,6 +34,7 @@ class RulerJob:
     resamples: int
     out: Path
     overwrite: bool = False
+    resident: ResidentPlan | None = None
 
     def config(self) -> dict[str, object]:
         """JSON-ready inputs."""
@@ -48,6 +49,10 @@ class RulerJob:
             "max_new_tokens": self.max_new_tokens,
             "bootstrap_resamples": self.resamples,
             "out": str(self.out),
+            "resident": None if self.resident is None else self.resident.fraction,
+            "select": None if self.resident is None else self.resident.select,
+            "resident_gate": None if self.resident is None else self.resident.gate.describe(),
+            "resident_schemes": [] if self.resident is None else [s.label for s in self.resident.specs],
         }
 
 
@@ -76,18 +81,18 @@ def execute(job: RulerJob, console: Console) -> Path:
             samples += ruler.load_task(task, job.context, job.samples, job.seed, loaded.tokenizer_dir)
             tick(i)
     t_data = time.time()
-    with progress_bar(
-        f"decoding {len(samples)} samples × {1 + 2 * len(job.schemes)} variants", len(samples), console
-    ) as tick:
+    n_variants = 1 + 2 * len(job.schemes) + (0 if job.resident is None else len(job.resident.specs))
+    with progress_bar(f"decoding {len(samples)} samples × {n_variants} variants", len(samples), console) as tick:
         result = run_workload(
-            loaded, samples, job.schemes, job.gate, job.seed, job.max_new_tokens, on_sample=tick
+            loaded, samples, job.schemes, job.gate, job.seed, job.max_new_tokens, on_sample=tick,
+            resident=job.resident,
         )
     t_run = time.time()
     volatile = {
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
         "seconds": {"load": t_load - t0, "data": t_data - t_load, "decode": t_run - t_data},
     }
-    json_path, html_path, table = write_report(
+    json_path, html_path, tables = write_report(
         result,
         job.out,
         job.name,
@@ -98,7 +103,8 @@ def execute(job: RulerJob, console: Console) -> Path:
         volatile,
         f"kvcert {job.name}: {job.model}",
     )
-    print_table(console, table)
+    for table in tables:
+        print_table(console, table)
     console.print(f"wall time {time.time() - t0:.0f} s; results: {json_path}")
     console.print(f"report: [bold]{html_path}[/]")
     return html_path

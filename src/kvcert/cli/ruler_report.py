@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvcert.cache.telemetry import Telemetry
 from kvcert.cli.workload import DENSE, VariantRecord, WorkloadResult
 from kvcert.eval.stats import mcnemar, paired_bootstrap
 from kvcert.report import aggregate, figures
@@ -13,6 +14,7 @@ from kvcert.report.results import CERTIFIED, EMPIRICAL, build_document, tiered, 
 from kvcert.report.tables import ReportTable, fmt
 
 COVERAGE_TAU = 0.2
+MB = 1e6
 
 
 def _mean(xs: list[float]) -> float:
@@ -63,6 +65,37 @@ def variant_numbers(rec: VariantRecord, dense: VariantRecord, seed: int, resampl
         )
         if tels[0].true_tv is not None:
             out["violations"] = tiered(sum(t.violations for t in tels), EMPIRICAL)
+        if tels[0].resident_fraction is not None:
+            out.update(resident_numbers(tels))
+    return out
+
+
+def _max_cell(tels: list[Telemetry], attr: str) -> float | None:
+    """Largest non-NaN cell of the resident tensor ``attr`` (``[steps, layers, B, Hq]`` over every forward step,
+    NaN where no resident read happened) over the samples (``None``: no such cell)."""
+    vals = [v[~v.isnan()] for t in tels if (v := getattr(t, attr)) is not None]
+    found = [float(v.max()) for v in vals if v.numel()]
+    return max(found) if found else None
+
+
+def resident_numbers(tels: list[Telemetry]) -> dict[str, Any]:
+    """Tiered resident-set numbers of a variant (``docs/cli.md#resident-variants``): mean resident fraction over
+    the samples, the largest omitted-mass bound of any cell (certified), pages / bytes recalled and summary bytes
+    (sums, measured), recalled bytes over the fp16 K/V bytes (page-in share of recall), and in validate mode the
+    largest exact omitted mass and the recall violations (must be 0)."""
+    fp16 = sum(t.bytes_fp16 for t in tels)
+    recalled = sum(t.bytes_recalled for t in tels)
+    out = {
+        "resident_fraction": tiered(_mean([float(t.resident_fraction or 0.0) for t in tels]), EMPIRICAL),
+        "max_omitted_mass_bound": tiered(_max_cell(tels, "omitted_mass_bound"), CERTIFIED),
+        "pages_recalled": tiered(sum(t.pages_recalled for t in tels), EMPIRICAL),
+        "bytes_recalled": tiered(recalled, EMPIRICAL),
+        "bytes_summary": tiered(sum(t.bytes_summary for t in tels), EMPIRICAL),
+        "recall_ratio": tiered(recalled / fp16 if fp16 else float("nan"), EMPIRICAL),
+    }
+    if tels[0].omitted_mass is not None:
+        out["max_omitted_mass"] = tiered(_max_cell(tels, "omitted_mass"), EMPIRICAL)
+        out["recall_violations"] = tiered(sum(t.recall_violations for t in tels), EMPIRICAL)
     return out
 
 
@@ -74,6 +107,7 @@ def results_section(result: WorkloadResult, seed: int, resamples: int) -> dict[s
         variants[rec.label] = {
             "gate": rec.gate.describe(),
             "codecs": None if rec.spec is None else {"keys": rec.spec.keys, "values": rec.spec.values},
+            **({} if rec.resident is None else {"select": rec.resident.select}),
             **variant_numbers(rec, dense, seed, resamples),
         }
     with_bytes = [r for r in result.variants if r.telemetry]
@@ -152,6 +186,40 @@ def summary_table(results: dict[str, Any]) -> ReportTable:
     )
 
 
+def resident_table(results: dict[str, Any]) -> ReportTable | None:
+    """One row per resident variant (``None`` when there is none): resident fraction, largest omitted-mass bound,
+    recall traffic, summary bytes, and in validate mode the exact omitted mass and the recall violations."""
+    rows = []
+    for label, v in results["variants"].items():
+        if "resident_fraction" not in v:
+            continue
+
+        def val(key: str, v: dict[str, Any] = v) -> Any:
+            return v[key]["value"] if key in v else None
+
+        recalled, summary = val("bytes_recalled"), val("bytes_summary")
+        rows.append((label, v.get("select", "–"), v["gate"], fmt(val("resident_fraction"), percent=True),
+                     fmt(val("max_omitted_mass_bound"), 3), fmt(val("max_omitted_mass"), 3),
+                     fmt(val("pages_recalled")), fmt(None if recalled is None else recalled / MB, 3),
+                     fmt(val("recall_ratio"), 3), fmt(None if summary is None else summary / MB, 3),
+                     fmt(val("recall_violations"))))
+    if not rows:
+        return None
+    return ReportTable(
+        "Resident variants: resident set, omitted attention mass and recall",
+        ("variant", "select", "gate", "resident", "max m̄ bound", "max m (exact)", "pages rec.", "MB rec.",
+         "recall ×fp16", "summary MB", "recall viol."),
+        tuple(rows),
+        "resident = share of written tokens held on the device (mean over samples); max m̄ bound = largest "
+        "certified bound on the attention mass of the non-resident tokens over all cells (before recall); "
+        "max m (exact) = its exact value (validate mode only); pages / MB rec. = pages and K+V bytes recalled "
+        "from the host tier (summed); recall ×fp16 = recalled bytes / fp16 K/V bytes of the requests; summary "
+        "MB = device bytes of the page summaries; recall viol. = cells whose exact omitted mass exceeded its "
+        "bound or whose true TV after recall exceeded the served certificate (validate mode; must be 0). "
+        "Tiers: m̄ bound certified; the rest measured (empirical).",
+    )
+
+
 def _figures(result: WorkloadResult, results: dict[str, Any], out: Path) -> list[Path]:
     figs = []
     compressed = [r for r in result.variants if r.telemetry]
@@ -217,11 +285,14 @@ def write_report(
     resamples: int,
     volatile: dict[str, Any],
     title: str,
-) -> tuple[Path, Path, ReportTable]:
-    """Write results.json, the PNGs and report.html into ``out``; return (json, html, summary table)."""
+) -> tuple[Path, Path, list[ReportTable]]:
+    """Write results.json, the PNGs and report.html into ``out``; return (json, html, tables: the summary, then
+    the resident variants' table when there are any)."""
     out.mkdir(parents=True, exist_ok=True)
     results = results_section(result, seed, resamples)
-    table = summary_table(results)
+    tables = [summary_table(results)]
+    if (kept := resident_table(results)) is not None:
+        tables.append(kept)
     figs = _figures(result, results, out)
     doc = build_document(name, config, results, seed, volatile, command.split())
     json_path = write_results(out / "results.json", doc)
@@ -231,5 +302,5 @@ def write_report(
         f"Gates used: {gates or 'none'}.",
         "Every number in results.json carries its tier (certified / partial / empirical).",
     ]
-    html_path = write_html(out / "report.html", title, paras, [table], figs, command)
-    return json_path, html_path, table
+    html_path = write_html(out / "report.html", title, paras, tables, figs, command)
+    return json_path, html_path, tables

@@ -8,7 +8,20 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from kvcert.cli.common import DEFAULT_SCHEMES, ModelOption, SchemesOption, default_out, parse_schemes
+from kvcert.cache.gate import Gate
+from kvcert.cli.common import (
+    CERTIFIED_TAU,
+    DEFAULT_SCHEMES,
+    DEFAULT_SELECT,
+    RUN_RESIDENT_CODEC,
+    RUN_RESIDENT_FRACTION,
+    ModelOption,
+    ResidentPlan,
+    SchemesOption,
+    SchemeSpec,
+    default_out,
+    parse_schemes,
+)
 from kvcert.cli.ruler_command import RulerJob, execute
 from kvcert.cli.validate import OverwriteOption, checked_inputs
 
@@ -29,8 +42,9 @@ def run(
     """The main job: RULER needle tasks under each scheme, ungated and gated, against the dense baseline.
 
     Each scheme's gate is chosen from its own meter on the first sample: certified(τ=0.2) when at least
-    half of its cells are informative, else risk-ranked(τ_gate=5). Writes report.html, PNGs and
-    results.json to --out and prints a summary table.
+    half of its cells are informative, else risk-ranked(τ_gate=5). One resident variant runs beside them:
+    int8 storage with a resident set of 25% of the tokens (SnapKV), gated certified(τ=0.2) with recall.
+    Writes report.html, PNGs and results.json to --out and prints a summary table.
     """
     with checked_inputs("run"):
         specs = parse_schemes(schemes)
@@ -48,5 +62,7 @@ def run(
         10_000,
         out or default_out("run"),
         overwrite,
+        ResidentPlan(RUN_RESIDENT_FRACTION, DEFAULT_SELECT, Gate.certified(CERTIFIED_TAU),
+                     (SchemeSpec(RUN_RESIDENT_CODEC, RUN_RESIDENT_CODEC),)),
     )
     execute(job, Console())

@@ -3,7 +3,8 @@
 Every sample is prefilled once exactly and each variant (dense, each scheme raw, each scheme gated)
 decodes greedily from that prefill (:func:`kvcert.eval.branching.run_branches`), so all variants are
 scored on identical prompts and the comparison is paired. With ``gate=None`` (auto) the gate of each
-scheme is chosen from its ungated meter on the first sample (:func:`kvcert.cli.common.auto_gate`).
+scheme is chosen from its ungated meter on the first sample (:func:`kvcert.cli.common.auto_gate`). A
+:class:`~kvcert.cli.common.ResidentPlan` adds one resident variant (``<scheme>+resident``) per scheme it lists.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from dataclasses import dataclass, field
 
 from kvcert.cache.gate import Gate
 from kvcert.cache.telemetry import Telemetry
-from kvcert.cli.common import LoadedModel, SchemeSpec, auto_gate
+from kvcert.cli.common import LoadedModel, ResidentPlan, SchemeSpec, auto_gate
 from kvcert.eval.branching import BranchResult, Scheme, run_branches
 from kvcert.eval.harness import prompt_ids
 from kvcert.eval.ruler import Sample, score
 
 DENSE = "dense"
 GATED_SUFFIX = "+gate"
+RESIDENT_SUFFIX = "+resident"
 
 
 @dataclass
@@ -32,6 +34,7 @@ class VariantRecord:
     scores: list[float] = field(default_factory=list)
     predictions: list[str] = field(default_factory=list)
     telemetry: list[Telemetry] = field(default_factory=list)
+    resident: ResidentPlan | None = None   # set for a resident variant
 
     @property
     def gated(self) -> bool:
@@ -80,8 +83,10 @@ def run_workload(
     max_new_tokens: int | None = None,
     validate: bool = False,
     on_sample: Callable[[int], None] | None = None,
+    resident: ResidentPlan | None = None,
 ) -> WorkloadResult:
-    """Decode every sample under dense + each scheme raw (+ gated unless ``gate`` is ``Gate.off()``).
+    """Decode every sample under dense + each scheme raw (+ gated unless ``gate`` is ``Gate.off()``), plus one
+    resident variant per scheme of ``resident`` (its own fixed gate).
 
     ``gate=None`` chooses each scheme's gate from its ungated informative fraction on the first sample
     (one extra prefill). ``max_new_tokens`` caps RULER's per-task generation budget. Raises ``ValueError``
@@ -95,6 +100,12 @@ def run_workload(
     gate_choice: dict[str, dict[str, float | str]] = {}
     want_gated = gate is None or gate.mode != "off"
     gated: list[Scheme] = []
+    kept: list[Scheme] = []
+    if resident is not None:
+        kept = [Scheme(s.label + RESIDENT_SUFFIX, keys=s.keys, values=s.values, gate=resident.gate, validate=validate,
+                       resident=resident.fraction, select=resident.policy) for s in resident.specs]
+        variants.update({k.name: VariantRecord(k.name, s, k.gate, resident=resident)
+                         for k, s in zip(kept, resident.specs, strict=True)})
 
     def budget(sample: Sample) -> int:
         return sample.max_new_tokens if max_new_tokens is None else min(max_new_tokens, sample.max_new_tokens)
@@ -130,7 +141,7 @@ def run_workload(
             )
             _record(
                 variants,
-                run_branches(loaded.model, ids, gated, budget(sample), loaded.eos_ids, seed),
+                run_branches(loaded.model, ids, [*gated, *kept], budget(sample), loaded.eos_ids, seed),
                 sample,
                 loaded,
             )
@@ -143,10 +154,12 @@ def run_workload(
                 )
                 gate_choice = {s.label: {"gate": gate.describe(), "rule": "fixed by --gate"} for s in specs}
             res = run_branches(
-                loaded.model, ids, [Scheme(DENSE), *raw, *gated], budget(sample), loaded.eos_ids, seed
+                loaded.model, ids, [Scheme(DENSE), *raw, *gated, *kept], budget(sample), loaded.eos_ids, seed
             )
             _record(variants, res, sample, loaded)
         if on_sample is not None:
             on_sample(i)
-    order = [DENSE] + [lab for s in specs for lab in (s.label, s.label + GATED_SUFFIX) if lab in variants]
+    suffixes = ("", GATED_SUFFIX, RESIDENT_SUFFIX)
+    order = [DENSE] + [s.label + x for s in specs for x in suffixes if s.label + x in variants]
+    order += [k.name for k in kept if k.name not in order]   # resident schemes not among the plain ones
     return WorkloadResult(list(samples), [variants[k] for k in order], gate_choice)

@@ -8,7 +8,7 @@ CPU: the prefill dominates the cost of a long-context sample.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +16,7 @@ from transformers import DynamicCache
 
 from kvcert.cache.gate import Gate
 from kvcert.cache.telemetry import Telemetry
+from kvcert.evict import EvictionPolicy
 from kvcert.integrations.transformers import CertifiedCache
 
 
@@ -29,6 +30,8 @@ class Scheme:
     gate: Gate = field(default_factory=Gate.off)
     validate: bool = False
     key_options: tuple[tuple[str, object], ...] = ()
+    resident: float | None = None                          # resident set fraction (``CertifiedCache(resident=)``)
+    select: Callable[[], EvictionPolicy] | None = None     # builds the resident set's policy, one per request
 
     @property
     def is_dense(self) -> bool:
@@ -94,7 +97,8 @@ def run_branches(model: torch.nn.Module, input_ids: torch.Tensor, schemes: Seque
             results.append(BranchResult(scheme, toks, None))
             continue
         cache = CertifiedCache(model, keys=scheme.keys, values=scheme.values or scheme.keys, gate=scheme.gate,
-                               validate=scheme.validate, seed=seed, key_options=dict(scheme.key_options))
+                               validate=scheme.validate, seed=seed, key_options=dict(scheme.key_options),
+                               resident=scheme.resident, select=None if scheme.select is None else scheme.select())
         try:
             cache.ingest(pre)
             toks = greedy_from(model, first, cache, max_new_tokens, eos_ids)

@@ -1,0 +1,119 @@
+"""``--resident`` / ``--select`` of ``kvcert eval``, the resident variant of ``kvcert run``, and merging them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvcert.cli.common import SELECT_POLICIES
+from kvcert.cli.main import app
+from kvcert.cli.merge import merge_results
+from kvcert.cli.ruler_report import resident_numbers
+from kvcert.eval.branching import Scheme, run_branches
+from kvcert.models.tiny import tiny_random
+from kvcert.report.results import untiered_numbers
+
+runner = CliRunner()
+TINY = ["--model", "tiny:llama", "--seed", "0", "--context", "512", "--samples", "1", "--max-new-tokens", "3",
+        "--task", "ruler:niah_single_1", "--schemes", "int4", "--resamples", "100"]
+RESIDENT_FIELDS = {"resident_fraction": "empirical", "max_omitted_mass_bound": "certified",
+                   "pages_recalled": "empirical", "bytes_recalled": "empirical", "bytes_summary": "empirical",
+                   "recall_ratio": "empirical"}
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--resident", "0"], "--resident must be a fraction in (0, 1]"),
+    (["--resident", "1.5"], "--resident must be a fraction in (0, 1]"),
+    (["--resident", "nan"], "--resident must be a fraction in (0, 1]"),
+    (["--resident", "0.25", "--select", "belady"], "--select: unknown policy 'belady'"),
+    (["--select", "snapkv"], "--select picks the resident set"),
+    (["--resident", "0.25", "--gate", "risk:5"], "--resident needs --gate auto, off or certified:TAU"),
+])
+def test_bad_resident_options_are_refused_before_loading(tmp_path: Path, args: list[str], needle: str) -> None:
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["eval", *TINY, *args, "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvcert eval: error:") and needle in lines[0], result.output
+    assert not out.exists() and "loading model" not in result.output
+
+
+def test_eval_resident_variant_reports_tiered_numbers(tmp_path: Path) -> None:
+    out = tmp_path / "eval"
+    result = runner.invoke(app, ["eval", *TINY, "--gate", "certified:0.2", "--resident", "0.25", "--select",
+                                 "streaming", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "Resident variants" in result.output
+    doc = json.loads((out / "results.json").read_text())
+    assert untiered_numbers(doc["results"]) == []
+    assert (doc["config"]["resident"], doc["config"]["select"]) == (0.25, "streaming")
+    variants = doc["results"]["variants"]
+    assert list(variants) == ["dense", "int4", "int4+gate", "int4+resident"]
+    kept = variants["int4+resident"]
+    assert kept["gate"] == "certified(tau=0.2, head)" and kept["select"] == "streaming"
+    assert {k: kept[k]["tier"] for k in RESIDENT_FIELDS} == RESIDENT_FIELDS
+    assert 0.2 < kept["resident_fraction"]["value"] < 0.35          # 25 % of the prompt, plus decoded tokens
+    assert 0.0 <= kept["max_omitted_mass_bound"]["value"] <= 1.0
+    assert kept["recall_ratio"]["value"] == pytest.approx(kept["bytes_recalled"]["value"] / kept["bytes_fp16"]["value"])
+    assert "omitted_mass" not in json.dumps(variants["int4+gate"])   # only resident variants carry them
+    assert "Resident variants" in (out / "report.html").read_text()
+
+
+@pytest.mark.parametrize("select", sorted(SELECT_POLICIES))
+def test_every_select_policy_in_validate_mode(select: str) -> None:
+    """Each CLI policy name builds a resident cache; validate mode adds the exact omitted mass (never above the
+    largest bound) and 0 recall violations."""
+    model = tiny_random("llama", seed=0, head_dim=64)
+    ids = torch.randint(0, model.config.vocab_size, (1, 160), generator=torch.Generator().manual_seed(0))
+    scheme = Scheme("int8+resident", "int8", "int8", validate=True, resident=0.25, select=SELECT_POLICIES[select])
+    (res,) = run_branches(model, ids, [scheme], max_new_tokens=2, eos_ids=[])
+    assert res.telemetry is not None
+    numbers = resident_numbers([res.telemetry])
+    assert numbers["recall_violations"] == {"value": 0, "tier": "empirical"}
+    assert 0.0 <= numbers["max_omitted_mass"]["value"] <= numbers["max_omitted_mass_bound"]["value"] <= 1.0
+
+
+def _t(v: float | int | None, tier: str = "empirical") -> dict:
+    return {"value": v, "tier": tier}
+
+
+def _shard(task: str, n: int, fraction: float, pages: int, recalled: int, bound: float, select: str = "snapkv") -> dict:
+    per_sample = [{"task": task, "index": _t(i), "scores": {"dense": _t(1.0), "int8+resident": _t(1.0)}}
+                  for i in range(n)]
+    tel = {"cells": _t(10 * n), "page_in_bytes": _t(0), "fail_closed": _t(0), "max_certificate": _t(bound, "certified"),
+           "bytes_fp16": _t(1000 * n), "bytes_per_token_fp16": _t(100.0), "bytes_per_token_stored": _t(50.0),
+           "resident_fraction": _t(fraction), "max_omitted_mass_bound": _t(bound, "certified"),
+           "pages_recalled": _t(pages), "bytes_recalled": _t(recalled), "bytes_summary": _t(7),
+           "recall_ratio": _t(recalled / (1000 * n))}
+    return {"command": "eval", "config": {"model": "m", "resident": 0.25, "select": select},
+            "results": {"variants": {"dense": {"gate": "off", "codecs": None},
+                                     "int8+resident": {"gate": "certified(tau=0.2, head)", "select": select,
+                                                       "codecs": {"keys": "int8"}, **tel}},
+                        "per_sample": per_sample}}
+
+
+def test_merge_pools_resident_numbers() -> None:
+    a = _shard("t1", 1, 0.3, pages=4, recalled=400, bound=0.5)
+    b = _shard("t2", 3, 0.26, pages=6, recalled=200, bound=0.9)
+    merged = merge_results([a, b], [Path("a"), Path("b")], seed=0, resamples=100)
+    assert untiered_numbers(merged) == []
+    v = merged["variants"]["int8+resident"]
+    assert v["select"] == "snapkv"
+    assert v["pages_recalled"]["value"] == 10 and v["bytes_recalled"]["value"] == 600
+    assert v["bytes_summary"]["value"] == 14
+    assert v["max_omitted_mass_bound"] == _t(0.9, "certified")
+    assert v["resident_fraction"]["value"] == pytest.approx((0.3 + 3 * 0.26) / 4)
+    assert v["recall_ratio"]["value"] == pytest.approx(600 / 4000)
+
+
+@pytest.mark.parametrize(("key", "other"), [("select", "h2o"), ("resident", 0.5)])
+def test_merge_refuses_shards_with_other_resident_options(key: str, other: object) -> None:
+    a = _shard("t1", 1, 0.3, pages=4, recalled=400, bound=0.5)
+    b = _shard("t2", 1, 0.3, pages=4, recalled=400, bound=0.5)
+    b["config"][key] = other
+    with pytest.raises(ValueError, match=f"{key} {other!r} differs"):
+        merge_results([a, b], [Path("a"), Path("b")], seed=0, resamples=100)

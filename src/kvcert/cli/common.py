@@ -39,8 +39,8 @@ ModelOption = Annotated[str, typer.Option(help="smollm2-135m, a local transforme
 SchemesOption = Annotated[str, typer.Option(help="comma-separated codecs or keycodec/valuecodec")]
 GateOption = Annotated[str, typer.Option(help="auto | off | certified:TAU | risk:TAU_GATE")]
 
-# Resident-set selection policies by CLI name (``docs/eviction.md#resident-set-and-recall``): each call builds a
-# fresh policy (policies keep per-request state). snapkv is the library's default_select (SnapKV(window=32,
+# Resident-set selection policies by CLI name (``docs/cli.md#resident-variants``): each call builds a fresh
+# policy (policies keep per-request state). snapkv is the library's default_select (SnapKV(window=32,
 # kernel=5)); the others use their constructors' defaults, RMM with the same 32-token protected tail as SnapKV.
 SELECT_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "snapkv": default_select,

@@ -32,6 +32,7 @@ RESIDENT_FIELDS = {"resident_fraction": "empirical", "max_omitted_mass_bound": "
     (["--resident", "0.25", "--select", "belady"], "--select: unknown policy 'belady'"),
     (["--select", "snapkv"], "--select picks the resident set"),
     (["--resident", "0.25", "--gate", "risk:5"], "--resident needs --gate auto, off or certified:TAU"),
+    (["--resident", "0.05"], "fewer than the 32 that --select snapkv protects"),   # 26 of 512 tokens kept
 ])
 def test_bad_resident_options_are_refused_before_loading(tmp_path: Path, args: list[str], needle: str) -> None:
     out = tmp_path / "out"
@@ -60,7 +61,8 @@ def test_eval_resident_variant_reports_tiered_numbers(tmp_path: Path) -> None:
     assert 0.0 <= kept["max_omitted_mass_bound"]["value"] <= 1.0
     assert kept["recall_ratio"]["value"] == pytest.approx(kept["bytes_recalled"]["value"] / kept["bytes_fp16"]["value"])
     assert "omitted_mass" not in json.dumps(variants["int4+gate"])   # only resident variants carry them
-    assert "Resident variants" in (out / "report.html").read_text()
+    html = (out / "report.html").read_text()
+    assert "Resident variants" in html and "R = 0.25 chosen by streaming" in html
 
 
 @pytest.mark.parametrize("select", sorted(SELECT_POLICIES))

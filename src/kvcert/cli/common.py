@@ -18,7 +18,7 @@ from transformers import AutoTokenizer, PreTrainedModel  # noqa: E402
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase  # noqa: E402
 
 from kvcert.cache.gate import Gate  # noqa: E402
-from kvcert.evict import H2O, RMM, EvictionPolicy, StreamingLLM  # noqa: E402
+from kvcert.evict import H2O, RMM, EvictionPolicy, StreamingLLM, prefill_kept_count  # noqa: E402
 from kvcert.integrations.transformers import default_select  # noqa: E402
 from kvcert.models.tiny import SUPPORTED_FAMILIES, tiny_random  # noqa: E402
 from kvcert.models.zoo import ZOO, converted_dir  # noqa: E402
@@ -185,6 +185,21 @@ def check_resident_options(resident: float | None, select: str | None) -> None:
             raise ValueError("--select picks the resident set: pass --resident <fraction in (0, 1]> with it")
         if select not in SELECT_POLICIES:
             raise ValueError(f"--select: unknown policy {select!r}; known are {', '.join(SELECT_POLICIES)}")
+
+
+def resident_fits(plan: ResidentPlan | None, context: int) -> None:
+    """Refuse a resident set smaller than its policy's protected tokens (``sinks + recent``: SnapKV's window,
+    RMM's lag) at a prompt of ``context`` tokens, before any work: the policy would raise mid-run. ``ValueError``
+    naming ``--resident`` and ``--select``. (A RULER prompt holds at most ``context`` tokens, so this catches
+    every certain failure; a prompt shorter than ``context`` near the limit can still be refused by the policy.)"""
+    if plan is None:
+        return
+    policy = plan.policy()
+    protected = policy.sinks + policy.recent
+    if prefill_kept_count(context, 1.0 - plan.fraction) < protected:
+        raise ValueError(f"--resident {plan.fraction} keeps {prefill_kept_count(context, 1.0 - plan.fraction)} of "
+                         f"{context} tokens, fewer than the {protected} that --select {plan.select} protects; raise "
+                         "--resident or --context, or choose another --select")
 
 
 def resident_gate(gate: Gate | None) -> Gate:

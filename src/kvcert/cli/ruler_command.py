@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 
 from kvcert.cache.gate import Gate
-from kvcert.cli.common import ResidentPlan, SchemeSpec, command_line, load_model, set_seed
+from kvcert.cli.common import ResidentPlan, SchemeSpec, command_line, load_model, resident_fits, set_seed
 from kvcert.cli.progress import progress_bar
 from kvcert.cli.ruler_report import write_report
 from kvcert.cli.validate import at_least, checked_inputs, context_fits, model_max_positions, prepare_out, ruler_tasks
@@ -63,6 +63,7 @@ def execute(job: RulerJob, console: Console) -> Path:
         positions = model_max_positions(job.model)
         ruler_tasks(job.tasks, job.context)
         context_fits(job.context, positions)
+        resident_fits(job.resident, job.context)
         at_least("samples", job.samples, 1)
         at_least("resamples", job.resamples, 1)
         if job.max_new_tokens is not None:

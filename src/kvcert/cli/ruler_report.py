@@ -302,5 +302,9 @@ def write_report(
         f"Gates used: {gates or 'none'}.",
         "Every number in results.json carries its tier (certified / partial / empirical).",
     ]
+    if config.get("resident") is not None:
+        paras.append(f"Resident variants ({', '.join(config.get('resident_schemes') or [])}): resident set "
+                     f"R = {config['resident']} chosen by {config.get('select')}, gate {config.get('resident_gate')}; "
+                     "every read certified against exact attention over all tokens, recall above tau.")
     html_path = write_html(out / "report.html", title, paras, tables, figs, command)
     return json_path, html_path, tables

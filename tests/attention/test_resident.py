@@ -108,7 +108,12 @@ def test_accounting_of_summaries_recall_and_resident_fraction(models):
         assert tel.pages_recalled > 0
         assert tel.bytes_recalled == tel.pages_recalled * 5 * 2 * d * 4
         assert tel.bytes_stored < tel.bytes_fp16      # summaries are counted apart from the stored codes
+        # fp16 K/V of every written token (resident + omitted, all layers); bytes_fp16 holds the resident ones only
+        written = cfg.num_hidden_layers * hkv * (PROMPT + STEPS) * 2 * d * 2
+        assert tel.bytes_fp16_context == written
+        assert tel.bytes_fp16 == cfg.num_hidden_layers * hkv * (kept + STEPS) * 2 * d * 2
         s = tel.summary()
+        assert s["bytes_fp16_context"] == written
         assert s["pages_recalled"] == tel.pages_recalled and s["resident_fraction"] == tel.resident_fraction
         assert s["recall_violations"] is None         # not validated
         assert 0 < s["mean_omitted_mass_bound"] <= s["max_omitted_mass_bound"] <= 1

@@ -22,7 +22,7 @@ TINY = ["--model", "tiny:llama", "--seed", "0", "--context", "512", "--samples",
         "--task", "ruler:niah_single_1", "--schemes", "int4", "--resamples", "100"]
 RESIDENT_FIELDS = {"resident_fraction": "empirical", "max_omitted_mass_bound": "certified",
                    "pages_recalled": "empirical", "bytes_recalled": "empirical", "bytes_summary": "empirical",
-                   "recall_ratio": "empirical"}
+                   "recall_ratio": "empirical", "bytes_fp16_context": "empirical", "capacity_context": "empirical"}
 
 
 @pytest.mark.parametrize(("args", "needle"), [
@@ -59,7 +59,11 @@ def test_eval_resident_variant_reports_tiered_numbers(tmp_path: Path) -> None:
     assert {k: kept[k]["tier"] for k in RESIDENT_FIELDS} == RESIDENT_FIELDS
     assert 0.2 < kept["resident_fraction"]["value"] < 0.35          # 25 % of the prompt, plus decoded tokens
     assert 0.0 <= kept["max_omitted_mass_bound"]["value"] <= 1.0
-    assert kept["recall_ratio"]["value"] == pytest.approx(kept["bytes_recalled"]["value"] / kept["bytes_fp16"]["value"])
+    context = kept["bytes_fp16_context"]["value"]   # every written token; bytes_fp16 counts the resident ones
+    assert kept["bytes_fp16"]["value"] == pytest.approx(kept["resident_fraction"]["value"] * context)
+    assert kept["recall_ratio"]["value"] == pytest.approx(kept["bytes_recalled"]["value"] / context)
+    assert kept["capacity_context"]["value"] == pytest.approx(context / kept["bytes_device"]["value"])
+    assert context == variants["int4"]["bytes_fp16"]["value"]   # the plain scheme holds every token
     assert "omitted_mass" not in json.dumps(variants["int4+gate"])   # only resident variants carry them
     html = (out / "report.html").read_text()
     assert "Resident variants" in html and "R = 0.25 chosen by streaming" in html
@@ -87,7 +91,8 @@ def _shard(task: str, n: int, fraction: float, pages: int, recalled: int, bound:
     per_sample = [{"task": task, "index": _t(i), "scores": {"dense": _t(1.0), "int8+resident": _t(1.0)}}
                   for i in range(n)]
     tel = {"cells": _t(10 * n), "page_in_bytes": _t(0), "fail_closed": _t(0), "max_certificate": _t(bound, "certified"),
-           "bytes_fp16": _t(1000 * n), "bytes_per_token_fp16": _t(100.0), "bytes_per_token_stored": _t(50.0),
+           "bytes_fp16": _t(250 * n), "bytes_fp16_context": _t(1000 * n), "bytes_device": _t(400 * n),
+           "bytes_per_token_fp16": _t(100.0), "bytes_per_token_stored": _t(50.0),
            "resident_fraction": _t(fraction), "max_omitted_mass_bound": _t(bound, "certified"),
            "pages_recalled": _t(pages), "bytes_recalled": _t(recalled), "bytes_summary": _t(7),
            "recall_ratio": _t(recalled / (1000 * n))}
@@ -110,6 +115,7 @@ def test_merge_pools_resident_numbers() -> None:
     assert v["max_omitted_mass_bound"] == _t(0.9, "certified")
     assert v["resident_fraction"]["value"] == pytest.approx((0.3 + 3 * 0.26) / 4)
     assert v["recall_ratio"]["value"] == pytest.approx(600 / 4000)
+    assert v["bytes_fp16_context"]["value"] == 4000 and v["capacity_context"]["value"] == pytest.approx(4000 / 1600)
 
 
 @pytest.mark.parametrize(("key", "other"), [("select", "h2o"), ("resident", 0.5)])

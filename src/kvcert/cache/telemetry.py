@@ -32,8 +32,10 @@ relative to exact attention over *every* token (resident and omitted). ``omitted
 bound on the attention mass of the omitted tokens before recall (**certified**), ``omitted_mass`` its exact value
 (**measured**, validate mode); ``pages_recalled`` / ``bytes_recalled`` count what recall paged in from the host
 tier (transient, K and V), ``bytes_summary`` the device bytes of the page summaries (not in ``bytes_stored``),
-``resident_fraction`` the share of written tokens held resident; ``recall_violations`` (validate) counts cells
-whose exact omitted mass exceeded its bound or whose true TV after recall exceeded the served certificate.
+``resident_fraction`` the share of written tokens held resident, ``bytes_fp16_context`` what an fp16 cache would
+hold for every written token, resident and omitted (``bytes_fp16`` counts the resident ones only);
+``recall_violations`` (validate) counts cells whose exact omitted mass exceeded its bound or whose true TV after
+recall exceeded the served certificate.
 """
 
 from __future__ import annotations
@@ -225,6 +227,7 @@ class Telemetry:
     bytes_recalled: int = 0
     bytes_summary: int = 0
     recall_violations: int = 0
+    bytes_fp16_context: int = 0                       # resident set: fp16 K/V of every written token (0: none)
     tiers: dict[str, str] = field(default_factory=lambda: dict(TIERS))
 
     @property
@@ -354,6 +357,7 @@ class Telemetry:
         if self.resident_fraction is not None:
             out.update(resident_fraction=self.resident_fraction, pages_recalled=self.pages_recalled,
                        bytes_recalled=self.bytes_recalled, bytes_summary=self.bytes_summary,
+                       bytes_fp16_context=self.bytes_fp16_context,
                        recall_violations=self.recall_violations if self.omitted_mass is not None else None)
             for name in ("omitted_mass_bound", "omitted_mass"):
                 vals = getattr(self, name)

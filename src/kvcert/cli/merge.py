@@ -8,8 +8,9 @@ and cell-weighted fractions (coverage, informative fraction, fallback rate, effe
 by each shard's recorded cells — the same cell weighting one run applies over its samples. Stored bytes per
 token depend on each shard's token counts, which a results file does not hold: they are reported per shard.
 Resident variants (``--resident``): shards must share ``--resident`` and ``--select``; pages / bytes recalled,
-summary bytes and recall violations are summed, the omitted-mass maxima are the maximum, the resident fraction is
-the sample-weighted mean (as one run's mean over samples) and the recall ratio is recomputed from the sums.
+summary bytes, recall violations and context fp16 bytes are summed, the omitted-mass maxima are the maximum, the
+resident fraction is the sample-weighted mean (as one run's mean over samples), and the recall ratio and context
+capacity are recomputed from the sums.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from kvcert.report.results import (
 from kvcert.report.tables import ReportTable, fmt, print_table
 
 SUMMED = ("page_in_bytes", "cells", "fail_closed", "violations", "bytes_device", "bytes_fp16",
-          "pages_recalled", "bytes_recalled", "bytes_summary", "recall_violations")
+          "pages_recalled", "bytes_recalled", "bytes_summary", "recall_violations", "bytes_fp16_context")
 MAXED = {"max_certificate": CERTIFIED, "max_omitted_mass_bound": CERTIFIED, "max_omitted_mass": EMPIRICAL}
 CELL_WEIGHTED = {
     "coverage_q@0.2": CERTIFIED,
@@ -197,9 +198,11 @@ def merge_results(docs: list[dict[str, Any]], paths: list[Path], seed: int, resa
                 fractions = [_value(p, "resident_fraction") for p in parts]
                 out["resident_fraction"] = tiered(sum(f * k for f, k in zip(fractions, n, strict=True)) / sum(n)
                                                   if None not in fractions else None, EMPIRICAL)
-                fp16, recalled = _value(out, "bytes_fp16"), _value(out, "bytes_recalled")
+                fp16, recalled = _value(out, "bytes_fp16_context"), _value(out, "bytes_recalled")
+                device = _value(out, "bytes_device")
                 out["recall_ratio"] = tiered(recalled / fp16 if fp16 and recalled is not None else float("nan"),
                                              EMPIRICAL)
+                out["capacity_context"] = tiered(fp16 / device if fp16 and device else float("nan"), EMPIRICAL)
             out["bytes_per_token_fp16"] = parts[0]["bytes_per_token_fp16"]
             out["bytes_per_token_stored_per_shard"] = [p["bytes_per_token_stored"] for p in parts]
             if "bytes_device" in out and _value(out, "bytes_device"):   # measured: Σ fp16 / Σ device bytes

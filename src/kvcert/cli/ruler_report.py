@@ -81,9 +81,11 @@ def _max_cell(tels: list[Telemetry], attr: str) -> float | None:
 def resident_numbers(tels: list[Telemetry]) -> dict[str, Any]:
     """Tiered resident-set numbers of a variant (``docs/cli.md#resident-variants``): mean resident fraction over
     the samples, the largest omitted-mass bound of any cell (certified), pages / bytes recalled and summary bytes
-    (sums, measured), recalled bytes over the fp16 K/V bytes (page-in share of recall), and in validate mode the
-    largest exact omitted mass and the recall violations (must be 0)."""
-    fp16 = sum(t.bytes_fp16 for t in tels)
+    (sums, measured), the fp16 K/V bytes of the whole contexts (resident and omitted tokens), device capacity and
+    recall traffic relative to them, and in validate mode the largest exact omitted mass and the recall violations
+    (must be 0)."""
+    fp16 = sum(t.bytes_fp16_context for t in tels)
+    device = sum(t.bytes_device for t in tels)
     recalled = sum(t.bytes_recalled for t in tels)
     out = {
         "resident_fraction": tiered(_mean([float(t.resident_fraction or 0.0) for t in tels]), EMPIRICAL),
@@ -91,6 +93,8 @@ def resident_numbers(tels: list[Telemetry]) -> dict[str, Any]:
         "pages_recalled": tiered(sum(t.pages_recalled for t in tels), EMPIRICAL),
         "bytes_recalled": tiered(recalled, EMPIRICAL),
         "bytes_summary": tiered(sum(t.bytes_summary for t in tels), EMPIRICAL),
+        "bytes_fp16_context": tiered(fp16, EMPIRICAL),
+        "capacity_context": tiered(fp16 / device if device else float("nan"), EMPIRICAL),
         "recall_ratio": tiered(recalled / fp16 if fp16 else float("nan"), EMPIRICAL),
     }
     if tels[0].omitted_mass is not None:
@@ -199,6 +203,7 @@ def resident_table(results: dict[str, Any]) -> ReportTable | None:
 
         recalled, summary = val("bytes_recalled"), val("bytes_summary")
         rows.append((label, v.get("select", "–"), v["gate"], fmt(val("resident_fraction"), percent=True),
+                     fmt(val("capacity_context"), 2),
                      fmt(val("max_omitted_mass_bound"), 3), fmt(val("max_omitted_mass"), 3),
                      fmt(val("pages_recalled")), fmt(None if recalled is None else recalled / MB, 3),
                      fmt(val("recall_ratio"), 3), fmt(None if summary is None else summary / MB, 3),
@@ -207,13 +212,14 @@ def resident_table(results: dict[str, Any]) -> ReportTable | None:
         return None
     return ReportTable(
         "Resident variants: resident set, omitted attention mass and recall",
-        ("variant", "select", "gate", "resident", "max m̄ bound", "max m (exact)", "pages rec.", "MB rec.",
+        ("variant", "select", "gate", "resident", "capacity", "max m̄ bound", "max m (exact)", "pages rec.", "MB rec.",
          "recall ×fp16", "summary MB", "recall viol."),
         tuple(rows),
-        "resident = share of written tokens held on the device (mean over samples); max m̄ bound = largest "
-        "certified bound on the attention mass of the non-resident tokens over all cells (before recall); "
-        "max m (exact) = its exact value (validate mode only); pages / MB rec. = pages and K+V bytes recalled "
-        "from the host tier (summed); recall ×fp16 = recalled bytes / fp16 K/V bytes of the requests; summary "
+        "resident = share of written tokens held on the device (mean over samples); capacity = fp16 K/V bytes of "
+        "the whole contexts (resident and omitted tokens) / device bytes (codes, witnesses, summaries); max m̄ "
+        "bound = largest certified bound on the attention mass of the non-resident tokens over all cells (before "
+        "recall); max m (exact) = its exact value (validate mode only); pages / MB rec. = pages and K+V bytes recalled "
+        "from the host tier (summed); recall ×fp16 = recalled bytes / fp16 K/V bytes of the whole contexts; summary "
         "MB = device bytes of the page summaries; recall viol. = cells whose exact omitted mass exceeded its "
         "bound or whose true TV after recall exceeded the served certificate (validate mode; must be 0). "
         "Tiers: m̄ bound certified; the rest measured (empirical).",

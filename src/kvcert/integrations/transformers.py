@@ -891,6 +891,8 @@ class CertifiedCache(Cache):
         stores = [layer.store for layer in self.layers]
         held = sum(s.n for s in stores)
         omitted = sum(s.evicted["k"].view().shape[2] for s in stores if s.evicted)
+        omitted_fp16 = sum(2 * (s.evicted["k"].view().numel() + s.evicted["v"].view().numel())
+                           for s in stores if s.evicted)
         return {
             "omitted_mass_bound": stack_records(recs, n_layers, steps, "mass_bound"),
             "omitted_mass": stack_records(recs, n_layers, steps, "true_mass"),
@@ -898,6 +900,7 @@ class CertifiedCache(Cache):
             "pages_recalled": sum(r.pages for r in recs), "bytes_recalled": sum(r.bytes for r in recs),
             "bytes_summary": self._summary_bytes(),
             "recall_violations": sum(r.violations for r in recs),
+            "bytes_fp16_context": sum(s.bytes_fp16() for s in stores) + omitted_fp16,
         }
 
     def reset(self) -> None:

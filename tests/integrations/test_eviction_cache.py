@@ -27,14 +27,14 @@ def _ids(model, n=PROMPT, batch=1, seed=0):
 @torch.no_grad()
 def _decode(model, ids, cache, steps=STEPS, on_step=None):
     """Prefill + greedy decode; returns (tokens [B, steps], logits of every forward's last position)."""
-    out = model(ids, past_key_values=cache, use_cache=True)
+    out = model(ids, cache=cache, use_cache=True)
     toks, logits = [], [out.logits[:, -1]]
     for _ in range(steps):
         nxt = out.logits[:, -1:].argmax(-1)
         toks.append(nxt)
         if on_step is not None:
             on_step(cache, out)
-        out = model(nxt, past_key_values=cache, use_cache=True)
+        out = model(nxt, cache=cache, use_cache=True)
         logits.append(out.logits[:, -1])
     return torch.cat(toks, 1), torch.stack(logits, 1)
 
@@ -136,7 +136,7 @@ def test_left_padding_batch_matches_single_rows_under_eviction():
     def run(ids, mask):
         cache = CertifiedCache(model, keys="int8", values="int8", gate=Gate.certified(0.0), evict=H2O(recent=2),
                                budget=10)
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8, do_sample=False,
+        out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=8, do_sample=False,
                              min_new_tokens=8, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
         cache.detach()
         assert cache.telemetry().evicted_entries > 0
@@ -230,7 +230,7 @@ def test_ingest_compression_uses_key_proxy_and_keeps_count():
     ids = _ids(model)
     past = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, past_key_values=past, use_cache=True)
+        model(ids, cache=past, use_cache=True)
     cache = CertifiedCache(model, keys="int8", values="int8", evict=H2O(recent=2), compression_ratio=0.5)
     cache.ingest(past)
     assert [layer.store.n for layer in cache.layers] == [10, 10]
@@ -238,7 +238,7 @@ def test_ingest_compression_uses_key_proxy_and_keeps_count():
     budget_cache = CertifiedCache(model, keys="int8", values="int8", evict=H2O(recent=2), budget=6)
     budget_cache.ingest(past)
     with torch.no_grad():
-        model(ids[:, :1], past_key_values=budget_cache, use_cache=True)
+        model(ids[:, :1], cache=budget_cache, use_cache=True)
     assert [layer.store.n for layer in budget_cache.layers] == [7, 7]
 
 
@@ -247,7 +247,7 @@ def test_rmm_kappa_feeder_in_generate_and_missing_kappa_fails_closed():
     ids = _ids(model)
     cache = CertifiedCache(model, keys="int8", values="int8", evict=RMM(lag=3, kappa="emitted"), budget=8)
     with torch.no_grad():
-        model.generate(ids, past_key_values=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+        model.generate(ids, cache=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False,
                        pad_token_id=0, logits_processor=[KappaFeeder(cache)])
     assert max(layer.store.n for layer in cache.layers) <= 9 and not cache._kappa_groups
     scores = cache.evict._layers[0].scores
@@ -268,7 +268,7 @@ def test_rmm_prefill_kappa_changes_the_kept_set():
                                compression_ratio=0.5)
         cache.set_prefill_kappa(kappa)
         with torch.no_grad():
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, cache=cache, use_cache=True)
         return cache.kept_positions(0)
 
     ones = kept(None)
@@ -312,12 +312,12 @@ def test_ingest_with_recorded_attention_keeps_what_the_in_forward_compression_ke
     ids = _ids(model, seed=21)
     inline = CertifiedCache(model, keys="int8", values="int8", evict=policy, compression_ratio=0.5)
     with torch.no_grad():
-        model(ids, past_key_values=inline, use_cache=True)
+        model(ids, cache=inline, use_cache=True)
     inline.detach()
     model.set_attn_implementation("eager")
     past = DynamicCache(config=model.config)
     with torch.no_grad():
-        attentions = model(ids, past_key_values=past, use_cache=True, output_attentions=True).attentions
+        attentions = model(ids, cache=past, use_cache=True, output_attentions=True).attentions
     model.set_attn_implementation("sdpa")
     branched = CertifiedCache(model, keys="int8", values="int8", evict=policy, compression_ratio=0.5)
     branched.ingest(past, attentions=attentions)
@@ -349,9 +349,9 @@ def _teacher_forced(model, ids, policy, budget=10, prompt=12):
     model's: layer 0's queries and keys then do not depend on what was evicted)."""
     cache = CertifiedCache(model, keys="int8", values="int8", validate=True, evict=policy, budget=budget, belady=True)
     with torch.no_grad():
-        model(ids[:, :prompt], past_key_values=cache, use_cache=True)
+        model(ids[:, :prompt], cache=cache, use_cache=True)
         for t in range(prompt, ids.shape[1]):
-            model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            model(ids[:, t : t + 1], cache=cache, use_cache=True)
     cache.detach()
     return cache
 
@@ -383,7 +383,7 @@ def test_snapkv_first_budget_eviction_after_ingest_keeps_the_prefill_compression
     model.set_attn_implementation("eager")
     past = DynamicCache(config=model.config)
     with torch.no_grad():
-        attentions = model(ids, past_key_values=past, use_cache=True, output_attentions=True).attentions
+        attentions = model(ids, cache=past, use_cache=True, output_attentions=True).attentions
     model.set_attn_implementation("sdpa")
     compressed = CertifiedCache(model, keys="none", values="none", certify=False,
                                 evict=SnapKV(window=8, kernel=3), compression_ratio=0.5)
@@ -392,7 +392,7 @@ def test_snapkv_first_budget_eviction_after_ingest_keeps_the_prefill_compression
                             budget=prefill_kept_count(60, 0.5))
     budget.ingest(past, attentions=attentions)
     with torch.no_grad():
-        model(ids[:, -1:], past_key_values=budget, use_cache=True)
+        model(ids[:, -1:], cache=budget, use_cache=True)
     for layer in range(2):
         assert torch.equal(budget.kept_positions(layer)[..., :-1], compressed.kept_positions(layer))
     assert budget.telemetry().evicted_entries == 2 * 2 * 30

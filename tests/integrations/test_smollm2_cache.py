@@ -25,12 +25,12 @@ def smollm2(smollm2_model):
 
 def _loop(model, ids, cache, steps):
     with torch.no_grad():
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, cache=cache, use_cache=True)
         toks = []
         nxt = out.logits[:, -1:].argmax(-1)
         for _ in range(steps):
             toks.append(int(nxt))
-            out = model(nxt, past_key_values=cache, use_cache=True)
+            out = model(nxt, cache=cache, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
     return toks
 

@@ -24,19 +24,19 @@ def _tiny(family):
 
 
 def _greedy(model, ids, cache, steps, attention_mask=None):
-    out = model.generate(ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=steps,
+    out = model.generate(ids, attention_mask=attention_mask, cache=cache, max_new_tokens=steps,
                          do_sample=False, min_new_tokens=steps, pad_token_id=0)
     return out[:, ids.shape[1]:]
 
 
 def _decode_loop(model, ids, cache, steps):
     """Manual forward loop (prefill + greedy decode); returns generated tokens."""
-    out = model(ids, past_key_values=cache, use_cache=True)
+    out = model(ids, cache=cache, use_cache=True)
     toks = []
     nxt = out.logits[:, -1:].argmax(-1)
     for _ in range(steps):
         toks.append(nxt)
-        out = model(nxt, past_key_values=cache, use_cache=True)
+        out = model(nxt, cache=cache, use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
     return torch.cat(toks, 1)
 
@@ -190,7 +190,7 @@ def test_detach_restores_attention_and_closed_cache_raises():
     assert model.config._attn_implementation == before
     ids = torch.randint(3, model.config.vocab_size, (1, 8))
     with pytest.raises(CacheClosedError):
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
 
 
 def test_a_cache_that_is_not_the_models_active_one_raises_instead_of_serving_uncertified():
@@ -199,16 +199,16 @@ def test_a_cache_that_is_not_the_models_active_one_raises_instead_of_serving_unc
     first = CertifiedCache(model, keys="int8", values="int8")
     second = CertifiedCache(model, keys="int8", values="int8")   # takes over the model's attention modules
     with pytest.raises(CacheNotActiveError, match=r"cache.attach\(\)"):
-        model(ids, past_key_values=first)
-    model(ids, past_key_values=second)
+        model(ids, cache=first)
+    model(ids, cache=second)
     first.attach()                                                # active again: certified reads resume
     long = torch.randint(3, model.config.vocab_size, (1, 40))
-    model(long, past_key_values=first)
-    model(long[:, :1], past_key_values=first)                    # a decode read over compressed entries
+    model(long, cache=first)
+    model(long[:, :1], cache=first)                    # a decode read over compressed entries
     assert first.telemetry().certificates.shape[0] >= 1
     model.set_attn_implementation("sdpa")                         # kvcert attention switched off behind its back
     with pytest.raises(CacheNotActiveError):
-        model(ids[:, :1], past_key_values=first)
+        model(ids[:, :1], cache=first)
     first.detach()
     second.detach()
 
@@ -227,8 +227,8 @@ def test_non_finite_inputs_are_counted_through_the_cache():
     cache = CertifiedCache(model, keys="int8", values="int8", write_block=1)
     with torch.no_grad():
         model.model.layers[0].self_attn.k_proj.weight[0, 0] = float("nan")   # NaN keys in layer 0
-        model(ids, past_key_values=cache)
-        model(ids[:, :1], past_key_values=cache)
+        model(ids, cache=cache)
+        model(ids[:, :1], cache=cache)
     cache.detach()
     store = cache.layers[0].store
     assert store.nonfinite > 0 and store.k.exact.view()[:, 0, :20].all()

@@ -263,7 +263,9 @@ class LayerStore:
         assert self.k is not None and self.v is not None
         moved = 0
         for ts in (self.k, self.v):
-            ts.served.view()[b, h, tokens] = ts.host.view()[b, h, tokens].to(ts.served.view().device, torch.float32)
+            host = ts.host.view()
+            on_host = tokens.to(host.device) if isinstance(tokens, torch.Tensor) else tokens  # a device-tier mask
+            ts.served.view()[b, h, tokens] = host[b, h, on_host].to(ts.served.view().device, torch.float32)
             newly = ~ts.exact.view()[b, h, tokens]
             moved += int(newly.sum()) * ts.host.view().shape[-1] * 2
             ts.held.view()[b, h, tokens] |= newly

@@ -51,10 +51,15 @@ def make_layers(seq: int, gen: torch.Generator) -> list[dict[str, torch.Tensor]]
         # stored witness, band-major [Hkv, 1, B, S] (float32 rounded up), passed as a [Hkv, 1, S, B] view
         kn = round_up_f32(band_norms(k_res, BANDS)).transpose(-1, -2).contiguous().unsqueeze(1)
         # the cache's token-major witnesses [1, Hkv, S, B], ‖k̂_t‖ and W_t [1, Hkv, S] for the fused path
-        fused = {"rho": kn.squeeze(1).transpose(-1, -2).contiguous().unsqueeze(0),
-                 "khn": norm_up_f32(k).unsqueeze(0), "w": norm_up_f32(k_res).unsqueeze(0),
-                 "k4": k.unsqueeze(0), "v4": v.unsqueeze(0), "vn": norm_up_f32(v).unsqueeze(0),
-                 "vres": torch.rand(1, KV_HEADS, seq, generator=gen) * 1e-2}
+        fused = {
+            "rho": kn.squeeze(1).transpose(-1, -2).contiguous().unsqueeze(0),
+            "khn": norm_up_f32(k).unsqueeze(0),
+            "w": norm_up_f32(k_res).unsqueeze(0),
+            "k4": k.unsqueeze(0),
+            "v4": v.unsqueeze(0),
+            "vn": norm_up_f32(v).unsqueeze(0),
+            "vres": torch.rand(1, KV_HEADS, seq, generator=gen) * 1e-2,
+        }
         layers.append({"q": q, "k": k, "v": v, "kn": kn, **fused})
     return layers
 
@@ -73,8 +78,17 @@ def certificate(layer: dict[str, torch.Tensor], p: torch.Tensor) -> torch.Tensor
 
 def fused_read(layer: dict[str, torch.Tensor]) -> torch.Tensor:
     s = layer["k4"].shape[2]
-    lr = logits_radii(layer["q"].unsqueeze(0), layer["k4"], layer["rho"], layer["khn"], layer["w"], s, SCALE,
-                      gamma_f32(HEAD_DIM + 1), "rotate_half")
+    lr = logits_radii(
+        layer["q"].unsqueeze(0),
+        layer["k4"],
+        layer["rho"],
+        layer["khn"],
+        layer["w"],
+        s,
+        SCALE,
+        gamma_f32(HEAD_DIM + 1),
+        "rotate_half",
+    )
     assert lr is not None
     mo = meter_output(lr, layer["v4"], layer["vres"], layer["vn"], layer["vn"], s)
     assert mo is not None
@@ -128,8 +142,9 @@ def main() -> None:
         rows.append((seq, *paired_times([run_attention, run_certificate, run_batched, run_fused], args.repeats)))
     print(f"threads={torch.get_num_threads()} L={LAYERS} H={HEADS} Hkv={KV_HEADS} D={HEAD_DIM} B={BANDS}")
     print("per-layer: one certificate call per layer (as the cache reads); batched: one call for all layers")
-    print("fused read: served attention + certificate in the decode kernels; its ratio is (fused - attention) / "
-          "attention")
+    print(
+        "fused read: served attention + certificate in the decode kernels; its ratio is (fused - attention) / attention"
+    )
     head = ("S", "attention ms", "per-layer ms", "ratio", "batched ms", "ratio", "fused read ms", "ratio")
     print(" | ".join(f"{h:>{w}}" for h, w in zip(head, (6, 12, 12, 6, 10, 6, 13, 6), strict=True)))
     print("-" * 90)

@@ -66,14 +66,21 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                    help="wall: elapsed time, torch's default threads; cpu: CPU time of this process (every thread, "
-                         "BLAS helpers included) with single-threaded torch (what other processes on a shared "
-                         "machine do not inflate)")
-    ap.add_argument("--no-gc-freeze", action="store_true",
-                    help="leave the objects of start-up (model, libraries) in Python's collected generations; by "
-                         "default they are frozen after the prefill, as servers do after loading a model, so a "
-                         "full collection does not rescan them")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: elapsed time, torch's default threads; cpu: CPU time of this process (every thread, "
+        "BLAS helpers included) with single-threaded torch (what other processes on a shared "
+        "machine do not inflate)",
+    )
+    ap.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="leave the objects of start-up (model, libraries) in Python's collected generations; by "
+        "default they are frozen after the prefill, as servers do after loading a model, so a "
+        "full collection does not rescan them",
+    )
     ap.add_argument("--plot", metavar="PNG", help="also write the per-repetition times and ratios as a figure")
     args = ap.parse_args()
     clock = time.perf_counter
@@ -129,9 +136,11 @@ def main() -> None:
                     raise RuntimeError(f"{name}: not every decode step was certified; the timing is void")
                 cache.detach()
     best = {k: min(v) for k, v in times.items()}
-    table = Table(title=f"decode cost, SmolLM2-135M, context {args.context}, {args.steps} steps, best of {args.reps}, "
-                        f"{args.clock} clock, {torch.get_num_threads()} torch threads, "
-                        f"start-up objects {'not ' if args.no_gc_freeze else ''}frozen (empirical)")
+    table = Table(
+        title=f"decode cost, SmolLM2-135M, context {args.context}, {args.steps} steps, best of {args.reps}, "
+        f"{args.clock} clock, {torch.get_num_threads()} torch threads, "
+        f"start-up objects {'not ' if args.no_gc_freeze else ''}frozen (empirical)"
+    )
     table.add_column("variant")
     table.add_column("ms/token", justify="right")
     table.add_column("x dense", justify="right")
@@ -146,8 +155,10 @@ def main() -> None:
     ratios = {}
     for num, den, target in TARGETS:
         per = ratios[(num, den)] = [a / b for a, b in zip(times[num], times[den], strict=True)]
-        console.print(f"{num} / {den} per repetition: {', '.join(f'{r:.3f}' for r in per)}; median "
-                      f"{statistics.median(per):.3f} (empirical; target <= {target})")
+        console.print(
+            f"{num} / {den} per repetition: {', '.join(f'{r:.3f}' for r in per)}; median "
+            f"{statistics.median(per):.3f} (empirical; target <= {target})"
+        )
     if args.plot:
         _plot(times, ratios, args.plot, table.title)
         console.print(f"plot: {args.plot}")
@@ -176,8 +187,9 @@ def _plot(times: dict[str, list[float]], ratios: dict[tuple[str, str], list[floa
         right.scatter([j] * len(per), per, s=14, color="tab:orange", alpha=0.7)
         right.hlines(target, j - 0.35, j + 0.35, color="tab:red", linestyles="dashed")
         right.hlines(statistics.median(per), j - 0.25, j + 0.25, color="black")
-    right.set_xticks(range(len(TARGETS)), ["certified / raw\n(target ≤ 1.10)", "gated / dense\n(target ≤ 1.5)"],
-                     fontsize=8)
+    right.set_xticks(
+        range(len(TARGETS)), ["certified / raw\n(target ≤ 1.10)", "gated / dense\n(target ≤ 1.5)"], fontsize=8
+    )
     right.set_ylabel("ratio per repetition (dashed: target)")
     right.axhline(1.0, color="grey", linewidth=0.5)
     fig.suptitle(title, fontsize=9)

@@ -96,21 +96,43 @@ def main() -> None:
                 step, collector.active = (time.process_time() - t0) / args.steps, False
                 cache.detach()
                 if rep:
-                    rows.append((frozen, certify, step, reads.spent / args.steps, collector.spent / args.steps,
-                                 dict(collector.passes)))
-    table = Table(title=f"decode step anatomy, SmolLM2-135M, context {args.context}, {args.steps} steps, "
-                        f"medians of {args.reps} (empirical)")
-    for col in ("start-up objects", "variant", "ms/step (CPU)", "read ms/step", "read share",
-                "gc ms/step (worst rep)", "gc passes per gen (each rep)"):
+                    rows.append(
+                        (
+                            frozen,
+                            certify,
+                            step,
+                            reads.spent / args.steps,
+                            collector.spent / args.steps,
+                            dict(collector.passes),
+                        )
+                    )
+    table = Table(
+        title=f"decode step anatomy, SmolLM2-135M, context {args.context}, {args.steps} steps, "
+        f"medians of {args.reps} (empirical)"
+    )
+    for col in (
+        "start-up objects",
+        "variant",
+        "ms/step (CPU)",
+        "read ms/step",
+        "read share",
+        "gc ms/step (worst rep)",
+        "gc passes per gen (each rep)",
+    ):
         table.add_column(col)
     for frozen in (False, True):
         for certify in (False, True):
             sel = [r for r in rows if r[0] == frozen and r[1] == certify]
             step, read, gcs = (statistics.median(r[i] for r in sel) * 1e3 for i in (2, 3, 4))
-            table.add_row("frozen" if frozen else "collected", "certified" if certify else "uncertified",
-                          f"{step:.1f}", f"{read:.2f}", f"{read / step:.1%}",
-                          f"{gcs:.2f} ({max(r[4] for r in sel) * 1e3:.2f})",
-                          "; ".join(", ".join(f"g{g}:{n}" for g, n in sorted(r[5].items())) or "-" for r in sel))
+            table.add_row(
+                "frozen" if frozen else "collected",
+                "certified" if certify else "uncertified",
+                f"{step:.1f}",
+                f"{read:.2f}",
+                f"{read / step:.1%}",
+                f"{gcs:.2f} ({max(r[4] for r in sel) * 1e3:.2f})",
+                "; ".join(", ".join(f"g{g}:{n}" for g, n in sorted(r[5].items())) or "-" for r in sel),
+            )
     Console(width=170).print(table)
 
 

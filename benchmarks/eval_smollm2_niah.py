@@ -33,12 +33,16 @@ def main() -> None:
     print(f"load {t_load:.1f} s | data {t_data:.1f} s")
     print(f"{'idx':>3} {'prompt tok':>10} {'new tok':>7} {'s':>6} {'score':>5}  answer / reference")
     for s, p in zip(samples, preds, strict=True):
-        print(f"{p.index:>3} {p.prompt_tokens:>10} {p.new_tokens:>7} {p.seconds:>6.1f} {p.score:>5.2f}  "
-              f"{p.text.strip()[:60]!r} / {list(s.outputs)}")
+        print(
+            f"{p.index:>3} {p.prompt_tokens:>10} {p.new_tokens:>7} {p.seconds:>6.1f} {p.score:>5.2f}  "
+            f"{p.text.strip()[:60]!r} / {list(s.outputs)}"
+        )
     acc = sum(p.score for p in preds) / len(preds)
     mean_s = sum(p.seconds for p in preds) / len(preds)
-    print(f"accuracy {acc:.3f} ({sum(p.score == 1.0 for p in preds)}/{len(preds)}) | "
-          f"mean {mean_s:.1f} s/sample (empirical)")
+    print(
+        f"accuracy {acc:.3f} ({sum(p.score == 1.0 for p in preds)}/{len(preds)}) | "
+        f"mean {mean_s:.1f} s/sample (empirical)"
+    )
 
 
 if __name__ == "__main__":

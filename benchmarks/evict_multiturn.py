@@ -62,11 +62,16 @@ def report(dirs: list[str]) -> None:
     names = list(rows[0]["scores"])
     n_turns = min(len(t) for r in rows for t in r["scores"].values())
     seeds = sorted({r["seed"] for r in rows})
-    print(f"SmolLM2-135M, RULER {task} @ {context} split into {n_turns} turns, {len(rows)} samples (seeds "
-          f"{', '.join(map(str, seeds))}), decode budget {budget:.0%} of turn 1, cache carried across turns "
-          "(all numbers empirical; CIs: paired bootstrap over samples, 10^4 resamples)")
-    print("| policy | " + " | ".join(f"turn {j + 1}" for j in range(n_turns))
-          + " | mean [Δ vs reference, 95% CI] | turns 3+ [Δ, 95% CI] |")
+    print(
+        f"SmolLM2-135M, RULER {task} @ {context} split into {n_turns} turns, {len(rows)} samples (seeds "
+        f"{', '.join(map(str, seeds))}), decode budget {budget:.0%} of turn 1, cache carried across turns "
+        "(all numbers empirical; CIs: paired bootstrap over samples, 10^4 resamples)"
+    )
+    print(
+        "| policy | "
+        + " | ".join(f"turn {j + 1}" for j in range(n_turns))
+        + " | mean [Δ vs reference, 95% CI] | turns 3+ [Δ, 95% CI] |"
+    )
     print("|---|" + "---|" * (n_turns + 2))
 
     def mean_of(name: str, lo: int) -> list[float]:
@@ -125,18 +130,32 @@ def main() -> None:
             cache.ingest(past, attentions=attentions if kwargs else None)
             conv = converse(model, cache, segments, args.max_new, [tok.eos_token_id], first_logits=logits[:, -1])
             cache.detach()
-            scores[name].append([score(t, tok.decode(x, skip_special_tokens=True))
-                                 for t, x in zip(turns, conv.tokens, strict=True)])
+            scores[name].append(
+                [score(t, tok.decode(x, skip_special_tokens=True)) for t, x in zip(turns, conv.tokens, strict=True)]
+            )
         if log is not None:
-            log.write(json.dumps({"task": args.task, "index": sample.index, "seed": args.seed,
-                                  "context": args.context, "budget": args.budget, "slots": budget,
-                                  "scores": {name: scores[name][-1] for name in names}}) + "\n")
+            log.write(
+                json.dumps(
+                    {
+                        "task": args.task,
+                        "index": sample.index,
+                        "seed": args.seed,
+                        "context": args.context,
+                        "budget": args.budget,
+                        "slots": budget,
+                        "scores": {name: scores[name][-1] for name in names},
+                    }
+                )
+                + "\n"
+            )
             log.flush()
     minutes = (time.perf_counter() - t0) / 60
     n_turns = min(len(s) for s in scores["reference"])
-    print(f"SmolLM2-135M, RULER {args.task} @ {args.context} split into {n_turns} turns, {len(samples)} samples, "
-          f"seed {args.seed}, decode budget {args.budget:.0%} of turn 1 ({min(budgets)}-{max(budgets)} slots per "
-          f"KV head), cache carried across turns, {minutes:.1f} min (all numbers empirical)")
+    print(
+        f"SmolLM2-135M, RULER {args.task} @ {args.context} split into {n_turns} turns, {len(samples)} samples, "
+        f"seed {args.seed}, decode budget {args.budget:.0%} of turn 1 ({min(budgets)}-{max(budgets)} slots per "
+        f"KV head), cache carried across turns, {minutes:.1f} min (all numbers empirical)"
+    )
     print("| policy | " + " | ".join(f"turn {j + 1}" for j in range(n_turns)) + " | mean |")
     print("|---|" + "---|" * (n_turns + 1))
     for name in names:

@@ -32,8 +32,12 @@ from kvcert.models import converted_dir, load
 
 def needle_positions(tok: PreTrainedTokenizerBase, sample: Sample, ids: torch.Tensor) -> torch.Tensor:
     """Token positions (sorted, unique) whose characters overlap any occurrence of a reference answer."""
-    text = tok.apply_chat_template([{"role": "user", "content": sample.prompt}], add_generation_prompt=True,
-                                   tokenize=False) + sample.answer_prefix
+    text = (
+        tok.apply_chat_template(
+            [{"role": "user", "content": sample.prompt}], add_generation_prompt=True, tokenize=False
+        )
+        + sample.answer_prefix
+    )
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     if enc.input_ids != ids[0].tolist():
         raise ValueError("offset tokenisation differs from prompt_ids; cannot locate the needle")
@@ -60,8 +64,11 @@ def main() -> None:
     torch.manual_seed(0)
     model, tok = load("smollm2-135m")
     model.eval()
-    samples = [s for task in args.tasks.split(",")
-               for s in load_task(task, args.context, args.samples, args.seed, converted_dir("smollm2-135m"))]
+    samples = [
+        s
+        for task in args.tasks.split(",")
+        for s in load_task(task, args.context, args.samples, args.seed, converted_dir("smollm2-135m"))
+    ]
     keeps = [float(k) for k in args.keep.split(",")]
     n_layers = model.config.num_hidden_layers
     # per (policy, keep): [samples, layers, heads] fraction of value tokens kept
@@ -83,18 +90,25 @@ def main() -> None:
                     idx = policy.prefill_keep(layer, k, v, 1.0 - keep, attn=attentions[layer], kappa=kappa)
                     mask = torch.zeros(*idx.shape[:2], s, dtype=torch.bool).scatter_(-1, idx, True)
                     assert idx.shape[-1] == prefill_kept_count(s, 1.0 - keep)
-                    per_layer.append(mask[0][:, needle].double().mean(-1))          # [Hkv]
-                kept_frac.setdefault((name, keep), []).append(torch.stack(per_layer))   # [layers, Hkv]
-    table = Table(title=f"needle value tokens kept, SmolLM2-135M, RULER {args.tasks} @ {args.context}, "
-                        f"{len(samples)} samples (empirical)")
+                    per_layer.append(mask[0][:, needle].double().mean(-1))  # [Hkv]
+                kept_frac.setdefault((name, keep), []).append(torch.stack(per_layer))  # [layers, Hkv]
+    table = Table(
+        title=f"needle value tokens kept, SmolLM2-135M, RULER {args.tasks} @ {args.context}, "
+        f"{len(samples)} samples (empirical)"
+    )
     for col in ("policy", "kept", "cells keeping every value token", "mean value tokens kept", "worst layer"):
         table.add_column(col, justify="right" if col != "policy" else "left")
     for (name, keep), fr in kept_frac.items():
-        f = torch.stack(fr)                                           # [samples, layers, Hkv]
+        f = torch.stack(fr)  # [samples, layers, Hkv]
         by_layer = f.mean((0, 2))
         worst = int(by_layer.argmin())
-        table.add_row(name, f"{keep:.0%}", f"{(f == 1).double().mean():.3f}", f"{f.mean():.3f}",
-                      f"{worst} ({by_layer[worst]:.3f})")
+        table.add_row(
+            name,
+            f"{keep:.0%}",
+            f"{(f == 1).double().mean():.3f}",
+            f"{f.mean():.3f}",
+            f"{worst} ({by_layer[worst]:.3f})",
+        )
     Console(width=140).print(table)
 
 

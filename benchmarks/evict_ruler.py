@@ -67,21 +67,28 @@ POLICIES: dict[str, Callable[[torch.Tensor], EvictionPolicy]] = {  # argument: t
     "h2o(recent=32)": lambda _: H2O(recent=32),
     "snapkv(w=32,k=5)": lambda _: SnapKV(window=32, kernel=5),
     "rmm(lag=32,realised)": lambda _: RMM(lag=32, kappa="realised"),
-    "belady(future_mass)": lambda answer: Belady(answer, torch.ones(answer.shape[0]), variant="future_mass",
-                                                 first=answer.shape[-1] - answer.shape[0]),
+    "belady(future_mass)": lambda answer: Belady(
+        answer, torch.ones(answer.shape[0]), variant="future_mass", first=answer.shape[-1] - answer.shape[0]
+    ),
 }
 
 
 _RECORDED: dict[int, torch.Tensor] = {}
 
 
-def _recording_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                         **kwargs: Any) -> tuple[torch.Tensor, None]:
+def _recording_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """SDPA that also records the causal attention ``[B, Hkv, q, K]`` of the ``q`` newest positions over all
     ``K`` keys (mean over each group)."""
-    out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                 **kwargs)
+    out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     b, hq, q, d = query.shape
     hkv, k = key.shape[1], key.shape[2]
     logits = query.reshape(b, hkv, hq // hkv, q, d) @ key.unsqueeze(2).transpose(-1, -2) * scaling
@@ -91,8 +98,7 @@ def _recording_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
 
 
 @torch.inference_mode()
-def shared_prefill(model: PreTrainedModel, ids: torch.Tensor) -> tuple[DynamicCache, list[torch.Tensor],
-                                                                          torch.Tensor]:
+def shared_prefill(model: PreTrainedModel, ids: torch.Tensor) -> tuple[DynamicCache, list[torch.Tensor], torch.Tensor]:
     """Exact prefill: (K/V cache, per-layer attention ``[1, Hkv, S, S]``, logits ``[1, S, V]``)."""
     past = DynamicCache(config=model.config)
     with swapped_attention(model, "evict-record", _recording_attention, mask=None):
@@ -118,8 +124,7 @@ def answer_trace(model: PreTrainedModel, past: DynamicCache, toks: torch.Tensor)
 
 
 @torch.inference_mode()
-def decode(model: PreTrainedModel, cache: CertifiedCache, first: torch.Tensor, max_new: int, eos: int
-           ) -> torch.Tensor:
+def decode(model: PreTrainedModel, cache: CertifiedCache, first: torch.Tensor, max_new: int, eos: int) -> torch.Tensor:
     """Greedy tokens ``[1, n]`` starting with ``first`` (from the shared prefill), stopping at ``eos``."""
     toks = []
     nxt = first
@@ -133,18 +138,22 @@ def table(context: int, rows: list[dict[str, Any]], configs: list[tuple[str, flo
     """Markdown table of one context length: accuracy, paired bootstrap CI and McNemar p per configuration."""
     ref = [r["scores"]["reference@1.00"] for r in rows]
     tasks = sorted({r["task"] for r in rows})
-    lines = [f"SmolLM2-135M, RULER {','.join(tasks)} @ {context}, {len(rows)} samples, prefill compression via "
-             "shared-prefill ingest (all numbers empirical)",
-             "| policy | kept | accuracy | Δ vs reference [95% paired bootstrap CI] | McNemar p |",
-             "|---|---|---|---|---|",
-             f"| reference (no eviction) | 100% | {sum(ref) / len(ref):.3f} | — | — |"]
+    lines = [
+        f"SmolLM2-135M, RULER {','.join(tasks)} @ {context}, {len(rows)} samples, prefill compression via "
+        "shared-prefill ingest (all numbers empirical)",
+        "| policy | kept | accuracy | Δ vs reference [95% paired bootstrap CI] | McNemar p |",
+        "|---|---|---|---|---|",
+        f"| reference (no eviction) | 100% | {sum(ref) / len(ref):.3f} | — | — |",
+    ]
     for name, keep in configs:
         got = [r["scores"][f"{name}@{keep:.2f}"] for r in rows]
         ci = paired_bootstrap(ref, got, seed=0)
         binary = all(v in (0.0, 1.0) for v in ref + got)
         p = f"{mcnemar(ref, got).p_exact:.2g}" if binary else "n/a (partial scores)"
-        lines.append(f"| {name} | {keep:.0%} | {sum(got) / len(got):.3f} | {ci.diff:+.3f} [{ci.low:+.3f}, "
-                     f"{ci.high:+.3f}] | {p} |")
+        lines.append(
+            f"| {name} | {keep:.0%} | {sum(got) / len(got):.3f} | {ci.diff:+.3f} [{ci.low:+.3f}, "
+            f"{ci.high:+.3f}] | {p} |"
+        )
     return lines
 
 
@@ -154,8 +163,10 @@ def recall_cost(rows: list[dict[str, Any]]) -> list[str]:
     names = sorted({k for r in rows for k in r.get("recall", {})})
     if not names:
         return []
-    lines = ["| recall-gated config | page-in per decode step / fp16 KV of the prompt (mean, max over samples) |",
-             "|---|---|"]
+    lines = [
+        "| recall-gated config | page-in per decode step / fp16 KV of the prompt (mean, max over samples) |",
+        "|---|---|",
+    ]
     for key in names:
         share = [c["paged"] / max(c["steps"], 1) / c["fp16"] for r in rows if (c := r.get("recall", {}).get(key))]
         lines.append(f"| {key} | {sum(share) / len(share):.3f}, {max(share):.3f} |")
@@ -208,8 +219,12 @@ def report(dirs: list[str]) -> None:
             ci = paired_bootstrap([r["scores"]["reference@1.00"] for r in mine], acc, seed=0)
             series.setdefault(name, []).append((keep, sum(acc) / len(acc), ci.low, ci.high))
         ref = sum(r["scores"]["reference@1.00"] for r in mine) / len(mine)
-        path = accuracy_vs_budget(series, ref, Path(dirs[0]) / f"accuracy-{context}.png",
-                                  f"SmolLM2-135M, RULER @ {context}, n = {len(mine)} (empirical)")
+        path = accuracy_vs_budget(
+            series,
+            ref,
+            Path(dirs[0]) / f"accuracy-{context}.png",
+            f"SmolLM2-135M, RULER @ {context}, n = {len(mine)} (empirical)",
+        )
         print(f"plot: {path}")
 
 
@@ -224,10 +239,18 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=32, help="cap on new tokens (RULER budget if lower)")
     parser.add_argument("--out", default=None, help="directory for scores.jsonl (one line per sample)")
     parser.add_argument("--report", nargs="+", default=None, help="print tables and plot from saved runs")
-    parser.add_argument("--recall", type=float, default=None,
-                        help="also run every policy recall-gated at this tau (resident set + recall)")
-    parser.add_argument("--summary", choices=("box", "int8"), default="int8",
-                        help="page summary of the recall-gated variant (docs/eviction.md)")
+    parser.add_argument(
+        "--recall",
+        type=float,
+        default=None,
+        help="also run every policy recall-gated at this tau (resident set + recall)",
+    )
+    parser.add_argument(
+        "--summary",
+        choices=("box", "int8"),
+        default="int8",
+        help="page summary of the recall-gated variant (docs/eviction.md)",
+    )
     args = parser.parse_args()
     if args.report:
         report(args.report)
@@ -241,8 +264,9 @@ def main() -> None:
     model.eval()
     samples: list[tuple[str, Sample]] = []
     for task in args.tasks.split(","):
-        samples += [(task, s) for s in load_task(task, args.context, args.samples, args.seed,
-                                                 converted_dir("smollm2-135m"))]
+        samples += [
+            (task, s) for s in load_task(task, args.context, args.samples, args.seed, converted_dir("smollm2-135m"))
+        ]
     keeps = [float(k) for k in args.keep.split(",")]
     configs = [(name, k) for name in names for k in keeps]
     if args.recall is not None:
@@ -259,7 +283,7 @@ def main() -> None:
         past, attentions, logits = shared_prefill(model, ids)
         first = logits[:, -1:].argmax(-1)
         kappa = torch.ones(1, ids.shape[1], dtype=torch.float64)
-        kappa[:, :-1] = token_probability(logits[:, :-1], ids[:, 1:])   # realised κ of the prompt
+        kappa[:, :-1] = token_probability(logits[:, :-1], ids[:, 1:])  # realised κ of the prompt
         del logits
         got: dict[str, float] = {}
         cost: dict[str, dict[str, int]] = {}
@@ -269,8 +293,12 @@ def main() -> None:
             if name == "reference":
                 kwargs: dict[str, Any] = {"certify": False}
             elif name.startswith("recall("):
-                kwargs = {"resident": keep, "select": POLICIES[base](answer), "gate": Gate.certified(args.recall),
-                          "summary": args.summary}
+                kwargs = {
+                    "resident": keep,
+                    "select": POLICIES[base](answer),
+                    "gate": Gate.certified(args.recall),
+                    "summary": args.summary,
+                }
             else:
                 kwargs = {"evict": POLICIES[base](answer), "compression_ratio": 1.0 - keep, "certify": False}
             cache = CertifiedCache(model, keys="none", values="none", **kwargs)
@@ -283,14 +311,24 @@ def main() -> None:
                 cfg = model.config
                 head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
                 fp16 = ids.shape[1] * cfg.num_hidden_layers * cfg.num_key_value_heads * 2 * head_dim * 2
-                cost[f"{name}@{keep:.2f}"] = {"paged": tel.bytes_recalled + tel.bytes_paged,
-                                              "steps": toks.shape[1], "fp16": fp16}
+                cost[f"{name}@{keep:.2f}"] = {
+                    "paged": tel.bytes_recalled + tel.bytes_paged,
+                    "steps": toks.shape[1],
+                    "fp16": fp16,
+                }
             cache.detach()
             got[f"{name}@{keep:.2f}"] = score(sample, tok.decode(toks[0], skip_special_tokens=True))
             if name == "reference" and any(n.startswith("belady") for n in names):
                 answer = answer_trace(model, past, toks)
-        row = {"task": task, "index": i, "context": args.context, "seed": args.seed, "tokens": ids.shape[1],
-               "scores": got, "recall": cost}
+        row = {
+            "task": task,
+            "index": i,
+            "context": args.context,
+            "seed": args.seed,
+            "tokens": ids.shape[1],
+            "scores": got,
+            "recall": cost,
+        }
         rows.append(row)
         if log is not None:
             log.write(json.dumps(row) + "\n")

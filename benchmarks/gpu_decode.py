@@ -76,18 +76,18 @@ def _peak(device: torch.device, fn) -> int | None:
     return int(torch.cuda.max_memory_allocated())
 
 
-def _store(b: int, hkv: int, s: int, d: int, codec: str, device: torch.device,
-           gen: torch.Generator) -> tuple[LayerStore, torch.Tensor, torch.Tensor]:
+def _store(
+    b: int, hkv: int, s: int, d: int, codec: str, device: torch.device, gen: torch.Generator
+) -> tuple[LayerStore, torch.Tensor, torch.Tensor]:
     """A layer store holding ``s`` random tokens encoded by ``codec`` (the last write_block may stay pending),
     and the exact bfloat16 K/V on the device."""
-    store = LayerStore(0, quant.get(codec), quant.get(codec), bands=8, pairing="rotate_half", seed=0,
-                       write_block=16)
+    store = LayerStore(0, quant.get(codec), quant.get(codec), bands=8, pairing="rotate_half", seed=0, write_block=16)
     k = torch.randn(b, hkv, s, d, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
     v = torch.randn(b, hkv, s, d, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
     rows, keep = torch.arange(1, b + 1, device=device), torch.zeros(b, dtype=torch.bool, device=device)
     step = max(16, s // 8)
-    for t0 in range(0, s, step):                 # chunked writes keep the encoder's temporaries small
-        store.append(k[:, :, t0:t0 + step], v[:, :, t0:t0 + step], rows, keep)
+    for t0 in range(0, s, step):  # chunked writes keep the encoder's temporaries small
+        store.append(k[:, :, t0 : t0 + step], v[:, :, t0 : t0 + step], rows, keep)
     store.encode_pending()
     return store, k, v
 
@@ -103,7 +103,7 @@ def _exact_attention(q: torch.Tensor, hkv: int):
     def exact_attention(hk: torch.Tensor, hv: torch.Tensor, heads: tuple[int, int] | None) -> torch.Tensor:
         h0, h1 = heads if heads is not None else (0, hkv)
         kk, vv = (x[:, h0:h1].to(q.device, torch.float32, non_blocking=True) for x in (hk, hv))
-        return _sdpa(q[:, h0 * g:h1 * g], kk, vv).transpose(1, 2)
+        return _sdpa(q[:, h0 * g : h1 * g], kk, vv).transpose(1, 2)
 
     return exact_attention
 
@@ -119,8 +119,12 @@ def _exp_ulps(device: torch.device) -> float:
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         tl.store(y_ptr + i, tl.exp(tl.load(x_ptr + i, mask=i < n, other=0.0)), mask=i < n)
 
-    x = torch.cat([torch.linspace(-700, 700, 200_001, dtype=torch.float64),
-                   torch.randn(100_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 50])
+    x = torch.cat(
+        [
+            torch.linspace(-700, 700, 200_001, dtype=torch.float64),
+            torch.randn(100_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 50,
+        ]
+    )
     xd = x.to(device)
     y = torch.empty_like(xd)
     _exp64[(triton.cdiv(x.numel(), 1024),)](xd, y, x.numel(), BLOCK=1024)
@@ -141,15 +145,30 @@ def check(device: torch.device, gen: torch.Generator) -> dict:
     q = torch.randn(b, hq, 1, d, generator=gen, device=device) * 2
     qg = group_heads(q, hkv)
     sv = store
-    tr = triton_read.decode_read(qg, sv.k.served.view(), sv.k_band.view(), sv.k_hat_norm.view(), sv.k_wit.view(),
-                                 sv.v.served.view(), sv.v_res.view(), sv.v_dist.view(), sv.v_hat_norm.view(),
-                                 d ** -0.5, gamma_f32(d + 1), True, None, 1,
-                                 sv.k.n_encoded, sv.v.n_encoded, splits=4)
+    tr = triton_read.decode_read(
+        qg,
+        sv.k.served.view(),
+        sv.k_band.view(),
+        sv.k_hat_norm.view(),
+        sv.k_wit.view(),
+        sv.v.served.view(),
+        sv.v_res.view(),
+        sv.v_dist.view(),
+        sv.v_hat_norm.view(),
+        d**-0.5,
+        gamma_f32(d + 1),
+        True,
+        None,
+        1,
+        sv.k.n_encoded,
+        sv.v.n_encoded,
+        splits=4,
+    )
     assert tr is not None
     p_ref = probs64(tr.logits)
     cert_ref, raw_ref = served_meter(p_ref, tr.c)
     full = torch.ones(1, dtype=torch.bool, device=device)
-    exact = masked_logits(qg, store.k.host.view().to(device, torch.float32), full, d ** -0.5, True)
+    exact = masked_logits(qg, store.k.host.view().to(device, torch.float32), full, d**-0.5, True)
     tv = true_tv(probs64(exact), tr.p64)
     result: dict = {
         "p_max_rel_diff": float(((tr.p64 - p_ref).abs() / p_ref.clamp(min=1e-300)).max()),
@@ -161,17 +180,27 @@ def check(device: torch.device, gen: torch.Generator) -> dict:
     }
     mask = torch.ones(b, 1, 1, s, dtype=torch.bool, device=device)
     exact_attention = _exact_attention(q, hkv)
-    for name, gate in (("head_tau0", Gate.certified(0.0)),
-                       ("block_tau0.05", Gate.certified(0.05, granularity="block", block_size=64))):
+    for name, gate in (
+        ("head_tau0", Gate.certified(0.0)),
+        ("block_tau0.05", Gate.certified(0.05, granularity="block", block_size=64)),
+    ):
         cfg = ReadConfig(gate=gate, validate=True, delta_loc=1e-6, attn_kv=True)
-        res = certified_read(q, store, mask, d ** -0.5, cfg, exact_attention)
-        result[f"{name}_violations"] = int((res.true_tv > res.cert_pre + 1e-12).sum()
-                                           + (res.true_out_err > res.out_bound).sum())
+        res = certified_read(q, store, mask, d**-0.5, cfg, exact_attention)
+        result[f"{name}_violations"] = int(
+            (res.true_tv > res.cert_pre + 1e-12).sum() + (res.true_out_err > res.out_bound).sum()
+        )
         result[f"{name}_max_served_cert"] = float(res.cert.max())
-    ok = (result["violations"] == 0 and result["p_max_rel_diff"] < 1e-10 and result["triton_exp64_max_ulps"] <= 2
-          and -1e-12 <= result["raw_minus_reference_min"] and result["raw_minus_reference_max"] <= 1e-9
-          and result["head_tau0_violations"] == 0 and result["head_tau0_max_served_cert"] == 0.0
-          and result["block_tau0.05_violations"] == 0 and result["block_tau0.05_max_served_cert"] <= 0.05)
+    ok = (
+        result["violations"] == 0
+        and result["p_max_rel_diff"] < 1e-10
+        and result["triton_exp64_max_ulps"] <= 2
+        and -1e-12 <= result["raw_minus_reference_min"]
+        and result["raw_minus_reference_max"] <= 1e-9
+        and result["head_tau0_violations"] == 0
+        and result["head_tau0_max_served_cert"] == 0.0
+        and result["block_tau0.05_violations"] == 0
+        and result["block_tau0.05_max_served_cert"] <= 0.05
+    )
     result["ok"] = ok
     return result
 
@@ -181,7 +210,7 @@ def bench(b: int, s: int, args: argparse.Namespace, device: torch.device, gen: t
     store, k, v = _store(b, hkv, s, d, args.codec, device, gen)
     q = torch.randn(b, hq, 1, d, generator=gen, device=device)
     mask = torch.ones(b, 1, 1, s, dtype=torch.bool, device=device)
-    scaling = d ** -0.5
+    scaling = d**-0.5
     exact_attention = _exact_attention(q, hkv)
     served_k, served_v = store.k.served.view(), store.v.served.view()
     qb = q.to(torch.bfloat16)
@@ -233,14 +262,18 @@ def main() -> None:
         device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     report: dict = {
-        "command": "python benchmarks/gpu_decode.py " + " ".join(
+        "command": "python benchmarks/gpu_decode.py "
+        + " ".join(
             f"--{k.replace('_', '-')} {v}" if not isinstance(v, bool) else (f"--{k}" if v else "")
-            for k, v in vars(args).items()).strip(),
+            for k, v in vars(args).items()
+        ).strip(),
         "tier": "empirical (timings, memory); certificates: certified",
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "backend": kernels.active(device),
+        "torch": torch.__version__,
+        "backend": kernels.active(device),
         "shape": {"hq": args.hq, "hkv": args.hkv, "d": args.d, "codec": args.codec, "tau": args.tau},
-        "check": check(device, gen), "rows": [],
+        "check": check(device, gen),
+        "rows": [],
     }
     print(json.dumps(report["check"]))
     if not report["check"]["ok"]:
@@ -253,11 +286,15 @@ def main() -> None:
                 continue
             row = bench(b, s, args, device, gen)
             if device.type == "cuda":
-                torch.cuda.empty_cache()                 # the configuration's store and K/V are gone
+                torch.cuda.empty_cache()  # the configuration's store and K/V are gone
             report["rows"].append(row)
-            print(f"S={s:>6} B={b:>2}  " + "  ".join(f"{k} {v:8.3f} ms" for k, v in row["ms"].items())
-                  + f"  certified/raw {row['certified_over_raw']:.2f}  gated/dense {row['gated_over_dense']:.2f}"
-                  " (empirical)", flush=True)
+            print(
+                f"S={s:>6} B={b:>2}  "
+                + "  ".join(f"{k} {v:8.3f} ms" for k, v in row["ms"].items())
+                + f"  certified/raw {row['certified_over_raw']:.2f}  gated/dense {row['gated_over_dense']:.2f}"
+                " (empirical)",
+                flush=True,
+            )
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)
     if not math.isfinite(sum(r["certified_over_raw"] for r in report["rows"])):

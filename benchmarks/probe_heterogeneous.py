@@ -61,9 +61,7 @@ def main() -> None:
             model(ids)  # warm-up
             fwd = _median_ms(lambda m=model: m(ids, use_cache=False), args.repeats)
         res = probe_request(model, ids, run_id="bench", model_name=name)
-        probe = _median_ms(
-            lambda m=model, n=name: probe_request(m, ids, run_id="bench", model_name=n), args.repeats
-        )
+        probe = _median_ms(lambda m=model, n=name: probe_request(m, ids, run_id="bench", model_name=n), args.repeats)
         gate = verify(res.snapshot)
         rows.append((name, fwd, probe, probe / fwd, gate.stage, len(res.snapshot.readings)))
         chains += [(name, c) for c in res.chains]

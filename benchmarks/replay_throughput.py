@@ -73,8 +73,10 @@ def main() -> None:
     table.add_row("generate (executemany)", f"{t_gen:.1f}", f"{rows / t_gen:,.0f}", f"{entries / t_gen:,.0f}")
     table.add_row("replay", f"{t_replay:.1f}", f"{rows / t_replay:,.0f}", f"{entries / t_replay:,.0f}")
     Console().print(table)
-    print(f"log size: {tmp.stat().st_size / 2**20:.1f} MiB; "
-          f"e-process factors: {s['eprocess']['n_factors']:,}; max delta spent: {s['delta_spent_max']:.7g}")
+    print(
+        f"log size: {tmp.stat().st_size / 2**20:.1f} MiB; "
+        f"e-process factors: {s['eprocess']['n_factors']:,}; max delta spent: {s['delta_spent_max']:.7g}"
+    )
 
 
 if __name__ == "__main__":

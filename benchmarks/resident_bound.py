@@ -52,30 +52,46 @@ def main() -> None:
     with torch.inference_mode():
         past, attentions, logits = shared_prefill(model, ids)
     first = logits[:, -1:].argmax(-1)
-    print(f"SmolLM2-135M, RULER {args.task} @ {args.context} ({ids.shape[1]} tokens), resident {args.resident}, "
-          f"{args.steps} decode steps, exact K/V; bound certified, exact mass measured")
-    print("| policy | summary | page | exact mass mean / median | bound mean / median | cells bound <= tau | "
-          "cells exact <= tau | summary bytes / fp16 KV of omitted | violations | wall |")
+    print(
+        f"SmolLM2-135M, RULER {args.task} @ {args.context} ({ids.shape[1]} tokens), resident {args.resident}, "
+        f"{args.steps} decode steps, exact K/V; bound certified, exact mass measured"
+    )
+    print(
+        "| policy | summary | page | exact mass mean / median | bound mean / median | cells bound <= tau | "
+        "cells exact <= tau | summary bytes / fp16 KV of omitted | violations | wall |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for spec in args.summaries.split(","):
         summary, page = spec.split(":")
         for name, policy in POLICIES.items():
             t0 = time.perf_counter()
-            cache = CertifiedCache(model, keys="none", values="none", resident=args.resident, select=policy(),
-                                   gate=Gate.off(), validate=True, page_size=int(page), summary=summary)
+            cache = CertifiedCache(
+                model,
+                keys="none",
+                values="none",
+                resident=args.resident,
+                select=policy(),
+                gate=Gate.off(),
+                validate=True,
+                page_size=int(page),
+                summary=summary,
+            )
             cache.ingest(past, attentions=attentions)
             with torch.inference_mode():
                 decode(model, cache, first, args.steps, tok.eos_token_id)
             tel = cache.telemetry()
-            omitted = sum(layer.store.evicted["k"].view().numel() for layer in cache.layers)   # B·Hkv·N·D
+            omitted = sum(layer.store.evicted["k"].view().numel() for layer in cache.layers)  # B·Hkv·N·D
             cache.detach()
             live = ~torch.isnan(tel.omitted_mass_bound)
             bound, exact = tel.omitted_mass_bound[live], tel.omitted_mass[live]
             share = tel.bytes_summary / (omitted * 2 * 2)
-            print(f"| {name} | {summary} | {page} | {exact.mean():.3f} / {exact.median():.3f} | {bound.mean():.3f} / "
-                  f"{bound.median():.3f} | {(bound <= args.tau).double().mean():.3f} | "
-                  f"{(exact <= args.tau).double().mean():.3f} | {share:.3f} | {tel.recall_violations} | "
-                  f"{time.perf_counter() - t0:.0f}s |", flush=True)
+            print(
+                f"| {name} | {summary} | {page} | {exact.mean():.3f} / {exact.median():.3f} | {bound.mean():.3f} / "
+                f"{bound.median():.3f} | {(bound <= args.tau).double().mean():.3f} | "
+                f"{(exact <= args.tau).double().mean():.3f} | {share:.3f} | {tel.recall_violations} | "
+                f"{time.perf_counter() - t0:.0f}s |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

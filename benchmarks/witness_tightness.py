@@ -74,8 +74,7 @@ def capture(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[torch.Tenso
 
     def record(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):  # noqa: ANN001, ANN003
         seen[module.layer_idx] = (query[0].to(torch.float64), key[0].to(torch.float64), float(scaling))
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kw)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw)
 
     AttentionInterface.register("kvcert-witness-capture", record)
     previous = model.config._attn_implementation
@@ -93,11 +92,17 @@ def texts(corpus: str, n: int, tokens: int, seed: int) -> list[str]:
     text = load_corpus(corpus)
     rng = random.Random(seed)
     span = tokens * 8
-    return [text[o: o + span] for o in (rng.randrange(0, len(text) - span) for _ in range(n))]
+    return [text[o : o + span] for o in (rng.randrange(0, len(text) - span) for _ in range(n))]
 
 
-def subspaces(model: torch.nn.Module, tok, corpus: str, tokens: int, seed: int,  # noqa: ANN001
-              rank: int) -> list[list[torch.Tensor]]:
+def subspaces(
+    model: torch.nn.Module,
+    tok,
+    corpus: str,
+    tokens: int,
+    seed: int,  # noqa: ANN001
+    rank: int,
+) -> list[list[torch.Tensor]]:
     """Per layer and KV head: top-``rank`` eigenvectors ``[D, rank]`` of the post-RoPE query second moments."""
     ids = tok(texts(corpus, 1, tokens, seed)[0], return_tensors="pt").input_ids[:, :tokens]
     qs, ks, _ = capture(model, ids)
@@ -106,7 +111,7 @@ def subspaces(model: torch.nn.Module, tok, corpus: str, tokens: int, seed: int, 
         g = q.shape[0] // k.shape[0]
         row = []
         for h in range(k.shape[0]):
-            x = q[h * g:(h + 1) * g].reshape(-1, q.shape[-1])
+            x = q[h * g : (h + 1) * g].reshape(-1, q.shape[-1])
             ev, vec = torch.linalg.eigh(x.T @ x)
             row.append(vec[:, ev.argsort(descending=True)[:rank]])
         out.append(row)
@@ -124,11 +129,17 @@ def served(cand: Candidate, k: torch.Tensor) -> torch.Tensor:
     codec = get(cand.codec, **cand.options)
     t = k.shape[1] - k.shape[1] % codec.block
     khat = codec.decode(codec.encode(k[None, :, :t].to(torch.float32)))[0].to(torch.float64)
-    return torch.cat([khat, k[:, t:]], 1)       # a trailing partial block stays exact (as the store keeps it)
+    return torch.cat([khat, k[:, t:]], 1)  # a trailing partial block stays exact (as the store keeps it)
 
 
-def measure(cand: Candidate, qs: list[torch.Tensor], ks: list[torch.Tensor], sc: float, nq: int,
-            sub: list[list[torch.Tensor]] | None) -> dict[str, torch.Tensor | int]:
+def measure(
+    cand: Candidate,
+    qs: list[torch.Tensor],
+    ks: list[torch.Tensor],
+    sc: float,
+    nq: int,
+    sub: list[list[torch.Tensor]] | None,
+) -> dict[str, torch.Tensor | int]:
     raw, oracle, viol = [], [], 0
     for layer, (q, k) in enumerate(zip(qs, ks, strict=True)):
         hkv, s, _ = k.shape
@@ -139,7 +150,7 @@ def measure(cand: Candidate, qs: list[torch.Tensor], ks: list[torch.Tensor], sc:
         t = torch.arange(s).view(1, 1, s)
         vis, exact = t <= pos, t > pos - cand.window
         for h in range(hkv):
-            qq = q[h * g:(h + 1) * g, s - nq:]                                       # [G, nq, D]
+            qq = q[h * g : (h + 1) * g, s - nq :]  # [G, nq, D]
             if cand.qsw_rank:
                 u = sub[layer][h]
                 a, w = qq @ u, delta[h] @ u
@@ -147,8 +158,8 @@ def measure(cand: Candidate, qs: list[torch.Tensor], ks: list[torch.Tensor], sc:
                 r_perp = (delta[h].square().sum(-1) - w.square().sum(-1)).clamp(min=0).sqrt()
                 c = sc * ((a @ w.T).abs() + q_perp.unsqueeze(-1) * r_perp)
             else:
-                rho = band_norms(delta[h], cand.bands)                                # [S, bands]
-                c = tier_a_radius(qq, rho.unsqueeze(0), sc)                           # [G, nq, S]
+                rho = band_norms(delta[h], cand.bands)  # [S, bands]
+                c = tier_a_radius(qq, rho.unsqueeze(0), sc)  # [G, nq, S]
             exact_logit = sc * qq @ k[h].T
             logit = torch.where(exact, exact_logit, sc * qq @ khat[h].T)
             eps = (logit - exact_logit).abs()
@@ -177,7 +188,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {c.label: [] for c in CANDIDATES}
     bits: dict[str, float] = {}
     for text in texts(args.corpus, args.samples, args.tokens, args.seed):
-        ids = tok(text, return_tensors="pt").input_ids[:, :args.tokens]
+        ids = tok(text, return_tensors="pt").input_ids[:, : args.tokens]
         qs, ks, sc = capture(model, ids)
         s = ks[0].shape[1]
         for cand in CANDIDATES:
@@ -187,10 +198,14 @@ def main() -> None:
             win = cand.window / s * (16 - base - wit)
             bits[cand.label] = base + wit + win
             bits[cand.label + " codec"] = base
-    print(f"SmolLM2-135M, {args.corpus} (calibration: {args.calib_corpus}), samples={args.samples} "
-          f"tokens={args.tokens} queries/sample={args.queries} seed={args.seed}")
-    head = (f"{'key codec + witness':40s} | {'codec bits':>10s} | {'all bits':>8s} | {'informative':>11s} | "
-            f"{'median meter':>12s} | {'violations':>10s} | {'oracle informative':>18s}")
+    print(
+        f"SmolLM2-135M, {args.corpus} (calibration: {args.calib_corpus}), samples={args.samples} "
+        f"tokens={args.tokens} queries/sample={args.queries} seed={args.seed}"
+    )
+    head = (
+        f"{'key codec + witness':40s} | {'codec bits':>10s} | {'all bits':>8s} | {'informative':>11s} | "
+        f"{'median meter':>12s} | {'violations':>10s} | {'oracle informative':>18s}"
+    )
     print(head)
     print("-" * len(head))
     for cand in CANDIDATES:
@@ -198,11 +213,15 @@ def main() -> None:
         raw = torch.cat([r["raw"] for r in rs])
         orc = torch.cat([r["oracle"] for r in rs])
         viol = sum(r["violations"] for r in rs)
-        print(f"{cand.label:40s} | {bits[cand.label + ' codec']:10.3f} | {bits[cand.label]:8.3f} | "
-              f"{float((raw < 1).double().mean()):11.3f} | {float(raw.median()):12.3g} | {viol:10d} | "
-              f"{float((orc < 1).double().mean()):18.3f}")
-    print(f"cells per codec: {raw.numel()}; informative/median meter: certified (Tier A, any query); oracle: "
-          "empirical ceiling (radius = true |ε| of the measured query)")
+        print(
+            f"{cand.label:40s} | {bits[cand.label + ' codec']:10.3f} | {bits[cand.label]:8.3f} | "
+            f"{float((raw < 1).double().mean()):11.3f} | {float(raw.median()):12.3g} | {viol:10d} | "
+            f"{float((orc < 1).double().mean()):18.3f}"
+        )
+    print(
+        f"cells per codec: {raw.numel()}; informative/median meter: certified (Tier A, any query); oracle: "
+        "empirical ceiling (radius = true |ε| of the measured query)"
+    )
     if any(r["violations"] for rs in results.values() for r in rs):
         raise SystemExit("VIOLATIONS FOUND")
 

@@ -84,8 +84,9 @@ def problems(path: Path) -> list[str]:
             elif anchor and anchor not in anchors(target):
                 out.append(f"{where}:{n}: {ref} has no section #{anchor}")
         if path.suffix == ".md":
-            out += [f"{where}:{n}: no section #{a} on this page" for a in LOCAL_LINK.findall(line)
-                    if a not in anchors(path)]
+            out += [
+                f"{where}:{n}: no section #{a} on this page" for a in LOCAL_LINK.findall(line) if a not in anchors(path)
+            ]
     return out
 
 
@@ -95,8 +96,19 @@ def test_every_reference_resolves_inside_the_repository():
 
 
 def test_the_design_pages_exist():
-    for page in ("spec.md", "glossary.md", "math.md", "codecs.md", "read-path.md", "memory-meters.md",
-                 "ladder.md", "eviction.md", "contracts.md", "ledger.md", "architecture.md"):
+    for page in (
+        "spec.md",
+        "glossary.md",
+        "math.md",
+        "codecs.md",
+        "read-path.md",
+        "memory-meters.md",
+        "ladder.md",
+        "eviction.md",
+        "contracts.md",
+        "ledger.md",
+        "architecture.md",
+    ):
         assert (ROOT / "docs" / page).is_file(), page
 
 

@@ -99,12 +99,16 @@ def test_every_package_has_a_layer():
 
 def test_every_package_has_an_init_with_all():
     bad = []
-    for init in [SRC / "__init__.py", *(d / "__init__.py" for d in SRC.rglob("*") if d.is_dir()
-                                        and d.name != "__pycache__")]:
+    for init in [
+        SRC / "__init__.py",
+        *(d / "__init__.py" for d in SRC.rglob("*") if d.is_dir() and d.name != "__pycache__"),
+    ]:
         if not init.is_file():
             bad.append(f"{init.parent.relative_to(SRC.parent)}: no __init__.py")
-        elif not any(isinstance(node, (ast.Assign, ast.AnnAssign)) and "__all__" in ast.unparse(node).split("=")[0]
-                     for node in ast.parse(init.read_text(encoding="utf-8")).body):
+        elif not any(
+            isinstance(node, (ast.Assign, ast.AnnAssign)) and "__all__" in ast.unparse(node).split("=")[0]
+            for node in ast.parse(init.read_text(encoding="utf-8")).body
+        ):
             bad.append(f"{init.relative_to(SRC.parent)}: no __all__")
     assert not bad, "\n".join(bad)
 
@@ -126,8 +130,7 @@ def test_imports_go_down_the_layers():
             if target == pkg or target not in LAYER:
                 continue
             if LAYER[target] >= LAYER[pkg]:
-                bad.append(f"{_where(path, node)}: {pkg} (layer {LAYER[pkg]}) imports {module} "
-                           f"(layer {LAYER[target]})")
+                bad.append(f"{_where(path, node)}: {pkg} (layer {LAYER[pkg]}) imports {module} (layer {LAYER[target]})")
     assert not bad, "forbidden import edges:\n" + "\n".join(bad)
 
 

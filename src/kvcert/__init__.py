@@ -29,8 +29,20 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
-    if name in {"quant", "contracts", "cache", "attention", "evict", "ledger", "probe", "integrations", "serving",
-                "models", "eval", "report"}:
+    if name in {
+        "quant",
+        "contracts",
+        "cache",
+        "attention",
+        "evict",
+        "ledger",
+        "probe",
+        "integrations",
+        "serving",
+        "models",
+        "eval",
+        "report",
+    }:
         return importlib.import_module(f"kvcert.{name}")
     raise AttributeError(f"module 'kvcert' has no attribute {name!r}")
 

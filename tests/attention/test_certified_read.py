@@ -24,7 +24,7 @@ def _setup(codec: str, s: int, seed: int, qscale: float, nq: int = 1):
     q = torch.randn(B, HKV * G, nq, D, generator=g) * qscale
     n = st.n
     mask = torch.ones(B, 1, nq, n, dtype=torch.bool)
-    mask[1, :, :, : s // 4] = False                                   # left padding on row 1
+    mask[1, :, :, : s // 4] = False  # left padding on row 1
     mask = mask & (torch.arange(n).view(1, 1, 1, n) <= (n - nq + torch.arange(nq)).view(1, 1, nq, 1))
     return st, q, mask
 
@@ -33,12 +33,14 @@ def _exact(st, q, mask, scale):
     def fn(hk, hv, heads=None):
         rep = torch.repeat_interleave
         qq = q
-        if heads is not None:   # only KV heads h0..h1-1 and their query heads, as the cache's closure does
+        if heads is not None:  # only KV heads h0..h1-1 and their query heads, as the cache's closure does
             (h0, h1) = heads
-            qq, hk, hv = q[:, h0 * G:h1 * G], hk[:, h0:h1], hv[:, h0:h1]
+            qq, hk, hv = q[:, h0 * G : h1 * G], hk[:, h0:h1], hv[:, h0:h1]
         out = torch.nn.functional.scaled_dot_product_attention(
-            qq, rep(hk, G, 1), rep(hv, G, 1), attn_mask=mask, scale=scale)
+            qq, rep(hk, G, 1), rep(hv, G, 1), attn_mask=mask, scale=scale
+        )
         return out.transpose(1, 2)
+
     return fn
 
 
@@ -67,8 +69,9 @@ def test_head_repair_returns_dense_output_bit_for_bit():
 def test_any_of_g_semantics_and_unrepaired_cells_carry_tau():
     st, q, mask = _setup("int4", 64, 1, 3.0)
     tau = 0.1
-    res = certified_read(q, st, mask, D**-0.5, ReadConfig(Gate.certified(tau), True, 1e-6),
-                         _exact(st, q, mask, D**-0.5))
+    res = certified_read(
+        q, st, mask, D**-0.5, ReadConfig(Gate.certified(tau), True, 1e-6), _exact(st, q, mask, D**-0.5)
+    )
     per_kv = res.cert_pre.reshape(B, HKV, G).amax(-1) > tau
     assert torch.equal(res.repaired, per_kv)
     assert torch.all(res.cert <= tau)
@@ -78,8 +81,8 @@ def test_partial_head_repair_recomputes_only_needed_heads_and_matches_dense():
     st, q, mask = _setup("int8", 64, 1, 1.0)
     scale = D**-0.5
     off = certified_read(q, st, mask, scale, ReadConfig(Gate.off(), False, 1e-6), _exact(st, q, mask, scale))
-    per_head = off.cert_pre.reshape(B, HKV, G).amax(-1).amax(0).sort().values          # worst row per KV head
-    tau = float(per_head[-2:].mean())     # only the riskiest KV head is repaired, in the rows that need it
+    per_head = off.cert_pre.reshape(B, HKV, G).amax(-1).amax(0).sort().values  # worst row per KV head
+    tau = float(per_head[-2:].mean())  # only the riskiest KV head is repaired, in the rows that need it
     asked = []
     exact = _exact(st, q, mask, scale)
 
@@ -91,14 +94,14 @@ def test_partial_head_repair_recomputes_only_needed_heads_and_matches_dense():
     assert res.repaired.any() and not res.repaired.all()
     need = res.repaired.any(0).nonzero().flatten().tolist()
     assert asked == [(need[0], need[-1] + 1)] and need[-1] + 1 - need[0] < HKV
-    dense = exact(st.k.host.view(), st.v.host.view())                                  # [B, Q, Hq, Dv]
+    dense = exact(st.k.host.view(), st.v.host.view())  # [B, Q, Hq, Dv]
     for bi in range(B):
         for hi in range(HKV):
-            got, want = res.out[bi, :, hi * G:(hi + 1) * G], dense[bi, :, hi * G:(hi + 1) * G]
+            got, want = res.out[bi, :, hi * G : (hi + 1) * G], dense[bi, :, hi * G : (hi + 1) * G]
             if res.repaired[bi, hi]:
                 assert torch.equal(got, want)
             else:
-                assert torch.equal(got, off.out[bi, :, hi * G:(hi + 1) * G])
+                assert torch.equal(got, off.out[bi, :, hi * G : (hi + 1) * G])
     assert torch.all(res.true_out_err <= res.out_bound)
 
 
@@ -117,8 +120,7 @@ def test_tier_b_reported_for_dither_only():
     res = certified_read(q, st, mask, D**-0.5, ReadConfig(Gate.off(), False, 1e-4), _exact(st, q, mask, D**-0.5))
     assert res.cert_b is not None and res.cert_b.shape == res.cert_pre.shape
     st2, q2, mask2 = _setup("int8", 64, 3, 1.0)
-    res2 = certified_read(q2, st2, mask2, D**-0.5, ReadConfig(Gate.off(), False, 1e-4),
-                          _exact(st2, q2, mask2, D**-0.5))
+    res2 = certified_read(q2, st2, mask2, D**-0.5, ReadConfig(Gate.off(), False, 1e-4), _exact(st2, q2, mask2, D**-0.5))
     assert res2.cert_b is None
 
 
@@ -165,9 +167,10 @@ def test_kernel_output_bound_is_the_eager_formula_per_cell(codec):
     qg = certified.group_heads(q.to(torch.float32), hkv)
     sv = certified._fused_served(qg, st, mask, 2, st.n, D**-0.5)
     assert sv is not None
-    bound, key_term, slack = certified._out_bound(sv.value_term, sv.cert, sv.spread, sv.vmax, st.n,
-                                                  sv.out.shape[-1], sv.phi_max)
+    bound, key_term, slack = certified._out_bound(
+        sv.value_term, sv.cert, sv.spread, sv.vmax, st.n, sv.out.shape[-1], sv.phi_max
+    )
     for got, want in ((sv.bound, bound), (sv.key_term, key_term), (sv.slack, slack)):
         assert got.shape == want.shape
         assert torch.allclose(got, want, rtol=1e-14, atol=0), (got - want).abs().max()
-    assert torch.equal(sv.key_term, key_term)   # no transcendental in the key term: bit for bit
+    assert torch.equal(sv.key_term, key_term)  # no transcendental in the key term: bit for bit

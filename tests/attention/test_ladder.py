@@ -27,14 +27,14 @@ def _setup(keys: str, values: str, s: int, seed: int, qscale: float, nq: int = 1
     k = torch.randn(B, HKV, s, D, generator=g) * torch.rand(1, 1, s, 1, generator=g) * 3
     v = torch.randn(B, HKV, s, D, generator=g)
     q = torch.randn(B, HKV * G, nq, D, generator=g) * qscale
-    if needle:                                    # one key aligned with every query: a dominant block
+    if needle:  # one key aligned with every query: a dominant block
         k[:, :, 40] = q.reshape(B, HKV, G * nq, D).mean(2) * 0.2
     rows, keep = torch.arange(B), torch.zeros(B, dtype=torch.bool)
     st.append(k, v, rows, keep)
     st.append(torch.randn(B, HKV, nq, D, generator=g), torch.randn(B, HKV, nq, D, generator=g), rows, keep)
     n = st.n
     mask = torch.ones(B, 1, nq, n, dtype=torch.bool)
-    mask[1, :, :, : s // 4] = False                                   # left padding on row 1
+    mask[1, :, :, : s // 4] = False  # left padding on row 1
     mask = mask & (torch.arange(n).view(1, 1, 1, n) <= (n - nq + torch.arange(nq)).view(1, 1, nq, 1))
     return st, q, mask
 
@@ -43,8 +43,10 @@ def _exact(q, mask):
     def fn(hk, hv):
         rep = torch.repeat_interleave
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, rep(hk.to(q.dtype), G, 1), rep(hv.to(q.dtype), G, 1), attn_mask=mask, scale=SC)
+            q, rep(hk.to(q.dtype), G, 1), rep(hv.to(q.dtype), G, 1), attn_mask=mask, scale=SC
+        )
         return out.transpose(1, 2)
+
     return fn
 
 
@@ -68,15 +70,21 @@ def _check_contract(st, q, mask, res, exact_out):
     out = res.out.double().transpose(1, 2).reshape(B, HKV, G * nq, -1)
     err = (out - o_ref).norm(dim=-1).reshape(B, HKV * G, nq)
     assert torch.all(err <= res.out_bound), (err - res.out_bound).max()
-    exact_heads = (res.out == exact_out).all(1).all(-1)                   # [B, Hq] bit-for-bit equal heads
+    exact_heads = (res.out == exact_out).all(1).all(-1)  # [B, Hq] bit-for-bit equal heads
     # a head reported exact (rung 3/4: cert 0, no terms) must equal SDPA bit for bit
     reported_exact = (res.cert == 0).all(-1) & (res.key_term == 0).all(-1) & (res.value_term == 0).all(-1)
     assert torch.all(exact_heads[reported_exact])
     assert torch.equal(reported_exact.reshape(B, HKV, G).any(-1), res.repaired)
 
 
-CODECS = [("int8", "int4"), ("int4", "int4"), ("int2", "int2"), ("dither-int8", "int4"), ("fp8-e4m3", "int8"),
-          ("kvquant-4", "int4")]
+CODECS = [
+    ("int8", "int4"),
+    ("int4", "int4"),
+    ("int2", "int2"),
+    ("dither-int8", "int4"),
+    ("fp8-e4m3", "int8"),
+    ("kvquant-4", "int4"),
+]
 
 
 @pytest.mark.parametrize("keys,values", CODECS)
@@ -123,7 +131,7 @@ def test_served_tv_and_mass_lemma_per_cell_vs_bruteforce():
 
 
 def test_rung1_doubles_when_tail_mass_exceeds_trigger():
-    st, q, mask = _setup("int8", "int8", 160, 0, 0.3)          # flat attention: K_max=2 leaves a big tail
+    st, q, mask = _setup("int8", "int8", 160, 0, 0.3)  # flat attention: K_max=2 leaves a big tail
     on, off = LadderStats(), LadderStats()
     ladder_read(q, st, mask, SC, LadderConfig(k_max=2), _exact(q, mask), on)
     ladder_read(q, st, mask, SC, LadderConfig(k_max=2, tail_trigger=0.999), _exact(q, mask), off)
@@ -146,7 +154,7 @@ def test_rung2_promotes_value_blocks_and_zeroes_their_value_term():
 
 
 def test_rung3_fires_on_ranking_doubt_and_returns_sdpa_bit_for_bit():
-    st, q, mask = _setup("int4", "int4", 160, 2, 1.0)           # coarse keys, flat ranking, small K
+    st, q, mask = _setup("int4", "int4", 160, 2, 1.0)  # coarse keys, flat ranking, small K
     stats = LadderStats()
     exact = _exact(q, mask)
     res = ladder_read(q, st, mask, SC, LadderConfig(k_max=2, tail_trigger=0.9), exact, stats)
@@ -175,7 +183,7 @@ def test_rung4_monitor_catches_corrupt_witness_and_serves_dense_layer():
     clean = LadderStats()
     ladder_read(q, st, mask, SC, LadderConfig(tau_cov=1.0), exact, clean)
     assert clean.rung4 == 0
-    st.k.served.view()[0, 1, 16:32] += 0.5                      # stale decode: witness no longer covers it
+    st.k.served.view()[0, 1, 16:32] += 0.5  # stale decode: witness no longer covers it
     stats = LadderStats()
     res = ladder_read(q, st, mask, SC, LadderConfig(tau_cov=1.0), exact, stats)
     assert stats.rung4 == 1 and stats.rung3 == 0
@@ -187,9 +195,14 @@ def test_rung4_monitor_catches_corrupt_witness_and_serves_dense_layer():
 def test_bad_input_raises_naming_the_problem():
     st, q, mask = _setup("int8", "int8", 48, 0, 1.0)
     exact = _exact(q, mask)
-    for kw, name in [({"tau_cov": 0.0}, "tau_cov"), ({"k_min": 3, "k_max": 2}, "k_min"),
-                     ({"v_tol": -1}, "v_tol"), ({"block_size": 0}, "block_size"),
-                     ({"tail_trigger": 1.0}, "tail_trigger"), ({"eps_guard": -1.0}, "eps_guard")]:
+    for kw, name in [
+        ({"tau_cov": 0.0}, "tau_cov"),
+        ({"k_min": 3, "k_max": 2}, "k_min"),
+        ({"v_tol": -1}, "v_tol"),
+        ({"block_size": 0}, "block_size"),
+        ({"tail_trigger": 1.0}, "tail_trigger"),
+        ({"eps_guard": -1.0}, "eps_guard"),
+    ]:
         with pytest.raises(ValueError, match=name):
             LadderConfig(**kw)
     with pytest.raises(ValueError, match="mask"):

@@ -53,8 +53,15 @@ def test_tau_zero_is_token_identical_to_dynamic_cache(models, family, policy):
     ids = _ids(model, batch=2)
     ref = _decode(model, ids, DynamicCache(config=model.config))
     for resident in (0.1, 0.5):
-        with CertifiedCache(model, keys="int4", values="int4", resident=resident, select=POLICIES[policy](),
-                            gate=Gate.certified(0.0), page_size=4) as cache:
+        with CertifiedCache(
+            model,
+            keys="int4",
+            values="int4",
+            resident=resident,
+            select=POLICIES[policy](),
+            gate=Gate.certified(0.0),
+            page_size=4,
+        ) as cache:
             assert torch.equal(_decode(model, ids, cache), ref)
             tel = cache.telemetry()
             assert tel.resident_fraction < 1 and tel.summary()["bytes_summary"] > 0
@@ -67,8 +74,17 @@ def test_validate_mode_zero_violations_in_every_cell(models, family, policy, cod
     model = models[family]
     ids = _ids(model, batch=2, seed=1)
     for gate in (Gate.off(), Gate.certified(0.3)):
-        with CertifiedCache(model, keys=codec, values=codec, resident=0.25, select=POLICIES[policy](), gate=gate,
-                            validate=True, page_size=4, summary=summary) as cache:
+        with CertifiedCache(
+            model,
+            keys=codec,
+            values=codec,
+            resident=0.25,
+            select=POLICIES[policy](),
+            gate=gate,
+            validate=True,
+            page_size=4,
+            summary=summary,
+        ) as cache:
             _decode(model, ids, cache)
             tel = cache.telemetry()
         rec = tel.recorded
@@ -81,7 +97,7 @@ def test_validate_mode_zero_violations_in_every_cell(models, family, policy, cod
         assert bool((tel.omitted_mass[live] <= tel.omitted_mass_bound[live]).all())
         # the omitted tokens matter here: a certificate blind to them would be violated
         assert float(tel.true_tv[rec].max()) > 0.2
-        if gate.mode == "certified":   # recall brought every served cell under tau without a dense fallback
+        if gate.mode == "certified":  # recall brought every served cell under tau without a dense fallback
             assert bool((tel.served[rec] <= 0.3).all())
             assert tel.pages_recalled > 0 and tel.bytes_recalled > 0
         else:
@@ -93,21 +109,29 @@ def test_accounting_of_summaries_recall_and_resident_fraction(models):
     ids = _ids(model, seed=2)
     cfg = model.config
     hkv, d = cfg.num_key_value_heads, 32
-    with CertifiedCache(model, keys="int8", values="int8", resident=0.25, select=StreamingLLM(sinks=2),
-                        gate=Gate.certified(0.3), page_size=5, summary="box") as cache:
+    with CertifiedCache(
+        model,
+        keys="int8",
+        values="int8",
+        resident=0.25,
+        select=StreamingLLM(sinks=2),
+        gate=Gate.certified(0.3),
+        page_size=5,
+        summary="box",
+    ) as cache:
         _decode(model, ids, cache)
         tel = cache.telemetry()
         kept = PROMPT - math.floor(0.75 * PROMPT + 1e-9)
         omitted = PROMPT - kept
-        assert omitted % 5 == 0                      # full pages only: every recalled page holds 5 tokens
+        assert omitted % 5 == 0  # full pages only: every recalled page holds 5 tokens
         pages = omitted // 5
-        per_layer = hkv * pages * (3 * d * 2 + 2 * 4) + pages * 8 + 3 * hkv * 4   # box, centre; radius, norm
+        per_layer = hkv * pages * (3 * d * 2 + 2 * 4) + pages * 8 + 3 * hkv * 4  # box, centre; radius, norm
         assert tel.bytes_summary == cfg.num_hidden_layers * per_layer
         assert tel.resident_fraction == pytest.approx((kept + STEPS) / (PROMPT + STEPS))
         # K and V of every recalled token (fp32 host copies of the tiny model)
         assert tel.pages_recalled > 0
         assert tel.bytes_recalled == tel.pages_recalled * 5 * 2 * d * 4
-        assert tel.bytes_stored < tel.bytes_fp16      # summaries are counted apart from the stored codes
+        assert tel.bytes_stored < tel.bytes_fp16  # summaries are counted apart from the stored codes
         # fp16 K/V of every written token (resident + omitted, all layers); bytes_fp16 holds the resident ones only
         written = cfg.num_hidden_layers * hkv * (PROMPT + STEPS) * 2 * d * 2
         assert tel.bytes_fp16_context == written
@@ -115,7 +139,7 @@ def test_accounting_of_summaries_recall_and_resident_fraction(models):
         s = tel.summary()
         assert s["bytes_fp16_context"] == written
         assert s["pages_recalled"] == tel.pages_recalled and s["resident_fraction"] == tel.resident_fraction
-        assert s["recall_violations"] is None         # not validated
+        assert s["recall_violations"] is None  # not validated
         assert 0 < s["mean_omitted_mass_bound"] <= s["max_omitted_mass_bound"] <= 1
 
 
@@ -125,8 +149,16 @@ def test_a_tau_no_recall_can_meet_falls_back_to_exact_attention_over_every_token
     model = models["qwen2"]
     ids = _ids(model, seed=4)
     ref = _decode(model, ids, DynamicCache(config=model.config))
-    with CertifiedCache(model, keys="int8", values="int8", resident=0.25, select=H2O(recent=3),
-                        gate=Gate.certified(1e-6), validate=True, page_size=4) as cache:
+    with CertifiedCache(
+        model,
+        keys="int8",
+        values="int8",
+        resident=0.25,
+        select=H2O(recent=3),
+        gate=Gate.certified(1e-6),
+        validate=True,
+        page_size=4,
+    ) as cache:
         assert torch.equal(_decode(model, ids, cache), ref)
         tel = cache.telemetry()
     rec = tel.recorded
@@ -140,11 +172,28 @@ def test_int8_sketch_summary_is_exact_at_tau_zero_and_counts_its_bytes(models, f
     model = models[family]
     ids = _ids(model, batch=2, seed=5)
     ref = _decode(model, ids, DynamicCache(config=model.config))
-    with CertifiedCache(model, keys="int8", values="int8", resident=0.25, select=POLICIES[policy](),
-                        gate=Gate.certified(0.0), page_size=4, summary="int8") as cache:
+    with CertifiedCache(
+        model,
+        keys="int8",
+        values="int8",
+        resident=0.25,
+        select=POLICIES[policy](),
+        gate=Gate.certified(0.0),
+        page_size=4,
+        summary="int8",
+    ) as cache:
         assert torch.equal(_decode(model, ids, cache), ref)
-    with CertifiedCache(model, keys="int4", values="int4", resident=0.25, select=POLICIES[policy](),
-                        gate=Gate.certified(0.3), validate=True, page_size=4, summary="int8") as cache:
+    with CertifiedCache(
+        model,
+        keys="int4",
+        values="int4",
+        resident=0.25,
+        select=POLICIES[policy](),
+        gate=Gate.certified(0.3),
+        validate=True,
+        page_size=4,
+        summary="int8",
+    ) as cache:
         _decode(model, ids, cache)
         tel = cache.telemetry()
     rec = tel.recorded
@@ -154,36 +203,40 @@ def test_int8_sketch_summary_is_exact_at_tau_zero_and_counts_its_bytes(models, f
     assert bool((tel.omitted_mass[live] <= tel.omitted_mass_bound[live]).all())
     omitted = PROMPT - (PROMPT - math.floor(0.75 * PROMPT + 1e-9))
     hkv, d = model.config.num_key_value_heads, 32
-    per_layer = 2 * hkv * omitted * (d + 3 * 4) + 3 * 2 * hkv * 4     # batch 2: codes + 3 floats per token
+    per_layer = 2 * hkv * omitted * (d + 3 * 4) + 3 * 2 * hkv * 4  # batch 2: codes + 3 floats per token
     assert tel.bytes_summary == model.config.num_hidden_layers * per_layer
 
 
 def test_resident_one_keeps_everything_and_reads_as_before(models):
     model = models["llama"]
     ids = _ids(model, seed=3)
-    with CertifiedCache(model, keys="int8", values="int8", resident=1.0, gate=Gate.certified(0.2),
-                        validate=True) as cache:                    # default select (SnapKV) and summary (int8)
+    with CertifiedCache(
+        model, keys="int8", values="int8", resident=1.0, gate=Gate.certified(0.2), validate=True
+    ) as cache:  # default select (SnapKV) and summary (int8)
         _decode(model, ids, cache)
         tel = cache.telemetry()
     assert tel.resident_fraction == 1.0 and tel.pages_recalled == 0 and tel.bytes_summary == 0
     assert tel.omitted_mass_bound is None and tel.violations == 0
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"resident": 0.0}, "resident must be a fraction"),
-    ({"resident": -0.5}, "resident must be a fraction"),
-    ({"resident": 1.5}, "resident must be a fraction"),
-    ({"resident": float("nan")}, "resident must be a fraction"),
-    ({"resident": True}, "resident must be a fraction"),
-    ({"resident": "0.5"}, "resident must be a fraction"),
-    ({"resident": 0.5, "page_size": 0}, "page_size"),
-    ({"resident": 0.5, "summary": "int3"}, "summary must be one of"),
-    ({"resident": 0.5, "evict": H2O(recent=2), "compression_ratio": 0.5}, "select=<policy>"),
-    ({"select": H2O(recent=2)}, "needs resident"),
-    ({"resident": 0.5, "gate": Gate.certified(0.2, granularity="block")}, "head granularity"),
-    ({"resident": 0.5, "gate": Gate.risk_ranked(5.0)}, "head granularity"),
-    ({"resident": 0.5, "certify": False}, "certify=True"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"resident": 0.0}, "resident must be a fraction"),
+        ({"resident": -0.5}, "resident must be a fraction"),
+        ({"resident": 1.5}, "resident must be a fraction"),
+        ({"resident": float("nan")}, "resident must be a fraction"),
+        ({"resident": True}, "resident must be a fraction"),
+        ({"resident": "0.5"}, "resident must be a fraction"),
+        ({"resident": 0.5, "page_size": 0}, "page_size"),
+        ({"resident": 0.5, "summary": "int3"}, "summary must be one of"),
+        ({"resident": 0.5, "evict": H2O(recent=2), "compression_ratio": 0.5}, "select=<policy>"),
+        ({"select": H2O(recent=2)}, "needs resident"),
+        ({"resident": 0.5, "gate": Gate.certified(0.2, granularity="block")}, "head granularity"),
+        ({"resident": 0.5, "gate": Gate.risk_ranked(5.0)}, "head granularity"),
+        ({"resident": 0.5, "certify": False}, "certify=True"),
+    ],
+)
 def test_bad_resident_arguments_raise_clear_errors(models, kwargs, match):
     with pytest.raises(ValueError, match=match):
         CertifiedCache(models["llama"], keys="int8", values="int8", **kwargs)
@@ -222,11 +275,26 @@ def test_left_padded_batch_masks_omitted_tokens_by_position(models):
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
     ref = _decode_padded(model, ids, mask, DynamicCache(config=model.config))
-    with CertifiedCache(model, keys="int8", values="int8", resident=0.25, select=StreamingLLM(sinks=2),
-                        gate=Gate.certified(0.0), page_size=4) as cache:
+    with CertifiedCache(
+        model,
+        keys="int8",
+        values="int8",
+        resident=0.25,
+        select=StreamingLLM(sinks=2),
+        gate=Gate.certified(0.0),
+        page_size=4,
+    ) as cache:
         assert torch.equal(_decode_padded(model, ids, mask, cache), ref)
-    with CertifiedCache(model, keys="int8", values="int8", resident=0.25, select=H2O(recent=3),
-                        gate=Gate.certified(0.3), validate=True, page_size=4) as cache:
+    with CertifiedCache(
+        model,
+        keys="int8",
+        values="int8",
+        resident=0.25,
+        select=H2O(recent=3),
+        gate=Gate.certified(0.3),
+        validate=True,
+        page_size=4,
+    ) as cache:
         _decode_padded(model, ids, mask, cache)
         tel = cache.telemetry()
     assert tel.violations == 0 and tel.out_violations == 0 and tel.recall_violations == 0

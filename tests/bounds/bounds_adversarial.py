@@ -79,9 +79,7 @@ def make_cells(n: int, s: int, gen: torch.Generator) -> Cells:
     shape = _choice(n, 3, gen)
     spread = torch.exp(z(n, s) * 1.5)
     outlier = torch.where(u(n, s) < 1.0 / s, 30.0 * u(n, s), 0.05 * u(n, s))
-    radius = mag * torch.where(
-        shape == 0, torch.ones(n, s, dtype=F64), torch.where(shape == 1, spread, outlier)
-    )
+    radius = mag * torch.where(shape == 0, torch.ones(n, s, dtype=F64), torch.where(shape == 1, spread, outlier))
     # realised error: ±c random signs / interior / rank-threshold split (extremal) / sign by served mass
     mode = _choice(n, 4, gen)
     signs = torch.where(u(n, s) < 0.5, -1.0, 1.0).to(F64)
@@ -90,9 +88,7 @@ def make_cells(n: int, s: int, gen: torch.Generator) -> Cells:
     split = torch.where(ranks <= threshold, 1.0, -1.0).to(F64) * torch.where(u(n, 1) < 0.5, 1.0, -1.0)
     interior = 2.0 * u(n, s) - 1.0
     by_mass = torch.where(p_served > 1.0 / s, 1.0, -1.0).to(F64)
-    unit = torch.where(
-        mode == 0, signs, torch.where(mode == 1, interior, torch.where(mode == 2, split, by_mass))
-    )
+    unit = torch.where(mode == 0, signs, torch.where(mode == 1, interior, torch.where(mode == 2, split, by_mass)))
     eps = radius * unit
     p_exact = torch.softmax(log_ps - eps, dim=-1)
     return Cells(p_served=p_served, radius=radius, eps=eps, p_exact=p_exact)

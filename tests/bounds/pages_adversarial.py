@@ -39,24 +39,24 @@ SLACK = 1e-12
 class PageCells:
     """One batch of cells and everything the checks need (float64 unless stated)."""
 
-    q: torch.Tensor            # [n, D] float32
-    keys_o: torch.Tensor       # [n, S_O, D] float32 omitted keys
-    s_o: torch.Tensor          # [n, S_O] exact omitted logits
-    visible_o: torch.Tensor    # [n, S_O] bool
-    served: torch.Tensor       # [n, S_R] served resident logits
-    radius: torch.Tensor       # [n, S_R]
-    p_served: torch.Tensor     # [n, S_R]
-    p_exact: torch.Tensor      # [n, S_R + S_O] (omitted masked tokens 0)
+    q: torch.Tensor  # [n, D] float32
+    keys_o: torch.Tensor  # [n, S_O, D] float32 omitted keys
+    s_o: torch.Tensor  # [n, S_O] exact omitted logits
+    visible_o: torch.Tensor  # [n, S_O] bool
+    served: torch.Tensor  # [n, S_R] served resident logits
+    radius: torch.Tensor  # [n, S_R]
+    p_served: torch.Tensor  # [n, S_R]
+    p_exact: torch.Tensor  # [n, S_R + S_O] (omitted masked tokens 0)
     scaling: float
     page_size: int
 
     @property
     def true_mass(self) -> torch.Tensor:
-        return self.p_exact[:, self.served.shape[1]:].sum(-1)
+        return self.p_exact[:, self.served.shape[1] :].sum(-1)
 
     @property
     def tv(self) -> torch.Tensor:
-        pad = torch.zeros_like(self.p_exact[:, self.served.shape[1]:])
+        pad = torch.zeros_like(self.p_exact[:, self.served.shape[1] :])
         return true_tv(self.p_exact, torch.cat([self.p_served, pad], -1))
 
 
@@ -79,7 +79,7 @@ def make_page_cells(n: int, s_r: int, s_o: int, page_size: int, d: int, gen: tor
     idx = (page * page_size).clamp(max=s_o - 1)
     sign = torch.where(u(n, d) < 0.5, -1.0, 1.0).to(F64)
     rows = torch.arange(n)
-    members = (torch.arange(s_o).view(1, -1) // page_size) == page.view(-1, 1)          # [n, S_O]
+    members = (torch.arange(s_o).view(1, -1) // page_size) == page.view(-1, 1)  # [n, S_O]
     lo = torch.where(members.unsqueeze(-1), keys_o, float("inf")).amin(1)
     hi = torch.where(members.unsqueeze(-1), keys_o, float("-inf")).amax(1)
     q = torch.where(corner, q.abs() * sign, q)
@@ -107,8 +107,7 @@ def make_page_cells(n: int, s_r: int, s_o: int, page_size: int, d: int, gen: tor
     served = s_r_logits + radius * unit
     p_served = torch.softmax(served, -1)
     full = torch.cat([s_r_logits, s_o_logits.masked_fill(~visible, float("-inf"))], -1)
-    return PageCells(q32, ko32, s_o_logits, visible, served, radius, p_served, torch.softmax(full, -1), sc,
-                     page_size)
+    return PageCells(q32, ko32, s_o_logits, visible, served, radius, p_served, torch.softmax(full, -1), sc, page_size)
 
 
 def page_violations(name: str, bound: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
@@ -125,7 +124,7 @@ def page_checks(cells: PageCells, gamma: float | None = None) -> dict[str, tuple
     d = cells.q.shape[-1]
     gamma = gamma_f32(d + 1) if gamma is None else gamma
     summary = pg.summarize_pages(cells.keys_o, cells.page_size)
-    u = pg.page_logit_bound(cells.q.unsqueeze(1), summary, cells.scaling, gamma)[:, 0]        # [n, P]
+    u = pg.page_logit_bound(cells.q.unsqueeze(1), summary, cells.scaling, gamma)[:, 0]  # [n, P]
     n, s_o = cells.s_o.shape
     pages = summary.pages
     pad = pages * cells.page_size - s_o
@@ -142,6 +141,12 @@ def page_checks(cells: PageCells, gamma: float | None = None) -> dict[str, tuple
     u_tok = pg.token_logit_bound(cells.q.unsqueeze(1), pg.sketch_keys(cells.keys_o), cells.scaling, gamma)[:, 0]
     pooled, seen = pg.pool_pages(u_tok, cells.visible_o, cells.page_size)
     oc8 = pg.omitted_certificate(cells.p_served, cells.radius, pg.page_weights(cells.served, pooled, seen), meter)
-    return {"page_logit": (u, need), "omitted_mass": (oc.mass, cells.true_mass), "direct": (oc.direct, tv),
-            "composed": (oc.certificate, tv), "token_logit": (u_tok, need_tok),
-            "omitted_mass_int8": (oc8.mass, cells.true_mass), "composed_int8": (oc8.certificate, tv)}
+    return {
+        "page_logit": (u, need),
+        "omitted_mass": (oc.mass, cells.true_mass),
+        "direct": (oc.direct, tv),
+        "composed": (oc.certificate, tv),
+        "token_logit": (u_tok, need_tok),
+        "omitted_mass_int8": (oc8.mass, cells.true_mass),
+        "composed_int8": (oc8.certificate, tv),
+    }

@@ -12,13 +12,13 @@ from kvcert.bounds.radii import dither_witness_moments
 
 def test_mean_bound_and_bounded_differences_hold():
     g = torch.Generator().manual_seed(0)
-    steps = torch.rand(5, 2, generator=g, dtype=torch.float64) + 0.05          # 5 tokens, D = 64, groups of 32
+    steps = torch.rand(5, 2, generator=g, dtype=torch.float64) + 0.05  # 5 tokens, D = 64, groups of 32
     m, c = dither_witness_moments(steps, 32, bands=8)
     s_chan = steps.repeat_interleave(32, -1)
     r = (torch.rand(20000, 5, 64, generator=g, dtype=torch.float64) - 0.5) * s_chan
-    w = band_norms(r, 8).sum(-1)                                                # [N, 5]
-    assert torch.all(w.mean(0) <= m)                                            # E W <= m (Jensen)
-    assert torch.all(w.mean(0) >= 0.8 * m)                                      # and not vacuous
+    w = band_norms(r, 8).sum(-1)  # [N, 5]
+    assert torch.all(w.mean(0) <= m)  # E W <= m (Jensen)
+    assert torch.all(w.mean(0) >= 0.8 * m)  # and not vacuous
     # changing one coordinate moves W by at most s_c: check the extreme swap per channel
     for ch in (0, 17, 40, 63):
         r2 = r[:100].clone()

@@ -11,22 +11,14 @@ F64 = torch.float64
 
 
 def instance(gen: torch.Generator, cells: int = 4000, s: int = 24, dv: int = 16):
-    logits = (
-        torch.randn(cells, s, generator=gen, dtype=F64) * torch.rand(cells, 1, generator=gen, dtype=F64) * 6
-    )
+    logits = torch.randn(cells, s, generator=gen, dtype=F64) * torch.rand(cells, 1, generator=gen, dtype=F64) * 6
     logits[: cells // 4, s // 2 :] = float("-inf")  # masked tokens in a quarter of the cells
     c = torch.rand(cells, s, generator=gen, dtype=F64) * 10.0 ** (torch.rand(cells, 1, generator=gen) * 4 - 3)
     eps = c * torch.where(torch.rand(cells, s, generator=gen) < 0.5, -1.0, 1.0).to(F64)
     p_exact = torch.softmax(logits, -1)
     p_served = torch.softmax(logits + eps, -1)
-    v = torch.randn(cells, s, dv, generator=gen, dtype=F64) * 3 + torch.randn(
-        cells, 1, dv, generator=gen, dtype=F64
-    )
-    dv_ = (
-        torch.randn(cells, s, dv, generator=gen, dtype=F64)
-        * torch.rand(cells, s, 1, generator=gen, dtype=F64)
-        * 0.1
-    )
+    v = torch.randn(cells, s, dv, generator=gen, dtype=F64) * 3 + torch.randn(cells, 1, dv, generator=gen, dtype=F64)
+    dv_ = torch.randn(cells, s, dv, generator=gen, dtype=F64) * torch.rand(cells, s, 1, generator=gen, dtype=F64) * 0.1
     v_hat = v + dv_
     return p_exact, p_served, c, v, v_hat, dv_.norm(dim=-1)
 

@@ -43,17 +43,18 @@ def test_page_forms_sound_in_every_cell():
 @given(st.integers(1, 9), st.integers(1, 5), st.integers(1, 12), st.integers(0, 2**31 - 1))
 def test_box_contains_every_key_and_bound_attained_at_corners(n_tok, page_size, d, seed):
     gen = torch.Generator().manual_seed(seed)
-    keys = (torch.randn(2, n_tok, d, generator=gen, dtype=F64) * 10 ** torch.empty(1).uniform_(-3, 3,
-                                                                                               generator=gen)).float()
+    keys = (
+        torch.randn(2, n_tok, d, generator=gen, dtype=F64) * 10 ** torch.empty(1).uniform_(-3, 3, generator=gen)
+    ).float()
     s = pg.summarize_pages(keys, page_size)
     pages = s.pages
     assert pages == math.ceil(n_tok / page_size) and int(s.count.sum()) == n_tok
     for j in range(pages):
-        part = keys[:, j * page_size:(j + 1) * page_size].to(F64)
-        assert bool((s.lo[:, j:j + 1].to(F64) <= part).all() and (part <= s.hi[:, j:j + 1].to(F64)).all())
-        assert bool((part.norm(dim=-1) <= s.norm[:, j:j + 1].to(F64)).all())
-        ball = (part - s.centre[:, j:j + 1].to(F64)).norm(dim=-1)
-        assert bool((ball <= s.radius[:, j:j + 1].to(F64)).all())
+        part = keys[:, j * page_size : (j + 1) * page_size].to(F64)
+        assert bool((s.lo[:, j : j + 1].to(F64) <= part).all() and (part <= s.hi[:, j : j + 1].to(F64)).all())
+        assert bool((part.norm(dim=-1) <= s.norm[:, j : j + 1].to(F64)).all())
+        ball = (part - s.centre[:, j : j + 1].to(F64)).norm(dim=-1)
+        assert bool((ball <= s.radius[:, j : j + 1].to(F64)).all())
     # a key moved to the corner of its page's box and a query aligned with that corner: the bound is attained
     # up to the float16 outward rounding of the box
     sign = torch.where(torch.rand(2, d, generator=gen) < 0.5, -1.0, 1.0)
@@ -61,13 +62,13 @@ def test_box_contains_every_key_and_bound_attained_at_corners(n_tok, page_size, 
     keys = keys.clone()
     keys[:, 0] = torch.where(sign > 0, first.amax(1), first.amin(1))
     s = pg.summarize_pages(keys, page_size)
-    q = (sign * torch.rand(2, d, generator=gen).add(0.1)).unsqueeze(1)                     # [2, 1, D]
-    u = pg.page_logit_bound(q, s, 0.5, 0.0)                                                    # [2, 1, P]
-    exact = 0.5 * (keys.to(F64) @ q.transpose(1, 2).to(F64))[..., 0]                       # [2, N]
+    q = (sign * torch.rand(2, d, generator=gen).add(0.1)).unsqueeze(1)  # [2, 1, D]
+    u = pg.page_logit_bound(q, s, 0.5, 0.0)  # [2, 1, P]
+    exact = 0.5 * (keys.to(F64) @ q.transpose(1, 2).to(F64))[..., 0]  # [2, N]
     mag = 0.5 * (keys[:, 0].to(F64).abs() * q[:, 0].to(F64).abs()).sum(-1)
     assert bool((u[:, 0, 0] - exact[:, 0] <= 2.0**-10 * mag + 1e-300).all())
     for j in range(pages):
-        assert bool((u[:, 0, j:j + 1] >= exact[:, j * page_size:(j + 1) * page_size]).all())
+        assert bool((u[:, 0, j : j + 1] >= exact[:, j * page_size : (j + 1) * page_size]).all())
 
 
 def test_page_bound_covers_the_rounding_allowance():
@@ -77,8 +78,8 @@ def test_page_bound_covers_the_rounding_allowance():
         keys = torch.randn(3, 40, d, generator=gen) * 30
         q = torch.randn(3, 5, d, generator=gen) * 20
         sc, gamma = 1 / math.sqrt(d), gamma_f32(d + 1)
-        u = pg.page_logit_bound(q, pg.summarize_pages(keys, 8), sc, gamma)                      # [3, 5, 5]
-        served = torch.matmul(q * sc, keys.transpose(-1, -2)).to(F64)                     # float32, as the read path
+        u = pg.page_logit_bound(q, pg.summarize_pages(keys, 8), sc, gamma)  # [3, 5, 5]
+        served = torch.matmul(q * sc, keys.transpose(-1, -2)).to(F64)  # float32, as the read path
         radius = 2 * sc * gamma * q.to(F64).norm(dim=-1, keepdim=True) * keys.to(F64).norm(dim=-1).unsqueeze(1)
         need = (served + radius).reshape(3, 5, 5, 8).amax(-1)
         assert bool((u >= need).all())
@@ -88,9 +89,10 @@ def test_page_bound_covers_the_rounding_allowance():
 @given(st.integers(1, 9), st.integers(1, 12), st.integers(0, 2**31 - 1))
 def test_int8_sketch_witness_and_pooling(n_tok, d, seed):
     gen = torch.Generator().manual_seed(seed)
-    keys = (torch.randn(2, n_tok, d, generator=gen, dtype=F64) * 10 ** torch.empty(1).uniform_(-3, 3,
-                                                                                               generator=gen)).float()
-    keys[0, 0] = 0.0                                                       # an all-zero key is sketched exactly
+    keys = (
+        torch.randn(2, n_tok, d, generator=gen, dtype=F64) * 10 ** torch.empty(1).uniform_(-3, 3, generator=gen)
+    ).float()
+    keys[0, 0] = 0.0  # an all-zero key is sketched exactly
     sk = pg.sketch_keys(keys)
     khat = sk.codes.to(F64) * sk.scale.to(F64).unsqueeze(-1)
     assert bool(((keys.to(F64) - khat).norm(dim=-1) <= sk.err.to(F64)).all())
@@ -103,9 +105,9 @@ def test_int8_sketch_witness_and_pooling(n_tok, d, seed):
     visible = torch.rand(2, 3, n_tok, generator=gen) < 0.7
     pooled, seen = pg.pool_pages(u, visible, 4)
     for j in range(pooled.shape[-1]):
-        part = torch.where(visible, u.exp(), 0.0)[..., j * 4:(j + 1) * 4].sum(-1)
+        part = torch.where(visible, u.exp(), 0.0)[..., j * 4 : (j + 1) * 4].sum(-1)
         assert bool((seen[..., j] * pooled[..., j].exp() >= part * (1 - 1e-15)).all())
-        assert bool((seen[..., j] == visible[..., j * 4:(j + 1) * 4].any(-1)).all())
+        assert bool((seen[..., j] == visible[..., j * 4 : (j + 1) * 4].any(-1)).all())
 
 
 def _recall_read(cells_q, keys_r, keys_o, sc, recalled_pages, page_size):
@@ -114,19 +116,22 @@ def _recall_read(cells_q, keys_r, keys_o, sc, recalled_pages, page_size):
     OmittedCertificate terms."""
     d = keys_r.shape[-1]
     gamma = gamma_f32(d + 1)
-    tok = torch.cat([torch.arange(j * page_size, (j + 1) * page_size) for j in recalled_pages]) \
-        if recalled_pages else torch.zeros(0, dtype=torch.int64)
+    tok = (
+        torch.cat([torch.arange(j * page_size, (j + 1) * page_size) for j in recalled_pages])
+        if recalled_pages
+        else torch.zeros(0, dtype=torch.int64)
+    )
     keys = torch.cat([keys_r, keys_o[tok]], 0)
     # as the read path: the resident logits are those of the first read, the recalled ones are computed apart
     # (one float32 matmul over a different column count may round the resident logits differently)
-    logits = torch.cat([(cells_q * sc) @ keys_r.T, (cells_q * sc) @ keys_o[tok].T], -1)   # [M, S]
+    logits = torch.cat([(cells_q * sc) @ keys_r.T, (cells_q * sc) @ keys_o[tok].T], -1)  # [M, S]
     qn = cells_q.to(F64).norm(dim=-1, keepdim=True)
     rad = 2 * sc * gamma * qn * keys.to(F64).norm(dim=-1)
     rad[:, : keys_r.shape[0]] += 0.01
     p = torch.softmax(logits.to(F64), -1)
     rest = [j for j in range(keys_o.shape[0] // page_size) if j not in recalled_pages]
     if rest:
-        ko = torch.cat([keys_o[j * page_size:(j + 1) * page_size] for j in rest])
+        ko = torch.cat([keys_o[j * page_size : (j + 1) * page_size] for j in rest])
         u = pg.page_logit_bound(cells_q, pg.summarize_pages(ko, page_size), sc, gamma)
         w = pg.page_weights(logits, u, torch.full((len(rest),), page_size))
     else:
@@ -175,24 +180,38 @@ def test_out_of_range_keys_give_a_finite_norm_bound_never_nan():
     assert bool(torch.isfinite(u).all()) and float(u) >= 70000.0 - 1.0
 
 
-@pytest.mark.parametrize(("call", "match"), [
-    (lambda: pg.summarize_pages(torch.zeros(1, 0, 4), 2), "empty page"),
-    (lambda: pg.sketch_keys(torch.zeros(1, 0, 4)), "empty page"),
-    (lambda: pg.sketch_keys(torch.tensor([[[1.0, float("nan")]]])), "keys contains non-finite"),
-    (lambda: pg.token_logit_bound(torch.zeros(1, 5), pg.sketch_keys(torch.ones(1, 3, 4)), 1.0, 0.0), "head dim"),
-    (lambda: pg.summarize_pages(torch.tensor([[[1.0, float("nan")]]]), 2), "keys contains non-finite"),
-    (lambda: pg.summarize_pages(torch.tensor([[[1.0, float("inf")]]]), 2), "keys contains non-finite"),
-    (lambda: pg.summarize_pages(torch.zeros(1, 3, 4), 0), "page_size"),
-    (lambda: pg.summarize_pages(torch.zeros(1, 3, 4), 2, torch.int8), "floating dtype"),
-    (lambda: pg.page_logit_bound(torch.full((1, 4), float("nan")), pg.summarize_pages(torch.zeros(1, 3, 4), 2),
-                                 1.0, 0.0), "q contains non-finite"),
-    (lambda: pg.page_logit_bound(torch.zeros(1, 5), pg.summarize_pages(torch.zeros(1, 3, 4), 2), 1.0, 0.0), "head dim"),
-    (lambda: pg.page_weights(torch.full((1, 2), float("-inf")), torch.zeros(1, 1), torch.ones(1)), "finite entry"),
-    (lambda: pg.omitted_certificate(torch.ones(1, 2) / 2, torch.ones(1, 3), torch.zeros(1, 1), torch.zeros(1)),
-     "same shape"),
-    (lambda: pg.omitted_certificate(torch.ones(1, 2) / 2, -torch.ones(1, 2), torch.zeros(1, 1), torch.zeros(1)),
-     "non-negative"),
-])
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: pg.summarize_pages(torch.zeros(1, 0, 4), 2), "empty page"),
+        (lambda: pg.sketch_keys(torch.zeros(1, 0, 4)), "empty page"),
+        (lambda: pg.sketch_keys(torch.tensor([[[1.0, float("nan")]]])), "keys contains non-finite"),
+        (lambda: pg.token_logit_bound(torch.zeros(1, 5), pg.sketch_keys(torch.ones(1, 3, 4)), 1.0, 0.0), "head dim"),
+        (lambda: pg.summarize_pages(torch.tensor([[[1.0, float("nan")]]]), 2), "keys contains non-finite"),
+        (lambda: pg.summarize_pages(torch.tensor([[[1.0, float("inf")]]]), 2), "keys contains non-finite"),
+        (lambda: pg.summarize_pages(torch.zeros(1, 3, 4), 0), "page_size"),
+        (lambda: pg.summarize_pages(torch.zeros(1, 3, 4), 2, torch.int8), "floating dtype"),
+        (
+            lambda: pg.page_logit_bound(
+                torch.full((1, 4), float("nan")), pg.summarize_pages(torch.zeros(1, 3, 4), 2), 1.0, 0.0
+            ),
+            "q contains non-finite",
+        ),
+        (
+            lambda: pg.page_logit_bound(torch.zeros(1, 5), pg.summarize_pages(torch.zeros(1, 3, 4), 2), 1.0, 0.0),
+            "head dim",
+        ),
+        (lambda: pg.page_weights(torch.full((1, 2), float("-inf")), torch.zeros(1, 1), torch.ones(1)), "finite entry"),
+        (
+            lambda: pg.omitted_certificate(torch.ones(1, 2) / 2, torch.ones(1, 3), torch.zeros(1, 1), torch.zeros(1)),
+            "same shape",
+        ),
+        (
+            lambda: pg.omitted_certificate(torch.ones(1, 2) / 2, -torch.ones(1, 2), torch.zeros(1, 1), torch.zeros(1)),
+            "non-negative",
+        ),
+    ],
+)
 def test_bad_input_raises_a_clear_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()

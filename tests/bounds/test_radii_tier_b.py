@@ -55,9 +55,7 @@ def test_channel_mask_removes_bypassed_channels():
     q = torch.randn(3, D, generator=gen, dtype=F64)
     steps = torch.rand(3, 7, D // GROUP, generator=gen, dtype=F64)
     mask = (torch.rand(D, generator=gen) < 0.7).to(F64)
-    torch.testing.assert_close(
-        tier_b_sigma2(q, steps, 0.1, GROUP, mask), tier_b_sigma2(q * mask, steps, 0.1, GROUP)
-    )
+    torch.testing.assert_close(tier_b_sigma2(q, steps, 0.1, GROUP, mask), tier_b_sigma2(q * mask, steps, 0.1, GROUP))
     assert tier_b_sigma2(q, steps, 0.1).shape == (3, 7)
     with pytest.raises(ValueError, match="channel_mask"):
         tier_b_sigma2(q, steps, 0.1, GROUP, torch.full((D,), 0.5))

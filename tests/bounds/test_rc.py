@@ -40,15 +40,16 @@ def _sign_eps(c):
 
 def test_block_log_mass_matches_bruteforce_with_mask_and_partial_block():
     logits = _rand(3, 37, scale=4.0)
-    logits[1, :16] = float("-inf")                       # a fully masked block
+    logits[1, :16] = float("-inf")  # a fully masked block
     logits[2, 5] = float("-inf")
     got = block_log_mass(logits, 16)
     assert got.shape == (3, 3)
     for r in range(3):
         for b in range(3):
-            seg = logits[r, b * 16:(b + 1) * 16]
+            seg = logits[r, b * 16 : (b + 1) * 16]
             assert torch.allclose(got[r, b], torch.logsumexp(seg, 0), rtol=0, atol=1e-12) or (
-                got[r, b] == float("-inf") and torch.all(seg == float("-inf")))
+                got[r, b] == float("-inf") and torch.all(seg == float("-inf"))
+            )
     assert got[1, 0] == float("-inf")
     p_block = torch.softmax(got, -1)
     p_tok = torch.softmax(logits, -1)
@@ -82,9 +83,9 @@ def test_selector_properties_per_row():
         assert torch.equal(chosen.sum(-1), k)
         lo = torch.where(chosen, p, torch.ones_like(p)).amin(-1)
         hi = torch.where(chosen, torch.zeros_like(p), p).amax(-1)
-        assert torch.all(lo >= hi)                                       # top-k by mass
+        assert torch.all(lo >= hi)  # top-k by mass
         tail = torch.where(chosen, torch.zeros_like(p), p).sum(-1)
-        assert torch.all((tail <= trig + 1e-12) | (k == 12))             # rung 1 ran to completion
+        assert torch.all((tail <= trig + 1e-12) | (k == 12))  # rung 1 ran to completion
         sp = torch.sort(p, -1, descending=True).values.cumsum(-1)
         first = (sp >= tau * (1 - 1e-12)).to(torch.int64).argmax(-1) + 1
         base = first.clamp(kmin, kmax)
@@ -126,7 +127,7 @@ def test_key_term_per_cell_vs_bruteforce():
         c = torch.rand(n, s, generator=GEN, dtype=torch.float64) * 0.6
         phi = torch.full((n, s), 1e-4, dtype=torch.float64)
         tail = torch.rand(n, s, generator=GEN) < 0.5
-        served = logits + _sign_eps(c + phi)                         # phase-1 scoring, every token perturbed
+        served = logits + _sign_eps(c + phi)  # phase-1 scoring, every token perturbed
         mixed = logits + torch.where(tail, _sign_eps(c), 0.0) + _sign_eps(phi)
         v = _rand(n, s, dv, scale=2.0)
         p, p_mix = torch.softmax(logits, -1), torch.softmax(mixed, -1)
@@ -165,7 +166,7 @@ def test_value_term_per_cell_and_equality_case():
     err = (p.unsqueeze(-1) * dvec).sum(-2).norm(dim=-1)
     eta = block_max(dvec.norm(dim=-1), bs)
     assert torch.all(err <= value_term(block_sum(p, bs), eta) * (1 + 1e-12))
-    same = torch.ones(1, s, dv, dtype=torch.float64) * 0.3                 # identical residuals: equality
+    same = torch.ones(1, s, dv, dtype=torch.float64) * 0.3  # identical residuals: equality
     e = value_term(block_sum(p[:1], bs), block_max(same.norm(dim=-1), bs))
     assert torch.allclose(e, (p[:1].unsqueeze(-1) * same).sum(-2).norm(dim=-1), rtol=1e-12)
 
@@ -174,14 +175,19 @@ def test_value_term_per_cell_and_equality_case():
 def test_logit_rounding_radius_covers_float32_dot_products(d):
     q = torch.randn(200, d, generator=GEN) * 20
     k = torch.randn(200, 300, d, generator=GEN) * 20
-    k[:, :, :3] *= 1e3                                                       # heavy outlier channels
+    k[:, :, :3] *= 1e3  # heavy outlier channels
     khat = k + torch.randn(200, 300, d, generator=GEN) * 0.5
     sc = d**-0.5
     exact = torch.einsum("nd,nsd->ns", q.double(), k.double()) * sc
     for keys in (khat, k):
         got = torch.matmul(q.unsqueeze(1), keys.transpose(-1, -2)).squeeze(1) * sc
-        phi = logit_rounding_radius(q.double().norm(dim=-1, keepdim=True), khat.double().norm(dim=-1),
-                                    (khat.double() - k.double()).norm(dim=-1), sc, d)
+        phi = logit_rounding_radius(
+            q.double().norm(dim=-1, keepdim=True),
+            khat.double().norm(dim=-1),
+            (khat.double() - k.double()).norm(dim=-1),
+            sc,
+            d,
+        )
         ref = torch.einsum("nd,nsd->ns", q.double(), keys.double()) * sc
         assert torch.all((got.double() - ref).abs() <= phi)
     assert exact.abs().max() > 0
@@ -212,8 +218,13 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="c_max"):
         mass_lemma_bound(torch.tensor([0.1]), torch.tensor([-1.0]))
     with pytest.raises(ValueError, match="v_max"):
-        key_term(torch.tensor([0.1]), torch.tensor([0.1]), torch.tensor([0.1]), torch.tensor([0.0]),
-                 torch.tensor([float("inf")]))
+        key_term(
+            torch.tensor([0.1]),
+            torch.tensor([0.1]),
+            torch.tensor([0.1]),
+            torch.tensor([0.0]),
+            torch.tensor([float("inf")]),
+        )
     with pytest.raises(ValueError, match="eta"):
         value_term(torch.tensor([0.5]), torch.tensor([-0.1]))
     with pytest.raises(ValueError, match="block"):

@@ -24,9 +24,7 @@ def retracted_dispersion(p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return 0.5 * torch.exp(2 * c_max) * (disp + c_bar.squeeze(-1) * torch.expm1(c_max))
 
 
-def averaged_variance_cert(
-    p: torch.Tensor, sigma2: torch.Tensor, n_tokens: int, delta: float
-) -> torch.Tensor:
+def averaged_variance_cert(p: torch.Tensor, sigma2: torch.Tensor, n_tokens: int, delta: float) -> torch.Tensor:
     """M3 shortcut ``½(e^{2u(V̄)} − 1)`` with ``V̄ = Σ p̃_t σ²_t`` — NOT a bound."""
     u_bar = tier_b_radius((p * sigma2).sum(-1), n_tokens, delta)
     return 0.5 * torch.expm1(2 * u_bar)

@@ -42,8 +42,6 @@ def test_meter_never_exceeds_any_of_its_forms_per_cell():
         for form in ("eform", "two_sided", "ptm"):
             assert bool((meter <= bounds[form][0]).all()), form
         assert bool((meter <= 1.0).all())
-        assert bool(
-            (bounds["ptm"][0] <= torch.minimum(bounds["eform"][0], bounds["two_sided"][0]) + 1e-12).all()
-        )
+        assert bool((bounds["ptm"][0] <= torch.minimum(bounds["eform"][0], bounds["two_sided"][0]) + 1e-12).all())
         raw = tv_meter(cells.p_served, cells.radius, clip=False)
         assert torch.equal(raw.clamp(max=1.0), meter)

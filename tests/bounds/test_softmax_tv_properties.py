@@ -95,9 +95,7 @@ def test_bound_at_least_true_tv_and_meter_is_min(logits, radii, unit):
 def test_constant_radius_collapses_to_uniform(logits, eps):
     p = torch.softmax(torch.tensor(logits, dtype=F64), -1)
     c = torch.full_like(p, eps)
-    assert tv_eform(p, c, clip=False).item() == pytest.approx(
-        tv_uniform(eps, clip=False).item(), rel=1e-12, abs=1e-15
-    )
+    assert tv_eform(p, c, clip=False).item() == pytest.approx(tv_uniform(eps, clip=False).item(), rel=1e-12, abs=1e-15)
 
 
 @settings(max_examples=60, deadline=None)
@@ -120,9 +118,7 @@ def test_blockwise_accumulation_equals_per_token_sum():
     torch.testing.assert_close(per_block.a, per_token.a, rtol=1e-14, atol=0)
     torch.testing.assert_close(per_block.b, per_token.b, rtol=1e-14, atol=0)
     for form in ("eform", "two_sided", "ptm", "meter"):
-        torch.testing.assert_close(
-            tv_bound(mass_block, c_block, form), tv_bound(p, c, form), rtol=1e-12, atol=1e-15
-        )
+        torch.testing.assert_close(tv_bound(mass_block, c_block, form), tv_bound(p, c, form), rtol=1e-12, atol=1e-15)
 
 
 # ---------------------------------------------------------------- broadcasting, masked tokens, fused meter
@@ -143,10 +139,7 @@ def test_broadcasting_and_masked_tokens():
 def test_fused_meter_matches_separate_calls():
     gen = torch.Generator().manual_seed(6)
     p = torch.softmax(torch.randn(3, 3, 512, generator=gen) * 2, -1)
-    c = (
-        torch.rand(3, 3, 512, generator=gen, dtype=F64)
-        * torch.tensor([0.1, 1.0, 5.0], dtype=F64)[:, None, None]
-    )
+    c = torch.rand(3, 3, 512, generator=gen, dtype=F64) * torch.tensor([0.1, 1.0, 5.0], dtype=F64)[:, None, None]
     clipped, raw = meter_and_unclipped(p, c)
     torch.testing.assert_close(clipped, tv_meter(p, c))
     torch.testing.assert_close(raw, tv_meter(p, c, clip=False))

@@ -47,8 +47,8 @@ def test_witness_bounds_every_entry(codec):
     resid = served - k.double()
     rho = st.k_band.view()[:, :, :32].double()
     exact_rho = band_norms(resid, 8, "rotate_half")
-    assert torch.all(rho >= exact_rho)                                    # rounded up, never below
-    assert torch.all(rho.sum(-1) >= resid.norm(dim=-1) * (1 - 1e-12))    # scalar witness W >= ||dk||
+    assert torch.all(rho >= exact_rho)  # rounded up, never below
+    assert torch.all(rho.sum(-1) >= resid.norm(dim=-1) * (1 - 1e-12))  # scalar witness W >= ||dk||
     vres = st.v_res.view()[:, :, :32].double()
     assert torch.all(vres >= (st.v.served.view()[:, :, :32].double() - v.double()).norm(dim=-1))
     _assert_norm_witnesses(st)
@@ -58,7 +58,7 @@ def _assert_norm_witnesses(st):
     """Every per-token norm witness bounds its norm from above, for every live token (pending or encoded)."""
     khat, vhat = st.k.served.view().double(), st.v.served.view().double()
     dk = khat - st.k.host.view().double()
-    assert torch.all(st.k_wit.view().double() >= dk.norm(dim=-1))                            # W_t >= ||dk||
+    assert torch.all(st.k_wit.view().double() >= dk.norm(dim=-1))  # W_t >= ||dk||
     assert torch.all(st.k_wit.view().double() >= st.k_band.view().double().sum(-1))
     assert torch.all(st.k_hat_norm.view().double() >= khat.norm(dim=-1))
     assert torch.all(st.v_hat_norm.view().double() >= vhat.norm(dim=-1))
@@ -76,7 +76,7 @@ def test_norm_witnesses_follow_repair_trim_and_eviction():
     assert float(st.k_wit.view()[0, 1, 3:17].abs().max()) == 0.0
     st.gather(torch.tensor([0, 2, 5, 7, 30]).expand(2, 3, 5).contiguous())
     _assert_norm_witnesses(st)
-    assert st.k_wit.n == st.v_dist.n == 5 and torch.equal(st.v_centre, centre)   # the centre never moves
+    assert st.k_wit.n == st.v_dist.n == 5 and torch.equal(st.v_centre, centre)  # the centre never moves
     st2 = _store()
     st2.append(*_kv(t=20), *_rows())
     st2.append(*_kv(t=1, seed=4), *_rows())
@@ -85,8 +85,7 @@ def test_norm_witnesses_follow_repair_trim_and_eviction():
 
 
 def test_kivi_keys_wait_for_token_block_and_residual_window():
-    st = LayerStore(0, get("kivi-2", axis="key"), get("kivi-2", axis="value"), bands=8, pairing="rotate_half",
-                    seed=0)
+    st = LayerStore(0, get("kivi-2", axis="key"), get("kivi-2", axis="value"), bands=8, pairing="rotate_half", seed=0)
     k, v = _kv(t=40)
     st.append(k, v, *_rows())
     st.append(*_kv(t=1, seed=3), *_rows())
@@ -101,9 +100,10 @@ def test_bytes_are_measured_from_packed_tensors():
     st = _store("int8", "int4")
     st.append(*_kv(t=16), *_rows())
     st.append(*_kv(t=1, seed=1), *_rows())
-    packed = sum(t.numel() * t.element_size() for ts in (st.k, st.v) for c in ts.chunks
-                 for t in c.packed.tensors.values())
-    pending = 2 * (2 * 3 * 1 * 64 * 2)   # one pending token per row/head, fp16, for K and for V
+    packed = sum(
+        t.numel() * t.element_size() for ts in (st.k, st.v) for c in ts.chunks for t in c.packed.tensors.values()
+    )
+    pending = 2 * (2 * 3 * 1 * 64 * 2)  # one pending token per row/head, fp16, for K and for V
     assert st.bytes_stored() == packed + pending
     assert st.bytes_fp16() == 2 * 2 * 3 * 17 * 64 * 2
     # int8 G32 at D=64: 64 B codes + 4 B scales; int4: 32 + 4 -> (68 + 36) per token-head
@@ -126,7 +126,7 @@ def test_fail_closed_rows_and_persistent_repair():
     st.append(*_kv(t=8), torch.tensor([5, -1]), torch.tensor([False, True]))
     st.append(*_kv(t=1, seed=1), torch.tensor([5, -1]), torch.tensor([False, True]))
     assert st.fail_closed == 3 * 8 and st.k.exact.view()[1].all()
-    _assert_norm_witnesses(st)   # norms of what is served: exact entries of a fail-closed row included
+    _assert_norm_witnesses(st)  # norms of what is served: exact entries of a fail-closed row included
     moved = st.make_exact(0, 1, slice(2, 6))
     assert moved == 2 * 4 * 64 * 2
     assert torch.equal(st.k.served.view()[0, 1, 2:6], st.k.host.view()[0, 1, 2:6])

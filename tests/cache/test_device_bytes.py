@@ -10,8 +10,16 @@ from kvcert.quant import get
 
 
 def _store(keys="int8", values="int4", budget=None, write_block=1, **kw):
-    return LayerStore(0, get(keys, **kw), get(values, **({"axis": "value"} if values.startswith("kivi") else {})),
-                      bands=8, pairing="rotate_half", seed=1, write_block=write_block, device_budget=budget)
+    return LayerStore(
+        0,
+        get(keys, **kw),
+        get(values, **({"axis": "value"} if values.startswith("kivi") else {})),
+        bands=8,
+        pairing="rotate_half",
+        seed=1,
+        write_block=write_block,
+        device_budget=budget,
+    )
 
 
 def _kv(b=2, h=3, t=10, d=64, seed=0):
@@ -39,16 +47,27 @@ def walk_device_bytes(st: LayerStore) -> int:
 
 
 def _witness_state(st: LayerStore) -> dict[str, torch.Tensor]:
-    bufs = {"k_band": st.k_band, "k_wit": st.k_wit, "k_hat_norm": st.k_hat_norm, "v_res": st.v_res,
-            "v_hat_norm": st.v_hat_norm, "v_dist": st.v_dist, "k_served": st.k.served, "v_served": st.v.served,
-            "k_exact": st.k.exact, "v_exact": st.v.exact}
+    bufs = {
+        "k_band": st.k_band,
+        "k_wit": st.k_wit,
+        "k_hat_norm": st.k_hat_norm,
+        "v_res": st.v_res,
+        "v_hat_norm": st.v_hat_norm,
+        "v_dist": st.v_dist,
+        "k_served": st.k.served,
+        "v_served": st.v.served,
+        "k_exact": st.k.exact,
+        "v_exact": st.v.exact,
+    }
     if st.k_steps is not None:
         bufs["k_steps"] = st.k_steps
     return {name: buf.view().clone() for name, buf in bufs.items()}
 
 
-@pytest.mark.parametrize("keys,values", [("int8", "int4"), ("int2", "int2"), ("dither-int8", "int4"),
-                                         ("kivi-2", "kivi-2"), ("fp8-e4m3", "int8")])
+@pytest.mark.parametrize(
+    "keys,values",
+    [("int8", "int4"), ("int2", "int2"), ("dither-int8", "int4"), ("kivi-2", "kivi-2"), ("fp8-e4m3", "int8")],
+)
 def test_bytes_device_is_the_sum_of_the_stored_tensors(keys, values):
     kw = {"axis": "key"} if keys.startswith("kivi") else {}
     st = _store(keys, values, **kw)
@@ -56,10 +75,10 @@ def test_bytes_device_is_the_sum_of_the_stored_tensors(keys, values):
     st.append(*_kv(t=1, seed=1), *_rows())
     assert st.bytes_device() == walk_device_bytes(st) > 0
     assert st.bytes_device() == st.bytes_stored() + st.bytes_witness()
-    st.make_exact(1, 2, slice(3, 40))                       # repaired entries add 16-bit copies, codes stay
+    st.make_exact(1, 2, slice(3, 40))  # repaired entries add 16-bit copies, codes stay
     assert st.bytes_device() == walk_device_bytes(st)
     st.append(*_kv(t=3, seed=2), *_rows())
-    st.drop_before(20)                                      # sliding trim frees whole chunks
+    st.drop_before(20)  # sliding trim frees whole chunks
     assert st.bytes_device() == walk_device_bytes(st)
     assert st.n_held == sum(int(ts.held.view().sum()) for ts in (st.k, st.v)) > 0
 
@@ -86,16 +105,16 @@ def test_persist_never_exceeds_the_budget_and_counts_transient_page_ins():
             kept.append(st.persist(b, h, slice(0, st.n)))
             assert st.bytes_device() <= budget * st.bytes_fp16()
             assert st.bytes_device() == walk_device_bytes(st)
-    assert any(kept) and not all(kept)                      # the budget binds part way through
+    assert any(kept) and not all(kept)  # the budget binds part way through
     assert st.transient_repairs == kept.count(False)
-    assert st.bytes_transient == kept.count(False) * st.n * (64 + 64) * 4   # float32 host tier here
+    assert st.bytes_transient == kept.count(False) * st.n * (64 + 64) * 4  # float32 host tier here
     unlimited = _store("int2", "int2")
     unlimited.append(*_kv(t=64), *_rows())
     unlimited.append(*_kv(t=1, seed=1), *_rows())
     for b in range(2):
         for h in range(3):
             assert unlimited.persist(b, h, slice(0, unlimited.n))
-    assert unlimited.bytes_device() > unlimited.bytes_fp16()   # without a budget int2 + repair exceeds fp16
+    assert unlimited.bytes_device() > unlimited.bytes_fp16()  # without a budget int2 + repair exceeds fp16
 
 
 def test_release_restores_codes_and_witnesses_exactly():
@@ -106,12 +125,12 @@ def test_release_restores_codes_and_witnesses_exactly():
     before = _witness_state(st)
     assert st.persist(0, 1, slice(0, 64)) and st.persist(1, 2, torch.arange(st.n) % 3 == 0)
     assert st.held_heads()[0, 1] and st.held_heads()[1, 2] and not st.held_heads()[0, 0]
-    st.device_budget = 1e-6                                 # the next write must release everything held
+    st.device_budget = 1e-6  # the next write must release everything held
     st.append(*_kv(t=1, seed=2), *_rows())
     assert not st.held_heads().any() and st.released > 0
     after = _witness_state(st)
     for name, old in before.items():
-        assert torch.equal(after[name][:, :, :old.shape[2]], old), name
+        assert torch.equal(after[name][:, :, : old.shape[2]], old), name
 
 
 def test_release_runs_on_write_until_under_budget():

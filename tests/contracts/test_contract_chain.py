@@ -71,9 +71,7 @@ def test_ill_typed_reference_chain_is_rejected():
         Chain().then(store_rel).then(bridges.score_bridge(SCALE, QN))
 
 
-@pytest.mark.parametrize(
-    "m_in", ["attn_logit:linf@write", "attn_logit:l2@consume", "selector_score:linf@consume"]
-)
+@pytest.mark.parametrize("m_in", ["attn_logit:linf@write", "attn_logit:l2@consume", "selector_score:linf@consume"])
 def test_each_metric_part_blocks_composition(m_in):
     nxt = Contract("next", 1.0, 0.0, 0.0, Tier.CERTIFIED, m_in, "attn_dist:tv@consume", "test")
     with pytest.raises(MetricMismatch):
@@ -148,9 +146,7 @@ def test_contract_rejects_bad_fields(field, kwargs):
 
 
 def test_contract_coerces_strings_and_premise_pairs():
-    c = Contract(
-        "c", 2, 1, 0, "partial", "kv_entry:l2@write", "kv_entry:l2@write", "r", ("e <= 1", lambda e: e <= 1)
-    )
+    c = Contract("c", 2, 1, 0, "partial", "kv_entry:l2@write", "kv_entry:l2@write", "r", ("e <= 1", lambda e: e <= 1))
     assert c.tier is Tier.PARTIAL and c.m_in == KV_ENTRY_L2 and c.premise.description == "e <= 1"
     assert c.apply(1.0) == 3.0
     with pytest.raises(PremiseViolation, match="e <= 1"):
@@ -238,9 +234,7 @@ def test_stage_contributions_and_dominant_stage():
 
 # --- composition algebra ------------------------------------------------------------------------------
 
-affine_stage = st.tuples(
-    st.floats(0.0, 4.0), st.floats(0.0, 3.0), st.floats(0.0, 0.01), st.sampled_from(list(Tier))
-)
+affine_stage = st.tuples(st.floats(0.0, 4.0), st.floats(0.0, 3.0), st.floats(0.0, 0.01), st.sampled_from(list(Tier)))
 
 
 def _affine_chain(params) -> Chain:
@@ -258,9 +252,7 @@ def test_composition_algebra(params, e_in):
     assert c.a == pytest.approx(math.prod(p[0] for p in params), rel=1e-12, abs=0)
     assert c.delta == pytest.approx(math.fsum(p[2] for p in params), rel=1e-12, abs=0)
     assert c.tier is min(p[3] for p in params)
-    expected_b = math.fsum(
-        b * math.prod(p[0] for p in params[i + 1 :]) for i, (_, b, _, _) in enumerate(params)
-    )
+    expected_b = math.fsum(b * math.prod(p[0] for p in params[i + 1 :]) for i, (_, b, _, _) in enumerate(params))
     assert c.b == pytest.approx(expected_b, rel=1e-9, abs=1e-12)
     ev = chain.evaluate(e_in)
     assert ev.value == pytest.approx(c.bound(e_in), rel=1e-9, abs=1e-12)
@@ -277,11 +269,7 @@ def test_composition_algebra(params, e_in):
 def test_composition_is_associative(params, data):
     cut = data.draw(st.integers(1, len(params) - 1))
     whole = _affine_chain(params).compose()
-    nested = (
-        Chain()
-        .then(_affine_chain(params[:cut]).as_contract())
-        .then(_affine_chain(params[cut:]).as_contract())
-    )
+    nested = Chain().then(_affine_chain(params[:cut]).as_contract()).then(_affine_chain(params[cut:]).as_contract())
     n = nested.compose()
     assert n.a == pytest.approx(whole.a, rel=1e-12, abs=1e-300)
     assert n.b == pytest.approx(whole.b, rel=1e-9, abs=1e-12)
@@ -307,29 +295,18 @@ def test_unbounded_slope_and_zero_conventions():
     after = Chain().then(bridges.score_bridge(SCALE, QN)).then(bridges.softmax_uniform()).then(reset)
     assert after.compose().a == 0.0 and after.compose().b == 0.25
     assert after.evaluate(0.2).value == 0.25
-    dense = (
-        Chain()
-        .then(stages.store_witness(W))
-        .then(bridges.score_bridge(SCALE, QN))
-        .then(bridges.softmax_uniform())
-    )
+    dense = Chain().then(stages.store_witness(W)).then(bridges.score_bridge(SCALE, QN)).then(bridges.softmax_uniform())
     nested = dense.as_contract("dense")  # a = b = inf: no affine form, but the exact transfer still evaluates
     assert nested.a == math.inf and nested.b == math.inf
-    assert Chain().then(nested).evaluate(0.0).value == pytest.approx(
-        0.5 * math.expm1(2 * SCALE * QN * W), rel=1e-12
-    )
+    assert Chain().then(nested).evaluate(0.0).value == pytest.approx(0.5 * math.expm1(2 * SCALE * QN * W), rel=1e-12)
 
 
 def test_misdeclared_transfer_is_caught():
     """A transfer above the declared affine form would make compose() unsound: refuse it."""
-    loose = Contract(
-        "loose", 1.0, 0.0, 0.0, "certified", ATTN_DIST_TV, ATTN_DIST_TV, "r", transfer=lambda e: 2 * e
-    )
+    loose = Contract("loose", 1.0, 0.0, 0.0, "certified", ATTN_DIST_TV, ATTN_DIST_TV, "r", transfer=lambda e: 2 * e)
     assert loose.apply(0.0) == 0.0
     with pytest.raises(ValueError, match="transfer"):
         Chain().then(loose).evaluate(0.1)
-    negative = Contract(
-        "neg", 1.0, 0.0, 0.0, "certified", ATTN_DIST_TV, ATTN_DIST_TV, "r", transfer=lambda e: -e
-    )
+    negative = Contract("neg", 1.0, 0.0, 0.0, "certified", ATTN_DIST_TV, ATTN_DIST_TV, "r", transfer=lambda e: -e)
     with pytest.raises(ValueError, match="transfer"):
         negative.apply(0.1)

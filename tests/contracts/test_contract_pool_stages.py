@@ -38,8 +38,13 @@ def test_pool_stage_types_and_tiers():
     assert (l2.a, l2.b, l2.tier, l2.m_in, l2.m_out) == (0.5, 0.0, Tier.CERTIFIED, KV_BLOCK_L2, KV_ENTRY_L2)
     assert (linf.a, linf.b, linf.tier, linf.m_in, linf.m_out) == (1.0, 0.0, Tier.CERTIFIED, KV_BLOCK_LINF, KV_ENTRY_L2)
     # pooling on uncompressed tokens (e_in = 0) then a quantised store: the pool coefficient does not scale b_store
-    chain = (Chain().then(l2).then(stages.store_witness(0.2)).then(bridges.score_bridge(0.25, 4.0))
-             .then(bridges.softmax_uniform()))
+    chain = (
+        Chain()
+        .then(l2)
+        .then(stages.store_witness(0.2))
+        .then(bridges.score_bridge(0.25, 4.0))
+        .then(bridges.softmax_uniform())
+    )
     ev = chain.evaluate(0.0)
     assert ev.value == pytest.approx(0.5 * math.expm1(2 * 0.2)) and ev.dominant_stage == "store_witness"
     assert chain.evaluate(0.3).value == pytest.approx(0.5 * math.expm1(2 * (0.5 * 0.3 + 0.2)))
@@ -54,8 +59,13 @@ def test_pool_stage_types_and_tiers():
 def test_logit_rounding_is_an_additive_logit_stage():
     r = stages.logit_rounding(1e-6)
     assert (r.a, r.b, r.tier, r.m_in, r.m_out) == (1.0, 1e-6, Tier.CERTIFIED, ATTN_LOGIT_LINF, ATTN_LOGIT_LINF)
-    chain = (Chain().then(stages.store_witness(0.1)).then(bridges.score_bridge(1.0, 2.0)).then(r)
-             .then(bridges.softmax_uniform()))
+    chain = (
+        Chain()
+        .then(stages.store_witness(0.1))
+        .then(bridges.score_bridge(1.0, 2.0))
+        .then(r)
+        .then(bridges.softmax_uniform())
+    )
     assert chain.m_out == ATTN_DIST_TV
     assert chain.evaluate(0.0).value == pytest.approx(0.5 * math.expm1(2 * (0.2 + 1e-6)), rel=1e-12)
     with pytest.raises(MetricMismatch):

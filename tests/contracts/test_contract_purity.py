@@ -25,6 +25,6 @@ def test_contracts_import_only_stdlib_and_themselves():
     for path in files:
         for module in _imported_roots(path):
             top = module.split(".")[0]
-            assert (
-                module.startswith("kvcert.contracts") or top in sys.stdlib_module_names or top == "__future__"
-            ), f"{path.name} imports {module}"
+            assert module.startswith("kvcert.contracts") or top in sys.stdlib_module_names or top == "__future__", (
+                f"{path.name} imports {module}"
+            )

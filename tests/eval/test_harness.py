@@ -24,8 +24,9 @@ def test_generate_answers_smoke(smol_dir, smol_tok, tmp_path, monkeypatch):
         built.append(DynamicCache(config=m.config))
         return built[-1]
 
-    preds = generate_answers(model, smol_tok, samples, cache_factory=factory, max_new_tokens=3, progress=False,
-                             on_sample=seen.append)
+    preds = generate_answers(
+        model, smol_tok, samples, cache_factory=factory, max_new_tokens=3, progress=False, on_sample=seen.append
+    )
     assert len(preds) == 2 and len(built) == 2 and built[0] is not built[1]
     assert seen == built
     for s, p, cache in zip(samples, preds, built, strict=True):
@@ -36,8 +37,15 @@ def test_generate_answers_smoke(smol_dir, smol_tok, tmp_path, monkeypatch):
         assert p.score == score(s, p.text) and 0.0 <= p.score <= 1.0
     # None from the factory (or no factory) means a plain DynamicCache
     got = []
-    generate_answers(model, smol_tok, samples[:1], cache_factory=lambda m: None, max_new_tokens=1,
-                     progress=False, on_sample=got.append)
+    generate_answers(
+        model,
+        smol_tok,
+        samples[:1],
+        cache_factory=lambda m: None,
+        max_new_tokens=1,
+        progress=False,
+        on_sample=got.append,
+    )
     assert type(got[0]) is DynamicCache
 
 
@@ -68,7 +76,7 @@ def test_perplexity_through_cache_equals_direct_nll(smol_tok, family, stride, pr
     ids = smol_tok(text, return_tensors="pt").input_ids[:, :context]
     with torch.no_grad():
         logp = torch.log_softmax(model(ids).logits.double(), dim=-1)
-    nll = -logp[0, p - 1:context - 1].gather(-1, ids[0, p:].unsqueeze(-1)).mean().item()
+    nll = -logp[0, p - 1 : context - 1].gather(-1, ids[0, p:].unsqueeze(-1)).mean().item()
     assert res.tokens_scored == context - p and res.tier == "empirical"
     assert res.mean_nll == pytest.approx(nll, abs=1e-5)
     assert res.ppl == pytest.approx(math.exp(nll), rel=1e-5)

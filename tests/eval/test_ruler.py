@@ -87,8 +87,7 @@ def test_postprocess_matches_package_definition():
 
 
 def _sample(task, outputs):
-    return Sample(task=task, index=0, prompt="p", answer_prefix="", outputs=tuple(outputs), length=1,
-                  max_new_tokens=1)
+    return Sample(task=task, index=0, prompt="p", answer_prefix="", outputs=tuple(outputs), length=1, max_new_tokens=1)
 
 
 def test_metrics_are_rulers_all_vs_part():

@@ -16,8 +16,9 @@ def _brute_two_sided(b: int, c: int) -> tuple[float, float]:
     return min(1.0, 2 * le), min(1.0, 2 * le - eq)
 
 
-@pytest.mark.parametrize(("b", "c", "p"), [(0, 5, 0.0625), (1, 9, 0.021484375), (3, 3, 1.0), (0, 0, 1.0),
-                                           (2, 10, 0.03857421875)])
+@pytest.mark.parametrize(
+    ("b", "c", "p"), [(0, 5, 0.0625), (1, 9, 0.021484375), (3, 3, 1.0), (0, 0, 1.0), (2, 10, 0.03857421875)]
+)
 def test_mcnemar_known_values(b, c, p):
     ref = [1] * b + [0] * c + [1, 1, 0]  # concordant pairs (1,1),(1,1),(0,0) do not count
     cand = [0] * b + [1] * c + [1, 1, 0]

@@ -13,7 +13,7 @@ from kvcert.models.tiny import tiny_random
 @pytest.fixture(scope="module")
 def llama_trace():
     torch.manual_seed(0)
-    model = tiny_random("llama", vocab_size=96, max_position_embeddings=128)   # eager attention
+    model = tiny_random("llama", vocab_size=96, max_position_embeddings=128)  # eager attention
     tokens = torch.randint(0, 96, (1, 41))
     with torch.no_grad():
         out = model(tokens, output_attentions=True)

@@ -52,6 +52,7 @@ def _ingested(model, ids, cache, steps, check):
 def _budget_check(budget, seen):
     """Per layer: ``bytes_device <= max(budget·fp16, floor)`` with the floor what the store holds without the
     repairs it keeps (codes, witnesses, pending entries); literally ``<= budget·fp16`` when the floor fits."""
+
     def check(cache):
         for layer in cache.layers:
             st = layer.store
@@ -61,6 +62,7 @@ def _budget_check(budget, seen):
             if floor <= limit:
                 assert st.bytes_device() <= limit
         seen.append(sum(layer.store.bytes_device() for layer in cache.layers))
+
     return check
 
 
@@ -70,14 +72,13 @@ def test_persistent_int2_repair_never_exceeds_the_budget_at_any_step(granularity
     model = tiny_random("llama", head_dim=32)
     ids = torch.randint(3, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
     gate = Gate.certified(0.0, granularity=granularity, block_size=8, persistent=True)
-    cache = CertifiedCache(model, keys="int2", values="int2", gate=gate, seed=0, write_block=4,
-                           device_budget=budget)
+    cache = CertifiedCache(model, keys="int2", values="int2", gate=gate, seed=0, write_block=4, device_budget=budget)
     seen = []
     _ingested(model, ids, cache, 20, _budget_check(budget, seen))
     cache.detach()
     tel = cache.telemetry()
     assert len(seen) == 21 and tel.bytes_device <= budget * tel.bytes_fp16
-    assert tel.transient_page_ins > 0 and tel.bytes_transient > 0      # the budget did bind
+    assert tel.transient_page_ins > 0 and tel.bytes_transient > 0  # the budget did bind
     assert tel.capacity >= 1.0 / budget
     # without a budget the same gate stores more than fp16: the check above is not vacuous
     free = CertifiedCache(model, keys="int2", values="int2", gate=gate, seed=0, write_block=4, device_budget=None)
@@ -89,8 +90,14 @@ def test_persistent_int2_repair_never_exceeds_the_budget_at_any_step(granularity
 def test_default_budget_keeps_gated_int2_at_or_below_fp16():
     model = tiny_random("qwen2", head_dim=32)
     ids = torch.randint(3, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
-    cache = CertifiedCache(model, keys="int2", values="int2", seed=0, write_block=4,
-                           gate=Gate.certified(0.0, granularity="block", block_size=8, persistent=True))
+    cache = CertifiedCache(
+        model,
+        keys="int2",
+        values="int2",
+        seed=0,
+        write_block=4,
+        gate=Gate.certified(0.0, granularity="block", block_size=8, persistent=True),
+    )
     seen = []
     _ingested(model, ids, cache, 12, _budget_check(1.0, seen))
     cache.detach()
@@ -103,8 +110,14 @@ def test_tau0_with_binding_budget_is_token_identical_to_dynamic_cache(family):
     ids = torch.randint(3, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
     ref = _stepwise(model, ids, DynamicCache(config=model.config), 12)
     for granularity in ("head", "block"):
-        cache = CertifiedCache(model, keys="int2", values="int2", device_budget=0.5, write_block=4,
-                               gate=Gate.certified(0.0, granularity=granularity, block_size=4, persistent=True))
+        cache = CertifiedCache(
+            model,
+            keys="int2",
+            values="int2",
+            device_budget=0.5,
+            write_block=4,
+            gate=Gate.certified(0.0, granularity=granularity, block_size=4, persistent=True),
+        )
         got = _stepwise(model, ids, cache, 12)
         cache.detach()
         assert torch.equal(ref, got), granularity
@@ -116,21 +129,27 @@ def test_fallback_rate_is_per_read_for_persistent_gates():
     from those copies: fallback_rate is 1, not 1/steps."""
     model = tiny_random("llama", head_dim=32)
     ids = torch.randint(3, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(5))
-    cache = CertifiedCache(model, keys="int4", values="int4", gate=Gate.certified(1e-3, persistent=True),
-                           device_budget=None, seed=0)
+    cache = CertifiedCache(
+        model, keys="int4", values="int4", gate=Gate.certified(1e-3, persistent=True), device_budget=None, seed=0
+    )
     _ingested(model, ids, cache, 10, lambda c: None)
     cache.detach()
     tel = cache.telemetry()
     paged = tel.repaired.flatten(1).any(1)
-    assert paged[0] and not paged[1:].any()             # every head paged in at the first read, never again
-    assert tel.fallback_rate == 1.0                     # ... and served from those copies at every read
+    assert paged[0] and not paged[1:].any()  # every head paged in at the first read, never again
+    assert tel.fallback_rate == 1.0  # ... and served from those copies at every read
 
 
 def test_telemetry_bytes_device_is_the_sum_over_layers_of_the_stored_tensors():
     model = tiny_random("mistral", head_dim=32)
     ids = torch.randint(3, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(6))
-    cache = CertifiedCache(model, keys="dither-int8", values="int4", seed=0,
-                           gate=Gate.certified(0.05, granularity="block", block_size=8, persistent=True))
+    cache = CertifiedCache(
+        model,
+        keys="dither-int8",
+        values="int4",
+        seed=0,
+        gate=Gate.certified(0.05, granularity="block", block_size=8, persistent=True),
+    )
     _stepwise(model, ids, cache, 6)
     cache.detach()
     tel = cache.telemetry()

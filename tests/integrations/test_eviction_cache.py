@@ -27,14 +27,14 @@ def _ids(model, n=PROMPT, batch=1, seed=0):
 @torch.no_grad()
 def _decode(model, ids, cache, steps=STEPS, on_step=None):
     """Prefill + greedy decode; returns (tokens [B, steps], logits of every forward's last position)."""
-    out = model(ids, past_key_values=cache, use_cache=True)
+    out = model(ids, cache=cache, use_cache=True)
     toks, logits = [], [out.logits[:, -1]]
     for _ in range(steps):
         nxt = out.logits[:, -1:].argmax(-1)
         toks.append(nxt)
         if on_step is not None:
             on_step(cache, out)
-        out = model(nxt, past_key_values=cache, use_cache=True)
+        out = model(nxt, cache=cache, use_cache=True)
         logits.append(out.logits[:, -1])
     return torch.cat(toks, 1), torch.stack(logits, 1)
 
@@ -75,7 +75,7 @@ def test_every_policy_keeps_the_budget_through_a_decode_loop(name):
     assert max(max(row) for row in sizes[1:]) == budget + 1
     for layer in cache.layers:
         pos = layer.store.positions.view()
-        assert (pos.diff(dim=-1) > 0).all()          # per-head logical positions strictly increasing
+        assert (pos.diff(dim=-1) > 0).all()  # per-head logical positions strictly increasing
         assert int(pos[..., -1].max()) == PROMPT + STEPS - 1
     assert cache.get_seq_length() == PROMPT + STEPS  # logical length drives the position ids
     assert cache.telemetry().evicted_entries == 2 * 2 * (PROMPT + STEPS - 1 - budget)
@@ -93,8 +93,9 @@ def test_budget_above_sequence_is_bit_identical_and_repair_equals_dynamic(family
     cache.detach()
     assert torch.equal(tok, ref_tok) and torch.equal(logits, ref_logits)
     dyn_tok, _ = _decode(model, ids, DynamicCache(config=model.config))
-    repaired = CertifiedCache(model, keys="int4", values="int4", gate=Gate.certified(0.0), evict=H2O(recent=2),
-                              budget=PROMPT + STEPS + 1)
+    repaired = CertifiedCache(
+        model, keys="int4", values="int4", gate=Gate.certified(0.0), evict=H2O(recent=2), budget=PROMPT + STEPS + 1
+    )
     tok, _ = _decode(model, ids, repaired)
     assert torch.equal(tok, dyn_tok)
 
@@ -106,8 +107,9 @@ def test_positions_after_eviction_match_a_masked_full_forward():
     model = _model()
     ids = _ids(model, seed=5)
     sinks, budget = 2, 8
-    cache = CertifiedCache(model, keys="int8", values="int8", gate=Gate.certified(0.0),
-                           evict=StreamingLLM(sinks=sinks), budget=budget)
+    cache = CertifiedCache(
+        model, keys="int8", values="int8", gate=Gate.certified(0.0), evict=StreamingLLM(sinks=sinks), budget=budget
+    )
     tok, logits = _decode(model, ids, cache)
     cache.detach()
     seq = torch.cat([ids, tok], 1)
@@ -118,7 +120,7 @@ def test_positions_after_eviction_match_a_masked_full_forward():
     visible = (k <= q) & ((q < PROMPT) | window)
     mask = torch.zeros(1, 1, t_len, t_len).masked_fill(~visible, float("-inf"))
     with torch.no_grad():
-        ref = model(seq, attention_mask=mask).logits[0, PROMPT - 1:]
+        ref = model(seq, attention_mask=mask).logits[0, PROMPT - 1 :]
     assert torch.allclose(logits[0], ref[: STEPS + 1], atol=1e-4, rtol=0)
     assert int((~visible).sum()) > 0  # the reference really masks something
 
@@ -134,13 +136,23 @@ def test_left_padding_batch_matches_single_rows_under_eviction():
     attn[1, :5] = 0
 
     def run(ids, mask):
-        cache = CertifiedCache(model, keys="int8", values="int8", gate=Gate.certified(0.0), evict=H2O(recent=2),
-                               budget=10)
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8, do_sample=False,
-                             min_new_tokens=8, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        cache = CertifiedCache(
+            model, keys="int8", values="int8", gate=Gate.certified(0.0), evict=H2O(recent=2), budget=10
+        )
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            cache=cache,
+            max_new_tokens=8,
+            do_sample=False,
+            min_new_tokens=8,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         cache.detach()
         assert cache.telemetry().evicted_entries > 0
-        return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)
+        return out.sequences[:, ids.shape[1] :], torch.stack(out.logits, 1)
 
     got, got_logits = run(batch, attn)
     for row, ids in ((0, long_ids), (1, short_ids)):
@@ -153,8 +165,9 @@ def test_left_padding_batch_matches_single_rows_under_eviction():
 def test_eviction_with_int8_and_certified_gate_has_no_violations(policy):
     model = _model()
     ids = _ids(model, 2 * PROMPT, batch=2, seed=11)
-    cache = CertifiedCache(model, keys="int8", values="int4", gate=Gate.certified(0.05), validate=True,
-                           evict=policy, budget=16)
+    cache = CertifiedCache(
+        model, keys="int8", values="int4", gate=Gate.certified(0.05), validate=True, evict=policy, budget=16
+    )
     _decode(model, ids, cache)
     tel = cache.telemetry()
     assert tel.evicted_entries > 0 and tel.cells > 0
@@ -197,7 +210,7 @@ def test_validate_evicted_mass_equals_brute_force_tv_per_cell(mode):
         t = keys.shape[2]
         nq = query.shape[2]
         causal = torch.arange(t).view(1, t) <= (t - nq + torch.arange(nq)).view(nq, 1)
-        p = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)           # [B, Hq, Q, T]
+        p = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)  # [B, Hq, Q, T]
         kept = torch.zeros(*positions.shape[:2], t, dtype=torch.bool).scatter(-1, positions, True)
         tv = selection_tv(p, kept.repeat_interleave(g, 1)[:, :, None].expand_as(p)).amax(-1)  # [B, Hq]
         got = tel.evicted_mass[step, layer]
@@ -206,8 +219,9 @@ def test_validate_evicted_mass_equals_brute_force_tv_per_cell(mode):
     assert checked > 10  # eviction removed real mass in many cells
 
 
-@pytest.mark.parametrize("policy", [StreamingLLM(sinks=2), H2O(recent=3), SnapKV(window=3, kernel=3),
-                                    RMM(lag=3, kappa="uniform")])
+@pytest.mark.parametrize(
+    "policy", [StreamingLLM(sinks=2), H2O(recent=3), SnapKV(window=3, kernel=3), RMM(lag=3, kappa="uniform")]
+)
 @pytest.mark.parametrize("ratio", [0.3, 0.75])
 def test_prefill_compression_keeps_the_documented_count(policy, ratio):
     model = _model()
@@ -216,11 +230,11 @@ def test_prefill_compression_keeps_the_documented_count(policy, ratio):
     sizes = []
     _decode(model, ids, cache, steps=3, on_step=lambda c, _: sizes.append([layer.store.n for layer in c.layers]))
     kept = prefill_kept_count(PROMPT, ratio)
-    assert sizes[0] == [kept] * 2                             # compressed right after the prefill read
-    assert [layer.store.n for layer in cache.layers] == [kept + 3] * 2   # decode tokens are not evicted
+    assert sizes[0] == [kept] * 2  # compressed right after the prefill read
+    assert [layer.store.n for layer in cache.layers] == [kept + 3] * 2  # decode tokens are not evicted
     tel = cache.telemetry()
     assert tel.evicted_entries == 2 * 2 * (PROMPT - kept)
-    serving = tel.evicted_mass_serving[0]                     # empirical reading at the prefill step
+    serving = tel.evicted_mass_serving[0]  # empirical reading at the prefill step
     assert not torch.isnan(serving).any() and (serving >= 0).all() and (serving <= 1 + 1e-6).all()
     assert "empirical" in tel.tiers["evicted_mass_serving"] and "measured" in tel.tiers["evicted_mass"]
 
@@ -230,7 +244,7 @@ def test_ingest_compression_uses_key_proxy_and_keeps_count():
     ids = _ids(model)
     past = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, past_key_values=past, use_cache=True)
+        model(ids, cache=past, use_cache=True)
     cache = CertifiedCache(model, keys="int8", values="int8", evict=H2O(recent=2), compression_ratio=0.5)
     cache.ingest(past)
     assert [layer.store.n for layer in cache.layers] == [10, 10]
@@ -238,7 +252,7 @@ def test_ingest_compression_uses_key_proxy_and_keeps_count():
     budget_cache = CertifiedCache(model, keys="int8", values="int8", evict=H2O(recent=2), budget=6)
     budget_cache.ingest(past)
     with torch.no_grad():
-        model(ids[:, :1], past_key_values=budget_cache, use_cache=True)
+        model(ids[:, :1], cache=budget_cache, use_cache=True)
     assert [layer.store.n for layer in budget_cache.layers] == [7, 7]
 
 
@@ -247,11 +261,18 @@ def test_rmm_kappa_feeder_in_generate_and_missing_kappa_fails_closed():
     ids = _ids(model)
     cache = CertifiedCache(model, keys="int8", values="int8", evict=RMM(lag=3, kappa="emitted"), budget=8)
     with torch.no_grad():
-        model.generate(ids, past_key_values=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                       pad_token_id=0, logits_processor=[KappaFeeder(cache)])
+        model.generate(
+            ids,
+            cache=cache,
+            max_new_tokens=6,
+            min_new_tokens=6,
+            do_sample=False,
+            pad_token_id=0,
+            logits_processor=[KappaFeeder(cache)],
+        )
     assert max(layer.store.n for layer in cache.layers) <= 9 and not cache._kappa_groups
     scores = cache.evict._layers[0].scores
-    assert (scores > 0).any()                                 # κ-weighted rows reached DU
+    assert (scores > 0).any()  # κ-weighted rows reached DU
     bare = CertifiedCache(model, keys="int8", values="int8", evict=RMM(lag=3, kappa="emitted"), budget=8)
     with pytest.raises(ValueError, match="set_kappa"):
         _decode(model, ids, bare, steps=2)
@@ -264,11 +285,12 @@ def test_rmm_prefill_kappa_changes_the_kept_set():
     ids = _ids(model)
 
     def kept(kappa):
-        cache = CertifiedCache(model, keys="int8", values="int8", evict=RMM(lag=2, kappa="realised"),
-                               compression_ratio=0.5)
+        cache = CertifiedCache(
+            model, keys="int8", values="int8", evict=RMM(lag=2, kappa="realised"), compression_ratio=0.5
+        )
         cache.set_prefill_kappa(kappa)
         with torch.no_grad():
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, cache=cache, use_cache=True)
         return cache.kept_positions(0)
 
     ones = kept(None)
@@ -277,22 +299,25 @@ def test_rmm_prefill_kappa_changes_the_kept_set():
     assert ones.shape == (1, 2, 10) and not torch.equal(ones, kept(weights))
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"keys": "kivi-2", "evict": H2O(recent=2), "budget": 8}, "per-token"),
-    ({"keys": "int8", "values": "kvquant-4", "evict": H2O(recent=2), "budget": 8}, "per-token"),
-    ({"evict": StreamingLLM(sinks=4), "budget": 3}, "budget"),
-    ({"evict": H2O(recent=6, sinks=2), "budget": 7}, "budget"),
-    ({"evict": H2O(recent=2), "budget": 8, "compression_ratio": 0.5}, "exactly one"),
-    ({"evict": H2O(recent=2)}, "exactly one"),
-    ({"budget": 8}, "evict"),
-    ({"evict": H2O(recent=2), "compression_ratio": 1.0}, "compression_ratio"),
-    ({"evict": H2O(recent=2), "budget": 8, "ladder": True}, "ladder"),
-    ({"evict": H2O(recent=2), "budget": 8, "evict_chunk": 0}, "evict_chunk"),
-    ({"evict": H2O(recent=2), "budget": 8, "evict_chunk": 9}, "evict_chunk"),
-    ({"evict": H2O(recent=6), "budget": 8, "evict_chunk": 4}, "evict_chunk"),
-    ({"evict": H2O(recent=2), "budget": 8, "belady": True}, "belady"),
-    ({"evict": H2O(recent=2), "compression_ratio": 0.5, "validate": True, "belady": True}, "belady"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"keys": "kivi-2", "evict": H2O(recent=2), "budget": 8}, "per-token"),
+        ({"keys": "int8", "values": "kvquant-4", "evict": H2O(recent=2), "budget": 8}, "per-token"),
+        ({"evict": StreamingLLM(sinks=4), "budget": 3}, "budget"),
+        ({"evict": H2O(recent=6, sinks=2), "budget": 7}, "budget"),
+        ({"evict": H2O(recent=2), "budget": 8, "compression_ratio": 0.5}, "exactly one"),
+        ({"evict": H2O(recent=2)}, "exactly one"),
+        ({"budget": 8}, "evict"),
+        ({"evict": H2O(recent=2), "compression_ratio": 1.0}, "compression_ratio"),
+        ({"evict": H2O(recent=2), "budget": 8, "ladder": True}, "ladder"),
+        ({"evict": H2O(recent=2), "budget": 8, "evict_chunk": 0}, "evict_chunk"),
+        ({"evict": H2O(recent=2), "budget": 8, "evict_chunk": 9}, "evict_chunk"),
+        ({"evict": H2O(recent=6), "budget": 8, "evict_chunk": 4}, "evict_chunk"),
+        ({"evict": H2O(recent=2), "budget": 8, "belady": True}, "belady"),
+        ({"evict": H2O(recent=2), "compression_ratio": 0.5, "validate": True, "belady": True}, "belady"),
+    ],
+)
 def test_bad_eviction_settings_fail_with_a_named_error(kwargs, match):
     model = _model()
     with pytest.raises(ValueError, match=match):
@@ -312,12 +337,12 @@ def test_ingest_with_recorded_attention_keeps_what_the_in_forward_compression_ke
     ids = _ids(model, seed=21)
     inline = CertifiedCache(model, keys="int8", values="int8", evict=policy, compression_ratio=0.5)
     with torch.no_grad():
-        model(ids, past_key_values=inline, use_cache=True)
+        model(ids, cache=inline, use_cache=True)
     inline.detach()
     model.set_attn_implementation("eager")
     past = DynamicCache(config=model.config)
     with torch.no_grad():
-        attentions = model(ids, past_key_values=past, use_cache=True, output_attentions=True).attentions
+        attentions = model(ids, cache=past, use_cache=True, output_attentions=True).attentions
     model.set_attn_implementation("sdpa")
     branched = CertifiedCache(model, keys="int8", values="int8", evict=policy, compression_ratio=0.5)
     branched.ingest(past, attentions=attentions)
@@ -349,9 +374,9 @@ def _teacher_forced(model, ids, policy, budget=10, prompt=12):
     model's: layer 0's queries and keys then do not depend on what was evicted)."""
     cache = CertifiedCache(model, keys="int8", values="int8", validate=True, evict=policy, budget=budget, belady=True)
     with torch.no_grad():
-        model(ids[:, :prompt], past_key_values=cache, use_cache=True)
+        model(ids[:, :prompt], cache=cache, use_cache=True)
         for t in range(prompt, ids.shape[1]):
-            model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            model(ids[:, t : t + 1], cache=cache, use_cache=True)
     cache.detach()
     return cache
 
@@ -365,7 +390,7 @@ def test_belady_overlap_in_cache_is_one_for_belady_on_the_same_trace():
     first = _teacher_forced(model, ids, StreamingLLM(sinks=2))
     tel = first.telemetry()
     ov = tel.belady_overlap
-    assert ov.shape == (36 - 12 + 1, 2, 1, 2) and torch.isnan(ov[0]).all()   # prefill read: nothing evicted
+    assert ov.shape == (36 - 12 + 1, 2, 1, 2) and torch.isnan(ov[0]).all()  # prefill read: nothing evicted
     assert ((ov[1:] >= 0) & (ov[1:] <= 1)).all() and (ov[1:] < 1).any()
     assert "empirical" in tel.tiers["belady_overlap"] and 0 <= tel.summary()["mean_belady_overlap"] <= 1
     attn, kappa = first.run_trace.dense()
@@ -383,16 +408,23 @@ def test_snapkv_first_budget_eviction_after_ingest_keeps_the_prefill_compression
     model.set_attn_implementation("eager")
     past = DynamicCache(config=model.config)
     with torch.no_grad():
-        attentions = model(ids, past_key_values=past, use_cache=True, output_attentions=True).attentions
+        attentions = model(ids, cache=past, use_cache=True, output_attentions=True).attentions
     model.set_attn_implementation("sdpa")
-    compressed = CertifiedCache(model, keys="none", values="none", certify=False,
-                                evict=SnapKV(window=8, kernel=3), compression_ratio=0.5)
+    compressed = CertifiedCache(
+        model, keys="none", values="none", certify=False, evict=SnapKV(window=8, kernel=3), compression_ratio=0.5
+    )
     compressed.ingest(past, attentions=attentions)
-    budget = CertifiedCache(model, keys="none", values="none", certify=False, evict=SnapKV(window=8, kernel=3),
-                            budget=prefill_kept_count(60, 0.5))
+    budget = CertifiedCache(
+        model,
+        keys="none",
+        values="none",
+        certify=False,
+        evict=SnapKV(window=8, kernel=3),
+        budget=prefill_kept_count(60, 0.5),
+    )
     budget.ingest(past, attentions=attentions)
     with torch.no_grad():
-        model(ids[:, -1:], past_key_values=budget, use_cache=True)
+        model(ids[:, -1:], cache=budget, use_cache=True)
     for layer in range(2):
         assert torch.equal(budget.kept_positions(layer)[..., :-1], compressed.kept_positions(layer))
     assert budget.telemetry().evicted_entries == 2 * 2 * 30

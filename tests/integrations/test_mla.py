@@ -35,8 +35,7 @@ def test_effective_query_reproduces_model_logits(model):
     for lat in extract_latents(model, IDS):
         u = effective_query(lat.q_nope, lat.w_uk)
         ours = lat.scaling * (
-            u @ lat.latent.double().transpose(-1, -2)
-            + lat.q_pe.double() @ lat.k_pe.double().transpose(-1, -2)
+            u @ lat.latent.double().transpose(-1, -2) + lat.q_pe.double() @ lat.k_pe.double().transpose(-1, -2)
         )
         k_nope = torch.einsum("hdr,bxsr->bhsd", lat.w_uk, lat.latent)
         key = torch.cat([k_nope, lat.k_pe.expand(-1, 4, -1, -1)], -1)

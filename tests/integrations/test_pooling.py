@@ -72,8 +72,8 @@ def test_live_reads_match_brute_force(weighting, codec):
         s_total = IDS.shape[1]
         n = s_total // block
         assert last.n_entries == n and sum(len(r.new_blocks) for r in mine) == n
-        q_all = torch.cat([r.query for r in mine], dim=2)          # every position's query, in order
-        k_all = last.keys[:, :, n:]                                 # every exact token
+        q_all = torch.cat([r.query for r in mine], dim=2)  # every position's query, in order
+        k_all = last.keys[:, :, n:]  # every exact token
         groups = q_all.shape[1] // k_all.shape[1]
         written = {j: r.weights[0, :, i] for r in mine for i, j in enumerate(r.new_blocks)}
         for j in range(n):
@@ -101,8 +101,13 @@ def test_live_reads_match_brute_force(weighting, codec):
                 assert vis == set(slots)
                 for h in range(r.query.shape[1]):
                     kv = h // groups
-                    sc = torch.tensor([r.scaling * float(r.query[0, h, qi].double() @ r.served_keys[0, kv, j].double())
-                                       for j in slots], dtype=torch.float64)
+                    sc = torch.tensor(
+                        [
+                            r.scaling * float(r.query[0, h, qi].double() @ r.served_keys[0, kv, j].double())
+                            for j in slots
+                        ],
+                        dtype=torch.float64,
+                    )
                     ref = torch.softmax(sc, 0) @ r.served_values[0, kv, slots].double()
                     assert torch.allclose(r.output[0, h, qi], ref, atol=1e-9)
             served = o.view(1, t, 4, 16).transpose(1, 2)
@@ -156,8 +161,12 @@ def test_layers_and_bad_inputs():
     with pytest.raises(ValueError, match="no full-attention"):
         with serve_pooled(mistral):
             pass
-    for kwargs, match in [({"block": 0}, "block"), ({"weighting": "max"}, "weighting"),
-                          ({"codec": KiviCodec(2, group_size=8, axis="key")}, "per-token"), ({"bands": 0}, "bands")]:
+    for kwargs, match in [
+        ({"block": 0}, "block"),
+        ({"weighting": "max"}, "weighting"),
+        ({"codec": KiviCodec(2, group_size=8, axis="key")}, "per-token"),
+        ({"bands": 0}, "bands"),
+    ]:
         with pytest.raises(ValueError, match=match):
             PoolingConfig(**kwargs)
     model = tiny_random("llama", attn_implementation="sdpa", vocab_size=128)

@@ -16,9 +16,7 @@ def test_capture_reproduces_model_attention(family):
     model = tiny_random(family, seed=4, attn_implementation="sdpa", **SLIDING_SHAPES.get(family, {}))
     o_in: dict[int, torch.Tensor] = {}
     hooks = [
-        layer.self_attn.o_proj.register_forward_pre_hook(
-            lambda mod, args, i=i: o_in.setdefault(i, args[0].detach())
-        )
+        layer.self_attn.o_proj.register_forward_pre_hook(lambda mod, args, i=i: o_in.setdefault(i, args[0].detach()))
         for i, layer in enumerate(model.model.layers)
     ]
     with torch.no_grad():

@@ -13,9 +13,18 @@ from kvcert.models.tiny import tiny_random
 
 torch.set_num_threads(1)
 
-CODECS = [("int8", "int8"), ("int4", "int4"), ("int2", "int2"), ("dither-int8", "int4"), ("fp8-e4m3", "fp8-e4m3"),
-          ("kivi-2", "kivi-2"), ("kvquant-4", "int4"), ("sign-1", "int4"), ("hadamard-int4", "int4"),
-          ("hadamard-int2", "int2")]
+CODECS = [
+    ("int8", "int8"),
+    ("int4", "int4"),
+    ("int2", "int2"),
+    ("dither-int8", "int4"),
+    ("fp8-e4m3", "fp8-e4m3"),
+    ("kivi-2", "kivi-2"),
+    ("kvquant-4", "int4"),
+    ("sign-1", "int4"),
+    ("hadamard-int4", "int4"),
+    ("hadamard-int2", "int2"),
+]
 
 
 def _tiny(family):
@@ -24,19 +33,26 @@ def _tiny(family):
 
 
 def _greedy(model, ids, cache, steps, attention_mask=None):
-    out = model.generate(ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=steps,
-                         do_sample=False, min_new_tokens=steps, pad_token_id=0)
-    return out[:, ids.shape[1]:]
+    out = model.generate(
+        ids,
+        attention_mask=attention_mask,
+        cache=cache,
+        max_new_tokens=steps,
+        do_sample=False,
+        min_new_tokens=steps,
+        pad_token_id=0,
+    )
+    return out[:, ids.shape[1] :]
 
 
 def _decode_loop(model, ids, cache, steps):
     """Manual forward loop (prefill + greedy decode); returns generated tokens."""
-    out = model(ids, past_key_values=cache, use_cache=True)
+    out = model(ids, cache=cache, use_cache=True)
     toks = []
     nxt = out.logits[:, -1:].argmax(-1)
     for _ in range(steps):
         toks.append(nxt)
-        out = model(nxt, past_key_values=cache, use_cache=True)
+        out = model(nxt, cache=cache, use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
     return torch.cat(toks, 1)
 
@@ -75,7 +91,7 @@ def test_validate_mode_zero_violations_per_cell(family, keys, values):
     assert torch.all(tel.true_out_err[rec] <= tel.out_bound[rec])
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])   # GQA (Gemma-3's tiny config is MQA: one KV head)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # GQA (Gemma-3's tiny config is MQA: one KV head)
 def test_partial_head_repair_in_the_model_is_exact_per_head(family):
     """τ at the median ungated certificate: some KV heads of a read are repaired, others not; the repaired
     ones come from SDPA over only those heads (and their query heads) and must stay within the evaluation
@@ -91,7 +107,7 @@ def test_partial_head_repair_in_the_model_is_exact_per_head(family):
     _decode_loop(model, ids, cache, 6)
     cache.detach()
     tel = cache.telemetry()
-    rep = tel.repaired[1:].flatten(0, 1)                                           # decode reads [reads, B, Hkv]
+    rep = tel.repaired[1:].flatten(0, 1)  # decode reads [reads, B, Hkv]
     assert bool((rep.any(-1) & ~rep.all(-1)).any()), "no read repaired only some of its KV heads"
     assert tel.violations == 0 and tel.out_violations == 0, tel.summary()
 
@@ -100,8 +116,14 @@ def test_certified_gate_serves_every_cell_under_tau():
     model = _tiny("llama")
     ids = torch.randint(3, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(2))
     for gran in ("head", "block"):
-        cache = CertifiedCache(model, keys="int2", values="int8", gate=Gate.certified(0.05, granularity=gran,
-                               block_size=8), validate=True, seed=0)
+        cache = CertifiedCache(
+            model,
+            keys="int2",
+            values="int8",
+            gate=Gate.certified(0.05, granularity=gran, block_size=8),
+            validate=True,
+            seed=0,
+        )
         _decode_loop(model, ids, cache, 8)
         cache.detach()
         tel = cache.telemetry()
@@ -114,8 +136,13 @@ def test_certified_gate_serves_every_cell_under_tau():
 def test_persistent_block_repair_zeroes_radius():
     model = _tiny("llama")
     ids = torch.randint(3, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(4))
-    cache = CertifiedCache(model, keys="int2", values="int8",
-                           gate=Gate.certified(0.01, granularity="block", block_size=4, persistent=True), seed=0)
+    cache = CertifiedCache(
+        model,
+        keys="int2",
+        values="int8",
+        gate=Gate.certified(0.01, granularity="block", block_size=4, persistent=True),
+        seed=0,
+    )
     _decode_loop(model, ids, cache, 4)
     cache.detach()
     store = cache.layers[0].store
@@ -134,8 +161,7 @@ def test_risk_ranked_gate_uses_unclipped_meter():
     tel = cache.telemetry()
     rec = tel.recorded
     kv = tel.raw.reshape(*tel.raw.shape[:3], -1, tel.group_size).amax(-1)
-    assert torch.equal(tel.repaired[rec.reshape(*kv.shape, -1).any(-1)],
-                       (kv > 5.0)[rec.reshape(*kv.shape, -1).any(-1)])
+    assert torch.equal(tel.repaired[rec.reshape(*kv.shape, -1).any(-1)], (kv > 5.0)[rec.reshape(*kv.shape, -1).any(-1)])
 
 
 def test_bytes_int8_keys_int4_values_under_045_of_fp16():
@@ -150,8 +176,9 @@ def test_bytes_int8_keys_int4_values_under_045_of_fp16():
     assert tel.bytes_stored <= 0.45 * tel.bytes_fp16, (tel.bytes_stored, tel.bytes_fp16)
     # bytes come from the stored tensors: the packed chunk tensors add up to the reported number
     store = cache.layers[0].store
-    measured = sum(t.numel() * t.element_size() for ts in (store.k, store.v) for c in ts.chunks
-                   for t in c.packed.tensors.values())
+    measured = sum(
+        t.numel() * t.element_size() for ts in (store.k, store.v) for c in ts.chunks for t in c.packed.tensors.values()
+    )
     assert measured == store.k.packed_nbytes() + store.v.packed_nbytes()
 
 
@@ -190,25 +217,25 @@ def test_detach_restores_attention_and_closed_cache_raises():
     assert model.config._attn_implementation == before
     ids = torch.randint(3, model.config.vocab_size, (1, 8))
     with pytest.raises(CacheClosedError):
-        model(ids, past_key_values=cache)
+        model(ids, cache=cache)
 
 
 def test_a_cache_that_is_not_the_models_active_one_raises_instead_of_serving_uncertified():
     model = _tiny("llama")
     ids = torch.randint(3, model.config.vocab_size, (1, 8))
     first = CertifiedCache(model, keys="int8", values="int8")
-    second = CertifiedCache(model, keys="int8", values="int8")   # takes over the model's attention modules
+    second = CertifiedCache(model, keys="int8", values="int8")  # takes over the model's attention modules
     with pytest.raises(CacheNotActiveError, match=r"cache.attach\(\)"):
-        model(ids, past_key_values=first)
-    model(ids, past_key_values=second)
-    first.attach()                                                # active again: certified reads resume
+        model(ids, cache=first)
+    model(ids, cache=second)
+    first.attach()  # active again: certified reads resume
     long = torch.randint(3, model.config.vocab_size, (1, 40))
-    model(long, past_key_values=first)
-    model(long[:, :1], past_key_values=first)                    # a decode read over compressed entries
+    model(long, cache=first)
+    model(long[:, :1], cache=first)  # a decode read over compressed entries
     assert first.telemetry().certificates.shape[0] >= 1
-    model.set_attn_implementation("sdpa")                         # kvcert attention switched off behind its back
+    model.set_attn_implementation("sdpa")  # kvcert attention switched off behind its back
     with pytest.raises(CacheNotActiveError):
-        model(ids[:, :1], past_key_values=first)
+        model(ids[:, :1], cache=first)
     first.detach()
     second.detach()
 
@@ -226,9 +253,9 @@ def test_non_finite_inputs_are_counted_through_the_cache():
     ids = torch.randint(3, model.config.vocab_size, (1, 20))
     cache = CertifiedCache(model, keys="int8", values="int8", write_block=1)
     with torch.no_grad():
-        model.model.layers[0].self_attn.k_proj.weight[0, 0] = float("nan")   # NaN keys in layer 0
-        model(ids, past_key_values=cache)
-        model(ids[:, :1], past_key_values=cache)
+        model.model.layers[0].self_attn.k_proj.weight[0, 0] = float("nan")  # NaN keys in layer 0
+        model(ids, cache=cache)
+        model(ids[:, :1], cache=cache)
     cache.detach()
     store = cache.layers[0].store
     assert store.nonfinite > 0 and store.k.exact.view()[:, 0, :20].all()

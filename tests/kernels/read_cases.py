@@ -9,8 +9,9 @@ import torch
 from kvcert.bounds import pair_components
 
 
-def exact_radii(q: torch.Tensor, rho: torch.Tensor, khn: torch.Tensor, w: torch.Tensor, sc: float,
-                 gam: float, pairing: str) -> list[list[list[list[Decimal]]]]:
+def exact_radii(
+    q: torch.Tensor, rho: torch.Tensor, khn: torch.Tensor, w: torch.Tensor, sc: float, gam: float, pairing: str
+) -> list[list[list[list[Decimal]]]]:
     """``c`` of :func:`logits_radii` in 50-digit decimal arithmetic from the float32 inputs (the exact value up
     to 10^-45 relative)."""
     getcontext().prec = 50
@@ -25,13 +26,19 @@ def exact_radii(q: torch.Tensor, rho: torch.Tensor, khn: torch.Tensor, w: torch.
         for hi in range(h):
             rows = []
             for mi in range(m):
-                sq = [Decimal(float(re[bi, hi, mi, j])) ** 2 + Decimal(float(im[bi, hi, mi, j])) ** 2
-                      for j in range(d // 2)]
-                qb = [sum(sq[k * per:(k + 1) * per], Decimal(0)).sqrt() for k in range(nb)]
+                sq = [
+                    Decimal(float(re[bi, hi, mi, j])) ** 2 + Decimal(float(im[bi, hi, mi, j])) ** 2
+                    for j in range(d // 2)
+                ]
+                qb = [sum(sq[k * per : (k + 1) * per], Decimal(0)).sqrt() for k in range(nb)]
                 qn = sum(sq, Decimal(0)).sqrt()
-                rows.append([dsc * sum((qb[k] * Decimal(float(rho[bi, hi, t, k])) for k in range(nb)), Decimal(0))
-                             + dsc * dgam * qn * (2 * Decimal(float(khn[bi, hi, t])) + Decimal(float(w[bi, hi, t])))
-                             for t in range(rho.shape[2])])
+                rows.append(
+                    [
+                        dsc * sum((qb[k] * Decimal(float(rho[bi, hi, t, k])) for k in range(nb)), Decimal(0))
+                        + dsc * dgam * qn * (2 * Decimal(float(khn[bi, hi, t])) + Decimal(float(w[bi, hi, t])))
+                        for t in range(rho.shape[2])
+                    ]
+                )
             heads.append(rows)
         out.append(heads)
     return out

@@ -19,7 +19,7 @@ def test_active_defaults_overrides_and_errors(monkeypatch) -> None:
     assert kernels.active("cpu") == "numba"
     assert kernels.active("cuda") == "triton"
     assert kernels.active("mps") == "torch"
-    monkeypatch.setattr(kernels.importlib.util, "find_spec", lambda name: None)   # a CUDA install without triton
+    monkeypatch.setattr(kernels.importlib.util, "find_spec", lambda name: None)  # a CUDA install without triton
     assert kernels.active("cuda") == "torch"
     monkeypatch.undo()
     monkeypatch.delenv(kernels.ENV, raising=False)
@@ -44,9 +44,8 @@ def _tiny(family: str):
 
 def _decode_loop(model, ids, cache, steps):
     """Prefill ``ids`` then ``steps`` greedy tokens through ``cache``; returns the generated tokens."""
-    out = model.generate(ids, cache=cache, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                         pad_token_id=0)
-    return out[:, ids.shape[1]:]
+    out = model.generate(ids, cache=cache, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
+    return out[:, ids.shape[1] :]
 
 
 @pytest.fixture
@@ -64,7 +63,7 @@ def triton_reads(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])   # gemma3: sliding-window layers, MQA
+@pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: sliding-window layers, MQA
 def test_repair_everything_is_token_identical_to_dynamic_cache(family, triton_reads) -> None:
     model = _tiny(family)
     ids = torch.randint(3, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
@@ -76,14 +75,16 @@ def test_repair_everything_is_token_identical_to_dynamic_cache(family, triton_re
     assert cache.telemetry().fallback_rate == 1.0 and len(triton_reads) >= 4
 
 
-@pytest.mark.parametrize(("family", "batch", "keys", "gate"), [
-    ("qwen2", 2, "int4", None), ("llama", 1, "int2", Gate.certified(0.05, granularity="block", block_size=8))])
+@pytest.mark.parametrize(
+    ("family", "batch", "keys", "gate"),
+    [("qwen2", 2, "int4", None), ("llama", 1, "int2", Gate.certified(0.05, granularity="block", block_size=8))],
+)
 def test_validate_mode_zero_violations_per_cell_on_triton(family, batch, keys, gate, triton_reads) -> None:
     """GQA (qwen2's tiny config groups query heads), batch 2, validate mode; block repair under a gate."""
     model = _tiny(family)
     ids = torch.randint(3, model.config.vocab_size, (batch, 24), generator=torch.Generator().manual_seed(1))
     cache = CertifiedCache(model, keys=keys, values="int4", gate=gate, validate=True, seed=3, write_block=4)
-    _decode_loop(model, ids, cache, 4)                  # the prefill, then 3 decode reads per layer
+    _decode_loop(model, ids, cache, 4)  # the prefill, then 3 decode reads per layer
     cache.detach()
     tel = cache.telemetry()
     rec = tel.recorded

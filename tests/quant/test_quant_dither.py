@@ -151,9 +151,7 @@ def test_dither_needs_a_valid_key():
     bad = DitherKey(seed=0, request=torch.zeros(3, dtype=torch.int64), layer=0, positions=torch.zeros(2, 4))
     with pytest.raises(ValueError, match="request"):
         codec.encode(x, bad)
-    bad_pos = DitherKey(
-        seed=0, request=torch.zeros(2, dtype=torch.int64), layer=0, positions=torch.zeros(2, 4)
-    )
+    bad_pos = DitherKey(seed=0, request=torch.zeros(2, dtype=torch.int64), layer=0, positions=torch.zeros(2, 4))
     with pytest.raises(ValueError, match="positions"):
         codec.encode(x, bad_pos)
 
@@ -172,8 +170,6 @@ def test_dither_quantize_reports_tier_b_steps():
 def test_dither_key_scalars_validated(field, value):
     x = torch.randn(1, 1, 2, 64)
     fields = {"seed": 0, "layer": 0, field: value}
-    key = DitherKey(
-        request=torch.zeros(1, dtype=torch.int64), positions=torch.zeros(1, 2, dtype=torch.int64), **fields
-    )
+    key = DitherKey(request=torch.zeros(1, dtype=torch.int64), positions=torch.zeros(1, 2, dtype=torch.int64), **fields)
     with pytest.raises(ValueError, match=f"key.{field}"):
         get("dither-int8").encode(x, key)

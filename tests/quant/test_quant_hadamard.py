@@ -50,8 +50,9 @@ def test_signs_are_a_function_of_seed():
     assert torch.equal(random_signs(64, 3), random_signs(64, 3))
     assert not torch.equal(random_signs(64, 3), random_signs(64, 4))
     x = fp16_exact(1, 1, 4, 64)
-    assert not torch.equal(get("hadamard-int4", seed=1).encode(x).tensors["codes"],
-                           get("hadamard-int4", seed=2).encode(x).tensors["codes"])
+    assert not torch.equal(
+        get("hadamard-int4", seed=1).encode(x).tensors["codes"], get("hadamard-int4", seed=2).encode(x).tensors["codes"]
+    )
 
 
 @pytest.mark.parametrize("bits", [4, 2])
@@ -59,11 +60,11 @@ def test_residual_bounded_by_half_step_in_rotated_basis(bits):
     codec = get(f"hadamard-int{bits}")
     x = with_outlier_channels(seed=bits)
     packed = codec.encode(x)
-    s = packed.tensors["scales"].to(torch.float64)                       # [B, H, T, 1]: one scale per token
+    s = packed.tensors["scales"].to(torch.float64)  # [B, H, T, 1]: one scale per token
     assert packed.tensors["scales"].shape == (*x.shape[:3], 1)
     signs = random_signs(64, 0)
     err = (rotate(codec.decode(packed).double(), signs) - rotate(x.double(), signs)).abs()
-    slack = 1e-5 * x.abs().amax()                   # float32 rotation and inverse rotation
+    slack = 1e-5 * x.abs().amax()  # float32 rotation and inverse rotation
     assert bool((err <= s / 2 + slack).all())
 
 
@@ -93,8 +94,13 @@ def test_options_validated():
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), bits=st.sampled_from([4, 2]), bands=st.sampled_from([1, 2, 8, 32]),
-       outliers=st.booleans(), mix=st.floats(0.0, 1.0))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    bits=st.sampled_from([4, 2]),
+    bands=st.sampled_from([1, 2, 8, 32]),
+    outliers=st.booleans(),
+    mix=st.floats(0.0, 1.0),
+)
 def test_tier_a_radius_bounds_logit_error_for_adversarial_queries(seed, bits, bands, outliers, mix):
     """Per cell: the store's witness of the served keys bounds |sc·q·(k̂ − k)| for queries aligned with the residual
     (the Cauchy–Schwarz equality direction, band by band) mixed with random ones."""
@@ -109,7 +115,7 @@ def test_tier_a_radius_bounds_logit_error_for_adversarial_queries(seed, bits, ba
     q = mix * delta / delta.norm(dim=-1, keepdim=True).clamp(min=1e-30) + (1 - mix) * rnd / 8
     sc = 1.0 / math.sqrt(64)
     for t in range(16):
-        c = tier_a_radius(q[:, :, t], qz.band_norms, sc)                      # [1, 2, 16] radii of every token
+        c = tier_a_radius(q[:, :, t], qz.band_norms, sc)  # [1, 2, 16] radii of every token
         err = (sc * q[:, :, t : t + 1] @ delta.transpose(-1, -2)).abs().squeeze(-2)
         assert bool((err <= c * (1 + 1e-12) + 1e-300).all())
     assert torch.allclose(qz.band_norms, band_norms(delta, bands))
@@ -128,4 +134,4 @@ def test_codec_forms_sound_in_every_cell_of_the_ci_fuzz():
                 ratio = cells.eps.abs() / cells.radius.clamp(min=1e-300)
                 tight = max(tight, float(ratio.max()))
         assert n_cells >= 200_000
-        assert tight > 0.999   # the aligned queries reach the Cauchy–Schwarz equality case: the fuzz is adversarial
+        assert tight > 0.999  # the aligned queries reach the Cauchy–Schwarz equality case: the fuzz is adversarial

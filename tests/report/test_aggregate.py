@@ -64,7 +64,4 @@ def test_bytes_per_token_and_stored_fraction() -> None:
     t = telemetry(torch.zeros(1, 3, 1, 4), torch.zeros(1, 3, 1, 4), stored=30, fp16=120)
     # K and V, 2 bytes, 3 layers, Hkv = 4 / group 2 = 2, head_dim 8
     assert aggregate.fp16_bytes_per_token(t) == 2 * 2 * 3 * 2 * 8
-    assert (
-        aggregate.stored_fraction([t, telemetry(torch.zeros(1, 3, 1, 4), torch.zeros(1, 3, 1, 4), 10, 40)])
-        == 0.25
-    )
+    assert aggregate.stored_fraction([t, telemetry(torch.zeros(1, 3, 1, 4), torch.zeros(1, 3, 1, 4), 10, 40)]) == 0.25

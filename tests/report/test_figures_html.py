@@ -28,14 +28,16 @@ def make_figures(tmp_path: Path) -> list[Path]:
     ]
     return [
         figures.layer_head_map(cert, tmp_path / "heat.png", "heatmap", "TV bound"),
-        figures.coverage_curve(
-            {"a": tv, "b": torch.tensor([float("nan"), 0.5])}, tmp_path / "cov.png", "cov"
-        ),
+        figures.coverage_curve({"a": tv, "b": torch.tensor([float("nan"), 0.5])}, tmp_path / "cov.png", "cov"),
         figures.accuracy_bars(pts, 1.0, tmp_path / "acc.png"),
         figures.bytes_vs_accuracy(pts, 1024.0, 1.0, tmp_path / "bytes.png"),
         figures.bound_scatter(tv, tv * 2, tmp_path / "scatter.png", "true", "bound", "scatter"),
-        figures.accuracy_vs_budget({"h2o": [(0.5, 0.4, -0.8, -0.2), (0.25, 0.1, -1.0, -0.6)],
-                                    "snapkv": [(0.5, 0.9, -0.2, 0.0)]}, 1.0, tmp_path / "budget.png", "budget"),
+        figures.accuracy_vs_budget(
+            {"h2o": [(0.5, 0.4, -0.8, -0.2), (0.25, 0.1, -1.0, -0.6)], "snapkv": [(0.5, 0.9, -0.2, 0.0)]},
+            1.0,
+            tmp_path / "budget.png",
+            "budget",
+        ),
     ]
 
 

@@ -50,7 +50,7 @@ def test_half_precision_model_validates_per_cell(dtype: torch.dtype, gate: Gate)
     cache.detach()
     tel = cache.telemetry()
     assert toks.shape == (1, 6) and tel.cells > 0
-    assert cache.layers[0].store.k.host.view().dtype == dtype   # the exact host tier keeps the model's dtype
+    assert cache.layers[0].store.k.host.view().dtype == dtype  # the exact host tier keeps the model's dtype
     rec = tel.recorded
     assert tel.true_tv is not None and bool((tel.true_tv[rec] <= tel.certificates[rec]).all())
     assert tel.true_out_err is not None and bool((tel.true_out_err[rec] <= tel.out_bound[rec]).all())
@@ -83,7 +83,7 @@ def test_sliding_window_smaller_than_a_write_block_is_reported(window: int, sile
     named = [w for w in caught if "sliding-window layers" in str(w.message)]
     if silent:
         assert named and tel.uncompressed_layers == (0, 1) and tel.summary()["uncompressed_layers"] == 2
-        assert tel.cells == 0   # what used to be reported with no word
+        assert tel.cells == 0  # what used to be reported with no word
     else:
         assert not named and tel.uncompressed_layers == () and tel.cells > 0
 

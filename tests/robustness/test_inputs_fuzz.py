@@ -51,10 +51,14 @@ def _clean_outcome(result: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------- results files
-JSON_LEAF = (st.none() | st.booleans() | st.integers(-(10**12), 10**12) | st.floats(allow_nan=False)
-             | st.text(max_size=8))
-JSON = st.recursive(JSON_LEAF, lambda inner: st.lists(inner, max_size=4)
-                    | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+JSON_LEAF = (
+    st.none() | st.booleans() | st.integers(-(10**12), 10**12) | st.floats(allow_nan=False) | st.text(max_size=8)
+)
+JSON = st.recursive(
+    JSON_LEAF,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 
 
 def _tier(v: object) -> dict[str, object]:
@@ -62,16 +66,23 @@ def _tier(v: object) -> dict[str, object]:
 
 
 def _valid_shard(task: str) -> dict[str, Any]:
-    tel = {"cells": _tier(10), "coverage_kv@0.2": _tier(0.5), "fallback_rate": _tier(0.1),
-           "page_in_bytes": _tier(0), "max_certificate": _tier(0.3), "bytes_per_token_fp16": _tier(100.0),
-           "bytes_per_token_stored": _tier(30.0)}
+    tel = {
+        "cells": _tier(10),
+        "coverage_kv@0.2": _tier(0.5),
+        "fallback_rate": _tier(0.1),
+        "page_in_bytes": _tier(0),
+        "max_certificate": _tier(0.3),
+        "bytes_per_token_fp16": _tier(100.0),
+        "bytes_per_token_stored": _tier(30.0),
+    }
     return {
         "command": "eval",
         "config": {"model": "tiny:llama", "context": 512, "schemes": ["int2"], "gate": "off"},
         "results": {
             "variants": {"dense": {"gate": "off", "codecs": None}, "int2": {"gate": "off", "codecs": None, **tel}},
-            "per_sample": [{"task": task, "index": _tier(i), "scores": {"dense": _tier(1.0), "int2": _tier(0.0)}}
-                           for i in range(2)],
+            "per_sample": [
+                {"task": task, "index": _tier(i), "scores": {"dense": _tier(1.0), "int2": _tier(0.0)}} for i in range(2)
+            ],
         },
     }
 
@@ -114,20 +125,36 @@ def test_merge_of_malformed_results_is_clean_and_writes_only_to_out(content: str
             (root / name).mkdir()
             (root / name / "results.json").write_text(text)
         before = _files(root)
-        result = runner.invoke(app, ["merge", str(root / "bad"), str(root / "good"), "--out", str(root / "out"),
-                                     "--resamples", "20"])
+        result = runner.invoke(
+            app, ["merge", str(root / "bad"), str(root / "good"), "--out", str(root / "out"), "--resamples", "20"]
+        )
         _clean_outcome(result)
         event("merged" if result.exit_code == 0 else "refused")
         after = {k: v for k, v in _files(root).items() if not k.startswith("out/")}
-        assert after == before   # inputs untouched, nothing written beside --out
+        assert after == before  # inputs untouched, nothing written beside --out
         if result.exit_code != 0:
             assert not (root / "out").exists()
 
 
 # ------------------------------------------------------------------------------------------ arguments
 INTS = st.sampled_from([-1, 0, 1, 2, 3, 511, 512, 4096, 4097, 10**9])
-GATES = st.sampled_from(["auto", "off", "certified:0", "certified:0.2", "certified:inf", "certified:1e400",
-                         "certified:nan", "certified:-1", "risk:5", "risk:inf", "risk:", "x:1", ""])
+GATES = st.sampled_from(
+    [
+        "auto",
+        "off",
+        "certified:0",
+        "certified:0.2",
+        "certified:inf",
+        "certified:1e400",
+        "certified:nan",
+        "certified:-1",
+        "risk:5",
+        "risk:inf",
+        "risk:",
+        "x:1",
+        "",
+    ]
+)
 MODELS = st.sampled_from(["tiny:llama", "tiny:gemma3", "tiny:gpt2", "tiny:", "no-such-model", "/no/such/dir"])
 SCHEMES = st.sampled_from(["int4", "int4,kivi-2", "int4/int2", "bogus", "int4,int4", "", "a/b/c"])
 TASKS = st.sampled_from(["niah_single_1", "niah_single_1,vt", "qa_1", "nope", "", "niah_single_1,niah_single_1"])
@@ -156,8 +183,7 @@ def command_line(draw: st.DrawFn) -> tuple[list[str], dict[str, Any]]:
     if command == "audit":
         values["max_new_tokens"] = draw(INTS)
         values["tasks"] = draw(TASKS)
-        args += ["--keys", draw(SCHEMES), "--max-new-tokens", str(values["max_new_tokens"]), "--task",
-                 values["tasks"]]
+        args += ["--keys", draw(SCHEMES), "--max-new-tokens", str(values["max_new_tokens"]), "--task", values["tasks"]]
     return args, values
 
 
@@ -182,7 +208,7 @@ def test_argument_combinations_are_refused_cleanly_or_in_range(case: tuple[list[
         result = runner.invoke(app, [*args, "--out", str(root / "out")])
         assert [p for p in root.iterdir() if p.name != "out"] == []
         event("accepted" if isinstance(result.exception, Loaded) else "refused")
-        if isinstance(result.exception, Loaded):   # accepted: every documented range holds
+        if isinstance(result.exception, Loaded):  # accepted: every documented range holds
             assert values["model"] in ("tiny:llama", "tiny:gemma3")
             assert 1 <= values["context"] <= 4096
             assert values.get("samples", 1) >= 1 and values.get("max_new_tokens", 1) >= 1
@@ -190,7 +216,7 @@ def test_argument_combinations_are_refused_cleanly_or_in_range(case: tuple[list[
             assert _gate_ok(values.get("gate", "auto"))
             tasks = [t for t in values.get("tasks", "").split(",") if t]
             assert all(values["context"] >= ruler.MIN_CONTEXT[t] for t in tasks)
-            assert list(root.joinpath("out").iterdir()) == []   # checked and created, nothing written yet
+            assert list(root.joinpath("out").iterdir()) == []  # checked and created, nothing written yet
         else:
             _clean_outcome(result)
             assert result.exit_code == 2 and not (root / "out").exists()

@@ -58,30 +58,31 @@ class ReadResult:
     Cell tensors are ``[B, Hq, Q]``; head tensors ``[B, Hkv]``.
     """
 
-    out: torch.Tensor                 # [B, Q, Hq, Dv] attention output (HF layout)
-    cert_pre: torch.Tensor            # clipped Tier-A meter before repair
-    raw: torch.Tensor                 # unclipped Tier-A meter before repair (risk ranking)
-    cert: torch.Tensor                # clipped certificate of what was served (0 where repaired exactly)
-    tanh: torch.Tensor                # tanh(max c) reference form
-    cert_b: torch.Tensor | None       # Tier-B meter (dithered keys only; non-adaptive)
-    out_bound: torch.Tensor           # two-term output-error bound of what was served
+    out: torch.Tensor  # [B, Q, Hq, Dv] attention output (HF layout)
+    cert_pre: torch.Tensor  # clipped Tier-A meter before repair
+    raw: torch.Tensor  # unclipped Tier-A meter before repair (risk ranking)
+    cert: torch.Tensor  # clipped certificate of what was served (0 where repaired exactly)
+    tanh: torch.Tensor  # tanh(max c) reference form
+    cert_b: torch.Tensor | None  # Tier-B meter (dithered keys only; non-adaptive)
+    out_bound: torch.Tensor  # two-term output-error bound of what was served
     key_term: torch.Tensor
     value_term: torch.Tensor
-    repaired: torch.Tensor            # [B, Hkv] head repaired exactly
-    blocks: torch.Tensor              # [B, Hkv] blocks paged in (block granularity)
-    values_promoted: torch.Tensor     # [B, Hkv] values served exact
+    repaired: torch.Tensor  # [B, Hkv] head repaired exactly
+    blocks: torch.Tensor  # [B, Hkv] blocks paged in (block granularity)
+    values_promoted: torch.Tensor  # [B, Hkv] values served exact
     bytes_paged: int
-    attn_kv: torch.Tensor | None = None        # [B, Hkv, Q, S] served attention summed over each KV head's G heads
-    true_tv: torch.Tensor | None = None        # validate: TV(exact, served before repair)
-    true_out_err: torch.Tensor | None = None   # validate: ‖served output − exact output‖₂
-    q_norm: torch.Tensor | None = None         # [B, Hq, Q] ‖q‖₂ of the float32 query (float64)
-    witness_max: torch.Tensor | None = None    # [B, Hkv] max_t W_t over the stored tokens
-    key_norm_max: torch.Tensor | None = None   # [B, Hkv] max_t (2‖k̂_t‖ + W_t) over the stored tokens
-    held: torch.Tensor | None = None           # [B, Hkv] served entries kept exact by an earlier persistent repair
+    attn_kv: torch.Tensor | None = None  # [B, Hkv, Q, S] served attention summed over each KV head's G heads
+    true_tv: torch.Tensor | None = None  # validate: TV(exact, served before repair)
+    true_out_err: torch.Tensor | None = None  # validate: ‖served output − exact output‖₂
+    q_norm: torch.Tensor | None = None  # [B, Hq, Q] ‖q‖₂ of the float32 query (float64)
+    witness_max: torch.Tensor | None = None  # [B, Hkv] max_t W_t over the stored tokens
+    key_norm_max: torch.Tensor | None = None  # [B, Hkv] max_t (2‖k̂_t‖ + W_t) over the stored tokens
+    held: torch.Tensor | None = None  # [B, Hkv] served entries kept exact by an earlier persistent repair
 
 
-def masked_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scaling: float,
-                  full: bool | None = None) -> torch.Tensor:
+def masked_logits(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scaling: float, full: bool | None = None
+) -> torch.Tensor:
     """``(sc·q)·kᵀ`` for grouped queries ``q[B, Hkv, M, D]``, ``k[B, Hkv, S, D]``; masked entries ``-inf``.
 
     Scaling the query first keeps the rounding within ``γ_{D+1}·sc·Σ|q_i k_i|`` (one rounding per scaled
@@ -110,9 +111,9 @@ def served_meter(p: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.
     return torch.where(live, clipped, 0.0), torch.where(live, raw, 0.0)
 
 
-def served_certificate(logits: torch.Tensor, c: torch.Tensor, m: torch.Tensor, full: bool,
-                       fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                           torch.Tensor]:
+def served_certificate(
+    logits: torch.Tensor, c: torch.Tensor, m: torch.Tensor, full: bool, fused: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(p̃ float64, p̃ float32, meter, unclipped meter, tanh(max visible c))`` for masked float32 ``logits``.
 
     On CPU (``fused=None``) one fused kernel (:func:`kvcert.kernels.numba_read.softmax_meter`, a tested refinement
@@ -126,15 +127,23 @@ def served_certificate(logits: torch.Tensor, c: torch.Tensor, m: torch.Tensor, f
     return p, p.to(torch.float32), cert, raw, torch.tanh((c if full else torch.where(m, c, 0.0)).amax(-1))
 
 
-def _logit_slack_factors(qn: torch.Tensor, khn: torch.Tensor, w: torch.Tensor, scaling: float,
-                         d: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _logit_slack_factors(
+    qn: torch.Tensor, khn: torch.Tensor, w: torch.Tensor, scaling: float, d: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sc·γ_{D+1}·‖q‖ [B, Hkv, M, 1], 2‖k̂_t‖ + W_t [B, Hkv, 1, S])``: their product is the float32 logit
     rounding slack ``φ_t`` of one cell and token (float64)."""
     return scaling * gamma_f32(d + 1) * qn, (2.0 * khn.to(torch.float64) + w.to(torch.float64)).unsqueeze(2)
 
 
-def _out_bound(value_term: torch.Tensor, tv: torch.Tensor, spread: torch.Tensor, vmax: torch.Tensor, s: int, d: int,
-               phi_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _out_bound(
+    value_term: torch.Tensor,
+    tv: torch.Tensor,
+    spread: torch.Tensor,
+    vmax: torch.Tensor,
+    s: int,
+    d: int,
+    phi_max: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Two-term output bound per cell from per-token witnesses; returns ``(total, key, slack)`` ``[B, Hkv, M]``.
 
     This is :func:`kvcert.bounds.output_error_bound` with the store's fixed per-head centre ``c``:
@@ -152,8 +161,9 @@ def _out_bound(value_term: torch.Tensor, tv: torch.Tensor, spread: torch.Tensor,
     return key_term + value_term + slack, key_term, slack
 
 
-def _value_spread(vres: torch.Tensor, vdist: torch.Tensor, vhn: torch.Tensor, mask: torch.Tensor,
-                  full: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _value_spread(
+    vres: torch.Tensor, vdist: torch.Tensor, vhn: torch.Tensor, mask: torch.Tensor, full: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(max_t ‖v̂_t − c‖ + ‖Δv_t‖, max_t ‖v̂_t‖ + ‖Δv_t‖)`` per KV head ``[B, Hkv, 1]`` (float64) over every
     token visible to any query of the read (``mask[B, 1|Hkv, Q, S]``; ``full``: all of them): upper bounds for
     served and exact values, from the store's witnesses ``[B, Hkv, S]`` (finite)."""
@@ -161,9 +171,8 @@ def _value_spread(vres: torch.Tensor, vdist: torch.Tensor, vhn: torch.Tensor, ma
     dist, norm = vdist.to(torch.float64) + r, vhn.to(torch.float64) + r
     if full:
         return dist.amax(-1, keepdim=True), norm.amax(-1, keepdim=True)
-    vis = mask.any(-2)                                                                  # [B, 1|Hkv, S]
-    return (torch.where(vis, dist, 0.0).amax(-1, keepdim=True),
-            torch.where(vis, norm, 0.0).amax(-1, keepdim=True))
+    vis = mask.any(-2)  # [B, 1|Hkv, S]
+    return (torch.where(vis, dist, 0.0).amax(-1, keepdim=True), torch.where(vis, norm, 0.0).amax(-1, keepdim=True))
 
 
 def group_heads(x: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -183,8 +192,8 @@ class ReadConfig:
 
     gate: Gate
     validate: bool
-    delta_loc: float            # Tier-B per-cell failure budget
-    attn_kv: bool = True        # return the served attention per KV head (eviction policies read it)
+    delta_loc: float  # Tier-B per-cell failure budget
+    attn_kv: bool = True  # return the served attention per KV head (eviction policies read it)
 
 
 class _Served:
@@ -203,13 +212,20 @@ class _Served:
     readings.
     """
 
-    def __init__(self, qg: torch.Tensor, hq: int, nq: int, arrays: DecodeArrays | None = None,
-                 bad_cell: torch.Tensor | None = None, **tensors: torch.Tensor) -> None:
+    def __init__(
+        self,
+        qg: torch.Tensor,
+        hq: int,
+        nq: int,
+        arrays: DecodeArrays | None = None,
+        bad_cell: torch.Tensor | None = None,
+        **tensors: torch.Tensor,
+    ) -> None:
         self.qg, self.bad_cell, self._r, self._hq, self._nq = qg, bad_cell, arrays, hq, nq
         self._ug: dict[str, torch.Tensor] = {}
-        self.__dict__.update(tensors)           # eager: every field given (``__getattr__`` never runs)
+        self.__dict__.update(tensors)  # eager: every field given (``__getattr__`` never runs)
 
-    def __getattr__(self, name: str) -> torch.Tensor:   # only for fields not built yet (fused reads)
+    def __getattr__(self, name: str) -> torch.Tensor:  # only for fields not built yet (fused reads)
         r = self.__dict__.get("_r")
         if r is None or name not in _FUSED_FIELDS:
             raise AttributeError(name)
@@ -239,21 +255,30 @@ class _Served:
         if self._r is None:
             return self.qn.reshape(b, self._hq, self._nq), self.wmax.squeeze(-1), self.kmax.squeeze(-1)
         t = torch.from_numpy
-        return (t(self._r.qn.reshape(b, self._hq, self._nq)), t(self._r.heads[HEAD_ROWS.index("wmax")]),
-                t(self._r.heads[HEAD_ROWS.index("kmax")]))
+        return (
+            t(self._r.qn.reshape(b, self._hq, self._nq)),
+            t(self._r.heads[HEAD_ROWS.index("wmax")]),
+            t(self._r.heads[HEAD_ROWS.index("kmax")]),
+        )
 
 
 #: how each :class:`_Served` field of a fused read is read off :func:`kvcert.kernels.numba_read.decode_read`'s arrays
 _FUSED_FIELDS: dict[str, Callable[[DecodeArrays], np.ndarray]] = {
-    "p64": lambda r: r.p, "out": lambda r: r.out, "c": lambda r: r.c, "qn": lambda r: r.qn[..., None],
+    "p64": lambda r: r.p,
+    "out": lambda r: r.out,
+    "c": lambda r: r.c,
+    "qn": lambda r: r.qn[..., None],
     **{name: (lambda r, i=i: r.cells[i]) for i, name in enumerate(CELL_ROWS)},
-    **{("phi_max" if name == "phi" else name): (lambda r, i=i: r.heads[i, ..., None])
-       for i, name in enumerate(HEAD_ROWS)},
+    **{
+        ("phi_max" if name == "phi" else name): (lambda r, i=i: r.heads[i, ..., None])
+        for i, name in enumerate(HEAD_ROWS)
+    },
 }
 
 
-def _fused_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None, nq: int, s: int,
-                  scaling: float) -> _Served | None:
+def _fused_served(
+    qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None, nq: int, s: int, scaling: float
+) -> _Served | None:
     """Decode-size CPU reads: :func:`kvcert.kernels.numba_read.decode_read` (the two tested kernels) over the store's
     allocations (no copies); tensors are made from its numpy blocks on first use. ``None`` when a query or
     pending entry is not finite (the eager path then fails closed cell by cell)."""
@@ -261,31 +286,61 @@ def _fused_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None
     _, hkv, m, d = qg.shape
     q_np = np.ascontiguousarray(qg.detach().numpy())
     mask_np = None if mask is None else mask.to(torch.bool).numpy()
-    r = decode_read(q_np, store.k.served.array(), store.k_band.array(), store.k_hat_norm.array(), store.k_wit.array(),
-                    store.v.served.array(), store.v_res.array(), store.v_dist.array(), store.v_hat_norm.array(), s,
-                    scaling, gamma_f32(d + 1), store.pairing == "rotate_half", mask_np, nq, store.k.n_encoded,
-                    store.v.n_encoded)
+    r = decode_read(
+        q_np,
+        store.k.served.array(),
+        store.k_band.array(),
+        store.k_hat_norm.array(),
+        store.k_wit.array(),
+        store.v.served.array(),
+        store.v_res.array(),
+        store.v_dist.array(),
+        store.v_hat_norm.array(),
+        s,
+        scaling,
+        gamma_f32(d + 1),
+        store.pairing == "rotate_half",
+        mask_np,
+        nq,
+        store.k.n_encoded,
+        store.v.n_encoded,
+    )
     return None if r is None else _Served(qg, hkv * (m // nq), nq, arrays=r)
 
 
-def _triton_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None, nq: int,
-                   scaling: float) -> _Served | None:
+def _triton_served(
+    qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None, nq: int, scaling: float
+) -> _Served | None:
     """Decode-size reads on the Triton kernels (:func:`kvcert.kernels.triton_read.decode_read`) over the store's
     live views; ``None`` when a query or pending entry is not finite (the eager path then fails closed)."""
     import kvcert.kernels.triton_read as triton_read  # imports triton: only when this backend is in use
 
     assert store.k is not None and store.v is not None
     _, hkv, m, d = qg.shape
-    r = triton_read.decode_read(qg.detach().contiguous(), store.k.served.view(), store.k_band.view(),
-                                store.k_hat_norm.view(), store.k_wit.view(), store.v.served.view(),
-                                store.v_res.view(), store.v_dist.view(), store.v_hat_norm.view(), scaling,
-                                gamma_f32(d + 1), store.pairing == "rotate_half", mask, nq, store.k.n_encoded,
-                                store.v.n_encoded)
+    r = triton_read.decode_read(
+        qg.detach().contiguous(),
+        store.k.served.view(),
+        store.k_band.view(),
+        store.k_hat_norm.view(),
+        store.k_wit.view(),
+        store.v.served.view(),
+        store.v_res.view(),
+        store.v_dist.view(),
+        store.v_hat_norm.view(),
+        scaling,
+        gamma_f32(d + 1),
+        store.pairing == "rotate_half",
+        mask,
+        nq,
+        store.k.n_encoded,
+        store.v.n_encoded,
+    )
     return None if r is None else _Served(qg, hkv * (m // nq), nq, **r._asdict())
 
 
-def _eager_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, m: torch.Tensor, full: bool,
-                  scaling: float) -> _Served:
+def _eager_served(
+    qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, m: torch.Tensor, full: bool, scaling: float
+) -> _Served:
     """The reference read path (any device, any number of query rows, non-finite data).
 
     Fail closed on non-finite data: a cell that sees a non-finite key/value (kept exact at write) or has a
@@ -296,30 +351,35 @@ def _eager_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, m: to
     assert store.k is not None and store.v is not None
     khat, vhat = store.k.served.view(), store.v.served.view()
     s, d = khat.shape[2], qg.shape[-1]
-    nonfinite = (store.nonfinite > 0 or not bool(torch.isfinite(qg).all())
-                 or (store.k.n_encoded < s and not bool(torch.isfinite(khat[:, :, store.k.n_encoded:]).all()))
-                 or (store.v.n_encoded < s and not bool(torch.isfinite(vhat[:, :, store.v.n_encoded:]).all())))
+    nonfinite = (
+        store.nonfinite > 0
+        or not bool(torch.isfinite(qg).all())
+        or (store.k.n_encoded < s and not bool(torch.isfinite(khat[:, :, store.k.n_encoded :]).all()))
+        or (store.v.n_encoded < s and not bool(torch.isfinite(vhat[:, :, store.v.n_encoded :]).all()))
+    )
     rho, khn, w = store.k_band.view(), store.k_hat_norm.view(), store.k_wit.view()
     vres, vdist, vhn = store.v_res.view(), store.v_dist.view(), store.v_hat_norm.view()
     bad_cell = None
     if nonfinite:
-        bad_tok = ~(torch.isfinite(khat).all(-1) & torch.isfinite(vhat).all(-1))             # [B, Hkv, S]
-        bad_cell = (m & bad_tok.unsqueeze(2)).any(-1) | ~torch.isfinite(qg).all(-1)         # [B, Hkv, M]
-        khat, vhat, qg, rho, khn, w, vres, vdist, vhn = (torch.nan_to_num(x, 0.0, 0.0, 0.0) for x in (
-            khat, vhat, qg, rho, khn, w, vres, vdist, vhn))
+        bad_tok = ~(torch.isfinite(khat).all(-1) & torch.isfinite(vhat).all(-1))  # [B, Hkv, S]
+        bad_cell = (m & bad_tok.unsqueeze(2)).any(-1) | ~torch.isfinite(qg).all(-1)  # [B, Hkv, M]
+        khat, vhat, qg, rho, khn, w, vres, vdist, vhn = (
+            torch.nan_to_num(x, 0.0, 0.0, 0.0) for x in (khat, vhat, qg, rho, khn, w, vres, vdist, vhn)
+        )
     logits = masked_logits(qg, khat, m, scaling, full)
     # φ_t = sc·γ_{D+1}·‖q‖·(2‖k̂_t‖ + W_t): D products + the multiplication by the softmax scale, for the
     # served and the exact key (‖k_t‖ ≤ ‖k̂_t‖ + W_t); c_t = Tier-A radius + φ_t
-    qb = round_up_f32(band_norms(qg, store.bands, store.pairing))           # float32, never below ‖q_b‖
-    qn = qg.to(torch.float64).norm(dim=-1, keepdim=True)                   # [B, Hkv, M, 1]
+    qb = round_up_f32(band_norms(qg, store.bands, store.pairing))  # float32, never below ‖q_b‖
+    qn = qg.to(torch.float64).norm(dim=-1, keepdim=True)  # [B, Hkv, M, 1]
     rate, kfac = _logit_slack_factors(qn, khn, w, scaling, d)
     c = tier_a_radius_f32(qb, rho.unsqueeze(2), scaling).addcmul_(rate, kfac)
-    kmax = kfac.amax(-1)                                                   # [B, Hkv, 1]
-    phi_max = 2.0 * rate.amax(-2) * kmax                                   # [B, Hkv, 1]
+    kmax = kfac.amax(-1)  # [B, Hkv, 1]
+    phi_max = 2.0 * rate.amax(-2) * kmax  # [B, Hkv, 1]
     wmax = w.amax(-1, keepdim=True).to(torch.float64)
-    p64, p32, cert, raw, tanh = served_certificate(logits, c, m, full,
-                                                   fused=False if kernel_backend(qg.device) == "torch" else None)
-    out = torch.matmul(p32, vhat)                                          # [B, Hkv, M, Dv]
+    p64, p32, cert, raw, tanh = served_certificate(
+        logits, c, m, full, fused=False if kernel_backend(qg.device) == "torch" else None
+    )
+    out = torch.matmul(p32, vhat)  # [B, Hkv, M, Dv]
     if bad_cell is not None:
         cert = torch.where(bad_cell, 1.0, cert)
         raw = torch.where(bad_cell, float("inf"), raw)
@@ -327,9 +387,28 @@ def _eager_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, m: to
     spread, vmax = _value_spread(vres, vdist, vhn, mask, full)
     bound, key_term, slack = _out_bound(value_term, cert, spread, vmax, s, out.shape[-1], phi_max)
     hq, nq = qg.shape[1] * (qg.shape[2] // mask.shape[2]), mask.shape[2]
-    return _Served(qg, hq, nq, bad_cell=bad_cell, p64=p64, cert=cert, raw=raw, tanh=tanh, out=out, c=c, qn=qn,
-                   kmax=kmax, phi_max=phi_max, wmax=wmax, value_term=value_term, spread=spread, vmax=vmax,
-                   bound=bound, key_term=key_term, slack=slack)
+    return _Served(
+        qg,
+        hq,
+        nq,
+        bad_cell=bad_cell,
+        p64=p64,
+        cert=cert,
+        raw=raw,
+        tanh=tanh,
+        out=out,
+        c=c,
+        qn=qn,
+        kmax=kmax,
+        phi_max=phi_max,
+        wmax=wmax,
+        value_term=value_term,
+        spread=spread,
+        vmax=vmax,
+        bound=bound,
+        key_term=key_term,
+        slack=slack,
+    )
 
 
 @cache
@@ -340,8 +419,9 @@ def _no_heads(b: int, hkv: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 @torch.no_grad()
-def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scaling: float,
-                   cfg: ReadConfig, exact_attention: callable) -> ReadResult:
+def certified_read(
+    q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scaling: float, cfg: ReadConfig, exact_attention: callable
+) -> ReadResult:
     """Serve attention for one layer from ``store`` and certify every (query head, query) cell.
 
     ``mask[B, 1|Hkv, Q, S]`` is the boolean visibility mask (True = attend). ``exact_attention(k, v, heads)``
@@ -353,8 +433,8 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     b, hq, nq, d = q.shape
     hkv, s = store.k.served.shape[1:3]
     g = hq // hkv
-    qg = group_heads(q.to(torch.float32), hkv)                                     # [B, Hkv, M, D]
-    full = all_visible(mask) if mask.device.type == "cpu" else bool(mask.all())   # every token to every cell
+    qg = group_heads(q.to(torch.float32), hkv)  # [B, Hkv, M, D]
+    full = all_visible(mask) if mask.device.type == "cpu" else bool(mask.all())  # every token to every cell
     sv = None
     backend = kernel_backend(qg.device)
     if backend != "torch" and qg.shape[2] <= DECODE_MAX_ROWS and store.nonfinite == 0:
@@ -364,7 +444,7 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
             sv = _triton_served(qg, store, None if full else mask, nq, scaling)
     m_cache: list[torch.Tensor] = []
 
-    def grouped_mask() -> torch.Tensor:                                         # [B, Hkv, M, S], built on demand
+    def grouped_mask() -> torch.Tensor:  # [B, Hkv, M, S], built on demand
         if not m_cache:
             m_cache.append(mask[:, :, None].expand(b, hkv, g, nq, s).reshape(b, hkv, g * nq, s))
         return m_cache[0]
@@ -383,11 +463,11 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
         if nonfinite:
             khn, w = torch.nan_to_num(khn, 0.0, 0.0, 0.0), torch.nan_to_num(w, 0.0, 0.0, 0.0)
         rate, kfac = _logit_slack_factors(sv.qn, khn, w, scaling, d)
-        u = tier_b_radius(sig2, s, cfg.delta_loc) + rate * kfac                  # same rounding slack
+        u = tier_b_radius(sig2, s, cfg.delta_loc) + rate * kfac  # same rounding slack
         cert_b = served_meter(sv.p64, u)[0]
 
     gate = cfg.gate
-    no_heads = _no_heads(b, hkv, torch.bool)   # shared by every read: the flags below are rebound, never written
+    no_heads = _no_heads(b, hkv, torch.bool)  # shared by every read: the flags below are rebound, never written
     need, need_any = no_heads, False
     if gate.mode != "off":
         need = (sv.raw if gate.uses_unclipped else sv.cert).amax(-1) > gate.threshold
@@ -404,42 +484,41 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
     elt = store.k.host.dtype.itemsize
     dk, dv = store.k.host.shape[-1], store.v.host.shape[-1]
 
-    def host() -> tuple[torch.Tensor, torch.Tensor]:   # exact K/V views, only for repairs and validation
+    def host() -> tuple[torch.Tensor, torch.Tensor]:  # exact K/V views, only for repairs and validation
         return store.k.host.view(), store.v.host.view()
 
     if need_any:
         host_k, host_v = host()
-        out, cert, value_term, p_served = sv.out, sv.cert, sv.value_term, sv.p64    # written below
+        out, cert, value_term, p_served = sv.out, sv.cert, sv.value_term, sv.p64  # written below
         if gate.granularity == "head" or nonfinite:
-            rows_need = need.any(0).nonzero().flatten()                       # KV heads some row repairs
-            h0, h1 = int(rows_need[0]), int(rows_need[-1]) + 1                # one range: views, no copies
-            exact = exact_attention(host_k, host_v, (h0, h1))                 # [B, Q, (h1 − h0)·G, Dv]
+            rows_need = need.any(0).nonzero().flatten()  # KV heads some row repairs
+            h0, h1 = int(rows_need[0]), int(rows_need[-1]) + 1  # one range: views, no copies
+            exact = exact_attention(host_k, host_v, (h0, h1))  # [B, Q, (h1 − h0)·G, Dv]
             ex = exact.permute(0, 2, 1, 3).reshape(b, h1 - h0, g * nq, -1).to(out.dtype)
             out[:, h0:h1] = torch.where(need[:, h0:h1].view(b, -1, 1, 1), ex, out[:, h0:h1])
             sel = need.view(b, hkv, 1, 1)
             repaired = need.clone()
             cert = torch.where(need.unsqueeze(-1), torch.zeros_like(cert), cert)
-            if cfg.attn_kv:   # a repaired head's served distribution only feeds the eviction policy's reading
+            if cfg.attn_kv:  # a repaired head's served distribution only feeds the eviction policy's reading
                 exact_p = probs64(masked_logits(qg, host_k.to(qg.device, torch.float32), grouped_mask(), scaling, full))
                 p_served = torch.where(sel, exact_p, p_served)
             bytes_paged += int(need.sum()) * s * (dk + dv) * elt
-            if gate.persistent:   # kept within the store's device budget, else a transient page-in
+            if gate.persistent:  # kept within the store's device budget, else a transient page-in
                 for bi, hi in need.nonzero().tolist():
                     store.persist(bi, hi, slice(0, s))
         else:
             cert, p_served, value_term = cert.clone(), p_served.clone(), value_term.clone()
-            blocks = torch.zeros(b, hkv, dtype=torch.int64)                   # written below
+            blocks = torch.zeros(b, hkv, dtype=torch.int64)  # written below
             m = grouped_mask()
             for bi, hi in need.nonzero().tolist():
-                res = _repair_blocks(qg[bi, hi], store, bi, hi, m[bi, hi], sv.c[bi, hi], sv.p64[bi, hi], scaling,
-                                     gate)
+                res = _repair_blocks(qg[bi, hi], store, bi, hi, m[bi, hi], sv.c[bi, hi], sv.p64[bi, hi], scaling, gate)
                 out[bi, hi], cert[bi, hi], p_served[bi, hi] = res.out, res.cert, res.p
                 value_term[bi, hi] = torch.linalg.vecdot(res.p, res.vres.to(torch.float64).unsqueeze(-2))
                 blocks[bi, hi] = res.n_blocks
                 bytes_paged += res.tokens * (dk + dv) * elt
         # repairs changed the meter or the value term of some cells: the bound follows them
         bound, key_term, slack = _out_bound(value_term, cert, sv.spread, sv.vmax, s, out.shape[-1], sv.phi_max)
-        if bool(repaired.any()):   # an exactly repaired head: no key or value term, only the slack
+        if bool(repaired.any()):  # an exactly repaired head: no key or value term, only the slack
             zero = repaired.view(b, hkv, 1)
             key_term = torch.where(zero, 0.0, key_term)
             value_term = torch.where(zero, 0.0, value_term)
@@ -452,15 +531,21 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
         if promote.any():
             sel = promote.view(b, hkv, 1, 1)
             ps = sv.p64 if p_served is None else p_served
-            out = torch.where(sel, torch.matmul(ps.to(torch.float32), host()[1].to(qg.device, torch.float32)),
-                              sv.out if out is None else out)
+            out = torch.where(
+                sel,
+                torch.matmul(ps.to(torch.float32), host()[1].to(qg.device, torch.float32)),
+                sv.out if out is None else out,
+            )
             bytes_paged += int(promote.sum()) * s * dv * elt
             value_term = torch.where(promote.unsqueeze(-1), 0.0, vt)
-            bound = torch.where(promote.unsqueeze(-1), kt + (sv.slack if slack is None else slack),   # exact values:
-                                sv.bound if bound is None else bound)                              # no value term
+            bound = torch.where(
+                promote.unsqueeze(-1),
+                kt + (sv.slack if slack is None else slack),  # exact values:
+                sv.bound if bound is None else bound,
+            )  # no value term
             promoted = promote
 
-    def cells(x: torch.Tensor | None, name: str) -> torch.Tensor:   # [B, Hq, Q] of a changed field or of sv's
+    def cells(x: torch.Tensor | None, name: str) -> torch.Tensor:  # [B, Hq, Q] of a changed field or of sv's
         return sv.ungrouped(name) if x is None else ungroup_heads(x, hq, nq)
 
     q_norm, witness_max, key_norm_max = sv.chain()
@@ -469,17 +554,28 @@ def certified_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scali
         attn_kv = (sv.p64 if p_served is None else p_served).reshape(b, hkv, g, nq, s).sum(2).to(torch.float32)
     result = ReadResult(
         out=sv.out_heads_last() if out is None else out.reshape(b, hq, nq, -1).transpose(1, 2),
-        cert_pre=sv.ungrouped("cert"), raw=sv.ungrouped("raw"), cert=cells(cert, "cert"), tanh=sv.ungrouped("tanh"),
+        cert_pre=sv.ungrouped("cert"),
+        raw=sv.ungrouped("raw"),
+        cert=cells(cert, "cert"),
+        tanh=sv.ungrouped("tanh"),
         cert_b=None if cert_b is None else ungroup_heads(cert_b, hq, nq),
-        out_bound=cells(bound, "bound"), key_term=cells(key_term, "key_term"),
-        value_term=cells(value_term, "value_term"), repaired=repaired, blocks=blocks, values_promoted=promoted,
-        bytes_paged=bytes_paged, attn_kv=attn_kv, q_norm=q_norm, witness_max=witness_max, key_norm_max=key_norm_max,
+        out_bound=cells(bound, "bound"),
+        key_term=cells(key_term, "key_term"),
+        value_term=cells(value_term, "value_term"),
+        repaired=repaired,
+        blocks=blocks,
+        values_promoted=promoted,
+        bytes_paged=bytes_paged,
+        attn_kv=attn_kv,
+        q_norm=q_norm,
+        witness_max=witness_max,
+        key_norm_max=key_norm_max,
         held=store.held_heads() if gate.persistent else None,
     )
     if cfg.validate:
         host_k, host_v = host()
         p_exact = probs64(masked_logits(qg, host_k.to(qg.device, torch.float32), grouped_mask(), scaling, full))
-        true_tv = (0.5 * (sv.p64 - p_exact).abs().sum(-1)).clamp(max=1.0)   # TV <= 1; the sum may round above
+        true_tv = (0.5 * (sv.p64 - p_exact).abs().sum(-1)).clamp(max=1.0)  # TV <= 1; the sum may round above
         o_exact = torch.matmul(p_exact, host_v.to(qg.device, torch.float64))
         err = ((sv.out if out is None else out).to(torch.float64) - o_exact).norm(dim=-1)
         result.true_tv = ungroup_heads(true_tv, hq, nq)
@@ -497,8 +593,17 @@ class _BlockRepair:
     tokens: int
 
 
-def _repair_blocks(qg: torch.Tensor, store: LayerStore, bi: int, hi: int, m: torch.Tensor, c: torch.Tensor,
-                   p: torch.Tensor, scaling: float, gate: Gate) -> _BlockRepair:
+def _repair_blocks(
+    qg: torch.Tensor,
+    store: LayerStore,
+    bi: int,
+    hi: int,
+    m: torch.Tensor,
+    c: torch.Tensor,
+    p: torch.Tensor,
+    scaling: float,
+    gate: Gate,
+) -> _BlockRepair:
     """Page in whole token blocks of one (row, KV head) until every query cell is under the threshold.
 
     Blocks are ordered by their largest contribution ``Σ_{t∈b} p̃_t(e^{c_t} − 1)`` over the cells. The first
@@ -510,7 +615,7 @@ def _repair_blocks(qg: torch.Tensor, store: LayerStore, bi: int, hi: int, m: tor
     assert store.k is not None and store.v is not None
     khat = store.k.served.view()[bi, hi]
     vhat = store.v.served.view()[bi, hi]
-    hk = store.k.host.view()[bi, hi].to(khat.device, torch.float32)   # host tier: pinned CPU beside a GPU
+    hk = store.k.host.view()[bi, hi].to(khat.device, torch.float32)  # host tier: pinned CPU beside a GPU
     hv = store.v.host.view()[bi, hi].to(khat.device, torch.float32)
     vres = store.v_res.view()[bi, hi]
     s = khat.shape[0]
@@ -518,9 +623,9 @@ def _repair_blocks(qg: torch.Tensor, store: LayerStore, bi: int, hi: int, m: tor
     nb = (s + bs - 1) // bs
     contrib = p * torch.expm1(c)
     pad = nb * bs - s
-    rows = torch.nn.functional.pad(contrib, (0, pad)).reshape(contrib.shape[0], nb, bs).sum(-1)   # [M, nb]
+    rows = torch.nn.functional.pad(contrib, (0, pad)).reshape(contrib.shape[0], nb, bs).sum(-1)  # [M, nb]
     order = torch.argsort(rows.amax(0), descending=True, stable=True)
-    remaining = rows.sum(-1, keepdim=True) - rows[:, order].cumsum(-1)                              # [M, nb]
+    remaining = rows.sum(-1, keepdim=True) - rows[:, order].cumsum(-1)  # [M, nb]
     predicted_ok = (0.5 * ((1.0 + remaining.clamp(min=0)) ** 2 - 1.0) <= gate.threshold).all(0)
     k = int(predicted_ok.to(torch.int64).argmax()) + 1 if bool(predicted_ok.any()) else nb
     while True:
@@ -538,7 +643,7 @@ def _repair_blocks(qg: torch.Tensor, store: LayerStore, bi: int, hi: int, m: tor
         if bool((score <= gate.threshold).all()) or k >= nb:
             break
         k *= 2
-    if gate.persistent:   # kept within the store's device budget, else a transient page-in
+    if gate.persistent:  # kept within the store's device budget, else a transient page-in
         store.persist(bi, hi, tok)
     vres_mix = torch.where(tok, torch.zeros_like(vres), vres)
     return _BlockRepair(pm.to(torch.float32) @ vmix, cert, pm, vres_mix, int(chosen.numel()), int(tok.sum()))

@@ -43,7 +43,7 @@ from kvcert.bounds.rc import (
 )
 from kvcert.cache.store import LayerStore
 
-ExactAttention = Callable[..., torch.Tensor]   # (k, v[, (h0, h1)]) -> dense SDPA output [B, Q, Hq', Dv]
+ExactAttention = Callable[..., torch.Tensor]  # (k, v[, (h0, h1)]) -> dense SDPA output [B, Q, Hq', Dv]
 
 
 @dataclass(frozen=True)
@@ -107,8 +107,9 @@ def _check_inputs(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scalin
     if not torch.isfinite(q).all():
         raise ValueError("q contains non-finite entries")
     if mask.dtype != torch.bool or tuple(mask.shape) != (kb, 1, q.shape[2], s):
-        raise ValueError(f"mask must be bool [B, 1, Q, S] = {(kb, 1, q.shape[2], s)}, got "
-                         f"{mask.dtype} {tuple(mask.shape)}")
+        raise ValueError(
+            f"mask must be bool [B, 1, Q, S] = {(kb, 1, q.shape[2], s)}, got {mask.dtype} {tuple(mask.shape)}"
+        )
     if not scaling > 0:
         raise ValueError(f"scaling must be > 0, got {scaling}")
 
@@ -124,8 +125,15 @@ def _masked_max(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def ladder_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scaling: float, cfg: LadderConfig,
-                exact_attention: ExactAttention, stats: LadderStats | None = None) -> ReadResult:
+def ladder_read(
+    q: torch.Tensor,
+    store: LayerStore,
+    mask: torch.Tensor,
+    scaling: float,
+    cfg: LadderConfig,
+    exact_attention: ExactAttention,
+    stats: LadderStats | None = None,
+) -> ReadResult:
     """Serve one layer's attention through the RC ladder and bound every (query head, query) cell.
 
     ``mask[B, 1, Q, S]`` is the boolean visibility mask. ``exact_attention(k, v)`` returns the dense SDPA
@@ -141,7 +149,7 @@ def ladder_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scaling:
     host_k, host_v = store.k.host.view(), store.v.host.view()
     hkv, s, dv = khat.shape[1], khat.shape[2], vhat.shape[-1]
     g, bs = hq // hkv, cfg.block_size
-    qg = group_heads(q.to(torch.float32), hkv)                                         # [B, Hkv, M, D]
+    qg = group_heads(q.to(torch.float32), hkv)  # [B, Hkv, M, D]
     m = mask[:, :, None].expand(b, hkv, g, nq, s).reshape(b, hkv, g * nq, s)
 
     # Phase 1: served scoring, radii, block masses.
@@ -152,20 +160,20 @@ def ladder_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scaling:
     c_a = tier_a_radius_from_qnorms(qb, rho.unsqueeze(2), scaling)
     qn = qg.to(torch.float64).norm(dim=-1, keepdim=True)
     w = rho.to(torch.float64).sum(-1).unsqueeze(2)
-    phi = logit_rounding_radius(qn, store.k_hat_norm.view().unsqueeze(2), w, scaling, d)   # [B, Hkv, M, S]
+    phi = logit_rounding_radius(qn, store.k_hat_norm.view().unsqueeze(2), w, scaling, d)  # [B, Hkv, M, S]
     c = c_a + phi
     cert_pre, raw = served_meter(p_hat, c)
     tanh = torch.tanh(_masked_max(c, m))
-    lm = block_log_mass(logits, bs)                                               # [B, Hkv, M, nb]
+    lm = block_log_mass(logits, bs)  # [B, Hkv, M, nb]
     p_block = torch.nan_to_num(torch.softmax(lm, dim=-1), nan=0.0)
 
     # Rung 1: adaptive selector (per cell), paged as the union over the KV head's cells.
     chosen, _, doubled = select_blocks(p_block, cfg.tau_cov, cfg.k_min, cfg.k_max, cfg.tail_trigger)
-    f_blocks = chosen.any(2)                                                      # [B, Hkv, nb]
+    f_blocks = chosen.any(2)  # [B, Hkv, nb]
     f_tok = _to_tokens(f_blocks, bs, s)
     key_exact = store.k.exact.view()
     # Rung 2: promote value blocks whose served mass times value residual exceeds v_tol.
-    eta = block_max(store.v_res.view().to(torch.float64), bs)                     # [B, Hkv, nb]
+    eta = block_max(store.v_res.view().to(torch.float64), bs)  # [B, Hkv, nb]
     promote = (p_block * eta.unsqueeze(2) > cfg.v_tol).any(2)
     v_tok = _to_tokens(promote, bs, s)
 
@@ -174,7 +182,7 @@ def ladder_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scaling:
     vmix = torch.where(v_tok.unsqueeze(-1), host_v.to(torch.float32), vhat)
     lmix = masked_logits(qg, kmix, m, scaling)
     p_mix = probs64(lmix)
-    out = torch.matmul(p_mix.to(torch.float32), vmix)                             # [B, Hkv, M, Dv]
+    out = torch.matmul(p_mix.to(torch.float32), vmix)  # [B, Hkv, M, Dv]
 
     # Rung 4 monitor: paged compressed tokens must satisfy |s_exact − s̃| ≤ c + φ + eps_guard.
     seen = m & (f_tok & ~key_exact).unsqueeze(2)
@@ -232,12 +240,18 @@ def ladder_read(q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scaling:
         stats.last_key_paged, stats.last_value_promoted = f_tok, v_tok
 
     result = ReadResult(
-        out=out_hf, cert_pre=ungroup_heads(cert_pre, hq, nq), raw=ungroup_heads(raw, hq, nq),
-        cert=ungroup_heads(torch.where(exact_cell, zero, tv), hq, nq), tanh=ungroup_heads(tanh, hq, nq), cert_b=None,
+        out=out_hf,
+        cert_pre=ungroup_heads(cert_pre, hq, nq),
+        raw=ungroup_heads(raw, hq, nq),
+        cert=ungroup_heads(torch.where(exact_cell, zero, tv), hq, nq),
+        tanh=ungroup_heads(tanh, hq, nq),
+        cert_b=None,
         out_bound=ungroup_heads(torch.where(exact_cell, exact_bound, bound), hq, nq),
         key_term=ungroup_heads(torch.where(exact_cell, zero, e_key), hq, nq),
         value_term=ungroup_heads(torch.where(exact_cell, zero, e_val), hq, nq),
-        repaired=repaired, blocks=f_blocks.sum(-1), values_promoted=promote.any(-1),
+        repaired=repaired,
+        blocks=f_blocks.sum(-1),
+        values_promoted=promote.any(-1),
         bytes_paged=int(paged.sum()),
     )
     if cfg.validate:

@@ -61,8 +61,10 @@ def check_resident(resident: object, gate: Gate, certify: bool, page_size: objec
     if not certify:
         raise ValueError("resident=... needs certify=True (omitted tokens are only safe behind their bound)")
     if gate.mode == "risk_ranked" or gate.granularity != "head" or gate.persistent or gate.value_tol is not None:
-        raise ValueError(f"resident=... supports Gate.off() and Gate.certified(tau) with head granularity, not "
-                         f"{gate.describe()} (persistent={gate.persistent}, value_tol={gate.value_tol})")
+        raise ValueError(
+            f"resident=... supports Gate.off() and Gate.certified(tau) with head granularity, not "
+            f"{gate.describe()} (persistent={gate.persistent}, value_tol={gate.value_tol})"
+        )
     return float(resident)
 
 
@@ -94,8 +96,7 @@ class OmittedPages:
         """Device bytes of the summary (counted as device bytes, separately from the KV codes)."""
         held = self.box if self.box is not None else self.sketch
         assert held is not None
-        return held.nbytes + sum(t.numel() * t.element_size() for t in (self.v_spread, self.v_norm,
-                                                                                 self.k_norm))
+        return held.nbytes + sum(t.numel() * t.element_size() for t in (self.v_spread, self.v_norm, self.k_norm))
 
 
 def summarize_omitted(store: LayerStore, page_size: int, summary: str = "int8") -> OmittedPages:
@@ -103,8 +104,14 @@ def summarize_omitted(store: LayerStore, page_size: int, summary: str = "int8") 
     k, v = store.evicted["k"].view(), store.evicted["v"].view()
     box = summarize_pages(k, page_size) if summary == "box" else None
     sketch = sketch_keys(k) if summary == "int8" else None
-    return OmittedPages(page_size, box, sketch, norm_up_f32(v.to(F64) - store.v_centre).amax(-1, keepdim=True),
-                        norm_up_f32(v).amax(-1, keepdim=True), norm_up_f32(k).amax(-1, keepdim=True))
+    return OmittedPages(
+        page_size,
+        box,
+        sketch,
+        norm_up_f32(v.to(F64) - store.v_centre).amax(-1, keepdim=True),
+        norm_up_f32(v).amax(-1, keepdim=True),
+        norm_up_f32(k).amax(-1, keepdim=True),
+    )
 
 
 @dataclass
@@ -142,10 +149,18 @@ def _page_counts(mask_o: torch.Tensor, page_size: int, pages: int) -> torch.Tens
     return torch.nn.functional.pad(mask_o, (0, pad)).reshape(*mask_o.shape[:-1], pages, page_size).sum(-1)
 
 
-def resident_read(q: torch.Tensor, store: LayerStore, pages: OmittedPages, mask: torch.Tensor,
-                  mask_o: torch.Tensor, scaling: float, gate: Gate, validate: bool,
-                  dense_exact: Callable[[tuple[int, int]], torch.Tensor], step: int
-                  ) -> tuple[ReadResult, ResidentRecord]:
+def resident_read(
+    q: torch.Tensor,
+    store: LayerStore,
+    pages: OmittedPages,
+    mask: torch.Tensor,
+    mask_o: torch.Tensor,
+    scaling: float,
+    gate: Gate,
+    validate: bool,
+    dense_exact: Callable[[tuple[int, int]], torch.Tensor],
+    step: int,
+) -> tuple[ReadResult, ResidentRecord]:
     """Serve one layer's attention from the resident store plus recalled pages; certify every cell.
 
     ``mask[B, Hkv, Q, S_R]`` / ``mask_o[B, Hkv, Q, S_O]`` the visibility of the resident slots / of the omitted
@@ -158,7 +173,7 @@ def resident_read(q: torch.Tensor, store: LayerStore, pages: OmittedPages, mask:
     b, hq, nq, d = q.shape
     hkv, s_r = store.k.served.shape[1:3]
     g = hq // hkv
-    qg = group_heads(q.to(torch.float32), hkv)                                     # [B, Hkv, M, D]
+    qg = group_heads(q.to(torch.float32), hkv)  # [B, Hkv, M, D]
     m = mask[:, :, None].expand(b, hkv, g, nq, s_r).reshape(b, hkv, g * nq, s_r)
     m_o = mask_o[:, :, None].expand(b, hkv, g, nq, mask_o.shape[-1]).reshape(b, hkv, g * nq, -1)
     full = bool(m.all())
@@ -167,46 +182,47 @@ def resident_read(q: torch.Tensor, store: LayerStore, pages: OmittedPages, mask:
     khat = store.k.served.view()
     if sv.bad_cell is not None:
         khat = torch.nan_to_num(khat, 0.0, 0.0, 0.0)
-    logits = masked_logits(qg, khat, m, scaling, full)                                # as the served read
-    live = m.any(-1)                                                                  # [B, Hkv, M]
+    logits = masked_logits(qg, khat, m, scaling, full)  # as the served read
+    live = m.any(-1)  # [B, Hkv, M]
     bad = ~live if sv.bad_cell is None else (~live | sv.bad_cell)
     gamma = gamma_f32(d + 1)
     ps = pages.page_size
     n_pages = -(-m_o.shape[-1] // ps)
     if pages.box is not None:
-        u = page_logit_bound(qg, pages.box, scaling, gamma)                           # [B, Hkv, M, P]
+        u = page_logit_bound(qg, pages.box, scaling, gamma)  # [B, Hkv, M, P]
         counts = _page_counts(m_o, ps, n_pages)
-    else:   # per-token bounds pooled per page: n_P e^{u_P} = Σ_{t∈P visible} e^{u_t}
+    else:  # per-token bounds pooled per page: n_P e^{u_P} = Σ_{t∈P visible} e^{u_t}
         assert pages.sketch is not None
         u, counts = pool_pages(token_logit_bound(qg, pages.sketch, scaling, gamma), m_o, ps)
     w = page_weights(torch.where(live.unsqueeze(-1), logits, 0.0), u, counts)
-    w = torch.where(bad.unsqueeze(-1), float("inf"), w)                               # fail closed
+    w = torch.where(bad.unsqueeze(-1), float("inf"), w)  # fail closed
     oc = omitted_certificate(sv.p64, torch.where(m, sv.c, 0.0), w, sv.cert)
     cert_pre = oc.certificate
     need = (cert_pre.amax(-1) > gate.threshold) if gate.mode != "off" else torch.zeros(b, hkv, dtype=torch.bool)
     need = need | bad.any(-1)
     out, cert, value_term = sv.out.clone(), cert_pre.clone(), sv.value_term.clone()
     dense = torch.zeros(b, hkv, dtype=torch.bool)
-    blocks = torch.zeros(b, hkv, dtype=torch.int64)                                  # pages recalled per KV head
+    blocks = torch.zeros(b, hkv, dtype=torch.int64)  # pages recalled per KV head
     n_recalled = bytes_recalled = 0
     elt = store.k.host.dtype.itemsize
     dk, dv = store.k.host.shape[-1], store.v.host.shape[-1]
     ev_k, ev_v = store.evicted["k"].view(), store.evicted["v"].view()
     s_o = ev_k.shape[2]
-    rate = (scaling * gamma * qg.to(F64).norm(dim=-1, keepdim=True))                 # [B, Hkv, M, 1]
+    rate = scaling * gamma * qg.to(F64).norm(dim=-1, keepdim=True)  # [B, Hkv, M, 1]
     p_post = None
     if validate:
         p_post = torch.cat([sv.p64, torch.zeros(*sv.p64.shape[:3], s_o, dtype=F64)], -1)
     for bi, hi in need.nonzero().tolist():
-        if bool(bad[bi, hi].any()) or gate.threshold == 0:   # nothing short of exact attention certifies these
+        if bool(bad[bi, hi].any()) or gate.threshold == 0:  # nothing short of exact attention certifies these
             dense[bi, hi] = True
             continue
-        wh = w[bi, hi]                                                                # [M, P]
+        wh = w[bi, hi]  # [M, P]
         order = torch.argsort(wh.amax(0), descending=True, stable=True)
         cum = wh[:, order].cumsum(-1)
         rest_u = (oc.u[bi, hi].unsqueeze(-1) - cum).clamp(min=0.0)
-        predicted = (rest_u / (oc.b[bi, hi].unsqueeze(-1) + rest_u) + sv.cert[bi, hi].unsqueeze(-1)
-                     <= gate.threshold).all(0)
+        predicted = (
+            rest_u / (oc.b[bi, hi].unsqueeze(-1) + rest_u) + sv.cert[bi, hi].unsqueeze(-1) <= gate.threshold
+        ).all(0)
         k = int(predicted.to(torch.int64).argmax()) + 1 if bool(predicted.any()) else n_pages
         while True:
             chosen = order[:k]
@@ -261,15 +277,31 @@ def resident_read(q: torch.Tensor, store: LayerStore, pages: OmittedPages, mask:
     tanh = (sv.tanh + oc.mass).clamp(max=1.0)
     q_norm, witness_max, key_norm_max = sv.chain()
     result = ReadResult(
-        out=out.reshape(b, hq, nq, -1).transpose(1, 2), cert_pre=ungroup_heads(cert_pre, hq, nq),
-        raw=ungroup_heads(cert_pre, hq, nq), cert=ungroup_heads(cert, hq, nq), tanh=ungroup_heads(tanh, hq, nq),
-        cert_b=None, out_bound=ungroup_heads(bound, hq, nq), key_term=ungroup_heads(key_term, hq, nq),
-        value_term=ungroup_heads(value_term, hq, nq), repaired=dense, blocks=blocks,
-        values_promoted=torch.zeros(b, hkv, dtype=torch.bool), bytes_paged=bytes_paged, q_norm=q_norm,
-        witness_max=witness_max, key_norm_max=key_norm_max)
-    rec = ResidentRecord(step=step, layer=store.layer, mass_bound=_worst(ungroup_heads(oc.mass, hq, nq)),
-                         certificate_post=_worst(ungroup_heads(cert, hq, nq)), pages=n_recalled,
-                         bytes=bytes_recalled)
+        out=out.reshape(b, hq, nq, -1).transpose(1, 2),
+        cert_pre=ungroup_heads(cert_pre, hq, nq),
+        raw=ungroup_heads(cert_pre, hq, nq),
+        cert=ungroup_heads(cert, hq, nq),
+        tanh=ungroup_heads(tanh, hq, nq),
+        cert_b=None,
+        out_bound=ungroup_heads(bound, hq, nq),
+        key_term=ungroup_heads(key_term, hq, nq),
+        value_term=ungroup_heads(value_term, hq, nq),
+        repaired=dense,
+        blocks=blocks,
+        values_promoted=torch.zeros(b, hkv, dtype=torch.bool),
+        bytes_paged=bytes_paged,
+        q_norm=q_norm,
+        witness_max=witness_max,
+        key_norm_max=key_norm_max,
+    )
+    rec = ResidentRecord(
+        step=step,
+        layer=store.layer,
+        mass_bound=_worst(ungroup_heads(oc.mass, hq, nq)),
+        certificate_post=_worst(ungroup_heads(cert, hq, nq)),
+        pages=n_recalled,
+        bytes=bytes_recalled,
+    )
     if validate:
         keys = torch.cat([store.k.host.view(), ev_k], 2).to(torch.float32)
         vals = torch.cat([store.v.host.view(), ev_v], 2).to(F64)

@@ -86,8 +86,9 @@ class PageSummary:
     @property
     def nbytes(self) -> int:
         """Device bytes of the summary (box, norms and counts)."""
-        return sum(t.numel() * t.element_size() for t in (self.lo, self.hi, self.centre, self.radius, self.norm,
-                                                           self.count))
+        return sum(
+            t.numel() * t.element_size() for t in (self.lo, self.hi, self.centre, self.radius, self.norm, self.count)
+        )
 
 
 def summarize_pages(keys: torch.Tensor, page_size: int, dtype: torch.dtype = torch.float16) -> PageSummary:
@@ -119,15 +120,21 @@ def summarize_pages(keys: torch.Tensor, page_size: int, dtype: torch.dtype = tor
     lo = torch.where(valid, padded, float("inf")).amin(-2)
     hi = torch.where(valid, padded, float("-inf")).amax(-2)
     inflate = 1.0 + (d + 4) * _U64
-    norm = padded.norm(dim=-1).amax(-1) * inflate                                # padding rows are 0
+    norm = padded.norm(dim=-1).amax(-1) * inflate  # padding rows are 0
     centre = (0.5 * (lo + hi)).to(dtype)
-    centre = torch.where(torch.isfinite(centre), centre, 0.0)                  # out of range: centre at 0
+    centre = torch.where(torch.isfinite(centre), centre, 0.0)  # out of range: centre at 0
     dist = torch.where(valid[..., 0], (padded - centre.to(F64).unsqueeze(-2)).norm(dim=-1), 0.0)
     count = torch.full((pages,), page_size, dtype=torch.int64)
     count[-1] = n - (pages - 1) * page_size
-    return PageSummary(_round_out(lo, dtype, up=False), _round_out(hi, dtype, up=True), centre,
-                       _round_out(dist.amax(-1) * inflate, torch.float32, up=True),
-                       _round_out(norm, torch.float32, up=True), count, page_size)
+    return PageSummary(
+        _round_out(lo, dtype, up=False),
+        _round_out(hi, dtype, up=True),
+        centre,
+        _round_out(dist.amax(-1) * inflate, torch.float32, up=True),
+        _round_out(norm, torch.float32, up=True),
+        count,
+        page_size,
+    )
 
 
 def page_logit_bound(q: torch.Tensor, summary: PageSummary, scaling: float, gamma: float) -> torch.Tensor:
@@ -145,15 +152,15 @@ def page_logit_bound(q: torch.Tensor, summary: PageSummary, scaling: float, gamm
     """
     _check_query(q, summary.lo.shape[-1], scaling, gamma)
     d = q.shape[-1]
-    qd = q.to(F64).unsqueeze(-2)                                   # [..., M, 1, D]
-    lo, hi = summary.lo.to(F64).unsqueeze(-3), summary.hi.to(F64).unsqueeze(-3)   # [..., 1, P, D]
+    qd = q.to(F64).unsqueeze(-2)  # [..., M, 1, D]
+    lo, hi = summary.lo.to(F64).unsqueeze(-3), summary.hi.to(F64).unsqueeze(-3)  # [..., 1, P, D]
     zero = qd == 0
     term = torch.where(zero, 0.0, torch.where(qd > 0, qd * hi, qd * lo))
-    box = term.sum(-1)                                             # [..., M, P]
+    box = term.sum(-1)  # [..., M, P]
     mag = torch.where(zero, 0.0, qd.abs() * torch.maximum(lo.abs(), hi.abs())).sum(-1)
-    qn = q.to(F64).norm(dim=-1, keepdim=True)                      # [..., M, 1]
-    qk = qn * summary.norm.to(F64).unsqueeze(-2)                   # [..., M, P] ≥ ‖q‖·‖k‖
-    centre = summary.centre.to(F64).unsqueeze(-3)                  # [..., 1, P, D]
+    qn = q.to(F64).norm(dim=-1, keepdim=True)  # [..., M, 1]
+    qk = qn * summary.norm.to(F64).unsqueeze(-2)  # [..., M, P] ≥ ‖q‖·‖k‖
+    centre = summary.centre.to(F64).unsqueeze(-3)  # [..., 1, P, D]
     ball_dot = (qd * centre).sum(-1)
     ball_mag = (qd * centre).abs().sum(-1) + qn * summary.radius.to(F64).unsqueeze(-2)
     best = torch.minimum(torch.minimum(box, qk), ball_dot + qn * summary.radius.to(F64).unsqueeze(-2))
@@ -165,11 +172,11 @@ def page_logit_bound(q: torch.Tensor, summary: PageSummary, scaling: float, gamm
 class OmittedCertificate:
     """Per-cell terms of :func:`omitted_certificate` (all float64, shape ``[...]``)."""
 
-    a: torch.Tensor            # A = Σ_R p̃ e^{c}
-    b: torch.Tensor            # B₋ = Σ_R p̃ e^{−c}
-    u: torch.Tensor            # U = Σ_P n_P e^{u_P − lse(s̃)} (omitted mass relative to the served normaliser)
-    mass: torch.Tensor         # m̄ = U/(B₋ + U) ≥ exact omitted mass
-    direct: torch.Tensor       # D = 1 − B₋/(A + U) ≥ TV
+    a: torch.Tensor  # A = Σ_R p̃ e^{c}
+    b: torch.Tensor  # B₋ = Σ_R p̃ e^{−c}
+    u: torch.Tensor  # U = Σ_P n_P e^{u_P − lse(s̃)} (omitted mass relative to the served normaliser)
+    mass: torch.Tensor  # m̄ = U/(B₋ + U) ≥ exact omitted mass
+    direct: torch.Tensor  # D = 1 − B₋/(A + U) ≥ TV
     certificate: torch.Tensor  # min(1, D, meter + m̄) ≥ TV
 
 
@@ -187,8 +194,9 @@ def page_weights(served_logits: torch.Tensor, bound: torch.Tensor, counts: torch
     return torch.where(counts.to(F64).expand_as(w) > 0, w, 0.0)
 
 
-def omitted_certificate(p_served: torch.Tensor, radius: torch.Tensor, weights: torch.Tensor,
-                        meter: torch.Tensor) -> OmittedCertificate:
+def omitted_certificate(
+    p_served: torch.Tensor, radius: torch.Tensor, weights: torch.Tensor, meter: torch.Tensor
+) -> OmittedCertificate:
     """Compose the resident quantization certificate with the omitted-mass bound
     (``docs/math.md#resident-certificate``).
 
@@ -249,8 +257,9 @@ def sketch_keys(keys: torch.Tensor) -> KeySketch:
     no tokens or non-finite keys.
     """
     if keys.dim() < 2 or keys.shape[-2] == 0:
-        raise ValueError(f"keys must be [..., N, D] with N > 0 (an empty page cannot be summarized), "
-                         f"got shape {tuple(keys.shape)}")
+        raise ValueError(
+            f"keys must be [..., N, D] with N > 0 (an empty page cannot be summarized), got shape {tuple(keys.shape)}"
+        )
     _finite(keys, "keys")
     x = keys.to(F64)
     d = x.shape[-1]
@@ -259,8 +268,12 @@ def sketch_keys(keys: torch.Tensor) -> KeySketch:
     codes = torch.round(x / scale.to(F64).unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
     khat = codes.to(F64) * scale.to(F64).unsqueeze(-1)
     inflate = 1.0 + (d + 4) * _U64
-    return KeySketch(codes, scale, _round_out((x - khat).norm(dim=-1) * inflate, torch.float32, up=True),
-                     _round_out(x.norm(dim=-1) * inflate, torch.float32, up=True))
+    return KeySketch(
+        codes,
+        scale,
+        _round_out((x - khat).norm(dim=-1) * inflate, torch.float32, up=True),
+        _round_out(x.norm(dim=-1) * inflate, torch.float32, up=True),
+    )
 
 
 def token_logit_bound(q: torch.Tensor, sketch: KeySketch, scaling: float, gamma: float) -> torch.Tensor:
@@ -291,6 +304,6 @@ def pool_pages(bound: torch.Tensor, visible: torch.Tensor, page_size: int) -> tu
     pad = pages * page_size - n
     u = torch.nn.functional.pad(torch.where(visible, bound.to(F64), float("-inf")), (0, pad), value=float("-inf"))
     pooled = torch.logsumexp(u.reshape(*u.shape[:-1], pages, page_size), dim=-1)
-    pooled = pooled + (page_size + 4) * 2.0**-52 * (1.0 + pooled.abs())      # float64 logsumexp rounding
+    pooled = pooled + (page_size + 4) * 2.0**-52 * (1.0 + pooled.abs())  # float64 logsumexp rounding
     seen = torch.isfinite(pooled)
     return torch.where(seen, pooled, 0.0), seen.to(torch.int64)

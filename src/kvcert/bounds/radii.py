@@ -43,9 +43,7 @@ def _as_f32_up(x: torch.Tensor) -> torch.Tensor:
     return round_up_f32(x) if x.dtype == torch.float64 else x.to(torch.float32)
 
 
-def tier_a_radius_from_qnorms(
-    q_band_norms: torch.Tensor, key_band_norms: torch.Tensor, scale: float
-) -> torch.Tensor:
+def tier_a_radius_from_qnorms(q_band_norms: torch.Tensor, key_band_norms: torch.Tensor, scale: float) -> torch.Tensor:
     """Tier-A radii ``c_t = scale·Σ_b ‖q_b‖·ρ_{t,b}`` from precomputed query band norms (one batched matmul).
 
     ``q_band_norms[..., B]`` and ``key_band_norms[..., S, B]`` broadcast over leading dims; returns float64
@@ -63,8 +61,7 @@ def tier_a_radius_from_qnorms(
     bands = kn.shape[-1] if kn.dim() else 0
     if kn.dim() < 2 or qn.dim() < 1 or qn.shape[-1] != bands:
         raise ValueError(
-            "band dims differ or shapes invalid: "
-            f"q_band_norms {tuple(qn.shape)}, key_band_norms {tuple(kn.shape)}"
+            f"band dims differ or shapes invalid: q_band_norms {tuple(qn.shape)}, key_band_norms {tuple(kn.shape)}"
         )
     return tier_a_radius_f32(qn, kn, sc)
 
@@ -95,9 +92,7 @@ def tier_a_radius(
     pairs of the declared ``pairing``); returns ``c[..., S]`` in float64. Valid pre- or post-RoPE, at any
     positions.
     """
-    return tier_a_radius_from_qnorms(
-        query_band_norms(q, key_band_norms.shape[-1], pairing), key_band_norms, scale
-    )
+    return tier_a_radius_from_qnorms(query_band_norms(q, key_band_norms.shape[-1], pairing), key_band_norms, scale)
 
 
 def tier_b_sigma2(

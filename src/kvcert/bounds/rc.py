@@ -41,6 +41,8 @@ _U = U_F32
 def gamma_f32(n: int) -> float:
     """Higham's ``γ_n = n·u/(1 − n·u)``, ``u = 2^-24``: relative rounding bound of an n-term float32 dot product."""
     return n * _U / (1 - n * _U)
+
+
 #: relative inflation of a float64 softmax mass sum (covers its rounding for fewer than ~10^6 tokens)
 _MASS_INFLATE = 1.0 + 1e-9
 
@@ -79,8 +81,9 @@ def block_max(x: torch.Tensor, block: int) -> torch.Tensor:
     return _blocked(check_nonneg_finite(x, "x", None), _check_block(block), 0.0).amax(-1)
 
 
-def select_blocks(p_block: torch.Tensor, tau_cov: float, k_min: int, k_max: int,
-                  tail_trigger: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def select_blocks(
+    p_block: torch.Tensor, tau_cov: float, k_min: int, k_max: int, tail_trigger: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RC adaptive selector with Rung 1. Returns ``(chosen[..., nb] bool, k_star[...], doubled[...] bool)``.
 
     Blocks are ranked by ``p_block`` (normalised block mass, descending, ties by index);
@@ -125,8 +128,9 @@ def mass_lemma_bound(alpha_hat: torch.Tensor, c_max: torch.Tensor) -> torch.Tens
     return torch.minimum(a * _MASS_INFLATE * torch.exp(2.0 * cm), torch.ones_like(a))
 
 
-def rc_tv_bound(alpha_hat: torch.Tensor, c_max: torch.Tensor, delta_tail: torch.Tensor,
-                rounding: torch.Tensor) -> torch.Tensor:
+def rc_tv_bound(
+    alpha_hat: torch.Tensor, c_max: torch.Tensor, delta_tail: torch.Tensor, rounding: torch.Tensor
+) -> torch.Tensor:
     """``TV(p^mix, p) ≤ min(1, tanh(φ_max) + min(1, e^{2C}α̂_T)·(e^{2Δ_T} − 1))`` (module docstring).
 
     ``delta_tail ≥ max_{t∈T} |s^mix_t − s_t|`` is the witness radius on the tail (0 when the tail is empty),
@@ -137,8 +141,9 @@ def rc_tv_bound(alpha_hat: torch.Tensor, c_max: torch.Tensor, delta_tail: torch.
     return (torch.tanh(check_nonneg_finite(rounding, "rounding")) + tail).clamp(max=1.0)
 
 
-def key_term(alpha_hat: torch.Tensor, c_max: torch.Tensor, delta_tail: torch.Tensor, rounding: torch.Tensor,
-             v_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def key_term(
+    alpha_hat: torch.Tensor, c_max: torch.Tensor, delta_tail: torch.Tensor, rounding: torch.Tensor, v_max: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(E_key, tv)`` with ``E_key = 2·V_max·tv ≥ ‖Σ_t (p^mix_t − p_t)·v_t‖₂`` and ``tv`` from
     :func:`rc_tv_bound`; ``v_max ≥ max_t ‖v_t‖`` over the visible tokens (exact values)."""
     tv = rc_tv_bound(alpha_hat, c_max, delta_tail, rounding)
@@ -155,8 +160,9 @@ def value_term(block_mass: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
     return (rho * check_nonneg_finite(eta, "eta")).sum(-1)
 
 
-def logit_rounding_radius(q_norm: torch.Tensor, k_hat_norm: torch.Tensor, key_witness: torch.Tensor,
-                          scale: float, head_dim: int) -> torch.Tensor:
+def logit_rounding_radius(
+    q_norm: torch.Tensor, k_hat_norm: torch.Tensor, key_witness: torch.Tensor, scale: float, head_dim: int
+) -> torch.Tensor:
     """``φ_t = sc·γ_{D+1}·‖q‖·(2‖k̂_t‖ + W_t)`` bounds the float32 rounding of ``sc·⟨q, k⟩`` for ``k = k̂_t``
     **and** for the exact ``k_t`` (``‖k_t‖ ≤ ‖k̂_t‖ + W_t``, ``W_t = Σ_b ρ_{t,b} ≥ ‖Δk_t‖``).
 

@@ -30,9 +30,7 @@ def _check_factors(a: torch.Tensor) -> torch.Tensor:
     if not torch.isfinite(x).all():
         raise ValueError("a contains non-finite entries")
     if ((x < 0) | (x > 1)).any():
-        raise ValueError(
-            f"forget-gate factors a must lie in [0, 1], got range [{x.min():.4g}, {x.max():.4g}]"
-        )
+        raise ValueError(f"forget-gate factors a must lie in [0, 1], got range [{x.min():.4g}, {x.max():.4g}]")
     return x
 
 

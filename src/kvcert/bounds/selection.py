@@ -36,9 +36,7 @@ def _check_scores(scores: torch.Tensor, valid: torch.Tensor, name: str = "scores
     if valid.dtype != torch.bool:
         raise ValueError(f"valid must be a boolean mask, got dtype {valid.dtype}")
     if valid.shape != scores.shape:
-        raise ValueError(
-            f"valid {tuple(valid.shape)} must have exactly the shape of {name} {tuple(scores.shape)}"
-        )
+        raise ValueError(f"valid {tuple(valid.shape)} must have exactly the shape of {name} {tuple(scores.shape)}")
     x = scores.to(torch.float64)
     if not torch.isfinite(x[valid]).all():
         raise ValueError(f"{name} contains non-finite entries at valid positions")
@@ -152,9 +150,7 @@ def selection_distributions(
     return p, p_hat, i_mask, j_mask
 
 
-def lost_gained_mass(
-    original: torch.Tensor, perturbed: torch.Tensor, valid: torch.Tensor, k: int
-) -> SelectionMass:
+def lost_gained_mass(original: torch.Tensor, perturbed: torch.Tensor, valid: torch.Tensor, k: int) -> SelectionMass:
     """Lemma S2 selection term: ``b_S = ½(m_out + m_in)`` in ``selector_dist:tv`` (``a_S = 1``).
 
     Identity (tested): ``TV(p, p̂) = b_S + ½Σ_{I∩Î}|p_i − p̂_i|``, hence ``b_S ≤ TV(p, p̂)`` and the

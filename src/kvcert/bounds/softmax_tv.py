@@ -59,9 +59,7 @@ def _checked_range(x: torch.Tensor, name: str) -> tuple[torch.Tensor, float]:
     return x, hi
 
 
-def check_nonneg_finite(
-    x: torch.Tensor, name: str, dtype: torch.dtype | None = torch.float64
-) -> torch.Tensor:
+def check_nonneg_finite(x: torch.Tensor, name: str, dtype: torch.dtype | None = torch.float64) -> torch.Tensor:
     """Return ``x`` (cast to ``dtype`` unless None) after checking every entry is finite and ``>= 0``.
 
     Raises ``ValueError`` naming ``name`` otherwise (fail closed on NaN, inf and negative values).
@@ -258,9 +256,7 @@ _FORM_FNS: dict[str, Callable[[Moments], torch.Tensor]] = {
 _TANH_FNS: dict[str, Callable[..., torch.Tensor]] = {"tanh_max": tv_tanh_max, "tanh_osc": tv_tanh_osc}
 
 
-def tv_bound(
-    p_served: torch.Tensor, radius: torch.Tensor, form: str = "meter", clip: bool = True
-) -> torch.Tensor:
+def tv_bound(p_served: torch.Tensor, radius: torch.Tensor, form: str = "meter", clip: bool = True) -> torch.Tensor:
     """Upper bound on ``TV(softmax(s), softmax(s + ε))`` valid for every ``|ε_t| ≤ radius_t``.
 
     Dispatches to the form named by ``form`` (one of ``FORMS``); ``tanh_osc`` is paper-level only.

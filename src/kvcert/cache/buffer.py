@@ -18,7 +18,7 @@ class GrowBuffer:
         self._pin = pin
         self._data = self._alloc(max(capacity, like.shape[2]), like.dtype, like.device)
         self._array: np.ndarray | None = None
-        self._array_of: torch.Tensor | None = None   # the allocation ``_array`` views
+        self._array_of: torch.Tensor | None = None  # the allocation ``_array`` views
         self.n = 0
 
     def _alloc(self, cap: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -35,7 +35,7 @@ class GrowBuffer:
         """Append ``x[B, H, t, *tail]`` along the token axis."""
         t = x.shape[2]
         if self.n + t > self._data.shape[2]:
-            cap = max(2 * self._data.shape[2], 2 * (self.n + t))   # a large chunk leaves room to grow
+            cap = max(2 * self._data.shape[2], 2 * (self.n + t))  # a large chunk leaves room to grow
             new = self._alloc(cap, self._data.dtype, self._data.device)
             new[:, :, : self.n] = self._data[:, :, : self.n]
             self._data = new

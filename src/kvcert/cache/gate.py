@@ -43,8 +43,10 @@ class Gate:
         if not self.threshold >= 0:
             raise ValueError(f"gate threshold must be >= 0, got {self.threshold}")
         if self.mode != "off" and not math.isfinite(self.threshold):
-            raise ValueError(f"a {self.mode} gate needs a finite threshold (tau >= 0); got {self.threshold} "
-                             "(an infinite threshold never repairs: use Gate.off() to observe only)")
+            raise ValueError(
+                f"a {self.mode} gate needs a finite threshold (tau >= 0); got {self.threshold} "
+                "(an infinite threshold never repairs: use Gate.off() to observe only)"
+            )
         if self.granularity not in ("head", "block"):
             raise ValueError(f"granularity must be 'head' or 'block', got {self.granularity!r}")
         if self.block_size < 1:
@@ -58,14 +60,28 @@ class Gate:
         return cls("off")
 
     @classmethod
-    def certified(cls, tau: float = 0.2, *, granularity: Granularity = "head", block_size: int = 64,
-                  persistent: bool = False, value_tol: float | None = None) -> Gate:
+    def certified(
+        cls,
+        tau: float = 0.2,
+        *,
+        granularity: Granularity = "head",
+        block_size: int = 64,
+        persistent: bool = False,
+        value_tol: float | None = None,
+    ) -> Gate:
         """Repair every KV head whose clipped certificate exceeds ``tau`` for any of its query heads."""
         return cls("certified", tau, granularity, block_size, persistent, value_tol)
 
     @classmethod
-    def risk_ranked(cls, tau_gate: float = 5.0, *, granularity: Granularity = "head", block_size: int = 64,
-                    persistent: bool = False, value_tol: float | None = None) -> Gate:
+    def risk_ranked(
+        cls,
+        tau_gate: float = 5.0,
+        *,
+        granularity: Granularity = "head",
+        block_size: int = 64,
+        persistent: bool = False,
+        value_tol: float | None = None,
+    ) -> Gate:
         """Repair every KV head whose *unclipped* meter exceeds ``tau_gate`` (saturated schemes)."""
         return cls("risk_ranked", tau_gate, granularity, block_size, persistent, value_tol)
 

@@ -62,7 +62,7 @@ class _Chunk:
     start: int
     stop: int
     packed: Packed
-    key: DitherKey | None = None   # the dither key it was encoded with (re-decoding on budget release)
+    key: DitherKey | None = None  # the dither key it was encoded with (re-decoding on budget release)
 
 
 class _Tensorstore:
@@ -79,8 +79,8 @@ class _Tensorstore:
         self.exact = GrowBuffer(torch.zeros(b, h, 1, dtype=torch.bool, device=device))
         self.held = GrowBuffer(torch.zeros(b, h, 1, dtype=torch.bool, device=device))  # persistent repairs
         self.chunks: list[_Chunk] = []
-        self.n_encoded = 0          # tokens [0, n_encoded) went through the codec (relative to live window)
-        self.last_encoded = 0       # tokens encoded by the most recent encode_pending call
+        self.n_encoded = 0  # tokens [0, n_encoded) went through the codec (relative to live window)
+        self.last_encoded = 0  # tokens encoded by the most recent encode_pending call
 
     def encodable(self) -> int:
         """How many pending tokens can be encoded now: whole blocks (``lcm(codec.block, write_block)``) outside
@@ -104,19 +104,30 @@ class LayerStore:
     """All tiers of one layer; see the module docstring for the layout, the write protocol, the device bytes
     and the device budget."""
 
-    def __init__(self, layer: int, key_codec: Codec, value_codec: Codec, *, bands: int, pairing: Pairing,
-                 seed: int, write_block: int = 1, device_budget: float | None = None) -> None:
+    def __init__(
+        self,
+        layer: int,
+        key_codec: Codec,
+        value_codec: Codec,
+        *,
+        bands: int,
+        pairing: Pairing,
+        seed: int,
+        write_block: int = 1,
+        device_budget: float | None = None,
+    ) -> None:
         if write_block < 1:
             raise ValueError(f"write_block must be >= 1, got {write_block}")
         if device_budget is not None and not device_budget > 0:
-            raise ValueError(f"device_budget must be > 0 (a fraction of the fp16 K/V bytes) or None, "
-                             f"got {device_budget!r}")
+            raise ValueError(
+                f"device_budget must be > 0 (a fraction of the fp16 K/V bytes) or None, got {device_budget!r}"
+            )
         self.device_budget = device_budget
-        self.transient_repairs = 0    # persistent repairs refused by the device budget (served transient)
-        self.bytes_transient = 0      # their page-in bytes
-        self.released = 0             # held (repaired) entries released back to their codes by the budget
-        self.n_held = 0               # entries (K and V counted apart) currently held exact by persistent repair
-        self.compacted = False        # an eviction merged the chunks (dither keys of the codes are lost)
+        self.transient_repairs = 0  # persistent repairs refused by the device budget (served transient)
+        self.bytes_transient = 0  # their page-in bytes
+        self.released = 0  # held (repaired) entries released back to their codes by the budget
+        self.n_held = 0  # entries (K and V counted apart) currently held exact by persistent repair
+        self.compacted = False  # an eviction merged the chunks (dither keys of the codes are lost)
         self.write_block = write_block
         self.layer = layer
         self.key_codec = key_codec
@@ -126,19 +137,21 @@ class LayerStore:
         self.seed = seed
         self.k: _Tensorstore | None = None
         self.v: _Tensorstore | None = None
-        self.base = 0                 # absolute slot index of live token 0 (after sliding-window trims)
-        self.appended = 0             # logical tokens ever appended (the next token's position)
-        self.evicted: dict[str, GrowBuffer] = {}   # evicted archive: "k", "v", "positions" (retain_evicted)
-        self.nonfinite = 0            # entries kept exact because K or V had NaN/inf
-        self.fail_closed = 0          # entries kept exact because their row had no request identity
+        self.base = 0  # absolute slot index of live token 0 (after sliding-window trims)
+        self.appended = 0  # logical tokens ever appended (the next token's position)
+        self.evicted: dict[str, GrowBuffer] = {}  # evicted archive: "k", "v", "positions" (retain_evicted)
+        self.nonfinite = 0  # entries kept exact because K or V had NaN/inf
+        self.fail_closed = 0  # entries kept exact because their row had no request identity
 
     # ----------------------------------------------------------------------------------------- write
     def _init(self, k: torch.Tensor, v: torch.Tensor) -> None:
         pin = torch.cuda.is_available()
-        self.k = _Tensorstore(self.key_codec, k[:, :, :0].to("cpu") if pin else k[:, :, :0], pin, self.write_block,
-                              k.device)
-        self.v = _Tensorstore(self.value_codec, v[:, :, :0].to("cpu") if pin else v[:, :, :0], pin,
-                              self.write_block, v.device)
+        self.k = _Tensorstore(
+            self.key_codec, k[:, :, :0].to("cpu") if pin else k[:, :, :0], pin, self.write_block, k.device
+        )
+        self.v = _Tensorstore(
+            self.value_codec, v[:, :, :0].to("cpu") if pin else v[:, :, :0], pin, self.write_block, v.device
+        )
         b, h, _, d = k.shape
         z = k.new_zeros((b, h, 0), dtype=torch.float32)
         self.k_band = GrowBuffer(k.new_zeros((b, h, 0, self.bands), dtype=torch.float32))
@@ -204,10 +217,10 @@ class LayerStore:
             if n == 0:
                 continue
             lo, hi = ts.n_encoded, ts.n_encoded + n
-            x = ts.host.view()[:, :, lo:hi].to(ts.served.view().device, torch.float32)   # encode on the device tier
-            finite = torch.isfinite(x).all(dim=-1)                       # [B, H, n]
+            x = ts.host.view()[:, :, lo:hi].to(ts.served.view().device, torch.float32)  # encode on the device tier
+            finite = torch.isfinite(x).all(dim=-1)  # [B, H, n]
             other = (self.v if is_key else self.k).host.view()[:, :, lo:hi]
-            finite &= torch.isfinite(other).all(dim=-1).to(finite.device)   # keep K and V of a bad token exact
+            finite &= torch.isfinite(other).all(dim=-1).to(finite.device)  # keep K and V of a bad token exact
             keep = (~finite) | self._keep_exact_rows.view(-1, 1, 1).to(finite.device)
             xin = torch.where(finite.unsqueeze(-1), x, torch.zeros_like(x))
             key = None
@@ -233,8 +246,9 @@ class LayerStore:
                 getattr(self, name).view()[:, :, lo:hi] = val
             ts.n_encoded = hi
 
-    def _witnesses(self, is_key: bool, x: torch.Tensor, xhat: torch.Tensor, keep: torch.Tensor,
-                   steps: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    def _witnesses(
+        self, is_key: bool, x: torch.Tensor, xhat: torch.Tensor, keep: torch.Tensor, steps: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
         """Write-time witnesses ``{buffer name: [B, H, n(, ·)] values}`` of a token range with exact values
         ``x``, served values ``xhat`` (the decoded codes, or ``x`` itself where ``keep``) and ``keep`` (entries
         served exact: residual 0): for keys the band norms ``ρ_{t,b}`` of ``x̂ − x`` (rounded up),
@@ -246,14 +260,19 @@ class LayerStore:
         served = torch.where(torch.isfinite(xhat).all(-1, keepdim=True), xhat, 0.0)
         if is_key:
             rho = round_up_f32(band_norms(resid, self.bands, self.pairing))
-            out = {"k_band": rho,
-                   "k_wit": round_up_f32(rho.to(torch.float64).sum(-1) * (1.0 + 2.0 * (self.bands + 2) * 2.0**-53)),
-                   "k_hat_norm": norm_up_f32(served)}
+            out = {
+                "k_band": rho,
+                "k_wit": round_up_f32(rho.to(torch.float64).sum(-1) * (1.0 + 2.0 * (self.bands + 2) * 2.0**-53)),
+                "k_hat_norm": norm_up_f32(served),
+            }
             if steps is not None:
                 out["k_steps"] = torch.where(keep.unsqueeze(-1), torch.zeros_like(steps), steps.to(torch.float32))
             return out
-        return {"v_res": norm_up_f32(resid), "v_hat_norm": norm_up_f32(served),
-                "v_dist": norm_up_f32(served.to(torch.float64) - self.v_centre)}
+        return {
+            "v_res": norm_up_f32(resid),
+            "v_hat_norm": norm_up_f32(served),
+            "v_dist": norm_up_f32(served.to(torch.float64) - self.v_centre),
+        }
 
     # ------------------------------------------------------------------------------------ maintenance
     def make_exact(self, b: int, h: int, tokens: slice | torch.Tensor) -> int:
@@ -263,7 +282,9 @@ class LayerStore:
         assert self.k is not None and self.v is not None
         moved = 0
         for ts in (self.k, self.v):
-            ts.served.view()[b, h, tokens] = ts.host.view()[b, h, tokens].to(ts.served.view().device, torch.float32)
+            host = ts.host.view()
+            on_host = tokens.to(host.device) if isinstance(tokens, torch.Tensor) else tokens  # a device-tier mask
+            ts.served.view()[b, h, tokens] = host[b, h, on_host].to(ts.served.view().device, torch.float32)
             newly = ~ts.exact.view()[b, h, tokens]
             moved += int(newly.sum()) * ts.host.view().shape[-1] * 2
             ts.held.view()[b, h, tokens] |= newly
@@ -294,8 +315,9 @@ class LayerStore:
         if self.device_budget is None:
             self.make_exact(b, h, tokens)
             return True
-        added = sum(int((~ts.exact.view()[b, h, tokens]).sum()) * ts.host.shape[-1] * EXACT_BYTES
-                    for ts in (self.k, self.v))
+        added = sum(
+            int((~ts.exact.view()[b, h, tokens]).sum()) * ts.host.shape[-1] * EXACT_BYTES for ts in (self.k, self.v)
+        )
         locked = self.compacted and (self.key_codec.needs_key or self.value_codec.needs_key)
         if locked or self.bytes_device() + added > self.device_budget * self.bytes_fp16():
             n = int(torch.ones(self.n, dtype=torch.bool)[tokens].sum())
@@ -315,7 +337,7 @@ class LayerStore:
         ``bytes_device <= device_budget·bytes_fp16`` or nothing is held. A released entry is served from its
         codes again with the write-time witnesses :meth:`_witnesses` computes from its exact original — the
         same values as at encode time, so every later certificate stays valid."""
-        if self.device_budget is None or self.k is None or self.n_held == 0:   # O(1) on the decode path
+        if self.device_budget is None or self.k is None or self.n_held == 0:  # O(1) on the decode path
             return
         assert self.v is not None
         limit = self.device_budget * self.bytes_fp16()
@@ -331,8 +353,9 @@ class LayerStore:
                 x = ts.host.view()[:, :, lo:hi].to(torch.float32)
                 xhat = ts.codec.decode(c.packed, key=c.key).to(torch.float32)[:, :, off:]
                 steps = ts.codec.steps(c.packed)
-                wit = self._witnesses(is_key, x, xhat, torch.zeros_like(held), None if steps is None
-                                      else steps[:, :, off:])
+                wit = self._witnesses(
+                    is_key, x, xhat, torch.zeros_like(held), None if steps is None else steps[:, :, off:]
+                )
                 served = ts.served.view()[:, :, lo:hi]
                 served.copy_(torch.where(held.unsqueeze(-1), xhat, served))
                 for name, val in wit.items():
@@ -347,8 +370,7 @@ class LayerStore:
 
     def _token_buffers(self) -> tuple[GrowBuffer, ...]:
         """The per-token witness and position buffers (trimmed and gathered together with the tiers)."""
-        return (self.k_band, self.k_wit, self.k_hat_norm, self.v_res, self.v_hat_norm, self.v_dist,
-                self.positions)
+        return (self.k_band, self.k_wit, self.k_hat_norm, self.v_res, self.v_hat_norm, self.v_dist, self.positions)
 
     def drop_before(self, start: int) -> None:
         """Discard live tokens ``[0, start)`` (sliding-window layers). Packed chunks wholly before are freed."""
@@ -417,8 +439,7 @@ class LayerStore:
         assert self.v is not None
         d = self.k.host.view().shape[-1]
         dv = self.v.host.view().shape[-1]
-        return (self.k.packed_nbytes() + self.v.packed_nbytes() + self.k.exact_nbytes(d)
-                + self.v.exact_nbytes(dv))
+        return self.k.packed_nbytes() + self.v.packed_nbytes() + self.k.exact_nbytes(d) + self.v.exact_nbytes(dv)
 
     def bytes_fp16(self) -> int:
         """What an fp16 cache would hold for the same live tokens."""

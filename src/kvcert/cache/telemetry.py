@@ -62,17 +62,17 @@ TIERS: dict[str, str] = {
     "evicted_mass": "measured (validate mode; exact TV of eviction = attention mass on evicted entries)",
     "evicted_mass_serving": "empirical (serving mode; last served mass of entries at their eviction)",
     "belady_overlap": "empirical (validate mode; kept-set overlap |P ∩ R| / |R| with Belady(next use) on the run's "
-                      "own exact attention trace)",
+    "own exact attention trace)",
     "witness": "certified (band witness W_t >= ‖Δk_t‖, max over the KV head's tokens)",
     "qnorm": "certified (score-bridge coefficient sc·max‖q‖₂, exact per read)",
     "logit_slack": "certified (float32 logit rounding bound, max over the read)",
     "bytes_device": "measured (Σ nbytes of every tensor resident on the device tier at the end: codes, scales, "
-                    "witnesses, exact entries at 16 bits)",
+    "witnesses, exact entries at 16 bits)",
     "bytes_host": "measured (exact host-tier copy)",
     "bytes_paged": "measured (host -> device page-in traffic over the request)",
     "capacity": "measured (bytes_fp16 / bytes_device)",
     "fallback_rate": "measured (share of recorded KV-head reads served partly from an exact copy: paged in at the "
-                     "read or kept by an earlier persistent repair)",
+    "read or kept by an earlier persistent repair)",
     "omitted_mass_bound": "certified (resident set: bound on the exact attention mass of the omitted tokens)",
     "omitted_mass": "measured (validate mode; exact attention mass of the omitted tokens)",
 }
@@ -94,8 +94,8 @@ class ChainInputs:
     non-finite entries are zeroed as in the read path (their cells fail closed there).
     """
 
-    q_norm: torch.Tensor        # [B, Hq, Q] ‖q‖₂ per query
-    witness_max: torch.Tensor   # [B, Hkv] max_t W_t
+    q_norm: torch.Tensor  # [B, Hq, Q] ‖q‖₂ per query
+    witness_max: torch.Tensor  # [B, Hkv] max_t W_t
     key_norm_max: torch.Tensor  # [B, Hkv] max_t (2‖k̂_t‖ + W_t)
     scaling: float
     head_dim: int
@@ -105,8 +105,11 @@ class ChainInputs:
         g = self.q_norm.shape[1] // self.witness_max.shape[1]
         qn = self.q_norm.amax(-1)
         k_max = self.key_norm_max.repeat_interleave(g, dim=1)
-        return {"witness": self.witness_max.repeat_interleave(g, dim=1), "qnorm": self.scaling * qn,
-                "logit_slack": self.scaling * gamma_f32(self.head_dim + 1) * qn * k_max}
+        return {
+            "witness": self.witness_max.repeat_interleave(g, dim=1),
+            "qnorm": self.scaling * qn,
+            "logit_slack": self.scaling * gamma_f32(self.head_dim + 1) * qn * k_max,
+        }
 
 
 def _worst(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -130,14 +133,14 @@ class StepRecord:
 
     step: int
     layer: int
-    cells: dict[str, torch.Tensor | None]   # cert (before gating), raw, served, tanh, out_bound, tier_b, true_tv,
-                                            # true_out_err
-    heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # repaired, blocks, values promoted ([B, Hkv])
+    cells: dict[str, torch.Tensor | None]  # cert (before gating), raw, served, tanh, out_bound, tier_b, true_tv,
+    # true_out_err
+    heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # repaired, blocks, values promoted ([B, Hkv])
     queries: int
     violations: int = 0
     out_violations: int = 0
-    chain: ChainInputs | None = None          # the dense chain's inputs (certified reads of the default path)
-    held: torch.Tensor | None = None          # [B, Hkv] entries kept exact by an earlier persistent repair
+    chain: ChainInputs | None = None  # the dense chain's inputs (certified reads of the default path)
+    held: torch.Tensor | None = None  # [B, Hkv] entries kept exact by an earlier persistent repair
 
     @cached_property
     def _chain_readings(self) -> dict[str, torch.Tensor]:
@@ -152,7 +155,7 @@ class StepRecord:
             return rep | (blocks > 0) | promoted
         if name == "blocks":
             return self.heads[1]
-        if name == "fallback":   # served partly from an exact copy: paged in now or held from an earlier repair
+        if name == "fallback":  # served partly from an exact copy: paged in now or held from an earlier repair
             rep = self.reading("repaired")
             return rep if self.held is None else rep | self.held
         if name in ("witness", "qnorm", "logit_slack"):
@@ -192,11 +195,11 @@ class Telemetry:
     tier_b: torch.Tensor | None
     true_tv: torch.Tensor | None
     true_out_err: torch.Tensor | None
-    repaired: torch.Tensor            # [steps, layers, B, Hkv] bool (head repair or any block paged)
+    repaired: torch.Tensor  # [steps, layers, B, Hkv] bool (head repair or any block paged)
     group_size: int
-    violations: int                   # validate: cells with true TV > certificate
-    out_violations: int               # validate: cells with true output error > output bound
-    bytes_stored: int                 # device K/V: codes + exact entries (witnesses excluded; see bytes_device)
+    violations: int  # validate: cells with true TV > certificate
+    out_violations: int  # validate: cells with true output error > output bound
+    bytes_stored: int  # device K/V: codes + exact entries (witnesses excluded; see bytes_device)
     bytes_fp16: int
     bytes_paged: int
     bytes_host: int
@@ -206,23 +209,23 @@ class Telemetry:
     fail_closed: int
     tier_b_delta: float | None
     gate: str
-    evicted_mass: torch.Tensor | None = None          # [steps, layers, B, Hq], all forward steps (NaN: none)
+    evicted_mass: torch.Tensor | None = None  # [steps, layers, B, Hq], all forward steps (NaN: none)
     evicted_mass_serving: torch.Tensor | None = None  # [steps, layers, B, Hkv], all forward steps
-    evicted_entries: int = 0                          # entries evicted over all layers, rows and KV heads
-    belady_overlap: torch.Tensor | None = None        # [steps, layers, B, Hkv] (belady=True; NaN: nothing evicted)
-    witness: torch.Tensor | None = None               # [steps, layers, B, Hq] live chain readings (see module doc)
+    evicted_entries: int = 0  # entries evicted over all layers, rows and KV heads
+    belady_overlap: torch.Tensor | None = None  # [steps, layers, B, Hkv] (belady=True; NaN: nothing evicted)
+    witness: torch.Tensor | None = None  # [steps, layers, B, Hq] live chain readings (see module doc)
     qnorm: torch.Tensor | None = None
     logit_slack: torch.Tensor | None = None
-    uncompressed_layers: tuple[int, ...] = ()         # sliding layers whose window never holds a write block
-    bytes_device: int = 0                             # everything resident on the device tier at the end
-    fallback: torch.Tensor | None = None              # [steps, layers, B, Hkv] bool (see fallback_rate)
-    transient_page_ins: int = 0                       # persistent repairs the device budget served transient
-    bytes_transient: int = 0                          # their page-in bytes (included in bytes_paged)
-    released_entries: int = 0                         # held entries released back to their codes by the budget
-    device_budget: float | None = None                # fraction of bytes_fp16 the repair path may fill
-    omitted_mass_bound: torch.Tensor | None = None    # [steps, layers, B, Hq] resident set, all forward steps
-    omitted_mass: torch.Tensor | None = None          # (as evicted_mass; NaN: no resident read), validate mode
-    resident_fraction: float | None = None            # resident slots / written tokens (None: no resident set)
+    uncompressed_layers: tuple[int, ...] = ()  # sliding layers whose window never holds a write block
+    bytes_device: int = 0  # everything resident on the device tier at the end
+    fallback: torch.Tensor | None = None  # [steps, layers, B, Hkv] bool (see fallback_rate)
+    transient_page_ins: int = 0  # persistent repairs the device budget served transient
+    bytes_transient: int = 0  # their page-in bytes (included in bytes_paged)
+    released_entries: int = 0  # held entries released back to their codes by the budget
+    device_budget: float | None = None  # fraction of bytes_fp16 the repair path may fill
+    omitted_mass_bound: torch.Tensor | None = None  # [steps, layers, B, Hq] resident set, all forward steps
+    omitted_mass: torch.Tensor | None = None  # (as evicted_mass; NaN: no resident read), validate mode
+    resident_fraction: float | None = None  # resident slots / written tokens (None: no resident set)
     pages_recalled: int = 0
     bytes_recalled: int = 0
     bytes_summary: int = 0
@@ -240,8 +243,12 @@ class Telemetry:
         """Number of recorded (step, layer, row, query head) cells."""
         return int(self.recorded.sum())
 
-    def coverage(self, tau: float = 0.2, per: Literal["q_head", "kv_head"] = "q_head",
-                 which: Literal["certificates", "tier_b", "tanh"] = "certificates") -> float:
+    def coverage(
+        self,
+        tau: float = 0.2,
+        per: Literal["q_head", "kv_head"] = "q_head",
+        which: Literal["certificates", "tier_b", "tanh"] = "certificates",
+    ) -> float:
         """Fraction of cells with certificate ``<= tau``.
 
         ``per="kv_head"`` uses KV-head any-of-G: a KV-head cell counts only if all G query heads are certified.
@@ -355,10 +362,14 @@ class Telemetry:
             live = self.belady_overlap[~torch.isnan(self.belady_overlap)]
             out["mean_belady_overlap"] = float(live.mean()) if live.numel() else float("nan")
         if self.resident_fraction is not None:
-            out.update(resident_fraction=self.resident_fraction, pages_recalled=self.pages_recalled,
-                       bytes_recalled=self.bytes_recalled, bytes_summary=self.bytes_summary,
-                       bytes_fp16_context=self.bytes_fp16_context,
-                       recall_violations=self.recall_violations if self.omitted_mass is not None else None)
+            out.update(
+                resident_fraction=self.resident_fraction,
+                pages_recalled=self.pages_recalled,
+                bytes_recalled=self.bytes_recalled,
+                bytes_summary=self.bytes_summary,
+                bytes_fp16_context=self.bytes_fp16_context,
+                recall_violations=self.recall_violations if self.omitted_mass is not None else None,
+            )
             for name in ("omitted_mass_bound", "omitted_mass"):
                 vals = getattr(self, name)
                 live = vals[~torch.isnan(vals)] if vals is not None else torch.zeros(0)
@@ -367,8 +378,9 @@ class Telemetry:
         return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in out.items()}
 
 
-def stack_records(records: list[StepRecord] | list[EvictRecord], layers: int, steps: int,
-                  attr: str) -> torch.Tensor | None:
+def stack_records(
+    records: list[StepRecord] | list[EvictRecord], layers: int, steps: int, attr: str
+) -> torch.Tensor | None:
     """Assemble ``[steps, layers, B, H]`` from per-(step, layer) records (NaN / False where absent)."""
     have = [(r, v) for r in records if (v := r.reading(attr)) is not None]
     if not have:

@@ -113,8 +113,7 @@ def softmax_affine(eps0: float) -> Contract:
         tier=Tier.PARTIAL,
         m_in=ATTN_LOGIT_LINF,
         m_out=ATTN_DIST_TV,
-        reason=f"½(e^(2ε)-1) <= e^(2ε₀)·ε on the runtime-checked premise ε <= ε₀={eps0:.6g} "
-        "[softmax_tv_affine]",
+        reason=f"½(e^(2ε)-1) <= e^(2ε₀)·ε on the runtime-checked premise ε <= ε₀={eps0:.6g} [softmax_tv_affine]",
         premise=Premise(f"eps <= eps0 = {eps0!r}", lambda e: e <= eps0),
     )
 

@@ -131,9 +131,7 @@ class Chain:
         if not isinstance(c, Contract):
             raise ValueError(f"c must be a Contract, got {type(c).__name__}")
         if self._stages and self.m_out != c.m_in:
-            raise MetricMismatch(
-                f"cannot chain {c.name!r}: it takes {c.m_in} but the chain produces {self.m_out}"
-            )
+            raise MetricMismatch(f"cannot chain {c.name!r}: it takes {c.m_in} but the chain produces {self.m_out}")
         return Chain((*self._stages, _Stage(c, parallel=False, term_e_in=0.0)))
 
     def also(self, term: Contract | Chain, e_in: float = 0.0) -> Chain:

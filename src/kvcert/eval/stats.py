@@ -61,9 +61,13 @@ def _paired_arrays(reference: Sequence[float], candidate: Sequence[float]) -> tu
     return ref, cand
 
 
-def paired_bootstrap(reference: Sequence[float], candidate: Sequence[float],
-                     resamples: int = DEFAULT_RESAMPLES, seed: int = 0,
-                     confidence: float = 0.95) -> PairedBootstrap:
+def paired_bootstrap(
+    reference: Sequence[float],
+    candidate: Sequence[float],
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = 0,
+    confidence: float = 0.95,
+) -> PairedBootstrap:
     """Paired percentile bootstrap of the mean score difference ``candidate - reference``.
 
     Sample indices are drawn with replacement (the same indices for both runs, which keeps the pairing),
@@ -82,8 +86,15 @@ def paired_bootstrap(reference: Sequence[float], candidate: Sequence[float],
     means = delta[idx].mean(axis=1)
     alpha = (1.0 - confidence) / 2.0
     low, high = np.quantile(means, [alpha, 1.0 - alpha], method="inverted_cdf")
-    return PairedBootstrap(diff=float(delta.mean()), low=float(low), high=float(high), confidence=confidence,
-                           resamples=resamples, seed=seed, n=int(delta.size))
+    return PairedBootstrap(
+        diff=float(delta.mean()),
+        low=float(low),
+        high=float(high),
+        confidence=confidence,
+        resamples=resamples,
+        seed=seed,
+        n=int(delta.size),
+    )
 
 
 def mcnemar(reference: Sequence[bool | int], candidate: Sequence[bool | int]) -> McNemar:

@@ -173,8 +173,9 @@ def _complement(dropped: np.ndarray, n: int) -> np.ndarray:
 
 
 @numba.njit(cache=True, nogil=True)
-def _drop_in_place(scores: np.ndarray, positions: np.ndarray, dropped: np.ndarray,
-                   n: int) -> None:  # pragma: no cover - compiled
+def _drop_in_place(
+    scores: np.ndarray, positions: np.ndarray, dropped: np.ndarray, n: int
+) -> None:  # pragma: no cover - compiled
     """Remove the sorted slots ``dropped[r]`` from ``scores[r, :n]`` and ``positions[r, :n]``, moving later
     slots left (in place, one pass over both buffers)."""
     k = dropped.shape[1]
@@ -196,8 +197,9 @@ _READ_OK, _BAD_ATTN, _POSITIONS_DISAGREE, _NOT_INCREASING = 0, 1, 2, 3
 
 
 @numba.njit(cache=True, nogil=True)
-def _read_fault(attn: np.ndarray, pos: np.ndarray, held: np.ndarray, old: int,
-                full: bool) -> int:  # pragma: no cover - compiled
+def _read_fault(
+    attn: np.ndarray, pos: np.ndarray, held: np.ndarray, old: int, full: bool
+) -> int:  # pragma: no cover - compiled
     """First fault of one observed read, else ``_READ_OK``: ``attn[B, Hkv, q, S]`` not finite and
     non-negative (NaN fails ``x >= 0``, +inf fails ``x < inf``); the caller's positions ``pos[B, Hkv, S]``
     differ from the ``held[B, Hkv, >= old]`` ones on slots ``[0, old)`` (``full``) or on the join slot

@@ -26,7 +26,7 @@ def _pool(x: np.ndarray, kernel: int, average: bool, out: np.ndarray) -> None:  
     acc = np.empty(m)
     for row in range(x.shape[0]):
         xr = x[row]
-        for t in range(m):                      # interior: output t + r, window xr[t .. t + 2r]
+        for t in range(m):  # interior: output t + r, window xr[t .. t + 2r]
             acc[t] = xr[t]
         for j in range(1, kernel):
             if average:
@@ -40,7 +40,7 @@ def _pool(x: np.ndarray, kernel: int, average: bool, out: np.ndarray) -> None:  
                 out[row, t + r] = acc[t] / kernel
         else:
             out[row, r : r + m] = acc
-        for t in range(min(r, n)):              # edge windows, clipped to the row
+        for t in range(min(r, n)):  # edge windows, clipped to the row
             out[row, t] = _edge(xr, t, r, kernel, average)
         for t in range(max(n - r, r), n):
             out[row, t] = _edge(xr, t, r, kernel, average)
@@ -67,8 +67,9 @@ def pool_scores(scores: Tensor, kernel: int, pooling: Pooling) -> Tensor:
 
 
 @numba.njit(cache=True, nogil=True)
-def _subtract_by_position(scores: np.ndarray, positions: np.ndarray, n: int, old_pos: np.ndarray,
-                          old_row: np.ndarray) -> None:  # pragma: no cover - compiled (covered by tests via numba)
+def _subtract_by_position(
+    scores: np.ndarray, positions: np.ndarray, n: int, old_pos: np.ndarray, old_row: np.ndarray
+) -> None:  # pragma: no cover - compiled (covered by tests via numba)
     """``scores[b, h, j] −= old_row[b, h, k]`` for every held slot ``j < n`` whose position equals
     ``old_pos[b, h, k]`` (both position arrays strictly increasing: one merge walk per head, O(S))."""
     nb, nh, m = old_pos.shape
@@ -105,7 +106,7 @@ class SnapKV(EvictionPolicy):
             raise ValueError(f"pooling must be 'avgpool' or 'maxpool', got {pooling!r}")
         super().__init__(sinks=sinks, recent=window)
         self.window, self.kernel, self.pooling = window, kernel, pooling
-        self._windows: dict[int, deque[tuple[np.ndarray, np.ndarray]]] = {}   # (positions, row) per layer
+        self._windows: dict[int, deque[tuple[np.ndarray, np.ndarray]]] = {}  # (positions, row) per layer
 
     def reset(self) -> None:
         """Forget all per-item state and the recorded windows (new request)."""
@@ -115,8 +116,8 @@ class SnapKV(EvictionPolicy):
     def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: np.ndarray) -> None:
         q, s = attn.shape[2:]
         win = self._windows.setdefault(layer, deque())
-        pos = state.buffers[1][..., :s].copy()                      # shared by this call's rows
-        rows = attn[:, :, max(q - self.window, 0):].numpy()
+        pos = state.buffers[1][..., :s].copy()  # shared by this call's rows
+        rows = attn[:, :, max(q - self.window, 0) :].numpy()
         for r in range(rows.shape[2]):
             row = rows[:, :, r].copy()
             state.buffers[0][..., :s] += row

@@ -25,8 +25,9 @@ def materialised_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     return sdpa_mask(*args, **kwargs)
 
 
-def register_attention(name: str, fn: Callable[..., Any],
-                       mask: Callable[..., torch.Tensor | None] | None = materialised_mask) -> None:
+def register_attention(
+    name: str, fn: Callable[..., Any], mask: Callable[..., torch.Tensor | None] | None = materialised_mask
+) -> None:
     """Register ``fn`` as transformers attention function ``name`` and ``mask`` as its mask function (``None``:
     register no mask function, transformers then uses its default for ``name``). Idempotent."""
     AttentionInterface.register(name, fn)
@@ -35,8 +36,12 @@ def register_attention(name: str, fn: Callable[..., Any],
 
 
 @contextmanager
-def swapped_attention(model: torch.nn.Module, name: str, fn: Callable[..., Any],
-                      mask: Callable[..., torch.Tensor | None] | None = materialised_mask) -> Iterator[str]:
+def swapped_attention(
+    model: torch.nn.Module,
+    name: str,
+    fn: Callable[..., Any],
+    mask: Callable[..., torch.Tensor | None] | None = materialised_mask,
+) -> Iterator[str]:
     """Inside the block, *this model only* runs attention ``fn`` (registered as ``name`` with ``mask``, see
     :func:`register_attention`); leaving the block, even by an exception, restores the model's previous
     attention implementation, whose name is yielded."""

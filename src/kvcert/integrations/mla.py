@@ -81,9 +81,7 @@ def up_projection(attn: torch.nn.Module) -> torch.Tensor:
 
 
 def _mla_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    mods = {
-        int(m.layer_idx): m for m in model.modules() if hasattr(m, "kv_b_proj") and hasattr(m, "layer_idx")
-    }
+    mods = {int(m.layer_idx): m for m in model.modules() if hasattr(m, "kv_b_proj") and hasattr(m, "layer_idx")}
     if not mods:
         raise ValueError(f"{type(model).__name__} has no MLA attention (no kv_b_proj)")
     return mods
@@ -110,8 +108,7 @@ def check_pairing(
     rel = float(((a - b).abs() / a.abs().clamp_min(1e-6)).max())
     if rel > rtol:
         raise MLASelfCheckError(
-            f"declared pairings {pre_pairing!r} -> {post_pairing!r} do not match the model's RoPE "
-            f"(rel {rel:.3g})"
+            f"declared pairings {pre_pairing!r} -> {post_pairing!r} do not match the model's RoPE (rel {rel:.3g})"
         )
     return rel
 
@@ -146,8 +143,7 @@ def extract_latents(
         tol = self_check_tolerance(cap.key)
         if not (key_res <= tol and pe_res <= tol):
             raise MLASelfCheckError(
-                f"layer {cap.layer}: W_UK·c vs model keys max|Δ| = {key_res:.3g}, "
-                f"rope key max|Δ| = {pe_res:.3g}"
+                f"layer {cap.layer}: W_UK·c vs model keys max|Δ| = {key_res:.3g}, rope key max|Δ| = {pe_res:.3g}"
             )
         check_pairing(pre_pe[cap.layer].reshape(k_pe.shape), weight_pairing(model.config), k_pe, pairing)
         out.append(

@@ -138,7 +138,7 @@ def block_weights(
         qi = hi - 1 - q_offset
         if not 0 <= qi < query.shape[2]:
             raise ValueError(f"block {j} does not end inside this call (query positions start at {q_offset})")
-        k = expand_kv(key[:, :, lo:hi].to(torch.float64), hq // hkv)                   # [B, Hq, block, D]
+        k = expand_kv(key[:, :, lo:hi].to(torch.float64), hq // hkv)  # [B, Hq, block, D]
         s = scaling * torch.einsum("bhd,bhjd->bhj", query[:, :, qi].to(torch.float64), k)
         vis = visible[:, :, qi, lo:hi].expand(b, hq, block)
         w = torch.softmax(s.masked_fill(~vis, float("-inf")), dim=-1)
@@ -168,9 +168,9 @@ def pooled_visibility(visible: torch.Tensor, n_entries: int, block: int, q_offse
     if n_entries * block > s:
         raise ValueError(f"{n_entries} entries of {block} tokens need >= {n_entries * block} tokens, got {s}")
     pos = q_offset + torch.arange(t)
-    done = ((torch.arange(n_entries) + 1) * block - 1).view(1, -1) <= pos.view(-1, 1)              # [T, N]
+    done = ((torch.arange(n_entries) + 1) * block - 1).view(1, -1) <= pos.view(-1, 1)  # [T, N]
     whole = visible[..., : n_entries * block].reshape(*visible.shape[:-1], n_entries, block).all(-1)
-    raw = torch.arange(s).view(1, -1) >= (block * ((pos + 1) // block)).view(-1, 1)                 # [T, S]
+    raw = torch.arange(s).view(1, -1) >= (block * ((pos + 1) // block)).view(-1, 1)  # [T, S]
     return torch.cat([whole & done, visible & raw], dim=-1)
 
 
@@ -300,7 +300,10 @@ def serve_pooled(model: torch.nn.Module, config: PoolingConfig | None = None) ->
     if not layers:
         raise ValueError(f"{type(model).__name__} has no full-attention softmax layer to pool")
     sink: list[PooledRead] = []
-    memories = {m: _PoolMemory(int(m.layer_idx), cfg, sink) for m in model.modules()
-                if hasattr(m, "layer_idx") and hasattr(m, "scaling") and int(m.layer_idx) in layers}
+    memories = {
+        m: _PoolMemory(int(m.layer_idx), cfg, sink)
+        for m in model.modules()
+        if hasattr(m, "layer_idx") and hasattr(m, "scaling") and int(m.layer_idx) in layers
+    }
     with attention_override(model, POOLED_NAME, _pooled_attention_fn, "_kvcert_pool", memories):
         yield sink

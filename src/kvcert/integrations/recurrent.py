@@ -43,9 +43,7 @@ def _mamba2_gates(mixer: torch.nn.Module, proj: torch.Tensor) -> tuple[torch.Ten
     return torch.exp(-torch.exp(mixer.A_log.detach().to(torch.float64)) * step), None
 
 
-def _gdn_gates(
-    mixer: torch.nn.Module, qkvz: torch.Tensor, ba: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _gdn_gates(mixer: torch.nn.Module, qkvz: torch.Tensor, ba: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _, _, _, _, b, a = mixer.fix_query_key_value_ordering(qkvz, ba)
     g = -torch.exp(mixer.A_log.detach().to(torch.float64)) * F.softplus(
         a.to(torch.float64) + mixer.dt_bias.detach().to(torch.float64)
@@ -60,9 +58,7 @@ def _recurrent_mixers(model: torch.nn.Module) -> dict[int, tuple[str, torch.nn.M
             kind = "gated_deltanet" if hasattr(m, "in_proj_ba") else "mamba2"
             found[int(m.layer_idx)] = (kind, m)
     if not found:
-        raise ValueError(
-            f"{type(model).__name__} has no supported recurrent mixer (Mamba-2 or Gated DeltaNet)"
-        )
+        raise ValueError(f"{type(model).__name__} has no supported recurrent mixer (Mamba-2 or Gated DeltaNet)")
     return found
 
 

@@ -112,8 +112,9 @@ def capture_attention(model: torch.nn.Module) -> Iterator[list[CapturedAttention
     if not modules:
         raise ValueError(f"{type(model).__name__} has no attention modules with layer_idx/scaling to capture")
     sink: list[CapturedAttention] = []
-    with attention_override(model, CAPTURE_NAME, _capture_attention_fn, "_kvcert_capture_sink",
-                            dict.fromkeys(modules, sink)):
+    with attention_override(
+        model, CAPTURE_NAME, _capture_attention_fn, "_kvcert_capture_sink", dict.fromkeys(modules, sink)
+    ):
         yield sink
 
 

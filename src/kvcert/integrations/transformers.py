@@ -83,9 +83,16 @@ class CacheNotActiveError(RuntimeError):
     """A :class:`CertifiedCache` was used while its model served another cache's (or no) kvcert attention."""
 
 
-def kvcert_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+def kvcert_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """Attention function registered as ``"kvcert"``.
 
     If this module's layer is served by an attached :class:`CertifiedCache` and ``key`` is what that cache
@@ -94,8 +101,9 @@ def kvcert_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     cache: CertifiedCache | None = getattr(module, "_kvcert_cache", None)
     layer = None if cache is None else cache.layers[module.layer_idx]
     if cache is None or not isinstance(layer, CertifiedLayer) or layer.returned is not key:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if kwargs.get("softcap") is not None:
         raise ValueError("kvcert attention does not support attention logit soft-capping")
     return cache._read(module, layer, query, key, value, attention_mask, scaling, kwargs), None
@@ -107,8 +115,13 @@ def _dither_moments(store: LayerStore, lo: int, hi: int) -> dict[str, torch.Tens
         return {}
     codec = store.key_codec
     mask = None if codec.channel_mask is None else codec.channel_mask.view(1, -1, 1, codec.channel_mask.shape[-1])
-    mean, c = dither_witness_moments(store.k_steps.view()[:, :, lo:hi].to(torch.float64), codec.group_size,
-                                     store.bands, store.pairing, channel_mask=mask)
+    mean, c = dither_witness_moments(
+        store.k_steps.view()[:, :, lo:hi].to(torch.float64),
+        codec.group_size,
+        store.bands,
+        store.pairing,
+        channel_mask=mask,
+    )
     return {"witness_mean": mean, "witness_c": c}
 
 
@@ -126,16 +139,23 @@ class CertifiedLayer(CacheLayerMixin):
         self.cumulative_length = 0
         self.returned: torch.Tensor | None = None
         self.closed = False
-        self.last_attn: torch.Tensor | None = None   # eviction: last served row [B, Hkv, S] (mean over G)
-        self.prefilled = False                        # eviction: prefill compression already applied
+        self.last_attn: torch.Tensor | None = None  # eviction: last served row [B, Hkv, S] (mean over G)
+        self.prefilled = False  # eviction: prefill compression already applied
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Storage is created by the store on first append."""
         self.device = key_states.device
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, rows: torch.Tensor | None = None,
-               keep_exact: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        keep_exact: torch.Tensor | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store new post-RoPE K/V and return the served (decoded) K/V the attention reads.
 
         ``rows[b]`` is the request UID of row ``b``; ``keep_exact[b]`` forces row ``b`` to be stored exact.
@@ -200,8 +220,16 @@ class CertifiedLayer(CacheLayerMixin):
     def reset(self) -> None:
         """Drop all stored tokens (the cache can then serve a new request)."""
         st = self.store
-        self.store = LayerStore(st.layer, st.key_codec, st.value_codec, bands=st.bands, pairing=st.pairing,
-                                seed=st.seed, write_block=st.write_block, device_budget=st.device_budget)
+        self.store = LayerStore(
+            st.layer,
+            st.key_codec,
+            st.value_codec,
+            bands=st.bands,
+            pairing=st.pairing,
+            seed=st.seed,
+            write_block=st.write_block,
+            device_budget=st.device_budget,
+        )
         self.cumulative_length = 0
         self.returned = None
         self.last_attn = None
@@ -216,8 +244,10 @@ def _model_family(model: torch.nn.Module) -> str:
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     family = getattr(cfg, "model_type", "?")
     if family not in SUPPORTED_FAMILIES:
-        raise ValueError(f"kvcert CertifiedCache does not support model family {family!r}; supported: "
-                         f"{', '.join(SUPPORTED_FAMILIES)}")
+        raise ValueError(
+            f"kvcert CertifiedCache does not support model family {family!r}; supported: "
+            f"{', '.join(SUPPORTED_FAMILIES)}"
+        )
     return family
 
 
@@ -269,13 +299,21 @@ def _check_eviction(cache: CertifiedCache, layers: Sequence[CertifiedLayer]) -> 
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise ValueError(f"budget must be a positive int, got {budget!r}")
     if budget is not None and budget < evict.sinks + evict.recent:
-        raise ValueError(f"budget={budget} is smaller than the policy's protected items: sinks={evict.sinks} "
-                         f"+ recent/lag/window={evict.recent}")
+        raise ValueError(
+            f"budget={budget} is smaller than the policy's protected items: sinks={evict.sinks} "
+            f"+ recent/lag/window={evict.recent}"
+        )
     chunk = cache.evict_chunk
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or (budget is not None and (
-            chunk > budget or budget - chunk + 1 < evict.sinks + evict.recent)):
-        raise ValueError(f"evict_chunk must be an int in [1, budget] leaving budget - evict_chunk + 1 >= the "
-                         f"policy's protected items ({evict.sinks + evict.recent}), got {chunk!r}")
+    if (
+        isinstance(chunk, bool)
+        or not isinstance(chunk, int)
+        or chunk < 1
+        or (budget is not None and (chunk > budget or budget - chunk + 1 < evict.sinks + evict.recent))
+    ):
+        raise ValueError(
+            f"evict_chunk must be an int in [1, budget] leaving budget - evict_chunk + 1 >= the "
+            f"policy's protected items ({evict.sinks + evict.recent}), got {chunk!r}"
+        )
     if cache.belady and (budget is None or not cache.validate):
         raise ValueError("belady=True needs decode-time eviction (budget=...) in validate mode (validate=True)")
     if ratio is not None and not 0.0 <= ratio < 1.0:
@@ -285,8 +323,10 @@ def _check_eviction(cache: CertifiedCache, layers: Sequence[CertifiedLayer]) -> 
     for layer in layers:
         for codec in (layer.store.key_codec, layer.store.value_codec):
             if codec.block != 1 or codec.residual_window:
-                raise ValueError(f"evict needs per-token codecs (block == 1, no residual window); keys/values "
-                                 f"codec {codec.name!r} encodes blocks of {codec.block} tokens")
+                raise ValueError(
+                    f"evict needs per-token codecs (block == 1, no residual window); keys/values "
+                    f"codec {codec.name!r} encodes blocks of {codec.block} tokens"
+                )
         if layer.is_sliding:
             raise ValueError("evict is not supported on models with sliding-window layers")
 
@@ -352,17 +392,38 @@ class CertifiedCache(Cache):
             recalls pages until it is ``<= tau`` (``tau = 0``: the dense answer). Exclusive with ``evict``.
     """
 
-    def __init__(self, model: torch.nn.Module, keys: str | Codec = "int8", values: str | Codec = "int8", *,
-                 gate: Gate | None = None, validate: bool = False, bands: int = 8,
-                 pairing: Pairing = "rotate_half", request_ids: Sequence[int] | torch.Tensor | None = None,
-                 require_identity: bool | None = None, delta_req: float = 1e-2, max_steps: int = 256,
-                 observers: Sequence[CacheObserver] = (), seed: int | None = None,
-                 key_options: dict[str, Any] | None = None, value_options: dict[str, Any] | None = None,
-                 certify: bool = True, write_block: int = 16, ladder: bool | LadderConfig = False,
-                 evict: EvictionPolicy | None = None, budget: int | None = None,
-                 compression_ratio: float | None = None, evict_chunk: int = 1, belady: bool = False,
-                 device_budget: float | None = 1.0, resident: float | None = None,
-                 select: EvictionPolicy | None = None, page_size: int = 16, summary: str = "int8") -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        keys: str | Codec = "int8",
+        values: str | Codec = "int8",
+        *,
+        gate: Gate | None = None,
+        validate: bool = False,
+        bands: int = 8,
+        pairing: Pairing = "rotate_half",
+        request_ids: Sequence[int] | torch.Tensor | None = None,
+        require_identity: bool | None = None,
+        delta_req: float = 1e-2,
+        max_steps: int = 256,
+        observers: Sequence[CacheObserver] = (),
+        seed: int | None = None,
+        key_options: dict[str, Any] | None = None,
+        value_options: dict[str, Any] | None = None,
+        certify: bool = True,
+        write_block: int = 16,
+        ladder: bool | LadderConfig = False,
+        evict: EvictionPolicy | None = None,
+        budget: int | None = None,
+        compression_ratio: float | None = None,
+        evict_chunk: int = 1,
+        belady: bool = False,
+        device_budget: float | None = 1.0,
+        resident: float | None = None,
+        select: EvictionPolicy | None = None,
+        page_size: int = 16,
+        summary: str = "int8",
+    ) -> None:
         self.family = _model_family(model)
         cfg = model.config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(cfg)
@@ -388,34 +449,47 @@ class CertifiedCache(Cache):
         for i in range(n_layers):
             kc = _resolve_codec(keys, "key", key_options or {})
             vc = _resolve_codec(values, "value", value_options or {})
-            store = LayerStore(i, kc, vc, bands=bands, pairing=pairing, seed=self.seed, write_block=write_block,
-                               device_budget=device_budget)
+            store = LayerStore(
+                i,
+                kc,
+                vc,
+                bands=bands,
+                pairing=pairing,
+                seed=self.seed,
+                write_block=write_block,
+                device_budget=device_budget,
+            )
             window = layer_kwargs[i].get("sliding_window") if layer_types[i] == "sliding_attention" else None
             layers.append(CertifiedLayer(store, window))
         super().__init__(layers=layers)
         self.uncompressed_layers = _uncompressible_sliding_layers(layers)
         if self.uncompressed_layers:
-            warnings.warn(f"kvcert: sliding-window layers {list(self.uncompressed_layers)} hold fewer tokens than one "
-                          "write block of their codecs, so they stay exact: nothing there is compressed, read "
-                          "through a certificate or counted in cells (telemetry().uncompressed_layers)",
-                          UserWarning, stacklevel=2)
+            warnings.warn(
+                f"kvcert: sliding-window layers {list(self.uncompressed_layers)} hold fewer tokens than one "
+                "write block of their codecs, so they stay exact: nothing there is compressed, read "
+                "through a certificate or counted in cells (telemetry().uncompressed_layers)",
+                UserWarning,
+                stacklevel=2,
+            )
         self.resident: float | None = None
-        if resident is not None:   # a resident set is prefill compression that keeps the omitted tokens on the host
+        if resident is not None:  # a resident set is prefill compression that keeps the omitted tokens on the host
             if evict is not None or budget is not None or compression_ratio is not None:
-                raise ValueError("resident=... picks its tokens with select=<policy>; do not pass evict, budget or "
-                                 "compression_ratio with it")
+                raise ValueError(
+                    "resident=... picks its tokens with select=<policy>; do not pass evict, budget or "
+                    "compression_ratio with it"
+                )
             self.resident = check_resident(resident, self.gate, certify, page_size, summary)
             evict, compression_ratio = select if select is not None else default_select(), 1.0 - self.resident
         elif select is not None:
             raise ValueError("select=<policy> needs resident=<fraction in (0, 1]>")
         self.page_size, self.summary = page_size, summary
-        self._pages: dict[int, OmittedPages] = {}          # resident mode: summaries of each layer's omitted pages
+        self._pages: dict[int, OmittedPages] = {}  # resident mode: summaries of each layer's omitted pages
         self._resident_records: list[ResidentRecord] = []
         self.evict, self.budget, self.compression_ratio = evict, budget, compression_ratio
         self.evict_chunk, self.belady = evict_chunk, belady
         _check_eviction(self, layers)
         self.run_trace = RunTrace(n_layers, budget, evict_chunk) if belady and budget is not None else None
-        self._kappa_groups: list[torch.Tensor] = []       # query positions [B, q] of forwards awaiting κ
+        self._kappa_groups: list[torch.Tensor] = []  # query positions [B, q] of forwards awaiting κ
         self._prefill_kappa: torch.Tensor | None = None
         self._evict_records: list[EvictRecord] = []
         self.key_codec_name = layers[0].store.key_codec.name
@@ -453,12 +527,15 @@ class CertifiedCache(Cache):
     def _check_active(self) -> None:
         """Fail closed instead of letting this cache's reads fall back to uncertified SDPA unseen: the model
         must still run kvcert attention, and its attention modules must point at this cache."""
-        if getattr(self._first_attn, "_kvcert_cache", None) is not self \
-                or self._model.config._attn_implementation != ATTN_NAME:
+        if (
+            getattr(self._first_attn, "_kvcert_cache", None) is not self
+            or self._model.config._attn_implementation != ATTN_NAME
+        ):
             raise CacheNotActiveError(
                 "this CertifiedCache is not the model's active cache (another CertifiedCache was attached to the "
                 "model after it, or the model's attention implementation was changed), so its reads would not "
-                "be certified; call cache.attach() to make it active again")
+                "be certified; call cache.attach() to make it active again"
+            )
 
     def detach(self) -> None:
         """Close the cache; the cache cannot be used afterwards. If it is the model's active cache, the model
@@ -483,8 +560,9 @@ class CertifiedCache(Cache):
         self.detach()
 
     # ----------------------------------------------------------------------------------------- write
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new K/V for ``layer_idx`` and return the served K/V the attention function reads."""
         layer = self.layers[layer_idx]
         if layer.closed or not self.attached:
@@ -512,12 +590,14 @@ class CertifiedCache(Cache):
         if self.observers and store.k.last_encoded > 0:
             lo, hi = before, store.k.n_encoded
             ev = WriteEvent(
-                layer=layer_idx, rows=rows.clone(),
+                layer=layer_idx,
+                rows=rows.clone(),
                 positions=store.positions.view()[:, 0, lo:hi].clone(),  # logical (= base + slot w/o eviction)
                 compressed=~store.k.exact.view()[:, :, lo:hi].clone(),
                 witness=store.k_band.view()[:, :, lo:hi].sum(-1).clone(),
                 value_witness=store.v_res.view()[:, :, lo:hi].clone(),
-                codec=self.key_codec_name, tier_b=self.tier_b,
+                codec=self.key_codec_name,
+                tier_b=self.tier_b,
                 nonfinite=store.nonfinite - nonfinite_before,
                 **_dither_moments(store, lo, hi),
             )
@@ -544,13 +624,15 @@ class CertifiedCache(Cache):
             raise ValueError(f"cache has {len(past.layers)} layers, model has {len(self.layers)}")
         if attentions is not None:
             if len(attentions) != len(self.layers):
-                raise ValueError(f"attentions must hold one tensor per layer ({len(self.layers)}), "
-                                 f"got {len(attentions)}")
+                raise ValueError(
+                    f"attentions must hold one tensor per layer ({len(self.layers)}), got {len(attentions)}"
+                )
             for i, (src, attn) in enumerate(zip(past.layers, attentions, strict=True)):
                 b, hkv, s = src.keys.shape[:3] if src.keys is not None else (0, 1, 0)
                 if attn.dim() != 4 or attn.shape[0] != b or attn.shape[1] % hkv or attn.shape[2:] != (s, s):
-                    raise ValueError(f"attentions[{i}] must be [B, H, S, S] = [{b}, k·{hkv}, {s}, {s}], "
-                                     f"got {tuple(attn.shape)}")
+                    raise ValueError(
+                        f"attentions[{i}] must be [B, H, S, S] = [{b}, k·{hkv}, {s}, {s}], got {tuple(attn.shape)}"
+                    )
         for i, (src, layer) in enumerate(zip(past.layers, self.layers, strict=True)):
             if src.keys is None:
                 raise ValueError(f"layer {i} of the source cache is empty")
@@ -559,11 +641,11 @@ class CertifiedCache(Cache):
             keep = (rows < 0) if self.require_identity else torch.zeros(b, dtype=torch.bool)
             layer.update(src.keys, src.values, rows, keep)
             layer.cumulative_length = src.get_seq_length()
-            layer.store.encode_pending()   # the prefill is complete: nothing is in flight any more
+            layer.store.encode_pending()  # the prefill is complete: nothing is in flight any more
             if self.evict is not None:
                 hkv, s = src.keys.shape[1:3]
                 attn = causal_attention(src.keys, src.keys) if attentions is None else attentions[i]
-                mean = aggregate_gqa(attn.to(torch.float64), hkv, "mean")       # [B, Hkv, S, S]
+                mean = aggregate_gqa(attn.to(torch.float64), hkv, "mean")  # [B, Hkv, S, S]
                 if self.compression_ratio is not None:
                     layer.last_attn = mean[:, :, -1]
                     if s > 1:
@@ -574,9 +656,17 @@ class CertifiedCache(Cache):
         self._step = 0
 
     # ------------------------------------------------------------------------------------------ read
-    def _read(self, module: torch.nn.Module, layer: CertifiedLayer, query: torch.Tensor, key: torch.Tensor,
-              value: torch.Tensor, mask: torch.Tensor | None, scaling: float | None,
-              kwargs: dict[str, Any]) -> torch.Tensor:
+    def _read(
+        self,
+        module: torch.nn.Module,
+        layer: CertifiedLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        scaling: float | None,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
         store = layer.store
         assert store.k is not None and store.v is not None
         scaling = module.scaling if scaling is None else scaling
@@ -587,8 +677,8 @@ class CertifiedCache(Cache):
             if logical is None:  # causal in position space over the logical length
                 t = layer.cumulative_length
                 logical = (torch.arange(t).view(1, t) <= (t - nq + torch.arange(nq)).view(nq, 1)).expand(b, 1, nq, t)
-            mask = slot_mask(logical, store.positions.view())                     # [B, Hkv, Q, S]
-            sdpa_mask_ = mask.repeat_interleave(hq // mask.shape[1], dim=1)      # per query head
+            mask = slot_mask(logical, store.positions.view())  # [B, Hkv, Q, S]
+            sdpa_mask_ = mask.repeat_interleave(hq // mask.shape[1], dim=1)  # per query head
         else:
             if mask is None:
                 pos = torch.arange(s)
@@ -599,19 +689,19 @@ class CertifiedCache(Cache):
             # Uncertified baseline, or nothing compressed is visible (every entry exact): plain SDPA. The served
             # tier is float32; a half-precision model's query gets K/V back in its own dtype (lossless here:
             # every entry is exact, i.e. a float32 copy of a half value).
-            out, _ = sdpa_attention_forward(module, query, key.to(query.dtype), value.to(query.dtype), sdpa_mask_,
-                                            scaling=scaling, **kwargs)
+            out, _ = sdpa_attention_forward(
+                module, query, key.to(query.dtype), value.to(query.dtype), sdpa_mask_, scaling=scaling, **kwargs
+            )
             if self.evict is not None:
                 self._after_read(layer, query, key, logical, float(scaling), None)
             return out
 
-        def exact_attention(hk: torch.Tensor, hv: torch.Tensor, heads: tuple[int, int] | None = None
-                            ) -> torch.Tensor:
+        def exact_attention(hk: torch.Tensor, hv: torch.Tensor, heads: tuple[int, int] | None = None) -> torch.Tensor:
             q, m = query, sdpa_mask_
-            if heads is not None:   # only KV heads h0..h1-1 and their query heads (views, no copies)
+            if heads is not None:  # only KV heads h0..h1-1 and their query heads (views, no copies)
                 (h0, h1), g = heads, q.shape[1] // hk.shape[1]
-                q, hk, hv = q[:, h0 * g:h1 * g], hk[:, h0:h1], hv[:, h0:h1]
-                m = m[:, h0 * g:h1 * g] if m.shape[1] > 1 else m
+                q, hk, hv = q[:, h0 * g : h1 * g], hk[:, h0:h1], hv[:, h0:h1]
+                m = m[:, h0 * g : h1 * g] if m.shape[1] > 1 else m
             # page-in from host; a repair is exact in float32 (the precision the output bound models), also for
             # half models
             work = torch.promote_types(query.dtype, torch.float32)
@@ -622,19 +712,29 @@ class CertifiedCache(Cache):
         if store.layer in self._pages:
             res = self._resident_read(module, store, query, logical, mask, float(scaling), kwargs)
         elif self.ladder:
-            res = ladder_read(query, store, mask, float(scaling), self._ladder_cfg, exact_attention,
-                              self.ladder_stats)
+            res = ladder_read(query, store, mask, float(scaling), self._ladder_cfg, exact_attention, self.ladder_stats)
         else:
             res = certified_read(query, store, mask, float(scaling), self._cfg, exact_attention)
-        chain = None if self.ladder else ChainInputs(res.q_norm, res.witness_max, res.key_norm_max, float(scaling),
-                                                    query.shape[-1])
+        chain = (
+            None
+            if self.ladder
+            else ChainInputs(res.q_norm, res.witness_max, res.key_norm_max, float(scaling), query.shape[-1])
+        )
         self._record(layer, res, nq, chain)
         if self.evict is not None:
             self._after_read(layer, query, key, logical, float(scaling), res.attn_kv)
         return res.out.to(query.dtype)
 
-    def _resident_read(self, module: torch.nn.Module, store: LayerStore, query: torch.Tensor, logical: torch.Tensor,
-                       mask: torch.Tensor, scaling: float, kwargs: dict[str, Any]) -> ReadResult:
+    def _resident_read(
+        self,
+        module: torch.nn.Module,
+        store: LayerStore,
+        query: torch.Tensor,
+        logical: torch.Tensor,
+        mask: torch.Tensor,
+        scaling: float,
+        kwargs: dict[str, Any],
+    ) -> ReadResult:
         """Resident mode: :func:`kvcert.attention.resident.resident_read` with the exact attention over every token
         (resident + omitted, gathered back into position order) as its dense fallback."""
         assert store.k is not None and store.v is not None
@@ -644,23 +744,50 @@ class CertifiedCache(Cache):
 
         def dense_exact(heads: tuple[int, int]) -> torch.Tensor:
             order = positions.argsort(-1)
-            hk, hv = (torch.cat([host[name], ev[name].view()], 2).gather(
-                2, order[..., None].expand(-1, -1, -1, host[name].shape[-1])) for name in ("k", "v"))
+            hk, hv = (
+                torch.cat([host[name], ev[name].view()], 2).gather(
+                    2, order[..., None].expand(-1, -1, -1, host[name].shape[-1])
+                )
+                for name in ("k", "v")
+            )
             (h0, h1), g = heads, query.shape[1] // hk.shape[1]
-            m = slot_mask(logical, positions.gather(2, order)).repeat_interleave(g, dim=1)[:, h0 * g:h1 * g]
-            o, _ = sdpa_attention_forward(module, query[:, h0 * g:h1 * g], hk[:, h0:h1].to(query.dtype),
-                                          hv[:, h0:h1].to(query.dtype), m, scaling=scaling, **kwargs)
+            m = slot_mask(logical, positions.gather(2, order)).repeat_interleave(g, dim=1)[:, h0 * g : h1 * g]
+            o, _ = sdpa_attention_forward(
+                module,
+                query[:, h0 * g : h1 * g],
+                hk[:, h0:h1].to(query.dtype),
+                hv[:, h0:h1].to(query.dtype),
+                m,
+                scaling=scaling,
+                **kwargs,
+            )
             return o
 
-        res, rec = resident_read(query, store, self._pages[store.layer], mask,
-                                 slot_mask(logical, ev["positions"].view()), scaling, self.gate, self.validate,
-                                 dense_exact, self._step)
+        res, rec = resident_read(
+            query,
+            store,
+            self._pages[store.layer],
+            mask,
+            slot_mask(logical, ev["positions"].view()),
+            scaling,
+            self.gate,
+            self.validate,
+            dense_exact,
+            self._step,
+        )
         self._resident_records.append(rec)
         return res
 
     # ------------------------------------------------------------------------------------- eviction
-    def _after_read(self, layer: CertifiedLayer, query: torch.Tensor, served_k: torch.Tensor,
-                    logical: torch.Tensor, scaling: float, attn_kv: torch.Tensor | None) -> None:
+    def _after_read(
+        self,
+        layer: CertifiedLayer,
+        query: torch.Tensor,
+        served_k: torch.Tensor,
+        logical: torch.Tensor,
+        scaling: float,
+        attn_kv: torch.Tensor | None,
+    ) -> None:
         """Feed the read to the policy (budget mode) or compress the prefill (compression mode), and record
         the validate-mode exact evicted mass of this read. ``logical`` is the position-space mask."""
         assert self.evict is not None
@@ -674,7 +801,7 @@ class CertifiedCache(Cache):
                 mask = slot_mask(logical, positions)
                 attn = None
                 if self.evict.needs_attention:
-                    full = grouped_probs(query, served_k, mask, scaling)           # [B, Hkv, G, Q, S]
+                    full = grouped_probs(query, served_k, mask, scaling)  # [B, Hkv, G, Q, S]
                     attn, layer.last_attn = full.flatten(1, 2), full[:, :, :, -1].mean(2)
                 else:  # the last row only, for the serving reading
                     last = grouped_probs(query[:, :, -1:], served_k, mask[:, :, -1:], scaling)
@@ -710,8 +837,9 @@ class CertifiedCache(Cache):
         if kappa is None:
             kappa = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.float64)
         elif kappa.shape != (keys.shape[0], keys.shape[2]):
-            raise ValueError(f"prefill kappa must be [B, S] = {(keys.shape[0], keys.shape[2])}, "
-                             f"got {tuple(kappa.shape)}")
+            raise ValueError(
+                f"prefill kappa must be [B, S] = {(keys.shape[0], keys.shape[2])}, got {tuple(kappa.shape)}"
+            )
         keep = self.evict.prefill_keep(store.layer, keys, values, self.compression_ratio, attn=attn, kappa=kappa)
         if keep.shape[-1] < store.n and (self.resident is None or can_omit(store)):
             self._apply_eviction(layer, keep)
@@ -729,11 +857,18 @@ class CertifiedCache(Cache):
         if self.resident is not None:
             self._pages[store.layer] = summarize_omitted(store, self.page_size, self.summary)
         layer.last_attn = None
-        self._evict_records.append(EvictRecord(step=self._step, layer=store.layer, serving_mass=serving,
-                                               evicted=(n - keep.shape[-1]) * keep.shape[0] * keep.shape[1]))
+        self._evict_records.append(
+            EvictRecord(
+                step=self._step,
+                layer=store.layer,
+                serving_mass=serving,
+                evicted=(n - keep.shape[-1]) * keep.shape[0] * keep.shape[1],
+            )
+        )
 
-    def _validate_reading(self, layer: CertifiedLayer, query: torch.Tensor, logical: torch.Tensor,
-                          scaling: float) -> None:
+    def _validate_reading(
+        self, layer: CertifiedLayer, query: torch.Tensor, logical: torch.Tensor, scaling: float
+    ) -> None:
         """Exact evicted mass per (row, query head) of this read: the full exact attention over kept and
         archived (evicted) entries, its mass on the archived ones (worst over the read's queries)."""
         store = layer.store
@@ -746,7 +881,7 @@ class CertifiedCache(Cache):
             keys = torch.cat([store.k.host.view(), ev["k"].view()], dim=2)
             positions = torch.cat([store.positions.view(), ev["positions"].view()], dim=2)
             p = grouped_probs(query, keys, slot_mask(logical, positions), scaling)
-            mass = p[..., store.n:].sum(-1).flatten(1, 2).amax(-1)
+            mass = p[..., store.n :].sum(-1).flatten(1, 2).amax(-1)
         self._evict_records.append(EvictRecord(step=self._step, layer=store.layer, evicted_mass=mass))
         if self.run_trace is not None:  # belady=True: the run's exact trace (kept + evicted, mean over G)
             if not ev:
@@ -760,8 +895,10 @@ class CertifiedCache(Cache):
         if not self._kappa_groups:
             return
         if isinstance(self.evict, RMM) and self.evict.kappa_kind != "uniform":
-            raise ValueError(f"RMM(kappa={self.evict.kappa_kind!r}) needs cache.set_kappa(...) after every "
-                             "forward (e.g. logits_processor=[KappaFeeder(cache)])")
+            raise ValueError(
+                f"RMM(kappa={self.evict.kappa_kind!r}) needs cache.set_kappa(...) after every "
+                "forward (e.g. logits_processor=[KappaFeeder(cache)])"
+            )
         while self._kappa_groups:
             self.set_kappa(torch.ones(self._kappa_groups[0].shape[0], dtype=torch.float64))
 
@@ -781,8 +918,9 @@ class CertifiedCache(Cache):
             raise ValueError("set_kappa: no forward is awaiting kappa (call it once after each forward)")
         positions = self._kappa_groups[0]
         if kappa.dim() == 1 and kappa.shape[0] == positions.shape[0]:
-            kappa = torch.cat([torch.ones(positions.shape[0], positions.shape[1] - 1, dtype=torch.float64),
-                               kappa[:, None]], dim=1)
+            kappa = torch.cat(
+                [torch.ones(positions.shape[0], positions.shape[1] - 1, dtype=torch.float64), kappa[:, None]], dim=1
+            )
         if kappa.shape != positions.shape:
             raise ValueError(f"kappa must be [B] or [B, q] = {tuple(positions.shape)}, got {tuple(kappa.shape)}")
         self.evict.set_kappa(positions, kappa)
@@ -808,12 +946,25 @@ class CertifiedCache(Cache):
 
     def _record(self, layer: CertifiedLayer, res: ReadResult, nq: int, chain: ChainInputs | None) -> None:
         self._bytes_paged += res.bytes_paged
-        cells = {"cert": res.cert_pre, "raw": res.raw, "served": res.cert, "tanh": res.tanh,
-                 "out_bound": res.out_bound, "tier_b": res.cert_b, "true_tv": res.true_tv,
-                 "true_out_err": res.true_out_err}
-        rec = StepRecord(step=self._step, layer=layer.store.layer, cells=cells,
-                         heads=(res.repaired, res.blocks, res.values_promoted), queries=nq, chain=chain,
-                         held=res.held)
+        cells = {
+            "cert": res.cert_pre,
+            "raw": res.raw,
+            "served": res.cert,
+            "tanh": res.tanh,
+            "out_bound": res.out_bound,
+            "tier_b": res.cert_b,
+            "true_tv": res.true_tv,
+            "true_out_err": res.true_out_err,
+        }
+        rec = StepRecord(
+            step=self._step,
+            layer=layer.store.layer,
+            cells=cells,
+            heads=(res.repaired, res.blocks, res.values_promoted),
+            queries=nq,
+            chain=chain,
+            held=res.held,
+        )
         if res.true_tv is not None and res.true_out_err is not None:
             rec.violations = int((res.true_tv > res.cert_pre).sum())
             rec.out_violations = int((res.true_out_err > res.out_bound).sum())
@@ -821,9 +972,15 @@ class CertifiedCache(Cache):
         if self.observers:
             rows = self.request_ids if self.request_ids is not None else torch.arange(res.cert.shape[0])
             n_slots = torch.full((res.cert.shape[0],), layer.store.n, dtype=torch.int64)
-            ev = ReadEvent(layer=layer.store.layer, step=self._step, rows=rows.clone(), n_slots=n_slots,
-                           certificate=res.cert[..., -1].clone(), repaired=rec.reading("repaired"),
-                           first_slot=layer.store.base)
+            ev = ReadEvent(
+                layer=layer.store.layer,
+                step=self._step,
+                rows=rows.clone(),
+                n_slots=n_slots,
+                certificate=res.cert[..., -1].clone(),
+                repaired=rec.reading("repaired"),
+                first_slot=layer.store.base,
+            )
             for obs in self.observers:
                 obs.on_read(ev)
 
@@ -838,7 +995,7 @@ class CertifiedCache(Cache):
             return stack_records(recs, n_layers, max(steps, 1), attr)
 
         certs = stack("cert")
-        no_reads = certs is None   # e.g. a decode that ended at once (EOS first): zero cells, same fields
+        no_reads = certs is None  # e.g. a decode that ended at once (EOS first): zero cells, same fields
         if certs is None:
             certs = torch.full((0, n_layers, 1, self.num_heads), float("nan"), dtype=torch.float64)
         keep = ~torch.isnan(certs).flatten(1).all(1)
@@ -846,35 +1003,47 @@ class CertifiedCache(Cache):
 
         def sel(x: torch.Tensor | None, name: str = "") -> torch.Tensor | None:
             if x is None and no_reads and produced.get(name, name in ("raw", "served", "tanh", "out_bound")):
-                return certs.clone()   # an empty [0, L, 1, Hq] cell tensor: no cell, not "not recorded"
+                return certs.clone()  # an empty [0, L, 1, Hq] cell tensor: no cell, not "not recorded"
             return None if x is None else x[keep]
 
         repaired = stack("repaired")
         stores = [layer.store for layer in self.layers]
         return Telemetry(
-            certificates=certs[keep], raw=sel(stack("raw"), "raw"), served=sel(stack("served"), "served"),
-            tanh=sel(stack("tanh"), "tanh"), out_bound=sel(stack("out_bound"), "out_bound"),
-            tier_b=sel(stack("tier_b"), "tier_b"), true_tv=sel(stack("true_tv"), "true_tv"),
+            certificates=certs[keep],
+            raw=sel(stack("raw"), "raw"),
+            served=sel(stack("served"), "served"),
+            tanh=sel(stack("tanh"), "tanh"),
+            out_bound=sel(stack("out_bound"), "out_bound"),
+            tier_b=sel(stack("tier_b"), "tier_b"),
+            true_tv=sel(stack("true_tv"), "true_tv"),
             true_out_err=sel(stack("true_out_err"), "true_out_err"),
             repaired=sel(repaired) if repaired is not None else torch.zeros(0, dtype=torch.bool),
             group_size=self.num_heads // self.num_kv_heads,
             violations=sum(r.violations for r in recs),
             out_violations=sum(r.out_violations for r in recs),
-            bytes_stored=sum(s.bytes_stored() for s in stores), bytes_fp16=sum(s.bytes_fp16() for s in stores),
-            bytes_paged=self._bytes_paged, bytes_host=sum(s.bytes_host() for s in stores),
+            bytes_stored=sum(s.bytes_stored() for s in stores),
+            bytes_fp16=sum(s.bytes_fp16() for s in stores),
+            bytes_paged=self._bytes_paged,
+            bytes_host=sum(s.bytes_host() for s in stores),
             bytes_witness=sum(s.bytes_witness() for s in stores),
             head_dim=stores[0].k.host.view().shape[-1] if stores[0].k is not None else 0,
-            nonfinite=sum(s.nonfinite for s in stores), fail_closed=sum(s.fail_closed for s in stores),
-            tier_b_delta=self.delta_req if self.tier_b else None, gate=self.gate.describe(),
+            nonfinite=sum(s.nonfinite for s in stores),
+            fail_closed=sum(s.fail_closed for s in stores),
+            tier_b_delta=self.delta_req if self.tier_b else None,
+            gate=self.gate.describe(),
             evicted_mass=stack_records(self._evict_records, n_layers, max(steps, 1), "evicted_mass"),
             evicted_mass_serving=stack_records(self._evict_records, n_layers, max(steps, 1), "serving_mass"),
             evicted_entries=sum(r.evicted for r in self._evict_records),
             belady_overlap=self.run_trace.overlap() if self.run_trace is not None else None,
             uncompressed_layers=self.uncompressed_layers,
-            witness=sel(stack("witness")), qnorm=sel(stack("qnorm")), logit_slack=sel(stack("logit_slack")),
-            bytes_device=sum(s.bytes_device() for s in stores) + self._summary_bytes(), fallback=sel(stack("fallback")),
+            witness=sel(stack("witness")),
+            qnorm=sel(stack("qnorm")),
+            logit_slack=sel(stack("logit_slack")),
+            bytes_device=sum(s.bytes_device() for s in stores) + self._summary_bytes(),
+            fallback=sel(stack("fallback")),
             transient_page_ins=sum(s.transient_repairs for s in stores),
-            bytes_transient=sum(s.bytes_transient for s in stores), released_entries=sum(s.released for s in stores),
+            bytes_transient=sum(s.bytes_transient for s in stores),
+            released_entries=sum(s.released for s in stores),
             device_budget=stores[0].device_budget,
             **self._resident_telemetry(max(steps, 1)),
         )
@@ -897,7 +1066,8 @@ class CertifiedCache(Cache):
             "omitted_mass_bound": stack_records(recs, n_layers, steps, "mass_bound"),
             "omitted_mass": stack_records(recs, n_layers, steps, "true_mass"),
             "resident_fraction": held / (held + omitted) if held + omitted else float("nan"),
-            "pages_recalled": sum(r.pages for r in recs), "bytes_recalled": sum(r.bytes for r in recs),
+            "pages_recalled": sum(r.pages for r in recs),
+            "bytes_recalled": sum(r.bytes for r in recs),
             "bytes_summary": self._summary_bytes(),
             "recall_violations": sum(r.violations for r in recs),
             "bytes_fp16_context": sum(s.bytes_fp16() for s in stores) + omitted_fp16,

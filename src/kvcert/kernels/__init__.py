@@ -40,8 +40,9 @@ def active(device: torch.device | str | None = None) -> str:
     forced = os.environ.get(ENV, "").strip().lower()
     if forced and forced not in BACKENDS:
         raise ValueError(f"{ENV}={os.environ[ENV]!r} is not a read-path backend; use one of {', '.join(BACKENDS)}")
-    name = forced or {"cuda": "triton" if importlib.util.find_spec("triton") else "torch",
-                      "cpu": "numba"}.get(kind, "torch")
+    name = forced or {"cuda": "triton" if importlib.util.find_spec("triton") else "torch", "cpu": "numba"}.get(
+        kind, "torch"
+    )
     if name == "numba" and kind != "cpu":
         raise ValueError(f"{ENV}=numba runs on CPU tensors only; this read is on {kind}")
     if name == "triton":

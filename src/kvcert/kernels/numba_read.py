@@ -45,12 +45,13 @@ import torch
 
 _U64 = 2.0**-53
 _U32 = 2.0**-24
-_EXP_SAFE = 300.0   # same cut as kvcert.bounds.softmax_tv: above it ptm is replaced by two_sided
+_EXP_SAFE = 300.0  # same cut as kvcert.bounds.softmax_tv: above it ptm is replaced by two_sided
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
-def _row_sums(lg: np.ndarray, p: np.ndarray, c: np.ndarray, cbits: np.ndarray, ec: np.ndarray, p32: np.ndarray,
-              r: int) -> tuple[float, float, float, int, int, int]:  # pragma: no cover - compiled (tested via numba)
+def _row_sums(
+    lg: np.ndarray, p: np.ndarray, c: np.ndarray, cbits: np.ndarray, ec: np.ndarray, p32: np.ndarray, r: int
+) -> tuple[float, float, float, int, int, int]:  # pragma: no cover - compiled (tested via numba)
     """One pass over row ``r``: ``(Σ p̃, Σ p̃e^{c}, Σ p̃e^{-c}, #bad, bits of max visible c, bits of max supported
     c)``, the sums over the tokens with ``p̃_t > 0`` and ``c_t ≥ 0``; zeroes ``p[r]`` where it is not > 0,
     writes ``p32[r] = float32(p[r])`` and counts the supported tokens whose radius is NaN or negative.
@@ -96,8 +97,9 @@ def _float_of_bits(bits: int) -> float:  # pragma: no cover - compiled (covered 
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
-def _row_gap(p: np.ndarray, ec: np.ndarray, k1: float, inv_a: float,
-             r: int) -> float:  # pragma: no cover - compiled (covered by tests via numba)
+def _row_gap(
+    p: np.ndarray, ec: np.ndarray, k1: float, inv_a: float, r: int
+) -> float:  # pragma: no cover - compiled (covered by tests via numba)
     """``Σ_t p̃_t·max(0, 1 − e^{c_t}·k1 − e^{-c_t}/A)`` over ``p̃_t > 0`` (branch-free, any summation order)."""
     gap = 0.0
     for t in range(p.shape[1]):
@@ -109,8 +111,9 @@ def _row_gap(p: np.ndarray, ec: np.ndarray, k1: float, inv_a: float,
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _meter_row(lg: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, p32: np.ndarray,
-               r: int) -> tuple[float, float, float]:  # pragma: no cover - compiled (covered by tests via numba)
+def _meter_row(
+    lg: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, p32: np.ndarray, r: int
+) -> tuple[float, float, float]:  # pragma: no cover - compiled (covered by tests via numba)
     """``(meter, unclipped meter, tanh(max visible c))`` of row ``r``; zeroes ``p[r]`` where it is not > 0
     and writes ``p32[r] = float32(p[r])``."""
     s = lg.shape[1]
@@ -118,21 +121,21 @@ def _meter_row(lg: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, p32
     mass, a, b, nbad, vis_bits, sup_bits = _row_sums(lg, p, c, c.view(np.int64), ec, p32, r)
     cvis, csup = _float_of_bits(vis_bits), _float_of_bits(sup_bits)
     tmax = math.tanh(cvis)
-    if nbad:                                # a NaN or negative radius on a supported token: fail closed
+    if nbad:  # a NaN or negative radius on a supported token: fail closed
         return 1.0, np.inf, tmax
-    if mass == 0.0:                         # no visible token: nothing served, nothing to certify
+    if mass == 0.0:  # no visible token: nothing served, nothing to certify
         return 0.0, 0.0, tmax
     a = max(a / mass, 1.0)
     b = min(b / mass, 1.0)
     eform = 0.5 * (a * a - 1.0)
     two = 0.5 * (a / b - b / a)
     ptm = two
-    scale_t = a / b + 1.0                   # magnitude of the terms behind two_sided
+    scale_t = a / b + 1.0  # magnitude of the terms behind two_sided
     if csup <= _EXP_SAFE:
-        k1 = a - 1.0 / b                    # >= 0: A·B₋ >= 1 (Jensen)
+        k1 = a - 1.0 / b  # >= 0: A·B₋ >= 1 (Jensen)
         ptm = two - 0.5 * _row_gap(p, ec, k1, 1.0 / a, r) / mass
-        scale_t += a * k1 + 1.0             # Σ p̃ e^{c}·k1 = A·k1 bounds the gap terms
-    if csup > 0.0:                          # all supported radii 0: p̃ = p exactly, TV = 0 needs no slack
+        scale_t += a * k1 + 1.0  # Σ p̃ e^{c}·k1 = A·k1 bounds the gap terms
+    if csup > 0.0:  # all supported radii 0: p̃ = p exactly, TV = 0 needs no slack
         eform += 4.0 * gamma * (a * a + 1.0)
         ptm += 4.0 * gamma * scale_t
     m = max(min(eform, ptm), 0.0)
@@ -140,8 +143,16 @@ def _meter_row(lg: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, p32
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _rows(logits: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, p32: np.ndarray, cert: np.ndarray,
-          raw: np.ndarray, tmax: np.ndarray) -> None:  # pragma: no cover - compiled (covered by tests via numba)
+def _rows(
+    logits: np.ndarray,
+    p: np.ndarray,
+    c: np.ndarray,
+    ec: np.ndarray,
+    p32: np.ndarray,
+    cert: np.ndarray,
+    raw: np.ndarray,
+    tmax: np.ndarray,
+) -> None:  # pragma: no cover - compiled (covered by tests via numba)
     for r in range(logits.shape[0]):
         cert[r], raw[r], tmax[r] = _meter_row(logits, p, c, ec, p32, r)
 
@@ -152,7 +163,7 @@ def _shift_rows(lg: np.ndarray, z: np.ndarray) -> None:  # pragma: no cover - co
     with no finite logit becomes NaN, as torch's softmax gives)."""
     s = lg.shape[1]
     for r in range(lg.shape[0]):
-        m0 = m1 = m2 = m3 = -np.inf        # four running maxima (exact in any order), so compares overlap
+        m0 = m1 = m2 = m3 = -np.inf  # four running maxima (exact in any order), so compares overlap
         t = 0
         while t + 4 <= s:
             x0, x1, x2, x3 = lg[r, t], lg[r, t + 1], lg[r, t + 2], lg[r, t + 3]
@@ -187,12 +198,13 @@ def _softmax_exp(lg: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     _shift_rows(lg, p)
     np.exp(p, out=p)
     _normalise_rows(p)
-    with np.errstate(over="ignore"):        # e^{c} = inf for huge radii: the meter's overflow-safe forms take it
+    with np.errstate(over="ignore"):  # e^{c} = inf for huge radii: the meter's overflow-safe forms take it
         return p, np.exp(c)
 
 
-def softmax_meter(logits: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                  torch.Tensor, torch.Tensor]:
+def softmax_meter(
+    logits: torch.Tensor, c: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(p̃, p̃ as float32, meter, unclipped meter, tanh(max visible c))`` for float32 ``logits[..., S]``
     (``-inf`` = masked) and radii ``c[..., S]``.
 
@@ -209,11 +221,16 @@ def softmax_meter(logits: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, 
     cc = c.detach().to(torch.float64).reshape(-1, s).contiguous().numpy()
     p, ec = _softmax_exp(lg, cc)
     p32 = np.empty(lg.shape, dtype=np.float32)
-    cells = np.empty((3, lg.shape[0]))                               # cert, raw, tmax
+    cells = np.empty((3, lg.shape[0]))  # cert, raw, tmax
     _rows(lg, p, cc, ec, p32, cells[0], cells[1], cells[2])
     t = torch.from_numpy
-    return (t(p).reshape(*lead, s), t(p32).reshape(*lead, s), t(cells[0]).reshape(lead), t(cells[1]).reshape(lead),
-            t(cells[2]).reshape(lead))
+    return (
+        t(p).reshape(*lead, s),
+        t(p32).reshape(*lead, s),
+        t(cells[0]).reshape(lead),
+        t(cells[1]).reshape(lead),
+        t(cells[2]).reshape(lead),
+    )
 
 
 #: reads with at most this many query rows per KV head use the decode kernels; larger ones (prefill) use BLAS
@@ -230,29 +247,29 @@ _KMAX, _PHI, _WMAX, _SPREAD, _VMAX = range(5)
 class LogitsRadii(NamedTuple):
     """What :func:`logits_radii` returns (float64 unless stated)."""
 
-    logits: torch.Tensor    # [B, Hkv, M, S] float32 served logits, -inf where masked
-    c: torch.Tensor         # [B, Hkv, M, S] Tier-A radius + float32 logit slack per token
-    qn: torch.Tensor        # [B, Hkv, M, 1] ‖q‖₂ of the float32 query
-    kmax: torch.Tensor      # [B, Hkv, 1] max_t (2‖k̂_t‖ + W_t)
-    phi: torch.Tensor       # [B, Hkv, 1] φ_max = 2·sc·γ·max_M ‖q‖·kmax (inflated)
-    wmax: torch.Tensor      # [B, Hkv, 1] max_t W_t
+    logits: torch.Tensor  # [B, Hkv, M, S] float32 served logits, -inf where masked
+    c: torch.Tensor  # [B, Hkv, M, S] Tier-A radius + float32 logit slack per token
+    qn: torch.Tensor  # [B, Hkv, M, 1] ‖q‖₂ of the float32 query
+    kmax: torch.Tensor  # [B, Hkv, 1] max_t (2‖k̂_t‖ + W_t)
+    phi: torch.Tensor  # [B, Hkv, 1] φ_max = 2·sc·γ·max_M ‖q‖·kmax (inflated)
+    wmax: torch.Tensor  # [B, Hkv, 1] max_t W_t
 
 
 class MeterOutput(NamedTuple):
     """What :func:`meter_output` returns (float64 unless stated)."""
 
-    p: torch.Tensor         # [B, Hkv, M, S] served distribution softmax(logits)
-    p32: torch.Tensor       # [B, Hkv, M, S] float32 copy of p (what the output is computed from)
-    cert: torch.Tensor      # [B, Hkv, M] meter, clipped at 1
-    raw: torch.Tensor       # [B, Hkv, M] unclipped meter
-    tanh: torch.Tensor      # [B, Hkv, M] tanh(max visible c)
-    out: torch.Tensor       # [B, Hkv, M, Dv] float32 served output p32·v̂
+    p: torch.Tensor  # [B, Hkv, M, S] served distribution softmax(logits)
+    p32: torch.Tensor  # [B, Hkv, M, S] float32 copy of p (what the output is computed from)
+    cert: torch.Tensor  # [B, Hkv, M] meter, clipped at 1
+    raw: torch.Tensor  # [B, Hkv, M] unclipped meter
+    tanh: torch.Tensor  # [B, Hkv, M] tanh(max visible c)
+    out: torch.Tensor  # [B, Hkv, M, Dv] float32 served output p32·v̂
     value_term: torch.Tensor  # [B, Hkv, M] Σ_t p_t‖Δv_t‖ (rounded up)
-    spread: torch.Tensor    # [B, Hkv, 1] max over visible t of ‖v̂_t − centre‖ + ‖Δv_t‖ (rounded up)
-    vmax: torch.Tensor      # [B, Hkv, 1] max over visible t of ‖v̂_t‖ + ‖Δv_t‖ (rounded up)
-    bound: torch.Tensor     # [B, Hkv, M] output bound key_term + value_term + slack of the unrepaired read
+    spread: torch.Tensor  # [B, Hkv, 1] max over visible t of ‖v̂_t − centre‖ + ‖Δv_t‖ (rounded up)
+    vmax: torch.Tensor  # [B, Hkv, 1] max over visible t of ‖v̂_t‖ + ‖Δv_t‖ (rounded up)
+    bound: torch.Tensor  # [B, Hkv, M] output bound key_term + value_term + slack of the unrepaired read
     key_term: torch.Tensor  # [B, Hkv, M] 2·min(meter, 1)·spread
-    slack: torch.Tensor     # [B, Hkv, M] (2(S + Dv)u₃₂(1 + 10⁻⁶) + 2·tanh(φ_max))·vmax
+    slack: torch.Tensor  # [B, Hkv, M] (2(S + Dv)u₃₂(1 + 10⁻⁶) + 2·tanh(φ_max))·vmax
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
@@ -281,8 +298,16 @@ def _dot_rows(qs: np.ndarray, k: np.ndarray, s: int, lg: np.ndarray) -> None:  #
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
-def _radius_rows(qb: np.ndarray, rho: np.ndarray, s: int, scale: float, rate: np.ndarray, kf: np.ndarray,
-                 infl: float, out: np.ndarray) -> None:  # pragma: no cover - compiled
+def _radius_rows(
+    qb: np.ndarray,
+    rho: np.ndarray,
+    s: int,
+    scale: float,
+    rate: np.ndarray,
+    kf: np.ndarray,
+    infl: float,
+    out: np.ndarray,
+) -> None:  # pragma: no cover - compiled
     """``out[i, t] = (scale·Σ_b qb[i, b]·ρ[t, b] + rate[i]·kf[t])·infl`` for ``t < s`` in float64 from float32
     ``ρ``, any summation order: every operand is non-negative, so the computed value is at least
     ``(1 − u)^(nb + 4)`` times the exact one (``nb`` products and additions, two products and an addition,
@@ -322,10 +347,25 @@ def _visible(mask: np.ndarray, full: bool, bi: int, h: int, nq: int, mi: int, t:
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _logits_radii(q: np.ndarray, k: np.ndarray, rho: np.ndarray, khn: np.ndarray, w: np.ndarray, s: int,
-                  mask: np.ndarray, full: bool, nq: int, scale: float, gam: float, half: bool, k_from: int,
-                  lg: np.ndarray, c: np.ndarray, qn: np.ndarray,
-                  heads: np.ndarray) -> bool:  # pragma: no cover - compiled (covered by tests via numba)
+def _logits_radii(
+    q: np.ndarray,
+    k: np.ndarray,
+    rho: np.ndarray,
+    khn: np.ndarray,
+    w: np.ndarray,
+    s: int,
+    mask: np.ndarray,
+    full: bool,
+    nq: int,
+    scale: float,
+    gam: float,
+    half: bool,
+    k_from: int,
+    lg: np.ndarray,
+    c: np.ndarray,
+    qn: np.ndarray,
+    heads: np.ndarray,
+) -> bool:  # pragma: no cover - compiled (covered by tests via numba)
     nbatch, nkv, nrows, d = q.shape
     nbands = rho.shape[3]
     npair = d // 2
@@ -336,7 +376,7 @@ def _logits_radii(q: np.ndarray, k: np.ndarray, rho: np.ndarray, khn: np.ndarray
     qs = np.empty((nrows, d), np.float32)
     qb = np.empty((nrows, nbands))
     rate = np.empty(nrows)
-    kf = np.empty(s)                                    # 2‖k̂_t‖ + W_t
+    kf = np.empty(s)  # 2‖k̂_t‖ + W_t
     for bi in range(nbatch):
         for h in range(nkv):
             qmax = 0.0
@@ -358,8 +398,8 @@ def _logits_radii(q: np.ndarray, k: np.ndarray, rho: np.ndarray, khn: np.ndarray
                 rate[mi] = scale * gam * norm
                 qmax = max(qmax, norm)
                 for j in range(d):
-                    qs[mi, j] = np.float32(np.float64(q[bi, h, mi, j]) * scale)   # one rounding of the product
-            for t in range(k_from, s):                  # pending keys were not checked at write
+                    qs[mi, j] = np.float32(np.float64(q[bi, h, mi, j]) * scale)  # one rounding of the product
+            for t in range(k_from, s):  # pending keys were not checked at write
                 for j in range(d):
                     if not np.isfinite(k[bi, h, t, j]):
                         return False
@@ -383,14 +423,13 @@ def _logits_radii(q: np.ndarray, k: np.ndarray, rho: np.ndarray, khn: np.ndarray
     return True
 
 
-_NO_MASK = np.ones((1, 1, 1, 1), dtype=np.bool_)   # placeholder the kernels never read (``full``)
+_NO_MASK = np.ones((1, 1, 1, 1), dtype=np.bool_)  # placeholder the kernels never read (``full``)
 
 
 def _mask_arg(mask: torch.Tensor | None, b: int, h: int, nq: int, s: int) -> tuple[np.ndarray, bool]:
     if mask is None:
         return _NO_MASK, True
-    if mask.dim() != 4 or mask.shape[0] != b or mask.shape[1] not in (1, h) or mask.shape[2] != nq \
-            or mask.shape[3] < s:
+    if mask.dim() != 4 or mask.shape[0] != b or mask.shape[1] not in (1, h) or mask.shape[2] != nq or mask.shape[3] < s:
         raise ValueError(f"mask {tuple(mask.shape)} must be [B={b}, 1 or Hkv={h}, Q={nq}, >= S={s}] booleans")
     return mask.to(torch.bool).numpy(), False
 
@@ -399,16 +438,35 @@ def _prefix(name: str, x: torch.Tensor | np.ndarray, lead: tuple[int, ...], s: i
     """A C-contiguous float32 token-major allocation holding at least ``s`` tokens, as numpy (the kernels read
     the first ``s``); a cache's growable buffers are passed whole (``GrowBuffer.array``), so no copy is made."""
     a = x if isinstance(x, np.ndarray) else x.detach().numpy()
-    if a.shape[:2] != lead[:2] or a.shape[2] < s or a.shape[3:] != lead[3:] or a.dtype != np.float32 \
-            or not a.flags.c_contiguous:
-        raise ValueError(f"{name} {tuple(a.shape)} {a.dtype} must be a contiguous float32 "
-                         f"[{lead[0]}, {lead[1]}, >= {s}{''.join(f', {n}' for n in lead[3:])}] allocation")
+    if (
+        a.shape[:2] != lead[:2]
+        or a.shape[2] < s
+        or a.shape[3:] != lead[3:]
+        or a.dtype != np.float32
+        or not a.flags.c_contiguous
+    ):
+        raise ValueError(
+            f"{name} {tuple(a.shape)} {a.dtype} must be a contiguous float32 "
+            f"[{lead[0]}, {lead[1]}, >= {s}{''.join(f', {n}' for n in lead[3:])}] allocation"
+        )
     return a
 
 
-def logits_radii(q: torch.Tensor, keys: torch.Tensor, rho: torch.Tensor, k_hat_norm: torch.Tensor,
-                 witness: torch.Tensor, s: int, scale: float, gamma: float, pairing: str, *,
-                 mask: torch.Tensor | None = None, nq: int = 1, pending_from: int = 0) -> LogitsRadii | None:
+def logits_radii(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    rho: torch.Tensor,
+    k_hat_norm: torch.Tensor,
+    witness: torch.Tensor,
+    s: int,
+    scale: float,
+    gamma: float,
+    pairing: str,
+    *,
+    mask: torch.Tensor | None = None,
+    nq: int = 1,
+    pending_from: int = 0,
+) -> LogitsRadii | None:
     """Served logits and the read path's radii in one pass over the stored tokens (decode-size reads).
 
     For grouped float32 queries ``q[B, Hkv, M, D]`` (row ``i`` is query ``i mod nq``) and the first ``s``
@@ -435,26 +493,54 @@ def logits_radii(q: torch.Tensor, keys: torch.Tensor, rho: torch.Tensor, k_hat_n
     b, h, m, d = q.shape
     nb = rho.shape[-1]
     if (d // 2) % nb or q.dtype != torch.float32 or m % nq:
-        raise ValueError(f"logits_radii: q {tuple(q.shape)} {q.dtype} must be float32 with D/2 divisible by "
-                         f"{nb} bands and M divisible by nq={nq}")
+        raise ValueError(
+            f"logits_radii: q {tuple(q.shape)} {q.dtype} must be float32 with D/2 divisible by "
+            f"{nb} bands and M divisible by nq={nq}"
+        )
     kk = _prefix("keys", keys, (b, h, s, d), s)
     rr = _prefix("rho", rho, (b, h, s, nb), s)
     kn = _prefix("k_hat_norm", k_hat_norm, (b, h, s), s)
     ww = _prefix("witness", witness, (b, h, s), s)
     mk, full = _mask_arg(mask, b, h, nq, s)
-    r = _logits_radii_arrays(q.detach().contiguous().numpy(), kk, rr, kn, ww, s, mk, full, nq, float(scale),
-                             float(gamma), pairing == "rotate_half", pending_from)
+    r = _logits_radii_arrays(
+        q.detach().contiguous().numpy(),
+        kk,
+        rr,
+        kn,
+        ww,
+        s,
+        mk,
+        full,
+        nq,
+        float(scale),
+        float(gamma),
+        pairing == "rotate_half",
+        pending_from,
+    )
     if r is None:
         return None
     lg, c, qn, heads = r
     t = torch.from_numpy
-    return LogitsRadii(t(lg), t(c), t(qn[..., None]), t(heads[_KMAX, ..., None]), t(heads[_PHI, ..., None]),
-                       t(heads[_WMAX, ..., None]))
+    return LogitsRadii(
+        t(lg), t(c), t(qn[..., None]), t(heads[_KMAX, ..., None]), t(heads[_PHI, ..., None]), t(heads[_WMAX, ..., None])
+    )
 
 
-def _logits_radii_arrays(q: np.ndarray, keys: np.ndarray, rho: np.ndarray, khn: np.ndarray, w: np.ndarray, s: int,
-                         mask: np.ndarray, full: bool, nq: int, scale: float, gamma: float, half: bool,
-                         k_from: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+def _logits_radii_arrays(
+    q: np.ndarray,
+    keys: np.ndarray,
+    rho: np.ndarray,
+    khn: np.ndarray,
+    w: np.ndarray,
+    s: int,
+    mask: np.ndarray,
+    full: bool,
+    nq: int,
+    scale: float,
+    gamma: float,
+    half: bool,
+    k_from: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """:func:`logits_radii` on checked numpy inputs: ``(logits, c, ‖q‖ [B, Hkv, M], heads [5, B, Hkv])`` with
     the ``kmax``, ``phi`` and ``wmax`` rows of ``heads`` filled (:data:`HEAD_ROWS`), or ``None``."""
     b, h, m, _ = q.shape
@@ -467,18 +553,32 @@ def _logits_radii_arrays(q: np.ndarray, keys: np.ndarray, rho: np.ndarray, khn: 
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _meter_output(lg: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, v: np.ndarray,
-                  vres: np.ndarray, vdist: np.ndarray, vhn: np.ndarray, s: int, mask: np.ndarray, full: bool,
-                  nq: int, v_from: int, p32: np.ndarray, cells: np.ndarray,
-                  heads: np.ndarray) -> bool:  # pragma: no cover - compiled (covered by tests via numba)
+def _meter_output(
+    lg: np.ndarray,
+    p: np.ndarray,
+    c: np.ndarray,
+    ec: np.ndarray,
+    v: np.ndarray,
+    vres: np.ndarray,
+    vdist: np.ndarray,
+    vhn: np.ndarray,
+    s: int,
+    mask: np.ndarray,
+    full: bool,
+    nq: int,
+    v_from: int,
+    p32: np.ndarray,
+    cells: np.ndarray,
+    heads: np.ndarray,
+) -> bool:  # pragma: no cover - compiled (covered by tests via numba)
     nbatch, nkv, nrows = cells.shape[1:]
     dv = v.shape[3]
-    up2 = 1.0 + 4.0 * _U64                          # one float64 addition of two non-negative float32 values
-    upv = 1.0 + 2.0 * (s + 2) * _U64                # an S-term float64 sum of non-negative products
-    rel0 = 2.0 * (s + dv) * _U32 * (1 + 1e-6)       # float32 softmax and p̃·v̂ evaluation, relative to vmax
+    up2 = 1.0 + 4.0 * _U64  # one float64 addition of two non-negative float32 values
+    upv = 1.0 + 2.0 * (s + 2) * _U64  # an S-term float64 sum of non-negative products
+    rel0 = 2.0 * (s + dv) * _U32 * (1 + 1e-6)  # float32 softmax and p̃·v̂ evaluation, relative to vmax
     for bi in range(nbatch):
         for h in range(nkv):
-            for t in range(v_from, s):              # pending values were not checked at write
+            for t in range(v_from, s):  # pending values were not checked at write
                 for j in range(dv):
                     if not np.isfinite(v[bi, h, t, j]):
                         return False
@@ -508,9 +608,18 @@ def _meter_output(lg: np.ndarray, p: np.ndarray, c: np.ndarray, ec: np.ndarray, 
     return True
 
 
-def meter_output(lr: LogitsRadii, values: torch.Tensor, v_res: torch.Tensor, v_dist: torch.Tensor,
-                 v_hat_norm: torch.Tensor, s: int, *, mask: torch.Tensor | None = None, nq: int = 1,
-                 pending_from: int = 0) -> MeterOutput | None:
+def meter_output(
+    lr: LogitsRadii,
+    values: torch.Tensor,
+    v_res: torch.Tensor,
+    v_dist: torch.Tensor,
+    v_hat_norm: torch.Tensor,
+    s: int,
+    *,
+    mask: torch.Tensor | None = None,
+    nq: int = 1,
+    pending_from: int = 0,
+) -> MeterOutput | None:
     """Served softmax, certificate, output and the output bound's per-read terms in one pass per row.
 
     From :func:`logits_radii`'s float32 logits and radii: ``p̃ = softmax(s̃)`` in float64 and ``e^{c}``
@@ -542,14 +651,36 @@ def meter_output(lr: LogitsRadii, values: torch.Tensor, v_res: torch.Tensor, v_d
         return None
     p, p32, cells, out = r
     t = torch.from_numpy
-    return MeterOutput(t(p), t(p32), t(cells[_CERT]), t(cells[_RAW]), t(cells[_TANH]), t(out), t(cells[_VTERM]),
-                       t(heads[_SPREAD, ..., None]), t(heads[_VMAX, ..., None]), t(cells[_BOUND]), t(cells[_KEY]),
-                       t(cells[_SLACK]))
+    return MeterOutput(
+        t(p),
+        t(p32),
+        t(cells[_CERT]),
+        t(cells[_RAW]),
+        t(cells[_TANH]),
+        t(out),
+        t(cells[_VTERM]),
+        t(heads[_SPREAD, ..., None]),
+        t(heads[_VMAX, ..., None]),
+        t(cells[_BOUND]),
+        t(cells[_KEY]),
+        t(cells[_SLACK]),
+    )
 
 
-def _meter_output_arrays(lg: np.ndarray, c: np.ndarray, heads: np.ndarray, values: np.ndarray, vres: np.ndarray,
-                         vdist: np.ndarray, vhn: np.ndarray, s: int, mask: np.ndarray, full: bool, nq: int,
-                         v_from: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+def _meter_output_arrays(
+    lg: np.ndarray,
+    c: np.ndarray,
+    heads: np.ndarray,
+    values: np.ndarray,
+    vres: np.ndarray,
+    vdist: np.ndarray,
+    vhn: np.ndarray,
+    s: int,
+    mask: np.ndarray,
+    full: bool,
+    nq: int,
+    v_from: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """:func:`meter_output` on checked numpy inputs (``heads[phi]`` filled): ``(p̃, p̃ float32, cells [7, B,
     Hkv, M] (:data:`CELL_ROWS`), output [B, Hkv, M, Dv])`` with the ``spread`` and ``vmax`` rows of ``heads``
     filled, or ``None``."""
@@ -560,25 +691,40 @@ def _meter_output_arrays(lg: np.ndarray, c: np.ndarray, heads: np.ndarray, value
     cells = np.empty((len(CELL_ROWS), b, h, m))
     if not _meter_output(lg, p, c, ec, values, vres, vdist, vhn, s, mask, full, nq, v_from, p32, cells, heads):
         return None
-    out = np.matmul(p32, values[:, :, :s])          # float32 BLAS: an S-term sum per entry, in some order
+    out = np.matmul(p32, values[:, :, :s])  # float32 BLAS: an S-term sum per entry, in some order
     return p, p32, cells, out
 
 
 class DecodeArrays(NamedTuple):
     """numpy results of :func:`decode_read` (float64 unless stated)."""
 
-    p: np.ndarray           # [B, Hkv, M, S] served distribution
-    c: np.ndarray           # [B, Hkv, M, S] radii incl. the float32 logit slack
-    qn: np.ndarray          # [B, Hkv, M] ‖q‖₂
-    cells: np.ndarray       # [7, B, Hkv, M] rows CELL_ROWS
-    heads: np.ndarray       # [5, B, Hkv] rows HEAD_ROWS
-    out: np.ndarray         # [B, Hkv, M, Dv] float32 served output
+    p: np.ndarray  # [B, Hkv, M, S] served distribution
+    c: np.ndarray  # [B, Hkv, M, S] radii incl. the float32 logit slack
+    qn: np.ndarray  # [B, Hkv, M] ‖q‖₂
+    cells: np.ndarray  # [7, B, Hkv, M] rows CELL_ROWS
+    heads: np.ndarray  # [5, B, Hkv] rows HEAD_ROWS
+    out: np.ndarray  # [B, Hkv, M, Dv] float32 served output
 
 
-def decode_read(q: np.ndarray, keys: np.ndarray, rho: np.ndarray, khn: np.ndarray, w: np.ndarray,
-                values: np.ndarray, vres: np.ndarray, vdist: np.ndarray, vhn: np.ndarray, s: int, scale: float,
-                gamma: float, half: bool, mask: np.ndarray | None, nq: int, k_from: int,
-                v_from: int) -> DecodeArrays | None:
+def decode_read(
+    q: np.ndarray,
+    keys: np.ndarray,
+    rho: np.ndarray,
+    khn: np.ndarray,
+    w: np.ndarray,
+    values: np.ndarray,
+    vres: np.ndarray,
+    vdist: np.ndarray,
+    vhn: np.ndarray,
+    s: int,
+    scale: float,
+    gamma: float,
+    half: bool,
+    mask: np.ndarray | None,
+    nq: int,
+    k_from: int,
+    v_from: int,
+) -> DecodeArrays | None:
     """:func:`logits_radii` then :func:`meter_output` on numpy arrays, without their input checks or tensor
     conversions: for the certified cache's read path, whose allocations are float32, C-contiguous and shaped
     ``[B, Hkv, capacity ≥ s, ...]`` by construction (``kvcert.cache.buffer.GrowBuffer``), with a float32

@@ -40,8 +40,8 @@ import triton.language as tl
 
 _U64 = 2.0**-53
 _U32 = 2.0**-24
-_EXP_SAFE = 300.0       # as kvcert.bounds.softmax_tv: above it ptm is replaced by two_sided
-BLOCK_S = 64            # tokens per tile
+_EXP_SAFE = 300.0  # as kvcert.bounds.softmax_tv: above it ptm is replaced by two_sided
+BLOCK_S = 64  # tokens per tile
 _TARGET_PROGRAMS = 264  # about two programs per multiprocessor of an H100/H200
 
 
@@ -59,17 +59,53 @@ def _program(H, M, S, chunk, BM: tl.constexpr):
 
 
 @triton.jit
-def _logits_radii_kernel(qs_ptr, qb_ptr, rate_ptr, k_ptr, rho_ptr, khn_ptr, w_ptr, mask_ptr, lg_ptr, c_ptr,
-                         mrow_ptr, kmax_ptr, wmax_ptr,
-                         H, M, S, D, NQ, chunk, n_split, scale, infl,
-                         skb, skh, skt, srb, srh, srt, snb, snh, sw_b, sw_h, smb, smh, smq,
-                         NB: tl.constexpr, HAS_MASK: tl.constexpr, MASK_PER_HEAD: tl.constexpr,
-                         BM: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
+def _logits_radii_kernel(
+    qs_ptr,
+    qb_ptr,
+    rate_ptr,
+    k_ptr,
+    rho_ptr,
+    khn_ptr,
+    w_ptr,
+    mask_ptr,
+    lg_ptr,
+    c_ptr,
+    mrow_ptr,
+    kmax_ptr,
+    wmax_ptr,
+    H,
+    M,
+    S,
+    D,
+    NQ,
+    chunk,
+    n_split,
+    scale,
+    infl,
+    skb,
+    skh,
+    skt,
+    srb,
+    srh,
+    srt,
+    snb,
+    snh,
+    sw_b,
+    sw_h,
+    smb,
+    smh,
+    smq,
+    NB: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    MASK_PER_HEAD: tl.constexpr,
+    BM: tl.constexpr,
+    BS: tl.constexpr,
+    BD: tl.constexpr,
+):
     bh, sp, b, h, rm, row_ok, lo, hi = _program(H, M, S, chunk, BM)
     rd = tl.arange(0, BD)
     rs = tl.arange(0, BS)
-    qs = tl.load(qs_ptr + (bh * M + rm[:, None]) * D + rd[None, :], mask=row_ok[:, None] & (rd[None, :] < D),
-                 other=0.0)
+    qs = tl.load(qs_ptr + (bh * M + rm[:, None]) * D + rd[None, :], mask=row_ok[:, None] & (rd[None, :] < D), other=0.0)
     rate = tl.load(rate_ptr + bh * M + rm, mask=row_ok, other=0.0)
     mrow = tl.full((BM,), float("-inf"), tl.float32)
     kmax = tl.zeros((BS,), tl.float64)
@@ -81,9 +117,10 @@ def _logits_radii_kernel(qs_ptr, qb_ptr, rate_ptr, k_ptr, rho_ptr, khn_ptr, w_pt
     for t0 in range(lo, hi, BS):
         t = t0 + rs
         tok = t < hi
-        kt = tl.load(k_ptr + b * skb + h * skh + t[:, None] * skt + rd[None, :],
-                     mask=tok[:, None] & (rd[None, :] < D), other=0.0)
-        lg = tl.dot(qs, tl.trans(kt), input_precision="ieee")                  # [BM, BS] float32
+        kt = tl.load(
+            k_ptr + b * skb + h * skh + t[:, None] * skt + rd[None, :], mask=tok[:, None] & (rd[None, :] < D), other=0.0
+        )
+        lg = tl.dot(qs, tl.trans(kt), input_precision="ieee")  # [BM, BS] float32
         vis = row_ok[:, None] & tok[None, :]
         if HAS_MASK:
             mk = tl.load(mbase + (rm % NQ)[:, None] * smq + t[None, :], mask=vis, other=0)
@@ -111,8 +148,7 @@ def _logits_radii_kernel(qs_ptr, qb_ptr, rate_ptr, k_ptr, rho_ptr, khn_ptr, w_pt
 
 
 @triton.jit
-def _exp_kernel(lg_ptr, m_ptr, e_ptr, tot_ptr, M, S, chunk, n_split,
-                BM: tl.constexpr, BS: tl.constexpr):
+def _exp_kernel(lg_ptr, m_ptr, e_ptr, tot_ptr, M, S, chunk, n_split, BM: tl.constexpr, BS: tl.constexpr):
     bh, sp, _, _, rm, row_ok, lo, hi = _program(1, M, S, chunk, BM)
     rs = tl.arange(0, BS)
     m64 = tl.load(m_ptr + bh * BM + rm).to(tl.float64)
@@ -129,9 +165,32 @@ def _exp_kernel(lg_ptr, m_ptr, e_ptr, tot_ptr, M, S, chunk, n_split,
 
 
 @triton.jit
-def _sums_kernel(p_ptr, tot_ptr, lg_ptr, c_ptr, v_ptr, vres_ptr, out_ptr, sums_ptr, nbad_ptr, cmax_ptr,
-                 H, M, S, DV, chunk, n_split, svb, svh, svt, sr_b, sr_h,
-                 BM: tl.constexpr, BS: tl.constexpr, BDV: tl.constexpr):
+def _sums_kernel(
+    p_ptr,
+    tot_ptr,
+    lg_ptr,
+    c_ptr,
+    v_ptr,
+    vres_ptr,
+    out_ptr,
+    sums_ptr,
+    nbad_ptr,
+    cmax_ptr,
+    H,
+    M,
+    S,
+    DV,
+    chunk,
+    n_split,
+    svb,
+    svh,
+    svt,
+    sr_b,
+    sr_h,
+    BM: tl.constexpr,
+    BS: tl.constexpr,
+    BDV: tl.constexpr,
+):
     bh, sp, b, h, rm, row_ok, lo, hi = _program(H, M, S, chunk, BM)
     rs = tl.arange(0, BS)
     rd = tl.arange(0, BDV)
@@ -150,16 +209,16 @@ def _sums_kernel(p_ptr, tot_ptr, lg_ptr, c_ptr, v_ptr, vres_ptr, out_ptr, sums_p
         ok = row_ok[:, None] & tok[None, :]
         cell = (bh * M + rm[:, None]) * S + t[None, :]
         e = tl.load(p_ptr + cell, mask=ok, other=0.0)
-        p = e / tl.where(tot > 0.0, tot, 1.0)[:, None]                       # dead rows: e = 0
+        p = e / tl.where(tot > 0.0, tot, 1.0)[:, None]  # dead rows: e = 0
         p = tl.where(p > 0.0, p, 0.0)
         tl.store(p_ptr + cell, p, mask=ok)
         c = tl.load(c_ptr + cell, mask=ok, other=0.0)
         lg = tl.load(lg_ptr + cell, mask=ok, other=float("-inf"))
         ec = tl.exp(c)
         pos = p > 0.0
-        okc = c >= 0.0                                   # False for NaN
+        okc = c >= 0.0  # False for NaN
         use = pos & okc
-        nbad += tl.sum((pos & ((c < 0.0) | (c != c))).to(tl.int32), axis=1)   # negative or NaN radius
+        nbad += tl.sum((pos & ((c < 0.0) | (c != c))).to(tl.int32), axis=1)  # negative or NaN radius
         cvis = tl.maximum(cvis, tl.max(tl.where(okc & (lg > float("-inf")), c, 0.0), axis=1))
         csup = tl.maximum(csup, tl.max(tl.where(use, c, 0.0), axis=1))
         mass += tl.sum(tl.where(use, p, 0.0), axis=1)
@@ -167,8 +226,11 @@ def _sums_kernel(p_ptr, tot_ptr, lg_ptr, c_ptr, v_ptr, vres_ptr, out_ptr, sums_p
         bm += tl.sum(tl.where(use, p / ec, 0.0), axis=1)
         vr = tl.load(vres_ptr + b * sr_b + h * sr_h + t, mask=tok, other=0.0).to(tl.float64)
         vterm += tl.sum(p * vr[None, :], axis=1)
-        vt = tl.load(v_ptr + b * svb + h * svh + t[:, None] * svt + rd[None, :],
-                     mask=tok[:, None] & (rd[None, :] < DV), other=0.0)
+        vt = tl.load(
+            v_ptr + b * svb + h * svh + t[:, None] * svt + rd[None, :],
+            mask=tok[:, None] & (rd[None, :] < DV),
+            other=0.0,
+        )
         out += tl.dot(p.to(tl.float32), vt, input_precision="ieee")
     part = bh * n_split + sp
     tl.store(out_ptr + (part * BM + rm[:, None]) * BDV + rd[None, :], out)
@@ -182,8 +244,7 @@ def _sums_kernel(p_ptr, tot_ptr, lg_ptr, c_ptr, v_ptr, vres_ptr, out_ptr, sums_p
 
 
 @triton.jit
-def _gap_kernel(p_ptr, c_ptr, k1_ptr, inva_ptr, gap_ptr, M, S, chunk, n_split,
-                BM: tl.constexpr, BS: tl.constexpr):
+def _gap_kernel(p_ptr, c_ptr, k1_ptr, inva_ptr, gap_ptr, M, S, chunk, n_split, BM: tl.constexpr, BS: tl.constexpr):
     bh, sp, _, _, rm, row_ok, lo, hi = _program(1, M, S, chunk, BM)
     rs = tl.arange(0, BS)
     k1 = tl.load(k1_ptr + bh * BM + rm)
@@ -204,23 +265,23 @@ class TritonRead(NamedTuple):
     """What :func:`decode_read` returns: the fields of the certified read path's served read (float64 unless
     stated; grouped layout ``[B, Hkv, M, ...]``)."""
 
-    logits: torch.Tensor      # [B, Hkv, M, S] float32 served logits, -inf where masked
-    p64: torch.Tensor         # [B, Hkv, M, S] served distribution
-    c: torch.Tensor           # [B, Hkv, M, S] radii incl. the float32 logit slack
-    qn: torch.Tensor          # [B, Hkv, M, 1] ‖q‖₂
-    cert: torch.Tensor        # [B, Hkv, M] meter, clipped at 1
-    raw: torch.Tensor         # [B, Hkv, M] unclipped meter
-    tanh: torch.Tensor        # [B, Hkv, M] tanh(max visible c)
+    logits: torch.Tensor  # [B, Hkv, M, S] float32 served logits, -inf where masked
+    p64: torch.Tensor  # [B, Hkv, M, S] served distribution
+    c: torch.Tensor  # [B, Hkv, M, S] radii incl. the float32 logit slack
+    qn: torch.Tensor  # [B, Hkv, M, 1] ‖q‖₂
+    cert: torch.Tensor  # [B, Hkv, M] meter, clipped at 1
+    raw: torch.Tensor  # [B, Hkv, M] unclipped meter
+    tanh: torch.Tensor  # [B, Hkv, M] tanh(max visible c)
     value_term: torch.Tensor  # [B, Hkv, M] Σ_t p̃_t‖Δv_t‖ (rounded up)
-    key_term: torch.Tensor    # [B, Hkv, M] 2·min(meter, 1)·spread
-    slack: torch.Tensor       # [B, Hkv, M] float32 evaluation slack
-    bound: torch.Tensor       # [B, Hkv, M] output bound of the unrepaired read
-    kmax: torch.Tensor        # [B, Hkv, 1] max_t (2‖k̂_t‖ + W_t)
-    phi_max: torch.Tensor     # [B, Hkv, 1] φ_max
-    wmax: torch.Tensor        # [B, Hkv, 1] max_t W_t
-    spread: torch.Tensor      # [B, Hkv, 1] max over visible t of ‖v̂_t − centre‖ + ‖Δv_t‖ (rounded up)
-    vmax: torch.Tensor        # [B, Hkv, 1] max over visible t of ‖v̂_t‖ + ‖Δv_t‖ (rounded up)
-    out: torch.Tensor         # [B, Hkv, M, Dv] float32 served output
+    key_term: torch.Tensor  # [B, Hkv, M] 2·min(meter, 1)·spread
+    slack: torch.Tensor  # [B, Hkv, M] float32 evaluation slack
+    bound: torch.Tensor  # [B, Hkv, M] output bound of the unrepaired read
+    kmax: torch.Tensor  # [B, Hkv, 1] max_t (2‖k̂_t‖ + W_t)
+    phi_max: torch.Tensor  # [B, Hkv, 1] φ_max
+    wmax: torch.Tensor  # [B, Hkv, 1] max_t W_t
+    spread: torch.Tensor  # [B, Hkv, 1] max over visible t of ‖v̂_t − centre‖ + ‖Δv_t‖ (rounded up)
+    vmax: torch.Tensor  # [B, Hkv, 1] max over visible t of ‖v̂_t‖ + ‖Δv_t‖ (rounded up)
+    out: torch.Tensor  # [B, Hkv, M, Dv] float32 served output
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -235,20 +296,22 @@ def default_splits(bh: int, s: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(s, BLOCK_S), triton.cdiv(_TARGET_PROGRAMS, bh)))
 
 
-def _query_terms(q: torch.Tensor, nb: int, half: bool, scale: float,
-                 gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _query_terms(
+    q: torch.Tensor, nb: int, half: bool, scale: float, gamma: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(fl32(sc·q), ‖q_b‖ [.., nb], ‖q‖ [..], sc·γ·‖q‖)`` in float64 (the first float32), as the numba kernel:
     squares of float32 entries are exact, then sums and square roots (each one rounding per step)."""
     d = q.shape[-1]
     q64 = q.to(torch.float64)
-    x, y = (q64[..., : d // 2], q64[..., d // 2:]) if half else (q64[..., 0::2], q64[..., 1::2])
+    x, y = (q64[..., : d // 2], q64[..., d // 2 :]) if half else (q64[..., 0::2], q64[..., 1::2])
     band_sq = (x * x + y * y).reshape(*q.shape[:-1], nb, d // 2 // nb).sum(-1)
     norm = band_sq.sum(-1).sqrt()
     return (q64 * scale).to(torch.float32), band_sq.sqrt(), norm, scale * gamma * norm
 
 
-def _finish(sums: torch.Tensor, nbad: torch.Tensor, cmax: torch.Tensor, gap_of: object,
-            s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _finish(
+    sums: torch.Tensor, nbad: torch.Tensor, cmax: torch.Tensor, gap_of: object, s: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(meter, unclipped meter, tanh(max visible c))`` per row from the combined kernel sums, in the float64
     operations of :func:`kvcert.kernels.numba_read._meter_row` (same clamps, cut, allowance, fail-closed)."""
     mass, a_sum, b_sum = sums[0], sums[1], sums[2]
@@ -275,11 +338,26 @@ def _finish(sums: torch.Tensor, nbad: torch.Tensor, cmax: torch.Tensor, gap_of: 
     return cert, raw, torch.tanh(cvis)
 
 
-@np.errstate(divide="ignore", invalid="ignore", over="ignore")   # interpreter: unselected branches
-def decode_read(q: torch.Tensor, keys: torch.Tensor, rho: torch.Tensor, khn: torch.Tensor, w: torch.Tensor,
-                values: torch.Tensor, vres: torch.Tensor, vdist: torch.Tensor, vhn: torch.Tensor, scale: float,
-                gamma: float, half: bool, mask: torch.Tensor | None, nq: int, k_from: int, v_from: int,
-                splits: int | None = None) -> TritonRead | None:
+@np.errstate(divide="ignore", invalid="ignore", over="ignore")  # interpreter: unselected branches
+def decode_read(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    rho: torch.Tensor,
+    khn: torch.Tensor,
+    w: torch.Tensor,
+    values: torch.Tensor,
+    vres: torch.Tensor,
+    vdist: torch.Tensor,
+    vhn: torch.Tensor,
+    scale: float,
+    gamma: float,
+    half: bool,
+    mask: torch.Tensor | None,
+    nq: int,
+    k_from: int,
+    v_from: int,
+    splits: int | None = None,
+) -> TritonRead | None:
     """The certified decode read of :func:`kvcert.kernels.numba_read.decode_read` on the Triton kernels.
 
     Inputs are the store's live views (any strides with a unit stride on the last axis): float32 queries
@@ -297,16 +375,35 @@ def decode_read(q: torch.Tensor, keys: torch.Tensor, rho: torch.Tensor, khn: tor
     bsz, h, m, d = q.shape
     s, dv, nb = keys.shape[2], values.shape[-1], rho.shape[-1]
     if q.dtype != torch.float32 or (d // 2) % nb or m % nq or s == 0:
-        raise ValueError(f"triton decode_read: q {tuple(q.shape)} {q.dtype} must be float32 with D/2 divisible by "
-                         f"{nb} bands, M divisible by nq={nq} and S > 0 tokens (got {s})")
-    for name, x in (("keys", keys), ("rho", rho), ("k_hat_norm", khn), ("witness", w), ("values", values),
-                    ("v_res", vres), ("v_dist", vdist), ("v_hat_norm", vhn)):
-        if x.dtype != torch.float32 or x.stride(-1) != 1 or x.shape[:3] != (bsz, h, s) or x.dim() != (
-                4 if name in ("keys", "rho", "values") else 3):
-            raise ValueError(f"{name} {tuple(x.shape)} {x.dtype} must be float32 [B={bsz}, Hkv={h}, S={s}, ...] "
-                             "with unit stride on its last axis")
-    if not bool(torch.isfinite(q).all()) or not bool(torch.isfinite(keys[:, :, k_from:]).all()) \
-            or not bool(torch.isfinite(values[:, :, v_from:]).all()):
+        raise ValueError(
+            f"triton decode_read: q {tuple(q.shape)} {q.dtype} must be float32 with D/2 divisible by "
+            f"{nb} bands, M divisible by nq={nq} and S > 0 tokens (got {s})"
+        )
+    for name, x in (
+        ("keys", keys),
+        ("rho", rho),
+        ("k_hat_norm", khn),
+        ("witness", w),
+        ("values", values),
+        ("v_res", vres),
+        ("v_dist", vdist),
+        ("v_hat_norm", vhn),
+    ):
+        if (
+            x.dtype != torch.float32
+            or x.stride(-1) != 1
+            or x.shape[:3] != (bsz, h, s)
+            or x.dim() != (4 if name in ("keys", "rho", "values") else 3)
+        ):
+            raise ValueError(
+                f"{name} {tuple(x.shape)} {x.dtype} must be float32 [B={bsz}, Hkv={h}, S={s}, ...] "
+                "with unit stride on its last axis"
+            )
+    if (
+        not bool(torch.isfinite(q).all())
+        or not bool(torch.isfinite(keys[:, :, k_from:]).all())
+        or not bool(torch.isfinite(values[:, :, v_from:]).all())
+    ):
         return None
     dev = q.device
     qs, qb, qn, rate = _query_terms(q, nb, half, scale, gamma)
@@ -328,20 +425,61 @@ def decode_read(q: torch.Tensor, keys: torch.Tensor, rho: torch.Tensor, khn: tor
     if mask is None:
         mk, has_mask, per_head, mstr = q, False, False, (0, 0, 0)
     else:
-        if mask.dim() != 4 or mask.shape[0] != bsz or mask.shape[1] not in (1, h) or mask.shape[2] != nq \
-                or mask.shape[3] < s:
+        if (
+            mask.dim() != 4
+            or mask.shape[0] != bsz
+            or mask.shape[1] not in (1, h)
+            or mask.shape[2] != nq
+            or mask.shape[3] < s
+        ):
             raise ValueError(f"mask {tuple(mask.shape)} must be [B={bsz}, 1 or Hkv={h}, Q={nq}, >= S={s}] booleans")
         mk = mask[..., :s].to(torch.uint8)
         has_mask, per_head, mstr = True, mask.shape[1] > 1, (mk.stride(0), mk.stride(1), mk.stride(2))
         if mk.stride(3) != 1:
             mk = mk.contiguous()
             mstr = (mk.stride(0), mk.stride(1), mk.stride(2))
-    _logits_radii_kernel[grid](qs, qb, rate, keys, rho, khn, w, mk, lg, c, mrow, kpart, wpart,
-                               h, m, s, d, nq, chunk, n_split, float(scale), infl,
-                               keys.stride(0), keys.stride(1), keys.stride(2), rho.stride(0), rho.stride(1),
-                               rho.stride(2), khn.stride(0), khn.stride(1), w.stride(0), w.stride(1), *mstr,
-                               NB=nb, HAS_MASK=has_mask, MASK_PER_HEAD=per_head, BM=bm, BS=BLOCK_S, BD=bd)
-    mmax = mrow.amax(1).contiguous()                                           # [BH, BM] exact
+    _logits_radii_kernel[grid](
+        qs,
+        qb,
+        rate,
+        keys,
+        rho,
+        khn,
+        w,
+        mk,
+        lg,
+        c,
+        mrow,
+        kpart,
+        wpart,
+        h,
+        m,
+        s,
+        d,
+        nq,
+        chunk,
+        n_split,
+        float(scale),
+        infl,
+        keys.stride(0),
+        keys.stride(1),
+        keys.stride(2),
+        rho.stride(0),
+        rho.stride(1),
+        rho.stride(2),
+        khn.stride(0),
+        khn.stride(1),
+        w.stride(0),
+        w.stride(1),
+        *mstr,
+        NB=nb,
+        HAS_MASK=has_mask,
+        MASK_PER_HEAD=per_head,
+        BM=bm,
+        BS=BLOCK_S,
+        BD=bd,
+    )
+    mmax = mrow.amax(1).contiguous()  # [BH, BM] exact
     p = torch.empty(bsz, h, m, s, dtype=torch.float64, device=dev)
     tpart = torch.empty(bh, n_split, bm, dtype=torch.float64, device=dev)
     _exp_kernel[grid](lg, mmax, p, tpart, m, s, chunk, n_split, BM=bm, BS=BLOCK_S)
@@ -350,10 +488,33 @@ def decode_read(q: torch.Tensor, keys: torch.Tensor, rho: torch.Tensor, khn: tor
     sums = torch.empty(bh, n_split, 4, bm, dtype=torch.float64, device=dev)
     nbad = torch.empty(bh, n_split, bm, dtype=torch.int32, device=dev)
     cmax = torch.empty(bh, n_split, 2, bm, dtype=torch.float64, device=dev)
-    _sums_kernel[grid](p, tot, lg, c, values, vres, opart, sums, nbad, cmax, h, m, s, dv, chunk, n_split,
-                       values.stride(0), values.stride(1), values.stride(2), vres.stride(0), vres.stride(1),
-                       BM=bm, BS=BLOCK_S, BDV=bdv)
-    cells = sums.sum(1)[..., :m].reshape(bsz, h, 4, m).movedim(2, 0)             # [4, B, Hkv, M]
+    _sums_kernel[grid](
+        p,
+        tot,
+        lg,
+        c,
+        values,
+        vres,
+        opart,
+        sums,
+        nbad,
+        cmax,
+        h,
+        m,
+        s,
+        dv,
+        chunk,
+        n_split,
+        values.stride(0),
+        values.stride(1),
+        values.stride(2),
+        vres.stride(0),
+        vres.stride(1),
+        BM=bm,
+        BS=BLOCK_S,
+        BDV=bdv,
+    )
+    cells = sums.sum(1)[..., :m].reshape(bsz, h, 4, m).movedim(2, 0)  # [4, B, Hkv, M]
     extremes = cmax.amax(1)[..., :m].reshape(bsz, h, 2, m).movedim(2, 0)
     bad = nbad.sum(1)[..., :m].reshape(bsz, h, m)
 
@@ -372,7 +533,7 @@ def decode_read(q: torch.Tensor, keys: torch.Tensor, rho: torch.Tensor, khn: tor
     r64 = vres.to(torch.float64)
     dist, norm = vdist.to(torch.float64) + r64, vhn.to(torch.float64) + r64
     if mask is not None:
-        vis = mask[..., :s].to(torch.bool).any(-2)                             # [B, 1|Hkv, S]
+        vis = mask[..., :s].to(torch.bool).any(-2)  # [B, 1|Hkv, S]
         dist, norm = torch.where(vis, dist, 0.0), torch.where(vis, norm, 0.0)
     spread = dist.amax(-1, keepdim=True).clamp(min=0.0) * up2
     vmax = norm.amax(-1, keepdim=True).clamp(min=0.0) * up2
@@ -385,6 +546,22 @@ def decode_read(q: torch.Tensor, keys: torch.Tensor, rho: torch.Tensor, khn: tor
     slack = ((rel0 + 2.0 * torch.tanh(phi)) * vmax).expand(bsz, h, m)
     key_term = 2.0 * torch.clamp(cert, max=1.0) * spread
     bound = key_term + vterm + slack
-    return TritonRead(logits=lg, p64=p, c=c, qn=qn.unsqueeze(-1), cert=cert, raw=raw, tanh=tmax, value_term=vterm,
-                      key_term=key_term, slack=slack, bound=bound, kmax=kmax, phi_max=phi, wmax=wmax,
-                      spread=spread, vmax=vmax, out=out)
+    return TritonRead(
+        logits=lg,
+        p64=p,
+        c=c,
+        qn=qn.unsqueeze(-1),
+        cert=cert,
+        raw=raw,
+        tanh=tmax,
+        value_term=vterm,
+        key_term=key_term,
+        slack=slack,
+        bound=bound,
+        kmax=kmax,
+        phi_max=phi,
+        wmax=wmax,
+        spread=spread,
+        vmax=vmax,
+        out=out,
+    )

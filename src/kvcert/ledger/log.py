@@ -419,8 +419,11 @@ class LogReader:
                 for raw in cursor:
                     seq, row = raw[0], tuple(raw[1:7])
                     if not isinstance(seq, int) or (self.chained and seq != expected):
-                        raise self._fail(expected, f"sequence broken: found seq {seq!r} where {expected} belongs "
-                                         "(a row was deleted, inserted or moved)")
+                        raise self._fail(
+                            expected,
+                            f"sequence broken: found seq {seq!r} where {expected} belongs "
+                            "(a row was deleted, inserted or moved)",
+                        )
                     if self.chained:
                         if chain_hash(prev, seq, row) != raw[7]:  # type: ignore[arg-type]
                             what = " or the log's configuration" if seq == 1 else ""

@@ -9,5 +9,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from kvcert.models.tiny import SLIDING_SHAPES, SUPPORTED_FAMILIES, tiny_config, tiny_random  # noqa: E402
 from kvcert.models.zoo import ZOO, ModelPackageMissingError, cache_root, converted_dir, load  # noqa: E402
 
-__all__ = ["SLIDING_SHAPES", "SUPPORTED_FAMILIES", "ZOO", "ModelPackageMissingError", "cache_root", "converted_dir",
-           "load", "tiny_config", "tiny_random"]
+__all__ = [
+    "SLIDING_SHAPES",
+    "SUPPORTED_FAMILIES",
+    "ZOO",
+    "ModelPackageMissingError",
+    "cache_root",
+    "converted_dir",
+    "load",
+    "tiny_config",
+    "tiny_random",
+]

@@ -39,13 +39,16 @@ _FAMILIES: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
     "llama": (LlamaConfig, {}),
     "qwen2": (Qwen2Config, {}),
     "mistral": (MistralConfig, {"sliding_window": None}),
-    "gemma3": (Gemma3TextConfig, {
-        "num_hidden_layers": 3,
-        "num_key_value_heads": 1,
-        "head_dim": 16,
-        "sliding_window": 8,
-        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
-    }),
+    "gemma3": (
+        Gemma3TextConfig,
+        {
+            "num_hidden_layers": 3,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        },
+    ),
 }
 
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
@@ -55,8 +58,12 @@ SUPPORTED_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
 #: and the softmax scale of real Gemma-3 models (``query_pre_attn_scalar`` = head dim).
 SLIDING_SHAPES: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": 8},
-    "gemma3": {"num_hidden_layers": 2, "num_key_value_heads": 2, "query_pre_attn_scalar": 16,
-               "layer_types": ["sliding_attention", "full_attention"]},
+    "gemma3": {
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "query_pre_attn_scalar": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
 }
 
 
@@ -68,8 +75,7 @@ def tiny_config(family: str, attn_implementation: str = "eager", **overrides: An
     kwargs = {**_COMMON, **extra, **overrides}
     if family == "gemma3" and "num_hidden_layers" in overrides and "layer_types" not in overrides:
         n = int(kwargs["num_hidden_layers"])
-        kwargs["layer_types"] = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
-                                 for i in range(n)]
+        kwargs["layer_types"] = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(n)]
     config = cls(**kwargs)
     config._attn_implementation = attn_implementation
     return config

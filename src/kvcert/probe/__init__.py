@@ -14,6 +14,17 @@ from kvcert.probe.snapshot import (
 from kvcert.probe.verify import STAGES, VerifyResult, verify, verify_file
 
 __all__ = [
-    "KINDS", "PATHS", "SCHEMA", "SELF_CHECKS", "STAGES", "Declared", "ProbeSnapshot", "ReadingRecord",
-    "SelfChecks", "SnapshotError", "VerifyResult", "verify", "verify_file",
+    "KINDS",
+    "PATHS",
+    "SCHEMA",
+    "SELF_CHECKS",
+    "STAGES",
+    "Declared",
+    "ProbeSnapshot",
+    "ReadingRecord",
+    "SelfChecks",
+    "SnapshotError",
+    "VerifyResult",
+    "verify",
+    "verify_file",
 ]

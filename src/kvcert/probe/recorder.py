@@ -48,9 +48,7 @@ class Recorder:
         tier = REGISTRY.check_emittable(name).tier
         kind = "bound" if bound and tier is not Tier.EMPIRICAL and metric.site != "offline" else "reading"
         self.readings.append(
-            ReadingRecord(
-                layer, path, metric, float(value), tier, kind, name + suffix, unclipped and kind == "bound"
-            )
+            ReadingRecord(layer, path, metric, float(value), tier, kind, name + suffix, unclipped and kind == "bound")
         )
 
     def chain(self, layer: int, path: str, chain: Chain, e_in: float, name: str) -> None:

@@ -126,9 +126,15 @@ class ReadingRecord:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (``unclipped`` only when true)."""
-        out: dict[str, Any] = {"layer": self.layer, "path": self.path, "metric": str(self.metric),
-                               "value": self.value, "tier": self.tier.value, "kind": self.kind,
-                               "name": self.name}
+        out: dict[str, Any] = {
+            "layer": self.layer,
+            "path": self.path,
+            "metric": str(self.metric),
+            "value": self.value,
+            "tier": self.tier.value,
+            "kind": self.kind,
+            "name": self.name,
+        }
         if self.unclipped:
             out["unclipped"] = True
         return out
@@ -170,8 +176,12 @@ class ProbeSnapshot:
     def __post_init__(self) -> None:
         _typed(self.schema, self.schema == SCHEMA, "schema", repr(SCHEMA))
         if self.recorded_digest is not None:
-            _typed(self.recorded_digest, isinstance(self.recorded_digest, str)
-                   and _DIGEST.fullmatch(self.recorded_digest) is not None, "digest", "'sha256:' + 64 hex digits")
+            _typed(
+                self.recorded_digest,
+                isinstance(self.recorded_digest, str) and _DIGEST.fullmatch(self.recorded_digest) is not None,
+                "digest",
+                "'sha256:' + 64 hex digits",
+            )
         for key in ("run_id", "model", "family"):
             value = getattr(self, key)
             _typed(value, isinstance(value, str) and bool(value.strip()), key, "a non-empty str")
@@ -220,10 +230,17 @@ class ProbeSnapshot:
             except SnapshotError as exc:
                 raise SnapshotError(f"readings[{i}]: {exc}") from None
         checks = _fields(top["self_checks"], "self_checks", SELF_CHECKS)
-        return cls(run_id=top["run_id"], model=top["model"], family=top["family"],
-                   declared=Declared(tuple(layers), tuple(paths)), triggers=top["triggers"],
-                   readings=tuple(readings), self_checks=SelfChecks(**checks), schema=top["schema"],
-                   recorded_digest=top.get("digest"))
+        return cls(
+            run_id=top["run_id"],
+            model=top["model"],
+            family=top["family"],
+            declared=Declared(tuple(layers), tuple(paths)),
+            triggers=top["triggers"],
+            readings=tuple(readings),
+            self_checks=SelfChecks(**checks),
+            schema=top["schema"],
+            recorded_digest=top.get("digest"),
+        )
 
     @classmethod
     def from_json(cls, text: str) -> ProbeSnapshot:
@@ -250,4 +267,3 @@ class ProbeSnapshot:
         except (OSError, UnicodeDecodeError) as exc:
             raise SnapshotError(f"cannot read {path}: {exc}") from None
         return cls.from_json(text)
-

@@ -209,8 +209,13 @@ def verify(snapshot: ProbeSnapshot, registry: TierRegistry = REGISTRY, require_d
         raise ValueError(f"registry must be a TierRegistry, got {type(registry).__name__}")
     reasons: list[str] = []
     first = "pass"
-    checks = (("integrity", lambda s: _integrity(s, require_digest)), ("registry", lambda s: _registry(s, registry)),
-              ("coverage", _coverage), ("magnitude", _magnitude), ("soundness", lambda s: _soundness(s, registry)))
+    checks = (
+        ("integrity", lambda s: _integrity(s, require_digest)),
+        ("registry", lambda s: _registry(s, registry)),
+        ("coverage", _coverage),
+        ("magnitude", _magnitude),
+        ("soundness", lambda s: _soundness(s, registry)),
+    )
     for stage, check in checks:
         failures = check(snapshot)
         if failures and first == "pass":

@@ -58,8 +58,7 @@ class DitherKey:
             raise ValueError(f"key.request must be int64 [B]={b}, got {got}")
         if self.positions.dtype != torch.int64 or tuple(self.positions.shape) != (b, t):
             raise ValueError(
-                f"key.positions must be int64 [B, T]={(b, t)}, got {self.positions.dtype} "
-                f"{tuple(self.positions.shape)}"
+                f"key.positions must be int64 [B, T]={(b, t)}, got {self.positions.dtype} {tuple(self.positions.shape)}"
             )
 
 

@@ -28,7 +28,7 @@ def _save(fig: plt.Figure, path: Path) -> Path:
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=90, metadata={"Software": None})
     plt.close(fig)
-    return write_atomic(path, png.getvalue())   # never through a link at ``path``
+    return write_atomic(path, png.getvalue())  # never through a link at ``path``
 
 
 def layer_head_map(values: torch.Tensor, path: Path, title: str, label: str, vmax: float = 1.0) -> Path:
@@ -36,9 +36,7 @@ def layer_head_map(values: torch.Tensor, path: Path, title: str, label: str, vma
     if values.ndim != 2:
         raise ValueError(f"values must be [layers, heads], got shape {tuple(values.shape)}")
     fig, ax = plt.subplots(figsize=(5, 6))
-    im = ax.imshow(
-        values.double().numpy(), aspect="auto", cmap="viridis", vmin=0.0, vmax=vmax, interpolation="nearest"
-    )
+    im = ax.imshow(values.double().numpy(), aspect="auto", cmap="viridis", vmin=0.0, vmax=vmax, interpolation="nearest")
     ax.set_xlabel("query head")
     ax.set_ylabel("layer")
     ax.set_title(title, fontsize=9)
@@ -70,7 +68,7 @@ class AccuracyPoint:
     diff_low: float
     diff_high: float
     bytes_per_token: float
-    gated: bool | None          # None: a peer cache that is not kvcert's (no gate, no certificate)
+    gated: bool | None  # None: a peer cache that is not kvcert's (no gate, no certificate)
 
 
 def accuracy_bars(points: Sequence[AccuracyPoint], baseline: float, path: Path) -> Path:
@@ -99,8 +97,9 @@ def accuracy_bars(points: Sequence[AccuracyPoint], baseline: float, path: Path) 
     return _save(fig, path)
 
 
-def accuracy_vs_budget(series: Mapping[str, Sequence[tuple[float, float, float, float]]], baseline: float,
-                       path: Path, title: str) -> Path:
+def accuracy_vs_budget(
+    series: Mapping[str, Sequence[tuple[float, float, float, float]]], baseline: float, path: Path, title: str
+) -> Path:
     """Accuracy against the kept fraction, one line per policy: ``series[name] = [(kept, acc, lo, hi)]`` with
     ``lo``/``hi`` the paired 95% CI of (policy − reference), drawn around the reference accuracy."""
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -110,8 +109,9 @@ def accuracy_vs_budget(series: Mapping[str, Sequence[tuple[float, float, float, 
         acc = np.array([p[1] for p in pts])
         lo = np.array([baseline + p[2] for p in pts])
         hi = np.array([baseline + p[3] for p in pts])
-        ax.errorbar(kept, acc, yerr=[np.clip(acc - lo, 0, None), np.clip(hi - acc, 0, None)], marker="o",
-                    capsize=3, label=name)
+        ax.errorbar(
+            kept, acc, yerr=[np.clip(acc - lo, 0, None), np.clip(hi - acc, 0, None)], marker="o", capsize=3, label=name
+        )
     ax.axhline(baseline, color="k", linestyle="--", linewidth=1, label="no eviction")
     ax.set_xlabel("fraction of the prompt kept")
     ax.set_ylabel("accuracy (empirical)")
@@ -121,9 +121,7 @@ def accuracy_vs_budget(series: Mapping[str, Sequence[tuple[float, float, float, 
     return _save(fig, Path(path))
 
 
-def bytes_vs_accuracy(
-    points: Sequence[AccuracyPoint], dense_bytes: float, baseline: float, path: Path
-) -> Path:
+def bytes_vs_accuracy(points: Sequence[AccuracyPoint], dense_bytes: float, baseline: float, path: Path) -> Path:
     """Scatter of device-tier bytes per token (measured: codes, scales, witnesses, exact entries) against
     accuracy: gated green, raw red, peers (``gated=None``, e.g. transformers' QuantizedCache) blue, dense
     marked."""

@@ -20,13 +20,10 @@ pre{background:#f6f6f6;padding:6px}"""
 def table_html(table: ReportTable) -> str:
     """One ``<table>`` with its title as caption and its note below."""
     head = "".join(f"<th>{html.escape(c)}</th>" for c in table.columns)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in table.rows
-    )
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in table.rows)
     note = f'<p class="note">{html.escape(table.note)}</p>' if table.note else ""
     return (
-        f"<h3>{html.escape(table.title)}</h3><table><thead><tr>{head}</tr></thead>"
-        f"<tbody>{body}</tbody></table>{note}"
+        f"<h3>{html.escape(table.title)}</h3><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{note}"
     )
 
 

@@ -146,7 +146,7 @@ class ResultsDocument:
     command: str
     config: dict[str, Any]
     results: dict[str, Any]
-    document: dict[str, Any]   # the whole parsed file
+    document: dict[str, Any]  # the whole parsed file
     source: Path
 
 

@@ -47,6 +47,7 @@ def to_rich(table: ReportTable) -> Table:
 
 def to_markdown(table: ReportTable) -> str:
     """The table as GitHub markdown (title in bold, numbers right-aligned, the note below), every cell in full."""
+
     def line(cells: tuple[str, ...]) -> str:
         return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 

@@ -5,5 +5,13 @@
 from kvcert.serving.replicas import ReplicaConfig, ReplicaGroup, rank_dir
 from kvcert.serving.server import BatchingServer, ObservedDynamicCache, certified_cache, decode_batch, dynamic_cache
 
-__all__ = ["BatchingServer", "ObservedDynamicCache", "ReplicaConfig", "ReplicaGroup", "certified_cache",
-           "decode_batch", "dynamic_cache", "rank_dir"]
+__all__ = [
+    "BatchingServer",
+    "ObservedDynamicCache",
+    "ReplicaConfig",
+    "ReplicaGroup",
+    "certified_cache",
+    "decode_batch",
+    "dynamic_cache",
+    "rank_dir",
+]

@@ -232,9 +232,7 @@ def decode_batch(
     out: list[list[int]] = [[] for _ in prompts]
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     for _ in range(max(max_new_tokens)):
-        logits = model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True
-        ).logits[:, -1]
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits[:, -1]
         nxt = logits.argmax(-1)
         for i in range(b):
             out[i].append(int(nxt[i]))

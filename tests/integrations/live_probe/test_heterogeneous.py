@@ -77,11 +77,7 @@ def test_probe_passes_gate_with_chains(models, name):
             assert c.verdict is None
         else:
             assert c.verdict == (
-                "non-vacuous"
-                if c.evaluation.value < 0.5
-                else "marginal"
-                if c.evaluation.value < 1
-                else "saturated"
+                "non-vacuous" if c.evaluation.value < 0.5 else "marginal" if c.evaluation.value < 1 else "saturated"
             )
     # JSON round trip keeps the gate verdict
     again = ProbeSnapshot.from_json(snap.to_json())

@@ -87,8 +87,7 @@ def probe_dense_live(
     Self-checks (``witness_violations``): every stored key's witness against its true residual, every cell's
     true TV against its certificate (telemetry ``violations``) and each layer's chain against its worst cell.
     """
-    cache = CertifiedCache(model, keys=key_codec, values="none", validate=True, bands=bands, seed=seed,
-                           write_block=1)
+    cache = CertifiedCache(model, keys=key_codec, values="none", validate=True, bands=bands, seed=seed, write_block=1)
     try:
         serve_request(model, input_ids, cache)
     finally:

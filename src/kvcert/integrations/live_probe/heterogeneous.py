@@ -106,9 +106,7 @@ class ProbeConfig:
 
     def __post_init__(self) -> None:
         if self.top_k < 1 or any(r < 1 or r > self.top_k for r in self.ranks):
-            raise ValueError(
-                f"top_k must be >= 1 and ranks within [1, top_k], got {self.top_k}, {self.ranks}"
-            )
+            raise ValueError(f"top_k must be >= 1 and ranks within [1, top_k], got {self.top_k}, {self.ranks}")
         if not 0.0 < self.delta_req < 1.0:
             raise ValueError(f"delta_req must lie in (0, 1), got {self.delta_req}")
         if self.pool_block is not None:
@@ -154,9 +152,7 @@ def _key_radius(cap: CapturedAttention, quant: Quantized) -> torch.Tensor:
 
 def _served_keys(rec: Recorder, cap: CapturedAttention, cfg: ProbeConfig) -> _ServedKeys:
     if cap.softcap is not None:
-        raise ValueError(
-            f"layer {cap.layer}: attention logit soft-capping is not covered by the score bridge"
-        )
+        raise ValueError(f"layer {cap.layer}: attention logit soft-capping is not covered by the score bridge")
     kq = quantize(cfg.key_codec, cap.key, bands=cfg.bands, pairing="rotate_half")
     rec.count_witness(kq.band_norms, kq.residual_norms)
     q_max = float(cap.query.to(torch.float64).norm(dim=-1).max())
@@ -186,18 +182,14 @@ def _probe_selector(rec: Recorder, cap: CapturedAttention, cfg: ProbeConfig, sk:
     rec.count_witness(sq.band_norms, sq.residual_norms)
     selector = attention_scores(cap.query, sq.x_hat, cap.scaling)
     sel_radius = _key_radius(cap, sq)
-    rec.counts["witness_violations"] += int(
-        (((selector - exact).abs() > sel_radius + RADIUS_ATOL) & vis).sum()
-    )
+    rec.counts["witness_violations"] += int((((selector - exact).abs() > sel_radius + RADIUS_ATOL) & vis).sum())
     eps_row = torch.where(vis, sel_radius, torch.zeros_like(sel_radius)).amax(-1)
     for r in sorted({*cfg.ranks, cfg.top_k}):
         if r > vis.shape[-1]:
             continue
         cert = rank_prefix_certificate(selector, vis, eps_row, r)
         rec.counts["certified_flips"] += int((prefix_flips(exact, selector, vis, r) & cert.certified).sum())
-        rec.add(
-            layer, path, SEL_ROWS, "topk_margin_cert_rate", float(cert.certified.double().mean()), f"/r{r}"
-        )
+        rec.add(layer, path, SEL_ROWS, "topk_margin_cert_rate", float(cert.certified.double().mean()), f"/r{r}")
     k = min(cfg.top_k, vis.shape[-1])
     mass = lost_gained_mass(selector, hash_perturbation(selector, vis, eps_row), vis, k)
     lost, gain = float(mass.m_out.max()), float(mass.m_in.max())
@@ -211,11 +203,7 @@ def _probe_selector(rec: Recorder, cap: CapturedAttention, cfg: ProbeConfig, sk:
     term = (
         Chain()
         .then(stages.selection_s2(lost, gain))
-        .then(
-            bridges.selector_mass_ratio(
-                rho, "top-k truncation sets of this request", "eps_row hash-perturbed swaps"
-            )
-        )
+        .then(bridges.selector_mass_ratio(rho, "top-k truncation sets of this request", "eps_row hash-perturbed swaps"))
     )
     rec.chain(layer, path, dense_chain(sk.witness, sk.qnorm).also(term), 0.0, "sel_chain_tv")
     rec.triggers += 1
@@ -248,9 +236,7 @@ def _probe_latent(rec: Recorder, lat: LatentLayer, cfg: ProbeConfig, n_layers: i
     rec.add(layer, path, KV_ENTRY_L2, "latent_witness", w_max, bound=True)
     rec.add(layer, path, Q_NORM, "qnorm", lat.scaling * q_max)
     if cq.steps is not None and pq.steps is not None:
-        s2 = latent_tier_b_sigma2(
-            u, cq.steps, lat.scaling, codec.group_size, lat.q_pe, pq.steps, codec.group_size
-        )
+        s2 = latent_tier_b_sigma2(u, cq.steps, lat.scaling, codec.group_size, lat.q_pe, pq.steps, codec.group_size)
         cells = n_layers * u.shape[-3] * u.shape[-2] * u.shape[0]
         ub = tier_b_radius(s2, vis.shape[-1], cfg.delta_req / cells)
         p_served = served_softmax(served, vis)
@@ -278,9 +264,7 @@ def _probe_recurrent(rec: Recorder, trace: GateTrace) -> None:
         finite = prof.half_life_logsum[torch.isfinite(prof.half_life_logsum)]
         if finite.numel():
             rec.add(layer, path, GATE_STEPS, "gate_half_life", float(finite.max()), "/logsum_max")
-        rec.add(
-            layer, path, GATE_FRAC, "gate_non_contracting_frac", float((~prof.contracting).double().mean())
-        )
+        rec.add(layer, path, GATE_FRAC, "gate_non_contracting_frac", float((~prof.contracting).double().mean()))
         product = float(prof.sum_log_a.max().exp())
         stage = Contract(
             "gate_contraction",
@@ -316,9 +300,7 @@ def memory_paths(model: torch.nn.Module, config: ProbeConfig | None = None) -> t
         if cfg.pool_block is not None and pooled_layers(model):
             paths.append("pooling")
     if not paths:
-        raise ValueError(
-            f"{type(model).__name__}: no supported memory class (dense, latent, recurrent) found"
-        )
+        raise ValueError(f"{type(model).__name__}: no supported memory class (dense, latent, recurrent) found")
     return tuple(paths)
 
 

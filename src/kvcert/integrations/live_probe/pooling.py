@@ -69,7 +69,7 @@ def pooling_meters(reads: list[PooledRead], n_layers: int) -> PoolingMeters:
     for r in reads:
         if not r.new_blocks:
             continue
-        prof = pooling_profile(r.weights)                                          # [B, Hkv, n] per block
+        prof = pooling_profile(r.weights)  # [B, Hkv, n] per block
         at = (r.layer, r.step)
         out["a_l2_max"][at] = prof.a_l2.amax(-1)
         out["a_l2_min"][at] = prof.a_l2.amin(-1)

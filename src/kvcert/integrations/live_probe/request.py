@@ -15,8 +15,9 @@ def serve_request(model: torch.nn.Module, input_ids: torch.Tensor, cache: Cache 
     """
     t = input_ids.shape[-1]
     if input_ids.dim() != 2 or t < 2:
-        raise ValueError(f"input_ids must be [B, T] with T >= 2 (a prefill and a decode step), got "
-                         f"{tuple(input_ids.shape)}")
+        raise ValueError(
+            f"input_ids must be [B, T] with T >= 2 (a prefill and a decode step), got {tuple(input_ids.shape)}"
+        )
     prefill = (t + 1) // 2
     with torch.no_grad():
         out = model(input_ids[:, :prefill], cache=cache, use_cache=True)

@@ -49,6 +49,7 @@ def test_eval_resident_variant_reports_tiered_numbers(tmp_path: Path) -> None:
                                  "streaming", "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert "Resident variants" in result.output
+    row = next(line for line in result.output.splitlines() if line.startswith("| int4+resident | certified"))
     doc = json.loads((out / "results.json").read_text())
     assert untiered_numbers(doc["results"]) == []
     assert (doc["config"]["resident"], doc["config"]["select"]) == (0.25, "streaming")
@@ -64,6 +65,8 @@ def test_eval_resident_variant_reports_tiered_numbers(tmp_path: Path) -> None:
     assert kept["recall_ratio"]["value"] == pytest.approx(kept["bytes_recalled"]["value"] / context)
     assert kept["capacity_context"]["value"] == pytest.approx(context / kept["bytes_device"]["value"])
     assert context == variants["int4"]["bytes_fp16"]["value"]   # the plain scheme holds every token
+    # the summary table's capacity column shows the context capacity for the resident row, not the resident-only one
+    assert f"| {kept['capacity_context']['value']:.2g} |" in row
     assert "omitted_mass" not in json.dumps(variants["int4+gate"])   # only resident variants carry them
     html = (out / "report.html").read_text()
     assert "Resident variants" in html and "R = 0.25 chosen by streaming" in html

@@ -230,7 +230,7 @@ class Telemetry:
     bytes_recalled: int = 0
     bytes_summary: int = 0
     recall_violations: int = 0
-    bytes_fp16_context: int = 0                       # resident set: fp16 K/V of every written token (0: none)
+    bytes_fp16_context: int = 0  # resident set: fp16 K/V of every written token (0: none)
     tiers: dict[str, str] = field(default_factory=lambda: dict(TIERS))
 
     @property

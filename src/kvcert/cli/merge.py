@@ -219,7 +219,7 @@ def _table(merged: dict[str, Any]) -> ReportTable:
                                        f"{fmt(_value(v, 'ci95_high'), percent=True)}]")
         page = _value(v, "page_in_bytes")
         rows.append((lab, v["gate"], fmt(_value(v, "accuracy"), percent=True), ci,
-                     fmt(_value(v, "mcnemar_p")), fmt(_value(v, "capacity")),
+                     fmt(_value(v, "mcnemar_p")), fmt(_value(v, "capacity_context") or _value(v, "capacity")),
                      fmt(None if page is None else page / 1e6), fmt(_value(v, "fallback_rate"), percent=True),
                      fmt(_value(v, "coverage_kv@0.2"), percent=True)))
     n = _value(merged["variants"][DENSE], "samples")
@@ -228,7 +228,8 @@ def _table(merged: dict[str, Any]) -> ReportTable:
         ("variant", "gate", "accuracy", "Δ vs dense [95% CI]", "McNemar p", "capacity", "page-in MB",
          "fallback", "KV-head cov@0.2"),
         tuple(rows),
-        "capacity = fp16 bytes / device bytes; accuracy, CI, p, capacity, page-in, fallback: empirical "
+        "capacity = fp16 bytes / device bytes (resident variants: fp16 bytes of the whole context); "
+        "accuracy, CI, p, capacity, page-in, fallback: empirical "
         "(bytes measured); coverage: certified (Tier-A)",
     )
 

@@ -30,8 +30,8 @@ class Scheme:
     gate: Gate = field(default_factory=Gate.off)
     validate: bool = False
     key_options: tuple[tuple[str, object], ...] = ()
-    resident: float | None = None                          # resident set fraction (``CertifiedCache(resident=)``)
-    select: Callable[[], EvictionPolicy] | None = None     # builds the resident set's policy, one per request
+    resident: float | None = None  # resident set fraction (``CertifiedCache(resident=)``)
+    select: Callable[[], EvictionPolicy] | None = None  # builds the resident set's policy, one per request
 
     @property
     def is_dense(self) -> bool:

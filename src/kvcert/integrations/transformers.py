@@ -1060,8 +1060,9 @@ class CertifiedCache(Cache):
         stores = [layer.store for layer in self.layers]
         held = sum(s.n for s in stores)
         omitted = sum(s.evicted["k"].view().shape[2] for s in stores if s.evicted)
-        omitted_fp16 = sum(2 * (s.evicted["k"].view().numel() + s.evicted["v"].view().numel())
-                           for s in stores if s.evicted)
+        omitted_fp16 = sum(
+            2 * (s.evicted["k"].view().numel() + s.evicted["v"].view().numel()) for s in stores if s.evicted
+        )
         return {
             "omitted_mass_bound": stack_records(recs, n_layers, steps, "mass_bound"),
             "omitted_mass": stack_records(recs, n_layers, steps, "true_mass"),

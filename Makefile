@@ -31,10 +31,12 @@ demo: $(VENV)/.runtime
 
 test: $(VENV)/.dev
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=900 tests
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 
 bench: $(VENV)/.runtime
 	$(BIN)/python benchmarks/soundness_fuzz.py

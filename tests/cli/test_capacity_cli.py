@@ -25,9 +25,25 @@ torch.set_num_threads(1)
 def test_frontier_reports_every_variant_and_peer_with_device_bytes(tmp_path):
     pytest.importorskip("optimum.quanto")
     out = tmp_path / "frontier"
-    result = invoke("frontier", *TINY, *RULER, "--tasks", "niah_single_1", "--schemes", "int4",
-                    "--gate", "certified:0.2", "--peers", "quanto-int2", "--residual-length", "8",
-                    "--resamples", "200", "--out", str(out))
+    result = invoke(
+        "frontier",
+        *TINY,
+        *RULER,
+        "--tasks",
+        "niah_single_1",
+        "--schemes",
+        "int4",
+        "--gate",
+        "certified:0.2",
+        "--peers",
+        "quanto-int2",
+        "--residual-length",
+        "8",
+        "--resamples",
+        "200",
+        "--out",
+        str(out),
+    )
     assert "dev B/tok" in result.output
     doc = check_report(out)
     variants = doc["results"]["variants"]
@@ -62,7 +78,7 @@ def test_tightness_quantiles_of_true_tv_over_certificate():
     assert got["tightness_median"] == pytest.approx(np.quantile(ratio, 0.5))
     assert got["tightness_p90"] == pytest.approx(np.quantile(ratio, 0.9))
     assert got["tightness_informative_cells"] == int(((cert > 0) & (raw < 1)).sum())
-    assert ratio.max() <= 1.0                                 # sound per cell: true TV never above its bound
+    assert ratio.max() <= 1.0  # sound per cell: true TV never above its bound
     with pytest.raises(ValueError, match="validate"):
         tightness(CertifiedCache(model, keys="int4", values="int4").telemetry())
 
@@ -70,7 +86,7 @@ def test_tightness_quantiles_of_true_tv_over_certificate():
 def test_codecs_real_prompt_informative_fraction():
     frac = real_informative("tiny:llama", context=512, steps=2, seed=0)
     assert set(frac) == set(BUILTINS)
-    assert frac["none"] == 1.0                                # exact keys: radius 0 up to float rounding
+    assert frac["none"] == 1.0  # exact keys: radius 0 up to float rounding
     assert all(0.0 <= f <= 1.0 for f in frac.values())
 
 

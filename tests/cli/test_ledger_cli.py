@@ -65,17 +65,13 @@ def test_replay_check_against(tmp_path):
     _run(led, fail_closed=True)
     log.close()
     led.save(tmp_path / "state.json")
-    r = runner.invoke(
-        app, ["replay", str(tmp_path / "ledger.db"), "--check-against", str(tmp_path / "state.json")]
-    )
+    r = runner.invoke(app, ["replay", str(tmp_path / "ledger.db"), "--check-against", str(tmp_path / "state.json")])
     assert r.exit_code == 0, r.output
     assert "accounts=3" in r.output and "replay == live: yes" in r.output
     state = json.loads((tmp_path / "state.json").read_text())
     state["accounts"]["1"]["n_reads"] += 1
     (tmp_path / "bad.json").write_text(json.dumps(state))
-    r = runner.invoke(
-        app, ["replay", str(tmp_path / "ledger.db"), "--check-against", str(tmp_path / "bad.json")]
-    )
+    r = runner.invoke(app, ["replay", str(tmp_path / "ledger.db"), "--check-against", str(tmp_path / "bad.json")])
     assert r.exit_code == 1 and "$.accounts.1.n_reads" in r.output
     assert runner.invoke(app, ["replay", str(tmp_path / "missing.db")]).exit_code == 2
 

@@ -66,7 +66,7 @@ def test_run_writes_report_and_reproduces(tmp_path: Path) -> None:
     doc = check_report(out)
     variants = doc["results"]["variants"]
     assert set(variants) == {"dense", "int4", "int4+gate", "dither-int8/int4", "dither-int8/int4+gate", "int8+resident"}
-    kept = variants["int8+resident"]   # the run's resident variant: int8, R = 0.25, SnapKV, certified(0.2) + recall
+    kept = variants["int8+resident"]  # the run's resident variant: int8, R = 0.25, SnapKV, certified(0.2) + recall
     assert (kept["gate"], kept["select"]) == ("certified(tau=0.2, head)", "snapkv")
     assert kept["max_omitted_mass_bound"]["tier"] == "certified" and kept["bytes_recalled"]["tier"] == "empirical"
     choices = doc["results"]["gate_choice"]

@@ -19,16 +19,33 @@ def _t(v):
 
 
 def _shard(task: str, dense: list[float], raw: list[float], cells: int, cov: float, page: int, gate="off") -> dict:
-    per_sample = [{"task": task, "index": _t(i), "scores": {"dense": _t(d), "int2": _t(r)}}
-                  for i, (d, r) in enumerate(zip(dense, raw, strict=True))]
-    tel = {"cells": _t(cells), "coverage_kv@0.2": _t(cov), "informative_fraction": _t(cov),
-           "fallback_rate": _t(0.5 * cov), "effective_bits": _t(4.0 + cov), "page_in_bytes": _t(page),
-           "fail_closed": _t(0), "max_certificate": _t(cov), "bytes_per_token_fp16": _t(100.0),
-           "bytes_per_token_stored": _t(30.0 + cov)}
-    return {"command": "eval", "config": {"model": "m"},
-            "results": {"variants": {"dense": {"gate": "off", "codecs": None},
-                                     "int2": {"gate": gate, "codecs": {"keys": "int2"}, **tel}},
-                        "per_sample": per_sample}}
+    per_sample = [
+        {"task": task, "index": _t(i), "scores": {"dense": _t(d), "int2": _t(r)}}
+        for i, (d, r) in enumerate(zip(dense, raw, strict=True))
+    ]
+    tel = {
+        "cells": _t(cells),
+        "coverage_kv@0.2": _t(cov),
+        "informative_fraction": _t(cov),
+        "fallback_rate": _t(0.5 * cov),
+        "effective_bits": _t(4.0 + cov),
+        "page_in_bytes": _t(page),
+        "fail_closed": _t(0),
+        "max_certificate": _t(cov),
+        "bytes_per_token_fp16": _t(100.0),
+        "bytes_per_token_stored": _t(30.0 + cov),
+    }
+    return {
+        "command": "eval",
+        "config": {"model": "m"},
+        "results": {
+            "variants": {
+                "dense": {"gate": "off", "codecs": None},
+                "int2": {"gate": gate, "codecs": {"keys": "int2"}, **tel},
+            },
+            "per_sample": per_sample,
+        },
+    }
 
 
 def test_merge_equals_one_run_over_all_samples():
@@ -67,14 +84,31 @@ def test_load_shard_names_the_problem(tmp_path: Path):
 
 
 def test_cli_merges_two_real_eval_shards(tmp_path: Path):
-    common = ["--model", "tiny:llama", "--seed", "0", "--context", "512", "--samples", "2", "--max-new-tokens", "3",
-              "--schemes", "int2", "--gate", "certified:0.2", "--resamples", "200"]
+    common = [
+        "--model",
+        "tiny:llama",
+        "--seed",
+        "0",
+        "--context",
+        "512",
+        "--samples",
+        "2",
+        "--max-new-tokens",
+        "3",
+        "--schemes",
+        "int2",
+        "--gate",
+        "certified:0.2",
+        "--resamples",
+        "200",
+    ]
     for name, task in (("a", "niah_single_1"), ("b", "niah_single_2")):
         res = runner.invoke(app, ["eval", *common, "--task", f"ruler:{task}", "--out", str(tmp_path / name)])
         assert res.exit_code == 0, res.output
     out = tmp_path / "merged"
-    res = runner.invoke(app, ["merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out),
-                              "--resamples", "200"])
+    res = runner.invoke(
+        app, ["merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out), "--resamples", "200"]
+    )
     assert res.exit_code == 0, res.output
     doc = json.loads((out / "results.json").read_text())
     assert doc["command"] == "merge" and untiered_numbers(doc["results"]) == []

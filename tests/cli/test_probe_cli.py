@@ -83,8 +83,9 @@ def test_run_probes_a_dense_model_and_writes_a_passing_snapshot(tmp_path):
     assert result.exit_code == 0, result.output
     assert "paths dense_kv, sparse_selector, pooling" in result.output
     rows = [line.split() for line in result.output.splitlines() if line.strip()[:1].isdigit()]
-    assert {(r[0], r[1]) for r in rows} == {(str(i), p) for i in (0, 1) for p in
-                                          ("dense_kv", "sparse_selector", "pooling")}
+    assert {(r[0], r[1]) for r in rows} == {
+        (str(i), p) for i in (0, 1) for p in ("dense_kv", "sparse_selector", "pooling")
+    }
     assert all(r[3] in ("certified", "partial", "empirical") for r in rows)  # every chain carries its tier
     assert "‖w‖₂ (certified coefficient)" in result.output and f"snapshot {out}: PASS" in result.output
     again = runner.invoke(app, ["verify", str(out)])
@@ -102,8 +103,12 @@ def test_run_covers_latent_and_recurrent_models(tmp_path):
 
 def test_run_rejects_bad_options(tmp_path):
     out = str(tmp_path / "x.json")
-    for args, cause in ((["--key-bits", "3"], "key_bits"), (["--tokens", "1"], "tokens"),
-                        (["--model", "tiny:mamba2", "--prompt", "hi"], "tokenizer"),
-                        (["--pool-weighting", "max"], "weighting"), (["--model", "tiny:gpt2"], "model")):
+    for args, cause in (
+        (["--key-bits", "3"], "key_bits"),
+        (["--tokens", "1"], "tokens"),
+        (["--model", "tiny:mamba2", "--prompt", "hi"], "tokenizer"),
+        (["--pool-weighting", "max"], "weighting"),
+        (["--model", "tiny:gpt2"], "model"),
+    ):
         result = runner.invoke(app, ["run", "--out", out, *args])
         assert result.exit_code == 2 and cause in result.output, (args, result.output)

@@ -18,22 +18,48 @@ from kvcert.models.tiny import tiny_random
 from kvcert.report.results import untiered_numbers
 
 runner = CliRunner()
-TINY = ["--model", "tiny:llama", "--seed", "0", "--context", "512", "--samples", "1", "--max-new-tokens", "3",
-        "--task", "ruler:niah_single_1", "--schemes", "int4", "--resamples", "100"]
-RESIDENT_FIELDS = {"resident_fraction": "empirical", "max_omitted_mass_bound": "certified",
-                   "pages_recalled": "empirical", "bytes_recalled": "empirical", "bytes_summary": "empirical",
-                   "recall_ratio": "empirical", "bytes_fp16_context": "empirical", "capacity_context": "empirical"}
+TINY = [
+    "--model",
+    "tiny:llama",
+    "--seed",
+    "0",
+    "--context",
+    "512",
+    "--samples",
+    "1",
+    "--max-new-tokens",
+    "3",
+    "--task",
+    "ruler:niah_single_1",
+    "--schemes",
+    "int4",
+    "--resamples",
+    "100",
+]
+RESIDENT_FIELDS = {
+    "resident_fraction": "empirical",
+    "max_omitted_mass_bound": "certified",
+    "pages_recalled": "empirical",
+    "bytes_recalled": "empirical",
+    "bytes_summary": "empirical",
+    "recall_ratio": "empirical",
+    "bytes_fp16_context": "empirical",
+    "capacity_context": "empirical",
+}
 
 
-@pytest.mark.parametrize(("args", "needle"), [
-    (["--resident", "0"], "--resident must be a fraction in (0, 1]"),
-    (["--resident", "1.5"], "--resident must be a fraction in (0, 1]"),
-    (["--resident", "nan"], "--resident must be a fraction in (0, 1]"),
-    (["--resident", "0.25", "--select", "belady"], "--select: unknown policy 'belady'"),
-    (["--select", "snapkv"], "--select picks the resident set"),
-    (["--resident", "0.25", "--gate", "risk:5"], "--resident needs --gate auto, off or certified:TAU"),
-    (["--resident", "0.05"], "fewer than the 32 that --select snapkv protects"),   # 26 of 512 tokens kept
-])
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--resident", "0"], "--resident must be a fraction in (0, 1]"),
+        (["--resident", "1.5"], "--resident must be a fraction in (0, 1]"),
+        (["--resident", "nan"], "--resident must be a fraction in (0, 1]"),
+        (["--resident", "0.25", "--select", "belady"], "--select: unknown policy 'belady'"),
+        (["--select", "snapkv"], "--select picks the resident set"),
+        (["--resident", "0.25", "--gate", "risk:5"], "--resident needs --gate auto, off or certified:TAU"),
+        (["--resident", "0.05"], "fewer than the 32 that --select snapkv protects"),  # 26 of 512 tokens kept
+    ],
+)
 def test_bad_resident_options_are_refused_before_loading(tmp_path: Path, args: list[str], needle: str) -> None:
     out = tmp_path / "out"
     result = runner.invoke(app, ["eval", *TINY, *args, "--out", str(out)])
@@ -45,8 +71,10 @@ def test_bad_resident_options_are_refused_before_loading(tmp_path: Path, args: l
 
 def test_eval_resident_variant_reports_tiered_numbers(tmp_path: Path) -> None:
     out = tmp_path / "eval"
-    result = runner.invoke(app, ["eval", *TINY, "--gate", "certified:0.2", "--resident", "0.25", "--select",
-                                 "streaming", "--out", str(out)])
+    result = runner.invoke(
+        app,
+        ["eval", *TINY, "--gate", "certified:0.2", "--resident", "0.25", "--select", "streaming", "--out", str(out)],
+    )
     assert result.exit_code == 0, result.output
     assert "Resident variants" in result.output
     row = next(line for line in result.output.splitlines() if line.startswith("| int4+resident | certified"))
@@ -58,16 +86,16 @@ def test_eval_resident_variant_reports_tiered_numbers(tmp_path: Path) -> None:
     kept = variants["int4+resident"]
     assert kept["gate"] == "certified(tau=0.2, head)" and kept["select"] == "streaming"
     assert {k: kept[k]["tier"] for k in RESIDENT_FIELDS} == RESIDENT_FIELDS
-    assert 0.2 < kept["resident_fraction"]["value"] < 0.35          # 25 % of the prompt, plus decoded tokens
+    assert 0.2 < kept["resident_fraction"]["value"] < 0.35  # 25 % of the prompt, plus decoded tokens
     assert 0.0 <= kept["max_omitted_mass_bound"]["value"] <= 1.0
-    context = kept["bytes_fp16_context"]["value"]   # every written token; bytes_fp16 counts the resident ones
+    context = kept["bytes_fp16_context"]["value"]  # every written token; bytes_fp16 counts the resident ones
     assert kept["bytes_fp16"]["value"] == pytest.approx(kept["resident_fraction"]["value"] * context)
     assert kept["recall_ratio"]["value"] == pytest.approx(kept["bytes_recalled"]["value"] / context)
     assert kept["capacity_context"]["value"] == pytest.approx(context / kept["bytes_device"]["value"])
-    assert context == variants["int4"]["bytes_fp16"]["value"]   # the plain scheme holds every token
+    assert context == variants["int4"]["bytes_fp16"]["value"]  # the plain scheme holds every token
     # the summary table's capacity column shows the context capacity for the resident row, not the resident-only one
     assert f"| {kept['capacity_context']['value']:.2g} |" in row
-    assert "omitted_mass" not in json.dumps(variants["int4+gate"])   # only resident variants carry them
+    assert "omitted_mass" not in json.dumps(variants["int4+gate"])  # only resident variants carry them
     html = (out / "report.html").read_text()
     assert "Resident variants" in html and "R = 0.25 chosen by streaming" in html
 
@@ -91,19 +119,42 @@ def _t(v: float | int | None, tier: str = "empirical") -> dict:
 
 
 def _shard(task: str, n: int, fraction: float, pages: int, recalled: int, bound: float, select: str = "snapkv") -> dict:
-    per_sample = [{"task": task, "index": _t(i), "scores": {"dense": _t(1.0), "int8+resident": _t(1.0)}}
-                  for i in range(n)]
-    tel = {"cells": _t(10 * n), "page_in_bytes": _t(0), "fail_closed": _t(0), "max_certificate": _t(bound, "certified"),
-           "bytes_fp16": _t(250 * n), "bytes_fp16_context": _t(1000 * n), "bytes_device": _t(400 * n),
-           "bytes_per_token_fp16": _t(100.0), "bytes_per_token_stored": _t(50.0),
-           "resident_fraction": _t(fraction), "max_omitted_mass_bound": _t(bound, "certified"),
-           "pages_recalled": _t(pages), "bytes_recalled": _t(recalled), "bytes_summary": _t(7),
-           "recall_ratio": _t(recalled / (1000 * n))}
-    return {"command": "eval", "config": {"model": "m", "resident": 0.25, "select": select},
-            "results": {"variants": {"dense": {"gate": "off", "codecs": None},
-                                     "int8+resident": {"gate": "certified(tau=0.2, head)", "select": select,
-                                                       "codecs": {"keys": "int8"}, **tel}},
-                        "per_sample": per_sample}}
+    per_sample = [
+        {"task": task, "index": _t(i), "scores": {"dense": _t(1.0), "int8+resident": _t(1.0)}} for i in range(n)
+    ]
+    tel = {
+        "cells": _t(10 * n),
+        "page_in_bytes": _t(0),
+        "fail_closed": _t(0),
+        "max_certificate": _t(bound, "certified"),
+        "bytes_fp16": _t(250 * n),
+        "bytes_fp16_context": _t(1000 * n),
+        "bytes_device": _t(400 * n),
+        "bytes_per_token_fp16": _t(100.0),
+        "bytes_per_token_stored": _t(50.0),
+        "resident_fraction": _t(fraction),
+        "max_omitted_mass_bound": _t(bound, "certified"),
+        "pages_recalled": _t(pages),
+        "bytes_recalled": _t(recalled),
+        "bytes_summary": _t(7),
+        "recall_ratio": _t(recalled / (1000 * n)),
+    }
+    return {
+        "command": "eval",
+        "config": {"model": "m", "resident": 0.25, "select": select},
+        "results": {
+            "variants": {
+                "dense": {"gate": "off", "codecs": None},
+                "int8+resident": {
+                    "gate": "certified(tau=0.2, head)",
+                    "select": select,
+                    "codecs": {"keys": "int8"},
+                    **tel,
+                },
+            },
+            "per_sample": per_sample,
+        },
+    }
 
 
 def test_merge_pools_resident_numbers() -> None:

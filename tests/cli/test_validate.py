@@ -68,19 +68,21 @@ def refused(args: list[str], *words: str) -> str:
         (["ppl", *TINY, "--chunk", "0"], ["--chunk"]),
         (["ppl", *TINY, "--prefix-fraction", "nan"], ["--prefix-fraction"]),
         (["ppl", *TINY, "--corpus", "nope"], ["--corpus"]),
-        (["audit", "--keys", "int4", "--model", "tiny:llama", "--max-new-tokens", "0", "--task", "niah_single_1"],
-         ["--max-new-tokens"]),
+        (
+            ["audit", "--keys", "int4", "--model", "tiny:llama", "--max-new-tokens", "0", "--task", "niah_single_1"],
+            ["--max-new-tokens"],
+        ),
         (["audit", "--keys", "nope", "--model", "tiny:llama", "--task", "niah_single_1"], ["'nope'"]),
         (["audit", "--keys", "int4", "--model", "tiny:llama"], ["exactly one"]),
-        (["audit", "--keys", "int4", "--model", "tiny:llama", "--task", "niah_single_1", "--context", "100"],
-         ["512"]),
+        (["audit", "--keys", "int4", "--model", "tiny:llama", "--task", "niah_single_1", "--context", "100"], ["512"]),
     ],
 )
-def test_unusable_arguments_are_refused_before_loading(no_loading: None, tmp_path: Path, args: list[str],
-                                                       words: list[str]) -> None:
+def test_unusable_arguments_are_refused_before_loading(
+    no_loading: None, tmp_path: Path, args: list[str], words: list[str]
+) -> None:
     out = tmp_path / "report"
     refused([*args, "--out", str(out)], *words)
-    assert not out.exists()   # nothing written for a refused command
+    assert not out.exists()  # nothing written for a refused command
 
 
 def test_a_folder_that_is_not_a_model_is_refused(no_loading: None, tmp_path: Path) -> None:
@@ -133,10 +135,10 @@ def test_results_are_never_written_through_a_symlink(tmp_path: Path) -> None:
     link = tmp_path / "results.json"
     link.symlink_to(target)
     write_results(link, {"command": "x", "results": {}})
-    assert target.read_text() == "precious"   # the link was replaced, its target untouched
+    assert target.read_text() == "precious"  # the link was replaced, its target untouched
     assert not link.is_symlink() and json.loads(link.read_text())["command"] == "x"
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []   # no temporary left behind
-    assert (link.stat().st_mode & 0o777) != 0o600   # the mode of a plain write, not mkstemp's
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left behind
+    assert (link.stat().st_mode & 0o777) != 0o600  # the mode of a plain write, not mkstemp's
     for name in ("report.html", "figure.png"):
         (tmp_path / name).symlink_to(target)
     write_html(tmp_path / "report.html", "t", [], [], [], "kvcert x")
@@ -151,11 +153,16 @@ def _tiered(v: object) -> dict[str, object]:
 
 def _eval_doc(task: str, **config: object) -> dict[str, object]:
     variants = {"dense": {"gate": "off", "codecs": None}, "int2": {"gate": "off", "codecs": {"keys": "int2"}}}
-    per_sample = [{"task": task, "index": _tiered(i), "scores": {"dense": _tiered(1.0), "int2": _tiered(s)}}
-                  for i, s in enumerate((0.0, 1.0))]
+    per_sample = [
+        {"task": task, "index": _tiered(i), "scores": {"dense": _tiered(1.0), "int2": _tiered(s)}}
+        for i, s in enumerate((0.0, 1.0))
+    ]
     base = {"model": "tiny:llama", "context": 512, "schemes": ["int2"], "gate": "off", "max_new_tokens": 3}
-    return {"command": "eval", "config": {**base, **config},
-            "results": {"variants": variants, "per_sample": per_sample}}
+    return {
+        "command": "eval",
+        "config": {**base, **config},
+        "results": {"variants": variants, "per_sample": per_sample},
+    }
 
 
 def _write(folder: Path, doc: object) -> Path:
@@ -188,15 +195,18 @@ def test_merge_refuses_shards_of_different_configurations(tmp_path: Path, field:
     ("content", "word"),
     [
         ("[1, 2]", "JSON object"),
-        ("{\"command\": \"eval\", \"results\": {\"per_sample\": []}}", "config"),
-        ("{\"command\": \"eval\", \"config\": {}, \"results\": {\"per_sample\": 3}}", "per_sample"),
+        ('{"command": "eval", "results": {"per_sample": []}}', "config"),
+        ('{"command": "eval", "config": {}, "results": {"per_sample": 3}}', "per_sample"),
         ("not json", "not valid results JSON"),
-        ("{\"a\": NaN}", "not valid results JSON"),
+        ('{"a": NaN}', "not valid results JSON"),
         ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
-        ("{\"command\": \"eval\", \"config\": {}, \"results\": {\"variants\": "
-         "{\"dense\": {\"gate\": \"off\", \"codecs\": null}}, "
-         "\"per_sample\": [{\"task\": \"t\", \"index\": {\"value\": 0, \"tier\": \"empirical\"}, \"scores\": "
-         "{\"dense\": {\"value\": 7, \"tier\": \"empirical\"}}}]}}", "score in [0, 1]"),
+        (
+            '{"command": "eval", "config": {}, "results": {"variants": '
+            '{"dense": {"gate": "off", "codecs": null}}, '
+            '"per_sample": [{"task": "t", "index": {"value": 0, "tier": "empirical"}, "scores": '
+            '{"dense": {"value": 7, "tier": "empirical"}}}]}}',
+            "score in [0, 1]",
+        ),
     ],
 )
 def test_merge_of_a_malformed_results_file_is_one_line(tmp_path: Path, content: str, word: str) -> None:
@@ -212,9 +222,28 @@ def test_an_empty_decode_reports_null_rates_end_to_end(tmp_path: Path, gate: str
     every compressed variant has 0 cells and its rates are null in results.json, with the keys present; the
     auto gate says its rule had no fraction to judge."""
     out = tmp_path / "e"
-    result = runner.invoke(app, ["eval", "--model", "tiny:llama", "--schemes", "int4", "--gate", gate,
-                                 "--context", "512", "--samples", "1", "--max-new-tokens", "1", "--resamples", "20",
-                                 "--out", str(out)])
+    result = runner.invoke(
+        app,
+        [
+            "eval",
+            "--model",
+            "tiny:llama",
+            "--schemes",
+            "int4",
+            "--gate",
+            gate,
+            "--context",
+            "512",
+            "--samples",
+            "1",
+            "--max-new-tokens",
+            "1",
+            "--resamples",
+            "20",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     results = json.loads((out / "results.json").read_text())["results"]
     variants = results["variants"]

@@ -72,9 +72,7 @@ def audit_numbers(tel: Telemetry) -> dict[str, Any]:
         "max_certificate": tiered(tel.max_certificate, CERTIFIED),
         "violations": tiered(tel.violations, EMPIRICAL),
         "out_violations": tiered(tel.out_violations, EMPIRICAL),
-        "max_true_tv": tiered(
-            float(aggregate.cells([tel], "true_tv").max()) if tel.cells else None, EMPIRICAL
-        ),
+        "max_true_tv": tiered(float(aggregate.cells([tel], "true_tv").max()) if tel.cells else None, EMPIRICAL),
         "bytes_stored": tiered(tel.bytes_stored, EMPIRICAL),
         "bytes_device": tiered(tel.bytes_device, EMPIRICAL),
         "capacity": tiered(tel.capacity, EMPIRICAL),
@@ -143,9 +141,7 @@ def audit_figures(tel: Telemetry, label: str, out: Path) -> list[Path]:
     return figs
 
 
-def _input_ids(
-    loaded: Any, prompt_file: Path | None, task: str | None, context: int, seed: int
-) -> torch.Tensor:
+def _input_ids(loaded: Any, prompt_file: Path | None, task: str | None, context: int, seed: int) -> torch.Tensor:
     if prompt_file is not None:
         text = prompt_file.read_text(encoding="utf-8")
         ids = loaded.tokenizer(text, return_tensors="pt").input_ids
@@ -182,9 +178,7 @@ def audit(
     context: Annotated[int, typer.Option(help="RULER length for --task")] = 2048,
     max_new_tokens: Annotated[int, typer.Option(help="greedy tokens decoded through the cache")] = 16,
     seed: Annotated[int, typer.Option(help="seed for data and codecs")] = 0,
-    out: Annotated[
-        Path | None, typer.Option(help="report directory (default runs/audit-<timestamp>)")
-    ] = None,
+    out: Annotated[Path | None, typer.Option(help="report directory (default runs/audit-<timestamp>)")] = None,
     overwrite: OverwriteOption = False,
 ) -> None:
     """Per layer × head certificate heatmap, saturation map, coverage vs τ, Tier A vs Tier B (dithered keys)
@@ -266,10 +260,12 @@ def audit(
     html_path = write_html(
         out / "report.html",
         f"kvcert audit: {spec.label}",
-        [f"{ids.shape[1]} prompt tokens, {len(res.tokens)} decoded tokens, validate mode.",
-         "tightness = true TV / certificate per cell with a positive certificate (p10, median, p90; "
-         "'informative' restricts to cells whose unclipped meter is < 1): 1 is a tight bound, 0 a loose one, "
-         "above 1 a violation. Empirical (measured TV over a certified bound)."],
+        [
+            f"{ids.shape[1]} prompt tokens, {len(res.tokens)} decoded tokens, validate mode.",
+            "tightness = true TV / certificate per cell with a positive certificate (p10, median, p90; "
+            "'informative' restricts to cells whose unclipped meter is < 1): 1 is a tight bound, 0 a loose one, "
+            "above 1 a violation. Empirical (measured TV over a certified bound).",
+        ],
         [table],
         figs,
         command_line(),
@@ -277,7 +273,5 @@ def audit(
     print_table(console, table)
     console.print(f"results: {json_path}\nreport: [bold]{html_path}[/]")
     if tel.violations:
-        console.print(
-            f"[bold red]SOUNDNESS VIOLATION: {tel.violations} cell(s) with true TV > certificate[/]"
-        )
+        console.print(f"[bold red]SOUNDNESS VIOLATION: {tel.violations} cell(s) with true TV > certificate[/]")
         raise typer.Exit(1)

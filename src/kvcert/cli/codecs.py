@@ -100,7 +100,7 @@ def codec_rows(d: int = 64, tokens: int = 512, seed: int = 0) -> list[CodecRow]:
 
 
 REAL_TASK = "niah_single_1"
-REAL_VALUES = "int8"   # the informative fraction is a key certificate: values do not change it
+REAL_VALUES = "int8"  # the informative fraction is a key certificate: values do not change it
 
 
 def real_informative(model: str, context: int = 1024, steps: int = 8, seed: int = 0) -> dict[str, float]:
@@ -121,8 +121,12 @@ def codecs(
     d: Annotated[int, typer.Option(help="head dimension (multiple of 32)")] = 64,
     tokens: Annotated[int, typer.Option(help="cached tokens per head (>= 64)")] = 512,
     seed: Annotated[int, typer.Option(help="RNG seed for keys, queries and dither")] = 0,
-    model: Annotated[str | None, typer.Option(help="also measure the informative fraction on a real prompt "
-                                                   "through this model (e.g. smollm2-135m)")] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="also measure the informative fraction on a real prompt through this model (e.g. smollm2-135m)"
+        ),
+    ] = None,
     context: Annotated[int, typer.Option(help="real prompt length in tokens (with --model)")] = 1024,
     steps: Annotated[int, typer.Option(help="decode steps per codec on the real prompt (with --model)")] = 8,
 ) -> None:
@@ -133,8 +137,10 @@ def codecs(
         if model is not None:
             model_max_positions(model)
     real = None if model is None else real_informative(model, context, steps, seed)
-    table = Table(title=f"built-in codecs on synthetic post-RoPE keys (D={d}, T={tokens}, seed={seed})"
-                        + ("" if model is None else f"; real prompt: {model}, {REAL_TASK} at {context} tokens"))
+    table = Table(
+        title=f"built-in codecs on synthetic post-RoPE keys (D={d}, T={tokens}, seed={seed})"
+        + ("" if model is None else f"; real prompt: {model}, {REAL_TASK} at {context} tokens")
+    )
     table.add_column("codec")
     table.add_column("bytes/token-head\n(measured)", justify="right")
     table.add_column("rel. key error\n(empirical)", justify="right")

@@ -82,9 +82,7 @@ def load_model(spec: str, seed: int = 0) -> LoadedModel:
     if spec.startswith(TINY_PREFIX):
         family = spec[len(TINY_PREFIX) :]
         if family not in SUPPORTED_FAMILIES:
-            raise ValueError(
-                f"model: unknown tiny family {family!r}; supported are {list(SUPPORTED_FAMILIES)}"
-            )
+            raise ValueError(f"model: unknown tiny family {family!r}; supported are {list(SUPPORTED_FAMILIES)}")
         tok_dir = converted_dir(TINY_TOKENIZER_MODEL)
         tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
         model = tiny_random(family, seed=seed, vocab_size=len(tok), head_dim=TINY_HEAD_DIM)
@@ -197,9 +195,11 @@ def resident_fits(plan: ResidentPlan | None, context: int) -> None:
     policy = plan.policy()
     protected = policy.sinks + policy.recent
     if prefill_kept_count(context, 1.0 - plan.fraction) < protected:
-        raise ValueError(f"--resident {plan.fraction} keeps {prefill_kept_count(context, 1.0 - plan.fraction)} of "
-                         f"{context} tokens, fewer than the {protected} that --select {plan.select} protects; raise "
-                         "--resident or --context, or choose another --select")
+        raise ValueError(
+            f"--resident {plan.fraction} keeps {prefill_kept_count(context, 1.0 - plan.fraction)} of "
+            f"{context} tokens, fewer than the {protected} that --select {plan.select} protects; raise "
+            "--resident or --context, or choose another --select"
+        )
 
 
 def resident_gate(gate: Gate | None) -> Gate:
@@ -211,8 +211,10 @@ def resident_gate(gate: Gate | None) -> Gate:
     if gate.mode == "off":
         return gate
     if gate.mode != "certified":
-        raise ValueError(f"--resident needs --gate auto, off or certified:TAU (recall stops at a certified tau), "
-                         f"got {gate.describe()}")
+        raise ValueError(
+            f"--resident needs --gate auto, off or certified:TAU (recall stops at a certified tau), "
+            f"got {gate.describe()}"
+        )
     return Gate.certified(gate.threshold)
 
 

@@ -50,12 +50,19 @@ def evaluate(
     resamples: Annotated[int, typer.Option(help="paired bootstrap resamples")] = 10_000,
     out: Annotated[Path | None, typer.Option(help="report directory (default runs/eval-<timestamp>)")] = None,
     overwrite: OverwriteOption = False,
-    resident: Annotated[float | None, typer.Option(
-        help="also run each scheme with a resident set of this fraction of its tokens, in (0, 1] "
-             "(variant <scheme>+resident, gated certified at --gate's tau, 0.2 for auto)")] = None,
-    select: Annotated[str | None, typer.Option(
-        help=f"resident-set policy: {' | '.join(SELECT_POLICIES)} (default {DEFAULT_SELECT}; needs --resident)",
-    )] = None,
+    resident: Annotated[
+        float | None,
+        typer.Option(
+            help="also run each scheme with a resident set of this fraction of its tokens, in (0, 1] "
+            "(variant <scheme>+resident, gated certified at --gate's tau, 0.2 for auto)"
+        ),
+    ] = None,
+    select: Annotated[
+        str | None,
+        typer.Option(
+            help=f"resident-set policy: {' | '.join(SELECT_POLICIES)} (default {DEFAULT_SELECT}; needs --resident)",
+        ),
+    ] = None,
 ) -> None:
     """Accuracy per scheme (raw and gated, and resident with --resident) with a paired bootstrap 95% CI and exact
     McNemar p against the uncompressed run on the same samples, plus bytes per token, host page-in bytes and
@@ -65,8 +72,11 @@ def evaluate(
         specs = parse_schemes(schemes)
         chosen = parse_gate(gate)
         check_resident_options(resident, select)
-        plan = None if resident is None else ResidentPlan(resident, select or DEFAULT_SELECT, resident_gate(chosen),
-                                                          tuple(specs))
+        plan = (
+            None
+            if resident is None
+            else ResidentPlan(resident, select or DEFAULT_SELECT, resident_gate(chosen), tuple(specs))
+        )
     job = RulerJob(
         "eval",
         model,

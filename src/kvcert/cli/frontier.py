@@ -53,8 +53,9 @@ from kvcert.report.tables import ReportTable, fmt, to_rich
 PEER_KIND, DEFAULT_PEERS = "peer", "quanto-int4,quanto-int2,fp8-e4m3"
 
 
-def peer_numbers(rec: VariantRecord, dense: VariantRecord, runs: list[PeerResult], fp16_token: float, seed: int,
-                 resamples: int) -> dict[str, Any]:
+def peer_numbers(
+    rec: VariantRecord, dense: VariantRecord, runs: list[PeerResult], fp16_token: float, seed: int, resamples: int
+) -> dict[str, Any]:
     """Tiered numbers of one peer: accuracy and paired stats vs dense (empirical), device bytes (measured)."""
     device = sum(r.bytes_device for r in runs)
     fp16 = sum(r.bytes_fp16 for r in runs)
@@ -84,9 +85,19 @@ def frontier_table(variants: dict[str, Any]) -> ReportTable:
     for label, v in sorted(variants.items(), key=lambda kv: dev(kv[1])):
         low, high = val(v, "ci95_low"), val(v, "ci95_high")
         ci = "–" if low is None else f"[{100 * low:+.1f}, {100 * high:+.1f}]"
-        rows.append((label, v["kind"], v["gate"], fmt(val(v, "accuracy"), percent=True), ci, fmt(dev(v), 4),
-                     fmt(val(v, "capacity") or (1.0 if label == DENSE else None), 2), fmt(val(v, "page_in_ratio"), 3),
-                     fmt(val(v, "coverage_kv@0.2"), percent=True)))
+        rows.append(
+            (
+                label,
+                v["kind"],
+                v["gate"],
+                fmt(val(v, "accuracy"), percent=True),
+                ci,
+                fmt(dev(v), 4),
+                fmt(val(v, "capacity") or (1.0 if label == DENSE else None), 2),
+                fmt(val(v, "page_in_ratio"), 3),
+                fmt(val(v, "coverage_kv@0.2"), percent=True),
+            )
+        )
     return ReportTable(
         "accuracy vs device bytes (paired against dense on the same samples)",
         ("variant", "kind", "gate", "acc", "Δ CI95 (pp)", "dev B/tok", "capacity", "page-in ×fp16", "cov@0.2"),
@@ -104,8 +115,9 @@ def frontier(
     samples: Annotated[int, typer.Option(help="samples per task")] = 2,
     schemes: SchemesOption = DEFAULT_SCHEMES,
     gate: GateOption = "auto",
-    peers: Annotated[str, typer.Option(help="comma-separated peers: quanto-int4, quanto-int2, fp8-e4m3 (or '')")
-                     ] = DEFAULT_PEERS,
+    peers: Annotated[
+        str, typer.Option(help="comma-separated peers: quanto-int4, quanto-int2, fp8-e4m3 (or '')")
+    ] = DEFAULT_PEERS,
     residual_length: Annotated[int, typer.Option(help="peers' full-precision residual window")] = 128,
     model: ModelOption = "smollm2-135m",
     seed: Annotated[int, typer.Option(help="seed for data, codecs and bootstrap")] = 0,
@@ -146,31 +158,55 @@ def frontier(
     with progress_bar(f"decoding {len(data)} samples × {len(peer_specs)} peers", len(data), console) as tick:
         for i, sample in enumerate(data):
             budget = sample.max_new_tokens if max_new_tokens is None else min(max_new_tokens, sample.max_new_tokens)
-            for res in run_peers(loaded.model, prompt_ids(loaded.tokenizer, sample), peer_specs, budget,
-                                 loaded.eos_ids):
+            for res in run_peers(
+                loaded.model, prompt_ids(loaded.tokenizer, sample), peer_specs, budget, loaded.eos_ids
+            ):
                 text = loaded.tokenizer.decode(res.tokens, skip_special_tokens=True)
                 peer_recs[res.spec.label].predictions.append(text)
                 peer_recs[res.spec.label].scores.append(ruler.score(sample, text))
                 peer_runs[res.spec.label].append(res)
             tick(i)
     results = frontier_results(result, peer_recs, peer_runs, seed, resamples)
-    config = {"model": model, "tasks": list(task_list), "context": context, "samples": samples,
-              "schemes": [s.label for s in specs], "gate": gate, "peers": [p.label for p in peer_specs],
-              "residual_length": residual_length, "seed": seed, "max_new_tokens": max_new_tokens,
-              "bootstrap_resamples": resamples, "out": str(out)}
+    config = {
+        "model": model,
+        "tasks": list(task_list),
+        "context": context,
+        "samples": samples,
+        "schemes": [s.label for s in specs],
+        "gate": gate,
+        "peers": [p.label for p in peer_specs],
+        "residual_length": residual_length,
+        "seed": seed,
+        "max_new_tokens": max_new_tokens,
+        "bootstrap_resamples": resamples,
+        "out": str(out),
+    }
     table = frontier_table(results["variants"])
     png = frontier_figure(result, results, out / "frontier.png")
     doc = build_document("frontier", config, results, seed, {"seconds": time.time() - t0}, command_line().split())
     json_path = write_results(out / "results.json", doc)
-    html = write_html(out / "report.html", f"kvcert frontier: {model}",
-                      [f"{len(data)} RULER samples ({', '.join(task_list)}) at {context} tokens, model {model}; "
-                       f"peers decode from the same exact prefill."], [table], [png], command_line())
+    html = write_html(
+        out / "report.html",
+        f"kvcert frontier: {model}",
+        [
+            f"{len(data)} RULER samples ({', '.join(task_list)}) at {context} tokens, model {model}; "
+            f"peers decode from the same exact prefill."
+        ],
+        [table],
+        [png],
+        command_line(),
+    )
     console.print(to_rich(table))
     console.print(f"results: {json_path}\nreport: [bold]{html}[/]")
 
 
-def frontier_results(result: WorkloadResult, peer_recs: dict[str, VariantRecord],
-                     peer_runs: dict[str, list[PeerResult]], seed: int, resamples: int) -> dict[str, Any]:
+def frontier_results(
+    result: WorkloadResult,
+    peer_recs: dict[str, VariantRecord],
+    peer_runs: dict[str, list[PeerResult]],
+    seed: int,
+    resamples: int,
+) -> dict[str, Any]:
     """``results`` of results.json: the eval workload's variants (each with its ``kind``) and the peers."""
     results = results_section(result, seed, resamples)
     for rec in result.variants:
@@ -191,10 +227,16 @@ def frontier_figure(result: WorkloadResult, results: dict[str, Any], path: Path)
     """Accuracy vs device bytes per token: raw red, gated green, peers blue, dense starred at fp16."""
     variants = results["variants"]
     points = [
-        figures.AccuracyPoint(label, v["accuracy"]["value"], v["ci95_low"]["value"], v["ci95_high"]["value"],
-                              v["bytes_per_token_device"]["value"],
-                              None if v["kind"] == PEER_KIND else v["kind"] == "gated")
-        for label, v in variants.items() if label != DENSE
+        figures.AccuracyPoint(
+            label,
+            v["accuracy"]["value"],
+            v["ci95_low"]["value"],
+            v["ci95_high"]["value"],
+            v["bytes_per_token_device"]["value"],
+            None if v["kind"] == PEER_KIND else v["kind"] == "gated",
+        )
+        for label, v in variants.items()
+        if label != DENSE
     ]
     dense = variants[DENSE]
     return figures.bytes_vs_accuracy(points, dense["bytes_per_token_fp16"]["value"], dense["accuracy"]["value"], path)

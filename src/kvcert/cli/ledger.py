@@ -68,8 +68,11 @@ def _load(run: Path, expect_head: str | None) -> tuple[dict[str, Any], list[Crit
             snap = _read_json(json_file)
             ledger, reader = replay_verified(log_file)
             diffs = diff_states(snap, json.loads(json.dumps(ledger.snapshot())))
-            same = Criterion("ledger.json==replay(ledger.db)", not diffs,
-                             "identical" if not diffs else f"{len(diffs)} field(s) differ: " + "; ".join(diffs[:3]))
+            same = Criterion(
+                "ledger.json==replay(ledger.db)",
+                not diffs,
+                "identical" if not diffs else f"{len(diffs)} field(s) differ: " + "; ".join(diffs[:3]),
+            )
             return snap, [*_integrity(reader, expect_head), same]
         for f in (json_file, log_file):
             if f.is_file():
@@ -122,9 +125,7 @@ def gate(
 @app.command()
 def replay(
     log: Annotated[Path, typer.Argument(help="SQLite event log written by a Ledger")],
-    check_against: Annotated[
-        Path | None, typer.Option("--check-against", help="live STATE.json to compare")
-    ] = None,
+    check_against: Annotated[Path | None, typer.Option("--check-against", help="live STATE.json to compare")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="write the rebuilt snapshot as JSON here")] = None,
     expect_head: Annotated[str | None, typer.Option("--expect-head", help=EXPECT_HEAD_HELP)] = None,
 ) -> None:

@@ -41,8 +41,19 @@ from kvcert.report.results import (
 )
 from kvcert.report.tables import ReportTable, fmt, print_table
 
-SUMMED = ("page_in_bytes", "cells", "fail_closed", "violations", "bytes_device", "bytes_fp16",
-          "pages_recalled", "bytes_recalled", "bytes_summary", "recall_violations", "bytes_fp16_context")
+SUMMED = (
+    "page_in_bytes",
+    "cells",
+    "fail_closed",
+    "violations",
+    "bytes_device",
+    "bytes_fp16",
+    "pages_recalled",
+    "bytes_recalled",
+    "bytes_summary",
+    "recall_violations",
+    "bytes_fp16_context",
+)
 MAXED = {"max_certificate": CERTIFIED, "max_omitted_mass_bound": CERTIFIED, "max_omitted_mass": EMPIRICAL}
 CELL_WEIGHTED = {
     "coverage_q@0.2": CERTIFIED,
@@ -97,16 +108,29 @@ def check_shard(doc: dict[str, Any], where: Path) -> None:
     _need(isinstance(variants, dict) and bool(variants), where, "results.variants is not a non-empty object")
     labels = set(variants)
     for lab, v in variants.items():
-        _need(isinstance(v, dict) and isinstance(v.get("gate"), str) and "codecs" in v, where,
-              f"results.variants[{lab!r}] needs a string 'gate' and 'codecs'")
+        _need(
+            isinstance(v, dict) and isinstance(v.get("gate"), str) and "codecs" in v,
+            where,
+            f"results.variants[{lab!r}] needs a string 'gate' and 'codecs'",
+        )
         if "cells" in v:
             for key in (*SUMMED, *CELL_WEIGHTED, *MAXED, "resident_fraction"):
                 leaf = v.get(key)
-                _need(key not in v or (isinstance(leaf, dict) and "value" in leaf and (
-                    leaf["value"] is None or (_is_number(leaf) and (key not in SUMMED or leaf["value"] >= 0)))),
-                      where, f"results.variants[{lab!r}].{key} is not a tiered number (a count >= 0 if summed)")
-            _need(_is_number(v["cells"], integer=True) and v["cells"]["value"] >= 0, where,
-                  f"results.variants[{lab!r}].cells is not a tiered count >= 0")
+                _need(
+                    key not in v
+                    or (
+                        isinstance(leaf, dict)
+                        and "value" in leaf
+                        and (leaf["value"] is None or (_is_number(leaf) and (key not in SUMMED or leaf["value"] >= 0)))
+                    ),
+                    where,
+                    f"results.variants[{lab!r}].{key} is not a tiered number (a count >= 0 if summed)",
+                )
+            _need(
+                _is_number(v["cells"], integer=True) and v["cells"]["value"] >= 0,
+                where,
+                f"results.variants[{lab!r}].cells is not a tiered count >= 0",
+            )
             for key in ("bytes_per_token_fp16", "bytes_per_token_stored"):
                 _need(key in v, where, f"results.variants[{lab!r}] lacks {key}")
     _need(isinstance(per_sample, list) and bool(per_sample), where, "results.per_sample is not a non-empty list")
@@ -115,11 +139,17 @@ def check_shard(doc: dict[str, Any], where: Path) -> None:
         _need(isinstance(s, dict) and isinstance(s.get("task"), str), where, f"{at} needs a string 'task'")
         _need(_is_number(s.get("index"), integer=True), where, f"{at}.index is not a tiered integer")
         scores = s.get("scores")
-        _need(isinstance(scores, dict) and set(scores) == labels, where,
-              f"{at}.scores must hold exactly the variants {sorted(labels)}")
+        _need(
+            isinstance(scores, dict) and set(scores) == labels,
+            where,
+            f"{at}.scores must hold exactly the variants {sorted(labels)}",
+        )
         for lab, leaf in scores.items():
-            _need(_is_number(leaf) and 0.0 <= leaf["value"] <= 1.0, where,
-                  f"{at}.scores[{lab!r}] is not a tiered score in [0, 1]")
+            _need(
+                _is_number(leaf) and 0.0 <= leaf["value"] <= 1.0,
+                where,
+                f"{at}.scores[{lab!r}] is not a tiered score in [0, 1]",
+            )
 
 
 def _check_compatible(docs: list[dict[str, Any]], paths: list[Path]) -> list[str]:
@@ -135,14 +165,18 @@ def _check_compatible(docs: list[dict[str, Any]], paths: list[Path]) -> list[str
             raise ValueError(f"{path}: variants {list(variants)} differ from {labels}")
         for lab in labels:
             if variants[lab]["gate"] != first[lab]["gate"]:
-                raise ValueError(f"{path}: variant {lab!r} ran gate {variants[lab]['gate']!r}, "
-                                 f"another shard ran {first[lab]['gate']!r}")
+                raise ValueError(
+                    f"{path}: variant {lab!r} ran gate {variants[lab]['gate']!r}, "
+                    f"another shard ran {first[lab]['gate']!r}"
+                )
         for key in SAME_CONFIG:
             mine, theirs = doc["config"].get(key), docs[0]["config"].get(key)
             if mine != theirs:
-                raise ValueError(f"{path}: {key} {mine!r} differs from the first shard's ({theirs!r}); "
-                                 "shards must share model, context, schemes, gate, max_new_tokens, resident and "
-                                 "select")
+                raise ValueError(
+                    f"{path}: {key} {mine!r} differs from the first shard's ({theirs!r}); "
+                    "shards must share model, context, schemes, gate, max_new_tokens, resident and "
+                    "select"
+                )
         for s in doc["results"]["per_sample"]:
             key = (s["task"], s["index"]["value"])
             if key in seen:
@@ -171,13 +205,15 @@ def merge_results(docs: list[dict[str, Any]], paths: list[Path], seed: int, resa
         if lab != DENSE:
             boot = paired_bootstrap(scores[DENSE], scores[lab], resamples=resamples, seed=seed)
             mc = mcnemar([s >= 1.0 for s in scores[DENSE]], [s >= 1.0 for s in scores[lab]])
-            out.update({
-                "diff_vs_dense": tiered(boot.diff, EMPIRICAL),
-                "ci95_low": tiered(boot.low, EMPIRICAL),
-                "ci95_high": tiered(boot.high, EMPIRICAL),
-                "mcnemar_p": tiered(mc.p_exact, EMPIRICAL),
-                "bootstrap_resamples": tiered(boot.resamples, EMPIRICAL),
-            })
+            out.update(
+                {
+                    "diff_vs_dense": tiered(boot.diff, EMPIRICAL),
+                    "ci95_low": tiered(boot.low, EMPIRICAL),
+                    "ci95_high": tiered(boot.high, EMPIRICAL),
+                    "mcnemar_p": tiered(mc.p_exact, EMPIRICAL),
+                    "bootstrap_resamples": tiered(boot.resamples, EMPIRICAL),
+                }
+            )
         if "cells" in parts[0]:
             for key in SUMMED:
                 if all(key in p for p in parts):
@@ -185,27 +221,33 @@ def merge_results(docs: list[dict[str, Any]], paths: list[Path], seed: int, resa
                     out[key] = tiered(None if None in counts else sum(counts), EMPIRICAL)
             cells = [_value(p, "cells") for p in parts]
             for key, tier in CELL_WEIGHTED.items():
-                pairs = [(_value(p, key), c) for p, c in zip(parts, cells, strict=True)
-                         if _value(p, key) is not None and _value(p, key) == _value(p, key) and c]
+                pairs = [
+                    (_value(p, key), c)
+                    for p, c in zip(parts, cells, strict=True)
+                    if _value(p, key) is not None and _value(p, key) == _value(p, key) and c
+                ]
                 den = sum(c for _, c in pairs)
                 out[key] = tiered(sum(v * c for v, c in pairs) / den if den else float("nan"), tier)
             for key, tier in MAXED.items():
                 if any(key in p for p in parts):
                     maxima = [m for p in parts if (m := _value(p, key)) is not None]
                     out[key] = tiered(max(maxima) if maxima else None, tier)
-            if all("resident_fraction" in p for p in parts):   # one run: the mean over its samples
+            if all("resident_fraction" in p for p in parts):  # one run: the mean over its samples
                 n = [len(d["results"]["per_sample"]) for d in docs]
                 fractions = [_value(p, "resident_fraction") for p in parts]
-                out["resident_fraction"] = tiered(sum(f * k for f, k in zip(fractions, n, strict=True)) / sum(n)
-                                                  if None not in fractions else None, EMPIRICAL)
+                out["resident_fraction"] = tiered(
+                    sum(f * k for f, k in zip(fractions, n, strict=True)) / sum(n) if None not in fractions else None,
+                    EMPIRICAL,
+                )
                 fp16, recalled = _value(out, "bytes_fp16_context"), _value(out, "bytes_recalled")
                 device = _value(out, "bytes_device")
-                out["recall_ratio"] = tiered(recalled / fp16 if fp16 and recalled is not None else float("nan"),
-                                             EMPIRICAL)
+                out["recall_ratio"] = tiered(
+                    recalled / fp16 if fp16 and recalled is not None else float("nan"), EMPIRICAL
+                )
                 out["capacity_context"] = tiered(fp16 / device if fp16 and device else float("nan"), EMPIRICAL)
             out["bytes_per_token_fp16"] = parts[0]["bytes_per_token_fp16"]
             out["bytes_per_token_stored_per_shard"] = [p["bytes_per_token_stored"] for p in parts]
-            if "bytes_device" in out and _value(out, "bytes_device"):   # measured: Σ fp16 / Σ device bytes
+            if "bytes_device" in out and _value(out, "bytes_device"):  # measured: Σ fp16 / Σ device bytes
                 out["capacity"] = tiered(_value(out, "bytes_fp16") / _value(out, "bytes_device"), EMPIRICAL)
         variants[lab] = out
     return {"variants": variants, "shards": [str(p) for p in paths], "per_sample": per_sample}
@@ -214,19 +256,43 @@ def merge_results(docs: list[dict[str, Any]], paths: list[Path], seed: int, resa
 def _table(merged: dict[str, Any]) -> ReportTable:
     rows = []
     for lab, v in merged["variants"].items():
-        ci = "–" if lab == DENSE else (f"{fmt(_value(v, 'diff_vs_dense'), percent=True)} "
-                                       f"[{fmt(_value(v, 'ci95_low'), percent=True)}, "
-                                       f"{fmt(_value(v, 'ci95_high'), percent=True)}]")
+        ci = (
+            "–"
+            if lab == DENSE
+            else (
+                f"{fmt(_value(v, 'diff_vs_dense'), percent=True)} "
+                f"[{fmt(_value(v, 'ci95_low'), percent=True)}, "
+                f"{fmt(_value(v, 'ci95_high'), percent=True)}]"
+            )
+        )
         page = _value(v, "page_in_bytes")
-        rows.append((lab, v["gate"], fmt(_value(v, "accuracy"), percent=True), ci,
-                     fmt(_value(v, "mcnemar_p")), fmt(_value(v, "capacity_context") or _value(v, "capacity")),
-                     fmt(None if page is None else page / 1e6), fmt(_value(v, "fallback_rate"), percent=True),
-                     fmt(_value(v, "coverage_kv@0.2"), percent=True)))
+        rows.append(
+            (
+                lab,
+                v["gate"],
+                fmt(_value(v, "accuracy"), percent=True),
+                ci,
+                fmt(_value(v, "mcnemar_p")),
+                fmt(_value(v, "capacity_context") or _value(v, "capacity")),
+                fmt(None if page is None else page / 1e6),
+                fmt(_value(v, "fallback_rate"), percent=True),
+                fmt(_value(v, "coverage_kv@0.2"), percent=True),
+            )
+        )
     n = _value(merged["variants"][DENSE], "samples")
     return ReportTable(
         f"merged accuracy vs dense, paired over all {n} samples of {len(merged['shards'])} shard(s)",
-        ("variant", "gate", "accuracy", "Δ vs dense [95% CI]", "McNemar p", "capacity", "page-in MB",
-         "fallback", "KV-head cov@0.2"),
+        (
+            "variant",
+            "gate",
+            "accuracy",
+            "Δ vs dense [95% CI]",
+            "McNemar p",
+            "capacity",
+            "page-in MB",
+            "fallback",
+            "KV-head cov@0.2",
+        ),
         tuple(rows),
         "capacity = fp16 bytes / device bytes (resident variants: fp16 bytes of the whole context); "
         "accuracy, CI, p, capacity, page-in, fallback: empirical "
@@ -257,17 +323,31 @@ def merge(
         tables.append(kept)
     dense = _value(merged["variants"][DENSE], "accuracy")
     points = [
-        AccuracyPoint(lab, _value(v, "accuracy"), _value(v, "ci95_low"), _value(v, "ci95_high"),
-                      float("nan"), v["gate"] != "off")
-        for lab, v in merged["variants"].items() if lab != DENSE
+        AccuracyPoint(
+            lab, _value(v, "accuracy"), _value(v, "ci95_low"), _value(v, "ci95_high"), float("nan"), v["gate"] != "off"
+        )
+        for lab, v in merged["variants"].items()
+        if lab != DENSE
     ]
     png = accuracy_bars(points, dense, out / "accuracy.png")
     config = {"shards": [d["config"] for d in docs], "resamples": resamples}
-    doc = build_document("merge", config, merged, seed,
-                         {"merged_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, command_line().split())
+    doc = build_document(
+        "merge",
+        config,
+        merged,
+        seed,
+        {"merged_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        command_line().split(),
+    )
     json_path = write_results(out / "results.json", doc)
-    html = write_html(out / "report.html", "kvcert merge", [__doc__.split("\n\n")[1].replace("\n", " ")],
-                      tables, [png], command_line())
+    html = write_html(
+        out / "report.html",
+        "kvcert merge",
+        [__doc__.split("\n\n")[1].replace("\n", " ")],
+        tables,
+        [png],
+        command_line(),
+    )
     for table in tables:
         print_table(console, table)
     console.print(f"results: {json_path}\nreport:  {html}")

@@ -110,9 +110,7 @@ def run_ppl(
                 variants.append((spec.label + "+gate", gate))
             for label, g in variants:
                 if g is None:
-                    g = chosen.setdefault(
-                        spec.label, auto_gate(records[spec.label].telemetry[0].informative_fraction)
-                    )
+                    g = chosen.setdefault(spec.label, auto_gate(records[spec.label].telemetry[0].informative_fraction))
                 elif label != spec.label:
                     chosen[spec.label] = g
                 rec = records.setdefault(label, PplRecord(label, g))
@@ -151,16 +149,12 @@ def ppl_numbers(rec: PplRecord, dense: PplRecord) -> dict[str, Any]:
     }
     tels = rec.telemetry
     if tels:
-        out.update({k: tiered(v, EMPIRICAL) for k, v in aggregate.byte_numbers(tels).items()})   # measured
+        out.update({k: tiered(v, EMPIRICAL) for k, v in aggregate.byte_numbers(tels).items()})  # measured
         out.update(
             {
                 "fallback_rate": tiered(aggregate.pooled(tels, lambda t: t.fallback_rate), EMPIRICAL),
-                "coverage_kv@0.2": tiered(
-                    aggregate.pooled(tels, lambda t: t.coverage(0.2, "kv_head")), CERTIFIED
-                ),
-                "informative_fraction": tiered(
-                    aggregate.pooled(tels, lambda t: t.informative_fraction), CERTIFIED
-                ),
+                "coverage_kv@0.2": tiered(aggregate.pooled(tels, lambda t: t.coverage(0.2, "kv_head")), CERTIFIED),
+                "informative_fraction": tiered(aggregate.pooled(tels, lambda t: t.informative_fraction), CERTIFIED),
             }
         )
     return out
@@ -194,8 +188,10 @@ def ppl(
         at_least("chunk", chunk, 1)
         prefix = int(context * prefix_fraction)
         if prefix < 1 or context - prefix < 2:
-            raise ValueError(f"need context*prefix_fraction >= 1 and >= 2 scored tokens "
-                             f"(got context={context}, prefix-fraction={prefix_fraction})")
+            raise ValueError(
+                f"need context*prefix_fraction >= 1 and >= 2 scored tokens "
+                f"(got context={context}, prefix-fraction={prefix_fraction})"
+            )
         positions = model_max_positions(model)
         context_fits(context, positions)
         prepare_out(out, overwrite)
@@ -213,15 +209,13 @@ def ppl(
         ids = loaded.tokenizer(text[: need * CHARS_PER_TOKEN], return_tensors="pt").input_ids[0]
         if ids.numel() < need:
             raise ValueError(f"corpus {corpus} has {ids.numel()} tokens, need {need} for --windows/--context")
-    texts = [
-        loaded.tokenizer.decode(ids[i * context : (i + 1) * context + WINDOW_SLACK]) for i in range(windows)
-    ]
+    texts = [loaded.tokenizer.decode(ids[i * context : (i + 1) * context + WINDOW_SLACK]) for i in range(windows)]
     with progress_bar(f"perplexity over {windows} window(s)", windows, console) as tick:
         records, gates = run_ppl(loaded, texts, specs, chosen, context, prefix, chunk, seed, tick)
     dense = records[0]
     results = {"variants": {r.label: ppl_numbers(r, dense) for r in records}, "gate_choice": gates}
     measured = [r for r in records if r.telemetry]
-    if measured:   # the dense row shows what an fp16 cache holds, to compare with
+    if measured:  # the dense row shows what an fp16 cache holds, to compare with
         fp16_tok = aggregate.fp16_bytes_per_token(measured[0].telemetry[0])
         results["variants"][dense.label].setdefault("bytes_per_token_fp16", tiered(fp16_tok, EMPIRICAL))
     config = {
@@ -248,8 +242,11 @@ def ppl(
                 r.gate.describe(),
                 fmt(r.perplexity, 5),
                 fmt(r.perplexity - dense.perplexity, 3),
-                fmt(_value(results, r.label, "bytes_per_token_device")
-                    or _value(results, r.label, "bytes_per_token_fp16"), 4),
+                fmt(
+                    _value(results, r.label, "bytes_per_token_device")
+                    or _value(results, r.label, "bytes_per_token_fp16"),
+                    4,
+                ),
                 fmt(_value(results, r.label, "capacity"), 2),
                 fmt(_value(results, r.label, "page_in_ratio"), 3),
                 fmt(results["variants"][r.label].get("coverage_kv@0.2", {}).get("value"), percent=True),

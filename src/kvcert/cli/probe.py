@@ -77,7 +77,7 @@ def verify(
 def _load(spec: str, seed: int) -> tuple[torch.nn.Module, object | None]:
     """``(model, tokenizer or None)``: the tiny MLA / recurrent configs by name, anything else via
     :func:`kvcert.cli.common.load_model` (zoo name, local folder, ``tiny:<dense family>``)."""
-    family = spec[len(TINY_PREFIX):] if spec.startswith(TINY_PREFIX) else None
+    family = spec[len(TINY_PREFIX) :] if spec.startswith(TINY_PREFIX) else None
     if family not in HETEROGENEOUS_TINY:
         loaded = load_model(spec, seed=seed)
         return loaded.model, loaded.tokenizer
@@ -103,8 +103,13 @@ def request_ids(vocab: int, tokens: int, seed: int, tokenizer: object | None, pr
 
 @app.command()
 def run(
-    model: Annotated[str, typer.Option(help="smollm2-135m, a local folder, tiny:<llama|qwen2|mistral|gemma3>, "
-                                            "or tiny:<deepseek_v3|mamba2|qwen3_next>")] = "tiny:llama",
+    model: Annotated[
+        str,
+        typer.Option(
+            help="smollm2-135m, a local folder, tiny:<llama|qwen2|mistral|gemma3>, "
+            "or tiny:<deepseek_v3|mamba2|qwen3_next>"
+        ),
+    ] = "tiny:llama",
     out: Annotated[Path, typer.Option(help="snapshot file to write")] = Path("probe.json"),
     tokens: Annotated[int, typer.Option(help="request length (prefill ⌈T/2⌉, then decode steps)")] = 32,
     key_bits: Annotated[int, typer.Option(help="RTN bits of stored keys and pooled entries (group 8)")] = 4,
@@ -117,8 +122,12 @@ def run(
     try:
         if key_bits not in KEY_BITS:
             raise ValueError(f"key_bits must be one of {KEY_BITS}, got {key_bits}")
-        cfg = ProbeConfig(key_codec=RTNCodec(key_bits, group_size=8), seed=seed,
-                          pool_block=pool_block or None, pool_weighting=pool_weighting)  # type: ignore[arg-type]
+        cfg = ProbeConfig(
+            key_codec=RTNCodec(key_bits, group_size=8),
+            seed=seed,
+            pool_block=pool_block or None,
+            pool_weighting=pool_weighting,
+        )  # type: ignore[arg-type]
         net, tokenizer = _load(model, seed)
         ids = request_ids(int(net.config.vocab_size), tokens, seed, tokenizer, prompt)
         res = probe_request(net, ids, run_id=f"{model}-seed{seed}", model_name=model, config=cfg)
@@ -131,13 +140,17 @@ def run(
         ev = c.evaluation
         # a reading is printed as the snapshot holds it: a TV value is never above 1
         shown = min(ev.value, 1.0) if c.verdict is None and ev.m_out.norm == "tv" else ev.value
-        typer.echo(f"{c.layer:5d}  {c.path:15}  {shown:11.4g}   {c.tier.value:9}  {c.verdict or '(reading)':11}  "
-                   f"{c.dominant_stage}")
+        typer.echo(
+            f"{c.layer:5d}  {c.path:15}  {shown:11.4g}   {c.tier.value:9}  {c.verdict or '(reading)':11}  "
+            f"{c.dominant_stage}"
+        )
     if res.pooling is not None:
         seen = ~torch.isnan(res.pooling.a_l2_max)
-        typer.echo(f"pooling: {int(res.pooling.blocks.sum())} blocks; ‖w‖₂ (certified coefficient) in "
-                   f"[{float(res.pooling.a_l2_min[seen].min()):.4f}, {float(res.pooling.a_l2_max[seen].max()):.4f}]"
-                   f", top1_norm max {float(res.pooling.top1_norm_max[seen].max()):.4f} (empirical)")
+        typer.echo(
+            f"pooling: {int(res.pooling.blocks.sum())} blocks; ‖w‖₂ (certified coefficient) in "
+            f"[{float(res.pooling.a_l2_min[seen].min()):.4f}, {float(res.pooling.a_l2_max[seen].max()):.4f}]"
+            f", top1_norm max {float(res.pooling.top1_norm_max[seen].max()):.4f} (empirical)"
+        )
     res.snapshot.write(out)
     gate = gate_snapshot(res.snapshot)
     typer.echo(f"snapshot {out}: {'PASS' if gate.ok else 'FAIL [' + gate.stage + ']'}")

@@ -85,7 +85,13 @@ def execute(job: RulerJob, console: Console) -> Path:
     n_variants = 1 + 2 * len(job.schemes) + (0 if job.resident is None else len(job.resident.specs))
     with progress_bar(f"decoding {len(samples)} samples × {n_variants} variants", len(samples), console) as tick:
         result = run_workload(
-            loaded, samples, job.schemes, job.gate, job.seed, job.max_new_tokens, on_sample=tick,
+            loaded,
+            samples,
+            job.schemes,
+            job.gate,
+            job.seed,
+            job.max_new_tokens,
+            on_sample=tick,
             resident=job.resident,
         )
     t_run = time.time()

@@ -43,7 +43,7 @@ def variant_numbers(rec: VariantRecord, dense: VariantRecord, seed: int, resampl
     tels = rec.telemetry
     if tels:
         fallback = aggregate.pooled(tels, lambda t: t.fallback_rate)
-        out.update({k: tiered(v, EMPIRICAL) for k, v in aggregate.byte_numbers(tels).items()})   # measured
+        out.update({k: tiered(v, EMPIRICAL) for k, v in aggregate.byte_numbers(tels).items()})  # measured
         out.update(
             {
                 "fallback_rate": tiered(fallback, EMPIRICAL),
@@ -53,9 +53,7 @@ def variant_numbers(rec: VariantRecord, dense: VariantRecord, seed: int, resampl
                 "coverage_kv@0.2": tiered(
                     aggregate.pooled(tels, lambda t: t.coverage(COVERAGE_TAU, "kv_head")), CERTIFIED
                 ),
-                "informative_fraction": tiered(
-                    aggregate.pooled(tels, lambda t: t.informative_fraction), CERTIFIED
-                ),
+                "informative_fraction": tiered(aggregate.pooled(tels, lambda t: t.informative_fraction), CERTIFIED),
                 "max_certificate": tiered(  # samples with no cell (NaN) do not count, in any order
                     max((m for t in tels if (m := t.max_certificate) == m), default=None), CERTIFIED
                 ),
@@ -115,9 +113,10 @@ def results_section(result: WorkloadResult, seed: int, resamples: int) -> dict[s
             **variant_numbers(rec, dense, seed, resamples),
         }
     with_bytes = [r for r in result.variants if r.telemetry]
-    if DENSE in variants and with_bytes:   # the dense row shows what an fp16 cache holds, to compare with
-        variants[DENSE]["bytes_per_token_fp16"] = tiered(aggregate.fp16_bytes_per_token(with_bytes[0].telemetry[0]),
-                                                         EMPIRICAL)
+    if DENSE in variants and with_bytes:  # the dense row shows what an fp16 cache holds, to compare with
+        variants[DENSE]["bytes_per_token_fp16"] = tiered(
+            aggregate.fp16_bytes_per_token(with_bytes[0].telemetry[0]), EMPIRICAL
+        )
     per_sample = [
         {
             "task": s.task,
@@ -157,11 +156,7 @@ def summary_table(results: dict[str, Any]) -> ReportTable:
         def val(key: str, v: dict[str, Any] = v) -> Any:
             return v[key]["value"] if key in v else None
 
-        ci = (
-            "–"
-            if val("ci95_low") is None
-            else f"[{100 * val('ci95_low'):+.1f}, {100 * val('ci95_high'):+.1f}]"
-        )
+        ci = "–" if val("ci95_low") is None else f"[{100 * val('ci95_low'):+.1f}, {100 * val('ci95_high'):+.1f}]"
         rows.append(
             (
                 label,
@@ -223,18 +218,40 @@ def resident_table(results: dict[str, Any]) -> ReportTable | None:
             return v[key]["value"] if key in v else None
 
         recalled, summary = val("bytes_recalled"), val("bytes_summary")
-        rows.append((label, v.get("select", "–"), v["gate"], fmt(val("resident_fraction"), percent=True),
-                     fmt(val("capacity_context"), 2),
-                     fmt(val("max_omitted_mass_bound"), 3), fmt(val("max_omitted_mass"), 3),
-                     fmt(val("pages_recalled")), fmt(None if recalled is None else recalled / MB, 3),
-                     fmt(val("recall_ratio"), 3), fmt(None if summary is None else summary / MB, 3),
-                     fmt(val("recall_violations"))))
+        rows.append(
+            (
+                label,
+                v.get("select", "–"),
+                v["gate"],
+                fmt(val("resident_fraction"), percent=True),
+                fmt(val("capacity_context"), 2),
+                fmt(val("max_omitted_mass_bound"), 3),
+                fmt(val("max_omitted_mass"), 3),
+                fmt(val("pages_recalled")),
+                fmt(None if recalled is None else recalled / MB, 3),
+                fmt(val("recall_ratio"), 3),
+                fmt(None if summary is None else summary / MB, 3),
+                fmt(val("recall_violations")),
+            )
+        )
     if not rows:
         return None
     return ReportTable(
         "Resident variants: resident set, omitted attention mass and recall",
-        ("variant", "select", "gate", "resident", "capacity", "max m̄ bound", "max m (exact)", "pages rec.", "MB rec.",
-         "recall ×fp16", "summary MB", "recall viol."),
+        (
+            "variant",
+            "select",
+            "gate",
+            "resident",
+            "capacity",
+            "max m̄ bound",
+            "max m (exact)",
+            "pages rec.",
+            "MB rec.",
+            "recall ×fp16",
+            "summary MB",
+            "recall viol.",
+        ),
         tuple(rows),
         "resident = share of written tokens held on the device (mean over samples); capacity = fp16 K/V bytes of "
         "the whole contexts (resident and omitted tokens) / device bytes (codes, witnesses, summaries); max m̄ "
@@ -296,7 +313,7 @@ def _figures(result: WorkloadResult, results: dict[str, Any], out: Path) -> list
     if points:
         figs.append(figures.accuracy_bars(points, baseline, out / "accuracy.png"))
         dense_bytes = variants[compressed[0].label]["bytes_per_token_fp16"]["value"]
-        placed = [p for p in points if p.bytes_per_token is not None]   # None: no read, no effective bytes
+        placed = [p for p in points if p.bytes_per_token is not None]  # None: no read, no effective bytes
         if placed:
             figs.append(figures.bytes_vs_accuracy(placed, dense_bytes, baseline, out / "bytes_vs_accuracy.png"))
     return figs
@@ -330,8 +347,10 @@ def write_report(
         "Every number in results.json carries its tier (certified / partial / empirical).",
     ]
     if config.get("resident") is not None:
-        paras.append(f"Resident variants ({', '.join(config.get('resident_schemes') or [])}): resident set "
-                     f"R = {config['resident']} chosen by {config.get('select')}, gate {config.get('resident_gate')}; "
-                     "every read certified against exact attention over all tokens, recall above tau.")
+        paras.append(
+            f"Resident variants ({', '.join(config.get('resident_schemes') or [])}): resident set "
+            f"R = {config['resident']} chosen by {config.get('select')}, gate {config.get('resident_gate')}; "
+            "every read certified against exact attention over all tokens, recall above tau."
+        )
     html_path = write_html(out / "report.html", title, paras, tables, figs, command)
     return json_path, html_path, tables

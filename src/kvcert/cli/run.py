@@ -62,7 +62,11 @@ def run(
         10_000,
         out or default_out("run"),
         overwrite,
-        ResidentPlan(RUN_RESIDENT_FRACTION, DEFAULT_SELECT, Gate.certified(CERTIFIED_TAU),
-                     (SchemeSpec(RUN_RESIDENT_CODEC, RUN_RESIDENT_CODEC),)),
+        ResidentPlan(
+            RUN_RESIDENT_FRACTION,
+            DEFAULT_SELECT,
+            Gate.certified(CERTIFIED_TAU),
+            (SchemeSpec(RUN_RESIDENT_CODEC, RUN_RESIDENT_CODEC),),
+        ),
     )
     execute(job, Console())

@@ -73,16 +73,20 @@ def model_max_positions(spec: str) -> int | None:
     if spec.startswith(TINY_PREFIX):
         family = spec[len(TINY_PREFIX) :]
         if family not in SUPPORTED_FAMILIES:
-            raise InputError(f"--model: unsupported tiny family {family!r}; supported are "
-                             f"{', '.join(TINY_PREFIX + f for f in SUPPORTED_FAMILIES)}")
+            raise InputError(
+                f"--model: unsupported tiny family {family!r}; supported are "
+                f"{', '.join(TINY_PREFIX + f for f in SUPPORTED_FAMILIES)}"
+            )
         return int(tiny_config(family).max_position_embeddings)
     if spec in ZOO:
         done = sorted(cache_root().glob(f"models/{spec}-*/config.json"))
         return _config_positions(done[-1]) if done else None
     folder = Path(spec)
     if not folder.is_dir():
-        raise InputError(f"--model: {spec!r} is not a known name ({', '.join(sorted(ZOO))}), tiny:<family>, "
-                         "or an existing local folder")
+        raise InputError(
+            f"--model: {spec!r} is not a known name ({', '.join(sorted(ZOO))}), tiny:<family>, "
+            "or an existing local folder"
+        )
     config = folder / "config.json"
     if not config.is_file():
         raise InputError(f"--model: folder {spec!r} is not a transformers model (no config.json)")
@@ -90,8 +94,9 @@ def model_max_positions(spec: str) -> int | None:
         raise InputError(f"--model: folder {spec!r} holds no tokenizer (tokenizer_config.json)")
     family = _read_json(config, "--model").get("model_type")
     if family not in CACHE_FAMILIES:
-        raise InputError(f"--model: {spec!r} has model_type {family!r}; the certified cache supports "
-                         f"{', '.join(CACHE_FAMILIES)}")
+        raise InputError(
+            f"--model: {spec!r} has model_type {family!r}; the certified cache supports {', '.join(CACHE_FAMILIES)}"
+        )
     return _config_positions(config)
 
 
@@ -154,8 +159,10 @@ def prepare_out(out: Path, overwrite: bool, inputs: Sequence[Path] = ()) -> Path
     if out.is_dir():
         links = sorted(p.name for p in out.iterdir() if p.is_symlink())
         if links:
-            raise InputError(f"--out {out} holds symbolic link(s) {', '.join(links)}: results are never written "
-                             "through a link; remove them or choose another directory")
+            raise InputError(
+                f"--out {out} holds symbolic link(s) {', '.join(links)}: results are never written "
+                "through a link; remove them or choose another directory"
+            )
         existing = [name for name in REPORT_FILES if (out / name).exists()]
         if existing and not overwrite:
             raise InputError(f"--out {out} already holds {', '.join(existing)}; pass --overwrite to replace it")
@@ -169,6 +176,4 @@ def prepare_out(out: Path, overwrite: bool, inputs: Sequence[Path] = ()) -> Path
     return out
 
 
-OverwriteOption = Annotated[
-    bool, typer.Option(help="replace a report (results.json, report.html) already in --out")
-]
+OverwriteOption = Annotated[bool, typer.Option(help="replace a report (results.json, report.html) already in --out")]

@@ -34,7 +34,7 @@ class VariantRecord:
     scores: list[float] = field(default_factory=list)
     predictions: list[str] = field(default_factory=list)
     telemetry: list[Telemetry] = field(default_factory=list)
-    resident: ResidentPlan | None = None   # set for a resident variant
+    resident: ResidentPlan | None = None  # set for a resident variant
 
     @property
     def gated(self) -> bool:
@@ -102,10 +102,24 @@ def run_workload(
     gated: list[Scheme] = []
     kept: list[Scheme] = []
     if resident is not None:
-        kept = [Scheme(s.label + RESIDENT_SUFFIX, keys=s.keys, values=s.values, gate=resident.gate, validate=validate,
-                       resident=resident.fraction, select=resident.policy) for s in resident.specs]
-        variants.update({k.name: VariantRecord(k.name, s, k.gate, resident=resident)
-                         for k, s in zip(kept, resident.specs, strict=True)})
+        kept = [
+            Scheme(
+                s.label + RESIDENT_SUFFIX,
+                keys=s.keys,
+                values=s.values,
+                gate=resident.gate,
+                validate=validate,
+                resident=resident.fraction,
+                select=resident.policy,
+            )
+            for s in resident.specs
+        ]
+        variants.update(
+            {
+                k.name: VariantRecord(k.name, s, k.gate, resident=resident)
+                for k, s in zip(kept, resident.specs, strict=True)
+            }
+        )
 
     def budget(sample: Sample) -> int:
         return sample.max_new_tokens if max_new_tokens is None else min(max_new_tokens, sample.max_new_tokens)
@@ -113,9 +127,7 @@ def run_workload(
     for i, sample in enumerate(samples):
         ids = prompt_ids(loaded.tokenizer, sample)
         if i == 0 and gate is None and want_gated:
-            first = run_branches(
-                loaded.model, ids, [Scheme(DENSE), *raw], budget(sample), loaded.eos_ids, seed
-            )
+            first = run_branches(loaded.model, ids, [Scheme(DENSE), *raw], budget(sample), loaded.eos_ids, seed)
             _record(variants, first, sample, loaded)
             for spec, res in zip(specs, first[1:], strict=True):
                 assert res.telemetry is not None
@@ -124,8 +136,8 @@ def run_workload(
                 gate_choice[spec.label] = {
                     "informative_fraction": frac,
                     "gate": chosen.describe(),
-                    "rule": "certified(0.2) if informative_fraction >= 0.5 else risk_ranked(5)" + (
-                        "" if frac == frac else "; no compressed read on the first sample: fraction n/a"),
+                    "rule": "certified(0.2) if informative_fraction >= 0.5 else risk_ranked(5)"
+                    + ("" if frac == frac else "; no compressed read on the first sample: fraction n/a"),
                 }
             gated = [
                 _scheme(
@@ -136,9 +148,7 @@ def run_workload(
                 )
                 for s in specs
             ]
-            variants.update(
-                {g.name: VariantRecord(g.name, s, g.gate) for g, s in zip(gated, specs, strict=True)}
-            )
+            variants.update({g.name: VariantRecord(g.name, s, g.gate) for g, s in zip(gated, specs, strict=True)})
             _record(
                 variants,
                 run_branches(loaded.model, ids, [*gated, *kept], budget(sample), loaded.eos_ids, seed),
@@ -149,9 +159,7 @@ def run_workload(
             if i == 0 and want_gated:
                 assert gate is not None
                 gated = [_scheme(s, gate, s.label + GATED_SUFFIX, validate) for s in specs]
-                variants.update(
-                    {g.name: VariantRecord(g.name, s, g.gate) for g, s in zip(gated, specs, strict=True)}
-                )
+                variants.update({g.name: VariantRecord(g.name, s, g.gate) for g, s in zip(gated, specs, strict=True)})
                 gate_choice = {s.label: {"gate": gate.describe(), "rule": "fixed by --gate"} for s in specs}
             res = run_branches(
                 loaded.model, ids, [Scheme(DENSE), *raw, *gated, *kept], budget(sample), loaded.eos_ids, seed
@@ -161,5 +169,5 @@ def run_workload(
             on_sample(i)
     suffixes = ("", GATED_SUFFIX, RESIDENT_SUFFIX)
     order = [DENSE] + [s.label + x for s in specs for x in suffixes if s.label + x in variants]
-    order += [k.name for k in kept if k.name not in order]   # resident schemes not among the plain ones
+    order += [k.name for k in kept if k.name not in order]  # resident schemes not among the plain ones
     return WorkloadResult(list(samples), [variants[k] for k in order], gate_choice)

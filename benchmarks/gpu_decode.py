@@ -40,8 +40,9 @@ import torch
 
 from kvcert import Gate, kernels, quant
 from kvcert.attention.certified import ReadConfig, certified_read, group_heads
-from kvcert.bounds.rc import gamma_f32
+from kvcert.attention.exact import ExactAttention
 from kvcert.cache.store import LayerStore
+from kvcert.kernels.inputs import store_inputs
 
 
 def _timer(device: torch.device, fn, reps: int, warmup: int = 2) -> float:
@@ -96,11 +97,14 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
-def _exact_attention(q: torch.Tensor, hkv: int):
-    """The exact attention a head repair serves: SDPA over host-tier K/V paged in to the query's device."""
+def _exact_attention(q: torch.Tensor, hkv: int) -> ExactAttention:
+    """The exact attention a head repair serves: SDPA over host-tier K/V paged in to the query's device (every
+    token is visible in this benchmark's reads, so the mask is all True and not applied)."""
     g = q.shape[1] // hkv
 
-    def exact_attention(hk: torch.Tensor, hv: torch.Tensor, heads: tuple[int, int] | None) -> torch.Tensor:
+    def exact_attention(
+        hk: torch.Tensor, hv: torch.Tensor, mask: torch.Tensor, heads: tuple[int, int] | None = None
+    ) -> torch.Tensor:
         h0, h1 = heads if heads is not None else (0, hkv)
         kk, vv = (x[:, h0:h1].to(q.device, torch.float32, non_blocking=True) for x in (hk, hv))
         return _sdpa(q[:, h0 * g : h1 * g], kk, vv).transpose(1, 2)
@@ -144,26 +148,7 @@ def check(device: torch.device, gen: torch.Generator) -> dict:
     store, _, _ = _store(b, hkv, s, d, "int4", device, gen)
     q = torch.randn(b, hq, 1, d, generator=gen, device=device) * 2
     qg = group_heads(q, hkv)
-    sv = store
-    tr = triton_read.decode_read(
-        qg,
-        sv.k.served.view(),
-        sv.k_band.view(),
-        sv.k_hat_norm.view(),
-        sv.k_wit.view(),
-        sv.v.served.view(),
-        sv.v_res.view(),
-        sv.v_dist.view(),
-        sv.v_hat_norm.view(),
-        d**-0.5,
-        gamma_f32(d + 1),
-        True,
-        None,
-        1,
-        sv.k.n_encoded,
-        sv.v.n_encoded,
-        splits=4,
-    )
+    tr = triton_read.decode_read(store_inputs(qg, store, None, 1, d**-0.5, arrays=False), splits=4)
     assert tr is not None
     p_ref = probs64(tr.logits)
     cert_ref, raw_ref = served_meter(p_ref, tr.c)

@@ -146,17 +146,21 @@ class StepRecord:
     def _chain_readings(self) -> dict[str, torch.Tensor]:
         return {} if self.chain is None else self.chain.readings()
 
+    def repaired_heads(self) -> torch.Tensor:
+        """``[B, Hkv]``: head repaired, any block paged in, or values promoted."""
+        rep, blocks, promoted = self.heads
+        return rep | (blocks > 0) | promoted
+
     def reading(self, name: str) -> torch.Tensor | None:
         """The reading ``name`` of this read (see the class doc); None where the read did not produce it."""
         if name in self.cells:
             return _worst(self.cells[name])
         if name == "repaired":
-            rep, blocks, promoted = self.heads
-            return rep | (blocks > 0) | promoted
+            return self.repaired_heads()
         if name == "blocks":
             return self.heads[1]
         if name == "fallback":  # served partly from an exact copy: paged in now or held from an earlier repair
-            rep = self.reading("repaired")
+            rep = self.repaired_heads()
             return rep if self.held is None else rep | self.held
         if name in ("witness", "qnorm", "logit_slack"):
             return self._chain_readings.get(name)

@@ -36,29 +36,24 @@ from transformers import Cache, LogitsProcessor
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvcert.attention.certified import (
-    ReadConfig,
-    ReadResult,
-    certified_read,
-    group_heads,
-    masked_logits,
-    probs64,
+from kvcert.attention.certified import ReadConfig, group_heads, masked_logits, probs64
+from kvcert.attention.exact import ExactAttention
+from kvcert.attention.ladder import LadderConfig, LadderStats
+from kvcert.attention.read_path import (
+    CertifiedReadPath,
+    LadderReadPath,
+    ReadPath,
+    Recorder,
+    ResidentReadPath,
+    slot_mask,
 )
-from kvcert.attention.ladder import LadderConfig, LadderStats, ladder_read
-from kvcert.attention.resident import (
-    OmittedPages,
-    ResidentRecord,
-    can_omit,
-    check_resident,
-    resident_read,
-    summarize_omitted,
-)
+from kvcert.attention.resident import OmittedPages, can_omit, check_resident, summarize_omitted
 from kvcert.bounds import dither_witness_moments, uniform_split
 from kvcert.bounds.rope import Pairing
-from kvcert.cache.events import CacheObserver, ReadEvent, WriteEvent
+from kvcert.cache.events import CacheObserver, WriteEvent
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
-from kvcert.cache.telemetry import ChainInputs, EvictRecord, StepRecord, Telemetry, stack_records
+from kvcert.cache.telemetry import EvictRecord, Telemetry, stack_records
 from kvcert.evict import (
     RMM,
     EvictionPolicy,
@@ -260,21 +255,6 @@ def _resolve_codec(spec: str | Codec, axis: str, options: dict[str, Any]) -> Cod
     return get(spec, **opts)
 
 
-def slot_mask(logical: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Visibility ``[B, H, Q, S]`` of physical slots holding logical ``positions[B, H, S]``.
-
-    ``logical[B | 1, 1, Q, T]`` is the mask in position space (transformers' padding + causal mask with
-    ``T`` = the logical length); slot ``s`` of head ``h`` is visible to query ``i`` iff
-    ``logical[b, 0, i, positions[b, h, s]]``. Without eviction (``positions = arange``) it equals ``logical``.
-    """
-    b, h, s = positions.shape
-    lm = logical.to(torch.bool)
-    if lm.dim() != 4 or lm.shape[1] != 1 or (s and lm.shape[-1] <= int(positions.max())):
-        raise ValueError(f"mask must be [B, 1, Q, T] covering every logical position, got {tuple(lm.shape)}")
-    q, t = lm.shape[-2:]
-    return lm.expand(b, h, q, t).gather(-1, positions[:, :, None, :].expand(b, h, q, s))
-
-
 def grouped_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
     """Attention ``[B, Hkv, G, Q, S]`` (float64 softmax of float32 logits, as the read path evaluates it) of
     ``query[B, Hq, Q, D]`` over ``keys[B, Hkv, S, D]`` under the per-KV-head ``mask[B, Hkv, Q, S]``."""
@@ -283,6 +263,32 @@ def grouped_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, s
     qg = group_heads(query.detach().to(torch.float32), hkv)
     m = mask[:, :, None].expand(b, hkv, hq // hkv, nq, s).reshape(b, hkv, -1, s)
     return probs64(masked_logits(qg, keys.detach().to(torch.float32), m, scaling)).reshape(b, hkv, hq // hkv, nq, s)
+
+
+def _exact_attention(
+    module: torch.nn.Module, query: torch.Tensor, scaling: float, kwargs: dict[str, Any]
+) -> ExactAttention:
+    """The dense fallback of one read (:class:`~kvcert.attention.exact.ExactAttention`): transformers' SDPA of
+    ``query[B, Hq, Q, D]`` over exact K/V paged in from the host, in float32 (the precision the output bound
+    models; also for half-precision models), with the per-KV-head mask expanded to the query heads."""
+
+    def exact(
+        keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, heads: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        g = query.shape[1] // keys.shape[1]
+        q, m = query, mask
+        if heads is not None:  # only KV heads h0..h1-1 and their query heads (views, no copies)
+            h0, h1 = heads
+            q, keys, values = q[:, h0 * g : h1 * g], keys[:, h0:h1], values[:, h0:h1]
+            m = m[:, h0:h1] if m.shape[1] > 1 else m
+        if m.shape[1] > 1:
+            m = m.repeat_interleave(g, dim=1)  # per query head
+        work = torch.promote_types(query.dtype, torch.float32)
+        hk, hv = (x.to(query.device, work, non_blocking=True) for x in (keys, values))
+        o, _ = sdpa_attention_forward(module, q.to(work), hk, hv, m, scaling=scaling, **kwargs)
+        return o
+
+    return exact
 
 
 def _check_eviction(cache: CertifiedCache, layers: Sequence[CertifiedLayer]) -> None:
@@ -434,9 +440,6 @@ class CertifiedCache(Cache):
         if ladder and self.gate.mode != "off":
             raise ValueError("ladder=True has its own fallback rungs; use gate=Gate.off() with it")
         self.ladder = bool(ladder)
-        base = ladder if isinstance(ladder, LadderConfig) else LadderConfig()
-        self._ladder_cfg = dataclasses.replace(base, validate=validate)
-        self.ladder_stats = LadderStats()
         self.validate = validate
         self.seed = int.from_bytes(os.urandom(4), "little") if seed is None else int(seed)
         self.observers = list(observers)
@@ -484,7 +487,6 @@ class CertifiedCache(Cache):
             raise ValueError("select=<policy> needs resident=<fraction in (0, 1]>")
         self.page_size, self.summary = page_size, summary
         self._pages: dict[int, OmittedPages] = {}  # resident mode: summaries of each layer's omitted pages
-        self._resident_records: list[ResidentRecord] = []
         self.evict, self.budget, self.compression_ratio = evict, budget, compression_ratio
         self.evict_chunk, self.belady = evict_chunk, belady
         _check_eviction(self, layers)
@@ -497,13 +499,30 @@ class CertifiedCache(Cache):
         self.tier_b = bool(layers[0].store.key_codec.tier_b)
         self.delta_loc = uniform_split(delta_req, n_layers, self.num_heads, max_steps)
         self.delta_req = delta_req
-        self._cfg = ReadConfig(self.gate, validate, self.delta_loc, attn_kv=self.evict is not None)
-        self._records: list[StepRecord] = []
+        self._sink = Recorder(self.observers)
+        self.read_path = self._pick_read_path(ladder)
         self._step = -1
-        self._bytes_paged = 0
         self._model = model
         self.attached = False
         self.attach()
+
+    def _pick_read_path(self, ladder: bool | LadderConfig) -> ReadPath:
+        """The one read path every read of this cache goes through (chosen once, from the configuration)."""
+        if ladder:
+            base = ladder if isinstance(ladder, LadderConfig) else LadderConfig()
+            return LadderReadPath(dataclasses.replace(base, validate=self.validate), sink=self._sink)
+        certified = CertifiedReadPath(
+            ReadConfig(self.gate, self.validate, self.delta_loc, attn_kv=self.evict is not None), sink=self._sink
+        )
+        if self.resident is None:
+            return certified
+        return ResidentReadPath(self.gate, self.validate, self._pages, certified, sink=self._sink)
+
+    @property
+    def ladder_stats(self) -> LadderStats:
+        """Rung counters of the ladder read path (``ladder=True``; all zero otherwise)."""
+        path = self.read_path
+        return path.stats if isinstance(path, LadderReadPath) else LadderStats()
 
     # ------------------------------------------------------------------------------------ lifecycle
     def attach(self) -> CertifiedCache:
@@ -696,87 +715,19 @@ class CertifiedCache(Cache):
                 self._after_read(layer, query, key, logical, float(scaling), None)
             return out
 
-        def exact_attention(hk: torch.Tensor, hv: torch.Tensor, heads: tuple[int, int] | None = None) -> torch.Tensor:
-            q, m = query, sdpa_mask_
-            if heads is not None:  # only KV heads h0..h1-1 and their query heads (views, no copies)
-                (h0, h1), g = heads, q.shape[1] // hk.shape[1]
-                q, hk, hv = q[:, h0 * g : h1 * g], hk[:, h0:h1], hv[:, h0:h1]
-                m = m[:, h0 * g : h1 * g] if m.shape[1] > 1 else m
-            # page-in from host; a repair is exact in float32 (the precision the output bound models), also for
-            # half models
-            work = torch.promote_types(query.dtype, torch.float32)
-            hk, hv = (x.to(query.device, work, non_blocking=True) for x in (hk, hv))
-            o, _ = sdpa_attention_forward(module, q.to(work), hk, hv, m, scaling=scaling, **kwargs)
-            return o
-
-        if store.layer in self._pages:
-            res = self._resident_read(module, store, query, logical, mask, float(scaling), kwargs)
-        elif self.ladder:
-            res = ladder_read(query, store, mask, float(scaling), self._ladder_cfg, exact_attention, self.ladder_stats)
-        else:
-            res = certified_read(query, store, mask, float(scaling), self._cfg, exact_attention)
-        chain = (
-            None
-            if self.ladder
-            else ChainInputs(res.q_norm, res.witness_max, res.key_norm_max, float(scaling), query.shape[-1])
-        )
-        self._record(layer, res, nq, chain)
-        if self.evict is not None:
-            self._after_read(layer, query, key, logical, float(scaling), res.attn_kv)
-        return res.out.to(query.dtype)
-
-    def _resident_read(
-        self,
-        module: torch.nn.Module,
-        store: LayerStore,
-        query: torch.Tensor,
-        logical: torch.Tensor,
-        mask: torch.Tensor,
-        scaling: float,
-        kwargs: dict[str, Any],
-    ) -> ReadResult:
-        """Resident mode: :func:`kvcert.attention.resident.resident_read` with the exact attention over every token
-        (resident + omitted, gathered back into position order) as its dense fallback."""
-        assert store.k is not None and store.v is not None
-        ev = store.evicted
-        positions = torch.cat([store.positions.view(), ev["positions"].view()], 2)
-        host = {"k": store.k.host.view(), "v": store.v.host.view()}
-
-        def dense_exact(heads: tuple[int, int]) -> torch.Tensor:
-            order = positions.argsort(-1)
-            hk, hv = (
-                torch.cat([host[name], ev[name].view()], 2).gather(
-                    2, order[..., None].expand(-1, -1, -1, host[name].shape[-1])
-                )
-                for name in ("k", "v")
-            )
-            (h0, h1), g = heads, query.shape[1] // hk.shape[1]
-            m = slot_mask(logical, positions.gather(2, order)).repeat_interleave(g, dim=1)[:, h0 * g : h1 * g]
-            o, _ = sdpa_attention_forward(
-                module,
-                query[:, h0 * g : h1 * g],
-                hk[:, h0:h1].to(query.dtype),
-                hv[:, h0:h1].to(query.dtype),
-                m,
-                scaling=scaling,
-                **kwargs,
-            )
-            return o
-
-        res, rec = resident_read(
+        outcome = self.read_path.read(
             query,
             store,
-            self._pages[store.layer],
             mask,
-            slot_mask(logical, ev["positions"].view()),
-            scaling,
-            self.gate,
-            self.validate,
-            dense_exact,
-            self._step,
+            float(scaling),
+            _exact_attention(module, query, float(scaling), kwargs),
+            step=self._step,
+            rows=self.request_ids,
+            logical=logical,
         )
-        self._resident_records.append(rec)
-        return res
+        if self.evict is not None:
+            self._after_read(layer, query, key, logical, float(scaling), outcome.result.attn_kv)
+        return outcome.out.to(query.dtype)
 
     # ------------------------------------------------------------------------------------- eviction
     def _after_read(
@@ -944,52 +895,12 @@ class CertifiedCache(Cache):
             raise ValueError(f"layer {layer_idx} holds nothing yet")
         return store.positions.view().clone()
 
-    def _record(self, layer: CertifiedLayer, res: ReadResult, nq: int, chain: ChainInputs | None) -> None:
-        self._bytes_paged += res.bytes_paged
-        cells = {
-            "cert": res.cert_pre,
-            "raw": res.raw,
-            "served": res.cert,
-            "tanh": res.tanh,
-            "out_bound": res.out_bound,
-            "tier_b": res.cert_b,
-            "true_tv": res.true_tv,
-            "true_out_err": res.true_out_err,
-        }
-        rec = StepRecord(
-            step=self._step,
-            layer=layer.store.layer,
-            cells=cells,
-            heads=(res.repaired, res.blocks, res.values_promoted),
-            queries=nq,
-            chain=chain,
-            held=res.held,
-        )
-        if res.true_tv is not None and res.true_out_err is not None:
-            rec.violations = int((res.true_tv > res.cert_pre).sum())
-            rec.out_violations = int((res.true_out_err > res.out_bound).sum())
-        self._records.append(rec)
-        if self.observers:
-            rows = self.request_ids if self.request_ids is not None else torch.arange(res.cert.shape[0])
-            n_slots = torch.full((res.cert.shape[0],), layer.store.n, dtype=torch.int64)
-            ev = ReadEvent(
-                layer=layer.store.layer,
-                step=self._step,
-                rows=rows.clone(),
-                n_slots=n_slots,
-                certificate=res.cert[..., -1].clone(),
-                repaired=rec.reading("repaired"),
-                first_slot=layer.store.base,
-            )
-            for obs in self.observers:
-                obs.on_read(ev)
-
     # ------------------------------------------------------------------------------------ telemetry
     def telemetry(self) -> Telemetry:
         """Snapshot of every recorded cell, coverage, fallback, bytes and (validate mode) violations."""
         steps = self._step + 1
         n_layers = len(self.layers)
-        recs = self._records
+        recs = self._sink.records
 
         def stack(attr: str) -> torch.Tensor | None:
             return stack_records(recs, n_layers, max(steps, 1), attr)
@@ -1023,7 +934,7 @@ class CertifiedCache(Cache):
             out_violations=sum(r.out_violations for r in recs),
             bytes_stored=sum(s.bytes_stored() for s in stores),
             bytes_fp16=sum(s.bytes_fp16() for s in stores),
-            bytes_paged=self._bytes_paged,
+            bytes_paged=self._sink.bytes_paged,
             bytes_host=sum(s.bytes_host() for s in stores),
             bytes_witness=sum(s.bytes_witness() for s in stores),
             head_dim=stores[0].k.host.view().shape[-1] if stores[0].k is not None else 0,
@@ -1056,7 +967,7 @@ class CertifiedCache(Cache):
         """The resident-set fields of :class:`Telemetry` (none without ``resident=``)."""
         if self.resident is None:
             return {}
-        recs, n_layers = self._resident_records, len(self.layers)
+        recs, n_layers = self._sink.resident_records, len(self.layers)
         stores = [layer.store for layer in self.layers]
         held = sum(s.n for s in stores)
         omitted = sum(s.evicted["k"].view().shape[2] for s in stores if s.evicted)
@@ -1077,7 +988,7 @@ class CertifiedCache(Cache):
     def reset(self) -> None:
         """Drop all stored tokens and the eviction policy's state (the cache can serve a new request)."""
         super().reset()
-        self._pages = {}
+        self._pages.clear()
         if self.evict is not None:
             self.evict.reset()
         self._kappa_groups = []

@@ -282,6 +282,13 @@ def _uncompressible_sliding_layers(layers: Sequence[CertifiedLayer]) -> tuple[in
 class CertifiedCache(Cache):
     """A transformers ``Cache`` whose every attention read is certified, gated and repairable.
 
+    A thin adapter: its keywords are grouped into :attr:`storage` (:class:`StorageConfig`), :attr:`gating`
+    (:class:`GateConfig`), :attr:`validation` (:class:`ValidationConfig`) and :attr:`eviction`
+    (:class:`~kvcert.attention.evict_driver.EvictionConfig`); every read goes through :attr:`read_path` (one
+    :class:`~kvcert.attention.read_path.ReadPath`, chosen at construction), eviction through an
+    :class:`~kvcert.attention.evict_driver.EvictionDriver`, and :meth:`telemetry` is
+    :func:`kvcert.cache.telemetry.assemble` of what they recorded.
+
     Args:
         model: a supported causal LM (Llama, Qwen2, Mistral, Gemma-3).
         keys / values: codec names from :func:`kvcert.quant.names` (or codec instances).

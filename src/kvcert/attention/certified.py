@@ -314,9 +314,11 @@ def _triton_served(
     """Decode-size reads on the Triton kernels (:func:`kvcert.kernels.triton_read.decode_read`) over the store's
     live views; ``None`` when a query or pending entry is not finite (the eager path then fails closed)."""
     import kvcert.kernels.triton_read as triton_read  # imports triton: only when this backend is in use
+    from kvcert.kernels.packed import code_tiles
 
     assert store.k is not None and store.v is not None
     _, hkv, m, d = qg.shape
+    k_tiles, v_tiles = code_tiles(store)  # the packed codes, dequantized in the kernels' registers
     r = triton_read.decode_read(
         qg.detach().contiguous(),
         store.k.served.view(),
@@ -334,6 +336,8 @@ def _triton_served(
         nq,
         store.k.n_encoded,
         store.v.n_encoded,
+        k_tiles=k_tiles,
+        v_tiles=v_tiles,
     )
     return None if r is None else _Served(qg, hkv * (m // nq), nq, **r._asdict())
 

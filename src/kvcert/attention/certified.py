@@ -511,15 +511,15 @@ def certified_read(
                 for bi, hi in need.nonzero().tolist():
                     store.persist(bi, hi, slice(0, s))
         else:
+            from kvcert.kernels.repair import repair_blocks  # every gated head at once, on the read's device
+
             cert, p_served, value_term = cert.clone(), p_served.clone(), value_term.clone()
-            blocks = torch.zeros(b, hkv, dtype=torch.int64)  # written below
-            m = grouped_mask()
-            for bi, hi in need.nonzero().tolist():
-                res = _repair_blocks(qg[bi, hi], store, bi, hi, m[bi, hi], sv.c[bi, hi], sv.p64[bi, hi], scaling, gate)
-                out[bi, hi], cert[bi, hi], p_served[bi, hi] = res.out, res.cert, res.p
-                value_term[bi, hi] = torch.linalg.vecdot(res.p, res.vres.to(torch.float64).unsqueeze(-2))
-                blocks[bi, hi] = res.n_blocks
-                bytes_paged += res.tokens * (dk + dv) * elt
+            res = repair_blocks(qg, store, need, grouped_mask(), sv.c, sv.p64, scaling, gate)
+            bi, hi = res.heads.unbind(-1)
+            out[bi, hi], cert[bi, hi], p_served[bi, hi] = res.out, res.cert, res.p
+            value_term[bi, hi] = torch.linalg.vecdot(res.p, res.v_res.to(torch.float64).unsqueeze(-2))
+            blocks = torch.zeros(b, hkv, dtype=torch.int64, device=need.device).index_put_((bi, hi), res.n_blocks)
+            bytes_paged += int(res.tokens.sum()) * (dk + dv) * elt
         # repairs changed the meter or the value term of some cells: the bound follows them
         bound, key_term, slack = _out_bound(value_term, cert, sv.spread, sv.vmax, s, out.shape[-1], sv.phi_max)
         if bool(repaired.any()):  # an exactly repaired head: no key or value term, only the slack
@@ -585,69 +585,3 @@ def certified_read(
         result.true_tv = ungroup_heads(true_tv, hq, nq)
         result.true_out_err = ungroup_heads(err, hq, nq)
     return result
-
-
-@dataclass
-class _BlockRepair:
-    out: torch.Tensor
-    cert: torch.Tensor
-    p: torch.Tensor
-    vres: torch.Tensor
-    n_blocks: int
-    tokens: int
-
-
-def _repair_blocks(
-    qg: torch.Tensor,
-    store: LayerStore,
-    bi: int,
-    hi: int,
-    m: torch.Tensor,
-    c: torch.Tensor,
-    p: torch.Tensor,
-    scaling: float,
-    gate: Gate,
-) -> _BlockRepair:
-    """Page in whole token blocks of one (row, KV head) until every query cell is under the threshold.
-
-    Blocks are ordered by their largest contribution ``Σ_{t∈b} p̃_t(e^{c_t} − 1)`` over the cells. The first
-    guess is the shortest prefix of that order whose *predicted* e-form ``½(A_k² − 1)`` with
-    ``A_k = 1 + Σ_{b∉prefix} contribution_b`` (current p̃, paged radii set to 0) is under the threshold for
-    every cell; the guess is then verified by recomputing the served attention with the paged blocks exact,
-    and doubled until the recomputed meter is under the threshold. Paged tokens get radius 0 and exact K/V.
-    """
-    assert store.k is not None and store.v is not None
-    khat = store.k.served.view()[bi, hi]
-    vhat = store.v.served.view()[bi, hi]
-    hk = store.k.host.view()[bi, hi].to(khat.device, torch.float32)  # host tier: pinned CPU beside a GPU
-    hv = store.v.host.view()[bi, hi].to(khat.device, torch.float32)
-    vres = store.v_res.view()[bi, hi]
-    s = khat.shape[0]
-    bs = gate.block_size
-    nb = (s + bs - 1) // bs
-    contrib = p * torch.expm1(c)
-    pad = nb * bs - s
-    rows = torch.nn.functional.pad(contrib, (0, pad)).reshape(contrib.shape[0], nb, bs).sum(-1)  # [M, nb]
-    order = torch.argsort(rows.amax(0), descending=True, stable=True)
-    remaining = rows.sum(-1, keepdim=True) - rows[:, order].cumsum(-1)  # [M, nb]
-    predicted_ok = (0.5 * ((1.0 + remaining.clamp(min=0)) ** 2 - 1.0) <= gate.threshold).all(0)
-    k = int(predicted_ok.to(torch.int64).argmax()) + 1 if bool(predicted_ok.any()) else nb
-    while True:
-        chosen = order[: min(k, nb)]
-        tok = torch.zeros(nb, bs, dtype=torch.bool, device=khat.device)
-        tok[chosen] = True
-        tok = tok.reshape(-1)[:s]
-        kmix = torch.where(tok.unsqueeze(-1), hk, khat)
-        vmix = torch.where(tok.unsqueeze(-1), hv, vhat)
-        cmix = torch.where(tok, torch.zeros_like(c), c)
-        logits = (qg @ kmix.T * scaling).masked_fill(~m, float("-inf"))
-        pm = probs64(logits)
-        cert, raw = served_meter(pm, cmix)
-        score = raw if gate.uses_unclipped else cert
-        if bool((score <= gate.threshold).all()) or k >= nb:
-            break
-        k *= 2
-    if gate.persistent:  # kept within the store's device budget, else a transient page-in
-        store.persist(bi, hi, tok)
-    vres_mix = torch.where(tok, torch.zeros_like(vres), vres)
-    return _BlockRepair(pm.to(torch.float32) @ vmix, cert, pm, vres_mix, int(chosen.numel()), int(tok.sum()))

@@ -1,8 +1,10 @@
 """The certified decode read as Triton kernels (CUDA; CPU under ``TRITON_INTERPRET=1``).
 
-Same read as :func:`kvcert.kernels.numba_read.decode_read`, over the same store allocations (the dequantized
-float32 scratch ``served`` and the write-time witnesses, read in place through their strides; this first
-version does not dequantize the codecs' packed codes in registers), as four kernels over a grid of
+Same read as :func:`kvcert.kernels.numba_read.decode_read`, over the store's write-time witnesses (read in place
+through their strides) and its served K/V: the codecs' packed codes, dequantized in registers where the codec
+allows it (``k_tiles`` / ``v_tiles`` from :func:`kvcert.kernels.packed.code_tiles`: bit for bit the float32
+scratch ``served``, which is read instead at entries held exact and for the other codecs), as four kernels over
+a grid of
 ``(batch row × KV head, split)``: each split owns a contiguous run of tokens (split-K, so a long context keeps
 every multiprocessor busy at batch 1), and the few per-row partial results of the splits are combined between
 kernels with torch reductions:
@@ -580,7 +582,9 @@ def decode_read(
     radii and rounded-up sums never below their exact values, the meter with its ``4γ_{S+6}`` allowance at least the
     meter of the computed ``p̃``, logits and output within the read path's float32 slacks. ``None`` when the query or a
     key (value) at or after ``k_from`` (``v_from``) is not finite: the caller fails closed. ``splits``: splits of
-    the token axis (``None``: :func:`default_splits`).
+    the token axis (``None``: :func:`default_splits`). ``k_tiles`` / ``v_tiles``
+    (:func:`kvcert.kernels.packed.code_tiles` of the same store): read the keys / values from their packed codes,
+    and ``keys`` / ``values`` only where the store's exact flag is set (``None``: the scratch everywhere).
     """
     bsz, h, m, d = q.shape
     s, dv, nb = keys.shape[2], values.shape[-1], rho.shape[-1]

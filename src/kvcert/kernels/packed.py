@@ -114,6 +114,7 @@ class _Mirror:
         if "scales" not in first.packed.tensors:
             self.names = ("values",)  # fp16 codec
         self.dither = dither
+        self.keyed = True  # every chunk of a dithered store carries its key
         self.origin = first.start
         self.last: _Chunk | None = None
         self.rows: dict[str, int] = {}  # tokens per stored row of each tensor (1, or the KIVI token block)
@@ -129,8 +130,9 @@ class _Mirror:
                 self.rows[name] = (c.stop - c.start) // x.shape[2]
                 self.bufs[name] = GrowBuffer(x[:, :, :0])
             self.bufs[name].append(x)
-        if self.dither:
-            assert c.key is not None
+        if self.dither and c.key is None:  # an eviction merged the chunks: no dither to regenerate per token
+            self.keyed = False
+        if self.dither and self.keyed and c.key is not None:
             st = keyed_state(c.key, c.packed.shape[1]).to(c.packed.tensors["codes"].device)
             if self.state is None:
                 self.state = GrowBuffer(st[:, :, :0])
@@ -191,10 +193,10 @@ def _tiles(ts: _Tensorstore, base: int) -> CodeTiles:
     exact = ts.exact.view().view(torch.uint8)
     mode = _mode(ts.codec)
     dither = mode is not None and mode[0] == MODES["dither"]
-    if mode is None or not ts.chunks or (dither and any(c.key is None for c in ts.chunks)):
+    if mode is None or not ts.chunks:
         return _scratch_tiles(exact)
     m = _mirror(ts, dither)
-    if m is None:
+    if m is None or not m.keyed:
         return _scratch_tiles(exact)
     codes = m.bufs[m.names[0]].view()
     scales = m.bufs["scales"].view() if "scales" in m.bufs else codes

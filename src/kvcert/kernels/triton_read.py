@@ -62,9 +62,9 @@ def _program(H, M, S, chunk, BM: tl.constexpr):
     return bh, sp, bh // H, bh % H, rm, rm < M, lo, tl.minimum(lo + chunk, S)
 
 
-_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64 constants of kvcert.quant.dither
-_M1 = 0xBF58476D1CE4E5B9
-_M2 = 0x94D049BB133111EB
+_GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)  # splitmix64 constants of kvcert.quant.dither
+_M1 = tl.constexpr(0xBF58476D1CE4E5B9)
+_M2 = tl.constexpr(0x94D049BB133111EB)
 
 
 @triton.jit

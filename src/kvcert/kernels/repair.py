@@ -15,7 +15,8 @@ per-head procedure it replaces:
 
 The meter of the recomputed read is the certificate of what is served (paged tokens have radius 0, the others
 keep their radii, which bound their logit errors whatever the other tokens are). The host tier's K/V of the
-gated heads are paged to the device once (pinned memory beside a GPU: an asynchronous copy).
+gated heads are paged to the device once, head by head from the host tier's slices (pinned memory beside a GPU:
+asynchronous copies).
 """
 
 from __future__ import annotations
@@ -61,14 +62,16 @@ def repair_blocks(
     Persistent gates keep the paged entries exact within the store's device budget (:meth:`LayerStore.persist`).
     """
     assert store.k is not None and store.v is not None
-    heads = need.nonzero()  # one synchronisation per read
+    heads = need.nonzero()
+    pairs = heads.tolist()  # one synchronisation per read
     bi, hi = heads[:, 0], heads[:, 1]
     khat, vhat = store.k.served.view()[bi, hi], store.v.served.view()[bi, hi]  # [n, S, D]
     dev = khat.device
-    host_k, host_v = store.k.host.view(), store.v.host.view()
-    hidx = heads.to(host_k.device)
-    hk = host_k[hidx[:, 0], hidx[:, 1]].to(dev, torch.float32, non_blocking=True)
-    hv = host_v[hidx[:, 0], hidx[:, 1]].to(dev, torch.float32, non_blocking=True)
+
+    def page(host: torch.Tensor) -> torch.Tensor:  # each head's slice of the (pinned) host tier: async copies
+        return torch.stack([host[b, h].to(dev, non_blocking=True) for b, h in pairs]).to(torch.float32)
+
+    hk, hv = page(store.k.host.view()), page(store.v.host.view())
     vres = store.v_res.view()[bi, hi]
     q, m, cc, pp = qg[bi, hi], mask[bi, hi], c[bi, hi], p[bi, hi]
     n, rows, s = pp.shape
@@ -92,7 +95,7 @@ def repair_blocks(
             break
         k = torch.where(done, k, 2 * k)
     if gate.persistent:  # kept within the store's device budget, else a transient page-in
-        for j, (b, h) in enumerate(heads.tolist()):
+        for j, (b, h) in enumerate(pairs):
             store.persist(b, h, tok[j])
     out = pm.to(torch.float32) @ torch.where(tok.unsqueeze(-1), hv, vhat)
     v_res = torch.where(tok, 0.0, vres)

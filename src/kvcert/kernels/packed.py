@@ -110,9 +110,10 @@ class _Mirror:
 
     def __init__(self, ts: _Tensorstore, dither: bool) -> None:
         first = ts.chunks[0]
-        self.names = ("codes", "scales", "zeros") if "zeros" in first.packed.tensors else ("codes", "scales")
-        if "scales" not in first.packed.tensors:
-            self.names = ("values",)  # fp16 codec
+        # every stored tensor of the codec: codes (the fp16 codec's "values"), scales, KIVI's zero-points
+        self.names: tuple[str, ...] = tuple(
+            n for n in ("codes", "values", "scales", "zeros") if n in first.packed.tensors
+        )
         self.dither = dither
         self.keyed = True  # every chunk of a dithered store carries its key
         self.origin = first.start

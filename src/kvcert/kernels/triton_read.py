@@ -526,7 +526,7 @@ def _finish(
     return cert, raw, torch.tanh(cvis)
 
 
-def _tile_args(tiles: CodeTiles | None, x: torch.Tensor, name: str) -> tuple[tuple, dict[str, int]]:
+def _tile_args(tiles: CodeTiles | None, x: torch.Tensor, name: str) -> tuple[tuple[object, ...], dict[str, int]]:
     """The ``_tile`` arguments of one store tensor after its scratch pointer and strides: ``(positional, constexpr)``;
     ``tiles=None``: the scratch only."""
     if tiles is None:
@@ -543,8 +543,8 @@ def _tile_args(tiles: CodeTiles | None, x: torch.Tensor, name: str) -> tuple[tup
             f"{name} tiles: codes {tuple(c.shape)} must be [B={b}, H={h}, N, ...] with unit last stride "
             "and scales laid out like zero-points"
         )
-    args = (ex, ex.stride(0), ex.stride(1), c, c.stride(0), c.stride(1), c.stride(2), sc, tiles.zeros)
-    args += (sc.stride(0), sc.stride(1), sc.stride(2), st, st.stride(0), st.stride(1), tiles.offset)
+    args: tuple[object, ...] = (ex, ex.stride(0), ex.stride(1), c, c.stride(0), c.stride(1), c.stride(2), sc)
+    args += (tiles.zeros, sc.stride(0), sc.stride(1), sc.stride(2), st, st.stride(0), st.stride(1), tiles.offset)
     return args, {"MODE": tiles.mode, "GS": tiles.group, "BITS": tiles.bits, "OFF": tiles.offset_code}
 
 

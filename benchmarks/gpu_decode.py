@@ -43,7 +43,6 @@ import torch
 
 from kvcert import Gate, kernels, quant
 from kvcert.attention.certified import ReadConfig, certified_read, group_heads
-from kvcert.bounds.rc import gamma_f32
 from kvcert.cache.store import LayerStore
 
 
@@ -148,48 +147,9 @@ def check(device: torch.device, gen: torch.Generator) -> dict:
     store, _, _ = _store(b, hkv, s, d, "int4", device, gen)
     q = torch.randn(b, hq, 1, d, generator=gen, device=device) * 2
     qg = group_heads(q, hkv)
-    sv = store
-    scratch = triton_read.decode_read(
-        qg,
-        sv.k.served.view(),
-        sv.k_band.view(),
-        sv.k_hat_norm.view(),
-        sv.k_wit.view(),
-        sv.v.served.view(),
-        sv.v_res.view(),
-        sv.v_dist.view(),
-        sv.v_hat_norm.view(),
-        d**-0.5,
-        gamma_f32(d + 1),
-        True,
-        None,
-        1,
-        sv.k.n_encoded,
-        sv.v.n_encoded,
-        splits=4,
-    )
+    scratch = triton_read.read_store(qg, store, None, 1, d**-0.5, splits=4, packed=False)
+    tr = triton_read.read_store(qg, store, None, 1, d**-0.5, splits=4)
     k_tiles, v_tiles = code_tiles(store)
-    tr = triton_read.decode_read(
-        qg,
-        sv.k.served.view(),
-        sv.k_band.view(),
-        sv.k_hat_norm.view(),
-        sv.k_wit.view(),
-        sv.v.served.view(),
-        sv.v_res.view(),
-        sv.v_dist.view(),
-        sv.v_hat_norm.view(),
-        d**-0.5,
-        gamma_f32(d + 1),
-        True,
-        None,
-        1,
-        sv.k.n_encoded,
-        sv.v.n_encoded,
-        splits=4,
-        k_tiles=k_tiles,
-        v_tiles=v_tiles,
-    )
     assert tr is not None and scratch is not None
     p_ref = probs64(tr.logits)
     cert_ref, raw_ref = served_meter(p_ref, tr.c)

@@ -23,10 +23,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from kvcert import quant  # noqa: E402
-from kvcert.bounds.rc import gamma_f32  # noqa: E402
 from kvcert.cache.store import LayerStore  # noqa: E402
 from kvcert.kernels import triton_read  # noqa: E402
-from kvcert.kernels.packed import MODES, code_tiles  # noqa: E402
+from kvcert.kernels.packed import MODES  # noqa: E402
 
 KERNELS = ("_logits_radii_kernel", "_exp_kernel", "_sums_kernel", "_gap_kernel")
 #: one codec (with options) per kernel mode
@@ -70,32 +69,11 @@ def _launches(codec: str, opts: dict) -> list[tuple[object, tuple, dict]]:
     rows, keep = torch.arange(1), torch.zeros(1, dtype=torch.bool)
     store.append(k[:, :, :40], v[:, :, :40], rows, keep)
     store.append(k[:, :, 40:], v[:, :, 40:], rows, keep)
-    kt, vt = code_tiles(store)
     q = torch.randn(1, 2, 4, 128, generator=gen)
     try:
         for name in KERNELS:
             setattr(triton_read, name, _Recorder(real[name]))
-        st = store
-        triton_read.decode_read(
-            q,
-            st.k.served.view(),
-            st.k_band.view(),
-            st.k_hat_norm.view(),
-            st.k_wit.view(),
-            st.v.served.view(),
-            st.v_res.view(),
-            st.v_dist.view(),
-            st.v_hat_norm.view(),
-            128**-0.5,
-            gamma_f32(129),
-            True,
-            None,
-            1,
-            st.k.n_encoded,
-            st.v.n_encoded,
-            k_tiles=kt,
-            v_tiles=vt,
-        )
+        triton_read.read_store(q, store, None, 1, 128**-0.5)
     finally:
         for name in KERNELS:
             setattr(triton_read, name, real[name])

@@ -11,7 +11,6 @@ import torch
 
 from kvcert import quant
 from kvcert.bounds import true_tv
-from kvcert.bounds.rc import gamma_f32
 from kvcert.cache.store import LayerStore
 from kvcert.kernels import triton_read
 from kvcert.kernels.packed import MODES, code_tiles
@@ -46,29 +45,7 @@ def _store(codec: str, opts: dict, gen: torch.Generator, b: int = 2, h: int = 2,
 
 
 def _read(store: LayerStore, q: torch.Tensor, mask: torch.Tensor | None, nq: int, tiles: bool, splits: int = 2):
-    kt, vt = code_tiles(store) if tiles else (None, None)
-    sv = store
-    return triton_read.decode_read(
-        q,
-        sv.k.served.view(),
-        sv.k_band.view(),
-        sv.k_hat_norm.view(),
-        sv.k_wit.view(),
-        sv.v.served.view(),
-        sv.v_res.view(),
-        sv.v_dist.view(),
-        sv.v_hat_norm.view(),
-        SC,
-        gamma_f32(q.shape[-1] + 1),
-        True,
-        mask,
-        nq,
-        sv.k.n_encoded,
-        sv.v.n_encoded,
-        splits=splits,
-        k_tiles=kt,
-        v_tiles=vt,
-    )
+    return triton_read.read_store(q, store, mask, nq, SC, splits=splits, packed=tiles)
 
 
 def _poison(store: LayerStore) -> int:

@@ -311,34 +311,13 @@ def _fused_served(
 def _triton_served(
     qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None, nq: int, scaling: float
 ) -> _Served | None:
-    """Decode-size reads on the Triton kernels (:func:`kvcert.kernels.triton_read.decode_read`) over the store's
-    live views; ``None`` when a query or pending entry is not finite (the eager path then fails closed)."""
+    """Decode-size reads on the Triton kernels (:func:`kvcert.kernels.triton_read.read_store`: the store's packed
+    codes dequantized in registers); ``None`` when a query or pending entry is not finite (the eager path then
+    fails closed)."""
     import kvcert.kernels.triton_read as triton_read  # imports triton: only when this backend is in use
-    from kvcert.kernels.packed import code_tiles
 
-    assert store.k is not None and store.v is not None
-    _, hkv, m, d = qg.shape
-    k_tiles, v_tiles = code_tiles(store)  # the packed codes, dequantized in the kernels' registers
-    r = triton_read.decode_read(
-        qg.detach().contiguous(),
-        store.k.served.view(),
-        store.k_band.view(),
-        store.k_hat_norm.view(),
-        store.k_wit.view(),
-        store.v.served.view(),
-        store.v_res.view(),
-        store.v_dist.view(),
-        store.v_hat_norm.view(),
-        scaling,
-        gamma_f32(d + 1),
-        store.pairing == "rotate_half",
-        mask,
-        nq,
-        store.k.n_encoded,
-        store.v.n_encoded,
-        k_tiles=k_tiles,
-        v_tiles=v_tiles,
-    )
+    _, hkv, m, _ = qg.shape
+    r = triton_read.read_store(qg.detach().contiguous(), store, mask, nq, scaling)
     return None if r is None else _Served(qg, hkv * (m // nq), nq, **r._asdict())
 
 

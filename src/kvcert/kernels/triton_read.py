@@ -40,7 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcert.kernels.packed import MODES, CodeTiles
+from kvcert.bounds.rc import gamma_f32
+from kvcert.cache.store import LayerStore
+from kvcert.kernels.packed import MODES, CodeTiles, code_tiles
 
 _U64 = 2.0**-53
 _U32 = 2.0**-24
@@ -784,4 +786,42 @@ def decode_read(
         spread=spread,
         vmax=vmax,
         out=out,
+    )
+
+
+def read_store(
+    q: torch.Tensor,
+    store: LayerStore,
+    mask: torch.Tensor | None,
+    nq: int,
+    scale: float,
+    *,
+    splits: int | None = None,
+    packed: bool = True,
+) -> TritonRead | None:
+    """:func:`decode_read` of grouped float32 queries ``q[B, Hkv, M, D]`` over ``store``'s live views, the keys and
+    values read from their packed codes (:func:`kvcert.kernels.packed.code_tiles`; ``packed=False``: from the
+    decode scratch)."""
+    assert store.k is not None and store.v is not None
+    k_tiles, v_tiles = code_tiles(store) if packed else (None, None)
+    return decode_read(
+        q,
+        store.k.served.view(),
+        store.k_band.view(),
+        store.k_hat_norm.view(),
+        store.k_wit.view(),
+        store.v.served.view(),
+        store.v_res.view(),
+        store.v_dist.view(),
+        store.v_hat_norm.view(),
+        scale,
+        gamma_f32(q.shape[-1] + 1),
+        store.pairing == "rotate_half",
+        mask,
+        nq,
+        store.k.n_encoded,
+        store.v.n_encoded,
+        splits=splits,
+        k_tiles=k_tiles,
+        v_tiles=v_tiles,
     )

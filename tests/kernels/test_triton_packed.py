@@ -65,6 +65,15 @@ def _assert_same(a: triton_read.TritonRead, b: triton_read.TritonRead) -> None:
         assert torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num()), name
 
 
+def _assert_poisoned_read_same(store: LayerStore, q: torch.Tensor) -> None:
+    """The read over the codes with the scratch poisoned where codes are read = the read over the scratch."""
+    ref = _read(store, q, None, 1, tiles=False, splits=1)
+    assert _poison(store) > 0
+    got = _read(store, q, None, 1, tiles=True, splits=1)
+    assert ref is not None and got is not None
+    _assert_same(ref, got)
+
+
 @pytest.mark.parametrize(("codec", "opts", "mode"), IN_REGISTERS)
 def test_packed_read_is_the_scratch_read_bit_for_bit_and_sound_per_cell(codec: str, opts: dict, mode: str) -> None:
     """GQA (2 query heads per KV head, 2 queries each), a per-head mask with a dead row, batch 2, repaired and
@@ -105,11 +114,7 @@ def test_mirror_follows_window_trims_and_evictions_and_reads_the_scratch_where_i
     store.drop_before(20)  # drops the first 2 write blocks of 8, cuts into the third
     trimmed = code_tiles(store)[0]
     assert trimmed.offset == 4 and trimmed.codes.shape[2] == first.codes.shape[2] - 16
-    ref = _read(store, q, None, 1, tiles=False, splits=1)
-    _poison(store)
-    got = _read(store, q, None, 1, tiles=True, splits=1)
-    assert ref is not None and got is not None
-    _assert_same(ref, got)
+    _assert_poisoned_read_same(store, q)
     store2, _, _ = _store("dither-int8", {}, gen, b=1, s=48)
     keep = torch.tensor([0, 3, 4, 10, 20, 30, 40, 47]).expand(1, 2, 8).contiguous()
     store2.gather(keep)
@@ -118,10 +123,6 @@ def test_mirror_follows_window_trims_and_evictions_and_reads_the_scratch_where_i
     store3.gather(keep)
     kt = code_tiles(store3)[0]
     assert kt.mode == MODES["rtn8"] and kt.offset == 0 and kt.codes.shape[2] == 8
-    ref = _read(store3, q, None, 1, tiles=False, splits=1)
-    _poison(store3)
-    got = _read(store3, q, None, 1, tiles=True, splits=1)
-    assert ref is not None and got is not None
-    _assert_same(ref, got)
+    _assert_poisoned_read_same(store3, q)
     store4, _, _ = _store("fp8-e4m3", {}, gen, b=1, s=24)
     assert code_tiles(store4)[1].mode == MODES["scratch"]

@@ -4,44 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_cases import HKV, B, D, G
+from attention_cases import exact_fallback as _exact
+from attention_cases import setup_read as _setup
 
 from kvcert.attention.certified import ReadConfig, certified_read
 from kvcert.cache.gate import Gate
-from kvcert.cache.store import LayerStore
-from kvcert.quant import get
-
-B, HKV, G, D = 2, 2, 3, 64
-
-
-def _setup(codec: str, s: int, seed: int, qscale: float, nq: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    st = LayerStore(0, get(codec), get("int4"), bands=8, pairing="rotate_half", seed=seed)
-    k = torch.randn(B, HKV, s, D, generator=g) * torch.rand(1, 1, s, 1, generator=g) * 3
-    v = torch.randn(B, HKV, s, D, generator=g)
-    rows, keep = torch.arange(B), torch.zeros(B, dtype=torch.bool)
-    st.append(k, v, rows, keep)
-    st.append(torch.randn(B, HKV, nq, D, generator=g), torch.randn(B, HKV, nq, D, generator=g), rows, keep)
-    q = torch.randn(B, HKV * G, nq, D, generator=g) * qscale
-    n = st.n
-    mask = torch.ones(B, 1, nq, n, dtype=torch.bool)
-    mask[1, :, :, : s // 4] = False  # left padding on row 1
-    mask = mask & (torch.arange(n).view(1, 1, 1, n) <= (n - nq + torch.arange(nq)).view(1, 1, nq, 1))
-    return st, q, mask
-
-
-def _exact(st, q, mask, scale):
-    def fn(hk, hv, heads=None):
-        rep = torch.repeat_interleave
-        qq = q
-        if heads is not None:  # only KV heads h0..h1-1 and their query heads, as the cache's closure does
-            (h0, h1) = heads
-            qq, hk, hv = q[:, h0 * G : h1 * G], hk[:, h0:h1], hv[:, h0:h1]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qq, rep(hk, G, 1), rep(hv, G, 1), attn_mask=mask, scale=scale
-        )
-        return out.transpose(1, 2)
-
-    return fn
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4", "int2", "dither-int8", "fp8-e4m3", "sign-1", "kvquant-4"])
@@ -86,9 +54,9 @@ def test_partial_head_repair_recomputes_only_needed_heads_and_matches_dense():
     asked = []
     exact = _exact(st, q, mask, scale)
 
-    def spy(hk, hv, heads=None):
+    def spy(hk, hv, m, heads=None):
         asked.append(heads)
-        return exact(hk, hv, heads)
+        return exact(hk, hv, m, heads)
 
     res = certified_read(q, st, mask, scale, ReadConfig(Gate.certified(tau), True, 1e-6), spy)
     assert res.repaired.any() and not res.repaired.all()
@@ -165,7 +133,7 @@ def test_kernel_output_bound_is_the_eager_formula_per_cell(codec):
     st, q, mask = _setup(codec, 150, 5, 3.0, nq=2)
     hkv = st.k.served.view().shape[1]
     qg = certified.group_heads(q.to(torch.float32), hkv)
-    sv = certified._fused_served(qg, st, mask, 2, st.n, D**-0.5)
+    sv = certified._fused_served(qg, st, mask, 2, D**-0.5)
     assert sv is not None
     bound, key_term, slack = certified._out_bound(
         sv.value_term, sv.cert, sv.spread, sv.vmax, st.n, sv.out.shape[-1], sv.phi_max

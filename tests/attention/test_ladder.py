@@ -40,10 +40,10 @@ def _setup(keys: str, values: str, s: int, seed: int, qscale: float, nq: int = 1
 
 
 def _exact(q, mask):
-    def fn(hk, hv):
+    def fn(hk, hv, m=None):  # m: the mask the read path passes (None: the test's own)
         rep = torch.repeat_interleave
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, rep(hk.to(q.dtype), G, 1), rep(hv.to(q.dtype), G, 1), attn_mask=mask, scale=SC
+            q, rep(hk.to(q.dtype), G, 1), rep(hv.to(q.dtype), G, 1), attn_mask=mask if m is None else m, scale=SC
         )
         return out.transpose(1, 2)
 

@@ -7,6 +7,7 @@ from decimal import Decimal, getcontext
 import torch
 
 from kvcert.bounds import pair_components
+from kvcert.kernels.inputs import DecodeInputs
 
 
 def exact_radii(
@@ -52,3 +53,33 @@ def random_store(b: int, h: int, s: int, d: int, nb: int, gen: torch.Generator, 
     khn = keys.norm(dim=-1) * (1 + 1e-6)
     w = torch.rand(b, h, cap, generator=gen) * 0.1
     return keys, rho, khn, w
+
+
+def decode_inputs(
+    tensors: tuple[torch.Tensor, ...],
+    *,
+    scale: float,
+    gamma: float,
+    rotate_half: bool,
+    mask: torch.Tensor | None = None,
+    nq: int = 1,
+    n_tokens: int | None = None,
+    k_from: int | None = None,
+    v_from: int | None = None,
+    arrays: bool = False,
+) -> DecodeInputs:
+    """:class:`DecodeInputs` of ``tensors = (q, k_served, k_band, k_hat_norm, k_wit, v_served, v_res, v_dist,
+    v_hat_norm)`` (``arrays``: as numpy arrays, for the numba read); every token checked at write by default."""
+    n = tensors[1].shape[2] if n_tokens is None else n_tokens
+    conv = (lambda x: x.numpy()) if arrays else (lambda x: x)
+    return DecodeInputs(
+        *(conv(x) for x in tensors),
+        n_tokens=n,
+        scale=scale,
+        gamma=gamma,
+        rotate_half=rotate_half,
+        mask=None if mask is None else conv(mask),
+        nq=nq,
+        k_from=n if k_from is None else k_from,
+        v_from=n if v_from is None else v_from,
+    )

@@ -8,7 +8,7 @@ from decimal import Decimal
 import pytest
 import torch
 from bounds_adversarial import SLACK, make_cells
-from read_cases import exact_radii, random_store
+from read_cases import decode_inputs, exact_radii, random_store
 
 from kvcert.attention.certified import masked_logits, served_certificate
 from kvcert.bounds import band_norms, round_up_f32, true_tv
@@ -132,7 +132,7 @@ def test_logits_radii_radii_are_never_below_the_exact_radius_per_cell(pairing: s
     assert torch.allclose(lr.qn[..., 0], q.to(torch.float64).norm(dim=-1), rtol=1e-14)
     kf = 2 * khn.to(torch.float64) + w.to(torch.float64)
     assert torch.equal(lr.kmax[..., 0], kf.amax(-1)) and torch.equal(lr.wmax[..., 0], w.to(torch.float64).amax(-1))
-    assert torch.all(lr.phi[..., 0] >= 2 * sc * gam * lr.qn[..., 0].amax(-1) * kf.amax(-1))
+    assert torch.all(lr.phi_max[..., 0] >= 2 * sc * gam * lr.qn[..., 0].amax(-1) * kf.amax(-1))
 
 
 @pytest.mark.parametrize("sc", [0.125, 0.1])
@@ -252,32 +252,16 @@ def test_decode_read_equals_the_checked_kernels_entry_for_entry(masked: bool) ->
     mask = _visible_mask(b, 1, nq, s, gen) if masked else None
     lr = logits_radii(q, keys, rho, khn, w, s, 0.125, gamma_f32(d + 1), "rotate_half", mask=mask, nq=nq)
     mo = meter_output(lr, vals, vres, vdist, vhn, s, mask=mask, nq=nq)
-    r = decode_read(
-        q.numpy(),
-        keys.numpy(),
-        rho.numpy(),
-        khn.numpy(),
-        w.numpy(),
-        vals.numpy(),
-        vres.numpy(),
-        vdist.numpy(),
-        vhn.numpy(),
-        s,
-        0.125,
-        gamma_f32(d + 1),
-        True,
-        None if mask is None else mask.numpy(),
-        nq,
-        s,
-        s,
-    )
+    case = (q, keys, rho, khn, w, vals, vres, vdist, vhn)
+    kw = {"scale": 0.125, "gamma": gamma_f32(d + 1), "rotate_half": True, "mask": mask, "nq": nq, "n_tokens": s}
+    r = decode_read(decode_inputs(case, **kw, arrays=True))
     assert lr is not None and mo is not None and r is not None
     t = torch.from_numpy
     assert torch.equal(t(r.p), mo.p) and torch.equal(t(r.c), lr.c) and torch.equal(t(r.qn), lr.qn[..., 0])
     assert torch.equal(t(r.out), mo.out)
     for i, name in enumerate(CELL_ROWS):
         assert torch.equal(t(r.cells[i]), getattr(mo, name)), name
-    for i, x in enumerate((lr.kmax, lr.phi, lr.wmax, mo.spread, mo.vmax)):
+    for i, x in enumerate((lr.kmax, lr.phi_max, lr.wmax, mo.spread, mo.vmax)):
         assert torch.equal(t(r.heads[i]), x[..., 0])
 
 
@@ -320,9 +304,9 @@ def test_kernel_inputs_with_bad_shapes_or_layouts_are_named() -> None:
     args = (0.125, 1e-6, "rotate_half")
     with pytest.raises(ValueError, match="D/2 divisible"):
         logits_radii(q, keys, torch.zeros(1, 2, 8, 3), khn, w, 8, *args)
-    with pytest.raises(ValueError, match="keys .* must be a contiguous"):
+    with pytest.raises(ValueError, match="k_served .* must be a contiguous"):
         logits_radii(q, keys.transpose(2, 3).contiguous().transpose(2, 3), rho, khn, w, 8, *args)
-    with pytest.raises(ValueError, match="witness .* must be a contiguous"):
+    with pytest.raises(ValueError, match="k_wit .* must be a contiguous"):
         logits_radii(q, keys, rho, khn, w[:, :, :5], 8, *args)
     with pytest.raises(ValueError, match="mask .* must be"):
         logits_radii(q, keys, rho, khn, w, 8, *args, mask=torch.ones(1, 3, 1, 8, dtype=torch.bool))

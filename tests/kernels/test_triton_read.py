@@ -7,13 +7,14 @@ from decimal import Decimal
 
 import pytest
 import torch
-from read_cases import exact_radii, random_store
+from read_cases import decode_inputs, exact_radii, random_store
 
 from kvcert import quant
 from kvcert.bounds import true_tv
 from kvcert.bounds.rc import gamma_f32
 from kvcert.cache.store import LayerStore
 from kvcert.kernels import triton_read
+from kvcert.kernels.inputs import store_inputs
 from kvcert.kernels.numba_read import CELL_ROWS, HEAD_ROWS, decode_read, softmax_meter
 
 torch.set_num_threads(1)
@@ -57,28 +58,11 @@ def test_every_output_equals_the_numba_read_within_the_stated_allowances(kind: s
     vals, vres, vdist, vhn = _witnesses(b, h, s, gen)
     mask = _mask(kind, b, h, nq, s, gen)
     gam = gamma_f32(d + 1)
+    case = (q, keys, rho, khn, w, vals, vres, vdist, vhn)
     tr = triton_read.decode_read(
-        q, keys, rho, khn, w, vals, vres, vdist, vhn, SC, gam, True, mask, nq, s, s, splits=splits
+        decode_inputs(case, scale=SC, gamma=gam, rotate_half=True, mask=mask, nq=nq), splits=splits
     )
-    nr = decode_read(
-        q.numpy(),
-        keys.numpy(),
-        rho.numpy(),
-        khn.numpy(),
-        w.numpy(),
-        vals.numpy(),
-        vres.numpy(),
-        vdist.numpy(),
-        vhn.numpy(),
-        s,
-        SC,
-        gam,
-        True,
-        None if mask is None else mask.numpy(),
-        nq,
-        s,
-        s,
-    )
+    nr = decode_read(decode_inputs(case, scale=SC, gamma=gam, rotate_half=True, mask=mask, nq=nq, arrays=True))
     assert tr is not None and nr is not None
     t = torch.from_numpy
     # logits: the mask pattern exactly, each within the float32 slack γ_{D+1}·sc·Σ|q_j k_j| of the exact product
@@ -108,7 +92,7 @@ def test_every_output_equals_the_numba_read_within_the_stated_allowances(kind: s
     vt = torch.linalg.vecdot(tr.p64, vres.to(torch.float64).unsqueeze(-2))
     assert bool((tr.value_term >= vt).all()) and torch.allclose(tr.value_term, vt, rtol=1e-12)
     for i, name in enumerate(HEAD_ROWS):
-        got = getattr(tr, "phi_max" if name == "phi" else name)[..., 0]
+        got = getattr(tr, name)[..., 0]
         assert torch.allclose(got, t(nr.heads[i]), rtol=1e-14, atol=0), name
     # the numba read's own cells: its logits differ from these by float32 summation order (an ulp or so), which
     # moves p̃ and every term after it by about that much relative (the exact checks are the ones above)
@@ -118,11 +102,12 @@ def test_every_output_equals_the_numba_read_within_the_stated_allowances(kind: s
 
 
 def test_radii_are_never_below_the_exact_radius_per_cell() -> None:
-    q, keys, rho, khn, w, vals, vres, vdist, vhn = _small_case(29)
+    case = _small_case(29)
+    q, keys, rho, khn, w = case[:5]
     _, h, m, d = q.shape
     s = keys.shape[2]
     gam = gamma_f32(d + 1)
-    tr = triton_read.decode_read(q, keys, rho, khn, w, vals, vres, vdist, vhn, SC, gam, False, None, 1, s, s)
+    tr = triton_read.decode_read(decode_inputs(case, scale=SC, gamma=gam, rotate_half=False))
     assert tr is not None
     ex = exact_radii(q, rho, khn, w, SC, gam, "interleaved")
     for hi in range(h):
@@ -154,26 +139,7 @@ def test_certificates_and_radii_bound_exact_attention_per_cell_for_every_codec(c
     store.append(k[:, :, 64:], v[:, :, 64:], rows, keep)  # encodes the first 64 (pending: the rest)
     q = torch.randn(b, h, g, d, generator=gen) * 3
     mask = torch.rand(b, 1, 1, s, generator=gen) > 0.2
-    sv = store
-    tr = triton_read.decode_read(
-        q,
-        sv.k.served.view(),
-        sv.k_band.view(),
-        sv.k_hat_norm.view(),
-        sv.k_wit.view(),
-        sv.v.served.view(),
-        sv.v_res.view(),
-        sv.v_dist.view(),
-        sv.v_hat_norm.view(),
-        SC,
-        gamma_f32(d + 1),
-        True,
-        mask,
-        1,
-        sv.k.n_encoded,
-        sv.v.n_encoded,
-        splits=2,
-    )
+    tr = triton_read.decode_read(store_inputs(q, store, mask, 1, SC, arrays=False), splits=2)
     assert tr is not None
     vis = mask.expand(b, h, g, s)
     exact_logits = (SC * q.to(torch.float64)) @ k.to(torch.float64).transpose(-1, -2)
@@ -187,34 +153,34 @@ def test_certificates_and_radii_bound_exact_attention_per_cell_for_every_codec(c
 
 
 def test_non_finite_query_or_pending_entry_returns_none() -> None:
-    q, keys, rho, khn, w, vals, vres, vdist, vhn = _small_case(37)
-    s = keys.shape[2]
-    args = (SC, gamma_f32(q.shape[-1] + 1), True, None, 1)
-    assert triton_read.decode_read(q, keys, rho, khn, w, vals, vres, vdist, vhn, *args, s, s) is not None
+    case = _small_case(37)
+    q, keys = case[:2]
+    kw = {"scale": SC, "gamma": gamma_f32(q.shape[-1] + 1), "rotate_half": True}
+    assert triton_read.decode_read(decode_inputs(case, **kw)) is not None
     bad = q.clone()
     bad[0, 1, 0, 3] = math.nan
-    assert triton_read.decode_read(bad, keys, rho, khn, w, vals, vres, vdist, vhn, *args, s, s) is None
+    assert triton_read.decode_read(decode_inputs((bad, *case[1:]), **kw)) is None
     keys[0, 0, 10, 0] = math.inf  # pending key (from 8 on): checked here
-    assert triton_read.decode_read(q, keys, rho, khn, w, vals, vres, vdist, vhn, *args, 8, s) is None
-    assert triton_read.decode_read(q, keys, rho, khn, w, vals, vres, vdist, vhn, *args, 11, s) is not None
+    assert triton_read.decode_read(decode_inputs(case, **kw, k_from=8)) is None
+    assert triton_read.decode_read(decode_inputs(case, **kw, k_from=11)) is not None
 
 
 def test_bad_inputs_are_named() -> None:
-    q, keys, rho, khn, w, vals, vres, vdist, vhn = _small_case(41)
+    case = _small_case(41)
+    q, keys, rho, khn, w, vals, vres, vdist, vhn = case
     b, s = q.shape[0], keys.shape[2]
-    args = (SC, 1e-6, True)
+    kw = {"scale": SC, "gamma": 1e-6, "rotate_half": True}
     with pytest.raises(ValueError, match="float32"):
-        triton_read.decode_read(q.double(), keys, rho, khn, w, vals, vres, vdist, vhn, *args, None, 1, s, s)
+        triton_read.decode_read(decode_inputs((q.double(), *case[1:]), **kw))
     with pytest.raises(ValueError, match="v_res"):
-        triton_read.decode_read(q, keys, rho, khn, w, vals, vres[:, :1], vdist, vhn, *args, None, 1, s, s)
+        triton_read.decode_read(decode_inputs((q, keys, rho, khn, w, vals, vres[:, :1], vdist, vhn), **kw))
     with pytest.raises(ValueError, match="mask"):
-        triton_read.decode_read(
-            q, keys, rho, khn, w, vals, vres, vdist, vhn, *args, torch.ones(b, 3, 1, s, dtype=torch.bool), 1, s, s
-        )
+        triton_read.decode_read(decode_inputs(case, **kw, mask=torch.ones(b, 3, 1, s, dtype=torch.bool)))
 
 
 def test_a_nan_or_negative_radius_on_a_supported_token_fails_closed() -> None:
-    q, keys, rho, khn, w, vals, vres, vdist, vhn = _small_case(43)
+    case = _small_case(43)
+    q, keys, rho, khn, w = case[:5]
     s = keys.shape[2]
     rho[0, 0, 3, 1] = math.nan  # KV head 0: one token's radius is NaN
     w[0, 1, 5], khn[0, 1, 5], rho[0, 1, 5] = -1.0, 0.0, 0.0  # KV head 1: one token's radius is negative
@@ -222,7 +188,7 @@ def test_a_nan_or_negative_radius_on_a_supported_token_fails_closed() -> None:
     mask[..., 3] = False  # ... and hidden: nothing to fail on
     for m, expect in ((None, (True, True)), (mask, (False, True))):
         tr = triton_read.decode_read(
-            q, keys, rho, khn, w, vals, vres, vdist, vhn, SC, gamma_f32(q.shape[-1] + 1), True, m, 1, s, s
+            decode_inputs(case, scale=SC, gamma=gamma_f32(q.shape[-1] + 1), rotate_half=True, mask=m)
         )
         assert tr is not None
         for h, failed in enumerate(expect):

@@ -25,19 +25,20 @@ For one layer and one forward call with queries ``q[B, Hq, Q, D]`` over ``S`` st
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
 import torch
 
+from kvcert.attention.exact import ExactAttention
 from kvcert.bounds import band_norms, meter_and_unclipped, round_up_f32, tier_b_radius, tier_b_sigma2
 from kvcert.bounds.radii import tier_a_radius_f32
 from kvcert.bounds.rc import U_F32, gamma_f32
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 from kvcert.kernels import active as kernel_backend
+from kvcert.kernels.inputs import store_inputs
 from kvcert.kernels.numba_read import (
     CELL_ROWS,
     DECODE_MAX_ROWS,
@@ -128,11 +129,12 @@ def served_certificate(
 
 
 def _logit_slack_factors(
-    qn: torch.Tensor, khn: torch.Tensor, w: torch.Tensor, scaling: float, d: int
+    qn: torch.Tensor, k_hat_norm: torch.Tensor, k_wit: torch.Tensor, scaling: float, d: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sc·γ_{D+1}·‖q‖ [B, Hkv, M, 1], 2‖k̂_t‖ + W_t [B, Hkv, 1, S])``: their product is the float32 logit
     rounding slack ``φ_t`` of one cell and token (float64)."""
-    return scaling * gamma_f32(d + 1) * qn, (2.0 * khn.to(torch.float64) + w.to(torch.float64)).unsqueeze(2)
+    kfac = 2.0 * k_hat_norm.to(torch.float64) + k_wit.to(torch.float64)
+    return scaling * gamma_f32(d + 1) * qn, kfac.unsqueeze(2)
 
 
 def _out_bound(
@@ -162,13 +164,13 @@ def _out_bound(
 
 
 def _value_spread(
-    vres: torch.Tensor, vdist: torch.Tensor, vhn: torch.Tensor, mask: torch.Tensor, full: bool
+    v_res: torch.Tensor, v_dist: torch.Tensor, v_hat_norm: torch.Tensor, mask: torch.Tensor, full: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(max_t ‖v̂_t − c‖ + ‖Δv_t‖, max_t ‖v̂_t‖ + ‖Δv_t‖)`` per KV head ``[B, Hkv, 1]`` (float64) over every
     token visible to any query of the read (``mask[B, 1|Hkv, Q, S]``; ``full``: all of them): upper bounds for
     served and exact values, from the store's witnesses ``[B, Hkv, S]`` (finite)."""
-    r = vres.to(torch.float64)
-    dist, norm = vdist.to(torch.float64) + r, vhn.to(torch.float64) + r
+    r = v_res.to(torch.float64)
+    dist, norm = v_dist.to(torch.float64) + r, v_hat_norm.to(torch.float64) + r
     if full:
         return dist.amax(-1, keepdim=True), norm.amax(-1, keepdim=True)
     vis = mask.any(-2)  # [B, 1|Hkv, S]
@@ -207,7 +209,7 @@ class _Served:
     ``key_term``, ``slack``, ``bound`` (output bound of the unrepaired read, ``_out_bound``), ``qg`` the float32
     queries as certified (non-finite entries zeroed), ``bad_cell`` cells that see a non-finite entry (fail
     closed; eager path only). The eager path passes every field as a tensor; a fused read keeps the kernels'
-    numpy blocks and makes each tensor on first use (``__getattr__`` over ``_FUSED_FIELDS``), so a read that
+    numpy blocks and makes each tensor on first use (``__getattr__`` over :func:`_fused_field`), so a read that
     repairs nothing builds only the ``[B, Hq, Q]`` cells (:meth:`ungrouped`), the output and the chain
     readings.
     """
@@ -227,9 +229,10 @@ class _Served:
 
     def __getattr__(self, name: str) -> torch.Tensor:  # only for fields not built yet (fused reads)
         r = self.__dict__.get("_r")
-        if r is None or name not in _FUSED_FIELDS:
+        block = None if r is None else _fused_field(r, name)
+        if block is None:
             raise AttributeError(name)
-        value = self.__dict__[name] = torch.from_numpy(_FUSED_FIELDS[name](r))
+        value = self.__dict__[name] = torch.from_numpy(block)
         return value
 
     def ungrouped(self, name: str) -> torch.Tensor:
@@ -262,49 +265,29 @@ class _Served:
         )
 
 
-#: how each :class:`_Served` field of a fused read is read off :func:`kvcert.kernels.numba_read.decode_read`'s arrays
-_FUSED_FIELDS: dict[str, Callable[[DecodeArrays], np.ndarray]] = {
-    "p64": lambda r: r.p,
-    "out": lambda r: r.out,
-    "c": lambda r: r.c,
-    "qn": lambda r: r.qn[..., None],
-    **{name: (lambda r, i=i: r.cells[i]) for i, name in enumerate(CELL_ROWS)},
-    **{
-        ("phi_max" if name == "phi" else name): (lambda r, i=i: r.heads[i, ..., None])
-        for i, name in enumerate(HEAD_ROWS)
-    },
-}
+def _fused_field(r: DecodeArrays, name: str) -> np.ndarray | None:
+    """The :class:`_Served` field ``name`` of a fused read, read off
+    :func:`kvcert.kernels.numba_read.decode_read`'s arrays (``None``: not a field)."""
+    direct = {"p64": r.p, "out": r.out, "c": r.c}
+    if name in direct:
+        return direct[name]
+    if name == "qn":
+        return r.qn[..., None]
+    if name in CELL_ROWS:
+        return r.cells[CELL_ROWS.index(name)]
+    if name in HEAD_ROWS:
+        return r.heads[HEAD_ROWS.index(name), ..., None]
+    return None
 
 
 def _fused_served(
-    qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None, nq: int, s: int, scaling: float
+    qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None, nq: int, scaling: float
 ) -> _Served | None:
     """Decode-size CPU reads: :func:`kvcert.kernels.numba_read.decode_read` (the two tested kernels) over the store's
     allocations (no copies); tensors are made from its numpy blocks on first use. ``None`` when a query or
     pending entry is not finite (the eager path then fails closed cell by cell)."""
-    assert store.k is not None and store.v is not None
-    _, hkv, m, d = qg.shape
-    q_np = np.ascontiguousarray(qg.detach().numpy())
-    mask_np = None if mask is None else mask.to(torch.bool).numpy()
-    r = decode_read(
-        q_np,
-        store.k.served.array(),
-        store.k_band.array(),
-        store.k_hat_norm.array(),
-        store.k_wit.array(),
-        store.v.served.array(),
-        store.v_res.array(),
-        store.v_dist.array(),
-        store.v_hat_norm.array(),
-        s,
-        scaling,
-        gamma_f32(d + 1),
-        store.pairing == "rotate_half",
-        mask_np,
-        nq,
-        store.k.n_encoded,
-        store.v.n_encoded,
-    )
+    _, hkv, m, _ = qg.shape
+    r = decode_read(store_inputs(qg, store, mask, nq, scaling, arrays=True))
     return None if r is None else _Served(qg, hkv * (m // nq), nq, arrays=r)
 
 
@@ -317,7 +300,7 @@ def _triton_served(
     import kvcert.kernels.triton_read as triton_read  # imports triton: only when this backend is in use
 
     _, hkv, m, _ = qg.shape
-    r = triton_read.read_store(qg.detach().contiguous(), store, mask, nq, scaling)
+    r = triton_read.read_store(qg, store, mask, nq, scaling)
     return None if r is None else _Served(qg, hkv * (m // nq), nq, **r._asdict())
 
 
@@ -340,25 +323,26 @@ def _eager_served(
         or (store.k.n_encoded < s and not bool(torch.isfinite(khat[:, :, store.k.n_encoded :]).all()))
         or (store.v.n_encoded < s and not bool(torch.isfinite(vhat[:, :, store.v.n_encoded :]).all()))
     )
-    rho, khn, w = store.k_band.view(), store.k_hat_norm.view(), store.k_wit.view()
-    vres, vdist, vhn = store.v_res.view(), store.v_dist.view(), store.v_hat_norm.view()
+    k_band, k_hat_norm, k_wit = store.k_band.view(), store.k_hat_norm.view(), store.k_wit.view()
+    v_res, v_dist, v_hat_norm = store.v_res.view(), store.v_dist.view(), store.v_hat_norm.view()
     bad_cell = None
     if nonfinite:
         bad_tok = ~(torch.isfinite(khat).all(-1) & torch.isfinite(vhat).all(-1))  # [B, Hkv, S]
         bad_cell = (m & bad_tok.unsqueeze(2)).any(-1) | ~torch.isfinite(qg).all(-1)  # [B, Hkv, M]
-        khat, vhat, qg, rho, khn, w, vres, vdist, vhn = (
-            torch.nan_to_num(x, 0.0, 0.0, 0.0) for x in (khat, vhat, qg, rho, khn, w, vres, vdist, vhn)
+        khat, vhat, qg, k_band, k_hat_norm, k_wit, v_res, v_dist, v_hat_norm = (
+            torch.nan_to_num(x, 0.0, 0.0, 0.0)
+            for x in (khat, vhat, qg, k_band, k_hat_norm, k_wit, v_res, v_dist, v_hat_norm)
         )
     logits = masked_logits(qg, khat, m, scaling, full)
     # φ_t = sc·γ_{D+1}·‖q‖·(2‖k̂_t‖ + W_t): D products + the multiplication by the softmax scale, for the
     # served and the exact key (‖k_t‖ ≤ ‖k̂_t‖ + W_t); c_t = Tier-A radius + φ_t
     qb = round_up_f32(band_norms(qg, store.bands, store.pairing))  # float32, never below ‖q_b‖
     qn = qg.to(torch.float64).norm(dim=-1, keepdim=True)  # [B, Hkv, M, 1]
-    rate, kfac = _logit_slack_factors(qn, khn, w, scaling, d)
-    c = tier_a_radius_f32(qb, rho.unsqueeze(2), scaling).addcmul_(rate, kfac)
+    rate, kfac = _logit_slack_factors(qn, k_hat_norm, k_wit, scaling, d)
+    c = tier_a_radius_f32(qb, k_band.unsqueeze(2), scaling).addcmul_(rate, kfac)
     kmax = kfac.amax(-1)  # [B, Hkv, 1]
     phi_max = 2.0 * rate.amax(-2) * kmax  # [B, Hkv, 1]
-    wmax = w.amax(-1, keepdim=True).to(torch.float64)
+    wmax = k_wit.amax(-1, keepdim=True).to(torch.float64)
     p64, p32, cert, raw, tanh = served_certificate(
         logits, c, m, full, fused=False if kernel_backend(qg.device) == "torch" else None
     )
@@ -366,8 +350,8 @@ def _eager_served(
     if bad_cell is not None:
         cert = torch.where(bad_cell, 1.0, cert)
         raw = torch.where(bad_cell, float("inf"), raw)
-    value_term = torch.linalg.vecdot(p64, vres.to(torch.float64).unsqueeze(-2))
-    spread, vmax = _value_spread(vres, vdist, vhn, mask, full)
+    value_term = torch.linalg.vecdot(p64, v_res.to(torch.float64).unsqueeze(-2))
+    spread, vmax = _value_spread(v_res, v_dist, v_hat_norm, mask, full)
     bound, key_term, slack = _out_bound(value_term, cert, spread, vmax, s, out.shape[-1], phi_max)
     hq, nq = qg.shape[1] * (qg.shape[2] // mask.shape[2]), mask.shape[2]
     return _Served(
@@ -401,166 +385,254 @@ def _no_heads(b: int, hkv: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(b, hkv, dtype=dtype)
 
 
-@torch.no_grad()
-def certified_read(
-    q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scaling: float, cfg: ReadConfig, exact_attention: callable
-) -> ReadResult:
-    """Serve attention for one layer from ``store`` and certify every (query head, query) cell.
+class _Read:
+    """One layer's read: the grouped float32 queries, the store, the caller's mask and the shapes every phase
+    uses; the grouped mask ``[B, Hkv, M, S]`` is built on first use (a decode read that changes nothing never
+    builds it)."""
 
-    ``mask[B, 1|Hkv, Q, S]`` is the boolean visibility mask (True = attend). ``exact_attention(k, v, heads)``
-    returns the dense SDPA output ``[B, Q, (h1 − h0)·G, Dv]`` over the given exact keys/values for the KV
-    heads ``h0 ≤ h < h1`` of ``heads = (h0, h1)`` (all of them when ``None``) and their query heads, used for
-    head repair so a repaired head equals the dense path's output.
-    """
-    assert store.k is not None and store.v is not None
-    b, hq, nq, d = q.shape
-    hkv, s = store.k.served.shape[1:3]
-    g = hq // hkv
-    qg = group_heads(q.to(torch.float32), hkv)  # [B, Hkv, M, D]
-    full = all_visible(mask) if mask.device.type == "cpu" else bool(mask.all())  # every token to every cell
+    def __init__(self, q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scaling: float) -> None:
+        assert store.k is not None and store.v is not None
+        self.b, self.hq, self.nq, self.d = q.shape
+        self.hkv, self.s = store.k.served.shape[1:3]
+        self.g = self.hq // self.hkv
+        self.qg = group_heads(q.to(torch.float32), self.hkv)  # [B, Hkv, M, D]
+        self.store, self.mask, self.scaling = store, mask, scaling
+        self.full = all_visible(mask) if mask.device.type == "cpu" else bool(mask.all())  # every token to every cell
+        self._grouped: torch.Tensor | None = None
+
+    def grouped_mask(self) -> torch.Tensor:
+        """``[B, Hkv, M, S]``: the mask of every grouped row."""
+        if self._grouped is None:
+            b, hkv, g, nq, s = self.b, self.hkv, self.g, self.nq, self.s
+            self._grouped = self.mask[:, :, None].expand(b, hkv, g, nq, s).reshape(b, hkv, g * nq, s)
+        return self._grouped
+
+    def host(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact K/V views (host tier), only for repairs and validation."""
+        assert self.store.k is not None and self.store.v is not None
+        return self.store.k.host.view(), self.store.v.host.view()
+
+    def exact_probs(self) -> torch.Tensor:
+        """``p`` of the exact keys (float64 softmax of float32 logits) per grouped row."""
+        host_k = self.host()[0].to(self.qg.device, torch.float32)
+        return probs64(masked_logits(self.qg, host_k, self.grouped_mask(), self.scaling, self.full))
+
+
+def _serve(rd: _Read) -> _Served:
+    """Phase *served*: the served read before gating, on the fused kernels where the read qualifies (decode
+    size, every stored entry finite), else (or when a kernel meets a non-finite query or pending entry) the eager
+    reference path."""
     sv = None
-    backend = kernel_backend(qg.device)
-    if backend != "torch" and qg.shape[2] <= DECODE_MAX_ROWS and store.nonfinite == 0:
+    backend = kernel_backend(rd.qg.device)
+    if backend != "torch" and rd.qg.shape[2] <= DECODE_MAX_ROWS and rd.store.nonfinite == 0:
+        mask = None if rd.full else rd.mask
         if backend == "numba":
-            sv = _fused_served(qg, store, None if full else mask, nq, s, scaling)
-        elif s > 0:
-            sv = _triton_served(qg, store, None if full else mask, nq, scaling)
-    m_cache: list[torch.Tensor] = []
-
-    def grouped_mask() -> torch.Tensor:  # [B, Hkv, M, S], built on demand
-        if not m_cache:
-            m_cache.append(mask[:, :, None].expand(b, hkv, g, nq, s).reshape(b, hkv, g * nq, s))
-        return m_cache[0]
-
+            sv = _fused_served(rd.qg, rd.store, mask, rd.nq, rd.scaling)
+        elif rd.s > 0:
+            sv = _triton_served(rd.qg, rd.store, mask, rd.nq, rd.scaling)
     if sv is None:
-        sv = _eager_served(qg, store, mask, grouped_mask(), full, scaling)
-    qg = sv.qg
-    nonfinite = sv.bad_cell is not None
+        sv = _eager_served(rd.qg, rd.store, rd.mask, rd.grouped_mask(), rd.full, rd.scaling)
+    rd.qg = sv.qg  # as certified (non-finite entries zeroed)
+    return sv
 
-    cert_b = None
-    if store.k_steps is not None:
-        codec = store.key_codec
-        qm = qg if codec.channel_mask is None else qg * codec.channel_mask.view(1, hkv, 1, d).to(qg)
-        sig2 = tier_b_sigma2(qm, store.k_steps.view().unsqueeze(2), scaling, codec.group_size)
-        khn, w = store.k_hat_norm.view(), store.k_wit.view()
-        if nonfinite:
-            khn, w = torch.nan_to_num(khn, 0.0, 0.0, 0.0), torch.nan_to_num(w, 0.0, 0.0, 0.0)
-        rate, kfac = _logit_slack_factors(sv.qn, khn, w, scaling, d)
-        u = tier_b_radius(sig2, s, cfg.delta_loc) + rate * kfac  # same rounding slack
-        cert_b = served_meter(sv.p64, u)[0]
 
-    gate = cfg.gate
-    no_heads = _no_heads(b, hkv, torch.bool)  # shared by every read: the flags below are rebound, never written
-    need, need_any = no_heads, False
+def _tier_b(rd: _Read, sv: _Served, delta_loc: float) -> torch.Tensor | None:
+    """Phase *certify* (Tier B, dithered keys only): the meter of ``p̃`` under the dither radii plus the same
+    float32 logit slack (non-adaptive: sound for queries independent of the dither)."""
+    store = rd.store
+    if store.k_steps is None:
+        return None
+    codec, qg = store.key_codec, rd.qg
+    qm = qg if codec.channel_mask is None else qg * codec.channel_mask.view(1, rd.hkv, 1, rd.d).to(qg)
+    sig2 = tier_b_sigma2(qm, store.k_steps.view().unsqueeze(2), rd.scaling, codec.group_size)
+    k_hat_norm, k_wit = store.k_hat_norm.view(), store.k_wit.view()
+    if sv.bad_cell is not None:
+        k_hat_norm, k_wit = torch.nan_to_num(k_hat_norm, 0.0, 0.0, 0.0), torch.nan_to_num(k_wit, 0.0, 0.0, 0.0)
+    rate, kfac = _logit_slack_factors(sv.qn, k_hat_norm, k_wit, rd.scaling, rd.d)
+    u = tier_b_radius(sig2, rd.s, delta_loc) + rate * kfac  # same rounding slack
+    return served_meter(sv.p64, u)[0]
+
+
+def _gate_heads(rd: _Read, sv: _Served, gate: Gate) -> tuple[torch.Tensor, bool]:
+    """Phase *gate*: ``(need [B, Hkv], any)``: KV heads whose worst cell is above the threshold (any-of-G), or
+    that see a cell the read could not certify (fail closed). The shared all-False tensor when nothing can."""
+    no_heads = _no_heads(rd.b, rd.hkv, torch.bool)  # shared by every read: the flags are rebound, never written
+    need = no_heads
     if gate.mode != "off":
         need = (sv.raw if gate.uses_unclipped else sv.cert).amax(-1) > gate.threshold
     if sv.bad_cell is not None:
         need = need | sv.bad_cell.any(-1)
-    if need is not no_heads:
-        need_any = bool(need.any())
-    repaired = promoted = no_heads
-    blocks = _no_heads(b, hkv, torch.int64)
-    # what a repair or promotion changes; None = as served by the read (``sv``), so a read that changes
-    # nothing never builds the grouped tensors
-    out = cert = value_term = key_term = slack = bound = p_served = None
-    bytes_paged = 0
-    elt = store.k.host.dtype.itemsize
-    dk, dv = store.k.host.shape[-1], store.v.host.shape[-1]
+    return need, need is not no_heads and bool(need.any())
 
-    def host() -> tuple[torch.Tensor, torch.Tensor]:  # exact K/V views, only for repairs and validation
-        return store.k.host.view(), store.v.host.view()
 
-    if need_any:
-        host_k, host_v = host()
-        out, cert, value_term, p_served = sv.out, sv.cert, sv.value_term, sv.p64  # written below
-        if gate.granularity == "head" or nonfinite:
-            rows_need = need.any(0).nonzero().flatten()  # KV heads some row repairs
-            h0, h1 = int(rows_need[0]), int(rows_need[-1]) + 1  # one range: views, no copies
-            exact = exact_attention(host_k, host_v, (h0, h1))  # [B, Q, (h1 − h0)·G, Dv]
-            ex = exact.permute(0, 2, 1, 3).reshape(b, h1 - h0, g * nq, -1).to(out.dtype)
-            out[:, h0:h1] = torch.where(need[:, h0:h1].view(b, -1, 1, 1), ex, out[:, h0:h1])
-            sel = need.view(b, hkv, 1, 1)
-            repaired = need.clone()
-            cert = torch.where(need.unsqueeze(-1), torch.zeros_like(cert), cert)
-            if cfg.attn_kv:  # a repaired head's served distribution only feeds the eviction policy's reading
-                exact_p = probs64(masked_logits(qg, host_k.to(qg.device, torch.float32), grouped_mask(), scaling, full))
-                p_served = torch.where(sel, exact_p, p_served)
-            bytes_paged += int(need.sum()) * s * (dk + dv) * elt
-            if gate.persistent:  # kept within the store's device budget, else a transient page-in
-                for bi, hi in need.nonzero().tolist():
-                    store.persist(bi, hi, slice(0, s))
-        else:
-            from kvcert.kernels.repair import repair_blocks  # every gated head at once, on the read's device
+@dataclass
+class _Changes:
+    """What a repair or value promotion changed in the served read: grouped tensors, ``None`` = as served (so a
+    read that changes nothing never builds them); head flags and counts ``[B, Hkv]``."""
 
-            cert, p_served, value_term = cert.clone(), p_served.clone(), value_term.clone()
-            res = repair_blocks(qg, store, need, grouped_mask(), sv.c, sv.p64, scaling, gate)
-            bi, hi = res.heads.unbind(-1)
-            out[bi, hi], cert[bi, hi], p_served[bi, hi] = res.out, res.cert, res.p
-            value_term[bi, hi] = torch.linalg.vecdot(res.p, res.v_res.to(torch.float64).unsqueeze(-2))
-            blocks = torch.zeros(b, hkv, dtype=torch.int64, device=need.device).index_put_((bi, hi), res.n_blocks)
-            bytes_paged += int(res.tokens.sum()) * (dk + dv) * elt
-        # repairs changed the meter or the value term of some cells: the bound follows them
-        bound, key_term, slack = _out_bound(value_term, cert, sv.spread, sv.vmax, s, out.shape[-1], sv.phi_max)
-        if bool(repaired.any()):  # an exactly repaired head: no key or value term, only the slack
-            zero = repaired.view(b, hkv, 1)
-            key_term = torch.where(zero, 0.0, key_term)
-            value_term = torch.where(zero, 0.0, value_term)
-            bound = torch.where(zero, slack, bound)
+    repaired: torch.Tensor
+    promoted: torch.Tensor
+    blocks: torch.Tensor
+    out: torch.Tensor | None = None
+    cert: torch.Tensor | None = None
+    value_term: torch.Tensor | None = None
+    key_term: torch.Tensor | None = None
+    slack: torch.Tensor | None = None
+    bound: torch.Tensor | None = None
+    p_served: torch.Tensor | None = None
+    bytes_paged: int = 0
 
-    if gate.value_tol is not None:
-        vt = sv.value_term if value_term is None else value_term
-        kt = sv.key_term if key_term is None else key_term
-        promote = ((vt > gate.value_tol) & (vt > kt)).any(-1) & ~repaired.to(vt.device)
-        if promote.any():
-            sel = promote.view(b, hkv, 1, 1)
-            ps = sv.p64 if p_served is None else p_served
-            out = torch.where(
-                sel,
-                torch.matmul(ps.to(torch.float32), host()[1].to(qg.device, torch.float32)),
-                sv.out if out is None else out,
-            )
-            bytes_paged += int(promote.sum()) * s * dv * elt
-            value_term = torch.where(promote.unsqueeze(-1), 0.0, vt)
-            bound = torch.where(
-                promote.unsqueeze(-1),
-                kt + (sv.slack if slack is None else slack),  # exact values:
-                sv.bound if bound is None else bound,
-            )  # no value term
-            promoted = promote
-
-    def cells(x: torch.Tensor | None, name: str) -> torch.Tensor:  # [B, Hq, Q] of a changed field or of sv's
+    def cells(self, sv: _Served, name: str, hq: int, nq: int) -> torch.Tensor:
+        """The cell field ``name`` as ``[B, Hq, Q]``: the changed one, else the served read's."""
+        x = getattr(self, name)
         return sv.ungrouped(name) if x is None else ungroup_heads(x, hq, nq)
 
+
+def _repair_heads(
+    rd: _Read, sv: _Served, ch: _Changes, need: torch.Tensor, cfg: ReadConfig, exact: ExactAttention
+) -> None:
+    """Phase *repair*, head granularity (or any read with a non-finite entry): every needing KV head is served
+    the dense fallback's output over the host tier (one call for the range of heads some row needs)."""
+    assert ch.out is not None and ch.cert is not None and ch.p_served is not None
+    b, g, nq, s = rd.b, rd.g, rd.nq, rd.s
+    host_k, host_v = rd.host()
+    rows_need = need.any(0).nonzero().flatten()  # KV heads some row repairs
+    h0, h1 = int(rows_need[0]), int(rows_need[-1]) + 1  # one range: views, no copies
+    ex = exact(host_k, host_v, rd.mask, (h0, h1))  # [B, Q, (h1 − h0)·G, Dv]
+    ex = ex.permute(0, 2, 1, 3).reshape(b, h1 - h0, g * nq, -1).to(ch.out.dtype)
+    ch.out[:, h0:h1] = torch.where(need[:, h0:h1].view(b, -1, 1, 1), ex, ch.out[:, h0:h1])
+    ch.repaired = need.clone()
+    ch.cert = torch.where(need.unsqueeze(-1), torch.zeros_like(ch.cert), ch.cert)
+    if cfg.attn_kv:  # a repaired head's served distribution only feeds the eviction policy's reading
+        ch.p_served = torch.where(need.view(b, rd.hkv, 1, 1), rd.exact_probs(), ch.p_served)
+    ch.bytes_paged += int(need.sum()) * s * _kv_bytes(rd.store)
+    if cfg.gate.persistent:  # kept within the store's device budget, else a transient page-in
+        for bi, hi in need.nonzero().tolist():
+            rd.store.persist(bi, hi, slice(0, s))
+
+
+def _kv_bytes(store: LayerStore) -> int:
+    """Host bytes of one token's exact key and value (one KV head)."""
+    assert store.k is not None and store.v is not None
+    return (store.k.host.shape[-1] + store.v.host.shape[-1]) * store.k.host.dtype.itemsize
+
+
+def _repair_block_heads(rd: _Read, sv: _Served, ch: _Changes, need: torch.Tensor, gate: Gate) -> None:
+    """Phase *repair*, block granularity: page in token blocks of every needing (row, KV head) at once until every
+    cell of it is under the threshold (:func:`kvcert.kernels.repair.repair_blocks`, on the read's device)."""
+    from kvcert.kernels.repair import repair_blocks  # imports this module: bound at call time
+
+    assert ch.out is not None and ch.cert is not None and ch.p_served is not None and ch.value_term is not None
+    ch.cert, ch.p_served, ch.value_term = ch.cert.clone(), ch.p_served.clone(), ch.value_term.clone()
+    res = repair_blocks(rd.qg, rd.store, need, rd.grouped_mask(), sv.c, sv.p64, rd.scaling, gate)
+    bi, hi = res.heads.unbind(-1)
+    ch.out[bi, hi], ch.cert[bi, hi], ch.p_served[bi, hi] = res.out, res.cert, res.p
+    ch.value_term[bi, hi] = torch.linalg.vecdot(res.p, res.v_res.to(torch.float64).unsqueeze(-2))
+    ch.blocks = torch.zeros(rd.b, rd.hkv, dtype=torch.int64, device=need.device).index_put_((bi, hi), res.n_blocks)
+    ch.bytes_paged += int(res.tokens.sum()) * _kv_bytes(rd.store)
+
+
+def _repair(rd: _Read, sv: _Served, ch: _Changes, need: torch.Tensor, cfg: ReadConfig, exact: ExactAttention) -> None:
+    """Phase *repair*: heads or blocks, then the output bound follows the repaired meter and value term (an
+    exactly repaired head keeps only the evaluation slack)."""
+    ch.out, ch.cert, ch.value_term, ch.p_served = sv.out, sv.cert, sv.value_term, sv.p64  # written below
+    if cfg.gate.granularity == "head" or sv.bad_cell is not None:
+        _repair_heads(rd, sv, ch, need, cfg, exact)
+    else:
+        _repair_block_heads(rd, sv, ch, need, cfg.gate)
+    assert ch.out is not None and ch.cert is not None and ch.value_term is not None
+    bound, key_term, slack = _out_bound(ch.value_term, ch.cert, sv.spread, sv.vmax, rd.s, ch.out.shape[-1], sv.phi_max)
+    if bool(ch.repaired.any()):  # an exactly repaired head: no key or value term, only the slack
+        zero = ch.repaired.view(rd.b, rd.hkv, 1)
+        key_term = torch.where(zero, 0.0, key_term)
+        ch.value_term = torch.where(zero, 0.0, ch.value_term)
+        bound = torch.where(zero, slack, bound)
+    ch.bound, ch.key_term, ch.slack = bound, key_term, slack
+
+
+def _promote_values(rd: _Read, sv: _Served, ch: _Changes, value_tol: float) -> None:
+    """Phase *repair*, values: a KV head whose value term exceeds ``value_tol`` and its key term in some cell
+    is served its exact values (transiently); its bound loses the value term."""
+    vt = sv.value_term if ch.value_term is None else ch.value_term
+    kt = sv.key_term if ch.key_term is None else ch.key_term
+    promote = ((vt > value_tol) & (vt > kt)).any(-1) & ~ch.repaired.to(vt.device)
+    if not promote.any():
+        return
+    assert rd.store.v is not None
+    ps = sv.p64 if ch.p_served is None else ch.p_served
+    exact_out = torch.matmul(ps.to(torch.float32), rd.host()[1].to(rd.qg.device, torch.float32))
+    ch.out = torch.where(promote.view(rd.b, rd.hkv, 1, 1), exact_out, sv.out if ch.out is None else ch.out)
+    ch.bytes_paged += int(promote.sum()) * rd.s * rd.store.v.host.shape[-1] * rd.store.v.host.dtype.itemsize
+    ch.value_term = torch.where(promote.unsqueeze(-1), 0.0, vt)
+    slack = sv.slack if ch.slack is None else ch.slack
+    ch.bound = torch.where(promote.unsqueeze(-1), kt + slack, sv.bound if ch.bound is None else ch.bound)
+    ch.promoted = promote
+
+
+def _result(rd: _Read, sv: _Served, ch: _Changes, cert_b: torch.Tensor | None, cfg: ReadConfig) -> ReadResult:
+    """Phase *result*: the per-cell ``[B, Hq, Q]`` tensors and per-head flags of what was served."""
+    b, hq, nq = rd.b, rd.hq, rd.nq
     q_norm, witness_max, key_norm_max = sv.chain()
     attn_kv = None
     if cfg.attn_kv:
-        attn_kv = (sv.p64 if p_served is None else p_served).reshape(b, hkv, g, nq, s).sum(2).to(torch.float32)
-    result = ReadResult(
-        out=sv.out_heads_last() if out is None else out.reshape(b, hq, nq, -1).transpose(1, 2),
+        p = sv.p64 if ch.p_served is None else ch.p_served
+        attn_kv = p.reshape(b, rd.hkv, rd.g, nq, rd.s).sum(2).to(torch.float32)
+    return ReadResult(
+        out=sv.out_heads_last() if ch.out is None else ch.out.reshape(b, hq, nq, -1).transpose(1, 2),
         cert_pre=sv.ungrouped("cert"),
         raw=sv.ungrouped("raw"),
-        cert=cells(cert, "cert"),
+        cert=ch.cells(sv, "cert", hq, nq),
         tanh=sv.ungrouped("tanh"),
         cert_b=None if cert_b is None else ungroup_heads(cert_b, hq, nq),
-        out_bound=cells(bound, "bound"),
-        key_term=cells(key_term, "key_term"),
-        value_term=cells(value_term, "value_term"),
-        repaired=repaired,
-        blocks=blocks,
-        values_promoted=promoted,
-        bytes_paged=bytes_paged,
+        out_bound=ch.cells(sv, "bound", hq, nq),
+        key_term=ch.cells(sv, "key_term", hq, nq),
+        value_term=ch.cells(sv, "value_term", hq, nq),
+        repaired=ch.repaired,
+        blocks=ch.blocks,
+        values_promoted=ch.promoted,
+        bytes_paged=ch.bytes_paged,
         attn_kv=attn_kv,
         q_norm=q_norm,
         witness_max=witness_max,
         key_norm_max=key_norm_max,
-        held=store.held_heads() if gate.persistent else None,
+        held=rd.store.held_heads() if cfg.gate.persistent else None,
     )
+
+
+def _validate(rd: _Read, sv: _Served, ch: _Changes, result: ReadResult) -> None:
+    """Validate mode: the true TV of the served distribution before repair and the true output error of what was
+    served, per cell, against exact attention over the host tier."""
+    p_exact = rd.exact_probs()
+    true_tv = (0.5 * (sv.p64 - p_exact).abs().sum(-1)).clamp(max=1.0)  # TV <= 1; the sum may round above
+    o_exact = torch.matmul(p_exact, rd.host()[1].to(rd.qg.device, torch.float64))
+    err = ((sv.out if ch.out is None else ch.out).to(torch.float64) - o_exact).norm(dim=-1)
+    result.true_tv = ungroup_heads(true_tv, rd.hq, rd.nq)
+    result.true_out_err = ungroup_heads(err, rd.hq, rd.nq)
+
+
+@torch.no_grad()
+def certified_read(
+    q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scaling: float, cfg: ReadConfig, exact: ExactAttention
+) -> ReadResult:
+    """Serve attention for one layer from ``store`` and certify every (query head, query) cell.
+
+    ``mask[B, 1|Hkv, Q, S]`` is the boolean visibility mask (True = attend). ``exact``
+    (:class:`~kvcert.attention.exact.ExactAttention`) is the dense fallback over the host tier a repaired head is
+    served from, so a repaired head equals the dense path's output. Phases: served (:func:`_serve`) → certify
+    (Tier A in the served read, Tier B :func:`_tier_b`) → gate (:func:`_gate_heads`) → repair (:func:`_repair`,
+    :func:`_promote_values`) → result (:func:`_result`, :func:`_validate`).
+    """
+    rd = _Read(q, store, mask, scaling)
+    sv = _serve(rd)
+    cert_b = _tier_b(rd, sv, cfg.delta_loc)
+    need, need_any = _gate_heads(rd, sv, cfg.gate)
+    no_heads = _no_heads(rd.b, rd.hkv, torch.bool)
+    ch = _Changes(repaired=no_heads, promoted=no_heads, blocks=_no_heads(rd.b, rd.hkv, torch.int64))
+    if need_any:
+        _repair(rd, sv, ch, need, cfg, exact)
+    if cfg.gate.value_tol is not None:
+        _promote_values(rd, sv, ch, cfg.gate.value_tol)
+    result = _result(rd, sv, ch, cert_b, cfg)
     if cfg.validate:
-        host_k, host_v = host()
-        p_exact = probs64(masked_logits(qg, host_k.to(qg.device, torch.float32), grouped_mask(), scaling, full))
-        true_tv = (0.5 * (sv.p64 - p_exact).abs().sum(-1)).clamp(max=1.0)  # TV <= 1; the sum may round above
-        o_exact = torch.matmul(p_exact, host_v.to(qg.device, torch.float64))
-        err = ((sv.out if out is None else out).to(torch.float64) - o_exact).norm(dim=-1)
-        result.true_tv = ungroup_heads(true_tv, hq, nq)
-        result.true_out_err = ungroup_heads(err, hq, nq)
+        _validate(rd, sv, ch, result)
     return result

@@ -17,19 +17,19 @@ For one layer and one forward call with queries ``q[B, Hq, Q, D]`` over ``S`` st
    ``|s^exact_t − s̃_t| > c_t + φ_t + eps_guard`` means the witness or metadata is wrong (cache-preserving
    contract broken); every head of the layer is recomputed by exact SDPA.
 
-Contract: every output is within its stated bound, or (rungs 3/4) it **is** the ``exact_attention`` output
+Contract: every output is within its stated bound, or (rungs 3/4) it **is** the ``exact`` (dense fallback) output
 for that head, bit for bit. Rungs 1–3 are quality heuristics; soundness comes from the bound (and from
 rung 4 when the witness itself is corrupt).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvcert.attention.certified import ReadResult, group_heads, masked_logits, probs64, served_meter, ungroup_heads
+from kvcert.attention.exact import ExactAttention
 from kvcert.bounds import query_band_norms, tier_a_radius_from_qnorms, true_tv
 from kvcert.bounds.rc import (
     block_log_mass,
@@ -42,8 +42,6 @@ from kvcert.bounds.rc import (
     value_term,
 )
 from kvcert.cache.store import LayerStore
-
-ExactAttention = Callable[..., torch.Tensor]  # (k, v[, (h0, h1)]) -> dense SDPA output [B, Q, Hq', Dv]
 
 
 @dataclass(frozen=True)
@@ -131,16 +129,17 @@ def ladder_read(
     mask: torch.Tensor,
     scaling: float,
     cfg: LadderConfig,
-    exact_attention: ExactAttention,
+    exact: ExactAttention,
     stats: LadderStats | None = None,
 ) -> ReadResult:
     """Serve one layer's attention through the RC ladder and bound every (query head, query) cell.
 
-    ``mask[B, 1, Q, S]`` is the boolean visibility mask. ``exact_attention(k, v)`` returns the dense SDPA
-    output ``[B, Q, Hq, Dv]`` over the given exact keys/values; rung 3/4 heads return exactly that tensor's
-    slices. Guarantee per cell: ``‖out − O_ref‖₂ ≤ out_bound`` with ``O_ref = Σ_t p_t v_t`` the exact
-    (real-arithmetic) attention over the host tier, ``out_bound = E_key + E_val + ξ`` for served cells and
-    ``2·V_max·tanh(φ_max) + ξ`` (rounding only) for exact cells. Counters are added to ``stats`` if given.
+    ``mask[B, 1, Q, S]`` is the boolean visibility mask. ``exact(k, v, mask)``
+    (:class:`~kvcert.attention.exact.ExactAttention`) returns the dense output ``[B, Q, Hq, Dv]`` over the exact
+    keys/values; rung 3/4 heads return exactly that tensor's slices. Guarantee per cell: ``‖out − O_ref‖₂ ≤
+    out_bound`` with ``O_ref = Σ_t p_t v_t`` the exact (real-arithmetic) attention over the host tier, ``out_bound =
+    E_key + E_val + ξ`` for served cells and ``2·V_max·tanh(φ_max) + ξ`` (rounding only) for exact cells. Counters
+    are added to ``stats`` if given.
     """
     _check_inputs(q, store, mask, scaling)
     assert store.k is not None and store.v is not None
@@ -220,9 +219,9 @@ def ladder_read(
     exact_bound = 2.0 * v_max * torch.tanh(phi_max) + slack
     out_hf = out.reshape(b, hq, nq, dv).transpose(1, 2)
     if rung4:
-        out_hf = exact_attention(host_k, host_v)
+        out_hf = exact(host_k, host_v, mask)
     elif bool(head_exact.any()):
-        ex = exact_attention(host_k, host_v)
+        ex = exact(host_k, host_v, mask)
         out_hf = torch.where(head_exact.view(b, 1, hq, 1), ex.to(out_hf.dtype), out_hf)
 
     repaired = head_exact.reshape(b, hkv, g).any(-1)

@@ -42,13 +42,15 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
 from kvcert.bounds.rc import gamma_f32
+from kvcert.cache.store import LayerStore
 
 TIERS: dict[str, str] = {
     "certificates": "certified",
@@ -146,17 +148,21 @@ class StepRecord:
     def _chain_readings(self) -> dict[str, torch.Tensor]:
         return {} if self.chain is None else self.chain.readings()
 
+    def repaired_heads(self) -> torch.Tensor:
+        """``[B, Hkv]``: head repaired, any block paged in, or values promoted."""
+        rep, blocks, promoted = self.heads
+        return rep | (blocks > 0) | promoted
+
     def reading(self, name: str) -> torch.Tensor | None:
         """The reading ``name`` of this read (see the class doc); None where the read did not produce it."""
         if name in self.cells:
             return _worst(self.cells[name])
         if name == "repaired":
-            rep, blocks, promoted = self.heads
-            return rep | (blocks > 0) | promoted
+            return self.repaired_heads()
         if name == "blocks":
             return self.heads[1]
         if name == "fallback":  # served partly from an exact copy: paged in now or held from an earlier repair
-            rep = self.reading("repaired")
+            rep = self.repaired_heads()
             return rep if self.held is None else rep | self.held
         if name in ("witness", "qnorm", "logit_slack"):
             return self._chain_readings.get(name)
@@ -378,9 +384,25 @@ class Telemetry:
         return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in out.items()}
 
 
-def stack_records(
-    records: list[StepRecord] | list[EvictRecord], layers: int, steps: int, attr: str
-) -> torch.Tensor | None:
+class Reading(Protocol):
+    """A per-(step, layer) record :func:`stack_records` can stack."""
+
+    step: int
+    layer: int
+
+    def reading(self, name: str) -> torch.Tensor | None:
+        """The reading ``name`` of this record (``None``: not produced)."""
+
+
+class ResidentReading(Reading, Protocol):
+    """A resident read's record (``kvcert.attention.resident.ResidentRecord``): readings plus recall counts."""
+
+    pages: int
+    bytes: int
+    violations: int
+
+
+def stack_records(records: Sequence[Reading], layers: int, steps: int, attr: str) -> torch.Tensor | None:
     """Assemble ``[steps, layers, B, H]`` from per-(step, layer) records (NaN / False where absent)."""
     have = [(r, v) for r in records if (v := r.reading(attr)) is not None]
     if not have:
@@ -393,3 +415,115 @@ def stack_records(
         if val.shape == sample.shape:
             out[r.step, r.layer] = val.to(dtype)
     return out
+
+
+@dataclass(frozen=True)
+class CacheReadings:
+    """What a cache recorded, for :func:`assemble`: its reads (``records``), evictions and resident reads (``None``:
+    no resident set), its stores, and the constants of its configuration."""
+
+    records: Sequence[StepRecord]
+    stores: Sequence[LayerStore]
+    steps: int  # forward steps so far (0: none)
+    num_heads: int
+    num_kv_heads: int
+    bytes_paged: int
+    tier_b: bool  # the key codec produces a Tier-B certificate
+    validate: bool
+    tier_b_delta: float | None
+    gate: str
+    evict_records: Sequence[EvictRecord] = ()
+    belady_overlap: torch.Tensor | None = None
+    uncompressed_layers: tuple[int, ...] = ()
+    bytes_summary: int = 0  # device bytes of the resident set's page summaries
+    resident_records: Sequence[ResidentReading] | None = None
+
+
+#: cell fields every read produces (an empty cell tensor, not ``None``, when nothing was read)
+_ALWAYS = ("raw", "served", "tanh", "out_bound")
+
+
+def _cell_fields(src: CacheReadings) -> dict[str, Any]:
+    """The ``[steps, layers, B, H]`` fields, restricted to the forward steps that recorded a cell."""
+    n_layers, steps = len(src.stores), max(src.steps, 1)
+    certs = stack_records(src.records, n_layers, steps, "cert")
+    no_reads = certs is None  # e.g. a decode that ended at once (EOS first): zero cells, same fields
+    if certs is None:
+        certs = torch.full((0, n_layers, 1, src.num_heads), float("nan"), dtype=torch.float64)
+    keep = ~torch.isnan(certs).flatten(1).all(1)
+    produced = {"tier_b": src.tier_b, "true_tv": src.validate, "true_out_err": src.validate}
+    empty = certs.clone()
+
+    def sel(name: str) -> torch.Tensor | None:
+        x = stack_records(src.records, n_layers, steps, name)
+        if x is None and no_reads and produced.get(name, name in _ALWAYS):
+            return empty.clone()  # an empty [0, L, 1, Hq] cell tensor: no cell, not "not recorded"
+        return None if x is None else x[keep]
+
+    names = (*_ALWAYS, "tier_b", "true_tv", "true_out_err", "witness", "qnorm", "logit_slack", "fallback")
+    fields = {name: sel(name) for name in names}
+    repaired = stack_records(src.records, n_layers, steps, "repaired")
+    fields["repaired"] = repaired[keep] if repaired is not None else torch.zeros(0, dtype=torch.bool)
+    fields["certificates"] = certs[keep]
+    return fields
+
+
+def _byte_fields(stores: Sequence[LayerStore]) -> dict[str, Any]:
+    """The byte and fail-closed counters summed over the layers' stores."""
+    first = stores[0]
+    return {
+        "bytes_stored": sum(s.bytes_stored() for s in stores),
+        "bytes_fp16": sum(s.bytes_fp16() for s in stores),
+        "bytes_host": sum(s.bytes_host() for s in stores),
+        "bytes_witness": sum(s.bytes_witness() for s in stores),
+        "head_dim": first.k.host.view().shape[-1] if first.k is not None else 0,
+        "nonfinite": sum(s.nonfinite for s in stores),
+        "fail_closed": sum(s.fail_closed for s in stores),
+        "transient_page_ins": sum(s.transient_repairs for s in stores),
+        "bytes_transient": sum(s.bytes_transient for s in stores),
+        "released_entries": sum(s.released for s in stores),
+        "device_budget": first.device_budget,
+    }
+
+
+def _resident_fields(src: CacheReadings) -> dict[str, Any]:
+    """The resident-set fields (none without a resident set)."""
+    recs = src.resident_records
+    if recs is None:
+        return {}
+    stores, steps = src.stores, max(src.steps, 1)
+    held = sum(s.n for s in stores)
+    omitted = sum(s.evicted["k"].view().shape[2] for s in stores if s.evicted)
+    omitted_fp16 = sum(2 * (s.evicted["k"].view().numel() + s.evicted["v"].view().numel()) for s in stores if s.evicted)
+    return {
+        "omitted_mass_bound": stack_records(recs, len(stores), steps, "mass_bound"),
+        "omitted_mass": stack_records(recs, len(stores), steps, "true_mass"),
+        "resident_fraction": held / (held + omitted) if held + omitted else float("nan"),
+        "pages_recalled": sum(r.pages for r in recs),
+        "bytes_recalled": sum(r.bytes for r in recs),
+        "bytes_summary": src.bytes_summary,
+        "recall_violations": sum(r.violations for r in recs),
+        "bytes_fp16_context": sum(s.bytes_fp16() for s in stores) + omitted_fp16,
+    }
+
+
+def assemble(src: CacheReadings) -> Telemetry:
+    """The :class:`Telemetry` snapshot of everything a cache recorded."""
+    n_layers, steps = len(src.stores), max(src.steps, 1)
+    return Telemetry(
+        **_cell_fields(src),
+        **_byte_fields(src.stores),
+        group_size=src.num_heads // src.num_kv_heads,
+        violations=sum(r.violations for r in src.records),
+        out_violations=sum(r.out_violations for r in src.records),
+        bytes_paged=src.bytes_paged,
+        tier_b_delta=src.tier_b_delta,
+        gate=src.gate,
+        evicted_mass=stack_records(src.evict_records, n_layers, steps, "evicted_mass"),
+        evicted_mass_serving=stack_records(src.evict_records, n_layers, steps, "serving_mass"),
+        evicted_entries=sum(r.evicted for r in src.evict_records),
+        belady_overlap=src.belady_overlap,
+        uncompressed_layers=src.uncompressed_layers,
+        bytes_device=sum(s.bytes_device() for s in src.stores) + src.bytes_summary,
+        **_resident_fields(src),
+    )

@@ -17,9 +17,9 @@ import typer  # noqa: E402
 from transformers import AutoTokenizer, PreTrainedModel  # noqa: E402
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase  # noqa: E402
 
+from kvcert.attention.evict_driver import default_select  # noqa: E402
 from kvcert.cache.gate import Gate  # noqa: E402
 from kvcert.evict import H2O, RMM, EvictionPolicy, StreamingLLM, prefill_kept_count  # noqa: E402
-from kvcert.integrations.transformers import default_select  # noqa: E402
 from kvcert.models.tiny import SUPPORTED_FAMILIES, tiny_random  # noqa: E402
 from kvcert.models.zoo import ZOO, converted_dir  # noqa: E402
 from kvcert.models.zoo import load as zoo_load  # noqa: E402

@@ -24,7 +24,6 @@ exact repair path see a per-KV-head mask that matches the compacted slots.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import warnings
@@ -36,40 +35,29 @@ from transformers import Cache, LogitsProcessor
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvcert.attention.certified import (
-    ReadConfig,
-    ReadResult,
-    certified_read,
-    group_heads,
-    masked_logits,
-    probs64,
+from kvcert.attention.certified import ReadConfig
+from kvcert.attention.evict_driver import EvictionConfig, EvictionDriver
+from kvcert.attention.exact import ExactAttention
+from kvcert.attention.ladder import LadderConfig, LadderStats
+from kvcert.attention.read_path import (
+    CertifiedReadPath,
+    LadderReadPath,
+    ReadPath,
+    Recorder,
+    ResidentReadPath,
+    slot_mask,
 )
-from kvcert.attention.ladder import LadderConfig, LadderStats, ladder_read
-from kvcert.attention.resident import (
-    OmittedPages,
-    ResidentRecord,
-    can_omit,
-    check_resident,
-    resident_read,
-    summarize_omitted,
-)
-from kvcert.bounds import dither_witness_moments, uniform_split
+from kvcert.attention.resident import OmittedPages
+from kvcert.bounds import dither_witness_moments
 from kvcert.bounds.rope import Pairing
-from kvcert.cache.events import CacheObserver, ReadEvent, WriteEvent
+from kvcert.cache.events import CacheObserver, WriteEvent
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
-from kvcert.cache.telemetry import ChainInputs, EvictRecord, StepRecord, Telemetry, stack_records
-from kvcert.evict import (
-    RMM,
-    EvictionPolicy,
-    RunTrace,
-    SnapKV,
-    aggregate_gqa,
-    causal_attention,
-    serving_reading,
-)
+from kvcert.cache.telemetry import CacheReadings, Telemetry, assemble
+from kvcert.evict import EvictionPolicy, RunTrace
 from kvcert.integrations.attention_impl import register_attention
-from kvcert.quant import Codec, get
+from kvcert.integrations.cache_config import GateConfig, StorageConfig, ValidationConfig
+from kvcert.quant import Codec
 
 ATTN_NAME = "kvcert"
 SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "mistral", "gemma3_text", "gemma3")
@@ -99,7 +87,10 @@ def kvcert_attention(
     returned, the certified read path runs; otherwise (another cache, or no cache) it is plain SDPA.
     """
     cache: CertifiedCache | None = getattr(module, "_kvcert_cache", None)
-    layer = None if cache is None else cache.layers[module.layer_idx]
+    layer = None
+    if cache is not None:
+        layer_idx: Any = module.layer_idx
+        layer = cache.layers[layer_idx]
     if cache is None or not isinstance(layer, CertifiedLayer) or layer.returned is not key:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -139,8 +130,6 @@ class CertifiedLayer(CacheLayerMixin):
         self.cumulative_length = 0
         self.returned: torch.Tensor | None = None
         self.closed = False
-        self.last_attn: torch.Tensor | None = None  # eviction: last served row [B, Hkv, S] (mean over G)
-        self.prefilled = False  # eviction: prefill compression already applied
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Storage is created by the store on first append."""
@@ -232,8 +221,6 @@ class CertifiedLayer(CacheLayerMixin):
         )
         self.cumulative_length = 0
         self.returned = None
-        self.last_attn = None
-        self.prefilled = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search reorders rows; the certified cache does not support it."""
@@ -241,7 +228,8 @@ class CertifiedLayer(CacheLayerMixin):
 
 
 def _model_family(model: torch.nn.Module) -> str:
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    config: Any = model.config
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     family = getattr(cfg, "model_type", "?")
     if family not in SUPPORTED_FAMILIES:
         raise ValueError(
@@ -251,84 +239,30 @@ def _model_family(model: torch.nn.Module) -> str:
     return family
 
 
-def _resolve_codec(spec: str | Codec, axis: str, options: dict[str, Any]) -> Codec:
-    if isinstance(spec, Codec):
-        return spec
-    opts = dict(options)
-    if spec.startswith("kivi"):
-        opts.setdefault("axis", axis)
-    return get(spec, **opts)
+def _exact_attention(
+    module: torch.nn.Module, query: torch.Tensor, scaling: float, kwargs: dict[str, Any]
+) -> ExactAttention:
+    """The dense fallback of one read (:class:`~kvcert.attention.exact.ExactAttention`): transformers' SDPA of
+    ``query[B, Hq, Q, D]`` over exact K/V paged in from the host, in float32 (the precision the output bound
+    models; also for half-precision models), with the per-KV-head mask expanded to the query heads."""
 
+    def exact(
+        keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, heads: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        g = query.shape[1] // keys.shape[1]
+        q, m = query, mask
+        if heads is not None:  # only KV heads h0..h1-1 and their query heads (views, no copies)
+            h0, h1 = heads
+            q, keys, values = q[:, h0 * g : h1 * g], keys[:, h0:h1], values[:, h0:h1]
+            m = m[:, h0:h1] if m.shape[1] > 1 else m
+        if m.shape[1] > 1:
+            m = m.repeat_interleave(g, dim=1)  # per query head
+        work = torch.promote_types(query.dtype, torch.float32)
+        hk, hv = (x.to(query.device, work, non_blocking=True) for x in (keys, values))
+        o, _ = sdpa_attention_forward(module, q.to(work), hk, hv, m, scaling=scaling, **kwargs)
+        return o
 
-def slot_mask(logical: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Visibility ``[B, H, Q, S]`` of physical slots holding logical ``positions[B, H, S]``.
-
-    ``logical[B | 1, 1, Q, T]`` is the mask in position space (transformers' padding + causal mask with
-    ``T`` = the logical length); slot ``s`` of head ``h`` is visible to query ``i`` iff
-    ``logical[b, 0, i, positions[b, h, s]]``. Without eviction (``positions = arange``) it equals ``logical``.
-    """
-    b, h, s = positions.shape
-    lm = logical.to(torch.bool)
-    if lm.dim() != 4 or lm.shape[1] != 1 or (s and lm.shape[-1] <= int(positions.max())):
-        raise ValueError(f"mask must be [B, 1, Q, T] covering every logical position, got {tuple(lm.shape)}")
-    q, t = lm.shape[-2:]
-    return lm.expand(b, h, q, t).gather(-1, positions[:, :, None, :].expand(b, h, q, s))
-
-
-def grouped_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Attention ``[B, Hkv, G, Q, S]`` (float64 softmax of float32 logits, as the read path evaluates it) of
-    ``query[B, Hq, Q, D]`` over ``keys[B, Hkv, S, D]`` under the per-KV-head ``mask[B, Hkv, Q, S]``."""
-    b, hq, nq, _ = query.shape
-    hkv, s = keys.shape[1], keys.shape[2]
-    qg = group_heads(query.detach().to(torch.float32), hkv)
-    m = mask[:, :, None].expand(b, hkv, hq // hkv, nq, s).reshape(b, hkv, -1, s)
-    return probs64(masked_logits(qg, keys.detach().to(torch.float32), m, scaling)).reshape(b, hkv, hq // hkv, nq, s)
-
-
-def _check_eviction(cache: CertifiedCache, layers: Sequence[CertifiedLayer]) -> None:
-    """Fail closed on eviction settings that cannot be honoured (each message names the argument)."""
-    evict, budget, ratio = cache.evict, cache.budget, cache.compression_ratio
-    if evict is None:
-        if budget is not None or ratio is not None:
-            raise ValueError("budget / compression_ratio need evict=<EvictionPolicy>")
-        return
-    if not isinstance(evict, EvictionPolicy):
-        raise ValueError(f"evict must be a kvcert.evict.EvictionPolicy, got {type(evict).__name__}")
-    if (budget is None) == (ratio is None):
-        raise ValueError("evict needs exactly one of budget (decode-time) or compression_ratio (prefill)")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-        raise ValueError(f"budget must be a positive int, got {budget!r}")
-    if budget is not None and budget < evict.sinks + evict.recent:
-        raise ValueError(
-            f"budget={budget} is smaller than the policy's protected items: sinks={evict.sinks} "
-            f"+ recent/lag/window={evict.recent}"
-        )
-    chunk = cache.evict_chunk
-    if (
-        isinstance(chunk, bool)
-        or not isinstance(chunk, int)
-        or chunk < 1
-        or (budget is not None and (chunk > budget or budget - chunk + 1 < evict.sinks + evict.recent))
-    ):
-        raise ValueError(
-            f"evict_chunk must be an int in [1, budget] leaving budget - evict_chunk + 1 >= the "
-            f"policy's protected items ({evict.sinks + evict.recent}), got {chunk!r}"
-        )
-    if cache.belady and (budget is None or not cache.validate):
-        raise ValueError("belady=True needs decode-time eviction (budget=...) in validate mode (validate=True)")
-    if ratio is not None and not 0.0 <= ratio < 1.0:
-        raise ValueError(f"compression_ratio must be in [0, 1), got {ratio}")
-    if cache.ladder:
-        raise ValueError("evict cannot be combined with ladder=True")
-    for layer in layers:
-        for codec in (layer.store.key_codec, layer.store.value_codec):
-            if codec.block != 1 or codec.residual_window:
-                raise ValueError(
-                    f"evict needs per-token codecs (block == 1, no residual window); keys/values "
-                    f"codec {codec.name!r} encodes blocks of {codec.block} tokens"
-                )
-        if layer.is_sliding:
-            raise ValueError("evict is not supported on models with sliding-window layers")
+    return exact
 
 
 def _uncompressible_sliding_layers(layers: Sequence[CertifiedLayer]) -> tuple[int, ...]:
@@ -347,6 +281,13 @@ def _uncompressible_sliding_layers(layers: Sequence[CertifiedLayer]) -> tuple[in
 
 class CertifiedCache(Cache):
     """A transformers ``Cache`` whose every attention read is certified, gated and repairable.
+
+    A thin adapter: its keywords are grouped into :attr:`storage` (:class:`StorageConfig`), :attr:`gating`
+    (:class:`GateConfig`), :attr:`validation` (:class:`ValidationConfig`) and :attr:`eviction`
+    (:class:`~kvcert.attention.evict_driver.EvictionConfig`); every read goes through :attr:`read_path` (one
+    :class:`~kvcert.attention.read_path.ReadPath`, chosen at construction), eviction through an
+    :class:`~kvcert.attention.evict_driver.EvictionDriver`, and :meth:`telemetry` is
+    :func:`kvcert.cache.telemetry.assemble` of what they recorded.
 
     Args:
         model: a supported causal LM (Llama, Qwen2, Mistral, Gemma-3).
@@ -425,43 +366,37 @@ class CertifiedCache(Cache):
         summary: str = "int8",
     ) -> None:
         self.family = _model_family(model)
-        cfg = model.config.get_text_config(decoder=True)
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(cfg)
-        self.gate = gate or Gate.off()
-        if not certify and (self.gate.mode != "off" or validate):
-            raise ValueError("certify=False cannot be combined with a gate or validate=True")
-        self.certify = certify
-        if ladder and self.gate.mode != "off":
-            raise ValueError("ladder=True has its own fallback rungs; use gate=Gate.off() with it")
-        self.ladder = bool(ladder)
-        base = ladder if isinstance(ladder, LadderConfig) else LadderConfig()
-        self._ladder_cfg = dataclasses.replace(base, validate=validate)
-        self.ladder_stats = LadderStats()
-        self.validate = validate
-        self.seed = int.from_bytes(os.urandom(4), "little") if seed is None else int(seed)
+        cfg: Any = model.config
+        text_cfg = cfg.get_text_config(decoder=True)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_cfg)
+        n_layers = text_cfg.num_hidden_layers
+        self.num_heads: int = text_cfg.num_attention_heads
+        self.num_kv_heads: int = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
+        self.validation = ValidationConfig.of(
+            certify, validate, gate or Gate.off(), delta_req, max_steps, n_layers, self.num_heads
+        )
+        self.gating = GateConfig.of(gate, ladder, validate)
+        self.storage = StorageConfig(
+            keys,
+            values,
+            bands,
+            pairing,
+            int.from_bytes(os.urandom(4), "little") if seed is None else int(seed),
+            dict(key_options or {}),
+            dict(value_options or {}),
+            write_block,
+            device_budget,
+        )
         self.observers = list(observers)
         self.require_identity = bool(self.observers) if require_identity is None else require_identity
         self.request_ids = None if request_ids is None else torch.as_tensor(request_ids, dtype=torch.int64)
-        n_layers = cfg.num_hidden_layers
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         layers = []
         for i in range(n_layers):
-            kc = _resolve_codec(keys, "key", key_options or {})
-            vc = _resolve_codec(values, "value", value_options or {})
-            store = LayerStore(
-                i,
-                kc,
-                vc,
-                bands=bands,
-                pairing=pairing,
-                seed=self.seed,
-                write_block=write_block,
-                device_budget=device_budget,
-            )
             window = layer_kwargs[i].get("sliding_window") if layer_types[i] == "sliding_attention" else None
-            layers.append(CertifiedLayer(store, window))
-        super().__init__(layers=layers)
+            layers.append(CertifiedLayer(self.storage.store(i), window))
+        hf_layers: list[Any] = list(layers)
+        super().__init__(layers=hf_layers)
+        self._layers = layers
         self.uncompressed_layers = _uncompressible_sliding_layers(layers)
         if self.uncompressed_layers:
             warnings.warn(
@@ -471,39 +406,101 @@ class CertifiedCache(Cache):
                 UserWarning,
                 stacklevel=2,
             )
-        self.resident: float | None = None
-        if resident is not None:  # a resident set is prefill compression that keeps the omitted tokens on the host
-            if evict is not None or budget is not None or compression_ratio is not None:
-                raise ValueError(
-                    "resident=... picks its tokens with select=<policy>; do not pass evict, budget or "
-                    "compression_ratio with it"
-                )
-            self.resident = check_resident(resident, self.gate, certify, page_size, summary)
-            evict, compression_ratio = select if select is not None else default_select(), 1.0 - self.resident
-        elif select is not None:
-            raise ValueError("select=<policy> needs resident=<fraction in (0, 1]>")
-        self.page_size, self.summary = page_size, summary
+        self.eviction = EvictionConfig.of(
+            evict,
+            budget,
+            compression_ratio,
+            evict_chunk,
+            belady,
+            resident,
+            select,
+            page_size,
+            summary,
+            self.gate,
+            certify,
+        )
+        stores = [layer.store for layer in layers]
+        self.eviction.check(stores, any(layer.is_sliding for layer in layers), self.ladder, validate)
         self._pages: dict[int, OmittedPages] = {}  # resident mode: summaries of each layer's omitted pages
-        self._resident_records: list[ResidentRecord] = []
-        self.evict, self.budget, self.compression_ratio = evict, budget, compression_ratio
-        self.evict_chunk, self.belady = evict_chunk, belady
-        _check_eviction(self, layers)
-        self.run_trace = RunTrace(n_layers, budget, evict_chunk) if belady and budget is not None else None
-        self._kappa_groups: list[torch.Tensor] = []  # query positions [B, q] of forwards awaiting κ
-        self._prefill_kappa: torch.Tensor | None = None
-        self._evict_records: list[EvictRecord] = []
-        self.key_codec_name = layers[0].store.key_codec.name
-        self.value_codec_name = layers[0].store.value_codec.name
-        self.tier_b = bool(layers[0].store.key_codec.tier_b)
-        self.delta_loc = uniform_split(delta_req, n_layers, self.num_heads, max_steps)
-        self.delta_req = delta_req
-        self._cfg = ReadConfig(self.gate, validate, self.delta_loc, attn_kv=self.evict is not None)
-        self._records: list[StepRecord] = []
+        self._evictor = (
+            None if self.eviction.policy is None else EvictionDriver(self.eviction, n_layers, validate, self._pages)
+        )
+        self.key_codec_name = stores[0].key_codec.name
+        self.value_codec_name = stores[0].value_codec.name
+        self.tier_b = bool(stores[0].key_codec.tier_b)
+        self._sink = Recorder(self.observers)
+        self.read_path = self._pick_read_path()
         self._step = -1
-        self._bytes_paged = 0
-        self._model = model
+        self._model: Any = model
         self.attached = False
         self.attach()
+
+    # -------------------------------------------------------------------------------- configuration
+    @property
+    def gate(self) -> Gate:
+        """The read path's gate (``Gate.off()`` unless given)."""
+        return self.gating.gate
+
+    @property
+    def ladder(self) -> bool:
+        """Whether reads go through the RC ladder."""
+        return self.gating.ladder is not None
+
+    @property
+    def certify(self) -> bool:
+        """Whether reads are certified (``False``: the uncertified baseline)."""
+        return self.validation.certify
+
+    @property
+    def validate(self) -> bool:
+        """Validate mode: exact attention from the host tier, violations counted."""
+        return self.validation.validate
+
+    @property
+    def evict(self) -> EvictionPolicy | None:
+        """The eviction policy (the resident set's ``select`` in resident mode)."""
+        return self.eviction.policy
+
+    @property
+    def budget(self) -> int | None:
+        """Decode-time eviction budget per KV head (``None``: no decode-time eviction)."""
+        return self.eviction.budget
+
+    @property
+    def compression_ratio(self) -> float | None:
+        """Prefill compression ratio (``1 − resident`` in resident mode)."""
+        return self.eviction.compression_ratio
+
+    @property
+    def resident(self) -> float | None:
+        """The resident fraction (``None``: no resident set)."""
+        return self.eviction.resident
+
+    @property
+    def run_trace(self) -> RunTrace | None:
+        """The run's exact attention trace (``belady=True``)."""
+        return None if self._evictor is None else self._evictor.run_trace
+
+    @property
+    def _kappa_groups(self) -> list[torch.Tensor]:
+        """Query positions ``[B, q]`` of the forwards still awaiting κ (decode-budget mode)."""
+        return [] if self._evictor is None else self._evictor.kappa_groups
+
+    def _pick_read_path(self) -> ReadPath:
+        """The one read path every read of this cache goes through (chosen once, from the configuration)."""
+        if self.gating.ladder is not None:
+            return LadderReadPath(self.gating.ladder, sink=self._sink)
+        read_cfg = ReadConfig(self.gate, self.validate, self.validation.delta_loc, attn_kv=self.evict is not None)
+        certified = CertifiedReadPath(read_cfg, sink=self._sink)
+        if self.resident is None:
+            return certified
+        return ResidentReadPath(self.gate, self.validate, self._pages, certified, sink=self._sink)
+
+    @property
+    def ladder_stats(self) -> LadderStats:
+        """Rung counters of the ladder read path (``ladder=True``; all zero otherwise)."""
+        path = self.read_path
+        return path.stats if isinstance(path, LadderReadPath) else LadderStats()
 
     # ------------------------------------------------------------------------------------ lifecycle
     def attach(self) -> CertifiedCache:
@@ -550,7 +547,7 @@ class CertifiedCache(Cache):
         if active:
             self._model.set_attn_implementation(self._model._kvcert_original_impl)
         self.attached = False
-        for layer in self.layers:
+        for layer in self._layers:
             layer.closed = True
 
     def __enter__(self) -> CertifiedCache:
@@ -564,46 +561,51 @@ class CertifiedCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new K/V for ``layer_idx`` and return the served K/V the attention function reads."""
-        layer = self.layers[layer_idx]
+        layer = self._layers[layer_idx]
         if layer.closed or not self.attached:
             raise CacheClosedError("this CertifiedCache was detached/closed; build a new one")
         if layer_idx == 0:
             self._check_active()
             self._step += 1
-            if self.budget is not None:
-                self._settle_kappa()
-        if self.budget is not None and layer.store.n > 0:
-            keep = self.evict.select(layer_idx, self.budget, self.evict_chunk)
-            if keep is not None:
-                self._apply_eviction(layer, keep)
-                self.evict.on_evict(layer_idx, keep)
-        b = key_states.shape[0]
-        rows = self.request_ids if self.request_ids is not None else torch.arange(b, dtype=torch.int64)
-        if rows.shape != (b,):
-            raise ValueError(f"request_ids has shape {tuple(rows.shape)}, expected ({b},) for this batch")
-        keep_exact = (rows < 0) if self.require_identity else torch.zeros(b, dtype=torch.bool)
+            if self._evictor is not None:
+                self._evictor.on_forward()
+        if self._evictor is not None:
+            self._evictor.before_write(layer.store, self._step)
+        rows, keep_exact = self._rows(key_states.shape[0])
         store = layer.store
         nonfinite_before = store.nonfinite
         k, v = layer.update(key_states, value_states, rows, keep_exact)
         assert store.k is not None
-        before = store.k.n_encoded - store.k.last_encoded
         if self.observers and store.k.last_encoded > 0:
-            lo, hi = before, store.k.n_encoded
-            ev = WriteEvent(
-                layer=layer_idx,
-                rows=rows.clone(),
-                positions=store.positions.view()[:, 0, lo:hi].clone(),  # logical (= base + slot w/o eviction)
-                compressed=~store.k.exact.view()[:, :, lo:hi].clone(),
-                witness=store.k_band.view()[:, :, lo:hi].sum(-1).clone(),
-                value_witness=store.v_res.view()[:, :, lo:hi].clone(),
-                codec=self.key_codec_name,
-                tier_b=self.tier_b,
-                nonfinite=store.nonfinite - nonfinite_before,
-                **_dither_moments(store, lo, hi),
-            )
-            for obs in self.observers:
-                obs.on_write(ev)
+            self._notify_write(store, rows, nonfinite_before)
         return k, v
+
+    def _rows(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(request UID per row, rows stored exact)`` of a write of ``b`` rows (without a UID under
+        ``require_identity``: exact, counted as fail-closed)."""
+        rows = self.request_ids if self.request_ids is not None else torch.arange(b, dtype=torch.int64)
+        if rows.shape != (b,):
+            raise ValueError(f"request_ids has shape {tuple(rows.shape)}, expected ({b},) for this batch")
+        return rows, (rows < 0) if self.require_identity else torch.zeros(b, dtype=torch.bool)
+
+    def _notify_write(self, store: LayerStore, rows: torch.Tensor, nonfinite_before: int) -> None:
+        """Send the :class:`WriteEvent` of the entries the last write encoded to every observer."""
+        assert store.k is not None
+        lo, hi = store.k.n_encoded - store.k.last_encoded, store.k.n_encoded
+        ev = WriteEvent(
+            layer=store.layer,
+            rows=rows.clone(),
+            positions=store.positions.view()[:, 0, lo:hi].clone(),  # logical (= base + slot w/o eviction)
+            compressed=~store.k.exact.view()[:, :, lo:hi].clone(),
+            witness=store.k_band.view()[:, :, lo:hi].sum(-1).clone(),
+            value_witness=store.v_res.view()[:, :, lo:hi].clone(),
+            codec=self.key_codec_name,
+            tier_b=self.tier_b,
+            nonfinite=store.nonfinite - nonfinite_before,
+            **_dither_moments(store, lo, hi),
+        )
+        for obs in self.observers:
+            obs.on_write(ev)
 
     def ingest(self, past: Cache, attentions: Sequence[torch.Tensor] | None = None) -> None:
         """Take over the K/V of an exact prefill cache (e.g. a ``DynamicCache`` after a shared prefill).
@@ -616,44 +618,37 @@ class CertifiedCache(Cache):
         ``softmax(k_s·k_i/√D)`` (causal, per KV head). Compression mode compresses with it, budget mode
         observes it.
         """
-        if self._step >= 0:
-            raise ValueError("ingest() must be called on a fresh CertifiedCache")
-        if self.belady:
-            raise ValueError("belady=True needs the prefill to run through the cache (no ingest)")
-        if len(past.layers) != len(self.layers):
-            raise ValueError(f"cache has {len(past.layers)} layers, model has {len(self.layers)}")
-        if attentions is not None:
-            if len(attentions) != len(self.layers):
-                raise ValueError(
-                    f"attentions must hold one tensor per layer ({len(self.layers)}), got {len(attentions)}"
-                )
-            for i, (src, attn) in enumerate(zip(past.layers, attentions, strict=True)):
-                b, hkv, s = src.keys.shape[:3] if src.keys is not None else (0, 1, 0)
-                if attn.dim() != 4 or attn.shape[0] != b or attn.shape[1] % hkv or attn.shape[2:] != (s, s):
-                    raise ValueError(
-                        f"attentions[{i}] must be [B, H, S, S] = [{b}, k·{hkv}, {s}, {s}], got {tuple(attn.shape)}"
-                    )
-        for i, (src, layer) in enumerate(zip(past.layers, self.layers, strict=True)):
+        sources: list[Any] = list(past.layers)
+        self._check_ingest(sources, attentions)
+        for i, (src, layer) in enumerate(zip(sources, self._layers, strict=True)):
             if src.keys is None:
                 raise ValueError(f"layer {i} of the source cache is empty")
-            b = src.keys.shape[0]
-            rows = self.request_ids if self.request_ids is not None else torch.arange(b, dtype=torch.int64)
-            keep = (rows < 0) if self.require_identity else torch.zeros(b, dtype=torch.bool)
+            rows, keep = self._rows(src.keys.shape[0])
             layer.update(src.keys, src.values, rows, keep)
             layer.cumulative_length = src.get_seq_length()
             layer.store.encode_pending()  # the prefill is complete: nothing is in flight any more
-            if self.evict is not None:
-                hkv, s = src.keys.shape[1:3]
-                attn = causal_attention(src.keys, src.keys) if attentions is None else attentions[i]
-                mean = aggregate_gqa(attn.to(torch.float64), hkv, "mean")  # [B, Hkv, S, S]
-                if self.compression_ratio is not None:
-                    layer.last_attn = mean[:, :, -1]
-                    if s > 1:
-                        self._compress_prefill(layer, attn if self.evict.needs_attention else None)
-                    layer.prefilled = True
-                else:
-                    self._observe(layer, mean, s)
+            if self._evictor is not None:
+                attn = None if attentions is None else attentions[i]
+                self._evictor.ingest(layer.store, src.keys, attn, self._step)
         self._step = 0
+
+    def _check_ingest(self, sources: list[Any], attentions: Sequence[torch.Tensor] | None) -> None:
+        if self._step >= 0:
+            raise ValueError("ingest() must be called on a fresh CertifiedCache")
+        if self.eviction.belady:
+            raise ValueError("belady=True needs the prefill to run through the cache (no ingest)")
+        if len(sources) != len(self._layers):
+            raise ValueError(f"cache has {len(sources)} layers, model has {len(self._layers)}")
+        if attentions is None:
+            return
+        if len(attentions) != len(self._layers):
+            raise ValueError(f"attentions must hold one tensor per layer ({len(self._layers)}), got {len(attentions)}")
+        for i, (src, attn) in enumerate(zip(sources, attentions, strict=True)):
+            b, hkv, s = src.keys.shape[:3] if src.keys is not None else (0, 1, 0)
+            if attn.dim() != 4 or attn.shape[0] != b or attn.shape[1] % hkv or attn.shape[2:] != (s, s):
+                raise ValueError(
+                    f"attentions[{i}] must be [B, H, S, S] = [{b}, k·{hkv}, {s}, {s}], got {tuple(attn.shape)}"
+                )
 
     # ------------------------------------------------------------------------------------------ read
     def _read(
@@ -669,239 +664,55 @@ class CertifiedCache(Cache):
     ) -> torch.Tensor:
         store = layer.store
         assert store.k is not None and store.v is not None
-        scaling = module.scaling if scaling is None else scaling
-        b, hq, nq, _ = query.shape
-        s = key.shape[2]
-        logical = mask
-        if self.evict is not None:
-            if logical is None:  # causal in position space over the logical length
-                t = layer.cumulative_length
-                logical = (torch.arange(t).view(1, t) <= (t - nq + torch.arange(nq)).view(nq, 1)).expand(b, 1, nq, t)
-            mask = slot_mask(logical, store.positions.view())  # [B, Hkv, Q, S]
-            sdpa_mask_ = mask.repeat_interleave(hq // mask.shape[1], dim=1)  # per query head
-        else:
-            if mask is None:
-                pos = torch.arange(s)
-                mask = (pos.view(1, s) <= (s - nq + torch.arange(nq)).view(nq, 1)).expand(b, 1, nq, s)
-            mask = mask.to(torch.bool)
-            sdpa_mask_ = mask
+        sc = float(module.scaling if scaling is None else scaling)  # type: ignore[arg-type]
+        logical, mask, sdpa_mask = self._masks(layer, query, key.shape[2], mask)
         if not self.certify or (store.k.n_encoded == 0 and store.v.n_encoded == 0):
             # Uncertified baseline, or nothing compressed is visible (every entry exact): plain SDPA. The served
             # tier is float32; a half-precision model's query gets K/V back in its own dtype (lossless here:
             # every entry is exact, i.e. a float32 copy of a half value).
             out, _ = sdpa_attention_forward(
-                module, query, key.to(query.dtype), value.to(query.dtype), sdpa_mask_, scaling=scaling, **kwargs
+                module, query, key.to(query.dtype), value.to(query.dtype), sdpa_mask, scaling=sc, **kwargs
             )
-            if self.evict is not None:
-                self._after_read(layer, query, key, logical, float(scaling), None)
+            if self._evictor is not None:
+                assert logical is not None
+                self._evictor.after_read(store, query, key, logical, sc, None, self._step)
             return out
-
-        def exact_attention(hk: torch.Tensor, hv: torch.Tensor, heads: tuple[int, int] | None = None) -> torch.Tensor:
-            q, m = query, sdpa_mask_
-            if heads is not None:  # only KV heads h0..h1-1 and their query heads (views, no copies)
-                (h0, h1), g = heads, q.shape[1] // hk.shape[1]
-                q, hk, hv = q[:, h0 * g : h1 * g], hk[:, h0:h1], hv[:, h0:h1]
-                m = m[:, h0 * g : h1 * g] if m.shape[1] > 1 else m
-            # page-in from host; a repair is exact in float32 (the precision the output bound models), also for
-            # half models
-            work = torch.promote_types(query.dtype, torch.float32)
-            hk, hv = (x.to(query.device, work, non_blocking=True) for x in (hk, hv))
-            o, _ = sdpa_attention_forward(module, q.to(work), hk, hv, m, scaling=scaling, **kwargs)
-            return o
-
-        if store.layer in self._pages:
-            res = self._resident_read(module, store, query, logical, mask, float(scaling), kwargs)
-        elif self.ladder:
-            res = ladder_read(query, store, mask, float(scaling), self._ladder_cfg, exact_attention, self.ladder_stats)
-        else:
-            res = certified_read(query, store, mask, float(scaling), self._cfg, exact_attention)
-        chain = (
-            None
-            if self.ladder
-            else ChainInputs(res.q_norm, res.witness_max, res.key_norm_max, float(scaling), query.shape[-1])
-        )
-        self._record(layer, res, nq, chain)
-        if self.evict is not None:
-            self._after_read(layer, query, key, logical, float(scaling), res.attn_kv)
-        return res.out.to(query.dtype)
-
-    def _resident_read(
-        self,
-        module: torch.nn.Module,
-        store: LayerStore,
-        query: torch.Tensor,
-        logical: torch.Tensor,
-        mask: torch.Tensor,
-        scaling: float,
-        kwargs: dict[str, Any],
-    ) -> ReadResult:
-        """Resident mode: :func:`kvcert.attention.resident.resident_read` with the exact attention over every token
-        (resident + omitted, gathered back into position order) as its dense fallback."""
-        assert store.k is not None and store.v is not None
-        ev = store.evicted
-        positions = torch.cat([store.positions.view(), ev["positions"].view()], 2)
-        host = {"k": store.k.host.view(), "v": store.v.host.view()}
-
-        def dense_exact(heads: tuple[int, int]) -> torch.Tensor:
-            order = positions.argsort(-1)
-            hk, hv = (
-                torch.cat([host[name], ev[name].view()], 2).gather(
-                    2, order[..., None].expand(-1, -1, -1, host[name].shape[-1])
-                )
-                for name in ("k", "v")
-            )
-            (h0, h1), g = heads, query.shape[1] // hk.shape[1]
-            m = slot_mask(logical, positions.gather(2, order)).repeat_interleave(g, dim=1)[:, h0 * g : h1 * g]
-            o, _ = sdpa_attention_forward(
-                module,
-                query[:, h0 * g : h1 * g],
-                hk[:, h0:h1].to(query.dtype),
-                hv[:, h0:h1].to(query.dtype),
-                m,
-                scaling=scaling,
-                **kwargs,
-            )
-            return o
-
-        res, rec = resident_read(
+        outcome = self.read_path.read(
             query,
             store,
-            self._pages[store.layer],
             mask,
-            slot_mask(logical, ev["positions"].view()),
-            scaling,
-            self.gate,
-            self.validate,
-            dense_exact,
-            self._step,
+            sc,
+            _exact_attention(module, query, sc, kwargs),
+            step=self._step,
+            rows=self.request_ids,
+            logical=logical,
         )
-        self._resident_records.append(rec)
-        return res
+        if self._evictor is not None:
+            assert logical is not None
+            self._evictor.after_read(store, query, key, logical, sc, outcome.result.attn_kv, self._step)
+        return outcome.out.to(query.dtype)
+
+    def _masks(
+        self, layer: CertifiedLayer, query: torch.Tensor, s: int, mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """``(logical, slot mask, SDPA mask)`` of a read: with eviction the position-space mask (causal over the
+        logical length when transformers passed none) gathered onto each KV head's slots ``[B, Hkv, Q, S]`` and
+        expanded to the query heads for SDPA; without it the given (or causal) mask over the slots, for both."""
+        b, hq, nq, _ = query.shape
+        if self.evict is not None:
+            logical = mask
+            if logical is None:  # causal in position space over the logical length
+                t = layer.cumulative_length
+                logical = (torch.arange(t).view(1, t) <= (t - nq + torch.arange(nq)).view(nq, 1)).expand(b, 1, nq, t)
+            slots = slot_mask(logical, layer.store.positions.view())  # [B, Hkv, Q, S]
+            return logical, slots, slots.repeat_interleave(hq // slots.shape[1], dim=1)  # per query head
+        if mask is None:
+            pos = torch.arange(s)
+            mask = (pos.view(1, s) <= (s - nq + torch.arange(nq)).view(nq, 1)).expand(b, 1, nq, s)
+        mask = mask.to(torch.bool)
+        return mask, mask, mask
 
     # ------------------------------------------------------------------------------------- eviction
-    def _after_read(
-        self,
-        layer: CertifiedLayer,
-        query: torch.Tensor,
-        served_k: torch.Tensor,
-        logical: torch.Tensor,
-        scaling: float,
-        attn_kv: torch.Tensor | None,
-    ) -> None:
-        """Feed the read to the policy (budget mode) or compress the prefill (compression mode), and record
-        the validate-mode exact evicted mass of this read. ``logical`` is the position-space mask."""
-        assert self.evict is not None
-        b, hq, nq, _ = query.shape
-        g = hq // served_k.shape[1]
-        positions = layer.store.positions.view()
-        if self.validate:
-            self._validate_reading(layer, query, logical, scaling)
-        if self.compression_ratio is not None:
-            if nq > 1 and not layer.prefilled:
-                mask = slot_mask(logical, positions)
-                attn = None
-                if self.evict.needs_attention:
-                    full = grouped_probs(query, served_k, mask, scaling)  # [B, Hkv, G, Q, S]
-                    attn, layer.last_attn = full.flatten(1, 2), full[:, :, :, -1].mean(2)
-                else:  # the last row only, for the serving reading
-                    last = grouped_probs(query[:, :, -1:], served_k, mask[:, :, -1:], scaling)
-                    layer.last_attn = last[:, :, :, 0].mean(2)
-                self._compress_prefill(layer, attn)
-            layer.prefilled = True
-            return
-        if attn_kv is None:
-            attn_kv = grouped_probs(query, served_k, slot_mask(logical, positions), scaling).sum(2)
-        self._observe(layer, attn_kv.to(torch.float64) / g, nq)
-
-    def _observe(self, layer: CertifiedLayer, attn: torch.Tensor, nq: int) -> None:
-        """Budget mode: ``policy.observe`` the read (``attn[B, Hkv, q, S]``, mean over each group)."""
-        assert self.evict is not None
-        positions = layer.store.positions.view()
-        self.evict.observe(layer.store.layer, attn, positions)
-        layer.last_attn = attn[:, :, -1].clone()
-        if layer.store.layer == 0 and nq:
-            self._kappa_groups.append(positions[:, 0, -nq:].clone())
-
-    def _compress_prefill(self, layer: CertifiedLayer, attn: torch.Tensor | None) -> None:
-        """Compression mode: keep ``prefill_kept_count(S, ratio)`` slots per KV head after the prefill read.
-
-        ``attn[B, Hq, S, S]`` is the prefill's served attention, or ``[B, Hkv, S, S]`` key-proxy attention
-        (:meth:`ingest`), ``None`` for policies that ignore it; RMM's prompt κ is :meth:`set_prefill_kappa`'s
-        value, else ``κ ≡ 1`` (the prompt is given text).
-        """
-        assert self.evict is not None and self.compression_ratio is not None
-        store = layer.store
-        assert store.k is not None and store.v is not None
-        keys, values = store.k.host.view(), store.v.host.view()
-        kappa = self._prefill_kappa
-        if kappa is None:
-            kappa = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.float64)
-        elif kappa.shape != (keys.shape[0], keys.shape[2]):
-            raise ValueError(
-                f"prefill kappa must be [B, S] = {(keys.shape[0], keys.shape[2])}, got {tuple(kappa.shape)}"
-            )
-        keep = self.evict.prefill_keep(store.layer, keys, values, self.compression_ratio, attn=attn, kappa=kappa)
-        if keep.shape[-1] < store.n and (self.resident is None or can_omit(store)):
-            self._apply_eviction(layer, keep)
-        layer.prefilled = True
-
-    def _apply_eviction(self, layer: CertifiedLayer, keep: torch.Tensor) -> None:
-        """Gather the store to ``keep[B, Hkv, C]`` and record the serving-mode (empirical) reading."""
-        store = layer.store
-        n = store.n
-        serving = None
-        if layer.last_attn is not None and layer.last_attn.shape[-1] == n:
-            kept = torch.zeros(keep.shape[0], keep.shape[1], n, dtype=torch.bool).scatter(-1, keep, True)
-            serving = serving_reading(layer.last_attn, kept).mass
-        store.gather(keep, retain_evicted=self.validate or self.resident is not None)
-        if self.resident is not None:
-            self._pages[store.layer] = summarize_omitted(store, self.page_size, self.summary)
-        layer.last_attn = None
-        self._evict_records.append(
-            EvictRecord(
-                step=self._step,
-                layer=store.layer,
-                serving_mass=serving,
-                evicted=(n - keep.shape[-1]) * keep.shape[0] * keep.shape[1],
-            )
-        )
-
-    def _validate_reading(
-        self, layer: CertifiedLayer, query: torch.Tensor, logical: torch.Tensor, scaling: float
-    ) -> None:
-        """Exact evicted mass per (row, query head) of this read: the full exact attention over kept and
-        archived (evicted) entries, its mass on the archived ones (worst over the read's queries)."""
-        store = layer.store
-        assert store.k is not None
-        b, hq, nq, _ = query.shape
-        ev = store.evicted
-        if not ev:
-            mass = torch.zeros(b, hq, dtype=torch.float64)
-        else:
-            keys = torch.cat([store.k.host.view(), ev["k"].view()], dim=2)
-            positions = torch.cat([store.positions.view(), ev["positions"].view()], dim=2)
-            p = grouped_probs(query, keys, slot_mask(logical, positions), scaling)
-            mass = p[..., store.n :].sum(-1).flatten(1, 2).amax(-1)
-        self._evict_records.append(EvictRecord(step=self._step, layer=store.layer, evicted_mass=mass))
-        if self.run_trace is not None:  # belady=True: the run's exact trace (kept + evicted, mean over G)
-            if not ev:
-                positions = store.positions.view()
-                p = grouped_probs(query, store.k.host.view(), slot_mask(logical, positions), scaling)
-            self.run_trace.record_read(self._step, store.layer, p.mean(2), positions, store.positions.view())
-
-    def _settle_kappa(self) -> None:
-        """At a new forward: forwards still awaiting κ get ``κ ≡ 1`` unless the policy needs a real κ."""
-        assert self.evict is not None
-        if not self._kappa_groups:
-            return
-        if isinstance(self.evict, RMM) and self.evict.kappa_kind != "uniform":
-            raise ValueError(
-                f"RMM(kappa={self.evict.kappa_kind!r}) needs cache.set_kappa(...) after every "
-                "forward (e.g. logits_processor=[KappaFeeder(cache)])"
-            )
-        while self._kappa_groups:
-            self.set_kappa(torch.ones(self._kappa_groups[0].shape[0], dtype=torch.float64))
-
     def set_kappa(self, kappa: torch.Tensor) -> None:
         """Correctness weight κ ∈ [0, 1] of the oldest forward still awaiting one (decode-budget mode).
 
@@ -909,24 +720,9 @@ class CertifiedCache(Cache):
         earlier queries of a multi-token forward (prompt tokens, given text) get ``κ = 1``. ``kappa[B, q]``
         sets every query. No-op in compression mode (the policy does not observe decode reads).
         """
-        if self.evict is None:
+        if self._evictor is None:
             raise ValueError("set_kappa needs a cache built with evict=policy")
-        kappa = torch.as_tensor(kappa, dtype=torch.float64)
-        if self.budget is None:
-            return
-        if not self._kappa_groups:
-            raise ValueError("set_kappa: no forward is awaiting kappa (call it once after each forward)")
-        positions = self._kappa_groups[0]
-        if kappa.dim() == 1 and kappa.shape[0] == positions.shape[0]:
-            kappa = torch.cat(
-                [torch.ones(positions.shape[0], positions.shape[1] - 1, dtype=torch.float64), kappa[:, None]], dim=1
-            )
-        if kappa.shape != positions.shape:
-            raise ValueError(f"kappa must be [B] or [B, q] = {tuple(positions.shape)}, got {tuple(kappa.shape)}")
-        self.evict.set_kappa(positions, kappa)
-        if self.run_trace is not None:
-            self.run_trace.record_kappa(positions, kappa)
-        self._kappa_groups.pop(0)
+        self._evictor.set_kappa(kappa)
 
     def set_prefill_kappa(self, kappa: torch.Tensor | None) -> None:
         """Prompt correctness weights ``kappa[B, S]`` for RMM's prefill variant (compression mode), e.g. the
@@ -935,162 +731,46 @@ class CertifiedCache(Cache):
             kappa = torch.as_tensor(kappa, dtype=torch.float64)
             if kappa.dim() != 2 or not bool(((kappa >= 0) & (kappa <= 1)).all()):
                 raise ValueError("kappa must be [B, S] with values in [0, 1]")
-        self._prefill_kappa = kappa
+        if self._evictor is not None:
+            self._evictor.prefill_kappa = kappa
 
     def kept_positions(self, layer_idx: int) -> torch.Tensor:
         """Logical positions ``[B, Hkv, S]`` of the slots layer ``layer_idx`` holds (for Belady overlap)."""
-        store = self.layers[layer_idx].store
+        store = self._layers[layer_idx].store
         if store.k is None:
             raise ValueError(f"layer {layer_idx} holds nothing yet")
         return store.positions.view().clone()
 
-    def _record(self, layer: CertifiedLayer, res: ReadResult, nq: int, chain: ChainInputs | None) -> None:
-        self._bytes_paged += res.bytes_paged
-        cells = {
-            "cert": res.cert_pre,
-            "raw": res.raw,
-            "served": res.cert,
-            "tanh": res.tanh,
-            "out_bound": res.out_bound,
-            "tier_b": res.cert_b,
-            "true_tv": res.true_tv,
-            "true_out_err": res.true_out_err,
-        }
-        rec = StepRecord(
-            step=self._step,
-            layer=layer.store.layer,
-            cells=cells,
-            heads=(res.repaired, res.blocks, res.values_promoted),
-            queries=nq,
-            chain=chain,
-            held=res.held,
-        )
-        if res.true_tv is not None and res.true_out_err is not None:
-            rec.violations = int((res.true_tv > res.cert_pre).sum())
-            rec.out_violations = int((res.true_out_err > res.out_bound).sum())
-        self._records.append(rec)
-        if self.observers:
-            rows = self.request_ids if self.request_ids is not None else torch.arange(res.cert.shape[0])
-            n_slots = torch.full((res.cert.shape[0],), layer.store.n, dtype=torch.int64)
-            ev = ReadEvent(
-                layer=layer.store.layer,
-                step=self._step,
-                rows=rows.clone(),
-                n_slots=n_slots,
-                certificate=res.cert[..., -1].clone(),
-                repaired=rec.reading("repaired"),
-                first_slot=layer.store.base,
-            )
-            for obs in self.observers:
-                obs.on_read(ev)
-
     # ------------------------------------------------------------------------------------ telemetry
     def telemetry(self) -> Telemetry:
         """Snapshot of every recorded cell, coverage, fallback, bytes and (validate mode) violations."""
-        steps = self._step + 1
-        n_layers = len(self.layers)
-        recs = self._records
-
-        def stack(attr: str) -> torch.Tensor | None:
-            return stack_records(recs, n_layers, max(steps, 1), attr)
-
-        certs = stack("cert")
-        no_reads = certs is None  # e.g. a decode that ended at once (EOS first): zero cells, same fields
-        if certs is None:
-            certs = torch.full((0, n_layers, 1, self.num_heads), float("nan"), dtype=torch.float64)
-        keep = ~torch.isnan(certs).flatten(1).all(1)
-        produced = {"tier_b": self.tier_b, "true_tv": self.validate, "true_out_err": self.validate}
-
-        def sel(x: torch.Tensor | None, name: str = "") -> torch.Tensor | None:
-            if x is None and no_reads and produced.get(name, name in ("raw", "served", "tanh", "out_bound")):
-                return certs.clone()  # an empty [0, L, 1, Hq] cell tensor: no cell, not "not recorded"
-            return None if x is None else x[keep]
-
-        repaired = stack("repaired")
-        stores = [layer.store for layer in self.layers]
-        return Telemetry(
-            certificates=certs[keep],
-            raw=sel(stack("raw"), "raw"),
-            served=sel(stack("served"), "served"),
-            tanh=sel(stack("tanh"), "tanh"),
-            out_bound=sel(stack("out_bound"), "out_bound"),
-            tier_b=sel(stack("tier_b"), "tier_b"),
-            true_tv=sel(stack("true_tv"), "true_tv"),
-            true_out_err=sel(stack("true_out_err"), "true_out_err"),
-            repaired=sel(repaired) if repaired is not None else torch.zeros(0, dtype=torch.bool),
-            group_size=self.num_heads // self.num_kv_heads,
-            violations=sum(r.violations for r in recs),
-            out_violations=sum(r.out_violations for r in recs),
-            bytes_stored=sum(s.bytes_stored() for s in stores),
-            bytes_fp16=sum(s.bytes_fp16() for s in stores),
-            bytes_paged=self._bytes_paged,
-            bytes_host=sum(s.bytes_host() for s in stores),
-            bytes_witness=sum(s.bytes_witness() for s in stores),
-            head_dim=stores[0].k.host.view().shape[-1] if stores[0].k is not None else 0,
-            nonfinite=sum(s.nonfinite for s in stores),
-            fail_closed=sum(s.fail_closed for s in stores),
-            tier_b_delta=self.delta_req if self.tier_b else None,
-            gate=self.gate.describe(),
-            evicted_mass=stack_records(self._evict_records, n_layers, max(steps, 1), "evicted_mass"),
-            evicted_mass_serving=stack_records(self._evict_records, n_layers, max(steps, 1), "serving_mass"),
-            evicted_entries=sum(r.evicted for r in self._evict_records),
-            belady_overlap=self.run_trace.overlap() if self.run_trace is not None else None,
-            uncompressed_layers=self.uncompressed_layers,
-            witness=sel(stack("witness")),
-            qnorm=sel(stack("qnorm")),
-            logit_slack=sel(stack("logit_slack")),
-            bytes_device=sum(s.bytes_device() for s in stores) + self._summary_bytes(),
-            fallback=sel(stack("fallback")),
-            transient_page_ins=sum(s.transient_repairs for s in stores),
-            bytes_transient=sum(s.bytes_transient for s in stores),
-            released_entries=sum(s.released for s in stores),
-            device_budget=stores[0].device_budget,
-            **self._resident_telemetry(max(steps, 1)),
+        ev = self._evictor
+        return assemble(
+            CacheReadings(
+                records=self._sink.records,
+                stores=[layer.store for layer in self._layers],
+                steps=self._step + 1,
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                bytes_paged=self._sink.bytes_paged,
+                tier_b=self.tier_b,
+                validate=self.validate,
+                tier_b_delta=self.validation.delta_req if self.tier_b else None,
+                gate=self.gate.describe(),
+                evict_records=() if ev is None else ev.records,
+                belady_overlap=None if ev is None or ev.run_trace is None else ev.run_trace.overlap(),
+                uncompressed_layers=self.uncompressed_layers,
+                bytes_summary=sum(p.nbytes for p in self._pages.values()),
+                resident_records=None if self.resident is None else self._sink.resident_records,
+            )
         )
-
-    def _summary_bytes(self) -> int:
-        """Bytes of the omitted pages' summaries (resident mode), held on the device tier beside the stores."""
-        return sum(p.nbytes for p in self._pages.values())
-
-    def _resident_telemetry(self, steps: int) -> dict[str, Any]:
-        """The resident-set fields of :class:`Telemetry` (none without ``resident=``)."""
-        if self.resident is None:
-            return {}
-        recs, n_layers = self._resident_records, len(self.layers)
-        stores = [layer.store for layer in self.layers]
-        held = sum(s.n for s in stores)
-        omitted = sum(s.evicted["k"].view().shape[2] for s in stores if s.evicted)
-        omitted_fp16 = sum(
-            2 * (s.evicted["k"].view().numel() + s.evicted["v"].view().numel()) for s in stores if s.evicted
-        )
-        return {
-            "omitted_mass_bound": stack_records(recs, n_layers, steps, "mass_bound"),
-            "omitted_mass": stack_records(recs, n_layers, steps, "true_mass"),
-            "resident_fraction": held / (held + omitted) if held + omitted else float("nan"),
-            "pages_recalled": sum(r.pages for r in recs),
-            "bytes_recalled": sum(r.bytes for r in recs),
-            "bytes_summary": self._summary_bytes(),
-            "recall_violations": sum(r.violations for r in recs),
-            "bytes_fp16_context": sum(s.bytes_fp16() for s in stores) + omitted_fp16,
-        }
 
     def reset(self) -> None:
         """Drop all stored tokens and the eviction policy's state (the cache can serve a new request)."""
         super().reset()
-        self._pages = {}
-        if self.evict is not None:
-            self.evict.reset()
-        self._kappa_groups = []
-        self._prefill_kappa = None
-        if self.run_trace is not None:
-            self.run_trace = RunTrace(len(self.layers), self.run_trace.budget, self.evict_chunk)
-
-
-def default_select() -> EvictionPolicy:
-    """The resident set's default policy: ``SnapKV(window=32, kernel=5)``, the policy that left the least attention
-    mass outside the resident set in the measurement of ``docs/eviction.md`` ("Resident set and recall"). It
-    protects its 32-token window: prompts with fewer than ``32 / resident`` tokens need another ``select``."""
-    return SnapKV(window=32, kernel=5)
+        self._pages.clear()
+        if self._evictor is not None:
+            self._evictor.reset()
 
 
 class KappaFeeder(LogitsProcessor):

@@ -43,6 +43,8 @@ import numba
 import numpy as np
 import torch
 
+from kvcert.kernels.inputs import DecodeInputs
+
 _U64 = 2.0**-53
 _U32 = 2.0**-24
 _EXP_SAFE = 300.0  # same cut as kvcert.bounds.softmax_tv: above it ptm is replaced by two_sided
@@ -240,8 +242,8 @@ DECODE_MAX_ROWS = 64
 CELL_ROWS = ("cert", "raw", "tanh", "value_term", "key_term", "slack", "bound")
 _CERT, _RAW, _TANH, _VTERM, _KEY, _SLACK, _BOUND = range(7)
 #: rows of the per-KV-head block ``[5, B, Hkv]``
-HEAD_ROWS = ("kmax", "phi", "wmax", "spread", "vmax")
-_KMAX, _PHI, _WMAX, _SPREAD, _VMAX = range(5)
+HEAD_ROWS = ("kmax", "phi_max", "wmax", "spread", "vmax")
+_KMAX, _PHI_MAX, _WMAX, _SPREAD, _VMAX = range(5)
 
 
 class LogitsRadii(NamedTuple):
@@ -251,7 +253,7 @@ class LogitsRadii(NamedTuple):
     c: torch.Tensor  # [B, Hkv, M, S] Tier-A radius + float32 logit slack per token
     qn: torch.Tensor  # [B, Hkv, M, 1] ‖q‖₂ of the float32 query
     kmax: torch.Tensor  # [B, Hkv, 1] max_t (2‖k̂_t‖ + W_t)
-    phi: torch.Tensor  # [B, Hkv, 1] φ_max = 2·sc·γ·max_M ‖q‖·kmax (inflated)
+    phi_max: torch.Tensor  # [B, Hkv, 1] φ_max = 2·sc·γ·max_M ‖q‖·kmax (inflated)
     wmax: torch.Tensor  # [B, Hkv, 1] max_t W_t
 
 
@@ -347,12 +349,53 @@ def _visible(mask: np.ndarray, full: bool, bi: int, h: int, nq: int, mi: int, t:
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
+def _query_rows(
+    q: np.ndarray,
+    nbands: int,
+    half: bool,
+    scale: float,
+    gam: float,
+    qs: np.ndarray,
+    qb: np.ndarray,
+    qn: np.ndarray,
+    rate: np.ndarray,
+) -> float:  # pragma: no cover - compiled (covered by tests via numba)
+    """For one KV head's query rows ``q[M, D]``: band norms ``qb[M, nb]``, ``qn[M] = ‖q‖₂``, the slack rate
+    ``rate[M] = sc·γ·‖q‖`` and the scaled float32 query ``qs = fl32(sc·q)`` (one rounding of the product);
+    returns ``max_M ‖q‖``, or ``-1`` when a norm is not finite."""
+    nrows, d = q.shape
+    npair = d // 2
+    per = npair // nbands
+    qmax = 0.0
+    for mi in range(nrows):
+        tot = 0.0
+        for band in range(nbands):
+            acc = 0.0
+            for j in range(band * per, (band + 1) * per):
+                jx, jy = (j, j + npair) if half else (2 * j, 2 * j + 1)
+                x = np.float64(q[mi, jx])
+                y = np.float64(q[mi, jy])
+                acc += x * x + y * y
+            tot += acc
+            qb[mi, band] = math.sqrt(acc)
+        norm = math.sqrt(tot)
+        if not np.isfinite(norm):
+            return -1.0
+        qn[mi] = norm
+        rate[mi] = scale * gam * norm
+        qmax = max(qmax, norm)
+        for j in range(d):
+            qs[mi, j] = np.float32(np.float64(q[mi, j]) * scale)
+    return qmax
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def _logits_radii(
     q: np.ndarray,
-    k: np.ndarray,
-    rho: np.ndarray,
-    khn: np.ndarray,
-    w: np.ndarray,
+    k_served: np.ndarray,
+    k_band: np.ndarray,
+    k_hat_norm: np.ndarray,
+    k_wit: np.ndarray,
     s: int,
     mask: np.ndarray,
     full: bool,
@@ -367,9 +410,7 @@ def _logits_radii(
     heads: np.ndarray,
 ) -> bool:  # pragma: no cover - compiled (covered by tests via numba)
     nbatch, nkv, nrows, d = q.shape
-    nbands = rho.shape[3]
-    npair = d // 2
-    per = npair // nbands
+    nbands = k_band.shape[3]
     # every radius is a sum / product / square root of at most d + 2·nbands + 8 roundings of non-negative
     # float64 terms (float32 inputs square exactly): computed >= exact·(1 − u)^K, undone by this factor
     infl = 1.0 + 2.0 * (d + 2 * nbands + 12) * _U64
@@ -379,39 +420,22 @@ def _logits_radii(
     kf = np.empty(s)  # 2‖k̂_t‖ + W_t
     for bi in range(nbatch):
         for h in range(nkv):
-            qmax = 0.0
-            for mi in range(nrows):
-                tot = 0.0
-                for band in range(nbands):
-                    acc = 0.0
-                    for j in range(band * per, (band + 1) * per):
-                        jx, jy = (j, j + npair) if half else (2 * j, 2 * j + 1)
-                        x = np.float64(q[bi, h, mi, jx])
-                        y = np.float64(q[bi, h, mi, jy])
-                        acc += x * x + y * y
-                    tot += acc
-                    qb[mi, band] = math.sqrt(acc)
-                norm = math.sqrt(tot)
-                if not np.isfinite(norm):
-                    return False
-                qn[bi, h, mi] = norm
-                rate[mi] = scale * gam * norm
-                qmax = max(qmax, norm)
-                for j in range(d):
-                    qs[mi, j] = np.float32(np.float64(q[bi, h, mi, j]) * scale)  # one rounding of the product
+            qmax = _query_rows(q[bi, h], nbands, half, scale, gam, qs, qb, qn[bi, h], rate)
+            if qmax < 0.0:
+                return False
             for t in range(k_from, s):  # pending keys were not checked at write
                 for j in range(d):
-                    if not np.isfinite(k[bi, h, t, j]):
+                    if not np.isfinite(k_served[bi, h, t, j]):
                         return False
-            _dot_rows(qs, k[bi, h], s, lg[bi, h])
+            _dot_rows(qs, k_served[bi, h], s, lg[bi, h])
             km = 0.0
             wm = 0.0
             for t in range(s):
-                wt = np.float64(w[bi, h, t])
-                kf[t] = 2.0 * np.float64(khn[bi, h, t]) + wt
+                wt = np.float64(k_wit[bi, h, t])
+                kf[t] = 2.0 * np.float64(k_hat_norm[bi, h, t]) + wt
                 km = max(km, kf[t])
                 wm = max(wm, wt)
-            _radius_rows(qb, rho[bi, h], s, scale, rate, kf, infl, c[bi, h])
+            _radius_rows(qb, k_band[bi, h], s, scale, rate, kf, infl, c[bi, h])
             if not full:
                 for mi in range(nrows):
                     for t in range(s):
@@ -419,7 +443,7 @@ def _logits_radii(
                             lg[bi, h, mi, t] = -np.inf
             heads[_KMAX, bi, h] = km
             heads[_WMAX, bi, h] = wm
-            heads[_PHI, bi, h] = 2.0 * scale * gam * qmax * km * infl
+            heads[_PHI_MAX, bi, h] = 2.0 * scale * gam * qmax * km * infl
     return True
 
 
@@ -454,10 +478,10 @@ def _prefix(name: str, x: torch.Tensor | np.ndarray, lead: tuple[int, ...], s: i
 
 def logits_radii(
     q: torch.Tensor,
-    keys: torch.Tensor,
-    rho: torch.Tensor,
+    k_served: torch.Tensor,
+    k_band: torch.Tensor,
     k_hat_norm: torch.Tensor,
-    witness: torch.Tensor,
+    k_wit: torch.Tensor,
     s: int,
     scale: float,
     gamma: float,
@@ -470,9 +494,9 @@ def logits_radii(
     """Served logits and the read path's radii in one pass over the stored tokens (decode-size reads).
 
     For grouped float32 queries ``q[B, Hkv, M, D]`` (row ``i`` is query ``i mod nq``) and the first ``s``
-    tokens of the store's float32 allocations — served keys ``keys[B, Hkv, ≥s, D]``, key-residual band norms
-    ``rho[B, Hkv, ≥s, nb]`` over whole RoPE pairs of ``pairing``, ``k_hat_norm`` (``≥ ‖k̂_t‖``) and
-    ``witness`` (``W_t ≥ ‖k̂_t − k_t‖``), each ``[B, Hkv, ≥s]``::
+    tokens of the store's float32 allocations — served keys ``k_served[B, Hkv, ≥s, D]``, key-residual band norms
+    ``k_band[B, Hkv, ≥s, nb]`` over whole RoPE pairs of ``pairing``, ``k_hat_norm`` (``≥ ‖k̂_t‖``) and
+    ``k_wit`` (``W_t ≥ ‖k̂_t − k_t‖``), each ``[B, Hkv, ≥s]``::
 
         s̃_t = fl32(Σ_j fl32(sc·q_j)·k̂_tj)                            (−inf where ``mask`` hides t)
         c_t = sc·Σ_b ‖q_b‖·ρ_{t,b} + sc·γ·‖q‖·(2‖k̂_t‖ + W_t)         (Tier A + float32 logit slack φ_t)
@@ -491,16 +515,16 @@ def logits_radii(
     when the query or a pending key is not finite (the caller fails closed on its exact path). CPU only.
     """
     b, h, m, d = q.shape
-    nb = rho.shape[-1]
+    nb = k_band.shape[-1]
     if (d // 2) % nb or q.dtype != torch.float32 or m % nq:
         raise ValueError(
             f"logits_radii: q {tuple(q.shape)} {q.dtype} must be float32 with D/2 divisible by "
             f"{nb} bands and M divisible by nq={nq}"
         )
-    kk = _prefix("keys", keys, (b, h, s, d), s)
-    rr = _prefix("rho", rho, (b, h, s, nb), s)
+    kk = _prefix("k_served", k_served, (b, h, s, d), s)
+    rr = _prefix("k_band", k_band, (b, h, s, nb), s)
     kn = _prefix("k_hat_norm", k_hat_norm, (b, h, s), s)
-    ww = _prefix("witness", witness, (b, h, s), s)
+    ww = _prefix("k_wit", k_wit, (b, h, s), s)
     mk, full = _mask_arg(mask, b, h, nq, s)
     r = _logits_radii_arrays(
         q.detach().contiguous().numpy(),
@@ -522,16 +546,21 @@ def logits_radii(
     lg, c, qn, heads = r
     t = torch.from_numpy
     return LogitsRadii(
-        t(lg), t(c), t(qn[..., None]), t(heads[_KMAX, ..., None]), t(heads[_PHI, ..., None]), t(heads[_WMAX, ..., None])
+        t(lg),
+        t(c),
+        t(qn[..., None]),
+        t(heads[_KMAX, ..., None]),
+        t(heads[_PHI_MAX, ..., None]),
+        t(heads[_WMAX, ..., None]),
     )
 
 
 def _logits_radii_arrays(
     q: np.ndarray,
-    keys: np.ndarray,
-    rho: np.ndarray,
-    khn: np.ndarray,
-    w: np.ndarray,
+    k_served: np.ndarray,
+    k_band: np.ndarray,
+    k_hat_norm: np.ndarray,
+    k_wit: np.ndarray,
     s: int,
     mask: np.ndarray,
     full: bool,
@@ -542,13 +571,15 @@ def _logits_radii_arrays(
     k_from: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """:func:`logits_radii` on checked numpy inputs: ``(logits, c, ‖q‖ [B, Hkv, M], heads [5, B, Hkv])`` with
-    the ``kmax``, ``phi`` and ``wmax`` rows of ``heads`` filled (:data:`HEAD_ROWS`), or ``None``."""
+    the ``kmax``, ``phi_max`` and ``wmax`` rows of ``heads`` filled (:data:`HEAD_ROWS`), or ``None``."""
     b, h, m, _ = q.shape
     lg = np.empty((b, h, m, s), dtype=np.float32)
     c = np.empty((b, h, m, s))
     qn = np.empty((b, h, m))
     heads = np.empty((len(HEAD_ROWS), b, h))
-    ok = _logits_radii(q, keys, rho, khn, w, s, mask, full, nq, scale, gamma, half, k_from, lg, c, qn, heads)
+    ok = _logits_radii(
+        q, k_served, k_band, k_hat_norm, k_wit, s, mask, full, nq, scale, gamma, half, k_from, lg, c, qn, heads
+    )
     return (lg, c, qn, heads) if ok else None
 
 
@@ -558,10 +589,10 @@ def _meter_output(
     p: np.ndarray,
     c: np.ndarray,
     ec: np.ndarray,
-    v: np.ndarray,
-    vres: np.ndarray,
-    vdist: np.ndarray,
-    vhn: np.ndarray,
+    v_served: np.ndarray,
+    v_res: np.ndarray,
+    v_dist: np.ndarray,
+    v_hat_norm: np.ndarray,
     s: int,
     mask: np.ndarray,
     full: bool,
@@ -572,7 +603,7 @@ def _meter_output(
     heads: np.ndarray,
 ) -> bool:  # pragma: no cover - compiled (covered by tests via numba)
     nbatch, nkv, nrows = cells.shape[1:]
-    dv = v.shape[3]
+    dv = v_served.shape[3]
     up2 = 1.0 + 4.0 * _U64  # one float64 addition of two non-negative float32 values
     upv = 1.0 + 2.0 * (s + 2) * _U64  # an S-term float64 sum of non-negative products
     rel0 = 2.0 * (s + dv) * _U32 * (1 + 1e-6)  # float32 softmax and p̃·v̂ evaluation, relative to vmax
@@ -580,23 +611,23 @@ def _meter_output(
         for h in range(nkv):
             for t in range(v_from, s):  # pending values were not checked at write
                 for j in range(dv):
-                    if not np.isfinite(v[bi, h, t, j]):
+                    if not np.isfinite(v_served[bi, h, t, j]):
                         return False
             sp = 0.0
             vm = 0.0
             for t in range(s):
                 if _visible(mask, full, bi, h, nq, -1, t):
-                    r = np.float64(vres[bi, h, t])
-                    sp = max(sp, np.float64(vdist[bi, h, t]) + r)
-                    vm = max(vm, np.float64(vhn[bi, h, t]) + r)
+                    res_t = np.float64(v_res[bi, h, t])
+                    sp = max(sp, np.float64(v_dist[bi, h, t]) + res_t)
+                    vm = max(vm, np.float64(v_hat_norm[bi, h, t]) + res_t)
             spread = sp * up2
             vmax = vm * up2
             heads[_SPREAD, bi, h] = spread
             heads[_VMAX, bi, h] = vmax
-            sl = (rel0 + 2.0 * math.tanh(heads[_PHI, bi, h])) * vmax
+            sl = (rel0 + 2.0 * math.tanh(heads[_PHI_MAX, bi, h])) * vmax
             for r in range(nrows):
                 cert, raw, tmax = _meter_row(lg[bi, h], p[bi, h], c[bi, h], ec[bi, h], p32[bi, h], r)
-                vterm = _weighted_sum(p[bi, h, r], vres[bi, h], s) * upv
+                vterm = _weighted_sum(p[bi, h, r], v_res[bi, h], s) * upv
                 key_term = 2.0 * min(cert, 1.0) * spread
                 cells[_CERT, bi, h, r] = cert
                 cells[_RAW, bi, h, r] = raw
@@ -610,7 +641,7 @@ def _meter_output(
 
 def meter_output(
     lr: LogitsRadii,
-    values: torch.Tensor,
+    v_served: torch.Tensor,
     v_res: torch.Tensor,
     v_dist: torch.Tensor,
     v_hat_norm: torch.Tensor,
@@ -631,21 +662,21 @@ def meter_output(
     row; float64 sums of non-negative terms are multiplied by ``1 + 2(S + 2)u`` (maxima by ``1 + 4u``) so each is at
     least its exact value. The output bound of the unrepaired read per cell (``kvcert.attention.certified``'s
     two-term bound with the store's fixed centre: ``key_term + value_term + slack``, ``key_term = 2·min(meter,
-    1)·spread``, ``slack = (2(S + Dv)u₃₂(1 + 10⁻⁶) + 2·tanh(φ_max))·vmax`` with ``φ_max = lr.phi``) is formed here
+    1)·spread``, ``slack = (2(S + Dv)u₃₂(1 + 10⁻⁶) + 2·tanh(φ_max))·vmax`` with ``φ_max = lr.phi_max``) is formed here
     too, in the same float64 operations as the eager form. Inputs: the first ``s`` tokens of the float32 allocations
-    ``values[B, Hkv, ≥s, Dv]`` and the per-token witnesses ``v_res`` (``‖Δv_t‖``), ``v_dist`` (``‖v̂_t − c‖``),
+    ``v_served[B, Hkv, ≥s, Dv]`` and the per-token witnesses ``v_res`` (``‖Δv_t‖``), ``v_dist`` (``‖v̂_t − c‖``),
     ``v_hat_norm`` (``‖v̂_t‖``), each ``[B, Hkv, ≥s]``. Returns ``None`` when a value at or after ``pending_from``
     is not finite (the caller fails closed). CPU only.
     """
     b, h, m, _ = lr.logits.shape
-    dv = values.shape[-1]
-    vv = _prefix("values", values, (b, h, s, dv), s)
+    dv = v_served.shape[-1]
+    vv = _prefix("v_served", v_served, (b, h, s, dv), s)
     vr = _prefix("v_res", v_res, (b, h, s), s)
     vd = _prefix("v_dist", v_dist, (b, h, s), s)
     vn = _prefix("v_hat_norm", v_hat_norm, (b, h, s), s)
     mk, full = _mask_arg(mask, b, h, nq, s)
     heads = np.empty((len(HEAD_ROWS), b, h))
-    heads[_PHI] = lr.phi.numpy()[..., 0]
+    heads[_PHI_MAX] = lr.phi_max.numpy()[..., 0]
     r = _meter_output_arrays(lr.logits.numpy(), lr.c.numpy(), heads, vv, vr, vd, vn, s, mk, full, nq, pending_from)
     if r is None:
         return None
@@ -671,17 +702,17 @@ def _meter_output_arrays(
     lg: np.ndarray,
     c: np.ndarray,
     heads: np.ndarray,
-    values: np.ndarray,
-    vres: np.ndarray,
-    vdist: np.ndarray,
-    vhn: np.ndarray,
+    v_served: np.ndarray,
+    v_res: np.ndarray,
+    v_dist: np.ndarray,
+    v_hat_norm: np.ndarray,
     s: int,
     mask: np.ndarray,
     full: bool,
     nq: int,
     v_from: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
-    """:func:`meter_output` on checked numpy inputs (``heads[phi]`` filled): ``(p̃, p̃ float32, cells [7, B,
+    """:func:`meter_output` on checked numpy inputs (``heads[phi_max]`` filled): ``(p̃, p̃ float32, cells [7, B,
     Hkv, M] (:data:`CELL_ROWS`), output [B, Hkv, M, Dv])`` with the ``spread`` and ``vmax`` rows of ``heads``
     filled, or ``None``."""
     b, h, m, _ = lg.shape
@@ -689,9 +720,11 @@ def _meter_output_arrays(
     p, ec = p.reshape(b, h, m, s), ec.reshape(b, h, m, s)
     p32 = np.empty((b, h, m, s), dtype=np.float32)
     cells = np.empty((len(CELL_ROWS), b, h, m))
-    if not _meter_output(lg, p, c, ec, values, vres, vdist, vhn, s, mask, full, nq, v_from, p32, cells, heads):
+    if not _meter_output(
+        lg, p, c, ec, v_served, v_res, v_dist, v_hat_norm, s, mask, full, nq, v_from, p32, cells, heads
+    ):
         return None
-    out = np.matmul(p32, values[:, :, :s])  # float32 BLAS: an S-term sum per entry, in some order
+    out = np.matmul(p32, v_served[:, :, :s])  # float32 BLAS: an S-term sum per entry, in some order
     return p, p32, cells, out
 
 
@@ -706,37 +739,23 @@ class DecodeArrays(NamedTuple):
     out: np.ndarray  # [B, Hkv, M, Dv] float32 served output
 
 
-def decode_read(
-    q: np.ndarray,
-    keys: np.ndarray,
-    rho: np.ndarray,
-    khn: np.ndarray,
-    w: np.ndarray,
-    values: np.ndarray,
-    vres: np.ndarray,
-    vdist: np.ndarray,
-    vhn: np.ndarray,
-    s: int,
-    scale: float,
-    gamma: float,
-    half: bool,
-    mask: np.ndarray | None,
-    nq: int,
-    k_from: int,
-    v_from: int,
-) -> DecodeArrays | None:
+def decode_read(inputs: DecodeInputs[np.ndarray]) -> DecodeArrays | None:
     """:func:`logits_radii` then :func:`meter_output` on numpy arrays, without their input checks or tensor
     conversions: for the certified cache's read path, whose allocations are float32, C-contiguous and shaped
-    ``[B, Hkv, capacity ≥ s, ...]`` by construction (``kvcert.cache.buffer.GrowBuffer``), with a float32
-    C-contiguous query ``q[B, Hkv, M, D]`` and ``mask`` a ``[B, 1|Hkv, nq, ≥ s]`` boolean array or ``None``
-    (every token visible). Same kernels, same guarantees; ``None`` when a query or pending entry is not
-    finite."""
-    mk, full = (_NO_MASK, True) if mask is None else (mask, False)
-    r = _logits_radii_arrays(q, keys, rho, khn, w, s, mk, full, nq, scale, gamma, half, k_from)
+    ``[B, Hkv, capacity ≥ n_tokens, ...]`` by construction (``kvcert.cache.buffer.GrowBuffer``), with a float32
+    C-contiguous query ``inputs.q[B, Hkv, M, D]`` and ``inputs.mask`` a ``[B, 1|Hkv, nq, ≥ n_tokens]`` boolean
+    array or ``None`` (every token visible). Same kernels, same guarantees; ``None`` when a query or pending entry
+    is not finite. The fields are unpacked here, at the boundary of the compiled code."""
+    x = inputs
+    s = x.n_tokens
+    mk, full = (_NO_MASK, True) if x.mask is None else (x.mask, False)
+    r = _logits_radii_arrays(
+        x.q, x.k_served, x.k_band, x.k_hat_norm, x.k_wit, s, mk, full, x.nq, x.scale, x.gamma, x.rotate_half, x.k_from
+    )
     if r is None:
         return None
     _, c, qn, heads = r
-    mo = _meter_output_arrays(r[0], c, heads, values, vres, vdist, vhn, s, mk, full, nq, v_from)
+    mo = _meter_output_arrays(r[0], c, heads, x.v_served, x.v_res, x.v_dist, x.v_hat_norm, s, mk, full, x.nq, x.v_from)
     if mo is None:
         return None
     p, _, cells, out = mo

@@ -33,6 +33,7 @@ queries are converted before the read).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -40,8 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcert.bounds.rc import gamma_f32
 from kvcert.cache.store import LayerStore
+from kvcert.kernels.inputs import DecodeInputs, store_inputs
 from kvcert.kernels.packed import MODES, CodeTiles, code_tiles
 
 _U64 = 2.0**-53
@@ -500,7 +501,11 @@ def _query_terms(
 
 
 def _finish(
-    sums: torch.Tensor, nbad: torch.Tensor, cmax: torch.Tensor, gap_of: object, s: int
+    sums: torch.Tensor,
+    nbad: torch.Tensor,
+    cmax: torch.Tensor,
+    gap_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    s: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(meter, unclipped meter, tanh(max visible c))`` per row from the combined kernel sums, in the float64
     operations of :func:`kvcert.kernels.numba_read._meter_row` (same clamps, cut, allowance, fail-closed)."""
@@ -552,55 +557,46 @@ def _tile_args(tiles: CodeTiles | None, x: torch.Tensor, name: str) -> tuple[tup
 
 @np.errstate(divide="ignore", invalid="ignore", over="ignore")  # interpreter: unselected branches
 def decode_read(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    rho: torch.Tensor,
-    khn: torch.Tensor,
-    w: torch.Tensor,
-    values: torch.Tensor,
-    vres: torch.Tensor,
-    vdist: torch.Tensor,
-    vhn: torch.Tensor,
-    scale: float,
-    gamma: float,
-    half: bool,
-    mask: torch.Tensor | None,
-    nq: int,
-    k_from: int,
-    v_from: int,
+    inputs: DecodeInputs[torch.Tensor],
     splits: int | None = None,
     k_tiles: CodeTiles | None = None,
     v_tiles: CodeTiles | None = None,
 ) -> TritonRead | None:
     """The certified decode read of :func:`kvcert.kernels.numba_read.decode_read` on the Triton kernels.
 
-    Inputs are the store's live views (any strides with a unit stride on the last axis): float32 queries
-    ``q[B, Hkv, M, D]`` (row ``i`` is query ``i mod nq``), served keys ``keys[B, Hkv, S, D]``, key-residual
-    band norms ``rho[B, Hkv, S, nb]`` over the RoPE pairs of ``half`` (``rotate_half``) or interleaved pairs,
-    ``khn ≥ ‖k̂_t‖``, ``w ≥ ‖k̂_t − k_t‖``, served values ``values[B, Hkv, S, Dv]`` and their witnesses
-    ``vres ≥ ‖Δv_t‖``, ``vdist ≥ ‖v̂_t − centre‖``, ``vhn ≥ ‖v̂_t‖`` (each ``[B, Hkv, S]``), ``mask[B, 1|Hkv,
-    nq, S]`` booleans (True = visible; ``None``: every token), ``gamma`` the float32 dot-product constant
-    ``γ_{D+1}``. Every returned field satisfies the numba kernel's contract (``docs/math.md#kernel-rounding``):
-    radii and rounded-up sums never below their exact values, the meter with its ``4γ_{S+6}`` allowance at least the
-    meter of the computed ``p̃``, logits and output within the read path's float32 slacks. ``None`` when the query or a
-    key (value) at or after ``k_from`` (``v_from``) is not finite: the caller fails closed. ``splits``: splits of
-    the token axis (``None``: :func:`default_splits`). ``k_tiles`` / ``v_tiles``
-    (:func:`kvcert.kernels.packed.code_tiles` of the same store): read the keys / values from their packed codes,
-    and ``keys`` / ``values`` only where the store's exact flag is set (``None``: the scratch everywhere).
+    ``inputs`` (:class:`~kvcert.kernels.inputs.DecodeInputs`) holds the store's live views (any strides with a
+    unit stride on the last axis), each with exactly ``n_tokens = S`` tokens: float32 queries ``q[B, Hkv, M, D]``
+    (row ``i`` is query ``i mod nq``), served keys ``k_served[B, Hkv, S, D]``, key-residual band norms
+    ``k_band[B, Hkv, S, nb]`` over the RoPE pairs of ``rotate_half`` (else interleaved pairs),
+    ``k_hat_norm ≥ ‖k̂_t‖``, ``k_wit ≥ ‖k̂_t − k_t‖``, served values ``v_served[B, Hkv, S, Dv]`` and their
+    witnesses ``v_res ≥ ‖Δv_t‖``, ``v_dist ≥ ‖v̂_t − centre‖``, ``v_hat_norm ≥ ‖v̂_t‖`` (each ``[B, Hkv, S]``),
+    ``mask[B, 1|Hkv, nq, S]`` booleans (True = visible; ``None``: every token), ``gamma`` the float32
+    dot-product constant ``γ_{D+1}``. Every returned field satisfies the numba kernel's contract
+    (``docs/math.md#kernel-rounding``): radii and rounded-up sums never below their exact values, the meter with
+    its ``4γ_{S+6}`` allowance at least the meter of the computed ``p̃``, logits and output within the read path's
+    float32 slacks. ``None`` when the query or a key (value) at or after ``k_from`` (``v_from``) is not finite: the
+    caller fails closed. ``splits``: splits of the token axis (``None``: :func:`default_splits`). ``k_tiles`` /
+    ``v_tiles`` (:func:`kvcert.kernels.packed.code_tiles` of the same store): read the keys / values from their
+    packed codes, and ``k_served`` / ``v_served`` only where the store's exact flag is set (``None``: the scratch
+    everywhere).
     """
+    q, keys, rho, khn, w = inputs.q, inputs.k_served, inputs.k_band, inputs.k_hat_norm, inputs.k_wit
+    values, vres, vdist, vhn = inputs.v_served, inputs.v_res, inputs.v_dist, inputs.v_hat_norm
+    scale, gamma, half, mask, nq = inputs.scale, inputs.gamma, inputs.rotate_half, inputs.mask, inputs.nq
+    k_from, v_from = inputs.k_from, inputs.v_from
     bsz, h, m, d = q.shape
-    s, dv, nb = keys.shape[2], values.shape[-1], rho.shape[-1]
+    s, dv, nb = inputs.n_tokens, values.shape[-1], rho.shape[-1]
     if q.dtype != torch.float32 or (d // 2) % nb or m % nq or s == 0:
         raise ValueError(
             f"triton decode_read: q {tuple(q.shape)} {q.dtype} must be float32 with D/2 divisible by "
             f"{nb} bands, M divisible by nq={nq} and S > 0 tokens (got {s})"
         )
     for name, x in (
-        ("keys", keys),
-        ("rho", rho),
+        ("k_served", keys),
+        ("k_band", rho),
         ("k_hat_norm", khn),
-        ("witness", w),
-        ("values", values),
+        ("k_wit", w),
+        ("v_served", values),
         ("v_res", vres),
         ("v_dist", vdist),
         ("v_hat_norm", vhn),
@@ -609,7 +605,7 @@ def decode_read(
             x.dtype != torch.float32
             or x.stride(-1) != 1
             or x.shape[:3] != (bsz, h, s)
-            or x.dim() != (4 if name in ("keys", "rho", "values") else 3)
+            or x.dim() != (4 if name in ("k_served", "k_band", "v_served") else 3)
         ):
             raise ValueError(
                 f"{name} {tuple(x.shape)} {x.dtype} must be float32 [B={bsz}, Hkv={h}, S={s}, ...] "
@@ -761,11 +757,11 @@ def decode_read(
     vmax = norm.amax(-1, keepdim=True).clamp(min=0.0) * up2
     kmax = kpart.amax(1).reshape(bsz, h, 1)
     wmax = wpart.amax(1).reshape(bsz, h, 1)
-    phi = 2.0 * scale * gamma * qn.amax(-1, keepdim=True) * kmax * infl
+    phi_max = 2.0 * scale * gamma * qn.amax(-1, keepdim=True) * kmax * infl
     upv = 1.0 + 2.0 * (s + 2) * _U64
     vterm = cells[3] * upv
     rel0 = 2.0 * (s + dv) * _U32 * (1 + 1e-6)
-    slack = ((rel0 + 2.0 * torch.tanh(phi)) * vmax).expand(bsz, h, m)
+    slack = ((rel0 + 2.0 * torch.tanh(phi_max)) * vmax).expand(bsz, h, m)
     key_term = 2.0 * torch.clamp(cert, max=1.0) * spread
     bound = key_term + vterm + slack
     return TritonRead(
@@ -781,7 +777,7 @@ def decode_read(
         slack=slack,
         bound=bound,
         kmax=kmax,
-        phi_max=phi,
+        phi_max=phi_max,
         wmax=wmax,
         spread=spread,
         vmax=vmax,
@@ -802,26 +798,6 @@ def read_store(
     """:func:`decode_read` of grouped float32 queries ``q[B, Hkv, M, D]`` over ``store``'s live views, the keys and
     values read from their packed codes (:func:`kvcert.kernels.packed.code_tiles`; ``packed=False``: from the
     decode scratch)."""
-    assert store.k is not None and store.v is not None
     k_tiles, v_tiles = code_tiles(store) if packed else (None, None)
-    return decode_read(
-        q,
-        store.k.served.view(),
-        store.k_band.view(),
-        store.k_hat_norm.view(),
-        store.k_wit.view(),
-        store.v.served.view(),
-        store.v_res.view(),
-        store.v_dist.view(),
-        store.v_hat_norm.view(),
-        scale,
-        gamma_f32(q.shape[-1] + 1),
-        store.pairing == "rotate_half",
-        mask,
-        nq,
-        store.k.n_encoded,
-        store.v.n_encoded,
-        splits=splits,
-        k_tiles=k_tiles,
-        v_tiles=v_tiles,
-    )
+    inputs = store_inputs(q, store, mask, nq, scale, arrays=False)
+    return decode_read(inputs, splits, k_tiles=k_tiles, v_tiles=v_tiles)

@@ -1,0 +1,336 @@
+"""Eviction orchestration of a certified cache: which slots a layer keeps, what the policy observes, what is measured.
+
+A cache with an :class:`~kvcert.evict.EvictionPolicy` (``docs/eviction.md``) runs one :class:`EvictionDriver`
+beside its read path. The driver is told about every write (``before_write``: decode-budget eviction), every read
+(``after_read``: the policy observes the served attention, or the prefill is compressed) and every ingested prefill
+(``ingest``); it gathers the stores to the kept slots, keeps the evicted archive where it is needed (validate mode,
+resident sets), summarises the omitted pages of a resident set, feeds the correctness weight κ to policies that
+need one, records the exact evicted mass in validate mode and, with ``belady``, the run's exact trace. Masks are
+in position space (``logical[B, 1, Q, T]``); :func:`~kvcert.attention.read_path.slot_mask` maps them onto each
+KV head's slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvcert.attention.certified import group_heads, masked_logits, probs64
+from kvcert.attention.read_path import slot_mask
+from kvcert.attention.resident import OmittedPages, can_omit, check_resident, summarize_omitted
+from kvcert.cache.gate import Gate
+from kvcert.cache.store import LayerStore
+from kvcert.cache.telemetry import EvictRecord
+from kvcert.evict import RMM, EvictionPolicy, RunTrace, SnapKV, aggregate_gqa, causal_attention, serving_reading
+
+__all__ = ["EvictionConfig", "EvictionDriver", "default_select", "grouped_probs"]
+
+
+def default_select() -> EvictionPolicy:
+    """The resident set's default policy: ``SnapKV(window=32, kernel=5)``, the policy that left the least attention
+    mass outside the resident set in the measurement of ``docs/eviction.md`` ("Resident set and recall"). It
+    protects its 32-token window: prompts with fewer than ``32 / resident`` tokens need another ``select``."""
+    return SnapKV(window=32, kernel=5)
+
+
+def grouped_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention ``[B, Hkv, G, Q, S]`` (float64 softmax of float32 logits, as the read path evaluates it) of
+    ``query[B, Hq, Q, D]`` over ``keys[B, Hkv, S, D]`` under the per-KV-head ``mask[B, Hkv, Q, S]``."""
+    b, hq, nq, _ = query.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    qg = group_heads(query.detach().to(torch.float32), hkv)
+    m = mask[:, :, None].expand(b, hkv, hq // hkv, nq, s).reshape(b, hkv, -1, s)
+    return probs64(masked_logits(qg, keys.detach().to(torch.float32), m, scaling)).reshape(b, hkv, hq // hkv, nq, s)
+
+
+@dataclass(frozen=True)
+class EvictionConfig:
+    """Eviction settings of a cache (``CertifiedCache(evict=..., budget=..., ...)``; see its documentation).
+
+    ``policy`` with exactly one of ``budget`` (decode-time budget, ``chunk`` slots evicted at once) and
+    ``compression_ratio`` (prefill compression); ``belady``: record the run's exact trace (validate + budget
+    mode); ``resident``: the resident fraction of a resident set (then ``policy`` selects it and
+    ``compression_ratio = 1 − resident``), its omitted pages summarised in ``page_size`` tokens as ``summary``.
+    """
+
+    policy: EvictionPolicy | None = None
+    budget: int | None = None
+    compression_ratio: float | None = None
+    chunk: int = 1
+    belady: bool = False
+    resident: float | None = None
+    page_size: int = 16
+    summary: str = "int8"
+
+    @classmethod
+    def of(
+        cls,
+        evict: EvictionPolicy | None,
+        budget: int | None,
+        compression_ratio: float | None,
+        chunk: int,
+        belady: bool,
+        resident: float | None,
+        select: EvictionPolicy | None,
+        page_size: int,
+        summary: str,
+        gate: Gate,
+        certify: bool,
+    ) -> EvictionConfig:
+        """The configuration of the cache's keywords: a resident set is prefill compression by ``select``
+        (default :func:`default_select`) that keeps the omitted tokens on the host. Each error names the argument.
+        """
+        if resident is None:
+            if select is not None:
+                raise ValueError("select=<policy> needs resident=<fraction in (0, 1]>")
+            return cls(evict, budget, compression_ratio, chunk, belady, None, page_size, summary)
+        if evict is not None or budget is not None or compression_ratio is not None:
+            raise ValueError(
+                "resident=... picks its tokens with select=<policy>; do not pass evict, budget or "
+                "compression_ratio with it"
+            )
+        fraction = check_resident(resident, gate, certify, page_size, summary)
+        policy = select if select is not None else default_select()
+        return cls(policy, None, 1.0 - fraction, chunk, belady, fraction, page_size, summary)
+
+    def check(self, stores: Sequence[LayerStore], sliding: bool, ladder: bool, validate: bool) -> None:
+        """Fail closed on settings that cannot be honoured by these stores (each message names the argument)."""
+        policy, budget, ratio = self.policy, self.budget, self.compression_ratio
+        if policy is None:
+            if budget is not None or ratio is not None:
+                raise ValueError("budget / compression_ratio need evict=<EvictionPolicy>")
+            return
+        if not isinstance(policy, EvictionPolicy):
+            raise ValueError(f"evict must be a kvcert.evict.EvictionPolicy, got {type(policy).__name__}")
+        if (budget is None) == (ratio is None):
+            raise ValueError("evict needs exactly one of budget (decode-time) or compression_ratio (prefill)")
+        self._check_budget(policy)
+        if self.belady and (budget is None or not validate):
+            raise ValueError("belady=True needs decode-time eviction (budget=...) in validate mode (validate=True)")
+        if ratio is not None and not 0.0 <= ratio < 1.0:
+            raise ValueError(f"compression_ratio must be in [0, 1), got {ratio}")
+        if ladder:
+            raise ValueError("evict cannot be combined with ladder=True")
+        for store in stores:
+            for codec in (store.key_codec, store.value_codec):
+                if codec.block != 1 or codec.residual_window:
+                    raise ValueError(
+                        f"evict needs per-token codecs (block == 1, no residual window); keys/values "
+                        f"codec {codec.name!r} encodes blocks of {codec.block} tokens"
+                    )
+        if sliding:
+            raise ValueError("evict is not supported on models with sliding-window layers")
+
+    def _check_budget(self, policy: EvictionPolicy) -> None:
+        budget, chunk = self.budget, self.chunk
+        protected = policy.sinks + policy.recent
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"budget must be a positive int, got {budget!r}")
+        if budget is not None and budget < protected:
+            raise ValueError(
+                f"budget={budget} is smaller than the policy's protected items: sinks={policy.sinks} "
+                f"+ recent/lag/window={policy.recent}"
+            )
+        if (
+            isinstance(chunk, bool)
+            or not isinstance(chunk, int)
+            or chunk < 1
+            or (budget is not None and (chunk > budget or budget - chunk + 1 < protected))
+        ):
+            raise ValueError(
+                f"evict_chunk must be an int in [1, budget] leaving budget - evict_chunk + 1 >= the "
+                f"policy's protected items ({protected}), got {chunk!r}"
+            )
+
+
+class EvictionDriver:
+    """Runs a cache's eviction policy (``cfg.policy`` not ``None``) over its layers' stores.
+
+    Per layer it keeps the last served attention row (for the serving-mode reading of what an eviction drops)
+    and whether the prefill was compressed; ``records`` holds every :class:`~kvcert.cache.telemetry.EvictRecord`,
+    ``pages`` the omitted pages of a resident set per layer, ``run_trace`` the run's exact trace (``belady``).
+    """
+
+    def __init__(self, cfg: EvictionConfig, n_layers: int, validate: bool, pages: dict[int, OmittedPages]) -> None:
+        assert cfg.policy is not None
+        self.cfg, self.policy, self.validate, self.pages = cfg, cfg.policy, validate, pages
+        self.run_trace = RunTrace(n_layers, cfg.budget, cfg.chunk) if cfg.belady and cfg.budget is not None else None
+        self.kappa_groups: list[torch.Tensor] = []  # query positions [B, q] of forwards awaiting κ
+        self.prefill_kappa: torch.Tensor | None = None
+        self.records: list[EvictRecord] = []
+        self._last_attn: dict[int, torch.Tensor] = {}  # last served row [B, Hkv, S] (mean over G) per layer
+        self._prefilled: set[int] = set()  # layers whose prefill compression was applied
+
+    # ------------------------------------------------------------------------------------ the cache's events
+    def on_forward(self) -> None:
+        """A new forward call (its first layer's write): forwards still awaiting κ get ``κ ≡ 1`` unless the
+        policy needs a real κ (budget mode)."""
+        if self.cfg.budget is None or not self.kappa_groups:
+            return
+        if isinstance(self.policy, RMM) and self.policy.kappa_kind != "uniform":
+            raise ValueError(
+                f"RMM(kappa={self.policy.kappa_kind!r}) needs cache.set_kappa(...) after every "
+                "forward (e.g. logits_processor=[KappaFeeder(cache)])"
+            )
+        while self.kappa_groups:
+            self.set_kappa(torch.ones(self.kappa_groups[0].shape[0], dtype=torch.float64))
+
+    def before_write(self, store: LayerStore, step: int) -> None:
+        """Budget mode: evict down to the budget before the layer's next write."""
+        if self.cfg.budget is None or store.n == 0:
+            return
+        keep = self.policy.select(store.layer, self.cfg.budget, self.cfg.chunk)
+        if keep is not None:
+            self._apply(store, keep, step)
+            self.policy.on_evict(store.layer, keep)
+
+    def after_read(
+        self,
+        store: LayerStore,
+        query: torch.Tensor,
+        served_k: torch.Tensor,
+        logical: torch.Tensor,
+        scaling: float,
+        attn_kv: torch.Tensor | None,
+        step: int,
+    ) -> None:
+        """Feed the read to the policy (budget mode) or compress the prefill (compression mode), and record
+        the validate-mode exact evicted mass of this read. ``attn_kv[B, Hkv, Q, S]``: the served attention
+        summed over each KV head's group, when the read path produced it."""
+        nq = query.shape[2]
+        positions = store.positions.view()
+        if self.validate:
+            self._validate_reading(store, query, logical, scaling, step)
+        if self.cfg.compression_ratio is None:
+            if attn_kv is None:
+                attn_kv = grouped_probs(query, served_k, slot_mask(logical, positions), scaling).sum(2)
+            self._observe(store, attn_kv.to(torch.float64) / (query.shape[1] // served_k.shape[1]), nq)
+            return
+        if nq > 1 and store.layer not in self._prefilled:
+            mask = slot_mask(logical, positions)
+            attn = None
+            if self.policy.needs_attention:
+                full = grouped_probs(query, served_k, mask, scaling)  # [B, Hkv, G, Q, S]
+                attn, self._last_attn[store.layer] = full.flatten(1, 2), full[:, :, :, -1].mean(2)
+            else:  # the last row only, for the serving reading
+                last = grouped_probs(query[:, :, -1:], served_k, mask[:, :, -1:], scaling)
+                self._last_attn[store.layer] = last[:, :, :, 0].mean(2)
+            self._compress_prefill(store, attn, step)
+        self._prefilled.add(store.layer)
+
+    def ingest(self, store: LayerStore, keys: torch.Tensor, attn: torch.Tensor | None, step: int) -> None:
+        """An ingested prefill of ``keys[B, Hkv, S, D]`` with its causal attention ``attn[B, Hq | Hkv, S, S]``
+        (``None``: the key-proxy attention): compression mode compresses with it, budget mode observes it."""
+        hkv, s = keys.shape[1:3]
+        attn = causal_attention(keys, keys) if attn is None else attn
+        mean = aggregate_gqa(attn.to(torch.float64), hkv, "mean")  # [B, Hkv, S, S]
+        if self.cfg.compression_ratio is None:
+            self._observe(store, mean, s)
+            return
+        self._last_attn[store.layer] = mean[:, :, -1]
+        if s > 1:
+            self._compress_prefill(store, attn if self.policy.needs_attention else None, step)
+        self._prefilled.add(store.layer)
+
+    # ------------------------------------------------------------------------------------------------- κ
+    def set_kappa(self, kappa: torch.Tensor) -> None:
+        """Correctness weight κ ∈ [0, 1] of the oldest forward still awaiting one (decode-budget mode; no-op in
+        compression mode). ``kappa[B]`` weights that forward's last query, its earlier queries get ``κ = 1``;
+        ``kappa[B, q]`` sets every query."""
+        kappa = torch.as_tensor(kappa, dtype=torch.float64)
+        if self.cfg.budget is None:
+            return
+        if not self.kappa_groups:
+            raise ValueError("set_kappa: no forward is awaiting kappa (call it once after each forward)")
+        positions = self.kappa_groups[0]
+        if kappa.dim() == 1 and kappa.shape[0] == positions.shape[0]:
+            kappa = torch.cat(
+                [torch.ones(positions.shape[0], positions.shape[1] - 1, dtype=torch.float64), kappa[:, None]], dim=1
+            )
+        if kappa.shape != positions.shape:
+            raise ValueError(f"kappa must be [B] or [B, q] = {tuple(positions.shape)}, got {tuple(kappa.shape)}")
+        self.policy.set_kappa(positions, kappa)
+        if self.run_trace is not None:
+            self.run_trace.record_kappa(positions, kappa)
+        self.kappa_groups.pop(0)
+
+    def reset(self) -> None:
+        """Forget the policy's and the driver's per-request state (the cache serves a new request)."""
+        self.pages.clear()
+        self.policy.reset()
+        self.kappa_groups = []
+        self.prefill_kappa = None
+        self._last_attn.clear()
+        self._prefilled.clear()
+        if self.run_trace is not None:
+            self.run_trace = RunTrace(self.run_trace.n_layers, self.run_trace.budget, self.cfg.chunk)
+
+    # ------------------------------------------------------------------------------------------- internals
+    def _observe(self, store: LayerStore, attn: torch.Tensor, nq: int) -> None:
+        """Budget mode: ``policy.observe`` the read (``attn[B, Hkv, q, S]``, mean over each group)."""
+        positions = store.positions.view()
+        self.policy.observe(store.layer, attn, positions)
+        self._last_attn[store.layer] = attn[:, :, -1].clone()
+        if store.layer == 0 and nq:
+            self.kappa_groups.append(positions[:, 0, -nq:].clone())
+
+    def _compress_prefill(self, store: LayerStore, attn: torch.Tensor | None, step: int) -> None:
+        """Compression mode: keep ``prefill_kept_count(S, ratio)`` slots per KV head after the prefill read.
+
+        ``attn[B, Hq, S, S]`` is the prefill's served attention, or ``[B, Hkv, S, S]`` key-proxy attention
+        (ingest), ``None`` for policies that ignore it; RMM's prompt κ is :attr:`prefill_kappa`, else ``κ ≡ 1``
+        (the prompt is given text).
+        """
+        assert store.k is not None and store.v is not None and self.cfg.compression_ratio is not None
+        keys, values = store.k.host.view(), store.v.host.view()
+        kappa = self.prefill_kappa
+        if kappa is None:
+            kappa = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.float64)
+        elif kappa.shape != (keys.shape[0], keys.shape[2]):
+            raise ValueError(
+                f"prefill kappa must be [B, S] = {(keys.shape[0], keys.shape[2])}, got {tuple(kappa.shape)}"
+            )
+        ratio = self.cfg.compression_ratio
+        keep = self.policy.prefill_keep(store.layer, keys, values, ratio, attn=attn, kappa=kappa)
+        if keep.shape[-1] < store.n and (self.cfg.resident is None or can_omit(store)):
+            self._apply(store, keep, step)
+        self._prefilled.add(store.layer)
+
+    def _apply(self, store: LayerStore, keep: torch.Tensor, step: int) -> None:
+        """Gather the store to ``keep[B, Hkv, C]`` and record the serving-mode (empirical) reading."""
+        n = store.n
+        serving = None
+        last = self._last_attn.pop(store.layer, None)
+        if last is not None and last.shape[-1] == n:
+            kept = torch.zeros(keep.shape[0], keep.shape[1], n, dtype=torch.bool).scatter(-1, keep, True)
+            serving = serving_reading(last, kept).mass
+        store.gather(keep, retain_evicted=self.validate or self.cfg.resident is not None)
+        if self.cfg.resident is not None:
+            self.pages[store.layer] = summarize_omitted(store, self.cfg.page_size, self.cfg.summary)
+        evicted = (n - keep.shape[-1]) * keep.shape[0] * keep.shape[1]
+        self.records.append(EvictRecord(step=step, layer=store.layer, serving_mass=serving, evicted=evicted))
+
+    def _validate_reading(
+        self, store: LayerStore, query: torch.Tensor, logical: torch.Tensor, scaling: float, step: int
+    ) -> None:
+        """Exact evicted mass per (row, query head) of this read: the full exact attention over kept and
+        archived (evicted) entries, its mass on the archived ones (worst over the read's queries)."""
+        assert store.k is not None
+        b, hq = query.shape[:2]
+        ev = store.evicted
+        p: torch.Tensor | None = None
+        if ev:
+            keys = torch.cat([store.k.host.view(), ev["k"].view()], dim=2)
+            positions = torch.cat([store.positions.view(), ev["positions"].view()], dim=2)
+            p = grouped_probs(query, keys, slot_mask(logical, positions), scaling)
+            mass = p[..., store.n :].sum(-1).flatten(1, 2).amax(-1)
+        else:
+            mass = torch.zeros(b, hq, dtype=torch.float64)
+        self.records.append(EvictRecord(step=step, layer=store.layer, evicted_mass=mass))
+        if self.run_trace is not None:  # belady=True: the run's exact trace (kept + evicted, mean over G)
+            if p is None:
+                positions = store.positions.view()
+                p = grouped_probs(query, store.k.host.view(), slot_mask(logical, positions), scaling)
+            self.run_trace.record_read(step, store.layer, p.mean(2), positions, store.positions.view())

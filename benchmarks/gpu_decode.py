@@ -13,7 +13,10 @@ One decode step (one query per row) of one layer, ``Hq`` query heads over ``Hkv`
   :func:`kvcert.kernels.active` picks (Triton on CUDA): served read + every cell's certificate + output bound;
 * ``gated``     — the same with ``Gate.certified(tau)`` (head repair from the pinned host tier).
 
-Before timing, a correctness check compares the Triton read with the eager reference forms on the device
+The Triton read dequantizes the store's packed codes in registers (``kvcert.kernels.packed``); ``raw`` reads the
+float32 scratch through SDPA, so ``certified / raw`` compares a read of the codes with a read of float32 K/V.
+Before timing, a correctness check compares the Triton read over the codes with the one over the scratch (bit
+for bit), then with the eager reference forms on the device
 (every cell, within the stated allowances) and the device's float64 ``exp`` with the CPU's (the kernels assume
 1 ulp). Each variant is timed as the median of ``--reps`` runs after warm-up (CUDA events on a GPU); peak
 device memory per variant and the store's bytes are recorded. Tier: **empirical** (timings, memory); the
@@ -42,7 +45,6 @@ from kvcert import Gate, kernels, quant
 from kvcert.attention.certified import ReadConfig, certified_read, group_heads
 from kvcert.attention.exact import ExactAttention
 from kvcert.cache.store import LayerStore
-from kvcert.kernels.inputs import store_inputs
 
 
 def _timer(device: torch.device, fn, reps: int, warmup: int = 2) -> float:
@@ -143,19 +145,26 @@ def check(device: torch.device, gen: torch.Generator) -> dict:
     from kvcert.attention.certified import masked_logits, probs64, served_meter
     from kvcert.bounds import true_tv
     from kvcert.kernels import triton_read
+    from kvcert.kernels.packed import code_tiles
 
     b, hq, hkv, d, s = 2, 8, 2, 64, 1000
     store, _, _ = _store(b, hkv, s, d, "int4", device, gen)
     q = torch.randn(b, hq, 1, d, generator=gen, device=device) * 2
     qg = group_heads(q, hkv)
-    tr = triton_read.decode_read(store_inputs(qg, store, None, 1, d**-0.5, arrays=False), splits=4)
-    assert tr is not None
+    scratch = triton_read.read_store(qg, store, None, 1, d**-0.5, splits=4, packed=False)
+    tr = triton_read.read_store(qg, store, None, 1, d**-0.5, splits=4)
+    k_tiles, v_tiles = code_tiles(store)
+    assert tr is not None and scratch is not None
     p_ref = probs64(tr.logits)
     cert_ref, raw_ref = served_meter(p_ref, tr.c)
     full = torch.ones(1, dtype=torch.bool, device=device)
     exact = masked_logits(qg, store.k.host.view().to(device, torch.float32), full, d**-0.5, True)
     tv = true_tv(probs64(exact), tr.p64)
     result: dict = {
+        "packed_modes": [k_tiles.mode, v_tiles.mode],
+        "packed_equals_scratch": all(
+            torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(tr, scratch, strict=True)
+        ),
         "p_max_rel_diff": float(((tr.p64 - p_ref).abs() / p_ref.clamp(min=1e-300)).max()),
         "raw_minus_reference_min": float((tr.raw - raw_ref).min()),
         "raw_minus_reference_max": float((tr.raw - raw_ref).max()),
@@ -176,7 +185,9 @@ def check(device: torch.device, gen: torch.Generator) -> dict:
         )
         result[f"{name}_max_served_cert"] = float(res.cert.max())
     ok = (
-        result["violations"] == 0
+        result["packed_equals_scratch"]
+        and 0 not in result["packed_modes"]
+        and result["violations"] == 0
         and result["p_max_rel_diff"] < 1e-10
         and result["triton_exp64_max_ulps"] <= 2
         and -1e-12 <= result["raw_minus_reference_min"]

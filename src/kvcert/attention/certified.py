@@ -294,12 +294,13 @@ def _fused_served(
 def _triton_served(
     qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None, nq: int, scaling: float
 ) -> _Served | None:
-    """Decode-size reads on the Triton kernels (:func:`kvcert.kernels.triton_read.decode_read`) over the store's
-    live views; ``None`` when a query or pending entry is not finite (the eager path then fails closed)."""
+    """Decode-size reads on the Triton kernels (:func:`kvcert.kernels.triton_read.read_store`: the store's packed
+    codes dequantized in registers); ``None`` when a query or pending entry is not finite (the eager path then
+    fails closed)."""
     import kvcert.kernels.triton_read as triton_read  # imports triton: only when this backend is in use
 
     _, hkv, m, _ = qg.shape
-    r = triton_read.decode_read(store_inputs(qg, store, mask, nq, scaling, arrays=False))
+    r = triton_read.read_store(qg, store, mask, nq, scaling)
     return None if r is None else _Served(qg, hkv * (m // nq), nq, **r._asdict())
 
 
@@ -517,18 +518,18 @@ def _kv_bytes(store: LayerStore) -> int:
 
 
 def _repair_block_heads(rd: _Read, sv: _Served, ch: _Changes, need: torch.Tensor, gate: Gate) -> None:
-    """Phase *repair*, block granularity: page in token blocks of each needing (row, KV head) until every cell of
-    it is under the threshold (:func:`_repair_blocks`)."""
+    """Phase *repair*, block granularity: page in token blocks of every needing (row, KV head) at once until every
+    cell of it is under the threshold (:func:`kvcert.kernels.repair.repair_blocks`, on the read's device)."""
+    from kvcert.kernels.repair import repair_blocks  # imports this module: bound at call time
+
     assert ch.out is not None and ch.cert is not None and ch.p_served is not None and ch.value_term is not None
     ch.cert, ch.p_served, ch.value_term = ch.cert.clone(), ch.p_served.clone(), ch.value_term.clone()
-    ch.blocks = torch.zeros(rd.b, rd.hkv, dtype=torch.int64)  # written below
-    m = rd.grouped_mask()
-    for bi, hi in need.nonzero().tolist():
-        res = _repair_blocks(rd.qg[bi, hi], rd.store, bi, hi, m[bi, hi], sv.c[bi, hi], sv.p64[bi, hi], rd.scaling, gate)
-        ch.out[bi, hi], ch.cert[bi, hi], ch.p_served[bi, hi] = res.out, res.cert, res.p
-        ch.value_term[bi, hi] = torch.linalg.vecdot(res.p, res.vres.to(torch.float64).unsqueeze(-2))
-        ch.blocks[bi, hi] = res.n_blocks
-        ch.bytes_paged += res.tokens * _kv_bytes(rd.store)
+    res = repair_blocks(rd.qg, rd.store, need, rd.grouped_mask(), sv.c, sv.p64, rd.scaling, gate)
+    bi, hi = res.heads.unbind(-1)
+    ch.out[bi, hi], ch.cert[bi, hi], ch.p_served[bi, hi] = res.out, res.cert, res.p
+    ch.value_term[bi, hi] = torch.linalg.vecdot(res.p, res.v_res.to(torch.float64).unsqueeze(-2))
+    ch.blocks = torch.zeros(rd.b, rd.hkv, dtype=torch.int64, device=need.device).index_put_((bi, hi), res.n_blocks)
+    ch.bytes_paged += int(res.tokens.sum()) * _kv_bytes(rd.store)
 
 
 def _repair(rd: _Read, sv: _Served, ch: _Changes, need: torch.Tensor, cfg: ReadConfig, exact: ExactAttention) -> None:
@@ -635,69 +636,3 @@ def certified_read(
     if cfg.validate:
         _validate(rd, sv, ch, result)
     return result
-
-
-@dataclass
-class _BlockRepair:
-    out: torch.Tensor
-    cert: torch.Tensor
-    p: torch.Tensor
-    vres: torch.Tensor
-    n_blocks: int
-    tokens: int
-
-
-def _repair_blocks(
-    qg: torch.Tensor,
-    store: LayerStore,
-    bi: int,
-    hi: int,
-    m: torch.Tensor,
-    c: torch.Tensor,
-    p: torch.Tensor,
-    scaling: float,
-    gate: Gate,
-) -> _BlockRepair:
-    """Page in whole token blocks of one (row, KV head) until every query cell is under the threshold.
-
-    Blocks are ordered by their largest contribution ``Σ_{t∈b} p̃_t(e^{c_t} − 1)`` over the cells. The first
-    guess is the shortest prefix of that order whose *predicted* e-form ``½(A_k² − 1)`` with
-    ``A_k = 1 + Σ_{b∉prefix} contribution_b`` (current p̃, paged radii set to 0) is under the threshold for
-    every cell; the guess is then verified by recomputing the served attention with the paged blocks exact,
-    and doubled until the recomputed meter is under the threshold. Paged tokens get radius 0 and exact K/V.
-    """
-    assert store.k is not None and store.v is not None
-    khat = store.k.served.view()[bi, hi]
-    vhat = store.v.served.view()[bi, hi]
-    hk = store.k.host.view()[bi, hi].to(khat.device, torch.float32)  # host tier: pinned CPU beside a GPU
-    hv = store.v.host.view()[bi, hi].to(khat.device, torch.float32)
-    vres = store.v_res.view()[bi, hi]
-    s = khat.shape[0]
-    bs = gate.block_size
-    nb = (s + bs - 1) // bs
-    contrib = p * torch.expm1(c)
-    pad = nb * bs - s
-    rows = torch.nn.functional.pad(contrib, (0, pad)).reshape(contrib.shape[0], nb, bs).sum(-1)  # [M, nb]
-    order = torch.argsort(rows.amax(0), descending=True, stable=True)
-    remaining = rows.sum(-1, keepdim=True) - rows[:, order].cumsum(-1)  # [M, nb]
-    predicted_ok = (0.5 * ((1.0 + remaining.clamp(min=0)) ** 2 - 1.0) <= gate.threshold).all(0)
-    k = int(predicted_ok.to(torch.int64).argmax()) + 1 if bool(predicted_ok.any()) else nb
-    while True:
-        chosen = order[: min(k, nb)]
-        tok = torch.zeros(nb, bs, dtype=torch.bool, device=khat.device)
-        tok[chosen] = True
-        tok = tok.reshape(-1)[:s]
-        kmix = torch.where(tok.unsqueeze(-1), hk, khat)
-        vmix = torch.where(tok.unsqueeze(-1), hv, vhat)
-        cmix = torch.where(tok, torch.zeros_like(c), c)
-        logits = (qg @ kmix.T * scaling).masked_fill(~m, float("-inf"))
-        pm = probs64(logits)
-        cert, raw = served_meter(pm, cmix)
-        score = raw if gate.uses_unclipped else cert
-        if bool((score <= gate.threshold).all()) or k >= nb:
-            break
-        k *= 2
-    if gate.persistent:  # kept within the store's device budget, else a transient page-in
-        store.persist(bi, hi, tok)
-    vres_mix = torch.where(tok, torch.zeros_like(vres), vres)
-    return _BlockRepair(pm.to(torch.float32) @ vmix, cert, pm, vres_mix, int(chosen.numel()), int(tok.sum()))

@@ -1,8 +1,10 @@
 """The certified decode read as Triton kernels (CUDA; CPU under ``TRITON_INTERPRET=1``).
 
-Same read as :func:`kvcert.kernels.numba_read.decode_read`, over the same store allocations (the dequantized
-float32 scratch ``served`` and the write-time witnesses, read in place through their strides; this first
-version does not dequantize the codecs' packed codes in registers), as four kernels over a grid of
+Same read as :func:`kvcert.kernels.numba_read.decode_read`, over the store's write-time witnesses (read in place
+through their strides) and its served K/V: the codecs' packed codes, dequantized in registers where the codec
+allows it (``k_tiles`` / ``v_tiles`` from :func:`kvcert.kernels.packed.code_tiles`: bit for bit the float32
+scratch ``served``, which is read instead at entries held exact and for the other codecs), as four kernels over
+a grid of
 ``(batch row × KV head, split)``: each split owns a contiguous run of tokens (split-K, so a long context keeps
 every multiprocessor busy at batch 1), and the few per-row partial results of the splits are combined between
 kernels with torch reductions:
@@ -39,7 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcert.kernels.inputs import DecodeInputs
+from kvcert.cache.store import LayerStore
+from kvcert.kernels.inputs import DecodeInputs, store_inputs
+from kvcert.kernels.packed import MODES, CodeTiles, code_tiles
 
 _U64 = 2.0**-53
 _U32 = 2.0**-24
@@ -59,6 +63,94 @@ def _program(H, M, S, chunk, BM: tl.constexpr):
     lo = sp * chunk
     rm = tl.arange(0, BM)
     return bh, sp, bh // H, bh % H, rm, rm < M, lo, tl.minimum(lo + chunk, S)
+
+
+_GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)  # splitmix64 constants of kvcert.quant.dither
+_M1 = tl.constexpr(0xBF58476D1CE4E5B9)
+_M2 = tl.constexpr(0x94D049BB133111EB)
+
+
+@triton.jit
+def _mix(z):
+    """splitmix64 finaliser on uint64 words (``kvcert.quant.dither._mix``; logical shifts, wrapping products)."""
+    z = (z ^ (z >> 30)) * _M1
+    z = (z ^ (z >> 27)) * _M2
+    return z ^ (z >> 31)
+
+
+@triton.jit
+def _tile(
+    t,
+    tok,
+    rd,
+    D,
+    b,
+    h,
+    x_ptr,
+    sxb,
+    sxh,
+    sxt,
+    ex_ptr,
+    seb,
+    seh,
+    c_ptr,
+    scb,
+    sch,
+    sct,
+    s_ptr,
+    z_ptr,
+    ssb,
+    ssh,
+    sst,
+    st_ptr,
+    stb,
+    sth,
+    toff,
+    MODE: tl.constexpr,
+    GS: tl.constexpr,
+    BITS: tl.constexpr,
+    OFF: tl.constexpr,
+):
+    """The float32 tile ``[BS, BD]`` of served entries of tokens ``t`` (channels ``rd``) of (row ``b``, KV head
+    ``h``): the scratch ``x`` where the store's exact flag is set (or in ``MODE`` 0), else the codes decoded in
+    registers with the codec's own operations (:mod:`kvcert.kernels.packed`: bit for bit the scratch value)."""
+    ok = tok[:, None] & (rd[None, :] < D)
+    xp = x_ptr + b * sxb + h * sxh + t[:, None] * sxt + rd[None, :]
+    if MODE == 0:
+        x = tl.load(xp, mask=ok, other=0.0)
+    else:
+        ex = tl.load(ex_ptr + b * seb + h * seh + t, mask=tok, other=1) != 0
+        cok = ok & ~ex[:, None]
+        u = (t + toff).to(tl.int64)  # mirror token
+        cp = c_ptr + b * scb + h * sch + u[:, None] * sct
+        if MODE == 4:  # KIVI key axis: a scale and zero per channel per block of GS tokens
+            pp = (b * ssb + h * ssh + (u // GS)[:, None] * sst + rd[None, :]).to(tl.int64)
+        else:  # a scale (and zero) per token per GS channels
+            pp = (b * ssb + h * ssh + u[:, None] * sst + (rd // GS)[None, :]).to(tl.int64)
+        if MODE == 6:
+            xh = tl.load(cp + rd[None, :], mask=cok, other=0.0).to(tl.float32)
+        elif MODE == 1 or MODE == 3:
+            code = tl.load(cp + rd[None, :], mask=cok, other=0)
+            sc = tl.load(s_ptr + pp, mask=cok, other=0.0)
+            if MODE == 1:
+                xh = code.to(tl.float32) * sc.to(tl.float32)
+            else:
+                st = tl.load(st_ptr + b * stb + h * sth + u, mask=tok & ~ex, other=0).to(tl.uint64, bitcast=True)
+                z = _mix((st[:, None] ^ rd[None, :].to(tl.uint64)) + _GOLDEN)
+                du = (z >> 40).to(tl.float64) * (2.0**-24) - 0.5
+                xh = (sc.to(tl.float64) * (code.to(tl.float64) - du)).to(tl.float32)
+        else:  # bit-packed codes, 8 // BITS per byte, little-endian within the byte
+            per: tl.constexpr = 8 // BITS
+            byte = tl.load(cp + (rd // per)[None, :], mask=cok, other=0).to(tl.int32)
+            code = ((byte >> ((rd % per) * BITS)[None, :]) & ((1 << BITS) - 1)) - OFF
+            sc = tl.load(s_ptr + pp, mask=cok, other=0.0).to(tl.float32)
+            if MODE == 2:
+                xh = code.to(tl.float32) * sc
+            else:
+                xh = tl.load(z_ptr + pp, mask=cok, other=0.0).to(tl.float32) + code.to(tl.float32) * sc
+        xs = tl.load(xp, mask=ok & ex[:, None], other=0.0)
+        x = tl.where(ex[:, None], xs, xh)
+    return x
 
 
 @triton.jit
@@ -98,6 +190,26 @@ def _logits_radii_kernel(
     smb,
     smh,
     smq,
+    kex_ptr,
+    keb,
+    keh,
+    kc_ptr,
+    kcb,
+    kch,
+    kct,
+    ks_ptr,
+    kz_ptr,
+    ksb,
+    ksh,
+    kst,
+    kh_ptr,
+    khb,
+    khh,
+    ktoff,
+    KMODE: tl.constexpr,
+    KGS: tl.constexpr,
+    KBITS: tl.constexpr,
+    KOFF: tl.constexpr,
     NB: tl.constexpr,
     HAS_MASK: tl.constexpr,
     MASK_PER_HEAD: tl.constexpr,
@@ -120,8 +232,37 @@ def _logits_radii_kernel(
     for t0 in range(lo, hi, BS):
         t = t0 + rs
         tok = t < hi
-        kt = tl.load(
-            k_ptr + b * skb + h * skh + t[:, None] * skt + rd[None, :], mask=tok[:, None] & (rd[None, :] < D), other=0.0
+        kt = _tile(
+            t,
+            tok,
+            rd,
+            D,
+            b,
+            h,
+            k_ptr,
+            skb,
+            skh,
+            skt,
+            kex_ptr,
+            keb,
+            keh,
+            kc_ptr,
+            kcb,
+            kch,
+            kct,
+            ks_ptr,
+            kz_ptr,
+            ksb,
+            ksh,
+            kst,
+            kh_ptr,
+            khb,
+            khh,
+            ktoff,
+            KMODE,
+            KGS,
+            KBITS,
+            KOFF,
         )
         lg = tl.dot(qs, tl.trans(kt), input_precision="ieee")  # [BM, BS] float32
         vis = row_ok[:, None] & tok[None, :]
@@ -190,6 +331,26 @@ def _sums_kernel(
     svt,
     sr_b,
     sr_h,
+    vex_ptr,
+    veb,
+    veh,
+    vc_ptr,
+    vcb,
+    vch,
+    vct,
+    vs_ptr,
+    vz_ptr,
+    vsb,
+    vsh,
+    vst,
+    vh_ptr,
+    vhb,
+    vhh,
+    vtoff,
+    VMODE: tl.constexpr,
+    VGS: tl.constexpr,
+    VBITS: tl.constexpr,
+    VOFF: tl.constexpr,
     BM: tl.constexpr,
     BS: tl.constexpr,
     BDV: tl.constexpr,
@@ -229,10 +390,37 @@ def _sums_kernel(
         bm += tl.sum(tl.where(use, p / ec, 0.0), axis=1)
         vr = tl.load(vres_ptr + b * sr_b + h * sr_h + t, mask=tok, other=0.0).to(tl.float64)
         vterm += tl.sum(p * vr[None, :], axis=1)
-        vt = tl.load(
-            v_ptr + b * svb + h * svh + t[:, None] * svt + rd[None, :],
-            mask=tok[:, None] & (rd[None, :] < DV),
-            other=0.0,
+        vt = _tile(
+            t,
+            tok,
+            rd,
+            DV,
+            b,
+            h,
+            v_ptr,
+            svb,
+            svh,
+            svt,
+            vex_ptr,
+            veb,
+            veh,
+            vc_ptr,
+            vcb,
+            vch,
+            vct,
+            vs_ptr,
+            vz_ptr,
+            vsb,
+            vsh,
+            vst,
+            vh_ptr,
+            vhb,
+            vhh,
+            vtoff,
+            VMODE,
+            VGS,
+            VBITS,
+            VOFF,
         )
         out += tl.dot(p.to(tl.float32), vt, input_precision="ieee")
     part = bh * n_split + sp
@@ -345,8 +533,35 @@ def _finish(
     return cert, raw, torch.tanh(cvis)
 
 
+def _tile_args(tiles: CodeTiles | None, x: torch.Tensor, name: str) -> tuple[tuple[object, ...], dict[str, int]]:
+    """The ``_tile`` arguments of one store tensor after its scratch pointer and strides: ``(positional, constexpr)``;
+    ``tiles=None``: the scratch only."""
+    if tiles is None:
+        return (x, 0, 0, x, 0, 0, 0, x, x, 0, 0, 0, x, 0, 0, 0), {"MODE": 0, "GS": 1, "BITS": 8, "OFF": 0}
+    b, h, s = x.shape[:3]
+    ex, c, sc, st = tiles.exact, tiles.codes, tiles.scales, tiles.state
+    if tiles.mode not in MODES.values() or ex.shape != (b, h, s) or ex.dtype != torch.uint8 or ex.stride(-1) != 1:
+        raise ValueError(
+            f"{name} tiles: mode {tiles.mode} with exact flags {tuple(ex.shape)} {ex.dtype} must be one of "
+            f"{sorted(MODES.values())} with uint8 [B={b}, H={h}, S={s}] flags of unit token stride"
+        )
+    if tiles.mode and (c.stride(-1) != 1 or sc.stride() != tiles.zeros.stride() or c.shape[:2] != (b, h)):
+        raise ValueError(
+            f"{name} tiles: codes {tuple(c.shape)} must be [B={b}, H={h}, N, ...] with unit last stride "
+            "and scales laid out like zero-points"
+        )
+    args: tuple[object, ...] = (ex, ex.stride(0), ex.stride(1), c, c.stride(0), c.stride(1), c.stride(2), sc)
+    args += (tiles.zeros, sc.stride(0), sc.stride(1), sc.stride(2), st, st.stride(0), st.stride(1), tiles.offset)
+    return args, {"MODE": tiles.mode, "GS": tiles.group, "BITS": tiles.bits, "OFF": tiles.offset_code}
+
+
 @np.errstate(divide="ignore", invalid="ignore", over="ignore")  # interpreter: unselected branches
-def decode_read(inputs: DecodeInputs[torch.Tensor], splits: int | None = None) -> TritonRead | None:
+def decode_read(
+    inputs: DecodeInputs[torch.Tensor],
+    splits: int | None = None,
+    k_tiles: CodeTiles | None = None,
+    v_tiles: CodeTiles | None = None,
+) -> TritonRead | None:
     """The certified decode read of :func:`kvcert.kernels.numba_read.decode_read` on the Triton kernels.
 
     ``inputs`` (:class:`~kvcert.kernels.inputs.DecodeInputs`) holds the store's live views (any strides with a
@@ -360,7 +575,10 @@ def decode_read(inputs: DecodeInputs[torch.Tensor], splits: int | None = None) -
     (``docs/math.md#kernel-rounding``): radii and rounded-up sums never below their exact values, the meter with
     its ``4γ_{S+6}`` allowance at least the meter of the computed ``p̃``, logits and output within the read path's
     float32 slacks. ``None`` when the query or a key (value) at or after ``k_from`` (``v_from``) is not finite: the
-    caller fails closed. ``splits``: splits of the token axis (``None``: :func:`default_splits`).
+    caller fails closed. ``splits``: splits of the token axis (``None``: :func:`default_splits`). ``k_tiles`` /
+    ``v_tiles`` (:func:`kvcert.kernels.packed.code_tiles` of the same store): read the keys / values from their
+    packed codes, and ``k_served`` / ``v_served`` only where the store's exact flag is set (``None``: the scratch
+    everywhere).
     """
     q, keys, rho, khn, w = inputs.q, inputs.k_served, inputs.k_band, inputs.k_hat_norm, inputs.k_wit
     values, vres, vdist, vhn = inputs.v_served, inputs.v_res, inputs.v_dist, inputs.v_hat_norm
@@ -432,6 +650,8 @@ def decode_read(inputs: DecodeInputs[torch.Tensor], splits: int | None = None) -
         if mk.stride(3) != 1:
             mk = mk.contiguous()
             mstr = (mk.stride(0), mk.stride(1), mk.stride(2))
+    kargs, kconst = _tile_args(k_tiles, keys, "keys")
+    vargs, vconst = _tile_args(v_tiles, values, "values")
     _logits_radii_kernel[grid](
         qs,
         qb,
@@ -466,6 +686,8 @@ def decode_read(inputs: DecodeInputs[torch.Tensor], splits: int | None = None) -
         w.stride(0),
         w.stride(1),
         *mstr,
+        *kargs,
+        **{"K" + k: v for k, v in kconst.items()},
         NB=nb,
         HAS_MASK=has_mask,
         MASK_PER_HEAD=per_head,
@@ -504,6 +726,8 @@ def decode_read(inputs: DecodeInputs[torch.Tensor], splits: int | None = None) -
         values.stride(2),
         vres.stride(0),
         vres.stride(1),
+        *vargs,
+        **{"V" + k: v for k, v in vconst.items()},
         BM=bm,
         BS=BLOCK_S,
         BDV=bdv,
@@ -559,3 +783,21 @@ def decode_read(inputs: DecodeInputs[torch.Tensor], splits: int | None = None) -
         vmax=vmax,
         out=out,
     )
+
+
+def read_store(
+    q: torch.Tensor,
+    store: LayerStore,
+    mask: torch.Tensor | None,
+    nq: int,
+    scale: float,
+    *,
+    splits: int | None = None,
+    packed: bool = True,
+) -> TritonRead | None:
+    """:func:`decode_read` of grouped float32 queries ``q[B, Hkv, M, D]`` over ``store``'s live views, the keys and
+    values read from their packed codes (:func:`kvcert.kernels.packed.code_tiles`; ``packed=False``: from the
+    decode scratch)."""
+    k_tiles, v_tiles = code_tiles(store) if packed else (None, None)
+    inputs = store_inputs(q, store, mask, nq, scale, arrays=False)
+    return decode_read(inputs, splits, k_tiles=k_tiles, v_tiles=v_tiles)

@@ -40,6 +40,30 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
+def keyed_state(key: DitherKey, heads: int) -> torch.Tensor:
+    """The hash state ``[B, H, T]`` (int64) of :func:`keyed_uniform` after every field of the counter but the
+    channel: ``(seed, request[b], layer, head h, positions[b, t])``. A kernel that regenerates the dither in
+    registers stores this one word per token and head and absorbs the channel itself (:func:`dither_from_state`)."""
+    b, t = key.positions.shape
+    fields = (
+        key.request.view(b, 1, 1),
+        torch.tensor(key.layer, dtype=torch.int64).view(1, 1, 1),
+        torch.arange(heads, dtype=torch.int64).view(1, heads, 1),
+        key.positions.view(b, 1, t),
+    )
+    h = _mix(torch.tensor(key.seed, dtype=torch.int64) + _GOLDEN).expand(b, heads, t)
+    for f in fields:
+        h = _mix((h ^ f) + _GOLDEN)
+    return h
+
+
+def dither_from_state(state: torch.Tensor, d: int) -> torch.Tensor:
+    """``u[..., D] ∈ [−½, ½)`` (float32, multiples of 2^-24) from :func:`keyed_state`: absorb the channel, then
+    the top 24 bits of the final word."""
+    h = _mix((state.unsqueeze(-1) ^ torch.arange(d, dtype=torch.int64)) + _GOLDEN)
+    return (_shr(h, 40).to(torch.float64) * 2.0**-24 - 0.5).to(torch.float32)
+
+
 def keyed_uniform(key: DitherKey, shape: tuple[int, ...]) -> torch.Tensor:
     """Dither ``u[B, H, T, D] ∈ [−½, ½)`` (float32, multiples of 2^-24) hashed from the counter
     ``(seed, request[b], layer, head h, positions[b, t], channel d)``.
@@ -48,19 +72,8 @@ def keyed_uniform(key: DitherKey, shape: tuple[int, ...]) -> torch.Tensor:
     Equal keys regenerate identical dither; a different seed, request, layer, head, position or channel
     gives a different counter and (by the mixer's avalanche) an independent-looking draw.
     """
-    b, nh, t, d = shape
     key.check(shape)
-    fields = (
-        key.request.view(b, 1, 1, 1),
-        torch.tensor(key.layer, dtype=torch.int64).view(1, 1, 1, 1),
-        torch.arange(nh, dtype=torch.int64).view(1, nh, 1, 1),
-        key.positions.view(b, 1, t, 1),
-        torch.arange(d, dtype=torch.int64).view(1, 1, 1, d),
-    )
-    h = _mix(torch.tensor(key.seed, dtype=torch.int64) + _GOLDEN).expand(shape)
-    for f in fields:
-        h = _mix((h ^ f) + _GOLDEN)
-    return (_shr(h, 40).to(torch.float64) * 2.0**-24 - 0.5).to(torch.float32)
+    return dither_from_state(keyed_state(key, shape[1]), shape[3])
 
 
 class DitherInt8Codec(Codec):

@@ -1,0 +1,102 @@
+"""Block repair of every gated (row, KV head) of a read at once, on the read's device (any device: torch ops).
+
+The certified read's block gate pages in whole token blocks of each KV head whose cells are over the threshold
+(``docs/read-path.md``). :func:`repair_blocks` does this for all such heads together, as batched tensor
+operations: one host synchronisation to list the heads (``need.nonzero()``), one per doubling round (whether
+any head is still over the threshold), none per head or per cell. Per head it makes exactly the choice of the
+per-head procedure it replaces:
+
+1. blocks ordered by their largest contribution ``Σ_{t∈b} p̃_t(e^{c_t} − 1)`` over the head's cells (descending,
+   stable);
+2. first guess: the shortest prefix of that order whose predicted e-form ``½(A_k² − 1)``, ``A_k = 1 +
+   Σ_{b∉prefix} contribution_b``, is under the threshold for every cell (all blocks if none);
+3. the served attention is recomputed with the prefix's tokens exact (host-tier K/V, radius 0) and the prefix
+   doubled until the recomputed meter is under the threshold for every cell or every block is paged.
+
+The meter of the recomputed read is the certificate of what is served (paged tokens have radius 0, the others
+keep their radii, which bound their logit errors whatever the other tokens are). The host tier's K/V of the
+gated heads are paged to the device once, head by head from the host tier's slices (pinned memory beside a GPU:
+asynchronous copies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcert.attention.certified import probs64, served_meter
+from kvcert.cache.gate import Gate
+from kvcert.cache.store import LayerStore
+
+__all__ = ["BlockRepairs", "repair_blocks"]
+
+
+@dataclass(frozen=True)
+class BlockRepairs:
+    """The repaired heads of one read, in ``need.nonzero()`` order (``n`` heads; tensors on the read's device)."""
+
+    heads: torch.Tensor  # [n, 2] int64 (row, KV head)
+    out: torch.Tensor  # [n, M, Dv] float32 served output
+    cert: torch.Tensor  # [n, M] meter of the repaired read
+    raw: torch.Tensor  # [n, M] unclipped meter
+    p: torch.Tensor  # [n, M, S] float64 served distribution
+    v_res: torch.Tensor  # [n, S] value residual norms, 0 on paged tokens
+    tokens: torch.Tensor  # [n, S] bool, the paged tokens
+    n_blocks: torch.Tensor  # [n] int64 blocks paged
+
+
+def repair_blocks(
+    qg: torch.Tensor,
+    store: LayerStore,
+    need: torch.Tensor,
+    mask: torch.Tensor,
+    c: torch.Tensor,
+    p: torch.Tensor,
+    scaling: float,
+    gate: Gate,
+) -> BlockRepairs:
+    """Page in token blocks of every (row, KV head) with ``need[B, Hkv]`` until each of its cells is under
+    ``gate.threshold`` (see the module docstring). ``qg[B, Hkv, M, D]`` float32 grouped queries,
+    ``mask[B, Hkv, M, S]`` visibility, ``c`` / ``p`` ``[B, Hkv, M, S]`` the read's radii and served distribution.
+    Persistent gates keep the paged entries exact within the store's device budget (:meth:`LayerStore.persist`).
+    """
+    assert store.k is not None and store.v is not None
+    heads = need.nonzero()
+    pairs = heads.tolist()  # one synchronisation per read
+    bi, hi = heads[:, 0], heads[:, 1]
+    khat, vhat = store.k.served.view()[bi, hi], store.v.served.view()[bi, hi]  # [n, S, D]
+    dev = khat.device
+
+    def page(host: torch.Tensor) -> torch.Tensor:  # each head's slice of the (pinned) host tier: async copies
+        return torch.stack([host[b, h].to(dev, non_blocking=True) for b, h in pairs]).to(torch.float32)
+
+    hk, hv = page(store.k.host.view()), page(store.v.host.view())
+    vres = store.v_res.view()[bi, hi]
+    q, m, cc, pp = qg[bi, hi], mask[bi, hi], c[bi, hi], p[bi, hi]
+    n, rows, s = pp.shape
+    bs = gate.block_size
+    nb = (s + bs - 1) // bs
+    contrib = torch.nn.functional.pad(pp * torch.expm1(cc), (0, nb * bs - s)).reshape(n, rows, nb, bs).sum(-1)
+    order = torch.argsort(contrib.amax(1), dim=-1, descending=True, stable=True)  # [n, nb]
+    ordered = torch.gather(contrib, 2, order.unsqueeze(1).expand(n, rows, nb))
+    remaining = contrib.sum(-1, keepdim=True) - ordered.cumsum(-1)  # [n, M, nb]
+    predicted_ok = (0.5 * ((1.0 + remaining.clamp(min=0)) ** 2 - 1.0) <= gate.threshold).all(1)  # [n, nb]
+    k = torch.where(predicted_ok.any(-1), predicted_ok.to(torch.int64).argmax(-1) + 1, nb)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(nb, device=dev).expand(n, nb))
+    while True:
+        tok = (rank < k.unsqueeze(-1)).repeat_interleave(bs, -1)[:, :s]  # [n, S] the first k blocks in order
+        kmix = torch.where(tok.unsqueeze(-1), hk, khat)
+        logits = (q @ kmix.transpose(-1, -2) * scaling).masked_fill(~m, float("-inf"))
+        pm = probs64(logits)
+        cert, raw = served_meter(pm, torch.where(tok.unsqueeze(1), 0.0, cc))
+        done = ((raw if gate.uses_unclipped else cert) <= gate.threshold).all(-1) | (k >= nb)
+        if bool(done.all()):  # one synchronisation per doubling round
+            break
+        k = torch.where(done, k, 2 * k)
+    if gate.persistent:  # kept within the store's device budget, else a transient page-in
+        for j, (b, h) in enumerate(pairs):
+            store.persist(b, h, tok[j])
+    out = pm.to(torch.float32) @ torch.where(tok.unsqueeze(-1), hv, vhat)
+    v_res = torch.where(tok, 0.0, vres)
+    return BlockRepairs(heads, out, cert, raw, pm, v_res, tok, k.clamp(max=nb))

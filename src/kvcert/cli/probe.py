@@ -16,9 +16,9 @@ import torch
 import typer
 
 from kvcert.cli.common import TINY_PREFIX, load_model
+from kvcert.integrations.forget_gates import tiny_recurrent_model
 from kvcert.integrations.live_probe.heterogeneous import ProbeConfig, probe_request
 from kvcert.integrations.mla import tiny_deepseek_v3
-from kvcert.integrations.recurrent import tiny_recurrent_model
 from kvcert.probe.verify import VerifyResult, verify_file
 from kvcert.probe.verify import verify as gate_snapshot
 from kvcert.quant.rtn import RTNCodec

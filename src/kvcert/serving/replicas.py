@@ -14,7 +14,7 @@ The dither is keyed by ``(seed, request UID, layer, head, position, channel)``
 (:func:`kvcert.quant.dither.keyed_uniform`); with ``seed = seed_fn(nonce, rank)`` and the default
 :func:`rank_invariant_seed` (the server nonce alone), every rank realises the same draw, so ``δ`` is spent
 once per logical event and the rank snapshots are field-identical. ``kvcert ledger gate RUN_DIR`` checks that
-every declared rank is present and coupled (:func:`kvcert.ledger.gate.replica_criteria`).
+every declared rank is present and coupled (:func:`kvcert.ledger.criteria.replica_criteria`).
 
 Layout of ``out_dir``: ``rank{r}/ledger.db`` (event log) and ``rank{r}/ledger.json`` (final snapshot).
 """

@@ -16,10 +16,10 @@ chain.
   (partial), Lemma S2 masses on the ``ε_row`` hash perturbation (partial), the selector→attention mass ratio
   ``ρ`` (empirical) and the chain ``dense chain of the served keys ∥ (selection_s2 → selector_mass_ratio(ρ_max))``
   (empirical);
-* **pooling** (block-pooled compressed entries, served live by :func:`kvcert.integrations.pooling.serve_pooled`
+* **pooling** (block-pooled compressed entries, served live by :func:`kvcert.integrations.pooled_attention.serve_pooled`
   on full-attention layers, ``pool_block`` tokens per entry stored with ``key_codec``): the pooling contract
   coefficients, the concentration profile, the pooled-floor self-check and the chain of
-  :mod:`kvcert.integrations.live_probe.pooling`;
+  :mod:`kvcert.integrations.live_probe.pooled_path`;
 * **latent_kv** (MLA): quantize the latent and the rope key with ``latent_codec``; Tier A through ``u =
   W_UKᵀq`` plus the rope part, Tier B when the codec dithers, and the same chain shape as dense KV on the
   concatenated entry ``[c, k_pe]`` with query ``[u, q_pe]``;
@@ -52,11 +52,11 @@ from kvcert.bounds.selection import (
 )
 from kvcert.bounds.softmax_tv import tv_meter
 from kvcert.contracts import ATTN_DIST_TV, KV_ENTRY_L2, SELECTOR_DIST_TV, Chain, Contract, Metric, Tier, bridges, stages
+from kvcert.integrations.forget_gates import GateTrace, extract_forget_gates
 from kvcert.integrations.live_probe.dense import DENSE_PATH, dense_chain, probe_dense_live
-from kvcert.integrations.live_probe.pooling import PoolingMeters, probe_pooling
+from kvcert.integrations.live_probe.pooled_path import PoolingMeters, probe_pooling
 from kvcert.integrations.mla import LatentLayer, extract_latents
-from kvcert.integrations.pooling import WEIGHTINGS, PoolingConfig, Weighting, pooled_layers
-from kvcert.integrations.recurrent import GateTrace, extract_forget_gates
+from kvcert.integrations.pooled_attention import WEIGHTINGS, PoolingConfig, Weighting, pooled_layers
 from kvcert.integrations.selector import (
     CapturedAttention,
     attention_scores,

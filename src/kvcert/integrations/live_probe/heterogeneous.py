@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PreTrainedModel
 
 from kvcert.bounds.latent import effective_query, latent_tier_a_radius, latent_tier_b_sigma2
 from kvcert.bounds.radii import tier_a_radius, tier_b_radius
@@ -280,7 +281,7 @@ def _probe_recurrent(rec: Recorder, trace: GateTrace) -> None:
     rec.triggers += 1
 
 
-def memory_paths(model: torch.nn.Module, config: ProbeConfig | None = None) -> tuple[str, ...]:
+def memory_paths(model: PreTrainedModel, config: ProbeConfig | None = None) -> tuple[str, ...]:
     """The probe paths ``model`` declares, from its module structure (before anything is measured).
 
     MLA attention (``kv_b_proj``) -> ``latent_kv``; a recurrent mixer (``A_log`` and ``dt_bias``) ->
@@ -305,7 +306,7 @@ def memory_paths(model: torch.nn.Module, config: ProbeConfig | None = None) -> t
 
 
 def probe_request(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     input_ids: torch.Tensor,
     *,
     run_id: str,

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedModel
 
 from kvcert.bounds.pooling import pooling_profile
 from kvcert.bounds.radii import tier_a_radius
@@ -102,7 +103,7 @@ def _read_cells(rec: Recorder, r: PooledRead) -> tuple[float, float]:
 
 
 def probe_pooling(
-    rec: Recorder, model: torch.nn.Module, input_ids: torch.Tensor, config: PoolingConfig
+    rec: Recorder, model: PreTrainedModel, input_ids: torch.Tensor, config: PoolingConfig
 ) -> PoolingMeters:
     """Serve ``input_ids`` through the pooled memory and record, per pooled layer, the coefficient, profile,
     witness, certificates, true TV and chain (module doc); returns the per-(layer, head, step) meters."""

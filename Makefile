@@ -10,7 +10,7 @@ PIP := $(BIN)/pip install -q --disable-pip-version-check
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint typecheck bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,7 +21,7 @@ $(VENV)/.runtime: pyproject.toml | $(BIN)/python
 	$(PIP) --no-deps $(NODEPS)
 	touch $@
 
-# development: runtime + pytest, hypothesis, ruff
+# development: runtime + pytest, hypothesis, ruff, mypy
 $(VENV)/.dev: $(VENV)/.runtime
 	$(PIP) $(TORCH) -e ".[hf,eval,dev]"
 	touch $@
@@ -32,11 +32,17 @@ demo: $(VENV)/.runtime
 test: $(VENV)/.dev
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy src
 	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=900 tests
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy src
+
+# static types of the library (configuration: [tool.mypy] in pyproject.toml)
+typecheck: $(VENV)/.dev
+	$(BIN)/mypy src
 
 bench: $(VENV)/.runtime
 	$(BIN)/python benchmarks/soundness_fuzz.py

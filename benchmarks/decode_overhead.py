@@ -135,6 +135,11 @@ def main() -> None:
                 if cache.certify and cache.telemetry().certificates.shape[0] != args.steps:
                     raise RuntimeError(f"{name}: not every decode step was certified; the timing is void")
                 cache.detach()
+    _report(times, args)
+
+
+def _report(times: dict[str, list[float]], args: argparse.Namespace) -> None:
+    """Print the best-of table, the two target ratios (best-of and per repetition), and the optional plot."""
     best = {k: min(v) for k, v in times.items()}
     table = Table(
         title=f"decode cost, SmolLM2-135M, context {args.context}, {args.steps} steps, best of {args.reps}, "

@@ -21,9 +21,9 @@ import time
 import torch
 from tqdm import tqdm
 
+from kvcert.integrations.forget_gates import tiny_recurrent_model
 from kvcert.integrations.live_probe.heterogeneous import probe_request
 from kvcert.integrations.mla import tiny_deepseek_v3
-from kvcert.integrations.recurrent import tiny_recurrent_model
 from kvcert.models.tiny import SLIDING_SHAPES, tiny_random
 from kvcert.probe import verify
 

@@ -5,6 +5,7 @@ import torch
 from transformers import AutoTokenizer, DynamicCache
 
 from kvcert.eval import generate_answers, load_corpus, load_task, perplexity, prompt_ids, score
+from kvcert.eval.harness import decode_text
 from kvcert.models import tiny_random
 
 
@@ -63,6 +64,22 @@ def test_harness_rejects_bad_cache_and_budget(smol_tok):
         generate_answers(model, smol_tok, [], max_new_tokens=0)
     with pytest.raises(ValueError, match="cache_factory"):
         perplexity(model, smol_tok, "a b c d e f g h", 4, cache_factory=lambda m: object())
+
+
+def test_generate_answers_refuses_a_model_that_cannot_generate(smol_tok):
+    """A base model without a language-model head (no ``generate``) is refused up front, by name; it used to
+    pass silently when there was nothing to answer and fail inside transformers otherwise."""
+    base = tiny_random("llama", vocab_size=len(smol_tok)).model
+    with pytest.raises(ValueError, match="LlamaModel cannot generate"):
+        generate_answers(base, smol_tok, [])
+
+
+def test_decode_text_is_one_string_or_a_clear_error(smol_tok):
+    ids = smol_tok("hello world", add_special_tokens=False).input_ids
+    assert decode_text(smol_tok, ids) == "hello world"
+    assert decode_text(smol_tok, torch.tensor(ids)) == "hello world"
+    with pytest.raises(TypeError, match="one sequence"):
+        decode_text(smol_tok, [ids, ids])
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

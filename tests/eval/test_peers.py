@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import re
+import tomllib
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -49,3 +54,17 @@ def test_parse_peers_rejects_unknown_names_and_bad_window():
         parse_peers("quanto-int3")
     with pytest.raises(ValueError, match="residual-length"):
         parse_peers("quanto-int4", 0)
+
+
+def test_missing_backend_names_the_extra_that_installs_it(monkeypatch):
+    """The ImportError for a missing optimum-quanto names a pyproject extra that holds it (it named ``peers``,
+    which does not exist)."""
+    model, real = tiny_random("llama"), importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "optimum.quanto" else real(name, *a)
+    )
+    with pytest.raises(ImportError, match=r"kvcert\[\w+\]") as err:
+        PeerSpec("quanto-int4").build(model)
+    extra = re.search(r"kvcert\[(\w+)\]", str(err.value)).group(1)
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert any(dep.startswith("optimum-quanto") for dep in pyproject["project"]["optional-dependencies"][extra])

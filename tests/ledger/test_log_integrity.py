@@ -10,7 +10,7 @@ import pytest
 from evidence_logs import closed_log, edit, forged_log, legacy_copy, meta_of, rows, run_requests
 from typer.testing import CliRunner
 
-from kvcert.cli.ledger import app
+from kvcert.cli.ledger_command import app
 from kvcert.ledger import EventLog, Ledger, replay
 from kvcert.ledger.events import FaultReport, LogError, OpenRequest, SlotRead, SlotWrite
 from kvcert.ledger.log import LogIntegrityError, LogReader

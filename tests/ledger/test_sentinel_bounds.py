@@ -7,7 +7,7 @@ import mpmath
 import pytest
 from typer.testing import CliRunner
 
-from kvcert.cli.ledger import app
+from kvcert.cli.ledger_command import app
 from kvcert.ledger import miss_probability, rounds_needed
 
 runner = CliRunner()

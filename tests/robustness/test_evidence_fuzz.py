@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from snapshot_factory import good_dict
 from typer.testing import CliRunner
 
-from kvcert.cli.ledger import app
+from kvcert.cli.ledger_command import app
 from kvcert.ledger import EventLog, Ledger, replay
 from kvcert.ledger.events import RULES, FaultReport, LogError, OpenRequest, SlotRead, SlotWrite
 from kvcert.probe import ProbeSnapshot, SnapshotError, verify_file

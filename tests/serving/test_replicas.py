@@ -12,7 +12,7 @@ import pytest
 from replica_seeds import rank_dependent_seed
 from typer.testing import CliRunner
 
-from kvcert.cli.ledger import app
+from kvcert.cli.ledger_command import app
 from kvcert.ledger import diff_states, evaluate, replay
 from kvcert.models.tiny import tiny_random
 from kvcert.serving.replicas import ReplicaConfig, ReplicaGroup, rank_dir

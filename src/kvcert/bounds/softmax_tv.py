@@ -43,7 +43,7 @@ _EXP_SAFE = 300.0
 _MASS_TOL = 1e-2
 
 
-def _checked_range(x: torch.Tensor, name: str) -> tuple[torch.Tensor, float]:
+def _checked_range(x: torch.Tensor | float, name: str) -> tuple[torch.Tensor, float]:
     """Check every entry of ``x`` is finite and ``>= 0`` (ValueError naming ``name``); return ``(x, max)``."""
     if not isinstance(x, torch.Tensor):
         x = torch.as_tensor(x, dtype=torch.float64)
@@ -59,7 +59,7 @@ def _checked_range(x: torch.Tensor, name: str) -> tuple[torch.Tensor, float]:
     return x, hi
 
 
-def check_nonneg_finite(x: torch.Tensor, name: str, dtype: torch.dtype | None = torch.float64) -> torch.Tensor:
+def check_nonneg_finite(x: torch.Tensor | float, name: str, dtype: torch.dtype | None = torch.float64) -> torch.Tensor:
     """Return ``x`` (cast to ``dtype`` unless None) after checking every entry is finite and ``>= 0``.
 
     Raises ``ValueError`` naming ``name`` otherwise (fail closed on NaN, inf and negative values).

@@ -56,7 +56,7 @@ class GrowBuffer:
         """The whole C-contiguous allocation ``[B, H, capacity, *tail]`` as a numpy array sharing its memory
         (CPU only; cached until the buffer reallocates); tokens ``[0, n)`` are live. For kernels that read a
         token prefix without the copy a strided view would cost them."""
-        if self._array_of is not self._data:
+        if self._array is None or self._array_of is not self._data:
             self._array, self._array_of = self._data.numpy(), self._data
         return self._array
 

@@ -84,7 +84,7 @@ def load_model(spec: str, seed: int = 0) -> LoadedModel:
         if family not in SUPPORTED_FAMILIES:
             raise ValueError(f"model: unknown tiny family {family!r}; supported are {list(SUPPORTED_FAMILIES)}")
         tok_dir = converted_dir(TINY_TOKENIZER_MODEL)
-        tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+        tok: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
         model = tiny_random(family, seed=seed, vocab_size=len(tok), head_dim=TINY_HEAD_DIM)
         return LoadedModel(spec, model, tok, tok_dir)
     if spec in ZOO:

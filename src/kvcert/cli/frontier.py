@@ -43,7 +43,7 @@ from kvcert.cli.validate import (
 )
 from kvcert.cli.workload import DENSE, VariantRecord, WorkloadResult, run_workload
 from kvcert.eval import ruler
-from kvcert.eval.harness import prompt_ids
+from kvcert.eval.harness import decode_text, prompt_ids
 from kvcert.eval.peers import PeerResult, parse_peers, run_peers
 from kvcert.report import figures
 from kvcert.report.html import write_html
@@ -161,7 +161,7 @@ def frontier(
             for res in run_peers(
                 loaded.model, prompt_ids(loaded.tokenizer, sample), peer_specs, budget, loaded.eos_ids
             ):
-                text = loaded.tokenizer.decode(res.tokens, skip_special_tokens=True)
+                text = decode_text(loaded.tokenizer, res.tokens)
                 peer_recs[res.spec.label].predictions.append(text)
                 peer_recs[res.spec.label].scores.append(ruler.score(sample, text))
                 peer_runs[res.spec.label].append(res)

@@ -28,8 +28,8 @@ app.command("merge")(merge)
 app.command("codecs")(codecs)
 app.command("frontier")(frontier)
 app.add_typer(probe_app, name="probe")
-if importlib.util.find_spec("kvcert.cli.ledger") is not None:
-    from kvcert.cli.ledger import app as ledger_app
+if importlib.util.find_spec("kvcert.cli.ledger_command") is not None:
+    from kvcert.cli.ledger_command import app as ledger_app
 
     app.add_typer(ledger_app, name="ledger")
 

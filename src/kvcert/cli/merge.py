@@ -103,9 +103,11 @@ def check_shard(doc: dict[str, Any], where: Path) -> None:
     [0, 1]}}`` with exactly the variant labels. ``ValueError`` naming the file and the first bad field."""
     _need(isinstance(doc.get("config"), dict), where, "'config' is not a JSON object")
     results = doc.get("results")
-    _need(isinstance(results, dict), where, "'results' is not a JSON object")
+    if not isinstance(results, dict):
+        raise ValueError(f"{where}: 'results' is not a JSON object")
     variants, per_sample = results.get("variants"), results.get("per_sample")
-    _need(isinstance(variants, dict) and bool(variants), where, "results.variants is not a non-empty object")
+    if not isinstance(variants, dict) or not variants:
+        raise ValueError(f"{where}: results.variants is not a non-empty object")
     labels = set(variants)
     for lab, v in variants.items():
         _need(
@@ -133,7 +135,8 @@ def check_shard(doc: dict[str, Any], where: Path) -> None:
             )
             for key in ("bytes_per_token_fp16", "bytes_per_token_stored"):
                 _need(key in v, where, f"results.variants[{lab!r}] lacks {key}")
-    _need(isinstance(per_sample, list) and bool(per_sample), where, "results.per_sample is not a non-empty list")
+    if not isinstance(per_sample, list) or not per_sample:
+        raise ValueError(f"{where}: results.per_sample is not a non-empty list")
     for i, s in enumerate(per_sample):
         at = f"results.per_sample[{i}]"
         _need(isinstance(s, dict) and isinstance(s.get("task"), str), where, f"{at} needs a string 'task'")
@@ -178,10 +181,10 @@ def _check_compatible(docs: list[dict[str, Any]], paths: list[Path]) -> list[str
                     "select"
                 )
         for s in doc["results"]["per_sample"]:
-            key = (s["task"], s["index"]["value"])
-            if key in seen:
-                raise ValueError(f"sample {key} appears in both {seen[key]} and {path}: shards must be disjoint")
-            seen[key] = path
+            sample = (s["task"], s["index"]["value"])
+            if sample in seen:
+                raise ValueError(f"sample {sample} appears in both {seen[sample]} and {path}: shards must be disjoint")
+            seen[sample] = path
     if DENSE not in labels:
         raise ValueError(f"the shards hold no {DENSE!r} baseline")
     return labels

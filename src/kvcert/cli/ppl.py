@@ -47,7 +47,7 @@ from kvcert.cli.validate import (
     prepare_out,
 )
 from kvcert.eval.corpora import CORPORA, load_corpus
-from kvcert.eval.harness import perplexity
+from kvcert.eval.harness import decode_text, perplexity
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.report import aggregate, figures
 from kvcert.report.html import write_html
@@ -209,11 +209,14 @@ def ppl(
         ids = loaded.tokenizer(text[: need * CHARS_PER_TOKEN], return_tensors="pt").input_ids[0]
         if ids.numel() < need:
             raise ValueError(f"corpus {corpus} has {ids.numel()} tokens, need {need} for --windows/--context")
-    texts = [loaded.tokenizer.decode(ids[i * context : (i + 1) * context + WINDOW_SLACK]) for i in range(windows)]
+    texts = [
+        decode_text(loaded.tokenizer, ids[i * context : (i + 1) * context + WINDOW_SLACK], skip_special=False)
+        for i in range(windows)
+    ]
     with progress_bar(f"perplexity over {windows} window(s)", windows, console) as tick:
         records, gates = run_ppl(loaded, texts, specs, chosen, context, prefix, chunk, seed, tick)
     dense = records[0]
-    results = {"variants": {r.label: ppl_numbers(r, dense) for r in records}, "gate_choice": gates}
+    results: dict[str, Any] = {"variants": {r.label: ppl_numbers(r, dense) for r in records}, "gate_choice": gates}
     measured = [r for r in records if r.telemetry]
     if measured:  # the dense row shows what an fp16 cache holds, to compare with
         fp16_tok = aggregate.fp16_bytes_per_token(measured[0].telemetry[0])

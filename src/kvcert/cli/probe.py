@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import glob
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, cast
 
 import torch
 import typer
+from transformers import PreTrainedModel
 
 from kvcert.cli.common import TINY_PREFIX, load_model
+from kvcert.integrations.forget_gates import tiny_recurrent_model
 from kvcert.integrations.live_probe.heterogeneous import ProbeConfig, probe_request
 from kvcert.integrations.mla import tiny_deepseek_v3
-from kvcert.integrations.recurrent import tiny_recurrent_model
+from kvcert.integrations.pooled_attention import Weighting
 from kvcert.probe.verify import VerifyResult, verify_file
 from kvcert.probe.verify import verify as gate_snapshot
 from kvcert.quant.rtn import RTNCodec
@@ -74,7 +76,7 @@ def verify(
     raise typer.Exit(EXIT_FAIL if failed else EXIT_OK)
 
 
-def _load(spec: str, seed: int) -> tuple[torch.nn.Module, object | None]:
+def _load(spec: str, seed: int) -> tuple[PreTrainedModel, object | None]:
     """``(model, tokenizer or None)``: the tiny MLA / recurrent configs by name, anything else via
     :func:`kvcert.cli.common.load_model` (zoo name, local folder, ``tiny:<dense family>``)."""
     family = spec[len(TINY_PREFIX) :] if spec.startswith(TINY_PREFIX) else None
@@ -126,8 +128,8 @@ def run(
             key_codec=RTNCodec(key_bits, group_size=8),
             seed=seed,
             pool_block=pool_block or None,
-            pool_weighting=pool_weighting,
-        )  # type: ignore[arg-type]
+            pool_weighting=cast(Weighting, pool_weighting),  # ProbeConfig refuses any other string (ValueError)
+        )
         net, tokenizer = _load(model, seed)
         ids = request_ids(int(net.config.vocab_size), tokens, seed, tokenizer, prompt)
         res = probe_request(net, ids, run_id=f"{model}-seed{seed}", model_name=model, config=cfg)

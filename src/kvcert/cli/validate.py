@@ -92,10 +92,10 @@ def model_max_positions(spec: str) -> int | None:
         raise InputError(f"--model: folder {spec!r} is not a transformers model (no config.json)")
     if not (folder / "tokenizer_config.json").is_file():
         raise InputError(f"--model: folder {spec!r} holds no tokenizer (tokenizer_config.json)")
-    family = _read_json(config, "--model").get("model_type")
-    if family not in CACHE_FAMILIES:
+    model_type = _read_json(config, "--model").get("model_type")
+    if model_type not in CACHE_FAMILIES:
         raise InputError(
-            f"--model: {spec!r} has model_type {family!r}; the certified cache supports {', '.join(CACHE_FAMILIES)}"
+            f"--model: {spec!r} has model_type {model_type!r}; the certified cache supports {', '.join(CACHE_FAMILIES)}"
         )
     return _config_positions(config)
 

@@ -16,7 +16,7 @@ from kvcert.cache.gate import Gate
 from kvcert.cache.telemetry import Telemetry
 from kvcert.cli.common import LoadedModel, ResidentPlan, SchemeSpec, auto_gate
 from kvcert.eval.branching import BranchResult, Scheme, run_branches
-from kvcert.eval.harness import prompt_ids
+from kvcert.eval.harness import decode_text, prompt_ids
 from kvcert.eval.ruler import Sample, score
 
 DENSE = "dense"
@@ -67,7 +67,7 @@ def _record(
 ) -> None:
     for res in results:
         rec = variants[res.scheme.name]
-        text = loaded.tokenizer.decode(res.tokens, skip_special_tokens=True)
+        text = decode_text(loaded.tokenizer, res.tokens)
         rec.predictions.append(text)
         rec.scores.append(score(sample, text))
         if res.telemetry is not None:
@@ -161,10 +161,10 @@ def run_workload(
                 gated = [_scheme(s, gate, s.label + GATED_SUFFIX, validate) for s in specs]
                 variants.update({g.name: VariantRecord(g.name, s, g.gate) for g, s in zip(gated, specs, strict=True)})
                 gate_choice = {s.label: {"gate": gate.describe(), "rule": "fixed by --gate"} for s in specs}
-            res = run_branches(
+            branches = run_branches(
                 loaded.model, ids, [Scheme(DENSE), *raw, *gated, *kept], budget(sample), loaded.eos_ids, seed
             )
-            _record(variants, res, sample, loaded)
+            _record(variants, branches, sample, loaded)
         if on_sample is not None:
             on_sample(i)
     suffixes = ("", GATED_SUFFIX, RESIDENT_SUFFIX)

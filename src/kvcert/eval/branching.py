@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvcert.cache.gate import Gate
 from kvcert.cache.telemetry import Telemetry
@@ -48,18 +49,28 @@ class BranchResult:
     telemetry: Telemetry | None
 
 
-def _copy_cache(model: torch.nn.Module, src: DynamicCache) -> DynamicCache:
+def layer_kv(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values ``[B, Hkv, n, D]`` one layer of a transformers cache holds (``DynamicLayer`` and its
+    subclasses: sliding-window and quantized layers); ``ValueError`` naming the layer's type for a layer that
+    holds none (a linear-attention or dummy layer, or one never written)."""
+    if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
+        raise ValueError(f"a {type(layer).__name__} cache layer holds no keys and values")
+    return layer.keys, layer.values
+
+
+def _copy_cache(model: PreTrainedModel, src: DynamicCache) -> DynamicCache:
     out = DynamicCache(config=model.config)
     for i, layer in enumerate(src.layers):
-        out.update(layer.keys.clone(), layer.values.clone(), i)
+        keys, values = layer_kv(layer)
+        out.update(keys.clone(), values.clone(), i)
     for dst, s in zip(out.layers, src.layers, strict=True):
-        if hasattr(s, "cumulative_length"):
-            dst.cumulative_length = s.cumulative_length
+        if isinstance(s, DynamicSlidingWindowLayer) and isinstance(dst, DynamicSlidingWindowLayer):
+            dst.cumulative_length = s.cumulative_length  # tokens seen, beyond the window it keeps
     return out
 
 
 def greedy_from(
-    model: torch.nn.Module, first: torch.Tensor, cache: object, max_new_tokens: int, eos_ids: Sequence[int]
+    model: PreTrainedModel, first: torch.Tensor, cache: object, max_new_tokens: int, eos_ids: Sequence[int]
 ) -> list[int]:
     """Greedy decode starting from token ``first[1, 1]`` through ``cache`` until EOS or the token budget."""
     toks: list[int] = []
@@ -77,7 +88,7 @@ def greedy_from(
     return toks
 
 
-def exact_prefill(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
+def exact_prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
     """Prefill ``input_ids[1, T]`` into an exact ``DynamicCache``; return it and the greedy first token."""
     if input_ids.shape[0] != 1:
         raise ValueError("branches take one prompt at a time (batch 1)")
@@ -88,7 +99,7 @@ def exact_prefill(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[Dyna
 
 
 def run_branches(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     input_ids: torch.Tensor,
     schemes: Sequence[Scheme],
     max_new_tokens: int,
@@ -99,7 +110,7 @@ def run_branches(
     pre, first = exact_prefill(model, input_ids)
     results = []
     for scheme in schemes:
-        if scheme.is_dense:
+        if scheme.keys is None:  # the dense baseline (Scheme.is_dense)
             toks = greedy_from(model, first, _copy_cache(model, pre), max_new_tokens, eos_ids)
             results.append(BranchResult(scheme, toks, None))
             continue

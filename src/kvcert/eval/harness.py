@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
-from transformers import Cache, DynamicCache, PreTrainedModel
+from transformers import Cache, DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from kvcert.eval.ruler import Sample, score
@@ -60,6 +60,24 @@ def _fresh_cache(model: PreTrainedModel, cache_factory: CacheFactory | None) -> 
     return cache
 
 
+def chat_text(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
+    """``messages`` through ``tok``'s chat template with the generation prompt, as text (``TypeError`` if the
+    template does not return text)."""
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if not isinstance(text, str):
+        raise TypeError(f"the chat template returned {type(text).__name__}, not text")
+    return text
+
+
+def decode_text(tok: PreTrainedTokenizerBase, ids: list[int] | torch.Tensor, skip_special: bool = True) -> str:
+    """The text of one sequence of token ids (special tokens skipped unless ``skip_special=False``;
+    ``TypeError`` if ``tok`` returns a batch: ``ids`` must be one sequence)."""
+    text = tok.decode(ids, skip_special_tokens=skip_special)
+    if not isinstance(text, str):
+        raise TypeError(f"decode returned {type(text).__name__}: pass one sequence of token ids")
+    return text
+
+
 def prompt_ids(tok: PreTrainedTokenizerBase, sample: Sample) -> torch.Tensor:
     """Token ids ``[1, T]`` of ``sample`` under RULER's protocol.
 
@@ -68,9 +86,7 @@ def prompt_ids(tok: PreTrainedTokenizerBase, sample: Sample) -> torch.Tensor:
     ``prompt + answer_prefix`` with its default special tokens.
     """
     if getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": sample.prompt}], add_generation_prompt=True, tokenize=False
-        )
+        text = chat_text(tok, [{"role": "user", "content": sample.prompt}])
         ids = tok(text + sample.answer_prefix, add_special_tokens=False, return_tensors="pt").input_ids
     else:
         ids = tok(sample.input, return_tensors="pt").input_ids
@@ -94,6 +110,8 @@ def generate_answers(
     """
     if max_new_tokens is not None and max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not isinstance(model, GenerationMixin):
+        raise ValueError(f"{type(model).__name__} cannot generate (no GenerationMixin): load a causal LM")
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     out: list[Prediction] = []
     for sample in tqdm(samples, desc="generate", disable=not progress):
@@ -113,7 +131,7 @@ def generate_answers(
         )
         seconds = time.perf_counter() - start
         new = gen[0, ids.shape[1] :]
-        text = tok.decode(new, skip_special_tokens=True)
+        text = decode_text(tok, new)
         out.append(
             Prediction(
                 task=sample.task,

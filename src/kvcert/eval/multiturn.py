@@ -23,7 +23,7 @@ import torch
 from transformers import Cache, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from kvcert.eval.harness import prompt_ids
+from kvcert.eval.harness import chat_text, prompt_ids
 from kvcert.eval.ruler import Sample
 from kvcert.integrations.transformers import CertifiedCache
 
@@ -42,7 +42,7 @@ def split_queries(sample: Sample) -> list[Sample]:
     context, _, question = sample.prompt.rpartition("\n")
     match = _QUESTION.match(question)
     keys = _KEY_SEP.split(match["keys"]) if match else []
-    if not context or len(keys) != len(sample.outputs) or len(keys) < 2:
+    if match is None or not context or len(keys) != len(sample.outputs) or len(keys) < 2:
         raise ValueError(
             f"{sample.task}#{sample.index}: the last line is not a NIAH question over "
             f"{len(sample.outputs)} keys: {question!r}"
@@ -77,7 +77,7 @@ def dialogue_ids(tok: PreTrainedTokenizerBase, turns: Sequence[Sample]) -> list[
             for t in turns[:j]:  # earlier answers are generated, not templated: only the text after the last one
                 messages += [{"role": "user", "content": t.prompt}, {"role": "assistant", "content": _MARK}]
             messages.append({"role": "user", "content": turns[j].prompt})
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = chat_text(tok, messages)
             text = text[text.rindex(_MARK) + len(_MARK) :] + turns[j].answer_prefix
         else:
             text = "\n\n" + turns[j].prompt + turns[j].answer_prefix
@@ -112,7 +112,9 @@ def converse(
     """
     if not segments or max_new_tokens < 1 or any(s.dim() != 2 or s.shape[0] != 1 for s in segments):
         raise ValueError("need at least one [1, n] segment and max_new_tokens >= 1")
-    feed_kappa = isinstance(cache, CertifiedCache) and cache.evict is not None and cache.budget is not None
+    kappa_to = (
+        cache if isinstance(cache, CertifiedCache) and cache.evict is not None and cache.budget is not None else None
+    )
     tokens: list[list[int]] = []
     chosen: list[torch.Tensor] = []
 
@@ -120,13 +122,14 @@ def converse(
         if ids is not None:
             logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         assert logits is not None
-        if feed_kappa:
-            cache.set_kappa(torch.softmax(logits.to(torch.float64), -1).amax(-1))
+        if kappa_to is not None:
+            kappa_to.set_kappa(torch.softmax(logits.to(torch.float64), -1).amax(-1))
         return logits
 
     for j, segment in enumerate(segments):
         logits = step(None, first_logits) if j == 0 and first_logits is not None else step(segment)
-        toks, rows = [], []
+        toks: list[int] = []
+        rows: list[torch.Tensor] = []
         while len(toks) < max_new_tokens:
             nxt = int(logits[0].argmax())
             if nxt in eos_ids:

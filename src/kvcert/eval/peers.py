@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import QuantizedCache
+from transformers import PreTrainedModel, QuantizedCache
+from transformers.cache_utils import BaseQuantizedLayer
 
-from kvcert.eval.branching import exact_prefill, greedy_from
+from kvcert.eval.branching import exact_prefill, greedy_from, layer_kv
 
 #: peer name -> (QuantizedCache backend, bits)
 PEERS: dict[str, tuple[str, int]] = {"quanto-int4": ("quanto", 4), "quanto-int2": ("quanto", 2), "fp8-e4m3": ("fp8", 8)}
@@ -37,11 +38,11 @@ class PeerSpec:
         window = "" if PEERS[self.name][0] == "fp8" else f"(r={self.residual_length})"
         return f"hf:{self.name}{window}"
 
-    def build(self, model: torch.nn.Module) -> QuantizedCache:
+    def build(self, model: PreTrainedModel) -> QuantizedCache:
         """A fresh ``QuantizedCache`` for ``model`` (``ImportError`` naming the missing backend package)."""
         backend, bits = PEERS[self.name]
         if backend == "quanto" and importlib.util.find_spec("optimum.quanto") is None:
-            raise ImportError(f"peer {self.name} needs optimum-quanto (pip install 'kvcert[peers]')")
+            raise ImportError(f"peer {self.name} needs optimum-quanto (pip install 'kvcert[eval]')")
         if backend == "fp8":
             return QuantizedCache(backend, model.config)
         return QuantizedCache(backend, model.config, nbits=bits, residual_length=self.residual_length)
@@ -90,8 +91,15 @@ class PeerResult:
     bytes_fp16: int
 
 
+def _tokens_seen(layer: object) -> int:
+    """Tokens written into one layer of a ``QuantizedCache`` (quantized and residual alike)."""
+    if not isinstance(layer, BaseQuantizedLayer):
+        raise ValueError(f"a peer cache layer is a {type(layer).__name__}, not a quantized layer")
+    return layer.cumulative_length
+
+
 def run_peers(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     input_ids: torch.Tensor,
     peers: Sequence[PeerSpec],
     max_new_tokens: int,
@@ -103,9 +111,11 @@ def run_peers(
     for spec in peers:
         cache = spec.build(model)
         for i, layer in enumerate(pre.layers):
-            cache.update(layer.keys.clone(), layer.values.clone(), i)
+            keys, values = layer_kv(layer)
+            cache.update(keys.clone(), values.clone(), i)
         toks = greedy_from(model, first, cache, max_new_tokens, eos_ids)
-        kv = pre.layers[0].keys.shape[1] * (pre.layers[0].keys.shape[-1] + pre.layers[0].values.shape[-1])
-        fp16 = sum(layer.cumulative_length * kv * 2 for layer in cache.layers)  # batch 1, K and V at 2 bytes
+        keys0, values0 = layer_kv(pre.layers[0])
+        kv = keys0.shape[1] * (keys0.shape[-1] + values0.shape[-1])
+        fp16 = sum(_tokens_seen(layer) * kv * 2 for layer in cache.layers)  # batch 1, K and V at 2 bytes
         results.append(PeerResult(spec, toks, held_bytes(cache), fp16))
     return results

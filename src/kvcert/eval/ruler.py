@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -143,7 +144,9 @@ def _isolated_generator_run(argv: list[str]) -> Iterator[io.StringIO]:
 
     synthetic = _package_dir() / "data" / "synthetic"
     saved_argv, saved_path = sys.argv[:], sys.path[:]
-    saved_modules = {m: sys.modules.pop(m) for m in ("constants", "tokenizer") if m in sys.modules}
+    saved_modules: dict[str, ModuleType] = {
+        m: sys.modules.pop(m) for m in ("constants", "tokenizer") if m in sys.modules
+    }
     saved_random, saved_np = random.getstate(), np.random.get_state()
     saved_split = nltk.tokenize.sent_tokenize
     log = io.StringIO()

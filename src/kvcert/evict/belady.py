@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -85,7 +86,7 @@ class Belady(EvictionPolicy):
             table[0] = -nxt
             self._table = table
 
-    def _lookup(self, layer: int, positions: Tensor, now: Tensor) -> Tensor:
+    def _lookup(self, layer: int, positions: Tensor, now: Tensor | np.ndarray) -> Tensor:
         if positions.shape[0] != 1:
             raise ValueError("Belady replays a recorded trace of batch size 1")
         i = int(now[0]) - self.first + 1

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 
@@ -37,7 +37,7 @@ def register_attention(
 
 @contextmanager
 def swapped_attention(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     name: str,
     fn: Callable[..., Any],
     mask: Callable[..., torch.Tensor | None] | None = materialised_mask,

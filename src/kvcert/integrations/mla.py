@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from kvcert.bounds.rope import Pairing, band_norms
 from kvcert.integrations.selector import capture_attention
@@ -73,21 +74,23 @@ def weight_pairing(config: Any) -> Pairing:
     return "interleaved" if getattr(config, "rope_interleave", False) else "rotate_half"
 
 
-def up_projection(attn: torch.nn.Module) -> torch.Tensor:
+def up_projection(attn: Any) -> torch.Tensor:
     """``W_UK[H, d_nope, r]`` from an MLA module's ``kv_b_proj`` (``kv_b_proj(c)`` = ``[k_nope | v]`` per
     head)."""
     h, dn, dv, r = attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim, attn.kv_lora_rank
     return attn.kv_b_proj.weight.detach().view(h, dn + dv, r)[:, :dn, :]
 
 
-def _mla_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    mods = {int(m.layer_idx): m for m in model.modules() if hasattr(m, "kv_b_proj") and hasattr(m, "layer_idx")}
+def _mla_modules(model: PreTrainedModel) -> dict[int, Any]:
+    """Layer index -> MLA attention module (duck-typed: any module with ``kv_b_proj`` and ``layer_idx``)."""
+    modules: list[Any] = list(model.modules())
+    mods = {int(m.layer_idx): m for m in modules if hasattr(m, "kv_b_proj") and hasattr(m, "layer_idx")}
     if not mods:
         raise ValueError(f"{type(model).__name__} has no MLA attention (no kv_b_proj)")
     return mods
 
 
-def _pre_rope_pe(attn: torch.nn.Module, sink: dict[int, torch.Tensor]) -> Any:
+def _pre_rope_pe(attn: Any, sink: dict[int, torch.Tensor]) -> Any:
     def hook(mod: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
         sink[int(attn.layer_idx)] = out[..., attn.kv_lora_rank :].detach()
 
@@ -114,7 +117,7 @@ def check_pairing(
 
 
 def extract_latents(
-    model: torch.nn.Module, input_ids: torch.Tensor, pairing: Pairing = CACHED_PAIRING
+    model: PreTrainedModel, input_ids: torch.Tensor, pairing: Pairing = CACHED_PAIRING
 ) -> list[LatentLayer]:
     """Run ``model`` on ``input_ids`` and return every MLA layer's latent read, self-checked (module
     docstring).
@@ -134,7 +137,10 @@ def extract_latents(
     out: list[LatentLayer] = []
     for cap in caps:
         attn = mods[cap.layer]
-        latent, k_pe = cache.layers[cap.layer].keys.detach(), cache.layers[cap.layer].values.detach()
+        held = cache.layers[cap.layer]
+        if not isinstance(held, DynamicLayer) or held.keys is None or held.values is None:
+            raise MLASelfCheckError(f"layer {cap.layer}: the cache holds no latent (a {type(held).__name__})")
+        latent, k_pe = held.keys.detach(), held.values.detach()
         w_uk = up_projection(attn)
         dn = attn.qk_nope_head_dim
         k_nope = torch.einsum("hdr,bxsr->bhsd", w_uk.to(torch.float64), latent.to(torch.float64))
@@ -165,7 +171,7 @@ def extract_latents(
     return out
 
 
-def tiny_deepseek_v3(seed: int = 0, q_lora_rank: int | None = None) -> torch.nn.Module:
+def tiny_deepseek_v3(seed: int = 0, q_lora_rank: int | None = None) -> PreTrainedModel:
     """A 2-layer, hidden-64 random-weight DeepSeek-V3 (MLA: latent 32, rope 8, nope 16; dense MLPs), eval
     mode."""
     cfg = transformers.DeepseekV3Config(

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvcert.bounds.selection import topk_mask
@@ -59,7 +60,7 @@ def visible_set(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tenso
 
 
 def _capture_attention_fn(
-    module: torch.nn.Module,
+    module: Any,  # the model's attention module (transformers' interface); read for its layer_idx
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -90,7 +91,7 @@ def _capture_attention_fn(
 
 @contextmanager
 def attention_override(
-    model: torch.nn.Module, name: str, fn: Any, attr: str, values: dict[torch.nn.Module, Any]
+    model: PreTrainedModel, name: str, fn: Any, attr: str, values: dict[torch.nn.Module, Any]
 ) -> Iterator[None]:
     """Register ``fn`` as attention function ``name`` (with :func:`materialised_mask` as its mask function), set
     ``module.<attr> = value`` for each module in ``values`` and switch *this model only* to ``name``; leaving
@@ -106,7 +107,7 @@ def attention_override(
 
 
 @contextmanager
-def capture_attention(model: torch.nn.Module) -> Iterator[list[CapturedAttention]]:
+def capture_attention(model: PreTrainedModel) -> Iterator[list[CapturedAttention]]:
     """Record every attention call of ``model`` inside the block into the yielded list (in call order)."""
     modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
     if not modules:

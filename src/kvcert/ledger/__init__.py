@@ -8,16 +8,16 @@ from kvcert.ledger.admission import (
     observed,
     sr_prior_radius,
 )
-from kvcert.ledger.budget import RequestBudget, telescoping_delta
-from kvcert.ledger.eprocess import EProcess
-from kvcert.ledger.gate import Criterion, GateResult, evaluate
-from kvcert.ledger.identity import UNATTRIBUTED, UidAllocator
+from kvcert.ledger.criteria import Criterion, GateResult, evaluate
 from kvcert.ledger.ledger import Account, Incident, Ledger
 from kvcert.ledger.log import EventLog, read_events
 from kvcert.ledger.observer import LedgerObserver
 from kvcert.ledger.replay import diff_states, replay
+from kvcert.ledger.request_budget import RequestBudget, telescoping_delta
+from kvcert.ledger.running_eprocess import EProcess
 from kvcert.ledger.sentinel import SampledSentinel, latency_table, miss_probability, rounds_needed
 from kvcert.ledger.slots import SlotKey, SlotState
+from kvcert.ledger.uids import UNATTRIBUTED, UidAllocator
 
 __all__ = [
     "UNATTRIBUTED",

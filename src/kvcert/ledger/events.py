@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 
@@ -188,7 +188,7 @@ def decode(row: Row) -> Event:
         raise LogError(f"unknown event kind in log: {kind!r}")
     m = _meta_fields(kind, meta)
     if kind == "open":
-        return OpenRequest(int(m[0]), float(m[1]))  # type: ignore[arg-type]
+        return OpenRequest(int(cast(int, m[0])), float(cast(float, m[1])))  # header types checked above
     if kind == "write":
         if m[2] not in RULES:
             raise LogError(f"write rule must be one of {RULES}, got {m[2]!r}")

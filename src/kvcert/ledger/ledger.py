@@ -17,8 +17,6 @@ import numpy as np
 
 from kvcert.bounds.eprocess import alarm_threshold
 from kvcert.ledger.admission import Decide, Decision
-from kvcert.ledger.budget import RequestBudget
-from kvcert.ledger.eprocess import EProcess
 from kvcert.ledger.events import (
     RULES,
     Event,
@@ -30,9 +28,11 @@ from kvcert.ledger.events import (
     read_blobs,
     read_row,
 )
-from kvcert.ledger.identity import UNATTRIBUTED, UidAllocator
 from kvcert.ledger.log import EventLog, read_events
+from kvcert.ledger.request_budget import RequestBudget
+from kvcert.ledger.running_eprocess import EProcess
 from kvcert.ledger.slots import MAX_SLOTS, LayerSlots, SlotKey, SlotState, check_slot_range
+from kvcert.ledger.uids import UNATTRIBUTED, UidAllocator
 
 _COUNTERS = (
     "n_written",

@@ -425,12 +425,12 @@ class LogReader:
                             "(a row was deleted, inserted or moved)",
                         )
                     if self.chained:
-                        if chain_hash(prev, seq, row) != raw[7]:  # type: ignore[arg-type]
+                        if chain_hash(prev, seq, row) != raw[7]:
                             what = " or the log's configuration" if seq == 1 else ""
                             raise self._fail(seq, f"hash chain broken: this event{what} was rewritten")
                         prev = raw[7]
                     try:
-                        event = decode(row)  # type: ignore[arg-type]
+                        event = decode(row)
                     except LogError as exc:
                         raise self._fail(seq, str(exc), LogError) from None
                     self.seq, self.prev = seq, prev

@@ -16,6 +16,7 @@ import torch
 from kvcert.bounds.eprocess import eprocess_log_factor
 from kvcert.cache.events import ReadEvent, WriteEvent
 from kvcert.ledger.admission import observed
+from kvcert.ledger.events import Rule
 from kvcert.ledger.ledger import Ledger
 
 _RANGE_CACHE = 64  # cached (first slot, counts) read layouts per observer
@@ -84,7 +85,7 @@ class LedgerObserver:
         def pick(x: np.ndarray) -> np.ndarray:
             return x.reshape(-1) if everything else x[valid]
 
-        rule = "probabilistic" if event.tier_b else "deterministic"
+        rule: Rule = "probabilistic" if event.tier_b else "deterministic"
         factors = None
         if event.witness_mean is not None and event.witness_c is not None:
             w, m, c = (

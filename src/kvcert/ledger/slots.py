@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcert.ledger.identity import UNATTRIBUTED
+from kvcert.ledger.uids import UNATTRIBUTED
 
 MAX_SLOTS = 1 << 26
 """Slots per ``(pool, layer)`` table: slot ids lie in ``[0, MAX_SLOTS)`` (67,108,864: a 128k-token context

@@ -112,7 +112,9 @@ def converted_dir(name: str) -> Path:
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
         )
-        model.hf_quantizer = None  # a GGUF-loaded model is flagged "quantized" and refuses to save
+        # a GGUF-loaded model is flagged "quantized" and refuses to save; transformers sets the attribute without
+        # declaring it, so torch's Module.__getattr__ types it Tensor | Module
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         out = tmp / "hf"

@@ -14,7 +14,7 @@ The dither is keyed by ``(seed, request UID, layer, head, position, channel)``
 (:func:`kvcert.quant.dither.keyed_uniform`); with ``seed = seed_fn(nonce, rank)`` and the default
 :func:`rank_invariant_seed` (the server nonce alone), every rank realises the same draw, so ``δ`` is spent
 once per logical event and the rank snapshots are field-identical. ``kvcert ledger gate RUN_DIR`` checks that
-every declared rank is present and coupled (:func:`kvcert.ledger.gate.replica_criteria`).
+every declared rank is present and coupled (:func:`kvcert.ledger.criteria.replica_criteria`).
 
 Layout of ``out_dir``: ``rank{r}/ledger.db`` (event log) and ``rank{r}/ledger.json`` (final snapshot).
 """
@@ -25,8 +25,9 @@ import queue
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 import torch.multiprocessing as mp
@@ -63,7 +64,7 @@ class ReplicaConfig:
     pad_token_id: int = 0
     threads_per_rank: int = 1
     timeout_s: float = 600.0
-    start_method: str = "forkserver"
+    start_method: Literal["forkserver", "spawn", "fork"] = "forkserver"
 
     def __post_init__(self) -> None:
         if self.n_ranks < 1:
@@ -125,7 +126,9 @@ class ReplicaGroup:
         self.cfg = cfg
         self.next_uid = 0
         self.n_batches = 0
-        self._ctx = mp.get_context(cfg.start_method)
+        # get_context types a non-literal method as BaseContext, which declares no Process; the method was checked
+        # against mp.get_all_start_methods(), so the context is one of the three concrete kinds
+        self._ctx = cast(SpawnContext | ForkContext | ForkServerContext, mp.get_context(cfg.start_method))
         if cfg.start_method == "forkserver":  # ranks fork from a server that imported torch once (fast start)
             self._ctx.set_forkserver_preload(["kvcert.serving.replicas", "kvcert.integrations.transformers"])
         self._outbox: Any = None

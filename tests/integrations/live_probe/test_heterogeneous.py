@@ -11,9 +11,9 @@ import torch
 
 import kvcert.integrations.live_probe.heterogeneous as het
 from kvcert.contracts import Tier
+from kvcert.integrations.forget_gates import tiny_recurrent_model
 from kvcert.integrations.live_probe.heterogeneous import ProbeConfig, memory_paths, probe_request
 from kvcert.integrations.mla import tiny_deepseek_v3
-from kvcert.integrations.recurrent import tiny_recurrent_model
 from kvcert.models.tiny import SLIDING_SHAPES, tiny_random
 from kvcert.probe import ProbeSnapshot, verify
 from kvcert.quant.rtn import RTNCodec

@@ -4,4 +4,4 @@ probe_request`). The snapshot schema and its acceptance gate are the pure packag
 
 Submodules are imported on use (they run models through transformers)."""
 
-__all__ = ["dense", "heterogeneous", "pooling", "request"]
+__all__ = ["dense", "heterogeneous", "pooled_path", "request"]

@@ -18,11 +18,12 @@ With eviction the exact reference is attention over the *kept* tokens (see :mod:
 from __future__ import annotations
 
 import torch
+from transformers import PreTrainedModel
 
 from kvcert.cache.telemetry import Telemetry
 from kvcert.contracts import ATTN_DIST_TV, ATTN_LOGIT_LINF, KV_ENTRY_L2, Chain, bridges, stages
 from kvcert.integrations.live_probe.request import serve_request
-from kvcert.integrations.transformers import CertifiedCache
+from kvcert.integrations.transformers import CertifiedCache, CertifiedLayer
 from kvcert.probe.chains import LayerChain
 from kvcert.probe.recorder import Q_NORM, RADIUS_ATOL, TRUE_TV, Recorder
 from kvcert.quant import Codec
@@ -77,7 +78,7 @@ def dense_chains(tel: Telemetry) -> tuple[LayerChain, ...]:
 
 
 def probe_dense_live(
-    rec: Recorder, model: torch.nn.Module, input_ids: torch.Tensor, key_codec: Codec, bands: int, seed: int
+    rec: Recorder, model: PreTrainedModel, input_ids: torch.Tensor, key_codec: Codec, bands: int, seed: int
 ) -> None:
     """Serve ``input_ids`` through a validate-mode :class:`CertifiedCache` (keys ``key_codec``, values fp16,
     gate off, every token encoded as soon as the next one arrives) and record, per layer, the live readings
@@ -95,6 +96,7 @@ def probe_dense_live(
     tel = cache.telemetry()
     rec.counts["witness_violations"] += tel.violations
     for layer in cache.layers:
+        assert isinstance(layer, CertifiedLayer)
         store = layer.store
         assert store.k is not None
         resid = (store.k.served.view().to(torch.float64) - store.k.host.view().to(torch.float64)).norm(dim=-1)

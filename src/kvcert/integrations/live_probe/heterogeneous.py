@@ -16,10 +16,10 @@ chain.
   (partial), Lemma S2 masses on the ``ε_row`` hash perturbation (partial), the selector→attention mass ratio
   ``ρ`` (empirical) and the chain ``dense chain of the served keys ∥ (selection_s2 → selector_mass_ratio(ρ_max))``
   (empirical);
-* **pooling** (block-pooled compressed entries, served live by :func:`kvcert.integrations.pooling.serve_pooled`
+* **pooling** (block-pooled compressed entries, served live by :func:`kvcert.integrations.pooled_attention.serve_pooled`
   on full-attention layers, ``pool_block`` tokens per entry stored with ``key_codec``): the pooling contract
   coefficients, the concentration profile, the pooled-floor self-check and the chain of
-  :mod:`kvcert.integrations.live_probe.pooling`;
+  :mod:`kvcert.integrations.live_probe.pooled_path`;
 * **latent_kv** (MLA): quantize the latent and the rope key with ``latent_codec``; Tier A through ``u =
   W_UKᵀq`` plus the rope part, Tier B when the codec dithers, and the same chain shape as dense KV on the
   concatenated entry ``[c, k_pe]`` with query ``[u, q_pe]``;
@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PreTrainedModel
 
 from kvcert.bounds.latent import effective_query, latent_tier_a_radius, latent_tier_b_sigma2
 from kvcert.bounds.radii import tier_a_radius, tier_b_radius
@@ -52,11 +53,11 @@ from kvcert.bounds.selection import (
 )
 from kvcert.bounds.softmax_tv import tv_meter
 from kvcert.contracts import ATTN_DIST_TV, KV_ENTRY_L2, SELECTOR_DIST_TV, Chain, Contract, Metric, Tier, bridges, stages
+from kvcert.integrations.forget_gates import GateTrace, extract_forget_gates
 from kvcert.integrations.live_probe.dense import DENSE_PATH, dense_chain, probe_dense_live
-from kvcert.integrations.live_probe.pooling import PoolingMeters, probe_pooling
+from kvcert.integrations.live_probe.pooled_path import PoolingMeters, probe_pooling
 from kvcert.integrations.mla import LatentLayer, extract_latents
-from kvcert.integrations.pooling import WEIGHTINGS, PoolingConfig, Weighting, pooled_layers
-from kvcert.integrations.recurrent import GateTrace, extract_forget_gates
+from kvcert.integrations.pooled_attention import WEIGHTINGS, PoolingConfig, Weighting, pooled_layers
 from kvcert.integrations.selector import (
     CapturedAttention,
     attention_scores,
@@ -280,7 +281,7 @@ def _probe_recurrent(rec: Recorder, trace: GateTrace) -> None:
     rec.triggers += 1
 
 
-def memory_paths(model: torch.nn.Module, config: ProbeConfig | None = None) -> tuple[str, ...]:
+def memory_paths(model: PreTrainedModel, config: ProbeConfig | None = None) -> tuple[str, ...]:
     """The probe paths ``model`` declares, from its module structure (before anything is measured).
 
     MLA attention (``kv_b_proj``) -> ``latent_kv``; a recurrent mixer (``A_log`` and ``dt_bias``) ->
@@ -305,7 +306,7 @@ def memory_paths(model: torch.nn.Module, config: ProbeConfig | None = None) -> t
 
 
 def probe_request(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     input_ids: torch.Tensor,
     *,
     run_id: str,

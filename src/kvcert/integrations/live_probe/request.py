@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from transformers import Cache
+from transformers import Cache, PreTrainedModel
 
 
-def serve_request(model: torch.nn.Module, input_ids: torch.Tensor, cache: Cache | None = None) -> int:
+def serve_request(model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache | None = None) -> int:
     """Prefill the first ``⌈T/2⌉`` tokens of ``input_ids[B, T]``, then feed the rest one token per forward.
 
     ``cache`` (e.g. a :class:`~kvcert.integrations.transformers.CertifiedCache`) is used if given, else the

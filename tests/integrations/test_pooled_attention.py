@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from kvcert.integrations.pooling import (
+from kvcert.integrations.forget_gates import tiny_recurrent_model
+from kvcert.integrations.pooled_attention import (
     PoolingConfig,
     block_weights,
     pooled_layers,
     pooled_visibility,
     serve_pooled,
 )
-from kvcert.integrations.recurrent import tiny_recurrent_model
 from kvcert.models.tiny import SLIDING_SHAPES, tiny_random
 from kvcert.quant.base import quantize
 from kvcert.quant.kivi import KiviCodec

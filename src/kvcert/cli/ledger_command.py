@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvcert.ledger.gate import Criterion, GateResult, check_snapshot, evaluate
+from kvcert.ledger.criteria import Criterion, GateResult, check_snapshot, evaluate
 from kvcert.ledger.log import LogReader
 from kvcert.ledger.replay import diff_states, replay_verified
 from kvcert.ledger.sentinel import latency_table, rounds_needed

@@ -140,7 +140,7 @@ def check_snapshot(data: object, where: str = "snapshot") -> dict[str, Any]:
 def _sum(accounts: dict[str, Any], key: str) -> int | None:
     """Total of ``key`` over the accounts; None if any account lacks it (missing data)."""
     values = [a.get(key) for a in accounts.values()]
-    return None if None in values else sum(values)  # type: ignore[arg-type]
+    return None if None in values else sum(values)
 
 
 def evaluate(snapshot: dict[str, Any] | Sequence[dict[str, Any]], n_user_requests: int | None = None) -> GateResult:
@@ -170,9 +170,11 @@ def replica_criteria(snapshots: Sequence[dict[str, Any]]) -> tuple[Criterion, ..
     ``replica_coupling_identical``: every rank has the same accounts as rank 0, field-identical on
     :data:`COUPLED_FIELDS` and :data:`COUPLED_EPROCESS_FIELDS`; a difference is reported with its rank,
     account and field. With one rank the coupling holds trivially (and says so)."""
-    ranks = [s.get("rank") for s in snapshots]
-    declared = {s.get("n_ranks") for s in snapshots}
-    if any(not isinstance(r, int) for r in ranks) or any(not isinstance(n, int) for n in declared):
+    raw_ranks = [s.get("rank") for s in snapshots]
+    raw_declared = {s.get("n_ranks") for s in snapshots}
+    ranks = [r for r in raw_ranks if isinstance(r, int)]
+    declared = {n for n in raw_declared if isinstance(n, int)}
+    if len(ranks) != len(raw_ranks) or len(declared) != len(raw_declared):
         missing = "missing data (a snapshot lacks rank or n_ranks)"
         return Criterion("n_ranks_seen==n_ranks", False, missing), Criterion(
             "replica_coupling_identical", False, missing

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import transformers
+from transformers import PreTrainedModel
 
 RECURRENT_FAMILIES: tuple[str, ...] = ("mamba2", "qwen3_next")
 
@@ -36,14 +37,14 @@ class GateTrace:
     beta: torch.Tensor | None
 
 
-def _mamba2_gates(mixer: torch.nn.Module, proj: torch.Tensor) -> tuple[torch.Tensor, None]:
+def _mamba2_gates(mixer: Any, proj: torch.Tensor) -> tuple[torch.Tensor, None]:
     dt = proj[..., -mixer.num_heads :].to(torch.float64)
     lo, hi = mixer.time_step_limit
     step = F.softplus(dt + mixer.dt_bias.detach().to(torch.float64)).clamp(lo, hi)
     return torch.exp(-torch.exp(mixer.A_log.detach().to(torch.float64)) * step), None
 
 
-def _gdn_gates(mixer: torch.nn.Module, qkvz: torch.Tensor, ba: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gdn_gates(mixer: Any, qkvz: torch.Tensor, ba: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _, _, _, _, b, a = mixer.fix_query_key_value_ordering(qkvz, ba)
     g = -torch.exp(mixer.A_log.detach().to(torch.float64)) * F.softplus(
         a.to(torch.float64) + mixer.dt_bias.detach().to(torch.float64)
@@ -51,8 +52,11 @@ def _gdn_gates(mixer: torch.nn.Module, qkvz: torch.Tensor, ba: torch.Tensor) -> 
     return torch.exp(g), torch.sigmoid(b.to(torch.float64))
 
 
-def _recurrent_mixers(model: torch.nn.Module) -> dict[int, tuple[str, torch.nn.Module]]:
-    found: dict[int, tuple[str, torch.nn.Module]] = {}
+def _recurrent_mixers(model: PreTrainedModel) -> dict[int, tuple[str, Any]]:
+    """Layer index -> (kind, mixer) for every module carrying a recurrent mixer's parameters (duck-typed:
+    ``A_log``, ``dt_bias``, ``layer_idx``; Gated DeltaNet also ``in_proj_ba``), hence ``Any``."""
+    found: dict[int, tuple[str, Any]] = {}
+    m: Any
     for m in model.modules():
         if hasattr(m, "A_log") and hasattr(m, "dt_bias") and hasattr(m, "layer_idx"):
             kind = "gated_deltanet" if hasattr(m, "in_proj_ba") else "mamba2"
@@ -62,12 +66,12 @@ def _recurrent_mixers(model: torch.nn.Module) -> dict[int, tuple[str, torch.nn.M
     return found
 
 
-def recurrent_layers(model: torch.nn.Module) -> list[int]:
+def recurrent_layers(model: PreTrainedModel) -> list[int]:
     """Indices of the model's recurrent layers."""
     return sorted(_recurrent_mixers(model))
 
 
-def extract_forget_gates(model: torch.nn.Module, input_ids: torch.Tensor) -> list[GateTrace]:
+def extract_forget_gates(model: PreTrainedModel, input_ids: torch.Tensor) -> list[GateTrace]:
     """Run ``model`` on ``input_ids`` (no cache) and return every recurrent layer's forget-gate factors."""
     mixers = _recurrent_mixers(model)
     outs: dict[tuple[int, str], torch.Tensor] = {}
@@ -90,6 +94,7 @@ def extract_forget_gates(model: torch.nn.Module, input_ids: torch.Tensor) -> lis
             h.remove()
     traces = []
     for layer, (kind, m) in sorted(mixers.items()):
+        beta: torch.Tensor | None
         if kind == "gated_deltanet":
             a, beta = _gdn_gates(m, outs[(layer, "in_proj_qkvz")], outs[(layer, "in_proj_ba")])
         else:
@@ -100,7 +105,7 @@ def extract_forget_gates(model: torch.nn.Module, input_ids: torch.Tensor) -> lis
     return traces
 
 
-def tiny_recurrent_model(family: str, seed: int = 0) -> torch.nn.Module:
+def tiny_recurrent_model(family: str, seed: int = 0) -> PreTrainedModel:
     """A 2-layer, hidden-64 random-weight model: ``mamba2`` (two SSM layers) or ``qwen3_next`` (a Gated
     DeltaNet
     layer followed by a full-attention layer), eval mode, no hub access."""
@@ -120,7 +125,7 @@ def tiny_recurrent_model(family: str, seed: int = 0) -> torch.nn.Module:
         )
         return transformers.Mamba2ForCausalLM(cfg).eval()
     if family == "qwen3_next":
-        cfg = transformers.Qwen3NextConfig(
+        next_cfg = transformers.Qwen3NextConfig(
             vocab_size=128,
             hidden_size=64,
             intermediate_size=128,
@@ -139,5 +144,5 @@ def tiny_recurrent_model(family: str, seed: int = 0) -> torch.nn.Module:
             layer_types=["linear_attention", "full_attention"],
             max_position_embeddings=256,
         )
-        return transformers.Qwen3NextForCausalLM(cfg).eval()
+        return transformers.Qwen3NextForCausalLM(next_cfg).eval()
     raise ValueError(f"family must be one of {RECURRENT_FAMILIES}, got {family!r}")

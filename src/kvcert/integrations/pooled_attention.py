@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from transformers import PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -99,13 +100,14 @@ class PooledRead:
     output: torch.Tensor
 
 
-def pooled_layers(model: torch.nn.Module) -> tuple[int, ...]:
+def pooled_layers(model: PreTrainedModel) -> tuple[int, ...]:
     """Layers that :func:`serve_pooled` pools: full-attention softmax layers that are not MLA (``kv_b_proj``)."""
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     types, _ = get_layer_types_and_kwargs(cfg)
+    modules: list[Any] = list(model.modules())  # duck-typed: attention modules carry layer_idx and scaling
     layers = {
         int(m.layer_idx)
-        for m in model.modules()
+        for m in modules
         if hasattr(m, "layer_idx") and hasattr(m, "scaling") and not hasattr(m, "kv_b_proj")
     }
     return tuple(sorted(i for i in layers if types[i] == "full_attention"))
@@ -225,14 +227,14 @@ class _PoolMemory:
         first = self.tokens // block
         new = range(first, s // block)
         w = block_weights(query, key, visible, scaling, block, cfg.weighting, new, s - t)
-        stored = {}
+        stored: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # "k" / "v" -> (exact, served) entries
         for name, x in (("k", key), ("v", value)):
             exact = pool_blocks(x, w, first).to(torch.float32)
             served, bands, resid = self._store(exact, first)
             stored[name] = (self._append(f"{name}_exact", exact), self._append(f"{name}_served", served))
             if name == "k":
-                stored["bands"] = self._append("k_bands", bands.to(torch.float64))
-                stored["resid"] = self._append("k_resid", resid.to(torch.float64))
+                k_bands = self._append("k_bands", bands.to(torch.float64))
+                k_resid = self._append("k_resid", resid.to(torch.float64))
         n = s // block
         b, hkv = key.shape[:2]
         raw = key.to(torch.float32)
@@ -251,8 +253,8 @@ class _PoolMemory:
             keys=keys,
             served_keys=served_keys,
             served_values=served_values,
-            band_norms=torch.cat([stored["bands"], zeros.unsqueeze(-1).expand(b, hkv, s, cfg.bands)], dim=2),
-            residual_norms=torch.cat([stored["resid"], zeros], dim=2),
+            band_norms=torch.cat([k_bands, zeros.unsqueeze(-1).expand(b, hkv, s, cfg.bands)], dim=2),
+            residual_norms=torch.cat([k_resid, zeros], dim=2),
             visible=vis,
             scaling=scaling,
             new_blocks=tuple(new),
@@ -288,7 +290,7 @@ def _pooled_attention_fn(
 
 
 @contextmanager
-def serve_pooled(model: torch.nn.Module, config: PoolingConfig | None = None) -> Iterator[list[PooledRead]]:
+def serve_pooled(model: PreTrainedModel, config: PoolingConfig | None = None) -> Iterator[list[PooledRead]]:
     """Serve every layer of :func:`pooled_layers` from a pooled memory inside the block; yields the list of
     :class:`PooledRead` records (in call order). ``ValueError`` if the model has no layer to pool.
 
@@ -300,9 +302,10 @@ def serve_pooled(model: torch.nn.Module, config: PoolingConfig | None = None) ->
     if not layers:
         raise ValueError(f"{type(model).__name__} has no full-attention softmax layer to pool")
     sink: list[PooledRead] = []
+    modules: list[Any] = list(model.modules())  # duck-typed: attention modules carry layer_idx and scaling
     memories = {
         m: _PoolMemory(int(m.layer_idx), cfg, sink)
-        for m in model.modules()
+        for m in modules
         if hasattr(m, "layer_idx") and hasattr(m, "scaling") and int(m.layer_idx) in layers
     }
     with attention_override(model, POOLED_NAME, _pooled_attention_fn, "_kvcert_pool", memories):

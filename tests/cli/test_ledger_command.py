@@ -3,7 +3,7 @@ import json
 import numpy as np
 from typer.testing import CliRunner
 
-from kvcert.cli.ledger import app
+from kvcert.cli.ledger_command import app
 from kvcert.ledger import DitheredAdmission, EventLog, Ledger, observed
 
 runner = CliRunner()

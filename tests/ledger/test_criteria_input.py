@@ -7,9 +7,9 @@ import pytest
 from evidence_logs import run_requests
 from typer.testing import CliRunner
 
-from kvcert.cli.ledger import app
+from kvcert.cli.ledger_command import app
 from kvcert.ledger import Ledger, evaluate
-from kvcert.ledger.gate import GateInputError, check_snapshot
+from kvcert.ledger.criteria import GateInputError, check_snapshot
 
 runner = CliRunner()
 

@@ -1,7 +1,7 @@
 """Live meters of the pooled memory path (``docs/memory-meters.md#pooling``) and its per-layer chain.
 
-``probe_pooling`` serves a request through :func:`kvcert.integrations.pooling.serve_pooled` and reads, for every
-pooled read:
+``probe_pooling`` serves a request through :func:`kvcert.integrations.pooled_attention.serve_pooled` and reads,
+for every pooled read:
 
 * the pooling contract coefficients of the blocks written at that step: ``‖w‖₂`` (ℓ2 form) and 1 (ℓ∞ form),
   both **certified** coefficients, and the concentration profile ``top1_norm``, ``entropy_n``, ``eff_frac``
@@ -20,12 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedModel
 
 from kvcert.bounds.pooling import pooling_profile
 from kvcert.bounds.radii import tier_a_radius
 from kvcert.contracts import ATTN_DIST_TV, KV_ENTRY_L2, Chain, Metric, bridges, stages
 from kvcert.integrations.live_probe.request import serve_request
-from kvcert.integrations.pooling import PooledRead, PoolingConfig, serve_pooled
+from kvcert.integrations.pooled_attention import PooledRead, PoolingConfig, serve_pooled
 from kvcert.integrations.selector import attention_scores, expand_kv
 from kvcert.probe.recorder import Q_NORM, RADIUS_ATOL, TRUE_TV, Recorder, cell_checks
 
@@ -102,7 +103,7 @@ def _read_cells(rec: Recorder, r: PooledRead) -> tuple[float, float]:
 
 
 def probe_pooling(
-    rec: Recorder, model: torch.nn.Module, input_ids: torch.Tensor, config: PoolingConfig
+    rec: Recorder, model: PreTrainedModel, input_ids: torch.Tensor, config: PoolingConfig
 ) -> PoolingMeters:
     """Serve ``input_ids`` through the pooled memory and record, per pooled layer, the coefficient, profile,
     witness, certificates, true TV and chain (module doc); returns the per-(layer, head, step) meters."""

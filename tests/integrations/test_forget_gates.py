@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvcert.bounds.recurrent import gate_contraction
-from kvcert.integrations.recurrent import extract_forget_gates, recurrent_layers, tiny_recurrent_model
+from kvcert.integrations.forget_gates import extract_forget_gates, recurrent_layers, tiny_recurrent_model
 
 
 def _layer0_states(model, prompt):

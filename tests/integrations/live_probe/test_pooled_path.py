@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-import kvcert.integrations.live_probe.pooling as pool_probe
+import kvcert.integrations.live_probe.pooled_path as pool_probe
 from kvcert.contracts import Tier
 from kvcert.integrations.live_probe.heterogeneous import ProbeConfig, probe_request
-from kvcert.integrations.live_probe.pooling import pooling_meters
+from kvcert.integrations.live_probe.pooled_path import pooling_meters
 from kvcert.integrations.live_probe.request import serve_request
-from kvcert.integrations.pooling import PoolingConfig, serve_pooled
+from kvcert.integrations.pooled_attention import PoolingConfig, serve_pooled
 from kvcert.models.tiny import tiny_random
 from kvcert.probe import verify
 from kvcert.quant.rtn import RTNCodec

@@ -187,7 +187,7 @@ class CertifiedLayer(CacheLayerMixin):
         return -1 if self.sliding_window is None else self.sliding_window
 
     @property
-    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+    def keys(self) -> torch.Tensor | None:
         """Served (decoded) keys ``[B, Hkv, S, D]``."""
         return None if self.store.k is None else self.store.k.served.view()
 
@@ -197,7 +197,7 @@ class CertifiedLayer(CacheLayerMixin):
             raise AttributeError("CertifiedLayer keys are derived from its store")
 
     @property
-    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+    def values(self) -> torch.Tensor | None:
         """Served (decoded) values ``[B, Hkv, S, D]``."""
         return None if self.store.v is None else self.store.v.served.view()
 

@@ -57,7 +57,7 @@ from kvcert.bounds import dither_witness_moments, uniform_split
 from kvcert.bounds.rope import Pairing
 from kvcert.cache.events import CacheObserver, ReadEvent, WriteEvent
 from kvcert.cache.gate import Gate
-from kvcert.cache.store import LayerStore
+from kvcert.cache.store import DEFAULT_WITNESS, LayerStore, Witness
 from kvcert.cache.telemetry import ChainInputs, EvictRecord, StepRecord, Telemetry, stack_records
 from kvcert.evict import (
     RMM,
@@ -229,6 +229,7 @@ class CertifiedLayer(CacheLayerMixin):
             seed=st.seed,
             write_block=st.write_block,
             device_budget=st.device_budget,
+            witness=st.witness,
         )
         self.cumulative_length = 0
         self.returned = None
@@ -390,6 +391,9 @@ class CertifiedCache(Cache):
             omitted key with its error witness, ``"box"``: per page a float16 box and ball) on the device. Every
             read's certificate bounds the TV against exact attention over *every* token; ``Gate.certified(tau)``
             recalls pages until it is ``<= tau`` (``tau = 0``: the dense answer). Exclusive with ``evict``.
+        witness: storage of the write-time witnesses: ``"log8"`` (default; 8-bit codes that decode to values never
+            below the true ones, 12 B per token per KV head) or ``"f32"`` (float32, 52 B); see
+            ``docs/math.md#compact-witnesses``.
     """
 
     def __init__(
@@ -423,6 +427,7 @@ class CertifiedCache(Cache):
         select: EvictionPolicy | None = None,
         page_size: int = 16,
         summary: str = "int8",
+        witness: Witness = DEFAULT_WITNESS,
     ) -> None:
         self.family = _model_family(model)
         cfg = model.config.get_text_config(decoder=True)
@@ -458,6 +463,7 @@ class CertifiedCache(Cache):
                 seed=self.seed,
                 write_block=write_block,
                 device_budget=device_budget,
+                witness=witness,
             )
             window = layer_kwargs[i].get("sliding_window") if layer_types[i] == "sliding_attention" else None
             layers.append(CertifiedLayer(store, window))

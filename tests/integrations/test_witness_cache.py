@@ -15,15 +15,9 @@ SCHEMES = [("dither-int8", "int4"), ("dither-int6", "int2"), ("int4", "kivi-2")]
 
 
 def _decode(model, ids, cache, steps):
-    toks = []
-    with torch.no_grad():
-        out = model(ids, cache=cache, use_cache=True)
-        nxt = out.logits[:, -1:].argmax(-1)
-        for _ in range(steps):
-            toks.append(nxt)
-            out = model(nxt, cache=cache, use_cache=True)
-            nxt = out.logits[:, -1:].argmax(-1)
-    return torch.cat(toks, 1)
+    """Greedy continuation of ``steps`` tokens through ``cache`` (transformers' generate)."""
+    out = model.generate(ids, cache=cache, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
+    return out[:, ids.shape[1] :]
 
 
 @pytest.mark.parametrize("keys,values", SCHEMES)
@@ -67,5 +61,5 @@ def test_log8_validate_zero_violations_smollm2(smollm2_model, keys, values):
     _decode(model, ids, cache, 3)
     cache.detach()
     tel = cache.telemetry()
-    assert tel.cells >= 3 * 30 * 9
+    assert tel.cells >= 2 * 30 * 9  # two decode reads (generate runs no forward after the last token)
     assert tel.violations == 0 and tel.out_violations == 0, tel.summary()

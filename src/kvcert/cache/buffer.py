@@ -8,6 +8,9 @@ import torch
 
 from kvcert.quant import logcode
 
+#: an index into a ``[B, H, T, ...]`` buffer: ``(rows, heads, tokens)`` as ints, slices or a boolean token mask
+TokenIndex = tuple[int | slice | torch.Tensor, ...]
+
 
 class GrowBuffer:
     """Holds ``[B, H, T, *tail]`` tensors growing along the token axis (dim 2) without O(T) copies per append.
@@ -59,7 +62,7 @@ class GrowBuffer:
         """The whole C-contiguous allocation ``[B, H, capacity, *tail]`` as a numpy array sharing its memory
         (CPU only; cached until the buffer reallocates); tokens ``[0, n)`` are live. For kernels that read a
         token prefix without the copy a strided view would cost them."""
-        if self._array_of is not self._data:
+        if self._array is None or self._array_of is not self._data:
             self._array, self._array_of = self._data.numpy(), self._data
         return self._array
 
@@ -85,7 +88,7 @@ class GrowBuffer:
         v = self.view()
         return v.numel() * v.element_size()
 
-    def write(self, index: tuple[object, ...], values: torch.Tensor | float) -> bool:
+    def write(self, index: TokenIndex, values: torch.Tensor | float) -> bool:
         """``view()[index] = values``. Returns False (nothing else changed; see :meth:`LogBuffer.write`)."""
         self.view()[index] = values
         return False
@@ -133,12 +136,12 @@ class LogBuffer:
         """The decoded allocation as numpy (see :meth:`GrowBuffer.array`)."""
         return self.decoded.array()
 
-    def _per_element(self, t: torch.Tensor, index: tuple[object, ...]) -> torch.Tensor:
+    def _per_element(self, t: torch.Tensor, index: TokenIndex) -> torch.Tensor:
         """``t[B, H]`` broadcast to every element of ``view()[index]``."""
         live = self.codes.view()
         return t.view(*t.shape, *([1] * (live.dim() - 2))).expand(live.shape)[index]
 
-    def write(self, index: tuple[object, ...], values: torch.Tensor | float) -> bool:
+    def write(self, index: TokenIndex, values: torch.Tensor | float) -> bool:
         """Store ``values`` (non-negative, broadcast to ``view()[index]``) at ``index``: set the base of heads
         written positive for the first time, raise the base of heads whose new values exceed their top code,
         encode, and refresh the decoded copy. Returns True when some base was raised (values elsewhere in that

@@ -52,13 +52,14 @@ archive* in the host tier, so exact attention over everything ever written stays
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from kvcert.bounds.rope import Pairing, band_norms, norm_up_f32, round_up_f32
-from kvcert.cache.buffer import GrowBuffer, LogBuffer
+from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex
 from kvcert.quant import Codec, DitherKey, Packed
 
 
@@ -300,7 +301,7 @@ class LayerStore:
             "v_dist": norm_up_f32(served.to(torch.float64) - self.v_centre),
         }
 
-    def _write_witnesses(self, index: tuple[object, ...], wit: dict[str, torch.Tensor | float]) -> None:
+    def _write_witnesses(self, index: TokenIndex, wit: Mapping[str, torch.Tensor | float]) -> None:
         """Write witnesses ``{buffer name: values}`` at ``index`` of their buffers. In ``"log8"`` the key
         witness ``W_t`` is not stored: it is re-derived as :func:`band_sum_up` of the *decoded* bands (each
         ``>=`` the true band norm, so ``W_t`` still bounds ``Σ_b ρ_{t,b}`` and ``‖Δk_t‖``), over the whole
@@ -417,7 +418,7 @@ class LayerStore:
                 if self.bytes_device() <= limit:
                     return
 
-    def _token_buffers(self) -> tuple[GrowBuffer, ...]:
+    def _token_buffers(self) -> tuple[GrowBuffer | LogBuffer, ...]:
         """The per-token witness and position buffers (trimmed and gathered together with the tiers)."""
         return (self.k_band, self.k_wit, self.k_hat_norm, self.v_res, self.v_hat_norm, self.v_dist, self.positions)
 
@@ -432,8 +433,8 @@ class LayerStore:
             ts.n_encoded = max(ts.n_encoded - start, 0)
             ts.chunks = [c for c in ts.chunks if c.stop > self.base + start]
         self.n_held = sum(int(ts.held.view().sum()) for ts in (self.k, self.v))
-        for buf in self._token_buffers():
-            buf.drop_before(start)
+        for token_buf in self._token_buffers():
+            token_buf.drop_before(start)
         if self.k_steps is not None:
             self.k_steps.drop_before(start)
         self.base += start
@@ -474,8 +475,8 @@ class LayerStore:
             ts.last_encoded = 0
         self.compacted = True
         self.n_held = sum(int(ts.held.view().sum()) for ts in (self.k, self.v))
-        for buf in self._token_buffers():
-            buf.gather(keep)
+        for token_buf in self._token_buffers():
+            token_buf.gather(keep)
         if self.k_steps is not None:
             self.k_steps.gather(keep)
 

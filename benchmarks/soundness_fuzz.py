@@ -9,12 +9,16 @@ With ``--codec-cells N`` it then runs ``N`` end-to-end cells per key-codec form 
 adversarial keys, the codec, its Tier-A witness, queries up to the Cauchy–Schwarz equality direction) and checks
 ``radius ≥ |ε_t|`` per token and ``meter + 1e-12 ≥ TV`` per cell (``--cells 0`` runs only those).
 
+With ``--witness-cells N`` it runs the compact-witness forms (``docs/math.md#compact-witnesses``): ``N`` adversarial
+elements through the log8 code (decoded ≥ value per element) and ``N`` end-to-end cells per ``(key codec, log8)``
+form whose band norms go through the code before the Tier-A radius (radius ≥ ``|ε_t|``, meter ≥ TV).
+
 The page forms (``kvcert.bounds.pages``: page logit bound, omitted-mass bound, direct form, composed certificate of
 a resident read) run on their own adversarial cells (``tests/bounds/pages_adversarial.py``: corner-aligned
 queries, needles, masked omitted tokens), ``--page-cells`` of them (0 skips them).
 
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soundness_fuzz.py [--cells 10000000] [--seed 0]
-[--codec-cells 10000000]``
+[--codec-cells 10000000] [--witness-cells 10000000]``
 """
 
 from __future__ import annotations
@@ -30,7 +34,15 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "bounds"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "quant"))
 from bounds_adversarial import CI_PLAN, SLACK, all_form_bounds, informative_ratio, make_cells  # noqa: E402
-from codec_cells import CODEC_FORMS, CODEC_PLAN, make_codec_cells  # noqa: E402
+from codec_cells import (  # noqa: E402
+    CODEC_FORMS,
+    CODEC_PLAN,
+    WITNESS_FORMS,
+    WITNESS_PLAN,
+    adversarial_witnesses,
+    make_codec_cells,
+    witness_element_violations,
+)
 from codec_cells import violations as codec_violations  # noqa: E402
 from pages_adversarial import PAGE_PLAN, make_page_cells, page_checks, page_violations  # noqa: E402
 
@@ -54,17 +66,52 @@ def codec_fuzz(n_cells: int, gen: torch.Generator) -> bool:
     return clean
 
 
+def witness_fuzz(n_cells: int, gen: torch.Generator) -> bool:
+    """Compact-witness forms: ``n_cells`` log8 elements, then ``n_cells`` (whole rounds) end-to-end cells per
+    ``WITNESS_FORMS`` entry; prints a table, returns True if clean."""
+    chunk = 1_000_000
+    elems, bad, worst = 0, 0, 0.0
+    for _ in tqdm(range(-(-n_cells // chunk)), desc="log8 elements"):
+        b, w = witness_element_violations(adversarial_witnesses(chunk, gen), gen)
+        elems, bad, worst = elems + chunk, bad + b, max(worst, w)
+    print(f"{'witness form':>20} | {'cells':>11} | {'violations':>10} | {'worst ratio':>11}")
+    print(f"{'log8 element':>20} | {elems:>11,} | {bad:>10} | {worst:>11.6f}  (decoded / value at or above base)")
+    clean = bad == 0
+    per_round = sum(rows for _, rows in WITNESS_PLAN)
+    for codec, witness in WITNESS_FORMS:
+        cells, bad_r, bad_m, tight = 0, 0, 0, 0.0
+        for _ in tqdm(range(-(-n_cells // per_round)), desc=f"{codec}+{witness}"):
+            for s, rows in WITNESS_PLAN:
+                batch = make_codec_cells(codec, rows, s, gen, witness=witness)
+                r, m = codec_violations(batch)
+                bad_r, bad_m, cells = bad_r + r, bad_m + m, cells + rows
+                tight = max(tight, float((batch.eps.abs() / batch.radius.clamp(min=1e-300)).max()))
+        name = f"{codec}+{witness}"
+        print(
+            f"{name:>20} | {cells:>11,} | {bad_r + bad_m:>10} | {tight:>11.6f}"
+            f"  (radius {bad_r}, meter {bad_m}; max |eps|/c)"
+        )
+        clean = clean and bad_r == 0 and bad_m == 0
+    return clean
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cells", type=int, default=10_000_000, help="cells per form (whole rounds)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--codec-cells", type=int, default=0, help="end-to-end cells per key-codec form (0: skip)")
+    ap.add_argument("--witness-cells", type=int, default=0, help="cells per compact-witness form (0: skip)")
     ap.add_argument("--page-cells", type=int, default=10_000_000, help="cells of the page forms (whole rounds)")
-    ap.add_argument("--forms", choices=("all", "pages"), default="all", help="'pages': only the page forms")
+    ap.add_argument(
+        "--forms",
+        choices=("all", "pages", "witness"),
+        default="all",
+        help="'pages': only the page forms; 'witness': only the compact-witness forms (--witness-cells)",
+    )
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(args.seed)
     per_round = sum(rows for _, rows in CI_PLAN)
-    rounds = 0 if args.forms == "pages" else -(-args.cells // per_round)
+    rounds = 0 if args.forms != "all" else -(-args.cells // per_round)
     cells: dict[str, int] = {}
     violations: dict[str, int] = {}
     worst: dict[str, float] = {}
@@ -80,7 +127,7 @@ def main() -> None:
                     worst[form] = max(worst.get(form, 0.0), float(informative_ratio(bound, tv).max()))
                 bar.update(rows)
     per_page_round = sum(plan[-1] for plan in PAGE_PLAN)
-    page_rounds = -(-args.page_cells // per_page_round)
+    page_rounds = 0 if args.forms == "witness" else -(-args.page_cells // per_page_round)
     with tqdm(total=page_rounds * per_page_round, unit="cell", unit_scale=True, desc="pages") as bar:
         for _ in range(page_rounds):
             for s_r, s_o, ps, d, rows in PAGE_PLAN:
@@ -98,7 +145,8 @@ def main() -> None:
     for form in cells:
         print(f"{form:>12} | {cells[form]:>11,} | {violations[form]:>10} | {worst[form]:>14.6f}")
     codecs_clean = codec_fuzz(args.codec_cells, gen) if args.codec_cells else True
-    if any(violations.values()) or not codecs_clean:
+    witness_clean = witness_fuzz(args.witness_cells, gen) if args.witness_cells else True
+    if any(violations.values()) or not codecs_clean or not witness_clean:
         raise SystemExit("VIOLATIONS FOUND")
 
 

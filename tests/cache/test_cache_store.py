@@ -159,3 +159,18 @@ def test_gate_validation_and_labels():
         Gate.certified(-1.0)
     with pytest.raises(ValueError, match="granularity"):
         Gate("certified", 0.2, "row")  # type: ignore[arg-type]
+
+
+def test_exact_sinks_keep_the_first_positions_exact_with_zero_residual():
+    gen = torch.Generator().manual_seed(0)
+    st = LayerStore(0, get("dither-int6"), get("int4"), bands=8, pairing="rotate_half", seed=1, exact_sinks=4)
+    k, v = torch.randn(1, 2, 20, 64, generator=gen), torch.randn(1, 2, 20, 64, generator=gen)
+    st.append(k, v, torch.arange(1), torch.zeros(1, dtype=torch.bool))
+    st.append(k[:, :, :1], v[:, :, :1], torch.arange(1), torch.zeros(1, dtype=torch.bool))
+    assert st.k.exact.view()[:, :, :4].all() and not st.k.exact.view()[:, :, 4:20].any()
+    assert torch.equal(st.k.served.view()[:, :, :4], k[:, :, :4])
+    assert (st.k_band.view()[:, :, :4] == 0).all() and (st.v_res.view()[:, :, :4] == 0).all()
+    assert (st.k_band.view()[:, :, 4:20] > 0).all()
+    assert st.fail_closed == 0  # sinks are a choice, not a fail-closed identity
+    with pytest.raises(ValueError, match="exact_sinks"):
+        LayerStore(0, get("int8"), get("int8"), bands=8, pairing="rotate_half", seed=1, exact_sinks=-1)

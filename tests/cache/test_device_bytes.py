@@ -9,7 +9,7 @@ from kvcert.cache.store import LayerStore
 from kvcert.quant import get
 
 
-def _store(keys="int8", values="int4", budget=None, write_block=1, **kw):
+def _store(keys="int8", values="int4", budget=None, write_block=1, witness="log8", **kw):
     return LayerStore(
         0,
         get(keys, **kw),
@@ -19,6 +19,7 @@ def _store(keys="int8", values="int4", budget=None, write_block=1, **kw):
         seed=1,
         write_block=write_block,
         device_budget=budget,
+        witness=witness,
     )
 
 
@@ -33,16 +34,24 @@ def _rows(b=2):
 
 def walk_device_bytes(st: LayerStore) -> int:
     """Σ nbytes of the tensors the device tier holds, walked one by one (independent of bytes_device()):
-    every packed chunk tensor, every witness buffer's live prefix, the value centre, and the entries held
-    exact, materialised at 16 bits from the exact originals."""
+    every packed chunk tensor, every stored witness buffer's live prefix (``"f32"``: the float32 values,
+    ``k_wit`` and the steps included; ``"log8"``: the uint8 codes and base exponents, ``k_wit`` and the steps
+    being derived), the value centre, and the entries held exact, materialised at 16 bits from the exact
+    originals."""
     total = 0
     for ts in (st.k, st.v):
         for chunk in ts.chunks:
             total += sum(t.nbytes for t in chunk.packed.tensors.values())
         total += ts.host.view()[ts.exact.view()].to(torch.float16).nbytes
-    for buf in (st.k_band, st.k_wit, st.k_hat_norm, st.v_res, st.v_hat_norm, st.v_dist, st.k_steps):
-        if buf is not None:
-            total += buf.view().nbytes
+    stored = (st.k_band, st.k_hat_norm, st.v_res, st.v_hat_norm, st.v_dist)
+    if st.witness == "f32":
+        for buf in (*stored, st.k_wit, st.k_steps):
+            if buf is not None:
+                total += buf.view().nbytes
+    else:
+        for buf in stored:
+            assert buf.codes.view().dtype == torch.uint8
+            total += buf.codes.view().nbytes + buf.base.nbytes
     return total + st.v_centre.nbytes
 
 
@@ -64,13 +73,14 @@ def _witness_state(st: LayerStore) -> dict[str, torch.Tensor]:
     return {name: buf.view().clone() for name, buf in bufs.items()}
 
 
+@pytest.mark.parametrize("witness", ["f32", "log8"])
 @pytest.mark.parametrize(
     "keys,values",
     [("int8", "int4"), ("int2", "int2"), ("dither-int8", "int4"), ("kivi-2", "kivi-2"), ("fp8-e4m3", "int8")],
 )
-def test_bytes_device_is_the_sum_of_the_stored_tensors(keys, values):
+def test_bytes_device_is_the_sum_of_the_stored_tensors(keys, values, witness):
     kw = {"axis": "key"} if keys.startswith("kivi") else {}
-    st = _store(keys, values, **kw)
+    st = _store(keys, values, witness=witness, **kw)
     st.append(*_kv(t=70), *_rows())
     st.append(*_kv(t=1, seed=1), *_rows())
     assert st.bytes_device() == walk_device_bytes(st) > 0
@@ -83,8 +93,9 @@ def test_bytes_device_is_the_sum_of_the_stored_tensors(keys, values):
     assert st.n_held == sum(int(ts.held.view().sum()) for ts in (st.k, st.v)) > 0
 
 
-def test_bytes_device_after_eviction_gather():
-    st = _store("int8", "int8")
+@pytest.mark.parametrize("witness", ["f32", "log8"])
+def test_bytes_device_after_eviction_gather(witness):
+    st = _store("int8", "int8", witness=witness)
     st.append(*_kv(t=20), *_rows())
     st.append(*_kv(t=1, seed=1), *_rows())
     st.make_exact(0, 1, slice(2, 9))
@@ -117,9 +128,10 @@ def test_persist_never_exceeds_the_budget_and_counts_transient_page_ins():
     assert unlimited.bytes_device() > unlimited.bytes_fp16()  # without a budget int2 + repair exceeds fp16
 
 
-def test_release_restores_codes_and_witnesses_exactly():
+@pytest.mark.parametrize("witness", ["f32", "log8"])
+def test_release_restores_codes_and_witnesses_exactly(witness):
     """A held repair released by the budget serves its codes again with the very witnesses of encode time."""
-    st = _store("dither-int8", "int4", budget=10.0, write_block=16)
+    st = _store("dither-int8", "int4", budget=10.0, write_block=16, witness=witness)
     st.append(*_kv(t=64), *_rows())
     st.append(*_kv(t=1, seed=1), *_rows())
     before = _witness_state(st)

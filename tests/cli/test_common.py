@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvcert.cache.gate import Gate
-from kvcert.cli.common import SchemeSpec, auto_gate, load_model, parse_gate, parse_schemes
+from kvcert.cli.common import SchemeSpec, auto_gate, load_model, parse_gate, parse_schemes, parse_storage
 from kvcert.cli.evaluate import parse_task_option
 
 
@@ -47,3 +47,18 @@ def test_load_model_rejects_unknown_specs() -> None:
         load_model("tiny:nosuchfamily")
     with pytest.raises(ValueError, match="model"):
         load_model("/no/such/dir")
+
+
+def test_parse_storage_applies_witness_and_device_budget() -> None:
+    specs = parse_storage(parse_schemes("dither-int6/int2,int4"), "f32", "0.33")
+    assert [(s.witness, s.device_budget) for s in specs] == [("f32", 0.33), ("f32", 0.33)]
+    assert [s.label for s in specs] == ["dither-int6/int2", "int4"]
+    assert parse_storage(specs, "log8", "none")[0].device_budget is None
+    for witness, budget, match in (
+        ("f16", "1.0", "--witness"),
+        ("log8", "0", "--device-budget"),
+        ("log8", "x", "--device-budget"),
+        ("log8", "inf", "--device-budget"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            parse_storage(specs, witness, budget)

@@ -18,10 +18,15 @@ from dataclasses import dataclass
 import torch
 
 from kvcert.bounds import band_norms, tier_a_radius, true_tv, tv_meter
-from kvcert.quant import get
+from kvcert.quant import get, logcode, sample_key
 
 F64 = torch.float64
 CODEC_FORMS: tuple[str, ...] = ("hadamard-int4", "hadamard-int2")
+#: (codec, witness storage) forms whose Tier-A band norms go through the compact log8 code before the radius
+WITNESS_FORMS: tuple[tuple[str, str], ...] = (("dither-int8", "log8"), ("dither-int6", "log8"))
+#: (S, cells) per chunk for the witness forms: short reads (the code acts per token and band; the dither hash
+#: costs per element), one round is 10^5 cells
+WITNESS_PLAN: tuple[tuple[int, int], ...] = ((2, 60_000), (4, 30_000), (8, 10_000))
 #: (S, cells) per chunk for the codec forms; one round is 10^5 cells
 CODEC_PLAN: tuple[tuple[int, int], ...] = ((4, 60_000), (16, 30_000), (64, 8_000), (256, 2_000))
 SLACK = 1e-12
@@ -47,15 +52,34 @@ def _keys(n: int, s: int, d: int, gen: torch.Generator) -> torch.Tensor:
     return x.clamp(-60_000.0, 60_000.0).to(torch.float16).to(torch.float32)
 
 
-def make_codec_cells(codec: str, n: int, s: int, gen: torch.Generator, d: int = 64, bands: int = 8) -> CodecCells:
-    """``n`` adversarial cells of ``s`` tokens for ``codec`` (see the module docstring)."""
+def log8_stored(rho: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """``rho[n, ...] >= 0`` as a :class:`~kvcert.cache.buffer.LogBuffer` would serve it: rounded up to float32,
+    encoded against one base per cell and decoded. The base is drawn adversarially in ``[m − 253, m + 30]``
+    codes around the cell's largest exponent ``m`` (from "the largest value takes the top code" to "every value
+    is clamped up to the base", as after a large rebase)."""
+    r32 = rho.to(torch.float32)
+    r32 = torch.where(r32.to(F64) < rho, torch.nextafter(r32, torch.full_like(r32, float("inf"))), r32)
+    need = logcode.exponent_up(r32).flatten(1).amax(-1)  # [n]
+    base = need - (logcode.TOP - 1) + torch.randint(0, logcode.TOP + 30, need.shape, generator=gen, dtype=torch.int32)
+    base = base.view(-1, *([1] * (rho.dim() - 1)))
+    return logcode.decode(logcode.encode(r32, base), base).to(F64)
+
+
+def make_codec_cells(
+    codec: str, n: int, s: int, gen: torch.Generator, d: int = 64, bands: int = 8, witness: str = "f32"
+) -> CodecCells:
+    """``n`` adversarial cells of ``s`` tokens for ``codec`` (see the module docstring); ``witness="log8"`` serves
+    the band norms through :func:`log8_stored` (what the store's compact witnesses hold)."""
     x = _keys(n, s, d, gen)
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
-    c = get(codec, seed=seed)
-    k_hat = c.decode(c.encode(x[None]))[0].to(F64)
+    c = get(codec, seed=seed) if codec.startswith("hadamard") else get(codec)
+    key = sample_key(x[None], seed) if c.needs_key else None
+    k_hat = c.decode(c.encode(x[None], key), key)[0].to(F64)
     k = x.to(F64)
     delta = k_hat - k
     rho = band_norms(delta, bands)  # [n, S, B]
+    if witness == "log8":
+        rho = log8_stored(rho, gen)
     # query: CS-equality direction for one token j (positive per-band weights), for a sum of tokens, random, or a mix
     j = torch.randint(0, s, (n,), generator=gen)
     dj = delta[torch.arange(n), j]  # [n, D]
@@ -95,3 +119,37 @@ def violations(cells: CodecCells) -> tuple[int, int]:
     evaluation of the two dot products) and ``meter + SLACK < TV`` per cell."""
     radius_bad = cells.eps.abs() > cells.radius * (1 + 1e-12) + 1e-300
     return int(radius_bad.sum()), int((cells.meter + SLACK < cells.tv).sum())
+
+
+def adversarial_witnesses(n: int, gen: torch.Generator) -> torch.Tensor:
+    """``n`` non-negative float32 values stressing the log8 code: uniform random bit patterns over every
+    finite non-negative float32 (denormals included), exact code boundaries ``dec(m)`` and their float32
+    neighbours, powers of two, 0, the float32 extremes, ``+inf`` and NaN."""
+    bits = torch.randint(0, 0x7F800000, (n,), generator=gen, dtype=torch.int32).view(torch.float32)
+    m = torch.randint(logcode.MIN_N, logcode.MAX_N + 1, (n,), generator=gen, dtype=torch.int32)
+    edge = logcode.dec(m)
+    up, down = torch.nextafter(edge, torch.tensor(float("inf"))), torch.nextafter(edge, torch.tensor(0.0))
+    special = torch.tensor(
+        [0.0, 1e-45, 1.1754942e-38, 1.1754944e-38, 1.0, 2.0, 3.4028235e38, float("inf"), float("nan")]
+    )
+    pick = torch.randint(0, 6, (n,), generator=gen)
+    pow2 = torch.ldexp(torch.ones(n), torch.randint(-149, 128, (n,), generator=gen)).to(torch.float32)
+    spec = special[torch.randint(0, len(special), (n,), generator=gen)]
+    return torch.stack([bits, edge, up, down, pow2, spec])[pick, torch.arange(n)]
+
+
+def witness_element_violations(x: torch.Tensor, gen: torch.Generator) -> tuple[int, float]:
+    """Encode ``x`` against random bases that fit its largest value's code (as the buffer guarantees), decode,
+    and return ``(violations, worst decoded/x over values at or above their base)``: a violation is a decoded
+    value below ``x``, a NaN, or NaN/``+inf`` not decoded to ``+inf``."""
+    n = logcode.exponent_up(x)
+    finite_pos = torch.isfinite(x) & (x > 0) & (n <= logcode.MAX_N)
+    base = torch.randint(logcode.MIN_N, logcode.MAX_N + 1, x.shape, generator=gen, dtype=torch.int32)
+    base = torch.where(finite_pos, torch.minimum(base, n), base)  # fits: code n - base + 1 in [1, TOP]
+    base = torch.where(finite_pos, torch.maximum(base, n - (logcode.TOP - 1)), base)
+    y = logcode.decode(logcode.encode(x, base), base)
+    nonfinite = torch.isnan(x) | torch.isinf(x)
+    bad = torch.isnan(y) | (y.to(F64) < x.to(F64)) | (nonfinite & ~torch.isinf(y))
+    above = finite_pos & (x.to(F64) >= logcode.dec(base).to(F64))  # not clamped up to the base
+    ratio = (y.to(F64) / x.to(F64))[above]
+    return int(bad.sum()), float(ratio.max()) if ratio.numel() else 0.0

@@ -59,6 +59,8 @@ def test_bytes_per_token_head_measured_at_d64():
         "int4": 36,
         "int2": 20,
         "dither-int8": 68,
+        "dither-int6": 52,  # 64 six-bit codes in 48 bytes + 2 fp16 steps
+        "dither-int5": 44,
         "fp8-e4m3": 64,
         "fp8-e5m2": 64,
         "fp8-e4m3-scaled": 68,

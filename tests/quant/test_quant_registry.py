@@ -10,6 +10,8 @@ BUILTIN_NAMES = [
     "int4",
     "int2",
     "dither-int8",
+    "dither-int6",
+    "dither-int5",
     "fp8-e4m3",
     "fp8-e5m2",
     "fp8-e4m3-scaled",

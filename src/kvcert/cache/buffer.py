@@ -1,9 +1,15 @@
-"""A token-axis growable tensor with amortised O(1) appends (capacity doubling)."""
+"""Token-axis growable tensors with amortised O(1) appends (capacity doubling): :class:`GrowBuffer` (any dtype)
+and :class:`LogBuffer` (non-negative witnesses stored as 8-bit logarithmic codes that decode upwards)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from kvcert.quant import logcode
+
+#: an index into a ``[B, H, T, ...]`` buffer: ``(rows, heads, tokens)`` as ints, slices or a boolean token mask
+TokenIndex = tuple[int | slice | torch.Tensor, ...]
 
 
 class GrowBuffer:
@@ -81,3 +87,110 @@ class GrowBuffer:
         """Bytes of the live prefix (not the reserved capacity)."""
         v = self.view()
         return v.numel() * v.element_size()
+
+    def write(self, index: TokenIndex, values: torch.Tensor | float) -> bool:
+        """``view()[index] = values``. Returns False (nothing else changed; see :meth:`LogBuffer.write`)."""
+        self.view()[index] = values
+        return False
+
+
+class LogBuffer:
+    """A :class:`GrowBuffer` of non-negative float32 witnesses ``[B, H, T, *tail]`` *stored* as 8-bit
+    :mod:`kvcert.quant.logcode` codes with one base exponent per (row, head), plus the decoded float32 copy
+    the read path reads (decode scratch, as for the served K/V: a kernel would decode in registers).
+
+    Contract: every value :meth:`view` / :meth:`array` returns is ``>=`` the value last written at that place
+    (``docs/math.md#compact-witnesses``); ``0`` stays exactly ``0``. :attr:`nbytes` counts the stored codes and
+    base exponents only. A head's base is set by its first positive write; a later value above its top code
+    raises the base (:func:`kvcert.quant.logcode.rebase`: every stored value can only grow) and is counted
+    in :attr:`rebases`.
+    """
+
+    def __init__(self, like: torch.Tensor, capacity: int = 256) -> None:
+        b, h = like.shape[:2]
+        self.codes = GrowBuffer(like.to(torch.uint8), capacity)
+        self.decoded = GrowBuffer(like.to(torch.float32), capacity)
+        self.base = torch.full((b, h), logcode.UNSET, dtype=torch.int32, device=like.device)
+        self.rebases = 0
+
+    @property
+    def n(self) -> int:
+        """Number of live tokens."""
+        return self.codes.n
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Element type of the decoded view (float32)."""
+        return self.decoded.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of :meth:`view`."""
+        return self.decoded.shape
+
+    def view(self) -> torch.Tensor:
+        """The decoded live prefix ``[B, H, n, *tail]`` (float32, each entry ``>=`` the value written)."""
+        return self.decoded.view()
+
+    def array(self) -> np.ndarray:
+        """The decoded allocation as numpy (see :meth:`GrowBuffer.array`)."""
+        return self.decoded.array()
+
+    def _per_element(self, t: torch.Tensor, index: TokenIndex) -> torch.Tensor:
+        """``t[B, H]`` broadcast to every element of ``view()[index]``."""
+        live = self.codes.view()
+        return t.view(*t.shape, *([1] * (live.dim() - 2))).expand(live.shape)[index]
+
+    def write(self, index: TokenIndex, values: torch.Tensor | float) -> bool:
+        """Store ``values`` (non-negative, broadcast to ``view()[index]``) at ``index``: set the base of heads
+        written positive for the first time, raise the base of heads whose new values exceed their top code,
+        encode, and refresh the decoded copy. Returns True when some base was raised (values elsewhere in that
+        head then decode larger, never smaller)."""
+        live = self.codes.view()
+        target = live[index]
+        x = torch.as_tensor(values, device=live.device)
+        x = torch.broadcast_to(x if x.is_floating_point() else x.to(torch.float64), target.shape)  # no rounding
+        n = logcode.exponent_up(x)
+        finite_pos = torch.isfinite(x) & (x > 0) & (n <= logcode.MAX_N)
+        heads = self._per_element(torch.arange(self.base.numel(), device=live.device).view(self.base.shape), index)
+        need = torch.full((self.base.numel(),), logcode.MIN_N - 1, dtype=torch.int32, device=live.device)
+        need = need.scatter_reduce(0, heads[finite_pos].flatten(), n[finite_pos].flatten(), "amax").view(
+            self.base.shape
+        )
+        seen = need >= logcode.MIN_N
+        unset = self.base == logcode.UNSET
+        self.base = torch.where(seen & unset, logcode.initial_base(need), self.base)
+        shift = torch.where(seen & ~unset, need - (self.base + logcode.TOP - 1), 0).clamp(min=0)
+        raised = bool((shift > 0).any())
+        if raised:
+            self.rebases += int((shift > 0).sum())
+            self.base = self.base + shift
+            live.copy_(logcode.rebase(live, shift.view(*shift.shape, *([1] * (live.dim() - 2)))))
+        live[index] = logcode.encode(x, self._per_element(self.base, index))
+        if raised:
+            self.decoded.view().copy_(logcode.decode(live, self.base.view(*self.base.shape, *([1] * (live.dim() - 2)))))
+        else:
+            self.decoded.view()[index] = logcode.decode(live[index], self._per_element(self.base, index))
+        return raised
+
+    def append(self, x: torch.Tensor) -> None:
+        """Append ``x[B, H, t, *tail]`` (non-negative) along the token axis."""
+        t = x.shape[2]
+        self.codes.append(torch.zeros(x.shape, dtype=torch.uint8, device=x.device))
+        self.decoded.append(torch.zeros(x.shape, dtype=torch.float32, device=x.device))
+        self.write((slice(None), slice(None), slice(self.n - t, self.n)), x)
+
+    def drop_before(self, start: int) -> None:
+        """Discard tokens ``[0, start)``."""
+        self.codes.drop_before(start)
+        self.decoded.drop_before(start)
+
+    def gather(self, index: torch.Tensor) -> None:
+        """Keep only tokens ``index[B, H, C]`` (eviction)."""
+        self.codes.gather(index)
+        self.decoded.gather(index)
+
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes: the live codes (one byte per value) and the per-(row, head) base exponents."""
+        return self.codes.nbytes + self.base.numel() * self.base.element_size()

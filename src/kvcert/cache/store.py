@@ -5,19 +5,25 @@ Layout per layer (``B`` batch rows, ``H`` KV heads, ``S`` tokens, ``D`` head dim
 * **device tier** — the codec's packed chunks (real code and scale tensors; bytes are measured from
   them) plus entries kept exact (fp16-equivalent bytes counted): tokens still *pending* (written in the
   current forward, or waiting for a KIVI token block / residual window), non-finite entries,
-  unattributable writes and persistently repaired entries;
+  unattributable writes, the first ``exact_sinks`` logical positions (attention sinks; default 0) and
+  persistently repaired entries;
 * **host tier** — the exact originals, pinned when CUDA is present; repair pages in from here;
 * **witnesses** (small, device side) — per token the key-residual band norms ``ρ_{t,b}`` over whole
   RoPE pairs and their sum ``W_t = Σ_b ρ_{t,b} ≥ ‖Δk_t‖``, the served key norm ``‖k̂_t‖`` (for the
   floating-point slack), the value residual norm ``‖Δv_t‖``, the served value norm ``‖v̂_t‖`` and its
   distance ``‖v̂_t − c‖`` to a fixed per-head centre ``c`` (the output bound's spread), all rounded up to
   float32, and, for the dithered codec, the per-group steps (Tier B). Every read reuses them instead of
-  re-reducing the ``[S, D]`` tensors;
+  re-reducing the ``[S, D]`` tensors. Storage (``witness=``): ``"log8"`` (default) keeps the band norms and
+  the four norms as 8-bit logarithmic codes that decode to values never below the true ones
+  (:class:`~kvcert.cache.buffer.LogBuffer`, ``docs/math.md#compact-witnesses``), derives ``W_t`` from the
+  decoded bands and the steps from the codec's stored scales (nothing extra stored: 12 B per token per KV
+  head with 8 bands); ``"f32"`` stores every witness as float32 (52 B, plus the steps);
 * **decode scratch** — the dequantized keys/values the read path attends over. A fused kernel would
   dequantize in registers; this CPU reference keeps the decoded copy and reports it separately.
 
 Device bytes (:meth:`LayerStore.bytes_device`, *measured*): the packed codes (codes, scales, zero-points:
-every tensor of every :class:`Packed` chunk), the witness buffers (every live token) and the value centre,
+every tensor of every :class:`Packed` chunk), the stored witness buffers (every live token; in ``"log8"`` the
+uint8 codes and the per-(row, head) base exponents, not the decoded copy) and the value centre,
 and every entry held exact on the device tier (pending / in-flight tokens, non-finite and fail-closed
 entries, persistently repaired entries) at 16 bits per element. A repaired entry keeps its codes (the
 chunks are rectangular), so repair *adds* bytes. Not counted: the decode scratch, the host tier and the
@@ -46,12 +52,14 @@ archive* in the host tier, so exact attention over everything ever written stays
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from kvcert.bounds.rope import Pairing, band_norms, norm_up_f32, round_up_f32
-from kvcert.cache.buffer import GrowBuffer
+from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex
 from kvcert.quant import Codec, DitherKey, Packed
 
 
@@ -99,6 +107,19 @@ class _Tensorstore:
 #: bytes per element of an entry held exact on the device tier (fp16 / bf16, the serving precision)
 EXACT_BYTES = 2
 
+#: storage of the write-time witnesses: ``"f32"`` (float32 each) or ``"log8"`` (8-bit codes that decode upwards)
+Witness = Literal["f32", "log8"]
+WITNESS_FORMATS: tuple[Witness, ...] = ("f32", "log8")
+DEFAULT_WITNESS: Witness = "log8"
+#: the witnesses stored per token (``k_wit`` and the Tier-B steps are stored too in ``"f32"``; derived in ``"log8"``)
+STORED_WITNESSES = ("k_band", "k_hat_norm", "v_res", "v_hat_norm", "v_dist")
+
+
+def band_sum_up(rho: torch.Tensor, bands: int) -> torch.Tensor:
+    """``W ≥ Σ_b ρ_b`` over the last axis of ``rho[..., bands]``, float32 rounded up (float64 summation slack
+    ``2(bands+2)·2^-53`` relative included)."""
+    return round_up_f32(rho.to(torch.float64).sum(-1) * (1.0 + 2.0 * (bands + 2) * 2.0**-53))
+
 
 class LayerStore:
     """All tiers of one layer; see the module docstring for the layout, the write protocol, the device bytes
@@ -115,7 +136,15 @@ class LayerStore:
         seed: int,
         write_block: int = 1,
         device_budget: float | None = None,
+        witness: Witness = DEFAULT_WITNESS,
+        exact_sinks: int = 0,
     ) -> None:
+        if isinstance(exact_sinks, bool) or not isinstance(exact_sinks, int) or exact_sinks < 0:
+            raise ValueError(f"exact_sinks must be a non-negative int, got {exact_sinks!r}")
+        self.exact_sinks = exact_sinks  # tokens at logical positions < exact_sinks are never compressed
+        if witness not in WITNESS_FORMATS:
+            raise ValueError(f"witness must be one of {WITNESS_FORMATS}, got {witness!r}")
+        self.witness: Witness = witness
         if write_block < 1:
             raise ValueError(f"write_block must be >= 1, got {write_block}")
         if device_budget is not None and not device_budget > 0:
@@ -154,12 +183,13 @@ class LayerStore:
         )
         b, h, _, d = k.shape
         z = k.new_zeros((b, h, 0), dtype=torch.float32)
-        self.k_band = GrowBuffer(k.new_zeros((b, h, 0, self.bands), dtype=torch.float32))
-        self.k_wit = GrowBuffer(z)
-        self.k_hat_norm = GrowBuffer(z)
-        self.v_res = GrowBuffer(z)
-        self.v_hat_norm = GrowBuffer(z)
-        self.v_dist = GrowBuffer(z)
+        stored = LogBuffer if self.witness == "log8" else GrowBuffer
+        self.k_band: GrowBuffer | LogBuffer = stored(k.new_zeros((b, h, 0, self.bands), dtype=torch.float32))
+        self.k_wit = GrowBuffer(z)  # in "log8": derived from the decoded bands (band_sum_up), not stored
+        self.k_hat_norm: GrowBuffer | LogBuffer = stored(z)
+        self.v_res: GrowBuffer | LogBuffer = stored(z)
+        self.v_hat_norm: GrowBuffer | LogBuffer = stored(z)
+        self.v_dist: GrowBuffer | LogBuffer = stored(z)
         # any fixed centre makes the spread max_t ‖v̂_t − c‖ valid; the first write's mean keeps it small
         self.v_centre = torch.nan_to_num(v.to(torch.float32), 0.0, 0.0, 0.0).mean(2, keepdim=True)
         self.k_steps: GrowBuffer | None = None
@@ -221,7 +251,9 @@ class LayerStore:
             finite = torch.isfinite(x).all(dim=-1)  # [B, H, n]
             other = (self.v if is_key else self.k).host.view()[:, :, lo:hi]
             finite &= torch.isfinite(other).all(dim=-1).to(finite.device)  # keep K and V of a bad token exact
-            keep = (~finite) | self._keep_exact_rows.view(-1, 1, 1).to(finite.device)
+            rows_exact = self._keep_exact_rows.view(-1, 1, 1).to(finite.device)
+            sinks = self.positions.view()[:, :, lo:hi].to(finite.device) < self.exact_sinks
+            keep = (~finite) | rows_exact | sinks
             xin = torch.where(finite.unsqueeze(-1), x, torch.zeros_like(x))
             key = None
             if ts.codec.needs_key:
@@ -237,13 +269,12 @@ class LayerStore:
             wit = self._witnesses(is_key, x, xhat, keep, ts.codec.steps(packed))
             if is_key:
                 self.nonfinite += int((~finite).sum())
-                self.fail_closed += int((finite & keep).sum())
+                self.fail_closed += int((finite & rows_exact).sum())
                 if "k_steps" in wit and self.k_steps is None:
                     steps = wit["k_steps"]
                     self.k_steps = GrowBuffer(steps[:, :, :0])
                     self.k_steps.append(torch.zeros(*steps.shape[:2], ts.host.n, steps.shape[-1]))
-            for name, val in wit.items():
-                getattr(self, name).view()[:, :, lo:hi] = val
+            self._write_witnesses((slice(None), slice(None), slice(lo, hi)), wit)
             ts.n_encoded = hi
 
     def _witnesses(
@@ -260,19 +291,28 @@ class LayerStore:
         served = torch.where(torch.isfinite(xhat).all(-1, keepdim=True), xhat, 0.0)
         if is_key:
             rho = round_up_f32(band_norms(resid, self.bands, self.pairing))
-            out = {
-                "k_band": rho,
-                "k_wit": round_up_f32(rho.to(torch.float64).sum(-1) * (1.0 + 2.0 * (self.bands + 2) * 2.0**-53)),
-                "k_hat_norm": norm_up_f32(served),
-            }
+            out = {"k_band": rho, "k_wit": band_sum_up(rho, self.bands), "k_hat_norm": norm_up_f32(served)}
             if steps is not None:
                 out["k_steps"] = torch.where(keep.unsqueeze(-1), torch.zeros_like(steps), steps.to(torch.float32))
             return out
         return {
-            "v_res": norm_up_f32(resid),
+            "v_res": torch.where(keep, 0.0, norm_up_f32(resid)),  # exactly 0 where served exact (0 ↦ 0 in log8)
             "v_hat_norm": norm_up_f32(served),
             "v_dist": norm_up_f32(served.to(torch.float64) - self.v_centre),
         }
+
+    def _write_witnesses(self, index: TokenIndex, wit: Mapping[str, torch.Tensor | float]) -> None:
+        """Write witnesses ``{buffer name: values}`` at ``index`` of their buffers. In ``"log8"`` the key
+        witness ``W_t`` is not stored: it is re-derived as :func:`band_sum_up` of the *decoded* bands (each
+        ``>=`` the true band norm, so ``W_t`` still bounds ``Σ_b ρ_{t,b}`` and ``‖Δk_t‖``), over the whole
+        buffer when a base was raised (decoded bands elsewhere grew)."""
+        raised = False
+        for name, val in wit.items():
+            if name != "k_wit" or self.witness == "f32":
+                raised |= getattr(self, name).write(index, val)
+        if self.witness == "log8" and "k_band" in wit:
+            where = (slice(None),) * 3 if raised else index
+            self.k_wit.write(where, band_sum_up(self.k_band.view()[where], self.bands))
 
     # ------------------------------------------------------------------------------------ maintenance
     def make_exact(self, b: int, h: int, tokens: slice | torch.Tensor) -> int:
@@ -290,15 +330,18 @@ class LayerStore:
             ts.held.view()[b, h, tokens] |= newly
             self.n_held += int(newly.sum())
             ts.exact.view()[b, h, tokens] = True
-        self.k_band.view()[b, h, tokens] = 0.0
-        self.k_wit.view()[b, h, tokens] = 0.0
-        self.v_res.view()[b, h, tokens] = 0.0
-        self.k_hat_norm.view()[b, h, tokens] = norm_up_f32(self.k.served.view()[b, h, tokens])
         exact_v = self.v.served.view()[b, h, tokens]
-        self.v_hat_norm.view()[b, h, tokens] = norm_up_f32(exact_v)
-        self.v_dist.view()[b, h, tokens] = norm_up_f32(exact_v.to(torch.float64) - self.v_centre[b, h])
+        wit: dict[str, torch.Tensor | float] = {
+            "k_band": 0.0,
+            "k_wit": 0.0,
+            "v_res": 0.0,
+            "k_hat_norm": norm_up_f32(self.k.served.view()[b, h, tokens]),
+            "v_hat_norm": norm_up_f32(exact_v),
+            "v_dist": norm_up_f32(exact_v.to(torch.float64) - self.v_centre[b, h]),
+        }
         if self.k_steps is not None:
-            self.k_steps.view()[b, h, tokens] = 0.0
+            wit["k_steps"] = 0.0
+        self._write_witnesses((b, h, tokens), wit)
         return moved
 
     # --------------------------------------------------------------------------------- device budget
@@ -358,9 +401,16 @@ class LayerStore:
                 )
                 served = ts.served.view()[:, :, lo:hi]
                 served.copy_(torch.where(held.unsqueeze(-1), xhat, served))
-                for name, val in wit.items():
-                    old = getattr(self, name).view()[:, :, lo:hi]
-                    old.copy_(torch.where(held.view(*held.shape, *([1] * (val.dim() - 3))), val, old))
+                where = (slice(None), slice(None), slice(lo, hi))
+                self._write_witnesses(  # a decoded value written back re-encodes to its own code
+                    where,
+                    {
+                        name: torch.where(
+                            held.view(*held.shape, *([1] * (val.dim() - 3))), val, getattr(self, name).view()[where]
+                        )
+                        for name, val in wit.items()
+                    },
+                )
                 ts.exact.view()[:, :, lo:hi] &= ~held
                 self.released += int(held.sum())
                 self.n_held -= int(held.sum())
@@ -368,7 +418,7 @@ class LayerStore:
                 if self.bytes_device() <= limit:
                     return
 
-    def _token_buffers(self) -> tuple[GrowBuffer, ...]:
+    def _token_buffers(self) -> tuple[GrowBuffer | LogBuffer, ...]:
         """The per-token witness and position buffers (trimmed and gathered together with the tiers)."""
         return (self.k_band, self.k_wit, self.k_hat_norm, self.v_res, self.v_hat_norm, self.v_dist, self.positions)
 
@@ -383,8 +433,8 @@ class LayerStore:
             ts.n_encoded = max(ts.n_encoded - start, 0)
             ts.chunks = [c for c in ts.chunks if c.stop > self.base + start]
         self.n_held = sum(int(ts.held.view().sum()) for ts in (self.k, self.v))
-        for buf in self._token_buffers():
-            buf.drop_before(start)
+        for token_buf in self._token_buffers():
+            token_buf.drop_before(start)
         if self.k_steps is not None:
             self.k_steps.drop_before(start)
         self.base += start
@@ -425,8 +475,8 @@ class LayerStore:
             ts.last_encoded = 0
         self.compacted = True
         self.n_held = sum(int(ts.held.view().sum()) for ts in (self.k, self.v))
-        for buf in self._token_buffers():
-            buf.gather(keep)
+        for token_buf in self._token_buffers():
+            token_buf.gather(keep)
         if self.k_steps is not None:
             self.k_steps.gather(keep)
 
@@ -449,11 +499,17 @@ class LayerStore:
         return (self.k.host.view().numel() + self.v.host.view().numel()) * 2
 
     def bytes_witness(self) -> int:
-        """Write-time witness bytes (band norms, norms, Tier-B steps, the value centre)."""
+        """Write-time witness bytes: the stored witness buffers (:data:`STORED_WITNESSES`; in ``"f32"`` also
+        ``k_wit`` and the Tier-B steps) and the value centre. In ``"log8"`` the codes and base exponents count;
+        ``k_wit`` (a sum of decoded bands) and the Tier-B steps (the dithered codec's stored scales, 0 on exact
+        entries) are derived from tensors already counted, as a kernel would recompute them."""
         if self.k is None:
             return 0
-        total = sum(buf.nbytes for buf in self._token_buffers()[:-1]) + self.v_centre.nbytes
-        return total + (self.k_steps.nbytes if self.k_steps is not None else 0)
+        names = STORED_WITNESSES if self.witness == "log8" else (*STORED_WITNESSES, "k_wit")
+        total = sum(getattr(self, name).nbytes for name in names) + self.v_centre.nbytes
+        if self.witness == "f32" and self.k_steps is not None:
+            total += self.k_steps.nbytes
+        return total
 
     def bytes_device(self) -> int:
         """Everything resident on the device tier (measured): :meth:`bytes_stored` (codes, scales,

@@ -19,6 +19,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase  # noqa
 
 from kvcert.attention.evict_driver import default_select  # noqa: E402
 from kvcert.cache.gate import Gate  # noqa: E402
+from kvcert.cache.store import DEFAULT_WITNESS, WITNESS_FORMATS, Witness  # noqa: E402
 from kvcert.evict import H2O, RMM, EvictionPolicy, StreamingLLM, prefill_kept_count  # noqa: E402
 from kvcert.models.tiny import SUPPORTED_FAMILIES, tiny_random  # noqa: E402
 from kvcert.models.zoo import ZOO, converted_dir  # noqa: E402
@@ -38,6 +39,13 @@ REPAIR_BLOCK = 64
 ModelOption = Annotated[str, typer.Option(help="smollm2-135m, a local transformers folder, or tiny:<family>")]
 SchemesOption = Annotated[str, typer.Option(help="comma-separated codecs or keycodec/valuecodec")]
 GateOption = Annotated[str, typer.Option(help="auto | off | certified:TAU | risk:TAU_GATE")]
+WitnessOption = Annotated[
+    str, typer.Option(help="witness storage: log8 (8-bit codes decoding upwards, 12 B/token/KV head) | f32")
+]
+DeviceBudgetOption = Annotated[
+    str,
+    typer.Option(help="cap on each layer's device bytes after persistent repair, a fraction of fp16 K/V (or 'none')"),
+]
 
 # Resident-set selection policies by CLI name (``docs/cli.md#resident-variants``): each call builds a fresh
 # policy (policies keep per-request state). snapkv is the library's default_select (SnapKV(window=32,
@@ -98,10 +106,13 @@ def load_model(spec: str, seed: int = 0) -> LoadedModel:
 
 @dataclass(frozen=True)
 class SchemeSpec:
-    """A compressed KV configuration: key codec and value codec (registry names)."""
+    """A compressed KV configuration: key codec and value codec (registry names), witness storage and device
+    budget (``CertifiedCache(witness=, device_budget=)``)."""
 
     keys: str
     values: str
+    witness: Witness = DEFAULT_WITNESS
+    device_budget: float | None = 1.0
 
     @property
     def label(self) -> str:
@@ -132,6 +143,23 @@ def parse_schemes(text: str) -> list[SchemeSpec]:
     if not out:
         raise ValueError("schemes: no scheme given")
     return out
+
+
+def parse_storage(specs: list[SchemeSpec], witness: str, device_budget: str) -> list[SchemeSpec]:
+    """``specs`` with ``--witness`` (one of ``WITNESS_FORMATS``) and ``--device-budget`` (a fraction > 0 of the fp16
+    K/V bytes, or ``none``) applied to each; ``ValueError`` naming the option otherwise."""
+    if witness not in WITNESS_FORMATS:
+        raise ValueError(f"--witness: expected one of {', '.join(WITNESS_FORMATS)}, got {witness!r}")
+    budget: float | None = None
+    if device_budget != "none":
+        try:
+            budget = float(device_budget)
+        except ValueError:
+            raise ValueError(f"--device-budget: expected a fraction > 0 or 'none', got {device_budget!r}") from None
+        if not 0.0 < budget < float("inf"):
+            raise ValueError(f"--device-budget: expected a finite fraction > 0 or 'none', got {device_budget!r}")
+    form: Witness = "log8" if witness == "log8" else "f32"
+    return [SchemeSpec(s.keys, s.values, form, budget) for s in specs]
 
 
 def parse_gate(text: str) -> Gate | None:

@@ -12,14 +12,17 @@ from kvcert.cli.common import (
     DEFAULT_SCHEMES,
     DEFAULT_SELECT,
     SELECT_POLICIES,
+    DeviceBudgetOption,
     GateOption,
     ModelOption,
     ResidentPlan,
     SchemesOption,
+    WitnessOption,
     check_resident_options,
     default_out,
     parse_gate,
     parse_schemes,
+    parse_storage,
     resident_gate,
 )
 from kvcert.cli.ruler_command import RulerJob, execute
@@ -50,6 +53,8 @@ def evaluate(
     resamples: Annotated[int, typer.Option(help="paired bootstrap resamples")] = 10_000,
     out: Annotated[Path | None, typer.Option(help="report directory (default runs/eval-<timestamp>)")] = None,
     overwrite: OverwriteOption = False,
+    witness: WitnessOption = "log8",
+    device_budget: DeviceBudgetOption = "1.0",
     resident: Annotated[
         float | None,
         typer.Option(
@@ -69,7 +74,7 @@ def evaluate(
     fallback rate (and resident fraction, omitted-mass bound and recall for resident variants)."""
     with checked_inputs("eval"):
         tasks = parse_task_option(task)
-        specs = parse_schemes(schemes)
+        specs = parse_storage(parse_schemes(schemes), witness, device_budget)
         chosen = parse_gate(gate)
         check_resident_options(resident, select)
         plan = (

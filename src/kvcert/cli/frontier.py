@@ -20,14 +20,17 @@ from rich.console import Console
 from kvcert.cache.gate import Gate
 from kvcert.cli.common import (
     DEFAULT_SCHEMES,
+    DeviceBudgetOption,
     GateOption,
     ModelOption,
     SchemesOption,
+    WitnessOption,
     command_line,
     default_out,
     load_model,
     parse_gate,
     parse_schemes,
+    parse_storage,
     set_seed,
 )
 from kvcert.cli.progress import progress_bar
@@ -125,13 +128,15 @@ def frontier(
     resamples: Annotated[int, typer.Option(help="paired bootstrap resamples")] = 10_000,
     out: Annotated[Path | None, typer.Option(help="report directory (default runs/frontier-<timestamp>)")] = None,
     overwrite: OverwriteOption = False,
+    witness: WitnessOption = "log8",
+    device_budget: DeviceBudgetOption = "1.0",
 ) -> None:
     """Accuracy vs device bytes per token for every scheme raw and gated and for peer caches (transformers'
     QuantizedCache), all on the same samples: table, frontier.png and report.html."""
     out = out or default_out("frontier")
     with checked_inputs("frontier"):
         task_list = tuple(t.strip() for t in tasks.split(",") if t.strip())
-        specs = parse_schemes(schemes)
+        specs = parse_storage(parse_schemes(schemes), witness, device_budget)
         chosen: Gate | None = parse_gate(gate)
         peer_specs = parse_peers(peers, residual_length)
         positions = model_max_positions(model)
@@ -173,6 +178,8 @@ def frontier(
         "context": context,
         "samples": samples,
         "schemes": [s.label for s in specs],
+        "witness": witness,
+        "device_budget": device_budget,
         "gate": gate,
         "peers": [p.label for p in peer_specs],
         "residual_length": residual_length,

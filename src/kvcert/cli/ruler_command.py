@@ -44,6 +44,8 @@ class RulerJob:
             "context": self.context,
             "samples": self.samples,
             "schemes": [s.label for s in self.schemes],
+            "witness": self.schemes[0].witness,
+            "device_budget": self.schemes[0].device_budget,
             "gate": "auto" if self.gate is None else self.gate.describe(),
             "seed": self.seed,
             "max_new_tokens": self.max_new_tokens,

@@ -59,7 +59,15 @@ class WorkloadResult:
 
 
 def _scheme(spec: SchemeSpec, gate: Gate, label: str, validate: bool) -> Scheme:
-    return Scheme(label, keys=spec.keys, values=spec.values, gate=gate, validate=validate)
+    return Scheme(
+        label,
+        keys=spec.keys,
+        values=spec.values,
+        gate=gate,
+        validate=validate,
+        witness=spec.witness,
+        device_budget=spec.device_budget,
+    )
 
 
 def _record(

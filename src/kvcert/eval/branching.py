@@ -16,6 +16,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvcert.cache.gate import Gate
+from kvcert.cache.store import DEFAULT_WITNESS, Witness
 from kvcert.cache.telemetry import Telemetry
 from kvcert.evict import EvictionPolicy
 from kvcert.integrations.transformers import CertifiedCache
@@ -33,6 +34,8 @@ class Scheme:
     key_options: tuple[tuple[str, object], ...] = ()
     resident: float | None = None  # resident set fraction (``CertifiedCache(resident=)``)
     select: Callable[[], EvictionPolicy] | None = None  # builds the resident set's policy, one per request
+    witness: Witness = DEFAULT_WITNESS  # storage of the write-time witnesses (``CertifiedCache(witness=)``)
+    device_budget: float | None = 1.0  # ``CertifiedCache(device_budget=)``
 
     @property
     def is_dense(self) -> bool:
@@ -124,6 +127,8 @@ def run_branches(
             key_options=dict(scheme.key_options),
             resident=scheme.resident,
             select=None if scheme.select is None else scheme.select(),
+            witness=scheme.witness,
+            device_budget=scheme.device_budget,
         )
         try:
             cache.ingest(pre)

@@ -1,7 +1,7 @@
 """The configuration of a :class:`~kvcert.integrations.transformers.CertifiedCache`, grouped by concern.
 
 ``CertifiedCache``'s keywords are collected into a few frozen dataclasses: :class:`StorageConfig` (codecs, witnesses,
-write blocks, device budget: how each layer's store is built), :class:`GateConfig` (the gate or the ladder: which
+write blocks, device budget, witness storage: how each layer's store is built), :class:`GateConfig` (the gate or the ladder: which
 read path serves), :class:`ValidationConfig` (certificates on or off, validate mode, the Tier-B failure budget) and
 :class:`~kvcert.attention.evict_driver.EvictionConfig` (eviction policy and resident set). Each checks its own
 arguments and names the one at fault.
@@ -18,7 +18,7 @@ from kvcert.attention.ladder import LadderConfig
 from kvcert.bounds import uniform_split
 from kvcert.bounds.rope import Pairing
 from kvcert.cache.gate import Gate
-from kvcert.cache.store import LayerStore
+from kvcert.cache.store import DEFAULT_WITNESS, LayerStore, Witness
 from kvcert.quant import Codec, get
 
 __all__ = ["EvictionConfig", "GateConfig", "StorageConfig", "ValidationConfig"]
@@ -37,7 +37,8 @@ def _resolve_codec(spec: str | Codec, axis: str, options: dict[str, Any]) -> Cod
 class StorageConfig:
     """How each layer stores its K/V: codec names (or instances) and their options, band count and RoPE pairing of
     the key witness, dither ``seed``, ``write_block`` (pending tokens encode in whole blocks) and the device budget
-    of persistent repairs (a fraction of the live tokens' fp16 bytes; ``None``: no cap)."""
+    of persistent repairs (a fraction of the live tokens' fp16 bytes; ``None``: no cap) and the storage of the
+    write-time witnesses (``"log8"`` or ``"f32"``, see ``docs/math.md#compact-witnesses``)."""
 
     keys: str | Codec = "int8"
     values: str | Codec = "int8"
@@ -48,6 +49,7 @@ class StorageConfig:
     value_options: dict[str, Any] = field(default_factory=dict)
     write_block: int = 16
     device_budget: float | None = 1.0
+    witness: Witness = DEFAULT_WITNESS
 
     def store(self, layer: int) -> LayerStore:
         """A fresh store for decoder layer ``layer`` (codecs resolved per layer)."""
@@ -60,6 +62,7 @@ class StorageConfig:
             seed=self.seed,
             write_block=self.write_block,
             device_budget=self.device_budget,
+            witness=self.witness,
         )
 
 

@@ -52,7 +52,7 @@ from kvcert.bounds import dither_witness_moments
 from kvcert.bounds.rope import Pairing
 from kvcert.cache.events import CacheObserver, WriteEvent
 from kvcert.cache.gate import Gate
-from kvcert.cache.store import LayerStore
+from kvcert.cache.store import DEFAULT_WITNESS, LayerStore, Witness
 from kvcert.cache.telemetry import CacheReadings, Telemetry, assemble
 from kvcert.evict import EvictionPolicy, RunTrace
 from kvcert.integrations.attention_impl import register_attention
@@ -218,6 +218,7 @@ class CertifiedLayer(CacheLayerMixin):
             seed=st.seed,
             write_block=st.write_block,
             device_budget=st.device_budget,
+            witness=st.witness,
         )
         self.cumulative_length = 0
         self.returned = None
@@ -331,6 +332,9 @@ class CertifiedCache(Cache):
             omitted key with its error witness, ``"box"``: per page a float16 box and ball) on the device. Every
             read's certificate bounds the TV against exact attention over *every* token; ``Gate.certified(tau)``
             recalls pages until it is ``<= tau`` (``tau = 0``: the dense answer). Exclusive with ``evict``.
+        witness: storage of the write-time witnesses: ``"log8"`` (default; 8-bit codes that decode to values never
+            below the true ones, 12 B per token per KV head) or ``"f32"`` (float32, 52 B); see
+            ``docs/math.md#compact-witnesses``.
     """
 
     def __init__(
@@ -364,6 +368,7 @@ class CertifiedCache(Cache):
         select: EvictionPolicy | None = None,
         page_size: int = 16,
         summary: str = "int8",
+        witness: Witness = DEFAULT_WITNESS,
     ) -> None:
         self.family = _model_family(model)
         cfg: Any = model.config
@@ -386,6 +391,7 @@ class CertifiedCache(Cache):
             dict(value_options or {}),
             write_block,
             device_budget,
+            witness,
         )
         self.observers = list(observers)
         self.require_identity = bool(self.observers) if require_identity is None else require_identity

@@ -1,8 +1,11 @@
-"""``dither-int8``: subtractive uniform dither int8 (Tier A + B, ``docs/codecs.md#dither-int8``).
+"""``dither-int8`` / ``dither-int6`` / ``dither-int5``: subtractive uniform dither (Tier A + B,
+``docs/codecs.md#dither-int8``).
 
-``s = amax_g/126.5`` per token per channel group (fp16, rounded up), ``code = round(x/s + u)``,
-``x̂ = s·(code − u)`` with ``u ~ U[−½, ½)`` regenerated from a counter-based keyed hash. Since
-``|x/s| ≤ 126.5`` and ``u ∈ [−½, ½)``, ``code ∈ [−127, 127]``: the quantiser never saturates, so the residual
+At ``b`` bits, ``q = 2^{b−1} − 1`` and ``s = amax_g/(q − ½)`` per token per channel group (fp16, rounded up),
+``code = round(x/s + u)``, ``x̂ = s·(code − u)`` with ``u ~ U[−½, ½)`` regenerated from a counter-based keyed
+hash. Since ``|x/s| ≤ q − ½`` and ``u ∈ [−½, ½)``, ``code ∈ [−q, q]`` (int8: ``s = amax/126.5``, codes in
+``[−127, 127]``; int6: ``amax/30.5``, ``[−31, 31]``, stored offset by ``q`` and packed 4 codes in 3 bytes): the
+quantiser never saturates, so the residual
 ``r = x̂ − x = s·(round(v) − v)`` with ``v = x/s + u`` is uniform on ``[−s/2, s/2]`` and independent of ``x``
 (Schuchman), giving ``E e^{λr} = sinh(λs/2)/(λs/2) ≤ exp(λ²s²/24)``.
 """
@@ -12,9 +15,10 @@ from __future__ import annotations
 import torch
 
 from kvcert.quant.base import Codec, DitherKey, Packed
+from kvcert.quant.packing import pack_bits, unpack_bits
 from kvcert.quant.scales import check_positive, per_group, safe_div, symmetric_scales
 
-STEP_DIVISOR = 126.5
+DITHER_BITS = (8, 6, 5)
 _U64 = 1 << 64
 
 
@@ -76,31 +80,51 @@ def keyed_uniform(key: DitherKey, shape: tuple[int, ...]) -> torch.Tensor:
     return dither_from_state(keyed_state(key, shape[1]), shape[3])
 
 
-class DitherInt8Codec(Codec):
-    """``dither-int8``: subtractive-dither int8 with per-token, per-``group_size`` fp16 steps (Tier B)."""
+class DitherCodec(Codec):
+    """``dither-int{bits}``: subtractive-dither ``bits``-bit codes with per-token, per-``group_size`` fp16 steps
+    (Tier B); int8 codes stored as int8, narrower ones offset to unsigned and bit-packed."""
 
-    name = "dither-int8"
-    bits = 8.0
     tier_b = True
     needs_key = True
 
-    def __init__(self, group_size: int = 32) -> None:
+    def __init__(self, bits: int = 8, group_size: int = 32) -> None:
+        if bits not in DITHER_BITS:
+            raise ValueError(f"bits must be one of {DITHER_BITS}, got {bits}")
         check_positive("group_size", group_size)
+        self.name = f"dither-int{bits}"
+        self.bits = float(bits)
+        self.qmax = 2 ** (bits - 1) - 1
         self.group_size = group_size
 
     def _encode(self, x: torch.Tensor, key: DitherKey | None) -> Packed:
         assert key is not None  # guaranteed by Codec.encode (needs_key)
-        s = symmetric_scales(x, self.group_size, STEP_DIVISOR)
+        s = symmetric_scales(x, self.group_size, self.qmax - 0.5)
         u = keyed_uniform(key, tuple(x.shape)).to(torch.float64)
         v = safe_div(x.to(torch.float64), per_group(s, self.group_size).to(torch.float64)) + u
-        return Packed(self.name, tuple(x.shape), {"codes": torch.round(v).to(torch.int8), "scales": s})
+        code = torch.round(v).to(torch.int8)
+        stored = code if self.bits == 8 else pack_bits(code + self.qmax, int(self.bits))
+        return Packed(self.name, tuple(x.shape), {"codes": stored, "scales": s})
+
+    def codes(self, packed: Packed) -> torch.Tensor:
+        """Signed codes in ``[−qmax, qmax]`` (int16) recovered from the stored tensors."""
+        stored = packed.tensors["codes"]
+        if self.bits == 8:
+            return stored.to(torch.int16)
+        return unpack_bits(stored, int(self.bits)).to(torch.int16) - self.qmax
 
     def _decode(self, packed: Packed, key: DitherKey | None) -> torch.Tensor:
         assert key is not None  # guaranteed by Codec.decode (needs_key)
         u = keyed_uniform(key, packed.shape).to(torch.float64)
         s = per_group(packed.tensors["scales"], self.group_size).to(torch.float64)
-        return (s * (packed.tensors["codes"].to(torch.float64) - u)).to(torch.float32)
+        return (s * (self.codes(packed).to(torch.float64) - u)).to(torch.float32)
 
     def steps(self, packed: Packed) -> torch.Tensor:
         """The stored steps ``s_{t,g}`` as float32 ``[B, H, T, D/group_size]``."""
         return packed.tensors["scales"].to(torch.float32)
+
+
+class DitherInt8Codec(DitherCodec):
+    """``dither-int8`` (the 8-bit :class:`DitherCodec`)."""
+
+    def __init__(self, group_size: int = 32) -> None:
+        super().__init__(8, group_size)

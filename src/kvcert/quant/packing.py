@@ -1,24 +1,29 @@
 """Bit packing of small unsigned codes into uint8 along the last dimension.
 
-``pack_bits(codes, bits)`` stores ``8/bits`` codes per byte (little-endian within the byte: code ``i`` of a
-byte occupies bits ``[i·bits, (i+1)·bits)``); ``unpack_bits`` is its exact inverse.
+``pack_bits(codes, bits)`` for ``bits`` in 1..8. Widths dividing 8 store ``8/bits`` codes per byte
+(little-endian within the byte: code ``i`` of a byte occupies bits ``[i·bits, (i+1)·bits)``); the other widths
+(3, 5, 6, 7) store every 8 codes in ``bits`` bytes (code ``i`` of the run occupies bits ``[i·bits, (i+1)·bits)``
+of a little-endian ``8·bits``-bit word), so 6-bit codes take exactly 3/4 byte each. ``unpack_bits`` is the
+exact inverse.
 """
 
 from __future__ import annotations
 
 import torch
 
-PACKABLE_BITS = (1, 2, 4, 8)
+PACKABLE_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
+_PER_BYTE = (1, 2, 4, 8)
+_RUN = 8  # codes per packed run for the widths that do not divide 8
 
 
-def _check_bits(bits: int) -> int:
+def _check_bits(bits: int) -> None:
     if bits not in PACKABLE_BITS:
         raise ValueError(f"bits must be one of {PACKABLE_BITS}, got {bits}")
-    return 8 // bits
 
 
-def _per_byte(bits: int, n: int) -> int:
-    per = _check_bits(bits)
+def _per_run(bits: int, n: int) -> int:
+    _check_bits(bits)
+    per = 8 // bits if bits in _PER_BYTE else _RUN
     if n % per:
         raise ValueError(f"last dimension {n} must be a multiple of {per} to pack {bits}-bit codes")
     return per
@@ -26,20 +31,32 @@ def _per_byte(bits: int, n: int) -> int:
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack unsigned codes in ``[0, 2^bits)`` (any integer dtype) into uint8 ``[..., n·bits/8]``."""
-    per = _per_byte(bits, codes.shape[-1])
-    c = codes.to(torch.int32)
+    per = _per_run(bits, codes.shape[-1])
+    c = codes.to(torch.int64)
     if bool(((c < 0) | (c >= 1 << bits)).any()):
         raise ValueError(f"codes must lie in [0, {1 << bits}) to pack at {bits} bits")
     c = c.unflatten(-1, (codes.shape[-1] // per, per))
-    shifts = torch.arange(per, dtype=torch.int32) * bits
-    return (c << shifts).sum(-1).to(torch.uint8)
+    word = (c << (torch.arange(per, dtype=torch.int64) * bits)).sum(-1)  # disjoint bit fields: sum = or
+    if bits in _PER_BYTE:
+        return word.to(torch.uint8)
+    return ((word.unsqueeze(-1) >> (torch.arange(bits, dtype=torch.int64) * 8)) & 0xFF).flatten(-2).to(torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: uint8 ``[..., m]`` → uint8 codes ``[..., m·8/bits]``."""
     if packed.dtype != torch.uint8:
         raise ValueError(f"packed must be uint8, got {packed.dtype}")
-    per = _check_bits(bits)
-    shifts = torch.arange(per, dtype=torch.int32) * bits
-    c = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    _check_bits(bits)
+    if bits in _PER_BYTE:
+        per = 8 // bits
+        word = packed.to(torch.int64).unsqueeze(-1)
+    else:
+        per = _RUN
+        if packed.shape[-1] % bits:
+            raise ValueError(
+                f"last dimension {packed.shape[-1]} must be a multiple of {bits} to unpack {bits}-bit codes"
+            )
+        byte = packed.to(torch.int64).unflatten(-1, (packed.shape[-1] // bits, bits))
+        word = (byte << (torch.arange(bits, dtype=torch.int64) * 8)).sum(-1, keepdim=True)
+    c = (word >> (torch.arange(per, dtype=torch.int64) * bits)) & ((1 << bits) - 1)
     return c.flatten(-2).to(torch.uint8)

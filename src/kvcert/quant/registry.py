@@ -16,7 +16,7 @@ import torch
 from kvcert.bounds.rope import Pairing
 from kvcert.quant.base import Codec
 from kvcert.quant.blackbox import BlackBoxCodec, check_function
-from kvcert.quant.dither import DitherInt8Codec
+from kvcert.quant.dither import DitherCodec, DitherInt8Codec
 from kvcert.quant.fp8 import Fp8Codec
 from kvcert.quant.hadamard import HadamardCodec
 from kvcert.quant.identity import NoneCodec
@@ -32,6 +32,8 @@ BUILTINS: dict[str, Callable[..., Codec]] = {
     "int4": partial(RTNCodec, 4),
     "int2": partial(RTNCodec, 2),
     "dither-int8": DitherInt8Codec,
+    "dither-int6": partial(DitherCodec, 6),
+    "dither-int5": partial(DitherCodec, 5),
     "fp8-e4m3": partial(Fp8Codec, "e4m3"),
     "fp8-e5m2": partial(Fp8Codec, "e5m2"),
     "fp8-e4m3-scaled": partial(Fp8Codec, "e4m3", True),

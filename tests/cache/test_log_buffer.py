@@ -1,0 +1,92 @@
+"""LogBuffer (8-bit witness storage) and the "log8" witness storage of LayerStore: every decoded witness is at
+least the float32 witness the same writes give under "f32" (per element), zeros stay zero, and the derived key
+witness bounds the decoded bands' sum."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcert.cache.buffer import LogBuffer
+from kvcert.cache.store import STORED_WITNESSES, LayerStore, band_sum_up
+from kvcert.quant import get
+
+
+def test_log_buffer_append_write_rebase_gather_trim():
+    gen = torch.Generator().manual_seed(0)
+    buf = LogBuffer(torch.zeros(2, 3, 0, 4))
+    x = torch.rand(2, 3, 9, 4, generator=gen) * 10
+    x[0, 0] = 0.0  # a head that has only seen zeros keeps no base
+    buf.append(x)
+    assert (buf.view() >= x).all() and (buf.view()[0, 0] == 0).all()
+    assert int(buf.base[0, 0]) == torch.iinfo(torch.int32).min
+    assert buf.codes.view().dtype == torch.uint8 and buf.nbytes == 2 * 3 * 9 * 4 + 2 * 3 * 4
+    big = torch.full((2, 3, 1, 4), 1e7)  # far above the first write's top code: the bases rise
+    buf.append(big)
+    assert buf.rebases > 0 and (buf.view()[:, :, :9] >= x).all() and (buf.view()[:, :, 9:] >= big).all()
+    buf.write((1, 2, slice(0, 3)), 0.0)
+    assert (buf.view()[1, 2, :3] == 0).all()
+    mask = torch.tensor([True, False] * 5)
+    buf.write((0, 1, mask), torch.tensor(3.0, dtype=torch.float64))
+    assert (buf.view()[0, 1, mask] >= 3.0).all()
+    keep = torch.tensor([1, 4, 9]).expand(2, 3, 3).contiguous()
+    kept = buf.view().gather(2, keep.unsqueeze(-1).expand(2, 3, 3, 4)).clone()
+    buf.gather(keep)
+    assert torch.equal(buf.view(), kept)
+    buf.drop_before(1)
+    assert torch.equal(buf.view(), kept[:, :, 1:]) and buf.n == 2
+    assert buf.array().shape[2] >= buf.n  # the decoded allocation the fused kernels read
+
+
+def _pair(keys: str, values: str, **kw):
+    def make(witness: str) -> LayerStore:
+        return LayerStore(0, get(keys), get(values), bands=8, pairing="rotate_half", seed=3, witness=witness, **kw)
+
+    return make("f32"), make("log8")
+
+
+@pytest.mark.parametrize(
+    "keys,values", [("dither-int8", "int4"), ("int4", "int2"), ("kivi-2", "int8"), ("none", "none")]
+)
+def test_log8_witnesses_dominate_f32_per_element(keys, values):
+    """Same writes into an "f32" and a "log8" store: every served witness of log8 is >= the f32 one (which is
+    >= the true value), exactly 0 where f32 is 0; k_wit is band_sum_up of the decoded bands; the served K/V
+    are identical (the witness format never changes what is served)."""
+    if keys == "kivi-2":
+        f32, log8 = (
+            LayerStore(0, get("kivi-2", axis="key"), get(values), bands=8, pairing="rotate_half", seed=3, witness=w)
+            for w in ("f32", "log8")
+        )
+    else:
+        f32, log8 = _pair(keys, values, write_block=16)
+    gen = torch.Generator().manual_seed(1)
+    rows, keep = torch.arange(2), torch.zeros(2, dtype=torch.bool)
+    for t in (70, 1, 1, 33, 1):
+        k = torch.randn(2, 3, t, 64, generator=gen) * torch.rand(2, 3, 1, 1, generator=gen) * 20
+        v = torch.randn(2, 3, t, 64, generator=gen)
+        for st in (f32, log8):
+            st.append(k, v, rows, keep)
+    log8.make_exact(1, 2, slice(3, 40))
+    f32.make_exact(1, 2, slice(3, 40))
+    assert torch.equal(f32.k.served.view(), log8.k.served.view())
+    for name in (*STORED_WITNESSES, "k_wit"):
+        a, b = getattr(f32, name).view(), getattr(log8, name).view()
+        assert (b >= a).all(), name
+        assert torch.equal(a == 0, b == 0), name
+    assert torch.equal(log8.k_wit.view(), band_sum_up(log8.k_band.view(), 8))
+    b, h = 2, 3  # 12 B per token per KV head (8 band codes + 4 norm codes), one int32 base per head and buffer
+    assert log8.bytes_witness() == 12 * log8.n * b * h + log8.v_centre.nbytes + 5 * b * h * 4
+    assert log8.bytes_witness() < f32.bytes_witness() / 3
+
+
+def test_log8_store_bytes_per_token():
+    """12 witness bytes per token per KV head with 8 bands (plus per-head bases and the value centre)."""
+    _, st = _pair("dither-int8", "int4")
+    st.append(torch.randn(1, 3, 512, 64), torch.randn(1, 3, 512, 64), torch.arange(1), torch.zeros(1, dtype=torch.bool))
+    fixed = st.v_centre.nbytes + 5 * 3 * 4  # centre + five base-exponent tensors [1, 3] int32
+    assert st.bytes_witness() == 512 * 3 * (8 + 4) + fixed
+
+
+def test_unknown_witness_format_is_refused():
+    with pytest.raises(ValueError, match="witness"):
+        LayerStore(0, get("int8"), get("int8"), bands=8, pairing="rotate_half", seed=0, witness="f16")

@@ -1,7 +1,7 @@
 """The configuration of a :class:`~kvcert.integrations.transformers.CertifiedCache`, grouped by concern.
 
 ``CertifiedCache``'s keywords are collected into a few frozen dataclasses: :class:`StorageConfig` (codecs, witnesses,
-write blocks, device budget, witness storage: how each layer's store is built), :class:`GateConfig` (the gate or the ladder: which
+write blocks, device budget: how each layer's store is built), :class:`GateConfig` (the gate or the ladder: which
 read path serves), :class:`ValidationConfig` (certificates on or off, validate mode, the Tier-B failure budget) and
 :class:`~kvcert.attention.evict_driver.EvictionConfig` (eviction policy and resident set). Each checks its own
 arguments and names the one at fault.

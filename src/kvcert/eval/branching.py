@@ -32,6 +32,7 @@ class Scheme:
     key_options: tuple[tuple[str, object], ...] = ()
     resident: float | None = None  # resident set fraction (``CertifiedCache(resident=)``)
     select: Callable[[], EvictionPolicy] | None = None  # builds the resident set's policy, one per request
+    device_budget: float | None = 1.0  # ``CertifiedCache(device_budget=)`` (its default: never above fp16)
 
     @property
     def is_dense(self) -> bool:
@@ -113,6 +114,7 @@ def run_branches(
             key_options=dict(scheme.key_options),
             resident=scheme.resident,
             select=None if scheme.select is None else scheme.select(),
+            device_budget=scheme.device_budget,
         )
         try:
             cache.ingest(pre)

@@ -22,7 +22,9 @@ heads); thresholds are never tuned to the measured seed.
 
 Resumable: every finished sample is journaled (``DIR/samples.jsonl`` + its telemetry, :mod:`kvcert.eval.journal`)
 before the next starts; rerunning the same command skips finished samples, a different config in the same
-``--out`` is refused. Samples are taken round-robin over the tasks, so an interrupted run stays balanced.
+``--out`` is refused. Several workers may run the same command at once (each claims a sample before decoding it)
+and may join or stop at any time. Samples are taken round-robin over the tasks, so an interrupted run stays
+balanced.
 ``--report-only`` writes the report from the journal without decoding (e.g. while a run is in progress).
 Outputs in ``--out``: results.json (every number with its tier), capacity.png (accuracy vs device bytes per
 token; dense starred at fp16), summary.md (the tables in markdown).
@@ -104,31 +106,29 @@ def round_robin(per_task: list[list[ruler.Sample]]) -> list[ruler.Sample]:
 def decode(
     loaded: LoadedModel, samples: list[ruler.Sample], schemes: list[Scheme], journal: Journal, args: argparse.Namespace
 ) -> None:
-    """Decode every sample not yet in ``journal`` under every variant and journal it as soon as it finishes."""
-    done = journal.done()
-    shard, shards = args.shard
-    mine = [s for k, s in enumerate(samples) if k % shards == shard]
-    todo = [s for s in mine if sample_key(s.task, s.index) not in done]
+    """Decode every sample no worker has journaled or holds (:meth:`Journal.claim`) under every variant, and
+    journal each as soon as it finishes."""
     console = Console()
-    console.print(
-        f"shard {shard}/{shards}: {len(mine) - len(todo)} of {len(mine)} samples journaled; {len(todo)} to decode"
-    )
-    with progress_bar(f"decoding samples × {len(schemes)} variants", len(todo), console) as tick:
-        for i, sample in enumerate(todo):
+    todo = len(samples) - len(journal.done())
+    console.print(f"{len(samples) - todo} of {len(samples)} samples journaled; {todo} left for the workers")
+    with progress_bar(f"decoded by this worker (× {len(schemes)} variants)", todo, console) as tick:
+        for sample in samples:
+            key = sample_key(sample.task, sample.index)
+            if not journal.claim(key):
+                continue
             budget = sample.max_new_tokens
             if args.max_new_tokens is not None:
                 budget = min(budget, args.max_new_tokens)
             ids = prompt_ids(loaded.tokenizer, sample)
             results = run_branches(loaded.model, ids, schemes, budget, loaded.eos_ids, args.seed)
             texts = {r.scheme.name: loaded.tokenizer.decode(r.tokens, skip_special_tokens=True) for r in results}
-            row = JournalRow(
-                sample.task,
-                sample.index,
-                {k: ruler.score(sample, t) for k, t in texts.items()},
-                texts,
-            )
-            journal.append(row, {r.scheme.name: r.telemetry for r in results if r.telemetry is not None})
-            tick(i)
+            row = JournalRow(sample.task, sample.index, {k: ruler.score(sample, t) for k, t in texts.items()}, texts)
+            try:
+                journal.append(row, {r.scheme.name: r.telemetry for r in results if r.telemetry is not None})
+            except ValueError:  # journaled by another worker meanwhile (a claim taken over): keep theirs
+                if key not in journal.done():
+                    raise
+            tick(0)
 
 
 def workload_from(journal: Journal, samples: list[ruler.Sample], schemes: list[Scheme]) -> WorkloadResult:
@@ -223,17 +223,6 @@ def report(
     console.print(f"{len(result.samples)} samples over {tasks} tasks; results: {json_path}; figure: {png}")
 
 
-def parse_shard(text: str) -> tuple[int, int]:
-    """``"I/N"`` with ``0 <= I < N`` -> ``(I, N)``; ``argparse.ArgumentTypeError`` otherwise."""
-    try:
-        i, n = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--shard must be I/N, got {text!r}") from None
-    if not 0 <= i < n:
-        raise argparse.ArgumentTypeError(f"--shard I/N needs 0 <= I < N, got {text!r}")
-    return i, n
-
-
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="zoo name (smollm2-135m, gemma3-270m) or local folder")
@@ -256,13 +245,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=None, help="cap on RULER's generation budget")
     ap.add_argument("--resamples", type=int, default=10_000)
     ap.add_argument("--out", type=Path, required=True, help="journal and report directory (resumable)")
-    ap.add_argument(
-        "--shard",
-        type=parse_shard,
-        default=(0, 1),
-        metavar="I/N",
-        help="decode only samples k with k %% N == I (N processes may share one --out journal)",
-    )
     ap.add_argument("--report-only", action="store_true", help="report the journaled samples, decode nothing")
     args = ap.parse_args()
     if args.samples < 1 or args.resamples < 1:

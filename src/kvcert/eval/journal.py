@@ -15,8 +15,11 @@ renames it into place, and only then appends the sample's line (flushed and ``fs
 interruption every line in ``samples.jsonl`` has its complete telemetry file; a sample without a line is
 simply redone. A torn last line (the process died inside the write) is dropped when the journal is reopened.
 
-Several processes may share one journal (each decoding its own shard of the samples): an append holds an
-exclusive ``flock`` on ``samples.jsonl`` while it checks the key and writes its line with one ``write``.
+Several processes may share one journal. A worker :meth:`Journal.claim` s a sample before decoding it: the
+claim is a file ``claims/<key>`` created exclusively (``O_EXCL``) holding the worker's pid, so two live workers
+never decode the same sample; a claim whose pid is no longer running (a killed worker) is taken over. Workers
+can therefore join or leave a run at any time. An append holds an exclusive ``flock`` on ``samples.jsonl`` while
+it checks the key and writes its line, so even a duplicated decode is journaled once.
 
 Reopening a journal with a different config raises ``ValueError`` naming the keys that differ: results
 of different runs never mix. The number of samples per task is deliberately *not* part of the config:
@@ -41,6 +44,7 @@ from kvcert.cache.telemetry import Telemetry
 CONFIG_FILE = "config.json"
 SAMPLES_FILE = "samples.jsonl"
 TELEMETRY_DIR = "telemetry"
+CLAIMS_DIR = "claims"
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,7 @@ class Journal:
             tmp = cfg_file.with_name(f".{CONFIG_FILE}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
             os.replace(tmp, cfg_file)
+        (self.path / CLAIMS_DIR).mkdir(exist_ok=True)
         self._drop_torn_tail()
 
     @property
@@ -134,6 +139,35 @@ class Journal:
         """Keys (:func:`sample_key`) of the finished samples."""
         return {r.key for r in self.rows()}
 
+    def claim(self, key: str) -> bool:
+        """Claim sample ``key`` for this process: True if it is not journaled and no other live process holds it.
+
+        The claim file is created exclusively; an existing claim of a process that is no longer running (or of
+        this process) is taken over. A claim is never released: a journaled sample needs none.
+        """
+        if key in self.done():
+            return False
+        path = self.path / CLAIMS_DIR / key
+        mine = str(os.getpid()).encode()
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                holder = int(path.read_bytes() or b"0")
+            except (OSError, ValueError):
+                holder = 0
+            if holder == os.getpid():
+                return True
+            if holder and _alive(holder):
+                return False
+            tmp = path.with_name(f".{key}.{os.getpid()}.tmp")  # take over a dead worker's claim
+            tmp.write_bytes(mine)
+            os.replace(tmp, path)
+            return path.read_bytes() == mine  # two takers at once: the last rename wins, the other backs off
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(mine)
+        return True
+
     def telemetry(self, row: JournalRow) -> dict[str, Telemetry]:
         """The per-variant telemetry saved with ``row`` (our own files: full unpickling is intended)."""
         loaded: dict[str, Telemetry] = torch.load(self._telemetry_file(row.key), weights_only=False)
@@ -165,3 +199,14 @@ class Journal:
             fh.write(line + "\n")
             fh.flush()
             os.fsync(fh.fileno())
+
+
+def _alive(pid: int) -> bool:
+    """True if a process ``pid`` exists (signal 0 probes without signalling)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True

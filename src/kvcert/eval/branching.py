@@ -79,12 +79,17 @@ def greedy_from(
 
 
 def exact_prefill(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
-    """Prefill ``input_ids[1, T]`` into an exact ``DynamicCache``; return it and the greedy first token."""
+    """Prefill ``input_ids[1, T]`` into an exact ``DynamicCache``; return it and the greedy first token.
+
+    Only the last position's logits are computed (``logits_to_keep=1``): the first token needs no other, and
+    the full ``[T, vocab]`` logits would dominate the prefill of a large-vocabulary model (Gemma-3: 262k
+    entries, 2 GB of float32 logits at T = 2048).
+    """
     if input_ids.shape[0] != 1:
         raise ValueError("branches take one prompt at a time (batch 1)")
     with torch.no_grad():
         pre = DynamicCache(config=model.config)
-        out = model(input_ids, cache=pre, use_cache=True)
+        out = model(input_ids, cache=pre, use_cache=True, logits_to_keep=1)
     return pre, out.logits[:, -1:].argmax(-1)
 
 

@@ -1,8 +1,9 @@
 import pytest
 import torch
+from transformers import DynamicCache
 
 from kvcert import Gate
-from kvcert.eval.branching import Scheme, run_branches
+from kvcert.eval.branching import Scheme, exact_prefill, run_branches
 from kvcert.models import tiny_random
 
 
@@ -32,3 +33,17 @@ def test_scheme_device_budget_reaches_the_cache(budget):
 
 def test_scheme_default_budget_is_the_library_default():
     assert Scheme("x", "int4", "int4").device_budget == 1.0
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_exact_prefill_first_token_and_cache_match_a_full_forward(family):
+    """Keeping only the last position's logits changes neither the first token nor the prefilled K/V."""
+    model = tiny_random(family, seed=1, head_dim=32)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    pre, first = exact_prefill(model, ids)
+    with torch.no_grad():
+        full = DynamicCache(config=model.config)
+        logits = model(ids, cache=full, use_cache=True).logits
+    assert int(first) == int(logits[0, -1].argmax())
+    for a, b in zip(pre.layers, full.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

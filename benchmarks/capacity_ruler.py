@@ -63,6 +63,7 @@ from kvcert.eval import ruler
 from kvcert.eval.branching import Scheme, run_branches
 from kvcert.eval.harness import prompt_ids
 from kvcert.eval.journal import Journal, JournalRow, sample_key
+from kvcert.models.zoo import ZOO, converted_dir
 from kvcert.report.results import build_document, write_results
 from kvcert.report.tables import ReportTable, fmt, to_markdown, to_rich
 
@@ -276,10 +277,11 @@ def main() -> None:
     }
     journal = Journal(args.out, config)
     set_seed(args.seed)
-    loaded = load_model(args.model, args.seed)
-    per_task = [ruler.load_task(t, args.context, args.samples, args.seed, loaded.tokenizer_dir) for t in tasks]
-    samples = round_robin(per_task)
-    if not args.report_only:
+    loaded = None if args.report_only else load_model(args.model, args.seed)
+    tok_dir = converted_dir(args.model) if loaded is None and args.model in ZOO else Path(args.model)
+    tok_dir = tok_dir if loaded is None else loaded.tokenizer_dir
+    samples = round_robin([ruler.load_task(t, args.context, args.samples, args.seed, tok_dir) for t in tasks])
+    if loaded is not None:
         decode(loaded, samples, schemes, journal, args)
     report(journal, samples, schemes, args, t0)
 

@@ -27,7 +27,7 @@ and may join or stop at any time. Samples are taken round-robin over the tasks, 
 balanced.
 ``--report-only`` writes the report from the journal without decoding (e.g. while a run is in progress).
 Outputs in ``--out``: results.json (every number with its tier), capacity.png (accuracy vs device bytes per
-token; dense starred at fp16), summary.md (the tables in markdown).
+token; dense starred at fp16), summary.txt (the tables as markdown).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/capacity_ruler.py --schemes dither-int8/int4,dither-int8/int2 \\
         --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,niah_multiquery \\
@@ -199,7 +199,7 @@ def target_table(results: dict[str, Any], tasks: int, target_capacity: float) ->
 def report(
     journal: Journal, samples: list[ruler.Sample], schemes: list[Scheme], args: argparse.Namespace, t0: float
 ) -> None:
-    """Write results.json, capacity.png and summary.md for the journaled samples; print the tables."""
+    """Write results.json, capacity.png and summary.txt for the journaled samples; print the tables."""
     console = Console()
     result = workload_from(journal, samples, schemes)
     if not result.samples:
@@ -218,7 +218,7 @@ def report(
     json_path = write_results(args.out / "results.json", doc)
     md = [f"`{command()}`", ""]
     md += [to_markdown(t) for t in tables]
-    (args.out / "summary.md").write_text("\n\n".join(md) + "\n", encoding="utf-8")
+    (args.out / "summary.txt").write_text("\n\n".join(md) + "\n", encoding="utf-8")
     for t in tables:
         console.print(to_rich(t))
     console.print(f"{len(result.samples)} samples over {tasks} tasks; results: {json_path}; figure: {png}")

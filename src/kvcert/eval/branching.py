@@ -35,7 +35,7 @@ class Scheme:
     resident: float | None = None  # resident set fraction (``CertifiedCache(resident=)``)
     select: Callable[[], EvictionPolicy] | None = None  # builds the resident set's policy, one per request
     witness: Witness = DEFAULT_WITNESS  # storage of the write-time witnesses (``CertifiedCache(witness=)``)
-    device_budget: float | None = 1.0  # ``CertifiedCache(device_budget=)``
+    device_budget: float | None = 1.0  # ``CertifiedCache(device_budget=)`` (its default: never above fp16)
 
     @property
     def is_dense(self) -> bool:
@@ -92,12 +92,17 @@ def greedy_from(
 
 
 def exact_prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
-    """Prefill ``input_ids[1, T]`` into an exact ``DynamicCache``; return it and the greedy first token."""
+    """Prefill ``input_ids[1, T]`` into an exact ``DynamicCache``; return it and the greedy first token.
+
+    Only the last position's logits are computed (``logits_to_keep=1``): the first token needs no other, and
+    the full ``[T, vocab]`` logits would dominate the prefill of a large-vocabulary model (Gemma-3: 262k
+    entries, 2 GB of float32 logits at T = 2048).
+    """
     if input_ids.shape[0] != 1:
         raise ValueError("branches take one prompt at a time (batch 1)")
     with torch.no_grad():
         pre = DynamicCache(config=model.config)
-        out = model(input_ids, cache=pre, use_cache=True)
+        out = model(input_ids, cache=pre, use_cache=True, logits_to_keep=1)
     return pre, out.logits[:, -1:].argmax(-1)
 
 

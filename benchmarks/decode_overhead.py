@@ -167,7 +167,8 @@ def _report(times: dict[str, list[float]], args: argparse.Namespace) -> None:
     console.print(f"certified / raw = {best['kvcert-certified'] / best['kvcert-raw']:.3f} (empirical; target <= 1.10)")
     console.print(f"gated / dense   = {best['kvcert-gated (tau=0.2)'] / best['dense']:.3f} (empirical; target <= 1.5)")
     console.print(
-        f"capacity-gated ({args.capacity_scheme}) / dense = {best[CAPACITY] / best['dense']:.3f} (empirical; target <= 1.3)"
+        f"capacity-gated ({args.capacity_scheme}) / dense = {best[CAPACITY] / best['dense']:.3f}"
+        " (empirical; target <= 1.3)"
     )
     # the same ratios per repetition (the variants of a repetition take turns step by step), then their median:
     # less sensitive than best-of to a slow spell on a shared machine hitting one variant only

@@ -42,9 +42,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 from tqdm.auto import tqdm
@@ -74,6 +75,32 @@ POLICIES: dict[str, Callable[[torch.Tensor], EvictionPolicy]] = {  # argument: t
 
 
 _RECORDED: dict[int, torch.Tensor] = {}
+_LAST_ROWS: list[int | None] = [None]  # record only this many newest query rows (None: all)
+NEEDS_LAST = {"snapkv(w=32,k=5)": 32, "streaming(sinks=4)": 0}  # query rows each prefill score reads
+
+
+class PaddedRows(Sequence[torch.Tensor]):
+    """Per-layer attention ``[1, Hkv, S, S]`` built on access from the recorded newest rows (the rows above are 0):
+    what ``ingest`` takes, without holding ``L`` dense ``S × S`` maps (a 4k prompt would need 6 GB). Exact for
+    policies whose prefill score reads only those rows (``NEEDS_LAST``)."""
+
+    def __init__(self, rows: list[torch.Tensor]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @overload
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[torch.Tensor]: ...
+    def __getitem__(self, i: int | slice) -> torch.Tensor | Sequence[torch.Tensor]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        r = self.rows[i]
+        full = torch.zeros(*r.shape[:2], r.shape[-1], r.shape[-1], dtype=r.dtype)
+        full[:, :, full.shape[2] - r.shape[2] :] = r
+        return full
 
 
 def _recording_attention(
@@ -91,20 +118,61 @@ def _recording_attention(
     out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     b, hq, q, d = query.shape
     hkv, k = key.shape[1], key.shape[2]
-    logits = query.reshape(b, hkv, hq // hkv, q, d) @ key.unsqueeze(2).transpose(-1, -2) * scaling
-    causal = torch.ones(q, k, dtype=torch.bool).tril(k - q)
+    rows = q if _LAST_ROWS[0] is None else min(q, _LAST_ROWS[0])
+    query = query[:, :, q - rows :]
+    logits = query.reshape(b, hkv, hq // hkv, rows, d) @ key.unsqueeze(2).transpose(-1, -2) * scaling
+    causal = torch.ones(q, k, dtype=torch.bool).tril(k - q)[q - rows :]
     _RECORDED[module.layer_idx] = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1).mean(2)
     return out
 
 
 @torch.inference_mode()
-def shared_prefill(model: PreTrainedModel, ids: torch.Tensor) -> tuple[DynamicCache, list[torch.Tensor], torch.Tensor]:
-    """Exact prefill: (K/V cache, per-layer attention ``[1, Hkv, S, S]``, logits ``[1, S, V]``)."""
+def shared_prefill(
+    model: PreTrainedModel, ids: torch.Tensor
+) -> tuple[DynamicCache, Sequence[torch.Tensor], torch.Tensor]:
+    """Exact prefill: (K/V cache, per-layer attention ``[1, Hkv, S, S]``, logits ``[1, S, V]``); with
+    ``_LAST_ROWS`` set, only the newest rows are recorded and the rest read as 0 (:class:`PaddedRows`)."""
     past = DynamicCache(config=model.config)
     with swapped_attention(model, "evict-record", _recording_attention, mask=None):
         logits = model(ids, cache=past, use_cache=True, logits_to_keep=0).logits
     attentions = [_RECORDED.pop(i) for i in range(len(past.layers))]
-    return past, attentions, logits
+    return past, attentions if _LAST_ROWS[0] is None else PaddedRows(attentions), logits
+
+
+@dataclass
+class Prompt:
+    """One RULER prompt after its exact prefill (:func:`shared_prefill`), for the single-prompt resident benchmarks."""
+
+    model: PreTrainedModel
+    tok: Any
+    ids: torch.Tensor
+    past: DynamicCache
+    attentions: Sequence[torch.Tensor]
+    first: torch.Tensor  # the first answer token, from the prefill's logits
+
+
+def resident_args(doc: str | None) -> argparse.ArgumentParser:
+    """The options every single-prompt resident benchmark shares: task, context, resident fraction, tau."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", default="niah_single_1")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--resident", type=float, default=0.25)
+    ap.add_argument("--tau", type=float, default=0.2)
+    return ap
+
+
+def prefilled_prompt(task: str, context: int, last_rows: int | None = None) -> Prompt:
+    """SmolLM2-135M (single thread) and the first seed-0 sample of ``task`` at ``context``, prefilled exactly;
+    ``last_rows``: record only that many newest query rows of the prefill attention (SnapKV reads 32)."""
+    torch.set_num_threads(1)
+    model, tok = load("smollm2-135m")
+    model.eval()
+    sample = load_task(task, context, 1, 0, converted_dir("smollm2-135m"))[0]
+    ids = prompt_ids(tok, sample)
+    _LAST_ROWS[0] = last_rows
+    with torch.inference_mode():
+        past, attentions, logits = shared_prefill(model, ids)
+    return Prompt(model, tok, ids, past, attentions, logits[:, -1:].argmax(-1))
 
 
 @torch.inference_mode()
@@ -158,18 +226,28 @@ def table(context: int, rows: list[dict[str, Any]], configs: list[tuple[str, flo
 
 
 def recall_cost(rows: list[dict[str, Any]]) -> list[str]:
-    """Markdown lines: mean page-in bytes per decode step (recall + dense fallback) as a share of the prompt's fp16
-    KV bytes, per recall-gated configuration (measured)."""
-    names = sorted({k for r in rows for k in r.get("recall", {})})
+    """Markdown lines per recall-gated configuration (all measured): recalled bytes per decode step and all page-in
+    bytes per decode step (recall + resident entries read exact + dense fallback), both counted at fp16 (2 bytes
+    per K/V entry, whatever the host tier's dtype) over the fp16 K/V bytes of the whole context (every written
+    token, resident or omitted); device capacity = that fp16 K/V / the device bytes at the end (resident codes,
+    summaries, held pages)."""
+    names = sorted({k for r in rows for k in r.get("recall", {}) if "recalled" in r["recall"][k]})
     if not names:
         return []
     lines = [
-        "| recall-gated config | page-in per decode step / fp16 KV of the prompt (mean, max over samples) |",
-        "|---|---|",
+        "| recall-gated config | recalled / step / fp16 KV of the context (mean, max) | all page-in / step (mean, max) "
+        "| device capacity (mean) |",
+        "|---|---|---|---|",
     ]
     for key in names:
-        share = [c["paged"] / max(c["steps"], 1) / c["fp16"] for r in rows if (c := r.get("recall", {}).get(key))]
-        lines.append(f"| {key} | {sum(share) / len(share):.3f}, {max(share):.3f} |")
+        got = [c for r in rows if (c := r.get("recall", {}).get(key))]
+        rec = [c["recalled"] / max(c["steps"], 1) / c["fp16"] for c in got]
+        paged = [c["paged"] / max(c["steps"], 1) / c["fp16"] for c in got]
+        cap = [c["fp16"] / c["device"] for c in got]
+        lines.append(
+            f"| {key} | {sum(rec) / len(rec):.3f}, {max(rec):.3f} | {sum(paged) / len(paged):.3f}, {max(paged):.3f} "
+            f"| {sum(cap) / len(cap):.2f}x |"
+        )
     return lines
 
 
@@ -251,26 +329,46 @@ def main() -> None:
         default="int8",
         help="page summary of the recall-gated variant (docs/eviction.md)",
     )
+    parser.add_argument(
+        "--recall-policies", nargs="+", default=None, help="recall-gated variants of these only (default: --policies)"
+    )
+    parser.add_argument(
+        "--recall-mode",
+        choices=("persistent", "transient"),
+        default="persistent",
+        help="recalled pages stay on the device within --device-budget, or are paged in per read",
+    )
+    parser.add_argument("--device-budget", type=float, default=1.0, help="device budget of the recall-gated cache")
+    parser.add_argument("--keys", default="none", help="key codec of the recall-gated variant's resident tokens")
+    parser.add_argument("--values", default="none", help="value codec of the recall-gated variant's resident tokens")
     args = parser.parse_args()
     if args.report:
         report(args.report)
         return
     names = args.policies
-    unknown = sorted(set(names) - set(POLICIES))
+    unknown = sorted(set(names + (args.recall_policies or [])) - set(POLICIES))
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; known: {'  '.join(POLICIES)}")
+    wanted = set(names) | set(args.recall_policies or [])
+    if wanted <= set(NEEDS_LAST):  # every prefill score reads only the newest rows: record just those
+        _LAST_ROWS[0] = max(1, *(NEEDS_LAST[n] for n in wanted))
     torch.manual_seed(0)
     model, tok = load("smollm2-135m")
     model.eval()
-    samples: list[tuple[str, Sample]] = []
-    for task in args.tasks.split(","):
-        samples += [
-            (task, s) for s in load_task(task, args.context, args.samples, args.seed, converted_dir("smollm2-135m"))
-        ]
+    per_task = [
+        [(task, s) for s in load_task(task, args.context, args.samples, args.seed, converted_dir("smollm2-135m"))]
+        for task in args.tasks.split(",")
+    ]
+    # round robin over the tasks: a run stopped early still covers every task
+    samples: list[tuple[str, Sample]] = [row[i] for i in range(args.samples) for row in per_task if i < len(row)]
     keeps = [float(k) for k in args.keep.split(",")]
     configs = [(name, k) for name in names for k in keeps]
     if args.recall is not None:
-        configs += [(f"recall({args.recall:g},{args.summary}):{name}", k) for name in names for k in keeps]
+        tag = f"recall({args.recall:g},{args.summary}"
+        tag += "" if args.recall_mode == "persistent" else f",{args.recall_mode}"
+        tag += "" if (args.keys, args.values) == ("none", "none") else f",{args.keys}/{args.values}"
+        tag += "" if args.device_budget == 1.0 else f",budget={args.device_budget:g}"
+        configs += [(f"{tag}):{name}", k) for name in args.recall_policies or names for k in keeps]
     log = None
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -298,23 +396,28 @@ def main() -> None:
                     "select": POLICIES[base](answer),
                     "gate": Gate.certified(args.recall),
                     "summary": args.summary,
+                    "recall": args.recall_mode,
+                    "device_budget": args.device_budget,
+                    "keys": args.keys,
+                    "values": args.values,
                 }
             else:
                 kwargs = {"evict": POLICIES[base](answer), "compression_ratio": 1.0 - keep, "certify": False}
-            cache = CertifiedCache(model, keys="none", values="none", **kwargs)
+            cache = CertifiedCache(model, **{"keys": "none", "values": "none", **kwargs})
             if name != "reference":
                 cache.set_prefill_kappa(kappa)
             cache.ingest(past, attentions=attentions if name != "reference" else None)
             toks = decode(model, cache, first, max_new, tok.eos_token_id)
             if name.startswith("recall("):
                 tel = cache.telemetry()
-                cfg = model.config
-                head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-                fp16 = ids.shape[1] * cfg.num_hidden_layers * cfg.num_key_value_heads * 2 * head_dim * 2
+                host = cache.layers[0].store.k.host.dtype.itemsize  # page-in bytes are in the host tier's dtype
                 cost[f"{name}@{keep:.2f}"] = {
-                    "paged": tel.bytes_recalled + tel.bytes_paged,
+                    "recalled": tel.bytes_recalled * 2 // host,  # at fp16 (2 bytes per entry)
+                    "paged": tel.bytes_paged * 2 // host,  # recall + exact resident reads + dense fallback
                     "steps": toks.shape[1],
-                    "fp16": fp16,
+                    "fp16": tel.bytes_fp16_context,
+                    "device": tel.bytes_device,
+                    "held": tel.bytes_held,
                 }
             cache.detach()
             got[f"{name}@{keep:.2f}"] = score(sample, tok.decode(toks[0], skip_special_tokens=True))

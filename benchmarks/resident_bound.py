@@ -12,7 +12,6 @@ summary's device bytes and the violations (must be 0). Bound: **certified**; exa
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Callable
@@ -21,13 +20,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from evict_ruler import decode, shared_prefill  # noqa: E402
+from evict_ruler import decode, prefilled_prompt, resident_args  # noqa: E402
 from kvcert import Gate  # noqa: E402
-from kvcert.eval import load_task  # noqa: E402
-from kvcert.eval.harness import prompt_ids  # noqa: E402
 from kvcert.evict import EvictionPolicy, SnapKV, StreamingLLM  # noqa: E402
 from kvcert.integrations.transformers import CertifiedCache  # noqa: E402
-from kvcert.models import converted_dir, load  # noqa: E402
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "snapkv(w=32,k=5)": lambda: SnapKV(window=32, kernel=5),
@@ -36,22 +32,12 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", default="niah_single_1")
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--resident", type=float, default=0.25)
-    ap.add_argument("--tau", type=float, default=0.2)
+    ap = resident_args(__doc__)
     ap.add_argument("--steps", type=int, default=4, help="decode steps after the prefill")
     ap.add_argument("--summaries", default="box:16,int8:16", help="comma-separated summary:page_size")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    model, tok = load("smollm2-135m")
-    model.eval()
-    sample = load_task(args.task, args.context, 1, 0, converted_dir("smollm2-135m"))[0]
-    ids = prompt_ids(tok, sample)
-    with torch.inference_mode():
-        past, attentions, logits = shared_prefill(model, ids)
-    first = logits[:, -1:].argmax(-1)
+    pr = prefilled_prompt(args.task, args.context)
+    model, tok, ids, past, attentions, first = pr.model, pr.tok, pr.ids, pr.past, pr.attentions, pr.first
     print(
         f"SmolLM2-135M, RULER {args.task} @ {args.context} ({ids.shape[1]} tokens), resident {args.resident}, "
         f"{args.steps} decode steps, exact K/V; bound certified, exact mass measured"

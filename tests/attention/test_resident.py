@@ -144,8 +144,9 @@ def test_accounting_of_summaries_recall_and_resident_fraction(models):
 
 
 def test_a_tau_no_recall_can_meet_falls_back_to_exact_attention_over_every_token(models):
-    """int8 resident keys carry a quantization certificate > 1e-6 even with every page recalled: the head is then
-    served by exact attention over all tokens (dense tokens, bytes_paged), after the recall tried."""
+    """tau = 1e-9 is below the float32 rounding certificate of any exact read (resident codes, then exact resident
+    entries, each with every page recalled): the head is then served by exact attention over all tokens (dense
+    tokens, bytes_paged), after both tried."""
     model = models["qwen2"]
     ids = _ids(model, seed=4)
     ref = _decode(model, ids, DynamicCache(config=model.config))
@@ -155,7 +156,7 @@ def test_a_tau_no_recall_can_meet_falls_back_to_exact_attention_over_every_token
         values="int8",
         resident=0.25,
         select=H2O(recent=3),
-        gate=Gate.certified(1e-6),
+        gate=Gate.certified(1e-9),
         validate=True,
         page_size=4,
     ) as cache:
@@ -230,6 +231,7 @@ def test_resident_one_keeps_everything_and_reads_as_before(models):
         ({"resident": "0.5"}, "resident must be a fraction"),
         ({"resident": 0.5, "page_size": 0}, "page_size"),
         ({"resident": 0.5, "summary": "int3"}, "summary must be one of"),
+        ({"resident": 0.5, "recall": "sometimes"}, "recall must be one of"),
         ({"resident": 0.5, "evict": H2O(recent=2), "compression_ratio": 0.5}, "select=<policy>"),
         ({"select": H2O(recent=2)}, "needs resident"),
         ({"resident": 0.5, "gate": Gate.certified(0.2, granularity="block")}, "head granularity"),
@@ -299,3 +301,64 @@ def test_left_padded_batch_masks_omitted_tokens_by_position(models):
         tel = cache.telemetry()
     assert tel.violations == 0 and tel.out_violations == 0 and tel.recall_violations == 0
     assert bool((tel.served[tel.recorded] <= 0.3).all())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_persistent_recall_pages_in_once_within_the_device_budget(models, family):
+    """Persistent recall: 0 violations per cell, fewer recalled bytes than transient recall on the same run, the
+    held pages counted in bytes_device, and bytes_device within device_budget x the context's fp16 K/V (up to the
+    tokens the stores appended after the last forward's budget check: one per layer and KV head)."""
+    model = models[family]
+    ids = _ids(model, batch=2, seed=7)
+    got = {}
+    for recall in ("transient", "persistent"):
+        with CertifiedCache(
+            model,
+            keys="int4",
+            values="int4",
+            resident=0.25,
+            select=StreamingLLM(sinks=2),
+            gate=Gate.certified(0.1),
+            validate=True,
+            page_size=4,
+            recall=recall,
+            device_budget=1.0,
+        ) as cache:
+            _decode(model, ids, cache, steps=10)
+            tel = cache.telemetry()
+            stores = sum(layer.store.bytes_device() for layer in cache.layers)
+        assert tel.violations == 0 and tel.out_violations == 0 and tel.recall_violations == 0
+        assert bool((tel.served[tel.recorded] <= 0.1).all())
+        assert tel.bytes_device == stores + tel.bytes_summary + tel.bytes_held
+        got[recall] = tel
+    assert got["transient"].bytes_held == 0 and got["persistent"].bytes_held > 0
+    assert got["persistent"].bytes_recalled < got["transient"].bytes_recalled
+    cfg = model.config
+    slack = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * 2 * 32 * 4  # one exact float32 token each
+    assert got["persistent"].bytes_device <= 1.0 * got["persistent"].bytes_fp16_context + slack
+
+
+def test_resident_codes_above_tau_are_read_exact_instead_of_dense(models):
+    """int2 resident codes alone exceed tau = 0.05: the read serves the resident entries exact from the host tier
+    plus recalled pages (resident entries paged in, no dense read of the whole context), 0 violations."""
+    model = models["llama"]
+    ids = _ids(model, batch=2, seed=8)
+    with CertifiedCache(
+        model,
+        keys="int2",
+        values="int2",
+        resident=0.5,
+        select=StreamingLLM(sinks=2),
+        gate=Gate.certified(0.05),
+        validate=True,
+        page_size=4,
+        recall="transient",
+    ) as cache:
+        _decode(model, ids, cache)
+        tel = cache.telemetry()
+        recs = cache.resident_records
+    assert tel.violations == 0 and tel.out_violations == 0 and tel.recall_violations == 0
+    assert bool((tel.served[tel.recorded] <= 0.05).all())
+    assert sum(r.bytes_exact for r in recs) > 0 and sum(r.bytes_dense for r in recs) == 0
+    # the prefill (read before the resident set exists) may repair too: the resident reads' page-in is part of it
+    assert tel.bytes_paged >= sum(r.bytes + r.bytes_exact + r.bytes_dense for r in recs) > 0

@@ -179,3 +179,20 @@ def test_merge_refuses_shards_with_other_resident_options(key: str, other: objec
     b["config"][key] = other
     with pytest.raises(ValueError, match=f"{key} {other!r} differs"):
         merge_results([a, b], [Path("a"), Path("b")], seed=0, resamples=100)
+
+
+def test_eval_resident_validate_reports_exact_omitted_mass_and_zero_violations(tmp_path: Path) -> None:
+    """``kvcert eval --resident R --select P --validate``: the resident variant carries the exact omitted mass (never
+    above the largest bound), 0 recall violations and 0 certificate violations; page-in (recall + exact resident
+    reads + dense fallback) is at least the recalled bytes, both against the whole context."""
+    out = tmp_path / "eval"
+    args = ["eval", *TINY, "--gate", "certified:0.2", "--resident", "0.25", "--select", "streaming", "--validate"]
+    result = runner.invoke(app, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["config"]["validate"] is True
+    kept = doc["results"]["variants"]["int4+resident"]
+    assert kept["recall_violations"] == {"value": 0, "tier": "empirical"}
+    assert kept["violations"]["value"] == 0
+    assert 0.0 <= kept["max_omitted_mass"]["value"] <= kept["max_omitted_mass_bound"]["value"] <= 1.0
+    assert kept["page_in_bytes"]["value"] >= kept["bytes_recalled"]["value"]

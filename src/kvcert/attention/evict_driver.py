@@ -21,6 +21,7 @@ from kvcert.attention.certified import group_heads, masked_logits, probs64
 from kvcert.attention.read_path import slot_mask
 from kvcert.attention.resident import OmittedPages, can_omit, check_resident, summarize_omitted
 from kvcert.cache.gate import Gate
+from kvcert.cache.recall import RecallPool
 from kvcert.cache.store import LayerStore
 from kvcert.cache.telemetry import EvictRecord
 from kvcert.evict import RMM, EvictionPolicy, RunTrace, SnapKV, aggregate_gqa, causal_attention, serving_reading
@@ -63,6 +64,7 @@ class EvictionConfig:
     resident: float | None = None
     page_size: int = 16
     summary: str = "int8"
+    recall: str = "persistent"
 
     @classmethod
     def of(
@@ -78,6 +80,7 @@ class EvictionConfig:
         summary: str,
         gate: Gate,
         certify: bool,
+        recall: str = "persistent",
     ) -> EvictionConfig:
         """The configuration of the cache's keywords: a resident set is prefill compression by ``select``
         (default :func:`default_select`) that keeps the omitted tokens on the host. Each error names the argument.
@@ -85,15 +88,15 @@ class EvictionConfig:
         if resident is None:
             if select is not None:
                 raise ValueError("select=<policy> needs resident=<fraction in (0, 1]>")
-            return cls(evict, budget, compression_ratio, chunk, belady, None, page_size, summary)
+            return cls(evict, budget, compression_ratio, chunk, belady, None, page_size, summary, recall)
         if evict is not None or budget is not None or compression_ratio is not None:
             raise ValueError(
                 "resident=... picks its tokens with select=<policy>; do not pass evict, budget or "
                 "compression_ratio with it"
             )
-        fraction = check_resident(resident, gate, certify, page_size, summary)
+        fraction = check_resident(resident, gate, certify, page_size, summary, recall)
         policy = select if select is not None else default_select()
-        return cls(policy, None, 1.0 - fraction, chunk, belady, fraction, page_size, summary)
+        return cls(policy, None, 1.0 - fraction, chunk, belady, fraction, page_size, summary, recall)
 
     def check(self, stores: Sequence[LayerStore], sliding: bool, ladder: bool, validate: bool) -> None:
         """Fail closed on settings that cannot be honoured by these stores (each message names the argument)."""
@@ -160,6 +163,8 @@ class EvictionDriver:
         self.kappa_groups: list[torch.Tensor] = []  # query positions [B, q] of forwards awaiting κ
         self.prefill_kappa: torch.Tensor | None = None
         self.records: list[EvictRecord] = []
+        # a resident set's persistent recall: the room the device budget leaves for held pages (None: transient)
+        self.recall_pool = RecallPool() if cfg.resident is not None and cfg.recall == "persistent" else None
         self._last_attn: dict[int, torch.Tensor] = {}  # last served row [B, Hkv, S] (mean over G) per layer
         self._prefilled: set[int] = set()  # layers whose prefill compression was applied
 
@@ -308,7 +313,7 @@ class EvictionDriver:
             serving = serving_reading(last, kept).mass
         store.gather(keep, retain_evicted=self.validate or self.cfg.resident is not None)
         if self.cfg.resident is not None:
-            self.pages[store.layer] = summarize_omitted(store, self.cfg.page_size, self.cfg.summary)
+            self.pages[store.layer] = summarize_omitted(store, self.cfg.page_size, self.cfg.summary, self.recall_pool)
         evicted = (n - keep.shape[-1]) * keep.shape[0] * keep.shape[1]
         self.records.append(EvictRecord(step=step, layer=store.layer, serving_mass=serving, evicted=evicted))
 

@@ -18,7 +18,7 @@ between variants or assemble records themselves. Variants (``docs/read-path.md#r
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,9 +27,10 @@ import torch
 from kvcert.attention.certified import ReadConfig, ReadResult, certified_read
 from kvcert.attention.exact import ExactAttention
 from kvcert.attention.ladder import LadderConfig, LadderStats, ladder_read
-from kvcert.attention.resident import OmittedPages, ResidentRecord, resident_read
+from kvcert.attention.resident import OmittedPages, ResidentRecord, refresh_pool, resident_read
 from kvcert.cache.events import CacheObserver, ReadEvent
 from kvcert.cache.gate import Gate
+from kvcert.cache.recall import RecallPool
 from kvcert.cache.store import LayerStore
 from kvcert.cache.telemetry import ChainInputs, StepRecord
 
@@ -244,7 +245,9 @@ class ResidentReadPath(ReadPath):
     """Certified sparse attention over a resident set: a layer with omitted pages in ``pages`` (filled by the
     adapter when it compresses the prefill) is read by :func:`kvcert.attention.resident.resident_read`, whose
     dense fallback is ``exact`` over every token (resident and omitted, in position order); any other layer by
-    ``fallback``."""
+    ``fallback``. With a recall ``pool`` (persistent recall, :mod:`kvcert.cache.recall`) the room the device budget
+    leaves for held pages is recomputed once per forward, at the first resident layer, over ``stores()`` (every
+    layer's store)."""
 
     def __init__(
         self,
@@ -253,9 +256,12 @@ class ResidentReadPath(ReadPath):
         pages: Mapping[int, OmittedPages],
         fallback: CertifiedReadPath,
         sink: ReadSink | None = None,
+        pool: RecallPool | None = None,
+        stores: Callable[[], Sequence[LayerStore]] = tuple,
     ) -> None:
         super().__init__(sink)
         self.gate, self.validate, self.pages, self.fallback = gate, validate, pages, fallback
+        self.pool, self.stores = pool, stores
 
     def serve(self, req: ReadRequest) -> tuple[ReadResult, ResidentRecord | None]:
         """The resident read of a layer with omitted pages (needs ``logical``), else the fallback's read."""
@@ -281,6 +287,8 @@ class ResidentReadPath(ReadPath):
 
         mask_o = slot_mask(logical, ev["positions"].view())
         pages = self.pages[store.layer]
+        if self.pool is not None and store.layer == min(self.pages):  # once per forward: room for held pages
+            refresh_pool(self.pool, list(self.stores()), list(self.pages.values()))
         return resident_read(
             req.q, store, pages, req.mask, mask_o, req.scaling, self.gate, self.validate, dense_exact, req.step
         )

@@ -7,10 +7,13 @@ device keeps a :class:`~kvcert.bounds.pages.PageSummary` of their keys in pages 
 Every read (:func:`resident_read`) certifies each (query head, query) cell with ONE bound on
 ``TV(exact attention over every visible token, served attention)`` (``docs/math.md#resident-certificate``): the resident
 quantization certificate composed with the omitted-mass bound from the page logit bounds. Gate
-``certified(τ)``: a KV head with a cell above ``τ`` recalls (transiently, for this read) the omitted pages with
-the largest mass bounds from the host tier — served exact, with their float32 rounding radius — until every
-cell is ``≤ τ``; if even every page recalled leaves a cell above ``τ`` (or a cell cannot be certified) the
-head is served by the exact attention over every token, in position order (``τ = 0``: the dense answer).
+``certified(τ)``: a KV head with a cell above ``τ`` recalls the omitted pages with the largest mass bounds from the
+host tier — served exact, with their float32 rounding radius — until every cell is ``≤ τ``. Recalled pages stay on
+the device within the device budget (persistent recall, :mod:`kvcert.cache.recall`) or serve one read
+(``recall="transient"``). When the resident codes alone exceed ``τ``, or every page recalled over them still leaves
+a cell above it, the head's resident entries are read exact from the host tier and pages recalled on top; if even
+that leaves a cell above ``τ`` (or a cell cannot be certified) the head is served by the exact attention over every
+token, in position order (``τ = 0``: the dense answer).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from kvcert.attention.certified import (
 )
 from kvcert.bounds.pages import (
     KeySketch,
+    OmittedCertificate,
     PageSummary,
     omitted_certificate,
     page_logit_bound,
@@ -44,14 +48,20 @@ from kvcert.bounds.pages import (
 from kvcert.bounds.rc import gamma_f32
 from kvcert.bounds.rope import norm_up_f32
 from kvcert.cache.gate import Gate
+from kvcert.cache.recall import HeldPages, RecallPool
 from kvcert.cache.store import LayerStore
 
 F64 = torch.float64
 SUMMARIES: tuple[str, ...] = ("box", "int8")
+RECALLS: tuple[str, ...] = ("persistent", "transient")
 
 
-def check_resident(resident: object, gate: Gate, certify: bool, page_size: object, summary: object) -> float:
+def check_resident(
+    resident: object, gate: Gate, certify: bool, page_size: object, summary: object, recall: object = "persistent"
+) -> float:
     """Validate the resident-set arguments; return the fraction. Each error names the argument."""
+    if recall not in RECALLS:
+        raise ValueError(f"recall must be one of {', '.join(RECALLS)}, got {recall!r}")
     if summary not in SUMMARIES:
         raise ValueError(f"summary must be one of {', '.join(SUMMARIES)}, got {summary!r}")
     if isinstance(resident, bool) or not isinstance(resident, (int, float)) or not 0.0 < resident <= 1.0:
@@ -82,6 +92,7 @@ class OmittedPages:
     ``sketch`` (per token: int8 codes and error witness ``[B, Hkv, N, ...]``; ``summary="int8"``).
     ``v_spread`` / ``v_norm`` / ``k_norm`` ``[B, Hkv, 1]`` float32 upper bounds on ``max ‖v_t − centre‖``,
     ``max ‖v_t‖`` and ``max ‖k_t‖`` over the omitted tokens (the output bound's spread and slack need them).
+    ``held``: the pages recalled persistently (``recall="persistent"``), ``None`` for transient recall.
     """
 
     page_size: int
@@ -90,20 +101,34 @@ class OmittedPages:
     v_spread: torch.Tensor
     v_norm: torch.Tensor
     k_norm: torch.Tensor
+    held: HeldPages | None = None
+
+    @property
+    def summary_nbytes(self) -> int:
+        """Device bytes of the summary (counted as device bytes, separately from the KV codes)."""
+        kept = self.box if self.box is not None else self.sketch
+        assert kept is not None
+        return kept.nbytes + sum(t.numel() * t.element_size() for t in (self.v_spread, self.v_norm, self.k_norm))
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of the summary (counted as device bytes, separately from the KV codes)."""
-        held = self.box if self.box is not None else self.sketch
-        assert held is not None
-        return held.nbytes + sum(t.numel() * t.element_size() for t in (self.v_spread, self.v_norm, self.k_norm))
+        """Device bytes of the summary and of the pages held on the device."""
+        return self.summary_nbytes + (self.held.nbytes if self.held is not None else 0)
 
 
-def summarize_omitted(store: LayerStore, page_size: int, summary: str = "int8") -> OmittedPages:
-    """Summarize the store's evicted archive (the omitted tokens) in pages of ``page_size`` (``summary`` kind)."""
+def summarize_omitted(
+    store: LayerStore, page_size: int, summary: str = "int8", pool: RecallPool | None = None
+) -> OmittedPages:
+    """Summarize the store's evicted archive (the omitted tokens) in pages of ``page_size`` (``summary`` kind);
+    with a ``pool`` (persistent recall) also an empty :class:`~kvcert.cache.recall.HeldPages` drawing on it."""
     k, v = store.evicted["k"].view(), store.evicted["v"].view()
     box = summarize_pages(k, page_size) if summary == "box" else None
     sketch = sketch_keys(k) if summary == "int8" else None
+    held = None
+    if pool is not None:
+        n = k.shape[2]
+        counts = (n - torch.arange(0, n, page_size)).clamp(max=page_size)
+        held = HeldPages.empty(k.shape[0], k.shape[1], counts, (k.shape[-1] + v.shape[-1]) * k.element_size(), pool)
     return OmittedPages(
         page_size,
         box,
@@ -111,7 +136,27 @@ def summarize_omitted(store: LayerStore, page_size: int, summary: str = "int8") 
         norm_up_f32(v.to(F64) - store.v_centre).amax(-1, keepdim=True),
         norm_up_f32(v).amax(-1, keepdim=True),
         norm_up_f32(k).amax(-1, keepdim=True),
+        held,
     )
+
+
+def refresh_pool(pool: RecallPool, stores: list[LayerStore], pages: list[OmittedPages]) -> None:
+    """Set ``pool.free``: the tokens the held pages of every layer may still add within the device budget.
+
+    ``device_budget = F`` (of the first store; the cache gives every layer the same) caps the device bytes of every
+    layer — resident codes, summaries, held pages and their masks — at ``F`` times the fp16 K/V bytes of every token
+    written (resident and omitted). ``F = None``: no cap. Negative when the stores grew past the budget: the next
+    reads then hand held pages back to their summaries until the pool is square."""
+    held = [p.held for p in pages if p.held is not None]
+    if not held:
+        return
+    budget = stores[0].device_budget
+    if budget is None:
+        pool.free = sum(int(h.counts.sum()) * h.held.shape[0] * h.held.shape[1] for h in held)
+        return
+    fp16 = sum(s.bytes_fp16() + 2 * (s.evicted["k"].view().numel() + s.evicted["v"].view().numel()) for s in stores)
+    used = sum(s.bytes_device() for s in stores) + sum(p.nbytes for p in pages)
+    pool.free = int((budget * fp16 - used) // max(h.bytes_per_token for h in held))  # < 0: release held pages
 
 
 @dataclass
@@ -132,6 +177,11 @@ class ResidentRecord:
     bytes: int
     true_mass: torch.Tensor | None = None
     violations: int = 0
+    head_pages: torch.Tensor | None = None  # [B, Hkv] pages recalled per KV head at this read
+    head_dense: torch.Tensor | None = None  # [B, Hkv] KV heads served by exact attention over every token
+    bytes_dense: int = 0  # page-in bytes of those dense reads
+    bytes_exact: int = 0  # page-in bytes of resident entries read exact (their codes alone exceeded tau)
+    queries: int = 0  # query positions of the read (1 at a decode step)
 
     def reading(self, name: str) -> torch.Tensor | None:
         """``mass_bound``, ``true_mass`` or ``certificate_post`` as :func:`~kvcert.cache.telemetry.stack_records`
@@ -147,6 +197,88 @@ def _page_counts(mask_o: torch.Tensor, page_size: int, pages: int) -> torch.Tens
     """Visible tokens per page ``[..., P]`` from the omitted tokens' mask ``[..., S_O]``."""
     pad = pages * page_size - mask_o.shape[-1]
     return torch.nn.functional.pad(mask_o, (0, pad)).reshape(*mask_o.shape[:-1], pages, page_size).sum(-1)
+
+
+@dataclass(frozen=True)
+class _OmittedView:
+    """What a resident read knows of one layer's omitted tokens (every head): the grouped query ``qg[B, Hkv, M, D]``
+    and its rounding ``rate[B, Hkv, M, 1]``, the omitted keys / values ``[B, Hkv, S_O, ·]`` and their visibility
+    ``mask_o[B, Hkv, M, S_O]``, the page logit bounds ``u[B, Hkv, M, P]`` and visible counts ``counts``."""
+
+    qg: torch.Tensor
+    rate: torch.Tensor
+    scaling: float
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask_o: torch.Tensor
+    u: torch.Tensor
+    counts: torch.Tensor
+    page_size: int
+    threshold: float
+
+    @property
+    def n_pages(self) -> int:
+        return self.u.shape[-1]
+
+
+def _grow_recall(
+    ov: _OmittedView, bi: int, hi: int, order: torch.Tensor, k: int, l_res: torch.Tensor, c_res: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, OmittedCertificate]:
+    """Recall the first ``k`` pages of ``order`` for KV head ``(bi, hi)`` (doubling ``k`` until every cell's composed
+    certificate is ``<= threshold`` or every page is recalled) over the resident logits ``l_res`` and radii
+    ``c_res``; return the pages chosen, their tokens, the served probabilities over resident + recalled tokens, the
+    recalled values and the certificate of the rest."""
+    ps, n_pages, s_o = ov.page_size, ov.n_pages, ov.keys.shape[2]
+    while True:
+        chosen = order[:k]
+        tok = (chosen.view(-1, 1) * ps + torch.arange(ps)).flatten()
+        tok = tok[tok < s_o].sort().values
+        kp, vp = ov.keys[bi, hi, tok].to(torch.float32), ov.values[bi, hi, tok].to(torch.float32)
+        mp = ov.mask_o[bi, hi][:, tok]
+        lp = torch.matmul(ov.qg[bi, hi] * ov.scaling, kp.T).masked_fill(~mp, float("-inf"))
+        cp = (ov.rate[bi, hi] * 2.0 * norm_up_f32(kp).to(F64)).expand_as(lp)
+        l_all = torch.cat([l_res, lp], -1)
+        c_all = torch.cat([c_res, cp], -1)
+        p_all = probs64(l_all)
+        meter = served_meter(p_all, c_all)[0]
+        keep = torch.ones(n_pages, dtype=torch.bool)
+        keep[chosen] = False
+        w_rest = page_weights(l_all, ov.u[bi, hi][:, keep], ov.counts[bi, hi][:, keep])
+        oc2 = omitted_certificate(p_all, c_all, w_rest, meter)
+        if bool((oc2.certificate <= ov.threshold).all()) or k >= n_pages:
+            return chosen, tok, p_all, vp, oc2
+        k = min(2 * k, n_pages)
+
+
+def _exact_resident(
+    ov: _OmittedView, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, bi: int, hi: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits, radii and values of KV head ``(bi, hi)``'s resident entries read exact from the host tier
+    (``keys`` / ``values`` ``[S_R, ·]``, visibility ``mask[M, S_R]``): served in float32, so the radius is the float32
+    rounding, as a recalled token's."""
+    kr = keys.to(torch.float32)
+    logits = torch.matmul(ov.qg[bi, hi] * ov.scaling, kr.T).masked_fill(~mask, float("-inf"))
+    radius = torch.where(mask, ov.rate[bi, hi] * 2.0 * norm_up_f32(kr).to(F64), 0.0)
+    return logits, radius, values.to(torch.float32)
+
+
+def _dense_fallback(
+    out: torch.Tensor,
+    cert: torch.Tensor,
+    dense: torch.Tensor,
+    dense_exact: Callable[[tuple[int, int]], torch.Tensor],
+) -> torch.Tensor:
+    """Serve the KV heads marked ``dense[B, Hkv]`` by the exact attention over every token (``out[B, Hkv, M, Dv]``
+    overwritten in place, one ``dense_exact`` call over the span of marked heads); return ``cert`` with those
+    heads' certificates zero (exact: TV 0)."""
+    if not bool(dense.any()):
+        return cert
+    b, hkv = dense.shape
+    rows_need = dense.any(0).nonzero().flatten()
+    h0, h1 = int(rows_need[0]), int(rows_need[-1]) + 1
+    ex = dense_exact((h0, h1)).permute(0, 2, 1, 3).reshape(b, h1 - h0, out.shape[2], -1).to(out.dtype)
+    out[:, h0:h1] = torch.where(dense[:, h0:h1].view(b, -1, 1, 1), ex, out[:, h0:h1])
+    return torch.where(dense.unsqueeze(-1), 0.0, cert)
 
 
 def resident_read(
@@ -168,6 +300,11 @@ def resident_read(
     every token (resident and omitted, in position order) for KV heads ``h0 ≤ h < h1``. ``ReadResult.cert_pre``
     is the composed certificate before recall (``raw`` the same), ``cert`` the certificate of what was served,
     ``true_tv`` (validate) the true TV of the pre-recall served read against exact attention over every token.
+
+    ``pages.held`` (persistent recall, :mod:`kvcert.cache.recall`): the pages already on the device are served exact
+    like recalled ones at no page-in, first in the recall order; after the read the pages it served are offered
+    to ``held`` (within its budget) and only pages not held before are counted as recalled (pages and bytes).
+    Without it every recall is transient (paged in, and counted, at every read that needs it).
     """
     assert store.k is not None and store.v is not None
     b, hq, nq, d = q.shape
@@ -200,6 +337,8 @@ def resident_read(
     cert_pre = oc.certificate
     need = (cert_pre.amax(-1) > gate.threshold) if gate.mode != "off" else torch.zeros(b, hkv, dtype=torch.bool)
     need = need | bad.any(-1)
+    held = pages.held
+    has_held = held.held.any(-1) if held is not None else torch.zeros(b, hkv, dtype=torch.bool)
     out, cert, value_term = sv.out.clone(), cert_pre.clone(), sv.value_term.clone()
     dense = torch.zeros(b, hkv, dtype=torch.bool)
     blocks = torch.zeros(b, hkv, dtype=torch.int64)  # pages recalled per KV head
@@ -212,59 +351,59 @@ def resident_read(
     p_post = None
     if validate:
         p_post = torch.cat([sv.p64, torch.zeros(*sv.p64.shape[:3], s_o, dtype=F64)], -1)
-    for bi, hi in need.nonzero().tolist():
+    host_k, host_v = store.k.host.view(), store.v.host.view()
+    ctx = _OmittedView(qg, rate, scaling, ev_k, ev_v, m_o, u, counts, ps, gate.threshold)
+    bytes_exact = 0  # resident entries read exact from the host tier (their codes could not be certified)
+    for bi, hi in (need | has_held).nonzero().tolist():
         if bool(bad[bi, hi].any()) or gate.threshold == 0:  # nothing short of exact attention certifies these
             dense[bi, hi] = True
             continue
         wh = w[bi, hi]  # [M, P]
-        order = torch.argsort(wh.amax(0), descending=True, stable=True)
-        cum = wh[:, order].cumsum(-1)
-        rest_u = (oc.u[bi, hi].unsqueeze(-1) - cum).clamp(min=0.0)
-        predicted = (
-            rest_u / (oc.b[bi, hi].unsqueeze(-1) + rest_u) + sv.cert[bi, hi].unsqueeze(-1) <= gate.threshold
-        ).all(0)
-        k = int(predicted.to(torch.int64).argmax()) + 1 if bool(predicted.any()) else n_pages
-        while True:
-            chosen = order[:k]
-            tok = (chosen.view(-1, 1) * ps + torch.arange(ps)).flatten()
-            tok = tok[tok < s_o].sort().values
-            kp, vp = ev_k[bi, hi, tok].to(torch.float32), ev_v[bi, hi, tok].to(torch.float32)
-            mp = m_o[bi, hi][:, tok]
-            lp = torch.matmul(qg[bi, hi] * scaling, kp.T).masked_fill(~mp, float("-inf"))
-            cp = (rate[bi, hi] * 2.0 * norm_up_f32(kp).to(F64)).expand_as(lp)
-            l_all = torch.cat([logits[bi, hi], lp], -1)
-            c_all = torch.cat([torch.where(m[bi, hi], sv.c[bi, hi], 0.0), cp], -1)
-            p_all = probs64(l_all)
-            meter = served_meter(p_all, c_all)[0]
-            keep = torch.ones(n_pages, dtype=torch.bool)
-            keep[chosen] = False
-            w_rest = page_weights(l_all, u[bi, hi][:, keep], counts[bi, hi][:, keep])
-            oc2 = omitted_certificate(p_all, c_all, w_rest, meter)
-            if bool((oc2.certificate <= gate.threshold).all()) or k >= n_pages:
+        kept = held.pages_of(bi, hi) if held is not None else torch.zeros(0, dtype=torch.int64)
+        key = wh.amax(0).clone()
+        key[kept] = float("inf")  # held pages are on the device: read first, at no page-in
+        order = torch.argsort(key, descending=True, stable=True)
+        # the resident codes alone above tau: recall cannot help, read the resident entries exact (host tier)
+        exact = bool(need[bi, hi]) and bool(sv.cert[bi, hi].amax() > gate.threshold)
+        for exact_res in (exact,) if exact else (False, True):
+            k = int(kept.numel())
+            if bool(need[bi, hi]):
+                cum = wh[:, order].cumsum(-1)
+                rest_u = (oc.u[bi, hi].unsqueeze(-1) - cum).clamp(min=0.0)
+                meter0 = 0.0 if exact_res else sv.cert[bi, hi].unsqueeze(-1)
+                predicted = (rest_u / (oc.b[bi, hi].unsqueeze(-1) + rest_u) + meter0 <= gate.threshold).all(0)
+                k = max(k, int(predicted.to(torch.int64).argmax()) + 1 if bool(predicted.any()) else n_pages)
+            if exact_res:
+                l_res, c_res, v_res = _exact_resident(ctx, host_k[bi, hi], host_v[bi, hi], m[bi, hi], bi, hi)
+            else:
+                l_res, c_res = logits[bi, hi], torch.where(m[bi, hi], sv.c[bi, hi], 0.0)
+                v_res = store.v.served.view()[bi, hi]
+            chosen, tok, p_all, vp, oc2 = _grow_recall(ctx, bi, hi, order, k, l_res, c_res)
+            if bool((oc2.certificate <= gate.threshold).all()):
                 break
-            k = min(2 * k, n_pages)
         if not bool((oc2.certificate <= gate.threshold).all()):
             dense[bi, hi] = True
             continue
-        vres = store.v_res.view()[bi, hi].to(F64)
-        out[bi, hi] = p_all.to(torch.float32) @ torch.cat([store.v.served.view()[bi, hi], vp], 0)
+        out[bi, hi] = p_all.to(torch.float32) @ torch.cat([v_res, vp], 0)
         cert[bi, hi] = oc2.certificate
-        value_term[bi, hi] = p_all[:, :s_r] @ vres
-        blocks[bi, hi] = int(chosen.numel())
-        n_recalled += int(chosen.numel())
-        bytes_recalled += int(tok.numel()) * (dk + dv) * elt
+        if exact_res:
+            value_term[bi, hi] = 0.0
+            bytes_exact += s_r * (dk + dv) * elt
+        else:
+            value_term[bi, hi] = p_all[:, :s_r] @ store.v_res.view()[bi, hi].to(F64)
+        new = chosen
+        if held is not None:  # page masses of this read (worst cell) decide what stays on the device
+            mass = torch.zeros(p_all.shape[0], n_pages, dtype=F64).index_add_(1, tok // ps, p_all[:, s_r:])
+            new = held.admit(bi, hi, chosen, mass.amax(0)[chosen])
+        blocks[bi, hi] = int(new.numel())
+        n_recalled += int(new.numel())
+        bytes_recalled += int(torch.clamp(s_o - new * ps, max=ps).sum()) * (dk + dv) * elt
         if p_post is not None:
             p_post[bi, hi] = 0.0
             p_post[bi, hi, :, :s_r] = p_all[:, :s_r]
             p_post[bi, hi, :, s_r + tok] = p_all[:, s_r:]
-    bytes_paged = 0
-    if bool(dense.any()):
-        rows_need = dense.any(0).nonzero().flatten()
-        h0, h1 = int(rows_need[0]), int(rows_need[-1]) + 1
-        ex = dense_exact((h0, h1)).permute(0, 2, 1, 3).reshape(b, h1 - h0, g * nq, -1).to(out.dtype)
-        out[:, h0:h1] = torch.where(dense[:, h0:h1].view(b, -1, 1, 1), ex, out[:, h0:h1])
-        cert = torch.where(dense.unsqueeze(-1), 0.0, cert)
-        bytes_paged = int(dense.sum()) * (s_r + s_o) * (dk + dv) * elt
+    cert = _dense_fallback(out, cert, dense, dense_exact)
+    bytes_paged = int(dense.sum()) * (s_r + s_o) * (dk + dv) * elt
     kmax = torch.maximum(sv.kmax, 2.0 * pages.k_norm.to(F64))
     phi_max = 2.0 * rate.amax(-2) * kmax
     spread = torch.maximum(sv.spread, pages.v_spread.to(F64))
@@ -289,7 +428,7 @@ def resident_read(
         repaired=dense,
         blocks=blocks,
         values_promoted=torch.zeros(b, hkv, dtype=torch.bool),
-        bytes_paged=bytes_paged,
+        bytes_paged=bytes_paged + bytes_recalled + bytes_exact,
         q_norm=q_norm,
         witness_max=witness_max,
         key_norm_max=key_norm_max,
@@ -301,6 +440,11 @@ def resident_read(
         certificate_post=_worst(ungroup_heads(cert, hq, nq)),
         pages=n_recalled,
         bytes=bytes_recalled,
+        head_pages=blocks,
+        head_dense=dense,
+        bytes_dense=bytes_paged,
+        bytes_exact=bytes_exact,
+        queries=nq,
     )
     if validate:
         keys = torch.cat([store.k.host.view(), ev_k], 2).to(torch.float32)

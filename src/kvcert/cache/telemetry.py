@@ -31,7 +31,10 @@ Resident set (``CertifiedCache(..., resident=R)``, ``kvcert.attention.resident``
 relative to exact attention over *every* token (resident and omitted). ``omitted_mass_bound`` is the per-cell
 bound on the attention mass of the omitted tokens before recall (**certified**), ``omitted_mass`` its exact value
 (**measured**, validate mode); ``pages_recalled`` / ``bytes_recalled`` count what recall paged in from the host
-tier (transient, K and V), ``bytes_summary`` the device bytes of the page summaries (not in ``bytes_stored``),
+tier (K and V, in the host tier's dtype; a page held on the device by persistent recall counts once, when paged
+in; they are part of ``bytes_paged``, which adds the dense fallbacks), ``bytes_summary`` the device bytes of the
+page summaries (not in ``bytes_stored``), ``bytes_held`` those of the recalled pages held at the end (both in
+``bytes_device``),
 ``resident_fraction`` the share of written tokens held resident, ``bytes_fp16_context`` what an fp16 cache would
 hold for every written token, resident and omitted (``bytes_fp16`` counts the resident ones only);
 ``recall_violations`` (validate) counts cells whose exact omitted mass exceeded its bound or whose true TV after
@@ -235,6 +238,7 @@ class Telemetry:
     pages_recalled: int = 0
     bytes_recalled: int = 0
     bytes_summary: int = 0
+    bytes_held: int = 0  # resident set: device bytes of persistently recalled pages at the end
     recall_violations: int = 0
     bytes_fp16_context: int = 0  # resident set: fp16 K/V of every written token (0: none)
     tiers: dict[str, str] = field(default_factory=lambda: dict(TIERS))
@@ -373,6 +377,7 @@ class Telemetry:
                 pages_recalled=self.pages_recalled,
                 bytes_recalled=self.bytes_recalled,
                 bytes_summary=self.bytes_summary,
+                bytes_held=self.bytes_held,
                 bytes_fp16_context=self.bytes_fp16_context,
                 recall_violations=self.recall_violations if self.omitted_mass is not None else None,
             )
@@ -436,6 +441,7 @@ class CacheReadings:
     belady_overlap: torch.Tensor | None = None
     uncompressed_layers: tuple[int, ...] = ()
     bytes_summary: int = 0  # device bytes of the resident set's page summaries
+    bytes_held: int = 0  # device bytes of the resident set's persistently recalled pages
     resident_records: Sequence[ResidentReading] | None = None
 
 
@@ -502,6 +508,7 @@ def _resident_fields(src: CacheReadings) -> dict[str, Any]:
         "pages_recalled": sum(r.pages for r in recs),
         "bytes_recalled": sum(r.bytes for r in recs),
         "bytes_summary": src.bytes_summary,
+        "bytes_held": src.bytes_held,
         "recall_violations": sum(r.violations for r in recs),
         "bytes_fp16_context": sum(s.bytes_fp16() for s in stores) + omitted_fp16,
     }
@@ -524,6 +531,6 @@ def assemble(src: CacheReadings) -> Telemetry:
         evicted_entries=sum(r.evicted for r in src.evict_records),
         belady_overlap=src.belady_overlap,
         uncompressed_layers=src.uncompressed_layers,
-        bytes_device=sum(s.bytes_device() for s in src.stores) + src.bytes_summary,
+        bytes_device=sum(s.bytes_device() for s in src.stores) + src.bytes_summary + src.bytes_held,
         **_resident_fields(src),
     )

@@ -68,6 +68,13 @@ def evaluate(
             help=f"resident-set policy: {' | '.join(SELECT_POLICIES)} (default {DEFAULT_SELECT}; needs --resident)",
         ),
     ] = None,
+    validate: Annotated[
+        bool,
+        typer.Option(
+            help="also compute exact attention per read: true TV and violations per variant, and for resident "
+            "variants the exact omitted mass and recall violations (slower)"
+        ),
+    ] = False,
 ) -> None:
     """Accuracy per scheme (raw and gated, and resident with --resident) with a paired bootstrap 95% CI and exact
     McNemar p against the uncompressed run on the same samples, plus bytes per token, host page-in bytes and
@@ -96,5 +103,6 @@ def evaluate(
         out or default_out("eval"),
         overwrite,
         plan,
+        validate,
     )
     execute(job, Console())

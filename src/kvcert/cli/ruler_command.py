@@ -35,6 +35,7 @@ class RulerJob:
     out: Path
     overwrite: bool = False
     resident: ResidentPlan | None = None
+    validate: bool = False
 
     def config(self) -> dict[str, object]:
         """JSON-ready inputs."""
@@ -55,6 +56,7 @@ class RulerJob:
             "select": None if self.resident is None else self.resident.select,
             "resident_gate": None if self.resident is None else self.resident.gate.describe(),
             "resident_schemes": [] if self.resident is None else [s.label for s in self.resident.specs],
+            "validate": self.validate,
         }
 
 
@@ -93,6 +95,7 @@ def execute(job: RulerJob, console: Console) -> Path:
             job.gate,
             job.seed,
             job.max_new_tokens,
+            validate=job.validate,
             on_sample=tick,
             resident=job.resident,
         )

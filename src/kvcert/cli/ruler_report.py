@@ -253,13 +253,16 @@ def resident_table(results: dict[str, Any]) -> ReportTable | None:
             "recall viol.",
         ),
         tuple(rows),
-        "resident = share of written tokens held on the device (mean over samples); capacity = fp16 K/V bytes of "
-        "the whole contexts (resident and omitted tokens) / device bytes (codes, witnesses, summaries); max m̄ "
-        "bound = largest certified bound on the attention mass of the non-resident tokens over all cells (before "
-        "recall); max m (exact) = its exact value (validate mode only); pages / MB rec. = pages and K+V bytes recalled "
-        "from the host tier (summed); recall ×fp16 = recalled bytes / fp16 K/V bytes of the whole contexts; summary "
-        "MB = device bytes of the page summaries; recall viol. = cells whose exact omitted mass exceeded its "
-        "bound or whose true TV after recall exceeded the served certificate (validate mode; must be 0). "
+        "resident = share of written tokens held on the device (mean over samples); capacity = fp16 K/V bytes of the "
+        "whole contexts (resident and omitted tokens) / device bytes (codes, witnesses, summaries, held pages); max "
+        "m̄ bound = largest certified bound on the attention mass of the non-resident tokens over all cells (before "
+        "recall); max m (exact) = its exact value (validate mode only); pages / MB rec. = pages and K+V bytes "
+        "recalled from the host tier (summed; a page held on the device by persistent recall counts once); recall "
+        "×fp16 = recalled bytes / fp16 K/V bytes of the whole contexts, the denominator of the main table's page-in "
+        "column, whose numerator adds the resident entries read exact and the dense fallbacks to the recalled bytes "
+        "(both numerators in the host tier's dtype); summary MB = device bytes of the page summaries; recall viol. = "
+        "cells whose exact omitted mass exceeded its bound or whose true TV after recall exceeded the served "
+        "certificate (validate mode; must be 0). "
         "Tiers: m̄ bound certified; the rest measured (empirical).",
     )
 

@@ -47,7 +47,7 @@ from kvcert.attention.read_path import (
     ResidentReadPath,
     slot_mask,
 )
-from kvcert.attention.resident import OmittedPages
+from kvcert.attention.resident import OmittedPages, ResidentRecord
 from kvcert.bounds import dither_witness_moments
 from kvcert.bounds.rope import Pairing
 from kvcert.cache.events import CacheObserver, WriteEvent
@@ -335,6 +335,9 @@ class CertifiedCache(Cache):
         witness: storage of the write-time witnesses: ``"log8"`` (default; 8-bit codes that decode to values never
             below the true ones, 12 B per token per KV head) or ``"f32"`` (float32, 52 B); see
             ``docs/math.md#compact-witnesses``.
+        recall: with ``resident``: ``"persistent"`` (default) keeps recalled pages on the device within
+            ``device_budget`` (paged in, and counted, once while held); ``"transient"`` pages them in for the read
+            that needs them only.
     """
 
     def __init__(
@@ -369,6 +372,7 @@ class CertifiedCache(Cache):
         page_size: int = 16,
         summary: str = "int8",
         witness: Witness = DEFAULT_WITNESS,
+        recall: str = "persistent",
     ) -> None:
         self.family = _model_family(model)
         cfg: Any = model.config
@@ -424,6 +428,7 @@ class CertifiedCache(Cache):
             summary,
             self.gate,
             certify,
+            recall,
         )
         stores = [layer.store for layer in layers]
         self.eviction.check(stores, any(layer.is_sliding for layer in layers), self.ladder, validate)
@@ -500,7 +505,17 @@ class CertifiedCache(Cache):
         certified = CertifiedReadPath(read_cfg, sink=self._sink)
         if self.resident is None:
             return certified
-        return ResidentReadPath(self.gate, self.validate, self._pages, certified, sink=self._sink)
+        pool = None if self._evictor is None else self._evictor.recall_pool
+
+        def stores() -> list[LayerStore]:  # a reset replaces the layers' stores
+            return [layer.store for layer in self._layers]
+
+        return ResidentReadPath(self.gate, self.validate, self._pages, certified, self._sink, pool, stores)
+
+    @property
+    def resident_records(self) -> list[ResidentRecord]:
+        """Every resident read recorded so far (one per layer and forward; empty without ``resident=``)."""
+        return self._sink.resident_records
 
     @property
     def ladder_stats(self) -> LadderStats:
@@ -766,8 +781,9 @@ class CertifiedCache(Cache):
                 evict_records=() if ev is None else ev.records,
                 belady_overlap=None if ev is None or ev.run_trace is None else ev.run_trace.overlap(),
                 uncompressed_layers=self.uncompressed_layers,
-                bytes_summary=sum(p.nbytes for p in self._pages.values()),
-                resident_records=None if self.resident is None else self._sink.resident_records,
+                bytes_summary=sum(p.summary_nbytes for p in self._pages.values()),
+                bytes_held=sum(p.nbytes - p.summary_nbytes for p in self._pages.values()),
+                resident_records=None if self.resident is None else self.resident_records,
             )
         )
 

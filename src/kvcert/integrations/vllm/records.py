@@ -9,7 +9,10 @@ Tiers of the fields: ``max_certificate``, ``max_certificate_pre`` and ``cells_ov
 distance between served and exact attention); ``repaired_reads``, ``bytes_paged``, ``exact_reads`` and
 ``prefill_tokens`` are exact counts of what the plugin did; ``coverage`` is an **empirical** share of this
 request's traffic; ``violations`` / ``max_true_tv`` exist only in validate mode (measured against exact
-attention recomputed from the host tier).
+attention recomputed from the host tier). ``device_bytes`` / ``fp16_bytes`` / ``host_bytes`` are measured from
+kvcert's stores after each step of the request (:meth:`~kvcert.cache.store.LayerStore.bytes_device` etc., summed over
+layers): kvcert's compressed tier, what an fp16 cache would hold, and the exact host tier — vLLM's own paged
+cache is allocated beside them and is not reduced.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ class RequestRecord:
     validated_cells: int = 0
     violations: int = 0
     max_true_tv: float = 0.0
+    device_bytes: int = 0
+    fp16_bytes: int = 0
+    host_bytes: int = 0
     finished: bool = False
 
     @property

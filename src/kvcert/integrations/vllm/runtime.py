@@ -70,12 +70,8 @@ class Runtime:
     """The plugin's state in one worker process (see the module docstring)."""
 
     def __init__(self, settings: Settings, num_layers: int, num_heads: int) -> None:
-        self.settings = settings
-        self.gate = settings.gate_policy
-        self.cfg = ReadConfig(
-            self.gate, settings.validate, uniform_split(DELTA_REQ, num_layers, num_heads, MAX_STEPS), attn_kv=False
-        )
-        self.seed = int.from_bytes(os.urandom(4), "little") if settings.seed is None else settings.seed
+        self.delta_loc = uniform_split(DELTA_REQ, num_layers, num_heads, MAX_STEPS)
+        self.configure(settings)
         self.active = True  # False: pass vLLM's own attention through untouched (tests' reference)
         self.keep_cells = False
         self.cells: list[CellLog] = []
@@ -86,6 +82,14 @@ class Runtime:
         self._next_uid = 0
         self._dirty: set[str] = set()
         self.sink = None if settings.records is None else RecordStore(settings.records)
+
+    def configure(self, settings: Settings) -> None:
+        """Use ``settings`` from now on: the gate and validate mode apply from the next read, the codecs to
+        requests that start afterwards."""
+        self.settings = settings
+        self.gate = settings.gate_policy
+        self.cfg = ReadConfig(self.gate, settings.validate, self.delta_loc, attn_kv=False)
+        self.seed = int.from_bytes(os.urandom(4), "little") if settings.seed is None else settings.seed
 
     # ------------------------------------------------------------------------------------------- steps
     def begin_step(self, rows: Callable[[], list[str]] | None, finished: Iterable[str]) -> None:
@@ -114,8 +118,11 @@ class Runtime:
 
     def end_step(self) -> None:
         """End an engine step: write the records of the requests it touched."""
-        if self.sink is not None and self._dirty:
-            self.sink.put([self.sequences[r].record for r in self._dirty if r in self.sequences])
+        live = [self.sequences[r] for r in self._dirty if r in self.sequences]
+        for seq in live:
+            _measure(seq)
+        if self.sink is not None:
+            self.sink.put([seq.record for seq in live])
         self._dirty.clear()
         self._rows = None
         self.batch = None
@@ -237,6 +244,14 @@ class Runtime:
                 self.cells.append(
                     CellLog(rec.request_id, layer, rec.decode_steps, res.cert_pre.flatten(), res.true_tv.flatten())
                 )
+
+
+def _measure(seq: _Sequence) -> None:
+    """Record the measured bytes of the request's kvcert tiers (summed over layers) after a step."""
+    rec = seq.record
+    rec.device_bytes = sum(st.bytes_device() for st in seq.stores.values())
+    rec.fp16_bytes = sum(st.bytes_fp16() for st in seq.stores.values())
+    rec.host_bytes = sum(st.bytes_host() for st in seq.stores.values())
 
 
 def _exact_attention(q: torch.Tensor, scaling: float) -> Callable[..., torch.Tensor]:

@@ -33,7 +33,6 @@ def served():
             mp.setenv(k, v)
         from vllm import LLM, SamplingParams
 
-        from kvcert.integrations.vllm import backend
         from kvcert.models.zoo import converted_dir
 
         llm = LLM(
@@ -44,6 +43,10 @@ def served():
             max_model_len=512,
             seed=0,
         )
+        # imported only now: vLLM's Triton kernel dispatcher scans every loaded module when the engine starts and
+        # fails on llvmlite's (numba's) library object, which kvcert's read path imports
+        from kvcert.integrations.vllm import backend
+
         rt = backend.runtime()
         assert rt is not None, "the kvcert backend was not built: plugin not loaded"
         rt.keep_cells = True

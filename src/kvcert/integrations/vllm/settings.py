@@ -42,22 +42,24 @@ ALLOW_UNCERTIFIED = "KVCERT_VLLM_ALLOW_UNCERTIFIED"
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral")
 
 
-def gate_from_spec(text: str) -> Gate:
-    """``off`` | ``certified:TAU`` | ``risk:TAU_GATE`` -> :class:`~kvcert.cache.gate.Gate` (``ValueError`` naming
-    ``KVCERT_VLLM_GATE`` / ``--gate`` otherwise; the threshold checks are :class:`Gate`'s)."""
+def gate_from_spec(
+    text: str, label: str = f"{GATE} / --gate", accepted: str = "off, certified:TAU or risk:TAU_GATE"
+) -> Gate:
+    """``off`` | ``certified:TAU`` | ``risk:TAU_GATE`` -> :class:`~kvcert.cache.gate.Gate`; ``ValueError`` naming
+    ``label`` otherwise (the threshold checks are :class:`Gate`'s). Also the CLI's ``--gate`` parser."""
     if text == "off":
         return Gate.off()
     kind, _, value = text.partition(":")
     if kind not in ("certified", "risk"):
-        raise ValueError(f"{GATE} / --gate: expected off, certified:TAU or risk:TAU_GATE, got {text!r}")
+        raise ValueError(f"{label}: expected {accepted}, got {text!r}")
     try:
         threshold = float(value)
     except ValueError:
-        raise ValueError(f"{GATE} / --gate: {value!r} is not a number (in {text!r})") from None
+        raise ValueError(f"{label}: expected {accepted}; {value!r} is not a number") from None
     try:
         return Gate.certified(threshold) if kind == "certified" else Gate.risk_ranked(threshold)
     except ValueError as exc:
-        raise ValueError(f"{GATE} / --gate {text!r}: {exc}") from None
+        raise ValueError(f"{label} {text!r}: {exc}") from None
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:

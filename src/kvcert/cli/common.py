@@ -21,6 +21,7 @@ from kvcert.attention.evict_driver import default_select  # noqa: E402
 from kvcert.cache.gate import Gate  # noqa: E402
 from kvcert.cache.store import DEFAULT_WITNESS, WITNESS_FORMATS, Witness  # noqa: E402
 from kvcert.evict import H2O, RMM, EvictionPolicy, StreamingLLM, prefill_kept_count  # noqa: E402
+from kvcert.integrations.vllm.settings import gate_from_spec  # noqa: E402
 from kvcert.models.tiny import SUPPORTED_FAMILIES, tiny_random  # noqa: E402
 from kvcert.models.zoo import ZOO, converted_dir  # noqa: E402
 from kvcert.models.zoo import load as zoo_load  # noqa: E402
@@ -170,19 +171,7 @@ def parse_gate(text: str) -> Gate | None:
     """
     if text == "auto":
         return None
-    if text == "off":
-        return Gate.off()
-    kind, _, value = text.partition(":")
-    if kind not in ("certified", "risk"):
-        raise ValueError(f"--gate: expected auto, off, certified:TAU or risk:TAU, got {text!r}")
-    try:
-        threshold = float(value)
-    except ValueError:
-        raise ValueError(f"--gate: expected auto, off, certified:TAU or risk:TAU; {value!r} is not a number") from None
-    try:
-        return Gate.certified(threshold) if kind == "certified" else Gate.risk_ranked(threshold)
-    except ValueError as exc:
-        raise ValueError(f"--gate {text!r}: {exc}") from None
+    return gate_from_spec(text, "--gate", "auto, off, certified:TAU or risk:TAU")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from kvcert.cli.merge import merge
 from kvcert.cli.ppl import ppl
 from kvcert.cli.probe import app as probe_app
 from kvcert.cli.run import run
+from kvcert.cli.serve import serve
 
 app = typer.Typer(
     help="kvcert: certified, observable and repairable KV-cache compression.",
@@ -27,6 +28,7 @@ app.command("ppl")(ppl)
 app.command("merge")(merge)
 app.command("codecs")(codecs)
 app.command("frontier")(frontier)
+app.command("serve")(serve)
 app.add_typer(probe_app, name="probe")
 if importlib.util.find_spec("kvcert.cli.ledger_command") is not None:
     from kvcert.cli.ledger_command import app as ledger_app

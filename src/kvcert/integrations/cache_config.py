@@ -19,18 +19,9 @@ from kvcert.bounds import uniform_split
 from kvcert.bounds.rope import Pairing
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import DEFAULT_WITNESS, LayerStore, Witness
-from kvcert.quant import Codec, get
+from kvcert.quant import Codec, resolve
 
 __all__ = ["EvictionConfig", "GateConfig", "StorageConfig", "ValidationConfig"]
-
-
-def _resolve_codec(spec: str | Codec, axis: str, options: dict[str, Any]) -> Codec:
-    if isinstance(spec, Codec):
-        return spec
-    opts = dict(options)
-    if spec.startswith("kivi"):
-        opts.setdefault("axis", axis)
-    return get(spec, **opts)
 
 
 @dataclass(frozen=True)
@@ -55,8 +46,8 @@ class StorageConfig:
         """A fresh store for decoder layer ``layer`` (codecs resolved per layer)."""
         return LayerStore(
             layer,
-            _resolve_codec(self.keys, "key", self.key_options),
-            _resolve_codec(self.values, "value", self.value_options),
+            resolve(self.keys, "key", self.key_options),
+            resolve(self.values, "value", self.value_options),
             bands=self.bands,
             pairing=self.pairing,
             seed=self.seed,

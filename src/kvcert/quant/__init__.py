@@ -12,7 +12,7 @@ from kvcert.quant.base import (
 )
 from kvcert.quant.dither import keyed_uniform
 from kvcert.quant.outlier import OutlierBypass
-from kvcert.quant.registry import BUILTINS, get, names, register, unregister
+from kvcert.quant.registry import BUILTINS, get, names, register, resolve, unregister
 
 __all__ = [
     "BUILTINS",
@@ -28,6 +28,7 @@ __all__ = [
     "names",
     "quantize",
     "register",
+    "resolve",
     "sample_key",
     "unregister",
 ]

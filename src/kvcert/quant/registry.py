@@ -8,8 +8,9 @@ KVQuant, ``seed=`` for the Hadamard codecs); ``bypass=m`` wraps the codec in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
+from typing import Any, Literal
 
 import torch
 
@@ -91,3 +92,15 @@ def get(name: str, *, bypass: int = 0, pairing: Pairing = "rotate_half", **optio
     else:
         raise ValueError(f"unknown codec {name!r}; known: {names()}")
     return OutlierBypass(codec, bypass, pairing) if bypass else codec
+
+
+def resolve(spec: str | Codec, axis: Literal["key", "value"], options: Mapping[str, Any] | None = None) -> Codec:
+    """The codec of a cache's ``axis`` tensor: ``spec`` itself when it is a :class:`Codec`, else
+    ``get(spec, **options)`` with KIVI's quantization axis defaulting to ``axis`` (per-channel keys, per-token
+    values). Raises ``ValueError`` as :func:`get` does."""
+    if isinstance(spec, Codec):
+        return spec
+    opts = dict(options or {})
+    if spec.startswith("kivi"):
+        opts.setdefault("axis", axis)
+    return get(spec, **opts)

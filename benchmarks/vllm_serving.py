@@ -1,0 +1,101 @@
+"""Decode throughput of vLLM's CPU backend with and without the kvcert plugin, side by side in one engine.
+
+Question: what does routing every decode read through kvcert's certified read path cost inside vLLM?
+
+One in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, SmolLM2-135M, fp32, eager) serves the same
+``--requests`` prompts of ``--context`` tokens concurrently (one ``generate`` call) under three variants, in
+alternating rounds so that machine load hits every variant alike:
+
+* ``vllm``: the plugin passed through (``Runtime.active = False``): vLLM's own CPU backend;
+* ``raw``: the plugin with ``--keys/--values`` and the gate off (certificates computed, nothing repaired);
+* ``gated``: the plugin with ``certified:--tau``.
+
+Printed per variant: wall time, output tokens/s, decode time per output token (wall time minus a prefill-only
+run of the same prompts, over the decoded tokens) and its ratio to ``vllm`` (empirical, this machine). The
+plugin also runs vLLM's kernel for every row (its paged cache is unchanged), so the ratio is the plugin's full
+cost today.
+
+    VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind .venv-vllm/bin/python benchmarks/vllm_serving.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--context", type=int, default=512, help="prompt tokens per request")
+    p.add_argument("--tokens", type=int, default=32, help="output tokens per request")
+    p.add_argument("--requests", type=int, default=2, help="concurrent requests")
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds per variant")
+    p.add_argument("--keys", default="dither-int8")
+    p.add_argument("--values", default="int4")
+    p.add_argument("--tau", type=float, default=0.2)
+    args = p.parse_args()
+    os.environ.update(
+        KVCERT_VLLM="1",
+        KVCERT_VLLM_KEYS=args.keys,
+        KVCERT_VLLM_VALUES=args.values,
+        KVCERT_VLLM_GATE="off",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    )
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvcert.models.zoo import converted_dir
+
+    llm = LLM(
+        str(converted_dir("smollm2-135m")),
+        dtype="float32",
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_model_len=args.context + args.tokens + 16,
+        seed=0,
+    )
+    from kvcert.integrations.vllm import backend  # after the engine starts (see tests/integrations/vllm)
+    from kvcert.integrations.vllm.settings import Settings
+
+    rt = backend.runtime()
+    assert rt is not None
+    ids = llm.get_tokenizer()("The quick brown fox jumps over the lazy dog. " * args.context)["input_ids"]
+    prompts = [TokensPrompt(prompt_token_ids=ids[i : i + args.context]) for i in range(args.requests)]
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    variants = {
+        "vllm": None,
+        "raw": Settings(args.keys, args.values, "off"),
+        "gated": Settings(args.keys, args.values, f"certified:{args.tau}"),
+    }
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)  # prefill + first token only
+    wall = {name: 0.0 for name in variants}
+    prefill = {name: 0.0 for name in variants}
+    for _ in range(args.rounds):
+        for name, settings in variants.items():
+            rt.active = settings is not None
+            if settings is not None:
+                rt.configure(settings)
+            t0 = time.perf_counter()
+            llm.generate(prompts, first, use_tqdm=False)
+            t1 = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            prefill[name] += t1 - t0
+            wall[name] += time.perf_counter() - t1
+    out_tokens = args.rounds * args.requests * args.tokens
+    decode_tokens = args.rounds * args.requests * (args.tokens - 1)
+    print(
+        f"context={args.context} tokens={args.tokens} requests={args.requests} rounds={args.rounds} "
+        f"keys={args.keys} values={args.values} tau={args.tau}"
+    )
+    print(f"{'variant':8} {'wall s':>8} {'out tok/s':>10} {'decode ms/tok':>14} {'x vllm':>7}   (empirical)")
+    ref = (wall["vllm"] - prefill["vllm"]) / decode_tokens
+    for name, w in wall.items():
+        per_tok = (w - prefill[name]) / decode_tokens  # decode steps only: minus a prefill-only run's time
+        print(f"{name:8} {w:8.1f} {out_tokens / w:10.2f} {1000 * per_tok:14.1f} {per_tok / ref:7.2f}")
+
+
+if __name__ == "__main__":
+    main()

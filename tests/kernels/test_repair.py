@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from kvcert.attention.certified import probs64, served_meter
 from kvcert.bounds import true_tv
 from kvcert.bounds.rc import gamma_f32
+from kvcert.bounds.softmax_tv import probs64, served_meter
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 from kvcert.kernels.repair import repair_blocks

@@ -32,9 +32,10 @@ import numpy as np
 import torch
 
 from kvcert.attention.exact import ExactAttention
-from kvcert.bounds import band_norms, meter_and_unclipped, round_up_f32, tier_b_radius, tier_b_sigma2
+from kvcert.bounds import band_norms, round_up_f32, tier_b_radius, tier_b_sigma2
 from kvcert.bounds.radii import tier_a_radius_f32
 from kvcert.bounds.rc import U_F32, gamma_f32
+from kvcert.bounds.softmax_tv import probs64, served_meter
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 from kvcert.kernels import active as kernel_backend
@@ -48,6 +49,7 @@ from kvcert.kernels.numba_read import (
     decode_read,
     softmax_meter,
 )
+from kvcert.kernels.repair import repair_blocks
 
 _U = U_F32
 
@@ -94,22 +96,6 @@ def masked_logits(
     if full is None:
         full = bool(mask.all())
     return logits if full else logits.masked_fill_(~mask, float("-inf"))
-
-
-def probs64(logits: torch.Tensor) -> torch.Tensor:
-    """``softmax`` evaluated in float64; fully masked rows give all-zero rows instead of NaN."""
-    return torch.softmax(logits, dim=-1, dtype=torch.float64).nan_to_num_(nan=0.0)
-
-
-def served_meter(p: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(clipped, unclipped)`` meter per row; fully masked rows (no visible token) get 0."""
-    live = p.sum(-1) > 0
-    if bool(live.all()):
-        return meter_and_unclipped(p, c)
-    onehot = torch.zeros_like(p)
-    onehot[..., 0] = 1.0
-    clipped, raw = meter_and_unclipped(torch.where(live.unsqueeze(-1), p, onehot), c)
-    return torch.where(live, clipped, 0.0), torch.where(live, raw, 0.0)
 
 
 def served_certificate(
@@ -520,8 +506,6 @@ def _kv_bytes(store: LayerStore) -> int:
 def _repair_block_heads(rd: _Read, sv: _Served, ch: _Changes, need: torch.Tensor, gate: Gate) -> None:
     """Phase *repair*, block granularity: page in token blocks of every needing (row, KV head) at once until every
     cell of it is under the threshold (:func:`kvcert.kernels.repair.repair_blocks`, on the read's device)."""
-    from kvcert.kernels.repair import repair_blocks  # imports this module: bound at call time
-
     assert ch.out is not None and ch.cert is not None and ch.p_served is not None and ch.value_term is not None
     ch.cert, ch.p_served, ch.value_term = ch.cert.clone(), ch.p_served.clone(), ch.value_term.clone()
     res = repair_blocks(rd.qg, rd.store, need, rd.grouped_mask(), sv.c, sv.p64, rd.scaling, gate)

@@ -190,6 +190,22 @@ def meter_and_unclipped(p: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor,
     return raw.clamp(max=1.0), raw
 
 
+def probs64(logits: torch.Tensor) -> torch.Tensor:
+    """``softmax`` evaluated in float64; fully masked rows give all-zero rows instead of NaN."""
+    return torch.softmax(logits, dim=-1, dtype=torch.float64).nan_to_num_(nan=0.0)
+
+
+def served_meter(p: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(clipped, unclipped)`` meter per row; fully masked rows (no visible token) get 0."""
+    live = p.sum(-1) > 0
+    if bool(live.all()):
+        return meter_and_unclipped(p, c)
+    onehot = torch.zeros_like(p)
+    onehot[..., 0] = 1.0
+    clipped, raw = meter_and_unclipped(torch.where(live.unsqueeze(-1), p, onehot), c)
+    return torch.where(live, clipped, 0.0), torch.where(live, raw, 0.0)
+
+
 def _support_radii(p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """Radii with zero-probability (masked) tokens set to 0: they carry no mass in either distribution."""
     p, _ = check_served(p)

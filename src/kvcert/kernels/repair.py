@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcert.attention.certified import probs64, served_meter
+from kvcert.bounds.softmax_tv import probs64, served_meter
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 

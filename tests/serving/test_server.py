@@ -6,8 +6,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvcert.cache.events import ReadEvent, WriteEvent
+from kvcert.integrations.observed_cache import ObservedDynamicCache
 from kvcert.ledger import Ledger, LedgerObserver, SlotState, evaluate
-from kvcert.serving.server import BatchingServer, ObservedDynamicCache, certified_cache, dynamic_cache
+from kvcert.serving.server import BatchingServer, certified_cache, dynamic_cache
 
 
 def _write(layer, rows, t0, t, compressed, tier_b=False, b=2, h=2):

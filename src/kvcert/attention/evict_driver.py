@@ -43,7 +43,8 @@ def grouped_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, s
     hkv, s = keys.shape[1], keys.shape[2]
     qg = group_heads(query.detach().to(torch.float32), hkv)
     m = mask[:, :, None].expand(b, hkv, hq // hkv, nq, s).reshape(b, hkv, -1, s)
-    return probs64(masked_logits(qg, keys.detach().to(torch.float32), m, scaling)).reshape(b, hkv, hq // hkv, nq, s)
+    k32 = keys.detach().to(qg.device, torch.float32)  # the host tier's exact keys meet the query's device
+    return probs64(masked_logits(qg, k32, m.to(qg.device), scaling)).reshape(b, hkv, hq // hkv, nq, s)
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,8 @@ class EvictionDriver:
                 "forward (e.g. logits_processor=[KappaFeeder(cache)])"
             )
         while self.kappa_groups:
-            self.set_kappa(torch.ones(self.kappa_groups[0].shape[0], dtype=torch.float64))
+            group = self.kappa_groups[0]
+            self.set_kappa(torch.ones(group.shape[0], dtype=torch.float64, device=group.device))
 
     def before_write(self, store: LayerStore, step: int) -> None:
         """Budget mode: evict down to the budget before the layer's next write."""
@@ -244,16 +246,16 @@ class EvictionDriver:
         """Correctness weight κ ∈ [0, 1] of the oldest forward still awaiting one (decode-budget mode; no-op in
         compression mode). ``kappa[B]`` weights that forward's last query, its earlier queries get ``κ = 1``;
         ``kappa[B, q]`` sets every query."""
-        kappa = torch.as_tensor(kappa, dtype=torch.float64)
         if self.cfg.budget is None:
             return
         if not self.kappa_groups:
             raise ValueError("set_kappa: no forward is awaiting kappa (call it once after each forward)")
         positions = self.kappa_groups[0]
+        dev = positions.device
+        kappa = torch.as_tensor(kappa, dtype=torch.float64, device=dev)
         if kappa.dim() == 1 and kappa.shape[0] == positions.shape[0]:
-            kappa = torch.cat(
-                [torch.ones(positions.shape[0], positions.shape[1] - 1, dtype=torch.float64), kappa[:, None]], dim=1
-            )
+            ones = torch.ones(positions.shape[0], positions.shape[1] - 1, dtype=torch.float64, device=dev)
+            kappa = torch.cat([ones, kappa[:, None]], dim=1)
         if kappa.shape != positions.shape:
             raise ValueError(f"kappa must be [B] or [B, q] = {tuple(positions.shape)}, got {tuple(kappa.shape)}")
         self.policy.set_kappa(positions, kappa)
@@ -292,7 +294,7 @@ class EvictionDriver:
         keys, values = store.k.host.view(), store.v.host.view()
         kappa = self.prefill_kappa
         if kappa is None:
-            kappa = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.float64)
+            kappa = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.float64, device=keys.device)
         elif kappa.shape != (keys.shape[0], keys.shape[2]):
             raise ValueError(
                 f"prefill kappa must be [B, S] = {(keys.shape[0], keys.shape[2])}, got {tuple(kappa.shape)}"
@@ -309,7 +311,8 @@ class EvictionDriver:
         serving = None
         last = self._last_attn.pop(store.layer, None)
         if last is not None and last.shape[-1] == n:
-            kept = torch.zeros(keep.shape[0], keep.shape[1], n, dtype=torch.bool).scatter(-1, keep, True)
+            kept = torch.zeros(keep.shape[0], keep.shape[1], n, dtype=torch.bool, device=last.device)
+            kept = kept.scatter(-1, keep.to(last.device), True)
             serving = serving_reading(last, kept).mass
         store.gather(keep, retain_evicted=self.validate or self.cfg.resident is not None)
         if self.cfg.resident is not None:
@@ -332,7 +335,7 @@ class EvictionDriver:
             p = grouped_probs(query, keys, slot_mask(logical, positions), scaling)
             mass = p[..., store.n :].sum(-1).flatten(1, 2).amax(-1)
         else:
-            mass = torch.zeros(b, hq, dtype=torch.float64)
+            mass = torch.zeros(b, hq, dtype=torch.float64, device=query.device)
         self.records.append(EvictRecord(step=step, layer=store.layer, evicted_mass=mass))
         if self.run_trace is not None:  # belady=True: the run's exact trace (kept + evicted, mean over G)
             if p is None:

@@ -121,13 +121,14 @@ def summarize_omitted(
 ) -> OmittedPages:
     """Summarize the store's evicted archive (the omitted tokens) in pages of ``page_size`` (``summary`` kind);
     with a ``pool`` (persistent recall) also an empty :class:`~kvcert.cache.recall.HeldPages` drawing on it."""
-    k, v = store.evicted["k"].view(), store.evicted["v"].view()
+    dev = store.v_centre.device  # the summary lives on the device tier; the omitted tokens stay in the host tier
+    k, v = store.evicted["k"].view().to(dev), store.evicted["v"].view().to(dev)
     box = summarize_pages(k, page_size) if summary == "box" else None
     sketch = sketch_keys(k) if summary == "int8" else None
     held = None
     if pool is not None:
         n = k.shape[2]
-        counts = (n - torch.arange(0, n, page_size)).clamp(max=page_size)
+        counts = (n - torch.arange(0, n, page_size, device=dev)).clamp(max=page_size)
         held = HeldPages.empty(k.shape[0], k.shape[1], counts, (k.shape[-1] + v.shape[-1]) * k.element_size(), pool)
     return OmittedPages(
         page_size,
@@ -231,9 +232,11 @@ def _grow_recall(
     ps, n_pages, s_o = ov.page_size, ov.n_pages, ov.keys.shape[2]
     while True:
         chosen = order[:k]
-        tok = (chosen.view(-1, 1) * ps + torch.arange(ps)).flatten()
+        tok = (chosen.view(-1, 1) * ps + torch.arange(ps, device=chosen.device)).flatten()
         tok = tok[tok < s_o].sort().values
-        kp, vp = ov.keys[bi, hi, tok].to(torch.float32), ov.values[bi, hi, tok].to(torch.float32)
+        on_host = tok.to(ov.keys.device)  # page-in: the omitted tokens live in the host tier
+        kp = ov.keys[bi, hi, on_host].to(ov.qg.device, torch.float32)
+        vp = ov.values[bi, hi, on_host].to(ov.qg.device, torch.float32)
         mp = ov.mask_o[bi, hi][:, tok]
         lp = torch.matmul(ov.qg[bi, hi] * ov.scaling, kp.T).masked_fill(~mp, float("-inf"))
         cp = (ov.rate[bi, hi] * 2.0 * norm_up_f32(kp).to(F64)).expand_as(lp)
@@ -241,7 +244,7 @@ def _grow_recall(
         c_all = torch.cat([c_res, cp], -1)
         p_all = probs64(l_all)
         meter = served_meter(p_all, c_all)[0]
-        keep = torch.ones(n_pages, dtype=torch.bool)
+        keep = torch.ones(n_pages, dtype=torch.bool, device=order.device)
         keep[chosen] = False
         w_rest = page_weights(l_all, ov.u[bi, hi][:, keep], ov.counts[bi, hi][:, keep])
         oc2 = omitted_certificate(p_all, c_all, w_rest, meter)
@@ -256,10 +259,10 @@ def _exact_resident(
     """Logits, radii and values of KV head ``(bi, hi)``'s resident entries read exact from the host tier
     (``keys`` / ``values`` ``[S_R, ·]``, visibility ``mask[M, S_R]``): served in float32, so the radius is the float32
     rounding, as a recalled token's."""
-    kr = keys.to(torch.float32)
+    kr = keys.to(ov.qg.device, torch.float32)
     logits = torch.matmul(ov.qg[bi, hi] * ov.scaling, kr.T).masked_fill(~mask, float("-inf"))
     radius = torch.where(mask, ov.rate[bi, hi] * 2.0 * norm_up_f32(kr).to(F64), 0.0)
-    return logits, radius, values.to(torch.float32)
+    return logits, radius, values.to(ov.qg.device, torch.float32)
 
 
 def _dense_fallback(
@@ -335,13 +338,18 @@ def resident_read(
     w = torch.where(bad.unsqueeze(-1), float("inf"), w)  # fail closed
     oc = omitted_certificate(sv.p64, torch.where(m, sv.c, 0.0), w, sv.cert)
     cert_pre = oc.certificate
-    need = (cert_pre.amax(-1) > gate.threshold) if gate.mode != "off" else torch.zeros(b, hkv, dtype=torch.bool)
+    dev = q.device
+    need = (
+        (cert_pre.amax(-1) > gate.threshold)
+        if gate.mode != "off"
+        else torch.zeros(b, hkv, dtype=torch.bool, device=dev)
+    )
     need = need | bad.any(-1)
     held = pages.held
-    has_held = held.held.any(-1) if held is not None else torch.zeros(b, hkv, dtype=torch.bool)
+    has_held = held.held.any(-1) if held is not None else torch.zeros(b, hkv, dtype=torch.bool, device=dev)
     out, cert, value_term = sv.out.clone(), cert_pre.clone(), sv.value_term.clone()
-    dense = torch.zeros(b, hkv, dtype=torch.bool)
-    blocks = torch.zeros(b, hkv, dtype=torch.int64)  # pages recalled per KV head
+    dense = torch.zeros(b, hkv, dtype=torch.bool, device=dev)
+    blocks = torch.zeros(b, hkv, dtype=torch.int64, device=dev)  # pages recalled per KV head
     n_recalled = bytes_recalled = 0
     elt = store.k.host.dtype.itemsize
     dk, dv = store.k.host.shape[-1], store.v.host.shape[-1]
@@ -350,7 +358,7 @@ def resident_read(
     rate = scaling * gamma * qg.to(F64).norm(dim=-1, keepdim=True)  # [B, Hkv, M, 1]
     p_post = None
     if validate:
-        p_post = torch.cat([sv.p64, torch.zeros(*sv.p64.shape[:3], s_o, dtype=F64)], -1)
+        p_post = torch.cat([sv.p64, torch.zeros(*sv.p64.shape[:3], s_o, dtype=F64, device=dev)], -1)
     host_k, host_v = store.k.host.view(), store.v.host.view()
     ctx = _OmittedView(qg, rate, scaling, ev_k, ev_v, m_o, u, counts, ps, gate.threshold)
     bytes_exact = 0  # resident entries read exact from the host tier (their codes could not be certified)
@@ -359,7 +367,7 @@ def resident_read(
             dense[bi, hi] = True
             continue
         wh = w[bi, hi]  # [M, P]
-        kept = held.pages_of(bi, hi) if held is not None else torch.zeros(0, dtype=torch.int64)
+        kept = held.pages_of(bi, hi) if held is not None else torch.zeros(0, dtype=torch.int64, device=dev)
         key = wh.amax(0).clone()
         key[kept] = float("inf")  # held pages are on the device: read first, at no page-in
         order = torch.argsort(key, descending=True, stable=True)
@@ -393,7 +401,7 @@ def resident_read(
             value_term[bi, hi] = p_all[:, :s_r] @ store.v_res.view()[bi, hi].to(F64)
         new = chosen
         if held is not None:  # page masses of this read (worst cell) decide what stays on the device
-            mass = torch.zeros(p_all.shape[0], n_pages, dtype=F64).index_add_(1, tok // ps, p_all[:, s_r:])
+            mass = torch.zeros(p_all.shape[0], n_pages, dtype=F64, device=dev).index_add_(1, tok // ps, p_all[:, s_r:])
             new = held.admit(bi, hi, chosen, mass.amax(0)[chosen])
         blocks[bi, hi] = int(new.numel())
         n_recalled += int(new.numel())
@@ -427,7 +435,7 @@ def resident_read(
         value_term=ungroup_heads(value_term, hq, nq),
         repaired=dense,
         blocks=blocks,
-        values_promoted=torch.zeros(b, hkv, dtype=torch.bool),
+        values_promoted=torch.zeros(b, hkv, dtype=torch.bool, device=dev),
         bytes_paged=bytes_paged + bytes_recalled + bytes_exact,
         q_norm=q_norm,
         witness_max=witness_max,
@@ -447,8 +455,8 @@ def resident_read(
         queries=nq,
     )
     if validate:
-        keys = torch.cat([store.k.host.view(), ev_k], 2).to(torch.float32)
-        vals = torch.cat([store.v.host.view(), ev_v], 2).to(F64)
+        keys = torch.cat([store.k.host.view(), ev_k], 2).to(dev, torch.float32)
+        vals = torch.cat([store.v.host.view(), ev_v], 2).to(dev, F64)
         m_all = torch.cat([m, m_o], -1)
         p_exact = probs64(masked_logits(qg, keys, m_all, scaling))
         pre = torch.cat([sv.p64, torch.zeros_like(p_exact[..., s_r:])], -1)

@@ -116,7 +116,7 @@ def summarize_pages(keys: torch.Tensor, page_size: int, dtype: torch.dtype = tor
     pad = pages * page_size - n
     lead = x.shape[:-2]
     padded = torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(*lead, pages, page_size, d)
-    valid = (torch.arange(pages * page_size) < n).reshape(pages, page_size, 1)
+    valid = (torch.arange(pages * page_size, device=x.device) < n).reshape(pages, page_size, 1)
     lo = torch.where(valid, padded, float("inf")).amin(-2)
     hi = torch.where(valid, padded, float("-inf")).amax(-2)
     inflate = 1.0 + (d + 4) * _U64
@@ -124,7 +124,7 @@ def summarize_pages(keys: torch.Tensor, page_size: int, dtype: torch.dtype = tor
     centre = (0.5 * (lo + hi)).to(dtype)
     centre = torch.where(torch.isfinite(centre), centre, 0.0)  # out of range: centre at 0
     dist = torch.where(valid[..., 0], (padded - centre.to(F64).unsqueeze(-2)).norm(dim=-1), 0.0)
-    count = torch.full((pages,), page_size, dtype=torch.int64)
+    count = torch.full((pages,), page_size, dtype=torch.int64, device=x.device)
     count[-1] = n - (pages - 1) * page_size
     return PageSummary(
         _round_out(lo, dtype, up=False),

@@ -77,6 +77,7 @@ class GrowBuffer:
     def gather(self, index: torch.Tensor) -> None:
         """Keep only tokens ``index[B, H, C]`` (sorted), in that order (eviction)."""
         live = self.view()
+        index = index.to(live.device)  # no-op when the index is already on the data's device (no host sync)
         idx = index.reshape(*index.shape, *([1] * (live.dim() - 3))).expand(*index.shape, *live.shape[3:])
         kept = torch.gather(live, 2, idx)
         self._data[:, :, : kept.shape[2]] = kept

@@ -57,8 +57,8 @@ class HeldPages:
             raise ValueError(f"counts must be a positive count per page, got {counts.tolist()}")
         pages = counts.shape[0]
         return cls(
-            torch.zeros(batch, heads, pages, dtype=torch.bool),
-            torch.zeros(batch, heads, pages, dtype=torch.float64),
+            torch.zeros(batch, heads, pages, dtype=torch.bool, device=counts.device),
+            torch.zeros(batch, heads, pages, dtype=torch.float64, device=counts.device),
             counts.to(torch.int64),
             bytes_per_token,
             pool,

@@ -194,7 +194,7 @@ class LayerStore:
         self.v_centre = torch.nan_to_num(v.to(torch.float32), 0.0, 0.0, 0.0).mean(2, keepdim=True)
         self.k_steps: GrowBuffer | None = None
         self.positions = GrowBuffer(torch.zeros(b, h, 0, dtype=torch.int64, device=k.device))
-        self.rows = torch.full((b,), -1, dtype=torch.int64)
+        self.rows = torch.full((b,), -1, dtype=torch.int64, device=k.device)
 
     @property
     def n(self) -> int:
@@ -453,28 +453,31 @@ class LayerStore:
         n = self.n
         if keep.dim() != 3 or keep.shape[:2] != self.k.host.view().shape[:2] or keep.dtype != torch.int64:
             raise ValueError(f"keep must be int64 [B, H, C] for this layer, got {keep.dtype} {tuple(keep.shape)}")
-        if keep.numel() and (int(keep.min()) < 0 or int(keep.max()) >= n or not bool((keep.diff(dim=-1) > 0).all())):
+        # one host sync for the three checks (bounds and strict order), not one per check
+        if keep.numel() and bool((keep.min() < 0) | (keep.max() >= n) | ~(keep.diff(dim=-1) > 0).all()):
             raise ValueError(f"keep must hold strictly increasing slot indices in [0, {n})")
         if self.base:
             raise ValueError("eviction is not supported on sliding-window layers")
         self.encode_pending(flush=True)
         if retain_evicted and keep.shape[-1] < n:
             kept = torch.zeros(*keep.shape[:2], n, dtype=torch.bool, device=keep.device).scatter(-1, keep, True)
-            gone = torch.sort(kept.to(torch.int8), dim=-1, stable=True).indices[..., : n - keep.shape[-1]]
+            evicted = torch.sort(kept.to(torch.int8), dim=-1, stable=True).indices[..., : n - keep.shape[-1]]
             for name, buf in (("k", self.k.host), ("v", self.v.host), ("positions", self.positions)):
+                gone = evicted.to(buf.view().device)
                 idx = gone.reshape(*gone.shape, *([1] * (buf.view().dim() - 3)))
                 moved = torch.gather(buf.view(), 2, idx.expand(*gone.shape, *buf.view().shape[3:]))
                 if name not in self.evicted:
                     self.evicted[name] = GrowBuffer(moved[:, :, :0])
                 self.evicted[name].append(moved)
         for ts in (self.k, self.v):
-            ts.chunks = [_Chunk(0, keep.shape[-1], _gather_packed(ts.chunks, keep))] if ts.chunks else []
+            ts.chunks = [_Chunk(0, keep.shape[-1], _gather_packed(ts.chunks, keep, n))] if ts.chunks else []
             for buf in (ts.host, ts.served, ts.exact, ts.held):
                 buf.gather(keep)
             ts.n_encoded = keep.shape[-1]
             ts.last_encoded = 0
         self.compacted = True
-        self.n_held = sum(int(ts.held.view().sum()) for ts in (self.k, self.v))
+        if self.n_held:  # nothing held stays nothing held: recount (a host sync) only when something was
+            self.n_held = sum(int(ts.held.view().sum()) for ts in (self.k, self.v))
         for token_buf in self._token_buffers():
             token_buf.gather(keep)
         if self.k_steps is not None:
@@ -524,15 +527,17 @@ class LayerStore:
         return self.k.host.nbytes + self.v.host.nbytes
 
 
-def _gather_packed(chunks: list[_Chunk], keep: torch.Tensor) -> Packed:
-    """Concatenate per-token packed chunks along the token axis and keep tokens ``keep[B, H, C]``."""
+def _gather_packed(chunks: list[_Chunk], keep: torch.Tensor, n: int) -> Packed:
+    """Concatenate per-token packed chunks (``n`` tokens, every one encoded) along the token axis and keep tokens
+    ``keep[B, H, C]`` (indices below ``n``, on any device: moved to the codes' device)."""
     first = chunks[0].packed
     tensors: dict[str, torch.Tensor] = {}
     for name in first.tensors:
         cat = torch.cat([c.packed.tensors[name] for c in chunks], dim=2)
-        if cat.shape[2] < keep.max().item() + 1:
+        if cat.shape[2] < n:  # the caller checked keep < n: a shape check, no host sync
             raise ValueError("eviction index beyond encoded tokens")
-        idx = keep.reshape(*keep.shape, *([1] * (cat.dim() - 3))).expand(*keep.shape, *cat.shape[3:])
+        on = keep.to(cat.device)
+        idx = on.reshape(*on.shape, *([1] * (cat.dim() - 3))).expand(*on.shape, *cat.shape[3:])
         tensors[name] = torch.gather(cat, 2, idx)
     shape = (*first.shape[:2], keep.shape[-1], *first.shape[3:])
     return Packed(first.codec, shape, tensors)

@@ -415,7 +415,7 @@ def stack_records(records: Sequence[Reading], layers: int, steps: int, attr: str
     sample = have[0][1]
     fill = False if sample.dtype == torch.bool else float("nan")
     dtype = torch.bool if sample.dtype == torch.bool else torch.float64
-    out = torch.full((steps, layers, *sample.shape), fill, dtype=dtype)
+    out = torch.full((steps, layers, *sample.shape), fill, dtype=dtype, device=sample.device)
     for r, val in have:
         if val.shape == sample.shape:
             out[r.step, r.layer] = val.to(dtype)

@@ -124,7 +124,7 @@ def observed_attention(attn: Tensor, kappa: Tensor | None = None) -> Tensor:
         if kappa.shape != (attn.shape[0], s):
             raise ValueError(f"kappa must be [B, S] = {(attn.shape[0], s)}, got {tuple(kappa.shape)}")
         attn = attn * kappa[:, None, :, None].to(attn.dtype)
-    return attn.sum(-2) / torch.arange(s, 0, -1, dtype=attn.dtype)
+    return attn.sum(-2) / torch.arange(s, 0, -1, dtype=attn.dtype, device=attn.device)
 
 
 def _too_small(budget: int, n_protected: int) -> ValueError:
@@ -250,7 +250,7 @@ def _keep_highest(key: Tensor, c: int) -> Tensor:
     """Sorted indices ``[..., c]`` of the ``c`` highest keys, ties to the lower index."""
     n = key.shape[-1]
     if n == c:
-        return torch.arange(n).expand(*key.shape)
+        return torch.arange(n, device=key.device).expand(*key.shape)
     if n - c <= _ARGMIN_MAX_EVICT:
         return torch.from_numpy(_complement(_lowest(key.numpy(), n - c), n))
     return _mask_indices(_top_mask(key, c), c)
@@ -472,7 +472,7 @@ class EvictionPolicy(ABC):
                 keep = torch.from_numpy(_complement(dropped, n))
             else:
                 dropped = None
-                mask = torch.ones(*state.scores.shape, dtype=torch.bool)
+                mask = torch.ones(*state.scores.shape, dtype=torch.bool, device=state.scores.device)
                 mask[..., lo:hi] = _top_mask(self._scores(layer, state)[..., lo:hi], hi - lo - k)
                 keep = _mask_indices(mask, kept)
         else:
@@ -534,8 +534,8 @@ class EvictionPolicy(ABC):
             )
         b, h, s, _ = keys.shape
         kept = prefill_kept_count(s, ratio)
-        positions = torch.arange(s).expand(b, h, s)
-        now = torch.full((b,), s - 1, dtype=torch.long)
+        positions = torch.arange(s, device=keys.device).expand(b, h, s)
+        now = torch.full((b,), s - 1, dtype=torch.long, device=keys.device)
         if kept == s:
             return positions.clone()
         attn_kv = self._prefill_attention(keys, attn, queries) if self.needs_attention else None

@@ -78,11 +78,13 @@ class Belady(EvictionPolicy):
             self._table = torch.cat([suffix, torch.zeros_like(suffix[:1])])
         else:
             uses = weighted >= threshold
-            table = torch.empty(rows + 1, *weighted.shape[1:], dtype=F64)
-            nxt = torch.full(weighted.shape[1:], float(first + rows), dtype=F64)  # "never" = first + n (farthest)
+            table = torch.empty(rows + 1, *weighted.shape[1:], dtype=F64, device=weighted.device)
+            nxt = torch.full(
+                weighted.shape[1:], float(first + rows), dtype=F64, device=weighted.device
+            )  # "never" = first + n (farthest)
             for i in range(rows - 1, -1, -1):
                 table[i + 1] = -nxt
-                nxt = torch.where(uses[i], torch.tensor(float(first + i), dtype=F64), nxt)
+                nxt = torch.where(uses[i], float(first + i), nxt)
             table[0] = -nxt
             self._table = table
 
@@ -101,7 +103,7 @@ class Belady(EvictionPolicy):
         return self._lookup(layer, state.positions, state.now)
 
     def _prefill_scores(self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None) -> Tensor:
-        return self._lookup(layer, positions, torch.full((1,), positions.shape[-1] - 1))
+        return self._lookup(layer, positions, torch.full((1,), positions.shape[-1] - 1, device=positions.device))
 
 
 def served_mass_ceiling(attn: Tensor, kappa: Tensor, budget: int) -> Tensor:
@@ -113,7 +115,7 @@ def served_mass_ceiling(attn: Tensor, kappa: Tensor, budget: int) -> Tensor:
         raise ValueError(f"budget must be positive, got {budget}")
     a = attn.to(F64)
     steps = a.shape[0]
-    idx = torch.arange(steps)
+    idx = torch.arange(steps, device=a.device)
     earlier = (idx[None, :] < idx[:, None]).to(F64)[:, None, None, :]  # [s, 1, 1, p]: p < s
     diag = a[idx, :, :, idx]  # [T, L, Hkv]
     top = (a * earlier).sort(dim=-1, descending=True).values[..., :budget].sum(-1)

@@ -61,9 +61,9 @@ class RunTrace:
                 f"{tuple(kept.shape)} disagree (layer {layer} of {self.n_layers})"
             )
         t_now = int(positions.max()) + 1
-        rows = torch.zeros(b, h, q, t_now, dtype=F64)
+        rows = torch.zeros(b, h, q, t_now, dtype=F64, device=probs.device)
         rows.scatter_add_(-1, positions[:, :, None, :].expand(b, h, q, s_all).long(), probs.to(F64))
-        queries = torch.arange(t_now - q, t_now).expand(b, q)
+        queries = torch.arange(t_now - q, t_now, device=probs.device).expand(b, q)
         self._reads.append(_Read(step, layer, queries, rows, kept.long().clone()))
 
     def record_kappa(self, positions: Tensor, kappa: Tensor) -> None:
@@ -77,10 +77,11 @@ class RunTrace:
         if not self._reads:
             raise ValueError("nothing recorded yet")
         t_total = max(r.rows.shape[-1] for r in self._reads)
-        attn = torch.zeros(t_total, self.n_layers, self._reads[0].kept.shape[1], t_total, dtype=F64)
+        dev = self._reads[0].rows.device
+        attn = torch.zeros(t_total, self.n_layers, self._reads[0].kept.shape[1], t_total, dtype=F64, device=dev)
         for r in self._reads:
             attn[r.queries[row], r.layer, :, : r.rows.shape[-1]] = r.rows[row].permute(1, 0, 2)
-        kappa = torch.ones(t_total, dtype=F64)
+        kappa = torch.ones(t_total, dtype=F64, device=dev)
         for pos, k in self._kappa.items():
             if pos < t_total:
                 kappa[pos] = k[row]
@@ -93,7 +94,8 @@ class RunTrace:
             return None
         steps = max(r.step for r in self._reads) + 1
         b, h = self._reads[0].kept.shape[:2]
-        out = torch.full((steps, self.n_layers, b, h), math.nan, dtype=F64)
+        dev = self._reads[0].rows.device
+        out = torch.full((steps, self.n_layers, b, h), math.nan, dtype=F64, device=dev)
         for row in range(b):
             self._drive(Belady(*self.dense(row), variant, threshold), row, out)
         return out
@@ -102,7 +104,8 @@ class RunTrace:
         """Replay the run's schedule on ``oracle`` for batch row ``row`` and fill ``out`` (module doc)."""
         held: dict[int, Tensor] = {}
         for r in self._reads:
-            pos = held.get(r.layer, torch.empty(1, r.kept.shape[1], 0, dtype=torch.long))
+            dev = r.kept.device
+            pos = held.get(r.layer, torch.empty(1, r.kept.shape[1], 0, dtype=torch.long, device=dev))
             if r.layer in held:
                 keep = oracle.select(r.layer, self.budget, self.chunk)
                 if keep is not None:
@@ -111,10 +114,10 @@ class RunTrace:
             q = r.queries.shape[1]
             pos = torch.cat([pos, r.queries[row : row + 1, None, :].expand(1, pos.shape[1], q)], -1)
             held[r.layer] = pos
-            oracle.observe(r.layer, torch.zeros(1, pos.shape[1], q, pos.shape[-1], dtype=F64), pos)
+            oracle.observe(r.layer, torch.zeros(1, pos.shape[1], q, pos.shape[-1], dtype=F64, device=dev), pos)
             written = int(r.queries[row, -1]) + 1
             if pos.shape[-1] == written and r.kept.shape[-1] == written:
                 continue  # nothing evicted by either: NaN
-            mine = torch.zeros(pos.shape[1], written, dtype=torch.bool).scatter_(-1, r.kept[row], True)
+            mine = torch.zeros(pos.shape[1], written, dtype=torch.bool, device=dev).scatter_(-1, r.kept[row], True)
             both = mine.gather(-1, pos[0]).sum(-1)
             out[r.step, r.layer, row] = both.to(F64) / pos.shape[-1]

@@ -1,0 +1,162 @@
+"""Every tensor the eviction, resident-read and recall paths create is created on the device of their inputs.
+
+A CUDA cache must never mix in a CPU tensor made by a factory call that forgot its ``device=`` (``torch.zeros(n)``
+beside CUDA keys: a device error at best, a silent host round trip at worst). No GPU is needed to check it: the runs
+below go through :class:`FactoryRecorder`, a ``TorchFunctionMode`` that records every tensor factory
+(``torch.zeros``, ``arange``, ``full``, ``tensor``, ...) called from the paths under test without an explicit
+``device=``, and each test requires that record to be empty. A device-less factory call added to any of those modules
+fails the test with its file and line (``test_the_recorder_catches_a_device_less_factory`` plants one).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from kvcert import Gate
+from kvcert.cache import recall
+from kvcert.evict import H2O, RMM, SnapKV, StreamingLLM
+from kvcert.integrations.transformers import CertifiedCache
+from kvcert.models.tiny import tiny_random
+
+torch.set_num_threads(1)
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "kvcert"
+#: the modules whose tensors must follow their inputs' device: eviction orchestration, the resident read, the cache
+#: stores and buffers, the recall pool, the eviction policies and the page bounds of the resident certificate
+WATCHED = (
+    SRC / "attention" / "evict_driver.py",
+    SRC / "attention" / "resident.py",
+    SRC / "attention" / "read_path.py",
+    SRC / "cache",
+    SRC / "evict",
+    SRC / "bounds" / "pages.py",
+)
+#: tensor factories: each places its result on the default device unless given ``device=``
+FACTORIES = {
+    torch.zeros,
+    torch.ones,
+    torch.empty,
+    torch.full,
+    torch.arange,
+    torch.tensor,
+    torch.as_tensor,
+    torch.eye,
+    torch.linspace,
+    torch.logspace,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.scalar_tensor,
+    torch.empty_strided,
+    torch.tril_indices,
+    torch.triu_indices,
+}
+_TORCH = Path(torch.__file__).resolve().parent
+
+
+def _watched(path: Path) -> bool:
+    return any(path == w or w in path.parents for w in WATCHED)
+
+
+class FactoryRecorder(TorchFunctionMode):
+    """Records ``file:line`` of every factory call without ``device=`` whose caller is a watched module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in FACTORIES and kwargs.get("device") is None:
+            frame = sys._getframe(1)
+            while frame is not None and _TORCH in Path(frame.f_code.co_filename).resolve().parents:
+                frame = frame.f_back
+            if frame is not None:
+                path = Path(frame.f_code.co_filename).resolve()
+                if _watched(path):
+                    self.calls.append(f"{path.relative_to(SRC.parent)}:{frame.f_lineno} torch.{func.__name__}")
+        return func(*args, **kwargs)
+
+
+POLICIES = {
+    "streaming": lambda: StreamingLLM(sinks=2),
+    "h2o": lambda: H2O(recent=3),
+    "snapkv": lambda: SnapKV(window=3, kernel=3),
+    "rmm": lambda: RMM(lag=3, kappa="uniform"),
+}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_random("llama", head_dim=32)
+
+
+@torch.no_grad()
+def _decode(model, cache, steps: int = 4, prompt: int = 40) -> None:
+    ids = torch.randint(3, model.config.vocab_size, (2, prompt), generator=torch.Generator().manual_seed(0))
+    out = model(ids, cache=cache, use_cache=True)
+    for _ in range(steps):
+        out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+
+
+def _record(model, **kw) -> list[str]:
+    with CertifiedCache(model, keys="int4", values="int4", **kw) as cache, FactoryRecorder() as rec:
+        _decode(model, cache)
+        cache.telemetry()
+    return sorted(set(rec.calls))
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("mode", ["budget", "compression", "budget-validate-belady"])
+def test_eviction_creates_tensors_on_the_inputs_device(model, policy, mode):
+    kw: dict[str, object] = {"evict": POLICIES[policy](), "gate": Gate.certified(0.2)}
+    if mode == "compression":
+        kw["compression_ratio"] = 0.5
+    else:
+        kw["budget"] = 24
+    if mode == "budget-validate-belady":
+        kw |= {"validate": True, "belady": True}
+    assert _record(model, **kw) == []
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize(
+    ("recall", "summary", "tau"),
+    [("persistent", "int8", 0.1), ("transient", "box", 0.1), ("persistent", "int8", 0.0), ("transient", "int8", 0.02)],
+)
+def test_resident_reads_and_recall_create_tensors_on_the_inputs_device(model, policy, recall, summary, tau):
+    """Resident reads with recall (persistent pool or transient), both summaries, the dense fallback (τ = 0) and the
+    exact resident entries, in validate mode (the exact omitted mass and true TV beside every read)."""
+    calls = _record(
+        model,
+        resident=0.25,
+        select=POLICIES[policy](),
+        gate=Gate.certified(tau),
+        page_size=4,
+        recall=recall,
+        summary=summary,
+        validate=True,
+    )
+    assert calls == []
+
+
+def test_the_recorder_catches_a_device_less_factory(monkeypatch):
+    """A planted ``torch.zeros(n)`` in a watched module is reported with its place; one with ``device=`` is not."""
+    real = recall.HeldPages.empty.__func__
+
+    def planted(cls, batch, heads, counts, bytes_per_token, pool):
+        torch.zeros(3)  # the planted break
+        torch.zeros(3, device=counts.device)
+        return real(cls, batch, heads, counts, bytes_per_token, pool)
+
+    planted.__code__ = planted.__code__.replace(co_filename=recall.__file__)
+    monkeypatch.setattr(recall.HeldPages, "empty", classmethod(planted))
+    with FactoryRecorder() as rec:
+        recall.HeldPages.empty(1, 1, torch.ones(2, dtype=torch.int64), 4, recall.RecallPool())
+    assert len(rec.calls) == 1 and rec.calls[0].startswith("kvcert/cache/recall.py:")

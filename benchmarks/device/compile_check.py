@@ -80,17 +80,21 @@ def _launches(codec: str, opts: dict) -> list[tuple[object, tuple, dict]]:
     return calls
 
 
-def _signature(fn: object, args: tuple, consts: dict) -> dict[str, str]:
-    sig: dict[str, str] = {}
-    for name, a in zip(fn.arg_names, args, strict=False):
-        if isinstance(a, torch.Tensor):
-            sig[name] = "*" + _TYPES[a.dtype]
-        elif isinstance(a, bool):
-            sig[name] = "i1"
-        elif isinstance(a, int):
-            sig[name] = "i64" if abs(a) >= 2**31 else "i32"
-        else:
-            sig[name] = "fp32"
+def _type(a: object) -> object:
+    """Triton's type string of one launch argument (a named tuple such as ``TileSource``: the same tuple of types)."""
+    if isinstance(a, tuple):
+        return type(a)(*(_type(x) for x in a))
+    if isinstance(a, torch.Tensor):
+        return "*" + _TYPES[a.dtype]
+    if isinstance(a, bool):
+        return "i1"
+    if isinstance(a, int):
+        return "i64" if abs(a) >= 2**31 else "i32"
+    return "fp32"
+
+
+def _signature(fn: object, args: tuple, consts: dict) -> dict[str, object]:
+    sig = {name: _type(a) for name, a in zip(fn.arg_names, args, strict=False)}
     return sig | dict.fromkeys(consts, "constexpr")
 
 

@@ -52,6 +52,38 @@ BLOCK_S = 64  # tokens per tile
 _TARGET_PROGRAMS = 264  # about two programs per multiprocessor of an H100/H200
 
 
+class TileSource(NamedTuple):
+    """Where one store tensor (K or V) of a read lives, as one kernel argument: the pointers and strides
+    :func:`_tile` reads a tile through (:func:`_tile_args` builds it; the codec's constexprs go beside it).
+
+    ``scratch[B, H, S, D]`` the float32 decode scratch (strides ``scratch_b``, ``scratch_h``, ``scratch_t``; unit
+    stride on channels); ``exact[B, H, S]`` uint8 flags of entries held exact; ``codes[B, H, N, ·]`` the packed
+    codes; ``scales`` / ``zeros`` the codec's scales and zero-points (one layout, strides ``scale_*``); ``state[B,
+    H, N]`` the dither state per token; ``token_offset`` the code index of scratch token 0 (the mirror token).
+    In ``MODE`` 0 (scratch only) every field but the scratch is a placeholder."""
+
+    scratch: object
+    scratch_b: int
+    scratch_h: int
+    scratch_t: int
+    exact: object
+    exact_b: int
+    exact_h: int
+    codes: object
+    codes_b: int
+    codes_h: int
+    codes_t: int
+    scales: object
+    zeros: object
+    scale_b: int
+    scale_h: int
+    scale_t: int
+    state: object
+    state_b: int
+    state_h: int
+    token_offset: int
+
+
 @triton.jit
 def _program(H, M, S, chunk, BM: tl.constexpr):
     """``(bh, split, b, h, rows, row_ok, lo, hi)`` of this program: its (batch row × KV head) index and split, the
@@ -86,26 +118,7 @@ def _tile(
     D,
     b,
     h,
-    x_ptr,
-    sxb,
-    sxh,
-    sxt,
-    ex_ptr,
-    seb,
-    seh,
-    c_ptr,
-    scb,
-    sch,
-    sct,
-    s_ptr,
-    z_ptr,
-    ssb,
-    ssh,
-    sst,
-    st_ptr,
-    stb,
-    sth,
-    toff,
+    src,
     MODE: tl.constexpr,
     GS: tl.constexpr,
     BITS: tl.constexpr,
@@ -113,29 +126,31 @@ def _tile(
 ):
     """The float32 tile ``[BS, BD]`` of served entries of tokens ``t`` (channels ``rd``) of (row ``b``, KV head
     ``h``): the scratch ``x`` where the store's exact flag is set (or in ``MODE`` 0), else the codes decoded in
-    registers with the codec's own operations (:mod:`kvcert.kernels.packed`: bit for bit the scratch value)."""
+    registers with the codec's own operations (:mod:`kvcert.kernels.packed`: bit for bit the scratch value); ``src``
+    a :class:`TileSource`."""
     ok = tok[:, None] & (rd[None, :] < D)
-    xp = x_ptr + b * sxb + h * sxh + t[:, None] * sxt + rd[None, :]
+    xp = src.scratch + b * src.scratch_b + h * src.scratch_h + t[:, None] * src.scratch_t + rd[None, :]
     if MODE == 0:
         x = tl.load(xp, mask=ok, other=0.0)
     else:
-        ex = tl.load(ex_ptr + b * seb + h * seh + t, mask=tok, other=1) != 0
+        ex = tl.load(src.exact + b * src.exact_b + h * src.exact_h + t, mask=tok, other=1) != 0
         cok = ok & ~ex[:, None]
-        u = (t + toff).to(tl.int64)  # mirror token
-        cp = c_ptr + b * scb + h * sch + u[:, None] * sct
+        u = (t + src.token_offset).to(tl.int64)  # mirror token
+        cp = src.codes + b * src.codes_b + h * src.codes_h + u[:, None] * src.codes_t
         if MODE == 4:  # KIVI key axis: a scale and zero per channel per block of GS tokens
-            pp = (b * ssb + h * ssh + (u // GS)[:, None] * sst + rd[None, :]).to(tl.int64)
+            pp = (b * src.scale_b + h * src.scale_h + (u // GS)[:, None] * src.scale_t + rd[None, :]).to(tl.int64)
         else:  # a scale (and zero) per token per GS channels
-            pp = (b * ssb + h * ssh + u[:, None] * sst + (rd // GS)[None, :]).to(tl.int64)
+            pp = (b * src.scale_b + h * src.scale_h + u[:, None] * src.scale_t + (rd // GS)[None, :]).to(tl.int64)
         if MODE == 6:
             xh = tl.load(cp + rd[None, :], mask=cok, other=0.0).to(tl.float32)
         elif MODE == 1 or MODE == 3:
             code = tl.load(cp + rd[None, :], mask=cok, other=0)
-            sc = tl.load(s_ptr + pp, mask=cok, other=0.0)
+            sc = tl.load(src.scales + pp, mask=cok, other=0.0)
             if MODE == 1:
                 xh = code.to(tl.float32) * sc.to(tl.float32)
             else:
-                st = tl.load(st_ptr + b * stb + h * sth + u, mask=tok & ~ex, other=0).to(tl.uint64, bitcast=True)
+                st = tl.load(src.state + b * src.state_b + h * src.state_h + u, mask=tok & ~ex, other=0)
+                st = st.to(tl.uint64, bitcast=True)
                 z = _mix((st[:, None] ^ rd[None, :].to(tl.uint64)) + _GOLDEN)
                 du = (z >> 40).to(tl.float64) * (2.0**-24) - 0.5
                 xh = (sc.to(tl.float64) * (code.to(tl.float64) - du)).to(tl.float32)
@@ -143,11 +158,11 @@ def _tile(
             per: tl.constexpr = 8 // BITS
             byte = tl.load(cp + (rd // per)[None, :], mask=cok, other=0).to(tl.int32)
             code = ((byte >> ((rd % per) * BITS)[None, :]) & ((1 << BITS) - 1)) - OFF
-            sc = tl.load(s_ptr + pp, mask=cok, other=0.0).to(tl.float32)
+            sc = tl.load(src.scales + pp, mask=cok, other=0.0).to(tl.float32)
             if MODE == 2:
                 xh = code.to(tl.float32) * sc
             else:
-                xh = tl.load(z_ptr + pp, mask=cok, other=0.0).to(tl.float32) + code.to(tl.float32) * sc
+                xh = tl.load(src.zeros + pp, mask=cok, other=0.0).to(tl.float32) + code.to(tl.float32) * sc
         xs = tl.load(xp, mask=ok & ex[:, None], other=0.0)
         x = tl.where(ex[:, None], xs, xh)
     return x
@@ -158,7 +173,7 @@ def _logits_radii_kernel(
     qs_ptr,
     qb_ptr,
     rate_ptr,
-    k_ptr,
+    ktile,
     rho_ptr,
     khn_ptr,
     w_ptr,
@@ -177,9 +192,6 @@ def _logits_radii_kernel(
     n_split,
     scale,
     infl,
-    skb,
-    skh,
-    skt,
     srb,
     srh,
     srt,
@@ -190,22 +202,6 @@ def _logits_radii_kernel(
     smb,
     smh,
     smq,
-    kex_ptr,
-    keb,
-    keh,
-    kc_ptr,
-    kcb,
-    kch,
-    kct,
-    ks_ptr,
-    kz_ptr,
-    ksb,
-    ksh,
-    kst,
-    kh_ptr,
-    khb,
-    khh,
-    ktoff,
     KMODE: tl.constexpr,
     KGS: tl.constexpr,
     KBITS: tl.constexpr,
@@ -232,38 +228,7 @@ def _logits_radii_kernel(
     for t0 in range(lo, hi, BS):
         t = t0 + rs
         tok = t < hi
-        kt = _tile(
-            t,
-            tok,
-            rd,
-            D,
-            b,
-            h,
-            k_ptr,
-            skb,
-            skh,
-            skt,
-            kex_ptr,
-            keb,
-            keh,
-            kc_ptr,
-            kcb,
-            kch,
-            kct,
-            ks_ptr,
-            kz_ptr,
-            ksb,
-            ksh,
-            kst,
-            kh_ptr,
-            khb,
-            khh,
-            ktoff,
-            KMODE,
-            KGS,
-            KBITS,
-            KOFF,
-        )
+        kt = _tile(t, tok, rd, D, b, h, ktile, KMODE, KGS, KBITS, KOFF)
         lg = tl.dot(qs, tl.trans(kt), input_precision="ieee")  # [BM, BS] float32
         vis = row_ok[:, None] & tok[None, :]
         if HAS_MASK:
@@ -314,7 +279,7 @@ def _sums_kernel(
     tot_ptr,
     lg_ptr,
     c_ptr,
-    v_ptr,
+    vtile,
     vres_ptr,
     out_ptr,
     sums_ptr,
@@ -326,27 +291,8 @@ def _sums_kernel(
     DV,
     chunk,
     n_split,
-    svb,
-    svh,
-    svt,
     sr_b,
     sr_h,
-    vex_ptr,
-    veb,
-    veh,
-    vc_ptr,
-    vcb,
-    vch,
-    vct,
-    vs_ptr,
-    vz_ptr,
-    vsb,
-    vsh,
-    vst,
-    vh_ptr,
-    vhb,
-    vhh,
-    vtoff,
     VMODE: tl.constexpr,
     VGS: tl.constexpr,
     VBITS: tl.constexpr,
@@ -390,38 +336,7 @@ def _sums_kernel(
         bm += tl.sum(tl.where(use, p / ec, 0.0), axis=1)
         vr = tl.load(vres_ptr + b * sr_b + h * sr_h + t, mask=tok, other=0.0).to(tl.float64)
         vterm += tl.sum(p * vr[None, :], axis=1)
-        vt = _tile(
-            t,
-            tok,
-            rd,
-            DV,
-            b,
-            h,
-            v_ptr,
-            svb,
-            svh,
-            svt,
-            vex_ptr,
-            veb,
-            veh,
-            vc_ptr,
-            vcb,
-            vch,
-            vct,
-            vs_ptr,
-            vz_ptr,
-            vsb,
-            vsh,
-            vst,
-            vh_ptr,
-            vhb,
-            vhh,
-            vtoff,
-            VMODE,
-            VGS,
-            VBITS,
-            VOFF,
-        )
+        vt = _tile(t, tok, rd, DV, b, h, vtile, VMODE, VGS, VBITS, VOFF)
         out += tl.dot(p.to(tl.float32), vt, input_precision="ieee")
     part = bh * n_split + sp
     tl.store(out_ptr + (part * BM + rm[:, None]) * BDV + rd[None, :], out)
@@ -533,11 +448,17 @@ def _finish(
     return cert, raw, torch.tanh(cvis)
 
 
-def _tile_args(tiles: CodeTiles | None, x: torch.Tensor, name: str) -> tuple[tuple[object, ...], dict[str, int]]:
-    """The ``_tile`` arguments of one store tensor after its scratch pointer and strides: ``(positional, constexpr)``;
+def _tile_args(tiles: CodeTiles | None, x: torch.Tensor, name: str) -> tuple[TileSource, dict[str, int]]:
+    """The :class:`TileSource` of one store tensor whose scratch is ``x`` and the codec's constexprs of ``_tile``;
     ``tiles=None``: the scratch only."""
+    scratch = (x, x.stride(0), x.stride(1), x.stride(2))
     if tiles is None:
-        return (x, 0, 0, x, 0, 0, 0, x, x, 0, 0, 0, x, 0, 0, 0), {"MODE": 0, "GS": 1, "BITS": 8, "OFF": 0}
+        return TileSource(*scratch, x, 0, 0, x, 0, 0, 0, x, x, 0, 0, 0, x, 0, 0, 0), {
+            "MODE": 0,
+            "GS": 1,
+            "BITS": 8,
+            "OFF": 0,
+        }
     b, h, s = x.shape[:3]
     ex, c, sc, st = tiles.exact, tiles.codes, tiles.scales, tiles.state
     if tiles.mode not in MODES.values() or ex.shape != (b, h, s) or ex.dtype != torch.uint8 or ex.stride(-1) != 1:
@@ -550,9 +471,14 @@ def _tile_args(tiles: CodeTiles | None, x: torch.Tensor, name: str) -> tuple[tup
             f"{name} tiles: codes {tuple(c.shape)} must be [B={b}, H={h}, N, ...] with unit last stride "
             "and scales laid out like zero-points"
         )
-    args: tuple[object, ...] = (ex, ex.stride(0), ex.stride(1), c, c.stride(0), c.stride(1), c.stride(2), sc)
-    args += (tiles.zeros, sc.stride(0), sc.stride(1), sc.stride(2), st, st.stride(0), st.stride(1), tiles.offset)
-    return args, {"MODE": tiles.mode, "GS": tiles.group, "BITS": tiles.bits, "OFF": tiles.offset_code}
+    source = TileSource(
+        *scratch,
+        *(ex, ex.stride(0), ex.stride(1)),
+        *(c, c.stride(0), c.stride(1), c.stride(2)),
+        *(sc, tiles.zeros, sc.stride(0), sc.stride(1), sc.stride(2)),
+        *(st, st.stride(0), st.stride(1), tiles.offset),
+    )
+    return source, {"MODE": tiles.mode, "GS": tiles.group, "BITS": tiles.bits, "OFF": tiles.offset_code}
 
 
 @np.errstate(divide="ignore", invalid="ignore", over="ignore")  # interpreter: unselected branches
@@ -650,13 +576,13 @@ def decode_read(
         if mk.stride(3) != 1:
             mk = mk.contiguous()
             mstr = (mk.stride(0), mk.stride(1), mk.stride(2))
-    kargs, kconst = _tile_args(k_tiles, keys, "keys")
-    vargs, vconst = _tile_args(v_tiles, values, "values")
+    ktile, kconst = _tile_args(k_tiles, keys, "keys")
+    vtile, vconst = _tile_args(v_tiles, values, "values")
     _logits_radii_kernel[grid](
         qs,
         qb,
         rate,
-        keys,
+        ktile,
         rho,
         khn,
         w,
@@ -675,9 +601,6 @@ def decode_read(
         n_split,
         float(scale),
         infl,
-        keys.stride(0),
-        keys.stride(1),
-        keys.stride(2),
         rho.stride(0),
         rho.stride(1),
         rho.stride(2),
@@ -686,7 +609,6 @@ def decode_read(
         w.stride(0),
         w.stride(1),
         *mstr,
-        *kargs,
         **{"K" + k: v for k, v in kconst.items()},
         NB=nb,
         HAS_MASK=has_mask,
@@ -709,7 +631,7 @@ def decode_read(
         tot,
         lg,
         c,
-        values,
+        vtile,
         vres,
         opart,
         sums,
@@ -721,12 +643,8 @@ def decode_read(
         dv,
         chunk,
         n_split,
-        values.stride(0),
-        values.stride(1),
-        values.stride(2),
         vres.stride(0),
         vres.stride(1),
-        *vargs,
         **{"V" + k: v for k, v in vconst.items()},
         BM=bm,
         BS=BLOCK_S,

@@ -131,7 +131,9 @@ def test_logits_radii_radii_are_never_below_the_exact_radius_per_cell(pairing: s
     assert rel < 1e-13  # the inflation is tiny
     assert torch.allclose(lr.qn[..., 0], q.to(torch.float64).norm(dim=-1), rtol=1e-14)
     kf = 2 * khn.to(torch.float64) + w.to(torch.float64)
-    assert torch.equal(lr.kmax[..., 0], kf.amax(-1)) and torch.equal(lr.wmax[..., 0], w.to(torch.float64).amax(-1))
+    assert torch.equal(lr.key_norm_max[..., 0], kf.amax(-1)) and torch.equal(
+        lr.witness_max[..., 0], w.to(torch.float64).amax(-1)
+    )
     assert torch.all(lr.phi_max[..., 0] >= 2 * sc * gam * lr.qn[..., 0].amax(-1) * kf.amax(-1))
 
 
@@ -261,7 +263,7 @@ def test_decode_read_equals_the_checked_kernels_entry_for_entry(masked: bool) ->
     assert torch.equal(t(r.out), mo.out)
     for i, name in enumerate(CELL_ROWS):
         assert torch.equal(t(r.cells[i]), getattr(mo, name)), name
-    for i, x in enumerate((lr.kmax, lr.phi_max, lr.wmax, mo.spread, mo.vmax)):
+    for i, x in enumerate((lr.key_norm_max, lr.phi_max, lr.witness_max, mo.spread, mo.vmax)):
         assert torch.equal(t(r.heads[i]), x[..., 0])
 
 

@@ -190,7 +190,8 @@ class _Served:
 
     Fields: ``p64`` served distribution, ``cert`` / ``raw`` clipped / unclipped Tier-A meter, ``tanh``,
     ``out`` ``[B, Hkv, M, Dv]`` float32, ``c`` radii incl. the logit rounding slack, ``qn`` ``[B, Hkv, M, 1]``
-    ‖q‖₂, ``kmax`` / ``phi_max`` / ``wmax`` / ``spread`` / ``vmax`` ``[B, Hkv, 1]`` (max_t (2‖k̂_t‖ + W_t),
+    ‖q‖₂, ``key_norm_max`` / ``phi_max`` / ``witness_max`` / ``spread`` / ``vmax`` ``[B, Hkv, 1]``
+    (max_t (2‖k̂_t‖ + W_t),
     φ_max, max_t W_t, max_t ‖v̂_t − c‖ + ‖Δv_t‖ and max_t ‖v̂_t‖ + ‖Δv_t‖ over visible tokens), ``value_term``,
     ``key_term``, ``slack``, ``bound`` (output bound of the unrepaired read, ``_out_bound``), ``qg`` the float32
     queries as certified (non-finite entries zeroed), ``bad_cell`` cells that see a non-finite entry (fail
@@ -242,12 +243,12 @@ class _Served:
         """``(‖q‖ [B, Hq, Q], max_t W_t [B, Hkv], max_t (2‖k̂_t‖ + W_t) [B, Hkv])`` for the chain readings."""
         b = self.qg.shape[0]
         if self._r is None:
-            return self.qn.reshape(b, self._hq, self._nq), self.wmax.squeeze(-1), self.kmax.squeeze(-1)
+            return self.qn.reshape(b, self._hq, self._nq), self.witness_max.squeeze(-1), self.key_norm_max.squeeze(-1)
         t = torch.from_numpy
         return (
             t(self._r.qn.reshape(b, self._hq, self._nq)),
-            t(self._r.heads[HEAD_ROWS.index("wmax")]),
-            t(self._r.heads[HEAD_ROWS.index("kmax")]),
+            t(self._r.heads[HEAD_ROWS.index("witness_max")]),
+            t(self._r.heads[HEAD_ROWS.index("key_norm_max")]),
         )
 
 
@@ -326,9 +327,9 @@ def _eager_served(
     qn = qg.to(torch.float64).norm(dim=-1, keepdim=True)  # [B, Hkv, M, 1]
     rate, kfac = _logit_slack_factors(qn, k_hat_norm, k_wit, scaling, d)
     c = tier_a_radius_f32(qb, k_band.unsqueeze(2), scaling).addcmul_(rate, kfac)
-    kmax = kfac.amax(-1)  # [B, Hkv, 1]
-    phi_max = 2.0 * rate.amax(-2) * kmax  # [B, Hkv, 1]
-    wmax = k_wit.amax(-1, keepdim=True).to(torch.float64)
+    key_norm_max = kfac.amax(-1)  # [B, Hkv, 1]
+    phi_max = 2.0 * rate.amax(-2) * key_norm_max  # [B, Hkv, 1]
+    witness_max = k_wit.amax(-1, keepdim=True).to(torch.float64)
     p64, p32, cert, raw, tanh = served_certificate(
         logits, c, m, full, fused=False if kernel_backend(qg.device) == "torch" else None
     )
@@ -352,9 +353,9 @@ def _eager_served(
         out=out,
         c=c,
         qn=qn,
-        kmax=kmax,
+        key_norm_max=key_norm_max,
         phi_max=phi_max,
-        wmax=wmax,
+        witness_max=witness_max,
         value_term=value_term,
         spread=spread,
         vmax=vmax,

@@ -154,13 +154,13 @@ def ladder_read(
     # Phase 1: served scoring, radii, block masses.
     logits = masked_logits(qg, khat, m, scaling)
     p_hat = probs64(logits)
-    rho = store.k_band.view()
+    k_band = store.k_band.view()  # ρ_{t,b} (glossary: store names)
     qb = query_band_norms(qg, store.bands, store.pairing)
-    c_a = tier_a_radius_from_qnorms(qb, rho.unsqueeze(2), scaling)
+    c_a = tier_a_radius_from_qnorms(qb, k_band.unsqueeze(2), scaling)
     qn = qg.to(torch.float64).norm(dim=-1, keepdim=True)
-    w = rho.to(torch.float64).sum(-1).unsqueeze(2)
-    phi = logit_rounding_radius(qn, store.k_hat_norm.view().unsqueeze(2), w, scaling, d)  # [B, Hkv, M, S]
-    c = c_a + phi
+    k_wit = k_band.to(torch.float64).sum(-1).unsqueeze(2)  # W_t = Σ_b ρ_{t,b}
+    phi_t = logit_rounding_radius(qn, store.k_hat_norm.view().unsqueeze(2), k_wit, scaling, d)  # φ_t [B, Hkv, M, S]
+    c = c_a + phi_t
     cert_pre, raw = served_meter(p_hat, c)
     tanh = torch.tanh(_masked_max(c, m))
     lm = block_log_mass(logits, bs)  # [B, Hkv, M, nb]
@@ -186,7 +186,7 @@ def ladder_read(
     # Rung 4 monitor: paged compressed tokens must satisfy |s_exact − s̃| ≤ c + φ + eps_guard.
     seen = m & (f_tok & ~key_exact).unsqueeze(2)
     gap = torch.where(seen, (lmix - logits).abs().to(torch.float64), torch.zeros_like(c))
-    rung4 = bool((gap > c + phi + cfg.eps_guard).any())
+    rung4 = bool((gap > c + phi_t + cfg.eps_guard).any())
 
     # Rung 3: ranking consistency per cell, any cell of a query head sends that head to exact SDPA.
     l_exact = block_log_mass(lmix, bs)
@@ -207,7 +207,7 @@ def ladder_read(
     alpha_hat = torch.where(tail, p_hat, torch.zeros_like(p_hat)).sum(-1)
     v_norm = vhat.to(torch.float64).norm(dim=-1) + store.v_res.view().to(torch.float64)
     v_max = _masked_max(v_norm.unsqueeze(2).expand_as(c), m)
-    phi_max = _masked_max(phi, m)
+    phi_max = _masked_max(phi_t, m)
     e_key, tv = key_term(alpha_hat, _masked_max(c, m), _masked_max(c, tail), phi_max, v_max)
     eta_eff = torch.where(promote, torch.zeros_like(eta), eta)
     e_val = value_term(block_sum(p_mix, bs), eta_eff.unsqueeze(2))

@@ -412,8 +412,8 @@ def resident_read(
             p_post[bi, hi, :, s_r + tok] = p_all[:, s_r:]
     cert = _dense_fallback(out, cert, dense, dense_exact)
     bytes_paged = int(dense.sum()) * (s_r + s_o) * (dk + dv) * elt
-    kmax = torch.maximum(sv.kmax, 2.0 * pages.k_norm.to(F64))
-    phi_max = 2.0 * rate.amax(-2) * kmax
+    key_norm_all = torch.maximum(sv.key_norm_max, 2.0 * pages.k_norm.to(F64))
+    phi_max = 2.0 * rate.amax(-2) * key_norm_all
     spread = torch.maximum(sv.spread, pages.v_spread.to(F64))
     vmax = torch.maximum(sv.vmax, pages.v_norm.to(F64))
     bound, key_term, slack = _out_bound(value_term, cert, spread, vmax, s_r + s_o, out.shape[-1], phi_max)

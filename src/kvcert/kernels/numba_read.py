@@ -242,8 +242,8 @@ DECODE_MAX_ROWS = 64
 CELL_ROWS = ("cert", "raw", "tanh", "value_term", "key_term", "slack", "bound")
 _CERT, _RAW, _TANH, _VTERM, _KEY, _SLACK, _BOUND = range(7)
 #: rows of the per-KV-head block ``[5, B, Hkv]``
-HEAD_ROWS = ("kmax", "phi_max", "wmax", "spread", "vmax")
-_KMAX, _PHI_MAX, _WMAX, _SPREAD, _VMAX = range(5)
+HEAD_ROWS = ("key_norm_max", "phi_max", "witness_max", "spread", "vmax")
+_KEY_NORM_MAX, _PHI_MAX, _WITNESS_MAX, _SPREAD, _VMAX = range(5)
 
 
 class LogitsRadii(NamedTuple):
@@ -252,9 +252,9 @@ class LogitsRadii(NamedTuple):
     logits: torch.Tensor  # [B, Hkv, M, S] float32 served logits, -inf where masked
     c: torch.Tensor  # [B, Hkv, M, S] Tier-A radius + float32 logit slack per token
     qn: torch.Tensor  # [B, Hkv, M, 1] ‖q‖₂ of the float32 query
-    kmax: torch.Tensor  # [B, Hkv, 1] max_t (2‖k̂_t‖ + W_t)
-    phi_max: torch.Tensor  # [B, Hkv, 1] φ_max = 2·sc·γ·max_M ‖q‖·kmax (inflated)
-    wmax: torch.Tensor  # [B, Hkv, 1] max_t W_t
+    key_norm_max: torch.Tensor  # [B, Hkv, 1] max_t (2‖k̂_t‖ + W_t)
+    phi_max: torch.Tensor  # [B, Hkv, 1] φ_max = 2·sc·γ·max_M ‖q‖·key_norm_max (inflated)
+    witness_max: torch.Tensor  # [B, Hkv, 1] max_t W_t
 
 
 class MeterOutput(NamedTuple):
@@ -441,8 +441,8 @@ def _logits_radii(
                     for t in range(s):
                         if not _visible(mask, full, bi, h, nq, mi, t):
                             lg[bi, h, mi, t] = -np.inf
-            heads[_KMAX, bi, h] = km
-            heads[_WMAX, bi, h] = wm
+            heads[_KEY_NORM_MAX, bi, h] = km
+            heads[_WITNESS_MAX, bi, h] = wm
             heads[_PHI_MAX, bi, h] = 2.0 * scale * gam * qmax * km * infl
     return True
 
@@ -549,9 +549,9 @@ def logits_radii(
         t(lg),
         t(c),
         t(qn[..., None]),
-        t(heads[_KMAX, ..., None]),
+        t(heads[_KEY_NORM_MAX, ..., None]),
         t(heads[_PHI_MAX, ..., None]),
-        t(heads[_WMAX, ..., None]),
+        t(heads[_WITNESS_MAX, ..., None]),
     )
 
 
@@ -571,7 +571,7 @@ def _logits_radii_arrays(
     k_from: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """:func:`logits_radii` on checked numpy inputs: ``(logits, c, ‖q‖ [B, Hkv, M], heads [5, B, Hkv])`` with
-    the ``kmax``, ``phi_max`` and ``wmax`` rows of ``heads`` filled (:data:`HEAD_ROWS`), or ``None``."""
+    the ``key_norm_max``, ``phi_max`` and ``witness_max`` rows of ``heads`` filled (:data:`HEAD_ROWS`), or ``None``."""
     b, h, m, _ = q.shape
     lg = np.empty((b, h, m, s), dtype=np.float32)
     c = np.empty((b, h, m, s))

@@ -181,8 +181,8 @@ def _logits_radii_kernel(
     lg_ptr,
     c_ptr,
     mrow_ptr,
-    kmax_ptr,
-    wmax_ptr,
+    key_norm_max_ptr,
+    witness_max_ptr,
     H,
     M,
     S,
@@ -219,8 +219,8 @@ def _logits_radii_kernel(
     qs = tl.load(qs_ptr + (bh * M + rm[:, None]) * D + rd[None, :], mask=row_ok[:, None] & (rd[None, :] < D), other=0.0)
     rate = tl.load(rate_ptr + bh * M + rm, mask=row_ok, other=0.0)
     mrow = tl.full((BM,), float("-inf"), tl.float32)
-    kmax = tl.zeros((BS,), tl.float64)
-    wmax = tl.zeros((BS,), tl.float64)
+    key_norm_max = tl.zeros((BS,), tl.float64)
+    witness_max = tl.zeros((BS,), tl.float64)
     if MASK_PER_HEAD:
         mbase = mask_ptr + b * smb + h * smh
     else:
@@ -241,8 +241,8 @@ def _logits_radii_kernel(
         mrow = tl.maximum(mrow, tl.max(lg, axis=1))
         wt = tl.load(w_ptr + b * sw_b + h * sw_h + t, mask=tok, other=0.0).to(tl.float64)
         kf = 2.0 * tl.load(khn_ptr + b * snb + h * snh + t, mask=tok, other=0.0).to(tl.float64) + wt
-        kmax = tl.maximum(kmax, kf)
-        wmax = tl.maximum(wmax, wt)
+        key_norm_max = tl.maximum(key_norm_max, kf)
+        witness_max = tl.maximum(witness_max, wt)
         acc = tl.zeros((BM, BS), tl.float64)
         for j in tl.static_range(NB):
             qbj = tl.load(qb_ptr + (bh * M + rm) * NB + j, mask=row_ok, other=0.0)
@@ -252,8 +252,8 @@ def _logits_radii_kernel(
         tl.store(c_ptr + cell, c, mask=store_ok)
     part = bh * n_split + sp
     tl.store(mrow_ptr + part * BM + rm, mrow)
-    tl.store(kmax_ptr + part, tl.max(kmax, axis=0))
-    tl.store(wmax_ptr + part, tl.max(wmax, axis=0))
+    tl.store(key_norm_max_ptr + part, tl.max(key_norm_max, axis=0))
+    tl.store(witness_max_ptr + part, tl.max(witness_max, axis=0))
 
 
 @triton.jit
@@ -382,9 +382,9 @@ class TritonRead(NamedTuple):
     key_term: torch.Tensor  # [B, Hkv, M] 2·min(meter, 1)·spread
     slack: torch.Tensor  # [B, Hkv, M] float32 evaluation slack
     bound: torch.Tensor  # [B, Hkv, M] output bound of the unrepaired read
-    kmax: torch.Tensor  # [B, Hkv, 1] max_t (2‖k̂_t‖ + W_t)
+    key_norm_max: torch.Tensor  # [B, Hkv, 1] max_t (2‖k̂_t‖ + W_t)
     phi_max: torch.Tensor  # [B, Hkv, 1] φ_max
-    wmax: torch.Tensor  # [B, Hkv, 1] max_t W_t
+    witness_max: torch.Tensor  # [B, Hkv, 1] max_t W_t
     spread: torch.Tensor  # [B, Hkv, 1] max over visible t of ‖v̂_t − centre‖ + ‖Δv_t‖ (rounded up)
     vmax: torch.Tensor  # [B, Hkv, 1] max over visible t of ‖v̂_t‖ + ‖Δv_t‖ (rounded up)
     out: torch.Tensor  # [B, Hkv, M, Dv] float32 served output
@@ -673,9 +673,9 @@ def decode_read(
         dist, norm = torch.where(vis, dist, 0.0), torch.where(vis, norm, 0.0)
     spread = dist.amax(-1, keepdim=True).clamp(min=0.0) * up2
     vmax = norm.amax(-1, keepdim=True).clamp(min=0.0) * up2
-    kmax = kpart.amax(1).reshape(bsz, h, 1)
-    wmax = wpart.amax(1).reshape(bsz, h, 1)
-    phi_max = 2.0 * scale * gamma * qn.amax(-1, keepdim=True) * kmax * infl
+    key_norm_max = kpart.amax(1).reshape(bsz, h, 1)
+    witness_max = wpart.amax(1).reshape(bsz, h, 1)
+    phi_max = 2.0 * scale * gamma * qn.amax(-1, keepdim=True) * key_norm_max * infl
     upv = 1.0 + 2.0 * (s + 2) * _U64
     vterm = cells[3] * upv
     rel0 = 2.0 * (s + dv) * _U32 * (1 + 1e-6)
@@ -694,9 +694,9 @@ def decode_read(
         key_term=key_term,
         slack=slack,
         bound=bound,
-        kmax=kmax,
+        key_norm_max=key_norm_max,
         phi_max=phi_max,
-        wmax=wmax,
+        witness_max=witness_max,
         spread=spread,
         vmax=vmax,
         out=out,

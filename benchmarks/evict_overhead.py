@@ -25,30 +25,21 @@ import torch
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, PreTrainedModel
 
 from kvcert.evict import H2O, RMM, EvictionPolicy, SnapKV, StreamingLLM
+from kvcert.models.tiny import SMOLLM2_135M_SHAPE, tiny_random
 
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 
 
-def _model() -> LlamaForCausalLM:
-    cfg = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=9,
-        num_key_value_heads=KV_HEADS,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval()
+def _model() -> PreTrainedModel:
+    model = tiny_random("llama", attn_implementation="sdpa", **SMOLLM2_135M_SHAPE)
+    assert (model.config.num_hidden_layers, model.config.num_key_value_heads) == (LAYERS, KV_HEADS)
+    return model
 
 
-def _decode_ms(model: LlamaForCausalLM, context: int, reps: int) -> list[float]:
+def _decode_ms(model: PreTrainedModel, context: int, reps: int) -> list[float]:
     cache = DynamicCache()
     for layer in range(LAYERS):
         kv = torch.randn(1, KV_HEADS, context, HEAD_DIM)

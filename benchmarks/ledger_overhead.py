@@ -31,11 +31,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvcert import CertifiedCache
 from kvcert.cache.events import ReadEvent, WriteEvent
 from kvcert.ledger import EventLog, Ledger, LedgerObserver
+from kvcert.models.tiny import SMOLLM2_135M_SHAPE, tiny_random
 
 
 class _Timed:
@@ -112,16 +112,8 @@ def main() -> None:
     ap.add_argument("--write-block", type=int, default=16, help="CertifiedCache write_block")
     args = ap.parse_args()
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=4096,
-    )
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_random("llama", attn_implementation="sdpa", **SMOLLM2_135M_SHAPE)
+    cfg = model.config
     b = 8
     lengths = [args.context - 16 * i for i in range(b)]
     ids = torch.randint(0, cfg.vocab_size, (b, args.context))

@@ -31,11 +31,11 @@ import random
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvcert.bounds import band_norms, meter_and_unclipped, tier_a_radius
 from kvcert.eval.corpora import load_corpus
+from kvcert.integrations.attention_impl import swapped_attention
 from kvcert.models.zoo import load
 from kvcert.quant import get
 
@@ -76,14 +76,9 @@ def capture(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[torch.Tenso
         seen[module.layer_idx] = (query[0].to(torch.float64), key[0].to(torch.float64), float(scaling))
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw)
 
-    AttentionInterface.register("kvcert-witness-capture", record)
-    previous = model.config._attn_implementation
-    model.config._attn_implementation = "kvcert-witness-capture"
-    try:
-        with torch.no_grad():
-            model(ids)
-    finally:
-        model.config._attn_implementation = previous
+    # the model's own mask function (mask=None): the capture changes nothing the forward computes
+    with swapped_attention(model, "kvcert-witness-capture", record, mask=None), torch.no_grad():
+        model(ids)
     layers = sorted(seen)
     return [seen[i][0] for i in layers], [seen[i][1] for i in layers], seen[layers[0]][2]
 

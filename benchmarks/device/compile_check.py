@@ -17,6 +17,7 @@ import os
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)  # the compiler, not the interpreter (before triton is imported)
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, stated (it warns when unset)
 
 import torch  # noqa: E402
 import triton  # noqa: E402

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from decimal import Decimal
 
@@ -14,6 +15,7 @@ from kvcert.attention.certified import masked_logits, served_certificate
 from kvcert.bounds import band_norms, round_up_f32, true_tv
 from kvcert.bounds.radii import tier_a_radius_f32
 from kvcert.bounds.rc import gamma_f32
+from kvcert.kernels import numba_read
 from kvcert.kernels.numba_read import CELL_ROWS, all_visible, decode_read, logits_radii, meter_output, softmax_meter
 
 PLAN = ((2, 20_000), (5, 10_000), (16, 10_000), (64, 4_000), (256, 1_000), (1024, 300), (4096, 60))
@@ -332,3 +334,11 @@ def test_softmax_and_exp_match_torch_per_entry() -> None:
     assert torch.allclose(torch.from_numpy(p)[live], want[live], rtol=1e-14, atol=0)
     assert torch.all(torch.from_numpy(p)[1, ::3] == 0)
     assert torch.allclose(torch.from_numpy(ec), torch.exp(c), rtol=4e-16, atol=0)
+
+
+def test_key_arrays_name_the_compiled_kernels_parameters_in_order():
+    """``KeyArrays`` is unpacked positionally into the compiled ``_logits_radii``: its fields are that kernel's
+    leading parameters, in order (the outputs follow)."""
+    params = list(inspect.signature(numba_read._logits_radii.py_func).parameters)
+    assert list(numba_read.KeyArrays._fields) == params[: len(numba_read.KeyArrays._fields)]
+    assert params[len(numba_read.KeyArrays._fields) :] == ["lg", "c", "qn", "heads"]

@@ -401,7 +401,7 @@ def _logits_radii(
     full: bool,
     nq: int,
     scale: float,
-    gam: float,
+    gamma: float,
     half: bool,
     k_from: int,
     lg: np.ndarray,
@@ -420,7 +420,7 @@ def _logits_radii(
     kf = np.empty(s)  # 2‖k̂_t‖ + W_t
     for bi in range(nbatch):
         for h in range(nkv):
-            qmax = _query_rows(q[bi, h], nbands, half, scale, gam, qs, qb, qn[bi, h], rate)
+            qmax = _query_rows(q[bi, h], nbands, half, scale, gamma, qs, qb, qn[bi, h], rate)
             if qmax < 0.0:
                 return False
             for t in range(k_from, s):  # pending keys were not checked at write
@@ -443,7 +443,7 @@ def _logits_radii(
                             lg[bi, h, mi, t] = -np.inf
             heads[_KEY_NORM_MAX, bi, h] = km
             heads[_WITNESS_MAX, bi, h] = wm
-            heads[_PHI_MAX, bi, h] = 2.0 * scale * gam * qmax * km * infl
+            heads[_PHI_MAX, bi, h] = 2.0 * scale * gamma * qmax * km * infl
     return True
 
 
@@ -527,19 +527,21 @@ def logits_radii(
     ww = _prefix("k_wit", k_wit, (b, h, s), s)
     mk, full = _mask_arg(mask, b, h, nq, s)
     r = _logits_radii_arrays(
-        q.detach().contiguous().numpy(),
-        kk,
-        rr,
-        kn,
-        ww,
-        s,
-        mk,
-        full,
-        nq,
-        float(scale),
-        float(gamma),
-        pairing == "rotate_half",
-        pending_from,
+        KeyArrays(
+            q=q.detach().contiguous().numpy(),
+            k_served=kk,
+            k_band=rr,
+            k_hat_norm=kn,
+            k_wit=ww,
+            s=s,
+            mask=mk,
+            full=full,
+            nq=nq,
+            scale=float(scale),
+            gamma=float(gamma),
+            half=pairing == "rotate_half",
+            k_from=pending_from,
+        )
     )
     if r is None:
         return None
@@ -555,31 +557,35 @@ def logits_radii(
     )
 
 
-def _logits_radii_arrays(
-    q: np.ndarray,
-    k_served: np.ndarray,
-    k_band: np.ndarray,
-    k_hat_norm: np.ndarray,
-    k_wit: np.ndarray,
-    s: int,
-    mask: np.ndarray,
-    full: bool,
-    nq: int,
-    scale: float,
-    gamma: float,
-    half: bool,
-    k_from: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+class KeyArrays(NamedTuple):
+    """The key side of one decode read as :func:`_logits_radii` takes it, in its parameter order (numpy arrays,
+    whole allocations of which the first ``s`` tokens are read; ``full``: ``mask`` is the all-visible
+    placeholder). Built by name at both callers, unpacked only at the boundary of the compiled code."""
+
+    q: np.ndarray
+    k_served: np.ndarray
+    k_band: np.ndarray
+    k_hat_norm: np.ndarray
+    k_wit: np.ndarray
+    s: int
+    mask: np.ndarray
+    full: bool
+    nq: int
+    scale: float
+    gamma: float
+    half: bool
+    k_from: int
+
+
+def _logits_radii_arrays(a: KeyArrays) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """:func:`logits_radii` on checked numpy inputs: ``(logits, c, ‖q‖ [B, Hkv, M], heads [5, B, Hkv])`` with
     the ``key_norm_max``, ``phi_max`` and ``witness_max`` rows of ``heads`` filled (:data:`HEAD_ROWS`), or ``None``."""
-    b, h, m, _ = q.shape
-    lg = np.empty((b, h, m, s), dtype=np.float32)
-    c = np.empty((b, h, m, s))
+    b, h, m, _ = a.q.shape
+    lg = np.empty((b, h, m, a.s), dtype=np.float32)
+    c = np.empty((b, h, m, a.s))
     qn = np.empty((b, h, m))
     heads = np.empty((len(HEAD_ROWS), b, h))
-    ok = _logits_radii(
-        q, k_served, k_band, k_hat_norm, k_wit, s, mask, full, nq, scale, gamma, half, k_from, lg, c, qn, heads
-    )
+    ok = _logits_radii(*a, lg, c, qn, heads)
     return (lg, c, qn, heads) if ok else None
 
 
@@ -750,7 +756,21 @@ def decode_read(inputs: DecodeInputs[np.ndarray]) -> DecodeArrays | None:
     s = x.n_tokens
     mk, full = (_NO_MASK, True) if x.mask is None else (x.mask, False)
     r = _logits_radii_arrays(
-        x.q, x.k_served, x.k_band, x.k_hat_norm, x.k_wit, s, mk, full, x.nq, x.scale, x.gamma, x.rotate_half, x.k_from
+        KeyArrays(
+            q=x.q,
+            k_served=x.k_served,
+            k_band=x.k_band,
+            k_hat_norm=x.k_hat_norm,
+            k_wit=x.k_wit,
+            s=s,
+            mask=mk,
+            full=full,
+            nq=x.nq,
+            scale=x.scale,
+            gamma=x.gamma,
+            half=x.rotate_half,
+            k_from=x.k_from,
+        )
     )
     if r is None:
         return None

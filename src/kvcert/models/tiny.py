@@ -53,6 +53,19 @@ _FAMILIES: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
 
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
 
+#: Overrides giving ``tiny_random("llama", ...)`` SmolLM2-135M's shape (30 layers, hidden 576, 9 query / 3 KV heads
+#: of dimension 64, its vocabulary): random weights whose compute per decode step is the real model's, for
+#: benchmarks that time a step without loading the weights.
+SMOLLM2_135M_SHAPE: dict[str, Any] = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 8192,
+}
+
 #: Overrides giving the sliding-window shapes the memory-path adapters and the live probe exercise: Mistral with a
 #: window of 8 on every layer (nothing global to pool), Gemma-3 with one sliding-window layer then one global layer
 #: and the softmax scale of real Gemma-3 models (``query_pre_attn_scalar`` = head dim).

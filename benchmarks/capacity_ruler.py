@@ -65,7 +65,7 @@ from kvcert.eval.harness import prompt_ids
 from kvcert.eval.journal import Journal, JournalRow, sample_key
 from kvcert.models.zoo import ZOO, converted_dir
 from kvcert.report.results import build_document, write_results
-from kvcert.report.tables import ReportTable, fmt, to_markdown, to_rich
+from kvcert.report.tables import ReportTable, fmt, print_table, to_markdown
 
 GATES = ("block", "head")
 TARGET_CI_LOW = -0.02  # issue 16: CI lower end >= -2 points
@@ -220,7 +220,7 @@ def report(
     md += [to_markdown(t) for t in tables]
     (args.out / "summary.txt").write_text("\n\n".join(md) + "\n", encoding="utf-8")
     for t in tables:
-        console.print(to_rich(t))
+        print_table(console, t)
     console.print(f"{len(result.samples)} samples over {tasks} tasks; results: {json_path}; figure: {png}")
 
 

@@ -31,7 +31,6 @@ import time
 
 import torch
 from rich.console import Console
-from rich.table import Table
 from tqdm import tqdm
 from transformers import DynamicCache, QuantizedCache
 
@@ -39,6 +38,7 @@ from kvcert import CertifiedCache, Gate
 from kvcert.cli.common import CERTIFIED_TAU, REPAIR_BLOCK, parse_schemes
 from kvcert.eval.corpora import load_corpus
 from kvcert.models import load
+from kvcert.report.tables import ReportTable, print_table
 
 
 def _decode_interleaved(model, first_tok, caches: dict, steps: int, clock, own_attention: str) -> dict[str, float]:
@@ -152,18 +152,15 @@ def main() -> None:
 def _report(times: dict[str, list[float]], args: argparse.Namespace) -> None:
     """Print the best-of table, the two target ratios (best-of and per repetition), and the optional plot."""
     best = {k: min(v) for k, v in times.items()}
-    table = Table(
-        title=f"decode cost, SmolLM2-135M, context {args.context}, {args.steps} steps, best of {args.reps}, "
+    table = ReportTable(
+        f"decode cost, SmolLM2-135M, context {args.context}, {args.steps} steps, best of {args.reps}, "
         f"{args.clock} clock, {torch.get_num_threads()} torch threads, "
-        f"start-up objects {'not ' if args.no_gc_freeze else ''}frozen (empirical)"
+        f"start-up objects {'not ' if args.no_gc_freeze else ''}frozen (empirical)",
+        ("variant", "ms/token", "x dense"),
+        tuple((k, f"{v:.1f}", f"{v / best['dense']:.2f}") for k, v in best.items()),
     )
-    table.add_column("variant")
-    table.add_column("ms/token", justify="right")
-    table.add_column("x dense", justify="right")
-    for k, v in best.items():
-        table.add_row(k, f"{v:.1f}", f"{v / best['dense']:.2f}")
     console = Console()
-    console.print(table)
+    print_table(console, table)
     console.print(f"certified / raw = {best['kvcert-certified'] / best['kvcert-raw']:.3f} (empirical; target <= 1.10)")
     console.print(f"gated / dense   = {best['kvcert-gated (tau=0.2)'] / best['dense']:.3f} (empirical; target <= 1.5)")
     console.print(

@@ -19,7 +19,6 @@ from collections import Counter
 
 import torch
 from rich.console import Console
-from rich.table import Table
 from tqdm import tqdm
 from transformers import DynamicCache
 
@@ -27,6 +26,7 @@ from kvcert import CertifiedCache
 from kvcert.eval.corpora import load_corpus
 from kvcert.integrations import transformers as integration
 from kvcert.models import load
+from kvcert.report.tables import ReportTable, print_table
 
 
 class _ReadClock:
@@ -106,34 +106,37 @@ def main() -> None:
                             dict(collector.passes),
                         )
                     )
-    table = Table(
-        title=f"decode step anatomy, SmolLM2-135M, context {args.context}, {args.steps} steps, "
-        f"medians of {args.reps} (empirical)"
-    )
-    for col in (
-        "start-up objects",
-        "variant",
-        "ms/step (CPU)",
-        "read ms/step",
-        "read share",
-        "gc ms/step (worst rep)",
-        "gc passes per gen (each rep)",
-    ):
-        table.add_column(col)
+    cells: list[tuple[str, ...]] = []
     for frozen in (False, True):
         for certify in (False, True):
             sel = [r for r in rows if r[0] == frozen and r[1] == certify]
             step, read, gcs = (statistics.median(r[i] for r in sel) * 1e3 for i in (2, 3, 4))
-            table.add_row(
-                "frozen" if frozen else "collected",
-                "certified" if certify else "uncertified",
-                f"{step:.1f}",
-                f"{read:.2f}",
-                f"{read / step:.1%}",
-                f"{gcs:.2f} ({max(r[4] for r in sel) * 1e3:.2f})",
-                "; ".join(", ".join(f"g{g}:{n}" for g, n in sorted(r[5].items())) or "-" for r in sel),
+            cells.append(
+                (
+                    "frozen" if frozen else "collected",
+                    "certified" if certify else "uncertified",
+                    f"{step:.1f}",
+                    f"{read:.2f}",
+                    f"{read / step:.1%}",
+                    f"{gcs:.2f} ({max(r[4] for r in sel) * 1e3:.2f})",
+                    "; ".join(", ".join(f"g{g}:{n}" for g, n in sorted(r[5].items())) or "-" for r in sel),
+                )
             )
-    Console(width=170).print(table)
+    table = ReportTable(
+        f"decode step anatomy, SmolLM2-135M, context {args.context}, {args.steps} steps, medians of {args.reps} "
+        "(empirical)",
+        (
+            "start-up objects",
+            "variant",
+            "ms/step (CPU)",
+            "read ms/step",
+            "read share",
+            "gc ms/step (worst rep)",
+            "gc passes per gen (each rep)",
+        ),
+        tuple(cells),
+    )
+    print_table(Console(width=170), table)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import argparse
 
 import torch
 from rich.console import Console
-from rich.table import Table
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
@@ -28,6 +27,7 @@ from kvcert.eval.ruler import Sample
 from kvcert.evict import token_probability
 from kvcert.evict.base import prefill_kept_count
 from kvcert.models import converted_dir, load
+from kvcert.report.tables import ReportTable, print_table
 
 
 def needle_positions(tok: PreTrainedTokenizerBase, sample: Sample, ids: torch.Tensor) -> torch.Tensor:
@@ -92,24 +92,27 @@ def main() -> None:
                     assert idx.shape[-1] == prefill_kept_count(s, 1.0 - keep)
                     per_layer.append(mask[0][:, needle].double().mean(-1))  # [Hkv]
                 kept_frac.setdefault((name, keep), []).append(torch.stack(per_layer))  # [layers, Hkv]
-    table = Table(
-        title=f"needle value tokens kept, SmolLM2-135M, RULER {args.tasks} @ {args.context}, "
-        f"{len(samples)} samples (empirical)"
-    )
-    for col in ("policy", "kept", "cells keeping every value token", "mean value tokens kept", "worst layer"):
-        table.add_column(col, justify="right" if col != "policy" else "left")
+    cells: list[tuple[str, ...]] = []
     for (name, keep), fr in kept_frac.items():
         f = torch.stack(fr)  # [samples, layers, Hkv]
         by_layer = f.mean((0, 2))
         worst = int(by_layer.argmin())
-        table.add_row(
-            name,
-            f"{keep:.0%}",
-            f"{(f == 1).double().mean():.3f}",
-            f"{f.mean():.3f}",
-            f"{worst} ({by_layer[worst]:.3f})",
+        cells.append(
+            (
+                name,
+                f"{keep:.0%}",
+                f"{(f == 1).double().mean():.3f}",
+                f"{f.mean():.3f}",
+                f"{worst} ({by_layer[worst]:.3f})",
+            )
         )
-    Console(width=140).print(table)
+    table = ReportTable(
+        f"needle value tokens kept, SmolLM2-135M, RULER {args.tasks} @ {args.context}, {len(samples)} samples "
+        "(empirical)",
+        ("policy", "kept", "cells keeping every value token", "mean value tokens kept", "worst layer"),
+        tuple(cells),
+    )
+    print_table(Console(width=140), table)
 
 
 if __name__ == "__main__":

@@ -23,12 +23,12 @@ from collections.abc import Callable
 
 import torch
 from rich.console import Console
-from rich.table import Table
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
 from kvcert.evict import H2O, RMM, EvictionPolicy, SnapKV, StreamingLLM
 from kvcert.models.tiny import SMOLLM2_135M_SHAPE, tiny_random
+from kvcert.report.tables import ReportTable, print_table
 
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 
@@ -109,17 +109,17 @@ def main() -> None:
         for name, c in cost:
             cost[(name, c)] += _policy_ms(policies[name](), args.context, c, max(2, args.reps // c))
     base = statistics.median(decode)
-    table = Table(
-        title=f"per-step policy overhead (CPU time), {LAYERS} layers x {KV_HEADS} KV heads, context {args.context}"
-        " (empirical)"
-    )
-    for col in ("what", "chunk", "median ms/step", "ratio to decode step"):
-        table.add_column(col)
-    table.add_row("decode step (SmolLM2-135M shape)", "", f"{base:.2f}", "1.000")
+    cells = [("decode step (SmolLM2-135M shape)", "", f"{base:.2f}", "1.000")]
     for (name, c), times in cost.items():
         med = statistics.median(times)
-        table.add_row(name, str(c), f"{med:.2f}", f"{med / base:.3f}")
-    Console().print(table)
+        cells.append((name, str(c), f"{med:.2f}", f"{med / base:.3f}"))
+    table = ReportTable(
+        f"per-step policy overhead (CPU time), {LAYERS} layers x {KV_HEADS} KV heads, context {args.context}"
+        " (empirical)",
+        ("what", "chunk", "median ms/step", "ratio to decode step"),
+        tuple(cells),
+    )
+    print_table(Console(), table)
 
 
 if __name__ == "__main__":

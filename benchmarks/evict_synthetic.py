@@ -25,7 +25,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from kvcert.evict import (  # noqa: E402
@@ -42,6 +41,7 @@ from kvcert.evict import (  # noqa: E402
     served_mass_ceiling,
     trace_from_attentions,
 )
+from kvcert.report.tables import ReportTable, print_table  # noqa: E402
 
 LAGS = [0, 1, 2, 4, 6, 8, 12, 16]
 
@@ -92,14 +92,10 @@ def natural_trace(n_tokens: int) -> AttentionTrace:
     return trace_from_attentions(out.attentions, out.logits, ids, model.config.num_key_value_heads)
 
 
-def _table(title: str, rows: dict[str, list[float]], cols: list[str]) -> Table:
-    table = Table(title=title)
-    table.add_column("policy")
-    for c in cols:
-        table.add_column(c)
-    for name, vals in rows.items():
-        table.add_row(name, *[f"{v:.3f}" for v in vals])
-    return table
+def _table(title: str, rows: dict[str, list[float]], cols: list[str]) -> ReportTable:
+    return ReportTable(
+        title, ("policy", *cols), tuple((name, *[f"{v:.3f}" for v in vals]) for name, vals in rows.items())
+    )
 
 
 def main() -> None:
@@ -130,16 +126,17 @@ def main() -> None:
         rows = {
             k: [statistics.mean(v), statistics.mean(olap[k]) if k in olap else float("nan")] for k, v in served.items()
         }
-        console.print(
+        print_table(
+            console,
             _table(
                 f"delayed reuse, budget {budget}, {args.seeds} seeds (means)",
                 rows,
                 ["served correct mass", "overlap with Belady(next use)"],
-            )
+            ),
         )
         gap_rows = {f"H={h}": [statistics.mean(v), min(v), max(v)] for h, v in gaps.items()}
-        console.print(
-            _table(f"gap closed by RMM(H) vs H2O(recent=H), budget {budget}", gap_rows, ["mean", "min", "max"])
+        print_table(
+            console, _table(f"gap closed by RMM(H) vs H2O(recent=H), budget {budget}", gap_rows, ["mean", "min", "max"])
         )
         ax.plot(
             list(gaps),
@@ -152,19 +149,21 @@ def main() -> None:
         for frac in args.natural_budgets:
             budget = max(int(frac * trace.steps), args.ref_lag + 5)
             s, g, o = evaluate(trace, budget, args.ref_lag, LAGS)
-            console.print(
+            print_table(
+                console,
                 _table(
                     f"SmolLM2-135M, {trace.steps} steps, budget {budget} ({frac:.0%})",
                     {k: [v, o.get(k, float("nan"))] for k, v in s.items()},
                     ["served correct mass", "overlap with Belady(next use)"],
-                )
+                ),
             )
-            console.print(
+            print_table(
+                console,
                 _table(
                     f"SmolLM2-135M gap closed by RMM(H) vs H2O(recent=H), budget {budget}",
                     {f"H={h}": [v] for h, v in g.items()},
                     ["gap closed"],
-                )
+                ),
             )
             ax.plot(list(g), list(g.values()), marker="s", linestyle="--", label=f"SmolLM2 text, C={budget}")
     ax.axhline(0, color="grey", linewidth=0.5)

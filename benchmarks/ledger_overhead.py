@@ -29,13 +29,13 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.table import Table
 from tqdm import tqdm
 
 from kvcert import CertifiedCache
 from kvcert.cache.events import ReadEvent, WriteEvent
 from kvcert.ledger import EventLog, Ledger, LedgerObserver
 from kvcert.models.tiny import SMOLLM2_135M_SHAPE, tiny_random
+from kvcert.report.tables import ReportTable, print_table
 
 
 class _Timed:
@@ -137,10 +137,6 @@ def main() -> None:
             if log is not None:
                 log.close()
     base_cpu = statistics.median(r.cpu for r in res[base_arm])
-    table = Table(
-        title=f"ledger overhead per decode step (batch {b}, context <= {args.context}, write_block "
-        f"{args.write_block}, {args.steps} steps, median of {args.reps}; tier: empirical timing)"
-    )
     cols = (
         "arm",
         "wall ms",
@@ -151,22 +147,27 @@ def main() -> None:
         "ledger wall / step wall",
         "other threads CPU ms",
     )
-    for col in cols:
-        table.add_column(col, justify="right", no_wrap=True)
+    cells: list[tuple[str, ...]] = []
     for arm, rows in res.items():
         med = {f: statistics.median(getattr(r, f) for r in rows) for f in _Run.__dataclass_fields__}
         ledger_cpu = med["inside_cpu"] + max(med["other_cpu"], 0.0)
-        table.add_row(
-            arm,
-            f"{med['wall'] * 1e3:.1f}",
-            f"{med['cpu'] * 1e3:.1f}",
-            f"{(med['cpu'] - base_cpu) / base_cpu:+.2%}",
-            "-" if arm == base_arm else f"{ledger_cpu * 1e3:.2f}",
-            "-" if arm == base_arm else f"{ledger_cpu / med['cpu']:.2%}",
-            "-" if arm == base_arm else f"{med['inside_wall'] / med['wall']:.2%}",
-            f"{med['other_cpu'] * 1e3:.2f}",
+        cells.append(
+            (
+                arm,
+                f"{med['wall'] * 1e3:.1f}",
+                f"{med['cpu'] * 1e3:.1f}",
+                f"{(med['cpu'] - base_cpu) / base_cpu:+.2%}",
+                "-" if arm == base_arm else f"{ledger_cpu * 1e3:.2f}",
+                "-" if arm == base_arm else f"{ledger_cpu / med['cpu']:.2%}",
+                "-" if arm == base_arm else f"{med['inside_wall'] / med['wall']:.2%}",
+                f"{med['other_cpu'] * 1e3:.2f}",
+            )
         )
-    Console().print(table)
+    title = (
+        f"ledger overhead per decode step (batch {b}, context <= {args.context}, write_block "
+        f"{args.write_block}, {args.steps} steps, median of {args.reps}; tier: empirical timing)"
+    )
+    print_table(Console(), ReportTable(title, cols, tuple(cells)))
 
 
 if __name__ == "__main__":

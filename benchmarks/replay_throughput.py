@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 from tqdm import tqdm
 
 from kvcert.ledger import EventLog, Ledger, replay
 from kvcert.ledger.events import OpenRequest, Row
+from kvcert.report.tables import ReportTable, print_table
 
 
 def _rows(n_pairs: int, per_row: int, requests: int, rng: np.random.Generator) -> Iterator[Row]:
@@ -67,12 +67,15 @@ def main() -> None:
     t_replay = time.perf_counter() - t0
     s = led.summary()
     assert s["n_written"] + s["n_reads"] == entries, "replay lost events"
-    table = Table(title=f"replay throughput ({entries:,} entry events in {rows:,} rows, {args.per_row}/row)")
-    for col in ("phase", "seconds", "rows/s", "entry events/s"):
-        table.add_column(col, justify="right", no_wrap=True)
-    table.add_row("generate (executemany)", f"{t_gen:.1f}", f"{rows / t_gen:,.0f}", f"{entries / t_gen:,.0f}")
-    table.add_row("replay", f"{t_replay:.1f}", f"{rows / t_replay:,.0f}", f"{entries / t_replay:,.0f}")
-    Console().print(table)
+    table = ReportTable(
+        f"replay throughput ({entries:,} entry events in {rows:,} rows, {args.per_row}/row)",
+        ("phase", "seconds", "rows/s", "entry events/s"),
+        (
+            ("generate (executemany)", f"{t_gen:.1f}", f"{rows / t_gen:,.0f}", f"{entries / t_gen:,.0f}"),
+            ("replay", f"{t_replay:.1f}", f"{rows / t_replay:,.0f}", f"{entries / t_replay:,.0f}"),
+        ),
+    )
+    print_table(Console(), table)
     print(
         f"log size: {tmp.stat().st_size / 2**20:.1f} MiB; "
         f"e-process factors: {s['eprocess']['n_factors']:,}; max delta spent: {s['delta_spent_max']:.7g}"

@@ -19,7 +19,6 @@ from typing import Annotated
 import torch
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from kvcert.bounds import tier_a_radius, true_tv, tv_meter
 from kvcert.cli.common import load_model
@@ -28,6 +27,7 @@ from kvcert.eval import ruler
 from kvcert.eval.branching import Scheme, run_branches
 from kvcert.eval.harness import prompt_ids
 from kvcert.quant import BUILTINS, bytes_per_token_head, get, quantize, sample_key
+from kvcert.report.tables import ReportTable, print_table
 
 HEADS, QUERIES, BANDS, OUTLIER_PAIRS, ROPE_BASE = 2, 4, 8, (1, 2), 10000.0
 
@@ -137,25 +137,26 @@ def codecs(
         if model is not None:
             model_max_positions(model)
     real = None if model is None else real_informative(model, context, steps, seed)
-    table = Table(
-        title=f"built-in codecs on synthetic post-RoPE keys (D={d}, T={tokens}, seed={seed})"
-        + ("" if model is None else f"; real prompt: {model}, {REAL_TASK} at {context} tokens")
+    columns = (
+        "codec",
+        "bytes/token-head (measured)",
+        "rel. key error (empirical)",
+        "max Tier-A meter (certified)",
+        "max true TV (measured)",
+        *(() if real is None else (f"informative on {model} (certified)",)),
     )
-    table.add_column("codec")
-    table.add_column("bytes/token-head\n(measured)", justify="right")
-    table.add_column("rel. key error\n(empirical)", justify="right")
-    table.add_column("max Tier-A meter\n(certified)", justify="right")
-    table.add_column("max true TV\n(measured)", justify="right")
-    if real is not None:
-        table.add_column(f"informative on {model}\n(certified)", justify="right")
-    for row in rows:
-        extra = () if real is None else (f"{100 * real[row.name]:.1f}%",)
-        table.add_row(
+    cells = tuple(
+        (
             row.name,
             f"{row.bytes_per_token_head:.2f}",
             f"{row.relative_error:.3e}",
             f"{float(row.certificate.max()):.3e}",
             f"{float(row.tv.max()):.3e}",
-            *extra,
+            *(() if real is None else (f"{100 * real[row.name]:.1f}%",)),
         )
-    Console(width=max(100, Console().width)).print(table)
+        for row in rows
+    )
+    title = f"built-in codecs on synthetic post-RoPE keys (D={d}, T={tokens}, seed={seed})" + (
+        "" if model is None else f"; real prompt: {model}, {REAL_TASK} at {context} tokens"
+    )
+    print_table(Console(width=max(100, Console().width)), ReportTable(title, columns, cells))

@@ -51,7 +51,7 @@ from kvcert.eval.peers import PeerResult, parse_peers, run_peers
 from kvcert.report import figures
 from kvcert.report.html import write_html
 from kvcert.report.results import EMPIRICAL, build_document, tiered, write_results
-from kvcert.report.tables import ReportTable, fmt, to_rich
+from kvcert.report.tables import ReportTable, fmt, print_table
 
 PEER_KIND, DEFAULT_PEERS = "peer", "quanto-int4,quanto-int2,fp8-e4m3"
 
@@ -203,7 +203,7 @@ def frontier(
         [png],
         command_line(),
     )
-    console.print(to_rich(table))
+    print_table(console, table)
     console.print(f"results: {json_path}\nreport: [bold]{html}[/]")
 
 

@@ -451,14 +451,13 @@ def _finish(
 def _tile_args(tiles: CodeTiles | None, x: torch.Tensor, name: str) -> tuple[TileSource, dict[str, int]]:
     """The :class:`TileSource` of one store tensor whose scratch is ``x`` and the codec's constexprs of ``_tile``;
     ``tiles=None``: the scratch only."""
-    scratch = (x, x.stride(0), x.stride(1), x.stride(2))
-    if tiles is None:
-        return TileSource(*scratch, x, 0, 0, x, 0, 0, 0, x, x, 0, 0, 0, x, 0, 0, 0), {
-            "MODE": 0,
-            "GS": 1,
-            "BITS": 8,
-            "OFF": 0,
-        }
+    xb, xh, xt = x.stride(0), x.stride(1), x.stride(2)
+    if tiles is None:  # placeholders: MODE 0 reads the scratch only
+        unused = TileSource(scratch=x, scratch_b=xb, scratch_h=xh, scratch_t=xt,
+                            exact=x, exact_b=0, exact_h=0, codes=x, codes_b=0, codes_h=0, codes_t=0,
+                            scales=x, zeros=x, scale_b=0, scale_h=0, scale_t=0, state=x, state_b=0, state_h=0,
+                            token_offset=0)  # fmt: skip
+        return unused, {"MODE": 0, "GS": 1, "BITS": 8, "OFF": 0}
     b, h, s = x.shape[:3]
     ex, c, sc, st = tiles.exact, tiles.codes, tiles.scales, tiles.state
     if tiles.mode not in MODES.values() or ex.shape != (b, h, s) or ex.dtype != torch.uint8 or ex.stride(-1) != 1:
@@ -472,11 +471,26 @@ def _tile_args(tiles: CodeTiles | None, x: torch.Tensor, name: str) -> tuple[Til
             "and scales laid out like zero-points"
         )
     source = TileSource(
-        *scratch,
-        *(ex, ex.stride(0), ex.stride(1)),
-        *(c, c.stride(0), c.stride(1), c.stride(2)),
-        *(sc, tiles.zeros, sc.stride(0), sc.stride(1), sc.stride(2)),
-        *(st, st.stride(0), st.stride(1), tiles.offset),
+        scratch=x,
+        scratch_b=xb,
+        scratch_h=xh,
+        scratch_t=xt,
+        exact=ex,
+        exact_b=ex.stride(0),
+        exact_h=ex.stride(1),
+        codes=c,
+        codes_b=c.stride(0),
+        codes_h=c.stride(1),
+        codes_t=c.stride(2),
+        scales=sc,
+        zeros=tiles.zeros,
+        scale_b=sc.stride(0),
+        scale_h=sc.stride(1),
+        scale_t=sc.stride(2),
+        state=st,
+        state_b=st.stride(0),
+        state_h=st.stride(1),
+        token_offset=tiles.offset,
     )
     return source, {"MODE": tiles.mode, "GS": tiles.group, "BITS": tiles.bits, "OFF": tiles.offset_code}
 

@@ -60,16 +60,17 @@ FACTORIES = {
 _TORCH = Path(torch.__file__).resolve().parent
 
 
-def _watched(path: Path) -> bool:
-    return any(path == w or w in path.parents for w in WATCHED)
-
-
 class FactoryRecorder(TorchFunctionMode):
-    """Records ``file:line`` of every factory call without ``device=`` whose caller is a watched module."""
+    """Records ``file:line`` of every factory call without ``device=`` whose caller is a module of ``watched``
+    (files or folders)."""
 
-    def __init__(self) -> None:
+    def __init__(self, watched: tuple[Path, ...] = WATCHED) -> None:
         super().__init__()
+        self.watched = watched
         self.calls: list[str] = []
+
+    def _watched(self, path: Path) -> bool:
+        return any(path == w or w in path.parents for w in self.watched)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -79,7 +80,7 @@ class FactoryRecorder(TorchFunctionMode):
                 frame = frame.f_back
             if frame is not None:
                 path = Path(frame.f_code.co_filename).resolve()
-                if _watched(path):
+                if self._watched(path):
                     self.calls.append(f"{path.relative_to(SRC.parent)}:{frame.f_lineno} torch.{func.__name__}")
         return func(*args, **kwargs)
 
@@ -105,8 +106,8 @@ def _decode(model, cache, steps: int = 4, prompt: int = 40) -> None:
         out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
 
 
-def _record(model, **kw) -> list[str]:
-    with CertifiedCache(model, keys="int4", values="int4", **kw) as cache, FactoryRecorder() as rec:
+def _record(model, watched: tuple[Path, ...] = WATCHED, **kw) -> list[str]:
+    with CertifiedCache(model, keys="int4", values="int4", **kw) as cache, FactoryRecorder(watched) as rec:
         _decode(model, cache)
         cache.telemetry()
     return sorted(set(rec.calls))
@@ -144,6 +145,22 @@ def test_resident_reads_and_recall_create_tensors_on_the_inputs_device(model, po
         validate=True,
     )
     assert calls == []
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"gate": Gate.certified(0.05)},
+        {"gate": Gate.certified(0.05, granularity="block", persistent=True), "validate": True},
+        {"gate": Gate.risk_ranked(2.0)},
+        {"ladder": True},
+    ],
+    ids=["head", "block-persistent-validate", "risk-ranked", "ladder"],
+)
+def test_every_kvcert_module_on_the_certified_read_path_follows_its_inputs(model, kw):
+    """The certified read itself (served read, gate, head and block repair, validate mode, the ladder), the codecs'
+    bit packing and the cache's writes: no device-less factory anywhere in kvcert."""
+    assert _record(model, (SRC,), **kw) == []
 
 
 def test_the_recorder_catches_a_device_less_factory(monkeypatch):

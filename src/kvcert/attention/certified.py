@@ -366,10 +366,10 @@ def _eager_served(
 
 
 @cache
-def _no_heads(b: int, hkv: int, dtype: torch.dtype) -> torch.Tensor:
-    """An all-zero ``[B, Hkv]`` head flag / count tensor shared by every read of that shape (never written in
-    place: a read that repairs or promotes builds its own)."""
-    return torch.zeros(b, hkv, dtype=dtype)
+def _no_heads(b: int, hkv: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An all-zero ``[B, Hkv]`` head flag / count tensor on ``device`` shared by every read of that shape (never
+    written in place: a read that repairs or promotes builds its own)."""
+    return torch.zeros(b, hkv, dtype=dtype, device=device)
 
 
 class _Read:
@@ -443,7 +443,9 @@ def _tier_b(rd: _Read, sv: _Served, delta_loc: float) -> torch.Tensor | None:
 def _gate_heads(rd: _Read, sv: _Served, gate: Gate) -> tuple[torch.Tensor, bool]:
     """Phase *gate*: ``(need [B, Hkv], any)``: KV heads whose worst cell is above the threshold (any-of-G), or
     that see a cell the read could not certify (fail closed). The shared all-False tensor when nothing can."""
-    no_heads = _no_heads(rd.b, rd.hkv, torch.bool)  # shared by every read: the flags are rebound, never written
+    no_heads = _no_heads(
+        rd.b, rd.hkv, torch.bool, rd.qg.device
+    )  # shared by every read: the flags are rebound, never written
     need = no_heads
     if gate.mode != "off":
         need = (sv.raw if gate.uses_unclipped else sv.cert).amax(-1) > gate.threshold
@@ -611,8 +613,8 @@ def certified_read(
     sv = _serve(rd)
     cert_b = _tier_b(rd, sv, cfg.delta_loc)
     need, need_any = _gate_heads(rd, sv, cfg.gate)
-    no_heads = _no_heads(rd.b, rd.hkv, torch.bool)
-    ch = _Changes(repaired=no_heads, promoted=no_heads, blocks=_no_heads(rd.b, rd.hkv, torch.int64))
+    no_heads = _no_heads(rd.b, rd.hkv, torch.bool, rd.qg.device)
+    ch = _Changes(repaired=no_heads, promoted=no_heads, blocks=_no_heads(rd.b, rd.hkv, torch.int64, rd.qg.device))
     if need_any:
         _repair(rd, sv, ch, need, cfg, exact)
     if cfg.gate.value_tol is not None:

@@ -112,7 +112,7 @@ def select_blocks(
             break
         doubled |= grow
         k = torch.where(grow, (2 * k).clamp(max=nb), k)
-    rank = torch.arange(nb).expand_as(order)
+    rank = torch.arange(nb, device=order.device).expand_as(order)
     chosen = torch.zeros_like(p, dtype=torch.bool).scatter(-1, order, rank < k.unsqueeze(-1))
     return chosen, k, doubled
 

@@ -592,7 +592,7 @@ class CertifiedCache(Cache):
                 self._evictor.on_forward()
         if self._evictor is not None:
             self._evictor.before_write(layer.store, self._step)
-        rows, keep_exact = self._rows(key_states.shape[0])
+        rows, keep_exact = self._rows(key_states.shape[0], key_states.device)
         store = layer.store
         nonfinite_before = store.nonfinite
         k, v = layer.update(key_states, value_states, rows, keep_exact)
@@ -601,13 +601,14 @@ class CertifiedCache(Cache):
             self._notify_write(store, rows, nonfinite_before)
         return k, v
 
-    def _rows(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(request UID per row, rows stored exact)`` of a write of ``b`` rows (without a UID under
+    def _rows(self, b: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(request UID per row, rows stored exact)`` of a write of ``b`` rows on ``device`` (without a UID under
         ``require_identity``: exact, counted as fail-closed)."""
-        rows = self.request_ids if self.request_ids is not None else torch.arange(b, dtype=torch.int64)
+        ids = self.request_ids
+        rows = ids.to(device) if ids is not None else torch.arange(b, dtype=torch.int64, device=device)
         if rows.shape != (b,):
             raise ValueError(f"request_ids has shape {tuple(rows.shape)}, expected ({b},) for this batch")
-        return rows, (rows < 0) if self.require_identity else torch.zeros(b, dtype=torch.bool)
+        return rows, (rows < 0) if self.require_identity else torch.zeros(b, dtype=torch.bool, device=device)
 
     def _notify_write(self, store: LayerStore, rows: torch.Tensor, nonfinite_before: int) -> None:
         """Send the :class:`WriteEvent` of the entries the last write encoded to every observer."""
@@ -644,7 +645,7 @@ class CertifiedCache(Cache):
         for i, (src, layer) in enumerate(zip(sources, self._layers, strict=True)):
             if src.keys is None:
                 raise ValueError(f"layer {i} of the source cache is empty")
-            rows, keep = self._rows(src.keys.shape[0])
+            rows, keep = self._rows(src.keys.shape[0], src.keys.device)
             layer.update(src.keys, src.values, rows, keep)
             layer.cumulative_length = src.get_seq_length()
             layer.store.encode_pending()  # the prefill is complete: nothing is in flight any more

@@ -36,7 +36,9 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bool(((c < 0) | (c >= 1 << bits)).any()):
         raise ValueError(f"codes must lie in [0, {1 << bits}) to pack at {bits} bits")
     c = c.unflatten(-1, (codes.shape[-1] // per, per))
-    word = (c << (torch.arange(per, dtype=torch.int64) * bits)).sum(-1)  # disjoint bit fields: sum = or
+    word = (c << (torch.arange(per, dtype=torch.int64, device=c.device) * bits)).sum(
+        -1
+    )  # disjoint bit fields: sum = or
     if bits in _PER_BYTE:
         return word.to(torch.uint8)
     return ((word.unsqueeze(-1) >> (torch.arange(bits, dtype=torch.int64) * 8)) & 0xFF).flatten(-2).to(torch.uint8)
@@ -57,6 +59,6 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
                 f"last dimension {packed.shape[-1]} must be a multiple of {bits} to unpack {bits}-bit codes"
             )
         byte = packed.to(torch.int64).unflatten(-1, (packed.shape[-1] // bits, bits))
-        word = (byte << (torch.arange(bits, dtype=torch.int64) * 8)).sum(-1, keepdim=True)
-    c = (word >> (torch.arange(per, dtype=torch.int64) * bits)) & ((1 << bits) - 1)
+        word = (byte << (torch.arange(bits, dtype=torch.int64, device=byte.device) * 8)).sum(-1, keepdim=True)
+    c = (word >> (torch.arange(per, dtype=torch.int64, device=word.device) * bits)) & ((1 << bits) - 1)
     return c.flatten(-2).to(torch.uint8)

@@ -388,6 +388,11 @@ class Telemetry:
                 bytes_fp16_context=self.bytes_fp16_context,
                 recall_violations=self.recall_violations if self.omitted_mass is not None else None,
             )
+            for name in ("omitted_mass_bound", "omitted_mass"):
+                vals = getattr(self, name)
+                live = vals[~torch.isnan(vals)] if vals is not None else torch.zeros(0)
+                out[f"max_{name}"] = float(live.max()) if live.numel() else float("nan")
+                out[f"mean_{name}"] = float(live.mean()) if live.numel() else float("nan")
         if self.reselect is not None:
             out.update(
                 reselections=self.reselect.reselections,
@@ -395,11 +400,6 @@ class Telemetry:
                 reselect_demoted=self.reselect.demoted,
                 reselect_bytes_paged=self.reselect.bytes_paged,
             )
-            for name in ("omitted_mass_bound", "omitted_mass"):
-                vals = getattr(self, name)
-                live = vals[~torch.isnan(vals)] if vals is not None else torch.zeros(0)
-                out[f"max_{name}"] = float(live.max()) if live.numel() else float("nan")
-                out[f"mean_{name}"] = float(live.mean()) if live.numel() else float("nan")
         return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in out.items()}
 
 

@@ -53,7 +53,7 @@ from kvcert.bounds.rope import Pairing
 from kvcert.cache.events import CacheObserver, WriteEvent
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import DEFAULT_WITNESS, LayerStore, Witness
-from kvcert.cache.telemetry import CacheReadings, Telemetry, assemble
+from kvcert.cache.telemetry import CacheReadings, ReselectStats, Telemetry, assemble
 from kvcert.evict import EvictionPolicy, RunTrace
 from kvcert.integrations.attention_impl import register_attention
 from kvcert.integrations.cache_config import GateConfig, StorageConfig, ValidationConfig
@@ -338,6 +338,12 @@ class CertifiedCache(Cache):
         recall: with ``resident``: ``"persistent"`` (default) keeps recalled pages on the device within
             ``device_budget`` (paged in, and counted, once while held); ``"transient"`` pages them in for the read
             that needs them only.
+        reselect: with ``resident``: every ``reselect`` decode steps (before the write of each step ``s`` with
+            ``s % reselect == 0``) re-select every (layer, KV head)'s resident set over all its tokens with the
+            ``select`` policy scored on the exact host keys (key-proxy attention), at the resident fraction:
+            chosen omitted tokens are promoted into the device store, the others summarised again
+            (``docs/eviction.md``, "Re-selection of the resident set"); counts in :attr:`reselect_stats`. Needs
+            non-dithered codecs. ``None`` (default): the prefill's selection stays.
     """
 
     def __init__(
@@ -373,6 +379,7 @@ class CertifiedCache(Cache):
         summary: str = "int8",
         witness: Witness = DEFAULT_WITNESS,
         recall: str = "persistent",
+        reselect: int | None = None,
     ) -> None:
         self.family = _model_family(model)
         cfg: Any = model.config
@@ -429,6 +436,7 @@ class CertifiedCache(Cache):
             self.gate,
             certify,
             recall,
+            reselect,
         )
         stores = [layer.store for layer in layers]
         self.eviction.check(stores, any(layer.is_sliding for layer in layers), self.ladder, validate)
@@ -486,6 +494,13 @@ class CertifiedCache(Cache):
     def resident(self) -> float | None:
         """The resident fraction (``None``: no resident set)."""
         return self.eviction.resident
+
+    @property
+    def reselect_stats(self) -> ReselectStats | None:
+        """What periodic re-selection of the resident set moved so far (``None`` without ``reselect=``)."""
+        if self._evictor is None or self.eviction.reselect is None:
+            return None
+        return self._evictor.reselect_stats
 
     @property
     def run_trace(self) -> RunTrace | None:
@@ -784,6 +799,7 @@ class CertifiedCache(Cache):
                 bytes_summary=sum(p.summary_nbytes for p in self._pages.values()),
                 bytes_held=sum(p.nbytes - p.summary_nbytes for p in self._pages.values()),
                 resident_records=None if self.resident is None else self.resident_records,
+                reselect=self.reselect_stats,
             )
         )
 

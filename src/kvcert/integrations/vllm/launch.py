@@ -43,6 +43,20 @@ def check_model(model_dir: Path, allow_uncertified: bool) -> str:
     return model_type
 
 
+def check_ledger_dir(directory: str | None) -> str | None:
+    """``--ledger``: the directory (created if missing) or ``None``; ``ValueError`` if it already holds a ledger
+    log (a run never continues or merges into another run's log silently) or is not a directory."""
+    if directory is None:
+        return None
+    d = Path(directory)
+    if d.exists() and not d.is_dir():
+        raise ValueError(f"--ledger: {d} exists and is not a directory")
+    if (d / "ledger.db").exists():
+        raise ValueError(f"--ledger: {d} already holds a ledger log (ledger.db); pass a new directory")
+    d.mkdir(parents=True, exist_ok=True)
+    return str(d)
+
+
 def server_command(
     python: str,
     model_dir: Path,

@@ -82,6 +82,7 @@ class _Sequence:
     record: RequestRecord
     stores: dict[int, LayerStore] = field(default_factory=dict)
     lease: Lease | None = None
+    ledger: ServingLedger | None = None  # the ledger that leased it (released there, also if detached since)
 
 
 class Runtime:
@@ -133,8 +134,8 @@ class Runtime:
                 self._ledger_fields(seq)
                 done.append(seq.record)
                 self._dirty.discard(rid)
-                if self.ledger is not None:
-                    self.ledger.release(rid)
+                if seq.ledger is not None:
+                    seq.ledger.release(rid)
         if self.sink is not None:
             self.sink.put(done)
         else:
@@ -166,9 +167,9 @@ class Runtime:
 
     def _ledger_fields(self, seq: _Sequence) -> None:
         """Copy the request's ledger account (δ spent, located read incidents) into its record."""
-        if self.ledger is None or seq.lease is None:
+        if seq.ledger is None or seq.lease is None:
             return
-        acc = self.ledger.account(seq.lease.uid)
+        acc = seq.ledger.account(seq.lease.uid)
         rec = seq.record
         rec.ledger_delta_spent = float(acc.get("delta_spent", 0.0))
         rec.ledger_incidents = sum(
@@ -199,7 +200,7 @@ class Runtime:
             else:
                 uid = self._next_uid
                 self._next_uid += 1
-            seq = _Sequence(uid, record, lease=lease)
+            seq = _Sequence(uid, record, lease=lease, ledger=self.ledger if lease is not None else None)
             self.sequences[rid] = seq
         return seq
 

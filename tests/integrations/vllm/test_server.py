@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from typer.testing import CliRunner
 
-from kvcert.cli.main import app
+from kvcert.cli.ledger_command import app as ledger_app
 from kvcert.integrations.vllm.launch import server_command
 from kvcert.integrations.vllm.settings import Settings
 from kvcert.models.zoo import converted_dir
@@ -217,5 +217,5 @@ def test_shutdown_writes_a_ledger_the_gate_accepts(proc_and_base, all_responses)
     ledger = tmp / "ledger"
     summary = json.loads((ledger / "summary.json").read_text())
     assert summary["n_user_requests"] == len(all_responses) and summary["live_requests"] == 0
-    res = CliRunner().invoke(app, ["ledger", "gate", str(ledger), "--requests", str(len(all_responses))])
+    res = CliRunner().invoke(ledger_app, ["gate", str(ledger), "--requests", str(len(all_responses))])
     assert res.exit_code == 0, res.output

@@ -172,7 +172,7 @@ def test_stream_final_event_carries_the_certificate(stream_events, responses):
     assert others.isdisjoint(final["kvcert"]["ledger_uids"])
 
 
-def test_metrics_expose_kvcert_series(server, responses):
+def test_metrics_expose_kvcert_series(server, responses, stream_events):
     status, body = _get(server + "/metrics")
     text = body.decode()
     assert status == 200 and "vllm:" in text
@@ -182,7 +182,8 @@ def test_metrics_expose_kvcert_series(server, responses):
         if line.startswith("kvcert_") and "{" in line
     }
     assert values["kvcert_requests_total"] >= len(PROMPTS)
-    assert values["kvcert_cells_total"] == sum(r["kvcert"]["cells"] for r in responses)
+    streamed = json.loads(stream_events[-2])["kvcert"]
+    assert values["kvcert_cells_total"] == sum(r["kvcert"]["cells"] for r in responses) + streamed["cells"]
     assert 0.0 <= values["kvcert_max_certificate"] <= TAU
     assert 0.0 <= values["kvcert_coverage"] <= 1.0
     assert values["kvcert_violations_total"] == 0.0

@@ -7,6 +7,8 @@ entry point in the interpreter that has vLLM installed, with
 * ``--no-enable-prefix-caching`` (a cached prefix would skip kvcert's store; the backend refuses it),
 * ``--middleware kvcert.integrations.vllm.http.certificate_middleware`` (response field + ``/metrics``),
 * ``--enforce-eager`` (no compile warm-up on CPU) and ``--dtype float32`` unless overridden,
+* ``--shutdown-timeout`` (30 s): on SIGTERM vLLM lets the engine and its worker exit gracefully instead of
+  killing them at once (its default, 0), so the worker's request ledger writes ``ledger.json`` and closes its log,
 * ``VLLM_CPU_KVCACHE_SPACE`` (GiB, default 1) and ``VLLM_CPU_OMP_THREADS_BIND=nobind`` unless already set.
 """
 
@@ -67,6 +69,7 @@ def server_command(
     served_name: str | None = None,
     max_model_len: int = 4096,
     dtype: str = "float32",
+    shutdown_timeout: int = 30,
     extra: Sequence[str] = (),
     base_env: Mapping[str, str] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
@@ -92,6 +95,8 @@ def server_command(
         str(max_model_len),
         "--no-enable-prefix-caching",
         "--enforce-eager",
+        "--shutdown-timeout",
+        str(shutdown_timeout),
         "--middleware",
         MIDDLEWARE,
     ]

@@ -17,11 +17,12 @@ reading request wrote. The number of lanes is the largest number of requests liv
 (observer, lane) is released on finish; the request's **account** stays in the ledger (it is the record the
 gate checks, a few hundred bytes).
 
-**Summary.** A daemon thread writes :meth:`Ledger.summary` to a callback (the records file, read by the API
-server's ``/metrics``) at most every ``interval_s`` while the ledger changes. :meth:`ServingLedger.close` (run
-at process exit: ``atexit`` and multiprocessing's exit finalizers, which vLLM's engine process runs) writes the
-last summary, ``DIR/ledger.json`` (the snapshot ``kvcert ledger gate DIR`` checks against the log),
-``DIR/summary.json`` and closes the log (recording its hash-chain head).
+**Summary.** A daemon thread writes :meth:`Ledger.summary` to ``DIR/summary.json`` and to a callback (the
+records file, read by the API server's ``/metrics``) at most every ``interval_s`` while the ledger changes.
+:meth:`ServingLedger.close` (run at process exit: ``atexit`` and multiprocessing's exit finalizers, which vLLM's
+worker process runs when it exits gracefully — ``kvcert serve`` passes ``--shutdown-timeout``) writes the last
+summary, ``DIR/ledger.json`` (the snapshot ``kvcert ledger gate DIR`` checks against the log) and closes the log
+(recording its hash-chain head).
 """
 
 from __future__ import annotations
@@ -87,10 +88,8 @@ class ServingLedger:
         self._stop = threading.Event()
         self._closed = False
         self._close_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        if publish is not None:
-            self._thread = threading.Thread(target=self._publisher, name="kvcert-ledger-summary", daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(target=self._publisher, name="kvcert-ledger-summary", daemon=True)
+        self._thread.start()
         if register_exit:
             atexit.register(self.close)
             util.Finalize(None, self.close, exitpriority=50)  # vLLM's engine process exits through these
@@ -155,11 +154,16 @@ class ServingLedger:
                 self._stop.wait(self._interval)
 
     def _publish_now(self) -> None:
-        if self._publish is not None:
-            try:
-                self._publish(self.summary())
-            except Exception:  # noqa: BLE001 (a metrics write must never stop serving)
-                pass
+        """Publish the summary and rewrite ``summary.json`` (atomically: a killed process leaves the last one)."""
+        summary = self.summary()
+        try:
+            if self._publish is not None:
+                self._publish(summary)
+            tmp = self.dir / (SUMMARY_NAME + ".tmp")
+            tmp.write_text(json.dumps(summary, indent=1))
+            tmp.replace(self.dir / SUMMARY_NAME)
+        except Exception:  # noqa: BLE001 (a metrics write must never stop serving)
+            pass
 
     def close(self) -> None:
         """Write the last summary, ``ledger.json`` and ``summary.json``, close the log (idempotent)."""
@@ -169,9 +173,7 @@ class ServingLedger:
             self._closed = True
         self._stop.set()
         self._changed.set()
-        if self._thread is not None:
-            self._thread.join(5)
+        self._thread.join(5)
         self._publish_now()
         self.ledger.save(self.dir / SNAPSHOT_NAME)
-        (self.dir / SUMMARY_NAME).write_text(json.dumps(self.summary(), indent=1))
         self.log.close()

@@ -39,6 +39,7 @@ def main() -> None:
     p.add_argument("--values", default="int4")
     p.add_argument("--tau", type=float, default=0.2)
     p.add_argument("--ledger", action=argparse.BooleanOptionalAction, default=True, help="add the ledger variant")
+    p.add_argument("--variants", default=None, help="comma list of variants to run (default: all); keep vllm")
     args = p.parse_args()
     os.environ.update(
         KVCERT_VLLM="1",
@@ -80,6 +81,9 @@ def main() -> None:
     if args.ledger:
         variants["ledger"] = variants["gated"]
         ledger = ServingLedger(tempfile.mkdtemp(prefix="kvcert-bench-ledger-"))
+    if args.variants is not None:
+        keep = set(args.variants.split(",")) | {"vllm"}
+        variants = {k: v for k, v in variants.items() if k in keep}
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)  # prefill + first token only
     wall = {name: 0.0 for name in variants}
     prefill = {name: 0.0 for name in variants}
@@ -106,7 +110,7 @@ def main() -> None:
     for name, w in wall.items():
         per_tok = (w - prefill[name]) / decode_tokens  # decode steps only: minus a prefill-only run's time
         print(f"{name:8} {w:8.1f} {out_tokens / w:10.2f} {1000 * per_tok:14.1f} {per_tok / ref:7.2f}")
-    if ledger is not None:
+    if ledger is not None and {"gated", "ledger"} <= set(variants):
         gated = (wall["gated"] - prefill["gated"]) / decode_tokens
         led = (wall["ledger"] - prefill["ledger"]) / decode_tokens
         s = ledger.summary()

@@ -48,9 +48,8 @@ from kvcert.attention.read_path import (
     slot_mask,
 )
 from kvcert.attention.resident import OmittedPages, ResidentRecord
-from kvcert.bounds import dither_witness_moments
 from kvcert.bounds.rope import Pairing
-from kvcert.cache.events import CacheObserver, WriteEvent
+from kvcert.cache.events import CacheObserver, last_write_event
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import DEFAULT_WITNESS, LayerStore, Witness
 from kvcert.cache.telemetry import CacheReadings, ReselectStats, Telemetry, assemble
@@ -98,22 +97,6 @@ def kvcert_attention(
     if kwargs.get("softcap") is not None:
         raise ValueError("kvcert attention does not support attention logit soft-capping")
     return cache._read(module, layer, query, key, value, attention_mask, scaling, kwargs), None
-
-
-def _dither_moments(store: LayerStore, lo: int, hi: int) -> dict[str, torch.Tensor]:
-    """E-process inputs ``(witness_mean, witness_c)`` of the dither writes ``[lo, hi)`` (empty if not dithered)."""
-    if store.k_steps is None:
-        return {}
-    codec = store.key_codec
-    mask = None if codec.channel_mask is None else codec.channel_mask.view(1, -1, 1, codec.channel_mask.shape[-1])
-    mean, c = dither_witness_moments(
-        store.k_steps.view()[:, :, lo:hi].to(torch.float64),
-        codec.group_size,
-        store.bands,
-        store.pairing,
-        channel_mask=mask,
-    )
-    return {"witness_mean": mean, "witness_c": c}
 
 
 class CertifiedLayer(CacheLayerMixin):
@@ -625,21 +608,10 @@ class CertifiedCache(Cache):
         return rows, (rows < 0) if self.require_identity else torch.zeros(b, dtype=torch.bool)
 
     def _notify_write(self, store: LayerStore, rows: torch.Tensor, nonfinite_before: int) -> None:
-        """Send the :class:`WriteEvent` of the entries the last write encoded to every observer."""
-        assert store.k is not None
-        lo, hi = store.k.n_encoded - store.k.last_encoded, store.k.n_encoded
-        ev = WriteEvent(
-            layer=store.layer,
-            rows=rows.clone(),
-            positions=store.positions.view()[:, 0, lo:hi].clone(),  # logical (= base + slot w/o eviction)
-            compressed=~store.k.exact.view()[:, :, lo:hi].clone(),
-            witness=store.k_band.view()[:, :, lo:hi].sum(-1).clone(),
-            value_witness=store.v_res.view()[:, :, lo:hi].clone(),
-            codec=self.key_codec_name,
-            tier_b=self.tier_b,
-            nonfinite=store.nonfinite - nonfinite_before,
-            **_dither_moments(store, lo, hi),
-        )
+        """Send the :class:`~kvcert.cache.events.WriteEvent` of the entries the last write encoded to every observer."""
+        ev = last_write_event(store, rows, store.nonfinite - nonfinite_before)
+        if ev is None:
+            return
         for obs in self.observers:
             obs.on_write(ev)
 

@@ -1,19 +1,34 @@
-"""Question: which gated scheme reaches capacity >= 3x (device bytes <= 1/3 of fp16) at dense RULER accuracy?
+"""Question: which certified scheme reaches capacity >= 3x (device bytes <= 1/3 of fp16) at dense RULER accuracy?
 
-Every sample is prefilled once exactly; dense, each scheme raw and each scheme gated then decode greedily from
-that prefill (:func:`kvcert.eval.branching.run_branches`), so every comparison is paired on identical prompts.
-Per variant it reports (pooled over the samples, as ``kvcert eval`` does, :mod:`kvcert.cli.ruler_report`):
+Every sample is prefilled once exactly; dense, each scheme raw and each scheme gated (and, with ``--resident``,
+each resident variant) then decode greedily from that prefill (:func:`kvcert.eval.branching.run_branches`), so
+every comparison is paired on identical prompts. Per variant it reports (pooled over the samples, as
+``kvcert eval`` does, :mod:`kvcert.cli.ruler_report`):
 
 * RULER accuracy and the paired bootstrap 95% CI of (variant − dense) and the exact McNemar p (empirical);
-* device bytes per token (``Telemetry.bytes_device``: codes, scales, witnesses, exact entries; measured) and
-  capacity = fp16 bytes / device bytes;
-* page-in traffic over the request / the request's fp16 K/V bytes (bandwidth, apart from capacity; measured);
+* device bytes per token (``Telemetry.bytes_device``: codes, scales, witnesses, exact entries, page summaries,
+  held pages; measured) and capacity = fp16 bytes / device bytes;
+* page-in traffic over the request and per decode step, each over the request's fp16 K/V bytes (bandwidth, apart
+  from capacity; measured), and for a resident variant the recalled bytes per decode step;
 * the informative fraction (cells whose unclipped meter < 1) and KV-head coverage at τ = 0.2 (certified);
-* with ``--validate``: every cell's exact TV next to its certificate, and the violations (must be 0).
+* with ``--validate``: every cell's exact TV next to its certificate, and the violations (must be 0); resident
+  variants add the recall violations (exact omitted mass above its bound, or post-recall TV above the
+  certificate).
 
-Then the issue-16 target per gated variant: capacity >= ``--target-capacity``, CI lower end >= −2 points with
-dense inside the CI, page-in <= 5 % of fp16, >= 60 samples over >= 5 tasks (all checked and printed; a run with
-fewer samples prints which condition it misses).
+Every byte figure of the capacity table divides by the fp16 K/V of *every* token the request wrote: for a
+resident variant that is the whole context, resident and omitted tokens (``Telemetry.bytes_fp16_context``), not
+its ``bytes_fp16``, which counts the resident tokens only.
+
+Resident variants (``--resident R``): each scheme of ``--resident-schemes`` (default ``--schemes``) also runs as
+``<scheme>+resident`` — ``CertifiedCache(resident=R, select=--select, summary=--summary, recall=--recall)``
+gated ``certified(0.2)`` at head granularity (the granularity a resident read recalls at), under the same
+``--device-budget`` as the gated variants (it caps what persistent recall keeps on the device).
+
+Then the issue-16 target per gated or resident variant: capacity >= ``--target-capacity``, CI lower end >= −2
+points with dense inside the CI, page-in <= 5 % of fp16, >= 60 samples over >= 5 tasks; and the issue-17 target
+per resident variant: CI lower end >= −3 points with dense inside, recalled bytes per decode step <= 15 % of the
+context's fp16 K/V, >= 45 samples over >= 5 tasks, 0 violations (all checked and printed; a run with fewer samples
+prints which condition it misses).
 
 Held-out discipline: samples are RULER's generated sets for ``--tasks`` at ``--seed`` (nothing is picked by
 looking at results); the gate is the project's certified gate at the fixed τ = 0.2 (``--gate block``: the
@@ -32,6 +47,11 @@ token; dense starred at fp16), summary.txt (the tables as markdown).
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/capacity_ruler.py --schemes dither-int8/int4,dither-int8/int2 \\
         --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,niah_multiquery \\
         --samples 10 --context 2048 --seed 16 --validate --out runs/capacity-2k
+    # with a resident set (docs/results.md, "Certified capacity with a resident set")
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/capacity_ruler.py --schemes dither-int6/int2 --no-raw \\
+        --device-budget 0.3333 --resident 0.25 --resident-schemes dither-int8/int2 --select snapkv \\
+        --summary int8 --recall persistent --tasks ... --samples 8 --context 2048 --seed 16 --validate \\
+        --out runs/capres-2k
 """
 
 from __future__ import annotations
@@ -299,7 +319,7 @@ def capacity_table(results: dict[str, Any]) -> ReportTable:
                 fmt(_val(v, "accuracy"), percent=True),
                 _ci(v),
                 fmt(_val(v, "bytes_per_token_device_request"), 4),
-                fmt(_val(v, "capacity_request"), 3),
+                fmt(_val(v, "capacity_request"), 4),
                 fmt(_val(v, "page_in_request"), 3),
                 fmt(_val(v, "page_in_per_step"), 3),
                 fmt(_val(v, "recall_per_step"), 3),
@@ -346,7 +366,7 @@ def target_table(results: dict[str, Any], tasks: int, target_capacity: float) ->
         rows.append(
             (
                 label,
-                _check(cap is not None and cap >= target_capacity, fmt(cap, 3)),
+                _check(cap is not None and cap >= target_capacity, fmt(cap, 4)),
                 _check(low is not None and low >= TARGET_CI_LOW and low <= 0.0 <= high, _ci(v)),
                 _check(page is not None and page <= TARGET_PAGE_IN, fmt(page, 4)),
                 _check(n >= TARGET_SAMPLES and tasks >= TARGET_TASKS, f"{n} / {tasks} tasks"),

@@ -64,6 +64,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
 from rich.console import Console
 
 from kvcert.attention.resident import RECALLS, SUMMARIES
@@ -92,7 +97,6 @@ from kvcert.eval.branching import Scheme, run_branches
 from kvcert.eval.harness import prompt_ids
 from kvcert.eval.journal import Journal, JournalRow, sample_key
 from kvcert.models.zoo import ZOO, converted_dir
-from kvcert.report import figures
 from kvcert.report.aggregate import fp16_bytes_per_token
 from kvcert.report.results import EMPIRICAL, build_document, tiered, write_results
 from kvcert.report.tables import ReportTable, fmt, to_markdown, to_rich
@@ -430,22 +434,38 @@ def resident_target_table(results: dict[str, Any], tasks: int) -> ReportTable | 
 
 
 def capacity_figure(results: dict[str, Any], path: Path) -> Path:
-    """Accuracy vs device bytes per written token: raw red, gated and resident green, dense starred at fp16."""
+    """Two panels from the pooled numbers, one bar per variant labelled with its capacity: RULER accuracy with the
+    paired 95% CI of the difference to dense drawn around dense's accuracy (left); page-in and recalled bytes per
+    decode step over the context's fp16 K/V (right)."""
     variants = results["variants"]
-    points = [
-        figures.AccuracyPoint(
-            label,
-            v["accuracy"]["value"],
-            v["ci95_low"]["value"],
-            v["ci95_high"]["value"],
-            v["bytes_per_token_device_request"]["value"],
-            v["kind"] != "raw",
-        )
-        for label, v in variants.items()
-        if label != DENSE
-    ]
-    dense = variants[DENSE]
-    return figures.bytes_vs_accuracy(points, dense["bytes_per_token_fp16"]["value"], dense["accuracy"]["value"], path)
+    names = list(variants)
+    base = _val(variants[DENSE], "accuracy")
+    ticks = [f"{n}\n{_val(variants[n], 'capacity_request'):.4g}×" for n in names]
+    colours = {DENSE: "k", "raw": "tab:red", "gated": "tab:green", RESIDENT_KIND: "tab:purple"}
+    xs = np.arange(len(names))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    left.bar(xs, [_val(variants[n], "accuracy") for n in names], color=[colours[variants[n]["kind"]] for n in names])
+    for x, n in zip(xs, names, strict=True):
+        if "ci95_low" in variants[n]:
+            low, high = _val(variants[n], "ci95_low"), _val(variants[n], "ci95_high")
+            left.errorbar([x], [base], yerr=[[max(0.0, -low)], [max(0.0, high)]], color="grey", capsize=4)
+    left.set_xticks(xs, ticks, fontsize=7)
+    left.set_ylim(0, 1.05)
+    left.set_ylabel("accuracy (empirical)")
+    left.set_title("RULER accuracy; whiskers: dense + paired 95% CI of Δ; label: capacity", fontsize=8)
+    kv = [n for n in names if n != DENSE]
+    kx = np.arange(len(kv))
+    right.bar(kx - 0.2, [_val(variants[n], "page_in_per_step") for n in kv], width=0.4, color="tab:orange")
+    right.bar(kx + 0.2, [_val(variants[n], "recall_per_step") or 0.0 for n in kv], width=0.4, color="tab:purple")
+    right.axhline(RESIDENT_RECALL_PER_STEP, color="grey", linestyle=":", linewidth=1)
+    right.legend(["issue-17 recall target (0.15)", "page-in per step (all)", "recalled pages per step"], fontsize=7)
+    right.set_xticks(kx, [t for n, t in zip(names, ticks, strict=True) if n != DENSE], fontsize=7)
+    right.set_ylabel("× context fp16 K/V (measured)")
+    right.set_title("host traffic per decode step (bytes in the host tier's dtype)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=90, metadata={"Software": None})
+    plt.close(fig)
+    return path
 
 
 def report(

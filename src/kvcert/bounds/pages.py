@@ -172,7 +172,7 @@ def page_logit_bound(q: torch.Tensor, summary: PageSummary, scaling: float, gamm
     ball_mag = (qd * centre).abs().sum(-1) + ball_r
     best = torch.minimum(torch.minimum(box, qk), ball_dot + ball_r)
     err = (d + 16) * 2.0**-52 * scaling * (torch.where(torch.isinf(mag), 0.0, mag) + ball_mag + 4.0 * qk)
-    return scaling * best + _times(torch.tensor(3.0 * scaling * gamma, dtype=F64), qk) + err
+    return scaling * best + _times(qk.new_tensor(3.0 * scaling * gamma), qk) + err
 
 
 @dataclass(frozen=True)
@@ -302,7 +302,7 @@ def token_logit_bound(q: torch.Tensor, sketch: KeySketch, scaling: float, gamma:
     qn = q64.norm(dim=-1, keepdim=True)
     e, nrm = _times(qn, sketch.err.to(F64).unsqueeze(-2)), _times(qn, sketch.norm.to(F64).unsqueeze(-2))
     err = (d + 16) * 2.0**-52 * scaling * (mag + e + 4.0 * nrm)
-    return scaling * (dot + e) + _times(torch.tensor(3.0 * scaling * gamma, dtype=F64), nrm) + err
+    return scaling * (dot + e) + _times(nrm.new_tensor(3.0 * scaling * gamma), nrm) + err
 
 
 def pool_pages(bound: torch.Tensor, visible: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:

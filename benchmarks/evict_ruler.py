@@ -28,7 +28,9 @@ the plain policy, the omitted tokens kept in the host tier and recalled page by 
 exceeds τ (exact storage, so the certificate is the omitted-mass bound plus float32 rounding). Its page-in cost
 is recorded per sample (``recall`` in ``scores.jsonl``: bytes recalled or paged for dense fallback, decode reads,
 fp16 KV bytes of the prompt) and reported as the mean page-in bytes per decode step relative to the prompt's
-fp16 KV bytes.
+fp16 KV bytes. ``--reselect N`` re-selects the recall-gated variant's resident set every ``N`` decode steps
+(``CertifiedCache(reselect=N)``; ``docs/eviction.md``, "Re-selection of the resident set"); its promotions are part
+of the page-in bytes and are also recorded apart (``reselect_paged``, ``promoted``).
 
 With ``--out DIR`` every sample's scores are appended to ``DIR/scores.jsonl`` as soon as they exist, so a
 stopped run keeps what it measured and runs can be sharded; ``--policies`` runs a subset (the reference
@@ -306,6 +308,17 @@ def report(dirs: list[str]) -> None:
         print(f"plot: {path}")
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse unknown policies and a ``--reselect`` that cannot run (``SystemExit`` with the reason)."""
+    unknown = sorted(set(args.policies + (args.recall_policies or [])) - set(POLICIES))
+    if unknown:
+        raise SystemExit(f"unknown policies {unknown}; known: {'  '.join(POLICIES)}")
+    if args.reselect is not None and (args.recall is None or args.reselect < 1):
+        raise SystemExit("--reselect N needs --recall TAU and N >= 1 (it re-selects the recall-gated resident set)")
+    if args.reselect is not None and any(n.startswith("belady") for n in args.recall_policies or args.policies):
+        raise SystemExit("--reselect cannot re-select with belady: its answer trace covers the prompt only")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_multikey_1")
@@ -341,14 +354,15 @@ def main() -> None:
     parser.add_argument("--device-budget", type=float, default=1.0, help="device budget of the recall-gated cache")
     parser.add_argument("--keys", default="none", help="key codec of the recall-gated variant's resident tokens")
     parser.add_argument("--values", default="none", help="value codec of the recall-gated variant's resident tokens")
+    parser.add_argument(
+        "--reselect", type=int, default=None, help="re-select the recall-gated variant's resident set every N steps"
+    )
     args = parser.parse_args()
     if args.report:
         report(args.report)
         return
     names = args.policies
-    unknown = sorted(set(names + (args.recall_policies or [])) - set(POLICIES))
-    if unknown:
-        raise SystemExit(f"unknown policies {unknown}; known: {'  '.join(POLICIES)}")
+    check_args(args)
     wanted = set(names) | set(args.recall_policies or [])
     if wanted <= set(NEEDS_LAST):  # every prefill score reads only the newest rows: record just those
         _LAST_ROWS[0] = max(1, *(NEEDS_LAST[n] for n in wanted))
@@ -368,6 +382,7 @@ def main() -> None:
         tag += "" if args.recall_mode == "persistent" else f",{args.recall_mode}"
         tag += "" if (args.keys, args.values) == ("none", "none") else f",{args.keys}/{args.values}"
         tag += "" if args.device_budget == 1.0 else f",budget={args.device_budget:g}"
+        tag += "" if args.reselect is None else f",reselect={args.reselect}"
         configs += [(f"{tag}):{name}", k) for name in args.recall_policies or names for k in keeps]
     log = None
     if args.out:
@@ -400,6 +415,7 @@ def main() -> None:
                     "device_budget": args.device_budget,
                     "keys": args.keys,
                     "values": args.values,
+                    "reselect": args.reselect,
                 }
             else:
                 kwargs = {"evict": POLICIES[base](answer), "compression_ratio": 1.0 - keep, "certify": False}
@@ -419,6 +435,10 @@ def main() -> None:
                     "device": tel.bytes_device,
                     "held": tel.bytes_held,
                 }
+                if tel.reselect is not None:
+                    cost[f"{name}@{keep:.2f}"].update(
+                        reselect_paged=tel.reselect.bytes_paged * 2 // host, promoted=tel.reselect.promoted
+                    )
             cache.detach()
             got[f"{name}@{keep:.2f}"] = score(sample, tok.decode(toks[0], skip_special_tokens=True))
             if name == "reference" and any(n.startswith("belady") for n in names):

@@ -15,7 +15,10 @@ form whose band norms go through the code before the Tier-A radius (radius ≥ `
 
 The page forms (``kvcert.bounds.pages``: page logit bound, omitted-mass bound, direct form, composed certificate of
 a resident read) run on their own adversarial cells (``tests/bounds/pages_adversarial.py``: corner-aligned
-queries, needles, masked omitted tokens), ``--page-cells`` of them (0 skips them).
+queries, needles, masked omitted tokens; the families ``edge`` / ``masked`` / ``range`` of summaries at their rounding
+edges, masks inside pages and keys at the ends of the float16 range), ``--page-cells`` of them (0 skips them); a
+second table gives each family's cells and violations. ``--page-seconds S`` stops the page forms after the first
+whole round past ``S`` seconds and reports the cells reached (the header says so).
 
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soundness_fuzz.py [--cells 10000000] [--seed 0]
 [--codec-cells 10000000] [--witness-cells 10000000]``
@@ -44,7 +47,7 @@ from codec_cells import (  # noqa: E402
     witness_element_violations,
 )
 from codec_cells import violations as codec_violations  # noqa: E402
-from pages_adversarial import PAGE_PLAN, make_page_cells, page_checks, page_violations  # noqa: E402
+from pages_adversarial import FAMILIES, PAGE_PLAN, make_page_cells, page_checks, page_violations  # noqa: E402
 
 
 def codec_fuzz(n_cells: int, gen: torch.Generator) -> bool:
@@ -103,6 +106,9 @@ def main() -> None:
     ap.add_argument("--witness-cells", type=int, default=0, help="cells per compact-witness form (0: skip)")
     ap.add_argument("--page-cells", type=int, default=10_000_000, help="cells of the page forms (whole rounds)")
     ap.add_argument(
+        "--page-seconds", type=float, default=None, help="stop the page forms after the round that passes S seconds"
+    )
+    ap.add_argument(
         "--forms",
         choices=("all", "pages", "witness"),
         default="all",
@@ -128,22 +134,37 @@ def main() -> None:
                 bar.update(rows)
     per_page_round = sum(plan[-1] for plan in PAGE_PLAN)
     page_rounds = 0 if args.forms == "witness" else -(-args.page_cells // per_page_round)
+    fam_cells, fam_bad = [0] * len(FAMILIES), [0] * len(FAMILIES)
+    t_pages, done = time.perf_counter(), 0
     with tqdm(total=page_rounds * per_page_round, unit="cell", unit_scale=True, desc="pages") as bar:
         for _ in range(page_rounds):
+            if args.page_seconds is not None and time.perf_counter() - t_pages > args.page_seconds:
+                break
             for s_r, s_o, ps, d, rows in PAGE_PLAN:
-                checks = page_checks(make_page_cells(rows, s_r, s_o, ps, d, gen))
-                for form, (bound, truth) in checks.items():
+                batch = make_page_cells(rows, s_r, s_o, ps, d, gen)
+                any_bad = torch.zeros(rows, dtype=torch.bool)
+                for form, (bound, truth) in page_checks(batch).items():
                     bad = page_violations(form, bound, truth)
+                    any_bad |= bad.reshape(rows, -1).any(-1)
                     cells[form] = cells.get(form, 0) + rows
                     violations[form] = violations.get(form, 0) + int(bad.sum())
                     ratio = torch.zeros(1) if form.endswith("_logit") else informative_ratio(bound, truth)
                     worst[form] = max(worst.get(form, 0.0), float(ratio.max()))
+                for i in range(len(FAMILIES)):
+                    fam_cells[i] += int((batch.family == i).sum())
+                    fam_bad[i] += int((any_bad & (batch.family == i)).sum())
                 bar.update(rows)
-    print(f"seed={args.seed} rounds={rounds} wall={time.perf_counter() - t0:.0f}s slack={SLACK:g}")
+            done += 1
+    stopped = f" (stopped by --page-seconds after {done} of {page_rounds} page rounds)" if done < page_rounds else ""
+    print(f"seed={args.seed} rounds={rounds} wall={time.perf_counter() - t0:.0f}s slack={SLACK:g}{stopped}")
     print(f"{'form':>12} | {'cells':>11} | {'violations':>10} | {'worst TV/bound':>14}")
     print("-" * 58)
     for form in cells:
         print(f"{form:>12} | {cells[form]:>11,} | {violations[form]:>10} | {worst[form]:>14.6f}")
+    if any(fam_cells):
+        print(f"{'page family':>12} | {'cells':>11} | {'cells with a violation (any form)':>33}")
+        for name, n, bad in zip(FAMILIES, fam_cells, fam_bad, strict=True):
+            print(f"{name:>12} | {n:>11,} | {bad:>33}")
     codecs_clean = codec_fuzz(args.codec_cells, gen) if args.codec_cells else True
     witness_clean = witness_fuzz(args.witness_cells, gen) if args.witness_cells else True
     if any(violations.values()) or not codecs_clean or not witness_clean:

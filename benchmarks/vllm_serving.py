@@ -8,7 +8,10 @@ alternating rounds so that machine load hits every variant alike:
 
 * ``vllm``: the plugin passed through (``Runtime.active = False``): vLLM's own CPU backend;
 * ``raw``: the plugin with ``--keys/--values`` and the gate off (certificates computed, nothing repaired);
-* ``gated``: the plugin with ``certified:--tau``.
+* ``gated``: the plugin with ``certified:--tau``;
+* ``ledger``: ``gated`` with the request ledger on (``--ledger``, the default): an account and a cache observer
+  per request, every write and certified read as a ledger event, the event log written with group commits
+  (:mod:`kvcert.integrations.vllm.ledger_feed`), into a fresh temporary directory.
 
 Printed per variant: wall time, output tokens/s, decode time per output token (wall time minus a prefill-only
 run of the same prompts, over the decoded tokens) and its ratio to ``vllm`` (empirical, this machine). The
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 
 
@@ -34,6 +38,8 @@ def main() -> None:
     p.add_argument("--keys", default="dither-int8")
     p.add_argument("--values", default="int4")
     p.add_argument("--tau", type=float, default=0.2)
+    p.add_argument("--ledger", action=argparse.BooleanOptionalAction, default=True, help="add the ledger variant")
+    p.add_argument("--variants", default=None, help="comma list of variants to run (default: all); keep vllm")
     args = p.parse_args()
     os.environ.update(
         KVCERT_VLLM="1",
@@ -58,6 +64,7 @@ def main() -> None:
         seed=0,
     )
     from kvcert.integrations.vllm import backend  # after the engine starts (see tests/integrations/vllm)
+    from kvcert.integrations.vllm.ledger_feed import ServingLedger
     from kvcert.integrations.vllm.settings import Settings
 
     rt = backend.runtime()
@@ -70,12 +77,20 @@ def main() -> None:
         "raw": Settings(args.keys, args.values, "off"),
         "gated": Settings(args.keys, args.values, f"certified:{args.tau}"),
     }
+    ledger = None
+    if args.ledger:
+        variants["ledger"] = variants["gated"]
+        ledger = ServingLedger(tempfile.mkdtemp(prefix="kvcert-bench-ledger-"))
+    if args.variants is not None:
+        keep = set(args.variants.split(",")) | {"vllm"}
+        variants = {k: v for k, v in variants.items() if k in keep}
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)  # prefill + first token only
     wall = {name: 0.0 for name in variants}
     prefill = {name: 0.0 for name in variants}
     for _ in range(args.rounds):
         for name, settings in variants.items():
             rt.active = settings is not None
+            rt.ledger = ledger if name == "ledger" else None  # requests keep the ledger that leased them
             if settings is not None:
                 rt.configure(settings)
             t0 = time.perf_counter()
@@ -95,6 +110,14 @@ def main() -> None:
     for name, w in wall.items():
         per_tok = (w - prefill[name]) / decode_tokens  # decode steps only: minus a prefill-only run's time
         print(f"{name:8} {w:8.1f} {out_tokens / w:10.2f} {1000 * per_tok:14.1f} {per_tok / ref:7.2f}")
+    if ledger is not None and {"gated", "ledger"} <= set(variants):
+        gated = (wall["gated"] - prefill["gated"]) / decode_tokens
+        led = (wall["ledger"] - prefill["ledger"]) / decode_tokens
+        s = ledger.summary()
+        print(
+            f"ledger/gated decode time per token: {led / gated:.3f}  (ledger: {s['n_user_requests']} accounts, "
+            f"{s['n_reads']} reads, {s['n_written']} writes, {len(ledger.log)} events, in {ledger.dir})"
+        )
 
 
 if __name__ == "__main__":

@@ -147,6 +147,22 @@ def test_resident_reads_and_recall_create_tensors_on_the_inputs_device(model, po
     assert calls == []
 
 
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_resident_reselection_creates_tensors_on_the_inputs_device(model, policy):
+    """Periodic re-selection of the resident set (promotions from the host tier, rebuilt page summaries, held pages
+    carried over) in validate mode, with persistent recall."""
+    calls = _record(
+        model,
+        resident=0.25,
+        select=POLICIES[policy](),
+        gate=Gate.certified(0.1),
+        page_size=4,
+        reselect=2,
+        validate=True,
+    )
+    assert calls == []
+
+
 @pytest.mark.parametrize(
     "kw",
     [

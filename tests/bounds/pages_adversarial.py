@@ -7,6 +7,19 @@ keys clustered per page (tight boxes) or spread; queries aligned with a page cor
 key, so the box bound is attained up to rounding); a *needle* omitted key pushed along the query so the omitted
 mass is large; omitted tokens masked at random; radii that make the resident meter informative or saturated.
 Exact logits are evaluated in float64 from the float32 keys and query.
+
+Every cell also belongs to one *family* (:data:`FAMILIES`, a quarter of the cells each) that adds structure the base
+draw does not reach:
+
+* ``base`` — the draw above;
+* ``edge`` — summaries at their rounding edges: every omitted key sits half a float16 step between two float16
+  numbers (the box's outward rounding is what keeps it sound), the needle's channels sit half an int8 step between
+  two sketch codes (the sketch's error is as large as it gets) and the query points along the needle's sketch
+  residual ``k − k̂`` (Cauchy–Schwarz is an equality there, so ``‖q‖·err`` is attained);
+* ``masked`` — masks inside pages: the needle itself is masked, each page is masked whole with probability 1/2
+  and in a quarter of the cells every omitted token is masked (nothing visible is omitted: the bound must be 0);
+* ``range`` — keys at the ends of the float16 range: channels beyond ±65504 (box entries ±inf, the ball and norm
+  bounds must take over) or below the float16 normal range (the box is all rounding), with the corner query.
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ PAGE_PLAN: tuple[tuple[int, int, int, int, int], ...] = (
 )
 # float64 rounding of the brute-force references (sums of at most ~10^3 terms of magnitude <= 1)
 SLACK = 1e-12
+FAMILIES: tuple[str, ...] = ("base", "edge", "masked", "range")
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,7 @@ class PageCells:
     p_exact: torch.Tensor  # [n, S_R + S_O] (omitted masked tokens 0)
     scaling: float
     page_size: int
+    family: torch.Tensor  # [n] int64 index into FAMILIES
 
     @property
     def true_mass(self) -> torch.Tensor:
@@ -60,21 +75,43 @@ class PageCells:
         return true_tv(self.p_exact, torch.cat([self.p_served, pad], -1))
 
 
+def _f16_midpoint(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float64, inside the float16 range) moved to the midpoint between its float16 rounding and the next
+    float16 number above: the worst case of the box's outward rounding (exact in float32)."""
+    h = x.to(torch.float16)
+    return 0.5 * (h.to(F64) + torch.nextafter(h, torch.full_like(h, float("inf"))).to(F64))
+
+
+def _int8_half_steps(key: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """Keys ``[n, D]`` rebuilt half an int8 step between two sketch codes in every channel but the largest (pinned
+    at code 127, so the sketch's scale stays ``max |k| / 127``): the sketch's rounding error is maximal."""
+    step = key.abs().amax(-1, keepdim=True).clamp(min=1e-3) / 127.0
+    top = key.abs().argmax(-1, keepdim=True)
+    half = (codes.to(F64) + 0.5) * step
+    return half.scatter(-1, top, 127.0 * step)
+
+
 def make_page_cells(n: int, s_r: int, s_o: int, page_size: int, d: int, gen: torch.Generator) -> PageCells:
-    """``n`` adversarial cells (see the module docstring)."""
+    """``n`` adversarial cells, a quarter of each family of :data:`FAMILIES` (see the module docstring)."""
     u = lambda *shape: torch.rand(*shape, generator=gen, dtype=F64)  # noqa: E731
     z = lambda *shape: torch.randn(*shape, generator=gen, dtype=F64)  # noqa: E731
     pick = lambda k: torch.randint(0, k, (n, 1), generator=gen)  # noqa: E731
+    family = pick(len(FAMILIES))
+    edge, masked, extreme = family == 1, family == 2, family == 3
     scale = 10.0 ** (u(n, 1, 1) * 2.5 - 1.0)
     pages = -(-s_o // page_size)
     # omitted keys: spread, or clustered around one centre per page (tight boxes)
     centre = z(n, pages, d).repeat_interleave(page_size, 1)[:, :s_o]
     clustered = (pick(2) == 0).unsqueeze(-1)
     keys_o = scale * torch.where(clustered, centre + 0.05 * z(n, s_o, d), z(n, s_o, d))
+    # range family: some channels beyond the float16 range, or every channel below its normal range
+    wide = (u(n, 1, d) < 0.5) & (pick(2) == 0).unsqueeze(-1)
+    blow = torch.where(wide, 1e5, torch.where((pick(2) == 0).unsqueeze(-1), 1.0, 1e-6))
+    keys_o = torch.where(extreme.unsqueeze(-1), keys_o * blow, keys_o)
     keys_r = scale * z(n, s_r, d)
     q = z(n, d) * 10.0 ** (u(n, 1) * 2.0 - 1.0)
     # corner-aligned queries: q = ±|q| channel-wise and one key of a random page moved to the page box's corner
-    corner = pick(3) == 0
+    corner = (pick(3) == 0) | extreme
     page = torch.randint(0, pages, (n,), generator=gen)
     idx = (page * page_size).clamp(max=s_o - 1)
     sign = torch.where(u(n, d) < 0.5, -1.0, 1.0).to(F64)
@@ -86,16 +123,31 @@ def make_page_cells(n: int, s_r: int, s_o: int, page_size: int, d: int, gen: tor
     moved = keys_o.clone()
     moved[rows, idx] = torch.where(sign > 0, hi, lo)
     keys_o = torch.where(corner.unsqueeze(-1), moved, keys_o)
-    # needle: one omitted key pushed along q (large omitted mass)
-    needle = pick(3) == 1
+    # needle: one omitted key pushed along q (large omitted mass); always in the masked family (where it is hidden)
+    needle = (pick(3) == 1) | masked
     push = keys_o.clone()
     push[rows, idx] = push[rows, idx] + q / q.norm(dim=-1, keepdim=True) * scale[:, 0] * 8.0 * u(n, 1)
     keys_o = torch.where(needle.unsqueeze(-1), push, keys_o)
-    q32, ko32, kr32 = q.to(torch.float32), keys_o.to(torch.float32), keys_r.to(torch.float32)
+    # edge family: every omitted key at a float16 midpoint, the needle at int8 half steps; in half of its cells
+    # the query points along the needle's sketch residual (the rest keep the corner / random query)
+    snapped = _f16_midpoint(keys_o)
+    snapped[rows, idx] = _int8_half_steps(keys_o[rows, idx], torch.randint(-126, 126, (n, d), generator=gen))
+    keys_o = torch.where(edge.unsqueeze(-1), snapped, keys_o)
+    ko32 = keys_o.to(torch.float32)
+    sk = pg.sketch_keys(ko32[rows, idx].unsqueeze(1))
+    resid = ko32[rows, idx].to(F64) - sk.codes[:, 0].to(F64) * sk.scale.to(F64)
+    rn = resid.norm(dim=-1, keepdim=True)
+    along = edge & (pick(2) == 0) & (rn > 0)
+    q = torch.where(along, resid / rn.clamp(min=1e-300) * q.norm(dim=-1, keepdim=True), q)
+    q32, kr32 = q.to(torch.float32), keys_r.to(torch.float32)
     sc = 1.0 / math.sqrt(d)
     s_o_logits = sc * torch.einsum("nd,nsd->ns", q32.to(F64), ko32.to(F64))
     s_r_logits = sc * torch.einsum("nd,nsd->ns", q32.to(F64), kr32.to(F64))
     visible = (u(n, s_o) >= 0.1) | (pick(4) != 0)
+    # masked family: the needle hidden, pages hidden whole, and in a quarter of its cells every omitted token
+    page_hidden = (u(n, pages) < 0.5).repeat_interleave(page_size, 1)[:, :s_o]
+    hide = page_hidden | (torch.arange(s_o).view(1, -1) == idx.view(-1, 1)) | (pick(4) == 0)
+    visible = torch.where(masked, visible & ~hide, visible)
     # resident radii and realised errors (extremes, interior, by served rank)
     mag = 10.0 ** (u(n, 1) * 5.5 - 5.0)
     radius = mag * torch.where(pick(2) == 0, torch.ones(n, s_r, dtype=F64), torch.exp(z(n, s_r)))
@@ -107,7 +159,9 @@ def make_page_cells(n: int, s_r: int, s_o: int, page_size: int, d: int, gen: tor
     served = s_r_logits + radius * unit
     p_served = torch.softmax(served, -1)
     full = torch.cat([s_r_logits, s_o_logits.masked_fill(~visible, float("-inf"))], -1)
-    return PageCells(q32, ko32, s_o_logits, visible, served, radius, p_served, torch.softmax(full, -1), sc, page_size)
+    return PageCells(
+        q32, ko32, s_o_logits, visible, served, radius, p_served, torch.softmax(full, -1), sc, page_size, family[:, 0]
+    )
 
 
 def page_violations(name: str, bound: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:

@@ -174,3 +174,31 @@ def test_exact_sinks_keep_the_first_positions_exact_with_zero_residual():
     assert st.fail_closed == 0  # sinks are a choice, not a fail-closed identity
     with pytest.raises(ValueError, match="exact_sinks"):
         LayerStore(0, get("int8"), get("int8"), bands=8, pairing="rotate_half", seed=1, exact_sinks=-1)
+
+
+def test_promote_encodes_host_tokens_at_their_own_positions_with_valid_witnesses():
+    """Promoted tokens get the codes a write would give them, their own logical positions (per head) and witnesses
+    that bound their residuals; ``appended`` does not move; a dithered codec is refused."""
+    st = _store()
+    k, v = _kv(t=12)
+    st.append(k, v, *_rows())
+    st.append(*_kv(t=1, seed=5), *_rows())
+    st.gather(torch.tensor([0, 3, 7, 12]).expand(2, 3, 4).contiguous(), retain_evicted=True)
+    ev = st.evicted
+    pick = torch.tensor([[1, 4], [2, 8], [5, 6]]).expand(2, 3, 2).contiguous()  # archive slots, per head
+    pk = ev["k"].view().gather(2, pick[..., None].expand(-1, -1, -1, 64))
+    pv = ev["v"].view().gather(2, pick[..., None].expand(-1, -1, -1, 64))
+    pos = ev["positions"].view().gather(2, pick)
+    appended = st.appended
+    st.promote(pk, pv, pos)
+    assert st.n == 6 and st.appended == appended and torch.equal(st.positions.view()[..., 4:], pos)
+    assert not bool(st.k.exact.view().any())  # encoded at once, nothing pending
+    fresh = _store()
+    fresh.append(pk, pv, *_rows())
+    fresh.encode_pending(flush=True)
+    assert torch.equal(st.k.served.view()[..., 4:, :], fresh.k.served.view())  # the codes a write gives
+    _assert_norm_witnesses(st)
+    dither = LayerStore(0, get("dither-int8"), get("int4"), bands=8, pairing="rotate_half", seed=1)
+    dither.append(k, v, *_rows())
+    with pytest.raises(ValueError, match="dither"):
+        dither.promote(pk, pv, pos)

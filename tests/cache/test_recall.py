@@ -57,3 +57,15 @@ def test_a_negative_pool_hands_held_pages_back():
     h.pool.free = -5  # the stores grew past the budget
     assert h.admit(0, 2, torch.tensor([0, 1, 2]), torch.tensor([0.3, 0.2, 0.1])).numel() == 0
     assert h.pages_of(0, 2).tolist() == [0] and h.pool.free == 3
+
+
+def test_hold_whole_pages_keeps_only_pages_whose_tokens_were_all_held():
+    h = _held(pages=3, size=4)  # pages of 4, 4 and 1 tokens
+    tokens = torch.zeros(2, 3, 9, dtype=torch.bool)
+    tokens[0, 0, :4] = True  # page 0 whole
+    tokens[0, 0, 4:7] = True  # page 1 short of one token
+    tokens[1, 2, 8] = True  # the short last page whole
+    score = torch.arange(9, dtype=torch.float64).expand(2, 3, 9)
+    h.hold_whole_pages(tokens, score)
+    assert h.pages_of(0, 0).tolist() == [0] and h.pages_of(1, 2).tolist() == [2]
+    assert float(h.score[0, 0, 0]) == 3.0 and float(h.score[0, 0, 1]) == 0.0 and h.tokens == 5

@@ -19,11 +19,11 @@ import torch
 
 from kvcert.attention.certified import group_heads, masked_logits, probs64
 from kvcert.attention.read_path import slot_mask
-from kvcert.attention.resident import OmittedPages, can_omit, check_resident, summarize_omitted
+from kvcert.attention.resident import OmittedPages, can_omit, carry_held, check_resident, summarize_omitted
 from kvcert.cache.gate import Gate
 from kvcert.cache.recall import RecallPool
 from kvcert.cache.store import LayerStore
-from kvcert.cache.telemetry import EvictRecord
+from kvcert.cache.telemetry import EvictRecord, ReselectStats
 from kvcert.evict import RMM, EvictionPolicy, RunTrace, SnapKV, aggregate_gqa, causal_attention, serving_reading
 
 __all__ = ["EvictionConfig", "EvictionDriver", "default_select", "grouped_probs"]
@@ -54,7 +54,8 @@ class EvictionConfig:
     ``policy`` with exactly one of ``budget`` (decode-time budget, ``chunk`` slots evicted at once) and
     ``compression_ratio`` (prefill compression); ``belady``: record the run's exact trace (validate + budget
     mode); ``resident``: the resident fraction of a resident set (then ``policy`` selects it and
-    ``compression_ratio = 1 − resident``), its omitted pages summarised in ``page_size`` tokens as ``summary``.
+    ``compression_ratio = 1 − resident``), its omitted pages summarised in ``page_size`` tokens as ``summary``;
+    ``reselect``: re-select the resident set every ``reselect`` decode steps (``None``: never).
     """
 
     policy: EvictionPolicy | None = None
@@ -66,6 +67,7 @@ class EvictionConfig:
     page_size: int = 16
     summary: str = "int8"
     recall: str = "persistent"
+    reselect: int | None = None
 
     @classmethod
     def of(
@@ -82,11 +84,16 @@ class EvictionConfig:
         gate: Gate,
         certify: bool,
         recall: str = "persistent",
+        reselect: int | None = None,
     ) -> EvictionConfig:
         """The configuration of the cache's keywords: a resident set is prefill compression by ``select``
         (default :func:`default_select`) that keeps the omitted tokens on the host. Each error names the argument.
         """
+        if reselect is not None and (isinstance(reselect, bool) or not isinstance(reselect, int) or reselect < 1):
+            raise ValueError(f"reselect must be a positive int (decode steps between re-selections), got {reselect!r}")
         if resident is None:
+            if reselect is not None:
+                raise ValueError("reselect=N re-selects a resident set: it needs resident=<fraction in (0, 1]>")
             if select is not None:
                 raise ValueError("select=<policy> needs resident=<fraction in (0, 1]>")
             return cls(evict, budget, compression_ratio, chunk, belady, None, page_size, summary, recall)
@@ -97,7 +104,7 @@ class EvictionConfig:
             )
         fraction = check_resident(resident, gate, certify, page_size, summary, recall)
         policy = select if select is not None else default_select()
-        return cls(policy, None, 1.0 - fraction, chunk, belady, fraction, page_size, summary, recall)
+        return cls(policy, None, 1.0 - fraction, chunk, belady, fraction, page_size, summary, recall, reselect)
 
     def check(self, stores: Sequence[LayerStore], sliding: bool, ladder: bool, validate: bool) -> None:
         """Fail closed on settings that cannot be honoured by these stores (each message names the argument)."""
@@ -117,6 +124,13 @@ class EvictionConfig:
             raise ValueError(f"compression_ratio must be in [0, 1), got {ratio}")
         if ladder:
             raise ValueError("evict cannot be combined with ladder=True")
+        self._check_codecs(stores)
+        if sliding:
+            raise ValueError("evict is not supported on models with sliding-window layers")
+
+    def _check_codecs(self, stores: Sequence[LayerStore]) -> None:
+        """Per-token codecs (eviction gathers single tokens); no dither with ``reselect`` (a promoted token is
+        re-encoded, and the dither key holds one position per row for every KV head)."""
         for store in stores:
             for codec in (store.key_codec, store.value_codec):
                 if codec.block != 1 or codec.residual_window:
@@ -124,8 +138,13 @@ class EvictionConfig:
                         f"evict needs per-token codecs (block == 1, no residual window); keys/values "
                         f"codec {codec.name!r} encodes blocks of {codec.block} tokens"
                     )
-        if sliding:
-            raise ValueError("evict is not supported on models with sliding-window layers")
+                if self.reselect is not None and codec.needs_key:
+                    raise ValueError(
+                        f"reselect cannot be combined with the dithered codec {codec.name!r}: a promoted token "
+                        "must be re-encoded, and the dither key holds one position per row for every KV head, "
+                        "so heads promoting different positions would reuse another head's dither realisation "
+                        "(Tier B needs dither independent across entries); use a non-dithered codec"
+                    )
 
     def _check_budget(self, policy: EvictionPolicy) -> None:
         budget, chunk = self.budget, self.chunk
@@ -166,6 +185,7 @@ class EvictionDriver:
         self.records: list[EvictRecord] = []
         # a resident set's persistent recall: the room the device budget leaves for held pages (None: transient)
         self.recall_pool = RecallPool() if cfg.resident is not None and cfg.recall == "persistent" else None
+        self.reselect_stats = ReselectStats()  # what periodic re-selection moved (cfg.reselect)
         self._last_attn: dict[int, torch.Tensor] = {}  # last served row [B, Hkv, S] (mean over G) per layer
         self._prefilled: set[int] = set()  # layers whose prefill compression was applied
 
@@ -185,7 +205,11 @@ class EvictionDriver:
             self.set_kappa(torch.ones(group.shape[0], dtype=torch.float64, device=group.device))
 
     def before_write(self, store: LayerStore, step: int) -> None:
-        """Budget mode: evict down to the budget before the layer's next write."""
+        """Budget mode: evict down to the budget before the layer's next write. Resident set with ``reselect=N``:
+        before the write of every decode step ``s`` with ``s % N == 0``, re-select the layer's resident set."""
+        every = self.cfg.reselect
+        if every is not None and step > 0 and step % every == 0 and store.layer in self.pages:
+            self._reselect(store)
         if self.cfg.budget is None or store.n == 0:
             return
         keep = self.policy.select(store.layer, self.cfg.budget, self.cfg.chunk)
@@ -319,6 +343,48 @@ class EvictionDriver:
             self.pages[store.layer] = summarize_omitted(store, self.cfg.page_size, self.cfg.summary, self.recall_pool)
         evicted = (n - keep.shape[-1]) * keep.shape[0] * keep.shape[1]
         self.records.append(EvictRecord(step=step, layer=store.layer, serving_mass=serving, evicted=evicted))
+
+    def _reselect(self, store: LayerStore) -> None:
+        """Re-select one layer's resident set over every token written so far (``docs/eviction.md``,
+        "Re-selection of the resident set"): the policy's ``prefill_keep`` over all keys in position order (host
+        tier, exact), scored with the key-proxy attention ``softmax(k_s·k_i/√D)`` (causal, per KV head; the queries
+        that would score them are not kept) and kept at the resident fraction; the chosen omitted tokens are
+        promoted (encoded from their exact originals into the device store), the resident ones not chosen demoted
+        to the archive, which is re-summarised in position order. Held pages still wholly omitted stay held
+        (:func:`~kvcert.attention.resident.carry_held`). Counts go to :attr:`reselect_stats`."""
+        assert store.k is not None and store.v is not None and self.cfg.compression_ratio is not None
+        ev, n = store.evicted, store.n
+        keys = torch.cat([store.k.host.view(), ev["k"].view()], 2)
+        values = torch.cat([store.v.host.view(), ev["v"].view()], 2)
+        positions = torch.cat([store.positions.view(), ev["positions"].view()], 2).to(keys.device)
+        # resident and archive hold every position 0..T-1 once per head: the sorted index is the position
+        order = positions.argsort(-1)
+        ks = keys.gather(2, order[..., None].expand_as(keys))
+        vs = values.gather(2, order[..., None].expand_as(values))
+        attn = causal_attention(ks, ks) if self.policy.needs_attention else None
+        kappa = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.float64, device=keys.device)
+        keep = self.policy.prefill_keep(store.layer, ks, vs, self.cfg.compression_ratio, attn=attn, kappa=kappa)
+        chosen = order.gather(2, keep.to(order.device)).sort(-1).values  # slots of [resident, archive]
+        before, before_pos = self.pages[store.layer], ev["positions"].view().clone()
+        # the reference encodes the whole archive and keeps the chosen slots (a per-token codec gives a token the
+        # same code either way); only the promoted tokens count as paged in
+        store.promote(ev["k"].view(), ev["v"].view(), ev["positions"].view())
+        store.evicted = {}
+        store.gather(chosen.to(store.positions.view().device), retain_evicted=True)
+        by_position = store.evicted["positions"].view().argsort(-1)
+        for buf in store.evicted.values():
+            buf.gather(by_position.to(buf.view().device))
+        after = summarize_omitted(store, self.cfg.page_size, self.cfg.summary, self.recall_pool)
+        held_at = carry_held(before, before_pos, after, store.evicted["positions"].view(), store.appended)
+        self.pages[store.layer] = after
+        promoted = chosen >= n
+        was_held = held_at.gather(-1, positions.gather(2, chosen).to(held_at.device)).to(promoted.device)
+        paged = int((promoted & ~was_held).sum())
+        stats = self.reselect_stats
+        stats.reselections += 1
+        stats.promoted += int(promoted.sum())
+        stats.demoted += n * chosen.shape[0] * chosen.shape[1] - int((~promoted).sum())
+        stats.bytes_paged += paged * (keys.shape[-1] + values.shape[-1]) * keys.element_size()
 
     def _validate_reading(
         self, store: LayerStore, query: torch.Tensor, logical: torch.Tensor, scaling: float, step: int

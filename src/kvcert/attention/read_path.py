@@ -45,6 +45,7 @@ __all__ = [
     "Recorder",
     "ResidentReadPath",
     "slot_mask",
+    "read_event",
     "step_record",
 ]
 
@@ -149,18 +150,26 @@ class Recorder:
             self.resident_records.append(outcome.resident)
         if not self.observers:
             return
-        b = res.cert.shape[0]
-        ev = ReadEvent(
-            layer=store.layer,
-            step=rec.step,
-            rows=(torch.arange(b) if rows is None else rows).clone(),
-            n_slots=torch.full((b,), store.n, dtype=torch.int64),
-            certificate=res.cert[..., -1].clone(),
-            repaired=rec.repaired_heads(),
-            first_slot=store.base,
-        )
+        ev = read_event(store, outcome, rows)
         for obs in self.observers:
             obs.on_read(ev)
+
+
+def read_event(store: LayerStore, outcome: ReadOutcome, rows: torch.Tensor | None) -> ReadEvent:
+    """The :class:`~kvcert.cache.events.ReadEvent` of one read of ``store`` (the certificate of each row's last
+    query, the repaired heads, the slots read); ``rows[B]``: request UID per batch row (``None``: the row index).
+    Every adapter that feeds observers builds its read events here."""
+    res, rec = outcome.result, outcome.record
+    b = res.cert.shape[0]
+    return ReadEvent(
+        layer=store.layer,
+        step=rec.step,
+        rows=(torch.arange(b) if rows is None else rows).clone(),
+        n_slots=torch.full((b,), store.n, dtype=torch.int64),
+        certificate=res.cert[..., -1].clone(),
+        repaired=rec.repaired_heads(),
+        first_slot=store.base,
+    )
 
 
 class ReadPath(ABC):

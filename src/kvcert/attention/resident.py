@@ -141,6 +141,30 @@ def summarize_omitted(
     )
 
 
+def carry_held(
+    before: OmittedPages, before_pos: torch.Tensor, after: OmittedPages, after_pos: torch.Tensor, length: int
+) -> torch.Tensor:
+    """After a re-selection of the resident set: hold in ``after`` every page whose tokens were all held on the
+    device in ``before`` (matched by logical position: ``before_pos`` / ``after_pos`` ``[B, Hkv, N]`` the two
+    archives' positions); return ``[B, Hkv, length]`` bool over logical positions: held before the
+    re-selection (a promoted token held there needs no page-in). Held pages whose tokens became resident, or
+    whose tokens no longer fill a whole page of the new archive, go back to their summaries (sound: a summary
+    always covers every omitted token)."""
+    if before.held is None:
+        return torch.zeros(*before_pos.shape[:2], length, dtype=torch.bool, device=before_pos.device)
+    held = before.held
+    n, ps = before_pos.shape[-1], before.page_size
+    dev = held.held.device
+    pos, new_pos = before_pos.to(dev), after_pos.to(dev)
+    tokens = held.held.repeat_interleave(ps, -1)[..., :n]
+    score = held.score.repeat_interleave(ps, -1)[..., :n]
+    held_at = torch.zeros(*pos.shape[:2], length, dtype=torch.bool, device=dev).scatter(-1, pos, tokens)
+    score_at = torch.zeros(*pos.shape[:2], length, dtype=torch.float64, device=dev).scatter(-1, pos, score)
+    if after.held is not None and new_pos.shape[-1]:
+        after.held.hold_whole_pages(held_at.gather(-1, new_pos), score_at.gather(-1, new_pos))
+    return held_at.to(before_pos.device)
+
+
 def refresh_pool(pool: RecallPool, stores: list[LayerStore], pages: list[OmittedPages]) -> None:
     """Set ``pool.free``: the tokens the held pages of every layer may still add within the device budget.
 

@@ -40,6 +40,12 @@ def _finite(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} contains non-finite entries")
 
 
+def _times(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a·b`` with ``0·∞ = 0`` (``a ≥ 0`` a factor of a query norm: a zero query has logit exactly 0 against any
+    key, an infinite key norm included)."""
+    return torch.where(a == 0, 0.0, a * b)
+
+
 def _check_query(q: torch.Tensor, head_dim: int, scaling: float, gamma: float) -> None:
     """``ValueError`` unless ``scaling > 0``, ``gamma >= 0``, ``q`` finite with the summary's head dim."""
     if not scaling > 0 or not gamma >= 0:
@@ -159,13 +165,14 @@ def page_logit_bound(q: torch.Tensor, summary: PageSummary, scaling: float, gamm
     box = term.sum(-1)  # [..., M, P]
     mag = torch.where(zero, 0.0, qd.abs() * torch.maximum(lo.abs(), hi.abs())).sum(-1)
     qn = q.to(F64).norm(dim=-1, keepdim=True)  # [..., M, 1]
-    qk = qn * summary.norm.to(F64).unsqueeze(-2)  # [..., M, P] ≥ ‖q‖·‖k‖
+    qk = _times(qn, summary.norm.to(F64).unsqueeze(-2))  # [..., M, P] ≥ ‖q‖·‖k‖
     centre = summary.centre.to(F64).unsqueeze(-3)  # [..., 1, P, D]
     ball_dot = (qd * centre).sum(-1)
-    ball_mag = (qd * centre).abs().sum(-1) + qn * summary.radius.to(F64).unsqueeze(-2)
-    best = torch.minimum(torch.minimum(box, qk), ball_dot + qn * summary.radius.to(F64).unsqueeze(-2))
+    ball_r = _times(qn, summary.radius.to(F64).unsqueeze(-2))
+    ball_mag = (qd * centre).abs().sum(-1) + ball_r
+    best = torch.minimum(torch.minimum(box, qk), ball_dot + ball_r)
     err = (d + 16) * 2.0**-52 * scaling * (torch.where(torch.isinf(mag), 0.0, mag) + ball_mag + 4.0 * qk)
-    return scaling * best + 3.0 * scaling * gamma * qk + err
+    return scaling * best + _times(qk.new_tensor(3.0 * scaling * gamma), qk) + err
 
 
 @dataclass(frozen=True)
@@ -185,8 +192,11 @@ def page_weights(served_logits: torch.Tensor, bound: torch.Tensor, counts: torch
 
     ``served_logits[..., S]`` the served resident logits (``-inf`` where masked; at least one finite per row),
     ``bound[..., P]`` page logit bounds (:func:`page_logit_bound`), ``counts[..., P]`` visible tokens per page
-    (broadcastable). Inflated by ``1 + 8·2^-52`` for the float64 ``exp``/``logsumexp`` rounding.
+    (broadcastable). Inflated by ``1 + 8·2^-52`` for the float64 ``exp``/``logsumexp`` rounding. A ``+inf`` bound
+    (an unbounded page) gives ``w = +inf``; a NaN bound raises ``ValueError`` (it bounds nothing).
     """
+    if bool(torch.isnan(bound).any()):
+        raise ValueError("bound contains NaN: a page logit bound must be a number or +inf")
     lse = torch.logsumexp(served_logits.to(F64), dim=-1, keepdim=True)
     if not bool(torch.isfinite(lse).all()):
         raise ValueError("served_logits must have at least one finite entry per row")
@@ -216,6 +226,8 @@ def omitted_certificate(
         raise ValueError("p_served and radius must be non-negative")
     if bool(torch.isnan(weights).any()) or bool((weights < 0).any()):
         raise ValueError("weights must be non-negative (inf allowed)")
+    if bool(torch.isnan(meter).any()) or bool((meter < 0).any()):
+        raise ValueError("meter must be non-negative (inf allowed), got NaN or a negative entry")
     s = p.shape[-1]
     rel = (s + 4) * 2.0**-52
     ec = torch.exp(radius.to(F64))
@@ -288,22 +300,26 @@ def token_logit_bound(q: torch.Tensor, sketch: KeySketch, scaling: float, gamma:
     dot = q64 @ khat.transpose(-1, -2)
     mag = q64.abs() @ khat.abs().transpose(-1, -2)
     qn = q64.norm(dim=-1, keepdim=True)
-    e, nrm = qn * sketch.err.to(F64).unsqueeze(-2), qn * sketch.norm.to(F64).unsqueeze(-2)
+    e, nrm = _times(qn, sketch.err.to(F64).unsqueeze(-2)), _times(qn, sketch.norm.to(F64).unsqueeze(-2))
     err = (d + 16) * 2.0**-52 * scaling * (mag + e + 4.0 * nrm)
-    return scaling * (dot + e) + 3.0 * scaling * gamma * nrm + err
+    return scaling * (dot + e) + _times(nrm.new_tensor(3.0 * scaling * gamma), nrm) + err
 
 
 def pool_pages(bound: torch.Tensor, visible: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token logit bounds ``[..., N]`` -> per-page ``(log Σ_{t∈P visible} e^{u_t}, 1[P has a visible token])``.
 
     ``n_P e^{u_P}`` with these is exactly ``Σ_{t∈P visible} e^{u_t}``, so :func:`page_weights` and
-    :func:`omitted_certificate` take them unchanged; pages are ``page_size`` consecutive tokens.
+    :func:`omitted_certificate` take them unchanged; pages are ``page_size`` consecutive tokens. A page holding a
+    visible token with ``u_t = +inf`` pools to ``+inf`` (counted, never dropped); a NaN bound raises ``ValueError``.
     """
+    if bool(torch.isnan(bound).any()):
+        raise ValueError("bound contains NaN: a token logit bound must be a number or +inf")
     n = bound.shape[-1]
     pages = -(-n // page_size)
     pad = pages * page_size - n
     u = torch.nn.functional.pad(torch.where(visible, bound.to(F64), float("-inf")), (0, pad), value=float("-inf"))
     pooled = torch.logsumexp(u.reshape(*u.shape[:-1], pages, page_size), dim=-1)
+    seen = pooled > float("-inf")  # a visible token (its bound may be +inf)
+    pooled = torch.where(seen, pooled, 0.0)
     pooled = pooled + (page_size + 4) * 2.0**-52 * (1.0 + pooled.abs())  # float64 logsumexp rounding
-    seen = torch.isfinite(pooled)
     return torch.where(seen, pooled, 0.0), seen.to(torch.int64)

@@ -7,9 +7,14 @@ The cache never depends on its observers; observers (``kvcert.ledger``, telemetr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from kvcert.bounds import dither_witness_moments
+
+if TYPE_CHECKING:
+    from kvcert.cache.store import LayerStore
 
 
 @dataclass(frozen=True)
@@ -66,3 +71,41 @@ class CacheObserver(Protocol):
 
     def on_read(self, event: ReadEvent) -> None:
         """Called once per layer per forward call, after the certificate is computed."""
+
+
+def dither_moments(store: LayerStore, lo: int, hi: int) -> dict[str, torch.Tensor]:
+    """E-process inputs ``(witness_mean, witness_c)`` of the dither writes ``[lo, hi)`` (empty if not dithered)."""
+    if store.k_steps is None:
+        return {}
+    codec = store.key_codec
+    mask = None if codec.channel_mask is None else codec.channel_mask.view(1, -1, 1, codec.channel_mask.shape[-1])
+    mean, c = dither_witness_moments(
+        store.k_steps.view()[:, :, lo:hi].to(torch.float64),
+        codec.group_size,
+        store.bands,
+        store.pairing,
+        channel_mask=mask,
+    )
+    return {"witness_mean": mean, "witness_c": c}
+
+
+def last_write_event(store: LayerStore, rows: torch.Tensor, nonfinite: int = 0) -> WriteEvent | None:
+    """The :class:`WriteEvent` of the entries ``store``'s last append encoded (``None``: it encoded none), for
+    rows owned by ``rows[B]``; ``nonfinite`` non-finite inputs were stored exact by that append. Every adapter
+    that feeds observers (the transformers cache, the vLLM runtime) builds its write events here."""
+    assert store.k is not None
+    if store.k.last_encoded <= 0:
+        return None
+    lo, hi = store.k.n_encoded - store.k.last_encoded, store.k.n_encoded
+    return WriteEvent(
+        layer=store.layer,
+        rows=rows.clone(),
+        positions=store.positions.view()[:, 0, lo:hi].clone(),  # logical (= base + slot w/o eviction)
+        compressed=~store.k.exact.view()[:, :, lo:hi].clone(),
+        witness=store.k_band.view()[:, :, lo:hi].sum(-1).clone(),
+        value_witness=store.v_res.view()[:, :, lo:hi].clone(),
+        codec=store.key_codec.name,
+        tier_b=bool(store.key_codec.tier_b),
+        nonfinite=nonfinite,
+        **dither_moments(store, lo, hi),
+    )

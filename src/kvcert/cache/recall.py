@@ -88,6 +88,18 @@ class HeldPages:
         self.pool.free -= int(self.counts[self.held[row, head]].sum()) - own
         return read[~before[read]]
 
+    def hold_whole_pages(self, tokens: torch.Tensor, score: torch.Tensor) -> None:
+        """Hold exactly the pages whose tokens are all marked in ``tokens[B, Hkv, N]`` (archive order, ``N`` the
+        sum of ``counts``), scored by the largest ``score[B, Hkv, N]`` of their tokens: after a re-selection, the
+        pages of the new archive that were wholly on the device already. The pool is not charged (the tokens were
+        held before; the next refresh recomputes it from the device bytes)."""
+        ps, pages = int(self.counts[0]), self.counts.shape[0]
+        pad = pages * ps - tokens.shape[-1]
+        whole = torch.nn.functional.pad(tokens.to(self.held.device), (0, pad), value=True)
+        best = torch.nn.functional.pad(score.to(self.score.device, torch.float64), (0, pad))
+        self.held = whole.reshape(*whole.shape[:-1], pages, ps).all(-1)
+        self.score = torch.where(self.held, best.reshape(*best.shape[:-1], pages, ps).amax(-1), 0.0)
+
     @property
     def tokens(self) -> int:
         """Tokens held over every (row, KV head)."""

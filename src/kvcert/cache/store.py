@@ -213,6 +213,41 @@ class LayerStore:
         self.rows = rows
         self._keep_exact_rows = keep_exact_rows
         self.encode_pending()
+        t, (b, h) = k.shape[2], k.shape[:2]
+        self._append_pending(k, v, torch.arange(self.appended, self.appended + t, device=k.device).expand(b, h, t))
+        self.appended += t
+        self._release_over_budget()
+
+    def promote(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Bring host-tier tokens ``k, v[B, H, T, D]`` at logical ``positions[B, H, T]`` (each KV head its own) back
+        onto the device tier, encoded at once (every pending token is flushed first; per-token codecs only).
+
+        Each promoted token goes through the codec from its exact original and gets its write-time witnesses from
+        that original, exactly as at a write (``|ŝ_t − s_t|`` and the value terms keep their bounds); its logical
+        position is its own, not the next one (``appended`` is unchanged). A per-token deterministic codec maps
+        a token to the same code whenever it is encoded, so promoting a token that was encoded before gives the
+        codes it had. Raises ``ValueError`` for a dithered codec: its dither key takes one position per row for
+        every KV head (``DitherKey.positions[B, T]``), so tokens promoted at different positions per head would
+        be encoded with another head's dither realisation.
+        """
+        assert self.k is not None and self.v is not None
+        for ts in (self.k, self.v):
+            if ts.codec.needs_key or ts.codec.block != 1 or ts.codec.residual_window:
+                raise ValueError(
+                    f"promote needs a per-token codec without dither; {ts.codec.name!r} "
+                    + ("keys its dither by one position per row" if ts.codec.needs_key else "encodes token blocks")
+                )
+        if positions.shape != k.shape[:3] or v.shape[:3] != k.shape[:3]:
+            raise ValueError(f"k, v and positions must share [B, H, T], got {k.shape}, {v.shape}, {positions.shape}")
+        device = self.positions.view().device  # the device tier's (the host tier may be pinned CPU memory)
+        self.encode_pending(flush=True)
+        self._append_pending(k.to(device), v.to(device), positions.to(device))
+        self.encode_pending(flush=True)
+        self._release_over_budget()
+
+    def _append_pending(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append ``k, v[B, H, T, D]`` at logical ``positions[B, H, T]`` as pending (exact) entries."""
+        assert self.k is not None and self.v is not None
         t = k.shape[2]
         b, h = k.shape[:2]
         for ts, x in ((self.k, k), (self.v, v)):
@@ -226,11 +261,9 @@ class LayerStore:
         self.v_res.append(k.new_zeros((b, h, t), dtype=torch.float32))
         self.v_hat_norm.append(norm_up_f32(v))
         self.v_dist.append(norm_up_f32(v.to(torch.float64) - self.v_centre))
-        self.positions.append(torch.arange(self.appended, self.appended + t, device=k.device).expand(b, h, t))
-        self.appended += t
+        self.positions.append(positions)
         if self.k_steps is not None:
             self.k_steps.append(k.new_zeros((b, h, t, self.k_steps.view().shape[-1]), dtype=torch.float32))
-        self._release_over_budget()
 
     def encode_pending(self, flush: bool = False) -> None:
         """Push every encodable pending token through its codec and record the write-time witnesses.

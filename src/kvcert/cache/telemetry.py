@@ -38,7 +38,11 @@ page summaries (not in ``bytes_stored``), ``bytes_held`` those of the recalled p
 ``resident_fraction`` the share of written tokens held resident, ``bytes_fp16_context`` what an fp16 cache would
 hold for every written token, resident and omitted (``bytes_fp16`` counts the resident ones only);
 ``recall_violations`` (validate) counts cells whose exact omitted mass exceeded its bound or whose true TV after
-recall exceeded the served certificate.
+recall exceeded the served certificate. With ``reselect=N`` (:class:`ReselectStats`, **measured**) ``reselections``
+counts the (layer, step) re-selections of the resident set, ``reselect_promoted`` / ``reselect_demoted`` the tokens
+(per row and KV head) moved into / out of it, ``reselect_bytes_paged`` the page-in bytes of the promoted tokens
+(K and V in the host tier's dtype; a token already held on the device by persistent recall costs none), which
+``bytes_paged`` includes.
 """
 
 from __future__ import annotations
@@ -76,6 +80,8 @@ TIERS: dict[str, str] = {
     "bytes_host": "measured (exact host-tier copy)",
     "bytes_paged": "measured (host -> device page-in traffic over the request)",
     "capacity": "measured (bytes_fp16 / bytes_device)",
+    "reselect": "measured (re-selections of the resident set; tokens promoted / demoted; page-in bytes of the "
+    "promoted tokens, included in bytes_paged)",
     "fallback_rate": "measured (share of recorded KV-head reads served partly from an exact copy: paged in at the "
     "read or kept by an earlier persistent repair)",
     "omitted_mass_bound": "certified (resident set: bound on the exact attention mass of the omitted tokens)",
@@ -241,6 +247,7 @@ class Telemetry:
     bytes_held: int = 0  # resident set: device bytes of persistently recalled pages at the end
     recall_violations: int = 0
     bytes_fp16_context: int = 0  # resident set: fp16 K/V of every written token (0: none)
+    reselect: ReselectStats | None = None  # resident set with reselect=N (None: no re-selection configured)
     tiers: dict[str, str] = field(default_factory=lambda: dict(TIERS))
 
     @property
@@ -386,6 +393,13 @@ class Telemetry:
                 live = vals[~torch.isnan(vals)] if vals is not None else torch.zeros(0)
                 out[f"max_{name}"] = float(live.max()) if live.numel() else float("nan")
                 out[f"mean_{name}"] = float(live.mean()) if live.numel() else float("nan")
+        if self.reselect is not None:
+            out.update(
+                reselections=self.reselect.reselections,
+                reselect_promoted=self.reselect.promoted,
+                reselect_demoted=self.reselect.demoted,
+                reselect_bytes_paged=self.reselect.bytes_paged,
+            )
         return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in out.items()}
 
 
@@ -422,6 +436,18 @@ def stack_records(records: Sequence[Reading], layers: int, steps: int, attr: str
     return out
 
 
+@dataclass
+class ReselectStats:
+    """What periodic re-selection of a resident set moved (**measured**): ``reselections`` (one per layer and
+    re-selecting step), ``promoted`` / ``demoted`` tokens (per row and KV head) into / out of the resident set and
+    ``bytes_paged``, the page-in bytes of the promoted tokens not already held on the device."""
+
+    reselections: int = 0
+    promoted: int = 0
+    demoted: int = 0
+    bytes_paged: int = 0
+
+
 @dataclass(frozen=True)
 class CacheReadings:
     """What a cache recorded, for :func:`assemble`: its reads (``records``), evictions and resident reads (``None``:
@@ -443,6 +469,7 @@ class CacheReadings:
     bytes_summary: int = 0  # device bytes of the resident set's page summaries
     bytes_held: int = 0  # device bytes of the resident set's persistently recalled pages
     resident_records: Sequence[ResidentReading] | None = None
+    reselect: ReselectStats | None = None  # resident set with reselect=N
 
 
 #: cell fields every read produces (an empty cell tensor, not ``None``, when nothing was read)
@@ -523,7 +550,7 @@ def assemble(src: CacheReadings) -> Telemetry:
         group_size=src.num_heads // src.num_kv_heads,
         violations=sum(r.violations for r in src.records),
         out_violations=sum(r.out_violations for r in src.records),
-        bytes_paged=src.bytes_paged,
+        bytes_paged=src.bytes_paged + (src.reselect.bytes_paged if src.reselect is not None else 0),
         tier_b_delta=src.tier_b_delta,
         gate=src.gate,
         evicted_mass=stack_records(src.evict_records, n_layers, steps, "evicted_mass"),
@@ -533,4 +560,5 @@ def assemble(src: CacheReadings) -> Telemetry:
         uncompressed_layers=src.uncompressed_layers,
         bytes_device=sum(s.bytes_device() for s in src.stores) + src.bytes_summary + src.bytes_held,
         **_resident_fields(src),
+        reselect=src.reselect,
     )

@@ -16,8 +16,8 @@ from typing import Annotated
 
 import typer
 
-from kvcert.integrations.vllm.launch import check_model, server_command
-from kvcert.integrations.vllm.settings import Settings
+from kvcert.integrations.vllm.launch import check_ledger_dir, check_model, server_command
+from kvcert.integrations.vllm.settings import Settings, ledger_dir
 from kvcert.models.zoo import ZOO, converted_dir
 
 DEFAULT_VLLM_PYTHON = Path(".venv-vllm") / "bin" / "python"
@@ -32,6 +32,13 @@ def serve(
     host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
     validate: Annotated[bool, typer.Option(help="also compute exact attention per read and count violations")] = False,
     records: Annotated[str | None, typer.Option(help="SQLite file for the per-request records")] = None,
+    ledger: Annotated[
+        str | None,
+        typer.Option(
+            help="request-ledger directory (ledger.db, ledger.json at shutdown) or 'off'; default: "
+            "'ledger/' beside the records file"
+        ),
+    ] = None,
     allow_uncertified: Annotated[
         bool, typer.Option(help="serve layers/models kvcert cannot certify with vLLM's own attention")
     ] = False,
@@ -42,9 +49,11 @@ def serve(
     """Serve a model through vLLM with every decode read certified by kvcert."""
     try:
         records_path = records or str(Path(tempfile.mkdtemp(prefix="kvcert-serve-")) / "records.sqlite")
-        settings = Settings(keys, values, gate, validate, records_path, None, allow_uncertified)
+        ledger_path = ledger_dir(str(Path(records_path).parent / "ledger") if ledger is None else ledger)
+        settings = Settings(keys, values, gate, validate, records_path, None, allow_uncertified, ledger_path)
         model_dir = converted_dir(model) if model in ZOO else Path(model)
         check_model(model_dir, allow_uncertified)
+        check_ledger_dir(settings.ledger)
         python = vllm_python or (str(DEFAULT_VLLM_PYTHON) if DEFAULT_VLLM_PYTHON.is_file() else sys.executable)
         argv, env = server_command(
             python,
@@ -59,6 +68,7 @@ def serve(
         typer.echo(f"kvcert serve: {exc}", err=True)
         raise typer.Exit(2) from None
     typer.echo(f"kvcert serve: records in {records_path}", err=True)
+    typer.echo(f"kvcert serve: ledger {'off' if ledger_path is None else 'in ' + ledger_path}", err=True)
     if dry_run:
         typer.echo(" ".join(argv))
         return

@@ -34,6 +34,8 @@ class Scheme:
     key_options: tuple[tuple[str, object], ...] = ()
     resident: float | None = None  # resident set fraction (``CertifiedCache(resident=)``)
     select: Callable[[], EvictionPolicy] | None = None  # builds the resident set's policy, one per request
+    summary: str = "int8"  # storage form of the omitted pages' summaries (``CertifiedCache(summary=)``)
+    recall: str = "persistent"  # recalled pages kept within the device budget or paged in per read (``recall=``)
     witness: Witness = DEFAULT_WITNESS  # storage of the write-time witnesses (``CertifiedCache(witness=)``)
     device_budget: float | None = 1.0  # ``CertifiedCache(device_budget=)`` (its default: never above fp16)
 
@@ -132,6 +134,8 @@ def run_branches(
             key_options=dict(scheme.key_options),
             resident=scheme.resident,
             select=None if scheme.select is None else scheme.select(),
+            summary=scheme.summary,
+            recall=scheme.recall,
             witness=scheme.witness,
             device_budget=scheme.device_budget,
         )

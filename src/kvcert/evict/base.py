@@ -102,7 +102,7 @@ def causal_attention(queries: Tensor, keys: Tensor) -> Tensor:
     k = keys.to(F64).repeat_interleave(g, dim=1)
     logits = queries.to(F64) @ k.transpose(-1, -2) / math.sqrt(queries.shape[-1])
     s = queries.shape[2]
-    mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+    mask = torch.ones(s, s, dtype=torch.bool, device=queries.device).triu(1)
     return torch.softmax(logits.masked_fill(mask, -math.inf), dim=-1)
 
 

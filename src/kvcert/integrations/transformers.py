@@ -48,12 +48,11 @@ from kvcert.attention.read_path import (
     slot_mask,
 )
 from kvcert.attention.resident import OmittedPages, ResidentRecord
-from kvcert.bounds import dither_witness_moments
 from kvcert.bounds.rope import Pairing
-from kvcert.cache.events import CacheObserver, WriteEvent
+from kvcert.cache.events import CacheObserver, last_write_event
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import DEFAULT_WITNESS, LayerStore, Witness
-from kvcert.cache.telemetry import CacheReadings, Telemetry, assemble
+from kvcert.cache.telemetry import CacheReadings, ReselectStats, Telemetry, assemble
 from kvcert.evict import EvictionPolicy, RunTrace
 from kvcert.integrations.attention_impl import register_attention
 from kvcert.integrations.cache_config import GateConfig, StorageConfig, ValidationConfig
@@ -98,22 +97,6 @@ def kvcert_attention(
     if kwargs.get("softcap") is not None:
         raise ValueError("kvcert attention does not support attention logit soft-capping")
     return cache._read(module, layer, query, key, value, attention_mask, scaling, kwargs), None
-
-
-def _dither_moments(store: LayerStore, lo: int, hi: int) -> dict[str, torch.Tensor]:
-    """E-process inputs ``(witness_mean, witness_c)`` of the dither writes ``[lo, hi)`` (empty if not dithered)."""
-    if store.k_steps is None:
-        return {}
-    codec = store.key_codec
-    mask = None if codec.channel_mask is None else codec.channel_mask.view(1, -1, 1, codec.channel_mask.shape[-1])
-    mean, c = dither_witness_moments(
-        store.k_steps.view()[:, :, lo:hi].to(torch.float64),
-        codec.group_size,
-        store.bands,
-        store.pairing,
-        channel_mask=mask,
-    )
-    return {"witness_mean": mean, "witness_c": c}
 
 
 class CertifiedLayer(CacheLayerMixin):
@@ -338,6 +321,12 @@ class CertifiedCache(Cache):
         recall: with ``resident``: ``"persistent"`` (default) keeps recalled pages on the device within
             ``device_budget`` (paged in, and counted, once while held); ``"transient"`` pages them in for the read
             that needs them only.
+        reselect: with ``resident``: every ``reselect`` decode steps (before the write of each step ``s`` with
+            ``s % reselect == 0``) re-select every (layer, KV head)'s resident set over all its tokens with the
+            ``select`` policy scored on the exact host keys (key-proxy attention), at the resident fraction:
+            chosen omitted tokens are promoted into the device store, the others summarised again
+            (``docs/eviction.md``, "Re-selection of the resident set"); counts in :attr:`reselect_stats`. Needs
+            non-dithered codecs. ``None`` (default): the prefill's selection stays.
     """
 
     def __init__(
@@ -373,6 +362,7 @@ class CertifiedCache(Cache):
         summary: str = "int8",
         witness: Witness = DEFAULT_WITNESS,
         recall: str = "persistent",
+        reselect: int | None = None,
     ) -> None:
         self.family = _model_family(model)
         cfg: Any = model.config
@@ -429,6 +419,7 @@ class CertifiedCache(Cache):
             self.gate,
             certify,
             recall,
+            reselect,
         )
         stores = [layer.store for layer in layers]
         self.eviction.check(stores, any(layer.is_sliding for layer in layers), self.ladder, validate)
@@ -486,6 +477,13 @@ class CertifiedCache(Cache):
     def resident(self) -> float | None:
         """The resident fraction (``None``: no resident set)."""
         return self.eviction.resident
+
+    @property
+    def reselect_stats(self) -> ReselectStats | None:
+        """What periodic re-selection of the resident set moved so far (``None`` without ``reselect=``)."""
+        if self._evictor is None or self.eviction.reselect is None:
+            return None
+        return self._evictor.reselect_stats
 
     @property
     def run_trace(self) -> RunTrace | None:
@@ -611,21 +609,10 @@ class CertifiedCache(Cache):
         return rows, (rows < 0) if self.require_identity else torch.zeros(b, dtype=torch.bool, device=device)
 
     def _notify_write(self, store: LayerStore, rows: torch.Tensor, nonfinite_before: int) -> None:
-        """Send the :class:`WriteEvent` of the entries the last write encoded to every observer."""
-        assert store.k is not None
-        lo, hi = store.k.n_encoded - store.k.last_encoded, store.k.n_encoded
-        ev = WriteEvent(
-            layer=store.layer,
-            rows=rows.clone(),
-            positions=store.positions.view()[:, 0, lo:hi].clone(),  # logical (= base + slot w/o eviction)
-            compressed=~store.k.exact.view()[:, :, lo:hi].clone(),
-            witness=store.k_band.view()[:, :, lo:hi].sum(-1).clone(),
-            value_witness=store.v_res.view()[:, :, lo:hi].clone(),
-            codec=self.key_codec_name,
-            tier_b=self.tier_b,
-            nonfinite=store.nonfinite - nonfinite_before,
-            **_dither_moments(store, lo, hi),
-        )
+        """Send the :class:`~kvcert.cache.events.WriteEvent` of the entries the last write encoded to every observer."""
+        ev = last_write_event(store, rows, store.nonfinite - nonfinite_before)
+        if ev is None:
+            return
         for obs in self.observers:
             obs.on_write(ev)
 
@@ -785,6 +772,7 @@ class CertifiedCache(Cache):
                 bytes_summary=sum(p.summary_nbytes for p in self._pages.values()),
                 bytes_held=sum(p.nbytes - p.summary_nbytes for p in self._pages.values()),
                 resident_records=None if self.resident is None else self.resident_records,
+                reselect=self.reselect_stats,
             )
         )
 

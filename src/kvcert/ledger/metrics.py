@@ -8,7 +8,8 @@ Every gauge is labelled with the model and its tier: the counters are exact coun
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -18,6 +19,7 @@ from prometheus_client.registry import Collector
 from kvcert.ledger.ledger import Ledger
 
 _GAUGES: tuple[tuple[str, str, str, str], ...] = (
+    ("kvcert_ledger_requests", "n_user_requests", "certified", "request accounts with reads"),
     ("kvcert_ledger_coverage", "coverage", "empirical", "fraction of reads served compressed"),
     ("kvcert_ledger_fallback_rate", "fallback_rate", "empirical", "fraction of written entries kept exact"),
     ("kvcert_ledger_delta_spent_max", "delta_spent_max", "certified", "largest per-request delta spent"),
@@ -40,6 +42,27 @@ _GAUGES: tuple[tuple[str, str, str, str], ...] = (
 )
 
 
+def ledger_families(summaries: Mapping[str, Mapping[str, Any]]) -> Iterator[GaugeMetricFamily]:
+    """The ``kvcert_ledger_*`` families of :meth:`Ledger.summary` outputs, one sample per model (also what
+    the vLLM plugin's ``/metrics`` exports from the engine's published summary)."""
+    for name, key, tier, doc in _GAUGES:
+        g = GaugeMetricFamily(name, doc, labels=["model", "tier"])
+        for m, s in summaries.items():
+            g.add_metric([m, tier], float(s[key]))
+        yield g
+    g = GaugeMetricFamily(
+        "kvcert_ledger_eprocess_log_m",
+        "global e-process log M (current and max)",
+        labels=["model", "tier", "stat"],
+    )
+    for m, s in summaries.items():
+        e = s["eprocess"]
+        g.add_metric([m, "certified", "current"], float(e["log_m"]))
+        g.add_metric([m, "certified", "max"], float("nan") if e["log_m_max"] is None else float(e["log_m_max"]))
+        g.add_metric([m, "certified", "crossed"], float(e["crossed"]))
+    yield g
+
+
 class LedgerCollector(Collector):
     """Collects the gauges of several ledgers (one per model) at scrape time."""
 
@@ -48,23 +71,7 @@ class LedgerCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         """Yield one family per quantity, one sample per model."""
-        summaries = {m: led.summary() for m, led in self.ledgers.items()}
-        for name, key, tier, doc in _GAUGES:
-            g = GaugeMetricFamily(name, doc, labels=["model", "tier"])
-            for m, s in summaries.items():
-                g.add_metric([m, tier], float(s[key]))
-            yield g
-        g = GaugeMetricFamily(
-            "kvcert_ledger_eprocess_log_m",
-            "global e-process log M (current and max)",
-            labels=["model", "tier", "stat"],
-        )
-        for m, s in summaries.items():
-            e = s["eprocess"]
-            g.add_metric([m, "certified", "current"], float(e["log_m"]))
-            g.add_metric([m, "certified", "max"], float("nan") if e["log_m_max"] is None else float(e["log_m_max"]))
-            g.add_metric([m, "certified", "crossed"], float(e["crossed"]))
-        yield g
+        yield from ledger_families({m: led.summary() for m, led in self.ledgers.items()})
 
 
 def serve_metrics(ledgers: dict[str, Ledger], port: int = 0) -> tuple[WSGIServer, threading.Thread, int]:

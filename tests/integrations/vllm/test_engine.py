@@ -3,7 +3,8 @@
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the tests read the plugin's runtime
 directly. Two prompts are generated in one ``generate`` call (continuous batching: both sequences in every
 step) with ``Gate.certified(tau=0)`` in validate mode, then the same prompts with the plugin passed through
-(``Runtime.active = False``: vLLM's own CPU backend, untouched) as the reference.
+(``Runtime.active = False``: vLLM's own CPU backend, untouched) as the reference. The request ledger is on
+(``KVCERT_VLLM_LEDGER``): each request id must have its own account fed by its cache events.
 """
 
 import math
@@ -27,10 +28,11 @@ ENV = {
 
 
 @pytest.fixture(scope="module")
-def served():
+def served(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         for k, v in ENV.items():
             mp.setenv(k, v)
+        mp.setenv("KVCERT_VLLM_LEDGER", str(tmp_path_factory.mktemp("ledger")))
         from vllm import LLM, SamplingParams
 
         from kvcert.models.zoo import converted_dir
@@ -107,3 +109,19 @@ def test_finished_requests_free_their_stores_and_pass_through_stores_nothing(ser
     rt = served["rt"]
     assert rt.sequences == {}  # the kvcert requests were freed; the pass-through run created no store
     assert len(rt.finished) == len(PROMPTS)
+
+
+def test_each_request_has_its_own_ledger_account(served):
+    rt = served["rt"]
+    assert rt.ledger is not None and rt.ledger.leases == {}  # leases released when the requests finished
+    records = [_record(rt, o.request_id) for o in served["outs"]]
+    uids = [r.ledger_uid for r in records]
+    assert None not in uids and len(set(uids)) == len(PROMPTS)
+    assert len({r.ledger_pool for r in records}) == len(PROMPTS)  # concurrent requests: separate lanes
+    summary = rt.ledger.summary()
+    assert summary["n_user_requests"] == len(PROMPTS)
+    assert summary["n_read_unwritten"] == summary["n_read_stale"] == summary["n_read_foreign_owner"] == 0
+    for rec in records:
+        acc = rt.ledger.account(rec.ledger_uid)
+        assert acc["n_reads"] > 0 and acc["n_read_compressed"] > 0 and acc["n_written"] > 0
+        assert rec.ledger_incidents == 0 and 0 < rec.ledger_delta_spent <= rt.ledger.ledger.delta_req  # dithered keys

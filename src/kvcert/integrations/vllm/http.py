@@ -5,10 +5,16 @@ server, which imports this module in the API server process. The middleware adds
 non-streaming ``/v1/completions`` and ``/v1/chat/completions`` JSON response: the request's record
 (:meth:`~kvcert.integrations.vllm.records.RequestRecord.summary`), read from the records file the engine
 writes (``KVCERT_VLLM_RECORDS``) by the response id (the engine's ids extend it with per-choice suffixes; the
-records of all of them are merged). Streaming responses pass through unchanged.
+records of all of them are merged). A streaming response (``"stream": true``) gets the same field in one extra
+event before ``data: [DONE]`` (:mod:`kvcert.integrations.vllm.sse`). When the plugin serves uncertified
+(``--allow-uncertified`` on a platform it cannot certify) the field says so instead: ``{"certified": false,
+"reason": ...}``.
 
 Importing this module also registers :class:`RecordCollector` in prometheus_client's default registry, which
-vLLM's ``/metrics`` serves (single API server); the collector reads the records file at scrape time.
+vLLM's ``/metrics`` serves (single API server); the collector reads the records file at scrape time: the
+``kvcert_*`` series over the request records and, when the request ledger is on, the ``kvcert_ledger_*`` series
+of the engine's ledger summary (published into the records file by the engine at most every 0.5 s,
+:mod:`kvcert.integrations.vllm.ledger_feed`), labelled ``model="vllm"``.
 """
 
 from __future__ import annotations
@@ -21,15 +27,27 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
+from kvcert.integrations.vllm.plugin import uncertified_reason
 from kvcert.integrations.vllm.records import RecordStore, RequestRecord, merge
+from kvcert.integrations.vllm.runtime import LEDGER_SUMMARY
 from kvcert.integrations.vllm.settings import RECORDS
+from kvcert.integrations.vllm.sse import annotate_stream
+from kvcert.ledger.metrics import ledger_families
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
 FIELD = "kvcert"
 
 _STORE: list[RecordStore] = []
+_UNCERTIFIED: list[str | None] = []
+
+
+def _uncertified() -> str | None:
+    """Why this server's responses are uncertified (``None``: certified), computed once per process."""
+    if not _UNCERTIFIED:
+        _UNCERTIFIED.append(uncertified_reason())
+    return _UNCERTIFIED[0]
 
 
 def record_store() -> RecordStore:
@@ -44,24 +62,35 @@ def record_store() -> RecordStore:
 
 def response_record(response_id: str) -> dict[str, object]:
     """The response field for ``response_id``: the merged summary of its engine requests, or an ``error`` entry
-    when the engine wrote none (e.g. the plugin served no layer of it)."""
+    when the engine wrote none (e.g. the plugin served no layer of it); ``{"certified": False, "reason": ...}``
+    when the plugin serves uncertified."""
+    reason = _uncertified()
+    if reason is not None:
+        return {"certified": False, "reason": reason}
     records = record_store().matching(response_id)
     if not records:
         return {"error": f"no kvcert record for {response_id!r}"}
     summary = merge(records, response_id).summary()
     summary.pop("finished", None)
     summary["engine_requests"] = sorted(r.request_id for r in records)
+    uids = sorted(r.ledger_uid for r in records if r.ledger_uid is not None)
+    if uids:
+        summary["ledger_uids"] = uids
+    summary["certified"] = True
     return summary
 
 
 async def certificate_middleware(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-    """Add the ``"kvcert"`` field to non-streaming completion responses (see the module docstring)."""
+    """Add the ``"kvcert"`` field to completion responses, streaming or not (see the module docstring)."""
     response = await call_next(request)
-    if (
-        request.url.path not in PATHS
-        or response.status_code != 200
-        or not response.headers.get("content-type", "").startswith("application/json")
-    ):
+    kind = response.headers.get("content-type", "")
+    if request.url.path not in PATHS or response.status_code != 200:
+        return response
+    if kind.startswith("text/event-stream"):
+        headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
+        stream = annotate_stream(response.body_iterator, response_record)  # type: ignore[attr-defined]
+        return StreamingResponse(stream, response.status_code, headers, media_type="text/event-stream")
+    if not kind.startswith("application/json"):
         return response
     body = b"".join([chunk async for chunk in response.body_iterator])  # type: ignore[attr-defined]
     data = json.loads(body)
@@ -78,7 +107,7 @@ class RecordCollector(Collector):
     validate-mode checks against exact attention."""
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        """One sample per family, summed / maximised over the records."""
+        """One sample per family, summed / maximised over the records; then the ledger's families."""
         path = os.environ.get(RECORDS)
         records: list[RequestRecord] = record_store().all() if path else []
         total = merge(records, "all")
@@ -123,6 +152,9 @@ class RecordCollector(Collector):
             g = GaugeMetricFamily(name, doc, labels=["tier"])
             g.add_metric([tier], float(level))
             yield g
+        summary = record_store().get_meta(LEDGER_SUMMARY) if path else None
+        if isinstance(summary, dict):
+            yield from ledger_families({"vllm": summary})
 
 
 REGISTRY.register(RecordCollector())

@@ -7,6 +7,8 @@ entry point in the interpreter that has vLLM installed, with
 * ``--no-enable-prefix-caching`` (a cached prefix would skip kvcert's store; the backend refuses it),
 * ``--middleware kvcert.integrations.vllm.http.certificate_middleware`` (response field + ``/metrics``),
 * ``--enforce-eager`` (no compile warm-up on CPU) and ``--dtype float32`` unless overridden,
+* ``--shutdown-timeout`` (30 s): on SIGTERM vLLM lets the engine and its worker exit gracefully instead of
+  killing them at once (its default, 0), so the worker's request ledger writes ``ledger.json`` and closes its log,
 * ``VLLM_CPU_KVCACHE_SPACE`` (GiB, default 1) and ``VLLM_CPU_OMP_THREADS_BIND=nobind`` unless already set.
 """
 
@@ -43,6 +45,20 @@ def check_model(model_dir: Path, allow_uncertified: bool) -> str:
     return model_type
 
 
+def check_ledger_dir(directory: str | None) -> str | None:
+    """``--ledger``: the directory (created if missing) or ``None``; ``ValueError`` if it already holds a ledger
+    log (a run never continues or merges into another run's log silently) or is not a directory."""
+    if directory is None:
+        return None
+    d = Path(directory)
+    if d.exists() and not d.is_dir():
+        raise ValueError(f"--ledger: {d} exists and is not a directory")
+    if (d / "ledger.db").exists():
+        raise ValueError(f"--ledger: {d} already holds a ledger log (ledger.db); pass a new directory")
+    d.mkdir(parents=True, exist_ok=True)
+    return str(d)
+
+
 def server_command(
     python: str,
     model_dir: Path,
@@ -53,6 +69,7 @@ def server_command(
     served_name: str | None = None,
     max_model_len: int = 4096,
     dtype: str = "float32",
+    shutdown_timeout: int = 30,
     extra: Sequence[str] = (),
     base_env: Mapping[str, str] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
@@ -78,6 +95,8 @@ def server_command(
         str(max_model_len),
         "--no-enable-prefix-caching",
         "--enforce-eager",
+        "--shutdown-timeout",
+        str(shutdown_timeout),
         "--middleware",
         MIDDLEWARE,
     ]

@@ -9,7 +9,10 @@ Tiers of the fields: ``max_certificate``, ``max_certificate_pre`` and ``cells_ov
 distance between served and exact attention); ``repaired_reads``, ``bytes_paged``, ``exact_reads`` and
 ``prefill_tokens`` are exact counts of what the plugin did; ``coverage`` is an **empirical** share of this
 request's traffic; ``violations`` / ``max_true_tv`` exist only in validate mode (measured against exact
-attention recomputed from the host tier). ``device_bytes`` / ``fp16_bytes`` / ``host_bytes`` are measured from
+attention recomputed from the host tier). ``ledger_*`` exist when the request ledger is on
+(:mod:`kvcert.integrations.vllm.ledger_feed`): the request's account UID and lane pool, the δ its account
+spent (certified: an upper bound on the failure budget used) and its located read incidents (unwritten, stale or
+foreign-owner slot reads; 0 expected). ``device_bytes`` / ``fp16_bytes`` / ``host_bytes`` are measured from
 kvcert's stores after each step of the request (:meth:`~kvcert.cache.store.LayerStore.bytes_device` etc., summed over
 layers): kvcert's compressed tier, what an fp16 cache would hold, and the exact host tier — vLLM's own paged
 cache is allocated beside them and is not reduced.
@@ -53,6 +56,10 @@ class RequestRecord:
     device_bytes: int = 0
     fp16_bytes: int = 0
     host_bytes: int = 0
+    ledger_uid: int | None = None
+    ledger_pool: str | None = None
+    ledger_delta_spent: float = 0.0
+    ledger_incidents: int = 0
     finished: bool = False
 
     @property
@@ -77,6 +84,8 @@ class RequestRecord:
             "coverage": "empirical",
             "fallback_share": "empirical",
             "violations": "measured (validate mode)",
+            "ledger_delta_spent": "certified",
+            "ledger_incidents": "exact",
         }
         return out
 
@@ -100,6 +109,7 @@ class RecordStore:
         self._conn = sqlite3.connect(self.path, timeout=30.0, check_same_thread=False, isolation_level=None)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("CREATE TABLE IF NOT EXISTS records (request_id TEXT PRIMARY KEY, body TEXT NOT NULL)")
+        self._conn.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, body TEXT NOT NULL)")
 
     def put(self, records: list[RequestRecord]) -> None:
         """Insert or replace ``records`` in one transaction."""
@@ -121,6 +131,17 @@ class RecordStore:
             ).fetchall()
         return [RequestRecord.from_json(body) for (body,) in rows]
 
+    def put_meta(self, key: str, value: object) -> None:
+        """Store a JSON value under ``key`` (e.g. the engine's ledger summary)."""
+        with self._lock:
+            self._conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))
+
+    def get_meta(self, key: str) -> object | None:
+        """The JSON value stored under ``key`` (``None`` if absent)."""
+        with self._lock:
+            row = self._conn.execute("SELECT body FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else json.loads(row[0])
+
     def all(self) -> list[RequestRecord]:
         """Every record."""
         with self._lock:
@@ -130,14 +151,16 @@ class RecordStore:
 
 def merge(records: list[RequestRecord], request_id: str) -> RequestRecord:
     """One record for a response made of several engine requests (e.g. ``n > 1`` choices): counts add up,
-    maxima take the maximum."""
+    maxima (and each account's δ spent) take the maximum; the ledger UID and pool are kept only for one record."""
     out = RequestRecord(request_id, tau=records[0].tau if records else None)
+    if len(records) == 1:
+        out.ledger_uid, out.ledger_pool = records[0].ledger_uid, records[0].ledger_pool
     for r in records:
         for f in fields(RequestRecord):
-            if f.name in ("request_id", "tau"):
+            if f.name in ("request_id", "tau", "ledger_uid", "ledger_pool"):
                 continue
             a, b = getattr(out, f.name), getattr(r, f.name)
-            if f.name.startswith("max_"):
+            if f.name.startswith("max_") or f.name == "ledger_delta_spent":
                 setattr(out, f.name, max(a, b))
             elif f.name == "finished":
                 setattr(out, f.name, a or b)

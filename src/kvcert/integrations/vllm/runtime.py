@@ -24,6 +24,13 @@ A sequence is identified by vLLM's request id. A request seen for the first time
 (fail closed) instead of serving a read the store cannot certify. Stores are freed when vLLM reports the
 request finished (:meth:`Runtime.begin_step`); a request restarting at ``ctx = 0`` (preempted, recomputed)
 gets fresh stores.
+
+With a ledger directory (``KVCERT_VLLM_LEDGER``) every request also gets a ledger account and a cache observer
+(:class:`~kvcert.integrations.vllm.ledger_feed.ServingLedger`): each encoded write and each certified decode read
+is sent to it as the :class:`~kvcert.cache.events.WriteEvent` / :class:`~kvcert.cache.events.ReadEvent` the
+transformers cache would send (same builders), with the account UID as the request identity of the store rows
+(the dither key) and of the events. Decode reads that saw no compressed entry (``exact_reads``) read nothing
+from the compressed pool and send no event.
 """
 
 from __future__ import annotations
@@ -36,10 +43,12 @@ import torch
 
 from kvcert.attention.certified import ReadConfig, ReadResult
 from kvcert.attention.exact import ExactAttention
-from kvcert.attention.read_path import CertifiedReadPath
+from kvcert.attention.read_path import CertifiedReadPath, read_event
 from kvcert.bounds import uniform_split
+from kvcert.cache.events import last_write_event
 from kvcert.cache.store import LayerStore
 from kvcert.integrations.cache_config import StorageConfig
+from kvcert.integrations.vllm.ledger_feed import Lease, ServingLedger
 from kvcert.integrations.vllm.records import RecordStore, RequestRecord
 from kvcert.integrations.vllm.settings import Settings
 
@@ -49,6 +58,10 @@ WRITE_BLOCK = 16
 BANDS = 8
 DELTA_REQ = 1e-2
 MAX_STEPS = 256
+#: finished records kept in memory when there is no records file (in-process use); older ones are dropped
+FINISHED_KEPT = 1024
+#: key of the ledger summary in the records file's ``meta`` table (read by the API server's ``/metrics``)
+LEDGER_SUMMARY = "ledger_summary"
 
 
 @dataclass
@@ -68,12 +81,14 @@ class _Sequence:
     uid: int
     record: RequestRecord
     stores: dict[int, LayerStore] = field(default_factory=dict)
+    lease: Lease | None = None
+    ledger: ServingLedger | None = None  # the ledger that leased it (released there, also if detached since)
 
 
 class Runtime:
     """The plugin's state in one worker process (see the module docstring)."""
 
-    def __init__(self, settings: Settings, num_layers: int, num_heads: int) -> None:
+    def __init__(self, settings: Settings, num_layers: int, num_heads: int, *, register_exit: bool = True) -> None:
         self.delta_loc = uniform_split(DELTA_REQ, num_layers, num_heads, MAX_STEPS)
         self.configure(settings)
         self.active = True  # False: pass vLLM's own attention through untouched (tests' reference)
@@ -86,6 +101,14 @@ class Runtime:
         self._next_uid = 0
         self._dirty: set[str] = set()
         self.sink = None if settings.records is None else RecordStore(settings.records)
+        self.ledger: ServingLedger | None = None
+        if settings.ledger is not None:
+            publish = None if self.sink is None else self._publish_ledger
+            self.ledger = ServingLedger(settings.ledger, publish=publish, register_exit=register_exit)
+
+    def _publish_ledger(self, summary: dict[str, object]) -> None:
+        assert self.sink is not None
+        self.sink.put_meta(LEDGER_SUMMARY, summary)
 
     def configure(self, settings: Settings) -> None:
         """Use ``settings`` from now on: the gate and validate mode apply from the next read, the codecs to
@@ -108,12 +131,17 @@ class Runtime:
             seq = self.sequences.pop(rid, None)
             if seq is not None:
                 seq.record.finished = True
+                self._ledger_fields(seq)
                 done.append(seq.record)
                 self._dirty.discard(rid)
+                if seq.ledger is not None:
+                    seq.ledger.release(rid)
         if self.sink is not None:
             self.sink.put(done)
         else:
             self.finished.update((r.request_id, r) for r in done)
+            while len(self.finished) > FINISHED_KEPT:  # bounded: the oldest records go first
+                del self.finished[next(iter(self.finished))]
         self._rows = rows
         self.batch = None
 
@@ -128,11 +156,25 @@ class Runtime:
         live = [self.sequences[r] for r in self._dirty if r in self.sequences]
         for seq in live:
             _measure(seq)
+            self._ledger_fields(seq)
+        if self.ledger is not None and live:
+            self.ledger.touch()
         if self.sink is not None:
             self.sink.put([seq.record for seq in live])
         self._dirty.clear()
         self._rows = None
         self.batch = None
+
+    def _ledger_fields(self, seq: _Sequence) -> None:
+        """Copy the request's ledger account (δ spent, located read incidents) into its record."""
+        if seq.ledger is None or seq.lease is None:
+            return
+        acc = seq.ledger.account(seq.lease.uid)
+        rec = seq.record
+        rec.ledger_delta_spent = float(acc.get("delta_spent", 0.0))
+        rec.ledger_incidents = sum(
+            int(acc.get(k, 0)) for k in ("n_read_unwritten", "n_read_stale", "n_read_foreign_owner")
+        )
 
     def record(self, request_id: str) -> RequestRecord | None:
         """The current record of a live or finished request (in-process use)."""
@@ -150,8 +192,15 @@ class Runtime:
                     "certified. Disable prefix caching (--no-enable-prefix-caching)."
                 )
             record = seq.record if seq is not None else RequestRecord(rid, tau=self._tau())
-            seq = _Sequence(self._next_uid, record)
-            self._next_uid += 1
+            lease = None
+            if self.ledger is not None:  # a restarted request keeps its account, with a fresh observer
+                lease = self.ledger.lease(rid, None if seq is None or seq.lease is None else seq.lease.uid)
+                record.ledger_uid, record.ledger_pool = lease.uid, lease.pool
+                uid = lease.uid  # the dither and the ledger see the same request identity
+            else:
+                uid = self._next_uid
+                self._next_uid += 1
+            seq = _Sequence(uid, record, lease=lease, ledger=self.ledger if lease is not None else None)
             self.sequences[rid] = seq
         return seq
 
@@ -201,7 +250,12 @@ class Runtime:
             rows = torch.tensor([seq.uid], dtype=torch.int64)
             k = key[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
             v = value[lo:hi].transpose(0, 1).unsqueeze(0)
+            nonfinite = store.nonfinite
             store.append(k, v, rows, torch.zeros(1, dtype=torch.bool))
+            if seq.lease is not None:
+                ev = last_write_event(store, rows, store.nonfinite - nonfinite)
+                if ev is not None:
+                    seq.lease.observer.on_write(ev)
             self._dirty.add(rid)
             if n > 1 or ctx == 0:
                 if layer == 0:
@@ -223,6 +277,8 @@ class Runtime:
         mask = torch.ones(1, 1, 1, store.n, dtype=torch.bool)
         outcome = self.read_path.read(q, store, mask, scaling, _exact_attention(q, scaling), step=rec.decode_steps)
         out.copy_(outcome.out[0, 0].to(out.dtype))
+        if seq.lease is not None:
+            seq.lease.observer.on_read(read_event(store, outcome, torch.tensor([seq.uid], dtype=torch.int64)))
         self._account(seq, layer, outcome.result)
 
     def _account(self, seq: _Sequence, layer: int, res: ReadResult) -> None:

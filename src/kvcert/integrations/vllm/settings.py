@@ -11,8 +11,10 @@ variable                            meaning (default)
 ``KVCERT_VLLM_VALIDATE``            ``1``: also compute exact attention per read and count violations
 ``KVCERT_VLLM_RECORDS``             SQLite file the per-request records are written to (none)
 ``KVCERT_VLLM_SEED``                dither seed (random per process when unset)
-``KVCERT_VLLM_ALLOW_UNCERTIFIED``   ``1``: serve a model/layer the plugin cannot certify with vLLM's own
-                                    attention instead of refusing to start
+``KVCERT_VLLM_LEDGER``              directory of the request ledger (``ledger.db`` event log, ``ledger.json``
+                                    snapshot and ``summary.json`` at shutdown); unset or ``off``: no ledger
+``KVCERT_VLLM_ALLOW_UNCERTIFIED``   ``1``: serve a model/layer/platform the plugin cannot certify with vLLM's
+                                    own attention instead of refusing to start (responses say so)
 ==================================  =================================================================
 
 :meth:`Settings.from_env` validates everything (codec names, gate, seed) and raises ``ValueError`` naming the
@@ -36,6 +38,7 @@ GATE = "KVCERT_VLLM_GATE"
 VALIDATE = "KVCERT_VLLM_VALIDATE"
 RECORDS = "KVCERT_VLLM_RECORDS"
 SEED = "KVCERT_VLLM_SEED"
+LEDGER = "KVCERT_VLLM_LEDGER"
 ALLOW_UNCERTIFIED = "KVCERT_VLLM_ALLOW_UNCERTIFIED"
 
 #: Hugging Face ``model_type`` values whose attention the plugin certifies (RoPE ``rotate_half`` pairing,
@@ -81,8 +84,11 @@ class Settings:
     records: str | None = None
     seed: int | None = None
     allow_uncertified: bool = False
+    ledger: str | None = None
 
     def __post_init__(self) -> None:
+        if self.ledger == "off" or self.ledger == "":
+            raise ValueError(f"{LEDGER} / --ledger: pass None for no ledger, not {self.ledger!r}")
         axes: tuple[tuple[str, str, Literal["key", "value"]], ...] = (
             (KEYS, self.keys, "key"),
             (VALUES, self.values, "value"),
@@ -119,6 +125,7 @@ class Settings:
             records=env.get(RECORDS) or None,
             seed=seed_value,
             allow_uncertified=_flag(env, ALLOW_UNCERTIFIED),
+            ledger=ledger_dir(env.get(LEDGER)),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -135,7 +142,13 @@ class Settings:
             env[RECORDS] = self.records
         if self.seed is not None:
             env[SEED] = str(self.seed)
+        env[LEDGER] = "off" if self.ledger is None else self.ledger
         return env
+
+
+def ledger_dir(value: str | None) -> str | None:
+    """``--ledger`` / ``KVCERT_VLLM_LEDGER``: a directory, or ``None`` for ``off`` / empty / unset."""
+    return None if value is None or value in ("", "off") else value
 
 
 def enabled(env: Mapping[str, str] | None = None) -> bool:

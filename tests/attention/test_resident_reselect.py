@@ -1,0 +1,194 @@
+"""Periodic re-selection of a resident set (``CertifiedCache(..., resident=R, reselect=N)``): exactness at tau = 0,
+per-cell soundness in validate mode, what it moves and pages in, the device budget, bad arguments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvcert import Gate
+from kvcert.evict import H2O, RMM, SnapKV, StreamingLLM
+from kvcert.evict.base import prefill_kept_count
+from kvcert.integrations.transformers import CertifiedCache
+from kvcert.models.tiny import tiny_random
+
+torch.set_num_threads(1)
+
+PROMPT, STEPS = 40, 7
+POLICIES = {
+    "streaming": lambda: StreamingLLM(sinks=2),
+    "h2o": lambda: H2O(recent=3),
+    "snapkv": lambda: SnapKV(window=3, kernel=3),
+    "rmm": lambda: RMM(lag=3, kappa="uniform"),
+}
+
+
+def _ids(model, batch=2, seed=0):
+    return torch.randint(3, model.config.vocab_size, (batch, PROMPT), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def _decode(model, ids, cache, steps=STEPS, each=None):
+    out = model(ids, cache=cache, use_cache=True)
+    toks = []
+    for _ in range(steps):
+        nxt = out.logits[:, -1:].argmax(-1)
+        toks.append(nxt)
+        out = model(nxt, cache=cache, use_cache=True)
+        if each is not None:
+            each(cache)
+    return torch.cat(toks, 1)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {family: tiny_random(family, head_dim=32) for family in ("llama", "qwen2")}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_tau_zero_with_reselect_is_token_identical_to_dynamic_cache(models, family, policy):
+    model = models[family]
+    ids = _ids(model)
+    ref = _decode(model, ids, DynamicCache(config=model.config))
+    for every in (1, 3):
+        with CertifiedCache(
+            model,
+            keys="int4",
+            values="int4",
+            resident=0.25,
+            select=POLICIES[policy](),
+            gate=Gate.certified(0.0),
+            page_size=4,
+            reselect=every,
+        ) as cache:
+            assert torch.equal(_decode(model, ids, cache), ref)
+            stats = cache.reselect_stats
+            assert stats is not None and stats.reselections == model.config.num_hidden_layers * (STEPS // every)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("policy", ["h2o", "snapkv"])
+@pytest.mark.parametrize(("codec", "summary", "recall"), [("int4", "int8", "persistent"), ("none", "box", "transient")])
+def test_validate_mode_zero_violations_in_every_cell_with_reselect(models, family, policy, codec, summary, recall):
+    """Every (step, layer, row, query head) cell: true TV <= certificate, exact omitted mass <= its bound, with the
+    resident set re-selected every 2 decode steps (quantized and exact resident storage)."""
+    model = models[family]
+    ids = _ids(model, seed=1)
+    for gate in (Gate.off(), Gate.certified(0.3)):
+        with CertifiedCache(
+            model,
+            keys=codec,
+            values=codec,
+            resident=0.25,
+            select=POLICIES[policy](),
+            gate=gate,
+            validate=True,
+            page_size=4,
+            summary=summary,
+            recall=recall,
+            reselect=2,
+        ) as cache:
+            _decode(model, ids, cache)
+            tel = cache.telemetry()
+        rec = tel.recorded
+        assert tel.cells > 0 and tel.reselect is not None and tel.reselect.promoted > 0
+        assert tel.violations == 0 and tel.out_violations == 0 and tel.recall_violations == 0
+        assert bool((tel.true_tv[rec] <= tel.certificates[rec]).all())
+        assert tel.true_out_err is not None and tel.out_bound is not None
+        assert bool((tel.true_out_err[rec] <= tel.out_bound[rec]).all())
+        live = ~torch.isnan(tel.omitted_mass_bound)
+        assert bool(live.any()) and bool((tel.omitted_mass[live] <= tel.omitted_mass_bound[live]).all())
+        assert float(tel.true_tv[rec].max()) > 0.2  # the omitted tokens matter: a blind certificate would fail
+        if gate.mode == "certified":
+            assert bool((tel.served[rec] <= 0.3).all())
+
+
+def test_reselect_moves_tokens_pages_them_in_and_keeps_the_resident_fraction(models):
+    """Transient recall (nothing held): every promoted token is paged in (K and V in the host dtype); right after a
+    re-selection each (layer, KV head) holds ``ceil(R · T)`` tokens; ``bytes_paged`` includes the promotions."""
+    model = models["llama"]
+    ids = _ids(model, seed=2)
+    d, layers, hkv = 32, model.config.num_hidden_layers, model.config.num_key_value_heads
+    sizes = []
+    with CertifiedCache(
+        model,
+        keys="int8",
+        values="int8",
+        resident=0.25,
+        select=H2O(recent=3),
+        gate=Gate.certified(0.3),
+        page_size=4,
+        recall="transient",
+        reselect=3,
+    ) as cache:
+        _decode(model, ids, cache, each=lambda c: sizes.append([layer.store.n for layer in c._layers]))
+        tel = cache.telemetry()
+        stats = cache.reselect_stats
+    assert stats is not None and stats.promoted > 0 and stats.demoted > 0
+    assert stats.bytes_paged == stats.promoted * 2 * d * 4  # float32 host copies of the tiny model
+    s = tel.summary()
+    assert s["reselections"] == stats.reselections == layers * (STEPS // 3)
+    assert s["reselect_promoted"] == stats.promoted and s["reselect_bytes_paged"] == stats.bytes_paged
+    assert tel.bytes_paged >= tel.bytes_recalled + stats.bytes_paged
+    assert tel.tiers["reselect"].startswith("measured")
+    # the read of decode step s (s % 3 == 0) follows a re-selection over the PROMPT + s tokens written by then
+    for step in range(1, STEPS + 1):
+        if step % 3 == 0:
+            want = prefill_kept_count(PROMPT + step - 1, 0.75) + 1  # the re-selected set, then this step's token
+            assert sizes[step - 1] == [want] * layers
+    # tokens promoted and demoted balance the resident counts: prompt selection + decode tokens - net demotion
+    prefill = prefill_kept_count(PROMPT, 0.75)
+    assert sizes[-1][0] * 2 * hkv == (prefill + STEPS) * 2 * hkv + (stats.promoted - stats.demoted) // layers
+
+
+@pytest.mark.parametrize("codec", ["int4", "none"])
+def test_bytes_device_never_exceeds_the_device_budget_with_reselect(models, codec):
+    """After every decode step: bytes_device (stores + summaries + held pages) within device_budget x the context's
+    fp16 K/V, up to the tokens the later layers appended after the forward's budget check (the persistent-recall
+    contract of ``tests/attention/test_resident.py``: one exact float32 token per layer, row and KV head)."""
+    model = models["qwen2"]
+    ids = _ids(model, seed=3)
+    cfg = model.config
+    slack = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * 2 * 32 * 4
+    seen = []
+
+    def check(cache):
+        tel = cache.telemetry()
+        stores = sum(layer.store.bytes_device() for layer in cache.layers)
+        assert tel.bytes_device == stores + tel.bytes_summary + tel.bytes_held
+        seen.append(tel.bytes_device)
+        assert tel.bytes_device <= 1.0 * tel.bytes_fp16_context + slack
+
+    with CertifiedCache(
+        model,
+        keys=codec,
+        values=codec,
+        resident=0.25,
+        select=SnapKV(window=3, kernel=3),
+        gate=Gate.certified(0.05),
+        page_size=4,
+        device_budget=1.0,
+        reselect=2,
+    ) as cache:
+        _decode(model, ids, cache, each=check)
+        assert cache.reselect_stats is not None and cache.reselect_stats.reselections > 0
+    assert len(seen) == STEPS
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"reselect": 4}, "needs resident"),
+        ({"resident": 0.25, "reselect": 0}, "reselect must be a positive int"),
+        ({"resident": 0.25, "reselect": -2}, "reselect must be a positive int"),
+        ({"resident": 0.25, "reselect": 1.5}, "reselect must be a positive int"),
+        ({"resident": 0.25, "reselect": True}, "reselect must be a positive int"),
+        ({"resident": 0.25, "reselect": 2, "keys": "dither-int8"}, "dithered codec 'dither-int8'"),
+    ],
+)
+def test_bad_reselect_arguments_raise_clear_errors(models, kwargs, match):
+    args = {"keys": "int8", "values": "int8", "gate": Gate.certified(0.2), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        CertifiedCache(models["llama"], **args)

@@ -1,0 +1,164 @@
+"""``benchmarks/capacity_ruler.py`` with a resident set: options, journal config, and the byte accounting of every
+variant against the fp16 K/V of every token its request wrote (tiny random Llama, one RULER sample)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from kvcert.cache.gate import Gate
+from kvcert.cli.common import SchemeSpec
+
+torch.set_num_threads(1)
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "capacity_ruler.py"
+ARGS = [
+    "--model",
+    "tiny:llama",
+    "--schemes",
+    "int4",
+    "--tasks",
+    "niah_single_1",
+    "--samples",
+    "1",
+    "--context",
+    "512",
+    "--seed",
+    "0",
+    "--max-new-tokens",
+    "4",
+    "--resamples",
+    "100",
+    "--validate",
+    "--device-budget",
+    "0.5",
+]
+RESIDENT = ["--resident", "0.25", "--select", "streaming", "--summary", "int8", "--recall", "transient"]
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("capacity_ruler", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def _main(bench: ModuleType, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["capacity_ruler.py", *argv])
+    bench.main()
+
+
+@pytest.fixture(scope="module")
+def run(bench: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("capacity") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        _main(bench, [*ARGS, *RESIDENT, "--out", str(out)], mp)
+    return out, json.loads((out / "results.json").read_text())
+
+
+def _v(variant: dict[str, Any], key: str) -> Any:
+    return variant[key]["value"]
+
+
+def test_resident_variants_carry_every_option(bench: ModuleType) -> None:
+    opts = bench.ResidentOptions(0.25, "h2o", "box", "transient", (SchemeSpec("int8", "int2"),))
+    schemes = bench.variants([SchemeSpec("int4", "int4")], Gate.off(), False, True, 0.33, opts)
+    assert [s.name for s in schemes] == ["dense", "int4+gate", "int8/int2+resident"]
+    kept = schemes[-1]
+    assert (kept.keys, kept.values, kept.resident, kept.summary, kept.recall) == (
+        "int8",
+        "int2",
+        0.25,
+        "box",
+        "transient",
+    )
+    assert kept.device_budget == 0.33 and kept.validate and kept.gate.describe() == "certified(tau=0.2, head)"
+    assert kept.select is not None and type(kept.select()).__name__ == "H2O"
+    assert bench.variants([SchemeSpec("int4", "int4")], Gate.off(), True, False, None)[-1].resident is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--select", "snapkv"], "--select describe the resident variants"),
+        (["--recall", "transient", "--summary", "box"], "--summary, --recall describe the resident variants"),
+        (["--resident", "1.5"], "--resident must be a fraction in (0, 1]"),
+        (["--resident", "0"], "--resident must be a fraction in (0, 1]"),
+        (["--resident", "0.25", "--recall", "sometimes"], "invalid choice: 'sometimes'"),
+    ],
+)
+def test_bad_resident_options_are_refused(
+    bench: ModuleType, extra: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args([*ARGS, *extra, "--out", "unused"])
+    assert exc.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_every_number_is_against_the_requests_fp16_kv(run: tuple[Path, dict[str, Any]]) -> None:
+    out, doc = run
+    variants = doc["results"]["variants"]
+    assert {k: v["kind"] for k, v in variants.items()} == {
+        "dense": "dense",
+        "int4": "raw",
+        "int4+gate": "gated",
+        "int4+resident": "resident",
+    }
+    assert doc["config"]["resident"] == {
+        "fraction": 0.25,
+        "select": "streaming",
+        "summary": "int8",
+        "recall": "transient",
+        "schemes": ["int4"],
+    }
+    plain, kept = variants["int4+gate"], variants["int4+resident"]
+    # one context, one denominator: the resident variant's request fp16 is every written token, not its resident
+    # quarter (its bytes_fp16), and equals what the plain scheme holds
+    context = _v(kept, "bytes_fp16_request")
+    assert context == _v(kept, "bytes_fp16_context") == _v(plain, "bytes_fp16_request") == _v(plain, "bytes_fp16")
+    assert _v(kept, "bytes_fp16") < 0.4 * context
+    fp16_token = _v(variants["dense"], "bytes_per_token_fp16")
+    for v in (plain, kept, variants["int4"]):
+        cap = _v(v, "capacity_request")
+        assert cap == pytest.approx(_v(v, "bytes_fp16_request") / _v(v, "bytes_device"))
+        assert _v(v, "bytes_per_token_device_request") == pytest.approx(fp16_token / cap)
+        assert _v(v, "page_in_request") == pytest.approx(_v(v, "page_in_bytes") / _v(v, "bytes_fp16_request"))
+        steps = _v(v, "decode_steps")
+        assert 1 <= steps <= 3  # 4 new tokens: the first comes from the exact prefill
+        assert _v(v, "page_in_per_step") == pytest.approx(_v(v, "page_in_request") / steps)  # one sample
+        assert {v[k]["tier"] for k in v if k.endswith("_request") or k.endswith("_per_step")} == {"empirical"}
+        assert _v(v, "violations") == 0
+    assert _v(kept, "capacity_request") == pytest.approx(_v(kept, "capacity_context"))
+    # against its resident quarter alone the capacity would read about 4x smaller
+    assert _v(kept, "capacity_request") > 2 * _v(kept, "capacity")
+    assert _v(kept, "bytes_recalled") > 0  # transient recall pays on every read that needs a page
+    assert _v(kept, "recall_per_step") == pytest.approx(
+        _v(kept, "bytes_recalled") / (context * _v(kept, "decode_steps"))
+    )
+    assert _v(kept, "recall_violations") == 0
+    assert "recall_per_step" not in plain
+    assert _v(variants["dense"], "capacity_request") == 1.0
+    summary = (out / "summary.txt").read_text()
+    assert "issue-17 targets per resident variant" in summary and "issue-16 targets" in summary
+    row = next(line for line in summary.splitlines() if line.startswith("| int4+resident | certified"))
+    assert f"| {_v(kept, 'capacity_request'):.4g} |" in row
+    assert (out / "capacity.png").is_file()
+
+
+def test_a_different_resident_config_is_refused_in_the_same_out(
+    bench: ModuleType, run: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out, _ = run
+    other = [*RESIDENT[:-1], "persistent"]
+    with pytest.raises(ValueError, match="resident"):
+        _main(bench, [*ARGS, *other, "--out", str(out)], monkeypatch)

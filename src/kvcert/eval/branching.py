@@ -34,6 +34,7 @@ class Scheme:
     key_options: tuple[tuple[str, object], ...] = ()
     resident: float | None = None  # resident set fraction (``CertifiedCache(resident=)``)
     select: Callable[[], EvictionPolicy] | None = None  # builds the resident set's policy, one per request
+    reselect: int | None = None  # re-select the resident set every N decode steps (``CertifiedCache(reselect=)``)
     witness: Witness = DEFAULT_WITNESS  # storage of the write-time witnesses (``CertifiedCache(witness=)``)
     device_budget: float | None = 1.0  # ``CertifiedCache(device_budget=)`` (its default: never above fp16)
 
@@ -132,6 +133,7 @@ def run_branches(
             key_options=dict(scheme.key_options),
             resident=scheme.resident,
             select=None if scheme.select is None else scheme.select(),
+            reselect=scheme.reselect,
             witness=scheme.witness,
             device_budget=scheme.device_budget,
         )

@@ -58,6 +58,9 @@ RESIDENT_FIELDS = {
         (["--select", "snapkv"], "--select picks the resident set"),
         (["--resident", "0.25", "--gate", "risk:5"], "--resident needs --gate auto, off or certified:TAU"),
         (["--resident", "0.05"], "fewer than the 32 that --select snapkv protects"),  # 26 of 512 tokens kept
+        (["--reselect", "4"], "--reselect re-selects the resident set"),
+        (["--resident", "0.25", "--reselect", "0"], "--reselect must be a positive number"),
+        (["--resident", "0.25", "--reselect", "2", "--schemes", "dither-int8/int4"], "dithered codecs"),
     ],
 )
 def test_bad_resident_options_are_refused_before_loading(tmp_path: Path, args: list[str], needle: str) -> None:
@@ -196,3 +199,15 @@ def test_eval_resident_validate_reports_exact_omitted_mass_and_zero_violations(t
     assert kept["violations"]["value"] == 0
     assert 0.0 <= kept["max_omitted_mass"]["value"] <= kept["max_omitted_mass_bound"]["value"] <= 1.0
     assert kept["page_in_bytes"]["value"] >= kept["bytes_recalled"]["value"]
+
+
+def test_eval_reselect_reports_what_reselection_moved(tmp_path: Path) -> None:
+    out = tmp_path / "eval"
+    args = ["--gate", "certified:0.2", "--resident", "0.25", "--select", "streaming", "--reselect", "1"]
+    result = runner.invoke(app, ["eval", *TINY, *args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "results.json").read_text())
+    assert untiered_numbers(doc["results"]) == [] and doc["config"]["reselect"] == 1
+    kept = doc["results"]["variants"]["int4+resident"]
+    assert kept["reselections"]["value"] > 0 and kept["reselect_promoted"]["tier"] == "empirical"
+    assert kept["reselect_bytes_paged"]["value"] >= 0

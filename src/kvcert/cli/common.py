@@ -178,23 +178,36 @@ def parse_gate(text: str) -> Gate | None:
 class ResidentPlan:
     """Resident variants of a RULER job: each listed scheme also runs with a resident set of ``fraction`` of
     its tokens chosen by ``select`` (a :data:`SELECT_POLICIES` name), gated by ``gate`` (``certified(τ)`` at
-    head granularity, or ``off``: certificates without recall)."""
+    head granularity, or ``off``: certificates without recall), re-selected every ``reselect`` decode steps
+    (``None``: never)."""
 
     fraction: float
     select: str
     gate: Gate
     specs: tuple[SchemeSpec, ...]
+    reselect: int | None = None
 
     def policy(self) -> EvictionPolicy:
         """A fresh selection policy for one request."""
         return SELECT_POLICIES[self.select]()
 
 
-def check_resident_options(resident: float | None, select: str | None) -> None:
-    """``--resident`` in (0, 1] and ``--select`` a known policy (only together with ``--resident``);
-    ``ValueError`` naming the option otherwise."""
+def check_resident_options(
+    resident: float | None, select: str | None, reselect: int | None = None, specs: tuple[SchemeSpec, ...] = ()
+) -> None:
+    """``--resident`` in (0, 1], ``--select`` a known policy and ``--reselect`` a positive step count (both only
+    together with ``--resident``; ``--reselect`` not with a dithered codec in ``specs``); ``ValueError`` naming the
+    option otherwise."""
     if resident is not None and not 0.0 < resident <= 1.0:
         raise ValueError(f"--resident must be a fraction in (0, 1], got {resident}")
+    if reselect is not None:
+        if resident is None:
+            raise ValueError("--reselect re-selects the resident set: pass --resident <fraction in (0, 1]> with it")
+        if reselect < 1:
+            raise ValueError(f"--reselect must be a positive number of decode steps, got {reselect}")
+        dithered = sorted({c for s in specs for c in (s.keys, s.values) if BUILTINS[c]().needs_key})
+        if dithered:
+            raise ValueError(f"--reselect cannot re-encode promoted tokens with dithered codecs {dithered}")
     if select is not None:
         if resident is None:
             raise ValueError("--select picks the resident set: pass --resident <fraction in (0, 1]> with it")

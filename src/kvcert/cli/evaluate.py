@@ -68,6 +68,13 @@ def evaluate(
             help=f"resident-set policy: {' | '.join(SELECT_POLICIES)} (default {DEFAULT_SELECT}; needs --resident)",
         ),
     ] = None,
+    reselect: Annotated[
+        int | None,
+        typer.Option(
+            help="re-select each resident set every N decode steps over all its tokens (needs --resident; "
+            "not with dithered codecs)",
+        ),
+    ] = None,
     validate: Annotated[
         bool,
         typer.Option(
@@ -83,11 +90,11 @@ def evaluate(
         tasks = parse_task_option(task)
         specs = parse_storage(parse_schemes(schemes), witness, device_budget)
         chosen = parse_gate(gate)
-        check_resident_options(resident, select)
+        check_resident_options(resident, select, reselect, tuple(specs))
         plan = (
             None
             if resident is None
-            else ResidentPlan(resident, select or DEFAULT_SELECT, resident_gate(chosen), tuple(specs))
+            else ResidentPlan(resident, select or DEFAULT_SELECT, resident_gate(chosen), tuple(specs), reselect)
         )
     job = RulerJob(
         "eval",

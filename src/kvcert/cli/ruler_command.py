@@ -54,6 +54,7 @@ class RulerJob:
             "out": str(self.out),
             "resident": None if self.resident is None else self.resident.fraction,
             "select": None if self.resident is None else self.resident.select,
+            "reselect": None if self.resident is None else self.resident.reselect,
             "resident_gate": None if self.resident is None else self.resident.gate.describe(),
             "resident_schemes": [] if self.resident is None else [s.label for s in self.resident.specs],
             "validate": self.validate,

@@ -95,6 +95,11 @@ def resident_numbers(tels: list[Telemetry]) -> dict[str, Any]:
         "capacity_context": tiered(fp16 / device if device else float("nan"), EMPIRICAL),
         "recall_ratio": tiered(recalled / fp16 if fp16 else float("nan"), EMPIRICAL),
     }
+    stats = [t.reselect for t in tels if t.reselect is not None]
+    if stats:  # --reselect: what re-selection moved and paged in (sums, measured)
+        out["reselections"] = tiered(sum(s.reselections for s in stats), EMPIRICAL)
+        out["reselect_promoted"] = tiered(sum(s.promoted for s in stats), EMPIRICAL)
+        out["reselect_bytes_paged"] = tiered(sum(s.bytes_paged for s in stats), EMPIRICAL)
     if tels[0].omitted_mass is not None:
         out["max_omitted_mass"] = tiered(_max_cell(tels, "omitted_mass"), EMPIRICAL)
         out["recall_violations"] = tiered(sum(t.recall_violations for t in tels), EMPIRICAL)

@@ -119,6 +119,7 @@ def run_workload(
                 validate=validate,
                 resident=resident.fraction,
                 select=resident.policy,
+                reselect=resident.reselect,
             )
             for s in resident.specs
         ]

@@ -36,6 +36,7 @@ class Scheme:
     select: Callable[[], EvictionPolicy] | None = None  # builds the resident set's policy, one per request
     summary: str = "int8"  # storage form of the omitted pages' summaries (``CertifiedCache(summary=)``)
     recall: str = "persistent"  # recalled pages kept within the device budget or paged in per read (``recall=``)
+    reselect: int | None = None  # re-select the resident set every N decode steps (``CertifiedCache(reselect=)``)
     witness: Witness = DEFAULT_WITNESS  # storage of the write-time witnesses (``CertifiedCache(witness=)``)
     device_budget: float | None = 1.0  # ``CertifiedCache(device_budget=)`` (its default: never above fp16)
 
@@ -136,6 +137,7 @@ def run_branches(
             select=None if scheme.select is None else scheme.select(),
             summary=scheme.summary,
             recall=scheme.recall,
+            reselect=scheme.reselect,
             witness=scheme.witness,
             device_budget=scheme.device_budget,
         )

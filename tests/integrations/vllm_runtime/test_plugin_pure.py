@@ -103,3 +103,12 @@ def test_serve_ledger_option(tmp_path):
     (tmp_path / "ledger" / "ledger.db").write_bytes(b"x")
     res = CliRunner().invoke(app, base)
     assert res.exit_code == 2 and "already holds a ledger log" in res.output
+
+
+def test_server_command_lets_the_worker_close_its_ledger(tmp_path):
+    from kvcert.integrations.vllm.launch import server_command
+
+    s = Settings(records=str(tmp_path / "r.sqlite"), ledger=str(tmp_path / "led"))
+    argv, env = server_command("py", tmp_path, s, port=8123, base_env={})
+    assert argv[argv.index("--shutdown-timeout") + 1] == "30"  # graceful exit: ledger.json written, log closed
+    assert env[LEDGER] == str(tmp_path / "led")

@@ -8,6 +8,7 @@ the server writes the ledger's snapshot, which ``kvcert ledger gate`` accepts ag
 the module; the tests only read it, except the last, which stops it.
 """
 
+import fcntl
 import json
 import os
 import signal
@@ -96,6 +97,23 @@ def _stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
+
+
+def _wait_closed(ledger, timeout_s: float = 120.0) -> None:
+    """Wait until the worker process has closed the ledger's log: it holds ``ledger.db.lock`` until then, and it may
+    still be closing after the API server process (the one ``proc`` waits for) has exited."""
+    deadline = time.monotonic() + timeout_s
+    fd = os.open(ledger / "ledger.db.lock", os.O_RDWR)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                assert time.monotonic() < deadline, f"the ledger log was not closed {timeout_s} s after the server"
+                time.sleep(0.5)
+    finally:
+        os.close(fd)
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +234,7 @@ def test_shutdown_writes_a_ledger_the_gate_accepts(proc_and_base, all_responses)
     proc, _, tmp = proc_and_base
     _stop(proc)  # the last test of the module: the server is stopped here
     ledger = tmp / "ledger"
+    _wait_closed(ledger)
     summary = json.loads((ledger / "summary.json").read_text())
     assert summary["n_user_requests"] == len(all_responses) and summary["live_requests"] == 0
     res = CliRunner().invoke(ledger_app, ["gate", str(ledger), "--requests", str(len(all_responses))])

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from resident_cases import POLICIES, greedy_decode, prompt_ids
 from torch.overrides import TorchFunctionMode
 
 from kvcert import Gate
 from kvcert.cache import recall
-from kvcert.evict import H2O, RMM, SnapKV, StreamingLLM
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models.tiny import tiny_random
 
@@ -85,25 +85,13 @@ class FactoryRecorder(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-POLICIES = {
-    "streaming": lambda: StreamingLLM(sinks=2),
-    "h2o": lambda: H2O(recent=3),
-    "snapkv": lambda: SnapKV(window=3, kernel=3),
-    "rmm": lambda: RMM(lag=3, kappa="uniform"),
-}
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny_random("llama", head_dim=32)
 
 
-@torch.no_grad()
-def _decode(model, cache, steps: int = 4, prompt: int = 40) -> None:
-    ids = torch.randint(3, model.config.vocab_size, (2, prompt), generator=torch.Generator().manual_seed(0))
-    out = model(ids, cache=cache, use_cache=True)
-    for _ in range(steps):
-        out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+def _decode(model, cache, steps: int = 4) -> None:
+    greedy_decode(model, prompt_ids(model, batch=2), cache, steps)
 
 
 def _record(model, watched: tuple[Path, ...] = WATCHED, **kw) -> list[str]:

@@ -1,0 +1,56 @@
+"""Shared cases of the resident-set tests: the eviction policies a resident set is selected by, prompts, a greedy
+decode through a cache, and the per-cell soundness checks of a validate-mode run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvcert.evict import H2O, RMM, SnapKV, StreamingLLM
+from kvcert.evict.base import EvictionPolicy
+
+PROMPT = 40
+#: the resident set's selection policies, small enough windows for the tiny models' 40-token prompts
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "streaming": lambda: StreamingLLM(sinks=2),
+    "h2o": lambda: H2O(recent=3),
+    "snapkv": lambda: SnapKV(window=3, kernel=3),
+    "rmm": lambda: RMM(lag=3, kappa="uniform"),
+}
+
+
+def prompt_ids(model, n: int = PROMPT, batch: int = 1, seed: int = 0) -> torch.Tensor:
+    """``[batch, n]`` random token ids (no special tokens) from a seeded generator."""
+    return torch.randint(3, model.config.vocab_size, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def greedy_decode(model, ids: torch.Tensor, cache, steps: int, each: Callable | None = None) -> torch.Tensor:
+    """Prefill ``ids`` into ``cache``, then ``steps`` greedy tokens ``[batch, steps]``; ``each(cache)`` after every
+    decode forward."""
+    out = model(ids, cache=cache, use_cache=True)
+    toks = []
+    for _ in range(steps):
+        nxt = out.logits[:, -1:].argmax(-1)
+        toks.append(nxt)
+        out = model(nxt, cache=cache, use_cache=True)
+        if each is not None:
+            each(cache)
+    return torch.cat(toks, 1)
+
+
+def assert_sound_in_every_cell(tel) -> None:
+    """Validate-mode telemetry of a resident run, checked per recorded (step, layer, row, query head) cell: true TV
+    against attention over EVERY token (omitted ones too) <= certificate, true output error <= output bound, exact
+    omitted mass <= its bound; and the omitted tokens matter (some true TV > 0.2), so a certificate blind to them
+    would have been caught."""
+    rec = tel.recorded
+    assert tel.cells > 0
+    assert tel.violations == 0 and tel.out_violations == 0 and tel.recall_violations == 0
+    assert bool((tel.true_tv[rec] <= tel.certificates[rec]).all())
+    assert tel.true_out_err is not None and tel.out_bound is not None
+    assert bool((tel.true_out_err[rec] <= tel.out_bound[rec]).all())
+    live = ~torch.isnan(tel.omitted_mass_bound)
+    assert bool(live.any()) and bool((tel.omitted_mass[live] <= tel.omitted_mass_bound[live]).all())
+    assert float(tel.true_tv[rec].max()) > 0.2

@@ -59,13 +59,19 @@ def test_a_negative_pool_hands_held_pages_back():
     assert h.pages_of(0, 2).tolist() == [0] and h.pool.free == 3
 
 
-def test_hold_whole_pages_keeps_only_pages_whose_tokens_were_all_held():
-    h = _held(pages=3, size=4)  # pages of 4, 4 and 1 tokens
-    tokens = torch.zeros(2, 3, 9, dtype=torch.bool)
-    tokens[0, 0, :4] = True  # page 0 whole
-    tokens[0, 0, 4:7] = True  # page 1 short of one token
-    tokens[1, 2, 8] = True  # the short last page whole
+def test_carry_holds_the_pages_the_carried_tokens_fill_and_completes_a_partial_page_within_the_pool():
+    """Pages of 4, 4 and 1 tokens; the carried tokens come first in the archive. Whole pages are held without a
+    charge; a partial page is completed (its other tokens paged in, charged to the pool) while the pool has room,
+    granted in (row, head) order up to the first that does not fit; otherwise its carried tokens go back to the
+    summary."""
+    h = _held(pages=3, size=4, free=4)
+    carried = torch.tensor([[4, 6, 0], [9, 1, 3]])  # tokens carried per (row, head)
     score = torch.arange(9, dtype=torch.float64).expand(2, 3, 9)
-    h.hold_whole_pages(tokens, score)
-    assert h.pages_of(0, 0).tolist() == [0] and h.pages_of(1, 2).tolist() == [2]
-    assert float(h.score[0, 0, 0]) == 3.0 and float(h.score[0, 0, 1]) == 0.0 and h.tokens == 5
+    fill = h.carry(carried, score)
+    # (0, 1): 6 = one page + 2, completed with 2 tokens; (1, 1): 1 token, completing needs 3 > the 2 left: released
+    assert fill.tolist() == [[0, 2, 0], [0, 0, 0]] and h.pool.free == 2
+    assert h.pages_of(0, 0).tolist() == [0] and h.pages_of(0, 1).tolist() == [0, 1]
+    assert h.pages_of(1, 0).tolist() == [0, 1, 2] and h.pages_of(1, 1).numel() == 0
+    assert h.pages_of(1, 2).numel() == 0  # needs 1, but grants stop at the first that does not fit
+    assert float(h.score[0, 0, 0]) == 3.0 and float(h.score[1, 0, 2]) == 8.0 and float(h.score[0, 2, 0]) == 0.0
+    assert h.tokens == 4 + 8 + 9

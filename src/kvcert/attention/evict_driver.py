@@ -19,14 +19,19 @@ import torch
 
 from kvcert.attention.certified import group_heads, masked_logits, probs64
 from kvcert.attention.read_path import slot_mask
-from kvcert.attention.resident import OmittedPages, can_omit, carry_held, check_resident, summarize_omitted
+from kvcert.attention.resident import OmittedPages, can_omit, check_resident, held_by_position, summarize_omitted
 from kvcert.cache.gate import Gate
 from kvcert.cache.recall import RecallPool
 from kvcert.cache.store import LayerStore
 from kvcert.cache.telemetry import EvictRecord, ReselectStats
 from kvcert.evict import RMM, EvictionPolicy, RunTrace, SnapKV, aggregate_gqa, causal_attention, serving_reading
 
-__all__ = ["EvictionConfig", "EvictionDriver", "default_select", "grouped_probs"]
+F64 = torch.float64
+
+__all__ = ["RESELECT_SCORES", "DecodeScores", "EvictionConfig", "EvictionDriver", "default_select", "grouped_probs"]
+
+#: what a re-selection ranks tokens by: the real decode queries' attention, or the exact keys against themselves
+RESELECT_SCORES: tuple[str, ...] = ("key_proxy", "decode")
 
 
 def default_select() -> EvictionPolicy:
@@ -55,7 +60,8 @@ class EvictionConfig:
     ``compression_ratio`` (prefill compression); ``belady``: record the run's exact trace (validate + budget
     mode); ``resident``: the resident fraction of a resident set (then ``policy`` selects it and
     ``compression_ratio = 1 − resident``), its omitted pages summarised in ``page_size`` tokens as ``summary``;
-    ``reselect``: re-select the resident set every ``reselect`` decode steps (``None``: never).
+    ``reselect``: re-select the resident set every ``reselect`` decode steps (``None``: never), ranking tokens by
+    ``reselect_score`` (:data:`RESELECT_SCORES`: ``"key_proxy"`` or ``"decode"``, see :class:`DecodeScores`).
     """
 
     policy: EvictionPolicy | None = None
@@ -68,6 +74,7 @@ class EvictionConfig:
     summary: str = "int8"
     recall: str = "persistent"
     reselect: int | None = None
+    reselect_score: str = "key_proxy"
 
     @classmethod
     def of(
@@ -85,12 +92,15 @@ class EvictionConfig:
         certify: bool,
         recall: str = "persistent",
         reselect: int | None = None,
+        reselect_score: str = "key_proxy",
     ) -> EvictionConfig:
         """The configuration of the cache's keywords: a resident set is prefill compression by ``select``
         (default :func:`default_select`) that keeps the omitted tokens on the host. Each error names the argument.
         """
         if reselect is not None and (isinstance(reselect, bool) or not isinstance(reselect, int) or reselect < 1):
             raise ValueError(f"reselect must be a positive int (decode steps between re-selections), got {reselect!r}")
+        if reselect_score not in RESELECT_SCORES:
+            raise ValueError(f"reselect_score must be one of {', '.join(RESELECT_SCORES)}, got {reselect_score!r}")
         if resident is None:
             if reselect is not None:
                 raise ValueError("reselect=N re-selects a resident set: it needs resident=<fraction in (0, 1]>")
@@ -104,7 +114,9 @@ class EvictionConfig:
             )
         fraction = check_resident(resident, gate, certify, page_size, summary, recall)
         policy = select if select is not None else default_select()
-        return cls(policy, None, 1.0 - fraction, chunk, belady, fraction, page_size, summary, recall, reselect)
+        return cls(
+            policy, None, 1.0 - fraction, chunk, belady, fraction, page_size, summary, recall, reselect, reselect_score
+        )
 
     def check(self, stores: Sequence[LayerStore], sliding: bool, ladder: bool, validate: bool) -> None:
         """Fail closed on settings that cannot be honoured by these stores (each message names the argument)."""
@@ -168,6 +180,60 @@ class EvictionConfig:
             )
 
 
+class DecodeScores:
+    """What the decode queries attended to, per layer, (row, KV head) and logical position: the ranking of a
+    re-selection with ``reselect_score="decode"`` (``docs/eviction.md``, "Re-selection of the resident set").
+
+    Each resident read after the prefill adds, for every token it can see, the largest attention any of the KV
+    head's query heads paid it (summed over the read's queries), and counts the queries that saw it. The attention
+    is estimated from the device tier alone, at no page-in: a softmax of the query against the resident tokens'
+    served keys and the omitted tokens' summary point estimates (:meth:`OmittedPages.key_estimate`). A token's
+    score is the mean over the queries that saw it (every decode query weighs the same, and a token written late is
+    not outranked for having been seen less often); the maximum over the group, because the gate recalls for a KV
+    head when any of its query heads' cells is above ``tau``. No bound relies on it: it only decides which tokens are
+    resident. Buffers live on the store's device and grow with the logical length.
+    """
+
+    def __init__(self) -> None:
+        self._sum: dict[int, torch.Tensor] = {}  # [B, Hkv, L] float64: summed max-over-group attention
+        self._seen: dict[int, torch.Tensor] = {}  # [B, Hkv, L] float64: queries that saw the position
+
+    def observe(
+        self, store: LayerStore, pages: OmittedPages, query: torch.Tensor, logical: torch.Tensor, scaling: float
+    ) -> None:
+        """Add one read of ``query[B, Hq, Q, D]`` (visibility ``logical[B, 1, Q, T]``) of a layer with omitted
+        ``pages``."""
+        assert store.k is not None
+        served = torch.nan_to_num(store.k.served.view(), 0.0, 0.0, 0.0)  # fail-closed entries rank as zero keys
+        keys = torch.cat([served, pages.key_estimate().to(served.device)], 2)
+        positions = torch.cat([store.positions.view(), store.evicted["positions"].view()], 2).to(served.device)
+        mask = slot_mask(logical, positions)  # [B, Hkv, Q, S]
+        p = grouped_probs(query, keys, mask, scaling)  # [B, Hkv, G, Q, S]
+        dev = p.device
+        length = store.appended
+        layer = store.layer
+        total, seen = self._sum.get(layer), self._seen.get(layer)
+        if total is None or seen is None:
+            total = seen = torch.zeros(*positions.shape[:2], 0, dtype=F64, device=dev)
+        grow = (0, length - total.shape[-1])
+        total, seen = torch.nn.functional.pad(total, grow), torch.nn.functional.pad(seen, grow)
+        at = positions.to(dev)
+        self._sum[layer] = total.scatter_add(-1, at, p.amax(2).sum(2))
+        self._seen[layer] = seen.scatter_add(-1, at, mask.to(dev, F64).sum(2))
+
+    def mean(self, layer: int, length: int) -> torch.Tensor:
+        """``[B, Hkv, length]``: each position's mean attention over the decode queries that saw it (0 if none)."""
+        total, seen = self._sum[layer], self._seen[layer]
+        grow = (0, length - total.shape[-1])
+        total, seen = torch.nn.functional.pad(total, grow), torch.nn.functional.pad(seen, grow)
+        return total / seen.clamp(min=1.0)
+
+    def clear(self) -> None:
+        """Forget every layer (a new request)."""
+        self._sum.clear()
+        self._seen.clear()
+
+
 class EvictionDriver:
     """Runs a cache's eviction policy (``cfg.policy`` not ``None``) over its layers' stores.
 
@@ -186,6 +252,8 @@ class EvictionDriver:
         # a resident set's persistent recall: the room the device budget leaves for held pages (None: transient)
         self.recall_pool = RecallPool() if cfg.resident is not None and cfg.recall == "persistent" else None
         self.reselect_stats = ReselectStats()  # what periodic re-selection moved (cfg.reselect)
+        # re-selection ranked by the decode queries: what they attended to, accumulated at every resident read
+        self.decode_scores = DecodeScores() if cfg.reselect is not None and cfg.reselect_score == "decode" else None
         self._last_attn: dict[int, torch.Tensor] = {}  # last served row [B, Hkv, S] (mean over G) per layer
         self._prefilled: set[int] = set()  # layers whose prefill compression was applied
 
@@ -249,6 +317,8 @@ class EvictionDriver:
                 last = grouped_probs(query[:, :, -1:], served_k, mask[:, :, -1:], scaling)
                 self._last_attn[store.layer] = last[:, :, :, 0].mean(2)
             self._compress_prefill(store, attn, step)
+        elif self.decode_scores is not None and store.layer in self.pages:
+            self.decode_scores.observe(store, self.pages[store.layer], query, logical, scaling)
         self._prefilled.add(store.layer)
 
     def ingest(self, store: LayerStore, keys: torch.Tensor, attn: torch.Tensor | None, step: int) -> None:
@@ -291,6 +361,8 @@ class EvictionDriver:
         """Forget the policy's and the driver's per-request state (the cache serves a new request)."""
         self.pages.clear()
         self.policy.reset()
+        if self.decode_scores is not None:
+            self.decode_scores.clear()
         self.kappa_groups = []
         self.prefill_kappa = None
         self._last_attn.clear()
@@ -346,12 +418,15 @@ class EvictionDriver:
 
     def _reselect(self, store: LayerStore) -> None:
         """Re-select one layer's resident set over every token written so far (``docs/eviction.md``,
-        "Re-selection of the resident set"): the policy's ``prefill_keep`` over all keys in position order (host
-        tier, exact), scored with the key-proxy attention ``softmax(k_s·k_i/√D)`` (causal, per KV head; the queries
-        that would score them are not kept) and kept at the resident fraction; the chosen omitted tokens are
-        promoted (encoded from their exact originals into the device store), the resident ones not chosen demoted
-        to the archive, which is re-summarised in position order. Held pages still wholly omitted stay held
-        (:func:`~kvcert.attention.resident.carry_held`). Counts go to :attr:`reselect_stats`."""
+        "Re-selection of the resident set"), at the resident fraction, the policy's protected tokens (sinks, recent
+        window) first. ``reselect_score="key_proxy"``: the policy's ``prefill_keep`` over all exact host keys in
+        position order, scored with the key-proxy attention ``softmax(k_s·k_i/√D)`` (causal, per KV head);
+        ``"decode"``: the rest ranked by what the decode queries attended to (:class:`DecodeScores`). The chosen
+        omitted tokens are promoted (encoded from their exact originals into the device store), the resident ones
+        not chosen demoted to the archive, which is re-summarised with the tokens held on the device before that
+        stay omitted first (in position order, then the others in position order), so they fill whole pages and stay
+        held (:meth:`~kvcert.cache.recall.HeldPages.carry`). Counts go to :attr:`reselect_stats`; page-in: the
+        promoted tokens not held before and the tokens paged in to complete a held page."""
         assert store.k is not None and store.v is not None and self.cfg.compression_ratio is not None
         ev, n = store.evicted, store.n
         keys = torch.cat([store.k.host.view(), ev["k"].view()], 2)
@@ -359,27 +434,39 @@ class EvictionDriver:
         positions = torch.cat([store.positions.view(), ev["positions"].view()], 2).to(keys.device)
         # resident and archive hold every position 0..T-1 once per head: the sorted index is the position
         order = positions.argsort(-1)
-        ks = keys.gather(2, order[..., None].expand_as(keys))
-        vs = values.gather(2, order[..., None].expand_as(values))
-        attn = causal_attention(ks, ks) if self.policy.needs_attention else None
-        kappa = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.float64, device=keys.device)
-        keep = self.policy.prefill_keep(store.layer, ks, vs, self.cfg.compression_ratio, attn=attn, kappa=kappa)
+        ratio = self.cfg.compression_ratio
+        if self.decode_scores is not None:
+            ranked = self.decode_scores.mean(store.layer, store.appended)
+            keep = self.policy.keep_ranked(ranked, ratio).to(order.device)
+        else:
+            ks = keys.gather(2, order[..., None].expand_as(keys))
+            vs = values.gather(2, order[..., None].expand_as(values))
+            attn = causal_attention(ks, ks) if self.policy.needs_attention else None
+            kappa = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.float64, device=keys.device)
+            keep = self.policy.prefill_keep(store.layer, ks, vs, ratio, attn=attn, kappa=kappa)
         chosen = order.gather(2, keep.to(order.device)).sort(-1).values  # slots of [resident, archive]
-        before, before_pos = self.pages[store.layer], ev["positions"].view().clone()
+        before = self.pages[store.layer]
+        held_at, score_at = held_by_position(before, ev["positions"].view(), store.appended)
         # the reference encodes the whole archive and keeps the chosen slots (a per-token codec gives a token the
         # same code either way); only the promoted tokens count as paged in
         store.promote(ev["k"].view(), ev["v"].view(), ev["positions"].view())
         store.evicted = {}
         store.gather(chosen.to(store.positions.view().device), retain_evicted=True)
-        by_position = store.evicted["positions"].view().argsort(-1)
+        archive = store.evicted["positions"].view().to(held_at.device)
+        carried = held_at.gather(-1, archive)
+        # held tokens that stay omitted first, then the rest, each in position order: the held ones fill whole pages
+        by_key = (archive + (~carried).to(torch.int64) * store.appended).argsort(-1)
         for buf in store.evicted.values():
-            buf.gather(by_position.to(buf.view().device))
+            buf.gather(by_key.to(buf.view().device))
         after = summarize_omitted(store, self.cfg.page_size, self.cfg.summary, self.recall_pool)
-        held_at = carry_held(before, before_pos, after, store.evicted["positions"].view(), store.appended)
+        filled = 0
+        if after.held is not None:
+            archive = archive.gather(-1, by_key)
+            filled = int(after.held.carry(carried.sum(-1), score_at.gather(-1, archive)).sum())
         self.pages[store.layer] = after
         promoted = chosen >= n
         was_held = held_at.gather(-1, positions.gather(2, chosen).to(held_at.device)).to(promoted.device)
-        paged = int((promoted & ~was_held).sum())
+        paged = int((promoted & ~was_held).sum()) + filled
         stats = self.reselect_stats
         stats.reselections += 1
         stats.promoted += int(promoted.sum())

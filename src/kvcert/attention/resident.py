@@ -103,6 +103,16 @@ class OmittedPages:
     k_norm: torch.Tensor
     held: HeldPages | None = None
 
+    def key_estimate(self) -> torch.Tensor:
+        """A point estimate ``[B, Hkv, N, D]`` (float32, on the device) of every omitted key from the summary alone:
+        the int8 sketch's ``k̂_t = scale_t · codes_t``, or the centre of the token's page box. No host read; it
+        only ranks tokens (:class:`~kvcert.attention.evict_driver.DecodeScores`), no bound relies on it."""
+        if self.sketch is not None:
+            return self.sketch.codes.to(torch.float32) * self.sketch.scale.unsqueeze(-1)
+        assert self.box is not None
+        n = int(self.box.count.sum())
+        return self.box.centre.to(torch.float32).repeat_interleave(self.page_size, -2)[..., :n, :]
+
     @property
     def summary_nbytes(self) -> int:
         """Device bytes of the summary (counted as device bytes, separately from the KV codes)."""
@@ -141,28 +151,21 @@ def summarize_omitted(
     )
 
 
-def carry_held(
-    before: OmittedPages, before_pos: torch.Tensor, after: OmittedPages, after_pos: torch.Tensor, length: int
-) -> torch.Tensor:
-    """After a re-selection of the resident set: hold in ``after`` every page whose tokens were all held on the
-    device in ``before`` (matched by logical position: ``before_pos`` / ``after_pos`` ``[B, Hkv, N]`` the two
-    archives' positions); return ``[B, Hkv, length]`` bool over logical positions: held before the
-    re-selection (a promoted token held there needs no page-in). Held pages whose tokens became resident, or
-    whose tokens no longer fill a whole page of the new archive, go back to their summaries (sound: a summary
-    always covers every omitted token)."""
-    if before.held is None:
-        return torch.zeros(*before_pos.shape[:2], length, dtype=torch.bool, device=before_pos.device)
-    held = before.held
-    n, ps = before_pos.shape[-1], before.page_size
-    dev = held.held.device
-    pos, new_pos = before_pos.to(dev), after_pos.to(dev)
-    tokens = held.held.repeat_interleave(ps, -1)[..., :n]
-    score = held.score.repeat_interleave(ps, -1)[..., :n]
-    held_at = torch.zeros(*pos.shape[:2], length, dtype=torch.bool, device=dev).scatter(-1, pos, tokens)
-    score_at = torch.zeros(*pos.shape[:2], length, dtype=torch.float64, device=dev).scatter(-1, pos, score)
-    if after.held is not None and new_pos.shape[-1]:
-        after.held.hold_whole_pages(held_at.gather(-1, new_pos), score_at.gather(-1, new_pos))
-    return held_at.to(before_pos.device)
+def held_by_position(pages: OmittedPages, archive_pos: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(held, score)`` ``[B, Hkv, length]`` over logical positions: which tokens of ``pages``' archive (logical
+    positions ``archive_pos[B, Hkv, N]``, archive order) are held on the device and the score of the page holding
+    them (False / 0 elsewhere, and everywhere under transient recall). A re-selection reads it before it re-pages
+    the archive: a promoted token held there needs no page-in, a held token that stays omitted stays held
+    (:meth:`~kvcert.cache.recall.HeldPages.carry`)."""
+    dev = archive_pos.device if pages.held is None else pages.held.held.device
+    held_at = torch.zeros(*archive_pos.shape[:2], length, dtype=torch.bool, device=dev)
+    score_at = torch.zeros(*archive_pos.shape[:2], length, dtype=F64, device=dev)
+    if pages.held is None:
+        return held_at, score_at
+    n, ps, pos = archive_pos.shape[-1], pages.page_size, archive_pos.to(dev)
+    tokens = pages.held.held.repeat_interleave(ps, -1)[..., :n]
+    score = pages.held.score.repeat_interleave(ps, -1)[..., :n]
+    return held_at.scatter(-1, pos, tokens), score_at.scatter(-1, pos, score)
 
 
 def refresh_pool(pool: RecallPool, stores: list[LayerStore], pages: list[OmittedPages]) -> None:

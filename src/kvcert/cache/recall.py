@@ -88,17 +88,29 @@ class HeldPages:
         self.pool.free -= int(self.counts[self.held[row, head]].sum()) - own
         return read[~before[read]]
 
-    def hold_whole_pages(self, tokens: torch.Tensor, score: torch.Tensor) -> None:
-        """Hold exactly the pages whose tokens are all marked in ``tokens[B, Hkv, N]`` (archive order, ``N`` the
-        sum of ``counts``), scored by the largest ``score[B, Hkv, N]`` of their tokens: after a re-selection, the
-        pages of the new archive that were wholly on the device already. The pool is not charged (the tokens were
-        held before; the next refresh recomputes it from the device bytes)."""
+    def carry(self, carried: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        """After a re-selection: the new archive puts each (row, head)'s ``carried[B, Hkv]`` tokens that were held
+        before (and stay omitted) first, so they fill its first pages; hold those pages, scored by the largest
+        ``score[B, Hkv, N]`` (archive order) of their tokens. A last page they fill only in part is held as well
+        when the pool has room for its other tokens (granted in (row, head) order up to the first that does not
+        fit, charged to the pool: those tokens are paged in); otherwise the carried tokens in it go back to their
+        summary (sound either way: the summary covers every omitted token). The carried tokens themselves are not
+        charged (they were held before; the next refresh recomputes the pool from the device bytes). Replaces what
+        was held; returns ``[B, Hkv]`` the tokens paged in to complete a page."""
         ps, pages = int(self.counts[0]), self.counts.shape[0]
-        pad = pages * ps - tokens.shape[-1]
-        whole = torch.nn.functional.pad(tokens.to(self.held.device), (0, pad), value=True)
-        best = torch.nn.functional.pad(score.to(self.score.device, torch.float64), (0, pad))
-        self.held = whole.reshape(*whole.shape[:-1], pages, ps).all(-1)
-        self.score = torch.where(self.held, best.reshape(*best.shape[:-1], pages, ps).amax(-1), 0.0)
+        dev = self.held.device
+        carried = carried.to(dev, torch.int64)
+        whole, rest = carried // ps, carried % ps
+        part = rest > 0
+        fill = torch.where(part, self.counts[whole.clamp(max=pages - 1)] - rest, 0)
+        granted = part & (fill.flatten().cumsum(0) <= self.pool.free).view(fill.shape)
+        fill = torch.where(granted, fill, 0)
+        self.held = torch.arange(pages, device=dev) < (whole + granted.to(torch.int64)).unsqueeze(-1)
+        pad = pages * ps - score.shape[-1]
+        best = torch.nn.functional.pad(score.to(dev, torch.float64), (0, pad)).reshape(*self.held.shape, ps)
+        self.score = torch.where(self.held, best.amax(-1), 0.0)
+        self.pool.free -= int(fill.sum())
+        return fill
 
     @property
     def tokens(self) -> int:

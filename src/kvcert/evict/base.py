@@ -542,6 +542,23 @@ class EvictionPolicy(ABC):
         scores = self._prefill_scores(layer, attn_kv, positions, kappa)
         return keep_top(scores, self._protected(positions, now), kept)
 
+    def keep_ranked(self, scores: Tensor, ratio: float) -> Tensor:
+        """Sorted indices ``[B, Hkv, C]`` of the items to keep among ``S`` items at positions ``0..S-1`` ranked by
+        ``scores[B, Hkv, S]`` (any device; the result is on it), ``C = prefill_kept_count(S, ratio)``: the items
+        this policy protects after a prefill of ``S`` (sinks, recent window) first, then the highest scores, ties to
+        the lower position — :meth:`prefill_keep`'s rule with scores from elsewhere. Torch only (no host copy)."""
+        b, h, s = scores.shape
+        kept = prefill_kept_count(s, ratio)
+        positions = torch.arange(s, device=scores.device).expand(b, h, s)
+        if kept == s:
+            return positions.clone()
+        now = torch.full((b,), s - 1, dtype=torch.long, device=scores.device)
+        protected = self._protected(positions, now)
+        n_protected = int(protected.sum(-1).max())
+        if n_protected > kept:
+            raise _too_small(kept, n_protected)
+        return _mask_indices(_top_mask(scores.to(F64).masked_fill(protected, math.inf), kept), kept)
+
     @staticmethod
     def _prefill_attention(keys: Tensor, attn: Tensor | None, queries: Tensor | None) -> Tensor:
         if attn is None:

@@ -326,7 +326,12 @@ class CertifiedCache(Cache):
             ``select`` policy scored on the exact host keys (key-proxy attention), at the resident fraction:
             chosen omitted tokens are promoted into the device store, the others summarised again
             (``docs/eviction.md``, "Re-selection of the resident set"); counts in :attr:`reselect_stats`. Needs
-            non-dithered codecs. ``None`` (default): the prefill's selection stays.
+            non-dithered codecs. ``None`` (default): the prefill's selection stays. Held pages whose tokens stay
+            omitted stay held across the re-paging of the archive.
+        reselect_score: with ``reselect``: what a re-selection ranks tokens by (after the policy's protected sinks
+            and recent window): ``"key_proxy"`` (default; ``select``'s own score over the key-proxy attention) or
+            ``"decode"`` (the attention the decode queries paid each token, accumulated at every resident read from
+            the served keys and the summary's point estimates; no page-in). Any other value raises ``ValueError``.
     """
 
     def __init__(
@@ -363,6 +368,7 @@ class CertifiedCache(Cache):
         witness: Witness = DEFAULT_WITNESS,
         recall: str = "persistent",
         reselect: int | None = None,
+        reselect_score: str = "key_proxy",
     ) -> None:
         self.family = _model_family(model)
         cfg: Any = model.config
@@ -420,6 +426,7 @@ class CertifiedCache(Cache):
             certify,
             recall,
             reselect,
+            reselect_score,
         )
         stores = [layer.store for layer in layers]
         self.eviction.check(stores, any(layer.is_sliding for layer in layers), self.ladder, validate)

@@ -3,12 +3,14 @@ every cell stay certified on a real model?
 
 SmolLM2-135M, one RULER prompt (exact prefill shared through ``ingest``), ``CertifiedCache(resident=R, select=policy,
 gate=Gate.certified(tau), validate=True, reselect=N)`` against the same cache without re-selection, a fixed number of
-greedy decode steps. Per configuration: violations in validate mode (cells whose true TV exceeded the certificate,
-plus omitted-mass and output-bound violations; must be 0), re-selections, tokens promoted, their page-in bytes, all
-page-in bytes per decode step over the fp16 K/V of the context (both at fp16, 2 bytes per entry, whatever the host
-dtype), whether the tokens equal the exact cache's, wall time. Counts and bytes: **measured**.
+greedy decode steps; each re-selection ranks tokens by ``reselect_score`` (``--scores``: the key proxy and / or the
+decode queries' attention). Per configuration: violations in validate mode (cells whose true TV exceeded the
+certificate, plus omitted-mass and output-bound violations; must be 0), re-selections, tokens promoted, their page-in
+bytes, all page-in bytes per decode step over the fp16 K/V of the context (both at fp16, 2 bytes per entry, whatever
+the host dtype), whether the tokens equal the exact cache's, wall time. Counts and bytes: **measured**.
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/resident_reselect.py --context 1024 --steps 12 --reselect off,4,1
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/resident_reselect.py --context 1024 --steps 12 --reselect off,4 \
+        --scores key_proxy,decode
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def main() -> None:
     ap = resident_args(__doc__)
     ap.add_argument("--steps", type=int, default=12, help="decode steps after the prefill (no EOS stop)")
     ap.add_argument("--reselect", default="off,4,1", help="comma-separated N (or off) per run")
+    ap.add_argument("--scores", default="key_proxy,decode", help="comma-separated reselect_score per N (not off)")
     args = ap.parse_args()
     pr = prefilled_prompt(args.task, args.context)
     model, ids, past, attentions, first = pr.model, pr.ids, pr.past, pr.attentions, pr.first
@@ -50,12 +53,13 @@ def main() -> None:
         f"certified({args.tau}), validate, {args.steps} decode steps; counts and bytes measured"
     )
     print(
-        "| config | reselect | violations | re-selections | promoted | reselect page-in / step / fp16 KV | "
+        "| config | reselect | score | violations | re-selections | promoted | reselect page-in / step / fp16 KV | "
         "all page-in / step / fp16 KV | tokens = exact | wall |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, (codec, policy) in CONFIGS.items():
-        for spec in args.reselect.split(","):
+        runs = [(spec, score) for spec in args.reselect.split(",") for score in args.scores.split(",")]
+        for spec, score in dict.fromkeys((s, "-" if s == "off" else c) for s, c in runs):
             every = None if spec == "off" else int(spec)
             t0 = time.perf_counter()
             cache = CertifiedCache(
@@ -67,6 +71,7 @@ def main() -> None:
                 gate=Gate.certified(args.tau),
                 validate=True,
                 reselect=every,
+                reselect_score="key_proxy" if score == "-" else score,
             )
             cache.ingest(past, attentions=attentions)
             with torch.inference_mode():
@@ -79,7 +84,7 @@ def main() -> None:
             steps, fp16 = max(toks.shape[1], 1), tel.bytes_fp16_context
             moved = stats.bytes_paged * 2 / host if stats is not None else 0.0
             print(
-                f"| {name} | {spec} | {bad} | {stats.reselections if stats else 0} | "
+                f"| {name} | {spec} | {score} | {bad} | {stats.reselections if stats else 0} | "
                 f"{stats.promoted if stats else 0} | {moved / steps / fp16:.3f} | "
                 f"{tel.bytes_paged * 2 / host / steps / fp16:.3f} | {torch.equal(toks, ref)} | "
                 f"{time.perf_counter() - t0:.0f}s |",

@@ -1,5 +1,6 @@
-"""Periodic re-selection of a resident set (``CertifiedCache(..., resident=R, reselect=N)``): exactness at tau = 0,
-per-cell soundness in validate mode, what it moves and pages in, the device budget, bad arguments."""
+"""Periodic re-selection of a resident set (``CertifiedCache(..., resident=R, reselect=N)``), ranked by the key proxy
+or by the decode queries (``reselect_score``): exactness at tau = 0, per-cell soundness in validate mode, what it moves
+and pages in, held tokens carried across the re-paging, the device budget, bad arguments."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ from resident_cases import POLICIES, PROMPT, assert_sound_in_every_cell, greedy_
 from transformers import DynamicCache
 
 from kvcert import Gate
+from kvcert.attention.resident import held_by_position
 from kvcert.evict import H2O, SnapKV
-from kvcert.evict.base import prefill_kept_count
+from kvcert.evict.base import aggregate_gqa, causal_attention, prefill_kept_count
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models.tiny import tiny_random
 
 torch.set_num_threads(1)
 
 STEPS = 7
+SCORES = ("key_proxy", "decode")
 
 
 def _ids(model, batch=2, seed=0):
@@ -38,7 +41,7 @@ def test_tau_zero_with_reselect_is_token_identical_to_dynamic_cache(models, fami
     model = models[family]
     ids = _ids(model)
     ref = _decode(model, ids, DynamicCache(config=model.config))
-    for every in (1, 3):
+    for every, score in ((1, "key_proxy"), (3, "key_proxy"), (1, "decode"), (3, "decode")):
         with CertifiedCache(
             model,
             keys="int4",
@@ -48,6 +51,7 @@ def test_tau_zero_with_reselect_is_token_identical_to_dynamic_cache(models, fami
             gate=Gate.certified(0.0),
             page_size=4,
             reselect=every,
+            reselect_score=score,
         ) as cache:
             assert torch.equal(_decode(model, ids, cache), ref)
             stats = cache.reselect_stats
@@ -56,10 +60,17 @@ def test_tau_zero_with_reselect_is_token_identical_to_dynamic_cache(models, fami
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("policy", ["h2o", "snapkv"])
-@pytest.mark.parametrize(("codec", "summary", "recall"), [("int4", "int8", "persistent"), ("none", "box", "transient")])
-def test_validate_mode_zero_violations_in_every_cell_with_reselect(models, family, policy, codec, summary, recall):
+@pytest.mark.parametrize(
+    ("codec", "summary", "recall"),
+    [("int4", "int8", "persistent"), ("none", "int8", "persistent"), ("none", "box", "transient")],
+)
+@pytest.mark.parametrize("score", SCORES)
+def test_validate_mode_zero_violations_in_every_cell_with_reselect(
+    models, family, policy, codec, summary, recall, score
+):
     """Every (step, layer, row, query head) cell: true TV <= certificate, exact omitted mass <= its bound, with the
-    resident set re-selected every 2 decode steps (quantized and exact resident storage)."""
+    resident set re-selected every 2 decode steps by either score (quantized and exact resident storage, int8 and
+    box summaries, persistent and transient recall; gated and ungated)."""
     model = models[family]
     ids = _ids(model, seed=1)
     for gate in (Gate.off(), Gate.certified(0.3)):
@@ -75,6 +86,7 @@ def test_validate_mode_zero_violations_in_every_cell_with_reselect(models, famil
             summary=summary,
             recall=recall,
             reselect=2,
+            reselect_score=score,
         ) as cache:
             _decode(model, ids, cache)
             tel = cache.telemetry()
@@ -124,7 +136,8 @@ def test_reselect_moves_tokens_pages_them_in_and_keeps_the_resident_fraction(mod
 
 
 @pytest.mark.parametrize("codec", ["int4", "none"])
-def test_bytes_device_never_exceeds_the_device_budget_with_reselect(models, codec):
+@pytest.mark.parametrize("score", SCORES)
+def test_bytes_device_never_exceeds_the_device_budget_with_reselect(models, codec, score):
     """After every decode step: bytes_device (stores + summaries + held pages) within device_budget x the context's
     fp16 K/V, up to the tokens the later layers appended after the forward's budget check (the persistent-recall
     contract of ``tests/attention/test_resident.py``: one exact float32 token per layer, row and KV head)."""
@@ -151,6 +164,7 @@ def test_bytes_device_never_exceeds_the_device_budget_with_reselect(models, code
         page_size=4,
         device_budget=1.0,
         reselect=2,
+        reselect_score=score,
     ) as cache:
         _decode(model, ids, cache, each=check)
         assert cache.reselect_stats is not None and cache.reselect_stats.reselections > 0
@@ -166,9 +180,79 @@ def test_bytes_device_never_exceeds_the_device_budget_with_reselect(models, code
         ({"resident": 0.25, "reselect": 1.5}, "reselect must be a positive int"),
         ({"resident": 0.25, "reselect": True}, "reselect must be a positive int"),
         ({"resident": 0.25, "reselect": 2, "keys": "dither-int8"}, "dithered codec 'dither-int8'"),
+        ({"resident": 0.25, "reselect": 2, "reselect_score": "bogus"}, "reselect_score must be one of .* 'bogus'"),
+        ({"resident": 0.25, "reselect": 2, "reselect_score": None}, "reselect_score must be one of .* None"),
     ],
 )
 def test_bad_reselect_arguments_raise_clear_errors(models, kwargs, match):
     args = {"keys": "int8", "values": "int8", "gate": Gate.certified(0.2), **kwargs}
     with pytest.raises(ValueError, match=match):
         CertifiedCache(models["llama"], **args)
+
+
+def _held_and_omitted(evictor, store) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(held, omitted)`` ``[B, Hkv, T]`` over logical positions of one resident layer, from the driver's pages."""
+    archive = store.evicted["positions"].view()
+    held, _ = held_by_position(evictor.pages[store.layer], archive, store.appended)
+    return held, torch.zeros_like(held).scatter(-1, archive.to(held.device), True)
+
+
+@pytest.mark.parametrize("score", SCORES)
+@pytest.mark.parametrize("page_size", [3, 4])
+def test_held_tokens_that_stay_omitted_stay_held_across_a_re_paging(models, score, page_size):
+    """Persistent recall without a device budget (the pool never binds), checked around every re-selection: each
+    token held on the device before it that stays omitted is still held after it — the re-selection re-pages the
+    archive (promoted and demoted tokens shift every page boundary) but carries the held tokens into whole pages
+    instead of handing them back to their summaries (the old behaviour: the next recall paged them in again). The
+    re-selection's page-in is exactly the promoted tokens not held before plus the tokens completing a held page."""
+    model = models["llama"]
+    ids = _ids(model, seed=4)
+    d = 32
+    seen = {"carried": 0, "paged": 0}
+    with CertifiedCache(
+        model,
+        keys="int4",
+        values="int4",
+        resident=0.25,
+        select=SnapKV(window=3, kernel=3),
+        gate=Gate.certified(0.05),
+        page_size=page_size,
+        device_budget=None,
+        reselect=2,
+        reselect_score=score,
+    ) as cache:
+        evictor = cache._evictor
+        reselect = evictor._reselect
+
+        def checked(store):
+            held0, omitted0 = _held_and_omitted(evictor, store)
+            paged0 = evictor.reselect_stats.bytes_paged
+            reselect(store)
+            held1, omitted1 = _held_and_omitted(evictor, store)
+            stay = held0 & omitted1
+            assert bool(held1[stay].all())  # carried, not handed back
+            promoted = omitted0 & ~omitted1
+            want = int((promoted & ~held0).sum()) + int((held1 & ~stay).sum())
+            assert evictor.reselect_stats.bytes_paged - paged0 == want * 2 * d * 4  # float32 K and V
+            seen["carried"] += int(stay.sum())
+            seen["paged"] += want
+
+        evictor._reselect = checked
+        _decode(model, ids, cache)
+        stats = cache.reselect_stats
+    assert stats is not None and stats.promoted > 0 and stats.demoted > 0
+    assert seen["carried"] > 0 and stats.bytes_paged == seen["paged"] * 2 * d * 4
+
+
+def test_keep_ranked_is_the_prefill_rule_with_given_scores():
+    """``EvictionPolicy.keep_ranked`` keeps what ``prefill_keep`` keeps when handed the prefill's own scores (the
+    policy's protected sinks / recent window first, then the highest scores), for H2O and SnapKV."""
+    g = torch.Generator().manual_seed(5)
+    keys, values = torch.randn(2, 3, 30, 8, generator=g), torch.randn(2, 3, 30, 8, generator=g)
+    attn = causal_attention(torch.randn(2, 6, 30, 8, generator=g), keys)
+    for policy in (H2O(recent=4), SnapKV(window=5, kernel=3)):
+        want = policy.prefill_keep(0, keys, values, 0.6, attn=attn)
+        positions = torch.arange(30).expand(2, 3, 30)
+        scores = policy._prefill_scores(0, aggregate_gqa(attn, 3, "sum"), positions, None)
+        assert torch.equal(policy.keep_ranked(scores, 0.6), want)
+    assert torch.equal(H2O(recent=4).keep_ranked(torch.zeros(1, 1, 5), 0.0), torch.arange(5).expand(1, 1, 5))

@@ -60,18 +60,21 @@ def test_a_negative_pool_hands_held_pages_back():
 
 
 def test_carry_holds_the_pages_the_carried_tokens_fill_and_completes_a_partial_page_within_the_pool():
-    """Pages of 4, 4 and 1 tokens; the carried tokens come first in the archive. Whole pages are held without a
-    charge; a partial page is completed (its other tokens paged in, charged to the pool) while the pool has room,
-    granted in (row, head) order up to the first that does not fit; otherwise its carried tokens go back to the
-    summary."""
-    h = _held(pages=3, size=4, free=4)
-    carried = torch.tensor([[4, 6, 0], [9, 1, 3]])  # tokens carried per (row, head)
+    """Pages of 4, 4 and 1 tokens; the carried tokens come first in the archive. Every token held afterwards is
+    charged to the pool; a partial page is completed (its other tokens paged in) while the pool has room beyond the
+    carried tokens, granted in (row, head) order up to the first that does not fit; otherwise its carried tokens go
+    back to the summary."""
+    carried = torch.tensor([[4, 6, 0], [9, 1, 3]])  # tokens carried per (row, head): 23
+    h = _held(pages=3, size=4, free=23 + 4)  # room for 4 more
     score = torch.arange(9, dtype=torch.float64).expand(2, 3, 9)
     fill = h.carry(carried, score)
-    # (0, 1): 6 = one page + 2, completed with 2 tokens; (1, 1): 1 token, completing needs 3 > the 2 left: released
-    assert fill.tolist() == [[0, 2, 0], [0, 0, 0]] and h.pool.free == 2
+    # (0, 1): 6 = one page + 2, completed with 2 tokens; (1, 0): 9 fills every page; (1, 1): 1 token, completing
+    # needs 3 > the 2 left: released; (1, 2) needs 1, but grants stop at the first that does not fit
+    assert fill.tolist() == [[0, 2, 0], [0, 0, 0]]
     assert h.pages_of(0, 0).tolist() == [0] and h.pages_of(0, 1).tolist() == [0, 1]
-    assert h.pages_of(1, 0).tolist() == [0, 1, 2] and h.pages_of(1, 1).numel() == 0
-    assert h.pages_of(1, 2).numel() == 0  # needs 1, but grants stop at the first that does not fit
+    assert h.pages_of(1, 0).tolist() == [0, 1, 2] and h.pages_of(1, 1).numel() == 0 and h.pages_of(1, 2).numel() == 0
     assert float(h.score[0, 0, 0]) == 3.0 and float(h.score[1, 0, 2]) == 8.0 and float(h.score[0, 2, 0]) == 0.0
-    assert h.tokens == 4 + 8 + 9
+    assert h.tokens == 4 + 8 + 9 and h.pool.free == 27 - h.tokens
+    h2 = _held(pages=3, size=4, free=5)  # fewer than the carried tokens: they stay held, the pool goes negative
+    assert int(h2.carry(carried, score).sum()) == 0 and h2.pool.free == 5 - h2.tokens < 0
+    assert h2.pages_of(1, 0).tolist() == [0, 1, 2]  # the short last page is whole: held without a page-in

@@ -12,14 +12,21 @@ KV head's slots.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvcert.attention.certified import group_heads, masked_logits, probs64
 from kvcert.attention.read_path import slot_mask
-from kvcert.attention.resident import OmittedPages, can_omit, check_resident, held_by_position, summarize_omitted
+from kvcert.attention.resident import (
+    OmittedPages,
+    can_omit,
+    check_resident,
+    held_by_position,
+    refresh_pool,
+    summarize_omitted,
+)
 from kvcert.cache.gate import Gate
 from kvcert.cache.recall import RecallPool
 from kvcert.cache.store import LayerStore
@@ -239,12 +246,21 @@ class EvictionDriver:
 
     Per layer it keeps the last served attention row (for the serving-mode reading of what an eviction drops)
     and whether the prefill was compressed; ``records`` holds every :class:`~kvcert.cache.telemetry.EvictRecord`,
-    ``pages`` the omitted pages of a resident set per layer, ``run_trace`` the run's exact trace (``belady``).
+    ``pages`` the omitted pages of a resident set per layer, ``run_trace`` the run's exact trace (``belady``);
+    ``stores()`` every layer's store (a re-selection refreshes the recall pool over them before it carries the held
+    pages).
     """
 
-    def __init__(self, cfg: EvictionConfig, n_layers: int, validate: bool, pages: dict[int, OmittedPages]) -> None:
+    def __init__(
+        self,
+        cfg: EvictionConfig,
+        n_layers: int,
+        validate: bool,
+        pages: dict[int, OmittedPages],
+        stores: Callable[[], Sequence[LayerStore]] = tuple,
+    ) -> None:
         assert cfg.policy is not None
-        self.cfg, self.policy, self.validate, self.pages = cfg, cfg.policy, validate, pages
+        self.cfg, self.policy, self.validate, self.pages, self.stores = cfg, cfg.policy, validate, pages, stores
         self.run_trace = RunTrace(n_layers, cfg.budget, cfg.chunk) if cfg.belady and cfg.budget is not None else None
         self.kappa_groups: list[torch.Tensor] = []  # query positions [B, q] of forwards awaiting κ
         self.prefill_kappa: torch.Tensor | None = None
@@ -459,11 +475,13 @@ class EvictionDriver:
         for buf in store.evicted.values():
             buf.gather(by_key.to(buf.view().device))
         after = summarize_omitted(store, self.cfg.page_size, self.cfg.summary, self.recall_pool)
+        self.pages[store.layer] = after
         filled = 0
-        if after.held is not None:
+        if after.held is not None and self.recall_pool is not None:
+            # the room the device budget leaves now, this layer holding nothing yet; the carry charges what it holds
+            refresh_pool(self.recall_pool, list(self.stores()), list(self.pages.values()))
             archive = archive.gather(-1, by_key)
             filled = int(after.held.carry(carried.sum(-1), score_at.gather(-1, archive)).sum())
-        self.pages[store.layer] = after
         promoted = chosen >= n
         was_held = held_at.gather(-1, positions.gather(2, chosen).to(held_at.device)).to(promoted.device)
         paged = int((promoted & ~was_held).sum()) + filled

@@ -93,23 +93,25 @@ class HeldPages:
         before (and stay omitted) first, so they fill its first pages; hold those pages, scored by the largest
         ``score[B, Hkv, N]`` (archive order) of their tokens. A last page they fill only in part is held as well
         when the pool has room for its other tokens (granted in (row, head) order up to the first that does not
-        fit, charged to the pool: those tokens are paged in); otherwise the carried tokens in it go back to their
-        summary (sound either way: the summary covers every omitted token). The carried tokens themselves are not
-        charged (they were held before; the next refresh recomputes the pool from the device bytes). Replaces what
-        was held; returns ``[B, Hkv]`` the tokens paged in to complete a page."""
+        fit: those tokens are paged in); otherwise the carried tokens in it go back to their summary (sound either
+        way: the summary covers every omitted token). Replaces what was held; every token held afterwards is
+        charged to the pool, which the caller has just refreshed without this layer's held pages, so the pool
+        stays exact (negative when the carried tokens alone exceed it: the next reads hand pages back). Returns
+        ``[B, Hkv]`` the tokens paged in to complete a page."""
         ps, pages = int(self.counts[0]), self.counts.shape[0]
         dev = self.held.device
         carried = carried.to(dev, torch.int64)
         whole, rest = carried // ps, carried % ps
         part = rest > 0
         fill = torch.where(part, self.counts[whole.clamp(max=pages - 1)] - rest, 0)
-        granted = part & (fill.flatten().cumsum(0) <= self.pool.free).view(fill.shape)
+        room = self.pool.free - int(carried.sum())
+        granted = part & ((fill == 0) | (fill.flatten().cumsum(0) <= room).view(fill.shape))  # 0: a short last page
         fill = torch.where(granted, fill, 0)
         self.held = torch.arange(pages, device=dev) < (whole + granted.to(torch.int64)).unsqueeze(-1)
         pad = pages * ps - score.shape[-1]
         best = torch.nn.functional.pad(score.to(dev, torch.float64), (0, pad)).reshape(*self.held.shape, ps)
         self.score = torch.where(self.held, best.amax(-1), 0.0)
-        self.pool.free -= int(fill.sum())
+        self.pool.free -= self.tokens
         return fill
 
     @property

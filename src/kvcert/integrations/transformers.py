@@ -432,7 +432,11 @@ class CertifiedCache(Cache):
         self.eviction.check(stores, any(layer.is_sliding for layer in layers), self.ladder, validate)
         self._pages: dict[int, OmittedPages] = {}  # resident mode: summaries of each layer's omitted pages
         self._evictor = (
-            None if self.eviction.policy is None else EvictionDriver(self.eviction, n_layers, validate, self._pages)
+            None
+            if self.eviction.policy is None
+            else EvictionDriver(
+                self.eviction, n_layers, validate, self._pages, lambda: [layer.store for layer in self._layers]
+            )
         )
         self.key_codec_name = stores[0].key_codec.name
         self.value_codec_name = stores[0].value_codec.name

@@ -228,6 +228,10 @@ class DecodeScores:
         self._sum[layer] = total.scatter_add(-1, at, p.amax(2).sum(2))
         self._seen[layer] = seen.scatter_add(-1, at, mask.to(dev, F64).sum(2))
 
+    def observed(self, layer: int) -> bool:
+        """Whether a decode read of ``layer`` has been added since the last :meth:`clear`."""
+        return layer in self._sum
+
     def mean(self, layer: int, length: int) -> torch.Tensor:
         """``[B, Hkv, length]``: each position's mean attention over the decode queries that saw it (0 if none)."""
         total, seen = self._sum[layer], self._seen[layer]
@@ -290,9 +294,12 @@ class EvictionDriver:
 
     def before_write(self, store: LayerStore, step: int) -> None:
         """Budget mode: evict down to the budget before the layer's next write. Resident set with ``reselect=N``:
-        before the write of every decode step ``s`` with ``s % N == 0``, re-select the layer's resident set."""
-        every = self.cfg.reselect
-        if every is not None and step > 0 and step % every == 0 and store.layer in self.pages:
+        before the write of every decode step ``s`` with ``s % N == 0``, re-select the layer's resident set (with
+        ``reselect_score="decode"`` only once a decode query has been read: before that there is nothing to rank by
+        and the set stays)."""
+        every, scores = self.cfg.reselect, self.decode_scores
+        ready = scores is None or scores.observed(store.layer)
+        if every is not None and step > 0 and step % every == 0 and store.layer in self.pages and ready:
             self._reselect(store)
         if self.cfg.budget is None or store.n == 0:
             return

@@ -81,7 +81,7 @@ class EvictionConfig:
     summary: str = "int8"
     recall: str = "persistent"
     reselect: int | None = None
-    reselect_score: str = "key_proxy"
+    reselect_score: str = "decode"
 
     @classmethod
     def of(
@@ -99,7 +99,7 @@ class EvictionConfig:
         certify: bool,
         recall: str = "persistent",
         reselect: int | None = None,
-        reselect_score: str = "key_proxy",
+        reselect_score: str = "decode",
     ) -> EvictionConfig:
         """The configuration of the cache's keywords: a resident set is prefill compression by ``select``
         (default :func:`default_select`) that keeps the omitted tokens on the host. Each error names the argument.

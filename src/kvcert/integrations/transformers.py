@@ -322,16 +322,17 @@ class CertifiedCache(Cache):
             ``device_budget`` (paged in, and counted, once while held); ``"transient"`` pages them in for the read
             that needs them only.
         reselect: with ``resident``: every ``reselect`` decode steps (before the write of each step ``s`` with
-            ``s % reselect == 0``) re-select every (layer, KV head)'s resident set over all its tokens with the
-            ``select`` policy scored on the exact host keys (key-proxy attention), at the resident fraction:
+            ``s % reselect == 0``) re-select every (layer, KV head)'s resident set over all its tokens, ranked by
+            ``reselect_score``, at the resident fraction:
             chosen omitted tokens are promoted into the device store, the others summarised again
             (``docs/eviction.md``, "Re-selection of the resident set"); counts in :attr:`reselect_stats`. Needs
             non-dithered codecs. ``None`` (default): the prefill's selection stays. Held pages whose tokens stay
             omitted stay held across the re-paging of the archive.
         reselect_score: with ``reselect``: what a re-selection ranks tokens by (after the policy's protected sinks
-            and recent window): ``"key_proxy"`` (default; ``select``'s own score over the key-proxy attention) or
-            ``"decode"`` (the attention the decode queries paid each token, accumulated at every resident read from
-            the served keys and the summary's point estimates; no page-in). Any other value raises ``ValueError``.
+            and recent window): ``"decode"`` (default; the attention the decode queries paid each token, accumulated
+            at every resident read from the served keys and the summary's point estimates, no page-in; re-selects
+            once a decode query has been read) or ``"key_proxy"`` (``select``'s own score over the key-proxy
+            attention of the exact host keys). Any other value raises ``ValueError``.
     """
 
     def __init__(
@@ -368,7 +369,7 @@ class CertifiedCache(Cache):
         witness: Witness = DEFAULT_WITNESS,
         recall: str = "persistent",
         reselect: int | None = None,
-        reselect_score: str = "key_proxy",
+        reselect_score: str = "decode",
     ) -> None:
         self.family = _model_family(model)
         cfg: Any = model.config

@@ -261,7 +261,7 @@ class EvictionDriver:
         n_layers: int,
         validate: bool,
         pages: dict[int, OmittedPages],
-        stores: Callable[[], Sequence[LayerStore]] = tuple,
+        stores: Callable[[], Sequence[LayerStore]],
     ) -> None:
         assert cfg.policy is not None
         self.cfg, self.policy, self.validate, self.pages, self.stores = cfg, cfg.policy, validate, pages, stores

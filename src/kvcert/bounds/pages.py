@@ -323,3 +323,145 @@ def pool_pages(bound: torch.Tensor, visible: torch.Tensor, page_size: int) -> tu
     pooled = torch.where(seen, pooled, 0.0)
     pooled = pooled + (page_size + 4) * 2.0**-52 * (1.0 + pooled.abs())  # float64 logsumexp rounding
     return torch.where(seen, pooled, 0.0), seen.to(torch.int64)
+
+
+_BF16 = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class BasisSketch:
+    """Per-token sketch of keys ``[..., N, D]`` in a stored basis: ``k_t ≈ U·ĉ_t`` with ``ĉ_t = scale_t·codes_t``.
+
+    ``basis`` ``U`` float32 ``[..., D, r]`` (one per leading index, e.g. per (row, KV head); columns close to
+    orthonormal, but no bound relies on that); ``codes`` int8 ``[..., N, r]``; ``scale``, ``coef_err``,
+    ``perp_err``, ``norm`` bfloat16 ``[..., N]`` with ``coef_err_t ≥ ‖Uᵀk_t − ĉ_t‖ + δ·‖Uᵀk_t‖``
+    (``δ ≥ ‖I − UᵀU‖₂``), ``perp_err_t ≥ ‖k_t − U Uᵀ k_t‖`` and ``norm_t ≥ ‖k_t‖``.
+    """
+
+    basis: torch.Tensor
+    codes: torch.Tensor
+    scale: torch.Tensor
+    coef_err: torch.Tensor
+    perp_err: torch.Tensor
+    norm: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the sketch: the basis, the codes and the four per-token bfloat16 numbers."""
+        parts = (self.basis, self.codes, self.scale, self.coef_err, self.perp_err, self.norm)
+        return sum(t.numel() * t.element_size() for t in parts)
+
+
+def _frob_up(x: torch.Tensor) -> torch.Tensor:
+    """``≥ ‖x‖_F`` over the last two dims of float64 ``x`` (the computed norm inflated for its rounding)."""
+    n = x.shape[-1] * x.shape[-2]
+    return x.flatten(-2).norm(dim=-1) * (1.0 + (n + 4) * _U64)
+
+
+def principal_basis(keys: torch.Tensor, rank: int) -> torch.Tensor:
+    """Float32 ``[..., D, min(rank, D)]``: the leading eigenvectors of ``Σ_t k_t k_tᵀ`` (uncentred), largest first.
+
+    Any matrix is sound for :func:`basis_sketch`; this choice makes the orthogonal residuals small.
+    """
+    x = keys.to(F64)
+    _, vecs = torch.linalg.eigh(x.transpose(-1, -2) @ x)
+    r = min(rank, x.shape[-1])
+    return vecs[..., -r:].flip(-1).to(torch.float32).contiguous()
+
+
+def basis_sketch(keys: torch.Tensor, rank: int) -> BasisSketch:
+    """Sketch ``keys[..., N, D]`` in their principal basis of ``min(rank, D)`` vectors (:func:`principal_basis`):
+    :func:`basis_sketch_in` with that basis. Raises ``ValueError`` for ``rank < 1``, no tokens or non-finite keys."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be a positive int, got {rank!r}")
+    _check_keys(keys)
+    return basis_sketch_in(keys, principal_basis(keys, rank))
+
+
+def _check_keys(keys: torch.Tensor) -> None:
+    if keys.dim() < 2 or keys.shape[-2] == 0:
+        raise ValueError(
+            f"keys must be [..., N, D] with N > 0 (an empty page cannot be summarized), got shape {tuple(keys.shape)}"
+        )
+    _finite(keys, "keys")
+
+
+def basis_sketch_in(keys: torch.Tensor, basis: torch.Tensor) -> BasisSketch:
+    """Sketch ``keys[..., N, D]`` in ``basis[..., D, r]`` (stored as float32; any finite matrix, orthonormal or not).
+
+    Contract (``docs/math.md#basis-sketch``), for the *stored* float32 basis ``U`` and every token:
+    ``coef_err_t ≥ ‖Uᵀk_t − ĉ_t‖ + δ·‖Uᵀk_t‖`` with ``δ ≥ ‖I − UᵀU‖_F``, ``perp_err_t ≥ ‖k_t − U Uᵀ k_t‖``,
+    ``norm_t ≥ ‖k_t‖``. Every quantity is evaluated in float64 from the stored tensors; each computed norm is
+    inflated by ``1 + (D + r + 8)·2^-53`` and the products with ``U`` get the absolute allowance
+    ``(D + r + 16)·2^-52·(1 + ‖U‖_F)²·‖k_t‖`` (it covers every float64 rounding of ``Uᵀk`` and ``U(Uᵀk)``, whose
+    errors are at most ``(D + r + 2)·2^-53·(1 + ‖U‖_F)²·‖k_t‖``); then rounded up to bfloat16. Coefficients:
+    symmetric int8 per token, ``scale_t ≥ max_j |(Uᵀk_t)_j| / 127`` rounded up to bfloat16.
+    Raises ``ValueError`` for no tokens, non-finite keys or basis, a basis whose shape does not fit the keys, or
+    keys beyond the bfloat16 range of the scale.
+    """
+    _check_keys(keys)
+    stored = basis.to(torch.float32)
+    _finite(stored, "basis")
+    if basis.dim() != keys.dim() or basis.shape[:-2] != keys.shape[:-2] or basis.shape[-2] != keys.shape[-1]:
+        raise ValueError(f"basis must be [..., D, r] for keys {tuple(keys.shape)}, got {tuple(basis.shape)}")
+    x = keys.to(F64)
+    d = x.shape[-1]
+    u = stored.to(F64)
+    r = u.shape[-1]
+    inflate = 1.0 + (d + r + 8) * _U64
+    f_up = _frob_up(u)
+    eye = torch.eye(r, dtype=F64, device=x.device)
+    delta = _frob_up(eye - u.transpose(-1, -2) @ u) + (d + 16) * 2.0**-52 * f_up**2 * inflate  # ≥ ‖I − UᵀU‖_F
+    knorm = x.norm(dim=-1) * inflate  # [..., N] ≥ ‖k_t‖
+    slack = (d + r + 16) * 2.0**-52 * ((1.0 + f_up) ** 2).unsqueeze(-1) * knorm
+    coef = x @ u  # [..., N, r] ≈ Uᵀk_t
+    amax = coef.abs().amax(-1)
+    scale = _round_out(torch.where(amax > 0, amax / 127.0, 1.0), _BF16, up=True)
+    if not bool(torch.isfinite(scale).all()):
+        raise ValueError("keys are beyond the bfloat16 range of the sketch's scale")
+    codes = torch.round(coef / scale.to(F64).unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    chat = codes.to(F64) * scale.to(F64).unsqueeze(-1)
+    coef_err = (coef - chat).norm(dim=-1) * inflate + slack
+    coef_err = coef_err + delta.unsqueeze(-1) * (coef.norm(dim=-1) * inflate + slack)
+    perp = (x - coef @ u.transpose(-1, -2)).norm(dim=-1) * inflate + slack
+    return BasisSketch(
+        u.to(torch.float32),
+        codes,
+        scale,
+        _round_out(coef_err * inflate, _BF16, up=True),
+        _round_out(perp * inflate, _BF16, up=True),
+        _round_out(knorm, _BF16, up=True),
+    )
+
+
+def basis_logit_bound(q: torch.Tensor, sketch: BasisSketch, scaling: float, gamma: float) -> torch.Tensor:
+    """Per-token bound ``u[..., M, N] ≥ sc·⟨q_m, k_t⟩ + 3·sc·γ·‖q_m‖·‖k_t‖`` from a :class:`BasisSketch`
+    (the contract of :func:`token_logit_bound`).
+
+    For any matrix ``U`` (``docs/math.md#basis-sketch``): ``⟨q, k⟩ = ⟨Uᵀq, ĉ⟩ + ⟨Uᵀq, Uᵀk − ĉ⟩ +
+    (Uᵀq)ᵀ(I − UᵀU)(Uᵀk) + ⟨q − UUᵀq, k − UUᵀk⟩ ≤ ⟨Uᵀq, ĉ⟩ + ‖Uᵀq‖·coef_err + ‖q − UUᵀq‖·perp_err``, and
+    ``⟨q, k⟩ ≤ ‖q‖·norm``; the bound takes the smaller. Evaluated in float64 with ``ũ = fl(Uᵀq)`` and
+    ``fl(q − Uũ)``: ``‖Uᵀq‖`` and ``‖q − UUᵀq‖`` are bounded by the computed norms inflated by
+    ``1 + (D + r + 8)·2^-53`` plus ``ρ = (D + r + 16)·2^-52·(1 + ‖U‖_F)²·‖q‖``, ``⟨Uᵀq, ĉ⟩`` by the computed
+    dot plus ``ρ·‖ĉ‖``; the final sums get ``(D + r + 16)·2^-52·sc·(Σ_j |ũ_j ĉ_j| + every added term)``.
+    """
+    _check_query(q, sketch.basis.shape[-2], scaling, gamma)
+    d, r = sketch.basis.shape[-2:]
+    inflate = 1.0 + (d + r + 8) * _U64
+    q64, u = q.to(F64), sketch.basis.to(F64)
+    qn = q64.norm(dim=-1, keepdim=True) * inflate  # [..., M, 1] ≥ ‖q‖
+    rho = (d + r + 16) * 2.0**-52 * ((1.0 + _frob_up(u)) ** 2)[..., None, None] * qn
+    qu = q64 @ u  # [..., M, r] ≈ Uᵀq
+    a = qu.norm(dim=-1, keepdim=True) * inflate + rho  # ≥ ‖Uᵀq‖
+    b = (q64 - qu @ u.transpose(-1, -2)).norm(dim=-1, keepdim=True) * inflate + rho  # ≥ ‖q − UUᵀq‖
+    chat = sketch.codes.to(F64) * sketch.scale.to(F64).unsqueeze(-1)  # [..., N, r]
+    dot = qu @ chat.transpose(-1, -2)  # [..., M, N]
+    mag = qu.abs() @ chat.abs().transpose(-1, -2)
+    chat_n = (chat.norm(dim=-1) * inflate).unsqueeze(-2)  # [..., 1, N]
+    e1 = _times(a, sketch.coef_err.to(F64).unsqueeze(-2))
+    e2 = _times(b, sketch.perp_err.to(F64).unsqueeze(-2))
+    extra = e1 + e2 + rho * chat_n
+    nrm = _times(qn, sketch.norm.to(F64).unsqueeze(-2))
+    best = torch.minimum(dot + extra, nrm)
+    err = (d + r + 16) * 2.0**-52 * scaling * (mag + extra + 4.0 * nrm)
+    return scaling * best + _times(nrm.new_tensor(3.0 * scaling * gamma), nrm) + err

@@ -15,9 +15,9 @@ draw does not reach:
 * ``edge`` — summaries at their rounding edges: every omitted key sits half a float16 step between two float16
   numbers (the box's outward rounding is what keeps it sound), the needle's channels sit half an int8 step between
   two sketch codes (the sketch's error is as large as it gets) and in three quarters of its cells the query points
-  along one of the needle's sketch residuals: the int8 ``k − k̂``, or the principal-basis sketch's orthogonal part
-  ``k − UUᵀk`` or coefficient error ``U(Uᵀk − ĉ)`` (Cauchy–Schwarz is an equality there, so the witness term is
-  attained);
+  along one of the needle's sketch residuals: the int8 ``k − k̂``, or the principal-basis sketch's tail residual
+  ``k − AAᵀk − B·b̂`` or head coefficient error ``A(Aᵀk − â)`` (Cauchy–Schwarz is an equality there, so the
+  witness term is attained);
 * ``masked`` — masks inside pages: the needle itself is masked, each page is masked whole with probability 1/2
   and in a quarter of the cells every omitted token is masked (nothing visible is omitted: the bound must be 0);
 * ``range`` — keys at the ends of the float16 range: channels beyond ±65504 (box entries ±inf, the ball and norm
@@ -100,15 +100,17 @@ def basis_rank(d: int) -> int:
 
 
 def _basis_residuals(keys: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The needle's (token ``idx`` of each cell) two principal-basis sketch residuals ``[n, D]``: the orthogonal
-    part ``k − UUᵀk`` and the coefficient error ``U(Uᵀk − ĉ)``; a query along either makes its Cauchy–Schwarz
-    step an equality."""
+    """The needle's (token ``idx`` of each cell) two principal-basis sketch residuals ``[n, D]``: the tail's
+    ``k − AAᵀk − B·b̂`` and the head's coefficient error ``A(Aᵀk − â)``; a query along either makes its
+    Cauchy–Schwarz step an equality."""
     sk = pg.basis_sketch(keys, basis_rank(keys.shape[-1]))
     rows = torch.arange(keys.shape[0])
-    u, k = sk.basis.to(F64), keys[rows, idx].to(F64)
-    coef = torch.einsum("nd,ndr->nr", k, u)
-    chat = sk.codes[rows, idx].to(F64) * sk.scale[rows, idx].to(F64).unsqueeze(-1)
-    return k - torch.einsum("nr,ndr->nd", coef, u), torch.einsum("nr,ndr->nd", coef - chat, u)
+    a, b, k = sk.basis.to(F64), sk.tail.to(F64), keys[rows, idx].to(F64)
+    coef = torch.einsum("nd,ndr->nr", k, a)
+    ahat = sk.codes[rows, idx].to(F64) * sk.scale[rows, idx].to(F64).unsqueeze(-1)
+    bhat = sk.tail_coefficients()[rows, idx]
+    perp = k - torch.einsum("nr,ndr->nd", coef, a) - torch.einsum("nm,ndm->nd", bhat, b)
+    return perp, torch.einsum("nr,ndr->nd", coef - ahat, a)
 
 
 def make_page_cells(n: int, s_r: int, s_o: int, page_size: int, d: int, gen: torch.Generator) -> PageCells:

@@ -262,7 +262,7 @@ def test_basis_bound_holds_for_bases_that_are_not_orthonormal():
     orthogonal to the head, a random tail) keep the witnesses and the bound sound (δ absorbs ``I − AᵀA``)."""
     gen = torch.Generator().manual_seed(3)
     keys = torch.randn(2, 50, 16, generator=gen) * 4
-    _, vecs = pg.principal_basis(keys)
+    vecs = pg.principal_basis(keys)
     head = vecs[..., :6] * 1.05 + 0.05 * torch.randn(2, 16, 6, generator=gen, dtype=F64)
     q = torch.randn(2, 64, 16, generator=gen) * 3
     for tail in (vecs[..., 6:], vecs[..., 4:] + 0.1, torch.randn(2, 16, 3, generator=gen, dtype=F64)):

@@ -391,32 +391,26 @@ def _frob_up(x: torch.Tensor) -> torch.Tensor:
     return x.flatten(-2).norm(dim=-1) * (1.0 + (n + 4) * _U64)
 
 
-def principal_basis(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 eigenvalues ``[..., D]`` (clamped at 0) and eigenvectors ``[..., D, D]`` of ``Σ_t k_t k_tᵀ``
-    (uncentred), largest first.
+def principal_basis(keys: torch.Tensor) -> torch.Tensor:
+    """Float64 ``[..., D, D]``: the eigenvectors of ``Σ_t k_t k_tᵀ`` (uncentred), largest eigenvalue first.
 
     Any matrices are sound for :func:`basis_sketch_in`; this choice puts most of the keys' energy in the head.
     """
     x = keys.to(F64)
-    vals, vecs = torch.linalg.eigh(x.transpose(-1, -2) @ x)
-    return vals.flip(-1).clamp(min=0.0), vecs.flip(-1)
+    _, vecs = torch.linalg.eigh(x.transpose(-1, -2) @ x)
+    return vecs.flip(-1)
 
 
 def basis_sketch(keys: torch.Tensor, rank: int) -> BasisSketch:
     """Sketch ``keys[..., N, D]`` in their principal basis (:func:`principal_basis`): head the leading
-    ``min(rank, D)`` vectors, tail the rest, each tail vector scaled by the root of its eigenvalue relative to the
-    tail's largest (at least ``2^-14``), so one per-token int4 scale spends its levels on the tail's spread
-    rather than on its first direction (:func:`basis_sketch_in`). Raises ``ValueError`` for ``rank < 1``, no tokens
-    or non-finite keys."""
+    ``min(rank, D)`` vectors, tail the rest (:func:`basis_sketch_in`). Raises ``ValueError`` for ``rank < 1``, no
+    tokens or non-finite keys."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be a positive int, got {rank!r}")
     _check_keys(keys)
-    vals, vecs = principal_basis(keys)
+    vecs = principal_basis(keys)
     r = min(rank, keys.shape[-1])
-    spread = vals[..., r:].sqrt()
-    top = spread.amax(-1, keepdim=True) if spread.shape[-1] else spread
-    weight = torch.where(top > 0, spread / top.clamp(min=1e-300), 1.0).clamp(min=2.0**-14)
-    return basis_sketch_in(keys, vecs[..., :r], vecs[..., r:] * weight.unsqueeze(-2))
+    return basis_sketch_in(keys, vecs[..., :r], vecs[..., r:])
 
 
 def _check_keys(keys: torch.Tensor) -> None:
@@ -459,9 +453,7 @@ def basis_sketch_in(keys: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor)
     inflated by ``1 + (D + r + 8)·2^-53`` and the products with ``A`` and ``B`` get absolute allowances
     (``(D + r + 16)·2^-52·(1 + ‖A‖_F)²·‖k_t‖`` for ``Aᵀk`` and ``A(Aᵀk)``, whose rounding errors are at most
     ``(D + r + 2)·2^-53·(1 + ‖A‖_F)²·‖k_t‖``; ``(D + 16)·2^-52·(‖k⊥‖ + ‖B‖_F·‖b̂_t‖)`` for ``B·b̂_t``); then
-    rounded up to bfloat16. Codes: symmetric per token, int8 for ``Aᵀk_t``, int4 for the coordinates
-    ``⟨k_t − AAᵀk_t, b_j⟩ / ‖b_j‖²`` along the tail's columns (only the witness makes the bound sound; the codes
-    just make it small).
+    rounded up to bfloat16. Codes: symmetric per token, int8 for ``Aᵀk_t``, int4 for ``Bᵀ(k_t − AAᵀk_t)``.
     Raises ``ValueError`` for no tokens, non-finite keys or bases, bases whose shape does not fit the keys, or keys
     beyond the bfloat16 range of the scales.
     """
@@ -481,8 +473,7 @@ def basis_sketch_in(keys: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor)
     coef_err = (coef - ahat).norm(dim=-1) * inflate + slack
     coef_err = coef_err + delta.unsqueeze(-1) * (coef.norm(dim=-1) * inflate + slack)
     perp = x - coef @ a.transpose(-1, -2)  # ≈ k_t − AAᵀk_t, within slack
-    length2 = (b * b).sum(-2, keepdim=True)  # [..., 1, m]: coordinates along B's columns, whatever their length
-    tail_codes, tail_scale = _symmetric_codes(torch.where(length2 > 0, (perp @ b) / length2.clamp(min=1e-300), 0.0), 7)
+    tail_codes, tail_scale = _symmetric_codes(perp @ b, 7)
     bhat = tail_codes.to(F64) * tail_scale.to(F64).unsqueeze(-1)
     rebuilt = bhat @ b.transpose(-1, -2)
     g_up = _frob_up(b).unsqueeze(-1)

@@ -56,7 +56,10 @@ def test_tau_zero_with_reselect_is_token_identical_to_dynamic_cache(models, fami
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("policy", ["h2o", "snapkv"])
-@pytest.mark.parametrize(("codec", "summary", "recall"), [("int4", "int8", "persistent"), ("none", "box", "transient")])
+@pytest.mark.parametrize(
+    ("codec", "summary", "recall"),
+    [("int4", "int8", "persistent"), ("none", "box", "transient"), ("int4", "basis8", "persistent")],
+)
 def test_validate_mode_zero_violations_in_every_cell_with_reselect(models, family, policy, codec, summary, recall):
     """Every (step, layer, row, query head) cell: true TV <= certificate, exact omitted mass <= its bound, with the
     resident set re-selected every 2 decode steps (quantized and exact resident storage)."""

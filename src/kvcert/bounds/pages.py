@@ -16,6 +16,11 @@ the exact one ``p`` the softmax of the exact logits ``s`` over every visible tok
 * :func:`sketch_keys` / :func:`token_logit_bound` / :func:`pool_pages` — the same contract per token from an int8
   sketch of every omitted key (codes + per-token scale and error witness), pooled per page as
   ``log Σ_{t∈P} e^{u_t}``: far tighter than a page box, at half the keys' float16 bytes (plus 12 bytes per token).
+* :func:`basis_sketch` / :func:`basis_sketch_in` / :func:`basis_logit_bound` — the same per-token contract from a
+  smaller sketch (``docs/math.md#basis-sketch``): per (row, KV head) a head basis ``A`` (int8 coefficients per
+  token) and a tail basis ``B`` (packed int4 coefficients of what ``A`` leaves), with one error witness against
+  ``‖Aᵀq‖`` and one against ``‖q − AAᵀq‖``; ``r + (D − r)/2 + 10`` bytes per token plus the bases. Sound for any
+  stored ``A``, ``B`` (no orthonormality assumed).
 * :func:`omitted_certificate` — with ``A = Σ_R p̃ e^{c}``, ``B₋ = Σ_R p̃ e^{−c}`` and
   ``U = Σ_P n_P e^{u_P − lse(s̃)}``: the omitted-mass bound ``m̄ = U/(B₋ + U) ≥ Σ_{t∉R} p_t``, the direct
   form ``D = 1 − B₋/(A + U) ≥ TV(p, p̃)``, and the composed certificate ``min(1, D, meter + m̄)``.

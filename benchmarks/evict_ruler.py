@@ -55,6 +55,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvcert import Gate
+from kvcert.attention.resident import SUMMARIES
 from kvcert.eval import load_task
 from kvcert.eval.harness import prompt_ids
 from kvcert.eval.ruler import Sample, score
@@ -338,7 +339,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--summary",
-        choices=("box", "int8"),
+        choices=SUMMARIES,
         default="int8",
         help="page summary of the recall-gated variant (docs/eviction.md)",
     )

@@ -8,6 +8,10 @@ tokens (worst over the read's queries) against its exact value (validate mode), 
 summary's device bytes and the violations (must be 0). Bound: **certified**; exact mass: **measured**.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/resident_bound.py --summaries box:16,box:4,int8:16
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/resident_bound.py --summaries int8:16,basis8:16,basis16:16,basis24:16
+
+``--summaries``: comma-separated ``kind:page_size`` with ``kind`` any of ``SUMMARIES`` (box, int8, basis8 ...
+basis32). The bytes column counts every device byte of the summaries (for ``basis<r>`` the per-head bases too).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evict_ruler import decode, prefilled_prompt, resident_args  # noqa: E402
 from kvcert import Gate  # noqa: E402
+from kvcert.attention.resident import SUMMARIES  # noqa: E402
 from kvcert.evict import EvictionPolicy, SnapKV, StreamingLLM  # noqa: E402
 from kvcert.integrations.transformers import CertifiedCache  # noqa: E402
 
@@ -36,6 +41,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="decode steps after the prefill")
     ap.add_argument("--summaries", default="box:16,int8:16", help="comma-separated summary:page_size")
     args = ap.parse_args()
+    specs = [spec.split(":") for spec in args.summaries.split(",")]
+    bad = [spec for spec in specs if len(spec) != 2 or spec[0] not in SUMMARIES or not spec[1].isdigit()]
+    if bad:
+        ap.error(f"--summaries takes kind:page_size with kind in {', '.join(SUMMARIES)}; got {bad}")
     pr = prefilled_prompt(args.task, args.context)
     model, tok, ids, past, attentions, first = pr.model, pr.tok, pr.ids, pr.past, pr.attentions, pr.first
     print(
@@ -47,8 +56,7 @@ def main() -> None:
         "cells exact <= tau | summary bytes / fp16 KV of omitted | violations | wall |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for spec in args.summaries.split(","):
-        summary, page = spec.split(":")
+    for summary, page in specs:
         for name, policy in POLICIES.items():
             t0 = time.perf_counter()
             cache = CertifiedCache(

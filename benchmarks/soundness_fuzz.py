@@ -14,9 +14,10 @@ elements through the log8 code (decoded ≥ value per element) and ``N`` end-to-
 form whose band norms go through the code before the Tier-A radius (radius ≥ ``|ε_t|``, meter ≥ TV).
 
 The page forms (``kvcert.bounds.pages``: page logit bound, omitted-mass bound, direct form, composed certificate of
-a resident read) run on their own adversarial cells (``tests/bounds/pages_adversarial.py``: corner-aligned
-queries, needles, masked omitted tokens; the families ``edge`` / ``masked`` / ``range`` of summaries at their rounding
-edges, masks inside pages and keys at the ends of the float16 range), ``--page-cells`` of them (0 skips them); a
+a resident read; the same per token for the int8 and the principal-basis key sketches) run on their own
+adversarial cells (``tests/bounds/pages_adversarial.py``: corner-aligned queries, needles, masked omitted tokens;
+the families ``edge`` / ``masked`` / ``range`` of summaries at their rounding edges, masks inside pages and keys at
+the ends of the float16 range), ``--page-cells`` of them (0 skips them); a
 second table gives each family's cells and violations. ``--page-seconds S`` stops the page forms after the first
 whole round past ``S`` seconds and reports the cells reached (the header says so).
 

@@ -117,10 +117,16 @@ def test_eviction_creates_tensors_on_the_inputs_device(model, policy, mode):
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize(
     ("recall", "summary", "tau"),
-    [("persistent", "int8", 0.1), ("transient", "box", 0.1), ("persistent", "int8", 0.0), ("transient", "int8", 0.02)],
+    [
+        ("persistent", "int8", 0.1),
+        ("transient", "box", 0.1),
+        ("persistent", "int8", 0.0),
+        ("transient", "int8", 0.02),
+        ("persistent", "basis8", 0.1),
+    ],
 )
 def test_resident_reads_and_recall_create_tensors_on_the_inputs_device(model, policy, recall, summary, tau):
-    """Resident reads with recall (persistent pool or transient), both summaries, the dense fallback (τ = 0) and the
+    """Resident reads with recall (persistent pool or transient), every summary kind, the dense fallback (τ = 0) and the
     exact resident entries, in validate mode (the exact omitted mass and true TV beside every read)."""
     calls = _record(
         model,

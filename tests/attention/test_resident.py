@@ -53,8 +53,65 @@ def test_tau_zero_is_token_identical_to_dynamic_cache(models, family, policy):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("summary", ["basis8", "basis16"])
+def test_tau_zero_with_the_basis_sketch_is_token_identical_to_dynamic_cache(models, family, summary):
+    model = models[family]
+    ids = _ids(model, batch=2, seed=5)
+    ref = _decode(model, ids, DynamicCache(config=model.config))
+    with CertifiedCache(
+        model,
+        keys="int4",
+        values="int4",
+        resident=0.25,
+        select=POLICIES["snapkv"](),
+        gate=Gate.certified(0.0),
+        page_size=4,
+        summary=summary,
+    ) as cache:
+        assert torch.equal(_decode(model, ids, cache), ref)
+        assert cache.telemetry().summary()["bytes_summary"] > 0
+
+
+def test_basis_summary_bytes_are_its_stored_tensors(models):
+    """``bytes_summary`` of a ``basis8`` resident set: per (layer, KV head) the float32 head basis ``D×8`` and
+    float16 tail basis ``D×(D − 8)``, per omitted token 8 int8 + ``D − 8`` packed int4 codes and five bfloat16
+    numbers, plus the three float32 value / key norm bounds — and it matches the stored tensors byte for byte."""
+    model = models["llama"]
+    cfg = model.config
+    hkv, d = cfg.num_key_value_heads, 32
+    with CertifiedCache(
+        model, keys="int8", values="int8", resident=0.25, select=StreamingLLM(sinks=2), page_size=4, summary="basis8"
+    ) as cache:
+        _decode(model, _ids(model, seed=2), cache, steps=1)
+        tel = cache.telemetry()
+        omitted = PROMPT - (PROMPT - math.floor(0.75 * PROMPT + 1e-9))
+        per_layer = hkv * (d * 8 * 4 + d * (d - 8) * 2 + omitted * (8 + (d - 8) // 2 + 5 * 2)) + 3 * hkv * 4
+        assert tel.bytes_summary == cfg.num_hidden_layers * per_layer
+        sketches = [p.sketch for p in cache._pages.values()]
+        stored = sum(
+            t.numel() * t.element_size()
+            for sk in sketches
+            for t in (
+                sk.basis,
+                sk.tail,
+                sk.codes,
+                sk.tail_codes,
+                sk.scale,
+                sk.tail_scale,
+                sk.coef_err,
+                sk.perp_err,
+                sk.norm,
+            )
+        )
+        assert tel.bytes_summary == stored + cfg.num_hidden_layers * 3 * hkv * 4
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-@pytest.mark.parametrize(("codec", "summary"), [("none", "int8"), ("int8", "int8"), ("int4", "int8"), ("int8", "box")])
+@pytest.mark.parametrize(
+    ("codec", "summary"),
+    [("none", "int8"), ("int8", "int8"), ("int4", "int8"), ("int8", "box"), ("int4", "basis8"), ("none", "basis16")],
+)
 def test_validate_mode_zero_violations_in_every_cell(models, family, policy, codec, summary):
     model = models[family]
     ids = _ids(model, batch=2, seed=1)

@@ -64,7 +64,12 @@ def test_tau_zero_with_reselect_is_token_identical_to_dynamic_cache(models, fami
 @pytest.mark.parametrize("policy", ["h2o", "snapkv"])
 @pytest.mark.parametrize(
     ("codec", "summary", "recall"),
-    [("int4", "int8", "persistent"), ("none", "int8", "persistent"), ("none", "box", "transient")],
+    [
+        ("int4", "int8", "persistent"),
+        ("none", "int8", "persistent"),
+        ("none", "box", "transient"),
+        ("int4", "basis8", "persistent"),
+    ],
 )
 @pytest.mark.parametrize("score", SCORES)
 def test_validate_mode_zero_violations_in_every_cell_with_reselect(
@@ -72,7 +77,7 @@ def test_validate_mode_zero_violations_in_every_cell_with_reselect(
 ):
     """Every (step, layer, row, query head) cell: true TV <= certificate, exact omitted mass <= its bound, with the
     resident set re-selected every 2 decode steps by either score (quantized and exact resident storage, int8 and
-    box summaries, persistent and transient recall; gated and ungated)."""
+    box and basis8 summaries, persistent and transient recall; gated and ungated)."""
     model = models[family]
     ids = _ids(model, seed=1)
     for gate in (Gate.off(), Gate.certified(0.3)):

@@ -14,8 +14,10 @@ draw does not reach:
 * ``base`` — the draw above;
 * ``edge`` — summaries at their rounding edges: every omitted key sits half a float16 step between two float16
   numbers (the box's outward rounding is what keeps it sound), the needle's channels sit half an int8 step between
-  two sketch codes (the sketch's error is as large as it gets) and the query points along the needle's sketch
-  residual ``k − k̂`` (Cauchy–Schwarz is an equality there, so ``‖q‖·err`` is attained);
+  two sketch codes (the sketch's error is as large as it gets) and in three quarters of its cells the query points
+  along one of the needle's sketch residuals: the int8 ``k − k̂``, or the principal-basis sketch's tail residual
+  ``k − AAᵀk − B·b̂`` or head coefficient error ``A(Aᵀk − â)`` (Cauchy–Schwarz is an equality there, so the
+  witness term is attained);
 * ``masked`` — masks inside pages: the needle itself is masked, each page is masked whole with probability 1/2
   and in a quarter of the cells every omitted token is masked (nothing visible is omitted: the bound must be 0);
 * ``range`` — keys at the ends of the float16 range: channels beyond ±65504 (box entries ±inf, the ball and norm
@@ -91,6 +93,26 @@ def _int8_half_steps(key: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     return half.scatter(-1, top, 127.0 * step)
 
 
+def basis_rank(d: int) -> int:
+    """Rank of the principal-basis sketch the page checks use at head dim ``d`` (a quarter of the channels, as
+    ``basis16`` at ``D = 64``)."""
+    return max(1, d // 4)
+
+
+def _basis_residuals(keys: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The needle's (token ``idx`` of each cell) two principal-basis sketch residuals ``[n, D]``: the tail's
+    ``k − AAᵀk − B·b̂`` and the head's coefficient error ``A(Aᵀk − â)``; a query along either makes its
+    Cauchy–Schwarz step an equality."""
+    sk = pg.basis_sketch(keys, basis_rank(keys.shape[-1]))
+    rows = torch.arange(keys.shape[0])
+    a, b, k = sk.basis.to(F64), sk.tail.to(F64), keys[rows, idx].to(F64)
+    coef = torch.einsum("nd,ndr->nr", k, a)
+    ahat = sk.codes[rows, idx].to(F64) * sk.scale[rows, idx].to(F64).unsqueeze(-1)
+    bhat = sk.tail_coefficients()[rows, idx]
+    perp = k - torch.einsum("nr,ndr->nd", coef, a) - torch.einsum("nm,ndm->nd", bhat, b)
+    return perp, torch.einsum("nr,ndr->nd", coef - ahat, a)
+
+
 def make_page_cells(n: int, s_r: int, s_o: int, page_size: int, d: int, gen: torch.Generator) -> PageCells:
     """``n`` adversarial cells, a quarter of each family of :data:`FAMILIES` (see the module docstring)."""
     u = lambda *shape: torch.rand(*shape, generator=gen, dtype=F64)  # noqa: E731
@@ -135,9 +157,13 @@ def make_page_cells(n: int, s_r: int, s_o: int, page_size: int, d: int, gen: tor
     keys_o = torch.where(edge.unsqueeze(-1), snapped, keys_o)
     ko32 = keys_o.to(torch.float32)
     sk = pg.sketch_keys(ko32[rows, idx].unsqueeze(1))
-    resid = ko32[rows, idx].to(F64) - sk.codes[:, 0].to(F64) * sk.scale.to(F64)
+    direction = pick(4)
+    resid = torch.stack(
+        [ko32[rows, idx].to(F64) - sk.codes[:, 0].to(F64) * sk.scale.to(F64), *_basis_residuals(ko32, idx)]
+    )
+    resid = resid[direction[:, 0].clamp(max=2), rows]
     rn = resid.norm(dim=-1, keepdim=True)
-    along = edge & (pick(2) == 0) & (rn > 0)
+    along = edge & (direction < 3) & (rn > 0)
     q = torch.where(along, resid / rn.clamp(min=1e-300) * q.norm(dim=-1, keepdim=True), q)
     q32, kr32 = q.to(torch.float32), keys_r.to(torch.float32)
     sc = 1.0 / math.sqrt(d)
@@ -174,7 +200,8 @@ def page_violations(name: str, bound: torch.Tensor, truth: torch.Tensor) -> torc
 def page_checks(cells: PageCells, gamma: float | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``name -> (bound, truth)`` per cell: page logit bound vs the page's largest exact logit (plus the rounding
     allowance), omitted-mass bound vs exact omitted mass, direct form and composed certificate vs true TV; the
-    ``token_logit`` / ``*_int8`` entries the same for the int8 key sketch (per-token bounds pooled per page)."""
+    ``token_logit`` / ``*_int8`` entries the same for the int8 key sketch and ``basis_logit`` / ``*_basis`` for the
+    principal-basis sketch of rank :func:`basis_rank` (per-token bounds pooled per page)."""
     d = cells.q.shape[-1]
     gamma = gamma_f32(d + 1) if gamma is None else gamma
     summary = pg.summarize_pages(cells.keys_o, cells.page_size)
@@ -190,11 +217,17 @@ def page_checks(cells: PageCells, gamma: float | None = None) -> dict[str, tuple
     meter = tv_meter(cells.p_served, cells.radius)
     oc = pg.omitted_certificate(cells.p_served, cells.radius, w, meter)
     tv = cells.tv
-    # the int8 sketch: per-token bounds pooled per page
+    # the int8 and principal-basis sketches: per-token bounds pooled per page
     need_tok = cells.s_o + 3.0 * cells.scaling * gamma * cells.q.to(F64).norm(dim=-1, keepdim=True) * knorm
     u_tok = pg.token_logit_bound(cells.q.unsqueeze(1), pg.sketch_keys(cells.keys_o), cells.scaling, gamma)[:, 0]
-    pooled, seen = pg.pool_pages(u_tok, cells.visible_o, cells.page_size)
-    oc8 = pg.omitted_certificate(cells.p_served, cells.radius, pg.page_weights(cells.served, pooled, seen), meter)
+    basis = pg.basis_sketch(cells.keys_o, basis_rank(d))
+    u_basis = pg.basis_logit_bound(cells.q.unsqueeze(1), basis, cells.scaling, gamma)[:, 0]
+
+    def pooled_certificate(u_t: torch.Tensor) -> pg.OmittedCertificate:
+        pooled, seen = pg.pool_pages(u_t, cells.visible_o, cells.page_size)
+        return pg.omitted_certificate(cells.p_served, cells.radius, pg.page_weights(cells.served, pooled, seen), meter)
+
+    oc8, ocb = pooled_certificate(u_tok), pooled_certificate(u_basis)
     return {
         "page_logit": (u, need),
         "omitted_mass": (oc.mass, cells.true_mass),
@@ -203,4 +236,7 @@ def page_checks(cells: PageCells, gamma: float | None = None) -> dict[str, tuple
         "token_logit": (u_tok, need_tok),
         "omitted_mass_int8": (oc8.mass, cells.true_mass),
         "composed_int8": (oc8.certificate, tv),
+        "basis_logit": (u_basis, need_tok),
+        "omitted_mass_basis": (ocb.mass, cells.true_mass),
+        "composed_basis": (ocb.certificate, tv),
     }

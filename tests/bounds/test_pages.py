@@ -25,6 +25,7 @@ def test_page_forms_sound_in_every_cell():
     mass_forms = ("omitted_mass", "composed", "omitted_mass_int8")
     worst = {(f, name): 0.0 for f in FAMILIES for name in mass_forms}
     edge_gap = math.inf  # smallest relative slack of the per-token bound in the edge family
+    basis_gap = math.inf  # the same for the principal-basis sketch's bound
     for s_r, s_o, ps, d, rows in PAGE_PLAN:
         cells = make_page_cells(rows, s_r, s_o, ps, d, gen)
         for name, (bound, truth) in page_checks(cells).items():
@@ -41,6 +42,9 @@ def test_page_forms_sound_in_every_cell():
                 if name == "token_logit" and fam == "edge" and bool(sel.any()):
                     gap = ((bound - truth) / (1.0 + truth.abs()))[sel]
                     edge_gap = min(edge_gap, float(gap.min()))
+                if name == "basis_logit" and fam == "edge" and bool(sel.any()):
+                    gap = ((bound - truth) / (1.0 + truth.abs()))[sel]
+                    basis_gap = min(basis_gap, float(gap.min()))
         hidden = (~cells.visible_o).all(-1)
         mass = page_checks(cells)["omitted_mass"][0]
         assert bool((mass[hidden] == 0).all()), "every omitted token masked: the mass bound must be 0"
@@ -50,7 +54,7 @@ def test_page_forms_sound_in_every_cell():
     # adversarial, not just random: corner-aligned needles make the omitted-mass bound nearly attained
     for (fam, name), ratio in worst.items():
         assert ratio > (0.9 if name != "composed" else 0.5), (fam, name, ratio)
-    assert edge_gap < 1e-9
+    assert edge_gap < 1e-9 and basis_gap < 1e-6
 
 
 @settings(max_examples=200, deadline=None)
@@ -194,6 +198,97 @@ def test_out_of_range_keys_give_a_finite_norm_bound_never_nan():
     assert bool(torch.isfinite(u).all()) and float(u) >= 70000.0 - 1.0
 
 
+def _basis_parts(keys: torch.Tensor, sk: pg.BasisSketch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float64 ``Aᵀk_t``, ``â_t`` and the tail residual ``k_t − AAᵀk_t − B·b̂_t`` from the stored tensors."""
+    a, b, k = sk.basis.to(F64), sk.tail.to(F64), keys.to(F64)
+    coef = k @ a
+    ahat = sk.codes.to(F64) * sk.scale.to(F64).unsqueeze(-1)
+    return coef, ahat, k - coef @ a.transpose(-1, -2) - sk.tail_coefficients() @ b.transpose(-1, -2)
+
+
+def _check_basis_bound(keys: torch.Tensor, sk: pg.BasisSketch, q: torch.Tensor, sc: float, gamma: float) -> None:
+    """Every witness dominates its float64 value, and the bound every (query, token) pair's scaled logit plus the
+    rounding allowance."""
+    coef, ahat, perp = _basis_parts(keys, sk)
+    a = sk.basis.to(F64)
+    eye = torch.eye(a.shape[-1], dtype=F64)
+    delta = (eye - a.transpose(-1, -2) @ a).flatten(-2).norm(dim=-1, keepdim=True)
+    assert bool(((coef - ahat).norm(dim=-1) + delta * coef.norm(dim=-1) <= sk.coef_err.to(F64)).all())
+    assert bool((perp.norm(dim=-1) <= sk.perp_err.to(F64)).all())
+    assert bool((keys.to(F64).norm(dim=-1) <= sk.norm.to(F64)).all())
+    bound = pg.basis_logit_bound(q, sk, sc, gamma)
+    exact = sc * q.to(F64) @ keys.to(F64).transpose(-1, -2)
+    qk = q.to(F64).norm(dim=-1, keepdim=True) * keys.to(F64).norm(dim=-1).unsqueeze(-2)
+    assert bool((bound >= exact + 3 * sc * gamma * qk).all()), float((exact + 3 * sc * gamma * qk - bound).max())
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 24), st.integers(1, 30), st.integers(0, 2**31 - 1))
+def test_basis_sketch_witnesses_and_bound_for_any_query(n_tok, d, rank, seed):
+    """The principal-basis sketch's witnesses and per-token bound (:func:`_check_basis_bound`) for random queries,
+    queries along each token's tail residual ``k − AAᵀk − B·b̂`` and along its head coefficient error
+    ``A(Aᵀk − â)``, and keys with outlier channels, a low-rank structure or one dominant direction."""
+    gen = torch.Generator().manual_seed(seed)
+    mag = 10 ** torch.empty(1).uniform_(-3, 3, generator=gen)
+    kind = seed % 3
+    keys = torch.randn(3, n_tok, d, generator=gen, dtype=F64)
+    r = min(rank, d)
+    if kind == 0:  # outlier channels
+        keys = keys * torch.where(torch.rand(1, 1, d, generator=gen) < 0.2, 50.0, 1.0).to(F64)
+    elif kind == 1:  # low rank: every key in a span of r random directions
+        keys = torch.randn(3, n_tok, r, generator=gen, dtype=F64) @ torch.randn(3, r, d, generator=gen, dtype=F64)
+    else:  # one dominant direction plus noise
+        keys = keys + 30.0 * torch.randn(3, 1, d, generator=gen, dtype=F64)
+    keys = (keys * mag).float()
+    keys[0, 0] = 0.0
+    sk = pg.basis_sketch(keys, rank)
+    assert sk.basis.shape == (3, d, r) and sk.tail.shape == (3, d, d - r) and sk.codes.shape == (3, n_tok, r)
+    assert sk.tail_codes.shape == (3, n_tok, (d - r + 1) // 2)
+    if kind == 1:  # the keys lie in the head's span: the tail residual is rounding only
+        assert bool((sk.perp_err.to(F64) <= 1e-4 * (1 + keys.to(F64).norm(dim=-1))).all())
+    coef, ahat, perp = _basis_parts(keys, sk)
+    q = torch.randn(3, 4, d, generator=gen, dtype=F64) * 10 ** torch.empty(1).uniform_(-2, 2, generator=gen)
+    qn = q.norm(dim=-1, keepdim=True)
+    along = [perp[:, :4], (coef - ahat)[:, :4] @ sk.basis.to(F64).transpose(-1, -2)] if n_tok >= 4 else []
+    q = torch.cat([q, *(v / v.norm(dim=-1, keepdim=True).clamp(min=1e-300) * qn for v in along)], 1).float()
+    _check_basis_bound(keys, sk, q, 0.3, 1e-3)
+    # never looser than the plain norm bound it falls back to (up to the rounding allowances)
+    plain = 0.3 * q.to(F64).norm(dim=-1, keepdim=True) * sk.norm.to(F64).unsqueeze(1)
+    assert bool((pg.basis_logit_bound(q, sk, 0.3, 1e-3) <= plain * (1 + 3e-3 + 1e-9)).all())
+
+
+def test_basis_bound_holds_for_bases_that_are_not_orthonormal():
+    """Soundness never rests on orthonormality: bases perturbed (columns scaled and mixed, a tail that is not
+    orthogonal to the head, a random tail) keep the witnesses and the bound sound (δ absorbs ``I − AᵀA``)."""
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(2, 50, 16, generator=gen) * 4
+    vecs = pg.principal_basis(keys)
+    head = vecs[..., :6] * 1.05 + 0.05 * torch.randn(2, 16, 6, generator=gen, dtype=F64)
+    q = torch.randn(2, 64, 16, generator=gen) * 3
+    for tail in (vecs[..., 6:], vecs[..., 4:] + 0.1, torch.randn(2, 16, 3, generator=gen, dtype=F64)):
+        sk = pg.basis_sketch_in(keys, head, tail)
+        a = sk.basis.to(F64)
+        assert bool(((torch.eye(6, dtype=F64) - a.transpose(-1, -2) @ a).flatten(-2).norm(dim=-1) > 0.05).all())
+        _check_basis_bound(keys, sk, q, 0.25, 0.0)
+
+
+def test_int4_tail_codes_pack_two_per_byte_and_round_trip():
+    codes = torch.randint(-7, 8, (3, 5, 11))
+    packed = pg._pack4(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 5, 6)
+    assert torch.equal(pg._unpack4(packed, 11), codes)
+
+
+def test_basis_sketch_bytes_are_its_tensors():
+    keys = torch.randn(2, 3, 40, 64)
+    sk = pg.basis_sketch(keys, 16)
+    # float32 head basis, float16 tail basis; per token: 16 int8 + 48 int4 codes + 5 bfloat16
+    assert sk.nbytes == 2 * 3 * (64 * 16 * 4 + 64 * 48 * 2 + 40 * (16 + 24 + 5 * 2))
+    assert sk.codes.dtype == torch.int8 and sk.tail_codes.dtype == torch.uint8 and sk.basis.dtype == torch.float32
+    assert sk.tail.dtype == torch.float16
+    assert {t.dtype for t in (sk.scale, sk.tail_scale, sk.coef_err, sk.perp_err, sk.norm)} == {torch.bfloat16}
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [
@@ -201,6 +296,26 @@ def test_out_of_range_keys_give_a_finite_norm_bound_never_nan():
         (lambda: pg.sketch_keys(torch.zeros(1, 0, 4)), "empty page"),
         (lambda: pg.sketch_keys(torch.tensor([[[1.0, float("nan")]]])), "keys contains non-finite"),
         (lambda: pg.token_logit_bound(torch.zeros(1, 5), pg.sketch_keys(torch.ones(1, 3, 4)), 1.0, 0.0), "head dim"),
+        (lambda: pg.basis_sketch(torch.zeros(1, 0, 4), 2), "empty page"),
+        (lambda: pg.basis_sketch(torch.zeros(4), 2), "empty page"),
+        (lambda: pg.basis_sketch(torch.tensor([[[1.0, float("inf")]]]), 2), "keys contains non-finite"),
+        (lambda: pg.basis_sketch(torch.ones(1, 3, 4), 0), "rank"),
+        (lambda: pg.basis_sketch(torch.ones(1, 3, 4), True), "rank"),
+        (lambda: pg.basis_sketch_in(torch.ones(1, 3, 4), torch.ones(1, 5, 2), torch.ones(1, 4, 2)), "basis must"),
+        (lambda: pg.basis_sketch_in(torch.ones(1, 3, 4), torch.ones(1, 4, 2), torch.ones(2, 4, 2)), "tail must"),
+        (
+            lambda: pg.basis_sketch_in(torch.ones(1, 3, 4), torch.full((1, 4, 2), float("nan")), torch.ones(1, 4, 2)),
+            "basis contains",
+        ),
+        (
+            lambda: pg.basis_sketch_in(torch.ones(1, 3, 4), torch.ones(1, 4, 2), torch.full((1, 4, 2), 1e6)),
+            "tail contains",
+        ),
+        (
+            lambda: pg.basis_logit_bound(torch.zeros(1, 5), pg.basis_sketch(torch.ones(1, 3, 4), 2), 1.0, 0.0),
+            "head dim",
+        ),
+        (lambda: pg.basis_logit_bound(torch.zeros(1, 4), pg.basis_sketch(torch.ones(1, 3, 4), 2), 0.0, 0.0), "scaling"),
         (lambda: pg.summarize_pages(torch.tensor([[[1.0, float("nan")]]]), 2), "keys contains non-finite"),
         (lambda: pg.summarize_pages(torch.tensor([[[1.0, float("inf")]]]), 2), "keys contains non-finite"),
         (lambda: pg.summarize_pages(torch.zeros(1, 3, 4), 0), "page_size"),
@@ -255,6 +370,10 @@ def test_non_finite_input_raises_or_is_vacuous_in_every_cell(value):
             pg.page_logit_bound(_poison(q, value, gen), pg.summarize_pages(keys, 3), 0.5, 1e-7)
         with pytest.raises(ValueError, match="q contains non-finite"):
             pg.token_logit_bound(_poison(q, value, gen), pg.sketch_keys(keys), 0.5, 1e-7)
+        with pytest.raises(ValueError, match="keys contains non-finite"):
+            pg.basis_sketch(_poison(keys, value, gen), 2)
+        with pytest.raises(ValueError, match="q contains non-finite"):
+            pg.basis_logit_bound(_poison(q, value, gen), pg.basis_sketch(keys, 2), 0.5, 1e-7)
         served = torch.randn(2, 3, 5, generator=gen, dtype=F64)
         u = pg.token_logit_bound(q, pg.sketch_keys(keys), 0.5, 1e-7)  # [2, 3, 7]
         visible = torch.ones(2, 3, 7, dtype=torch.bool)
@@ -296,11 +415,13 @@ def test_keys_whose_norm_overflows_float32_give_an_infinite_bound_and_a_zero_que
     keys = torch.tensor([[[3e38, 3e38], [1.0, 1.0]]])
     for u in (
         pg.token_logit_bound(torch.ones(1, 1, 2), pg.sketch_keys(keys), 1.0, 1e-7),
+        pg.basis_logit_bound(torch.ones(1, 1, 2), pg.basis_sketch(keys, 1), 1.0, 1e-7),
         pg.page_logit_bound(torch.ones(1, 1, 2), pg.summarize_pages(keys, 2), 1.0, 0.0),
     ):
         assert bool(torch.isinf(u[..., 0]).all() and (u[..., 0] > 0).all())
     zero = torch.zeros(1, 1, 2)
     assert bool((pg.token_logit_bound(zero, pg.sketch_keys(keys), 1.0, 1e-7) == 0).all())
+    assert bool((pg.basis_logit_bound(zero, pg.basis_sketch(keys, 1), 1.0, 1e-7) == 0).all())
     assert bool((pg.page_logit_bound(zero, pg.summarize_pages(keys, 2), 1.0, 1e-7) == 0).all())
     pooled, seen = pg.pool_pages(
         pg.token_logit_bound(torch.ones(1, 1, 2), pg.sketch_keys(keys), 1.0, 1e-7),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -34,9 +35,12 @@ from kvcert.attention.certified import (
     ungroup_heads,
 )
 from kvcert.bounds.pages import (
+    BasisSketch,
     KeySketch,
     OmittedCertificate,
     PageSummary,
+    basis_logit_bound,
+    basis_sketch,
     omitted_certificate,
     page_logit_bound,
     page_weights,
@@ -52,7 +56,13 @@ from kvcert.cache.recall import HeldPages, RecallPool
 from kvcert.cache.store import LayerStore
 
 F64 = torch.float64
-SUMMARIES: tuple[str, ...] = ("box", "int8")
+Sketch = KeySketch | BasisSketch
+# per-token summaries: how each kind sketches the omitted keys (``basis<r>``: principal basis of ``r`` vectors)
+SKETCHES: dict[str, Callable[[torch.Tensor], Sketch]] = {
+    "int8": sketch_keys,
+    **{f"basis{r}": partial(basis_sketch, rank=r) for r in (8, 16, 24, 32)},
+}
+SUMMARIES: tuple[str, ...] = ("box", *SKETCHES)
 RECALLS: tuple[str, ...] = ("persistent", "transient")
 
 
@@ -78,6 +88,13 @@ def check_resident(
     return float(resident)
 
 
+def sketch_logit_bound(q: torch.Tensor, sketch: Sketch, scaling: float, gamma: float) -> torch.Tensor:
+    """Per-token omitted logit bounds ``[..., M, N]`` of either sketch kind (same contract)."""
+    if isinstance(sketch, BasisSketch):
+        return basis_logit_bound(q, sketch, scaling, gamma)
+    return token_logit_bound(q, sketch, scaling, gamma)
+
+
 def can_omit(store: LayerStore) -> bool:
     """Fail closed: a layer whose K or V holds a non-finite entry keeps every token resident (no summary)."""
     assert store.k is not None and store.v is not None
@@ -89,7 +106,8 @@ class OmittedPages:
     """Device-side summary of one layer's omitted tokens (archive order, pages of ``page_size`` tokens).
 
     Exactly one of ``box`` (per page: box, ball, norm ``[B, Hkv, P, ...]``; ``summary="box"``) and
-    ``sketch`` (per token: int8 codes and error witness ``[B, Hkv, N, ...]``; ``summary="int8"``).
+    ``sketch`` (per token ``[B, Hkv, N, ...]``: int8 codes and error witness, ``summary="int8"``; or int8 codes of
+    the coefficients in a per-head principal basis with two error witnesses, ``summary="basis<r>"``).
     ``v_spread`` / ``v_norm`` / ``k_norm`` ``[B, Hkv, 1]`` float32 upper bounds on ``max ‖v_t − centre‖``,
     ``max ‖v_t‖`` and ``max ‖k_t‖`` over the omitted tokens (the output bound's spread and slack need them).
     ``held``: the pages recalled persistently (``recall="persistent"``), ``None`` for transient recall.
@@ -97,7 +115,7 @@ class OmittedPages:
 
     page_size: int
     box: PageSummary | None
-    sketch: KeySketch | None
+    sketch: Sketch | None
     v_spread: torch.Tensor
     v_norm: torch.Tensor
     k_norm: torch.Tensor
@@ -134,7 +152,7 @@ def summarize_omitted(
     dev = store.v_centre.device  # the summary lives on the device tier; the omitted tokens stay in the host tier
     k, v = store.evicted["k"].view().to(dev), store.evicted["v"].view().to(dev)
     box = summarize_pages(k, page_size) if summary == "box" else None
-    sketch = sketch_keys(k) if summary == "int8" else None
+    sketch = SKETCHES[summary](k) if summary in SKETCHES else None
     held = None
     if pool is not None:
         n = k.shape[2]
@@ -360,7 +378,7 @@ def resident_read(
         counts = _page_counts(m_o, ps, n_pages)
     else:  # per-token bounds pooled per page: n_P e^{u_P} = Σ_{t∈P visible} e^{u_t}
         assert pages.sketch is not None
-        u, counts = pool_pages(token_logit_bound(qg, pages.sketch, scaling, gamma), m_o, ps)
+        u, counts = pool_pages(sketch_logit_bound(qg, pages.sketch, scaling, gamma), m_o, ps)
     w = page_weights(torch.where(live.unsqueeze(-1), logits, 0.0), u, counts)
     w = torch.where(bad.unsqueeze(-1), float("inf"), w)  # fail closed
     oc = omitted_certificate(sv.p64, torch.where(m, sv.c, 0.0), w, sv.cert)

@@ -16,6 +16,11 @@ the exact one ``p`` the softmax of the exact logits ``s`` over every visible tok
 * :func:`sketch_keys` / :func:`token_logit_bound` / :func:`pool_pages` — the same contract per token from an int8
   sketch of every omitted key (codes + per-token scale and error witness), pooled per page as
   ``log Σ_{t∈P} e^{u_t}``: far tighter than a page box, at half the keys' float16 bytes (plus 12 bytes per token).
+* :func:`basis_sketch` / :func:`basis_sketch_in` / :func:`basis_logit_bound` — the same per-token contract from a
+  smaller sketch (``docs/math.md#basis-sketch``): per (row, KV head) a head basis ``A`` (int8 coefficients per
+  token) and a tail basis ``B`` (packed int4 coefficients of what ``A`` leaves), with one error witness against
+  ``‖Aᵀq‖`` and one against ``‖q − AAᵀq‖``; ``r + (D − r)/2 + 10`` bytes per token plus the bases. Sound for any
+  stored ``A``, ``B`` (no orthonormality assumed).
 * :func:`omitted_certificate` — with ``A = Σ_R p̃ e^{c}``, ``B₋ = Σ_R p̃ e^{−c}`` and
   ``U = Σ_P n_P e^{u_P − lse(s̃)}``: the omitted-mass bound ``m̄ = U/(B₋ + U) ≥ Σ_{t∉R} p_t``, the direct
   form ``D = 1 − B₋/(A + U) ≥ TV(p, p̃)``, and the composed certificate ``min(1, D, meter + m̄)``.
@@ -323,3 +328,212 @@ def pool_pages(bound: torch.Tensor, visible: torch.Tensor, page_size: int) -> tu
     pooled = torch.where(seen, pooled, 0.0)
     pooled = pooled + (page_size + 4) * 2.0**-52 * (1.0 + pooled.abs())  # float64 logsumexp rounding
     return torch.where(seen, pooled, 0.0), seen.to(torch.int64)
+
+
+_BF16 = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class BasisSketch:
+    """Per-token sketch of keys ``[..., N, D]`` in a stored basis split into a head ``A`` (``r`` vectors, int8
+    coefficients) and a tail ``B`` (int4 coefficients of what ``A`` leaves): ``k_t ≈ A·â_t + B·b̂_t``.
+
+    ``basis`` ``A`` float32 ``[..., D, r]`` and ``tail`` ``B`` float16 ``[..., D, D − r]`` (one pair per leading
+    index, e.g. per (row, KV head); any matrices: no bound relies on orthonormality). ``codes`` int8
+    ``[..., N, r]`` with ``â_t = scale_t·codes_t``; ``tail_codes`` uint8 ``[..., N, ⌈(D − r)/2⌉]`` (two 4-bit codes
+    ``c + 8``, ``c ∈ [−7, 7]``, per byte, low nibble first) with ``b̂_t = tail_scale_t·c_t``. Per token, bfloat16:
+    ``scale``, ``tail_scale``, ``coef_err ≥ ‖Aᵀk_t − â_t‖ + δ·‖Aᵀk_t‖`` (``δ ≥ ‖I − AᵀA‖_F``),
+    ``perp_err ≥ ‖k_t − AAᵀk_t − B·b̂_t‖`` and ``norm ≥ ‖k_t‖``.
+    """
+
+    basis: torch.Tensor
+    tail: torch.Tensor
+    codes: torch.Tensor
+    tail_codes: torch.Tensor
+    scale: torch.Tensor
+    tail_scale: torch.Tensor
+    coef_err: torch.Tensor
+    perp_err: torch.Tensor
+    norm: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the sketch: both bases, both codes and the five per-token bfloat16 numbers."""
+        parts = (
+            self.basis,
+            self.tail,
+            self.codes,
+            self.tail_codes,
+            self.scale,
+            self.tail_scale,
+            self.coef_err,
+            self.perp_err,
+            self.norm,
+        )
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def tail_coefficients(self) -> torch.Tensor:
+        """``b̂`` float64 ``[..., N, D − r]`` decoded from the packed 4-bit codes (exact)."""
+        return _unpack4(self.tail_codes, self.tail.shape[-1]).to(F64) * self.tail_scale.to(F64).unsqueeze(-1)
+
+
+def _pack4(codes: torch.Tensor) -> torch.Tensor:
+    """int64 codes in ``[−7, 7]`` ``[..., n]`` -> uint8 ``[..., ⌈n/2⌉]`` (``c + 8`` per nibble, low nibble first)."""
+    n = codes.shape[-1]
+    nib = torch.nn.functional.pad(codes + 8, (0, n % 2), value=8).reshape(*codes.shape[:-1], (n + 1) // 2, 2)
+    return (nib[..., 0] | (nib[..., 1] << 4)).to(torch.uint8)
+
+
+def _unpack4(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`_pack4`: int64 ``[..., n]``."""
+    p = packed.to(torch.int64)
+    return (torch.stack([p & 15, p >> 4], -1).flatten(-2) - 8)[..., :n]
+
+
+def _frob_up(x: torch.Tensor) -> torch.Tensor:
+    """``≥ ‖x‖_F`` over the last two dims of float64 ``x`` (the computed norm inflated for its rounding)."""
+    n = x.shape[-1] * x.shape[-2]
+    return x.flatten(-2).norm(dim=-1) * (1.0 + (n + 4) * _U64)
+
+
+def principal_basis(keys: torch.Tensor) -> torch.Tensor:
+    """Float64 ``[..., D, D]``: the eigenvectors of ``Σ_t k_t k_tᵀ`` (uncentred), largest eigenvalue first.
+
+    Any matrices are sound for :func:`basis_sketch_in`; this choice puts most of the keys' energy in the head.
+    """
+    x = keys.to(F64)
+    _, vecs = torch.linalg.eigh(x.transpose(-1, -2) @ x)
+    return vecs.flip(-1)
+
+
+def basis_sketch(keys: torch.Tensor, rank: int) -> BasisSketch:
+    """Sketch ``keys[..., N, D]`` in their principal basis (:func:`principal_basis`): head the leading
+    ``min(rank, D)`` vectors, tail the rest (:func:`basis_sketch_in`). Raises ``ValueError`` for ``rank < 1``, no
+    tokens or non-finite keys."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be a positive int, got {rank!r}")
+    _check_keys(keys)
+    vecs = principal_basis(keys)
+    r = min(rank, keys.shape[-1])
+    return basis_sketch_in(keys, vecs[..., :r], vecs[..., r:])
+
+
+def _check_keys(keys: torch.Tensor) -> None:
+    if keys.dim() < 2 or keys.shape[-2] == 0:
+        raise ValueError(
+            f"keys must be [..., N, D] with N > 0 (an empty page cannot be summarized), got shape {tuple(keys.shape)}"
+        )
+    _finite(keys, "keys")
+
+
+def _symmetric_codes(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric codes of float64 ``x[..., N, m]`` in ``[−levels, levels]`` and their bfloat16 scale
+    ``≥ max_j |x_j| / levels`` (rounded up; 1 for an all-zero row). ``ValueError`` beyond the bfloat16 range."""
+    amax = x.abs().amax(-1) if x.shape[-1] else x.new_zeros(x.shape[:-1])
+    scale = _round_out(torch.where(amax > 0, amax / levels, 1.0), _BF16, up=True)
+    if not bool(torch.isfinite(scale).all()):
+        raise ValueError("keys are beyond the bfloat16 range of the sketch's scale")
+    codes = torch.round(x / scale.to(F64).unsqueeze(-1)).clamp(-levels, levels).to(torch.int64)
+    return codes, scale
+
+
+def _check_bases(keys: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored head (float32) and tail (float16) bases; ``ValueError`` unless finite ``[..., D, ·]`` fitting
+    ``keys``."""
+    stored, stored_tail = basis.to(torch.float32), tail.to(torch.float16)
+    for name, m in (("basis", stored), ("tail", stored_tail)):
+        _finite(m, name)
+        if m.dim() != keys.dim() or m.shape[:-2] != keys.shape[:-2] or m.shape[-2] != keys.shape[-1]:
+            raise ValueError(f"{name} must be [..., D, ·] for keys {tuple(keys.shape)}, got {tuple(m.shape)}")
+    return stored, stored_tail
+
+
+def basis_sketch_in(keys: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor) -> BasisSketch:
+    """Sketch ``keys[..., N, D]`` in a head ``basis[..., D, r]`` (stored float32) and a ``tail[..., D, m]`` (stored
+    float16); any finite matrices, orthonormal or not.
+
+    Contract (``docs/math.md#basis-sketch``), for the *stored* ``A``, ``B`` and every token:
+    ``coef_err_t ≥ ‖Aᵀk_t − â_t‖ + δ·‖Aᵀk_t‖`` with ``δ ≥ ‖I − AᵀA‖_F``, ``perp_err_t ≥ ‖k_t − AAᵀk_t − B·b̂_t‖``,
+    ``norm_t ≥ ‖k_t‖``. Every quantity is evaluated in float64 from the stored tensors; each computed norm is
+    inflated by ``1 + (D + r + 8)·2^-53`` and the products with ``A`` and ``B`` get absolute allowances
+    (``(D + r + 16)·2^-52·(1 + ‖A‖_F)²·‖k_t‖`` for ``Aᵀk`` and ``A(Aᵀk)``, whose rounding errors are at most
+    ``(D + r + 2)·2^-53·(1 + ‖A‖_F)²·‖k_t‖``; ``(D + 16)·2^-52·(‖k⊥‖ + ‖B‖_F·‖b̂_t‖)`` for ``B·b̂_t``); then
+    rounded up to bfloat16. Codes: symmetric per token, int8 for ``Aᵀk_t``, int4 for ``Bᵀ(k_t − AAᵀk_t)``.
+    Raises ``ValueError`` for no tokens, non-finite keys or bases, bases whose shape does not fit the keys, or keys
+    beyond the bfloat16 range of the scales.
+    """
+    _check_keys(keys)
+    a32, b16 = _check_bases(keys, basis, tail)
+    x, a, b = keys.to(F64), a32.to(F64), b16.to(F64)
+    d, r = a.shape[-2:]
+    inflate = 1.0 + (d + r + 8) * _U64
+    f_up = _frob_up(a)
+    eye = torch.eye(r, dtype=F64, device=x.device)
+    delta = _frob_up(eye - a.transpose(-1, -2) @ a) + (d + 16) * 2.0**-52 * f_up**2 * inflate  # ≥ ‖I − AᵀA‖_F
+    knorm = x.norm(dim=-1) * inflate  # [..., N] ≥ ‖k_t‖
+    slack = (d + r + 16) * 2.0**-52 * ((1.0 + f_up) ** 2).unsqueeze(-1) * knorm
+    coef = x @ a  # [..., N, r] ≈ Aᵀk_t
+    codes, scale = _symmetric_codes(coef, 127)
+    ahat = codes.to(F64) * scale.to(F64).unsqueeze(-1)
+    coef_err = (coef - ahat).norm(dim=-1) * inflate + slack
+    coef_err = coef_err + delta.unsqueeze(-1) * (coef.norm(dim=-1) * inflate + slack)
+    perp = x - coef @ a.transpose(-1, -2)  # ≈ k_t − AAᵀk_t, within slack
+    tail_codes, tail_scale = _symmetric_codes(perp @ b, 7)
+    bhat = tail_codes.to(F64) * tail_scale.to(F64).unsqueeze(-1)
+    rebuilt = bhat @ b.transpose(-1, -2)
+    g_up = _frob_up(b).unsqueeze(-1)
+    perp_n = perp.norm(dim=-1) * inflate
+    room = (d + 16) * 2.0**-52 * (perp_n + g_up * bhat.norm(dim=-1) * inflate)
+    perp_err = (perp - rebuilt).norm(dim=-1) * inflate + slack + room
+    return BasisSketch(
+        a32,
+        b16,
+        codes.to(torch.int8),
+        _pack4(tail_codes),
+        scale,
+        tail_scale,
+        _round_out(coef_err * inflate, _BF16, up=True),
+        _round_out(perp_err * inflate, _BF16, up=True),
+        _round_out(knorm, _BF16, up=True),
+    )
+
+
+def basis_logit_bound(q: torch.Tensor, sketch: BasisSketch, scaling: float, gamma: float) -> torch.Tensor:
+    """Per-token bound ``u[..., M, N] ≥ sc·⟨q_m, k_t⟩ + 3·sc·γ·‖q_m‖·‖k_t‖`` from a :class:`BasisSketch`
+    (the contract of :func:`token_logit_bound`).
+
+    For any matrices ``A``, ``B``, with ``q⊥ = q − AAᵀq`` (``docs/math.md#basis-sketch``):
+    ``⟨q, k⟩ = ⟨Aᵀq, â⟩ + ⟨Aᵀq, Aᵀk − â⟩ + (Aᵀq)ᵀ(I − AᵀA)(Aᵀk) + ⟨Bᵀq⊥, b̂⟩ + ⟨q⊥, k − AAᵀk − B b̂⟩
+    ≤ ⟨Aᵀq, â⟩ + ‖Aᵀq‖·coef_err + ⟨Bᵀq⊥, b̂⟩ + ‖q⊥‖·perp_err``, and ``⟨q, k⟩ ≤ ‖q‖·norm``; the bound takes the
+    smaller. Evaluated in float64 with ``ũ = fl(Aᵀq)``, ``fl(q − Aũ)`` and ``w̃ = fl(Bᵀ fl(q − Aũ))``: ``‖Aᵀq‖``
+    and ``‖q⊥‖`` are bounded by the computed norms inflated by ``1 + (D + r + 8)·2^-53`` plus
+    ``ρ = (D + r + 16)·2^-52·(1 + ‖A‖_F)²·‖q‖``; ``⟨Aᵀq, â⟩`` by the computed dot plus ``ρ·‖â‖``, ``⟨Bᵀq⊥, b̂⟩``
+    by the computed dot plus ``ρ_B·‖b̂‖`` with ``ρ_B = ‖B‖_F·(ρ + (D + 16)·2^-52·‖q⊥‖)``; the final sums get
+    ``(D + r + 16)·2^-52·sc·(Σ_j |ũ_j â_j| + Σ_j |w̃_j b̂_j| + every added term)``.
+    """
+    _check_query(q, sketch.basis.shape[-2], scaling, gamma)
+    d, r = sketch.basis.shape[-2:]
+    inflate = 1.0 + (d + r + 8) * _U64
+    q64, a, b = q.to(F64), sketch.basis.to(F64), sketch.tail.to(F64)
+    qn = q64.norm(dim=-1, keepdim=True) * inflate  # [..., M, 1] ≥ ‖q‖
+    rho = (d + r + 16) * 2.0**-52 * ((1.0 + _frob_up(a)) ** 2)[..., None, None] * qn
+    qu = q64 @ a  # [..., M, r] ≈ Aᵀq
+    q_perp = q64 - qu @ a.transpose(-1, -2)
+    head_n = qu.norm(dim=-1, keepdim=True) * inflate + rho  # ≥ ‖Aᵀq‖
+    perp_n = q_perp.norm(dim=-1, keepdim=True) * inflate + rho  # ≥ ‖q⊥‖
+    qw = q_perp @ b  # [..., M, D − r] ≈ Bᵀq⊥
+    rho_b = _frob_up(b)[..., None, None] * (rho + (d + 16) * 2.0**-52 * perp_n)
+    ahat = sketch.codes.to(F64) * sketch.scale.to(F64).unsqueeze(-1)  # [..., N, r]
+    bhat = sketch.tail_coefficients()  # [..., N, D − r]
+    dot = qu @ ahat.transpose(-1, -2) + qw @ bhat.transpose(-1, -2)  # [..., M, N]
+    mag = qu.abs() @ ahat.abs().transpose(-1, -2) + qw.abs() @ bhat.abs().transpose(-1, -2)
+    e1 = _times(head_n, sketch.coef_err.to(F64).unsqueeze(-2))
+    e2 = _times(perp_n, sketch.perp_err.to(F64).unsqueeze(-2))
+    coded = rho * (ahat.norm(dim=-1) * inflate).unsqueeze(-2) + _times(
+        rho_b, (bhat.norm(dim=-1) * inflate).unsqueeze(-2)
+    )
+    extra = e1 + e2 + coded
+    nrm = _times(qn, sketch.norm.to(F64).unsqueeze(-2))
+    best = torch.minimum(dot + extra, nrm)
+    err = (d + r + 16) * 2.0**-52 * scaling * (mag + extra + 4.0 * nrm)
+    return scaling * best + _times(nrm.new_tensor(3.0 * scaling * gamma), nrm) + err

@@ -289,6 +289,18 @@ def test_basis_sketch_bytes_are_its_tensors():
     assert {t.dtype for t in (sk.scale, sk.tail_scale, sk.coef_err, sk.perp_err, sk.norm)} == {torch.bfloat16}
 
 
+def test_basis_sketch_estimate_is_within_its_witnesses():
+    """``k̂ = A·â + B·b̂`` (the ranking estimate) is within ``‖A‖₂·coef_err + perp_err`` of every key."""
+    keys = torch.randn(2, 3, 40, 64, dtype=torch.float64) * torch.linspace(0.1, 3.0, 64, dtype=torch.float64)
+    sk = pg.basis_sketch(keys.float(), 16)
+    est = sk.estimate()
+    assert est.shape == keys.shape and est.dtype == torch.float32
+    err = (keys - est.double()).norm(dim=-1)
+    a_norm = torch.linalg.matrix_norm(sk.basis.double(), ord=2).unsqueeze(-1)
+    allowed = a_norm * sk.coef_err.double() + sk.perp_err.double()
+    assert bool((err <= allowed * (1 + 1e-5) + 1e-5).all())
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [

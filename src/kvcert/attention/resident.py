@@ -123,8 +123,11 @@ class OmittedPages:
 
     def key_estimate(self) -> torch.Tensor:
         """A point estimate ``[B, Hkv, N, D]`` (float32, on the device) of every omitted key from the summary alone:
-        the int8 sketch's ``k̂_t = scale_t · codes_t``, or the centre of the token's page box. No host read; it
-        only ranks tokens (:class:`~kvcert.attention.evict_driver.DecodeScores`), no bound relies on it."""
+        the int8 sketch's ``k̂_t = scale_t · codes_t``, the basis sketch's ``A·â_t + B·b̂_t``, or the centre of the
+        token's page box. No host read; it only ranks tokens (:class:`~kvcert.attention.evict_driver.DecodeScores`),
+        no bound relies on it."""
+        if isinstance(self.sketch, BasisSketch):
+            return self.sketch.estimate()
         if self.sketch is not None:
             return self.sketch.codes.to(torch.float32) * self.sketch.scale.unsqueeze(-1)
         assert self.box is not None

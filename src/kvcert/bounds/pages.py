@@ -376,6 +376,12 @@ class BasisSketch:
         """``b̂`` float64 ``[..., N, D − r]`` decoded from the packed 4-bit codes (exact)."""
         return _unpack4(self.tail_codes, self.tail.shape[-1]).to(F64) * self.tail_scale.to(F64).unsqueeze(-1)
 
+    def estimate(self) -> torch.Tensor:
+        """Point estimate ``k̂_t = A·â_t + B·b̂_t`` float32 ``[..., N, D]`` (for ranking tokens; no bound uses it)."""
+        coef = self.codes.to(F64) * self.scale.to(F64).unsqueeze(-1)
+        head = coef @ self.basis.to(F64).transpose(-1, -2)
+        return (head + self.tail_coefficients() @ self.tail.to(F64).transpose(-1, -2)).to(torch.float32)
+
 
 def _pack4(codes: torch.Tensor) -> torch.Tensor:
     """int64 codes in ``[−7, 7]`` ``[..., n]`` -> uint8 ``[..., ⌈n/2⌉]`` (``c + 8`` per nibble, low nibble first)."""

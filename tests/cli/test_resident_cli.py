@@ -61,6 +61,8 @@ RESIDENT_FIELDS = {
         (["--reselect", "4"], "--reselect re-selects the resident set"),
         (["--resident", "0.25", "--reselect", "0"], "--reselect must be a positive number"),
         (["--resident", "0.25", "--reselect", "2", "--schemes", "dither-int8/int4"], "dithered codecs"),
+        (["--summary", "basis8"], "--summary summarises a resident set's omitted keys"),
+        (["--resident", "0.25", "--summary", "pca"], "--summary: unknown summary 'pca'"),
     ],
 )
 def test_bad_resident_options_are_refused_before_loading(tmp_path: Path, args: list[str], needle: str) -> None:
@@ -211,3 +213,21 @@ def test_eval_reselect_reports_what_reselection_moved(tmp_path: Path) -> None:
     kept = doc["results"]["variants"]["int4+resident"]
     assert kept["reselections"]["value"] > 0 and kept["reselect_promoted"]["tier"] == "empirical"
     assert kept["reselect_bytes_paged"]["value"] >= 0
+
+
+def test_eval_summary_option_reaches_the_cache(tmp_path: Path) -> None:
+    """``--summary basis8`` builds the resident variant's summaries as basis sketches: recorded in the config and
+    the variant, 0 violations in validate mode, and summary bytes unlike the int8 sketch's on the same samples."""
+    summary_bytes = {}
+    for summary in ("int8", "basis8"):
+        out = tmp_path / summary
+        args = ["--gate", "certified:0.2", "--resident", "0.25", "--select", "streaming", "--validate"]
+        result = runner.invoke(app, ["eval", *TINY, *args, "--summary", summary, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        doc = json.loads((out / "results.json").read_text())
+        kept = doc["results"]["variants"]["int4+resident"]
+        assert doc["config"]["summary"] == summary and kept["summary"] == summary
+        assert kept["violations"]["value"] == 0 and kept["recall_violations"]["value"] == 0
+        summary_bytes[summary] = kept["bytes_summary"]["value"]
+    assert summary_bytes["int8"] > 0 and summary_bytes["basis8"] > 0
+    assert summary_bytes["int8"] != summary_bytes["basis8"]

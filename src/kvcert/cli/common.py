@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, PreTrainedModel  # noqa: E402
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase  # noqa: E402
 
 from kvcert.attention.evict_driver import default_select  # noqa: E402
+from kvcert.attention.resident import SUMMARIES  # noqa: E402
 from kvcert.cache.gate import Gate  # noqa: E402
 from kvcert.cache.store import DEFAULT_WITNESS, WITNESS_FORMATS, Witness  # noqa: E402
 from kvcert.evict import H2O, RMM, EvictionPolicy, StreamingLLM, prefill_kept_count  # noqa: E402
@@ -179,13 +180,14 @@ class ResidentPlan:
     """Resident variants of a RULER job: each listed scheme also runs with a resident set of ``fraction`` of
     its tokens chosen by ``select`` (a :data:`SELECT_POLICIES` name), gated by ``gate`` (``certified(τ)`` at
     head granularity, or ``off``: certificates without recall), re-selected every ``reselect`` decode steps
-    (``None``: never)."""
+    (``None``: never), the omitted tokens' keys summarised as ``summary`` (a :data:`SUMMARIES` name)."""
 
     fraction: float
     select: str
     gate: Gate
     specs: tuple[SchemeSpec, ...]
     reselect: int | None = None
+    summary: str = "int8"
 
     def policy(self) -> EvictionPolicy:
         """A fresh selection policy for one request."""
@@ -193,13 +195,22 @@ class ResidentPlan:
 
 
 def check_resident_options(
-    resident: float | None, select: str | None, reselect: int | None = None, specs: tuple[SchemeSpec, ...] = ()
+    resident: float | None,
+    select: str | None,
+    reselect: int | None = None,
+    specs: tuple[SchemeSpec, ...] = (),
+    summary: str | None = None,
 ) -> None:
-    """``--resident`` in (0, 1], ``--select`` a known policy and ``--reselect`` a positive step count (both only
-    together with ``--resident``; ``--reselect`` not with a dithered codec in ``specs``); ``ValueError`` naming the
-    option otherwise."""
+    """``--resident`` in (0, 1], ``--select`` a known policy, ``--reselect`` a positive step count and
+    ``--summary`` a known summary (all three only together with ``--resident``; ``--reselect`` not with a dithered
+    codec in ``specs``); ``ValueError`` naming the option otherwise."""
     if resident is not None and not 0.0 < resident <= 1.0:
         raise ValueError(f"--resident must be a fraction in (0, 1], got {resident}")
+    if summary is not None:
+        if resident is None:
+            raise ValueError("--summary summarises a resident set's omitted keys: pass --resident with it")
+        if summary not in SUMMARIES:
+            raise ValueError(f"--summary: unknown summary {summary!r}; known are {', '.join(SUMMARIES)}")
     if reselect is not None:
         if resident is None:
             raise ValueError("--reselect re-selects the resident set: pass --resident <fraction in (0, 1]> with it")

@@ -12,6 +12,7 @@ from kvcert.cli.common import (
     DEFAULT_SCHEMES,
     DEFAULT_SELECT,
     SELECT_POLICIES,
+    SUMMARIES,
     DeviceBudgetOption,
     GateOption,
     ModelOption,
@@ -75,6 +76,13 @@ def evaluate(
             "not with dithered codecs)",
         ),
     ] = None,
+    summary: Annotated[
+        str | None,
+        typer.Option(
+            help=f"summary of the omitted tokens' keys: {' | '.join(SUMMARIES)} (default int8; needs --resident; "
+            "docs/eviction.md)",
+        ),
+    ] = None,
     validate: Annotated[
         bool,
         typer.Option(
@@ -90,11 +98,13 @@ def evaluate(
         tasks = parse_task_option(task)
         specs = parse_storage(parse_schemes(schemes), witness, device_budget)
         chosen = parse_gate(gate)
-        check_resident_options(resident, select, reselect, tuple(specs))
+        check_resident_options(resident, select, reselect, tuple(specs), summary)
         plan = (
             None
             if resident is None
-            else ResidentPlan(resident, select or DEFAULT_SELECT, resident_gate(chosen), tuple(specs), reselect)
+            else ResidentPlan(
+                resident, select or DEFAULT_SELECT, resident_gate(chosen), tuple(specs), reselect, summary or "int8"
+            )
         )
     job = RulerJob(
         "eval",

@@ -61,7 +61,7 @@ CELL_WEIGHTED = {
     "informative_fraction": CERTIFIED,
     "fallback_rate": EMPIRICAL,
 }
-SAME_CONFIG = ("model", "context", "schemes", "gate", "max_new_tokens", "resident", "select")
+SAME_CONFIG = ("model", "context", "schemes", "gate", "max_new_tokens", "resident", "select", "summary")
 
 
 def _value(node: dict[str, Any], key: str) -> Any:
@@ -177,8 +177,8 @@ def _check_compatible(docs: list[dict[str, Any]], paths: list[Path]) -> list[str
             if mine != theirs:
                 raise ValueError(
                     f"{path}: {key} {mine!r} differs from the first shard's ({theirs!r}); "
-                    "shards must share model, context, schemes, gate, max_new_tokens, resident and "
-                    "select"
+                    "shards must share model, context, schemes, gate, max_new_tokens, resident, select and "
+                    "summary"
                 )
         for s in doc["results"]["per_sample"]:
             sample = (s["task"], s["index"]["value"])

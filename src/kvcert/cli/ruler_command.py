@@ -55,6 +55,7 @@ class RulerJob:
             "resident": None if self.resident is None else self.resident.fraction,
             "select": None if self.resident is None else self.resident.select,
             "reselect": None if self.resident is None else self.resident.reselect,
+            "summary": None if self.resident is None else self.resident.summary,
             "resident_gate": None if self.resident is None else self.resident.gate.describe(),
             "resident_schemes": [] if self.resident is None else [s.label for s in self.resident.specs],
             "validate": self.validate,

@@ -120,6 +120,7 @@ def run_workload(
                 resident=resident.fraction,
                 select=resident.policy,
                 reselect=resident.reselect,
+                summary=resident.summary,
             )
             for s in resident.specs
         ]

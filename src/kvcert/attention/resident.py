@@ -402,8 +402,9 @@ def resident_read(
     # every per-head decision the loop starts from, read back in one sync: which heads to visit (they need recall
     # or hold pages), which have a bad cell, which need recall, whose resident codes alone exceed tau
     # (and how many pages each holds)
-    flags = torch.stack([need | has_held, bad.any(-1), need, sv.cert.amax(-1) > gate.threshold, held_mask.sum(-1)], -1)
-    visit = [(bi, hi, *f[1:]) for bi, row in enumerate(flags.tolist()) for hi, f in enumerate(row) if f[0]]
+    heads = (need | has_held, bad.any(-1), need, sv.cert.amax(-1) > gate.threshold, held_mask.sum(-1))
+    flags = torch.stack([f.to(torch.int64) for f in heads], -1).tolist()  # [B][Hkv][5] Python ints
+    visit = [(bi, hi, *f[1:]) for bi, row in enumerate(flags) for hi, f in enumerate(row) if f[0]]
     for bi, hi, bad_head, need_head, codes_above, held_pages in visit:
         if bad_head or gate.threshold == 0:  # nothing short of exact attention certifies these
             dense[bi, hi] = True

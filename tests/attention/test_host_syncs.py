@@ -151,3 +151,24 @@ def test_policy_state_stays_on_the_device(model, policy, mode, monkeypatch):
     assert per_read <= MAX_POLICY_SYNCS[mode][policy], rec.calls
     for state in select._layers.values():
         assert {state.scores.device, state.positions.device, state.now.device} == {torch.device("cpu")}
+
+
+def test_the_recorder_counts_a_planted_sync():
+    """A planted ``bool(t)`` / ``.item()`` / boolean-mask index in a kvcert module is counted with its place; the same
+    calls from a test module, and a factory call, are not."""
+    from kvcert.cache import recall
+
+    def planted(t):
+        bool(t.any())
+        t.sum().item()
+        t[t > 0]
+        torch.zeros(2, device=t.device)
+
+    kvcert_planted = type(planted)(planted.__code__.replace(co_filename=recall.__file__), globals())
+    t = torch.ones(3)
+    with SyncRecorder() as rec:
+        kvcert_planted(t)
+        planted(t)
+    names = sorted(k.split()[-1] for k in rec.calls)
+    assert names == ["__bool__", "__getitem__", "item"] and rec.total == 3
+    assert all(k.startswith("kvcert/cache/recall.py:") for k in rec.calls)

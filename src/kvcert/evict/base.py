@@ -66,7 +66,7 @@ HOST_KERNELS = True
 
 def _host(x: Tensor) -> bool:
     """Whether ``x``'s state is served by the numpy / numba kernels (a CPU tensor while ``HOST_KERNELS``)."""
-    return HOST_KERNELS and x.device.type == "cpu"
+    return HOST_KERNELS and x.is_cpu
 
 
 def aggregate_gqa(attn: Tensor, n_kv_heads: int, how: GqaAggregation = "mean") -> Tensor:
@@ -368,6 +368,8 @@ class LayerState:
     epoch: int = 0  # evictions so far
     issued: Tensor | None = None  # the keep tensor the last select returned (validated by construction)
     dropped: Tensor | None = None  # [B, Hkv, k] sorted slots ``issued`` leaves out (argmin path), else None
+    _views: tuple[np.ndarray, np.ndarray] | None = None  # numpy views of ``buffers`` (CPU states), see ``views``
+    _views_of: Tensor | None = None  # the score buffer ``_views`` were taken of
 
     @classmethod
     def empty(cls, batch: int, heads: int, device: torch.device | str = "cpu") -> LayerState:
@@ -393,8 +395,15 @@ class LayerState:
         """``[B, Hkv, n]`` int64 view of the position buffer."""
         return self.buffers[1][..., : self.n]
 
-    def extend(self, positions: Tensor) -> None:
-        """Append the slots ``positions[..., n:]`` (integer ``[B, Hkv, S]``, ``S >= n``) with score 0."""
+    def views(self) -> tuple[np.ndarray, np.ndarray]:
+        """Numpy views (no copy) of the whole score and position buffers of a CPU state, cached per buffer pair."""
+        if self._views is None or self._views_of is not self.buffers[0]:
+            self._views, self._views_of = (self.buffers[0].numpy(), self.buffers[1].numpy()), self.buffers[0]
+        return self._views
+
+    def extend(self, positions: Tensor, host: np.ndarray | None = None) -> None:
+        """Append the slots ``positions[..., n:]`` (integer ``[B, Hkv, S]``, ``S >= n``) with score 0; ``host``: the
+        same positions as a numpy array when the state is on CPU (the slots are written through numpy views)."""
         s = positions.shape[-1]
         if s > self.buffers[0].shape[-1]:
             cap = max(2 * self.buffers[0].shape[-1], s, 64)
@@ -406,8 +415,13 @@ class LayerState:
             for new, old in zip(grown, self.buffers, strict=True):
                 new[..., : self.n] = old[..., : self.n]
             self.buffers, self.spare = grown, (torch.empty_like(grown[0]), torch.empty_like(grown[1]))
-        self.buffers[0][..., self.n : s] = 0.0
-        self.buffers[1][..., self.n : s] = positions[..., self.n :]
+        if host is not None:
+            scores, held = self.views()
+            scores[..., self.n : s] = 0.0
+            held[..., self.n : s] = host[..., self.n :]
+        else:
+            self.buffers[0][..., self.n : s] = 0.0
+            self.buffers[1][..., self.n : s] = positions[..., self.n :]
         self.n = s
 
     def evict(self, keep: Tensor, dropped: Tensor | None = None) -> None:
@@ -424,7 +438,7 @@ class LayerState:
             self.spare, self.buffers, self.n = self.buffers, self.spare, c
         else:
             rows = np.ascontiguousarray(dropped.numpy().reshape(-1, dropped.shape[-1]), dtype=np.int64)
-            scores, positions = (buf.numpy().reshape(-1, buf.shape[-1]) for buf in self.buffers)
+            scores, positions = (buf.reshape(-1, buf.shape[-1]) for buf in self.views())
             _drop_in_place(scores, positions, rows, self.n)
             self.n -= dropped.shape[-1]
         self.verified = False
@@ -500,8 +514,10 @@ class EvictionPolicy(ABC):
         # an eviction; in between slots are only appended, and a slot removed without on_evict would shift the
         # join slot old − 1, so that slot and the strictly increasing appended tail are checked
         pos = positions.to(state.device)
+        pos_np = None
         if _host(attn):
-            fault = _read_fault(attn.numpy(), pos.numpy(), state.buffers[1].numpy(), old, not state.verified)
+            pos_np = pos.numpy()
+            fault = _read_fault(attn.numpy(), pos_np, state.views()[1], old, not state.verified)
         else:
             fault = _read_fault_torch(attn, pos, state.buffers[1], old, not state.verified)
         if fault == _BAD_ATTN:
@@ -511,8 +527,11 @@ class EvictionPolicy(ABC):
         if fault == _NOT_INCREASING:
             raise ValueError("positions must be strictly increasing along the slot axis")
         state.issued, state.dropped, state.verified = None, None, True
-        state.extend(pos)
-        state.now = pos[:, 0, -1].to(torch.int64, copy=True)
+        state.extend(pos, pos_np)
+        if pos_np is not None:
+            state.now = torch.from_numpy(pos_np[:, 0, -1].astype(np.int64))
+        else:
+            state.now = pos[:, 0, -1].to(torch.int64, copy=True)
         self._accumulate(layer, state, attn, state.buffers[1][:, 0, s - q : s])
 
     def set_kappa(self, step_positions: Tensor, kappa: Tensor) -> None:
@@ -565,7 +584,7 @@ class EvictionPolicy(ABC):
         Off the CPU both conditions are one reduction (one host synchronisation).
         """
         if _host(state.buffers[1]):
-            pos_np, now_np = state.buffers[1].numpy()[..., : state.n], state.now.numpy()
+            pos_np, now_np = state.views()[1][..., : state.n], state.now.numpy()
             if lo > 0 and not (pos_np[..., lo - 1] == lo - 1).all():
                 return False
             if hi == state.n:

@@ -142,7 +142,7 @@ class SnapKV(EvictionPolicy):
         q, s = attn.shape[2:]
         win = self._windows.setdefault(layer, deque())
         if _host(state.buffers[0]):
-            scores, positions = state.buffers[0].numpy(), state.buffers[1].numpy()
+            scores, positions = state.views()
             pos = positions[..., :s].copy()  # shared by this call's rows
             rows = attn[:, :, max(q - self.window, 0) :].numpy()
             for r in range(rows.shape[2]):

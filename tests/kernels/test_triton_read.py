@@ -163,6 +163,9 @@ def test_non_finite_query_or_pending_entry_returns_none() -> None:
     keys[0, 0, 10, 0] = math.inf  # pending key (from 8 on): checked here
     assert triton_read.decode_read(decode_inputs(case, **kw, k_from=8)) is None
     assert triton_read.decode_read(decode_inputs(case, **kw, k_from=11)) is not None
+    case[5][0, 1, 10, 2] = -math.inf  # pending value (from 8 on): checked in the same fused reduction
+    assert triton_read.decode_read(decode_inputs(case, **kw, k_from=11, v_from=8)) is None
+    assert triton_read.decode_read(decode_inputs(case, **kw, k_from=11, v_from=11)) is not None
 
 
 def test_bad_inputs_are_named() -> None:

@@ -304,12 +304,14 @@ def _eager_served(
     assert store.k is not None and store.v is not None
     khat, vhat = store.k.served.view(), store.v.served.view()
     s, d = khat.shape[2], qg.shape[-1]
-    nonfinite = (
-        store.nonfinite > 0
-        or not bool(torch.isfinite(qg).all())
-        or (store.k.n_encoded < s and not bool(torch.isfinite(khat[:, :, store.k.n_encoded :]).all()))
-        or (store.v.n_encoded < s and not bool(torch.isfinite(vhat[:, :, store.v.n_encoded :]).all()))
-    )
+    nonfinite = store.nonfinite > 0
+    if not nonfinite:  # the query and the pending keys / values: one fused flag, one wait for the device
+        finite = torch.isfinite(qg).all()
+        if store.k.n_encoded < s:
+            finite = finite & torch.isfinite(khat[:, :, store.k.n_encoded :]).all()
+        if store.v.n_encoded < s:
+            finite = finite & torch.isfinite(vhat[:, :, store.v.n_encoded :]).all()
+        nonfinite = not bool(finite)
     k_band, k_hat_norm, k_wit = store.k_band.view(), store.k_hat_norm.view(), store.k_wit.view()
     v_res, v_dist, v_hat_norm = store.v_res.view(), store.v_dist.view(), store.v_hat_norm.view()
     bad_cell = None

@@ -272,11 +272,11 @@ class _OmittedView:
 
 def _grow_recall(
     ov: _OmittedView, bi: int, hi: int, order: torch.Tensor, k: int, l_res: torch.Tensor, c_res: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, OmittedCertificate]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, OmittedCertificate, bool]:
     """Recall the first ``k`` pages of ``order`` for KV head ``(bi, hi)`` (doubling ``k`` until every cell's composed
     certificate is ``<= threshold`` or every page is recalled) over the resident logits ``l_res`` and radii
     ``c_res``; return the pages chosen, their tokens, the served probabilities over resident + recalled tokens, the
-    recalled values and the certificate of the rest."""
+    recalled values, the certificate of the rest and whether it certifies every cell (``<= threshold``)."""
     ps, n_pages, s_o = ov.page_size, ov.n_pages, ov.keys.shape[2]
     while True:
         chosen = order[:k]
@@ -292,13 +292,20 @@ def _grow_recall(
         c_all = torch.cat([c_res, cp], -1)
         p_all = probs64(l_all)
         meter = served_meter(p_all, c_all)[0]
-        keep = torch.ones(n_pages, dtype=torch.bool, device=order.device)
-        keep[chosen] = False
-        w_rest = page_weights(l_all, ov.u[bi, hi][:, keep], ov.counts[bi, hi][:, keep])
+        rest = order[k:].sort().values  # the pages not chosen, ascending (order is a permutation of the pages)
+        w_rest = page_weights(l_all, ov.u[bi, hi][:, rest], ov.counts[bi, hi][:, rest])
         oc2 = omitted_certificate(p_all, c_all, w_rest, meter)
-        if bool((oc2.certificate <= ov.threshold).all()) or k >= n_pages:
-            return chosen, tok, p_all, vp, oc2
+        ok = bool((oc2.certificate <= ov.threshold).all())
+        if ok or k >= n_pages:
+            return chosen, tok, p_all, vp, oc2, ok
         k = min(2 * k, n_pages)
+
+
+def _first_certifying(predicted: torch.Tensor, n_pages: int) -> int:
+    """The smallest page count ``predicted[P]`` marks as certifying, else ``n_pages`` (one sync)."""
+    if not predicted.numel():
+        return n_pages
+    return int(torch.where(predicted.any(), predicted.to(torch.int64).argmax() + 1, n_pages))
 
 
 def _exact_resident(
@@ -318,15 +325,18 @@ def _dense_fallback(
     cert: torch.Tensor,
     dense: torch.Tensor,
     dense_exact: Callable[[tuple[int, int]], torch.Tensor],
+    heads: list[int] | None = None,
 ) -> torch.Tensor:
     """Serve the KV heads marked ``dense[B, Hkv]`` by the exact attention over every token (``out[B, Hkv, M, Dv]``
     overwritten in place, one ``dense_exact`` call over the span of marked heads); return ``cert`` with those
-    heads' certificates zero (exact: TV 0)."""
-    if not bool(dense.any()):
+    heads' certificates zero (exact: TV 0). ``heads``: the KV head index of every marked entry when the caller
+    knows them (then nothing is read back from the device), else ``None``."""
+    if heads is None:
+        heads = dense.any(0).nonzero().flatten().tolist()
+    if not heads:
         return cert
     b, hkv = dense.shape
-    rows_need = dense.any(0).nonzero().flatten()
-    h0, h1 = int(rows_need[0]), int(rows_need[-1]) + 1
+    h0, h1 = min(heads), max(heads) + 1
     ex = dense_exact((h0, h1)).permute(0, 2, 1, 3).reshape(b, h1 - h0, out.shape[2], -1).to(out.dtype)
     out[:, h0:h1] = torch.where(dense[:, h0:h1].view(b, -1, 1, 1), ex, out[:, h0:h1])
     return torch.where(dense.unsqueeze(-1), 0.0, cert)
@@ -394,11 +404,12 @@ def resident_read(
     )
     need = need | bad.any(-1)
     held = pages.held
-    has_held = held.held.any(-1) if held is not None else torch.zeros(b, hkv, dtype=torch.bool, device=dev)
+    held_mask = held.held if held is not None else torch.zeros(b, hkv, n_pages, dtype=torch.bool, device=dev)
+    has_held = held_mask.any(-1)
     out, cert, value_term = sv.out.clone(), cert_pre.clone(), sv.value_term.clone()
     dense = torch.zeros(b, hkv, dtype=torch.bool, device=dev)
     blocks = torch.zeros(b, hkv, dtype=torch.int64, device=dev)  # pages recalled per KV head
-    n_recalled = bytes_recalled = 0
+    n_recalled = 0
     elt = store.k.host.dtype.itemsize
     dk, dv = store.k.host.shape[-1], store.v.host.shape[-1]
     ev_k, ev_v = store.evicted["k"].view(), store.evicted["v"].view()
@@ -410,35 +421,44 @@ def resident_read(
     host_k, host_v = store.k.host.view(), store.v.host.view()
     ctx = _OmittedView(qg, rate, scaling, ev_k, ev_v, m_o, u, counts, ps, gate.threshold)
     bytes_exact = 0  # resident entries read exact from the host tier (their codes could not be certified)
-    for bi, hi in (need | has_held).nonzero().tolist():
-        if bool(bad[bi, hi].any()) or gate.threshold == 0:  # nothing short of exact attention certifies these
+    recalled_tokens = torch.zeros((), dtype=torch.int64, device=dev)  # read back once, after the loop
+    dense_heads: list[int] = []  # KV head index of each head served dense (known here: no read-back)
+    # every per-head decision the loop starts from, read back in one sync: which heads to visit (they need recall
+    # or hold pages), which have a bad cell, which need recall, whose resident codes alone exceed tau
+    # (and how many pages each holds)
+    heads = (need | has_held, bad.any(-1), need, sv.cert.amax(-1) > gate.threshold, held_mask.sum(-1))
+    flags = torch.stack([f.to(torch.int64) for f in heads], -1).tolist()  # [B][Hkv][5] Python ints
+    visit = [(bi, hi, *f[1:]) for bi, row in enumerate(flags) for hi, f in enumerate(row) if f[0]]
+    for bi, hi, bad_head, need_head, codes_above, held_pages in visit:
+        if bad_head or gate.threshold == 0:  # nothing short of exact attention certifies these
             dense[bi, hi] = True
+            dense_heads.append(hi)
             continue
         wh = w[bi, hi]  # [M, P]
-        kept = held.pages_of(bi, hi) if held is not None else torch.zeros(0, dtype=torch.int64, device=dev)
-        key = wh.amax(0).clone()
-        key[kept] = float("inf")  # held pages are on the device: read first, at no page-in
+        key = torch.where(held_mask[bi, hi], float("inf"), wh.amax(0))  # held pages: on the device, read first
         order = torch.argsort(key, descending=True, stable=True)
         # the resident codes alone above tau: recall cannot help, read the resident entries exact (host tier)
-        exact = bool(need[bi, hi]) and bool(sv.cert[bi, hi].amax() > gate.threshold)
+        exact = need_head and codes_above
         for exact_res in (exact,) if exact else (False, True):
-            k = int(kept.numel())
-            if bool(need[bi, hi]):
+            k = held_pages
+            if need_head:
                 cum = wh[:, order].cumsum(-1)
                 rest_u = (oc.u[bi, hi].unsqueeze(-1) - cum).clamp(min=0.0)
                 meter0 = 0.0 if exact_res else sv.cert[bi, hi].unsqueeze(-1)
                 predicted = (rest_u / (oc.b[bi, hi].unsqueeze(-1) + rest_u) + meter0 <= gate.threshold).all(0)
-                k = max(k, int(predicted.to(torch.int64).argmax()) + 1 if bool(predicted.any()) else n_pages)
+                # the first page count predicted to certify, else every page: one sync
+                k = max(k, _first_certifying(predicted, n_pages))
             if exact_res:
                 l_res, c_res, v_res = _exact_resident(ctx, host_k[bi, hi], host_v[bi, hi], m[bi, hi], bi, hi)
             else:
                 l_res, c_res = logits[bi, hi], torch.where(m[bi, hi], sv.c[bi, hi], 0.0)
                 v_res = store.v.served.view()[bi, hi]
-            chosen, tok, p_all, vp, oc2 = _grow_recall(ctx, bi, hi, order, k, l_res, c_res)
-            if bool((oc2.certificate <= gate.threshold).all()):
+            chosen, tok, p_all, vp, oc2, certified = _grow_recall(ctx, bi, hi, order, k, l_res, c_res)
+            if certified:
                 break
-        if not bool((oc2.certificate <= gate.threshold).all()):
+        if not certified:
             dense[bi, hi] = True
+            dense_heads.append(hi)
             continue
         out[bi, hi] = p_all.to(torch.float32) @ torch.cat([v_res, vp], 0)
         cert[bi, hi] = oc2.certificate
@@ -453,13 +473,14 @@ def resident_read(
             new = held.admit(bi, hi, chosen, mass.amax(0)[chosen])
         blocks[bi, hi] = int(new.numel())
         n_recalled += int(new.numel())
-        bytes_recalled += int(torch.clamp(s_o - new * ps, max=ps).sum()) * (dk + dv) * elt
+        recalled_tokens += torch.clamp(s_o - new * ps, max=ps).sum()
         if p_post is not None:
             p_post[bi, hi] = 0.0
             p_post[bi, hi, :, :s_r] = p_all[:, :s_r]
             p_post[bi, hi, :, s_r + tok] = p_all[:, s_r:]
-    cert = _dense_fallback(out, cert, dense, dense_exact)
-    bytes_paged = int(dense.sum()) * (s_r + s_o) * (dk + dv) * elt
+    cert = _dense_fallback(out, cert, dense, dense_exact, dense_heads)
+    bytes_paged = len(dense_heads) * (s_r + s_o) * (dk + dv) * elt
+    bytes_recalled = int(recalled_tokens) * (dk + dv) * elt if n_recalled else 0
     key_norm_all = torch.maximum(sv.key_norm_max, 2.0 * pages.k_norm.to(F64))
     phi_max = 2.0 * rate.amax(-2) * key_norm_all
     spread = torch.maximum(sv.spread, pages.v_spread.to(F64))

@@ -45,6 +45,28 @@ def _finite(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} contains non-finite entries")
 
 
+def _check_composed_inputs(p: torch.Tensor, radius: torch.Tensor, weights: torch.Tensor, meter: torch.Tensor) -> None:
+    """The fail-closed checks of :func:`omitted_certificate`, fused into one reduction (one host synchronisation
+    on a device); when one fails, the checks run again one by one to raise the first failure's own error."""
+    ok = (
+        torch.isfinite(p).all()
+        & torch.isfinite(radius).all()
+        & ~(radius < 0).any()
+        & ~(p < 0).any()
+        & ~(torch.isnan(weights).any() | (weights < 0).any())
+        & ~(torch.isnan(meter).any() | (meter < 0).any())
+    )
+    if bool(ok):
+        return
+    _finite(p, "p_served")
+    _finite(radius, "radius")
+    if bool((radius < 0).any()) or bool((p < 0).any()):
+        raise ValueError("p_served and radius must be non-negative")
+    if bool(torch.isnan(weights).any()) or bool((weights < 0).any()):
+        raise ValueError("weights must be non-negative (inf allowed)")
+    raise ValueError("meter must be non-negative (inf allowed), got NaN or a negative entry")
+
+
 def _times(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a·b`` with ``0·∞ = 0`` (``a ≥ 0`` a factor of a query norm: a zero query has logit exactly 0 against any
     key, an infinite key norm included)."""
@@ -200,10 +222,11 @@ def page_weights(served_logits: torch.Tensor, bound: torch.Tensor, counts: torch
     (broadcastable). Inflated by ``1 + 8·2^-52`` for the float64 ``exp``/``logsumexp`` rounding. A ``+inf`` bound
     (an unbounded page) gives ``w = +inf``; a NaN bound raises ``ValueError`` (it bounds nothing).
     """
-    if bool(torch.isnan(bound).any()):
-        raise ValueError("bound contains NaN: a page logit bound must be a number or +inf")
     lse = torch.logsumexp(served_logits.to(F64), dim=-1, keepdim=True)
-    if not bool(torch.isfinite(lse).all()):
+    nan_bound, no_finite = torch.stack([torch.isnan(bound).any(), ~torch.isfinite(lse).all()]).tolist()  # one sync
+    if nan_bound:
+        raise ValueError("bound contains NaN: a page logit bound must be a number or +inf")
+    if no_finite:
         raise ValueError("served_logits must have at least one finite entry per row")
     w = counts.to(F64) * torch.exp(bound.to(F64) - lse) * (1.0 + 8 * 2.0**-52)
     return torch.where(counts.to(F64).expand_as(w) > 0, w, 0.0)
@@ -225,14 +248,7 @@ def omitted_certificate(
     p = p_served.to(F64)
     if p.shape != radius.shape:
         raise ValueError(f"p_served {tuple(p.shape)} and radius {tuple(radius.shape)} must have the same shape")
-    _finite(p, "p_served")
-    _finite(radius, "radius")
-    if bool((radius < 0).any()) or bool((p < 0).any()):
-        raise ValueError("p_served and radius must be non-negative")
-    if bool(torch.isnan(weights).any()) or bool((weights < 0).any()):
-        raise ValueError("weights must be non-negative (inf allowed)")
-    if bool(torch.isnan(meter).any()) or bool((meter < 0).any()):
-        raise ValueError("meter must be non-negative (inf allowed), got NaN or a negative entry")
+    _check_composed_inputs(p, radius, weights, meter)
     s = p.shape[-1]
     rel = (s + 4) * 2.0**-52
     ec = torch.exp(radius.to(F64))

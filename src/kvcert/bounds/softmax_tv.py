@@ -53,7 +53,7 @@ def _checked_range(x: torch.Tensor | float, name: str) -> tuple[torch.Tensor, fl
         x_dense = x.mT  # same elements in memory order (e.g. a band-major store): a much faster reduction
     else:
         x_dense = x
-    lo, hi = (v.item() for v in torch.aminmax(x_dense))  # NaN propagates into both and fails below
+    lo, hi = torch.stack(torch.aminmax(x_dense)).tolist()  # one sync; NaN propagates into both and fails below
     if not (lo >= 0 and hi < math.inf):
         raise ValueError(f"{name} must be finite and non-negative (min={lo}, max={hi})")
     return x, hi
@@ -74,7 +74,7 @@ def check_served(p_served: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if p.dim() == 0 or p.shape[-1] == 0:
         raise ValueError(f"p_served must have a non-empty last (token) dimension, got shape {tuple(p.shape)}")
     mass = p.sum(-1)
-    lo, hi = (v.item() for v in torch.aminmax(mass))
+    lo, hi = torch.stack(torch.aminmax(mass)).tolist()  # one sync
     if not (1.0 - _MASS_TOL <= lo and hi <= 1.0 + _MASS_TOL):
         raise ValueError(f"p_served rows must sum to 1 (row masses range over [{lo}, {hi}])")
     return p, mass

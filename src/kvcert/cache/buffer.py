@@ -155,19 +155,20 @@ class LogBuffer:
         finite_pos = torch.isfinite(x) & (x > 0) & (n <= logcode.MAX_N)
         heads = self._per_element(torch.arange(self.base.numel(), device=live.device).view(self.base.shape), index)
         need = torch.full((self.base.numel(),), logcode.MIN_N - 1, dtype=torch.int32, device=live.device)
-        need = need.scatter_reduce(0, heads[finite_pos].flatten(), n[finite_pos].flatten(), "amax").view(
-            self.base.shape
-        )
+        # entries that set no exponent offer MIN_N − 1, the neutral start (no boolean indexing: no host sync)
+        offered = torch.where(finite_pos, n, logcode.MIN_N - 1).to(need.dtype)
+        need = need.scatter_reduce(0, heads.flatten(), offered.flatten(), "amax").view(self.base.shape)
         seen = need >= logcode.MIN_N
         unset = self.base == logcode.UNSET
         self.base = torch.where(seen & unset, logcode.initial_base(need), self.base)
         shift = torch.where(seen & ~unset, need - (self.base + logcode.TOP - 1), 0).clamp(min=0)
-        raised = bool((shift > 0).any())
+        rebased = int((shift > 0).sum())  # the write's one host sync: whether (and how many) bases rise
+        raised = rebased > 0
         if raised:
-            self.rebases += int((shift > 0).sum())
+            self.rebases += rebased
             self.base = self.base + shift
             live.copy_(logcode.rebase(live, shift.view(*shift.shape, *([1] * (live.dim() - 2)))))
-        live[index] = logcode.encode(x, self._per_element(self.base, index))
+        live[index] = logcode.encode(x, self._per_element(self.base, index), n)
         if raised:
             self.decoded.view().copy_(logcode.decode(live, self.base.view(*self.base.shape, *([1] * (live.dim() - 2)))))
         else:

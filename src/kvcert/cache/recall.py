@@ -69,23 +69,21 @@ class HeldPages:
         return self.held[row, head].nonzero().flatten()
 
     def admit(self, row: int, head: int, read: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
-        """After a read of ``(row, head)`` that served pages ``read[k]`` (held ones included) with exact masses
-        ``mass[k]`` (worst cell): update their scores and keep the highest-scoring ones that fit in the tokens it
+        """After a read of ``(row, head)`` that served the distinct pages ``read[k]`` (held ones included) with exact
+        masses ``mass[k]`` (worst cell): update their scores and keep the highest-scoring ones that fit in the tokens it
         held plus the pool's free tokens
         (ties: the earlier page). Returns the pages of ``read`` that were *not* held before the read (the page-in
         of this read). Pages not in ``read`` keep their state (a read serves every held page, so there are none
         unless the caller skipped the head)."""
         before = self.held[row, head].clone()
-        own = int(self.counts[before].sum())
+        own = (self.counts * before).sum()  # tokens held before, on the device (no read-back)
         score = torch.maximum(mass.to(torch.float64), DECAY * self.score[row, head, read])
         order = torch.argsort(score, descending=True, stable=True)
         fits = self.counts[read[order]].cumsum(0) <= own + self.pool.free
-        keep = read[order][fits]
-        self.held[row, head, read] = False
-        self.held[row, head, keep] = True
+        self.held[row, head, read[order]] = fits  # the pages of read that fit are held, the others not (read: unique)
         self.score[row, head] = torch.where(self.held[row, head], self.score[row, head], 0.0)
         self.score[row, head, read[order]] = torch.where(fits, score[order], 0.0)
-        self.pool.free -= int(self.counts[self.held[row, head]].sum()) - own
+        self.pool.free -= int((self.counts * self.held[row, head]).sum() - own)  # the pool's one sync
         return read[~before[read]]
 
     def carry(self, carried: torch.Tensor, score: torch.Tensor) -> torch.Tensor:

@@ -301,12 +301,17 @@ class LayerStore:
             ts.exact.view()[:, :, lo:hi] = keep
             wit = self._witnesses(is_key, x, xhat, keep, ts.codec.steps(packed))
             if is_key:
-                self.nonfinite += int((~finite).sum())
-                self.fail_closed += int((finite & rows_exact).sum())
+                nonfinite, fail_closed = torch.stack([(~finite).sum(), (finite & rows_exact).sum()]).tolist()  # 1 sync
+                self.nonfinite += nonfinite
+                self.fail_closed += fail_closed
                 if "k_steps" in wit and self.k_steps is None:
                     steps = wit["k_steps"]
                     self.k_steps = GrowBuffer(steps[:, :, :0])
-                    self.k_steps.append(torch.zeros(*steps.shape[:2], ts.host.n, steps.shape[-1]))
+                    self.k_steps.append(
+                        torch.zeros(
+                            *steps.shape[:2], ts.host.n, steps.shape[-1], dtype=steps.dtype, device=steps.device
+                        )
+                    )
             self._write_witnesses((slice(None), slice(None), slice(lo, hi)), wit)
             ts.n_encoded = hi
 

@@ -32,6 +32,17 @@ nothing until the budget is exceeded and then picks the ``k`` lowest keys by ``a
 ``kthvalue`` threshold, never a sort. When the protected set is exactly the first ``sinks`` and the last
 ``recent`` slots (checked on the positions; always the case inside the cache) only the slots in between are
 scored, without building a protected mask.
+
+Devices: the state lives in torch tensors on the device of the attention the policy observes (the cache's
+device tier). On a CPU tensor the per-step bookkeeping runs in numpy / numba over zero-copy views of those
+tensors (their per-call cost is a fraction of torch's); on any other device the same steps run as torch
+operations on that device (``_host`` picks; ``HOST_KERNELS = False`` forces the torch operations on CPU too,
+which the tests use to show both give identical kept sets and bit-identical scores). The device path
+synchronises with the host once per ``observe`` (the fail-closed input checks, fused into one reduction),
+once per ``select`` past the budget (whether the protected set is the edge slots) plus the budget check of
+the generic path, and once per ``set_kappa`` (its range check, and RMM's query-position match over all
+layers in one reduction); selection itself (``argmin`` picks, the complement, the ``kthvalue`` mask) makes no
+data-dependent host decision there.
 """
 
 from __future__ import annotations
@@ -48,6 +59,14 @@ from torch import Tensor
 
 GqaAggregation = Literal["sum", "mean", "max"]
 F64 = torch.float64
+
+#: run the per-step bookkeeping of CPU states in numpy / numba (False: torch operations on every device)
+HOST_KERNELS = True
+
+
+def _host(x: Tensor) -> bool:
+    """Whether ``x``'s state is served by the numpy / numba kernels (a CPU tensor while ``HOST_KERNELS``)."""
+    return HOST_KERNELS and x.is_cpu
 
 
 def aggregate_gqa(attn: Tensor, n_kv_heads: int, how: GqaAggregation = "mean") -> Tensor:
@@ -134,12 +153,30 @@ def _too_small(budget: int, n_protected: int) -> ValueError:
     )
 
 
-def _lowest(key: np.ndarray, k: int) -> np.ndarray:
-    """Sorted indices ``[..., k]`` of the ``k`` lowest keys; among equal keys the higher index goes first.
+def _lowest(key: Tensor, k: int) -> Tensor:
+    """Sorted indices ``[..., k]`` (int64, on ``key``'s device) of the ``k`` lowest keys; among equal keys the
+    higher index goes first.
 
-    ``argmin`` picks, ``O(k·S)``, for small ``k``, on a reversed view (numpy's ``argmin`` returns the first
-    minimum, i.e. the highest original index, without a copy; one call costs a fraction of torch's).
+    ``argmin`` picks, ``O(k·S)``, for small ``k``, on a reversed view (``argmin`` returns the first minimum, i.e.
+    the highest original index). CPU keys are picked in numpy (no copy; one call costs a fraction of torch's),
+    others by the same picks in torch on their device.
     """
+    if _host(key):
+        return torch.from_numpy(_lowest_np(key.numpy(), k))
+    last = key.shape[-1] - 1
+    flipped = key.flip(-1)
+    if k == 1:
+        return last - flipped.argmin(-1, keepdim=True)
+    work, picks = flipped.clone(), []
+    for _ in range(k):
+        idx = work.argmin(-1, keepdim=True)
+        picks.append(last - idx)
+        work.scatter_(-1, idx, math.inf)
+    return torch.cat(picks, -1).sort(-1).values
+
+
+def _lowest_np(key: np.ndarray, k: int) -> np.ndarray:
+    """:func:`_lowest` in numpy."""
     last = key.shape[-1] - 1
     if k == 1:
         return last - key[..., ::-1].argmin(-1)[..., None]
@@ -164,12 +201,18 @@ def _complement_rows(dropped: np.ndarray, n: int, out: np.ndarray) -> None:  # p
                 w += 1
 
 
-def _complement(dropped: np.ndarray, n: int) -> np.ndarray:
-    """Sorted indices ``[..., n − k]`` of ``0..n−1`` without the sorted ``dropped[..., k]`` (one O(n) walk)."""
+def _complement(dropped: Tensor, n: int) -> Tensor:
+    """Sorted indices ``[..., n − k]`` of ``0..n−1`` without the sorted ``dropped[..., k]`` (on its device).
+
+    CPU: one O(n) numba walk; elsewhere a mask of the kept slots and :func:`_mask_indices`."""
     k = dropped.shape[-1]
-    out = np.empty((math.prod(dropped.shape[:-1]), n - k), dtype=np.int64)
-    _complement_rows(np.ascontiguousarray(dropped.reshape(-1, k), dtype=np.int64), n, out)
-    return out.reshape(*dropped.shape[:-1], n - k)
+    if _host(dropped):
+        out = np.empty((math.prod(dropped.shape[:-1]), n - k), dtype=np.int64)
+        rows = np.ascontiguousarray(dropped.numpy().reshape(-1, k), dtype=np.int64)
+        _complement_rows(rows, n, out)
+        return torch.from_numpy(out.reshape(*dropped.shape[:-1], n - k))
+    mask = torch.ones(*dropped.shape[:-1], n, dtype=torch.bool, device=dropped.device)
+    return _mask_indices(mask.scatter_(-1, dropped, False), n - k)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -229,6 +272,18 @@ def _read_fault(
     return _NOT_INCREASING if bad else _READ_OK
 
 
+def _read_fault_torch(attn: Tensor, pos: Tensor, held: Tensor, old: int, full: bool) -> int:
+    """:func:`_read_fault` as torch reductions on the inputs' device, one host synchronisation for all three."""
+    bad_attn = ~((attn >= 0) & (attn < math.inf)).all()
+    lo = 0 if full else max(old - 1, 0)
+    disagree = (pos[..., lo:old] != held[..., lo:old]).any()
+    tail = pos[..., max(old, 1) - 1 :]
+    not_increasing = (tail[..., 1:] <= tail[..., :-1]).any()
+    faults = torch.stack([bad_attn, disagree, not_increasing]).tolist()  # the one sync
+    codes = (_BAD_ATTN, _POSITIONS_DISAGREE, _NOT_INCREASING)
+    return next((code for code, bad in zip(codes, faults, strict=True) if bad), _READ_OK)
+
+
 def _top_mask(key: Tensor, c: int) -> Tensor:
     """Boolean mask with exactly ``c`` True per row: the ``c`` highest keys, ties to the lower index.
 
@@ -242,8 +297,13 @@ def _top_mask(key: Tensor, c: int) -> Tensor:
 
 
 def _mask_indices(mask: Tensor, c: int) -> Tensor:
-    """Sorted indices ``[..., c]`` of the True entries of ``mask`` (exactly ``c`` per row)."""
-    return mask.nonzero()[:, -1].view(*mask.shape[:-1], c)
+    """Sorted indices ``[..., c]`` of the True entries of ``mask`` (exactly ``c`` per row).
+
+    CPU: ``nonzero``; elsewhere a stable sort of ``~mask`` (``nonzero`` would wait for the device to learn its
+    output size; the sort puts the True entries first, in index order)."""
+    if _host(mask):
+        return mask.nonzero()[:, -1].view(*mask.shape[:-1], c)
+    return (~mask).to(torch.uint8).sort(dim=-1, stable=True).indices[..., :c]
 
 
 def _keep_highest(key: Tensor, c: int) -> Tensor:
@@ -252,7 +312,7 @@ def _keep_highest(key: Tensor, c: int) -> Tensor:
     if n == c:
         return torch.arange(n, device=key.device).expand(*key.shape)
     if n - c <= _ARGMIN_MAX_EVICT:
-        return torch.from_numpy(_complement(_lowest(key.numpy(), n - c), n))
+        return _complement(_lowest(key, n - c), n)
     return _mask_indices(_top_mask(key, c), c)
 
 
@@ -282,77 +342,103 @@ def fit_slots(x: Tensor, length: int) -> Tensor:
 
 @dataclass
 class LayerState:
-    """Per-layer item state in the cache's physical slot order (CPU).
+    """Per-layer item state in the cache's physical slot order, on the device of the observed attention.
 
-    Scores (float64) and logical positions (int64) of the ``n`` held slots live in numpy capacity buffers
+    Scores (float64) and logical positions (int64) of the ``n`` held slots live in torch capacity buffers
     ``[B, Hkv, cap]`` that grow by doubling: appending writes only the new slots, policies accumulate into
-    the scores in place, and an eviction moves the kept runs left in place (few evictions) or gathers into
-    a spare buffer pair and swaps. ``scores`` and ``positions`` are torch views of the first ``n`` slots
-    (shared memory, no copy); numpy is used for the per-step bookkeeping because its per-call cost on a
-    ``[B, Hkv, S]`` row is a fraction of torch's.
+    the scores in place, and an eviction moves the kept runs left in place (few evictions, CPU) or gathers
+    into a spare buffer pair and swaps. ``scores`` and ``positions`` are views of the first ``n`` slots. On
+    CPU the per-step bookkeeping runs in numpy / numba over zero-copy views of the buffers, because its
+    per-call cost on a ``[B, Hkv, S]`` row is a fraction of torch's (module doc, "Devices").
 
     Recorded query groups (``rows``, policy-specific) are mapped through evictions lazily: an eviction only
     records its ``keep``, and ``row(i)`` applies the evictions since group ``i`` was recorded when the group
     is read (a group that leaves a policy's window before that is never gathered).
     """
 
-    buffers: tuple[np.ndarray, np.ndarray]  # (scores [B, Hkv, cap] float64, positions [B, Hkv, cap] int64)
-    spare: tuple[np.ndarray, np.ndarray]
-    now: np.ndarray  # [B] int64, position of the latest query observed
+    buffers: tuple[Tensor, Tensor]  # (scores [B, Hkv, cap] float64, positions [B, Hkv, cap] int64)
+    spare: tuple[Tensor, Tensor]
+    now: Tensor  # [B] int64, position of the latest query observed
     n: int = 0
     verified: bool = False  # the held positions were compared in full with the caller's since the last compaction
     rows: list[Tensor] = field(default_factory=list)  # recorded query groups [B, Hkv, q, S_then] (policy-specific)
     row_epochs: list[int] = field(default_factory=list)  # evictions before each group was recorded
-    row_positions: list[np.ndarray] = field(default_factory=list)  # [B, q] query positions of each group
+    row_positions: list[Tensor] = field(default_factory=list)  # [B, q] query positions of each group
     keeps: list[tuple[Tensor, int]] = field(default_factory=list)  # (keep, n before) not yet applied to all rows
     epoch: int = 0  # evictions so far
     issued: Tensor | None = None  # the keep tensor the last select returned (validated by construction)
-    dropped: np.ndarray | None = None  # [B, Hkv, k] sorted slots ``issued`` leaves out (argmin path), else None
+    dropped: Tensor | None = None  # [B, Hkv, k] sorted slots ``issued`` leaves out (argmin path), else None
+    _views: tuple[np.ndarray, np.ndarray] | None = None  # numpy views of ``buffers`` (CPU states), see ``views``
+    _views_of: Tensor | None = None  # the score buffer ``_views`` were taken of
 
     @classmethod
-    def empty(cls, batch: int, heads: int) -> LayerState:
-        """No items yet."""
-        bufs = (np.zeros((batch, heads, 0)), np.zeros((batch, heads, 0), dtype=np.int64))
-        return cls(bufs, bufs, np.zeros(batch, dtype=np.int64))
+    def empty(cls, batch: int, heads: int, device: torch.device | str = "cpu") -> LayerState:
+        """No items yet; the buffers will live on ``device``."""
+        bufs = (
+            torch.zeros(batch, heads, 0, dtype=F64, device=device),
+            torch.zeros(batch, heads, 0, dtype=torch.int64, device=device),
+        )
+        return cls(bufs, bufs, torch.zeros(batch, dtype=torch.int64, device=device))
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the state's buffers."""
+        return self.buffers[0].device
 
     @property
     def scores(self) -> Tensor:
-        """``[B, Hkv, n]`` float64 torch view of the score buffer (writes go to the state)."""
-        return torch.from_numpy(self.buffers[0][..., : self.n])
+        """``[B, Hkv, n]`` float64 view of the score buffer (writes go to the state)."""
+        return self.buffers[0][..., : self.n]
 
     @property
     def positions(self) -> Tensor:
-        """``[B, Hkv, n]`` int64 torch view of the position buffer."""
-        return torch.from_numpy(self.buffers[1][..., : self.n])
+        """``[B, Hkv, n]`` int64 view of the position buffer."""
+        return self.buffers[1][..., : self.n]
 
-    def extend(self, positions: np.ndarray) -> None:
-        """Append the slots ``positions[..., n:]`` (integer ``[B, Hkv, S]``, ``S >= n``) with score 0."""
+    def views(self) -> tuple[np.ndarray, np.ndarray]:
+        """Numpy views (no copy) of the whole score and position buffers of a CPU state, cached per buffer pair."""
+        if self._views is None or self._views_of is not self.buffers[0]:
+            self._views, self._views_of = (self.buffers[0].numpy(), self.buffers[1].numpy()), self.buffers[0]
+        return self._views
+
+    def extend(self, positions: Tensor, host: np.ndarray | None = None) -> None:
+        """Append the slots ``positions[..., n:]`` (integer ``[B, Hkv, S]``, ``S >= n``) with score 0; ``host``: the
+        same positions as a numpy array when the state is on CPU (the slots are written through numpy views)."""
         s = positions.shape[-1]
         if s > self.buffers[0].shape[-1]:
             cap = max(2 * self.buffers[0].shape[-1], s, 64)
             shape = (*self.buffers[0].shape[:2], cap)
-            grown = (np.zeros(shape), np.zeros(shape, dtype=np.int64))
+            grown = (
+                torch.zeros(shape, dtype=F64, device=self.device),
+                torch.zeros(shape, dtype=torch.int64, device=self.device),
+            )
             for new, old in zip(grown, self.buffers, strict=True):
                 new[..., : self.n] = old[..., : self.n]
-            self.buffers, self.spare = grown, (np.empty_like(grown[0]), np.empty_like(grown[1]))
-        self.buffers[0][..., self.n : s] = 0.0
-        self.buffers[1][..., self.n : s] = positions[..., self.n :]
+            self.buffers, self.spare = grown, (torch.empty_like(grown[0]), torch.empty_like(grown[1]))
+        if host is not None:
+            scores, held = self.views()
+            scores[..., self.n : s] = 0.0
+            held[..., self.n : s] = host[..., self.n :]
+        else:
+            self.buffers[0][..., self.n : s] = 0.0
+            self.buffers[1][..., self.n : s] = positions[..., self.n :]
         self.n = s
 
-    def evict(self, keep: Tensor, dropped: np.ndarray | None = None) -> None:
+    def evict(self, keep: Tensor, dropped: Tensor | None = None) -> None:
         """Keep the slots ``keep[B, Hkv, C]`` (sorted physical indices); ``dropped[B, Hkv, k]``, when given, are
-        the sorted slots ``keep`` leaves out (then the kept runs move left in place instead of a gather)."""
+        the sorted slots ``keep`` leaves out (then, on CPU, the kept runs move left in place instead of a
+        gather; the result is the same)."""
         if self.rows:
             self.keeps.append((keep, self.n))
         self.epoch += 1
-        if dropped is None:
+        if dropped is None or not _host(self.buffers[0]):
             c = keep.shape[-1]
             for src, dst in zip(self.buffers, self.spare, strict=True):
-                torch.gather(torch.from_numpy(src[..., : self.n]), -1, keep, out=torch.from_numpy(dst[..., :c]))
+                torch.gather(src[..., : self.n], -1, keep, out=dst[..., :c])
             self.spare, self.buffers, self.n = self.buffers, self.spare, c
         else:
-            rows = np.ascontiguousarray(dropped.reshape(-1, dropped.shape[-1]), dtype=np.int64)
-            scores, positions = (buf.reshape(-1, buf.shape[-1]) for buf in self.buffers)
+            rows = np.ascontiguousarray(dropped.numpy().reshape(-1, dropped.shape[-1]), dtype=np.int64)
+            scores, positions = (buf.reshape(-1, buf.shape[-1]) for buf in self.views())
             _drop_in_place(scores, positions, rows, self.n)
             self.n -= dropped.shape[-1]
         self.verified = False
@@ -419,7 +505,7 @@ class EvictionPolicy(ABC):
             raise ValueError(f"attn has q={q} queries but only S={s} slots")
         state = self._layers.get(layer)
         if state is None:
-            state = self._layers[layer] = LayerState.empty(b, h)
+            state = self._layers[layer] = LayerState.empty(b, h, attn.device)
         old = state.n
         if s < old or state.buffers[0].shape[:2] != (b, h):
             raise ValueError(f"attn slots shrank or batch/heads changed without on_evict (layer {layer})")
@@ -427,8 +513,13 @@ class EvictionPolicy(ABC):
         # held slots must be unchanged (catches a cache/policy gather mismatch): in full at the first read after
         # an eviction; in between slots are only appended, and a slot removed without on_evict would shift the
         # join slot old − 1, so that slot and the strictly increasing appended tail are checked
-        pos = positions.numpy()
-        fault = _read_fault(attn.numpy(), pos, state.buffers[1], old, not state.verified)
+        pos = positions.to(state.device)
+        pos_np = None
+        if _host(attn):
+            pos_np = pos.numpy()
+            fault = _read_fault(attn.numpy(), pos_np, state.views()[1], old, not state.verified)
+        else:
+            fault = _read_fault_torch(attn, pos, state.buffers[1], old, not state.verified)
         if fault == _BAD_ATTN:
             raise ValueError("attn must be finite and non-negative")
         if fault == _POSITIONS_DISAGREE:
@@ -436,8 +527,11 @@ class EvictionPolicy(ABC):
         if fault == _NOT_INCREASING:
             raise ValueError("positions must be strictly increasing along the slot axis")
         state.issued, state.dropped, state.verified = None, None, True
-        state.extend(pos)
-        state.now = pos[:, 0, -1].astype(np.int64)
+        state.extend(pos, pos_np)
+        if pos_np is not None:
+            state.now = torch.from_numpy(pos_np[:, 0, -1].astype(np.int64))
+        else:
+            state.now = pos[:, 0, -1].to(torch.int64, copy=True)
         self._accumulate(layer, state, attn, state.buffers[1][:, 0, s - q : s])
 
     def set_kappa(self, step_positions: Tensor, kappa: Tensor) -> None:
@@ -450,7 +544,7 @@ class EvictionPolicy(ABC):
             raise ValueError(
                 f"step_positions and kappa must both be [B, q], got {tuple(step_positions.shape)}, {tuple(kappa.shape)}"
             )
-        if not torch.isfinite(kappa).all() or (kappa < 0).any() or (kappa > 1).any():
+        if not bool(((kappa >= 0) & (kappa <= 1)).all()):  # one check (NaN fails both comparisons)
             raise ValueError("kappa must be finite and in [0, 1]")
 
     def select(self, layer: int, budget: int, chunk: int = 1) -> Tensor | None:
@@ -469,14 +563,14 @@ class EvictionPolicy(ABC):
                 raise _too_small(kept, n - (hi - lo))
             if k <= _ARGMIN_MAX_EVICT:
                 dropped = self._drop_middle(layer, state, lo, hi, k)
-                keep = torch.from_numpy(_complement(dropped, n))
+                keep = _complement(dropped, n)
             else:
                 dropped = None
                 mask = torch.ones(*state.scores.shape, dtype=torch.bool, device=state.scores.device)
                 mask[..., lo:hi] = _top_mask(self._scores(layer, state)[..., lo:hi], hi - lo - k)
                 keep = _mask_indices(mask, kept)
         else:
-            protected = self._protected(state.positions, torch.from_numpy(state.now))
+            protected = self._protected(state.positions, state.now)
             keep, dropped = keep_top(self._scores(layer, state), protected, kept), None
         state.issued, state.dropped = keep, dropped
         return keep
@@ -487,17 +581,24 @@ class EvictionPolicy(ABC):
         Positions are strictly increasing integers, so slot ``lo − 1`` holding position ``sinks − 1`` puts
         exactly the first ``sinks`` slots below ``sinks``, and slot ``hi`` holding ``now − recent + 1`` puts
         exactly the last ``recent`` slots above ``now − recent`` (with ``recent = 0``: no slot above ``now``).
+        Off the CPU both conditions are one reduction (one host synchronisation).
         """
-        pos, now = state.buffers[1][..., : state.n], state.now
-        if lo > 0 and not (pos[..., lo - 1] == lo - 1).all():
-            return False
-        if hi == state.n:
-            return bool((pos[..., -1] <= now[:, None]).all())
-        return bool((pos[..., hi] == (now - (self.recent - 1))[:, None]).all())
+        if _host(state.buffers[1]):
+            pos_np, now_np = state.views()[1][..., : state.n], state.now.numpy()
+            if lo > 0 and not (pos_np[..., lo - 1] == lo - 1).all():
+                return False
+            if hi == state.n:
+                return bool((pos_np[..., -1] <= now_np[:, None]).all())
+            return bool((pos_np[..., hi] == (now_np - (self.recent - 1))[:, None]).all())
+        pos, now = state.positions, state.now
+        edge = (pos[..., -1] <= now[:, None]) if hi == state.n else (pos[..., hi] == (now - (self.recent - 1))[:, None])
+        if lo > 0:
+            edge = edge & (pos[..., lo - 1] == lo - 1)
+        return bool(edge.all())
 
-    def _drop_middle(self, layer: int, state: LayerState, lo: int, hi: int, k: int) -> np.ndarray:
+    def _drop_middle(self, layer: int, state: LayerState, lo: int, hi: int, k: int) -> Tensor:
         """Sorted physical indices ``[B, Hkv, k]`` of the ``k`` lowest-scoring slots in ``[lo, hi)``."""
-        return _lowest(self._scores(layer, state).numpy()[..., lo:hi], k) + lo
+        return _lowest(self._scores(layer, state)[..., lo:hi], k) + lo
 
     def on_evict(self, layer: int, keep: Tensor) -> None:
         """Compact the layer's per-item state with the same gather the cache applied (``keep[B, Hkv, C]``)."""
@@ -576,9 +677,9 @@ class EvictionPolicy(ABC):
     def _protected(self, positions: Tensor, now: Tensor) -> Tensor:
         return (positions < self.sinks) | (positions > (now[:, None, None] - self.recent))
 
-    def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: np.ndarray) -> None:
-        """Update decode-mode state from ``attn[B, Hkv, q, S]`` (float64) read by the queries at positions
-        ``qpos[B, q]`` (a view of the state: copy to keep); default: no state to update."""
+    def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: Tensor) -> None:
+        """Update decode-mode state from ``attn[B, Hkv, q, S]`` (float64, on the state's device) read by the
+        queries at positions ``qpos[B, q]`` (a view of the state: copy to keep); default: no state to update."""
         return None
 
     def _scores(self, layer: int, state: LayerState) -> Tensor:
@@ -596,19 +697,27 @@ class EvictionPolicy(ABC):
         return state
 
 
-def accumulate_rows(scores: np.ndarray, attn: Tensor, weights: Tensor | None = None) -> None:
-    """In place: ``scores[..., :S] += Σ_r w_r · attn[:, :, r, :]``, added row by row in query order (float64, CPU).
+def accumulate_rows(scores: Tensor, attn: Tensor, weights: Tensor | None = None) -> None:
+    """In place: ``scores[..., :S] += Σ_r w_r · attn[:, :, r, :]``, added row by row in query order (float64).
 
-    ``scores`` is a state's numpy score view ``[B, Hkv, n]``; ``attn[B, Hkv, q, S]`` with ``S <= n`` (older rows
-    cover fewer slots); ``weights``: ``[B, q]`` or ``None`` (unweighted). The fixed order makes the κ ≡ 1 sum
-    bit-identical to the unweighted one (``1.0 · x == x``), which the RMM -> H2O reduction relies on. IEEE-754
-    float64 addition and multiplication are correctly rounded, so numpy computes exactly what torch would.
+    ``scores`` is a state's score view ``[B, Hkv, n]``; ``attn[B, Hkv, q, S]`` with ``S <= n`` (older rows
+    cover fewer slots), on the same device; ``weights``: ``[B, q]`` or ``None`` (unweighted). The fixed order
+    makes the κ ≡ 1 sum bit-identical to the unweighted one (``1.0 · x == x``), which the RMM -> H2O reduction
+    relies on. IEEE-754 float64 addition and multiplication are correctly rounded, so the numpy loop that
+    serves CPU states computes exactly what the torch loop computes on other devices.
     """
     if attn.shape[-1] > scores.shape[-1]:
         raise ValueError(f"attn covers {attn.shape[-1]} slots, the scores only {scores.shape[-1]}")
+    if _host(scores):
+        target_np = scores.numpy()[..., : attn.shape[-1]]
+        a = attn.numpy()
+        w_np = None if weights is None else weights.to(F64).numpy()
+        for r in range(a.shape[2]):
+            row_np = a[:, :, r, :]
+            target_np += row_np if w_np is None else w_np[:, r, None, None] * row_np
+        return
     target = scores[..., : attn.shape[-1]]
-    a = attn.numpy()
-    w = None if weights is None else weights.to(F64).numpy()
-    for r in range(a.shape[2]):
-        row = a[:, :, r, :]
+    w = None if weights is None else weights.to(device=scores.device, dtype=F64)
+    for r in range(attn.shape[2]):
+        row = attn[:, :, r, :]
         target += row if w is None else w[:, r, None, None] * row

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -88,7 +87,7 @@ class Belady(EvictionPolicy):
             table[0] = -nxt
             self._table = table
 
-    def _lookup(self, layer: int, positions: Tensor, now: Tensor | np.ndarray) -> Tensor:
+    def _lookup(self, layer: int, positions: Tensor, now: Tensor) -> Tensor:
         if positions.shape[0] != 1:
             raise ValueError("Belady replays a recorded trace of batch size 1")
         i = int(now[0]) - self.first + 1
@@ -97,7 +96,8 @@ class Belady(EvictionPolicy):
                 f"step {int(now[0])} or a position lies outside the recorded trace (steps {self.first} to "
                 f"{self.first + self._table.shape[0] - 2})"
             )
-        return self._table[i, layer].gather(-1, positions[0])[None]
+        # the trace's table stays where it was recorded; the scores follow the positions' device
+        return self._table[i, layer].gather(-1, positions[0].to(self._table.device))[None].to(positions.device)
 
     def _scores(self, layer: int, state: LayerState) -> Tensor:
         return self._lookup(layer, state.positions, state.now)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 from torch import Tensor
 
 from kvcert.evict.base import EvictionPolicy, LayerState, accumulate_rows, observed_attention
@@ -20,7 +19,7 @@ class H2O(EvictionPolicy):
     def __init__(self, recent: int = 0, sinks: int = 0) -> None:
         super().__init__(sinks=sinks, recent=recent)
 
-    def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: np.ndarray) -> None:
+    def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: Tensor) -> None:
         accumulate_rows(state.buffers[0][..., : state.n], attn)
 
     def _prefill_scores(self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None) -> Tensor:

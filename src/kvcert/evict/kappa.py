@@ -37,7 +37,7 @@ def compute_kappa(kind: KappaKind, logits: Tensor, tokens: Tensor) -> Tensor:
     if kind == "argmax":
         return (logits.argmax(-1) == tokens.long()).to(torch.float64)
     if kind == "uniform":
-        return torch.ones(tokens.shape, dtype=torch.float64)
+        return torch.ones(tokens.shape, dtype=torch.float64, device=tokens.device)
     raise ValueError(f"kind must be one of {KAPPA_KINDS}, got {kind!r}")
 
 

@@ -38,7 +38,7 @@ def _check(attn: Tensor, keep_mask: Tensor) -> None:
             f"keep_mask must be bool with attn's shape {tuple(attn.shape)}, got {keep_mask.dtype} "
             f"{tuple(keep_mask.shape)}"
         )
-    if not torch.isfinite(attn).all() or (attn < 0).any():
+    if not bool((torch.isfinite(attn) & (attn >= 0)).all()):  # one check (one sync on a device)
         raise ValueError("attn must be finite and non-negative")
 
 

@@ -12,7 +12,7 @@ and the pending set is H2O's recent window, so the kept sets equal ``H2O(recent=
 
 from __future__ import annotations
 
-import numpy as np
+import torch
 from torch import Tensor
 
 from kvcert.evict.base import EvictionPolicy, LayerState, accumulate_rows, observed_attention
@@ -37,20 +37,27 @@ class RMM(EvictionPolicy):
         self.lag = lag
         self.kappa_kind = kappa
 
-    def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: np.ndarray) -> None:
+    def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: Tensor) -> None:
         state.add_rows(attn)
-        state.row_positions.append(qpos.copy())
+        state.row_positions.append(qpos.clone())
 
     def set_kappa(self, step_positions: Tensor, kappa: Tensor) -> None:
         """Apply ``κ[B, q]`` to the oldest buffered query group of every layer (FIFO).
 
         ``ValueError`` (and no state change) if a layer has no buffered group or the group's query
-        positions differ from ``step_positions``.
+        positions differ from ``step_positions``. The positions of every layer are compared in one reduction
+        (one host synchronisation off the CPU).
         """
         super().set_kappa(step_positions, kappa)
-        steps = step_positions.numpy()
+        matches = []
         for layer, state in self._layers.items():
-            if not state.row_positions or not np.array_equal(state.row_positions[0], steps):
+            if not state.row_positions or state.row_positions[0].shape != step_positions.shape:
+                raise ValueError(f"step_positions do not match the oldest unscored query group of layer {layer}")
+            matches.append((state.row_positions[0] == step_positions.to(state.device)).all().to(step_positions.device))
+        if matches:
+            agree = torch.stack(matches).tolist()  # the one sync
+            if not all(agree):
+                layer = list(self._layers)[agree.index(False)]
                 raise ValueError(f"step_positions do not match the oldest unscored query group of layer {layer}")
         for state in self._layers.values():
             rows = state.row(0)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Literal
 
@@ -11,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvcert.evict.base import EvictionPolicy, LayerState
+from kvcert.evict.base import EvictionPolicy, LayerState, _host
 
 Pooling = Literal["avgpool", "maxpool"]
 
@@ -58,12 +59,23 @@ def _edge(xr: np.ndarray, t: int, r: int, kernel: int, average: bool) -> float: 
 def pool_scores(scores: Tensor, kernel: int, pooling: Pooling) -> Tensor:
     """1-D pooling of float64 ``scores[B, H, S]`` over the slot axis, stride 1, ``kernel // 2`` on each side
     (torch's ``avg_pool1d`` / ``max_pool1d`` semantics: the average counts the zero padding, i.e. divides
-    by ``kernel``; the maximum ignores it). One O(S·kernel) pass, summing left to right."""
+    by ``kernel``; the maximum ignores it). One O(S·kernel) pass, summing left to right: a numba loop on CPU,
+    ``kernel`` shifted adds (or maxima) of the padded row on other devices; both fold each window in the same
+    order, so they agree bit for bit (``0 + x = x`` and ``max(−inf, x) = x`` for the padding)."""
     b, h, s = scores.shape
-    flat = np.ascontiguousarray(scores.detach().to(torch.float64).numpy().reshape(b * h, s))
-    out = np.empty_like(flat)
-    _pool(flat, kernel, pooling == "avgpool", out)
-    return torch.from_numpy(out).view(b, h, s)
+    x = scores.detach().to(torch.float64)
+    if _host(x):
+        flat = np.ascontiguousarray(x.numpy().reshape(b * h, s))
+        out = np.empty_like(flat)
+        _pool(flat, kernel, pooling == "avgpool", out)
+        return torch.from_numpy(out).view(b, h, s)
+    r = kernel // 2
+    average = pooling == "avgpool"
+    padded = torch.nn.functional.pad(x, (r, r), value=0.0 if average else -math.inf)
+    acc = padded[..., :s].clone()
+    for j in range(1, kernel):
+        acc = acc + padded[..., j : j + s] if average else torch.maximum(acc, padded[..., j : j + s])
+    return acc / kernel if average else acc
 
 
 @numba.njit(cache=True, nogil=True)
@@ -86,6 +98,18 @@ def _subtract_by_position(
                     scores[b, h, j] -= old_row[b, h, k]
 
 
+def _subtract_by_position_torch(scores: Tensor, positions: Tensor, n: int, old_pos: Tensor, old_row: Tensor) -> None:
+    """:func:`_subtract_by_position` as torch operations on the scores' device: each old position is looked up
+    among the held ones (``searchsorted``; both strictly increasing, so a position matches at most one slot) and
+    its value subtracted there; unmatched positions subtract ``0`` (exact), so the result is the numba walk's."""
+    held = positions[..., :n].contiguous()
+    if n == 0:
+        return
+    at = torch.searchsorted(held, old_pos.contiguous()).clamp_(max=n - 1)
+    hit = held.gather(-1, at) == old_pos
+    scores[..., :n].scatter_add_(-1, at, torch.where(hit, -old_row, 0.0))
+
+
 class SnapKV(EvictionPolicy):
     """``SnapKV(window, kernel, pooling)``: score_i = pool(Σ_{s in last window queries} a_{s,i}); the last
     ``window`` positions are protected. ``kernel`` odd. Decode mode applies the same score to the last
@@ -106,24 +130,40 @@ class SnapKV(EvictionPolicy):
             raise ValueError(f"pooling must be 'avgpool' or 'maxpool', got {pooling!r}")
         super().__init__(sinks=sinks, recent=window)
         self.window, self.kernel, self.pooling = window, kernel, pooling
-        self._windows: dict[int, deque[tuple[np.ndarray, np.ndarray]]] = {}  # (positions, row) per layer
+        # (positions, row) per layer: numpy views of CPU states, tensors on the state's device otherwise
+        self._windows: dict[int, deque[tuple[np.ndarray | Tensor, np.ndarray | Tensor]]] = {}
 
     def reset(self) -> None:
         """Forget all per-item state and the recorded windows (new request)."""
         super().reset()
         self._windows = {}
 
-    def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: np.ndarray) -> None:
+    def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: Tensor) -> None:
         q, s = attn.shape[2:]
         win = self._windows.setdefault(layer, deque())
-        pos = state.buffers[1][..., :s].copy()  # shared by this call's rows
-        rows = attn[:, :, max(q - self.window, 0) :].numpy()
-        for r in range(rows.shape[2]):
-            row = rows[:, :, r].copy()
-            state.buffers[0][..., :s] += row
-            win.append((pos, row))
+        if _host(state.buffers[0]):
+            scores, positions = state.views()
+            pos = positions[..., :s].copy()  # shared by this call's rows
+            rows = attn[:, :, max(q - self.window, 0) :].numpy()
+            for r in range(rows.shape[2]):
+                row = rows[:, :, r].copy()
+                scores[..., :s] += row
+                win.append((pos, row))
+                if len(win) > self.window:
+                    old_pos, old_row = win.popleft()
+                    assert isinstance(old_pos, np.ndarray) and isinstance(old_row, np.ndarray)
+                    _subtract_by_position(scores, positions, state.n, old_pos, old_row)
+            return
+        pos_t = state.buffers[1][..., :s].clone()
+        rows_t = attn[:, :, max(q - self.window, 0) :]
+        for r in range(rows_t.shape[2]):
+            row_t = rows_t[:, :, r].clone()
+            state.buffers[0][..., :s] += row_t
+            win.append((pos_t, row_t))
             if len(win) > self.window:
-                _subtract_by_position(state.buffers[0], state.buffers[1], state.n, *win.popleft())
+                old_pos, old_row = win.popleft()
+                assert isinstance(old_pos, Tensor) and isinstance(old_row, Tensor)
+                _subtract_by_position_torch(state.buffers[0], state.buffers[1], state.n, old_pos, old_row)
 
     def _scores(self, layer: int, state: LayerState) -> Tensor:
         return pool_scores(state.scores, self.kernel, self.pooling)

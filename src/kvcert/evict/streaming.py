@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import numpy as np
+import torch
 from torch import Tensor
 
 from kvcert.evict.base import F64, EvictionPolicy, LayerState
@@ -29,9 +29,9 @@ class StreamingLLM(EvictionPolicy):
         cap = budget if self.window is None else min(budget, self.sinks + self.window)
         return super().select(layer, cap, min(chunk, cap))
 
-    def _drop_middle(self, layer: int, state: LayerState, lo: int, hi: int, k: int) -> np.ndarray:
+    def _drop_middle(self, layer: int, state: LayerState, lo: int, hi: int, k: int) -> Tensor:
         # positions increase along the slots: the k oldest unprotected items are the first k of [lo, hi)
-        return np.broadcast_to(np.arange(lo, lo + k), (*state.buffers[0].shape[:2], k))
+        return torch.arange(lo, lo + k, device=state.device).expand(*state.buffers[0].shape[:2], k)
 
     def _scores(self, layer: int, state: LayerState) -> Tensor:
         return state.positions.to(F64)

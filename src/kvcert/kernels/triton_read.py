@@ -551,11 +551,14 @@ def decode_read(
                 f"{name} {tuple(x.shape)} {x.dtype} must be float32 [B={bsz}, Hkv={h}, S={s}, ...] "
                 "with unit stride on its last axis"
             )
-    if (
-        not bool(torch.isfinite(q).all())
-        or not bool(torch.isfinite(keys[:, :, k_from:]).all())
-        or not bool(torch.isfinite(values[:, :, v_from:]).all())
-    ):
+    # fail closed on a non-finite query or pending entry: the three checks reduce to one flag on the device, so
+    # the read waits for the device once here, not once per tensor
+    finite = (
+        torch.isfinite(q).all()
+        & torch.isfinite(keys[:, :, k_from:]).all()
+        & torch.isfinite(values[:, :, v_from:]).all()
+    )
+    if not bool(finite):
         return None
     dev = q.device
     qs, qb, qn, rate = _query_terms(q, nb, half, scale, gamma)

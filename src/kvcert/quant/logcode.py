@@ -52,18 +52,17 @@ def exponent_up(x: torch.Tensor) -> torch.Tensor:
     ok = torch.isfinite(x64) & (x64 > 0)
     guess = torch.ceil(SUB * torch.log2(torch.where(ok, x64, 1.0)))
     n = guess.clamp(MIN_N, MAX_N + 1).to(torch.int32)
-    # float64 log2 is off by far less than one code, so each loop runs at most once or twice; the exact
-    # comparisons against dec (not log2) decide the result
+    # float64 log2 is off by far less than one code, so the loop runs once or twice; the exact comparisons against
+    # dec (not log2) decide the result. An entry is either too low (dec(n) < x: step up) or too high (dec(n − 1) ≥ x:
+    # step down), never both (dec is increasing), and the n with neither is unique (the smallest n in
+    # [MIN_N, MAX_N + 1] with dec(n) ≥ x), so stepping both ways at once ends where stepping up to convergence and
+    # then down would, with one wait for the device per round instead of one per direction and round
     while True:
         low = ok & (n <= MAX_N) & (dec(n.clamp(max=MAX_N)).to(torch.float64) < x64)
-        if not bool(low.any()):
-            break
-        n = torch.where(low, n + 1, n)
-    while True:
         high = ok & (n > MIN_N) & (dec((n - 1).clamp(MIN_N, MAX_N)).to(torch.float64) >= x64)
-        if not bool(high.any()):
+        if not bool((low | high).any()):
             break
-        n = torch.where(high, n - 1, n)
+        n = n + low.to(torch.int32) - high.to(torch.int32)
     return torch.where(ok, n, MIN_N)
 
 
@@ -73,20 +72,23 @@ def initial_base(n_max: torch.Tensor) -> torch.Tensor:
     return (n_max - HEADROOM).clamp(min=MIN_N)
 
 
-def encode(x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+def encode(x: torch.Tensor, base: torch.Tensor, n: torch.Tensor | None = None) -> torch.Tensor:
     """Codes (uint8) of non-negative ``x`` against base exponents ``base`` (int32, broadcast to ``x``).
 
     ``0 → 0``; positive finite ``x`` → ``clamp(n − base + 1, 1, ·)`` with ``n = exponent_up(x)``; NaN, ``+inf``
     and values beyond float32 → ``INF_CODE``. Raises ``ValueError`` on negative entries and when a finite
-    value needs a code above ``TOP`` (the caller raises ``base`` first: :func:`rebase`).
+    value needs a code above ``TOP`` (the caller raises ``base`` first: :func:`rebase`). ``n``: ``exponent_up(x)``
+    when the caller has it already (saves recomputing it, and its wait for the device).
     """
-    if bool((x < 0).any()):
-        raise ValueError(f"witnesses must be non-negative, got min {float(x.min())}")
-    n = exponent_up(x)
+    if n is None:
+        n = exponent_up(x)  # defined for every entry (negative ones included), so both checks below are one sync
     beyond = torch.isnan(x) | torch.isinf(x) | (n > MAX_N)
     code = (n.to(torch.int64) - base.to(torch.int64) + 1).clamp(min=1)
     finite_pos = (x > 0) & ~beyond
-    if bool((finite_pos & (code > TOP)).any()):
+    negative, above_top = torch.stack([(x < 0).any(), (finite_pos & (code > TOP)).any()]).tolist()
+    if negative:
+        raise ValueError(f"witnesses must be non-negative, got min {float(x.min())}")
+    if above_top:
         raise ValueError("a witness exceeds the top code of its base; rebase the buffer before encoding")
     code = torch.where(finite_pos, code, 0)
     return torch.where(beyond, INF_CODE, code).to(torch.uint8)

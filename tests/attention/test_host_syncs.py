@@ -1,0 +1,174 @@
+"""Host synchronisations per read, counted without a GPU, and eviction state that never leaves the device.
+
+On a CUDA tensor every call that turns device data into a Python value or a host array (``.item()``, ``.tolist()``,
+``bool(t)``, ``int(t)``, ``float(t)``, ``.numpy()``, ``.cpu()``, ``nonzero``, ``torch.equal``, boolean-mask indexing)
+waits for the device. :class:`SyncRecorder`, a ``TorchFunctionMode``, records each such call made from a kvcert
+module (``file:line name``; calls that torch or triton make internally are not kvcert's and are skipped), so the
+count is the same on CPU as it would be on CUDA. The tests pin the count per decode read of the paths a CUDA cache
+runs (the Triton read under the interpreter, the eager torch read, the resident read) and require that the
+eviction policies' device path (``kvcert.evict.base.HOST_KERNELS = False``: what a non-CPU state runs) never copies
+its state to the host and waits for the device at most a fixed number of times per step. A new sync on one of these
+paths fails the test with its place; when one is removed, lower the pinned count (``docs/architecture.md#devices``
+lists them).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from resident_cases import POLICIES, prompt_ids
+from torch.overrides import TorchFunctionMode
+
+from kvcert import Gate, kernels
+from kvcert.evict import base
+from kvcert.integrations.transformers import CertifiedCache
+from kvcert.models.tiny import tiny_random
+
+torch.set_num_threads(1)
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "kvcert"
+#: calls that wait for the device when their tensor is on one
+SYNCS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "nonzero", "equal"}
+#: host copies: the eviction state must never make one on its device path
+HOST_COPIES = {"numpy", "cpu"}
+_SKIP = (Path(torch.__file__).resolve().parent,)
+
+
+def _bool_index(args: tuple) -> bool:
+    idx = args[1] if len(args) > 1 else None
+    items = idx if isinstance(idx, tuple) else (idx,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+class SyncRecorder(TorchFunctionMode):
+    """Counts the host syncs (``SYNCS``, and indexing with a boolean tensor) called from kvcert modules under
+    ``watched``, by ``file:line name``."""
+
+    def __init__(self, watched: Path = SRC) -> None:
+        super().__init__()
+        self.watched = watched
+        self.calls: Counter[str] = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in SYNCS or (name in ("__getitem__", "__setitem__") and _bool_index(args)):
+            frame = sys._getframe(1)
+            while frame is not None and any(s in Path(frame.f_code.co_filename).resolve().parents for s in _SKIP):
+                frame = frame.f_back
+            if frame is not None:
+                path = Path(frame.f_code.co_filename).resolve()
+                if self.watched in path.parents:
+                    self.calls[f"{path.relative_to(SRC.parent)}:{frame.f_lineno} {name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_random("llama", head_dim=32)
+
+
+@torch.no_grad()
+def _syncs_per_read(model, steps: int = 3, watched: Path = SRC, **kw) -> tuple[float, SyncRecorder]:
+    """Prefill a 40-token prompt (batch 2, not recorded), then ``steps`` greedy decode forwards under the recorder;
+    the syncs per read (one read per layer per forward)."""
+    ids = prompt_ids(model, batch=2)
+    with CertifiedCache(model, keys="int4", values="int4", **kw) as cache:
+        out = model(ids, cache=cache, use_cache=True)
+        with SyncRecorder(watched) as rec:
+            for _ in range(steps):
+                out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+    return rec.total / (steps * model.config.num_hidden_layers), rec
+
+
+#: syncs per decode read, measured (one layer's write of the new token and its read; batch 2, int4 keys and values,
+#: 40-token prompt, 3 steps): the certified read on the Triton kernels (what a CUDA cache runs), on the eager torch
+#: path, and the resident read with persistent recall (torch path). Before issue 19: 68, 76 and 227.
+MAX_SYNCS_PER_READ = {"triton": 26.0, "torch": 31.0, "resident": 78.0}
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_certified_read_syncs_per_read_do_not_regress(model, backend, monkeypatch):
+    monkeypatch.setenv(kernels.ENV, backend)
+    per_read, rec = _syncs_per_read(model, gate=Gate.certified(0.2))
+    assert per_read <= MAX_SYNCS_PER_READ[backend], rec.calls
+
+
+def test_resident_read_syncs_per_read_do_not_regress(model, monkeypatch):
+    monkeypatch.setenv(kernels.ENV, "torch")
+    per_read, rec = _syncs_per_read(
+        model, resident=0.25, select=POLICIES["h2o"](), gate=Gate.certified(0.1), page_size=4, recall="persistent"
+    )
+    assert per_read <= MAX_SYNCS_PER_READ["resident"], rec.calls
+
+
+class _FromNumpy:
+    """Wraps ``torch.from_numpy`` to record calls made from kvcert modules under ``watched``."""
+
+    def __init__(self, real, watched: Path) -> None:
+        self.real, self.watched, self.calls = real, watched, Counter()
+
+    def __call__(self, array):
+        path = Path(sys._getframe(1).f_code.co_filename).resolve()
+        if self.watched in path.parents:
+            self.calls[f"{path.relative_to(SRC.parent)}:{sys._getframe(1).f_lineno} from_numpy"] += 1
+        return self.real(array)
+
+
+#: syncs per decode step and layer from ``evict/`` on the policies' device path, measured: observe's fused
+#: fail-closed check (1), select's edge test (1), the serving reading's input check (1), set_kappa's range check
+#: (once per step, 0.5 per layer of the 2-layer model) and RMM's query-position match (0.5); prefill compression
+#: makes none during decode
+MAX_POLICY_SYNCS = {
+    "budget": {"streaming": 3.5, "h2o": 3.5, "snapkv": 3.5, "rmm": 4.0},
+    "compression": {"streaming": 0.0, "h2o": 0.0, "snapkv": 0.0, "rmm": 0.0},
+}
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("mode", ["budget", "compression"])
+def test_policy_state_stays_on_the_device(model, policy, mode, monkeypatch):
+    """The policies' device path (``HOST_KERNELS = False``, what a CUDA state runs): no host copy (``.numpy()``,
+    ``.cpu()``, ``torch.from_numpy``) anywhere in ``evict/``, every state tensor on the device of the cache's
+    keys, and at most the pinned syncs per decode step and layer."""
+    monkeypatch.setattr(base, "HOST_KERNELS", False)
+    monkeypatch.setenv(kernels.ENV, "torch")
+    from_numpy = _FromNumpy(torch.from_numpy, SRC / "evict")
+    monkeypatch.setattr(torch, "from_numpy", from_numpy)
+    select = POLICIES[policy]()
+    kw: dict[str, object] = {"evict": select, "gate": Gate.certified(0.2)}
+    kw |= {"compression_ratio": 0.5} if mode == "compression" else {"budget": 24}
+    per_read, rec = _syncs_per_read(model, 4, SRC / "evict", **kw)
+    copies = {k: v for k, v in rec.calls.items() if k.split()[-1] in HOST_COPIES}
+    assert copies == {} and from_numpy.calls == Counter()
+    assert per_read <= MAX_POLICY_SYNCS[mode][policy], rec.calls
+    for state in select._layers.values():
+        assert {state.scores.device, state.positions.device, state.now.device} == {torch.device("cpu")}
+
+
+def test_the_recorder_counts_a_planted_sync():
+    """A planted ``bool(t)`` / ``.item()`` / boolean-mask index in a kvcert module is counted with its place; the same
+    calls from a test module, and a factory call, are not."""
+    from kvcert.cache import recall
+
+    def planted(t):
+        bool(t.any())
+        t.sum().item()
+        t[t > 0]
+        torch.zeros(2, device=t.device)
+
+    kvcert_planted = type(planted)(planted.__code__.replace(co_filename=recall.__file__), globals())
+    t = torch.ones(3)
+    with SyncRecorder() as rec:
+        kvcert_planted(t)
+        planted(t)
+    names = sorted(k.split()[-1] for k in rec.calls)
+    assert names == ["__bool__", "__getitem__", "item"] and rec.total == 3
+    assert all(k.startswith("kvcert/cache/recall.py:") for k in rec.calls)

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 from kvcert import Gate
 from kvcert.attention.resident import can_omit
 from kvcert.cache.store import LayerStore
+from kvcert.cache.telemetry import Telemetry
 from kvcert.evict import H2O, StreamingLLM
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models.tiny import tiny_random
@@ -55,21 +56,27 @@ def test_tau_zero_is_token_identical_to_dynamic_cache(models, family, policy):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("summary", ["basis8", "basis16"])
 def test_tau_zero_with_the_basis_sketch_is_token_identical_to_dynamic_cache(models, family, summary):
-    model = models[family]
+    tel = _tau_zero_identical(models[family], "int4", "snapkv", summary)
+    assert tel.summary()["bytes_summary"] > 0
+
+
+def _tau_zero_identical(model, codec: str, policy: str, summary: str) -> Telemetry:
+    """Decode a batch-2 prompt with a ``resident=0.25`` cache gated at τ = 0; assert the tokens are those of
+    ``DynamicCache`` and return the cache's telemetry."""
     ids = _ids(model, batch=2, seed=5)
     ref = _decode(model, ids, DynamicCache(config=model.config))
     with CertifiedCache(
         model,
-        keys="int4",
-        values="int4",
+        keys=codec,
+        values=codec,
         resident=0.25,
-        select=POLICIES["snapkv"](),
+        select=POLICIES[policy](),
         gate=Gate.certified(0.0),
         page_size=4,
         summary=summary,
     ) as cache:
         assert torch.equal(_decode(model, ids, cache), ref)
-        assert cache.telemetry().summary()["bytes_summary"] > 0
+        return cache.telemetry()
 
 
 def test_basis_summary_bytes_are_its_stored_tensors(models):
@@ -206,18 +213,7 @@ def test_a_tau_no_recall_can_meet_falls_back_to_exact_attention_over_every_token
 def test_int8_sketch_summary_is_exact_at_tau_zero_and_counts_its_bytes(models, family, policy):
     model = models[family]
     ids = _ids(model, batch=2, seed=5)
-    ref = _decode(model, ids, DynamicCache(config=model.config))
-    with CertifiedCache(
-        model,
-        keys="int8",
-        values="int8",
-        resident=0.25,
-        select=POLICIES[policy](),
-        gate=Gate.certified(0.0),
-        page_size=4,
-        summary="int8",
-    ) as cache:
-        assert torch.equal(_decode(model, ids, cache), ref)
+    _tau_zero_identical(model, "int8", policy, "int8")
     with CertifiedCache(
         model,
         keys="int4",

@@ -140,9 +140,14 @@ def _recall_read(cells_q, keys_r, keys_o, sc, recalled_pages, page_size):
         else torch.zeros(0, dtype=torch.int64)
     )
     keys = torch.cat([keys_r, keys_o[tok]], 0)
-    # as the read path: the resident logits are those of the first read, the recalled ones are computed apart
-    # (one float32 matmul over a different column count may round the resident logits differently)
-    logits = torch.cat([(cells_q * sc) @ keys_r.T, (cells_q * sc) @ keys_o[tok].T], -1)  # [M, S]
+    # monotonicity is a property of fixed served logits: every token's logit is evaluated the same way in every
+    # call (resident ones in one matmul, each recalled page in its own), since one float32 matmul over a different
+    # column count may round a logit differently, by about 1e-7 relative — enough to raise the mass bound of a cell
+    # the newly recalled page barely touches (hypothesis found such a case)
+    qs = cells_q * sc
+    logits = torch.cat(
+        [qs @ keys_r.T, *(qs @ keys_o[j * page_size : (j + 1) * page_size].T for j in recalled_pages)], -1
+    )
     qn = cells_q.to(F64).norm(dim=-1, keepdim=True)
     rad = 2 * sc * gamma * qn * keys.to(F64).norm(dim=-1)
     rad[:, : keys_r.shape[0]] += 0.01

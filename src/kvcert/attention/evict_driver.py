@@ -216,17 +216,17 @@ class DecodeScores:
         positions = torch.cat([store.positions.view(), store.evicted["positions"].view()], 2).to(served.device)
         mask = slot_mask(logical, positions)  # [B, Hkv, Q, S]
         p = grouped_probs(query, keys, mask, scaling)  # [B, Hkv, G, Q, S]
-        dev = p.device
-        length = store.appended
         layer = store.layer
-        total, seen = self._sum.get(layer), self._seen.get(layer)
-        if total is None or seen is None:
-            total = seen = torch.zeros(*positions.shape[:2], 0, dtype=F64, device=dev)
-        grow = (0, length - total.shape[-1])
-        total, seen = torch.nn.functional.pad(total, grow), torch.nn.functional.pad(seen, grow)
-        at = positions.to(dev)
-        self._sum[layer] = total.scatter_add(-1, at, p.amax(2).sum(2))
-        self._seen[layer] = seen.scatter_add(-1, at, mask.to(dev, F64).sum(2))
+        if layer not in self._sum:
+            self._sum[layer] = self._seen[layer] = torch.zeros(*positions.shape[:2], 0, dtype=F64, device=p.device)
+        total, seen = self._grown(layer, store.appended)
+        self._sum[layer] = total.scatter_add(-1, positions, p.amax(2).sum(2))
+        self._seen[layer] = seen.scatter_add(-1, positions, mask.to(F64).sum(2))
+
+    def _grown(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's summed attention and query counts, zero-padded to ``length`` positions."""
+        grow = (0, length - self._sum[layer].shape[-1])
+        return torch.nn.functional.pad(self._sum[layer], grow), torch.nn.functional.pad(self._seen[layer], grow)
 
     def observed(self, layer: int) -> bool:
         """Whether a decode read of ``layer`` has been added since the last :meth:`clear`."""
@@ -234,9 +234,7 @@ class DecodeScores:
 
     def mean(self, layer: int, length: int) -> torch.Tensor:
         """``[B, Hkv, length]``: each position's mean attention over the decode queries that saw it (0 if none)."""
-        total, seen = self._sum[layer], self._seen[layer]
-        grow = (0, length - total.shape[-1])
-        total, seen = torch.nn.functional.pad(total, grow), torch.nn.functional.pad(seen, grow)
+        total, seen = self._grown(layer, length)
         return total / seen.clamp(min=1.0)
 
     def clear(self) -> None:

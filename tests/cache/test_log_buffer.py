@@ -9,7 +9,7 @@ import torch
 
 from kvcert.cache.buffer import LogBuffer
 from kvcert.cache.store import STORED_WITNESSES, LayerStore, band_sum_up
-from kvcert.quant import get
+from kvcert.quant import get, logcode
 
 
 def test_log_buffer_append_write_rebase_gather_trim():
@@ -90,3 +90,24 @@ def test_log8_store_bytes_per_token():
 def test_unknown_witness_format_is_refused():
     with pytest.raises(ValueError, match="witness"):
         LayerStore(0, get("int8"), get("int8"), bands=8, pairing="rotate_half", seed=0, witness="f16")
+
+
+def test_log_buffer_write_is_the_same_through_the_exact_search(monkeypatch):
+    """A write whose exponents the device-side rounds did not settle falls back to the exact search and stores
+    what a settled write stores (codes, bases, decoded values); a negative witness is refused before anything is
+    stored."""
+    gen = torch.Generator().manual_seed(4)
+    n = torch.randint(-60, 60, (2, 3, 5, 4), generator=gen, dtype=torch.int32)
+    x = logcode.dec(n).to(torch.float64)  # codes' own values: the float64 log2 guess is one code too high
+    settled = LogBuffer(torch.zeros(2, 3, 0, 4))
+    settled.append(x)
+    monkeypatch.setattr(logcode, "SETTLE_ROUNDS", 0)
+    assert bool(logcode.exponent_settle(x)[1])  # this write takes the fallback
+    fallback = LogBuffer(torch.zeros(2, 3, 0, 4))
+    fallback.append(x)
+    assert torch.equal(fallback.codes.view(), settled.codes.view()) and torch.equal(fallback.base, settled.base)
+    assert torch.equal(fallback.view(), settled.view())
+    before = (fallback.codes.view().clone(), fallback.base.clone())
+    with pytest.raises(ValueError, match="non-negative"):
+        fallback.write((0, 0, slice(0, 1)), -1.0)
+    assert torch.equal(fallback.codes.view(), before[0]) and torch.equal(fallback.base, before[1])

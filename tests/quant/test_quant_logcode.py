@@ -130,3 +130,38 @@ def test_log8_witness_cells_ci(codec, witness):
             assert (r, m) == (0, 0), (s, r, m)
             cells += rows
     assert cells >= 200_000
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    xs=st.lists(
+        st.one_of(
+            st.floats(min_value=0.0, max_value=F32_MAX, allow_nan=False, width=32),
+            st.sampled_from([0.0, float("inf"), float("nan"), -1.0, 2.0**-126, 2.0**-149, F32_MAX]),
+        ),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_exponent_settle_agrees_with_the_exact_search_when_settled(xs):
+    """``exponent_settle`` (no wait for the device) returns ``exponent_up``'s exponents whenever it reports them
+    settled, and ``dec`` at its exponents is at least the value (the property the codes rely on)."""
+    x = torch.tensor(xs, dtype=torch.float32)
+    n, unsettled = logcode.exponent_settle(x)
+    exact = logcode.exponent_up(x)
+    if not bool(unsettled):
+        assert torch.equal(n, exact)
+    ok = torch.isfinite(x) & (x > 0) & (exact <= logcode.MAX_N)
+    assert (logcode.dec(exact.clamp(max=logcode.MAX_N))[ok].to(torch.float64) >= x[ok].to(torch.float64)).all()
+
+
+def test_exponent_settle_flags_a_guess_it_did_not_correct(monkeypatch):
+    """With no correction round the check round still sees the entries the float64 guess got wrong: the flag is
+    raised, and ``exponent_up`` (which keeps stepping) gives the smallest exponent with ``dec(n) ≥ x``."""
+    monkeypatch.setattr(logcode, "SETTLE_ROUNDS", 0)
+    n0 = torch.arange(-300, 300, dtype=torch.int32)
+    x = logcode.dec(n0).to(torch.float64)  # a code's own value: F is rounded up, so 16·log2(x) sits just above n0
+    _, unsettled = logcode.exponent_settle(x)
+    guess = torch.ceil(logcode.SUB * torch.log2(x)).to(torch.int32)
+    assert not torch.equal(guess, n0) and bool(unsettled)  # the guess is one code too high somewhere: flagged
+    assert torch.equal(logcode.exponent_up(x), n0)

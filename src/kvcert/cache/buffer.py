@@ -151,7 +151,35 @@ class LogBuffer:
         target = live[index]
         x = torch.as_tensor(values, device=live.device)
         x = torch.broadcast_to(x if x.is_floating_point() else x.to(torch.float64), target.shape)  # no rounding
-        n = logcode.exponent_up(x)
+        n, unsettled = logcode.exponent_settle(x)
+        base, shift, codes, flags = self._plan(x, n, index)
+        # the write's one host sync: whether the exponents settled, how many bases rise, the encoding's checks
+        off, rebased, negative, above_top = torch.cat([unsettled.view(1), (shift > 0).sum().view(1), flags]).tolist()
+        if off:  # not seen in practice (two correction rounds settle the float64 log2 guess); the exact search decides
+            n = logcode.exponent_up(x)
+            base, shift, codes, flags = self._plan(x, n, index)
+            rebased, negative, above_top = torch.cat([(shift > 0).sum().view(1), flags]).tolist()
+        logcode.check_flags(bool(negative), bool(above_top), x)
+        raised = rebased > 0
+        self.base = base
+        if raised:
+            self.rebases += int(rebased)
+            live.copy_(logcode.rebase(live, shift.view(*shift.shape, *([1] * (live.dim() - 2)))))
+        live[index] = codes
+        if raised:
+            self.decoded.view().copy_(logcode.decode(live, self.base.view(*self.base.shape, *([1] * (live.dim() - 2)))))
+        else:
+            self.decoded.view()[index] = logcode.decode(live[index], self._per_element(self.base, index))
+        return raised
+
+    def _plan(
+        self, x: torch.Tensor, n: torch.Tensor, index: TokenIndex
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """On the device, nothing stored yet: the bases after writing ``x`` (exponents ``n``) at ``index`` — set
+        for heads written positive for the first time, raised by ``shift`` where a new value exceeds the top code —
+        the shift per (row, head), the codes of ``x`` against the new bases and the encoding's flags
+        (:func:`~kvcert.quant.logcode.encode_flagged`)."""
+        live = self.codes.view()
         finite_pos = torch.isfinite(x) & (x > 0) & (n <= logcode.MAX_N)
         heads = self._per_element(torch.arange(self.base.numel(), device=live.device).view(self.base.shape), index)
         need = torch.full((self.base.numel(),), logcode.MIN_N - 1, dtype=torch.int32, device=live.device)
@@ -160,20 +188,11 @@ class LogBuffer:
         need = need.scatter_reduce(0, heads.flatten(), offered.flatten(), "amax").view(self.base.shape)
         seen = need >= logcode.MIN_N
         unset = self.base == logcode.UNSET
-        self.base = torch.where(seen & unset, logcode.initial_base(need), self.base)
-        shift = torch.where(seen & ~unset, need - (self.base + logcode.TOP - 1), 0).clamp(min=0)
-        rebased = int((shift > 0).sum())  # the write's one host sync: whether (and how many) bases rise
-        raised = rebased > 0
-        if raised:
-            self.rebases += rebased
-            self.base = self.base + shift
-            live.copy_(logcode.rebase(live, shift.view(*shift.shape, *([1] * (live.dim() - 2)))))
-        live[index] = logcode.encode(x, self._per_element(self.base, index), n)
-        if raised:
-            self.decoded.view().copy_(logcode.decode(live, self.base.view(*self.base.shape, *([1] * (live.dim() - 2)))))
-        else:
-            self.decoded.view()[index] = logcode.decode(live[index], self._per_element(self.base, index))
-        return raised
+        base = torch.where(seen & unset, logcode.initial_base(need), self.base)
+        shift = torch.where(seen & ~unset, need - (base + logcode.TOP - 1), 0).clamp(min=0)
+        base = base + shift
+        codes, flags = logcode.encode_flagged(x, self._per_element(base, index), n)
+        return base, shift, codes, flags
 
     def append(self, x: torch.Tensor) -> None:
         """Append ``x[B, H, t, *tail]`` (non-negative) along the token axis."""

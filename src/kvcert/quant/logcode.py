@@ -45,31 +45,78 @@ def dec(n: torch.Tensor) -> torch.Tensor:
     return FRACTIONS.to(n.device)[(n - octave * SUB).long()] * pow2
 
 
-def exponent_up(x: torch.Tensor) -> torch.Tensor:
-    """The smallest int ``n`` with ``dec(n) ≥ x`` for positive finite ``x`` (int32, clamped to ``[MIN_N,
-    MAX_N + 1]``; ``MAX_N + 1`` means no finite ``dec`` is large enough). Other entries give ``MIN_N``."""
+#: correction rounds :func:`exponent_settle` makes without waiting for the device. The float64 ``log2`` guess is
+#: off by far less than one code (``dec`` exceeds ``2^{n/16}`` by at most a float32 ulp), so two rounds settle
+#: every entry in practice; the exact comparisons against ``dec`` still decide, and :func:`exponent_up` keeps
+#: stepping when an entry is not settled.
+SETTLE_ROUNDS = 2
+
+
+def _step(x64: torch.Tensor, ok: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One correction round of :func:`exponent_up`: ``(n', unsettled)``. An entry is either too low (``dec(n) <
+    x``: step up) or too high (``dec(n − 1) ≥ x``: step down), never both (``dec`` is increasing), and the ``n``
+    with neither is unique (the smallest ``n`` in ``[MIN_N, MAX_N + 1]`` with ``dec(n) ≥ x``); ``unsettled`` marks
+    the entries that moved."""
+    low = ok & (n <= MAX_N) & (dec(n.clamp(max=MAX_N)).to(torch.float64) < x64)
+    high = ok & (n > MIN_N) & (dec((n - 1).clamp(MIN_N, MAX_N)).to(torch.float64) >= x64)
+    return n + low.to(torch.int32) - high.to(torch.int32), low | high
+
+
+def exponent_settle(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`exponent_up` without waiting for the device: the float64 ``log2`` guess corrected by
+    :data:`SETTLE_ROUNDS` rounds, and a 0-dim bool tensor, True when some entry may still be off (it moved in the
+    last round). When it is False, the result equals :func:`exponent_up`'s; the caller reads it back together
+    with whatever else it has to read (one sync) and falls back to :func:`exponent_up` when it is True."""
     x64 = x.to(torch.float64)
     ok = torch.isfinite(x64) & (x64 > 0)
     guess = torch.ceil(SUB * torch.log2(torch.where(ok, x64, 1.0)))
     n = guess.clamp(MIN_N, MAX_N + 1).to(torch.int32)
-    # float64 log2 is off by far less than one code, so the loop runs once or twice; the exact comparisons against
-    # dec (not log2) decide the result. An entry is either too low (dec(n) < x: step up) or too high (dec(n − 1) ≥ x:
-    # step down), never both (dec is increasing), and the n with neither is unique (the smallest n in
-    # [MIN_N, MAX_N + 1] with dec(n) ≥ x), so stepping both ways at once ends where stepping up to convergence and
-    # then down would, with one wait for the device per round instead of one per direction and round
-    while True:
-        low = ok & (n <= MAX_N) & (dec(n.clamp(max=MAX_N)).to(torch.float64) < x64)
-        high = ok & (n > MIN_N) & (dec((n - 1).clamp(MIN_N, MAX_N)).to(torch.float64) >= x64)
-        if not bool((low | high).any()):
-            break
-        n = n + low.to(torch.int32) - high.to(torch.int32)
-    return torch.where(ok, n, MIN_N)
+    moved = torch.zeros_like(ok)
+    for _ in range(SETTLE_ROUNDS + 1):  # the last round only checks: an entry that moves is not settled
+        n, moved = _step(x64, ok, n)
+    return torch.where(ok, n, MIN_N), moved.any()
+
+
+def exponent_up(x: torch.Tensor) -> torch.Tensor:
+    """The smallest int ``n`` with ``dec(n) ≥ x`` for positive finite ``x`` (int32, clamped to ``[MIN_N,
+    MAX_N + 1]``; ``MAX_N + 1`` means no finite ``dec`` is large enough). Other entries give ``MIN_N``.
+
+    The exact comparisons against ``dec`` (not ``log2``) decide the result: :func:`exponent_settle`, then further
+    correction rounds until no entry moves (one wait for the device per round)."""
+    n, unsettled = exponent_settle(x)
+    x64 = x.to(torch.float64)
+    ok = torch.isfinite(x64) & (x64 > 0)
+    while bool(unsettled):
+        n, moved = _step(x64, ok, n)
+        unsettled = moved.any()
+    return n
 
 
 def initial_base(n_max: torch.Tensor) -> torch.Tensor:
     """Base exponent for a head whose first positive write needs exponent ``n_max``: ``HEADROOM`` codes below
     it (values down to ~1/1024 of the first maximum keep their precision; up to ~56× above it fit)."""
     return (n_max - HEADROOM).clamp(min=MIN_N)
+
+
+def encode_flagged(x: torch.Tensor, base: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (uint8) of ``x`` against ``base`` given ``n = exponent_up(x)``, and ``[2]`` device flags (some
+    entry negative, some finite entry above ``TOP``) for the caller to read back with its other checks: the codes
+    are valid only when both are False (:func:`encode` raises otherwise)."""
+    beyond = torch.isnan(x) | torch.isinf(x) | (n > MAX_N)
+    code = (n.to(torch.int64) - base.to(torch.int64) + 1).clamp(min=1)
+    finite_pos = (x > 0) & ~beyond
+    flags = torch.stack([(x < 0).any(), (finite_pos & (code > TOP)).any()])
+    code = torch.where(finite_pos, code, 0)
+    return torch.where(beyond, INF_CODE, code).to(torch.uint8), flags
+
+
+def check_flags(negative: bool, above_top: bool, x: torch.Tensor) -> None:
+    """Raise for the flags of :func:`encode_flagged`: ``ValueError`` on a negative entry of ``x`` or a finite value
+    above the top code of its base."""
+    if negative:
+        raise ValueError(f"witnesses must be non-negative, got min {float(x.min())}")
+    if above_top:
+        raise ValueError("a witness exceeds the top code of its base; rebase the buffer before encoding")
 
 
 def encode(x: torch.Tensor, base: torch.Tensor, n: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,16 +129,10 @@ def encode(x: torch.Tensor, base: torch.Tensor, n: torch.Tensor | None = None) -
     """
     if n is None:
         n = exponent_up(x)  # defined for every entry (negative ones included), so both checks below are one sync
-    beyond = torch.isnan(x) | torch.isinf(x) | (n > MAX_N)
-    code = (n.to(torch.int64) - base.to(torch.int64) + 1).clamp(min=1)
-    finite_pos = (x > 0) & ~beyond
-    negative, above_top = torch.stack([(x < 0).any(), (finite_pos & (code > TOP)).any()]).tolist()
-    if negative:
-        raise ValueError(f"witnesses must be non-negative, got min {float(x.min())}")
-    if above_top:
-        raise ValueError("a witness exceeds the top code of its base; rebase the buffer before encoding")
-    code = torch.where(finite_pos, code, 0)
-    return torch.where(beyond, INF_CODE, code).to(torch.uint8)
+    code, flags = encode_flagged(x, base, n)
+    negative, above_top = flags.tolist()
+    check_flags(negative, above_top, x)
+    return code
 
 
 def decode(code: torch.Tensor, base: torch.Tensor) -> torch.Tensor:

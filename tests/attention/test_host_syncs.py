@@ -90,8 +90,9 @@ def _syncs_per_read(model, steps: int = 3, watched: Path = SRC, **kw) -> tuple[f
 
 #: syncs per decode read, measured (one layer's write of the new token and its read; batch 2, int4 keys and values,
 #: 40-token prompt, 3 steps): the certified read on the Triton kernels (what a CUDA cache runs), on the eager torch
-#: path, and the resident read with persistent recall (torch path). Before issue 19: 68, 76 and 227.
-MAX_SYNCS_PER_READ = {"triton": 26.0, "torch": 31.0, "resident": 78.0}
+#: path, and the resident read with persistent recall (torch path). Before issue 19: 68, 76 and 227; the resident
+#: read measured 76.7 once held pages became device tensors (no token count read back per layer for the pool).
+MAX_SYNCS_PER_READ = {"triton": 26.0, "torch": 31.0, "resident": 77.0}
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

@@ -9,7 +9,8 @@ Every read (:func:`resident_read`) certifies each (query head, query) cell with 
 quantization certificate composed with the omitted-mass bound from the page logit bounds. Gate
 ``certified(τ)``: a KV head with a cell above ``τ`` recalls the omitted pages with the largest mass bounds from the
 host tier — served exact, with their float32 rounding radius — until every cell is ``≤ τ``. Recalled pages stay on
-the device within the device budget (persistent recall, :mod:`kvcert.cache.recall`) or serve one read
+the device as 16-bit copies within the device budget (persistent recall, :mod:`kvcert.cache.recall`; later reads serve
+them from the copies, with the copies' rounding radius on keys and values) or serve one read
 (``recall="transient"``). When the resident codes alone exceed ``τ``, or every page recalled over them still leaves
 a cell above it, the head's resident entries are read exact from the host tier and pages recalled on top; if even
 that leaves a cell above ``τ`` (or a cell cannot be certified) the head is served by the exact attention over every
@@ -418,10 +419,13 @@ def resident_read(
     is the composed certificate before recall (``raw`` the same), ``cert`` the certificate of what was served,
     ``true_tv`` (validate) the true TV of the pre-recall served read against exact attention over every token.
 
-    ``pages.held`` (persistent recall, :mod:`kvcert.cache.recall`): the pages already on the device are served exact
-    like recalled ones at no page-in, first in the recall order; after the read the pages it served are offered
-    to ``held`` (within its budget) and only pages not held before are counted as recalled (pages and bytes).
-    Without it every recall is transient (paged in, and counted, at every read that needs it).
+    ``pages.held`` (persistent recall, :mod:`kvcert.cache.recall`): the pages already on the device are served from
+    their 16-bit copies at no page-in, first in the recall order, each token with its logit radius widened by the
+    copy's key rounding and its value rounding ``‖v_t − ṽ_t‖`` added to the output bound's value term (weighted by
+    its served probability; :func:`_grow_recall`); after the read the pages it served are offered to ``held``
+    (within its budget; the paged-in ones are copied into its slots) and only pages not held before are counted as
+    recalled (pages and bytes). Without it every recall is transient (paged in, and counted, at every read that
+    needs it).
     """
     assert store.k is not None and store.v is not None
     b, hq, nq, d = q.shape

@@ -170,8 +170,8 @@ class HeldPages:
         own = ps * before.sum()  # slot tokens held before, on the device (no read-back)
         score = torch.maximum(mass.to(torch.float64), DECAY * self.score[row, head, read])
         score = torch.where(ok, score, 0.0)
-        order = torch.argsort(score + ok.to(torch.float64), descending=True, stable=True)  # refused pages last
-        cost = ps * ok[order].to(torch.int64)
+        order = torch.argsort(score, descending=True, stable=True)
+        cost = ps * ok[order].to(torch.int64)  # a refused page costs nothing and is not held
         fits = ok[order] & (cost.cumsum(0) <= own + self.pool.free)
         after = before.clone()
         after[read[order]] = fits  # the pages of read that fit are held, the others not (read: unique)

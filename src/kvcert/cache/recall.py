@@ -52,8 +52,8 @@ def storage_dtype(host: torch.dtype) -> torch.dtype:
 
 @dataclass
 class RecallPool:
-    """Tokens the held pages of all layers may still add (``free``), shared by every layer's :class:`HeldPages`;
-    the cache refreshes it from its device budget once per forward."""
+    """Slot tokens the held pages of all layers may still add (``free``; a held page takes ``page_size``), shared by
+    every layer's :class:`HeldPages`; the cache refreshes it from its device budget once per forward."""
 
     free: int = 0  # negative: the held pages must shrink by that much
 
@@ -151,7 +151,7 @@ class HeldPages:
         fresh_k: torch.Tensor,
         fresh_v: torch.Tensor,
     ) -> torch.Tensor:
-        """After a read of ``(row, head)`` that served the distinct pages ``read[k]`` (held ones first) with exact
+        """After a read of ``(row, head)`` that served the distinct pages ``read[k]`` with exact
         masses ``mass[k]`` (worst cell): update their scores and keep the highest-scoring ones that fit in the slot
         tokens it held plus the pool's free tokens (ties: the earlier page), and that :meth:`fits` the storage dtype.
         ``fresh_k[m, page_size, Dk]`` / ``fresh_v`` are the paged-in K/V of the ``m`` pages of ``read`` not held

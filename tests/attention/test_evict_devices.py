@@ -177,13 +177,13 @@ def test_the_recorder_catches_a_device_less_factory(monkeypatch):
     """A planted ``torch.zeros(n)`` in a watched module is reported with its place; one with ``device=`` is not."""
     real = recall.HeldPages.empty.__func__
 
-    def planted(cls, batch, heads, counts, bytes_per_token, pool):
+    def planted(cls, batch, heads, counts, page_size, dims, host, pool):
         torch.zeros(3)  # the planted break
         torch.zeros(3, device=counts.device)
-        return real(cls, batch, heads, counts, bytes_per_token, pool)
+        return real(cls, batch, heads, counts, page_size, dims, host, pool)
 
     planted.__code__ = planted.__code__.replace(co_filename=recall.__file__)
     monkeypatch.setattr(recall.HeldPages, "empty", classmethod(planted))
     with FactoryRecorder() as rec:
-        recall.HeldPages.empty(1, 1, torch.ones(2, dtype=torch.int64), 4, recall.RecallPool())
+        recall.HeldPages.empty(1, 1, torch.ones(2, dtype=torch.int64), 4, (2, 2), torch.float32, recall.RecallPool())
     assert len(rec.calls) == 1 and rec.calls[0].startswith("kvcert/cache/recall.py:")

@@ -91,8 +91,9 @@ def _syncs_per_read(model, steps: int = 3, watched: Path = SRC, **kw) -> tuple[f
 #: syncs per decode read, measured (one layer's write of the new token and its read; batch 2, int4 keys and values,
 #: 40-token prompt, 3 steps): the certified read on the Triton kernels (what a CUDA cache runs), on the eager torch
 #: path, and the resident read with persistent recall (torch path). Before issue 19: 68, 76 and 227; 26, 31 and 78
-#: before each witness buffer's write read back once (measured 12.3, 17.3 and 68).
-MAX_SYNCS_PER_READ = {"triton": 13.0, "torch": 18.0, "resident": 68.0}
+#: before each witness buffer's write read back once and held pages became device tensors (measured 12.3, 17.3
+#: and 66.7).
+MAX_SYNCS_PER_READ = {"triton": 13.0, "torch": 18.0, "resident": 67.0}
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

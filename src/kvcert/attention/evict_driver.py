@@ -486,7 +486,8 @@ class EvictionDriver:
             # the room the device budget leaves now, this layer holding nothing yet; the carry charges what it holds
             refresh_pool(self.recall_pool, list(self.stores()), list(self.pages.values()))
             archive = archive.gather(-1, by_key)
-            filled = int(after.held.carry(carried.sum(-1), score_at.gather(-1, archive)).sum())
+            arch_k, arch_v = store.evicted["k"].view(), store.evicted["v"].view()
+            filled = int(after.held.carry(carried.sum(-1), score_at.gather(-1, archive), arch_k, arch_v).sum())
         promoted = chosen >= n
         was_held = held_at.gather(-1, positions.gather(2, chosen).to(held_at.device)).to(promoted.device)
         paged = int((promoted & ~was_held).sum()) + filled

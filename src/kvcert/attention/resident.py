@@ -9,7 +9,8 @@ Every read (:func:`resident_read`) certifies each (query head, query) cell with 
 quantization certificate composed with the omitted-mass bound from the page logit bounds. Gate
 ``certified(τ)``: a KV head with a cell above ``τ`` recalls the omitted pages with the largest mass bounds from the
 host tier — served exact, with their float32 rounding radius — until every cell is ``≤ τ``. Recalled pages stay on
-the device within the device budget (persistent recall, :mod:`kvcert.cache.recall`) or serve one read
+the device as 16-bit copies within the device budget (persistent recall, :mod:`kvcert.cache.recall`; later reads serve
+them from the copies, with the copies' rounding radius on keys and values) or serve one read
 (``recall="transient"``). When the resident codes alone exceed ``τ``, or every page recalled over them still leaves
 a cell above it, the head's resident entries are read exact from the host tier and pages recalled on top; if even
 that leaves a cell above ``τ`` (or a cell cannot be certified) the head is served by the exact attention over every
@@ -160,7 +161,7 @@ def summarize_omitted(
     if pool is not None:
         n = k.shape[2]
         counts = (n - torch.arange(0, n, page_size, device=dev)).clamp(max=page_size)
-        held = HeldPages.empty(k.shape[0], k.shape[1], counts, (k.shape[-1] + v.shape[-1]) * k.element_size(), pool)
+        held = HeldPages.empty(k.shape[0], k.shape[1], counts, page_size, (k.shape[-1], v.shape[-1]), k.dtype, pool)
     return OmittedPages(
         page_size,
         box,
@@ -193,15 +194,16 @@ def refresh_pool(pool: RecallPool, stores: list[LayerStore], pages: list[Omitted
     """Set ``pool.free``: the tokens the held pages of every layer may still add within the device budget.
 
     ``device_budget = F`` (of the first store; the cache gives every layer the same) caps the device bytes of every
-    layer — resident codes, summaries, held pages and their masks — at ``F`` times the fp16 K/V bytes of every token
-    written (resident and omitted). ``F = None``: no cap. Negative when the stores grew past the budget: the next
+    layer — resident codes, summaries, held pages (their 16-bit slot tensors, slot index and scores) — at ``F`` times
+    the fp16 K/V bytes of every token written (resident and omitted); the pool is in slot tokens of the held pages'
+    16-bit bytes per token. ``F = None``: no cap. Negative when the stores grew past the budget: the next
     reads then hand held pages back to their summaries until the pool is square."""
     held = [p.held for p in pages if p.held is not None]
     if not held:
         return
     budget = stores[0].device_budget
     if budget is None:
-        pool.free = sum(int(h.counts.sum()) * h.held.shape[0] * h.held.shape[1] for h in held)
+        pool.free = sum(h.slot.numel() * h.page_size for h in held)
         return
     fp16 = sum(s.bytes_fp16() + 2 * (s.evicted["k"].view().numel() + s.evicted["v"].view().numel()) for s in stores)
     used = sum(s.bytes_device() for s in stores) + sum(p.nbytes for p in pages)
@@ -251,11 +253,14 @@ def _page_counts(mask_o: torch.Tensor, page_size: int, pages: int) -> torch.Tens
 @dataclass(frozen=True)
 class _OmittedView:
     """What a resident read knows of one layer's omitted tokens (every head): the grouped query ``qg[B, Hkv, M, D]``
-    and its rounding ``rate[B, Hkv, M, 1]``, the omitted keys / values ``[B, Hkv, S_O, ·]`` and their visibility
-    ``mask_o[B, Hkv, M, S_O]``, the page logit bounds ``u[B, Hkv, M, P]`` and visible counts ``counts``."""
+    and its rounding ``rate[B, Hkv, M, 1]`` (``sc·γ·‖q‖``), ``qnorm[B, Hkv, M, 1] ≥ sc·‖q‖``, the omitted keys / values
+    ``[B, Hkv, S_O, ·]`` (host tier) and their visibility ``mask_o[B, Hkv, M, S_O]``, the page logit bounds
+    ``u[B, Hkv, M, P]`` and visible counts ``counts``, and the pages held on the device (``None``: transient
+    recall)."""
 
     qg: torch.Tensor
     rate: torch.Tensor
+    qnorm: torch.Tensor
     scaling: float
     keys: torch.Tensor
     values: torch.Tensor
@@ -264,30 +269,82 @@ class _OmittedView:
     counts: torch.Tensor
     page_size: int
     threshold: float
+    held: HeldPages | None
 
     @property
     def n_pages(self) -> int:
         return self.u.shape[-1]
 
 
+@dataclass(frozen=True)
+class _Recalled:
+    """What :func:`_grow_recall` served for one KV head: the ``pages`` chosen (held ones first), their
+    tokens ``tok[T]`` (ascending), the served probabilities ``p[M, S_R + T]`` over resident + recalled tokens, the
+    recalled values ``values[T, Dv]`` as served (float32), their radii ``value_radius[T] ≥ ‖v_t − ṽ_t‖`` (0 for a
+    token paged in exact), the paged-in pages' K/V ``fresh_k[m, page_size, Dk]`` / ``fresh_v`` (float32, zero past
+    the archive's end; for admission), the certificate of the rest and whether it certifies every cell."""
+
+    pages: torch.Tensor
+    tok: torch.Tensor
+    p: torch.Tensor
+    values: torch.Tensor
+    value_radius: torch.Tensor
+    fresh_k: torch.Tensor
+    fresh_v: torch.Tensor
+    oc: OmittedCertificate
+    ok: bool
+
+
 def _grow_recall(
-    ov: _OmittedView, bi: int, hi: int, order: torch.Tensor, k: int, l_res: torch.Tensor, c_res: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, OmittedCertificate, bool]:
+    ov: _OmittedView,
+    bi: int,
+    hi: int,
+    order: torch.Tensor,
+    k: int,
+    n_held: int,
+    l_res: torch.Tensor,
+    c_res: torch.Tensor,
+) -> _Recalled:
     """Recall the first ``k`` pages of ``order`` for KV head ``(bi, hi)`` (doubling ``k`` until every cell's composed
     certificate is ``<= threshold`` or every page is recalled) over the resident logits ``l_res`` and radii
-    ``c_res``; return the pages chosen, their tokens, the served probabilities over resident + recalled tokens, the
-    recalled values, the certificate of the rest and whether it certifies every cell (``<= threshold``)."""
+    ``c_res``; the first ``n_held`` pages of ``order`` are held on the device (``ov.held``).
+
+    A paged-in token is served from its host value ``k_t`` in float32 with the radius ``2·rate·‖k_t‖`` (the served
+    and the reference logit each round by at most ``sc·γ·‖q‖‖k_t‖``). A held token is served from its 16-bit copy
+    ``k̃_t`` with ``‖k_t − k̃_t‖ ≤ e_t`` (:meth:`~kvcert.cache.recall.HeldPages.rounding_radius`):
+    ``|fl(sc·q·k̃_t) − fl(sc·q·k_t)| ≤ rate·‖k̃_t‖ + sc·‖q‖·e_t + rate·(‖k̃_t‖ + e_t)``, so its radius is
+    ``2·rate·‖k̃_t‖ + (qnorm + rate)·e_t``; its value radius is the same bound for ``‖v_t − ṽ_t‖``."""
     ps, n_pages, s_o = ov.page_size, ov.n_pages, ov.keys.shape[2]
+    dev = ov.qg.device
+    within = torch.arange(ps, device=dev)
+    held_pages = order[:n_held]
+    hk = hv = torch.zeros(0, ps, 0, dtype=torch.float32, device=dev)
+    ek = ev = torch.zeros(0, ps, dtype=F64, device=dev)
+    if n_held:  # served from the device copies: no host read
+        assert ov.held is not None
+        slots = ov.held.slot[bi, hi, held_pages].to(torch.int64)
+        hk, hv = ov.held.k_slots[slots], ov.held.v_slots[slots]
+        ek, ev = ov.held.rounding_radius(hk), ov.held.rounding_radius(hv)
+        hk, hv = hk.to(torch.float32), hv.to(torch.float32)
     while True:
         chosen = order[:k]
-        tok = (chosen.view(-1, 1) * ps + torch.arange(ps, device=chosen.device)).flatten()
-        tok = tok[tok < s_o].sort().values
-        on_host = tok.to(ov.keys.device)  # page-in: the omitted tokens live in the host tier
-        kp = ov.keys[bi, hi, on_host].to(ov.qg.device, torch.float32)
-        vp = ov.values[bi, hi, on_host].to(ov.qg.device, torch.float32)
+        fresh = (chosen[n_held:].view(-1, 1) * ps + within).flatten()  # the paged-in pages' tokens
+        on_host = fresh.clamp(max=s_o - 1).to(ov.keys.device)  # page-in: the omitted tokens live in the host tier
+        past = (fresh >= s_o).view(-1, ps, 1)
+        fk = ov.keys[bi, hi, on_host].to(dev, torch.float32).view(-1, ps, ov.keys.shape[-1]).masked_fill(past, 0.0)
+        fv = ov.values[bi, hi, on_host].to(dev, torch.float32).view(-1, ps, ov.values.shape[-1]).masked_fill(past, 0.0)
+        tok_all = (chosen.view(-1, 1) * ps + within).flatten()
+        keep = (tok_all < s_o).nonzero().flatten()
+        keep = keep[tok_all[keep].argsort()]  # ascending tokens
+        tok = tok_all[keep]
+        kp = torch.cat([hk.reshape(-1, fk.shape[-1]), fk.flatten(0, 1)])[keep]
+        vp = torch.cat([hv.reshape(-1, fv.shape[-1]), fv.flatten(0, 1)])[keep]
+        zero = torch.zeros(fresh.numel(), dtype=F64, device=dev)
+        e_k, e_v = torch.cat([ek.flatten(), zero])[keep], torch.cat([ev.flatten(), zero])[keep]
         mp = ov.mask_o[bi, hi][:, tok]
         lp = torch.matmul(ov.qg[bi, hi] * ov.scaling, kp.T).masked_fill(~mp, float("-inf"))
-        cp = (ov.rate[bi, hi] * 2.0 * norm_up_f32(kp).to(F64)).expand_as(lp)
+        rate = ov.rate[bi, hi]
+        cp = (rate * 2.0 * norm_up_f32(kp).to(F64) + (ov.qnorm[bi, hi] + rate) * e_k).expand_as(lp)
         l_all = torch.cat([l_res, lp], -1)
         c_all = torch.cat([c_res, cp], -1)
         p_all = probs64(l_all)
@@ -297,7 +354,7 @@ def _grow_recall(
         oc2 = omitted_certificate(p_all, c_all, w_rest, meter)
         ok = bool((oc2.certificate <= ov.threshold).all())
         if ok or k >= n_pages:
-            return chosen, tok, p_all, vp, oc2, ok
+            return _Recalled(chosen, tok, p_all, vp, e_v, fk, fv, oc2, ok)
         k = min(2 * k, n_pages)
 
 
@@ -362,10 +419,13 @@ def resident_read(
     is the composed certificate before recall (``raw`` the same), ``cert`` the certificate of what was served,
     ``true_tv`` (validate) the true TV of the pre-recall served read against exact attention over every token.
 
-    ``pages.held`` (persistent recall, :mod:`kvcert.cache.recall`): the pages already on the device are served exact
-    like recalled ones at no page-in, first in the recall order; after the read the pages it served are offered
-    to ``held`` (within its budget) and only pages not held before are counted as recalled (pages and bytes).
-    Without it every recall is transient (paged in, and counted, at every read that needs it).
+    ``pages.held`` (persistent recall, :mod:`kvcert.cache.recall`): the pages already on the device are served from
+    their 16-bit copies at no page-in, first in the recall order, each token with its logit radius widened by the
+    copy's key rounding and its value rounding ``‖v_t − ṽ_t‖`` added to the output bound's value term (weighted by
+    its served probability; :func:`_grow_recall`); after the read the pages it served are offered to ``held``
+    (within its budget; the paged-in ones are copied into its slots) and only pages not held before are counted as
+    recalled (pages and bytes). Without it every recall is transient (paged in, and counted, at every read that
+    needs it).
     """
     assert store.k is not None and store.v is not None
     b, hq, nq, d = q.shape
@@ -419,7 +479,9 @@ def resident_read(
     if validate:
         p_post = torch.cat([sv.p64, torch.zeros(*sv.p64.shape[:3], s_o, dtype=F64, device=dev)], -1)
     host_k, host_v = store.k.host.view(), store.v.host.view()
-    ctx = _OmittedView(qg, rate, scaling, ev_k, ev_v, m_o, u, counts, ps, gate.threshold)
+    qnorm = scaling * norm_up_f32(qg).to(F64).unsqueeze(-1)  # [B, Hkv, M, 1] ≥ sc·‖q‖
+    ctx = _OmittedView(qg, rate, qnorm, scaling, ev_k, ev_v, m_o, u, counts, ps, gate.threshold, held)
+    vmax_recalled = torch.zeros(b, hkv, 1, dtype=F64, device=dev)  # ≥ ‖ṽ_t‖ of the recalled tokens as served
     bytes_exact = 0  # resident entries read exact from the host tier (their codes could not be certified)
     recalled_tokens = torch.zeros((), dtype=torch.int64, device=dev)  # read back once, after the loop
     dense_heads: list[int] = []  # KV head index of each head served dense (known here: no read-back)
@@ -435,8 +497,9 @@ def resident_read(
             dense_heads.append(hi)
             continue
         wh = w[bi, hi]  # [M, P]
-        key = torch.where(held_mask[bi, hi], float("inf"), wh.amax(0))  # held pages: on the device, read first
-        order = torch.argsort(key, descending=True, stable=True)
+        order = torch.argsort(wh.amax(0), descending=True, stable=True)
+        first = torch.argsort(held_mask[bi, hi, order].to(torch.int8), descending=True, stable=True)
+        order = order[first]  # held pages first (on the device), each part by its largest page weight
         # the resident codes alone above tau: recall cannot help, read the resident entries exact (host tier)
         exact = need_head and codes_above
         for exact_res in (exact,) if exact else (False, True):
@@ -453,24 +516,27 @@ def resident_read(
             else:
                 l_res, c_res = logits[bi, hi], torch.where(m[bi, hi], sv.c[bi, hi], 0.0)
                 v_res = store.v.served.view()[bi, hi]
-            chosen, tok, p_all, vp, oc2, certified = _grow_recall(ctx, bi, hi, order, k, l_res, c_res)
-            if certified:
+            r = _grow_recall(ctx, bi, hi, order, k, held_pages, l_res, c_res)
+            if r.ok:
                 break
-        if not certified:
+        if not r.ok:
             dense[bi, hi] = True
             dense_heads.append(hi)
             continue
-        out[bi, hi] = p_all.to(torch.float32) @ torch.cat([v_res, vp], 0)
-        cert[bi, hi] = oc2.certificate
+        p_all, tok = r.p, r.tok
+        out[bi, hi] = p_all.to(torch.float32) @ torch.cat([v_res, r.values], 0)
+        cert[bi, hi] = r.oc.certificate
+        held_term = p_all[:, s_r:] @ r.value_radius  # held tokens: their 16-bit copies' value rounding
+        vmax_recalled[bi, hi] = norm_up_f32(r.values).to(F64).amax(-1, keepdim=True) if tok.numel() else 0.0
         if exact_res:
-            value_term[bi, hi] = 0.0
+            value_term[bi, hi] = held_term
             bytes_exact += s_r * (dk + dv) * elt
         else:
-            value_term[bi, hi] = p_all[:, :s_r] @ store.v_res.view()[bi, hi].to(F64)
-        new = chosen
+            value_term[bi, hi] = p_all[:, :s_r] @ store.v_res.view()[bi, hi].to(F64) + held_term
+        new = r.pages
         if held is not None:  # page masses of this read (worst cell) decide what stays on the device
             mass = torch.zeros(p_all.shape[0], n_pages, dtype=F64, device=dev).index_add_(1, tok // ps, p_all[:, s_r:])
-            new = held.admit(bi, hi, chosen, mass.amax(0)[chosen])
+            new = held.admit(bi, hi, r.pages, mass.amax(0)[r.pages], r.fresh_k, r.fresh_v)
         blocks[bi, hi] = int(new.numel())
         n_recalled += int(new.numel())
         recalled_tokens += torch.clamp(s_o - new * ps, max=ps).sum()
@@ -484,7 +550,7 @@ def resident_read(
     key_norm_all = torch.maximum(sv.key_norm_max, 2.0 * pages.k_norm.to(F64))
     phi_max = 2.0 * rate.amax(-2) * key_norm_all
     spread = torch.maximum(sv.spread, pages.v_spread.to(F64))
-    vmax = torch.maximum(sv.vmax, pages.v_norm.to(F64))
+    vmax = torch.maximum(torch.maximum(sv.vmax, pages.v_norm.to(F64)), vmax_recalled)
     bound, key_term, slack = _out_bound(value_term, cert, spread, vmax, s_r + s_o, out.shape[-1], phi_max)
     zero = dense.view(b, hkv, 1)
     key_term, value_term = torch.where(zero, 0.0, key_term), torch.where(zero, 0.0, value_term)

@@ -180,7 +180,8 @@ class ResidentPlan:
     """Resident variants of a RULER job: each listed scheme also runs with a resident set of ``fraction`` of
     its tokens chosen by ``select`` (a :data:`SELECT_POLICIES` name), gated by ``gate`` (``certified(τ)`` at
     head granularity, or ``off``: certificates without recall), re-selected every ``reselect`` decode steps
-    (``None``: never), the omitted tokens' keys summarised as ``summary`` (a :data:`SUMMARIES` name)."""
+    (``None``: never), the omitted tokens' keys summarised as ``summary`` (a :data:`SUMMARIES` name), the resident
+    tokens split across layers by ``alloc`` (``CertifiedCache(resident_alloc=)``: ``uniform`` or ``mass``)."""
 
     fraction: float
     select: str
@@ -188,6 +189,7 @@ class ResidentPlan:
     specs: tuple[SchemeSpec, ...]
     reselect: int | None = None
     summary: str = "int8"
+    alloc: str = "uniform"
 
     def policy(self) -> EvictionPolicy:
         """A fresh selection policy for one request."""

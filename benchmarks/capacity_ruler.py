@@ -562,7 +562,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--device-budget must be a finite fraction > 0")
     if args.resident is None:
         given = [
-            f"--{k.replace('_', '-')}" for k in ("resident_schemes", "select", "summary", "recall", "resident_alloc")
+            f"--{k.replace('_', '-')}"
+            for k in ("resident_schemes", "select", "summary", "recall", "resident_alloc")
             if vars(args)[k]
         ]
         if given:

@@ -34,9 +34,9 @@ bound on the attention mass of the omitted tokens before recall (**certified**),
 tier (K and V, in the host tier's dtype; a page held on the device by persistent recall counts once, when paged
 in; they are part of ``bytes_paged``, which adds the dense fallbacks), ``bytes_summary`` the device bytes of the
 page summaries (not in ``bytes_stored``), ``bytes_held`` those of the recalled pages held at the end (both in
-``bytes_device``),
-``resident_fraction`` the share of written tokens held resident (``layer_resident_fractions`` per layer), ``bytes_fp16_context`` what an fp16 cache would
-hold for every written token, resident and omitted (``bytes_fp16`` counts the resident ones only);
+``bytes_device``), ``resident_fraction`` the share of written tokens held resident (``layer_resident_fractions``
+per layer), ``bytes_fp16_context`` what an fp16 cache would hold for every written token, resident and omitted
+(``bytes_fp16`` counts the resident ones only);
 ``recall_violations`` (validate) counts cells whose exact omitted mass exceeded its bound or whose true TV after
 recall exceeded the served certificate. With ``reselect=N`` (:class:`ReselectStats`, **measured**) ``reselections``
 counts the (layer, step) re-selections of the resident set, ``reselect_promoted`` / ``reselect_demoted`` the tokens

@@ -35,8 +35,8 @@ tier (K and V, in the host tier's dtype; a page held on the device by persistent
 in; they are part of ``bytes_paged``, which adds the dense fallbacks), ``bytes_summary`` the device bytes of the
 page summaries (not in ``bytes_stored``), ``bytes_held`` those of the recalled pages held at the end (both in
 ``bytes_device``), ``resident_fraction`` the share of written tokens held resident (``layer_resident_fractions``
-per layer), ``bytes_fp16_context`` what an fp16 cache would hold for every written token, resident and omitted
-(``bytes_fp16`` counts the resident ones only);
+per layer; their extremes in the summary), ``bytes_fp16_context`` what an fp16 cache would hold for every written
+token, resident and omitted (``bytes_fp16`` counts the resident ones only);
 ``recall_violations`` (validate) counts cells whose exact omitted mass exceeded its bound or whose true TV after
 recall exceeded the served certificate. With ``reselect=N`` (:class:`ReselectStats`, **measured**) ``reselections``
 counts the (layer, step) re-selections of the resident set, ``reselect_promoted`` / ``reselect_demoted`` the tokens
@@ -382,7 +382,8 @@ class Telemetry:
         if self.resident_fraction is not None:
             out.update(
                 resident_fraction=self.resident_fraction,
-                layer_resident_fractions=list(self.layer_resident_fractions or ()),
+                min_layer_resident_fraction=min(self.layer_resident_fractions or (math.nan,)),
+                max_layer_resident_fraction=max(self.layer_resident_fractions or (math.nan,)),
                 pages_recalled=self.pages_recalled,
                 bytes_recalled=self.bytes_recalled,
                 bytes_summary=self.bytes_summary,

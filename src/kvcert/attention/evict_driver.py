@@ -313,7 +313,7 @@ class EvictionDriver:
         # re-selection ranked by the decode queries: what they attended to, accumulated at every resident read
         self.decode_scores = DecodeScores() if cfg.reselect is not None and cfg.reselect_score == "decode" else None
         self._last_attn: dict[int, torch.Tensor] = {}  # last served row [B, Hkv, S] (mean over G) per layer
-        self._prefilled: set[int] = set()  # layers whose prefill compression was applied
+        self._prefilled: set[int] = set()  # layers whose prefill was compressed (with "mass": scored, pending)
         # resident_alloc="mass": each prefilled layer's (scores, protected) until every layer's prefill was read
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         #: resident_alloc="mass": each compressed layer's own compression ratio (1 − its allocated fraction)

@@ -570,6 +570,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"{', '.join(given)} describe the resident variants: pass --resident <fraction in (0, 1]>")
     elif not 0.0 < args.resident <= 1.0:
         ap.error(f"--resident must be a fraction in (0, 1], got {args.resident}")
+    elif args.resident_alloc == "mass" and not SELECT_POLICIES[args.select or DEFAULT_SELECT]().needs_attention:
+        ap.error(f"--resident-alloc mass splits by attention scores; --select {args.select} has none")
     return args
 
 

@@ -71,6 +71,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from rich.console import Console
 
+from kvcert.attention.evict_driver import RESIDENT_ALLOCS
 from kvcert.attention.resident import RECALLS, SUMMARIES
 from kvcert.cache.gate import Gate
 from kvcert.cache.telemetry import Telemetry
@@ -115,7 +116,8 @@ RESIDENT_SAMPLES = 45
 class ResidentOptions:
     """The resident variants of a run (``--resident``): each of ``specs`` with a resident set of ``fraction`` of
     its tokens chosen by ``select`` (a :data:`~kvcert.cli.common.SELECT_POLICIES` name), omitted pages summarised
-    as ``summary``, recall ``persistent`` or ``transient``, gated ``certified(τ = 0.2)`` at head granularity (the
+    as ``summary``, recall ``persistent`` or ``transient``, split across layers by ``alloc`` (``uniform`` or
+    ``mass``: ``CertifiedCache(resident_alloc=)``), gated ``certified(τ = 0.2)`` at head granularity (the
     granularity a resident read recalls at)."""
 
     fraction: float
@@ -123,10 +125,11 @@ class ResidentOptions:
     summary: str
     recall: str
     specs: tuple[SchemeSpec, ...]
+    alloc: str = "uniform"
 
     def plan(self) -> ResidentPlan:
         """The CLI's description of these variants (the report code reads the policy name from it)."""
-        return ResidentPlan(self.fraction, self.select, resident_gate(None), self.specs)
+        return ResidentPlan(self.fraction, self.select, resident_gate(None), self.specs, alloc=self.alloc)
 
     def describe(self) -> dict[str, Any]:
         """The journal configuration of the resident variants."""
@@ -135,6 +138,7 @@ class ResidentOptions:
             "select": self.select,
             "summary": self.summary,
             "recall": self.recall,
+            "alloc": self.alloc,
             "schemes": [s.label for s in self.specs],
         }
 
@@ -181,6 +185,7 @@ def variants(
                 select=SELECT_POLICIES[resident.select],
                 summary=resident.summary,
                 recall=resident.recall,
+                resident_alloc=resident.alloc,
                 device_budget=budget,
             )
             for s in resident.specs
@@ -536,6 +541,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--select", choices=sorted(SELECT_POLICIES), default=None, help="resident-set policy")
     ap.add_argument("--summary", choices=SUMMARIES, default=None, help="page-summary storage (default int8)")
     ap.add_argument("--recall", choices=RECALLS, default=None, help="recall form (default persistent)")
+    ap.add_argument(
+        "--resident-alloc",
+        choices=RESIDENT_ALLOCS,
+        default=None,
+        help="split of the resident tokens across layers: uniform (every layer keeps --resident) or mass (the same "
+        "total, split by the select policy's prefill scores; default uniform)",
+    )
     ap.add_argument("--target-capacity", type=float, default=3.0)
     ap.add_argument("--max-new-tokens", type=int, default=None, help="cap on RULER's generation budget")
     ap.add_argument("--resamples", type=int, default=10_000)
@@ -550,12 +562,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--device-budget must be a finite fraction > 0")
     if args.resident is None:
         given = [
-            f"--{k.replace('_', '-')}" for k in ("resident_schemes", "select", "summary", "recall") if vars(args)[k]
+            f"--{k.replace('_', '-')}"
+            for k in ("resident_schemes", "select", "summary", "recall", "resident_alloc")
+            if vars(args)[k]
         ]
         if given:
             ap.error(f"{', '.join(given)} describe the resident variants: pass --resident <fraction in (0, 1]>")
     elif not 0.0 < args.resident <= 1.0:
         ap.error(f"--resident must be a fraction in (0, 1], got {args.resident}")
+    elif args.resident_alloc == "mass" and not SELECT_POLICIES[args.select or DEFAULT_SELECT]().needs_attention:
+        ap.error(f"--resident-alloc mass splits by attention scores; --select {args.select} has none")
     return args
 
 
@@ -565,7 +581,12 @@ def resident_options(args: argparse.Namespace) -> ResidentOptions | None:
         return None
     specs = parse_schemes(args.resident_schemes or args.schemes)
     return ResidentOptions(
-        args.resident, args.select or DEFAULT_SELECT, args.summary or "int8", args.recall or "persistent", tuple(specs)
+        args.resident,
+        args.select or DEFAULT_SELECT,
+        args.summary or "int8",
+        args.recall or "persistent",
+        tuple(specs),
+        args.resident_alloc or "uniform",
     )
 
 

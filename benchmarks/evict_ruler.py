@@ -30,7 +30,9 @@ is recorded per sample (``recall`` in ``scores.jsonl``: bytes recalled or paged 
 fp16 KV bytes of the prompt) and reported as the mean page-in bytes per decode step relative to the prompt's
 fp16 KV bytes. ``--reselect N`` re-selects the recall-gated variant's resident set every ``N`` decode steps
 (``CertifiedCache(reselect=N)``; ``docs/eviction.md``, "Re-selection of the resident set"); its promotions are part
-of the page-in bytes and are also recorded apart (``reselect_paged``, ``promoted``).
+of the page-in bytes and are also recorded apart (``reselect_paged``, ``promoted``). ``--resident-alloc mass``
+splits the recall-gated variant's resident tokens across layers by the policy's prefill scores, the same total
+(``CertifiedCache(resident_alloc="mass")``; ``docs/eviction.md``, "Per-layer allocation of the resident set").
 
 With ``--out DIR`` every sample's scores are appended to ``DIR/scores.jsonl`` as soon as they exist, so a
 stopped run keeps what it measured and runs can be sharded; ``--policies`` runs a subset (the reference
@@ -55,6 +57,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvcert import Gate
+from kvcert.attention.evict_driver import RESIDENT_ALLOCS
 from kvcert.attention.resident import SUMMARIES
 from kvcert.eval import load_task
 from kvcert.eval.harness import prompt_ids
@@ -310,7 +313,8 @@ def report(dirs: list[str]) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Refuse unknown policies and a ``--reselect`` that cannot run (``SystemExit`` with the reason)."""
+    """Refuse unknown policies, and a ``--reselect`` or ``--resident-alloc`` that cannot run (``SystemExit`` with the
+    reason)."""
     unknown = sorted(set(args.policies + (args.recall_policies or [])) - set(POLICIES))
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; known: {'  '.join(POLICIES)}")
@@ -318,6 +322,14 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("--reselect N needs --recall TAU and N >= 1 (it re-selects the recall-gated resident set)")
     if args.reselect is not None and any(n.startswith("belady") for n in args.recall_policies or args.policies):
         raise SystemExit("--reselect cannot re-select with belady: its answer trace covers the prompt only")
+    if args.resident_alloc != "uniform":
+        if args.recall is None:
+            raise SystemExit("--resident-alloc splits the recall-gated resident set: it needs --recall TAU")
+        scoreless = [
+            n for n in args.recall_policies or args.policies if not POLICIES[n](torch.empty(0)).needs_attention
+        ]
+        if scoreless:
+            raise SystemExit(f"--resident-alloc mass splits by attention scores; {scoreless} have none")
 
 
 def main() -> None:
@@ -353,6 +365,13 @@ def main() -> None:
         help="recalled pages stay on the device within --device-budget, or are paged in per read",
     )
     parser.add_argument("--device-budget", type=float, default=1.0, help="device budget of the recall-gated cache")
+    parser.add_argument(
+        "--resident-alloc",
+        choices=RESIDENT_ALLOCS,
+        default="uniform",
+        help="split of the recall-gated variant's resident tokens across layers (mass: by the policy's prefill "
+        "scores, the same total)",
+    )
     parser.add_argument("--keys", default="none", help="key codec of the recall-gated variant's resident tokens")
     parser.add_argument("--values", default="none", help="value codec of the recall-gated variant's resident tokens")
     parser.add_argument(
@@ -384,6 +403,7 @@ def main() -> None:
         tag += "" if (args.keys, args.values) == ("none", "none") else f",{args.keys}/{args.values}"
         tag += "" if args.device_budget == 1.0 else f",budget={args.device_budget:g}"
         tag += "" if args.reselect is None else f",reselect={args.reselect}"
+        tag += "" if args.resident_alloc == "uniform" else f",alloc={args.resident_alloc}"
         configs += [(f"{tag}):{name}", k) for name in args.recall_policies or names for k in keeps]
     log = None
     if args.out:
@@ -417,6 +437,7 @@ def main() -> None:
                     "keys": args.keys,
                     "values": args.values,
                     "reselect": args.reselect,
+                    "resident_alloc": args.resident_alloc,
                 }
             else:
                 kwargs = {"evict": POLICIES[base](answer), "compression_ratio": 1.0 - keep, "certify": False}

@@ -114,6 +114,10 @@ def main() -> None:
             )
             tel = cache.telemetry()
             print(
+                "resident share per layer (end of request) "
+                + " ".join(f"L{i}:{f:.2f}" for i, f in enumerate(tel.layer_resident_fractions or ()))
+            )
+            print(
                 f"device: capacity {tel.bytes_fp16_context / tel.bytes_device:.2f}x the context's fp16 K/V "
                 f"(summary {tel.bytes_summary / tel.bytes_fp16_context:.3f}, held pages "
                 f"{tel.bytes_held / tel.bytes_fp16_context:.3f} of it); page-in over the request "

@@ -157,6 +157,23 @@ def test_resident_reselection_creates_tensors_on_the_inputs_device(model, policy
     assert calls == []
 
 
+@pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"streaming"}))
+def test_resident_mass_allocation_creates_tensors_on_the_inputs_device(model, policy):
+    """The per-layer split of the resident set (``resident_alloc="mass"``: every layer's scores, the global top-k,
+    the deferred gathers) with re-selection at each layer's fraction and persistent recall, in validate mode."""
+    calls = _record(
+        model,
+        resident=0.25,
+        select=POLICIES[policy](),
+        gate=Gate.certified(0.1),
+        page_size=4,
+        reselect=2,
+        resident_alloc="mass",
+        validate=True,
+    )
+    assert calls == []
+
+
 @pytest.mark.parametrize(
     "kw",
     [

@@ -63,6 +63,12 @@ RESIDENT_FIELDS = {
         (["--resident", "0.25", "--reselect", "2", "--schemes", "dither-int8/int4"], "dithered codecs"),
         (["--summary", "basis8"], "--summary summarises a resident set's omitted keys"),
         (["--resident", "0.25", "--summary", "pca"], "--summary: unknown summary 'pca'"),
+        (["--resident-alloc", "mass"], "--resident-alloc splits the resident set"),
+        (["--resident", "0.25", "--resident-alloc", "greedy"], "--resident-alloc: unknown split 'greedy'"),
+        (
+            ["--resident", "0.25", "--select", "streaming", "--resident-alloc", "mass"],
+            "--resident-alloc mass splits by attention scores",
+        ),
     ],
 )
 def test_bad_resident_options_are_refused_before_loading(tmp_path: Path, args: list[str], needle: str) -> None:
@@ -231,3 +237,20 @@ def test_eval_summary_option_reaches_the_cache(tmp_path: Path) -> None:
         summary_bytes[summary] = kept["bytes_summary"]["value"]
     assert summary_bytes["int8"] > 0 and summary_bytes["basis8"] > 0
     assert summary_bytes["int8"] != summary_bytes["basis8"]
+
+
+def test_eval_resident_alloc_reaches_the_cache(tmp_path: Path) -> None:
+    """``--resident-alloc mass`` splits the resident variant's tokens across layers: recorded in the config and the
+    variant, 0 violations in validate mode, the same resident share as the uniform split on the same samples."""
+    fractions = {}
+    for alloc in ("uniform", "mass"):
+        out = tmp_path / alloc
+        args = ["--gate", "certified:0.2", "--resident", "0.25", "--select", "h2o", "--validate"]
+        result = runner.invoke(app, ["eval", *TINY, *args, "--resident-alloc", alloc, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        doc = json.loads((out / "results.json").read_text())
+        kept = doc["results"]["variants"]["int4+resident"]
+        assert doc["config"]["resident_alloc"] == alloc and kept["resident_alloc"] == alloc
+        assert kept["violations"]["value"] == 0 and kept["recall_violations"]["value"] == 0
+        fractions[alloc] = kept["resident_fraction"]["value"]
+    assert fractions["mass"] == pytest.approx(fractions["uniform"])

@@ -71,7 +71,7 @@ def _v(variant: dict[str, Any], key: str) -> Any:
 
 
 def test_resident_variants_carry_every_option(bench: ModuleType) -> None:
-    opts = bench.ResidentOptions(0.25, "h2o", "box", "transient", (SchemeSpec("int8", "int2"),))
+    opts = bench.ResidentOptions(0.25, "h2o", "box", "transient", (SchemeSpec("int8", "int2"),), "mass")
     schemes = bench.variants([SchemeSpec("int4", "int4")], Gate.off(), False, True, 0.33, opts)
     assert [s.name for s in schemes] == ["dense", "int4+gate", "int8/int2+resident"]
     kept = schemes[-1]
@@ -83,6 +83,7 @@ def test_resident_variants_carry_every_option(bench: ModuleType) -> None:
         "transient",
     )
     assert kept.device_budget == 0.33 and kept.validate and kept.gate.describe() == "certified(tau=0.2, head)"
+    assert kept.resident_alloc == "mass" and opts.describe()["alloc"] == "mass"
     assert kept.select is not None and type(kept.select()).__name__ == "H2O"
     assert bench.variants([SchemeSpec("int4", "int4")], Gate.off(), True, False, None)[-1].resident is None
 
@@ -95,6 +96,9 @@ def test_resident_variants_carry_every_option(bench: ModuleType) -> None:
         (["--resident", "1.5"], "--resident must be a fraction in (0, 1]"),
         (["--resident", "0"], "--resident must be a fraction in (0, 1]"),
         (["--resident", "0.25", "--recall", "sometimes"], "invalid choice: 'sometimes'"),
+        (["--resident-alloc", "mass"], "--resident-alloc describe the resident variants"),
+        (["--resident", "0.25", "--resident-alloc", "greedy"], "invalid choice: 'greedy'"),
+        (["--resident", "0.25", "--select", "streaming", "--resident-alloc", "mass"], "splits by attention scores"),
     ],
 )
 def test_bad_resident_options_are_refused(
@@ -119,6 +123,7 @@ def test_every_number_is_against_the_requests_fp16_kv(run: tuple[Path, dict[str,
         "select": "streaming",
         "summary": "int8",
         "recall": "transient",
+        "alloc": "uniform",
         "schemes": ["int4"],
     }
     plain, kept = variants["int4+gate"], variants["int4+resident"]

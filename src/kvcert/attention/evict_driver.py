@@ -32,13 +32,25 @@ from kvcert.cache.recall import RecallPool
 from kvcert.cache.store import LayerStore
 from kvcert.cache.telemetry import EvictRecord, ReselectStats
 from kvcert.evict import RMM, EvictionPolicy, RunTrace, SnapKV, aggregate_gqa, causal_attention, serving_reading
+from kvcert.evict.allocation import allocate_kept
+from kvcert.evict.base import keep_top, prefill_kept_count
 
 F64 = torch.float64
 
-__all__ = ["RESELECT_SCORES", "DecodeScores", "EvictionConfig", "EvictionDriver", "default_select", "grouped_probs"]
+__all__ = [
+    "RESELECT_SCORES",
+    "RESIDENT_ALLOCS",
+    "DecodeScores",
+    "EvictionConfig",
+    "EvictionDriver",
+    "default_select",
+    "grouped_probs",
+]
 
 #: what a re-selection ranks tokens by: the real decode queries' attention, or the exact keys against themselves
 RESELECT_SCORES: tuple[str, ...] = ("key_proxy", "decode")
+#: how a resident set's tokens are split across layers: the same fraction everywhere, or by estimated attention mass
+RESIDENT_ALLOCS: tuple[str, ...] = ("uniform", "mass")
 
 
 def default_select() -> EvictionPolicy:
@@ -68,7 +80,10 @@ class EvictionConfig:
     mode); ``resident``: the resident fraction of a resident set (then ``policy`` selects it and
     ``compression_ratio = 1 − resident``), its omitted pages summarised in ``page_size`` tokens as ``summary``;
     ``reselect``: re-select the resident set every ``reselect`` decode steps (``None``: never), ranking tokens by
-    ``reselect_score`` (:data:`RESELECT_SCORES`: ``"key_proxy"`` or ``"decode"``, see :class:`DecodeScores`).
+    ``reselect_score`` (:data:`RESELECT_SCORES`: ``"key_proxy"`` or ``"decode"``, see :class:`DecodeScores`);
+    ``resident_alloc`` (:data:`RESIDENT_ALLOCS`): ``"uniform"`` keeps the resident fraction in every layer,
+    ``"mass"`` the same total split across layers by the policy's prefill scores
+    (:func:`~kvcert.evict.allocation.allocate_kept`).
     """
 
     policy: EvictionPolicy | None = None
@@ -82,6 +97,7 @@ class EvictionConfig:
     recall: str = "persistent"
     reselect: int | None = None
     reselect_score: str = "decode"
+    resident_alloc: str = "uniform"
 
     @classmethod
     def of(
@@ -100,10 +116,14 @@ class EvictionConfig:
         recall: str = "persistent",
         reselect: int | None = None,
         reselect_score: str = "decode",
+        resident_alloc: str | None = None,
     ) -> EvictionConfig:
         """The configuration of the cache's keywords: a resident set is prefill compression by ``select``
-        (default :func:`default_select`) that keeps the omitted tokens on the host. Each error names the argument.
+        (default :func:`default_select`) that keeps the omitted tokens on the host, split across layers by
+        ``resident_alloc`` (``None``: ``"uniform"``). Each error names the argument.
         """
+        if resident_alloc is not None and resident_alloc not in RESIDENT_ALLOCS:
+            raise ValueError(f"resident_alloc must be one of {', '.join(RESIDENT_ALLOCS)}, got {resident_alloc!r}")
         if reselect is not None and (isinstance(reselect, bool) or not isinstance(reselect, int) or reselect < 1):
             raise ValueError(f"reselect must be a positive int (decode steps between re-selections), got {reselect!r}")
         if reselect_score not in RESELECT_SCORES:
@@ -113,6 +133,8 @@ class EvictionConfig:
                 raise ValueError("reselect=N re-selects a resident set: it needs resident=<fraction in (0, 1]>")
             if select is not None:
                 raise ValueError("select=<policy> needs resident=<fraction in (0, 1]>")
+            if resident_alloc is not None:
+                raise ValueError("resident_alloc splits a resident set across layers: it needs resident=<fraction>")
             return cls(evict, budget, compression_ratio, chunk, belady, None, page_size, summary, recall)
         if evict is not None or budget is not None or compression_ratio is not None:
             raise ValueError(
@@ -121,8 +143,25 @@ class EvictionConfig:
             )
         fraction = check_resident(resident, gate, certify, page_size, summary, recall)
         policy = select if select is not None else default_select()
+        alloc = resident_alloc or "uniform"
+        if alloc == "mass" and not policy.needs_attention:
+            raise ValueError(
+                f"resident_alloc='mass' splits the resident set by the select policy's attention scores; "
+                f"{type(policy).__name__} scores ignore attention (use resident_alloc='uniform')"
+            )
         return cls(
-            policy, None, 1.0 - fraction, chunk, belady, fraction, page_size, summary, recall, reselect, reselect_score
+            policy,
+            None,
+            1.0 - fraction,
+            chunk,
+            belady,
+            fraction,
+            page_size,
+            summary,
+            recall,
+            reselect,
+            reselect_score,
+            alloc,
         )
 
     def check(self, stores: Sequence[LayerStore], sliding: bool, ladder: bool, validate: bool) -> None:
@@ -263,6 +302,7 @@ class EvictionDriver:
     ) -> None:
         assert cfg.policy is not None
         self.cfg, self.policy, self.validate, self.pages, self.stores = cfg, cfg.policy, validate, pages, stores
+        self.n_layers = n_layers
         self.run_trace = RunTrace(n_layers, cfg.budget, cfg.chunk) if cfg.belady and cfg.budget is not None else None
         self.kappa_groups: list[torch.Tensor] = []  # query positions [B, q] of forwards awaiting κ
         self.prefill_kappa: torch.Tensor | None = None
@@ -273,7 +313,11 @@ class EvictionDriver:
         # re-selection ranked by the decode queries: what they attended to, accumulated at every resident read
         self.decode_scores = DecodeScores() if cfg.reselect is not None and cfg.reselect_score == "decode" else None
         self._last_attn: dict[int, torch.Tensor] = {}  # last served row [B, Hkv, S] (mean over G) per layer
-        self._prefilled: set[int] = set()  # layers whose prefill compression was applied
+        self._prefilled: set[int] = set()  # layers whose prefill was compressed (with "mass": scored, pending)
+        # resident_alloc="mass": each prefilled layer's (scores, protected) until every layer's prefill was read
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: resident_alloc="mass": each compressed layer's own compression ratio (1 − its allocated fraction)
+        self.layer_ratio: dict[int, float] = {}
 
     # ------------------------------------------------------------------------------------ the cache's events
     def on_forward(self) -> None:
@@ -388,6 +432,8 @@ class EvictionDriver:
         self.prefill_kappa = None
         self._last_attn.clear()
         self._prefilled.clear()
+        self._pending.clear()
+        self.layer_ratio.clear()
         if self.run_trace is not None:
             self.run_trace = RunTrace(self.run_trace.n_layers, self.run_trace.budget, self.cfg.chunk)
 
@@ -401,7 +447,10 @@ class EvictionDriver:
             self.kappa_groups.append(positions[:, 0, -nq:].clone())
 
     def _compress_prefill(self, store: LayerStore, attn: torch.Tensor | None, step: int) -> None:
-        """Compression mode: keep ``prefill_kept_count(S, ratio)`` slots per KV head after the prefill read.
+        """Compression mode: keep ``prefill_kept_count(S, ratio)`` slots per KV head after the prefill read; with
+        ``resident_alloc="mass"`` record the layer's scores and, once every layer's prefill was read (the last layer
+        of the prefill forward, or of :meth:`ingest`), split the same total across layers (:meth:`_allocate`). The
+        prefill read itself is exact, so gathering every layer after the last one's read serves the same.
 
         ``attn[B, Hq, S, S]`` is the prefill's served attention, or ``[B, Hkv, S, S]`` key-proxy attention
         (ingest), ``None`` for policies that ignore it; RMM's prompt κ is :attr:`prefill_kappa`, else ``κ ≡ 1``
@@ -417,10 +466,34 @@ class EvictionDriver:
                 f"prefill kappa must be [B, S] = {(keys.shape[0], keys.shape[2])}, got {tuple(kappa.shape)}"
             )
         ratio = self.cfg.compression_ratio
+        self._prefilled.add(store.layer)
+        if self.cfg.resident_alloc == "mass":
+            self._pending[store.layer] = self.policy.prefill_scores(store.layer, keys, values, attn=attn, kappa=kappa)
+            if len(self._pending) == self.n_layers:
+                self._allocate(step)
+            return
         keep = self.policy.prefill_keep(store.layer, keys, values, ratio, attn=attn, kappa=kappa)
         if keep.shape[-1] < store.n and (self.cfg.resident is None or can_omit(store)):
             self._apply(store, keep, step)
-        self._prefilled.add(store.layer)
+
+    def _allocate(self, step: int) -> None:
+        """``resident_alloc="mass"``: keep ``C_l`` slots of every layer ``l``, ``Σ_l C_l = Σ_l
+        prefill_kept_count(S_l, ratio)`` (the uniform setting's total, so the same device bytes), split by
+        :func:`~kvcert.evict.allocation.allocate_kept` over the pending scores; each layer keeps its protected
+        tokens and its top-``C_l`` by its own scores. A layer with ``C_l = S_l`` (or a non-finite entry:
+        fail closed) keeps every token and has no omitted pages. Records each layer's ratio for re-selection."""
+        assert self.cfg.compression_ratio is not None
+        stores = list(self.stores())
+        layers = sorted(self._pending)
+        scores = [self._pending[layer][0] for layer in layers]
+        protected = [self._pending[layer][1] for layer in layers]
+        total = sum(prefill_kept_count(s.shape[-1], self.cfg.compression_ratio) for s in scores)
+        for layer, kept, s, p in zip(layers, allocate_kept(scores, protected, total), scores, protected, strict=True):
+            store = stores[layer]
+            self.layer_ratio[layer] = 1.0 - kept / s.shape[-1]
+            if kept < store.n and can_omit(store):
+                self._apply(store, keep_top(s, p, kept), step)
+        self._pending.clear()
 
     def _apply(self, store: LayerStore, keep: torch.Tensor, step: int) -> None:
         """Gather the store to ``keep[B, Hkv, C]`` and record the serving-mode (empirical) reading."""
@@ -439,7 +512,8 @@ class EvictionDriver:
 
     def _reselect(self, store: LayerStore) -> None:
         """Re-select one layer's resident set over every token written so far (``docs/eviction.md``,
-        "Re-selection of the resident set"), at the resident fraction, the policy's protected tokens (sinks, recent
+        "Re-selection of the resident set"), at the layer's resident fraction (its own with ``resident_alloc="mass"``),
+        the policy's protected tokens (sinks, recent
         window) first. ``reselect_score="key_proxy"``: the policy's ``prefill_keep`` over all exact host keys in
         position order, scored with the key-proxy attention ``softmax(k_s·k_i/√D)`` (causal, per KV head);
         ``"decode"``: the rest ranked by what the decode queries attended to (:class:`DecodeScores`). The chosen
@@ -455,7 +529,7 @@ class EvictionDriver:
         positions = torch.cat([store.positions.view(), ev["positions"].view()], 2).to(keys.device)
         # resident and archive hold every position 0..T-1 once per head: the sorted index is the position
         order = positions.argsort(-1)
-        ratio = self.cfg.compression_ratio
+        ratio = self.layer_ratio.get(store.layer, self.cfg.compression_ratio)
         if self.decode_scores is not None:
             ranked = self.decode_scores.mean(store.layer, store.appended)
             keep = self.policy.keep_ranked(ranked, ratio).to(order.device)

@@ -205,7 +205,10 @@ def refresh_pool(pool: RecallPool, stores: list[LayerStore], pages: list[Omitted
     if budget is None:
         pool.free = sum(h.slot.numel() * h.page_size for h in held)
         return
-    fp16 = sum(s.bytes_fp16() + 2 * (s.evicted["k"].view().numel() + s.evicted["v"].view().numel()) for s in stores)
+    omitted = [s.evicted for s in stores if s.evicted]  # a layer that keeps every token omits nothing
+    fp16 = sum(s.bytes_fp16() for s in stores) + sum(
+        2 * (ev["k"].view().numel() + ev["v"].view().numel()) for ev in omitted
+    )
     used = sum(s.bytes_device() for s in stores) + sum(p.nbytes for p in pages)
     pool.free = int((budget * fp16 - used) // max(h.bytes_per_token for h in held))  # < 0: release held pages
 

@@ -34,9 +34,9 @@ bound on the attention mass of the omitted tokens before recall (**certified**),
 tier (K and V, in the host tier's dtype; a page held on the device by persistent recall counts once, when paged
 in; they are part of ``bytes_paged``, which adds the dense fallbacks), ``bytes_summary`` the device bytes of the
 page summaries (not in ``bytes_stored``), ``bytes_held`` those of the recalled pages held at the end (both in
-``bytes_device``),
-``resident_fraction`` the share of written tokens held resident, ``bytes_fp16_context`` what an fp16 cache would
-hold for every written token, resident and omitted (``bytes_fp16`` counts the resident ones only);
+``bytes_device``), ``resident_fraction`` the share of written tokens held resident (``layer_resident_fractions``
+per layer; their extremes in the summary), ``bytes_fp16_context`` what an fp16 cache would hold for every written
+token, resident and omitted (``bytes_fp16`` counts the resident ones only);
 ``recall_violations`` (validate) counts cells whose exact omitted mass exceeded its bound or whose true TV after
 recall exceeded the served certificate. With ``reselect=N`` (:class:`ReselectStats`, **measured**) ``reselections``
 counts the (layer, step) re-selections of the resident set, ``reselect_promoted`` / ``reselect_demoted`` the tokens
@@ -241,6 +241,7 @@ class Telemetry:
     omitted_mass_bound: torch.Tensor | None = None  # [steps, layers, B, Hq] resident set, all forward steps
     omitted_mass: torch.Tensor | None = None  # (as evicted_mass; NaN: no resident read), validate mode
     resident_fraction: float | None = None  # resident slots / written tokens (None: no resident set)
+    layer_resident_fractions: tuple[float, ...] | None = None  # the same per layer (None: no resident set)
     pages_recalled: int = 0
     bytes_recalled: int = 0
     bytes_summary: int = 0
@@ -381,6 +382,8 @@ class Telemetry:
         if self.resident_fraction is not None:
             out.update(
                 resident_fraction=self.resident_fraction,
+                min_layer_resident_fraction=min(self.layer_resident_fractions or (math.nan,)),
+                max_layer_resident_fraction=max(self.layer_resident_fractions or (math.nan,)),
                 pages_recalled=self.pages_recalled,
                 bytes_recalled=self.bytes_recalled,
                 bytes_summary=self.bytes_summary,
@@ -526,13 +529,17 @@ def _resident_fields(src: CacheReadings) -> dict[str, Any]:
     if recs is None:
         return {}
     stores, steps = src.stores, max(src.steps, 1)
-    held = sum(s.n for s in stores)
-    omitted = sum(s.evicted["k"].view().shape[2] for s in stores if s.evicted)
+    held_per_layer = [s.n for s in stores]
+    omitted_per_layer = [s.evicted["k"].view().shape[2] if s.evicted else 0 for s in stores]
+    held, omitted = sum(held_per_layer), sum(omitted_per_layer)
     omitted_fp16 = sum(2 * (s.evicted["k"].view().numel() + s.evicted["v"].view().numel()) for s in stores if s.evicted)
     return {
         "omitted_mass_bound": stack_records(recs, len(stores), steps, "mass_bound"),
         "omitted_mass": stack_records(recs, len(stores), steps, "true_mass"),
         "resident_fraction": held / (held + omitted) if held + omitted else float("nan"),
+        "layer_resident_fractions": tuple(
+            h / (h + o) if h + o else float("nan") for h, o in zip(held_per_layer, omitted_per_layer, strict=True)
+        ),
         "pages_recalled": sum(r.pages for r in recs),
         "bytes_recalled": sum(r.bytes for r in recs),
         "bytes_summary": src.bytes_summary,

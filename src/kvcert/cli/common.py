@@ -17,7 +17,7 @@ import typer  # noqa: E402
 from transformers import AutoTokenizer, PreTrainedModel  # noqa: E402
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase  # noqa: E402
 
-from kvcert.attention.evict_driver import default_select  # noqa: E402
+from kvcert.attention.evict_driver import RESIDENT_ALLOCS, default_select  # noqa: E402
 from kvcert.attention.resident import SUMMARIES  # noqa: E402
 from kvcert.cache.gate import Gate  # noqa: E402
 from kvcert.cache.store import DEFAULT_WITNESS, WITNESS_FORMATS, Witness  # noqa: E402
@@ -180,7 +180,8 @@ class ResidentPlan:
     """Resident variants of a RULER job: each listed scheme also runs with a resident set of ``fraction`` of
     its tokens chosen by ``select`` (a :data:`SELECT_POLICIES` name), gated by ``gate`` (``certified(τ)`` at
     head granularity, or ``off``: certificates without recall), re-selected every ``reselect`` decode steps
-    (``None``: never), the omitted tokens' keys summarised as ``summary`` (a :data:`SUMMARIES` name)."""
+    (``None``: never), the omitted tokens' keys summarised as ``summary`` (a :data:`SUMMARIES` name), the resident
+    tokens split across layers by ``alloc`` (``CertifiedCache(resident_alloc=)``: ``uniform`` or ``mass``)."""
 
     fraction: float
     select: str
@@ -188,6 +189,7 @@ class ResidentPlan:
     specs: tuple[SchemeSpec, ...]
     reselect: int | None = None
     summary: str = "int8"
+    alloc: str = "uniform"
 
     def policy(self) -> EvictionPolicy:
         """A fresh selection policy for one request."""
@@ -200,10 +202,12 @@ def check_resident_options(
     reselect: int | None = None,
     specs: tuple[SchemeSpec, ...] = (),
     summary: str | None = None,
+    alloc: str | None = None,
 ) -> None:
-    """``--resident`` in (0, 1], ``--select`` a known policy, ``--reselect`` a positive step count and
-    ``--summary`` a known summary (all three only together with ``--resident``; ``--reselect`` not with a dithered
-    codec in ``specs``); ``ValueError`` naming the option otherwise."""
+    """``--resident`` in (0, 1], ``--select`` a known policy, ``--reselect`` a positive step count, ``--summary`` a
+    known summary and ``--resident-alloc`` a known split (all only together with ``--resident``; ``--reselect`` not
+    with a dithered codec in ``specs``; ``--resident-alloc mass`` not with ``--select streaming``, whose scores are
+    no attention); ``ValueError`` naming the option otherwise."""
     if resident is not None and not 0.0 < resident <= 1.0:
         raise ValueError(f"--resident must be a fraction in (0, 1], got {resident}")
     if summary is not None:
@@ -224,6 +228,18 @@ def check_resident_options(
             raise ValueError("--select picks the resident set: pass --resident <fraction in (0, 1]> with it")
         if select not in SELECT_POLICIES:
             raise ValueError(f"--select: unknown policy {select!r}; known are {', '.join(SELECT_POLICIES)}")
+    if alloc is not None:
+        _check_alloc(resident, select, alloc)
+
+
+def _check_alloc(resident: float | None, select: str | None, alloc: str) -> None:
+    """``--resident-alloc``: with ``--resident``, a known split, ``mass`` only with a policy scoring attention."""
+    if resident is None:
+        raise ValueError("--resident-alloc splits the resident set: pass --resident <fraction in (0, 1]> with it")
+    if alloc not in RESIDENT_ALLOCS:
+        raise ValueError(f"--resident-alloc: unknown split {alloc!r}; known are {', '.join(RESIDENT_ALLOCS)}")
+    if alloc == "mass" and not SELECT_POLICIES[select or DEFAULT_SELECT]().needs_attention:
+        raise ValueError(f"--resident-alloc mass splits by attention scores; --select {select} has none")
 
 
 def resident_fits(plan: ResidentPlan | None, context: int) -> None:

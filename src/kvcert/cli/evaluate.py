@@ -11,6 +11,7 @@ from rich.console import Console
 from kvcert.cli.common import (
     DEFAULT_SCHEMES,
     DEFAULT_SELECT,
+    RESIDENT_ALLOCS,
     SELECT_POLICIES,
     SUMMARIES,
     DeviceBudgetOption,
@@ -83,6 +84,13 @@ def evaluate(
             "docs/eviction.md)",
         ),
     ] = None,
+    resident_alloc: Annotated[
+        str | None,
+        typer.Option(
+            help=f"split of the resident tokens across layers: {' | '.join(RESIDENT_ALLOCS)} (default uniform: every "
+            "layer keeps --resident; mass: the same total split by the policy's prefill scores; needs --resident)",
+        ),
+    ] = None,
     validate: Annotated[
         bool,
         typer.Option(
@@ -98,12 +106,18 @@ def evaluate(
         tasks = parse_task_option(task)
         specs = parse_storage(parse_schemes(schemes), witness, device_budget)
         chosen = parse_gate(gate)
-        check_resident_options(resident, select, reselect, tuple(specs), summary)
+        check_resident_options(resident, select, reselect, tuple(specs), summary, resident_alloc)
         plan = (
             None
             if resident is None
             else ResidentPlan(
-                resident, select or DEFAULT_SELECT, resident_gate(chosen), tuple(specs), reselect, summary or "int8"
+                resident,
+                select or DEFAULT_SELECT,
+                resident_gate(chosen),
+                tuple(specs),
+                reselect,
+                summary or "int8",
+                resident_alloc or "uniform",
             )
         )
     job = RulerJob(

@@ -61,7 +61,17 @@ CELL_WEIGHTED = {
     "informative_fraction": CERTIFIED,
     "fallback_rate": EMPIRICAL,
 }
-SAME_CONFIG = ("model", "context", "schemes", "gate", "max_new_tokens", "resident", "select", "summary")
+SAME_CONFIG = (
+    "model",
+    "context",
+    "schemes",
+    "gate",
+    "max_new_tokens",
+    "resident",
+    "select",
+    "summary",
+    "resident_alloc",
+)
 
 
 def _value(node: dict[str, Any], key: str) -> Any:
@@ -177,8 +187,8 @@ def _check_compatible(docs: list[dict[str, Any]], paths: list[Path]) -> list[str
             if mine != theirs:
                 raise ValueError(
                     f"{path}: {key} {mine!r} differs from the first shard's ({theirs!r}); "
-                    "shards must share model, context, schemes, gate, max_new_tokens, resident, select and "
-                    "summary"
+                    "shards must share model, context, schemes, gate, max_new_tokens, resident, select, "
+                    "summary and resident_alloc"
                 )
         for s in doc["results"]["per_sample"]:
             sample = (s["task"], s["index"]["value"])

@@ -56,6 +56,7 @@ class RulerJob:
             "select": None if self.resident is None else self.resident.select,
             "reselect": None if self.resident is None else self.resident.reselect,
             "summary": None if self.resident is None else self.resident.summary,
+            "resident_alloc": None if self.resident is None else self.resident.alloc,
             "resident_gate": None if self.resident is None else self.resident.gate.describe(),
             "resident_schemes": [] if self.resident is None else [s.label for s in self.resident.specs],
             "validate": self.validate,

@@ -114,7 +114,15 @@ def results_section(result: WorkloadResult, seed: int, resamples: int) -> dict[s
         variants[rec.label] = {
             "gate": rec.gate.describe(),
             "codecs": None if rec.spec is None else {"keys": rec.spec.keys, "values": rec.spec.values},
-            **({} if rec.resident is None else {"select": rec.resident.select, "summary": rec.resident.summary}),
+            **(
+                {}
+                if rec.resident is None
+                else {
+                    "select": rec.resident.select,
+                    "summary": rec.resident.summary,
+                    "resident_alloc": rec.resident.alloc,
+                }
+            ),
             **variant_numbers(rec, dense, seed, resamples),
         }
     with_bytes = [r for r in result.variants if r.telemetry]

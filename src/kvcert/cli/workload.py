@@ -121,6 +121,7 @@ def run_workload(
                 select=resident.policy,
                 reselect=resident.reselect,
                 summary=resident.summary,
+                resident_alloc=resident.alloc,
             )
             for s in resident.specs
         ]

@@ -37,6 +37,7 @@ class Scheme:
     summary: str = "int8"  # storage form of the omitted pages' summaries (``CertifiedCache(summary=)``)
     recall: str = "persistent"  # recalled pages kept within the device budget or paged in per read (``recall=``)
     reselect: int | None = None  # re-select the resident set every N decode steps (``CertifiedCache(reselect=)``)
+    resident_alloc: str | None = None  # split of the resident set across layers (``CertifiedCache(resident_alloc=)``)
     witness: Witness = DEFAULT_WITNESS  # storage of the write-time witnesses (``CertifiedCache(witness=)``)
     device_budget: float | None = 1.0  # ``CertifiedCache(device_budget=)`` (its default: never above fp16)
 
@@ -138,6 +139,7 @@ def run_branches(
             summary=scheme.summary,
             recall=scheme.recall,
             reselect=scheme.reselect,
+            resident_alloc=scheme.resident_alloc,
             witness=scheme.witness,
             device_budget=scheme.device_budget,
         )

@@ -146,6 +146,12 @@ def observed_attention(attn: Tensor, kappa: Tensor | None = None) -> Tensor:
     return attn.sum(-2) / torch.arange(s, 0, -1, dtype=attn.dtype, device=attn.device)
 
 
+def _check_prefill_kv(keys: Tensor, values: Tensor) -> None:
+    """``ValueError`` unless ``keys`` and ``values`` are ``[B, Hkv, S, D]`` alike (a prefill's K/V)."""
+    if keys.dim() != 4 or values.shape[:3] != keys.shape[:3]:
+        raise ValueError(f"keys/values must be [B, Hkv, S, D] alike, got {tuple(keys.shape)}, {tuple(values.shape)}")
+
+
 def _too_small(budget: int, n_protected: int) -> ValueError:
     return ValueError(
         f"budget={budget} (items kept after an eviction) is smaller than the {n_protected} protected items "
@@ -629,19 +635,31 @@ class EvictionPolicy(ABC):
         recomputed causally from ``queries[B, Hq, S, D]``; ``kappa[B, S]`` correctness weights of the
         prefill queries (used only by correctness-weighted policies). Positions are ``0..S-1``.
         """
-        if keys.dim() != 4 or values.shape[:3] != keys.shape[:3]:
-            raise ValueError(
-                f"keys/values must be [B, Hkv, S, D] alike, got {tuple(keys.shape)}, {tuple(values.shape)}"
-            )
-        b, h, s, _ = keys.shape
+        _check_prefill_kv(keys, values)
+        s = keys.shape[2]
         kept = prefill_kept_count(s, ratio)
+        if kept == s:
+            return torch.arange(s, device=keys.device).expand(*keys.shape[:3]).clone()
+        scores, protected = self.prefill_scores(layer, keys, values, attn, queries, kappa)
+        return keep_top(scores, protected, kept)
+
+    def prefill_scores(
+        self,
+        layer: int,
+        keys: Tensor,
+        values: Tensor,
+        attn: Tensor | None = None,
+        queries: Tensor | None = None,
+        kappa: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """``(scores, protected)``, both ``[B, Hkv, S]`` on ``keys``' device: the float64 per-item scores and the
+        protected mask (sinks, recent window) :meth:`prefill_keep` keeps the top of (arguments as there)."""
+        _check_prefill_kv(keys, values)
+        b, h, s, _ = keys.shape
         positions = torch.arange(s, device=keys.device).expand(b, h, s)
         now = torch.full((b,), s - 1, dtype=torch.long, device=keys.device)
-        if kept == s:
-            return positions.clone()
         attn_kv = self._prefill_attention(keys, attn, queries) if self.needs_attention else None
-        scores = self._prefill_scores(layer, attn_kv, positions, kappa)
-        return keep_top(scores, self._protected(positions, now), kept)
+        return self._prefill_scores(layer, attn_kv, positions, kappa), self._protected(positions, now)
 
     def keep_ranked(self, scores: Tensor, ratio: float) -> Tensor:
         """Sorted indices ``[B, Hkv, C]`` of the items to keep among ``S`` items at positions ``0..S-1`` ranked by

@@ -333,6 +333,14 @@ class CertifiedCache(Cache):
             at every resident read from the served keys and the summary's point estimates, no page-in; re-selects
             once a decode query has been read) or ``"key_proxy"`` (``select``'s own score over the key-proxy
             attention of the exact host keys). Any other value raises ``ValueError``.
+        resident_alloc: with ``resident``: how the resident tokens are split across layers (``docs/eviction.md``,
+            "Per-layer allocation of the resident set"). ``"uniform"`` (``None``, the default): every (layer, KV
+            head) keeps the fraction ``resident``. ``"mass"``: the same total (``resident`` times the tokens
+            written, summed over layers) split to minimise the omitted attention mass estimated by ``select``'s
+            prefill scores (normalised per KV head): every layer keeps its protected tokens, then the tokens whose
+            normalised scores are largest over all layers; every KV head of a layer keeps the same count, a layer
+            may keep all its tokens. The split is made once the last layer's prefill was read; re-selection keeps
+            each layer's fraction. Needs a ``select`` whose scores are attention (not ``StreamingLLM``).
     """
 
     def __init__(
@@ -370,6 +378,7 @@ class CertifiedCache(Cache):
         recall: str = "persistent",
         reselect: int | None = None,
         reselect_score: str = "decode",
+        resident_alloc: str | None = None,
     ) -> None:
         self.family = _model_family(model)
         cfg: Any = model.config
@@ -428,6 +437,7 @@ class CertifiedCache(Cache):
             recall,
             reselect,
             reselect_score,
+            resident_alloc,
         )
         stores = [layer.store for layer in layers]
         self.eviction.check(stores, any(layer.is_sliding for layer in layers), self.ladder, validate)

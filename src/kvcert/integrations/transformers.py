@@ -304,12 +304,12 @@ class CertifiedCache(Cache):
             ``budget`` slots either way; ``1``: back to exactly ``budget`` at every write).
         belady: validate + budget mode: record the run's exact attention trace and report the kept-set
             overlap with Belady on it (``telemetry().belady_overlap``; memory ``O(T² · L · Hkv)``).
-        device_budget: the most each layer's device tier may hold after persistent repair, as a fraction of
-            its live tokens' fp16 K/V bytes (a sliding layer's live tokens: its window; default ``1.0``: a
-            compressed cache never keeps more than fp16 would; ``None``: no cap). A repair that does not fit is served exact for that read and kept nowhere
-            (a transient page-in, counted in ``telemetry().transient_page_ins``); held repairs are released
-            when new tokens need the room. Value promotion is always transient. Only persistent gates keep
-            anything, so the budget never changes what other gates serve. See ``docs/architecture.md``.
+        device_budget: the most each layer's device tier may hold after persistent repair, as a fraction of its live
+            tokens' fp16 K/V bytes (a sliding layer's live tokens: its window; default ``1.0``: a compressed cache never
+            keeps more than fp16 would; ``None``: no cap). A repair that does not fit is served exact for that read and
+            kept nowhere (a transient page-in, counted in ``telemetry().transient_page_ins``); held repairs are released
+            when new tokens need the room. Value promotion is always transient. Only persistent gates keep anything, so
+            the budget never changes what other gates serve. See ``docs/architecture.md``.
         resident: certified sparse attention (``docs/eviction.md``, "Resident set and recall"): after the prefill
             each (layer, KV head) keeps this fraction (in (0, 1]) of its tokens resident, chosen by ``select``
             (default :func:`default_select`); the whole KV stays in the host tier, page summaries of the omitted

@@ -157,7 +157,13 @@ def test_prefill_compression_applies_to_the_full_layers(model):
     sliding layers their window, and the exact evicted mass is recorded for the full layers only."""
     ids = prompt_ids(model, batch=1, seed=17)
     with CertifiedCache(
-        model, keys="int8", values="int8", evict=SnapKV(window=3, kernel=3), compression_ratio=0.5, validate=True
+        model,
+        keys="int8",
+        values="int8",
+        evict=SnapKV(window=3, kernel=3),
+        compression_ratio=0.5,
+        validate=True,
+        write_block=4,
     ) as cache:
         greedy_decode(model, ids, cache, 2)
         tel = cache.telemetry()
@@ -172,7 +178,9 @@ def test_prefill_compression_applies_to_the_full_layers(model):
 def test_what_cannot_be_served_is_refused():
     gemma = tiny_random("gemma3", sliding_window=WINDOW)
     with pytest.raises(ValueError, match="budget=... \\(decode-time eviction\\) is not supported"):
-        CertifiedCache(gemma, keys="int8", values="int8", evict=H2O(recent=2), budget=8)
+        CertifiedCache(gemma, keys="int8", values="int8", evict=H2O(recent=2), budget=8, write_block=4)
     every_layer_sliding = tiny_random("mistral", sliding_window=8)
     with pytest.raises(ValueError, match="no full-attention layer"):
-        CertifiedCache(every_layer_sliding, keys="int8", values="int8", resident=0.25, gate=Gate.certified(0.2))
+        CertifiedCache(
+            every_layer_sliding, keys="int8", values="int8", resident=0.25, gate=Gate.certified(0.2), write_block=4
+        )

@@ -19,7 +19,9 @@ physical slot carries its logical position (``LayerStore.positions``). ``get_seq
 (RoPE position ids), and ``get_mask_sizes`` keeps reporting the *logical* length so transformers builds its
 padding + causal mask in position space, which is exact; the read path maps it onto the physical slots of
 each KV head by gathering it at the slots' logical positions (``slot_mask``), so the certified read and the
-exact repair path see a per-KV-head mask that matches the compacted slots.
+exact repair path see a per-KV-head mask that matches the compacted slots. On a model with sliding-window layers
+eviction and resident sets manage the full-attention layers only; a sliding layer keeps its window and
+transformers' sliding mask over its slots.
 """
 
 from __future__ import annotations

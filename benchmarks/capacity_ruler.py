@@ -128,8 +128,10 @@ class ResidentOptions:
     alloc: str = "uniform"
 
     def plan(self) -> ResidentPlan:
-        """The CLI's description of these variants (the report code reads the policy name from it)."""
-        return ResidentPlan(self.fraction, self.select, resident_gate(None), self.specs, alloc=self.alloc)
+        """The CLI's description of these variants (the report code reads the policy and summary names from it)."""
+        return ResidentPlan(
+            self.fraction, self.select, resident_gate(None), self.specs, summary=self.summary, alloc=self.alloc
+        )
 
     def describe(self) -> dict[str, Any]:
         """The journal configuration of the resident variants."""

@@ -174,6 +174,25 @@ def test_resident_mass_allocation_creates_tensors_on_the_inputs_device(model, po
     assert calls == []
 
 
+@pytest.mark.parametrize("alloc", ["uniform", "mass"])
+def test_a_resident_set_on_a_sliding_window_model_creates_tensors_on_the_inputs_device(alloc):
+    """A tiny Gemma-3 (sliding layers of window 16 around full-attention ones, 40-token prompts): the resident set on
+    the full layers, the sliding layers' trimmed windows, re-selection and persistent recall, in validate mode."""
+    gemma = tiny_random("gemma3", num_hidden_layers=3, head_dim=32, num_key_value_heads=2, sliding_window=16)
+    calls = _record(
+        gemma,
+        resident=0.25,
+        select=POLICIES["snapkv"](),
+        gate=Gate.certified(0.1),
+        page_size=4,
+        write_block=4,
+        reselect=2,
+        resident_alloc=alloc,
+        validate=True,
+    )
+    assert calls == []
+
+
 @pytest.mark.parametrize(
     "kw",
     [

@@ -84,6 +84,8 @@ def test_resident_variants_carry_every_option(bench: ModuleType) -> None:
     )
     assert kept.device_budget == 0.33 and kept.validate and kept.gate.describe() == "certified(tau=0.2, head)"
     assert kept.resident_alloc == "mass" and opts.describe()["alloc"] == "mass"
+    plan = opts.plan()  # what the report labels the variants with
+    assert (plan.select, plan.summary, plan.alloc) == ("h2o", "box", "mass")
     assert kept.select is not None and type(kept.select()).__name__ == "H2O"
     assert bench.variants([SchemeSpec("int4", "int4")], Gate.off(), True, False, None)[-1].resident is None
 

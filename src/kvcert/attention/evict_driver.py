@@ -165,7 +165,9 @@ class EvictionConfig:
         )
 
     def check(self, stores: Sequence[LayerStore], sliding: bool, ladder: bool, validate: bool) -> None:
-        """Fail closed on settings that cannot be honoured by these stores (each message names the argument)."""
+        """Fail closed on settings that cannot be honoured by these stores (each message names the argument).
+        ``sliding``: the model has sliding-window layers; only prefill compression and resident sets (which
+        manage its full-attention layers, ``docs/eviction.md``, "Sliding-window models") are served then."""
         policy, budget, ratio = self.policy, self.budget, self.compression_ratio
         if policy is None:
             if budget is not None or ratio is not None:
@@ -183,8 +185,12 @@ class EvictionConfig:
         if ladder:
             raise ValueError("evict cannot be combined with ladder=True")
         self._check_codecs(stores)
-        if sliding:
-            raise ValueError("evict is not supported on models with sliding-window layers")
+        if sliding and budget is not None:
+            raise ValueError(
+                "evict with budget=... (decode-time eviction) is not supported on models with sliding-window "
+                "layers; prefill compression (compression_ratio=...) and resident=... apply to their "
+                "full-attention layers"
+            )
 
     def _check_codecs(self, stores: Sequence[LayerStore]) -> None:
         """Per-token codecs (eviction gathers single tokens); no dither with ``reselect`` (a promoted token is
@@ -289,7 +295,9 @@ class EvictionDriver:
     and whether the prefill was compressed; ``records`` holds every :class:`~kvcert.cache.telemetry.EvictRecord`,
     ``pages`` the omitted pages of a resident set per layer, ``run_trace`` the run's exact trace (``belady``);
     ``stores()`` every layer's store (a re-selection refreshes the recall pool over them before it carries the held
-    pages).
+    pages). ``layers``: the layers it manages (default: all ``n_layers``); on a model with sliding-window layers
+    the full-attention ones (``docs/eviction.md``, "Sliding-window models"): the events of any other layer
+    (:meth:`before_write`, :meth:`after_read`, :meth:`ingest`) are no-ops, its store keeps what the model keeps.
     """
 
     def __init__(
@@ -299,10 +307,14 @@ class EvictionDriver:
         validate: bool,
         pages: dict[int, OmittedPages],
         stores: Callable[[], Sequence[LayerStore]],
+        layers: Sequence[int] | None = None,
     ) -> None:
         assert cfg.policy is not None
         self.cfg, self.policy, self.validate, self.pages, self.stores = cfg, cfg.policy, validate, pages, stores
         self.n_layers = n_layers
+        self.layers = frozenset(range(n_layers) if layers is None else layers)
+        if not self.layers:
+            raise ValueError("evict / resident: the model has no full-attention layer to manage")
         self.run_trace = RunTrace(n_layers, cfg.budget, cfg.chunk) if cfg.belady and cfg.budget is not None else None
         self.kappa_groups: list[torch.Tensor] = []  # query positions [B, q] of forwards awaiting κ
         self.prefill_kappa: torch.Tensor | None = None
@@ -339,6 +351,8 @@ class EvictionDriver:
         before the write of every decode step ``s`` with ``s % N == 0``, re-select the layer's resident set (with
         ``reselect_score="decode"`` only once a decode query has been read: before that there is nothing to rank by
         and the set stays)."""
+        if store.layer not in self.layers:
+            return
         every, scores = self.cfg.reselect, self.decode_scores
         ready = scores is None or scores.observed(store.layer)
         if every is not None and step > 0 and step % every == 0 and store.layer in self.pages and ready:
@@ -363,6 +377,8 @@ class EvictionDriver:
         """Feed the read to the policy (budget mode) or compress the prefill (compression mode), and record
         the validate-mode exact evicted mass of this read. ``attn_kv[B, Hkv, Q, S]``: the served attention
         summed over each KV head's group, when the read path produced it."""
+        if store.layer not in self.layers:
+            return
         nq = query.shape[2]
         positions = store.positions.view()
         if self.validate:
@@ -389,6 +405,8 @@ class EvictionDriver:
     def ingest(self, store: LayerStore, keys: torch.Tensor, attn: torch.Tensor | None, step: int) -> None:
         """An ingested prefill of ``keys[B, Hkv, S, D]`` with its causal attention ``attn[B, Hq | Hkv, S, S]``
         (``None``: the key-proxy attention): compression mode compresses with it, budget mode observes it."""
+        if store.layer not in self.layers:
+            return
         hkv, s = keys.shape[1:3]
         attn = causal_attention(keys, keys) if attn is None else attn
         mean = aggregate_gqa(attn.to(torch.float64), hkv, "mean")  # [B, Hkv, S, S]
@@ -448,8 +466,8 @@ class EvictionDriver:
 
     def _compress_prefill(self, store: LayerStore, attn: torch.Tensor | None, step: int) -> None:
         """Compression mode: keep ``prefill_kept_count(S, ratio)`` slots per KV head after the prefill read; with
-        ``resident_alloc="mass"`` record the layer's scores and, once every layer's prefill was read (the last layer
-        of the prefill forward, or of :meth:`ingest`), split the same total across layers (:meth:`_allocate`). The
+        ``resident_alloc="mass"`` record the layer's scores and, once every managed layer's prefill was read (the last
+        one of the prefill forward, or of :meth:`ingest`), split the same total across them (:meth:`_allocate`). The
         prefill read itself is exact, so gathering every layer after the last one's read serves the same.
 
         ``attn[B, Hq, S, S]`` is the prefill's served attention, or ``[B, Hkv, S, S]`` key-proxy attention
@@ -469,7 +487,7 @@ class EvictionDriver:
         self._prefilled.add(store.layer)
         if self.cfg.resident_alloc == "mass":
             self._pending[store.layer] = self.policy.prefill_scores(store.layer, keys, values, attn=attn, kappa=kappa)
-            if len(self._pending) == self.n_layers:
+            if len(self._pending) == len(self.layers):
                 self._allocate(step)
             return
         keep = self.policy.prefill_keep(store.layer, keys, values, ratio, attn=attn, kappa=kappa)
@@ -477,7 +495,7 @@ class EvictionDriver:
             self._apply(store, keep, step)
 
     def _allocate(self, step: int) -> None:
-        """``resident_alloc="mass"``: keep ``C_l`` slots of every layer ``l``, ``Σ_l C_l = Σ_l
+        """``resident_alloc="mass"``: keep ``C_l`` slots of every managed layer ``l``, ``Σ_l C_l = Σ_l
         prefill_kept_count(S_l, ratio)`` (the uniform setting's total, so the same device bytes), split by
         :func:`~kvcert.evict.allocation.allocate_kept` over the pending scores; each layer keeps its protected
         tokens and its top-``C_l`` by its own scores. A layer with ``C_l = S_l`` (or a non-finite entry:

@@ -195,8 +195,9 @@ def refresh_pool(pool: RecallPool, stores: list[LayerStore], pages: list[Omitted
 
     ``device_budget = F`` (of the first store; the cache gives every layer the same) caps the device bytes of every
     layer — resident codes, summaries, held pages (their 16-bit slot tensors, slot index and scores) — at ``F`` times
-    the fp16 K/V bytes of every token written (resident and omitted); the pool is in slot tokens of the held pages'
-    16-bit bytes per token. ``F = None``: no cap. Negative when the stores grew past the budget: the next
+    the fp16 K/V bytes of every token written (resident and omitted) — on a sliding-window layer (which keeps no
+    resident set) of the tokens it holds, its window, as a ``DynamicCache`` would; the pool is in slot tokens of the
+    held pages' 16-bit bytes per token. ``F = None``: no cap. Negative when the stores grew past the budget: the next
     reads then hand held pages back to their summaries until the pool is square."""
     held = [p.held for p in pages if p.held is not None]
     if not held:

@@ -36,7 +36,11 @@ in; they are part of ``bytes_paged``, which adds the dense fallbacks), ``bytes_s
 page summaries (not in ``bytes_stored``), ``bytes_held`` those of the recalled pages held at the end (both in
 ``bytes_device``), ``resident_fraction`` the share of written tokens held resident (``layer_resident_fractions``
 per layer; their extremes in the summary), ``bytes_fp16_context`` what an fp16 cache would hold for every written
-token, resident and omitted (``bytes_fp16`` counts the resident ones only);
+token, resident and omitted (``bytes_fp16`` counts the resident ones only). On a model with sliding-window layers
+the resident set is kept by the full-attention layers only: ``resident_fraction`` is over those layers, a sliding
+layer's entry of ``layer_resident_fractions`` is NaN (left out of the extremes), and ``bytes_fp16_context`` counts
+a sliding layer's fp16 K/V of the tokens it holds (its window, what a ``DynamicCache`` holds for it), not every
+token written (the model itself drops the older ones);
 ``recall_violations`` (validate) counts cells whose exact omitted mass exceeded its bound or whose true TV after
 recall exceeded the served certificate. With ``reselect=N`` (:class:`ReselectStats`, **measured**) ``reselections``
 counts the (layer, step) re-selections of the resident set, ``reselect_promoted`` / ``reselect_demoted`` the tokens
@@ -380,10 +384,11 @@ class Telemetry:
             live = self.belady_overlap[~torch.isnan(self.belady_overlap)]
             out["mean_belady_overlap"] = float(live.mean()) if live.numel() else float("nan")
         if self.resident_fraction is not None:
+            managed = tuple(f for f in self.layer_resident_fractions or () if not math.isnan(f))
             out.update(
                 resident_fraction=self.resident_fraction,
-                min_layer_resident_fraction=min(self.layer_resident_fractions or (math.nan,)),
-                max_layer_resident_fraction=max(self.layer_resident_fractions or (math.nan,)),
+                min_layer_resident_fraction=min(managed or (math.nan,)),
+                max_layer_resident_fraction=max(managed or (math.nan,)),
                 pages_recalled=self.pages_recalled,
                 bytes_recalled=self.bytes_recalled,
                 bytes_summary=self.bytes_summary,
@@ -474,6 +479,7 @@ class CacheReadings:
     bytes_held: int = 0  # device bytes of the resident set's persistently recalled pages
     resident_records: Sequence[ResidentReading] | None = None
     reselect: ReselectStats | None = None  # resident set with reselect=N
+    sliding_layers: tuple[int, ...] = ()  # sliding-window layers (a resident set does not manage them)
 
 
 #: cell fields every read produces (an empty cell tensor, not ``None``, when nothing was read)
@@ -529,16 +535,18 @@ def _resident_fields(src: CacheReadings) -> dict[str, Any]:
     if recs is None:
         return {}
     stores, steps = src.stores, max(src.steps, 1)
+    managed = [i for i in range(len(stores)) if i not in src.sliding_layers]
     held_per_layer = [s.n for s in stores]
     omitted_per_layer = [s.evicted["k"].view().shape[2] if s.evicted else 0 for s in stores]
-    held, omitted = sum(held_per_layer), sum(omitted_per_layer)
+    held, omitted = sum(held_per_layer[i] for i in managed), sum(omitted_per_layer[i] for i in managed)
     omitted_fp16 = sum(2 * (s.evicted["k"].view().numel() + s.evicted["v"].view().numel()) for s in stores if s.evicted)
     return {
         "omitted_mass_bound": stack_records(recs, len(stores), steps, "mass_bound"),
         "omitted_mass": stack_records(recs, len(stores), steps, "true_mass"),
         "resident_fraction": held / (held + omitted) if held + omitted else float("nan"),
         "layer_resident_fractions": tuple(
-            h / (h + o) if h + o else float("nan") for h, o in zip(held_per_layer, omitted_per_layer, strict=True)
+            h / (h + o) if h + o and i in managed else float("nan")
+            for i, (h, o) in enumerate(zip(held_per_layer, omitted_per_layer, strict=True))
         ),
         "pages_recalled": sum(r.pages for r in recs),
         "bytes_recalled": sum(r.bytes for r in recs),

@@ -19,7 +19,9 @@ physical slot carries its logical position (``LayerStore.positions``). ``get_seq
 (RoPE position ids), and ``get_mask_sizes`` keeps reporting the *logical* length so transformers builds its
 padding + causal mask in position space, which is exact; the read path maps it onto the physical slots of
 each KV head by gathering it at the slots' logical positions (``slot_mask``), so the certified read and the
-exact repair path see a per-KV-head mask that matches the compacted slots.
+exact repair path see a per-KV-head mask that matches the compacted slots. On a model with sliding-window layers
+eviction and resident sets manage the full-attention layers only; a sliding layer keeps its window and
+transformers' sliding mask over its slots.
 """
 
 from __future__ import annotations
@@ -296,25 +298,29 @@ class CertifiedCache(Cache):
             ``budget`` slots per KV head after every write's eviction, ``budget + q`` during a read of ``q``
             new tokens) or ``compression_ratio`` (kvpress convention, fraction removed: the first write of
             more than one token, a prefill or :meth:`ingest`, is compressed right after its read). Needs
-            per-token codecs (``block == 1``), no ladder and no sliding-window layers. In validate mode the
+            per-token codecs (``block == 1``) and no ladder. On a model with sliding-window layers only
+            ``compression_ratio`` is served, on its full-attention layers (the sliding ones keep their window;
+            ``docs/eviction.md``, "Sliding-window models"); ``budget`` raises ``ValueError``. In validate mode the
             evicted entries stay in the host tier and the exact evicted mass is measured per cell.
         evict_chunk: decode budget mode evicts this many slots at once, every ``evict_chunk`` steps (at most
             ``budget`` slots either way; ``1``: back to exactly ``budget`` at every write).
         belady: validate + budget mode: record the run's exact attention trace and report the kept-set
             overlap with Belady on it (``telemetry().belady_overlap``; memory ``O(T² · L · Hkv)``).
-        device_budget: the most each layer's device tier may hold after persistent repair, as a fraction of
-            its live tokens' fp16 K/V bytes (default ``1.0``: a compressed cache never keeps more than fp16
-            would; ``None``: no cap). A repair that does not fit is served exact for that read and kept nowhere
-            (a transient page-in, counted in ``telemetry().transient_page_ins``); held repairs are released
-            when new tokens need the room. Value promotion is always transient. Only persistent gates keep
-            anything, so the budget never changes what other gates serve. See ``docs/architecture.md``.
+        device_budget: the most each layer's device tier may hold after persistent repair, as a fraction of its live
+            tokens' fp16 K/V bytes (a sliding layer's live tokens: its window; default ``1.0``: a compressed cache never
+            keeps more than fp16 would; ``None``: no cap). A repair that does not fit is served exact for that read and
+            kept nowhere (a transient page-in, counted in ``telemetry().transient_page_ins``); held repairs are released
+            when new tokens need the room. Value promotion is always transient. Only persistent gates keep anything, so
+            the budget never changes what other gates serve. See ``docs/architecture.md``.
         resident: certified sparse attention (``docs/eviction.md``, "Resident set and recall"): after the prefill
             each (layer, KV head) keeps this fraction (in (0, 1]) of its tokens resident, chosen by ``select``
             (default :func:`default_select`); the whole KV stays in the host tier, page summaries of the omitted
             tokens (``page_size`` consecutive omitted tokens per page; ``summary="int8"``: an int8 sketch of every
             omitted key with its error witness, ``"box"``: per page a float16 box and ball) on the device. Every
             read's certificate bounds the TV against exact attention over *every* token; ``Gate.certified(tau)``
-            recalls pages until it is ``<= tau`` (``tau = 0``: the dense answer). Exclusive with ``evict``.
+            recalls pages until it is ``<= tau`` (``tau = 0``: the dense answer). Exclusive with ``evict``. On a
+            model with sliding-window layers the resident set is kept by the full-attention layers only; a
+            sliding layer keeps its window as without ``resident`` and is certified against attention over it.
         witness: storage of the write-time witnesses: ``"log8"`` (default; 8-bit codes that decode to values never
             below the true ones, 12 B per token per KV head) or ``"f32"`` (float32, 52 B); see
             ``docs/math.md#compact-witnesses``.
@@ -446,7 +452,12 @@ class CertifiedCache(Cache):
             None
             if self.eviction.policy is None
             else EvictionDriver(
-                self.eviction, n_layers, validate, self._pages, lambda: [layer.store for layer in self._layers]
+                self.eviction,
+                n_layers,
+                validate,
+                self._pages,
+                lambda: [layer.store for layer in self._layers],
+                [i for i, layer in enumerate(layers) if not layer.is_sliding],
             )
         )
         self.key_codec_name = stores[0].key_codec.name
@@ -647,7 +658,7 @@ class CertifiedCache(Cache):
         ``[B, Hq | Hkv, S, S]``; ``Hkv`` rows must be the mean over each group) lets several compressed caches
         branch from one prefill; without it the policies read the *key-proxy* attention
         ``softmax(k_s·k_i/√D)`` (causal, per KV head). Compression mode compresses with it, budget mode
-        observes it.
+        observes it. A sliding layer's entry of ``attentions`` is not read (eviction does not manage it).
         """
         sources: list[Any] = list(past.layers)
         self._check_ingest(sources, attentions)
@@ -674,7 +685,9 @@ class CertifiedCache(Cache):
             return
         if len(attentions) != len(self._layers):
             raise ValueError(f"attentions must hold one tensor per layer ({len(self._layers)}), got {len(attentions)}")
-        for i, (src, attn) in enumerate(zip(sources, attentions, strict=True)):
+        for i, (src, attn, layer) in enumerate(zip(sources, attentions, self._layers, strict=True)):
+            if layer.is_sliding:  # eviction does not manage it: its attention is not read
+                continue
             b, hkv, s = src.keys.shape[:3] if src.keys is not None else (0, 1, 0)
             if attn.dim() != 4 or attn.shape[0] != b or attn.shape[1] % hkv or attn.shape[2:] != (s, s):
                 raise ValueError(
@@ -728,9 +741,10 @@ class CertifiedCache(Cache):
     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """``(logical, slot mask, SDPA mask)`` of a read: with eviction the position-space mask (causal over the
         logical length when transformers passed none) gathered onto each KV head's slots ``[B, Hkv, Q, S]`` and
-        expanded to the query heads for SDPA; without it the given (or causal) mask over the slots, for both."""
+        expanded to the query heads for SDPA; without it, and on sliding-window layers (which eviction does not
+        manage), the given (or causal) mask over the slots, for both."""
         b, hq, nq, _ = query.shape
-        if self.evict is not None:
+        if self.evict is not None and not layer.is_sliding:
             logical = mask
             if logical is None:  # causal in position space over the logical length
                 t = layer.cumulative_length
@@ -795,6 +809,7 @@ class CertifiedCache(Cache):
                 bytes_held=sum(p.nbytes - p.summary_nbytes for p in self._pages.values()),
                 resident_records=None if self.resident is None else self.resident_records,
                 reselect=self.reselect_stats,
+                sliding_layers=tuple(i for i, layer in enumerate(self._layers) if layer.is_sliding),
             )
         )
 

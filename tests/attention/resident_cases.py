@@ -3,12 +3,15 @@ decode through a cache, and the per-cell soundness checks of a validate-mode run
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
+from kvcert import Gate
+from kvcert.cache.telemetry import Telemetry
 from kvcert.evict import H2O, RMM, SnapKV, StreamingLLM
 from kvcert.evict.base import EvictionPolicy
+from kvcert.integrations.transformers import CertifiedCache
 
 PROMPT = 40
 #: the resident set's selection policies, small enough windows for the tiny models' 40-token prompts
@@ -54,3 +57,32 @@ def assert_sound_in_every_cell(tel) -> None:
     live = ~torch.isnan(tel.omitted_mass_bound)
     assert bool(live.any()) and bool((tel.omitted_mass[live] <= tel.omitted_mass_bound[live]).all())
     assert float(tel.true_tv[rec].max()) > 0.2
+
+
+def resident_cache(model, codec: str, policy: str, gate: Gate, **options) -> CertifiedCache:
+    """The resident cache of these tests: ``R = 0.25``, pages of 4, ``codec`` keys and values, ``POLICIES[policy]``
+    selection, ``gate``, ``options`` added."""
+    return CertifiedCache(
+        model, keys=codec, values=codec, resident=0.25, select=POLICIES[policy](), gate=gate, page_size=4, **options
+    )
+
+
+#: the gate of the validate-mode runs of :func:`validated_runs`
+TAU = 0.3
+
+
+def validated_runs(
+    model, ids: torch.Tensor, codec: str, policy: str, steps: int, **options
+) -> Iterator[tuple[Gate, Telemetry]]:
+    """Decode ``steps`` greedy tokens after ``ids`` through a validate-mode resident cache (``R = 0.25``, pages of 4,
+    ``codec`` keys and values, ``POLICIES[policy]`` selection, ``options`` added) twice: ungated, then at
+    ``Gate.certified(TAU)``. Each run is checked per cell (:func:`assert_sound_in_every_cell`); the gated run must
+    serve every cell at most ``TAU``. Yields each run's gate and telemetry."""
+    for gate in (Gate.off(), Gate.certified(TAU)):
+        with resident_cache(model, codec, policy, gate, validate=True, **options) as cache:
+            greedy_decode(model, ids, cache, steps)
+            tel = cache.telemetry()
+        assert_sound_in_every_cell(tel)
+        if gate.mode == "certified":
+            assert bool((tel.served[tel.recorded] <= TAU).all())
+        yield gate, tel

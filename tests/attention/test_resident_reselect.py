@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from resident_cases import POLICIES, PROMPT, assert_sound_in_every_cell, greedy_decode, prompt_ids
+from resident_cases import POLICIES, PROMPT, greedy_decode, prompt_ids, validated_runs
 from transformers import DynamicCache
 
 from kvcert import Gate
@@ -80,28 +80,11 @@ def test_validate_mode_zero_violations_in_every_cell_with_reselect(
     box and basis8 summaries, persistent and transient recall; gated and ungated)."""
     model = models[family]
     ids = _ids(model, seed=1)
-    for gate in (Gate.off(), Gate.certified(0.3)):
-        with CertifiedCache(
-            model,
-            keys=codec,
-            values=codec,
-            resident=0.25,
-            select=POLICIES[policy](),
-            gate=gate,
-            validate=True,
-            page_size=4,
-            summary=summary,
-            recall=recall,
-            reselect=2,
-            reselect_score=score,
-        ) as cache:
-            _decode(model, ids, cache)
-            tel = cache.telemetry()
+    runs = validated_runs(
+        model, ids, codec, policy, STEPS, summary=summary, recall=recall, reselect=2, reselect_score=score
+    )
+    for _, tel in runs:  # each run checked per cell, the gated one at most TAU in every served cell
         assert tel.reselect is not None and tel.reselect.promoted > 0
-        assert_sound_in_every_cell(tel)
-        rec = tel.recorded
-        if gate.mode == "certified":
-            assert bool((tel.served[rec] <= 0.3).all())
 
 
 def test_reselect_moves_tokens_pages_them_in_and_keeps_the_resident_fraction(models):

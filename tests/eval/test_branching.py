@@ -40,7 +40,9 @@ def test_exact_prefill_first_token_and_cache_match_a_full_forward(family):
     """Keeping only the last position's logits changes neither the first token nor the prefilled K/V."""
     model = tiny_random(family, seed=1, head_dim=32)
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
-    pre, first = exact_prefill(model, ids)
+    prefill = exact_prefill(model, ids)
+    pre, first = prefill.cache, prefill.first
+    assert prefill.attentions is None and prefill.logits.shape[1] == 1
     with torch.no_grad():
         full = DynamicCache(config=model.config)
         logits = model(ids, cache=full, use_cache=True).logits

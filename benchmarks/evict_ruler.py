@@ -341,9 +341,11 @@ def main() -> None:
     names = args.policies
     check_args(args)
     wanted = set(names) | set(args.recall_policies or [])
-    # what the policies' prefill scores read of the prefill attention (RMM with the realised κ: every row), and
-    # always the newest row (the serving reading of what the compression drops)
-    reads = reduce(PrefillReads.__or__, (ingest_reads(POLICIES[n](torch.empty(0))) for n in wanted), PrefillReads(1))
+    # what the policies' prefill scores read of the prefill attention (RMM with the realised κ: every row; belady
+    # none: it scores the answer trace, built after the reference decode), and always the newest row (the serving
+    # reading of what the compression drops)
+    scored = [POLICIES[n](torch.empty(0)) for n in wanted if not n.startswith("belady")]
+    reads = reduce(PrefillReads.__or__, (ingest_reads(p) for p in scored), PrefillReads(1))
     torch.manual_seed(0)
     model, tok = load("smollm2-135m")
     model.eval()

@@ -90,7 +90,7 @@ def test_recording_keeps_only_the_window_rows(monkeypatch):
 
 def test_a_decode_forward_over_a_cache_records_its_rows_over_every_key():
     """A forward of ``n`` tokens over a filled cache records ``[B, Hkv, n, S + n]``: each row a causal distribution
-    over the keys it sees (the answer trace of ``benchmarks/evict_ruler.py``)."""
+    over the keys it sees, the model's own (the answer trace of ``benchmarks/evict_ruler.py``)."""
     model = tiny_random("llama", seed=2, attn_implementation="sdpa", head_dim=32)
     ids = _ids(model)
     past = DynamicCache(config=model.config)
@@ -98,11 +98,15 @@ def test_a_decode_forward_over_a_cache_records_its_rows_over_every_key():
         model(ids[:, :-4], cache=past, use_cache=True)
         with recorded_attention(model, EVERY_ROW) as got:
             model(ids[:, -4:], cache=past, use_cache=True)
-    full = _group_sum(_eager_attentions(model, ids)[0], model.config.num_key_value_heads)
-    r = got[0]
-    assert r.queries == 4 and r.rows.shape[2:] == (4, S)
-    torch.testing.assert_close(r.newest(None), full[:, :, -4:], rtol=0, atol=1e-6)
-    torch.testing.assert_close(r.mean_newest(None).sum(-1), torch.ones(1, r.rows.shape[1], 4, dtype=torch.float64))
+    # every layer: from layer 1 on the queries depend on the earlier layers' outputs, which a forward masked
+    # top-left (SDPA is_causal with 4 queries over S keys) would get wrong
+    for layer, attn in enumerate(_eager_attentions(model, ids)):
+        full = _group_sum(attn, model.config.num_key_value_heads)
+        r = got[layer]
+        assert r.queries == 4 and r.rows.shape[2:] == (4, S)
+        torch.testing.assert_close(r.newest(None), full[:, :, -4:], rtol=0, atol=1e-6)
+        ones = torch.ones(1, r.rows.shape[1], 4, dtype=torch.float64)
+        torch.testing.assert_close(r.mean_newest(None).sum(-1), ones)
 
 
 def test_unsupported_implementation_is_refused():

@@ -43,7 +43,8 @@ def main() -> None:
     loaded = load_model("smollm2-135m", args.seed)
     sample = ruler.load_task(args.task, args.context, 1, args.seed, loaded.tokenizer_dir)[0]
     ids = prompt_ids(loaded.tokenizer, sample)
-    pre, first = exact_prefill(loaded.model, ids)
+    prefill = exact_prefill(loaded.model, ids)
+    pre, first = prefill.cache, prefill.first
     dense = loaded.tokenizer.decode(
         greedy_from(loaded.model, first, _copy_cache(loaded.model, pre), args.new_tokens, loaded.eos_ids)
     )

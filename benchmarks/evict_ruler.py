@@ -2,10 +2,11 @@
 
 SmolLM2-135M, RULER needle tasks, greedy decoding, prefill compression inside ``CertifiedCache``
 (``evict=policy, compression_ratio=1 − keep``, kvpress convention; decode tokens are not evicted). One exact
-prefill per sample is shared by every configuration: its K/V (a ``DynamicCache``) and its causal attention
-probabilities (recorded per layer, mean over each KV head's query heads) are handed to
-``CertifiedCache.ingest(past, attentions=...)``, which compresses with them — the same scores the in-forward
-path computes, without 13 prefills per sample. The first answer token comes from the exact prefill (as in
+prefill per sample is shared by every configuration: its K/V (a ``DynamicCache``) and what the policies' prefill
+scores read of its causal attention probabilities (recorded per layer in the same forward by
+:func:`kvcert.eval.branching.exact_prefill`: SnapKV's window rows, H2O's column sums, every row for RMM's realised
+κ) are handed to ``CertifiedCache.ingest(past, attentions=...)``, which compresses with them — the same scores the
+in-forward path computes, without 13 prefills per sample. The first answer token comes from the exact prefill (as in
 kvpress, compression happens after the prefill's own attention). K/V are stored exact (codec ``none``,
 ``certify=False``) so only eviction differs from the reference: the same ingest path without eviction, on
 the same samples. RMM gets the realised κ of the prompt (next-token probabilities of the prefill).
@@ -46,25 +47,37 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import reduce
 from pathlib import Path
-from typing import Any, overload
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvcert import Gate
-from kvcert.attention.evict_driver import RESIDENT_ALLOCS
+from kvcert.attention.evict_driver import RESIDENT_ALLOCS, ingest_reads
 from kvcert.attention.resident import SUMMARIES
 from kvcert.eval import load_task
+from kvcert.eval.attention_record import recorded_attention
+from kvcert.eval.branching import exact_prefill
 from kvcert.eval.harness import prompt_ids
 from kvcert.eval.ruler import Sample, score
 from kvcert.eval.stats import mcnemar, paired_bootstrap
-from kvcert.evict import H2O, RMM, Belady, EvictionPolicy, SnapKV, StreamingLLM, token_probability
-from kvcert.integrations.attention_impl import swapped_attention
+from kvcert.evict import (
+    EVERY_ROW,
+    H2O,
+    RMM,
+    Belady,
+    EvictionPolicy,
+    PrefillAttention,
+    PrefillReads,
+    SnapKV,
+    StreamingLLM,
+    token_probability,
+)
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models import converted_dir, load
 from kvcert.report.figures import accuracy_vs_budget
@@ -80,69 +93,13 @@ POLICIES: dict[str, Callable[[torch.Tensor], EvictionPolicy]] = {  # argument: t
 }
 
 
-_RECORDED: dict[int, torch.Tensor] = {}
-_LAST_ROWS: list[int | None] = [None]  # record only this many newest query rows (None: all)
-NEEDS_LAST = {"snapkv(w=32,k=5)": 32, "streaming(sinks=4)": 0}  # query rows each prefill score reads
-
-
-class PaddedRows(Sequence[torch.Tensor]):
-    """Per-layer attention ``[1, Hkv, S, S]`` built on access from the recorded newest rows (the rows above are 0):
-    what ``ingest`` takes, without holding ``L`` dense ``S × S`` maps (a 4k prompt would need 6 GB). Exact for
-    policies whose prefill score reads only those rows (``NEEDS_LAST``)."""
-
-    def __init__(self, rows: list[torch.Tensor]) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    @overload
-    def __getitem__(self, i: int) -> torch.Tensor: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[torch.Tensor]: ...
-    def __getitem__(self, i: int | slice) -> torch.Tensor | Sequence[torch.Tensor]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        r = self.rows[i]
-        full = torch.zeros(*r.shape[:2], r.shape[-1], r.shape[-1], dtype=r.dtype)
-        full[:, :, full.shape[2] - r.shape[2] :] = r
-        return full
-
-
-def _recording_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """SDPA that also records the causal attention ``[B, Hkv, q, K]`` of the ``q`` newest positions over all
-    ``K`` keys (mean over each group)."""
-    out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    b, hq, q, d = query.shape
-    hkv, k = key.shape[1], key.shape[2]
-    rows = q if _LAST_ROWS[0] is None else min(q, _LAST_ROWS[0])
-    query = query[:, :, q - rows :]
-    logits = query.reshape(b, hkv, hq // hkv, rows, d) @ key.unsqueeze(2).transpose(-1, -2) * scaling
-    causal = torch.ones(q, k, dtype=torch.bool).tril(k - q)[q - rows :]
-    _RECORDED[module.layer_idx] = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1).mean(2)
-    return out
-
-
-@torch.inference_mode()
 def shared_prefill(
-    model: PreTrainedModel, ids: torch.Tensor
-) -> tuple[DynamicCache, Sequence[torch.Tensor], torch.Tensor]:
-    """Exact prefill: (K/V cache, per-layer attention ``[1, Hkv, S, S]``, logits ``[1, S, V]``); with
-    ``_LAST_ROWS`` set, only the newest rows are recorded and the rest read as 0 (:class:`PaddedRows`)."""
-    past = DynamicCache(config=model.config)
-    with swapped_attention(model, "evict-record", _recording_attention, mask=None):
-        logits = model(ids, cache=past, use_cache=True, logits_to_keep=0).logits
-    attentions = [_RECORDED.pop(i) for i in range(len(past.layers))]
-    return past, attentions if _LAST_ROWS[0] is None else PaddedRows(attentions), logits
+    model: PreTrainedModel, ids: torch.Tensor, reads: PrefillReads = EVERY_ROW
+) -> tuple[DynamicCache, list[PrefillAttention] | None, torch.Tensor]:
+    """Exact prefill (:func:`kvcert.eval.branching.exact_prefill`): the K/V cache, what ``reads`` asks of each layer's
+    causal attention, recorded in the same forward (``None`` when it asks nothing), and the logits ``[1, S, V]``."""
+    pre = exact_prefill(model, ids, reads, logits_to_keep=0)
+    return pre.cache, pre.attentions, pre.logits
 
 
 @dataclass
@@ -153,7 +110,7 @@ class Prompt:
     tok: Any
     ids: torch.Tensor
     past: DynamicCache
-    attentions: Sequence[torch.Tensor]
+    attentions: list[PrefillAttention] | None
     first: torch.Tensor  # the first answer token, from the prefill's logits
 
 
@@ -167,17 +124,17 @@ def resident_args(doc: str | None) -> argparse.ArgumentParser:
     return ap
 
 
-def prefilled_prompt(task: str, context: int, last_rows: int | None = None) -> Prompt:
+def prefilled_prompt(task: str, context: int, reads: PrefillReads = EVERY_ROW) -> Prompt:
     """SmolLM2-135M (single thread) and the first seed-0 sample of ``task`` at ``context``, prefilled exactly;
-    ``last_rows``: record only that many newest query rows of the prefill attention (SnapKV reads 32)."""
+    ``reads``: what to record of the prefill attention (:func:`~kvcert.attention.evict_driver.ingest_reads` of the
+    resident set's policy suffices)."""
     torch.set_num_threads(1)
     model, tok = load("smollm2-135m")
     model.eval()
     sample = load_task(task, context, 1, 0, converted_dir("smollm2-135m"))[0]
     ids = prompt_ids(tok, sample)
-    _LAST_ROWS[0] = last_rows
     with torch.inference_mode():
-        past, attentions, logits = shared_prefill(model, ids)
+        past, attentions, logits = shared_prefill(model, ids, reads)
     return Prompt(model, tok, ids, past, attentions, logits[:, -1:].argmax(-1))
 
 
@@ -190,11 +147,11 @@ def answer_trace(model: PreTrainedModel, past: DynamicCache, toks: torch.Tensor)
         cfg = model.config
         return torch.empty(0, cfg.num_hidden_layers, cfg.num_key_value_heads, past.get_seq_length())
     try:
-        with swapped_attention(model, "evict-record", _recording_attention, mask=None):
+        with recorded_attention(model, EVERY_ROW) as recorded:
             model(toks, cache=past, use_cache=True, logits_to_keep=1)
     finally:
         past.crop(-n)
-    return torch.stack([_RECORDED.pop(i)[0].transpose(0, 1) for i in range(len(past.layers))], 1)
+    return torch.stack([recorded[i].mean_newest(None)[0].transpose(0, 1) for i in range(len(past.layers))], 1)
 
 
 @torch.inference_mode()
@@ -384,8 +341,11 @@ def main() -> None:
     names = args.policies
     check_args(args)
     wanted = set(names) | set(args.recall_policies or [])
-    if wanted <= set(NEEDS_LAST):  # every prefill score reads only the newest rows: record just those
-        _LAST_ROWS[0] = max(1, *(NEEDS_LAST[n] for n in wanted))
+    # what the policies' prefill scores read of the prefill attention (RMM with the realised κ: every row; belady
+    # none: it scores the answer trace, built after the reference decode), and always the newest row (the serving
+    # reading of what the compression drops)
+    scored = [POLICIES[n](torch.empty(0)) for n in wanted if not n.startswith("belady")]
+    reads = reduce(PrefillReads.__or__, (ingest_reads(p) for p in scored), PrefillReads(1))
     torch.manual_seed(0)
     model, tok = load("smollm2-135m")
     model.eval()
@@ -414,7 +374,7 @@ def main() -> None:
     for i, (task, sample) in enumerate(tqdm(samples, desc="samples")):
         ids = prompt_ids(tok, sample)
         max_new = min(sample.max_new_tokens, args.max_new)
-        past, attentions, logits = shared_prefill(model, ids)
+        past, attentions, logits = shared_prefill(model, ids, reads)
         first = logits[:, -1:].argmax(-1)
         kappa = torch.ones(1, ids.shape[1], dtype=torch.float64)
         kappa[:, :-1] = token_probability(logits[:, :-1], ids[:, 1:])  # realised κ of the prompt

@@ -31,6 +31,7 @@ from transformers import DynamicCache
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evict_ruler import prefilled_prompt, resident_args  # noqa: E402
 from kvcert import Gate  # noqa: E402
+from kvcert.attention.evict_driver import ingest_reads  # noqa: E402
 from kvcert.evict import SnapKV  # noqa: E402
 from kvcert.integrations.transformers import CertifiedCache  # noqa: E402
 
@@ -41,7 +42,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     args = ap.parse_args()
     # SnapKV's prefill score reads the newest 32 query rows only
-    pr = prefilled_prompt(args.task, args.context, last_rows=32)
+    pr = prefilled_prompt(args.task, args.context, ingest_reads(SnapKV(window=32, kernel=5)))
     model, ids, past, attentions, first = pr.model, pr.ids, pr.past, pr.attentions, pr.first
 
     def resident(recall: str) -> Callable[[], CertifiedCache]:

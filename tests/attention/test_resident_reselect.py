@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from kvcert import Gate
 from kvcert.attention.resident import held_by_position
-from kvcert.evict import H2O, SnapKV
+from kvcert.evict import H2O, PrefillAttention, SnapKV
 from kvcert.evict.base import aggregate_gqa, causal_attention, prefill_kept_count
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models.tiny import tiny_random
@@ -243,6 +243,8 @@ def test_keep_ranked_is_the_prefill_rule_with_given_scores():
     for policy in (H2O(recent=4), SnapKV(window=5, kernel=3)):
         want = policy.prefill_keep(0, keys, values, 0.6, attn=attn)
         positions = torch.arange(30).expand(2, 3, 30)
-        scores = policy._prefill_scores(0, aggregate_gqa(attn, 3, "sum"), positions, None)
+        scores = policy._prefill_scores(
+            0, PrefillAttention(aggregate_gqa(attn, 3, "sum"), 30, group=2), positions, None
+        )
         assert torch.equal(policy.keep_ranked(scores, 0.6), want)
     assert torch.equal(H2O(recent=4).keep_ranked(torch.zeros(1, 1, 5), 0.0), torch.arange(5).expand(1, 1, 5))

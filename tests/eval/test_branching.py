@@ -1,9 +1,13 @@
 import pytest
 import torch
+from resident_cases import POLICIES, prompt_ids
 from transformers import DynamicCache
 
 from kvcert import Gate
+from kvcert.eval import branching
 from kvcert.eval.branching import Scheme, exact_prefill, run_branches
+from kvcert.evict import PrefillReads
+from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models import tiny_random
 
 
@@ -40,10 +44,85 @@ def test_exact_prefill_first_token_and_cache_match_a_full_forward(family):
     """Keeping only the last position's logits changes neither the first token nor the prefilled K/V."""
     model = tiny_random(family, seed=1, head_dim=32)
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
-    pre, first = exact_prefill(model, ids)
+    prefill = exact_prefill(model, ids)
+    pre, first = prefill.cache, prefill.first
+    assert prefill.attentions is None and prefill.logits.shape[1] == 1
     with torch.no_grad():
         full = DynamicCache(config=model.config)
         logits = model(ids, cache=full, use_cache=True).logits
     assert int(first) == int(logits[0, -1].argmax())
     for a, b in zip(pre.layers, full.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def _kept(cache) -> list[torch.Tensor]:
+    return [cache.kept_positions(i) for i in range(len(cache.layers))]
+
+
+@pytest.mark.parametrize("select", ["snapkv", "h2o", "rmm"])
+def test_resident_scheme_selects_from_the_real_prefill_attention(select, monkeypatch):
+    """A resident scheme through ``run_branches`` keeps the resident set a cache that ran the prefill itself keeps
+    (its policy scored by the prefill's real attention, not the key proxy), in every layer, with ``uniform`` and
+    ``mass`` allocation; the recording holds only what the policies read."""
+    model = tiny_random("llama", seed=0, attn_implementation="sdpa", head_dim=32)
+    ids = prompt_ids(model)
+    got: list[list[torch.Tensor]] = []
+
+    class Spy(CertifiedCache):
+        def ingest(self, past, attentions=None):
+            super().ingest(past, attentions)
+            got.append(_kept(self))
+
+    monkeypatch.setattr(branching, "CertifiedCache", Spy)
+    for alloc in ("uniform", "mass"):
+        got.clear()
+        scheme = Scheme("r", "none", "none", resident=0.4, select=POLICIES[select], resident_alloc=alloc)
+        run_branches(model, ids, [scheme], 2, [])
+        own = CertifiedCache(
+            model, keys="none", values="none", resident=0.4, select=POLICIES[select](), resident_alloc=alloc
+        )
+        with torch.no_grad():
+            model(ids, cache=own, use_cache=True)
+        want = _kept(own)
+        own.detach()
+        assert len(got) == 1 and len(got[0]) == len(want)
+        for a, b in zip(got[0], want, strict=True):
+            assert torch.equal(a, b)
+        if select == "snapkv" and alloc == "uniform":  # the key-proxy scores (no attention) keep another set here
+            proxy = CertifiedCache(model, keys="none", values="none", resident=0.4, select=POLICIES[select]())
+            proxy.ingest(exact_prefill(model, ids).cache)
+            assert any(not torch.equal(a, b) for a, b in zip(_kept(proxy), want, strict=True))
+            proxy.detach()
+
+
+def test_recording_only_when_a_scheme_reads_attention(monkeypatch):
+    """Dense, quantisation-only and attention-free resident schemes (StreamingLLM) run the plain prefill; a SnapKV
+    resident set records its window (plus the newest row) and nothing else."""
+    model = tiny_random("llama", seed=0, head_dim=32)
+    ids = prompt_ids(model)
+    calls: list[PrefillReads] = []
+    real = branching.recorded_attention
+
+    def spy(m, reads):
+        calls.append(reads)
+        return real(m, reads)
+
+    monkeypatch.setattr(branching, "recorded_attention", spy)
+    plain = [
+        Scheme("dense"),
+        Scheme("int4", "int4", "int4"),
+        Scheme("s", "int8", "int8", resident=0.5, select=POLICIES["streaming"]),
+    ]
+    run_branches(model, ids, plain, 2, [])
+    assert calls == []
+    assert all(not s.prefill_reads.anything for s in plain)
+    snap = Scheme("k", "int8", "int8", resident=0.5, select=POLICIES["snapkv"])
+    assert snap.prefill_reads == PrefillReads(rows=3)
+    assert Scheme("d", "int8", "int8", resident=0.5).prefill_reads == PrefillReads(rows=32)  # default SnapKV(32)
+    h2o = Scheme("h", "int8", "int8", resident=0.5, select=POLICIES["h2o"])
+    assert h2o.prefill_reads == PrefillReads(rows=1, column_sums=True)
+    run_branches(model, ids, [*plain, snap, h2o], 2, [])
+    assert calls == [PrefillReads(rows=3, column_sums=True)]
+    prefill = exact_prefill(model, ids, snap.prefill_reads)
+    assert prefill.attentions is not None and prefill.logits.shape[1] == 1
+    assert all(a.rows.shape[2] == 3 and a.column_sums is None for a in prefill.attentions)

@@ -7,6 +7,8 @@ import torch
 from transformers import DynamicCache
 
 from kvcert import Gate
+from kvcert.attention.evict_driver import ingest_reads
+from kvcert.eval.branching import exact_prefill
 from kvcert.evict import H2O, RMM, Belady, SnapKV, StreamingLLM, prefill_kept_count, selection_tv, trace_from_attentions
 from kvcert.integrations.transformers import CertifiedCache, KappaFeeder
 from kvcert.models.tiny import tiny_random
@@ -354,6 +356,25 @@ def test_ingest_with_recorded_attention_keeps_what_the_in_forward_compression_ke
     assert any(not torch.equal(other.kept_positions(i), inline.kept_positions(i)) for i in range(2))
     with pytest.raises(ValueError, match="attentions"):
         CertifiedCache(model, evict=policy, compression_ratio=0.5).ingest(past, attentions=attentions[:1])
+
+
+def test_ingest_of_a_partial_recording_serves_compression_and_refuses_budget_mode():
+    """A recording holding the newest rows (``exact_prefill(reads=...)``) feeds prefill compression; budget mode
+    observes every prefill row, so ingesting it there raises instead of observing zeros; a recording of another
+    length is refused."""
+    model = _model()
+    ids = _ids(model, seed=21)
+    policy = SnapKV(window=3, kernel=3)
+    pre = exact_prefill(model, ids, ingest_reads(policy))
+    short = exact_prefill(model, ids[:, :-1], ingest_reads(policy))
+    assert pre.attentions is not None and short.attentions is not None
+    cache = CertifiedCache(model, keys="int8", values="int8", evict=policy, compression_ratio=0.5)
+    cache.ingest(pre.cache, attentions=pre.attentions)
+    assert cache.kept_positions(0).shape[-1] == prefill_kept_count(ids.shape[1], 0.5)
+    with pytest.raises(ValueError, match="newest were recorded"):
+        CertifiedCache(model, evict=SnapKV(window=3, kernel=3), budget=8).ingest(pre.cache, attentions=pre.attentions)
+    with pytest.raises(ValueError, match="prefill's attention"):
+        CertifiedCache(model, evict=policy, compression_ratio=0.5).ingest(pre.cache, attentions=short.attentions)
 
 
 @pytest.mark.parametrize("chunk", [1, 4])

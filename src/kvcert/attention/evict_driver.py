@@ -31,7 +31,17 @@ from kvcert.cache.gate import Gate
 from kvcert.cache.recall import RecallPool
 from kvcert.cache.store import LayerStore
 from kvcert.cache.telemetry import EvictRecord, ReselectStats
-from kvcert.evict import RMM, EvictionPolicy, RunTrace, SnapKV, aggregate_gqa, causal_attention, serving_reading
+from kvcert.evict import (
+    RMM,
+    EvictionPolicy,
+    PrefillAttention,
+    PrefillReads,
+    RunTrace,
+    SnapKV,
+    aggregate_gqa,
+    causal_attention,
+    serving_reading,
+)
 from kvcert.evict.allocation import allocate_kept
 from kvcert.evict.base import keep_top, prefill_kept_count
 
@@ -45,6 +55,7 @@ __all__ = [
     "EvictionDriver",
     "default_select",
     "grouped_probs",
+    "ingest_reads",
 ]
 
 #: what a re-selection ranks tokens by: the real decode queries' attention, or the exact keys against themselves
@@ -58,6 +69,16 @@ def default_select() -> EvictionPolicy:
     mass outside the resident set in the measurement of ``docs/eviction.md`` ("Resident set and recall"). It
     protects its 32-token window: prompts with fewer than ``32 / resident`` tokens need another ``select``."""
     return SnapKV(window=32, kernel=5)
+
+
+def ingest_reads(policy: EvictionPolicy) -> PrefillReads:
+    """What :meth:`EvictionDriver.ingest` reads, in compression mode (a resident set, prefill compression), of a
+    recorded :class:`~kvcert.evict.PrefillAttention` for ``policy``: the policy's
+    :attr:`~kvcert.evict.EvictionPolicy.prefill_reads` and the newest row (the serving reading of what the
+    compression drops); nothing for a policy that ignores attention (its caller may pass none: that reading then
+    comes from the key-proxy attention). Budget mode observes every row."""
+    reads = policy.prefill_reads
+    return reads | PrefillReads(rows=1) if reads.anything else reads
 
 
 def grouped_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -402,15 +423,23 @@ class EvictionDriver:
             self.decode_scores.observe(store, self.pages[store.layer], query, logical, scaling)
         self._prefilled.add(store.layer)
 
-    def ingest(self, store: LayerStore, keys: torch.Tensor, attn: torch.Tensor | None, step: int) -> None:
-        """An ingested prefill of ``keys[B, Hkv, S, D]`` with its causal attention ``attn[B, Hq | Hkv, S, S]``
-        (``None``: the key-proxy attention): compression mode compresses with it, budget mode observes it."""
+    def ingest(
+        self, store: LayerStore, keys: torch.Tensor, attn: torch.Tensor | PrefillAttention | None, step: int
+    ) -> None:
+        """An ingested prefill of ``keys[B, Hkv, S, D]`` with its causal attention ``attn[B, Hq | Hkv, S, S]``, or
+        what a recording kept of it (a :class:`~kvcert.evict.PrefillAttention` holding at least
+        :func:`ingest_reads`; budget mode: every row), or ``None`` (the key-proxy attention): compression mode
+        compresses with it, budget mode observes it."""
         if store.layer not in self.layers:
             return
         hkv, s = keys.shape[1:3]
         attn = causal_attention(keys, keys) if attn is None else attn
-        mean = aggregate_gqa(attn.to(torch.float64), hkv, "mean")  # [B, Hkv, S, S]
-        if self.cfg.compression_ratio is None:
+        budget = self.cfg.compression_ratio is None
+        if isinstance(attn, PrefillAttention):
+            mean = attn.mean_newest(None if budget else 1)  # [B, Hkv, S | 1, S]
+        else:
+            mean = aggregate_gqa(attn.to(torch.float64), hkv, "mean")  # [B, Hkv, S, S]
+        if budget:
             self._observe(store, mean, s)
             return
         self._last_attn[store.layer] = mean[:, :, -1]
@@ -464,15 +493,15 @@ class EvictionDriver:
         if store.layer == 0 and nq:
             self.kappa_groups.append(positions[:, 0, -nq:].clone())
 
-    def _compress_prefill(self, store: LayerStore, attn: torch.Tensor | None, step: int) -> None:
+    def _compress_prefill(self, store: LayerStore, attn: torch.Tensor | PrefillAttention | None, step: int) -> None:
         """Compression mode: keep ``prefill_kept_count(S, ratio)`` slots per KV head after the prefill read; with
         ``resident_alloc="mass"`` record the layer's scores and, once every managed layer's prefill was read (the last
         one of the prefill forward, or of :meth:`ingest`), split the same total across them (:meth:`_allocate`). The
         prefill read itself is exact, so gathering every layer after the last one's read serves the same.
 
-        ``attn[B, Hq, S, S]`` is the prefill's served attention, or ``[B, Hkv, S, S]`` key-proxy attention
-        (ingest), ``None`` for policies that ignore it; RMM's prompt κ is :attr:`prefill_kappa`, else ``κ ≡ 1``
-        (the prompt is given text).
+        ``attn[B, Hq, S, S]`` is the prefill's served attention, or ``[B, Hkv, S, S]`` key-proxy attention or a
+        recorded :class:`~kvcert.evict.PrefillAttention` (ingest), ``None`` for policies that ignore it; RMM's prompt
+        κ is :attr:`prefill_kappa`, else ``κ ≡ 1`` (the prompt is given text).
         """
         assert store.k is not None and store.v is not None and self.cfg.compression_ratio is not None
         keys, values = store.k.host.view(), store.v.host.view()

@@ -4,21 +4,30 @@ The prefill is computed once with an exact ``DynamicCache``; every scheme's cach
 exact K/V (as a serving engine would write them after prefill) and decodes greedily through its own
 compressed cache. This makes a scheme-by-scheme comparison paired on identical prompts and cheap on a
 CPU: the prefill dominates the cost of a long-context sample.
+
+A scheme with a resident set selects it from the prefill's real attention, as a cache that ran the prefill itself
+would: the same prefill forward records what the schemes' policies read of it
+(:func:`~kvcert.attention.evict_driver.ingest_reads`, e.g. SnapKV's window rows, H2O's column sums;
+:mod:`kvcert.eval.attention_record`) and every resident scheme ingests it. Without a resident scheme whose policy
+reads attention, nothing is recorded and the prefill is the plain one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import reduce
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from kvcert.attention.evict_driver import default_select, ingest_reads
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import DEFAULT_WITNESS, Witness
 from kvcert.cache.telemetry import Telemetry
-from kvcert.evict import EvictionPolicy
+from kvcert.eval.attention_record import recorded_attention
+from kvcert.evict import EvictionPolicy, PrefillAttention, PrefillReads
 from kvcert.integrations.transformers import CertifiedCache
 
 
@@ -45,6 +54,28 @@ class Scheme:
     def is_dense(self) -> bool:
         """True for the uncompressed baseline."""
         return self.keys is None
+
+    @property
+    def prefill_reads(self) -> PrefillReads:
+        """What this scheme's cache reads of a recorded prefill attention (:func:`ingest_reads` of its resident set's
+        policy; nothing without a resident set)."""
+        if self.resident is None:
+            return PrefillReads()
+        return ingest_reads(default_select() if self.select is None else self.select())
+
+
+@dataclass
+class Prefill:
+    """An exact prefill: its cache, the logits it kept and, when recorded, what was read of each layer's attention."""
+
+    cache: DynamicCache
+    logits: torch.Tensor  # [1, logits_to_keep (or T), vocab]
+    attentions: list[PrefillAttention] | None
+
+    @property
+    def first(self) -> torch.Tensor:
+        """The greedy first token ``[1, 1]`` (from the last position's logits)."""
+        return self.logits[:, -1:].argmax(-1)
 
 
 @dataclass
@@ -95,19 +126,27 @@ def greedy_from(
     return toks
 
 
-def exact_prefill(model: PreTrainedModel, input_ids: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
-    """Prefill ``input_ids[1, T]`` into an exact ``DynamicCache``; return it and the greedy first token.
+def exact_prefill(
+    model: PreTrainedModel, input_ids: torch.Tensor, reads: PrefillReads | None = None, logits_to_keep: int = 1
+) -> Prefill:
+    """Prefill ``input_ids[1, T]`` into an exact ``DynamicCache``, recording ``reads`` of every layer's attention in
+    the same forward (:func:`~kvcert.eval.attention_record.recorded_attention`; ``None`` or a read of nothing: no
+    recording, the model's plain forward, ``attentions`` is ``None``).
 
-    Only the last position's logits are computed (``logits_to_keep=1``): the first token needs no other, and
-    the full ``[T, vocab]`` logits would dominate the prefill of a large-vocabulary model (Gemma-3: 262k
-    entries, 2 GB of float32 logits at T = 2048).
+    By default only the last position's logits are computed (``logits_to_keep=1``): the first token needs no other,
+    and the full ``[T, vocab]`` logits would dominate the prefill of a large-vocabulary model (Gemma-3: 262k
+    entries, 2 GB of float32 logits at T = 2048); ``logits_to_keep=0`` keeps every position's.
     """
     if input_ids.shape[0] != 1:
         raise ValueError("branches take one prompt at a time (batch 1)")
+    pre = DynamicCache(config=model.config)
     with torch.no_grad():
-        pre = DynamicCache(config=model.config)
-        out = model(input_ids, cache=pre, use_cache=True, logits_to_keep=1)
-    return pre, out.logits[:, -1:].argmax(-1)
+        if reads is None or not reads.anything:
+            out = model(input_ids, cache=pre, use_cache=True, logits_to_keep=logits_to_keep)
+            return Prefill(pre, out.logits, None)
+        with recorded_attention(model, reads) as recorded:
+            out = model(input_ids, cache=pre, use_cache=True, logits_to_keep=logits_to_keep)
+    return Prefill(pre, out.logits, [recorded[i] for i in range(len(pre.layers))])
 
 
 def run_branches(
@@ -118,8 +157,11 @@ def run_branches(
     eos_ids: Sequence[int],
     seed: int = 0,
 ) -> list[BranchResult]:
-    """Prefill ``input_ids[1, T]`` once (exact), then decode each scheme from that prefill."""
-    pre, first = exact_prefill(model, input_ids)
+    """Prefill ``input_ids[1, T]`` once (exact), recording what the resident schemes read of its attention (module
+    doc), then decode each scheme from that prefill."""
+    reads = reduce(PrefillReads.__or__, (s.prefill_reads for s in schemes), PrefillReads())
+    prefill = exact_prefill(model, input_ids, reads)
+    pre, first = prefill.cache, prefill.first
     results = []
     for scheme in schemes:
         if scheme.keys is None:  # the dense baseline (Scheme.is_dense)
@@ -144,7 +186,7 @@ def run_branches(
             device_budget=scheme.device_budget,
         )
         try:
-            cache.ingest(pre)
+            cache.ingest(pre, None if scheme.resident is None else prefill.attentions)
             toks = greedy_from(model, first, cache, max_new_tokens, eos_ids)
         finally:
             cache.detach()

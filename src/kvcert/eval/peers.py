@@ -106,7 +106,8 @@ def run_peers(
     eos_ids: Sequence[int],
 ) -> list[PeerResult]:
     """Prefill ``input_ids[1, T]`` once (exact), then decode each peer from that prefill."""
-    pre, first = exact_prefill(model, input_ids)
+    prefill = exact_prefill(model, input_ids)
+    pre, first = prefill.cache, prefill.first
     results = []
     for spec in peers:
         cache = spec.build(model)

@@ -13,7 +13,6 @@ from kvcert.evict.base import (
     aggregate_gqa,
     causal_attention,
     keep_top,
-    observed_attention,
     prefill_kept_count,
 )
 from kvcert.evict.belady import Belady, served_mass_ceiling
@@ -27,6 +26,7 @@ from kvcert.evict.mass import (
     serving_reading,
     validate_reading,
 )
+from kvcert.evict.prefill_attention import EVERY_ROW, PrefillAttention, PrefillReads, observed_attention
 from kvcert.evict.rmm import RMM
 from kvcert.evict.run_trace import RunTrace
 from kvcert.evict.snapkv import SnapKV
@@ -63,6 +63,9 @@ __all__ = [
     "gap_closed",
     "keep_top",
     "observed_attention",
+    "EVERY_ROW",
+    "PrefillAttention",
+    "PrefillReads",
     "overlap",
     "prefill_kept_count",
     "replay",

@@ -57,6 +57,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvcert.evict.prefill_attention import EVERY_ROW, PrefillAttention, PrefillReads
+
 GqaAggregation = Literal["sum", "mean", "max"]
 F64 = torch.float64
 
@@ -123,27 +125,6 @@ def causal_attention(queries: Tensor, keys: Tensor) -> Tensor:
     s = queries.shape[2]
     mask = torch.ones(s, s, dtype=torch.bool, device=queries.device).triu(1)
     return torch.softmax(logits.masked_fill(mask, -math.inf), dim=-1)
-
-
-def observed_attention(attn: Tensor, kappa: Tensor | None = None) -> Tensor:
-    """Prefill score ``[B, H, S]``: the mean (κ-weighted) attention a key receives from the queries that see it,
-
-        score_i = Σ_{s >= i} κ_s · a_{s,i} / (S − i)        (causal: the S − i queries at positions i..S−1)
-
-    ``attn[B, H, S, S]`` causal attention (summed or averaged over each group: the ranking is the same);
-    ``kappa[B, S]`` correctness weights, or ``None`` for κ ≡ 1 (then nothing is multiplied, so the value is
-    bit-identical to ``kappa = ones``). Without the division the column sum favours early keys, which more
-    queries see: a key every query attends to with weight ``1/(s+1)`` outranks a late key that every later
-    query attends to with weight 1/2. kvpress's ``ObservedAttentionPress`` divides by the same count.
-    """
-    if attn.dim() != 4 or attn.shape[-1] != attn.shape[-2]:
-        raise ValueError(f"attn must be [B, H, S, S], got {tuple(attn.shape)}")
-    s = attn.shape[-1]
-    if kappa is not None:
-        if kappa.shape != (attn.shape[0], s):
-            raise ValueError(f"kappa must be [B, S] = {(attn.shape[0], s)}, got {tuple(kappa.shape)}")
-        attn = attn * kappa[:, None, :, None].to(attn.dtype)
-    return attn.sum(-2) / torch.arange(s, 0, -1, dtype=attn.dtype, device=attn.device)
 
 
 def _check_prefill_kv(keys: Tensor, values: Tensor) -> None:
@@ -480,6 +461,12 @@ class EvictionPolicy(ABC):
 
     needs_attention: bool = True  # False for policies whose prefill scores ignore attention
 
+    @property
+    def prefill_reads(self) -> PrefillReads:
+        """What :meth:`prefill_scores` reads of the causal prefill attention (:class:`PrefillReads`): every row
+        unless a subclass declares less; nothing when :attr:`needs_attention` is False."""
+        return EVERY_ROW if self.needs_attention else PrefillReads()
+
     def __init__(self, sinks: int = 0, recent: int = 0) -> None:
         if sinks < 0 or recent < 0:
             raise ValueError(f"sinks and recent must be >= 0, got sinks={sinks}, recent={recent}")
@@ -625,15 +612,17 @@ class EvictionPolicy(ABC):
         keys: Tensor,
         values: Tensor,
         ratio: float,
-        attn: Tensor | None = None,
+        attn: Tensor | PrefillAttention | None = None,
         queries: Tensor | None = None,
         kappa: Tensor | None = None,
     ) -> Tensor:
         """Sorted indices ``[B, Hkv, C]`` to keep after prefill, ``C = prefill_kept_count(S, ratio)``.
 
-        ``keys``/``values``: ``[B, Hkv, S, D]``; attention from ``attn[B, Hq, S, S]`` (eager weights) or
-        recomputed causally from ``queries[B, Hq, S, D]``; ``kappa[B, S]`` correctness weights of the
-        prefill queries (used only by correctness-weighted policies). Positions are ``0..S-1``.
+        ``keys``/``values``: ``[B, Hkv, S, D]``; attention from ``attn[B, Hq, S, S]`` (eager weights), from a
+        :class:`~kvcert.evict.prefill_attention.PrefillAttention` ``[B, Hkv, S]`` holding at least
+        :attr:`prefill_reads` (``ValueError`` otherwise), or recomputed causally from ``queries[B, Hq, S, D]``;
+        ``kappa[B, S]`` correctness weights of the prefill queries (used only by correctness-weighted policies).
+        Positions are ``0..S-1``.
         """
         _check_prefill_kv(keys, values)
         s = keys.shape[2]
@@ -648,7 +637,7 @@ class EvictionPolicy(ABC):
         layer: int,
         keys: Tensor,
         values: Tensor,
-        attn: Tensor | None = None,
+        attn: Tensor | PrefillAttention | None = None,
         queries: Tensor | None = None,
         kappa: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
@@ -679,17 +668,25 @@ class EvictionPolicy(ABC):
         return _mask_indices(_top_mask(scores.to(F64).masked_fill(protected, math.inf), kept), kept)
 
     @staticmethod
-    def _prefill_attention(keys: Tensor, attn: Tensor | None, queries: Tensor | None) -> Tensor:
+    def _prefill_attention(
+        keys: Tensor, attn: Tensor | PrefillAttention | None, queries: Tensor | None
+    ) -> PrefillAttention:
+        """The prefill attention per KV head (sum over each group) of ``keys[B, Hkv, S, D]``'s prefill."""
         if attn is None:
             if queries is None:
                 raise ValueError("prefill_keep needs attn [B, Hq, S, S] or queries [B, Hq, S, D]")
             attn = causal_attention(queries, keys)
-        s = keys.shape[2]
-        if attn.dim() != 4 or attn.shape[-2:] != (s, s) or attn.shape[0] != keys.shape[0]:
+        b, h, s = keys.shape[:3]
+        if isinstance(attn, PrefillAttention):
+            if attn.shape != (b, h, s) or attn.queries != s:
+                raise ValueError(
+                    f"attn must be a prefill's attention [B, Hkv, S] = {(b, h, s)} over {s} queries, got "
+                    f"{attn.shape} over {attn.queries}"
+                )
+            return attn
+        if attn.dim() != 4 or attn.shape[-2:] != (s, s) or attn.shape[0] != b:
             raise ValueError(f"attn must be [B, Hq, S, S] with S={s}, got {tuple(attn.shape)}")
-        if not torch.isfinite(attn).all():
-            raise ValueError("attn must be finite")
-        return aggregate_gqa(attn.to(F64), keys.shape[1], "sum")
+        return PrefillAttention(aggregate_gqa(attn.to(F64), h, "sum"), s, group=attn.shape[1] // h)
 
     # ---- hooks -----------------------------------------------------------------------------
     def _protected(self, positions: Tensor, now: Tensor) -> Tensor:
@@ -704,9 +701,12 @@ class EvictionPolicy(ABC):
         return state.scores
 
     @abstractmethod
-    def _prefill_scores(self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None) -> Tensor:
-        """Prefill scores ``[B, Hkv, S]`` from ``attn[B, Hkv, S, S]`` (GQA-summed; ``None`` when
-        ``needs_attention`` is False) and ``kappa[B, S]`` (or ``None``)."""
+    def _prefill_scores(
+        self, layer: int, attn: PrefillAttention | None, positions: Tensor, kappa: Tensor | None
+    ) -> Tensor:
+        """Prefill scores ``[B, Hkv, S]`` from the prefill attention ``attn`` (per KV head, GQA-summed; ``None``
+        when ``needs_attention`` is False; it raises on a read of what was not recorded) and ``kappa[B, S]`` (or
+        ``None``)."""
 
     def _state(self, layer: int) -> LayerState:
         state = self._layers.get(layer)

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from kvcert.evict.base import F64, EvictionPolicy, LayerState
+from kvcert.evict.prefill_attention import PrefillAttention
 
 BeladyVariant = Literal["next_use", "future_mass"]
 
@@ -102,7 +103,9 @@ class Belady(EvictionPolicy):
     def _scores(self, layer: int, state: LayerState) -> Tensor:
         return self._lookup(layer, state.positions, state.now)
 
-    def _prefill_scores(self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None) -> Tensor:
+    def _prefill_scores(
+        self, layer: int, attn: PrefillAttention | None, positions: Tensor, kappa: Tensor | None
+    ) -> Tensor:
         return self._lookup(layer, positions, torch.full((1,), positions.shape[-1] - 1, device=positions.device))
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kvcert.evict.base import EvictionPolicy, LayerState, accumulate_rows, observed_attention
+from kvcert.evict.base import EvictionPolicy, LayerState, accumulate_rows
+from kvcert.evict.prefill_attention import PrefillAttention, PrefillReads
 
 
 class H2O(EvictionPolicy):
@@ -19,9 +20,16 @@ class H2O(EvictionPolicy):
     def __init__(self, recent: int = 0, sinks: int = 0) -> None:
         super().__init__(sinks=sinks, recent=recent)
 
+    @property
+    def prefill_reads(self) -> PrefillReads:
+        """The column sums over every prefill row."""
+        return PrefillReads(column_sums=True)
+
     def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: Tensor) -> None:
         accumulate_rows(state.buffers[0][..., : state.n], attn)
 
-    def _prefill_scores(self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None) -> Tensor:
+    def _prefill_scores(
+        self, layer: int, attn: PrefillAttention | None, positions: Tensor, kappa: Tensor | None
+    ) -> Tensor:
         assert attn is not None
-        return observed_attention(attn)
+        return attn.observed()

@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvcert.evict.base import EvictionPolicy, LayerState, accumulate_rows, observed_attention
+from kvcert.evict.base import EvictionPolicy, LayerState, accumulate_rows
 from kvcert.evict.kappa import KAPPA_KINDS, KappaKind
+from kvcert.evict.prefill_attention import EVERY_ROW, PrefillAttention, PrefillReads
 
 
 class RMM(EvictionPolicy):
@@ -36,6 +37,12 @@ class RMM(EvictionPolicy):
         super().__init__(sinks=sinks, recent=lag)
         self.lag = lag
         self.kappa_kind = kappa
+
+    @property
+    def prefill_reads(self) -> PrefillReads:
+        """``kappa="uniform"``: the column sums over every prefill row; otherwise every row (the κ of the prompt,
+        known only after the prefill, weights each row)."""
+        return PrefillReads(column_sums=True) if self.kappa_kind == "uniform" else EVERY_ROW
 
     def _accumulate(self, layer: int, state: LayerState, attn: Tensor, qpos: Tensor) -> None:
         state.add_rows(attn)
@@ -65,8 +72,10 @@ class RMM(EvictionPolicy):
             state.row_positions.pop(0)
             accumulate_rows(state.buffers[0][..., : state.n], rows, kappa)
 
-    def _prefill_scores(self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None) -> Tensor:
+    def _prefill_scores(
+        self, layer: int, attn: PrefillAttention | None, positions: Tensor, kappa: Tensor | None
+    ) -> Tensor:
         assert attn is not None
         if kappa is None and self.kappa_kind != "uniform":
             raise ValueError(f"kappa [B, S] is required for RMM prefill with kappa={self.kappa_kind!r}")
-        return observed_attention(attn, kappa)
+        return attn.observed(kappa)

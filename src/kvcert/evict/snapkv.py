@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from kvcert.evict.base import EvictionPolicy, LayerState, _host
+from kvcert.evict.prefill_attention import PrefillAttention, PrefillReads
 
 Pooling = Literal["avgpool", "maxpool"]
 
@@ -133,6 +134,11 @@ class SnapKV(EvictionPolicy):
         # (positions, row) per layer: numpy views of CPU states, tensors on the state's device otherwise
         self._windows: dict[int, deque[tuple[np.ndarray | Tensor, np.ndarray | Tensor]]] = {}
 
+    @property
+    def prefill_reads(self) -> PrefillReads:
+        """The ``window`` newest prefill rows."""
+        return PrefillReads(rows=self.window)
+
     def reset(self) -> None:
         """Forget all per-item state and the recorded windows (new request)."""
         super().reset()
@@ -168,6 +174,8 @@ class SnapKV(EvictionPolicy):
     def _scores(self, layer: int, state: LayerState) -> Tensor:
         return pool_scores(state.scores, self.kernel, self.pooling)
 
-    def _prefill_scores(self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None) -> Tensor:
+    def _prefill_scores(
+        self, layer: int, attn: PrefillAttention | None, positions: Tensor, kappa: Tensor | None
+    ) -> Tensor:
         assert attn is not None
-        return pool_scores(attn[:, :, -self.window :, :].sum(2), self.kernel, self.pooling)
+        return pool_scores(attn.newest(self.window).sum(2), self.kernel, self.pooling)

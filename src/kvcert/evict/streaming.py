@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from kvcert.evict.base import F64, EvictionPolicy, LayerState
+from kvcert.evict.prefill_attention import PrefillAttention
 
 
 class StreamingLLM(EvictionPolicy):
@@ -36,5 +37,7 @@ class StreamingLLM(EvictionPolicy):
     def _scores(self, layer: int, state: LayerState) -> Tensor:
         return state.positions.to(F64)
 
-    def _prefill_scores(self, layer: int, attn: Tensor | None, positions: Tensor, kappa: Tensor | None) -> Tensor:
+    def _prefill_scores(
+        self, layer: int, attn: PrefillAttention | None, positions: Tensor, kappa: Tensor | None
+    ) -> Tensor:
         return positions.to(F64)

@@ -55,7 +55,7 @@ from kvcert.cache.events import CacheObserver, last_write_event
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import DEFAULT_WITNESS, LayerStore, Witness
 from kvcert.cache.telemetry import CacheReadings, ReselectStats, Telemetry, assemble
-from kvcert.evict import EvictionPolicy, RunTrace
+from kvcert.evict import EvictionPolicy, PrefillAttention, RunTrace
 from kvcert.integrations.attention_impl import register_attention
 from kvcert.integrations.cache_config import GateConfig, StorageConfig, ValidationConfig
 from kvcert.quant import Codec
@@ -649,14 +649,17 @@ class CertifiedCache(Cache):
         for obs in self.observers:
             obs.on_write(ev)
 
-    def ingest(self, past: Cache, attentions: Sequence[torch.Tensor] | None = None) -> None:
+    def ingest(self, past: Cache, attentions: Sequence[torch.Tensor | PrefillAttention] | None = None) -> None:
         """Take over the K/V of an exact prefill cache (e.g. a ``DynamicCache`` after a shared prefill).
 
         The entries become pending exactly as if this cache had run the prefill itself, so several schemes
         can branch from one prefill. Sliding layers take the last ``window − 1`` tokens like transformers.
         With eviction, ``attentions`` (per layer, the prefill's causal attention probabilities
-        ``[B, Hq | Hkv, S, S]``; ``Hkv`` rows must be the mean over each group) lets several compressed caches
-        branch from one prefill; without it the policies read the *key-proxy* attention
+        ``[B, Hq | Hkv, S, S]``; ``Hkv`` rows must be the mean over each group), or what a recording of the
+        prefill kept of it (a :class:`~kvcert.evict.PrefillAttention` per layer over the ``Hkv`` heads holding at
+        least :func:`~kvcert.attention.evict_driver.ingest_reads` of the policy, e.g. from
+        :func:`kvcert.eval.branching.exact_prefill`; a read of what it does not hold raises ``ValueError``) lets
+        several compressed caches branch from one prefill; without it the policies read the *key-proxy* attention
         ``softmax(k_s·k_i/√D)`` (causal, per KV head). Compression mode compresses with it, budget mode
         observes it. A sliding layer's entry of ``attentions`` is not read (eviction does not manage it).
         """
@@ -674,7 +677,7 @@ class CertifiedCache(Cache):
                 self._evictor.ingest(layer.store, src.keys, attn, self._step)
         self._step = 0
 
-    def _check_ingest(self, sources: list[Any], attentions: Sequence[torch.Tensor] | None) -> None:
+    def _check_ingest(self, sources: list[Any], attentions: Sequence[torch.Tensor | PrefillAttention] | None) -> None:
         if self._step >= 0:
             raise ValueError("ingest() must be called on a fresh CertifiedCache")
         if self.eviction.belady:
@@ -689,7 +692,13 @@ class CertifiedCache(Cache):
             if layer.is_sliding:  # eviction does not manage it: its attention is not read
                 continue
             b, hkv, s = src.keys.shape[:3] if src.keys is not None else (0, 1, 0)
-            if attn.dim() != 4 or attn.shape[0] != b or attn.shape[1] % hkv or attn.shape[2:] != (s, s):
+            if isinstance(attn, PrefillAttention):
+                if attn.shape != (b, hkv, s) or attn.queries != s:
+                    raise ValueError(
+                        f"attentions[{i}] must be a prefill's attention [B, Hkv, S] = {(b, hkv, s)} over {s} "
+                        f"queries, got {attn.shape} over {attn.queries}"
+                    )
+            elif attn.dim() != 4 or attn.shape[0] != b or attn.shape[1] % hkv or attn.shape[2:] != (s, s):
                 raise ValueError(
                     f"attentions[{i}] must be [B, H, S, S] = [{b}, k·{hkv}, {s}, {s}], got {tuple(attn.shape)}"
                 )

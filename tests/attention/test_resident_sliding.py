@@ -12,6 +12,7 @@ from resident_cases import POLICIES, assert_sound_in_every_cell, greedy_decode, 
 from transformers import DynamicCache
 
 from kvcert import Gate
+from kvcert.attention.evict_driver import ingest_reads
 from kvcert.eval.branching import exact_prefill, greedy_from
 from kvcert.evict import H2O, SnapKV
 from kvcert.integrations.transformers import CertifiedCache
@@ -139,16 +140,18 @@ def test_reselection_on_a_sliding_model_is_sound(model):
     assert tel.violations == 0 and tel.out_violations == 0 and tel.recall_violations == 0
 
 
-def test_an_ingested_prefill_at_tau_zero_decodes_the_dense_tokens(model):
+@pytest.mark.parametrize("recorded", [False, True])
+def test_an_ingested_prefill_at_tau_zero_decodes_the_dense_tokens(model, recorded):
     """The branching path of the benchmarks: a ``DynamicCache`` prefill (its sliding layers hold their window) is
-    ingested into a resident cache; at tau = 0 it decodes the dense tokens."""
+    ingested into a resident cache, with the key-proxy scores or with the attention recorded in the prefill forward
+    (what ``run_branches`` passes); at tau = 0 it decodes the dense tokens."""
     ids = prompt_ids(model, batch=1, seed=13)
-    pre, first = exact_prefill(model, ids)
-    dense_pre, _ = exact_prefill(model, ids)
-    dense = greedy_from(model, first, dense_pre, STEPS, [])
-    with _cache(model, tau=0.0) as cache:
-        cache.ingest(pre)
-        assert greedy_from(model, first, cache, STEPS, []) == dense
+    select = POLICIES["snapkv"]()
+    pre = exact_prefill(model, ids, reads=ingest_reads(select) if recorded else None)
+    dense = greedy_from(model, pre.first, exact_prefill(model, ids).cache, STEPS, [])
+    with _cache(model, tau=0.0, select=select) as cache:
+        cache.ingest(pre.cache, pre.attentions)
+        assert greedy_from(model, pre.first, cache, STEPS, []) == dense
         assert set(cache._pages) == {2, 5}
 
 

@@ -59,7 +59,7 @@ from typing import Literal
 import torch
 
 from kvcert.bounds.rope import Pairing, band_norms, norm_up_f32, round_up_f32
-from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex
+from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex, WitnessWrites
 from kvcert.quant import Codec, DitherKey, Packed
 
 
@@ -212,9 +212,9 @@ class LayerStore:
         assert self.k is not None and self.v is not None
         self.rows = rows
         self._keep_exact_rows = keep_exact_rows
-        self.encode_pending()
         t, (b, h) = k.shape[2], k.shape[:2]
-        self._append_pending(k, v, torch.arange(self.appended, self.appended + t, device=k.device).expand(b, h, t))
+        positions = torch.arange(self.appended, self.appended + t, device=k.device).expand(b, h, t)
+        self._encode_and_append(k, v, positions, flush=False)
         self.appended += t
         self._release_over_budget()
 
@@ -240,13 +240,21 @@ class LayerStore:
         if positions.shape != k.shape[:3] or v.shape[:3] != k.shape[:3]:
             raise ValueError(f"k, v and positions must share [B, H, T], got {k.shape}, {v.shape}, {positions.shape}")
         device = self.positions.view().device  # the device tier's (the host tier may be pinned CPU memory)
-        self.encode_pending(flush=True)
-        self._append_pending(k.to(device), v.to(device), positions.to(device))
+        self._encode_and_append(k.to(device), v.to(device), positions.to(device), flush=True)
         self.encode_pending(flush=True)
         self._release_over_budget()
 
-    def _append_pending(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append ``k, v[B, H, T, D]`` at logical ``positions[B, H, T]`` as pending (exact) entries."""
+    def _encode_and_append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, flush: bool) -> None:
+        """:meth:`encode_pending`, then append ``k, v[B, H, T, D]`` at logical ``positions[B, H, T]`` as pending
+        (exact) entries; the witness writes of both are stored after one host read-back."""
+        writes = WitnessWrites()
+        self._encode(flush, writes)
+        self._append_pending(k, v, positions, writes)
+        self._commit(writes)
+
+    def _append_pending(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, writes: WitnessWrites) -> None:
+        """Append ``k, v[B, H, T, D]`` at logical ``positions[B, H, T]`` as pending (exact) entries (the witness
+        appends are recorded in ``writes``)."""
         assert self.k is not None and self.v is not None
         t = k.shape[2]
         b, h = k.shape[:2]
@@ -255,12 +263,12 @@ class LayerStore:
             ts.served.append(x.to(torch.float32))
             ts.exact.append(torch.ones(b, h, t, dtype=torch.bool, device=x.device))
             ts.held.append(torch.zeros(b, h, t, dtype=torch.bool, device=x.device))
-        self.k_band.append(k.new_zeros((b, h, t, self.bands), dtype=torch.float32))
-        self.k_wit.append(k.new_zeros((b, h, t), dtype=torch.float32))
-        self.k_hat_norm.append(norm_up_f32(k))
-        self.v_res.append(k.new_zeros((b, h, t), dtype=torch.float32))
-        self.v_hat_norm.append(norm_up_f32(v))
-        self.v_dist.append(norm_up_f32(v.to(torch.float64) - self.v_centre))
+        writes.append(self.k_band, k.new_zeros((b, h, t, self.bands), dtype=torch.float32))
+        writes.append(self.k_wit, k.new_zeros((b, h, t), dtype=torch.float32))
+        writes.append(self.k_hat_norm, norm_up_f32(k))
+        writes.append(self.v_res, k.new_zeros((b, h, t), dtype=torch.float32))
+        writes.append(self.v_hat_norm, norm_up_f32(v))
+        writes.append(self.v_dist, norm_up_f32(v.to(torch.float64) - self.v_centre))
         self.positions.append(positions)
         if self.k_steps is not None:
             self.k_steps.append(k.new_zeros((b, h, t, self.k_steps.view().shape[-1]), dtype=torch.float32))
@@ -271,6 +279,12 @@ class LayerStore:
         ``flush=True`` also encodes a trailing partial ``write_block`` (eviction needs every head's pending
         tail encoded so the kept codes stay rectangular; per-token codecs only).
         """
+        writes = WitnessWrites()
+        self._encode(flush, writes)
+        self._commit(writes)
+
+    def _encode(self, flush: bool, writes: WitnessWrites) -> None:
+        """:meth:`encode_pending` with its witness writes and counters recorded in ``writes``."""
         assert self.k is not None and self.v is not None
         for is_key, ts in ((True, self.k), (False, self.v)):
             n = ts.encodable()
@@ -301,9 +315,8 @@ class LayerStore:
             ts.exact.view()[:, :, lo:hi] = keep
             wit = self._witnesses(is_key, x, xhat, keep, ts.codec.steps(packed))
             if is_key:
-                nonfinite, fail_closed = torch.stack([(~finite).sum(), (finite & rows_exact).sum()]).tolist()  # 1 sync
-                self.nonfinite += nonfinite
-                self.fail_closed += fail_closed
+                writes.count("nonfinite", (~finite).sum())
+                writes.count("fail_closed", (finite & rows_exact).sum())
                 if "k_steps" in wit and self.k_steps is None:
                     steps = wit["k_steps"]
                     self.k_steps = GrowBuffer(steps[:, :, :0])
@@ -312,7 +325,7 @@ class LayerStore:
                             *steps.shape[:2], ts.host.n, steps.shape[-1], dtype=steps.dtype, device=steps.device
                         )
                     )
-            self._write_witnesses((slice(None), slice(None), slice(lo, hi)), wit)
+            self._write_witnesses((slice(None), slice(None), slice(lo, hi)), wit, writes)
             ts.n_encoded = hi
 
     def _witnesses(
@@ -339,17 +352,25 @@ class LayerStore:
             "v_dist": norm_up_f32(served.to(torch.float64) - self.v_centre),
         }
 
-    def _write_witnesses(self, index: TokenIndex, wit: Mapping[str, torch.Tensor | float]) -> None:
-        """Write witnesses ``{buffer name: values}`` at ``index`` of their buffers. In ``"log8"`` the key
-        witness ``W_t`` is not stored: it is re-derived as :func:`band_sum_up` of the *decoded* bands (each
-        ``>=`` the true band norm, so ``W_t`` still bounds ``Σ_b ρ_{t,b}`` and ``‖Δk_t‖``), over the whole
-        buffer when a base was raised (decoded bands elsewhere grew)."""
-        raised = False
+    def _write_witnesses(
+        self, index: TokenIndex, wit: Mapping[str, torch.Tensor | float], writes: WitnessWrites
+    ) -> None:
+        """Record writes of witnesses ``{buffer name: values}`` at ``index`` of their buffers in ``writes``
+        (``k_wit`` only in ``"f32"``: :meth:`_commit` derives it in ``"log8"``)."""
         for name, val in wit.items():
             if name != "k_wit" or self.witness == "f32":
-                raised |= getattr(self, name).write(index, val)
-        if self.witness == "log8" and "k_band" in wit:
-            where = (slice(None),) * 3 if raised else index
+                writes.write(getattr(self, name), index, val)
+
+    def _commit(self, writes: WitnessWrites) -> None:
+        """Store ``writes`` (one host sync: :meth:`WitnessWrites.commit`) and add their counters. In ``"log8"`` the
+        key witness ``W_t`` is not stored: it is re-derived as :func:`band_sum_up` of the *decoded* bands (each
+        ``>=`` the true band norm, so ``W_t`` still bounds ``Σ_b ρ_{t,b}`` and ``‖Δk_t‖``) where bands were
+        written, over the whole buffer when a band base was raised (decoded bands elsewhere grew)."""
+        bands = writes.indices(self.k_band) if self.witness == "log8" else []
+        counts = writes.commit()
+        self.nonfinite += counts.get("nonfinite", 0)
+        self.fail_closed += counts.get("fail_closed", 0)
+        for where in [(slice(None),) * 3] if bands and self.k_band in writes.raised else bands:
             self.k_wit.write(where, band_sum_up(self.k_band.view()[where], self.bands))
 
     # ------------------------------------------------------------------------------------ maintenance
@@ -379,7 +400,9 @@ class LayerStore:
         }
         if self.k_steps is not None:
             wit["k_steps"] = 0.0
-        self._write_witnesses((b, h, tokens), wit)
+        writes = WitnessWrites()
+        self._write_witnesses((b, h, tokens), wit, writes)
+        self._commit(writes)
         return moved
 
     # --------------------------------------------------------------------------------- device budget
@@ -440,6 +463,7 @@ class LayerStore:
                 served = ts.served.view()[:, :, lo:hi]
                 served.copy_(torch.where(held.unsqueeze(-1), xhat, served))
                 where = (slice(None), slice(None), slice(lo, hi))
+                writes = WitnessWrites()
                 self._write_witnesses(  # a decoded value written back re-encodes to its own code
                     where,
                     {
@@ -448,7 +472,9 @@ class LayerStore:
                         )
                         for name, val in wit.items()
                     },
+                    writes,
                 )
+                self._commit(writes)
                 ts.exact.view()[:, :, lo:hi] &= ~held
                 self.released += int(held.sum())
                 self.n_held -= int(held.sum())

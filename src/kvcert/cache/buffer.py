@@ -1,10 +1,12 @@
 """Token-axis growable tensors with amortised O(1) appends (capacity doubling): :class:`GrowBuffer` (any dtype)
 and :class:`LogBuffer` (non-negative witnesses stored as 8-bit logarithmic codes that decode upwards), and
-:class:`WitnessWrites`, which stores writes to several of them after one host read-back."""
+:class:`WriteBatch`, which stores writes to several of them after one host read-back."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -148,17 +150,17 @@ class LogBuffer:
     def write(self, index: TokenIndex, values: torch.Tensor | float) -> bool:
         """Store ``values`` (non-negative, broadcast to ``view()[index]``) at ``index``: set the base of heads
         written positive for the first time, raise the base of heads whose new values exceed their top code,
-        encode, and refresh the decoded copy (one host sync; :class:`WitnessWrites` for several buffers). Returns
+        encode, and refresh the decoded copy (one host sync; :class:`WriteBatch` for several buffers). Returns
         True when some base was raised (values elsewhere in that head then decode larger, never smaller). Raises
         ``ValueError`` on a negative value, storing nothing."""
-        writes = WitnessWrites()
+        writes = WriteBatch()
         writes.write(self, index, values)
         writes.commit()
         return self in writes.raised
 
     def append(self, x: torch.Tensor) -> None:
         """Append ``x[B, H, t, *tail]`` (non-negative) along the token axis (as :meth:`write`)."""
-        writes = WitnessWrites()
+        writes = WriteBatch()
         writes.append(self, x)
         writes.commit()
 
@@ -232,19 +234,21 @@ class _Planned:
     summary: torch.Tensor
 
 
-class WitnessWrites:
-    """Writes and appends to witness buffers, :class:`LogBuffer` ones planned on the device as they are recorded,
-    stored by :meth:`commit` after *one* host read-back for all of them (and any counters :meth:`read` adds).
+class WriteBatch:
+    """Writes and appends to token buffers, deferred checks, counters and other state changes, stored by
+    :meth:`commit` after *one* host read-back for all of them. :class:`LogBuffer` writes are planned on the device
+    as they are recorded; everything else runs at the commit, in the order recorded.
 
-    Contract: each recorded write is planned against the buffer as the writes recorded before it leave it (a
-    buffer may take several writes: each sees the earlier ones' bases), so committing gives exactly what the same
-    :meth:`LogBuffer.write` / :meth:`LogBuffer.append` calls in that order give. A write's index is taken against
-    the buffer as it stands when the write is recorded; a buffer with an append recorded takes no further write
-    until the commit (``ValueError``). :class:`GrowBuffer` operations are kept and run at the commit, in order.
+    Contract: each :class:`LogBuffer` write is planned against the buffer as the writes recorded before it leave it
+    (a buffer may take several writes: each sees the earlier ones' bases), so committing gives exactly what the
+    same :meth:`LogBuffer.write` / :meth:`LogBuffer.append` calls in that order give. A write's index is taken
+    against the buffer as it stands when the write is recorded; a :class:`LogBuffer` with an append recorded takes
+    no further write until the commit (``ValueError``). A commit that raises stores nothing.
     """
 
     def __init__(self) -> None:
-        self._ops: list[_Planned | tuple[GrowBuffer, TokenIndex | None, torch.Tensor | float]] = []
+        self._ops: list[_Planned | Callable[[], object]] = []
+        self._checks: list[tuple[torch.Tensor, Callable[[], Exception]]] = []
         self._counts: dict[str, torch.Tensor] = {}
         #: the :class:`LogBuffer` s whose bases the last :meth:`commit` raised
         self.raised: set[LogBuffer] = set()
@@ -258,7 +262,7 @@ class WitnessWrites:
     def write(self, buffer: GrowBuffer | LogBuffer, index: TokenIndex, values: torch.Tensor | float) -> None:
         """Record ``buffer.view()[index] = values`` (for a :class:`LogBuffer`: non-negative, stored upwards)."""
         if isinstance(buffer, GrowBuffer):
-            self._ops.append((buffer, index, values))
+            self.then(partial(buffer.write, index, values))
             return
         if any(isinstance(p, _Planned) and p.buffer is buffer and p.index is None for p in self._ops):
             raise ValueError("a write after an append to the same buffer needs a commit in between")
@@ -270,50 +274,63 @@ class WitnessWrites:
     def append(self, buffer: GrowBuffer | LogBuffer, x: torch.Tensor) -> None:
         """Record appending ``x[B, H, t, *tail]`` along the token axis of ``buffer``."""
         if isinstance(buffer, GrowBuffer):
-            self._ops.append((buffer, None, x))
+            self.then(partial(buffer.append, x))
             return
         x = x if x.is_floating_point() else x.to(torch.float64)
         self._ops.append(buffer._plan(x, *logcode.exponent_settle(x), None, self._base(buffer)))
+
+    def then(self, change: Callable[[], object]) -> None:
+        """Record a state change to run at the commit, in order, once every check has passed."""
+        self._ops.append(change)
+
+    def require(self, bad: torch.Tensor, error: Callable[[], Exception]) -> None:
+        """Record a check (a :data:`kvcert.checks.Sink`): the commit raises ``error()`` and stores nothing
+        when the 0-dim bool ``bad`` is True."""
+        self._checks.append((bad, error))
 
     def count(self, name: str, value: torch.Tensor) -> None:
         """Add the 0-dim integer tensor ``value`` to the counter ``name``, read back with the commit."""
         value = value.view(1).to(torch.int64)
         self._counts[name] = self._counts[name] + value if name in self._counts else value
 
-    def indices(self, buffer: GrowBuffer | LogBuffer) -> list[TokenIndex]:
+    def indices(self, buffer: LogBuffer) -> list[TokenIndex]:
         """The indices of the writes (not appends) recorded so far to ``buffer``, in order."""
-        ops = [(p.buffer, p.index) if isinstance(p, _Planned) else p[:2] for p in self._ops]
-        return [index for buf, index in ops if buf is buffer and index is not None]
+        return [p.index for p in self._ops if isinstance(p, _Planned) and p.buffer is buffer and p.index is not None]
 
     def commit(self) -> dict[str, int]:
-        """Store every recorded operation and return the :meth:`count` counters, with one host sync
+        """Check everything recorded, then store it and return the :meth:`count` counters, with one host sync
         (two when some exponent did not settle: those writes are planned again from
-        :func:`~kvcert.quant.logcode.exponent_up`). Every write is checked before anything is stored: a negative
-        witness (or one above its top code) raises the ``ValueError`` of :func:`~kvcert.quant.logcode.check_flags`
-        and leaves every buffer unchanged. Clears the recorded operations; sets :attr:`raised`."""
+        :func:`~kvcert.quant.logcode.exponent_up`). Nothing is stored unless every check passes: the first failed
+        :meth:`require` check (in the order recorded) raises its error, then a negative witness (or one above its
+        top code) the ``ValueError`` of :func:`~kvcert.quant.logcode.check_flags`. Clears what was recorded; sets
+        :attr:`raised`."""
         planned = [p for p in self._ops if isinstance(p, _Planned)]
-        parts = [p.summary for p in planned] + list(self._counts.values())
+        parts = [p.summary for p in planned]
+        parts += [bad.view(1).to(torch.int64) for bad, _ in self._checks] + list(self._counts.values())
         back = torch.cat(parts).tolist() if parts else []  # the one host sync
         rows = [back[4 * i : 4 * i + 4] for i in range(len(planned))]
-        counts = dict(zip(self._counts, back[4 * len(planned) :], strict=True))
+        failed = back[4 * len(planned) : 4 * len(planned) + len(self._checks)]
+        counts = dict(zip(self._counts, back[4 * len(planned) + len(self._checks) :], strict=True))
+        for bad, (_, error) in zip(failed, self._checks, strict=True):
+            if bad:
+                self._ops, self._checks, self._counts = [], [], {}
+                raise error()
         if any(row[0] for row in rows):  # not seen in practice: the exact search decides the unsettled exponents
             self._replan({id(p) for p, row in zip(planned, rows, strict=True) if row[0]})
             planned = [p for p in self._ops if isinstance(p, _Planned)]
             rows = torch.stack([p.summary for p in planned]).tolist()
+        ops, self._ops, self._checks, self._counts = self._ops, [], [], {}
         for p, (_, _, negative, above_top) in zip(planned, rows, strict=True):
             logcode.check_flags(bool(negative), bool(above_top), p.x)
         rebased = {id(p): row[1] for p, row in zip(planned, rows, strict=True)}
         self.raised = set()
-        for op in self._ops:
+        for op in ops:
             if isinstance(op, _Planned):
                 op.buffer._store(op, rebased[id(op)])
                 if rebased[id(op)]:
                     self.raised.add(op.buffer)
-            elif op[1] is None:
-                op[0].append(torch.as_tensor(op[2]))
             else:
-                op[0].write(op[1], op[2])
-        self._ops, self._counts = [], {}
+                op()
         return counts
 
     def _replan(self, unsettled: set[int]) -> None:

@@ -54,12 +54,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
 
 from kvcert.bounds.rope import Pairing, band_norms, norm_up_f32, round_up_f32
-from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex, WitnessWrites
+from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex, WriteBatch
+from kvcert.checks import deferred
 from kvcert.quant import Codec, DitherKey, Packed
 
 
@@ -89,6 +91,13 @@ class _Tensorstore:
         self.chunks: list[_Chunk] = []
         self.n_encoded = 0  # tokens [0, n_encoded) went through the codec (relative to live window)
         self.last_encoded = 0  # tokens encoded by the most recent encode_pending call
+
+    def encoded(self, n: int, chunk: _Chunk | None) -> None:
+        """Record an encoding of the next ``n`` pending tokens into ``chunk`` (``None`` when ``n`` is 0)."""
+        self.last_encoded = n
+        if chunk is not None:
+            self.chunks.append(chunk)
+            self.n_encoded += n
 
     def encodable(self) -> int:
         """How many pending tokens can be encoded now: whole blocks (``lcm(codec.block, write_block)``) outside
@@ -247,31 +256,31 @@ class LayerStore:
     def _encode_and_append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, flush: bool) -> None:
         """:meth:`encode_pending`, then append ``k, v[B, H, T, D]`` at logical ``positions[B, H, T]`` as pending
         (exact) entries; the witness writes of both are stored after one host read-back."""
-        writes = WitnessWrites()
+        writes = WriteBatch()
         self._encode(flush, writes)
         self._append_pending(k, v, positions, writes)
         self._commit(writes)
 
-    def _append_pending(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, writes: WitnessWrites) -> None:
-        """Append ``k, v[B, H, T, D]`` at logical ``positions[B, H, T]`` as pending (exact) entries (the witness
-        appends are recorded in ``writes``)."""
+    def _append_pending(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, writes: WriteBatch) -> None:
+        """Record in ``writes`` appending ``k, v[B, H, T, D]`` at logical ``positions[B, H, T]`` as pending
+        (exact) entries."""
         assert self.k is not None and self.v is not None
         t = k.shape[2]
         b, h = k.shape[:2]
         for ts, x in ((self.k, k), (self.v, v)):
-            ts.host.append(x.to(ts.host.dtype).to(ts.host.view().device))
-            ts.served.append(x.to(torch.float32))
-            ts.exact.append(torch.ones(b, h, t, dtype=torch.bool, device=x.device))
-            ts.held.append(torch.zeros(b, h, t, dtype=torch.bool, device=x.device))
+            writes.append(ts.host, x.to(ts.host.dtype).to(ts.host.view().device))
+            writes.append(ts.served, x.to(torch.float32))
+            writes.append(ts.exact, torch.ones(b, h, t, dtype=torch.bool, device=x.device))
+            writes.append(ts.held, torch.zeros(b, h, t, dtype=torch.bool, device=x.device))
         writes.append(self.k_band, k.new_zeros((b, h, t, self.bands), dtype=torch.float32))
         writes.append(self.k_wit, k.new_zeros((b, h, t), dtype=torch.float32))
         writes.append(self.k_hat_norm, norm_up_f32(k))
         writes.append(self.v_res, k.new_zeros((b, h, t), dtype=torch.float32))
         writes.append(self.v_hat_norm, norm_up_f32(v))
         writes.append(self.v_dist, norm_up_f32(v.to(torch.float64) - self.v_centre))
-        self.positions.append(positions)
+        writes.append(self.positions, positions)
         if self.k_steps is not None:
-            self.k_steps.append(k.new_zeros((b, h, t, self.k_steps.view().shape[-1]), dtype=torch.float32))
+            writes.append(self.k_steps, k.new_zeros((b, h, t, self.k_steps.view().shape[-1]), dtype=torch.float32))
 
     def encode_pending(self, flush: bool = False) -> None:
         """Push every encodable pending token through its codec and record the write-time witnesses.
@@ -279,19 +288,21 @@ class LayerStore:
         ``flush=True`` also encodes a trailing partial ``write_block`` (eviction needs every head's pending
         tail encoded so the kept codes stay rectangular; per-token codecs only).
         """
-        writes = WitnessWrites()
+        writes = WriteBatch()
         self._encode(flush, writes)
         self._commit(writes)
 
-    def _encode(self, flush: bool, writes: WitnessWrites) -> None:
-        """:meth:`encode_pending` with its witness writes and counters recorded in ``writes``."""
+    def _encode(self, flush: bool, writes: WriteBatch) -> None:
+        """:meth:`encode_pending` recorded in ``writes``: the codecs and witnesses are computed on the device, their
+        checks deferred to the commit (:mod:`kvcert.checks`); the tiers, witnesses, chunks and counters change
+        only at the commit."""
         assert self.k is not None and self.v is not None
         for is_key, ts in ((True, self.k), (False, self.v)):
             n = ts.encodable()
             if flush:
                 n = max(ts.host.n - ts.codec.residual_window - ts.n_encoded, 0)
-            ts.last_encoded = n
             if n == 0:
+                writes.then(partial(ts.encoded, 0, None))
                 continue
             lo, hi = ts.n_encoded, ts.n_encoded + n
             x = ts.host.view()[:, :, lo:hi].to(ts.served.view().device, torch.float32)  # encode on the device tier
@@ -307,13 +318,13 @@ class LayerStore:
                 # logical positions (equal to base + slot without eviction): dither is never reused
                 # after an eviction compacts the slots; pending tokens share positions across heads
                 key = DitherKey(self.seed, self.rows.to(torch.int64), self.layer, self.positions.view()[:, 0, lo:hi])
-            packed = ts.codec.encode(xin, key=key)
-            xhat = ts.codec.decode(packed, key=key).to(torch.float32)
-            xhat = torch.where(keep.unsqueeze(-1), x, xhat)
-            ts.chunks.append(_Chunk(self.base + lo, self.base + hi, packed, key))
-            ts.served.view()[:, :, lo:hi] = xhat
-            ts.exact.view()[:, :, lo:hi] = keep
-            wit = self._witnesses(is_key, x, xhat, keep, ts.codec.steps(packed))
+            with deferred(writes.require):
+                packed = ts.codec.encode(xin, key=key)
+                xhat = torch.where(keep.unsqueeze(-1), x, ts.codec.decode(packed, key=key).to(torch.float32))
+                wit = self._witnesses(is_key, x, xhat, keep, ts.codec.steps(packed))
+            where = (slice(None), slice(None), slice(lo, hi))
+            writes.write(ts.served, where, xhat)
+            writes.write(ts.exact, where, keep)
             if is_key:
                 writes.count("nonfinite", (~finite).sum())
                 writes.count("fail_closed", (finite & rows_exact).sum())
@@ -325,8 +336,8 @@ class LayerStore:
                             *steps.shape[:2], ts.host.n, steps.shape[-1], dtype=steps.dtype, device=steps.device
                         )
                     )
-            self._write_witnesses((slice(None), slice(None), slice(lo, hi)), wit, writes)
-            ts.n_encoded = hi
+            self._write_witnesses(where, wit, writes)
+            writes.then(partial(ts.encoded, n, _Chunk(self.base + lo, self.base + hi, packed, key)))
 
     def _witnesses(
         self, is_key: bool, x: torch.Tensor, xhat: torch.Tensor, keep: torch.Tensor, steps: torch.Tensor | None
@@ -352,17 +363,15 @@ class LayerStore:
             "v_dist": norm_up_f32(served.to(torch.float64) - self.v_centre),
         }
 
-    def _write_witnesses(
-        self, index: TokenIndex, wit: Mapping[str, torch.Tensor | float], writes: WitnessWrites
-    ) -> None:
+    def _write_witnesses(self, index: TokenIndex, wit: Mapping[str, torch.Tensor | float], writes: WriteBatch) -> None:
         """Record writes of witnesses ``{buffer name: values}`` at ``index`` of their buffers in ``writes``
         (``k_wit`` only in ``"f32"``: :meth:`_commit` derives it in ``"log8"``)."""
         for name, val in wit.items():
             if name != "k_wit" or self.witness == "f32":
                 writes.write(getattr(self, name), index, val)
 
-    def _commit(self, writes: WitnessWrites) -> None:
-        """Store ``writes`` (one host sync: :meth:`WitnessWrites.commit`) and add their counters. In ``"log8"`` the
+    def _commit(self, writes: WriteBatch) -> None:
+        """Store ``writes`` (one host sync: :meth:`WriteBatch.commit`) and add their counters. In ``"log8"`` the
         key witness ``W_t`` is not stored: it is re-derived as :func:`band_sum_up` of the *decoded* bands (each
         ``>=`` the true band norm, so ``W_t`` still bounds ``Σ_b ρ_{t,b}`` and ``‖Δk_t‖``) where bands were
         written, over the whole buffer when a band base was raised (decoded bands elsewhere grew)."""
@@ -400,7 +409,7 @@ class LayerStore:
         }
         if self.k_steps is not None:
             wit["k_steps"] = 0.0
-        writes = WitnessWrites()
+        writes = WriteBatch()
         self._write_witnesses((b, h, tokens), wit, writes)
         self._commit(writes)
         return moved
@@ -463,7 +472,7 @@ class LayerStore:
                 served = ts.served.view()[:, :, lo:hi]
                 served.copy_(torch.where(held.unsqueeze(-1), xhat, served))
                 where = (slice(None), slice(None), slice(lo, hi))
-                writes = WitnessWrites()
+                writes = WriteBatch()
                 self._write_witnesses(  # a decoded value written back re-encodes to its own code
                     where,
                     {

@@ -375,7 +375,7 @@ class LayerStore:
         key witness ``W_t`` is not stored: it is re-derived as :func:`band_sum_up` of the *decoded* bands (each
         ``>=`` the true band norm, so ``W_t`` still bounds ``Σ_b ρ_{t,b}`` and ``‖Δk_t‖``) where bands were
         written, over the whole buffer when a band base was raised (decoded bands elsewhere grew)."""
-        bands = writes.indices(self.k_band) if self.witness == "log8" else []
+        bands = writes.indices(self.k_band) if isinstance(self.k_band, LogBuffer) else []  # "log8"
         counts = writes.commit()
         self.nonfinite += counts.get("nonfinite", 0)
         self.fail_closed += counts.get("fail_closed", 0)

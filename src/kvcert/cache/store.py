@@ -40,7 +40,10 @@ Write protocol: new tokens are appended exact and *pending*; at the start of a l
 tokens are encoded in whole blocks of ``write_block`` tokens (so the forward that produced them attends
 to them exactly, as in-flight K/V, and a partial block stays exact until it fills). The witness is
 computed at encode time from the exact original, which makes it valid for every later read (the
-stored codes are immutable: cache-preserving contract, ``docs/codecs.md#codec-contract``).
+stored codes are immutable: cache-preserving contract, ``docs/codecs.md#codec-contract``). A write
+(encoding the pending blocks and appending the new tokens) is one :class:`~kvcert.cache.buffer.WriteBatch`:
+computed on the device, read back once (every fail-closed check, the witness bases, the counts), then stored;
+a write refused by a check raises its error and changes no tier, witness or count.
 
 Slots vs positions: every physical slot carries its *logical* position (``positions[B, H, S]``, the index
 of the token in the request's sequence, padding included). Without eviction slot ``j`` holds position
@@ -295,7 +298,7 @@ class LayerStore:
     def _encode(self, flush: bool, writes: WriteBatch) -> None:
         """:meth:`encode_pending` recorded in ``writes``: the codecs and witnesses are computed on the device, their
         checks deferred to the commit (:mod:`kvcert.checks`); the tiers, witnesses, chunks and counters change
-        only at the commit."""
+        only at the commit (the Tier-B step buffer, all zeros, is created at once when a codec first has steps)."""
         assert self.k is not None and self.v is not None
         for is_key, ts in ((True, self.k), (False, self.v)):
             n = ts.encodable()

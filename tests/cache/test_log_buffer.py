@@ -237,3 +237,26 @@ def test_write_batch_fallback_matches_per_buffer_writes(monkeypatch):
     writes.write(batched[0], (slice(None), slice(None), slice(1, 3)), values[2] * 2.0**20)
     writes.commit()
     assert all(_same(a, b) for a, b in zip(settled, batched, strict=True))
+
+
+@pytest.mark.parametrize("witness", ["f32", "log8"])
+def test_a_refused_store_write_changes_nothing(witness):
+    """A codec check failing while a write encodes the pending block (an fp16 store given a key beyond the fp16
+    range) raises its own error at the write's one read-back, and leaves every tier, witness and count as before."""
+    st = LayerStore(0, get("none"), get("int4"), bands=8, pairing="rotate_half", seed=3, witness=witness)
+    rows, keep = torch.arange(2), torch.zeros(2, dtype=torch.bool)
+    gen = torch.Generator().manual_seed(11)
+    st.append(torch.randn(2, 3, 5, 64, generator=gen), torch.randn(2, 3, 5, 64, generator=gen), rows, keep)
+    big = torch.randn(2, 3, 1, 64, generator=gen)
+    big[1, 2, 0, 7] = 1e6
+    st.append(big, torch.randn(2, 3, 1, 64, generator=gen), rows, keep)  # pending: stored exact, not encoded yet
+    names = ("k_band", "k_wit", "k_hat_norm", "v_res", "v_hat_norm", "v_dist", "positions")
+    before = {name: getattr(st, name).view().clone() for name in names}
+    tiers = [(ts.n_encoded, len(ts.chunks), ts.served.view().clone(), ts.exact.view().clone()) for ts in (st.k, st.v)]
+    with pytest.raises(ValueError, match="fp16 range"):
+        st.append(torch.randn(2, 3, 1, 64), torch.randn(2, 3, 1, 64), rows, keep)
+    assert all(torch.equal(getattr(st, name).view(), before[name]) for name in names)
+    for ts, (n_encoded, chunks, served, exact) in zip((st.k, st.v), tiers, strict=True):
+        assert ts.n_encoded == n_encoded and len(ts.chunks) == chunks and ts.host.n == st.n == 6
+        assert torch.equal(ts.served.view(), served) and torch.equal(ts.exact.view(), exact)
+    assert st.nonfinite == 0 and st.appended == 6

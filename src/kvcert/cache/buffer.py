@@ -144,8 +144,9 @@ class LogBuffer:
     def _spread(self, t: torch.Tensor, index: TokenIndex | None, x: torch.Tensor) -> torch.Tensor:
         """``t[B, H]`` broadcast to every element ``x`` goes to: ``view()[index]``, or with ``index=None`` each
         element of an appended ``x[B, H, t, *tail]``."""
-        full = t.view(*t.shape, *([1] * (x.dim() - 2 if index is None else self.codes.view().dim() - 2)))
-        return full.expand(x.shape) if index is None else full.expand(self.codes.view().shape)[index]
+        live = self.codes.view()
+        full = t.view(*t.shape, *([1] * (live.dim() - 2)))
+        return full.expand(x.shape) if index is None else full.expand(live.shape)[index]
 
     def write(self, index: TokenIndex, values: torch.Tensor | float) -> bool:
         """Store ``values`` (non-negative, broadcast to ``view()[index]``) at ``index``: set the base of heads

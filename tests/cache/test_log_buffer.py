@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcert.cache.buffer import LogBuffer
+from kvcert.cache.buffer import LogBuffer, TokenIndex, WriteBatch
 from kvcert.cache.store import STORED_WITNESSES, LayerStore, band_sum_up
+from kvcert.checks import deferred, fail_if
 from kvcert.quant import get, logcode
 
 
@@ -111,3 +112,151 @@ def test_log_buffer_write_is_the_same_through_the_exact_search(monkeypatch):
     with pytest.raises(ValueError, match="non-negative"):
         fallback.write((0, 0, slice(0, 1)), -1.0)
     assert torch.equal(fallback.codes.view(), before[0]) and torch.equal(fallback.base, before[1])
+
+
+def _same(a: LogBuffer, b: LogBuffer) -> bool:
+    """Identical stored codes, bases, decoded values and rebase counts."""
+    return (
+        torch.equal(a.codes.view(), b.codes.view())
+        and torch.equal(a.base, b.base)
+        and torch.equal(a.view(), b.view())
+        and a.rebases == b.rebases
+    )
+
+
+def _three(gen: torch.Generator) -> list[LogBuffer]:
+    """Three buffers with one write each already stored (so later writes may raise their bases or not)."""
+    bufs = [LogBuffer(torch.zeros(2, 3, 0, *tail)) for tail in ((4,), (), (4,))]
+    for buf in bufs:
+        buf.append(torch.rand(*buf.shape[:2], 6, *buf.shape[3:], generator=gen) * 10)
+    return bufs
+
+
+def _writes(gen: torch.Generator, bufs: list[LogBuffer]) -> list[tuple[LogBuffer, TokenIndex, torch.Tensor]]:
+    """Writes to ``bufs``: the first raises some of its bases (one head far above its top code), the second
+    none; the third takes two writes, the second of which raises a base."""
+    big = torch.rand(2, 3, 2, 4, generator=gen)
+    big[1, 2] = 1e7
+    small = torch.rand(2, 3, 3, generator=gen)
+    mid = torch.rand(2, 3, 1, 4, generator=gen) * 5
+    huge = torch.full((1, 4), 1e9)
+    return [
+        (bufs[0], (slice(None), slice(None), slice(1, 3)), big),
+        (bufs[1], (slice(None), slice(None), slice(2, 5)), small),
+        (bufs[2], (slice(None), slice(None), slice(0, 1)), mid),
+        (bufs[2], (0, 1, slice(4, 5)), huge),
+    ]
+
+
+def test_write_batch_stores_what_per_buffer_writes_store():
+    """One batched commit (one read-back) gives the codes, bases, decoded values and rebase counts of the same
+    writes made one by one, where some bases rise and others do not, and reports which buffers' bases rose."""
+    one, batched = _three(torch.Generator().manual_seed(5)), _three(torch.Generator().manual_seed(5))
+    raised = [buf.write(index, x) for buf, index, x in _writes(torch.Generator().manual_seed(6), one)]
+    assert raised == [True, False, False, True]
+    writes = WriteBatch()
+    for buf, index, x in _writes(torch.Generator().manual_seed(6), batched):
+        writes.write(buf, index, x)
+    writes.commit()
+    assert writes.raised == {batched[0], batched[2]}
+    assert all(_same(a, b) for a, b in zip(one, batched, strict=True))
+    appended = torch.rand(2, 3, 2, 4, generator=torch.Generator().manual_seed(7)) * 1e8
+    one[0].append(appended)
+    writes.append(batched[0], appended)
+    writes.commit()
+    assert _same(one[0], batched[0]) and batched[0] in writes.raised
+
+
+def test_write_batch_refused_leaves_every_buffer_unchanged():
+    """A negative witness in one write of a batch raises the same ValueError as a single write and stores none
+    of the batch's writes (nor its appends, nor its other state changes)."""
+    bufs = _three(torch.Generator().manual_seed(8))
+    before = [(b.codes.view().clone(), b.base.clone(), b.view().clone(), b.n) for b in bufs]
+    writes = WriteBatch()
+    changed = []
+    for buf, index, x in _writes(torch.Generator().manual_seed(9), bufs)[:3]:
+        writes.write(buf, index, x)
+    writes.append(bufs[1], torch.ones(2, 3, 1))
+    writes.then(lambda: changed.append(1))
+    writes.write(bufs[2], (1, 1, slice(0, 2)), torch.tensor([[0.5], [-1.0]]))
+    with pytest.raises(ValueError, match="non-negative"):
+        writes.commit()
+    for buf, (codes, base, decoded, n) in zip(bufs, before, strict=True):
+        assert buf.n == n and torch.equal(buf.codes.view(), codes) and torch.equal(buf.base, base)
+        assert torch.equal(buf.view(), decoded)
+    assert not changed
+
+
+def test_write_batch_raises_the_first_failed_deferred_check_and_stores_nothing():
+    """A codec check deferred into the batch (:func:`kvcert.checks.fail_if` inside :func:`deferred`) raises its
+    own error at the commit, the first failed one in order, and nothing recorded is stored."""
+    buf = LogBuffer(torch.zeros(1, 1, 0))
+    writes = WriteBatch()
+    with deferred(writes.require):
+        fail_if(torch.tensor(False), lambda: ValueError("never"))
+        fail_if(torch.tensor(True), lambda: ValueError("first"))
+        fail_if(torch.tensor(True), lambda: ValueError("second"))
+    writes.append(buf, torch.ones(1, 1, 2))
+    with pytest.raises(ValueError, match="first"):
+        writes.commit()
+    assert buf.n == 0
+    with pytest.raises(ValueError, match="now"):  # outside a deferred block a check reads back at once
+        fail_if(torch.tensor(True), lambda: ValueError("now"))
+
+
+def test_write_batch_counts_and_refuses_a_write_after_an_append():
+    writes = WriteBatch()
+    buf = LogBuffer(torch.zeros(1, 2, 0))
+    writes.count("n", torch.tensor(2))
+    writes.count("n", torch.tensor(3))
+    writes.append(buf, torch.ones(1, 2, 1))
+    with pytest.raises(ValueError, match="commit in between"):
+        writes.write(buf, (0, 0, slice(0, 1)), 1.0)
+    assert writes.commit() == {"n": 5} and buf.n == 1
+
+
+def test_write_batch_fallback_matches_per_buffer_writes(monkeypatch):
+    """Batched writes whose exponents the device-side rounds did not settle (codes' own values: the float64 log2
+    guess is one code off) take the exact search and store what settled per-buffer writes store."""
+    gen = torch.Generator().manual_seed(10)
+    values = [
+        logcode.dec(torch.randint(-60, 60, shape, generator=gen, dtype=torch.int32)).to(torch.float64)
+        for shape in ((2, 3, 5, 4), (2, 3, 5), (2, 3, 2, 4))
+    ]
+    settled = [LogBuffer(torch.zeros(2, 3, 0, 4)), LogBuffer(torch.zeros(2, 3, 0))]
+    settled[0].append(values[0])
+    settled[1].append(values[1])
+    settled[0].write((slice(None), slice(None), slice(1, 3)), values[2] * 2.0**20)  # bases rise
+    monkeypatch.setattr(logcode, "SETTLE_ROUNDS", 0)
+    assert bool(logcode.exponent_settle(values[0])[1])
+    batched = [LogBuffer(torch.zeros(2, 3, 0, 4)), LogBuffer(torch.zeros(2, 3, 0))]
+    writes = WriteBatch()
+    writes.append(batched[0], values[0])
+    writes.append(batched[1], values[1])
+    writes.commit()
+    writes.write(batched[0], (slice(None), slice(None), slice(1, 3)), values[2] * 2.0**20)
+    writes.commit()
+    assert all(_same(a, b) for a, b in zip(settled, batched, strict=True))
+
+
+@pytest.mark.parametrize("witness", ["f32", "log8"])
+def test_a_refused_store_write_changes_nothing(witness):
+    """A codec check failing while a write encodes the pending block (an fp16 store given a key beyond the fp16
+    range) raises its own error at the write's one read-back, and leaves every tier, witness and count as before."""
+    st = LayerStore(0, get("none"), get("int4"), bands=8, pairing="rotate_half", seed=3, witness=witness)
+    rows, keep = torch.arange(2), torch.zeros(2, dtype=torch.bool)
+    gen = torch.Generator().manual_seed(11)
+    st.append(torch.randn(2, 3, 5, 64, generator=gen), torch.randn(2, 3, 5, 64, generator=gen), rows, keep)
+    big = torch.randn(2, 3, 1, 64, generator=gen)
+    big[1, 2, 0, 7] = 1e6
+    st.append(big, torch.randn(2, 3, 1, 64, generator=gen), rows, keep)  # pending: stored exact, not encoded yet
+    names = ("k_band", "k_wit", "k_hat_norm", "v_res", "v_hat_norm", "v_dist", "positions")
+    before = {name: getattr(st, name).view().clone() for name in names}
+    tiers = [(ts.n_encoded, len(ts.chunks), ts.served.view().clone(), ts.exact.view().clone()) for ts in (st.k, st.v)]
+    with pytest.raises(ValueError, match="fp16 range"):
+        st.append(torch.randn(2, 3, 1, 64), torch.randn(2, 3, 1, 64), rows, keep)
+    assert all(torch.equal(getattr(st, name).view(), before[name]) for name in names)
+    for ts, (n_encoded, chunks, served, exact) in zip((st.k, st.v), tiers, strict=True):
+        assert ts.n_encoded == n_encoded and len(ts.chunks) == chunks and ts.host.n == st.n == 6
+        assert torch.equal(ts.served.view(), served) and torch.equal(ts.exact.view(), exact)
+    assert st.nonfinite == 0 and st.appended == 6

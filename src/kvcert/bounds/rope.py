@@ -16,6 +16,8 @@ from typing import Literal
 
 import torch
 
+from kvcert.checks import fail_if
+
 Pairing = Literal["rotate_half", "interleaved"]
 PAIRINGS: tuple[str, ...] = ("rotate_half", "interleaved")
 
@@ -55,8 +57,7 @@ def band_norms(delta: torch.Tensor, bands: int = 8, pairing: Pairing = "rotate_h
     """
     if bands < 1:
         raise ValueError(f"bands must be >= 1, got {bands}")
-    if not torch.isfinite(delta).all():
-        raise ValueError("delta contains non-finite entries")
+    fail_if(~torch.isfinite(delta).all(), lambda: ValueError("delta contains non-finite entries"))
     sq = pair_sq_moduli(delta, pairing)
     npairs = sq.shape[-1]
     if npairs % bands:

@@ -1,7 +1,12 @@
 """Token-axis growable tensors with amortised O(1) appends (capacity doubling): :class:`GrowBuffer` (any dtype)
-and :class:`LogBuffer` (non-negative witnesses stored as 8-bit logarithmic codes that decode upwards)."""
+and :class:`LogBuffer` (non-negative witnesses stored as 8-bit logarithmic codes that decode upwards), and
+:class:`WriteBatch`, which stores writes to several of them after one host read-back."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -89,10 +94,9 @@ class GrowBuffer:
         v = self.view()
         return v.numel() * v.element_size()
 
-    def write(self, index: TokenIndex, values: torch.Tensor | float) -> bool:
-        """``view()[index] = values``. Returns False (nothing else changed; see :meth:`LogBuffer.write`)."""
+    def write(self, index: TokenIndex, values: torch.Tensor | float) -> None:
+        """``view()[index] = values``."""
         self.view()[index] = values
-        return False
 
 
 class LogBuffer:
@@ -137,69 +141,67 @@ class LogBuffer:
         """The decoded allocation as numpy (see :meth:`GrowBuffer.array`)."""
         return self.decoded.array()
 
-    def _per_element(self, t: torch.Tensor, index: TokenIndex) -> torch.Tensor:
-        """``t[B, H]`` broadcast to every element of ``view()[index]``."""
+    def _spread(self, t: torch.Tensor, index: TokenIndex | None, x: torch.Tensor) -> torch.Tensor:
+        """``t[B, H]`` broadcast to every element ``x`` goes to: ``view()[index]``, or with ``index=None`` each
+        element of an appended ``x[B, H, t, *tail]``."""
         live = self.codes.view()
-        return t.view(*t.shape, *([1] * (live.dim() - 2))).expand(live.shape)[index]
+        full = t.view(*t.shape, *([1] * (live.dim() - 2)))
+        return full.expand(x.shape) if index is None else full.expand(live.shape)[index]
 
     def write(self, index: TokenIndex, values: torch.Tensor | float) -> bool:
         """Store ``values`` (non-negative, broadcast to ``view()[index]``) at ``index``: set the base of heads
         written positive for the first time, raise the base of heads whose new values exceed their top code,
-        encode, and refresh the decoded copy. Returns True when some base was raised (values elsewhere in that
-        head then decode larger, never smaller)."""
-        live = self.codes.view()
-        target = live[index]
-        x = torch.as_tensor(values, device=live.device)
-        x = torch.broadcast_to(x if x.is_floating_point() else x.to(torch.float64), target.shape)  # no rounding
-        n, unsettled = logcode.exponent_settle(x)
-        base, shift, codes, flags = self._plan(x, n, index)
-        # the write's one host sync: whether the exponents settled, how many bases rise, the encoding's checks
-        off, rebased, negative, above_top = torch.cat([unsettled.view(1), (shift > 0).sum().view(1), flags]).tolist()
-        if off:  # not seen in practice (two correction rounds settle the float64 log2 guess); the exact search decides
-            n = logcode.exponent_up(x)
-            base, shift, codes, flags = self._plan(x, n, index)
-            rebased, negative, above_top = torch.cat([(shift > 0).sum().view(1), flags]).tolist()
-        logcode.check_flags(bool(negative), bool(above_top), x)
-        raised = rebased > 0
-        self.base = base
-        if raised:
-            self.rebases += int(rebased)
-            live.copy_(logcode.rebase(live, shift.view(*shift.shape, *([1] * (live.dim() - 2)))))
-        live[index] = codes
-        if raised:
-            self.decoded.view().copy_(logcode.decode(live, self.base.view(*self.base.shape, *([1] * (live.dim() - 2)))))
-        else:
-            self.decoded.view()[index] = logcode.decode(live[index], self._per_element(self.base, index))
-        return raised
-
-    def _plan(
-        self, x: torch.Tensor, n: torch.Tensor, index: TokenIndex
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """On the device, nothing stored yet: the bases after writing ``x`` (exponents ``n``) at ``index`` — set
-        for heads written positive for the first time, raised by ``shift`` where a new value exceeds the top code —
-        the shift per (row, head), the codes of ``x`` against the new bases and the encoding's flags
-        (:func:`~kvcert.quant.logcode.encode_flagged`)."""
-        live = self.codes.view()
-        finite_pos = torch.isfinite(x) & (x > 0) & (n <= logcode.MAX_N)
-        heads = self._per_element(torch.arange(self.base.numel(), device=live.device).view(self.base.shape), index)
-        need = torch.full((self.base.numel(),), logcode.MIN_N - 1, dtype=torch.int32, device=live.device)
-        # entries that set no exponent offer MIN_N − 1, the neutral start (no boolean indexing: no host sync)
-        offered = torch.where(finite_pos, n, logcode.MIN_N - 1).to(need.dtype)
-        need = need.scatter_reduce(0, heads.flatten(), offered.flatten(), "amax").view(self.base.shape)
-        seen = need >= logcode.MIN_N
-        unset = self.base == logcode.UNSET
-        base = torch.where(seen & unset, logcode.initial_base(need), self.base)
-        shift = torch.where(seen & ~unset, need - (base + logcode.TOP - 1), 0).clamp(min=0)
-        base = base + shift
-        codes, flags = logcode.encode_flagged(x, self._per_element(base, index), n)
-        return base, shift, codes, flags
+        encode, and refresh the decoded copy (one host sync; :class:`WriteBatch` for several buffers). Returns
+        True when some base was raised (values elsewhere in that head then decode larger, never smaller). Raises
+        ``ValueError`` on a negative value, storing nothing."""
+        writes = WriteBatch()
+        writes.write(self, index, values)
+        writes.commit()
+        return self in writes.raised
 
     def append(self, x: torch.Tensor) -> None:
-        """Append ``x[B, H, t, *tail]`` (non-negative) along the token axis."""
-        t = x.shape[2]
-        self.codes.append(torch.zeros(x.shape, dtype=torch.uint8, device=x.device))
-        self.decoded.append(torch.zeros(x.shape, dtype=torch.float32, device=x.device))
-        self.write((slice(None), slice(None), slice(self.n - t, self.n)), x)
+        """Append ``x[B, H, t, *tail]`` (non-negative) along the token axis (as :meth:`write`)."""
+        writes = WriteBatch()
+        writes.append(self, x)
+        writes.commit()
+
+    def _plan(
+        self, x: torch.Tensor, n: torch.Tensor, unsettled: torch.Tensor, index: TokenIndex | None, base: torch.Tensor
+    ) -> _Planned:
+        """On the device, nothing stored: writing ``x`` (exponents ``n``; ``unsettled``: the 0-dim flag of
+        :func:`~kvcert.quant.logcode.exponent_settle`) at ``index`` (``None``: appended) of this buffer with bases
+        ``base``. The new bases are set for heads written positive for the first time and raised by ``shift``
+        where a new value exceeds the top code; the codes of ``x`` are against the new bases."""
+        finite_pos = torch.isfinite(x) & (x > 0) & (n <= logcode.MAX_N)
+        heads = self._spread(torch.arange(base.numel(), device=x.device).view(base.shape), index, x)
+        need = torch.full((base.numel(),), logcode.MIN_N - 1, dtype=torch.int32, device=x.device)
+        # entries that set no exponent offer MIN_N − 1, the neutral start (no boolean indexing: no host sync)
+        offered = torch.where(finite_pos, n, logcode.MIN_N - 1).to(need.dtype)
+        need = need.scatter_reduce(0, heads.flatten(), offered.flatten(), "amax").view(base.shape)
+        seen = need >= logcode.MIN_N
+        unset = base == logcode.UNSET
+        new = torch.where(seen & unset, logcode.initial_base(need), base)
+        shift = torch.where(seen & ~unset, need - (new + logcode.TOP - 1), 0).clamp(min=0)
+        new = new + shift
+        codes, flags = logcode.encode_flagged(x, self._spread(new, index, x), n)
+        summary = torch.cat([unsettled.view(1), (shift > 0).sum().view(1), flags]).to(torch.int64)
+        return _Planned(self, index, x, n, new, shift, codes, summary)
+
+    def _store(self, p: _Planned, rebased: int) -> None:
+        """Store the checked plan ``p`` (this buffer's next write, ``rebased``: how many of its bases rise)."""
+        live = self.codes.view()
+        self.base = p.base
+        if rebased:
+            self.rebases += rebased
+            live.copy_(logcode.rebase(live, p.shift.view(*p.shift.shape, *([1] * (live.dim() - 2)))))
+            self.decoded.view().copy_(logcode.decode(live, self.base.view(*self.base.shape, *([1] * (live.dim() - 2)))))
+        decoded = logcode.decode(p.codes, self._spread(self.base, p.index, p.x))
+        if p.index is None:
+            self.codes.append(p.codes)
+            self.decoded.append(decoded)
+        else:
+            live[p.index] = p.codes
+            self.decoded.view()[p.index] = decoded
 
     def drop_before(self, start: int) -> None:
         """Discard tokens ``[0, start)``."""
@@ -215,3 +217,130 @@ class LogBuffer:
     def nbytes(self) -> int:
         """Stored bytes: the live codes (one byte per value) and the per-(row, head) base exponents."""
         return self.codes.nbytes + self.base.numel() * self.base.element_size()
+
+
+@dataclass
+class _Planned:
+    """A :class:`LogBuffer` write planned on the device, nothing stored yet: ``x`` (exponents ``n``) at ``index``
+    (``None``: appended), the buffer's bases after it, the ``shift`` per (row, head) that raises them, the codes,
+    and ``summary``, int64 ``[4]``: exponents unsettled, bases rising, some entry negative, some above the top."""
+
+    buffer: LogBuffer
+    index: TokenIndex | None
+    x: torch.Tensor
+    n: torch.Tensor
+    base: torch.Tensor
+    shift: torch.Tensor
+    codes: torch.Tensor
+    summary: torch.Tensor
+
+
+class WriteBatch:
+    """Writes and appends to token buffers, deferred checks, counters and other state changes, stored by
+    :meth:`commit` after *one* host read-back for all of them. :class:`LogBuffer` writes are planned on the device
+    as they are recorded; everything else runs at the commit, in the order recorded.
+
+    Contract: each :class:`LogBuffer` write is planned against the buffer as the writes recorded before it leave it
+    (a buffer may take several writes: each sees the earlier ones' bases), so committing gives exactly what the
+    same :meth:`LogBuffer.write` / :meth:`LogBuffer.append` calls in that order give. A write's index is taken
+    against the buffer as it stands when the write is recorded; a :class:`LogBuffer` with an append recorded takes
+    no further write until the commit (``ValueError``). A commit that raises stores nothing.
+    """
+
+    def __init__(self) -> None:
+        self._ops: list[_Planned | Callable[[], object]] = []
+        self._checks: list[tuple[torch.Tensor, Callable[[], Exception]]] = []
+        self._counts: dict[str, torch.Tensor] = {}
+        #: the :class:`LogBuffer` s whose bases the last :meth:`commit` raised
+        self.raised: set[LogBuffer] = set()
+
+    def _base(self, buffer: LogBuffer) -> torch.Tensor:
+        """``buffer``'s bases after the writes recorded so far."""
+        return next(
+            (p.base for p in reversed(self._ops) if isinstance(p, _Planned) and p.buffer is buffer), buffer.base
+        )
+
+    def write(self, buffer: GrowBuffer | LogBuffer, index: TokenIndex, values: torch.Tensor | float) -> None:
+        """Record ``buffer.view()[index] = values`` (for a :class:`LogBuffer`: non-negative, stored upwards)."""
+        if isinstance(buffer, GrowBuffer):
+            self.then(partial(buffer.write, index, values))
+            return
+        if any(isinstance(p, _Planned) and p.buffer is buffer and p.index is None for p in self._ops):
+            raise ValueError("a write after an append to the same buffer needs a commit in between")
+        target = buffer.codes.view()[index]
+        x = torch.as_tensor(values, device=target.device)
+        x = torch.broadcast_to(x if x.is_floating_point() else x.to(torch.float64), target.shape)  # no rounding
+        self._ops.append(buffer._plan(x, *logcode.exponent_settle(x), index, self._base(buffer)))
+
+    def append(self, buffer: GrowBuffer | LogBuffer, x: torch.Tensor) -> None:
+        """Record appending ``x[B, H, t, *tail]`` along the token axis of ``buffer``."""
+        if isinstance(buffer, GrowBuffer):
+            self.then(partial(buffer.append, x))
+            return
+        x = x if x.is_floating_point() else x.to(torch.float64)
+        self._ops.append(buffer._plan(x, *logcode.exponent_settle(x), None, self._base(buffer)))
+
+    def then(self, change: Callable[[], object]) -> None:
+        """Record a state change to run at the commit, in order, once every check has passed."""
+        self._ops.append(change)
+
+    def require(self, bad: torch.Tensor, error: Callable[[], Exception]) -> None:
+        """Record a check (a :data:`kvcert.checks.Sink`): the commit raises ``error()`` and stores nothing
+        when the 0-dim bool ``bad`` is True."""
+        self._checks.append((bad, error))
+
+    def count(self, name: str, value: torch.Tensor) -> None:
+        """Add the 0-dim integer tensor ``value`` to the counter ``name``, read back with the commit."""
+        value = value.view(1).to(torch.int64)
+        self._counts[name] = self._counts[name] + value if name in self._counts else value
+
+    def indices(self, buffer: LogBuffer) -> list[TokenIndex]:
+        """The indices of the writes (not appends) recorded so far to ``buffer``, in order."""
+        return [p.index for p in self._ops if isinstance(p, _Planned) and p.buffer is buffer and p.index is not None]
+
+    def commit(self) -> dict[str, int]:
+        """Check everything recorded, then store it and return the :meth:`count` counters, with one host sync
+        (two when some exponent did not settle: those writes are planned again from
+        :func:`~kvcert.quant.logcode.exponent_up`). Nothing is stored unless every check passes: the first failed
+        :meth:`require` check (in the order recorded) raises its error, then a negative witness (or one above its
+        top code) the ``ValueError`` of :func:`~kvcert.quant.logcode.check_flags`. Clears what was recorded; sets
+        :attr:`raised`."""
+        planned = [p for p in self._ops if isinstance(p, _Planned)]
+        parts = [p.summary for p in planned]
+        parts += [bad.view(1).to(torch.int64) for bad, _ in self._checks] + list(self._counts.values())
+        back = torch.cat(parts).tolist() if parts else []  # the one host sync
+        rows = [back[4 * i : 4 * i + 4] for i in range(len(planned))]
+        failed = back[4 * len(planned) : 4 * len(planned) + len(self._checks)]
+        counts = dict(zip(self._counts, back[4 * len(planned) + len(self._checks) :], strict=True))
+        for bad, (_, error) in zip(failed, self._checks, strict=True):
+            if bad:
+                self._ops, self._checks, self._counts = [], [], {}
+                raise error()
+        if any(row[0] for row in rows):  # not seen in practice: the exact search decides the unsettled exponents
+            self._replan({id(p) for p, row in zip(planned, rows, strict=True) if row[0]})
+            planned = [p for p in self._ops if isinstance(p, _Planned)]
+            rows = torch.stack([p.summary for p in planned]).tolist()
+        ops, self._ops, self._checks, self._counts = self._ops, [], [], {}
+        for p, (_, _, negative, above_top) in zip(planned, rows, strict=True):
+            logcode.check_flags(bool(negative), bool(above_top), p.x)
+        rebased = {id(p): row[1] for p, row in zip(planned, rows, strict=True)}
+        self.raised = set()
+        for op in ops:
+            if isinstance(op, _Planned):
+                op.buffer._store(op, rebased[id(op)])
+                if rebased[id(op)]:
+                    self.raised.add(op.buffer)
+            else:
+                op()
+        return counts
+
+    def _replan(self, unsettled: set[int]) -> None:
+        """Plan every :class:`LogBuffer` write again, in order, with the exact exponents where ``unsettled``
+        holds its plan's id (the others settled: their exponents are exact already)."""
+        ops, self._ops = self._ops, []
+        for op in ops:
+            if isinstance(op, _Planned):
+                n = logcode.exponent_up(op.x) if id(op) in unsettled else op.n
+                settled = torch.zeros((), dtype=torch.bool, device=op.x.device)
+                op = op.buffer._plan(op.x, n, settled, op.index, self._base(op.buffer))
+            self._ops.append(op)

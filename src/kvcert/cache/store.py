@@ -40,7 +40,10 @@ Write protocol: new tokens are appended exact and *pending*; at the start of a l
 tokens are encoded in whole blocks of ``write_block`` tokens (so the forward that produced them attends
 to them exactly, as in-flight K/V, and a partial block stays exact until it fills). The witness is
 computed at encode time from the exact original, which makes it valid for every later read (the
-stored codes are immutable: cache-preserving contract, ``docs/codecs.md#codec-contract``).
+stored codes are immutable: cache-preserving contract, ``docs/codecs.md#codec-contract``). A write
+(encoding the pending blocks and appending the new tokens) is one :class:`~kvcert.cache.buffer.WriteBatch`:
+computed on the device, read back once (every fail-closed check, the witness bases, the counts), then stored;
+a write refused by a check raises its error and changes no tier, witness or count.
 
 Slots vs positions: every physical slot carries its *logical* position (``positions[B, H, S]``, the index
 of the token in the request's sequence, padding included). Without eviction slot ``j`` holds position
@@ -54,12 +57,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
 
 from kvcert.bounds.rope import Pairing, band_norms, norm_up_f32, round_up_f32
-from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex
+from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex, WriteBatch
+from kvcert.checks import deferred
 from kvcert.quant import Codec, DitherKey, Packed
 
 
@@ -89,6 +94,13 @@ class _Tensorstore:
         self.chunks: list[_Chunk] = []
         self.n_encoded = 0  # tokens [0, n_encoded) went through the codec (relative to live window)
         self.last_encoded = 0  # tokens encoded by the most recent encode_pending call
+
+    def encoded(self, n: int, chunk: _Chunk | None) -> None:
+        """Record an encoding of the next ``n`` pending tokens into ``chunk`` (``None`` when ``n`` is 0)."""
+        self.last_encoded = n
+        if chunk is not None:
+            self.chunks.append(chunk)
+            self.n_encoded += n
 
     def encodable(self) -> int:
         """How many pending tokens can be encoded now: whole blocks (``lcm(codec.block, write_block)``) outside
@@ -212,9 +224,9 @@ class LayerStore:
         assert self.k is not None and self.v is not None
         self.rows = rows
         self._keep_exact_rows = keep_exact_rows
-        self.encode_pending()
         t, (b, h) = k.shape[2], k.shape[:2]
-        self._append_pending(k, v, torch.arange(self.appended, self.appended + t, device=k.device).expand(b, h, t))
+        positions = torch.arange(self.appended, self.appended + t, device=k.device).expand(b, h, t)
+        self._encode_and_append(k, v, positions, flush=False)
         self.appended += t
         self._release_over_budget()
 
@@ -240,30 +252,38 @@ class LayerStore:
         if positions.shape != k.shape[:3] or v.shape[:3] != k.shape[:3]:
             raise ValueError(f"k, v and positions must share [B, H, T], got {k.shape}, {v.shape}, {positions.shape}")
         device = self.positions.view().device  # the device tier's (the host tier may be pinned CPU memory)
-        self.encode_pending(flush=True)
-        self._append_pending(k.to(device), v.to(device), positions.to(device))
+        self._encode_and_append(k.to(device), v.to(device), positions.to(device), flush=True)
         self.encode_pending(flush=True)
         self._release_over_budget()
 
-    def _append_pending(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append ``k, v[B, H, T, D]`` at logical ``positions[B, H, T]`` as pending (exact) entries."""
+    def _encode_and_append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, flush: bool) -> None:
+        """:meth:`encode_pending`, then append ``k, v[B, H, T, D]`` at logical ``positions[B, H, T]`` as pending
+        (exact) entries; the witness writes of both are stored after one host read-back."""
+        writes = WriteBatch()
+        self._encode(flush, writes)
+        self._append_pending(k, v, positions, writes)
+        self._commit(writes)
+
+    def _append_pending(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, writes: WriteBatch) -> None:
+        """Record in ``writes`` appending ``k, v[B, H, T, D]`` at logical ``positions[B, H, T]`` as pending
+        (exact) entries."""
         assert self.k is not None and self.v is not None
         t = k.shape[2]
         b, h = k.shape[:2]
         for ts, x in ((self.k, k), (self.v, v)):
-            ts.host.append(x.to(ts.host.dtype).to(ts.host.view().device))
-            ts.served.append(x.to(torch.float32))
-            ts.exact.append(torch.ones(b, h, t, dtype=torch.bool, device=x.device))
-            ts.held.append(torch.zeros(b, h, t, dtype=torch.bool, device=x.device))
-        self.k_band.append(k.new_zeros((b, h, t, self.bands), dtype=torch.float32))
-        self.k_wit.append(k.new_zeros((b, h, t), dtype=torch.float32))
-        self.k_hat_norm.append(norm_up_f32(k))
-        self.v_res.append(k.new_zeros((b, h, t), dtype=torch.float32))
-        self.v_hat_norm.append(norm_up_f32(v))
-        self.v_dist.append(norm_up_f32(v.to(torch.float64) - self.v_centre))
-        self.positions.append(positions)
+            writes.append(ts.host, x.to(ts.host.dtype).to(ts.host.view().device))
+            writes.append(ts.served, x.to(torch.float32))
+            writes.append(ts.exact, torch.ones(b, h, t, dtype=torch.bool, device=x.device))
+            writes.append(ts.held, torch.zeros(b, h, t, dtype=torch.bool, device=x.device))
+        writes.append(self.k_band, k.new_zeros((b, h, t, self.bands), dtype=torch.float32))
+        writes.append(self.k_wit, k.new_zeros((b, h, t), dtype=torch.float32))
+        writes.append(self.k_hat_norm, norm_up_f32(k))
+        writes.append(self.v_res, k.new_zeros((b, h, t), dtype=torch.float32))
+        writes.append(self.v_hat_norm, norm_up_f32(v))
+        writes.append(self.v_dist, norm_up_f32(v.to(torch.float64) - self.v_centre))
+        writes.append(self.positions, positions)
         if self.k_steps is not None:
-            self.k_steps.append(k.new_zeros((b, h, t, self.k_steps.view().shape[-1]), dtype=torch.float32))
+            writes.append(self.k_steps, k.new_zeros((b, h, t, self.k_steps.view().shape[-1]), dtype=torch.float32))
 
     def encode_pending(self, flush: bool = False) -> None:
         """Push every encodable pending token through its codec and record the write-time witnesses.
@@ -271,13 +291,21 @@ class LayerStore:
         ``flush=True`` also encodes a trailing partial ``write_block`` (eviction needs every head's pending
         tail encoded so the kept codes stay rectangular; per-token codecs only).
         """
+        writes = WriteBatch()
+        self._encode(flush, writes)
+        self._commit(writes)
+
+    def _encode(self, flush: bool, writes: WriteBatch) -> None:
+        """:meth:`encode_pending` recorded in ``writes``: the codecs and witnesses are computed on the device, their
+        checks deferred to the commit (:mod:`kvcert.checks`); the tiers, witnesses, chunks and counters change
+        only at the commit (the Tier-B step buffer, all zeros, is created at once when a codec first has steps)."""
         assert self.k is not None and self.v is not None
         for is_key, ts in ((True, self.k), (False, self.v)):
             n = ts.encodable()
             if flush:
                 n = max(ts.host.n - ts.codec.residual_window - ts.n_encoded, 0)
-            ts.last_encoded = n
             if n == 0:
+                writes.then(partial(ts.encoded, 0, None))
                 continue
             lo, hi = ts.n_encoded, ts.n_encoded + n
             x = ts.host.view()[:, :, lo:hi].to(ts.served.view().device, torch.float32)  # encode on the device tier
@@ -293,17 +321,16 @@ class LayerStore:
                 # logical positions (equal to base + slot without eviction): dither is never reused
                 # after an eviction compacts the slots; pending tokens share positions across heads
                 key = DitherKey(self.seed, self.rows.to(torch.int64), self.layer, self.positions.view()[:, 0, lo:hi])
-            packed = ts.codec.encode(xin, key=key)
-            xhat = ts.codec.decode(packed, key=key).to(torch.float32)
-            xhat = torch.where(keep.unsqueeze(-1), x, xhat)
-            ts.chunks.append(_Chunk(self.base + lo, self.base + hi, packed, key))
-            ts.served.view()[:, :, lo:hi] = xhat
-            ts.exact.view()[:, :, lo:hi] = keep
-            wit = self._witnesses(is_key, x, xhat, keep, ts.codec.steps(packed))
+            with deferred(writes.require):
+                packed = ts.codec.encode(xin, key=key)
+                xhat = torch.where(keep.unsqueeze(-1), x, ts.codec.decode(packed, key=key).to(torch.float32))
+                wit = self._witnesses(is_key, x, xhat, keep, ts.codec.steps(packed))
+            where = (slice(None), slice(None), slice(lo, hi))
+            writes.write(ts.served, where, xhat)
+            writes.write(ts.exact, where, keep)
             if is_key:
-                nonfinite, fail_closed = torch.stack([(~finite).sum(), (finite & rows_exact).sum()]).tolist()  # 1 sync
-                self.nonfinite += nonfinite
-                self.fail_closed += fail_closed
+                writes.count("nonfinite", (~finite).sum())
+                writes.count("fail_closed", (finite & rows_exact).sum())
                 if "k_steps" in wit and self.k_steps is None:
                     steps = wit["k_steps"]
                     self.k_steps = GrowBuffer(steps[:, :, :0])
@@ -312,8 +339,8 @@ class LayerStore:
                             *steps.shape[:2], ts.host.n, steps.shape[-1], dtype=steps.dtype, device=steps.device
                         )
                     )
-            self._write_witnesses((slice(None), slice(None), slice(lo, hi)), wit)
-            ts.n_encoded = hi
+            self._write_witnesses(where, wit, writes)
+            writes.then(partial(ts.encoded, n, _Chunk(self.base + lo, self.base + hi, packed, key)))
 
     def _witnesses(
         self, is_key: bool, x: torch.Tensor, xhat: torch.Tensor, keep: torch.Tensor, steps: torch.Tensor | None
@@ -339,17 +366,23 @@ class LayerStore:
             "v_dist": norm_up_f32(served.to(torch.float64) - self.v_centre),
         }
 
-    def _write_witnesses(self, index: TokenIndex, wit: Mapping[str, torch.Tensor | float]) -> None:
-        """Write witnesses ``{buffer name: values}`` at ``index`` of their buffers. In ``"log8"`` the key
-        witness ``W_t`` is not stored: it is re-derived as :func:`band_sum_up` of the *decoded* bands (each
-        ``>=`` the true band norm, so ``W_t`` still bounds ``Σ_b ρ_{t,b}`` and ``‖Δk_t‖``), over the whole
-        buffer when a base was raised (decoded bands elsewhere grew)."""
-        raised = False
+    def _write_witnesses(self, index: TokenIndex, wit: Mapping[str, torch.Tensor | float], writes: WriteBatch) -> None:
+        """Record writes of witnesses ``{buffer name: values}`` at ``index`` of their buffers in ``writes``
+        (``k_wit`` only in ``"f32"``: :meth:`_commit` derives it in ``"log8"``)."""
         for name, val in wit.items():
             if name != "k_wit" or self.witness == "f32":
-                raised |= getattr(self, name).write(index, val)
-        if self.witness == "log8" and "k_band" in wit:
-            where = (slice(None),) * 3 if raised else index
+                writes.write(getattr(self, name), index, val)
+
+    def _commit(self, writes: WriteBatch) -> None:
+        """Store ``writes`` (one host sync: :meth:`WriteBatch.commit`) and add their counters. In ``"log8"`` the
+        key witness ``W_t`` is not stored: it is re-derived as :func:`band_sum_up` of the *decoded* bands (each
+        ``>=`` the true band norm, so ``W_t`` still bounds ``Σ_b ρ_{t,b}`` and ``‖Δk_t‖``) where bands were
+        written, over the whole buffer when a band base was raised (decoded bands elsewhere grew)."""
+        bands = writes.indices(self.k_band) if isinstance(self.k_band, LogBuffer) else []  # "log8"
+        counts = writes.commit()
+        self.nonfinite += counts.get("nonfinite", 0)
+        self.fail_closed += counts.get("fail_closed", 0)
+        for where in [(slice(None),) * 3] if bands and self.k_band in writes.raised else bands:
             self.k_wit.write(where, band_sum_up(self.k_band.view()[where], self.bands))
 
     # ------------------------------------------------------------------------------------ maintenance
@@ -379,7 +412,9 @@ class LayerStore:
         }
         if self.k_steps is not None:
             wit["k_steps"] = 0.0
-        self._write_witnesses((b, h, tokens), wit)
+        writes = WriteBatch()
+        self._write_witnesses((b, h, tokens), wit, writes)
+        self._commit(writes)
         return moved
 
     # --------------------------------------------------------------------------------- device budget
@@ -440,6 +475,7 @@ class LayerStore:
                 served = ts.served.view()[:, :, lo:hi]
                 served.copy_(torch.where(held.unsqueeze(-1), xhat, served))
                 where = (slice(None), slice(None), slice(lo, hi))
+                writes = WriteBatch()
                 self._write_witnesses(  # a decoded value written back re-encodes to its own code
                     where,
                     {
@@ -448,7 +484,9 @@ class LayerStore:
                         )
                         for name, val in wit.items()
                     },
+                    writes,
                 )
+                self._commit(writes)
                 ts.exact.view()[:, :, lo:hi] &= ~held
                 self.released += int(held.sum())
                 self.n_held -= int(held.sum())

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcert.bounds.rope import Pairing, band_norms
+from kvcert.checks import fail_if
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -70,10 +71,13 @@ def check_input(x: torch.Tensor) -> None:
         raise ValueError(f"x must be [B, H, T, D], got shape {tuple(x.shape)}")
     if x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"x must be floating point, got dtype {x.dtype}")
-    if not torch.isfinite(x).all():
-        n_nan = int(torch.isnan(x).sum())
-        n_inf = int(torch.isinf(x).sum())
-        raise ValueError(f"x contains non-finite entries ({n_nan} NaN, {n_inf} inf); keep such entries exact")
+    fail_if(
+        ~torch.isfinite(x).all(),
+        lambda: ValueError(
+            f"x contains non-finite entries ({int(torch.isnan(x).sum())} NaN, {int(torch.isinf(x).sum())} inf); "
+            "keep such entries exact"
+        ),
+    )
 
 
 class Codec(ABC):

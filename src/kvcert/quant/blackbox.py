@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvcert.checks import fail_if
 from kvcert.quant.base import Codec, DitherKey, Packed
 
 
@@ -38,8 +39,10 @@ class BlackBoxCodec(Codec):
         if not isinstance(x_hat, torch.Tensor) or tuple(x_hat.shape) != tuple(x.shape):
             got = tuple(x_hat.shape) if isinstance(x_hat, torch.Tensor) else type(x_hat).__name__
             raise ValueError(f"codec {self.name!r}: fn must return shape {tuple(x.shape)}, got {got}")
-        if not x_hat.is_floating_point() or not bool(torch.isfinite(x_hat).all()):
-            raise ValueError(f"codec {self.name!r}: fn must return finite floating-point values")
+        finite_floats = ValueError(f"codec {self.name!r}: fn must return finite floating-point values")
+        if not x_hat.is_floating_point():
+            raise finite_floats
+        fail_if(~torch.isfinite(x_hat).all(), lambda: finite_floats)
         self.bits = float(x_hat.element_size() * 8)
         return Packed(self.name, tuple(x.shape), {"x_hat": x_hat.detach().clone()})
 

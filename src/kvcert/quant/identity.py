@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcert.checks import fail_if
 from kvcert.quant.base import Codec, DitherKey, Packed
 from kvcert.quant.scales import FP16_MAX
 
@@ -15,8 +16,10 @@ class NoneCodec(Codec):
     bits = 16.0
 
     def _encode(self, x: torch.Tensor, key: DitherKey | None) -> Packed:
-        if bool((x.abs() > FP16_MAX).any()):
-            raise ValueError(f"x exceeds the fp16 range (|x| max {float(x.abs().max()):.4g} > {FP16_MAX})")
+        fail_if(
+            (x.abs() > FP16_MAX).any(),
+            lambda: ValueError(f"x exceeds the fp16 range (|x| max {float(x.abs().max()):.4g} > {FP16_MAX})"),
+        )
         return Packed(self.name, tuple(x.shape), {"values": x.to(torch.float16)})
 
     def _decode(self, packed: Packed, key: DitherKey | None) -> torch.Tensor:

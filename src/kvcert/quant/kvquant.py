@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from kvcert.checks import fail_if
 from kvcert.quant.base import Codec, DitherKey, Packed
 from kvcert.quant.kivi import minmax_params
 from kvcert.quant.packing import pack_bits, unpack_bits
@@ -49,8 +50,9 @@ class KVQuantCodec(Codec):
         k = self.n_outliers(d)
         idx = flat.abs().topk(k, dim=-1).indices
         values = flat.gather(-1, idx)
-        if bool((values.abs() > FP16_MAX).any()):
-            raise ValueError(f"x has outliers beyond the fp16 range ({FP16_MAX})")
+        fail_if(
+            (values.abs() > FP16_MAX).any(), lambda: ValueError(f"x has outliers beyond the fp16 range ({FP16_MAX})")
+        )
         is_out = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, idx, True)
         dense = flat.unflatten(-1, (self.block, d))
         mask = is_out.unflatten(-1, (self.block, d))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvcert.bounds.rope import Pairing, check_pairing, pair_sq_moduli
+from kvcert.checks import fail_if
 from kvcert.quant.base import Codec, DitherKey, Packed
 from kvcert.quant.scales import FP16_MAX
 
@@ -64,8 +65,9 @@ class OutlierBypass(Codec):
             raise ValueError(f"x has (H, D)={(h, d)} but bypass was calibrated for {calibrated}")
         idx = self.channels.view(1, h, 1, -1).expand(b, h, t, -1)
         exact = x.gather(-1, idx)
-        if bool((exact.abs() > FP16_MAX).any()):
-            raise ValueError(f"bypassed channels exceed the fp16 range ({FP16_MAX})")
+        fail_if(
+            (exact.abs() > FP16_MAX).any(), lambda: ValueError(f"bypassed channels exceed the fp16 range ({FP16_MAX})")
+        )
         inner = self.inner.encode(x * self.channel_mask.view(1, h, 1, d).to(x.dtype), key)
         tensors = {_INNER + k: v for k, v in inner.tensors.items()}
         tensors["bypass"] = exact.to(torch.float16)

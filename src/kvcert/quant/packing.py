@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from kvcert.checks import fail_if
+
 PACKABLE_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 _PER_BYTE = (1, 2, 4, 8)
 _RUN = 8  # codes per packed run for the widths that do not divide 8
@@ -33,8 +35,10 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack unsigned codes in ``[0, 2^bits)`` (any integer dtype) into uint8 ``[..., n·bits/8]``."""
     per = _per_run(bits, codes.shape[-1])
     c = codes.to(torch.int64)
-    if bool(((c < 0) | (c >= 1 << bits)).any()):
-        raise ValueError(f"codes must lie in [0, {1 << bits}) to pack at {bits} bits")
+    fail_if(
+        ((c < 0) | (c >= 1 << bits)).any(),
+        lambda: ValueError(f"codes must lie in [0, {1 << bits}) to pack at {bits} bits"),
+    )
     c = c.unflatten(-1, (codes.shape[-1] // per, per))
     word = (c << (torch.arange(per, dtype=torch.int64, device=c.device) * bits)).sum(
         -1

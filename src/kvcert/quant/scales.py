@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kvcert.checks import fail_if
+
 FP16_MAX = float(torch.finfo(torch.float16).max)
 
 
@@ -32,8 +34,10 @@ def grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
 def fp16_up(s: torch.Tensor, what: str = "scale") -> torch.Tensor:
     """Round a non-negative float32 tensor to fp16 *upwards*; ``ValueError`` if it exceeds the fp16 range."""
     s = s.to(torch.float32)
-    if bool((s > FP16_MAX).any()):
-        raise ValueError(f"{what} exceeds the fp16 range ({float(s.max()):.4g} > {FP16_MAX}); x too large")
+    fail_if(
+        (s > FP16_MAX).any(),
+        lambda: ValueError(f"{what} exceeds the fp16 range ({float(s.max()):.4g} > {FP16_MAX}); x too large"),
+    )
     h = s.to(torch.float16)
     return torch.where(h.to(torch.float32) < s, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
 
@@ -41,8 +45,10 @@ def fp16_up(s: torch.Tensor, what: str = "scale") -> torch.Tensor:
 def fp16_down(s: torch.Tensor, what: str = "zero-point") -> torch.Tensor:
     """Round a float32 tensor to fp16 *downwards*; ``ValueError`` if it leaves the fp16 range."""
     s = s.to(torch.float32)
-    if bool((s.abs() > FP16_MAX).any()):
-        raise ValueError(f"{what} exceeds the fp16 range ({float(s.abs().max()):.4g} > {FP16_MAX})")
+    fail_if(
+        (s.abs() > FP16_MAX).any(),
+        lambda: ValueError(f"{what} exceeds the fp16 range ({float(s.abs().max()):.4g} > {FP16_MAX})"),
+    )
     h = s.to(torch.float16)
     return torch.where(h.to(torch.float32) > s, torch.nextafter(h, torch.full_like(h, float("-inf"))), h)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcert.checks import fail_if
 from kvcert.quant.base import Codec, DitherKey, Packed
 from kvcert.quant.packing import pack_bits, unpack_bits
 from kvcert.quant.scales import FP16_MAX, check_positive, grouped, per_group
@@ -25,8 +26,10 @@ class SignCodec(Codec):
     def _encode(self, x: torch.Tensor, key: DitherKey | None) -> Packed:
         x32 = x.to(torch.float32)
         mean_abs = grouped(x32, self.group_size).abs().mean(-1)
-        if bool((mean_abs > FP16_MAX).any()):
-            raise ValueError(f"mean |x| exceeds the fp16 range ({FP16_MAX}); input too large")
+        fail_if(
+            (mean_abs > FP16_MAX).any(),
+            lambda: ValueError(f"mean |x| exceeds the fp16 range ({FP16_MAX}); input too large"),
+        )
         bits = pack_bits((x32 >= 0).to(torch.uint8), 1)
         return Packed(self.name, tuple(x.shape), {"codes": bits, "scales": mean_abs.to(torch.float16)})
 

@@ -13,10 +13,10 @@ event before ``data: [DONE]`` (:mod:`kvcert.integrations.vllm.sse`). When the pl
 Each API server process loads this middleware (with ``--api-server-count N`` vLLM starts N of them, each
 building its own app from the same arguments) and opens the shared records file itself.
 
-Importing this module also registers :class:`~kvcert.integrations.vllm.metrics.RecordCollector` (the
+Importing this module also registers :class:`~kvcert.integrations.vllm.record_metrics.RecordCollector` (the
 ``kvcert_*`` and ``kvcert_ledger_*`` series) in prometheus_client's default registry, which vLLM's ``/metrics``
 serves with one API server; with several, the plugin's registry hook adds it to vLLM's multiprocess registry
-(:mod:`kvcert.integrations.vllm.metrics`).
+(:mod:`kvcert.integrations.vllm.record_metrics`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from prometheus_client import REGISTRY
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from kvcert.integrations.vllm.metrics import record_store, register_collector
 from kvcert.integrations.vllm.plugin import uncertified_reason
+from kvcert.integrations.vllm.record_metrics import record_store, register_collector
 from kvcert.integrations.vllm.records import merge
 from kvcert.integrations.vllm.sse import annotate_stream
 

@@ -8,7 +8,7 @@ changes vLLM's behaviour. With it, the settings are validated first (a bad codec
 * on vLLM's **CPU** platform, ``CPU_ATTN`` (the backend the CPU platform always selects) is overridden by
   :class:`kvcert.integrations.vllm.backend.KvcertCPUBackend`, and vLLM's ``/metrics`` registry factory is hooked
   so that the ``kvcert_*`` series are served with several API servers too
-  (:func:`kvcert.integrations.vllm.metrics.install_vllm_hook`);
+  (:func:`kvcert.integrations.vllm.record_metrics.install_vllm_hook`);
 * on any **other** platform (CUDA, ROCm, XPU, TPU, …) kvcert has no certified backend: :func:`register` raises
   :class:`UncertifiedPlatformError` (fail closed: the server does not start) unless ``--allow-uncertified``
   (``KVCERT_VLLM_ALLOW_UNCERTIFIED=1``) is given; then nothing is registered, vLLM serves with its own
@@ -71,7 +71,7 @@ def register() -> None:
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from kvcert.integrations.vllm.metrics import install_vllm_hook
+    from kvcert.integrations.vllm.record_metrics import install_vllm_hook
 
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
     install_vllm_hook()

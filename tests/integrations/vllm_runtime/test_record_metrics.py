@@ -1,5 +1,5 @@
 """The ``kvcert_*`` series on vLLM's ``/metrics`` in both of vLLM's registry modes (engine-free, no vLLM): the
-hook on ``get_prometheus_registry`` (:mod:`kvcert.integrations.vllm.metrics`), exercised on a stand-in module
+hook on ``get_prometheus_registry`` (:mod:`kvcert.integrations.vllm.record_metrics`), exercised on a stand-in module
 that builds registries as ``vllm/v1/metrics/prometheus.py`` does (0.32)."""
 
 import os
@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
-from kvcert.integrations.vllm import metrics
+from kvcert.integrations.vllm import record_metrics
 from kvcert.integrations.vllm.records import RecordStore, RequestRecord
 from kvcert.integrations.vllm.runtime import LEDGER_SUMMARY
 from kvcert.integrations.vllm.settings import RECORDS
@@ -56,7 +56,7 @@ def records(tmp_path, monkeypatch):
     store.put([RequestRecord("cmpl-a-0", reads=4, cells=12), RequestRecord("cmpl-b-0", reads=6, cells=18)])
     store.put_meta(LEDGER_SUMMARY, {**Ledger().summary(), "lanes": 1, "live_requests": 0})
     monkeypatch.setenv(RECORDS, str(path))
-    monkeypatch.setattr(metrics, "_STORE", [])
+    monkeypatch.setattr(record_metrics, "_STORE", [])
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     return path
 
@@ -71,8 +71,8 @@ def _once(registry: CollectorRegistry) -> bool:
 
 def test_multiprocess_registries_get_the_series_once(records, tmp_path, monkeypatch):
     module = _vllm_prometheus()
-    metrics.hook_registry(module)
-    metrics.hook_registry(module)  # idempotent: not wrapped twice
+    record_metrics.hook_registry(module)
+    record_metrics.hook_registry(module)  # idempotent: not wrapped twice
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     first, second = module.get_prometheus_registry(), module.get_prometheus_registry()
     assert first is not second  # one per API server process in vLLM
@@ -86,8 +86,8 @@ def test_multiprocess_registries_get_the_series_once(records, tmp_path, monkeypa
 def test_single_registry_registered_by_middleware_and_hook_has_the_series_once(records):
     module = _vllm_prometheus()
     registry = module.get_prometheus_registry()
-    metrics.register_collector(registry)  # what importing the middleware does with prometheus' REGISTRY
-    metrics.hook_registry(module)
+    record_metrics.register_collector(registry)  # what importing the middleware does with prometheus' REGISTRY
+    record_metrics.hook_registry(module)
     assert module.get_prometheus_registry() is registry
     assert _once(registry)
 
@@ -96,9 +96,9 @@ def test_install_hooks_the_factory_and_an_already_imported_router(records, tmp_p
     source = _vllm_prometheus()
     router = types.ModuleType("router")
     router.get_prometheus_registry = source.get_prometheus_registry  # bound at its import, before the hook
-    monkeypatch.setitem(sys.modules, metrics.VLLM_REGISTRY_MODULE, source)
-    monkeypatch.setitem(sys.modules, metrics.VLLM_METRICS_ROUTER, router)
-    metrics.install_vllm_hook()
+    monkeypatch.setitem(sys.modules, record_metrics.VLLM_REGISTRY_MODULE, source)
+    monkeypatch.setitem(sys.modules, record_metrics.VLLM_METRICS_ROUTER, router)
+    record_metrics.install_vllm_hook()
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     for module in (source, router):
         assert _once(module.get_prometheus_registry())

@@ -3,6 +3,7 @@ hook on ``get_prometheus_registry`` (:mod:`kvcert.integrations.vllm.record_metri
 that builds registries as ``vllm/v1/metrics/prometheus.py`` does (0.32)."""
 
 import os
+import subprocess
 import sys
 import types
 from collections import Counter
@@ -11,8 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
 from kvcert.integrations.vllm import record_metrics
-from kvcert.integrations.vllm.records import RecordStore, RequestRecord
-from kvcert.integrations.vllm.runtime import LEDGER_SUMMARY
+from kvcert.integrations.vllm.records import LEDGER_SUMMARY, RecordStore, RequestRecord
 from kvcert.integrations.vllm.settings import RECORDS
 from kvcert.ledger.ledger import Ledger
 
@@ -102,3 +102,11 @@ def test_install_hooks_the_factory_and_an_already_imported_router(records, tmp_p
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     for module in (source, router):
         assert _once(module.get_prometheus_registry())
+
+
+def test_the_hook_module_loads_no_numba():
+    """The plugin imports it in every vLLM process before vLLM's worker scans all loaded modules for Triton
+    kernels, which fails on llvmlite's function wrappers (loaded with kvcert's numba kernels)."""
+    code = "import sys, kvcert.integrations.vllm.record_metrics; print('llvmlite' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

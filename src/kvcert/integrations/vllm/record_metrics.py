@@ -21,7 +21,10 @@ while the app is built):
   registry, so each series appears once.
 
 :func:`register_collector` adds at most one collector to a registry, so both paths together never duplicate a
-series. Pure prometheus_client: nothing here imports vLLM except :func:`install_vllm_hook`.
+series. Pure prometheus_client: nothing here imports vLLM except :func:`install_vllm_hook`, nor kvcert's read path
+(the plugin imports this module in every vLLM process, and vLLM's worker scans every loaded module for Triton
+kernels at start-up: ``vllm/triton_utils/dispatcher.py``, ``_rebind_kernels``, which fails on llvmlite's
+``_lib_fn_wrapper``, loaded with kvcert's numba kernels).
 """
 
 from __future__ import annotations
@@ -38,8 +41,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvcert.integrations.vllm.records import RecordStore, RequestRecord, merge
-from kvcert.integrations.vllm.runtime import LEDGER_SUMMARY
+from kvcert.integrations.vllm.records import LEDGER_SUMMARY, RecordStore, RequestRecord, merge
 from kvcert.integrations.vllm.settings import RECORDS
 from kvcert.ledger.metrics import ledger_families
 

@@ -15,8 +15,9 @@ building its own app from the same arguments) and opens the shared records file 
 
 Importing this module also registers :class:`~kvcert.integrations.vllm.record_metrics.RecordCollector` (the
 ``kvcert_*`` and ``kvcert_ledger_*`` series) in prometheus_client's default registry, which vLLM's ``/metrics``
-serves with one API server; with several, the plugin's registry hook adds it to vLLM's multiprocess registry
-(:mod:`kvcert.integrations.vllm.record_metrics`).
+serves with one API server. With several, vLLM serves ``/metrics`` from a multiprocess registry built per scrape,
+which no collector can join; the middleware then appends the series to the ``/metrics`` body
+(:func:`~kvcert.integrations.vllm.record_metrics.complete_metrics`: each series once in both cases).
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from kvcert.integrations.vllm.plugin import uncertified_reason
-from kvcert.integrations.vllm.record_metrics import record_store, register_collector
+from kvcert.integrations.vllm.record_metrics import RecordCollector, complete_metrics, record_store
 from kvcert.integrations.vllm.records import merge
 from kvcert.integrations.vllm.sse import annotate_stream
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
+METRICS = "/metrics"
 FIELD = "kvcert"
 
 _UNCERTIFIED: list[str | None] = []
@@ -66,24 +68,33 @@ def response_record(response_id: str) -> dict[str, object]:
     return summary
 
 
+def _headers(response: Response) -> dict[str, str]:
+    """The response's headers without ``content-length`` (the body is rewritten)."""
+    return {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
+
+
 async def certificate_middleware(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-    """Add the ``"kvcert"`` field to completion responses, streaming or not (see the module docstring)."""
+    """Add the ``"kvcert"`` field to completion responses, streaming or not, and the ``kvcert_*`` series to a
+    ``/metrics`` text body that lacks them (see the module docstring)."""
     response = await call_next(request)
     kind = response.headers.get("content-type", "")
-    if request.url.path not in PATHS or response.status_code != 200:
+    if response.status_code != 200:
+        return response
+    if request.url.path == METRICS and kind.startswith("text/plain") and "content-encoding" not in response.headers:
+        body = b"".join([chunk async for chunk in response.body_iterator])  # type: ignore[attr-defined]
+        return Response(complete_metrics(body), response.status_code, _headers(response))
+    if request.url.path not in PATHS:
         return response
     if kind.startswith("text/event-stream"):
-        headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
         stream = annotate_stream(response.body_iterator, response_record)  # type: ignore[attr-defined]
-        return StreamingResponse(stream, response.status_code, headers, media_type="text/event-stream")
+        return StreamingResponse(stream, response.status_code, _headers(response), media_type="text/event-stream")
     if not kind.startswith("application/json"):
         return response
     body = b"".join([chunk async for chunk in response.body_iterator])  # type: ignore[attr-defined]
     data = json.loads(body)
     if isinstance(data, dict) and isinstance(data.get("id"), str):
         data[FIELD] = response_record(data["id"])
-    headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
-    return Response(json.dumps(data), response.status_code, headers, media_type="application/json")
+    return Response(json.dumps(data), response.status_code, _headers(response), media_type="application/json")
 
 
-register_collector(REGISTRY)
+REGISTRY.register(RecordCollector())

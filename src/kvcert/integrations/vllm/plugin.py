@@ -6,9 +6,7 @@ changes vLLM's behaviour. With it, the settings are validated first (a bad codec
 ``ValueError`` before any engine starts), then the platform is checked:
 
 * on vLLM's **CPU** platform, ``CPU_ATTN`` (the backend the CPU platform always selects) is overridden by
-  :class:`kvcert.integrations.vllm.backend.KvcertCPUBackend`, and vLLM's ``/metrics`` registry factory is hooked
-  so that the ``kvcert_*`` series are served with several API servers too
-  (:func:`kvcert.integrations.vllm.record_metrics.install_vllm_hook`);
+  :class:`kvcert.integrations.vllm.backend.KvcertCPUBackend`;
 * on any **other** platform (CUDA, ROCm, XPU, TPU, …) kvcert has no certified backend: :func:`register` raises
   :class:`UncertifiedPlatformError` (fail closed: the server does not start) unless ``--allow-uncertified``
   (``KVCERT_VLLM_ALLOW_UNCERTIFIED=1``) is given; then nothing is registered, vLLM serves with its own
@@ -55,8 +53,8 @@ def uncertified_reason() -> str | None:
 
 
 def register() -> None:
-    """Override vLLM's CPU attention backend with kvcert's and hook ``/metrics`` when ``KVCERT_VLLM=1``; refuse
-    other platforms unless uncertified serving is allowed (see the module docstring)."""
+    """Override vLLM's CPU attention backend with kvcert's when ``KVCERT_VLLM=1``; refuse other platforms
+    unless uncertified serving is allowed (see the module docstring)."""
     if not enabled():
         return
     settings = Settings.from_env()
@@ -71,7 +69,4 @@ def register() -> None:
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from kvcert.integrations.vllm.record_metrics import install_vllm_hook
-
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
-    install_vllm_hook()

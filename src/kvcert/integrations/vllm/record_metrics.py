@@ -1,43 +1,34 @@
-"""The ``kvcert_*`` Prometheus series of vLLM's ``/metrics`` and the hook that puts them there in every mode.
+"""The ``kvcert_*`` Prometheus series on vLLM's ``/metrics``, with one API server or several.
 
 :class:`RecordCollector` reads the shared records file (``KVCERT_VLLM_RECORDS``) at scrape time: the ``kvcert_*``
 series over the request records and, when the request ledger is on, the ``kvcert_ledger_*`` series of the
 engine's ledger summary (published into the records file by the engine at most every 0.5 s,
 :mod:`kvcert.integrations.vllm.ledger_feed`), labelled ``model="vllm"``. Its values are complete in any process
-that can open the file, so one API server's collector is enough; nothing is aggregated across processes.
+that can open the file, so nothing is aggregated across API server processes.
 
-vLLM's ``/metrics`` serves the registry returned by ``vllm.v1.metrics.prometheus.get_prometheus_registry()``
-(called once per API server process by ``vllm/entrypoints/serve/instrumentator/metrics.py``, ``attach_router``,
-while the app is built):
+How vLLM 0.32 answers ``GET /metrics`` (``vllm/entrypoints/serve/instrumentator/metrics.py``, ``attach_router``):
+the route is prometheus-fastapi-instrumentator's ``expose`` endpoint (registered before vLLM's ``/metrics``
+mount, so it wins), which serves the text format of
 
-* **one API server**: prometheus_client's default ``REGISTRY``; the middleware module
-  (:mod:`kvcert.integrations.vllm.http`) registers the collector there at import;
-* **several API servers** (``--api-server-count N > 1``): vLLM sets ``PROMETHEUS_MULTIPROC_DIR``
-  (``setup_multiprocess_prometheus``, ``vllm/entrypoints/cli/serve.py``) and every API server process builds a
-  fresh ``CollectorRegistry`` holding only a ``MultiProcessCollector`` (which merges the per-process metric
-  files vLLM's own metrics write; a custom collector has no file). :func:`install_vllm_hook`, run by the plugin
-  in every vLLM process before the app is built, wraps ``get_prometheus_registry`` so that the registry it
-  returns holds one :class:`RecordCollector`. A scrape is answered by one API server process, from its own
-  registry, so each series appears once.
+* **one API server**: the registry vLLM gives it, prometheus_client's default ``REGISTRY``, where the middleware
+  module (:mod:`kvcert.integrations.vllm.http`) registers a :class:`RecordCollector` at import;
+* **several API servers** (``--api-server-count N > 1``; vLLM sets ``PROMETHEUS_MULTIPROC_DIR``,
+  ``setup_multiprocess_prometheus`` in ``vllm/entrypoints/cli/serve.py``): a new ``CollectorRegistry`` per scrape
+  holding only a ``MultiProcessCollector``, which merges the per-process files that vLLM's own metrics write
+  (``prometheus_fastapi_instrumentator/instrumentation.py``, ``expose``). No custom collector can join it.
 
-:func:`register_collector` adds at most one collector to a registry, so both paths together never duplicate a
-series. Pure prometheus_client: nothing here imports vLLM except :func:`install_vllm_hook`, nor kvcert's read path
-(the plugin imports this module in every vLLM process, and vLLM's worker scans every loaded module for Triton
-kernels at start-up: ``vllm/triton_utils/dispatcher.py``, ``_rebind_kernels``, which fails on llvmlite's
-``_lib_fn_wrapper``, loaded with kvcert's numba kernels).
+The middleware therefore passes every ``/metrics`` text body through :func:`complete_metrics`, which appends the
+series of a registry holding only a :class:`RecordCollector` when the body lacks them (several API servers) and
+leaves it unchanged when it has them (one API server): each series appears exactly once either way, whichever
+API server process answers the scrape.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
 import os
-import sys
-import weakref
-from collections.abc import Callable, Iterator
-from types import ModuleType
+from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -45,14 +36,10 @@ from kvcert.integrations.vllm.records import LEDGER_SUMMARY, RecordStore, Reques
 from kvcert.integrations.vllm.settings import RECORDS
 from kvcert.ledger.metrics import ledger_families
 
-#: where vLLM 0.32 defines ``get_prometheus_registry``, and the module that builds ``/metrics`` from it (it
-#: binds the name at its import, so it is wrapped too when it was imported before the hook)
-VLLM_REGISTRY_MODULE = "vllm.v1.metrics.prometheus"
-VLLM_METRICS_ROUTER = "vllm.entrypoints.serve.instrumentator.metrics"
-_HOOKED = "__kvcert_hooked__"
+#: the line by which a ``/metrics`` body shows that it already holds the ``kvcert_*`` series
+PRESENT = b"# TYPE kvcert_requests_total "
 
 _STORE: list[RecordStore] = []
-_REGISTRIES: weakref.WeakSet[CollectorRegistry] = weakref.WeakSet()
 
 
 def record_store() -> RecordStore:
@@ -122,34 +109,15 @@ class RecordCollector(Collector):
             yield from ledger_families({"vllm": summary})
 
 
-def register_collector(registry: CollectorRegistry) -> CollectorRegistry:
-    """Register one :class:`RecordCollector` in ``registry`` unless this process already did; return
-    ``registry`` (so the same registry registered twice still exposes each ``kvcert_*`` series once)."""
-    if registry not in _REGISTRIES:
-        registry.register(RecordCollector())
-        _REGISTRIES.add(registry)
-    return registry
+_OWN = CollectorRegistry()
+_OWN.register(RecordCollector())
 
 
-def hook_registry(module: ModuleType) -> None:
-    """Replace ``module.get_prometheus_registry`` by a wrapper that passes every registry it returns through
-    :func:`register_collector` (idempotent: a wrapped function is not wrapped again)."""
-    original: Callable[[], CollectorRegistry] = module.get_prometheus_registry
-    if getattr(original, _HOOKED, False):
-        return
-
-    @functools.wraps(original)
-    def get_prometheus_registry() -> CollectorRegistry:
-        return register_collector(original())
-
-    setattr(get_prometheus_registry, _HOOKED, True)
-    setattr(module, "get_prometheus_registry", get_prometheus_registry)  # noqa: B010 (ModuleType declares no such attribute)
-
-
-def install_vllm_hook() -> None:
-    """Hook vLLM's ``get_prometheus_registry`` (see the module docstring): in its defining module, and in the
-    ``/metrics`` router module when that is already imported (it bound the name then). Imports vLLM."""
-    hook_registry(importlib.import_module(VLLM_REGISTRY_MODULE))
-    router = sys.modules.get(VLLM_METRICS_ROUTER)
-    if router is not None:
-        hook_registry(router)
+def complete_metrics(body: bytes) -> bytes:
+    """A Prometheus text-format body with every ``kvcert_*`` / ``kvcert_ledger_*`` series exactly once: ``body``
+    itself when it already has them (its registry holds a :class:`RecordCollector`), else ``body`` followed by the
+    series of this process's own collector (see the module docstring)."""
+    if PRESENT in body:
+        return body
+    separator = b"\n" if body and not body.endswith(b"\n") else b""
+    return body + separator + generate_latest(_OWN)

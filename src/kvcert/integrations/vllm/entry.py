@@ -14,7 +14,7 @@ import sys
 
 
 def main() -> None:
-    """Parse ``sys.argv[1:]`` as ``vllm serve``'s options (the model as ``--model``) and serve."""
+    """Parse ``sys.argv[1:]`` as ``vllm serve``'s arguments (the model first, then the options) and serve."""
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args

@@ -89,7 +89,6 @@ def server_command(
         python,
         "-c",
         SERVER_MAIN,
-        "--model",
         str(model_dir),
         "--host",
         host,

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from typer.testing import CliRunner
-from vllm_server import TAU, check_summary, complete, get, running_server, stop
+from vllm_server import TAU, check_summary, complete, get, metric_values, running_server, stop
 
 from kvcert.cli.ledger_command import app as ledger_app
 
@@ -109,6 +109,7 @@ def test_metrics_expose_kvcert_series(server, responses, stream_events):
     assert 0.0 <= values["kvcert_max_certificate"] <= TAU
     assert 0.0 <= values["kvcert_coverage"] <= 1.0
     assert values["kvcert_violations_total"] == 0.0
+    assert all(len(v) == 1 for v in metric_values(server).values())  # the middleware appended nothing
 
 
 def _ledger_metrics(base: str) -> dict[str, float]:

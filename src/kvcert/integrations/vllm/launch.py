@@ -8,7 +8,7 @@
 * ``--middleware kvcert.integrations.vllm.http.certificate_middleware`` (response field + ``/metrics``),
 * ``--enforce-eager`` (no compile warm-up on CPU) and ``--dtype float32`` unless overridden,
 * ``--api-server-count`` (default 1): with N > 1 vLLM runs N API server processes on the port, each with the
-  middleware, and serves ``/metrics`` in prometheus multiprocess mode (the plugin's hook adds the ``kvcert_*``
+  middleware, and serves ``/metrics`` in prometheus multiprocess mode (the middleware appends the ``kvcert_*``
   series there, :mod:`kvcert.integrations.vllm.record_metrics`),
 * ``--shutdown-timeout`` (30 s): on SIGTERM vLLM lets the engine and its worker exit gracefully instead of
   killing them at once (its default, 0), so the worker's request ledger writes ``ledger.json`` and closes its log,

@@ -36,8 +36,8 @@ from kvcert.integrations.vllm.records import LEDGER_SUMMARY, RecordStore, Reques
 from kvcert.integrations.vllm.settings import RECORDS
 from kvcert.ledger.metrics import ledger_families
 
-#: the line by which a ``/metrics`` body shows that it already holds the ``kvcert_*`` series
-PRESENT = b"# TYPE kvcert_requests_total "
+#: the start of the sample line by which a ``/metrics`` body shows that it already holds the ``kvcert_*`` series
+PRESENT = b"\nkvcert_requests_total{"
 
 _STORE: list[RecordStore] = []
 

@@ -13,7 +13,7 @@ from vllm_server import TAU, check_summary, complete, metric_values, running_ser
 
 PROMPTS = ["The capital of France is", "Water boils at a temperature of 100 degrees"]
 API_SERVERS = 2
-SCRAPES = 8  # the kernel spreads connections over the API server processes (SO_REUSEPORT): both answer some
+SCRAPES = 8  # the kernel spreads connections over the API server processes by address hash (SO_REUSEPORT)
 LEDGER = 'kvcert_ledger_requests{model="vllm",tier="certified"}'
 
 

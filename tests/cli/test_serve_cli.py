@@ -20,7 +20,7 @@ def test_serve_dry_run_prints_the_vllm_command(tmp_path):
         ["serve", "--model", _model(tmp_path), "--port", "8123", "--records", str(tmp_path / "r.sqlite"), "--dry-run"],
     )
     assert res.exit_code == 0, res.output
-    assert "vllm.entrypoints.launchers.api_server.entry" in res.output
+    assert "kvcert.integrations.vllm.entry" in res.output and "--api-server-count 1" in res.output
     assert "--no-enable-prefix-caching" in res.output and "--port 8123" in res.output
 
 
@@ -30,6 +30,7 @@ def test_serve_bad_configuration_fails_before_start(tmp_path):
         (["--keys", "nope"], "unknown codec 'nope'"),
         (["--gate", "certified:-1"], "threshold must be >= 0"),
         (["--port", "0"], "--port must be in"),
+        (["--api-server-count", "0"], "--api-server-count must be >= 1"),
     ):
         res = runner.invoke(app, ["serve", "--model", model, "--dry-run", *args])
         assert res.exit_code == 2 and text in res.output, (args, res.output)

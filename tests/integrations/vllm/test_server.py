@@ -11,92 +11,24 @@ the module; the tests only read it, except the last, which stops it.
 import fcntl
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from typer.testing import CliRunner
+from vllm_server import TAU, check_summary, complete, get, metric_values, running_server, stop
 
 from kvcert.cli.ledger_command import app as ledger_app
-from kvcert.integrations.vllm.launch import server_command
-from kvcert.integrations.vllm.settings import Settings
-from kvcert.models.zoo import converted_dir
 
 PROMPTS = ["The capital of France is", "Water boils at a temperature of 100 degrees"]
 STREAM_PROMPT = "The largest planet of the solar system is"
-MAX_TOKENS = 24
-TAU = 0.2
-START_TIMEOUT_S = 900
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str) -> tuple[int, bytes]:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.status, r.read()
 
 
 @pytest.fixture(scope="module")
 def proc_and_base(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
-    port = _free_port()
-    settings = Settings(
-        keys="dither-int8",
-        values="int4",
-        gate=f"certified:{TAU}",
-        records=str(tmp / "r.sqlite"),
-        ledger=str(tmp / "ledger"),
-    )
-    argv, env = server_command(
-        sys.executable,
-        converted_dir("smollm2-135m"),
-        settings,
-        port=port,
-        served_name="smollm2-135m",
-        max_model_len=512,
-    )
-    log = open(tmp / "server.log", "w")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(
-                    f"server exited with {proc.returncode}:\n{(tmp / 'server.log').read_text()[-4000:]}"
-                )
-            try:
-                if _get(base + "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"server not healthy after {START_TIMEOUT_S} s")
-            time.sleep(2)
+    with running_server(tmp) as (proc, base):
         yield proc, base, tmp
-    finally:
-        _stop(proc)
-        log.close()
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
 
 
 def _wait_closed(ledger, timeout_s: float = 120.0) -> None:
@@ -121,26 +53,12 @@ def server(proc_and_base):
     return proc_and_base[1]
 
 
-def _complete(base: str, prompt: str, stream: bool = False) -> dict | list[str]:
-    """The JSON response, or for ``stream`` the SSE ``data:`` payloads in order."""
-    payload = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
-    if stream:
-        payload["stream"] = True
-    req = urllib.request.Request(
-        base + "/v1/completions", json.dumps(payload).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=900) as r:
-        if not stream:
-            return json.loads(r.read())
-        return [line[6:] for line in r.read().decode().split("\n") if line.startswith("data: ")]
-
-
 @pytest.fixture(scope="module")
 def all_responses(server):
     """The two completions and the streamed one, sent concurrently (one batch)."""
     jobs = [(p, False) for p in PROMPTS] + [(STREAM_PROMPT, True)]
     with ThreadPoolExecutor(len(jobs)) as pool:
-        return list(pool.map(lambda job: _complete(server, *job), jobs))
+        return list(pool.map(lambda job: complete(server, *job), jobs))
 
 
 @pytest.fixture(scope="module")
@@ -153,26 +71,12 @@ def stream_events(all_responses):
     return all_responses[-1]
 
 
-def _check_summary(s: dict, response_id: str, completion_tokens: int, prompt_tokens: int) -> None:
-    assert "error" not in s, s
-    assert s["certified"] is True
-    assert all(e.startswith(response_id + "-") for e in s["engine_requests"]) and len(s["engine_requests"]) == 1
-    assert s["decode_steps"] == completion_tokens - 1
-    assert s["prefill_tokens"] == prompt_tokens
-    assert s["reads"] > 0 and s["cells"] == 3 * s["reads"]
-    assert s["tau"] == TAU and 0.0 <= s["max_certificate"] <= TAU  # the gate's promise, certified
-    assert s["max_certificate_pre"] <= 1.0 and 0.0 <= s["coverage"] <= 1.0
-    assert s["coverage"] + s["fallback_share"] == pytest.approx(1.0)
-    assert s["tiers"]["max_certificate"] == "certified" and s["tiers"]["coverage"] == "empirical"
-    assert len(s["ledger_uids"]) == 1 and s["ledger_incidents"] == 0 and s["ledger_delta_spent"] > 0
-
-
 def test_concurrent_responses_carry_their_own_certificate(responses):
     summaries = [r["kvcert"] for r in responses]
     assert responses[0]["id"] != responses[1]["id"]
     for resp, s in zip(responses, summaries, strict=True):
         usage = resp["usage"]
-        _check_summary(s, resp["id"], usage["completion_tokens"], usage["prompt_tokens"])
+        check_summary(s, resp["id"], usage["completion_tokens"], usage["prompt_tokens"])
     assert set(summaries[0]["engine_requests"]).isdisjoint(summaries[1]["engine_requests"])
     assert summaries[0]["ledger_uids"] != summaries[1]["ledger_uids"]  # one ledger account per request id
 
@@ -184,14 +88,14 @@ def test_stream_final_event_carries_the_certificate(stream_events, responses):
     final = chunks[-1]
     assert "kvcert" in final and final["choices"] == [] and all("kvcert" not in c for c in chunks[:-1])
     assert final["id"] == tokens[0]["id"]
-    _check_summary(final["kvcert"], final["id"], len(tokens), final["kvcert"]["prefill_tokens"])
+    check_summary(final["kvcert"], final["id"], len(tokens), final["kvcert"]["prefill_tokens"])
     assert final["kvcert"]["prefill_tokens"] > 0
     others = {u for r in responses for u in r["kvcert"]["ledger_uids"]}
     assert others.isdisjoint(final["kvcert"]["ledger_uids"])
 
 
 def test_metrics_expose_kvcert_series(server, responses, stream_events):
-    status, body = _get(server + "/metrics")
+    status, body = get(server + "/metrics")
     text = body.decode()
     assert status == 200 and "vllm:" in text
     values = {
@@ -205,10 +109,11 @@ def test_metrics_expose_kvcert_series(server, responses, stream_events):
     assert 0.0 <= values["kvcert_max_certificate"] <= TAU
     assert 0.0 <= values["kvcert_coverage"] <= 1.0
     assert values["kvcert_violations_total"] == 0.0
+    assert all(len(v) == 1 for v in metric_values(server).values())  # the middleware appended nothing
 
 
 def _ledger_metrics(base: str) -> dict[str, float]:
-    text = _get(base + "/metrics")[1].decode()
+    text = get(base + "/metrics")[1].decode()
     return {
         line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -232,7 +137,7 @@ def test_metrics_expose_kvcert_ledger_series(server, all_responses):
 
 def test_shutdown_writes_a_ledger_the_gate_accepts(proc_and_base, all_responses):
     proc, _, tmp = proc_and_base
-    _stop(proc)  # the last test of the module: the server is stopped here
+    stop(proc)  # the last test of the module: the server is stopped here
     ledger = tmp / "ledger"
     _wait_closed(ledger)
     summary = json.loads((ledger / "summary.json").read_text())

@@ -85,7 +85,7 @@ def test_check_model(tmp_path):
 def test_server_command_configures_the_plugin(tmp_path):
     s = Settings(gate="certified:0.2", records=str(tmp_path / "r.sqlite"))
     argv, env = server_command("py", tmp_path, s, port=8123, base_env={})
-    assert argv[:5] == ["py", "-c", SERVER_MAIN, "--model", str(tmp_path)]
+    assert argv[:4] == ["py", "-c", SERVER_MAIN, str(tmp_path)]  # vllm serve's positional model
     assert "--no-enable-prefix-caching" in argv and "kvcert.integrations.vllm.http.certificate_middleware" in argv
     assert Settings.from_env(env) == s and env["KVCERT_VLLM"] == "1"
     with pytest.raises(ValueError, match="records"):

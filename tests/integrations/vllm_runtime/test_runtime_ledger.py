@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from kvcert.cli.main import app
 from kvcert.integrations.vllm import runtime as runtime_mod
 from kvcert.integrations.vllm.ledger_feed import LOG_NAME, SNAPSHOT_NAME, SUMMARY_NAME
-from kvcert.integrations.vllm.records import RecordStore
-from kvcert.integrations.vllm.runtime import LEDGER_SUMMARY, Runtime
+from kvcert.integrations.vllm.records import LEDGER_SUMMARY, RecordStore
+from kvcert.integrations.vllm.runtime import Runtime
 from kvcert.integrations.vllm.settings import Settings
 
 LAYERS, HQ, HKV, D = 2, 4, 2, 32

@@ -10,36 +10,34 @@ event before ``data: [DONE]`` (:mod:`kvcert.integrations.vllm.sse`). When the pl
 (``--allow-uncertified`` on a platform it cannot certify) the field says so instead: ``{"certified": false,
 "reason": ...}``.
 
-Importing this module also registers :class:`RecordCollector` in prometheus_client's default registry, which
-vLLM's ``/metrics`` serves (single API server); the collector reads the records file at scrape time: the
-``kvcert_*`` series over the request records and, when the request ledger is on, the ``kvcert_ledger_*`` series
-of the engine's ledger summary (published into the records file by the engine at most every 0.5 s,
-:mod:`kvcert.integrations.vllm.ledger_feed`), labelled ``model="vllm"``.
+Each API server process loads this middleware (with ``--api-server-count N`` vLLM starts N of them, each
+building its own app from the same arguments) and opens the shared records file itself.
+
+Importing this module also registers :class:`~kvcert.integrations.vllm.record_metrics.RecordCollector` (the
+``kvcert_*`` and ``kvcert_ledger_*`` series) in prometheus_client's default registry, which vLLM's ``/metrics``
+serves with one API server. With several, vLLM serves ``/metrics`` from a multiprocess registry built per scrape,
+which no collector can join; the middleware then appends the series to the ``/metrics`` body
+(:func:`~kvcert.integrations.vllm.record_metrics.complete_metrics`: each series once in both cases).
 """
 
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 
 from prometheus_client import REGISTRY
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from kvcert.integrations.vllm.plugin import uncertified_reason
-from kvcert.integrations.vllm.records import RecordStore, RequestRecord, merge
-from kvcert.integrations.vllm.runtime import LEDGER_SUMMARY
-from kvcert.integrations.vllm.settings import RECORDS
+from kvcert.integrations.vllm.record_metrics import RecordCollector, complete_metrics, record_store
+from kvcert.integrations.vllm.records import merge
 from kvcert.integrations.vllm.sse import annotate_stream
-from kvcert.ledger.metrics import ledger_families
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
+METRICS = "/metrics"
 FIELD = "kvcert"
 
-_STORE: list[RecordStore] = []
 _UNCERTIFIED: list[str | None] = []
 
 
@@ -48,16 +46,6 @@ def _uncertified() -> str | None:
     if not _UNCERTIFIED:
         _UNCERTIFIED.append(uncertified_reason())
     return _UNCERTIFIED[0]
-
-
-def record_store() -> RecordStore:
-    """The records file of this server (``KVCERT_VLLM_RECORDS``; ``RuntimeError`` when unset)."""
-    if not _STORE:
-        path = os.environ.get(RECORDS)
-        if not path:
-            raise RuntimeError(f"{RECORDS} is not set: the kvcert middleware needs the engine's records file")
-        _STORE.append(RecordStore(path))
-    return _STORE[0]
 
 
 def response_record(response_id: str) -> dict[str, object]:
@@ -80,81 +68,33 @@ def response_record(response_id: str) -> dict[str, object]:
     return summary
 
 
+def _headers(response: Response) -> dict[str, str]:
+    """The response's headers without ``content-length`` (the body is rewritten)."""
+    return {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
+
+
 async def certificate_middleware(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-    """Add the ``"kvcert"`` field to completion responses, streaming or not (see the module docstring)."""
+    """Add the ``"kvcert"`` field to completion responses, streaming or not, and the ``kvcert_*`` series to a
+    ``/metrics`` text body that lacks them (see the module docstring)."""
     response = await call_next(request)
     kind = response.headers.get("content-type", "")
-    if request.url.path not in PATHS or response.status_code != 200:
+    if response.status_code != 200:
+        return response
+    if request.url.path == METRICS and kind.startswith("text/plain") and "content-encoding" not in response.headers:
+        body = b"".join([chunk async for chunk in response.body_iterator])  # type: ignore[attr-defined]
+        return Response(complete_metrics(body), response.status_code, _headers(response))
+    if request.url.path not in PATHS:
         return response
     if kind.startswith("text/event-stream"):
-        headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
         stream = annotate_stream(response.body_iterator, response_record)  # type: ignore[attr-defined]
-        return StreamingResponse(stream, response.status_code, headers, media_type="text/event-stream")
+        return StreamingResponse(stream, response.status_code, _headers(response), media_type="text/event-stream")
     if not kind.startswith("application/json"):
         return response
     body = b"".join([chunk async for chunk in response.body_iterator])  # type: ignore[attr-defined]
     data = json.loads(body)
     if isinstance(data, dict) and isinstance(data.get("id"), str):
         data[FIELD] = response_record(data["id"])
-    headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
-    return Response(json.dumps(data), response.status_code, headers, media_type="application/json")
-
-
-class RecordCollector(Collector):
-    """``kvcert_*`` series over every request in the records file, read at scrape time (the serving path pays
-    nothing). Each family carries a ``tier`` label: ``certified`` for quantities decided by certificates,
-    ``exact`` for counts of what the plugin did, ``empirical`` for shares of the traffic, ``measured`` for
-    validate-mode checks against exact attention."""
-
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        """One sample per family, summed / maximised over the records; then the ledger's families."""
-        path = os.environ.get(RECORDS)
-        records: list[RequestRecord] = record_store().all() if path else []
-        total = merge(records, "all")
-        counters = (
-            ("kvcert_requests", "requests with a kvcert record", "exact", len(records)),
-            ("kvcert_decode_reads", "per-layer KV-head decode reads through the certified path", "exact", total.reads),
-            ("kvcert_cells", "(layer, query head, step) cells certified", "certified", total.cells),
-            (
-                "kvcert_repaired_reads",
-                "KV-head reads repaired exactly from the host tier",
-                "exact",
-                total.repaired_reads,
-            ),
-            (
-                "kvcert_cells_over_tau",
-                "cells whose certificate exceeded tau before repair",
-                "certified",
-                total.cells_over_tau,
-            ),
-            ("kvcert_page_in_bytes", "bytes paged in from the host tier by repairs", "exact", total.bytes_paged),
-            (
-                "kvcert_violations",
-                "validate mode: cells whose true TV exceeded the certificate",
-                "measured",
-                total.violations,
-            ),
-        )
-        for name, doc, tier, value in counters:
-            c = CounterMetricFamily(name, doc, labels=["tier"])
-            c.add_metric([tier], float(value))
-            yield c
-        gauges = (
-            (
-                "kvcert_max_certificate",
-                "largest served certificate over all requests",
-                "certified",
-                total.max_certificate,
-            ),
-            ("kvcert_coverage", "share of KV-head reads served compressed (no repair)", "empirical", total.coverage),
-        )
-        for name, doc, tier, level in gauges:
-            g = GaugeMetricFamily(name, doc, labels=["tier"])
-            g.add_metric([tier], float(level))
-            yield g
-        summary = record_store().get_meta(LEDGER_SUMMARY) if path else None
-        if isinstance(summary, dict):
-            yield from ledger_families({"vllm": summary})
+    return Response(json.dumps(data), response.status_code, _headers(response), media_type="application/json")
 
 
 REGISTRY.register(RecordCollector())

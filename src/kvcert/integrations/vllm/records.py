@@ -26,6 +26,9 @@ import threading
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+#: key of the ledger summary in the records file's ``meta`` table (read by the API server's ``/metrics``)
+LEDGER_SUMMARY = "ledger_summary"
+
 
 @dataclass
 class RequestRecord:

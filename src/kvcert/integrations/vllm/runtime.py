@@ -49,7 +49,7 @@ from kvcert.cache.events import last_write_event
 from kvcert.cache.store import LayerStore
 from kvcert.integrations.cache_config import StorageConfig
 from kvcert.integrations.vllm.ledger_feed import Lease, ServingLedger
-from kvcert.integrations.vllm.records import RecordStore, RequestRecord
+from kvcert.integrations.vllm.records import LEDGER_SUMMARY, RecordStore, RequestRecord
 from kvcert.integrations.vllm.settings import Settings
 
 #: tokens encoded at once (as :class:`~kvcert.integrations.transformers.CertifiedCache`'s default)
@@ -60,8 +60,6 @@ DELTA_REQ = 1e-2
 MAX_STEPS = 256
 #: finished records kept in memory when there is no records file (in-process use); older ones are dropped
 FINISHED_KEPT = 1024
-#: key of the ledger summary in the records file's ``meta`` table (read by the API server's ``/metrics``)
-LEDGER_SUMMARY = "ledger_summary"
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from resident_cases import POLICIES, PROMPT, assert_sound_in_every_cell, greedy_decode, validated_runs
+from resident_cases import POLICIES, PROMPT, assert_sound_in_every_cell, greedy_decode, resident_cache, validated_runs
 from resident_cases import prompt_ids as _ids
 from transformers import DynamicCache
 
@@ -55,16 +55,7 @@ def test_tau_zero_with_mass_is_token_identical_to_dynamic_cache(models, family, 
     model = models[family]
     ids = _ids(model, batch=2)
     ref = greedy_decode(model, ids, DynamicCache(config=model.config), STEPS)
-    with CertifiedCache(
-        model,
-        keys="int4",
-        values="int4",
-        resident=0.25,
-        select=POLICIES[policy](),
-        gate=Gate.certified(0.0),
-        page_size=4,
-        resident_alloc="mass",
-    ) as cache:
+    with resident_cache(model, "int4", policy, Gate.certified(0.0), resident_alloc="mass") as cache:
         assert torch.equal(greedy_decode(model, ids, cache, STEPS), ref)
         assert cache.telemetry().resident_fraction < 1
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from resident_cases import POLICIES, PROMPT, greedy_decode, prompt_ids, validated_runs
+from resident_cases import POLICIES, PROMPT, greedy_decode, prompt_ids, resident_cache, validated_runs
 from transformers import DynamicCache
 
 from kvcert import Gate
@@ -42,17 +42,7 @@ def test_tau_zero_with_reselect_is_token_identical_to_dynamic_cache(models, fami
     ids = _ids(model)
     ref = _decode(model, ids, DynamicCache(config=model.config))
     for every, score in ((1, "key_proxy"), (3, "key_proxy"), (1, "decode"), (3, "decode")):
-        with CertifiedCache(
-            model,
-            keys="int4",
-            values="int4",
-            resident=0.25,
-            select=POLICIES[policy](),
-            gate=Gate.certified(0.0),
-            page_size=4,
-            reselect=every,
-            reselect_score=score,
-        ) as cache:
+        with resident_cache(model, "int4", policy, Gate.certified(0.0), reselect=every, reselect_score=score) as cache:
             assert torch.equal(_decode(model, ids, cache), ref)
             stats = cache.reselect_stats
             # "decode" re-selects once a decode query has been read: not before the write of step 1

@@ -282,8 +282,11 @@ def check_args(args: argparse.Namespace) -> None:
     if args.resident_alloc != "uniform":
         if args.recall is None:
             raise SystemExit("--resident-alloc splits the recall-gated resident set: it needs --recall TAU")
+        # belady's scores come from its answer trace (built per sample), never from the prefill attention
         scoreless = [
-            n for n in args.recall_policies or args.policies if not POLICIES[n](torch.empty(0)).needs_attention
+            n
+            for n in args.recall_policies or args.policies
+            if n.startswith("belady") or not POLICIES[n](torch.empty(0)).needs_attention
         ]
         if scoreless:
             raise SystemExit(f"--resident-alloc mass splits by attention scores; {scoreless} have none")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from typer.testing import CliRunner
 from kvcert.cli.common import SELECT_POLICIES
 from kvcert.cli.main import app
 from kvcert.cli.merge import merge_results
-from kvcert.cli.ruler_report import resident_numbers
+from kvcert.cli.ruler_report import resident_numbers, resident_reads_above
 from kvcert.eval.branching import Scheme, run_branches
 from kvcert.models.tiny import tiny_random
 from kvcert.report.results import untiered_numbers
@@ -45,7 +46,10 @@ RESIDENT_FIELDS = {
     "recall_ratio": "empirical",
     "bytes_fp16_context": "empirical",
     "capacity_context": "empirical",
+    "resident_reads": "empirical",
+    "reads_mass_bound_above": "certified",
 }
+RECALL_NEED = ("resident_reads", "reads_mass_bound_above", "reads_mass_above")
 
 
 @pytest.mark.parametrize(
@@ -123,6 +127,22 @@ def test_every_select_policy_in_validate_mode(select: str) -> None:
     numbers = resident_numbers([res.telemetry])
     assert numbers["recall_violations"] == {"value": 0, "tier": "empirical"}
     assert 0.0 <= numbers["max_omitted_mass"]["value"] <= numbers["max_omitted_mass_bound"]["value"] <= 1.0
+    # a sound bound is above tau wherever the exact mass is: never fewer reads above it
+    reads, bound_above, above = (numbers[k]["value"] for k in RECALL_NEED)
+    assert 0 <= above <= bound_above <= reads and reads > 0
+
+
+def testresident_reads_above_counts_kv_heads_by_their_worst_query_head() -> None:
+    """A KV-head read counts when any query head of its group exceeds tau; reads with no resident read (NaN) and the
+    prefill step's NaN rows are skipped; the count is exact (ties at tau are not above)."""
+    nan = float("nan")
+    bound = torch.tensor([[[[0.1, 0.3, 0.0, 0.2]]], [[[nan, nan, 0.05, 0.9]]]])  # [steps 2, layers 1, B 1, Hq 4]
+    tel = SimpleNamespace(omitted_mass_bound=bound, group_size=2)
+    assert resident_reads_above([tel], "omitted_mass_bound", 0.2) == (3, 2)  # (0.1,0.3) (0.0,0.2) | (nan) (0.05,0.9)
+    assert resident_reads_above([tel, tel], "omitted_mass_bound", 0.95) == (6, 0)
+    assert resident_reads_above(
+        [SimpleNamespace(omitted_mass_bound=None, group_size=2)], "omitted_mass_bound", 0.2
+    ) == (0, 0)
 
 
 def _t(v: float | int | None, tier: str = "empirical") -> dict:
@@ -149,6 +169,8 @@ def _shard(task: str, n: int, fraction: float, pages: int, recalled: int, bound:
         "bytes_recalled": _t(recalled),
         "bytes_summary": _t(7),
         "recall_ratio": _t(recalled / (1000 * n)),
+        "resident_reads": _t(10 * n),
+        "reads_mass_bound_above": _t(2 * n, "certified"),
     }
     return {
         "command": "eval",
@@ -174,6 +196,7 @@ def test_merge_pools_resident_numbers() -> None:
     merged = merge_results([a, b], [Path("a"), Path("b")], seed=0, resamples=100)
     assert untiered_numbers(merged) == []
     v = merged["variants"]["int8+resident"]
+    assert v["resident_reads"] == _t(40) and v["reads_mass_bound_above"] == _t(8, "certified")
     assert v["select"] == "snapkv"
     assert v["pages_recalled"]["value"] == 10 and v["bytes_recalled"]["value"] == 600
     assert v["bytes_summary"]["value"] == 14
@@ -181,6 +204,14 @@ def test_merge_pools_resident_numbers() -> None:
     assert v["resident_fraction"]["value"] == pytest.approx((0.3 + 3 * 0.26) / 4)
     assert v["recall_ratio"]["value"] == pytest.approx(600 / 4000)
     assert v["bytes_fp16_context"]["value"] == 4000 and v["capacity_context"]["value"] == pytest.approx(4000 / 1600)
+
+
+def test_merge_refuses_a_summed_count_with_two_tiers() -> None:
+    a = _shard("t1", 1, 0.3, pages=4, recalled=400, bound=0.5)
+    b = _shard("t2", 1, 0.3, pages=4, recalled=400, bound=0.5)
+    b["results"]["variants"]["int8+resident"]["reads_mass_bound_above"]["tier"] = "empirical"
+    with pytest.raises(ValueError, match="reads_mass_bound_above has the tiers"):
+        merge_results([a, b], [Path("a"), Path("b")], seed=0, resamples=100)
 
 
 @pytest.mark.parametrize(("key", "other"), [("select", "h2o"), ("resident", 0.5)])

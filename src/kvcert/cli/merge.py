@@ -53,6 +53,9 @@ SUMMED = (
     "bytes_summary",
     "recall_violations",
     "bytes_fp16_context",
+    "resident_reads",
+    "reads_mass_bound_above",
+    "reads_mass_above",
 )
 MAXED = {"max_certificate": CERTIFIED, "max_omitted_mass_bound": CERTIFIED, "max_omitted_mass": EMPIRICAL}
 CELL_WEIGHTED = {
@@ -231,7 +234,11 @@ def merge_results(docs: list[dict[str, Any]], paths: list[Path], seed: int, resa
             for key in SUMMED:
                 if all(key in p for p in parts):
                     counts = [_value(p, key) for p in parts]
-                    out[key] = tiered(None if None in counts else sum(counts), EMPIRICAL)
+                    tiers = {p[key]["tier"] for p in parts}  # the producing code's (certified: counts of bounds)
+                    if len(tiers) > 1:
+                        raise ValueError(f"results of {lab!r}: {key} has the tiers {sorted(tiers)} across runs")
+                    (tier,) = tiers
+                    out[key] = tiered(None if None in counts else sum(counts), tier)
             cells = [_value(p, "cells") for p in parts]
             for key, tier in CELL_WEIGHTED.items():
                 pairs = [

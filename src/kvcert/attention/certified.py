@@ -688,8 +688,9 @@ def certified_read(
     ``mask[B, 1|Hkv, Q, S]`` is the boolean visibility mask (True = attend). ``exact``
     (:class:`~kvcert.attention.exact.ExactAttention`) is the dense fallback over the host tier a repaired head is
     served from, so a repaired head equals the dense path's output. Phases: served (:func:`_serve`) → certify
-    (Tier A in the served read, Tier B :func:`_tier_b`) → gate (:func:`_gate_heads`) → repair (:func:`_repair`,
-    :func:`_promote_values`) → result (:func:`_result`, :func:`_validate`).
+    (Tier A in the served read, Tier B :func:`_tier_b`) → gate (:func:`_gate_heads`), these three with one host
+    sync (:func:`_decide`) → repair (:func:`_repair`, :func:`_promote_values`) → result (:func:`_result`,
+    :func:`_validate`).
     """
     rd = _Read(q, store, mask, scaling)
     no_heads = _no_heads(rd.b, rd.hkv, torch.bool, rd.qg.device)

@@ -5,12 +5,13 @@ the check is. Inside, it hands the flag and its error to the block's sink instea
 flag back together with its own (one sync) and raises the error of the *first* failed check in the order they were
 made: the error the immediate checks would have raised, since the code between them does not wait for the
 device. Code after a failed deferred check runs on invalid values, so the owner must use none of its results
-before the read-back (:class:`kvcert.cache.buffer.WriteBatch` stores nothing before it).
+before the read-back (:class:`kvcert.cache.buffer.WriteBatch` stores nothing before it). :class:`Checks` is such a
+sink: it keeps the checks in order and reads them back together with the owner's own values in one sync.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -39,3 +40,36 @@ def deferred(sink: Sink) -> Iterator[None]:
         yield
     finally:
         _SINK.reset(token)
+
+
+class Checks:
+    """A :data:`Sink` that keeps the deferred checks of a block in the order they were made, for its owner to read
+    back with :meth:`read_back`."""
+
+    def __init__(self) -> None:
+        self._checks: list[tuple[torch.Tensor, Callable[[], Exception]]] = []
+
+    def __call__(self, bad: torch.Tensor, error: Callable[[], Exception]) -> None:
+        """Record the check ``bad`` (0-dim bool, True: failed) with its ``error``."""
+        self._checks.append((bad, error))
+
+    def read_back(self, values: Sequence[torch.Tensor] = (), guard: torch.Tensor | None = None) -> list[int] | None:
+        """Every recorded flag, ``values`` (integer or bool tensors of any shape, flattened and concatenated) and
+        ``guard`` in one host sync (none when there is nothing to read), then the recorded checks are cleared.
+
+        ``guard`` (0-dim bool) says whether the block's checks apply at all: False means the block ran outside its
+        domain and its owner redoes it another way, so the checks are dropped and ``None`` is returned. Otherwise
+        the first failed check (in the order recorded) raises its error, and the values come back as ints."""
+        checks, self._checks = self._checks, []
+        parts = [bad.reshape(1) for bad, _ in checks] + [v.reshape(-1) for v in values]
+        if guard is not None:
+            parts.append(guard.reshape(1))
+        if not parts:
+            return []
+        back = torch.cat([x.to(torch.int64) for x in parts]).tolist()  # the one host sync
+        if guard is not None and not back.pop():
+            return None
+        for failed, (_, error) in zip(back, checks, strict=False):
+            if failed:
+                raise error()
+        return back[len(checks) :]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from attention_cases import HKV, B, D, G
 from attention_cases import exact_fallback as _exact
 from attention_cases import setup_read as _setup
 
+from kvcert import kernels
 from kvcert.attention.certified import ReadConfig, certified_read
 from kvcert.cache.gate import Gate
 
@@ -99,6 +102,57 @@ def test_value_promotion_zeroes_value_term():
     assert res.values_promoted.all()
     assert torch.all(res.value_term == 0)
     assert torch.all(res.true_out_err <= res.out_bound)
+
+
+def test_value_promotion_after_a_partial_repair_counts_what_it_pages():
+    """A repair changes the terms value promotion decides on, so the read decides promotion again after it: no
+    repaired head is promoted, the bytes paged are the repaired heads' K/V plus the promoted heads' V (counted on
+    the host from the read-backs), and every cell stays sound."""
+    st, q, mask = _setup("int8", 64, 4, 0.1)
+    scale = D**-0.5
+    off = certified_read(q, st, mask, scale, ReadConfig(Gate.off(), False, 1e-6), _exact(st, q, mask, scale))
+    tau = float(off.cert_pre.reshape(B, HKV, G).amax(-1).amax(0).sort().values[-2:].mean())
+    gate = Gate.certified(tau, value_tol=0.0)
+    res = certified_read(q, st, mask, scale, ReadConfig(gate, True, 1e-6), _exact(st, q, mask, scale))
+    assert res.repaired.any() and not res.repaired.all() and res.values_promoted.any()
+    assert not (res.repaired & res.values_promoted).any()
+    want = (int(res.repaired.sum()) * 2 + int(res.values_promoted.sum())) * st.n * D * 4
+    assert res.bytes_paged == want
+    assert torch.all(res.true_out_err <= res.out_bound)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the interpreter's reductions over the NaN
+@pytest.mark.parametrize("backend", ["numba", "torch", "triton"])
+def test_a_non_finite_query_fails_closed_alike_on_every_backend(backend, monkeypatch):
+    """A NaN query entry: the Triton and eager reads do not wait for the device to learn it, read its flag back
+    with the gate's decision and serve the read again on the eager fail-closed path (the numba kernel sees it on
+    the host). Every backend then serves the same read: the query head's cells report 1 (unclipped ``inf``), its
+    KV head is repaired exactly, and none of the checks made on the NaN (the query's band norms, the softmax
+    range checks) raises."""
+    st, q, mask = _setup("int4", 64, 3, 1.0)
+    q[0, 1, 0, 5] = math.nan  # query head 1 reads KV head 0 of row 0
+    scale, gate = D**-0.5, Gate.certified(0.5)
+    monkeypatch.setenv(kernels.ENV, "numba")
+    ref = certified_read(q, st, mask, scale, ReadConfig(gate, False, 1e-6), _exact(st, q, mask, scale))
+    monkeypatch.setenv(kernels.ENV, backend)
+    res = certified_read(q, st, mask, scale, ReadConfig(gate, False, 1e-6), _exact(st, q, mask, scale))
+    assert res.cert_pre[0, 1, 0] == 1 and res.raw[0, 1, 0] == math.inf and res.repaired[0, 0]
+    assert torch.equal(res.repaired, ref.repaired) and torch.equal(res.cert, ref.cert)
+    assert torch.equal(res.cert_pre >= 1, ref.cert_pre >= 1)
+    assert torch.allclose(res.out, ref.out, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def test_a_failed_check_of_the_read_raises_its_own_error_and_changes_nothing(monkeypatch):
+    """The read's range checks wait for its one read-back: a negative radius (planted: a witness below 0) still
+    raises the softmax check's own error, before the gate repairs anything, so a persistent repair keeps no
+    entry."""
+    monkeypatch.setenv(kernels.ENV, "torch")
+    st, q, mask = _setup("int4", 64, 3, 1.0)
+    st.k_band.view()[0, 0, 3] = -1.0
+    gate = Gate.certified(0.0, persistent=True)  # would repair and keep every head
+    with pytest.raises(ValueError, match="radius must be finite and non-negative"):
+        certified_read(q, st, mask, D**-0.5, ReadConfig(gate, False, 1e-6), _exact(st, q, mask, D**-0.5))
+    assert not st.held_heads().any()
 
 
 @pytest.mark.parametrize("codec", ["int8", "int2", "dither-int8"])

@@ -22,7 +22,8 @@ from kvcert.bounds import (
     tv_tanh_osc,
     tv_uniform,
 )
-from kvcert.bounds.softmax_tv import moments
+from kvcert.bounds.softmax_tv import moments, served_meter
+from kvcert.checks import Checks, deferred
 
 F64 = torch.float64
 
@@ -134,6 +135,50 @@ def test_broadcasting_and_masked_tokens():
         a = tv_bound(pm, torch.tensor([0.1, 0.2, 0.0], dtype=F64), form)
         b = tv_bound(pm, torch.tensor([0.1, 0.2, 1e6], dtype=F64), form)
         torch.testing.assert_close(a, b, rtol=1e-15, atol=0)
+
+
+def test_zero_probability_radii_change_no_bit_and_dead_rows_read_zero():
+    """Radii of zero-probability tokens are zeroed without a host sync deciding whether any is huge: a bound is
+    the same to the bit whatever finite radius such a token carries; a row with no visible token reads 0."""
+    gen = torch.Generator().manual_seed(12)
+    p = torch.softmax(torch.randn(5, 16, generator=gen, dtype=F64), -1)
+    p[:, ::3] = 0.0
+    p = p / p.sum(-1, keepdim=True)
+    c = torch.rand(5, 16, generator=gen, dtype=F64) * 4
+    for big in (0.0, 250.0, 1e6):
+        moved = torch.where(p > 0, c, big)
+        for form in ("eform", "two_sided", "ptm", "meter"):
+            for clip in (True, False):
+                assert torch.equal(tv_bound(p, moved, form, clip), tv_bound(p, c, form, clip)), (form, big)
+    rows = torch.cat([p, torch.zeros(2, 16, dtype=F64)])
+    clipped, raw = served_meter(rows, torch.cat([c, torch.ones(2, 16, dtype=F64)]))
+    assert torch.equal(clipped[:5], tv_meter(p, c)) and torch.equal(raw[:5], tv_meter(p, c, clip=False))
+    assert torch.equal(clipped[5:], torch.zeros(2, dtype=F64)) and torch.equal(raw[5:], torch.zeros(2, dtype=F64))
+
+
+@pytest.mark.parametrize(
+    ("p", "c", "message"),
+    [
+        ([0.5, 0.5], [0.1, -0.1], r"radius must be finite and non-negative \(min=-0.1, max=0.1\)"),
+        ([math.nan, 0.5], [0.1, 0.1], r"p_served must be finite and non-negative \(min=nan, max=nan\)"),
+        ([0.2, 0.2], [0.1, 0.1], r"p_served rows must sum to 1 \(row masses range over \[0.4, 0.4\]\)"),
+    ],
+)
+def test_a_deferred_range_check_raises_the_same_error_at_the_read_back(p, c, message):
+    """Inside :func:`kvcert.checks.deferred` the range checks wait for the owner's read-back, which raises the
+    error (message and values) the immediate check raises; a guard that says the inputs were out of domain drops
+    them."""
+    p, c = torch.tensor(p, dtype=F64), torch.tensor(c, dtype=F64)
+    with pytest.raises(ValueError, match=message):
+        tv_meter(p, c)
+    checks = Checks()
+    with deferred(checks):
+        tv_meter(p, c)  # no error yet
+    with pytest.raises(ValueError, match=message):
+        checks.read_back()
+    with deferred(checks):
+        tv_meter(p, c)
+    assert checks.read_back(guard=torch.tensor(False)) is None
 
 
 def test_fused_meter_matches_separate_calls():

@@ -112,6 +112,12 @@ def test_log_buffer_write_is_the_same_through_the_exact_search(monkeypatch):
     with pytest.raises(ValueError, match="non-negative"):
         fallback.write((0, 0, slice(0, 1)), -1.0)
     assert torch.equal(fallback.codes.view(), before[0]) and torch.equal(fallback.base, before[1])
+    unsettled = x.clone()
+    unsettled[1, 2, 3, 0] = -1.0  # a negative witness in a write whose exponents take the exact search
+    assert bool(logcode.exponent_settle(unsettled)[1])
+    with pytest.raises(ValueError, match="non-negative"):
+        fallback.write((slice(None), slice(None), slice(0, 5)), unsettled)
+    assert torch.equal(fallback.codes.view(), before[0]) and torch.equal(fallback.base, before[1])
 
 
 def _same(a: LogBuffer, b: LogBuffer) -> bool:

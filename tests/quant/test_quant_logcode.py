@@ -18,6 +18,7 @@ from codec_cells import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcert.checks import Checks, deferred
 from kvcert.quant import logcode
 
 F32_MAX = float(torch.finfo(torch.float32).max)
@@ -91,6 +92,21 @@ def test_negative_and_overflowing_codes_are_refused():
         logcode.encode(torch.tensor([-1.0]), torch.tensor([0], dtype=torch.int32))
     with pytest.raises(ValueError, match="rebase"):
         logcode.encode(torch.tensor([2.0**20]), torch.tensor([0], dtype=torch.int32))
+
+
+def test_the_encoders_check_waits_for_the_deferred_read_back_and_names_the_negative_entry_first():
+    """Inside :func:`kvcert.checks.deferred` the encoder's check raises nothing until the owner reads it back, then
+    the error the immediate check raises; a negative entry is named before a value above the top code."""
+    base = torch.tensor([0, 0], dtype=torch.int32)
+    both = torch.tensor([-1.0, 2.0**20])
+    for x, message in ((torch.tensor([2.0**20, 1.0]), "rebase"), (both, "non-negative, got min -1.0")):
+        with pytest.raises(ValueError, match=message):
+            logcode.encode(x, base)
+        checks = Checks()
+        with deferred(checks):
+            logcode.encode_checked(x, base, logcode.exponent_up(x))
+        with pytest.raises(ValueError, match=message):
+            checks.read_back()
 
 
 def test_rebase_only_raises_decoded_values():

@@ -26,7 +26,7 @@ For one layer and one forward call with queries ``q[B, Hq, Q, D]`` over ``S`` st
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ from kvcert.bounds.rc import U_F32, gamma_f32
 from kvcert.bounds.softmax_tv import probs64, served_meter
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
+from kvcert.checks import Checks, deferred
 from kvcert.kernels import active as kernel_backend
 from kvcert.kernels.inputs import store_inputs
 from kvcert.kernels.numba_read import (
@@ -198,7 +199,8 @@ class _Served:
     closed; eager path only). The eager path passes every field as a tensor; a fused read keeps the kernels'
     numpy blocks and makes each tensor on first use (``__getattr__`` over :func:`_fused_field`), so a read that
     repairs nothing builds only the ``[B, Hq, Q]`` cells (:meth:`ungrouped`), the output and the chain
-    readings.
+    readings. ``finite``: ``None`` when the read knew its query and pending entries finite, else their 0-dim flag
+    on the device (the Triton and eager reads that did not wait for it): every field is valid only when it is True.
     """
 
     def __init__(
@@ -208,9 +210,11 @@ class _Served:
         nq: int,
         arrays: DecodeArrays | None = None,
         bad_cell: torch.Tensor | None = None,
+        finite: torch.Tensor | None = None,
         **tensors: torch.Tensor,
     ) -> None:
         self.qg, self.bad_cell, self._r, self._hq, self._nq = qg, bad_cell, arrays, hq, nq
+        self.finite = finite
         self._ug: dict[str, torch.Tensor] = {}
         self.__dict__.update(tensors)  # eager: every field given (``__getattr__`` never runs)
 
@@ -278,40 +282,52 @@ def _fused_served(
     return None if r is None else _Served(qg, hkv * (m // nq), nq, arrays=r)
 
 
-def _triton_served(
-    qg: torch.Tensor, store: LayerStore, mask: torch.Tensor | None, nq: int, scaling: float
-) -> _Served | None:
+def _triton_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, nq: int, scaling: float) -> _Served:
     """Decode-size reads on the Triton kernels (:func:`kvcert.kernels.triton_read.read_store`: the store's packed
-    codes dequantized in registers); ``None`` when a query or pending entry is not finite (the eager path then
-    fails closed)."""
+    codes dequantized in registers), without waiting for the device: the result's ``finite`` flag says whether the
+    query and pending entries were finite (the caller reads it back and, when False, fails closed on the eager
+    path). The mask is always passed: with every token visible it changes no value, and knowing that would cost a
+    sync."""
     import kvcert.kernels.triton_read as triton_read  # imports triton: only when this backend is in use
 
     _, hkv, m, _ = qg.shape
-    r = triton_read.read_store(qg, store, mask, nq, scaling)
-    return None if r is None else _Served(qg, hkv * (m // nq), nq, **r._asdict())
+    r = triton_read.read_store(qg, store, mask, nq, scaling, wait=False)
+    assert r is not None  # wait=False never returns None
+    return _Served(qg, hkv * (m // nq), nq, **r._asdict())
 
 
 def _eager_served(
-    qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, m: torch.Tensor, full: bool, scaling: float
+    qg: torch.Tensor,
+    store: LayerStore,
+    mask: torch.Tensor,
+    m: torch.Tensor,
+    full: bool,
+    scaling: float,
+    nonfinite: bool | None = None,
 ) -> _Served:
     """The reference read path (any device, any number of query rows, non-finite data).
 
     Fail closed on non-finite data: a cell that sees a non-finite key/value (kept exact at write) or has a
     non-finite query cannot be certified; it reports 1 (unclipped ``inf``) and its KV head is served by the
     exact path. Encoded entries were checked at write time (``store.nonfinite`` counts them); pending ones
-    and the query are checked here.
+    and the query are checked here: ``nonfinite=None`` reads their fused flag back at once (one sync), ``True``
+    fails closed without looking, ``False`` reads as if they were finite and leaves their flag in the result's
+    ``finite`` for the caller to read back (and to read again with ``True`` when it is False).
     """
     assert store.k is not None and store.v is not None
     khat, vhat = store.k.served.view(), store.v.served.view()
     s, d = khat.shape[2], qg.shape[-1]
-    nonfinite = store.nonfinite > 0
-    if not nonfinite:  # the query and the pending keys / values: one fused flag, one wait for the device
+    finite = None
+    if store.nonfinite > 0:
+        nonfinite = True
+    elif not nonfinite:  # the query and the pending keys / values: one fused flag
         finite = torch.isfinite(qg).all()
         if store.k.n_encoded < s:
             finite = finite & torch.isfinite(khat[:, :, store.k.n_encoded :]).all()
         if store.v.n_encoded < s:
             finite = finite & torch.isfinite(vhat[:, :, store.v.n_encoded :]).all()
-        nonfinite = not bool(finite)
+        if nonfinite is None:  # read it back now
+            nonfinite, finite = not bool(finite), None
     k_band, k_hat_norm, k_wit = store.k_band.view(), store.k_hat_norm.view(), store.k_wit.view()
     v_res, v_dist, v_hat_norm = store.v_res.view(), store.v_dist.view(), store.v_hat_norm.view()
     bad_cell = None
@@ -348,6 +364,7 @@ def _eager_served(
         hq,
         nq,
         bad_cell=bad_cell,
+        finite=finite,
         p64=p64,
         cert=cert,
         raw=raw,
@@ -377,7 +394,8 @@ def _no_heads(b: int, hkv: int, dtype: torch.dtype, device: torch.device) -> tor
 class _Read:
     """One layer's read: the grouped float32 queries, the store, the caller's mask and the shapes every phase
     uses; the grouped mask ``[B, Hkv, M, S]`` is built on first use (a decode read that changes nothing never
-    builds it)."""
+    builds it), and whether every token is visible to every cell (:attr:`full`) only where the numba kernels
+    take it (on a device it would cost a sync; every other path reads the mask as it is)."""
 
     def __init__(self, q: torch.Tensor, store: LayerStore, mask: torch.Tensor, scaling: float) -> None:
         assert store.k is not None and store.v is not None
@@ -386,8 +404,12 @@ class _Read:
         self.g = self.hq // self.hkv
         self.qg = group_heads(q.to(torch.float32), self.hkv)  # [B, Hkv, M, D]
         self.store, self.mask, self.scaling = store, mask, scaling
-        self.full = all_visible(mask) if mask.device.type == "cpu" else bool(mask.all())  # every token to every cell
         self._grouped: torch.Tensor | None = None
+
+    @cached_property
+    def full(self) -> bool:
+        """Every token visible to every cell (CPU masks only: the numba kernels' argument)."""
+        return all_visible(self.mask)
 
     def grouped_mask(self) -> torch.Tensor:
         """``[B, Hkv, M, S]``: the mask of every grouped row."""
@@ -404,23 +426,27 @@ class _Read:
     def exact_probs(self) -> torch.Tensor:
         """``p`` of the exact keys (float64 softmax of float32 logits) per grouped row."""
         host_k = self.host()[0].to(self.qg.device, torch.float32)
-        return probs64(masked_logits(self.qg, host_k, self.grouped_mask(), self.scaling, self.full))
+        return probs64(masked_logits(self.qg, host_k, self.grouped_mask(), self.scaling, False))
 
 
-def _serve(rd: _Read) -> _Served:
+def _serve(rd: _Read, fail_closed: bool) -> _Served:
     """Phase *served*: the served read before gating, on the fused kernels where the read qualifies (decode
-    size, every stored entry finite), else (or when a kernel meets a non-finite query or pending entry) the eager
-    reference path."""
+    size, every stored entry finite), else (or when the numba kernels meet a non-finite query or pending entry) the
+    eager reference path. Neither the Triton nor the eager read waits for the device to learn whether the query
+    and pending entries are finite: the result's ``finite`` flag is read back with the gate's decision
+    (:func:`_decide`), which serves the read again with ``fail_closed=True`` (the eager path's cell by cell fail
+    closed) when it is False."""
     sv = None
     backend = kernel_backend(rd.qg.device)
-    if backend != "torch" and rd.qg.shape[2] <= DECODE_MAX_ROWS and rd.store.nonfinite == 0:
-        mask = None if rd.full else rd.mask
+    fail_closed = fail_closed or rd.store.nonfinite > 0
+    if not fail_closed and backend != "torch" and rd.qg.shape[2] <= DECODE_MAX_ROWS:
         if backend == "numba":
-            sv = _fused_served(rd.qg, rd.store, mask, rd.nq, rd.scaling)
+            sv = _fused_served(rd.qg, rd.store, None if rd.full else rd.mask, rd.nq, rd.scaling)
+            fail_closed = sv is None
         elif rd.s > 0:
-            sv = _triton_served(rd.qg, rd.store, mask, rd.nq, rd.scaling)
+            sv = _triton_served(rd.qg, rd.store, rd.mask, rd.nq, rd.scaling)
     if sv is None:
-        sv = _eager_served(rd.qg, rd.store, rd.mask, rd.grouped_mask(), rd.full, rd.scaling)
+        sv = _eager_served(rd.qg, rd.store, rd.mask, rd.grouped_mask(), False, rd.scaling, nonfinite=fail_closed)
     rd.qg = sv.qg  # as certified (non-finite entries zeroed)
     return sv
 
@@ -440,20 +466,6 @@ def _tier_b(rd: _Read, sv: _Served, delta_loc: float) -> torch.Tensor | None:
     rate, kfac = _logit_slack_factors(sv.qn, k_hat_norm, k_wit, rd.scaling, rd.d)
     u = tier_b_radius(sig2, rd.s, delta_loc) + rate * kfac  # same rounding slack
     return served_meter(sv.p64, u)[0]
-
-
-def _gate_heads(rd: _Read, sv: _Served, gate: Gate) -> tuple[torch.Tensor, bool]:
-    """Phase *gate*: ``(need [B, Hkv], any)``: KV heads whose worst cell is above the threshold (any-of-G), or
-    that see a cell the read could not certify (fail closed). The shared all-False tensor when nothing can."""
-    no_heads = _no_heads(
-        rd.b, rd.hkv, torch.bool, rd.qg.device
-    )  # shared by every read: the flags are rebound, never written
-    need = no_heads
-    if gate.mode != "off":
-        need = (sv.raw if gate.uses_unclipped else sv.cert).amax(-1) > gate.threshold
-    if sv.bad_cell is not None:
-        need = need | sv.bad_cell.any(-1)
-    return need, need is not no_heads and bool(need.any())
 
 
 @dataclass
@@ -479,16 +491,76 @@ class _Changes:
         return sv.ungrouped(name) if x is None else ungroup_heads(x, hq, nq)
 
 
-def _repair_heads(
-    rd: _Read, sv: _Served, ch: _Changes, need: torch.Tensor, cfg: ReadConfig, exact: ExactAttention
-) -> None:
+def _gate_heads(sv: _Served, gate: Gate) -> torch.Tensor | None:
+    """Phase *gate*, on the device: ``need [B, Hkv]``, the KV heads whose worst cell is above the threshold
+    (any-of-G) or that see a cell the read could not certify (fail closed); ``None`` when no head can need a
+    repair (gate off, every cell certifiable)."""
+    need = None
+    if gate.mode != "off":
+        need = (sv.raw if gate.uses_unclipped else sv.cert).amax(-1) > gate.threshold
+    if sv.bad_cell is not None:
+        bad = sv.bad_cell.any(-1)
+        need = bad if need is None else need | bad
+    return need
+
+
+@dataclass
+class _Decision:
+    """A served read and what the host knows of it after the one read-back (:func:`_decide`): ``need`` the heads
+    to repair (device), ``need_rows`` the same flags per row (host; empty when none can need a repair),
+    ``promote_rows`` the heads whose values :func:`_promote_values` would promote if nothing is repaired (host;
+    empty without ``value_tol``)."""
+
+    sv: _Served
+    cert_b: torch.Tensor | None
+    need: torch.Tensor
+    need_rows: list[list[int]]
+    promote: torch.Tensor | None
+    promote_rows: list[list[int]]
+
+
+def _rows(flat: list[int], b: int, hkv: int) -> list[list[int]]:
+    """``b·hkv`` flags read back as ``b`` rows of ``hkv``."""
+    return [flat[i * hkv : (i + 1) * hkv] for i in range(b)] if flat else []
+
+
+def _decide(rd: _Read, ch: _Changes, cfg: ReadConfig, fail_closed: bool) -> _Decision | None:
+    """Phases *served*, *certify* and *gate* with one host sync: every fail-closed check they make
+    (:func:`kvcert.checks.fail_if`: the query's band norms, the softmax range checks) is deferred and read back
+    together with the gate's decision, the value promotion's flags and the served read's ``finite`` flag. ``None``
+    when that flag is False (a query or pending entry is not finite: the checks, made on those values, are
+    dropped, and the caller decides again with ``fail_closed=True``); else the first failed check raises its
+    error, as it would have where it was made. Nothing before the read-back changes any state.
+
+    What the host must know stays on it: whether to serve the eager fail-closed read instead (a different
+    computation), and which heads a repair or promotion pages in from the host tier (copying every head's exact
+    K/V to the device to select among them there would move the whole layer per read)."""
+    b, hkv = rd.b, rd.hkv
+    checks = Checks()
+    with deferred(checks):
+        sv = _serve(rd, fail_closed)
+        cert_b = _tier_b(rd, sv, cfg.delta_loc)
+        need = _gate_heads(sv, cfg.gate)
+        promote = None if cfg.gate.value_tol is None else _promote_flags(sv, ch, cfg.gate.value_tol)
+    values = [x for x in (need, promote) if x is not None]
+    back = checks.read_back(values, sv.finite)
+    if back is None:
+        return None
+    need_rows = _rows(back[: b * hkv] if need is not None else [], b, hkv)
+    promote_rows = _rows(back[b * hkv :] if need is not None else back, b, hkv)
+    no_heads = _no_heads(b, hkv, torch.bool, rd.qg.device)
+    return _Decision(sv, cert_b, no_heads if need is None else need, need_rows, promote, promote_rows)
+
+
+def _repair_heads(rd: _Read, ch: _Changes, dc: _Decision, cfg: ReadConfig, exact: ExactAttention) -> None:
     """Phase *repair*, head granularity (or any read with a non-finite entry): every needing KV head is served
-    the dense fallback's output over the host tier (one call for the range of heads some row needs)."""
+    the dense fallback's output over the host tier (one call for the range of heads some row needs, known on the
+    host from the decision's read-back)."""
     assert ch.out is not None and ch.cert is not None and ch.p_served is not None
-    b, g, nq, s = rd.b, rd.g, rd.nq, rd.s
+    b, g, nq, s, need = rd.b, rd.g, rd.nq, rd.s, dc.need
     host_k, host_v = rd.host()
-    rows_need = need.any(0).nonzero().flatten()  # KV heads some row repairs
-    h0, h1 = int(rows_need[0]), int(rows_need[-1]) + 1  # one range: views, no copies
+    heads = [h for h in range(rd.hkv) if any(row[h] for row in dc.need_rows)]  # KV heads some row repairs
+    h0, h1 = heads[0], heads[-1] + 1  # one range: views, no copies
     ex = exact(host_k, host_v, rd.mask, (h0, h1))  # [B, Q, (h1 − h0)·G, Dv]
     ex = ex.permute(0, 2, 1, 3).reshape(b, h1 - h0, g * nq, -1).to(ch.out.dtype)
     ch.out[:, h0:h1] = torch.where(need[:, h0:h1].view(b, -1, 1, 1), ex, ch.out[:, h0:h1])
@@ -496,10 +568,11 @@ def _repair_heads(
     ch.cert = torch.where(need.unsqueeze(-1), torch.zeros_like(ch.cert), ch.cert)
     if cfg.attn_kv:  # a repaired head's served distribution only feeds the eviction policy's reading
         ch.p_served = torch.where(need.view(b, rd.hkv, 1, 1), rd.exact_probs(), ch.p_served)
-    ch.bytes_paged += int(need.sum()) * s * _kv_bytes(rd.store)
+    ch.bytes_paged += sum(map(sum, dc.need_rows)) * s * _kv_bytes(rd.store)
     if cfg.gate.persistent:  # kept within the store's device budget, else a transient page-in
-        for bi, hi in need.nonzero().tolist():
-            rd.store.persist(bi, hi, slice(0, s))
+        for bi, row in enumerate(dc.need_rows):
+            for hi in (h for h, flag in enumerate(row) if flag):
+                rd.store.persist(bi, hi, slice(0, s))
 
 
 def _kv_bytes(store: LayerStore) -> int:
@@ -521,17 +594,19 @@ def _repair_block_heads(rd: _Read, sv: _Served, ch: _Changes, need: torch.Tensor
     ch.bytes_paged += int(res.tokens.sum()) * _kv_bytes(rd.store)
 
 
-def _repair(rd: _Read, sv: _Served, ch: _Changes, need: torch.Tensor, cfg: ReadConfig, exact: ExactAttention) -> None:
+def _repair(rd: _Read, ch: _Changes, dc: _Decision, cfg: ReadConfig, exact: ExactAttention) -> None:
     """Phase *repair*: heads or blocks, then the output bound follows the repaired meter and value term (an
     exactly repaired head keeps only the evaluation slack)."""
+    sv = dc.sv
     ch.out, ch.cert, ch.value_term, ch.p_served = sv.out, sv.cert, sv.value_term, sv.p64  # written below
-    if cfg.gate.granularity == "head" or sv.bad_cell is not None:
-        _repair_heads(rd, sv, ch, need, cfg, exact)
+    by_head = cfg.gate.granularity == "head" or sv.bad_cell is not None
+    if by_head:
+        _repair_heads(rd, ch, dc, cfg, exact)
     else:
-        _repair_block_heads(rd, sv, ch, need, cfg.gate)
+        _repair_block_heads(rd, sv, ch, dc.need, cfg.gate)
     assert ch.out is not None and ch.cert is not None and ch.value_term is not None
     bound, key_term, slack = _out_bound(ch.value_term, ch.cert, sv.spread, sv.vmax, rd.s, ch.out.shape[-1], sv.phi_max)
-    if bool(ch.repaired.any()):  # an exactly repaired head: no key or value term, only the slack
+    if by_head:  # an exactly repaired head: no key or value term, only the slack
         zero = ch.repaired.view(rd.b, rd.hkv, 1)
         key_term = torch.where(zero, 0.0, key_term)
         ch.value_term = torch.where(zero, 0.0, ch.value_term)
@@ -539,19 +614,24 @@ def _repair(rd: _Read, sv: _Served, ch: _Changes, need: torch.Tensor, cfg: ReadC
     ch.bound, ch.key_term, ch.slack = bound, key_term, slack
 
 
-def _promote_values(rd: _Read, sv: _Served, ch: _Changes, value_tol: float) -> None:
-    """Phase *repair*, values: a KV head whose value term exceeds ``value_tol`` and its key term in some cell
-    is served its exact values (transiently); its bound loses the value term."""
+def _promote_flags(sv: _Served, ch: _Changes, value_tol: float) -> torch.Tensor:
+    """``[B, Hkv]`` on the device: the KV heads not repaired exactly whose value term exceeds ``value_tol`` and
+    their key term in some cell (of the read as ``ch`` leaves it)."""
     vt = sv.value_term if ch.value_term is None else ch.value_term
     kt = sv.key_term if ch.key_term is None else ch.key_term
-    promote = ((vt > value_tol) & (vt > kt)).any(-1) & ~ch.repaired.to(vt.device)
-    if not promote.any():
-        return
+    return ((vt > value_tol) & (vt > kt)).any(-1) & ~ch.repaired.to(vt.device)
+
+
+def _promote_values(rd: _Read, sv: _Served, ch: _Changes, promote: torch.Tensor, count: int) -> None:
+    """Phase *repair*, values: the ``count > 0`` KV heads flagged in ``promote`` (:func:`_promote_flags`) are
+    served their exact values (transiently); their bound loses the value term."""
+    vt = sv.value_term if ch.value_term is None else ch.value_term
+    kt = sv.key_term if ch.key_term is None else ch.key_term
     assert rd.store.v is not None
     ps = sv.p64 if ch.p_served is None else ch.p_served
     exact_out = torch.matmul(ps.to(torch.float32), rd.host()[1].to(rd.qg.device, torch.float32))
     ch.out = torch.where(promote.view(rd.b, rd.hkv, 1, 1), exact_out, sv.out if ch.out is None else ch.out)
-    ch.bytes_paged += int(promote.sum()) * rd.s * rd.store.v.host.shape[-1] * rd.store.v.host.dtype.itemsize
+    ch.bytes_paged += count * rd.s * rd.store.v.host.shape[-1] * rd.store.v.host.dtype.itemsize
     ch.value_term = torch.where(promote.unsqueeze(-1), 0.0, vt)
     slack = sv.slack if ch.slack is None else ch.slack
     ch.bound = torch.where(promote.unsqueeze(-1), kt + slack, sv.bound if ch.bound is None else ch.bound)
@@ -608,20 +688,27 @@ def certified_read(
     ``mask[B, 1|Hkv, Q, S]`` is the boolean visibility mask (True = attend). ``exact``
     (:class:`~kvcert.attention.exact.ExactAttention`) is the dense fallback over the host tier a repaired head is
     served from, so a repaired head equals the dense path's output. Phases: served (:func:`_serve`) → certify
-    (Tier A in the served read, Tier B :func:`_tier_b`) → gate (:func:`_gate_heads`) → repair (:func:`_repair`,
-    :func:`_promote_values`) → result (:func:`_result`, :func:`_validate`).
+    (Tier A in the served read, Tier B :func:`_tier_b`) → gate (:func:`_gate_heads`), these three with one host
+    sync (:func:`_decide`) → repair (:func:`_repair`, :func:`_promote_values`) → result (:func:`_result`,
+    :func:`_validate`).
     """
     rd = _Read(q, store, mask, scaling)
-    sv = _serve(rd)
-    cert_b = _tier_b(rd, sv, cfg.delta_loc)
-    need, need_any = _gate_heads(rd, sv, cfg.gate)
     no_heads = _no_heads(rd.b, rd.hkv, torch.bool, rd.qg.device)
     ch = _Changes(repaired=no_heads, promoted=no_heads, blocks=_no_heads(rd.b, rd.hkv, torch.int64, rd.qg.device))
-    if need_any:
-        _repair(rd, sv, ch, need, cfg, exact)
-    if cfg.gate.value_tol is not None:
-        _promote_values(rd, sv, ch, cfg.gate.value_tol)
-    result = _result(rd, sv, ch, cert_b, cfg)
+    dc = _decide(rd, ch, cfg, False) or _decide(rd, ch, cfg, True)
+    assert dc is not None  # a fail-closed read has no finite flag to fail
+    sv = dc.sv
+    promote, promote_rows = dc.promote, dc.promote_rows
+    if any(map(any, dc.need_rows)):
+        _repair(rd, ch, dc, cfg, exact)
+        if cfg.gate.value_tol is not None:  # the repair changed the terms: decide again (one sync, repairs only)
+            promote = _promote_flags(sv, ch, cfg.gate.value_tol)
+            promote_rows = promote.tolist()
+    n_promoted = sum(map(sum, promote_rows))
+    if n_promoted:
+        assert promote is not None
+        _promote_values(rd, sv, ch, promote, n_promoted)
+    result = _result(rd, sv, ch, dc.cert_b, cfg)
     if cfg.validate:
         _validate(rd, sv, ch, result)
     return result

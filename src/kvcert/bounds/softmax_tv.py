@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcert.checks import fail_if
+
 FORMS: tuple[str, ...] = ("eform", "two_sided", "ptm", "meter", "tanh_max", "tanh_osc")
 #: forms whose soundness is only argued on paper (flag them wherever their numbers are reported)
 PAPER_LEVEL_FORMS: tuple[str, ...] = ("tanh_osc",)
@@ -43,40 +45,49 @@ _EXP_SAFE = 300.0
 _MASS_TOL = 1e-2
 
 
-def _checked_range(x: torch.Tensor | float, name: str) -> tuple[torch.Tensor, float]:
-    """Check every entry of ``x`` is finite and ``>= 0`` (ValueError naming ``name``); return ``(x, max)``."""
+def _check_range(x: torch.Tensor | float, name: str) -> torch.Tensor:
+    """``x`` as a tensor after the check that every entry is finite and ``>= 0`` (ValueError naming ``name``),
+    made through :func:`kvcert.checks.fail_if`: at once, or deferred to its owner's read-back."""
     if not isinstance(x, torch.Tensor):
         x = torch.as_tensor(x, dtype=torch.float64)
     if not x.numel():
-        return x, 0.0
+        return x
     if not x.is_contiguous() and x.dim() >= 2 and x.mT.is_contiguous():
         x_dense = x.mT  # same elements in memory order (e.g. a band-major store): a much faster reduction
     else:
         x_dense = x
-    lo, hi = torch.stack(torch.aminmax(x_dense)).tolist()  # one sync; NaN propagates into both and fails below
-    if not (lo >= 0 and hi < math.inf):
-        raise ValueError(f"{name} must be finite and non-negative (min={lo}, max={hi})")
-    return x, hi
+    lo, hi = torch.aminmax(x_dense)  # NaN propagates into both and fails the check
+
+    def error() -> ValueError:
+        return ValueError(f"{name} must be finite and non-negative (min={lo.item()}, max={hi.item()})")
+
+    fail_if(~((lo >= 0) & (hi < math.inf)), error)
+    return x
 
 
 def check_nonneg_finite(x: torch.Tensor | float, name: str, dtype: torch.dtype | None = torch.float64) -> torch.Tensor:
     """Return ``x`` (cast to ``dtype`` unless None) after checking every entry is finite and ``>= 0``.
 
-    Raises ``ValueError`` naming ``name`` otherwise (fail closed on NaN, inf and negative values).
+    Raises ``ValueError`` naming ``name`` otherwise (fail closed on NaN, inf and negative values), at once or, inside
+    :func:`kvcert.checks.deferred`, when the block's owner reads its checks back.
     """
-    x, _ = _checked_range(x, name)
+    x = _check_range(x, name)
     return x if dtype is None else x.to(dtype)
 
 
 def check_served(p_served: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate ``p_served[..., S]`` and return it (float64) with its row mass ``[...]``."""
+    """Validate ``p_served[..., S]`` (entries finite and ``>= 0``, rows summing to 1 within ``1e-2``: each check
+    through :func:`kvcert.checks.fail_if`) and return it (float64) with its row mass ``[...]``."""
     p = check_nonneg_finite(p_served, "p_served")
     if p.dim() == 0 or p.shape[-1] == 0:
         raise ValueError(f"p_served must have a non-empty last (token) dimension, got shape {tuple(p.shape)}")
     mass = p.sum(-1)
-    lo, hi = torch.stack(torch.aminmax(mass)).tolist()  # one sync
-    if not (1.0 - _MASS_TOL <= lo and hi <= 1.0 + _MASS_TOL):
-        raise ValueError(f"p_served rows must sum to 1 (row masses range over [{lo}, {hi}])")
+    lo, hi = torch.aminmax(mass)
+
+    def error() -> ValueError:
+        return ValueError(f"p_served rows must sum to 1 (row masses range over [{lo.item()}, {hi.item()}])")
+
+    fail_if(~((lo >= 1.0 - _MASS_TOL) & (hi <= 1.0 + _MASS_TOL)), error)
     return p, mass
 
 
@@ -90,7 +101,7 @@ class Moments:
     exp_neg_c: torch.Tensor  # [..., S] e^{-c}
     a: torch.Tensor  # [...] A = Σ p̃ e^{c} >= 1
     b: torch.Tensor  # [...] B₋ = Σ p̃ e^{-c} <= 1
-    huge_rows: torch.Tensor | None  # [...] rows with a supported radius > _EXP_SAFE (None: no such row)
+    huge_rows: torch.Tensor  # [...] rows with a supported radius > _EXP_SAFE
 
 
 def moments(p_served: torch.Tensor, radius: torch.Tensor) -> Moments:
@@ -99,19 +110,18 @@ def moments(p_served: torch.Tensor, radius: torch.Tensor) -> Moments:
     Rows of ``p̃`` are renormalised to mass 1 (they must already sum to 1 within 1e-2). ``A`` is clamped to
     ``≥ 1`` and ``B₋`` to ``≤ 1`` (true in exact arithmetic; the clamp removes rounding and only loosens
     every form). Radii of zero-probability tokens are irrelevant (those tokens have zero mass in both
-    distributions) and are zeroed when they are huge. Raises ``ValueError`` naming ``p_served`` or
-    ``radius`` on non-finite or negative input.
+    distributions) and are zeroed (no host sync decides whether any radius is huge: with every radius at most
+    ``_EXP_SAFE`` the zeroed radii change no sum, since ``0·e^{±c}`` and ``0·gap`` are 0 either way). Raises
+    ``ValueError`` naming ``p_served`` or ``radius`` on non-finite or negative input (through
+    :func:`kvcert.checks.fail_if`).
     """
     p, mass = check_served(p_served)
-    c, c_max = _checked_range(radius, "radius")
-    c = c.to(torch.float64)
+    c = _check_range(radius, "radius").to(torch.float64)
     if p.shape != c.shape:
         p, c = torch.broadcast_tensors(p, c)
         mass = mass.expand(p.shape[:-1])
-    huge_rows = None
-    if c_max > _EXP_SAFE:
-        c = torch.where(p > 0, c, torch.zeros_like(c))
-        huge_rows = c.amax(-1) > _EXP_SAFE
+    c = torch.where(p > 0, c, 0.0)
+    huge_rows = c.amax(-1) > _EXP_SAFE
     # with every radius <= _EXP_SAFE no product below can overflow; above it, e^{c} may be inf but only on
     # tokens with p̃ > 0, so A = inf and B₋ >= 0 without NaN
     exp_c = torch.exp(c)
@@ -142,8 +152,6 @@ def _ptm(m: Moments) -> torch.Tensor:
     inv_a = (1.0 / m.a).unsqueeze(-1)
     gap = torch.addcmul(1.0 - m.exp_c * k1, m.exp_neg_c, inv_a, value=-1.0).clamp_(min=0.0)
     ptm = two - 0.5 * torch.linalg.vecdot(m.p, gap) / m.mass
-    if m.huge_rows is None:
-        return ptm
     # rows with a radius > _EXP_SAFE may overflow (inf − inf): use the larger, still sound, Σ p̃ f₂ ≤ two_sided
     return torch.where(m.huge_rows, two, ptm)
 
@@ -196,12 +204,13 @@ def probs64(logits: torch.Tensor) -> torch.Tensor:
 
 
 def served_meter(p: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(clipped, unclipped)`` meter per row; fully masked rows (no visible token) get 0."""
+    """``(clipped, unclipped)`` meter per row; fully masked rows (no visible token) get 0 (their ``p̃`` is replaced
+    by a one-hot row for the evaluation, without a host sync to find them)."""
+    if p.dim() == 0 or p.shape[-1] == 0:
+        return meter_and_unclipped(p, c)  # raises: no token dimension
     live = p.sum(-1) > 0
-    if bool(live.all()):
-        return meter_and_unclipped(p, c)
-    onehot = torch.zeros_like(p)
-    onehot[..., 0] = 1.0
+    onehot = torch.zeros(p.shape[-1], dtype=p.dtype, device=p.device)
+    onehot[0] = 1.0
     clipped, raw = meter_and_unclipped(torch.where(live.unsqueeze(-1), p, onehot), c)
     return torch.where(live, clipped, 0.0), torch.where(live, raw, 0.0)
 

@@ -11,6 +11,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from kvcert.checks import Checks, deferred
 from kvcert.quant import logcode
 
 #: an index into a ``[B, H, T, ...]`` buffer: ``(rows, heads, tokens)`` as ints, slices or a boolean token mask
@@ -171,7 +172,9 @@ class LogBuffer:
         """On the device, nothing stored: writing ``x`` (exponents ``n``; ``unsettled``: the 0-dim flag of
         :func:`~kvcert.quant.logcode.exponent_settle`) at ``index`` (``None``: appended) of this buffer with bases
         ``base``. The new bases are set for heads written positive for the first time and raised by ``shift``
-        where a new value exceeds the top code; the codes of ``x`` are against the new bases."""
+        where a new value exceeds the top code; the codes of ``x`` are against the new bases. The encoder's
+        fail-closed check (:func:`~kvcert.quant.logcode.encode_checked`) goes to the active
+        :func:`kvcert.checks.deferred` block (:class:`WriteBatch` plans inside its own)."""
         finite_pos = torch.isfinite(x) & (x > 0) & (n <= logcode.MAX_N)
         heads = self._spread(torch.arange(base.numel(), device=x.device).view(base.shape), index, x)
         need = torch.full((base.numel(),), logcode.MIN_N - 1, dtype=torch.int32, device=x.device)
@@ -183,8 +186,8 @@ class LogBuffer:
         new = torch.where(seen & unset, logcode.initial_base(need), base)
         shift = torch.where(seen & ~unset, need - (new + logcode.TOP - 1), 0).clamp(min=0)
         new = new + shift
-        codes, flags = logcode.encode_flagged(x, self._spread(new, index, x), n)
-        summary = torch.cat([unsettled.view(1), (shift > 0).sum().view(1), flags]).to(torch.int64)
+        codes = logcode.encode_checked(x, self._spread(new, index, x), n)
+        summary = torch.cat([unsettled.view(1), (shift > 0).sum().view(1)]).to(torch.int64)
         return _Planned(self, index, x, n, new, shift, codes, summary)
 
     def _store(self, p: _Planned, rebased: int) -> None:
@@ -223,7 +226,7 @@ class LogBuffer:
 class _Planned:
     """A :class:`LogBuffer` write planned on the device, nothing stored yet: ``x`` (exponents ``n``) at ``index``
     (``None``: appended), the buffer's bases after it, the ``shift`` per (row, head) that raises them, the codes,
-    and ``summary``, int64 ``[4]``: exponents unsettled, bases rising, some entry negative, some above the top."""
+    and ``summary``, int64 ``[2]``: exponents unsettled, bases rising."""
 
     buffer: LogBuffer
     index: TokenIndex | None
@@ -249,7 +252,7 @@ class WriteBatch:
 
     def __init__(self) -> None:
         self._ops: list[_Planned | Callable[[], object]] = []
-        self._checks: list[tuple[torch.Tensor, Callable[[], Exception]]] = []
+        self._checks = Checks()
         self._counts: dict[str, torch.Tensor] = {}
         #: the :class:`LogBuffer` s whose bases the last :meth:`commit` raised
         self.raised: set[LogBuffer] = set()
@@ -270,7 +273,8 @@ class WriteBatch:
         target = buffer.codes.view()[index]
         x = torch.as_tensor(values, device=target.device)
         x = torch.broadcast_to(x if x.is_floating_point() else x.to(torch.float64), target.shape)  # no rounding
-        self._ops.append(buffer._plan(x, *logcode.exponent_settle(x), index, self._base(buffer)))
+        with deferred(self._checks):
+            self._ops.append(buffer._plan(x, *logcode.exponent_settle(x), index, self._base(buffer)))
 
     def append(self, buffer: GrowBuffer | LogBuffer, x: torch.Tensor) -> None:
         """Record appending ``x[B, H, t, *tail]`` along the token axis of ``buffer``."""
@@ -278,7 +282,8 @@ class WriteBatch:
             self.then(partial(buffer.append, x))
             return
         x = x if x.is_floating_point() else x.to(torch.float64)
-        self._ops.append(buffer._plan(x, *logcode.exponent_settle(x), None, self._base(buffer)))
+        with deferred(self._checks):
+            self._ops.append(buffer._plan(x, *logcode.exponent_settle(x), None, self._base(buffer)))
 
     def then(self, change: Callable[[], object]) -> None:
         """Record a state change to run at the commit, in order, once every check has passed."""
@@ -287,7 +292,7 @@ class WriteBatch:
     def require(self, bad: torch.Tensor, error: Callable[[], Exception]) -> None:
         """Record a check (a :data:`kvcert.checks.Sink`): the commit raises ``error()`` and stores nothing
         when the 0-dim bool ``bad`` is True."""
-        self._checks.append((bad, error))
+        self._checks(bad, error)
 
     def count(self, name: str, value: torch.Tensor) -> None:
         """Add the 0-dim integer tensor ``value`` to the counter ``name``, read back with the commit."""
@@ -301,28 +306,29 @@ class WriteBatch:
     def commit(self) -> dict[str, int]:
         """Check everything recorded, then store it and return the :meth:`count` counters, with one host sync
         (two when some exponent did not settle: those writes are planned again from
-        :func:`~kvcert.quant.logcode.exponent_up`). Nothing is stored unless every check passes: the first failed
-        :meth:`require` check (in the order recorded) raises its error, then a negative witness (or one above its
-        top code) the ``ValueError`` of :func:`~kvcert.quant.logcode.check_flags`. Clears what was recorded; sets
-        :attr:`raised`."""
+        :func:`~kvcert.quant.logcode.exponent_up`, and their encoder checks made again and read back with the second).
+        Nothing is stored unless every check passes: the first failed check (a :meth:`require` check or a planned
+        write's encoder check, :func:`~kvcert.quant.logcode.encode_checked`, in the order recorded) raises its error.
+        An unsettled plan's check may raise before the replan: a negative entry does not depend on the exponents,
+        and no plan's codes exceed the top code of the bases planned from its own exponents, settled or not.
+        Clears what was recorded; sets :attr:`raised`."""
         planned = [p for p in self._ops if isinstance(p, _Planned)]
-        parts = [p.summary for p in planned]
-        parts += [bad.view(1).to(torch.int64) for bad, _ in self._checks] + list(self._counts.values())
-        back = torch.cat(parts).tolist() if parts else []  # the one host sync
-        rows = [back[4 * i : 4 * i + 4] for i in range(len(planned))]
-        failed = back[4 * len(planned) : 4 * len(planned) + len(self._checks)]
-        counts = dict(zip(self._counts, back[4 * len(planned) + len(self._checks) :], strict=True))
-        for bad, (_, error) in zip(failed, self._checks, strict=True):
-            if bad:
-                self._ops, self._checks, self._counts = [], [], {}
-                raise error()
-        if any(row[0] for row in rows):  # not seen in practice: the exact search decides the unsettled exponents
-            self._replan({id(p) for p, row in zip(planned, rows, strict=True) if row[0]})
-            planned = [p for p in self._ops if isinstance(p, _Planned)]
-            rows = torch.stack([p.summary for p in planned]).tolist()
-        ops, self._ops, self._checks, self._counts = self._ops, [], [], {}
-        for p, (_, _, negative, above_top) in zip(planned, rows, strict=True):
-            logcode.check_flags(bool(negative), bool(above_top), p.x)
+        checks, counts, self._checks, self._counts = self._checks, self._counts, Checks(), {}
+        try:
+            back = checks.read_back([p.summary for p in planned] + list(counts.values()))  # the one host sync
+            assert back is not None  # no guard
+            rows = [back[2 * i : 2 * i + 2] for i in range(len(planned))]
+            counted = dict(zip(counts, back[2 * len(planned) :], strict=True))
+            if any(row[0] for row in rows):  # not seen in practice: the exact search decides the unsettled exponents
+                recheck = Checks()
+                with deferred(recheck):
+                    self._replan({id(p) for p, row in zip(planned, rows, strict=True) if row[0]})
+                planned = [p for p in self._ops if isinstance(p, _Planned)]
+                replanned = recheck.read_back([p.summary for p in planned])
+                assert replanned is not None
+                rows = [replanned[2 * i : 2 * i + 2] for i in range(len(planned))]
+        finally:
+            ops, self._ops = self._ops, []
         rebased = {id(p): row[1] for p, row in zip(planned, rows, strict=True)}
         self.raised = set()
         for op in ops:
@@ -332,7 +338,7 @@ class WriteBatch:
                     self.raised.add(op.buffer)
             else:
                 op()
-        return counts
+        return counted
 
     def _replan(self, unsettled: set[int]) -> None:
         """Plan every :class:`LogBuffer` write again, in order, with the exact exponents where ``unsettled``

@@ -388,6 +388,7 @@ class TritonRead(NamedTuple):
     spread: torch.Tensor  # [B, Hkv, 1] max over visible t of ‖v̂_t − centre‖ + ‖Δv_t‖ (rounded up)
     vmax: torch.Tensor  # [B, Hkv, 1] max over visible t of ‖v̂_t‖ + ‖Δv_t‖ (rounded up)
     out: torch.Tensor  # [B, Hkv, M, Dv] float32 served output
+    finite: torch.Tensor  # 0-dim bool: the query and the pending keys / values were finite (else no field is valid)
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -501,6 +502,8 @@ def decode_read(
     splits: int | None = None,
     k_tiles: CodeTiles | None = None,
     v_tiles: CodeTiles | None = None,
+    *,
+    wait: bool = True,
 ) -> TritonRead | None:
     """The certified decode read of :func:`kvcert.kernels.numba_read.decode_read` on the Triton kernels.
 
@@ -518,7 +521,9 @@ def decode_read(
     caller fails closed. ``splits``: splits of the token axis (``None``: :func:`default_splits`). ``k_tiles`` /
     ``v_tiles`` (:func:`kvcert.kernels.packed.code_tiles` of the same store): read the keys / values from their
     packed codes, and ``k_served`` / ``v_served`` only where the store's exact flag is set (``None``: the scratch
-    everywhere).
+    everywhere). ``wait=False``: no host sync; the kernels run whatever the data and the result's ``finite`` flag
+    (on the device) says whether the query and pending entries were finite: the caller reads it back before it uses
+    any field, and fails closed when it is False.
     """
     q, keys, rho, khn, w = inputs.q, inputs.k_served, inputs.k_band, inputs.k_hat_norm, inputs.k_wit
     values, vres, vdist, vhn = inputs.v_served, inputs.v_res, inputs.v_dist, inputs.v_hat_norm
@@ -551,14 +556,14 @@ def decode_read(
                 f"{name} {tuple(x.shape)} {x.dtype} must be float32 [B={bsz}, Hkv={h}, S={s}, ...] "
                 "with unit stride on its last axis"
             )
-    # fail closed on a non-finite query or pending entry: the three checks reduce to one flag on the device, so
-    # the read waits for the device once here, not once per tensor
+    # fail closed on a non-finite query or pending entry: the three checks reduce to one flag on the device, read
+    # back here (one sync) or, with ``wait=False``, by the caller together with its own read-back
     finite = (
         torch.isfinite(q).all()
         & torch.isfinite(keys[:, :, k_from:]).all()
         & torch.isfinite(values[:, :, v_from:]).all()
     )
-    if not bool(finite):
+    if wait and not bool(finite):
         return None
     dev = q.device
     qs, qb, qn, rate = _query_terms(q, nb, half, scale, gamma)
@@ -717,6 +722,7 @@ def decode_read(
         spread=spread,
         vmax=vmax,
         out=out,
+        finite=finite,
     )
 
 
@@ -729,10 +735,11 @@ def read_store(
     *,
     splits: int | None = None,
     packed: bool = True,
+    wait: bool = True,
 ) -> TritonRead | None:
     """:func:`decode_read` of grouped float32 queries ``q[B, Hkv, M, D]`` over ``store``'s live views, the keys and
     values read from their packed codes (:func:`kvcert.kernels.packed.code_tiles`; ``packed=False``: from the
-    decode scratch)."""
+    decode scratch); ``wait`` as there."""
     k_tiles, v_tiles = code_tiles(store) if packed else (None, None)
     inputs = store_inputs(q, store, mask, nq, scale, arrays=False)
-    return decode_read(inputs, splits, k_tiles=k_tiles, v_tiles=v_tiles)
+    return decode_read(inputs, splits, k_tiles=k_tiles, v_tiles=v_tiles, wait=wait)

@@ -22,6 +22,8 @@ import math
 import numpy as np
 import torch
 
+from kvcert.checks import fail_if
+
 SUB = 16  # codes per octave
 TOP = 254  # largest finite code
 INF_CODE = 255
@@ -98,25 +100,25 @@ def initial_base(n_max: torch.Tensor) -> torch.Tensor:
     return (n_max - HEADROOM).clamp(min=MIN_N)
 
 
-def encode_flagged(x: torch.Tensor, base: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes (uint8) of ``x`` against ``base`` given ``n = exponent_up(x)``, and ``[2]`` device flags (some
-    entry negative, some finite entry above ``TOP``) for the caller to read back with its other checks: the codes
-    are valid only when both are False (:func:`encode` raises otherwise)."""
+def encode_checked(x: torch.Tensor, base: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Codes (uint8) of ``x`` against ``base`` given ``n = exponent_up(x)``, valid only when no entry is negative
+    and no finite entry needs a code above ``TOP``: the two fail-closed checks are one
+    :func:`kvcert.checks.fail_if` (``ValueError``, the negative entry's first), so they wait for the device once
+    here, or not at all inside the caller's :func:`kvcert.checks.deferred` block (read back with its other checks;
+    code after a failed one runs on invalid codes, which the caller must not store)."""
     beyond = torch.isnan(x) | torch.isinf(x) | (n > MAX_N)
     code = (n.to(torch.int64) - base.to(torch.int64) + 1).clamp(min=1)
     finite_pos = (x > 0) & ~beyond
-    flags = torch.stack([(x < 0).any(), (finite_pos & (code > TOP)).any()])
+    negative, above_top = (x < 0).any(), (finite_pos & (code > TOP)).any()
+
+    def error() -> ValueError:
+        if bool(negative):
+            return ValueError(f"witnesses must be non-negative, got min {float(x.min())}")
+        return ValueError("a witness exceeds the top code of its base; rebase the buffer before encoding")
+
+    fail_if(negative | above_top, error)
     code = torch.where(finite_pos, code, 0)
-    return torch.where(beyond, INF_CODE, code).to(torch.uint8), flags
-
-
-def check_flags(negative: bool, above_top: bool, x: torch.Tensor) -> None:
-    """Raise for the flags of :func:`encode_flagged`: ``ValueError`` on a negative entry of ``x`` or a finite value
-    above the top code of its base."""
-    if negative:
-        raise ValueError(f"witnesses must be non-negative, got min {float(x.min())}")
-    if above_top:
-        raise ValueError("a witness exceeds the top code of its base; rebase the buffer before encoding")
+    return torch.where(beyond, INF_CODE, code).to(torch.uint8)
 
 
 def encode(x: torch.Tensor, base: torch.Tensor, n: torch.Tensor | None = None) -> torch.Tensor:
@@ -128,11 +130,8 @@ def encode(x: torch.Tensor, base: torch.Tensor, n: torch.Tensor | None = None) -
     when the caller has it already (saves recomputing it, and its wait for the device).
     """
     if n is None:
-        n = exponent_up(x)  # defined for every entry (negative ones included), so both checks below are one sync
-    code, flags = encode_flagged(x, base, n)
-    negative, above_top = flags.tolist()
-    check_flags(negative, above_top, x)
-    return code
+        n = exponent_up(x)  # defined for every entry (negative ones included), so both checks are one sync
+    return encode_checked(x, base, n)
 
 
 def decode(code: torch.Tensor, base: torch.Tensor) -> torch.Tensor:

@@ -93,8 +93,9 @@ def _syncs_per_read(model, steps: int = 3, watched: Path = SRC, **kw) -> tuple[f
 #: path, and the resident read with persistent recall (torch path). Before issue 19: 68, 76 and 227; 26, 31 and 78
 #: before each witness buffer's write read back once and held pages became device tensors; 12.3, 17.3 and 66.7
 #: before a store write read back once for all its witness buffers, codec checks and counts (measured 4.0, 9.0
-#: and 62.7).
-MAX_SYNCS_PER_READ = {"triton": 4.0, "torch": 9.0, "resident": 63.0}
+#: and 62.7). Key-first recall (issues 16 and 17) raised the resident read to 73.0: a head that has to serve values
+#: evaluates its certificate twice (all keyed pages key-only, then the pages served), each evaluation 7 syncs.
+MAX_SYNCS_PER_READ = {"triton": 4.0, "torch": 9.0, "resident": 73.0}
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

@@ -34,8 +34,7 @@ def _view(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, page_size:
 
 def _cells(seed: int, page_size: int, d: int, scale: float) -> dict[str, torch.Tensor]:
     """Random cells: queries ``q[M, D]`` (``scale`` sets the logits' size), omitted keys ``[N, D]`` with outlier
-    channels
-    and a short last page, visibility, served resident logits ``[M, S]``."""
+    channels and a short last page, visibility, served resident logits ``[M, S]``."""
     g = torch.Generator().manual_seed(seed)
     m, s = 6, 9
     n = 5 * page_size - (page_size > 1)  # a short last page

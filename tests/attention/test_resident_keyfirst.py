@@ -1,6 +1,7 @@
 """Key-first recall in the resident read (``kvcert.attention.key_recall``): per-cell soundness in validate mode with
 pages kept key-only, exact and quantized resident storage, transient and persistent recall; τ = 0 exactness; key and
-value page-in counted apart; fewer bytes than paging in K and V of the same pages; a planted bug caught."""
+value page-in counted apart; fewer bytes than paging in K and V of the same pages; the keys paged in are those of the
+K+V rule's pages and the values a subset; a planted bug caught."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from resident_cases import greedy_decode, prompt_ids, resident_cache, validated_
 from transformers import DynamicCache
 
 from kvcert import Gate
-from kvcert.attention import key_recall
+from kvcert.attention import key_recall, resident
 from kvcert.models.tiny import tiny_random
 
 torch.set_num_threads(1)
@@ -88,3 +89,31 @@ def test_dropping_the_key_only_pages_from_the_bound_is_caught(models, monkeypatc
         greedy_decode(model, prompt_ids(model, batch=2, seed=11), cache, STEPS)
         tel = cache.telemetry()
     assert tel.recall_violations > 0
+
+
+def test_keys_are_those_of_the_kv_rule_and_values_a_subset(models, monkeypatch):
+    """Every recall pages in the keys of exactly the pages the K+V rule would recall at the same page count — the
+    first ``k`` of the recall order after the held ones, ``k`` the caller's first guess doubled (capped at every
+    page) — and the values of a subset of them; held pages are served, never paged in."""
+    calls = []
+    real = resident.grow_recall
+
+    def spy(ov, bi, hi, order, k, n_held, l_res, c_res):
+        r = real(ov, bi, hi, order, k, n_held, l_res, c_res)
+        calls.append((order, k, n_held, r))
+        return r
+
+    monkeypatch.setattr(resident, "grow_recall", spy)
+    model = models["qwen2"]
+    with resident_cache(model, "int4", "h2o", Gate.certified(0.1), summary="basis8", recall="persistent") as cache:
+        greedy_decode(model, prompt_ids(model, batch=2, seed=14), cache, STEPS)
+    assert calls and any(r.ok and r.pages.numel() > n for _, _, n, r in calls)
+    assert any(r.keyed.numel() > r.pages.numel() - n for _, _, n, r in calls)  # some page stayed key-only
+    for order, k, n_held, r in calls:
+        n_pages, total = order.numel(), n_held + r.keyed.numel()
+        counts = {min(max(k, n_held) * 2**i, n_pages) for i in range(n_pages.bit_length() + 1)} | {n_held}
+        assert total in counts
+        assert torch.equal(r.keyed, order[n_held:total])
+        assert torch.equal(r.pages[:n_held], order[:n_held])
+        served = r.pages[n_held:]
+        assert bool(torch.isin(served, r.keyed).all()) and served.unique().numel() == served.numel()

@@ -145,9 +145,13 @@ def test_accounting_of_summaries_recall_and_resident_fraction(models):
         per_layer = hkv * pages * (3 * d * 2 + 2 * 4) + pages * 8 + 3 * hkv * 4  # box, centre; radius, norm
         assert tel.bytes_summary == cfg.num_hidden_layers * per_layer
         assert tel.resident_fraction == pytest.approx((kept + STEPS) / (PROMPT + STEPS))
-        # K and V of every recalled token (fp32 host copies of the tiny model)
+        # key-first recall: the keys of every recalled page, the values of whole pages among them (fp32 host copies
+        # of the tiny model), counted apart; their sum is the recall's page-in
         assert tel.pages_recalled > 0
-        assert tel.bytes_recalled == tel.pages_recalled * 5 * 2 * d * 4
+        assert tel.bytes_recalled_keys == tel.pages_recalled * 5 * d * 4
+        assert tel.bytes_recalled_values % (5 * d * 4) == 0 and 0 < tel.bytes_recalled_values
+        assert tel.bytes_recalled_values <= tel.bytes_recalled_keys  # values of a subset of the keyed pages
+        assert tel.bytes_recalled == tel.bytes_recalled_keys + tel.bytes_recalled_values
         assert tel.bytes_stored < tel.bytes_fp16  # summaries are counted apart from the stored codes
         # fp16 K/V of every written token (resident + omitted, all layers); bytes_fp16 holds the resident ones only
         written = cfg.num_hidden_layers * hkv * (PROMPT + STEPS) * 2 * d * 2
@@ -156,6 +160,7 @@ def test_accounting_of_summaries_recall_and_resident_fraction(models):
         s = tel.summary()
         assert s["bytes_fp16_context"] == written
         assert s["pages_recalled"] == tel.pages_recalled and s["resident_fraction"] == tel.resident_fraction
+        assert s["bytes_recalled"] == s["bytes_recalled_keys"] + s["bytes_recalled_values"] == tel.bytes_recalled
         assert s["recall_violations"] is None  # not validated
         assert 0 < s["mean_omitted_mass_bound"] <= s["max_omitted_mass_bound"] <= 1
 

@@ -40,13 +40,13 @@ def _cache(model, codec: str = "int4", tau: float = 0.1, budget: float | None = 
 
 
 class _HeldReads:
-    """Wraps ``resident._grow_recall``: counts the reads that served held pages and checks that every held token was
+    """Wraps ``resident.grow_recall``: counts the reads that served held pages and checks that every held token was
     served from its 16-bit copy (its served value is the slot's, not the host tier's)."""
 
     def __init__(self, monkeypatch) -> None:
-        self.real = resident._grow_recall
+        self.real = resident.grow_recall
         self.reads = 0
-        monkeypatch.setattr(resident, "_grow_recall", self)
+        monkeypatch.setattr(resident, "grow_recall", self)
 
     def __call__(self, ov, bi, hi, order, k, n_held, l_res, c_res):
         r = self.real(ov, bi, hi, order, k, n_held, l_res, c_res)

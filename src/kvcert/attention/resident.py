@@ -8,7 +8,9 @@ Every read (:func:`resident_read`) certifies each (query head, query) cell with 
 ``TV(exact attention over every visible token, served attention)`` (``docs/math.md#resident-certificate``): the resident
 quantization certificate composed with the omitted-mass bound from the page logit bounds. Gate
 ``certified(τ)``: a KV head with a cell above ``τ`` recalls the omitted pages with the largest mass bounds from the
-host tier — served exact, with their float32 rounding radius — until every cell is ``≤ τ``. Recalled pages stay on
+host tier, keys first (:mod:`kvcert.attention.key_recall`): a page whose keys are paged in gets its exact mass in
+the bound, and its values are paged in — served exact, with their float32 rounding radius — only when that mass must
+be served for every cell to be ``≤ τ``. Recalled pages (those whose values were paged in) stay on
 the device as 16-bit copies within the device budget (persistent recall, :mod:`kvcert.cache.recall`; later reads serve
 them from the copies, with the copies' rounding radius on keys and values) or serve one read
 (``recall="transient"``). When the resident codes alone exceed ``τ``, or every page recalled over them still leaves
@@ -32,13 +34,12 @@ from kvcert.attention.certified import (
     group_heads,
     masked_logits,
     probs64,
-    served_meter,
     ungroup_heads,
 )
+from kvcert.attention.key_recall import OmittedView, first_certifying, grow_recall
 from kvcert.bounds.pages import (
     BasisSketch,
     KeySketch,
-    OmittedCertificate,
     PageSummary,
     basis_logit_bound,
     basis_sketch,
@@ -219,9 +220,11 @@ class ResidentRecord:
     """What one resident read measured: ``[B, Hq]`` worst over the read's queries, counts per read.
 
     ``mass_bound``: the omitted-mass bound ``m̄`` before recall (certified); ``true_mass``: exact omitted mass
-    (validate); ``certificate_post``: the certificate of what was served after recall; ``pages`` / ``bytes``
-    recalled from the host tier; ``violations``: validate-mode cells where the exact omitted mass exceeded
-    ``m̄`` or the true TV after recall exceeded the served certificate (must be 0).
+    (validate); ``certificate_post``: the certificate of what was served after recall; ``pages``: pages whose keys
+    recall paged in from the host tier (key-first recall, :mod:`kvcert.attention.key_recall`: the values of only some
+    of them), ``bytes_keys`` / ``bytes_values`` the K and V bytes it paged in (host dtype) and ``bytes`` their sum;
+    ``violations``: validate-mode cells where the exact omitted mass exceeded ``m̄`` before recall or the bound of
+    what recall left omitted after it, or the true TV after recall exceeded the served certificate (must be 0).
     """
 
     step: int
@@ -232,7 +235,9 @@ class ResidentRecord:
     bytes: int
     true_mass: torch.Tensor | None = None
     violations: int = 0
-    head_pages: torch.Tensor | None = None  # [B, Hkv] pages recalled per KV head at this read
+    bytes_keys: int = 0
+    bytes_values: int = 0
+    head_pages: torch.Tensor | None = None  # [B, Hkv] pages recalled (keys at least) per KV head at this read
     head_dense: torch.Tensor | None = None  # [B, Hkv] KV heads served by exact attention over every token
     bytes_dense: int = 0  # page-in bytes of those dense reads
     bytes_exact: int = 0  # page-in bytes of resident entries read exact (their codes alone exceeded tau)
@@ -248,129 +253,28 @@ def _worst(x: torch.Tensor) -> torch.Tensor:
     return x.amax(-1)
 
 
+def _tokens(pages: torch.Tensor, page_size: int, s_o: int) -> torch.Tensor:
+    """Tokens of the archive (``s_o`` tokens) in ``pages`` (a 0-d device tensor: no read-back)."""
+    return (s_o - page_size * pages).clamp(max=page_size).sum()
+
+
+def _recall_bytes(tokens: torch.Tensor, pages: int, key_bytes: int, value_bytes: int) -> tuple[int, int]:
+    """``(key bytes, value bytes)`` recall paged in: ``tokens[2]`` (keys, values; on the device) times the bytes per
+    token; read back only when ``pages`` were paged in."""
+    if not pages:
+        return 0, 0
+    n_k, n_v = tokens.tolist()
+    return n_k * key_bytes, n_v * value_bytes
+
+
 def _page_counts(mask_o: torch.Tensor, page_size: int, pages: int) -> torch.Tensor:
     """Visible tokens per page ``[..., P]`` from the omitted tokens' mask ``[..., S_O]``."""
     pad = pages * page_size - mask_o.shape[-1]
     return torch.nn.functional.pad(mask_o, (0, pad)).reshape(*mask_o.shape[:-1], pages, page_size).sum(-1)
 
 
-@dataclass(frozen=True)
-class _OmittedView:
-    """What a resident read knows of one layer's omitted tokens (every head): the grouped query ``qg[B, Hkv, M, D]``
-    and its rounding ``rate[B, Hkv, M, 1]`` (``sc·γ·‖q‖``), ``qnorm[B, Hkv, M, 1] ≥ sc·‖q‖``, the omitted keys / values
-    ``[B, Hkv, S_O, ·]`` (host tier) and their visibility ``mask_o[B, Hkv, M, S_O]``, the page logit bounds
-    ``u[B, Hkv, M, P]`` and visible counts ``counts``, and the pages held on the device (``None``: transient
-    recall)."""
-
-    qg: torch.Tensor
-    rate: torch.Tensor
-    qnorm: torch.Tensor
-    scaling: float
-    keys: torch.Tensor
-    values: torch.Tensor
-    mask_o: torch.Tensor
-    u: torch.Tensor
-    counts: torch.Tensor
-    page_size: int
-    threshold: float
-    held: HeldPages | None
-
-    @property
-    def n_pages(self) -> int:
-        return self.u.shape[-1]
-
-
-@dataclass(frozen=True)
-class _Recalled:
-    """What :func:`_grow_recall` served for one KV head: the ``pages`` chosen (held ones first), their
-    tokens ``tok[T]`` (ascending), the served probabilities ``p[M, S_R + T]`` over resident + recalled tokens, the
-    recalled values ``values[T, Dv]`` as served (float32), their radii ``value_radius[T] ≥ ‖v_t − ṽ_t‖`` (0 for a
-    token paged in exact), the paged-in pages' K/V ``fresh_k[m, page_size, Dk]`` / ``fresh_v`` (float32, zero past
-    the archive's end; for admission), the certificate of the rest and whether it certifies every cell."""
-
-    pages: torch.Tensor
-    tok: torch.Tensor
-    p: torch.Tensor
-    values: torch.Tensor
-    value_radius: torch.Tensor
-    fresh_k: torch.Tensor
-    fresh_v: torch.Tensor
-    oc: OmittedCertificate
-    ok: bool
-
-
-def _grow_recall(
-    ov: _OmittedView,
-    bi: int,
-    hi: int,
-    order: torch.Tensor,
-    k: int,
-    n_held: int,
-    l_res: torch.Tensor,
-    c_res: torch.Tensor,
-) -> _Recalled:
-    """Recall the first ``k`` pages of ``order`` for KV head ``(bi, hi)`` (doubling ``k`` until every cell's composed
-    certificate is ``<= threshold`` or every page is recalled) over the resident logits ``l_res`` and radii
-    ``c_res``; the first ``n_held`` pages of ``order`` are held on the device (``ov.held``).
-
-    A paged-in token is served from its host value ``k_t`` in float32 with the radius ``2·rate·‖k_t‖`` (the served
-    and the reference logit each round by at most ``sc·γ·‖q‖‖k_t‖``). A held token is served from its 16-bit copy
-    ``k̃_t`` with ``‖k_t − k̃_t‖ ≤ e_t`` (:meth:`~kvcert.cache.recall.HeldPages.rounding_radius`):
-    ``|fl(sc·q·k̃_t) − fl(sc·q·k_t)| ≤ rate·‖k̃_t‖ + sc·‖q‖·e_t + rate·(‖k̃_t‖ + e_t)``, so its radius is
-    ``2·rate·‖k̃_t‖ + (qnorm + rate)·e_t``; its value radius is the same bound for ``‖v_t − ṽ_t‖``."""
-    ps, n_pages, s_o = ov.page_size, ov.n_pages, ov.keys.shape[2]
-    dev = ov.qg.device
-    within = torch.arange(ps, device=dev)
-    held_pages = order[:n_held]
-    hk = hv = torch.zeros(0, ps, 0, dtype=torch.float32, device=dev)
-    ek = ev = torch.zeros(0, ps, dtype=F64, device=dev)
-    if n_held:  # served from the device copies: no host read
-        assert ov.held is not None
-        slots = ov.held.slot[bi, hi, held_pages].to(torch.int64)
-        hk, hv = ov.held.k_slots[slots], ov.held.v_slots[slots]
-        ek, ev = ov.held.rounding_radius(hk), ov.held.rounding_radius(hv)
-        hk, hv = hk.to(torch.float32), hv.to(torch.float32)
-    while True:
-        chosen = order[:k]
-        fresh = (chosen[n_held:].view(-1, 1) * ps + within).flatten()  # the paged-in pages' tokens
-        on_host = fresh.clamp(max=s_o - 1).to(ov.keys.device)  # page-in: the omitted tokens live in the host tier
-        past = (fresh >= s_o).view(-1, ps, 1)
-        fk = ov.keys[bi, hi, on_host].to(dev, torch.float32).view(-1, ps, ov.keys.shape[-1]).masked_fill(past, 0.0)
-        fv = ov.values[bi, hi, on_host].to(dev, torch.float32).view(-1, ps, ov.values.shape[-1]).masked_fill(past, 0.0)
-        tok_all = (chosen.view(-1, 1) * ps + within).flatten()
-        keep = (tok_all < s_o).nonzero().flatten()
-        keep = keep[tok_all[keep].argsort()]  # ascending tokens
-        tok = tok_all[keep]
-        kp = torch.cat([hk.reshape(-1, fk.shape[-1]), fk.flatten(0, 1)])[keep]
-        vp = torch.cat([hv.reshape(-1, fv.shape[-1]), fv.flatten(0, 1)])[keep]
-        zero = torch.zeros(fresh.numel(), dtype=F64, device=dev)
-        e_k, e_v = torch.cat([ek.flatten(), zero])[keep], torch.cat([ev.flatten(), zero])[keep]
-        mp = ov.mask_o[bi, hi][:, tok]
-        lp = torch.matmul(ov.qg[bi, hi] * ov.scaling, kp.T).masked_fill(~mp, float("-inf"))
-        rate = ov.rate[bi, hi]
-        cp = (rate * 2.0 * norm_up_f32(kp).to(F64) + (ov.qnorm[bi, hi] + rate) * e_k).expand_as(lp)
-        l_all = torch.cat([l_res, lp], -1)
-        c_all = torch.cat([c_res, cp], -1)
-        p_all = probs64(l_all)
-        meter = served_meter(p_all, c_all)[0]
-        rest = order[k:].sort().values  # the pages not chosen, ascending (order is a permutation of the pages)
-        w_rest = page_weights(l_all, ov.u[bi, hi][:, rest], ov.counts[bi, hi][:, rest])
-        oc2 = omitted_certificate(p_all, c_all, w_rest, meter)
-        ok = bool((oc2.certificate <= ov.threshold).all())
-        if ok or k >= n_pages:
-            return _Recalled(chosen, tok, p_all, vp, e_v, fk, fv, oc2, ok)
-        k = min(2 * k, n_pages)
-
-
-def _first_certifying(predicted: torch.Tensor, n_pages: int) -> int:
-    """The smallest page count ``predicted[P]`` marks as certifying, else ``n_pages`` (one sync)."""
-    if not predicted.numel():
-        return n_pages
-    return int(torch.where(predicted.any(), predicted.to(torch.int64).argmax() + 1, n_pages))
-
-
 def _exact_resident(
-    ov: _OmittedView, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, bi: int, hi: int
+    ov: OmittedView, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, bi: int, hi: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logits, radii and values of KV head ``(bi, hi)``'s resident entries read exact from the host tier
     (``keys`` / ``values`` ``[S_R, ·]``, visibility ``mask[M, S_R]``): served in float32, so the radius is the float32
@@ -426,9 +330,10 @@ def resident_read(
     ``pages.held`` (persistent recall, :mod:`kvcert.cache.recall`): the pages already on the device are served from
     their 16-bit copies at no page-in, first in the recall order, each token with its logit radius widened by the
     copy's key rounding and its value rounding ``‖v_t − ṽ_t‖`` added to the output bound's value term (weighted by
-    its served probability; :func:`_grow_recall`); after the read the pages it served are offered to ``held``
-    (within its budget; the paged-in ones are copied into its slots) and only pages not held before are counted as
-    recalled (pages and bytes). Without it every recall is transient (paged in, and counted, at every read that
+    its served probability; :func:`~kvcert.attention.key_recall.grow_recall`); after the read the pages it served are
+    offered to ``held`` (within its budget; those whose values were paged in are copied into its slots; a page whose
+    keys alone were paged in is not offered) and only pages not held before are counted as recalled (pages and
+    bytes). Without it every recall is transient (paged in, and counted, at every read that
     needs it).
     """
     assert store.k is not None and store.v is not None
@@ -472,7 +377,7 @@ def resident_read(
     has_held = held_mask.any(-1)
     out, cert, value_term = sv.out.clone(), cert_pre.clone(), sv.value_term.clone()
     dense = torch.zeros(b, hkv, dtype=torch.bool, device=dev)
-    blocks = torch.zeros(b, hkv, dtype=torch.int64, device=dev)  # pages recalled per KV head
+    blocks = torch.zeros(b, hkv, dtype=torch.int64, device=dev)  # pages paged in (keys at least) per KV head
     n_recalled = 0
     elt = store.k.host.dtype.itemsize
     dk, dv = store.k.host.shape[-1], store.v.host.shape[-1]
@@ -484,10 +389,13 @@ def resident_read(
         p_post = torch.cat([sv.p64, torch.zeros(*sv.p64.shape[:3], s_o, dtype=F64, device=dev)], -1)
     host_k, host_v = store.k.host.view(), store.v.host.view()
     qnorm = scaling * norm_up_f32(qg).to(F64).unsqueeze(-1)  # [B, Hkv, M, 1] ≥ sc·‖q‖
-    ctx = _OmittedView(qg, rate, qnorm, scaling, ev_k, ev_v, m_o, u, counts, ps, gate.threshold, held)
+    ctx = OmittedView(qg, rate, qnorm, scaling, ev_k, ev_v, m_o, u, counts, ps, gate.threshold, held)
     vmax_recalled = torch.zeros(b, hkv, 1, dtype=F64, device=dev)  # ≥ ‖ṽ_t‖ of the recalled tokens as served
     bytes_exact = 0  # resident entries read exact from the host tier (their codes could not be certified)
-    recalled_tokens = torch.zeros((), dtype=torch.int64, device=dev)  # read back once, after the loop
+    # tokens whose keys / values were paged in by recall: read back once, after the loop
+    paged_tokens = torch.zeros(2, dtype=torch.int64, device=dev)
+    mass_post = oc.mass.clone()  # the omitted-mass bound of what each read left omitted (validate checks it)
+    served_o = torch.zeros(b, hkv, s_o, dtype=torch.bool, device=dev)  # omitted tokens served after recall
     dense_heads: list[int] = []  # KV head index of each head served dense (known here: no read-back)
     # every per-head decision the loop starts from, read back in one sync: which heads to visit (they need recall
     # or hold pages), which have a bad cell, which need recall, whose resident codes alone exceed tau
@@ -514,13 +422,16 @@ def resident_read(
                 meter0 = 0.0 if exact_res else sv.cert[bi, hi].unsqueeze(-1)
                 predicted = (rest_u / (oc.b[bi, hi].unsqueeze(-1) + rest_u) + meter0 <= gate.threshold).all(0)
                 # the first page count predicted to certify, else every page: one sync
-                k = max(k, _first_certifying(predicted, n_pages))
+                k = max(k, first_certifying(predicted, n_pages))
             if exact_res:
                 l_res, c_res, v_res = _exact_resident(ctx, host_k[bi, hi], host_v[bi, hi], m[bi, hi], bi, hi)
             else:
                 l_res, c_res = logits[bi, hi], torch.where(m[bi, hi], sv.c[bi, hi], 0.0)
                 v_res = store.v.served.view()[bi, hi]
-            r = _grow_recall(ctx, bi, hi, order, k, held_pages, l_res, c_res)
+            r = grow_recall(ctx, bi, hi, order, k, held_pages, l_res, c_res)
+            paged_tokens[0] += _tokens(r.keyed, ps, s_o)  # a try that does not certify paged its keys in too
+            blocks[bi, hi] += r.keyed.numel()
+            n_recalled += r.keyed.numel()
             if r.ok:
                 break
         if not r.ok:
@@ -537,20 +448,19 @@ def resident_read(
             bytes_exact += s_r * (dk + dv) * elt
         else:
             value_term[bi, hi] = p_all[:, :s_r] @ store.v_res.view()[bi, hi].to(F64) + held_term
-        new = r.pages
+        paged_tokens[1] += _tokens(r.pages[held_pages:], ps, s_o)  # the pages whose values were paged in
+        mass_post[bi, hi] = r.oc.mass
         if held is not None:  # page masses of this read (worst cell) decide what stays on the device
             mass = torch.zeros(p_all.shape[0], n_pages, dtype=F64, device=dev).index_add_(1, tok // ps, p_all[:, s_r:])
-            new = held.admit(bi, hi, r.pages, mass.amax(0)[r.pages], r.fresh_k, r.fresh_v)
-        blocks[bi, hi] = int(new.numel())
-        n_recalled += int(new.numel())
-        recalled_tokens += torch.clamp(s_o - new * ps, max=ps).sum()
+            held.admit(bi, hi, r.pages, mass.amax(0)[r.pages], r.fresh_k, r.fresh_v)  # values paged in: admitted
+        served_o[bi, hi, tok] = True
         if p_post is not None:
             p_post[bi, hi] = 0.0
             p_post[bi, hi, :, :s_r] = p_all[:, :s_r]
             p_post[bi, hi, :, s_r + tok] = p_all[:, s_r:]
     cert = _dense_fallback(out, cert, dense, dense_exact, dense_heads)
     bytes_paged = len(dense_heads) * (s_r + s_o) * (dk + dv) * elt
-    bytes_recalled = int(recalled_tokens) * (dk + dv) * elt if n_recalled else 0
+    bytes_keys, bytes_values = _recall_bytes(paged_tokens, n_recalled, dk * elt, dv * elt)
     key_norm_all = torch.maximum(sv.key_norm_max, 2.0 * pages.k_norm.to(F64))
     phi_max = 2.0 * rate.amax(-2) * key_norm_all
     spread = torch.maximum(sv.spread, pages.v_spread.to(F64))
@@ -575,7 +485,7 @@ def resident_read(
         repaired=dense,
         blocks=blocks,
         values_promoted=torch.zeros(b, hkv, dtype=torch.bool, device=dev),
-        bytes_paged=bytes_paged + bytes_recalled + bytes_exact,
+        bytes_paged=bytes_paged + bytes_keys + bytes_values + bytes_exact,
         q_norm=q_norm,
         witness_max=witness_max,
         key_norm_max=key_norm_max,
@@ -586,7 +496,9 @@ def resident_read(
         mass_bound=_worst(ungroup_heads(oc.mass, hq, nq)),
         certificate_post=_worst(ungroup_heads(cert, hq, nq)),
         pages=n_recalled,
-        bytes=bytes_recalled,
+        bytes=bytes_keys + bytes_values,
+        bytes_keys=bytes_keys,
+        bytes_values=bytes_values,
         head_pages=blocks,
         head_dense=dense,
         bytes_dense=bytes_paged,
@@ -606,5 +518,12 @@ def resident_read(
         assert p_post is not None
         tv_post = torch.where(dense.unsqueeze(-1), 0.0, 0.5 * (p_post - p_exact).abs().sum(-1))
         rec.true_mass = _worst(ungroup_heads(true_mass, hq, nq))
-        rec.violations = int((true_mass > oc.mass).sum()) + int((tv_post > cert).sum())
+        # the exact mass of what each read left omitted, against the bound it was certified with (mass_post)
+        left = torch.cat([torch.zeros_like(m), ~served_o.unsqueeze(2).expand_as(m_o)], -1)
+        true_left = torch.where(left, p_exact, 0.0).sum(-1)
+        rec.violations = (
+            int((true_mass > oc.mass).sum())
+            + int((tv_post > cert).sum())
+            + int(((true_left > mass_post) & ~dense.unsqueeze(-1)).sum())
+        )
     return result, rec

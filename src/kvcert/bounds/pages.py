@@ -21,6 +21,9 @@ the exact one ``p`` the softmax of the exact logits ``s`` over every visible tok
   token) and a tail basis ``B`` (packed int4 coefficients of what ``A`` leaves), with one error witness against
   ``‖Aᵀq‖`` and one against ``‖q − AAᵀq‖``; ``r + (D − r)/2 + 10`` bytes per token plus the bases. Sound for any
   stored ``A``, ``B`` (no orthonormality assumed).
+* :func:`key_page_bound` — the same pooled contract for a page whose keys were paged in (its values not): from
+  the computed logits and their rounding radii, ``u_t = l_t + c_t`` rounded up (``docs/math.md#key-only-pages``);
+  as tight as the page's exact mass allows, and within a summary's bound.
 * :func:`omitted_certificate` — with ``A = Σ_R p̃ e^{c}``, ``B₋ = Σ_R p̃ e^{−c}`` and
   ``U = Σ_P n_P e^{u_P − lse(s̃)}``: the omitted-mass bound ``m̄ = U/(B₋ + U) ≥ Σ_{t∉R} p_t``, the direct
   form ``D = 1 − B₋/(A + U) ≥ TV(p, p̃)``, and the composed certificate ``min(1, D, meter + m̄)``.
@@ -335,15 +338,50 @@ def pool_pages(bound: torch.Tensor, visible: torch.Tensor, page_size: int) -> tu
     """
     if bool(torch.isnan(bound).any()):
         raise ValueError("bound contains NaN: a token logit bound must be a number or +inf")
+    return _pool(bound, visible, page_size)
+
+
+def _pool(bound: torch.Tensor, visible: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pool_pages` after its input check."""
     n = bound.shape[-1]
     pages = -(-n // page_size)
     pad = pages * page_size - n
     u = torch.nn.functional.pad(torch.where(visible, bound.to(F64), float("-inf")), (0, pad), value=float("-inf"))
     pooled = torch.logsumexp(u.reshape(*u.shape[:-1], pages, page_size), dim=-1)
-    seen = pooled > float("-inf")  # a visible token (its bound may be +inf)
+    seen = pooled != float("-inf")  # a visible token (its bound may be +inf; NaN stays NaN, counted)
     pooled = torch.where(seen, pooled, 0.0)
     pooled = pooled + (page_size + 4) * 2.0**-52 * (1.0 + pooled.abs())  # float64 logsumexp rounding
     return torch.where(seen, pooled, 0.0), seen.to(torch.int64)
+
+
+def key_page_bound(
+    logits: torch.Tensor, radius: torch.Tensor, visible: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page logit bounds from the pages' own keys: ``(ū[..., P], seen[..., P])`` with
+    ``seen_P·e^{ū_P} ≥ Σ_{t∈P visible} e^{s_t}``, for :func:`page_weights` (``docs/math.md#key-only-pages``).
+
+    ``logits[..., N]`` the computed logits ``l_t`` of ``P = N / page_size`` pages of consecutive tokens (page ``j``:
+    tokens ``j·page_size`` to ``(j + 1)·page_size − 1``), ``radius[..., N]`` with ``|l_t − s_t| ≤ c_t`` on every visible
+    token (the radius of a recalled token), ``visible[..., N]`` bool. Per token ``u_t = fl(l_t + c_t)`` moved one
+    float64 step up, so ``u_t ≥ l_t + c_t ≥ s_t`` whatever the rounding of the sum; pooled by :func:`pool_pages`
+    (its ``logsumexp`` allowance included). Invisible tokens count for nothing (their logits and radii are not
+    read). A NaN logit or a NaN or negative radius on a visible token makes its page's bound NaN, which
+    :func:`page_weights` rejects with a ``ValueError`` (no check here: it would cost a host sync per read). Raises
+    ``ValueError`` for shapes that differ or ``N`` not a multiple of ``page_size``.
+    """
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    if logits.shape != radius.shape or logits.shape != visible.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)}, radius {tuple(radius.shape)} and visible {tuple(visible.shape)} "
+            "must have the same shape"
+        )
+    if logits.shape[-1] % page_size:
+        raise ValueError(f"logits hold {logits.shape[-1]} tokens, not whole pages of {page_size}")
+    c = radius.to(F64)
+    up = torch.nextafter(logits.to(F64) + c, torch.tensor(float("inf"), dtype=F64, device=c.device))
+    up = torch.where(c < 0, float("nan"), up)  # fail closed without a host sync: NaN propagates to the page
+    return _pool(torch.where(visible, up, 0.0), visible, page_size)
 
 
 _BF16 = torch.bfloat16

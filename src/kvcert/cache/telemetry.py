@@ -31,8 +31,10 @@ Resident set (``CertifiedCache(..., resident=R)``, ``kvcert.attention.resident``
 relative to exact attention over *every* token (resident and omitted). ``omitted_mass_bound`` is the per-cell
 bound on the attention mass of the omitted tokens before recall (**certified**), ``omitted_mass`` its exact value
 (**measured**, validate mode); ``pages_recalled`` / ``bytes_recalled`` count what recall paged in from the host
-tier (K and V, in the host tier's dtype; a page held on the device by persistent recall counts once, when paged
-in; they are part of ``bytes_paged``, which adds the dense fallbacks), ``bytes_summary`` the device bytes of the
+tier (in the host tier's dtype; key-first recall pages in the keys of every recalled page and the values of those
+whose mass it serves: ``bytes_recalled_keys`` + ``bytes_recalled_values`` = ``bytes_recalled``; a page held on the
+device by persistent recall counts once, when paged in; they are part of ``bytes_paged``, which adds the dense
+fallbacks), ``bytes_summary`` the device bytes of the
 page summaries (not in ``bytes_stored``), ``bytes_held`` those of the recalled pages held at the end (both in
 ``bytes_device``), ``resident_fraction`` the share of written tokens held resident (``layer_resident_fractions``
 per layer; their extremes in the summary), ``bytes_fp16_context`` what an fp16 cache would hold for every written
@@ -41,8 +43,9 @@ the resident set is kept by the full-attention layers only: ``resident_fraction`
 layer's entry of ``layer_resident_fractions`` is NaN (left out of the extremes), and ``bytes_fp16_context`` counts
 a sliding layer's fp16 K/V of the tokens it holds (its window, what a ``DynamicCache`` holds for it), not every
 token written (the model itself drops the older ones);
-``recall_violations`` (validate) counts cells whose exact omitted mass exceeded its bound or whose true TV after
-recall exceeded the served certificate. With ``reselect=N`` (:class:`ReselectStats`, **measured**) ``reselections``
+``recall_violations`` (validate) counts cells whose exact omitted mass exceeded its bound (before recall, and of
+what recall left omitted) or whose true TV after recall exceeded the served certificate. With ``reselect=N``
+(:class:`ReselectStats`, **measured**) ``reselections``
 counts the (layer, step) re-selections of the resident set, ``reselect_promoted`` / ``reselect_demoted`` the tokens
 (per row and KV head) moved into / out of it, ``reselect_bytes_paged`` the page-in bytes of the promoted tokens
 (K and V in the host tier's dtype; a token already held on the device by persistent recall costs none), which
@@ -247,7 +250,9 @@ class Telemetry:
     resident_fraction: float | None = None  # resident slots / written tokens (None: no resident set)
     layer_resident_fractions: tuple[float, ...] | None = None  # the same per layer (None: no resident set)
     pages_recalled: int = 0
-    bytes_recalled: int = 0
+    bytes_recalled: int = 0  # = bytes_recalled_keys + bytes_recalled_values
+    bytes_recalled_keys: int = 0
+    bytes_recalled_values: int = 0
     bytes_summary: int = 0
     bytes_held: int = 0  # resident set: device bytes of persistently recalled pages at the end
     recall_violations: int = 0
@@ -391,6 +396,8 @@ class Telemetry:
                 max_layer_resident_fraction=max(managed or (math.nan,)),
                 pages_recalled=self.pages_recalled,
                 bytes_recalled=self.bytes_recalled,
+                bytes_recalled_keys=self.bytes_recalled_keys,
+                bytes_recalled_values=self.bytes_recalled_values,
                 bytes_summary=self.bytes_summary,
                 bytes_held=self.bytes_held,
                 bytes_fp16_context=self.bytes_fp16_context,
@@ -426,6 +433,8 @@ class ResidentReading(Reading, Protocol):
 
     pages: int
     bytes: int
+    bytes_keys: int
+    bytes_values: int
     violations: int
 
 
@@ -550,6 +559,8 @@ def _resident_fields(src: CacheReadings) -> dict[str, Any]:
         ),
         "pages_recalled": sum(r.pages for r in recs),
         "bytes_recalled": sum(r.bytes for r in recs),
+        "bytes_recalled_keys": sum(r.bytes_keys for r in recs),
+        "bytes_recalled_values": sum(r.bytes_values for r in recs),
         "bytes_summary": src.bytes_summary,
         "bytes_held": src.bytes_held,
         "recall_violations": sum(r.violations for r in recs),

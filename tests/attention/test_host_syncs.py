@@ -95,8 +95,8 @@ def _syncs_per_read(model, steps: int = 3, watched: Path = SRC, **kw) -> tuple[f
 #: before a store write read back once for all its witness buffers, codec checks and counts; 4.0, 9.0 and 62.7
 #: before the certified read took its deferred checks, finite flag and gate decision in one read-back (measured
 #: 2.0, 2.0 and 57.7: the store write's commit and the read's decision). Key-first recall (issues 16 and 17) raised
-#: the resident read to 66.0 (73.0 before the one read-back): a head that has to serve values evaluates its certificate twice (all keyed pages
-#: key-only, then the pages served).
+#: the resident read to 66.0 (73.0 before the one read-back): a head that has to serve values evaluates its
+#: certificate twice (all keyed pages key-only, then the pages served).
 MAX_SYNCS_PER_READ = {"triton": 2.0, "torch": 2.0, "resident": 66.0}
 
 

@@ -1,6 +1,7 @@
 """Hugging Face transformers glue: a drop-in certified cache plus its attention and mask functions.
 
-``CertifiedCache(model, keys=..., values=..., gate=...)`` builds one :class:`CertifiedLayer` per decoder
+``CertifiedCache(model, keys=..., values=..., gate=...)`` (rare knobs grouped: ``storage=``, ``validation=``,
+``eviction=``, see :mod:`kvcert.integrations.cache_config`) builds one :class:`CertifiedLayer` per decoder
 layer (sliding-window layers keep transformers' window semantics), registers the ``"kvcert"`` attention
 function **and** its mask function (:func:`kvcert.integrations.attention_impl.register_attention`) and switches
 *this model only* to it. ``detach()`` (or leaving the ``with`` block) restores the model's previous
@@ -14,23 +15,22 @@ attention in float32, and the served output is cast to the model's dtype last. T
 bounds are about the float32 served output before that cast, the same rounding the model applies to its own
 attention output.
 
-Eviction (``evict=policy`` with ``budget=C`` or ``compression_ratio=r``, see ``docs/eviction.md``): every
-physical slot carries its logical position (``LayerStore.positions``). ``get_seq_length`` stays logical
-(RoPE position ids), and ``get_mask_sizes`` keeps reporting the *logical* length so transformers builds its
-padding + causal mask in position space, which is exact; the read path maps it onto the physical slots of
-each KV head by gathering it at the slots' logical positions (``slot_mask``), so the certified read and the
-exact repair path see a per-KV-head mask that matches the compacted slots. On a model with sliding-window layers
-eviction and resident sets manage the full-attention layers only; a sliding layer keeps its window and
-transformers' sliding mask over its slots.
+Eviction (``eviction=EvictionConfig.decode_budget(policy, C)`` or ``.prefill(policy, r)``, see
+``docs/eviction.md``): every physical slot carries its logical position (``LayerStore.positions``).
+``get_seq_length`` stays logical (RoPE position ids), and ``get_mask_sizes`` keeps reporting the *logical* length so
+transformers builds its padding + causal mask in position space, which is exact; the read path maps it onto the
+physical slots of each KV head by gathering it at the slots' logical positions (``slot_mask``), so the certified
+read and the exact repair path see a per-KV-head mask that matches the compacted slots. On a model with
+sliding-window layers eviction and resident sets manage the full-attention layers only; a sliding layer keeps its
+window and transformers' sliding mask over its slots.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import Cache, LogitsProcessor
@@ -50,18 +50,18 @@ from kvcert.attention.read_path import (
     slot_mask,
 )
 from kvcert.attention.resident import OmittedPages, ResidentRecord
-from kvcert.bounds.rope import Pairing
 from kvcert.cache.events import CacheObserver, last_write_event
 from kvcert.cache.gate import Gate
-from kvcert.cache.store import DEFAULT_WITNESS, LayerStore, Witness
+from kvcert.cache.store import LayerStore
 from kvcert.cache.telemetry import CacheReadings, ReselectStats, Telemetry, assemble
 from kvcert.evict import EvictionPolicy, PrefillAttention, RunTrace
 from kvcert.integrations.attention_impl import register_attention
-from kvcert.integrations.cache_config import GateConfig, StorageConfig, ValidationConfig
+from kvcert.integrations.cache_config import GateConfig, StorageConfig, ValidationConfig, resolve_storage
 from kvcert.quant import Codec
 
 ATTN_NAME = "kvcert"
 SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "mistral", "gemma3_text", "gemma3")
+T = TypeVar("T")
 
 
 class CacheClosedError(RuntimeError):
@@ -265,126 +265,71 @@ def _uncompressible_sliding_layers(layers: Sequence[CertifiedLayer]) -> tuple[in
     return tuple(out)
 
 
+def _typed(value: Any, kind: type[T], name: str) -> T | None:
+    """``value`` if it is ``None`` or a ``kind``; ``TypeError`` naming the keyword otherwise."""
+    if value is not None and not isinstance(value, kind):
+        raise TypeError(f"{name} must be a kvcert.{kind.__name__}, got {type(value).__name__}")
+    return value
+
+
 class CertifiedCache(Cache):
     """A transformers ``Cache`` whose every attention read is certified, gated and repairable.
 
-    A thin adapter: its keywords are grouped into :attr:`storage` (:class:`StorageConfig`), :attr:`gating`
-    (:class:`GateConfig`), :attr:`validation` (:class:`ValidationConfig`) and :attr:`eviction`
-    (:class:`~kvcert.attention.evict_driver.EvictionConfig`); every read goes through :attr:`read_path` (one
-    :class:`~kvcert.attention.read_path.ReadPath`, chosen at construction), eviction through an
-    :class:`~kvcert.attention.evict_driver.EvictionDriver`, and :meth:`telemetry` is
+    A thin adapter: what almost every user sets is a keyword, the rare knobs come grouped in :attr:`storage`
+    (:class:`~kvcert.integrations.cache_config.StorageConfig`), :attr:`validation`
+    (:class:`~kvcert.integrations.cache_config.ValidationConfig`) and :attr:`eviction`
+    (:class:`~kvcert.attention.evict_driver.EvictionConfig`); ``gate`` and ``ladder`` become :attr:`gating`. Every
+    read goes through :attr:`read_path` (one :class:`~kvcert.attention.read_path.ReadPath`, chosen at construction),
+    eviction through an :class:`~kvcert.attention.evict_driver.EvictionDriver`, and :meth:`telemetry` is
     :func:`kvcert.cache.telemetry.assemble` of what they recorded.
 
     Args:
         model: a supported causal LM (Llama, Qwen2, Mistral, Gemma-3).
-        keys / values: codec names from :func:`kvcert.quant.names` (or codec instances).
+        keys / values: codec names from :func:`kvcert.quant.names` (or codec instances); default ``"int8"``. Give
+            them here or in ``storage``, not both (``ValueError``).
         gate: :class:`~kvcert.cache.gate.Gate` (default ``Gate.off()``: observe only).
         validate: also compute exact attention from the host tier and count violations.
-        bands: band count of the key witness; ``pairing``: the model's RoPE pairing.
+        seed: dither seed (random per cache when omitted, so dither is never reused across caches); here or in
+            ``storage``, not both.
+        observers: :class:`~kvcert.cache.events.CacheObserver` instances receiving write/read events.
         request_ids: request UID per batch row (``-1`` = unknown). With ``require_identity`` (default: on
             when observers are attached) rows without a UID are stored exact and counted as fail-closed.
-        delta_req / max_steps: Tier-B request failure budget, split uniformly over L·Hq·max_steps cells.
-        observers: :class:`~kvcert.cache.events.CacheObserver` instances receiving write/read events.
-        seed: dither seed (random per cache when omitted, so dither is never reused across caches).
-        key_options / value_options: extra codec options, e.g. ``{"bypass": 4}``.
-        certify: compute certificates (default). ``False`` serves the compressed cache with plain SDPA and
-            records nothing — the uncertified baseline used to measure the certificate's cost; it cannot be
-            combined with a gate or validate mode.
-        write_block: pending tokens are encoded in whole blocks of this many tokens (exact until then).
         ladder: ``True`` (or a :class:`~kvcert.attention.ladder.LadderConfig`) serves through the RC tiered
             read path with its four-rung fallback ladder instead of the meter-gated path; ``gate`` must then
             be off. Rung counters are in ``cache.ladder_stats``.
-        evict: an :class:`~kvcert.evict.EvictionPolicy`; with ``budget`` (decode-time budget: at most
-            ``budget`` slots per KV head after every write's eviction, ``budget + q`` during a read of ``q``
-            new tokens) or ``compression_ratio`` (kvpress convention, fraction removed: the first write of
-            more than one token, a prefill or :meth:`ingest`, is compressed right after its read). Needs
-            per-token codecs (``block == 1``) and no ladder. On a model with sliding-window layers only
-            ``compression_ratio`` is served, on its full-attention layers (the sliding ones keep their window;
-            ``docs/eviction.md``, "Sliding-window models"); ``budget`` raises ``ValueError``. In validate mode the
-            evicted entries stay in the host tier and the exact evicted mass is measured per cell.
-        evict_chunk: decode budget mode evicts this many slots at once, every ``evict_chunk`` steps (at most
-            ``budget`` slots either way; ``1``: back to exactly ``budget`` at every write).
-        belady: validate + budget mode: record the run's exact attention trace and report the kept-set
-            overlap with Belady on it (``telemetry().belady_overlap``; memory ``O(T² · L · Hkv)``).
-        device_budget: the most each layer's device tier may hold after persistent repair, as a fraction of its live
-            tokens' fp16 K/V bytes (a sliding layer's live tokens: its window; default ``1.0``: a compressed cache never
-            keeps more than fp16 would; ``None``: no cap). A repair that does not fit is served exact for that read and
-            kept nowhere (a transient page-in, counted in ``telemetry().transient_page_ins``); held repairs are released
-            when new tokens need the room. Value promotion is always transient. Only persistent gates keep anything, so
-            the budget never changes what other gates serve. See ``docs/architecture.md``.
-        resident: certified sparse attention (``docs/eviction.md``, "Resident set and recall"): after the prefill
-            each (layer, KV head) keeps this fraction (in (0, 1]) of its tokens resident, chosen by ``select``
-            (default :func:`default_select`); the whole KV stays in the host tier, page summaries of the omitted
-            tokens (``page_size`` consecutive omitted tokens per page; ``summary="int8"``: an int8 sketch of every
-            omitted key with its error witness, ``"box"``: per page a float16 box and ball) on the device. Every
-            read's certificate bounds the TV against exact attention over *every* token; ``Gate.certified(tau)``
-            recalls pages until it is ``<= tau`` (``tau = 0``: the dense answer). Exclusive with ``evict``. On a
-            model with sliding-window layers the resident set is kept by the full-attention layers only; a
-            sliding layer keeps its window as without ``resident`` and is certified against attention over it.
-        witness: storage of the write-time witnesses: ``"log8"`` (default; 8-bit codes that decode to values never
-            below the true ones, 12 B per token per KV head) or ``"f32"`` (float32, 52 B); see
-            ``docs/math.md#compact-witnesses``.
-        recall: with ``resident``: ``"persistent"`` (default) keeps recalled pages on the device within
-            ``device_budget`` (paged in, and counted, once while held); ``"transient"`` pages them in for the read
-            that needs them only.
-        reselect: with ``resident``: every ``reselect`` decode steps (before the write of each step ``s`` with
-            ``s % reselect == 0``) re-select every (layer, KV head)'s resident set over all its tokens, ranked by
-            ``reselect_score``, at the resident fraction:
-            chosen omitted tokens are promoted into the device store, the others summarised again
-            (``docs/eviction.md``, "Re-selection of the resident set"); counts in :attr:`reselect_stats`. Needs
-            non-dithered codecs. ``None`` (default): the prefill's selection stays. Held pages whose tokens stay
-            omitted stay held across the re-paging of the archive.
-        reselect_score: with ``reselect``: what a re-selection ranks tokens by (after the policy's protected sinks
-            and recent window): ``"decode"`` (default; the attention the decode queries paid each token, accumulated
-            at every resident read from the served keys and the summary's point estimates, no page-in; re-selects
-            once a decode query has been read) or ``"key_proxy"`` (``select``'s own score over the key-proxy
-            attention of the exact host keys). Any other value raises ``ValueError``.
-        resident_alloc: with ``resident``: how the resident tokens are split across layers (``docs/eviction.md``,
-            "Per-layer allocation of the resident set"). ``"uniform"`` (``None``, the default): every (layer, KV
-            head) keeps the fraction ``resident``. ``"mass"``: the same total (``resident`` times the tokens
-            written, summed over layers) split to minimise the omitted attention mass estimated by ``select``'s
-            prefill scores (normalised per KV head): every layer keeps its protected tokens, then the tokens whose
-            normalised scores are largest over all layers; every KV head of a layer keeps the same count, a layer
-            may keep all its tokens. The split is made once the last layer's prefill was read; re-selection keeps
-            each layer's fraction. Needs a ``select`` whose scores are attention (not ``StreamingLLM``).
+        storage: codec options, witness bands and storage, write block, dither seed and device budget
+            (:class:`~kvcert.integrations.cache_config.StorageConfig`). The device budget caps what persistent
+            repair (and persistent recall) keeps on each layer's device tier; a repair that does not fit is served
+            exact for that read and kept nowhere (``telemetry().transient_page_ins``).
+        validation: ``certify=False`` (the uncertified baseline: plain SDPA over the compressed cache, nothing
+            recorded; no gate, no validate mode) and the Tier-B request failure budget ``delta_req`` split
+            uniformly over ``L·Hq·max_steps`` cells (:class:`~kvcert.integrations.cache_config.ValidationConfig`).
+        eviction: an eviction policy or a resident set (:class:`~kvcert.attention.evict_driver.EvictionConfig`:
+            ``EvictionConfig.prefill(policy, r)``, ``.decode_budget(policy, C)``, ``.resident_set(R, select=...)``;
+            ``docs/eviction.md``). Needs per-token codecs (``block == 1``) and no ladder. On a model with
+            sliding-window layers only prefill compression and resident sets are served, on its full-attention
+            layers (the sliding ones keep their window; ``docs/eviction.md``, "Sliding-window models"). In validate
+            mode the evicted entries stay in the host tier and the exact evicted mass is measured per cell. A
+            resident set's certificate bounds the TV against exact attention over *every* token;
+            ``Gate.certified(tau)`` recalls pages until it is ``<= tau`` (``tau = 0``: the dense answer).
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
-        keys: str | Codec = "int8",
-        values: str | Codec = "int8",
+        keys: str | Codec | None = None,
+        values: str | Codec | None = None,
         *,
         gate: Gate | None = None,
         validate: bool = False,
-        bands: int = 8,
-        pairing: Pairing = "rotate_half",
+        seed: int | None = None,
+        observers: Sequence[CacheObserver] = (),
         request_ids: Sequence[int] | torch.Tensor | None = None,
         require_identity: bool | None = None,
-        delta_req: float = 1e-2,
-        max_steps: int = 256,
-        observers: Sequence[CacheObserver] = (),
-        seed: int | None = None,
-        key_options: dict[str, Any] | None = None,
-        value_options: dict[str, Any] | None = None,
-        certify: bool = True,
-        write_block: int = 16,
         ladder: bool | LadderConfig = False,
-        evict: EvictionPolicy | None = None,
-        budget: int | None = None,
-        compression_ratio: float | None = None,
-        evict_chunk: int = 1,
-        belady: bool = False,
-        device_budget: float | None = 1.0,
-        resident: float | None = None,
-        select: EvictionPolicy | None = None,
-        page_size: int = 16,
-        summary: str = "int8",
-        witness: Witness = DEFAULT_WITNESS,
-        recall: str = "persistent",
-        reselect: int | None = None,
-        reselect_score: str = "decode",
-        resident_alloc: str | None = None,
+        storage: StorageConfig | None = None,
+        validation: ValidationConfig | None = None,
+        eviction: EvictionConfig | None = None,
     ) -> None:
         self.family = _model_family(model)
         cfg: Any = model.config
@@ -393,22 +338,12 @@ class CertifiedCache(Cache):
         n_layers = text_cfg.num_hidden_layers
         self.num_heads: int = text_cfg.num_attention_heads
         self.num_kv_heads: int = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
-        self.validation = ValidationConfig.of(
-            certify, validate, gate or Gate.off(), delta_req, max_steps, n_layers, self.num_heads
-        )
         self.gating = GateConfig.of(gate, ladder, validate)
-        self.storage = StorageConfig(
-            keys,
-            values,
-            bands,
-            pairing,
-            int.from_bytes(os.urandom(4), "little") if seed is None else int(seed),
-            dict(key_options or {}),
-            dict(value_options or {}),
-            write_block,
-            device_budget,
-            witness,
-        )
+        self.validation = _typed(validation, ValidationConfig, "validation") or ValidationConfig()
+        self.validation.check(self.gate, validate)
+        self.validate = bool(validate)
+        self._delta_loc = self.validation.delta_loc(n_layers, self.num_heads)
+        self.storage = resolve_storage(storage, keys, values, seed)
         self.observers = list(observers)
         self.require_identity = bool(self.observers) if require_identity is None else require_identity
         self.request_ids = None if request_ids is None else torch.as_tensor(request_ids, dtype=torch.int64)
@@ -428,25 +363,16 @@ class CertifiedCache(Cache):
                 UserWarning,
                 stacklevel=2,
             )
-        self.eviction = EvictionConfig.of(
-            evict,
-            budget,
-            compression_ratio,
-            evict_chunk,
-            belady,
-            resident,
-            select,
-            page_size,
-            summary,
-            self.gate,
-            certify,
-            recall,
-            reselect,
-            reselect_score,
-            resident_alloc,
-        )
+        self.eviction = _typed(eviction, EvictionConfig, "eviction") or EvictionConfig()
         stores = [layer.store for layer in layers]
-        self.eviction.check(stores, any(layer.is_sliding for layer in layers), self.ladder, validate)
+        self.eviction.check(
+            stores,
+            sliding=any(layer.is_sliding for layer in layers),
+            ladder=self.ladder,
+            validate=validate,
+            gate=self.gate,
+            certify=self.certify,
+        )
         self._pages: dict[int, OmittedPages] = {}  # resident mode: summaries of each layer's omitted pages
         self._evictor = (
             None
@@ -485,11 +411,6 @@ class CertifiedCache(Cache):
     def certify(self) -> bool:
         """Whether reads are certified (``False``: the uncertified baseline)."""
         return self.validation.certify
-
-    @property
-    def validate(self) -> bool:
-        """Validate mode: exact attention from the host tier, violations counted."""
-        return self.validation.validate
 
     @property
     def evict(self) -> EvictionPolicy | None:
@@ -532,7 +453,7 @@ class CertifiedCache(Cache):
         """The one read path every read of this cache goes through (chosen once, from the configuration)."""
         if self.gating.ladder is not None:
             return LadderReadPath(self.gating.ladder, sink=self._sink)
-        read_cfg = ReadConfig(self.gate, self.validate, self.validation.delta_loc, attn_kv=self.evict is not None)
+        read_cfg = ReadConfig(self.gate, self.validate, self._delta_loc, attn_kv=self.evict is not None)
         certified = CertifiedReadPath(read_cfg, sink=self._sink)
         if self.resident is None:
             return certified
@@ -775,7 +696,7 @@ class CertifiedCache(Cache):
         sets every query. No-op in compression mode (the policy does not observe decode reads).
         """
         if self._evictor is None:
-            raise ValueError("set_kappa needs a cache built with evict=policy")
+            raise ValueError("set_kappa needs a cache built with an eviction policy (eviction=EvictionConfig...)")
         self._evictor.set_kappa(kappa)
 
     def set_prefill_kappa(self, kappa: torch.Tensor | None) -> None:
@@ -840,7 +761,7 @@ class KappaFeeder(LogitsProcessor):
 
     def __init__(self, cache: CertifiedCache) -> None:
         if not isinstance(cache, CertifiedCache) or cache.evict is None:
-            raise ValueError("cache must be a CertifiedCache built with evict=<policy>")
+            raise ValueError("cache must be a CertifiedCache built with an eviction policy (eviction=...)")
         self.cache = cache
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:

@@ -10,7 +10,8 @@ from kvcert import EvictionConfig, Gate, ValidationConfig
 from kvcert.attention.evict_driver import ingest_reads
 from kvcert.eval.branching import exact_prefill
 from kvcert.evict import H2O, RMM, Belady, SnapKV, StreamingLLM, prefill_kept_count, selection_tv, trace_from_attentions
-from kvcert.integrations.transformers import CertifiedCache, KappaFeeder
+from kvcert.integrations.kappa_feeder import KappaFeeder
+from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models.tiny import tiny_random
 
 torch.set_num_threads(1)

@@ -8,7 +8,9 @@ from transformers import DynamicCache
 
 import kvcert
 from kvcert import Gate, StorageConfig
-from kvcert.integrations.transformers import CacheClosedError, CacheNotActiveError, CertifiedCache
+from kvcert.integrations.certified_layer import CacheClosedError
+from kvcert.integrations.model_attention import CacheNotActiveError
+from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models.tiny import tiny_random
 
 torch.set_num_threads(1)

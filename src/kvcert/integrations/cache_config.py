@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvcert.attention.evict_driver import EvictionConfig
 from kvcert.attention.ladder import LadderConfig
@@ -23,7 +23,16 @@ from kvcert.cache.gate import Gate
 from kvcert.cache.store import DEFAULT_WITNESS, LayerStore, Witness
 from kvcert.quant import Codec, resolve
 
-__all__ = ["EvictionConfig", "GateConfig", "StorageConfig", "ValidationConfig", "resolve_storage"]
+__all__ = ["EvictionConfig", "GateConfig", "StorageConfig", "ValidationConfig", "expect", "resolve_storage"]
+
+T = TypeVar("T")
+
+
+def expect(value: Any, kind: type[T], name: str) -> T | None:
+    """``value`` if it is ``None`` or a ``kind``; ``TypeError`` naming the keyword otherwise."""
+    if value is not None and not isinstance(value, kind):
+        raise TypeError(f"{name} must be a kvcert.{kind.__name__}, got {type(value).__name__}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -82,25 +91,23 @@ def resolve_storage(
     """The storage of a cache given its flat ``keys`` / ``values`` / ``seed`` and its ``storage``: each setting comes
     from exactly one place (``ValueError`` naming it when given in both), codecs default to int8 and a missing seed
     is drawn at random."""
-    if storage is None:
-        storage = StorageConfig()
-    elif not isinstance(storage, StorageConfig):
-        raise TypeError(f"storage must be a kvcert.StorageConfig, got {type(storage).__name__}")
-    else:
+    given = expect(storage, StorageConfig, "storage")
+    base = StorageConfig() if given is None else given
+    if given is not None:
         for name, flat in (("keys", keys), ("values", values)):
             if flat is not None:
                 raise ValueError(
                     f"{name} given both flat and in storage=StorageConfig(...): pass the codecs in one place "
                     f"(StorageConfig(keys=..., values=..., ...) when storage is given)"
                 )
-        if seed is not None and storage.seed is not None:
+        if seed is not None and base.seed is not None:
             raise ValueError("seed given both flat and in storage=StorageConfig(seed=...): pass it in one place")
     if seed is None:
-        seed = storage.seed if storage.seed is not None else int.from_bytes(os.urandom(4), "little")
+        seed = base.seed if base.seed is not None else int.from_bytes(os.urandom(4), "little")
     return dataclasses.replace(
-        storage,
-        keys=storage.keys if keys is None else keys,
-        values=storage.values if values is None else values,
+        base,
+        keys=base.keys if keys is None else keys,
+        values=base.values if values is None else values,
         seed=seed,
     )
 

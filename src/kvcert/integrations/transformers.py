@@ -15,261 +15,47 @@ attention in float32, and the served output is cast to the model's dtype last. T
 bounds are about the float32 served output before that cast, the same rounding the model applies to its own
 attention output.
 
-Eviction (``eviction=EvictionConfig.decode_budget(policy, C)`` or ``.prefill(policy, r)``, see
-``docs/eviction.md``): every physical slot carries its logical position (``LayerStore.positions``).
-``get_seq_length`` stays logical (RoPE position ids), and ``get_mask_sizes`` keeps reporting the *logical* length so
-transformers builds its padding + causal mask in position space, which is exact; the read path maps it onto the
-physical slots of each KV head by gathering it at the slots' logical positions (``slot_mask``), so the certified
-read and the exact repair path see a per-KV-head mask that matches the compacted slots. On a model with
-sliding-window layers eviction and resident sets manage the full-attention layers only; a sliding layer keeps its
-window and transformers' sliding mask over its slots.
+Around it: :mod:`~kvcert.integrations.certified_layer` (one layer's storage, positions and masks; eviction),
+:mod:`~kvcert.integrations.model_attention` (model families, the attention function, binding to a model),
+:mod:`~kvcert.integrations.cache_config` (the configuration groups), :mod:`~kvcert.integrations.kappa_feeder`.
 """
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-from transformers import Cache, LogitsProcessor
-from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
+from transformers import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvcert.attention.certified import ReadConfig
 from kvcert.attention.evict_driver import EvictionConfig, EvictionDriver
-from kvcert.attention.exact import ExactAttention
 from kvcert.attention.ladder import LadderConfig, LadderStats
-from kvcert.attention.read_path import (
-    CertifiedReadPath,
-    LadderReadPath,
-    ReadPath,
-    Recorder,
-    ResidentReadPath,
-    slot_mask,
-)
+from kvcert.attention.read_path import CertifiedReadPath, LadderReadPath, ReadPath, Recorder, ResidentReadPath
 from kvcert.attention.resident import OmittedPages, ResidentRecord
 from kvcert.cache.events import CacheObserver, last_write_event
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 from kvcert.cache.telemetry import CacheReadings, ReselectStats, Telemetry, assemble
 from kvcert.evict import EvictionPolicy, PrefillAttention, RunTrace
-from kvcert.integrations.attention_impl import register_attention
-from kvcert.integrations.cache_config import GateConfig, StorageConfig, ValidationConfig, resolve_storage
+from kvcert.integrations.cache_config import GateConfig, StorageConfig, ValidationConfig, expect, resolve_storage
+from kvcert.integrations.certified_layer import (
+    CacheClosedError,
+    CertifiedLayer,
+    check_ingest,
+    model_layers,
+    read_masks,
+    uncompressible_sliding_layers,
+)
+from kvcert.integrations.model_attention import (
+    bind,
+    check_bound,
+    exact_attention,
+    model_shape,
+    unbind,
+)
 from kvcert.quant import Codec
-
-ATTN_NAME = "kvcert"
-SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "mistral", "gemma3_text", "gemma3")
-T = TypeVar("T")
-
-
-class CacheClosedError(RuntimeError):
-    """A detached or closed :class:`CertifiedCache` was used again."""
-
-
-class CacheNotActiveError(RuntimeError):
-    """A :class:`CertifiedCache` was used while its model served another cache's (or no) kvcert attention."""
-
-
-def kvcert_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention function registered as ``"kvcert"``.
-
-    If this module's layer is served by an attached :class:`CertifiedCache` and ``key`` is what that cache
-    returned, the certified read path runs; otherwise (another cache, or no cache) it is plain SDPA.
-    """
-    cache: CertifiedCache | None = getattr(module, "_kvcert_cache", None)
-    layer = None
-    if cache is not None:
-        layer_idx: Any = module.layer_idx
-        layer = cache.layers[layer_idx]
-    if cache is None or not isinstance(layer, CertifiedLayer) or layer.returned is not key:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    if kwargs.get("softcap") is not None:
-        raise ValueError("kvcert attention does not support attention logit soft-capping")
-    return cache._read(module, layer, query, key, value, attention_mask, scaling, kwargs), None
-
-
-class CertifiedLayer(CacheLayerMixin):
-    """One decoder layer's certified storage (logical length vs physical length like the sliding layer)."""
-
-    is_compileable = False
-    is_croppable = False
-
-    def __init__(self, store: LayerStore, sliding_window: int | None = None) -> None:
-        super().__init__()
-        self.store = store
-        self.sliding_window = sliding_window
-        self.is_sliding = sliding_window is not None
-        self.cumulative_length = 0
-        self.returned: torch.Tensor | None = None
-        self.closed = False
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Storage is created by the store on first append."""
-        self.device = key_states.device
-        self.is_initialized = True
-
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        rows: torch.Tensor | None = None,
-        keep_exact: torch.Tensor | None = None,
-        *args: Any,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new post-RoPE K/V and return the served (decoded) K/V the attention reads.
-
-        ``rows[b]`` is the request UID of row ``b``; ``keep_exact[b]`` forces row ``b`` to be stored exact.
-        """
-        if self.closed:
-            raise CacheClosedError("this CertifiedCache was detached/closed; build a new one")
-        b = key_states.shape[0]
-        rows = torch.arange(b, dtype=torch.int64) if rows is None else rows
-        keep_exact = torch.zeros(b, dtype=torch.bool) if keep_exact is None else keep_exact
-        store = self.store
-        if self.sliding_window is not None and store.n > self.sliding_window - 1:
-            store.drop_before(store.n - (self.sliding_window - 1))
-        store.append(key_states, value_states, rows, keep_exact)
-        self.is_initialized = True
-        self.cumulative_length += key_states.shape[2]
-        assert store.k is not None and store.v is not None
-        self.returned = store.k.served.view()
-        return self.returned, store.v.served.view()
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """KV length and offset for the mask (sliding layers keep ``window − 1`` past tokens).
-
-        Without eviction slot ``j`` is position ``offset + j``. With eviction the length stays *logical*, so
-        transformers builds its mask in position space; the read path maps it onto the slots (``slot_mask``).
-        """
-        if self.sliding_window is None:
-            return self.cumulative_length + query_length, 0
-        w = self.sliding_window
-        offset = max(self.cumulative_length - w + 1, 0)
-        if self.cumulative_length >= w:
-            return w - 1 + query_length, offset
-        return self.cumulative_length + query_length, offset
-
-    def get_seq_length(self) -> int:
-        """Logical number of tokens seen (drives default position ids)."""
-        return self.cumulative_length
-
-    def get_max_length(self) -> int:
-        """Sliding layers are bounded by their window; full layers grow without bound (-1)."""
-        return -1 if self.sliding_window is None else self.sliding_window
-
-    @property
-    def keys(self) -> torch.Tensor | None:
-        """Served (decoded) keys ``[B, Hkv, S, D]``."""
-        return None if self.store.k is None else self.store.k.served.view()
-
-    @keys.setter
-    def keys(self, value: Any) -> None:
-        if value is not None:
-            raise AttributeError("CertifiedLayer keys are derived from its store")
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        """Served (decoded) values ``[B, Hkv, S, D]``."""
-        return None if self.store.v is None else self.store.v.served.view()
-
-    @values.setter
-    def values(self, value: Any) -> None:
-        if value is not None:
-            raise AttributeError("CertifiedLayer values are derived from its store")
-
-    def reset(self) -> None:
-        """Drop all stored tokens (the cache can then serve a new request)."""
-        st = self.store
-        self.store = LayerStore(
-            st.layer,
-            st.key_codec,
-            st.value_codec,
-            bands=st.bands,
-            pairing=st.pairing,
-            seed=st.seed,
-            write_block=st.write_block,
-            device_budget=st.device_budget,
-            witness=st.witness,
-        )
-        self.cumulative_length = 0
-        self.returned = None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search reorders rows; the certified cache does not support it."""
-        raise NotImplementedError("CertifiedCache does not support beam search (reorder_cache)")
-
-
-def _model_family(model: torch.nn.Module) -> str:
-    config: Any = model.config
-    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    family = getattr(cfg, "model_type", "?")
-    if family not in SUPPORTED_FAMILIES:
-        raise ValueError(
-            f"kvcert CertifiedCache does not support model family {family!r}; supported: "
-            f"{', '.join(SUPPORTED_FAMILIES)}"
-        )
-    return family
-
-
-def _exact_attention(
-    module: torch.nn.Module, query: torch.Tensor, scaling: float, kwargs: dict[str, Any]
-) -> ExactAttention:
-    """The dense fallback of one read (:class:`~kvcert.attention.exact.ExactAttention`): transformers' SDPA of
-    ``query[B, Hq, Q, D]`` over exact K/V paged in from the host, in float32 (the precision the output bound
-    models; also for half-precision models), with the per-KV-head mask expanded to the query heads."""
-
-    def exact(
-        keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, heads: tuple[int, int] | None = None
-    ) -> torch.Tensor:
-        g = query.shape[1] // keys.shape[1]
-        q, m = query, mask
-        if heads is not None:  # only KV heads h0..h1-1 and their query heads (views, no copies)
-            h0, h1 = heads
-            q, keys, values = q[:, h0 * g : h1 * g], keys[:, h0:h1], values[:, h0:h1]
-            m = m[:, h0:h1] if m.shape[1] > 1 else m
-        if m.shape[1] > 1:
-            m = m.repeat_interleave(g, dim=1)  # per query head
-        work = torch.promote_types(query.dtype, torch.float32)
-        hk, hv = (x.to(query.device, work, non_blocking=True) for x in (keys, values))
-        o, _ = sdpa_attention_forward(module, q.to(work), hk, hv, m, scaling=scaling, **kwargs)
-        return o
-
-    return exact
-
-
-def _uncompressible_sliding_layers(layers: Sequence[CertifiedLayer]) -> tuple[int, ...]:
-    """Sliding layers that can never encode a token: a sliding layer holds at most ``window − 1`` tokens when
-    it encodes (:meth:`CertifiedLayer.update` trims before appending), and a codec encodes only whole blocks
-    of ``lcm(codec.block, write_block)`` tokens beyond its residual window; if that exceeds ``window − 1``
-    for both the key and the value codec, the layer stays exact forever."""
-    out = []
-    for i, layer in enumerate(layers):
-        st = layer.store
-        need = min(math.lcm(c.block, st.write_block) + c.residual_window for c in (st.key_codec, st.value_codec))
-        if layer.sliding_window is not None and layer.sliding_window - 1 < need:
-            out.append(i)
-    return tuple(out)
-
-
-def _typed(value: Any, kind: type[T], name: str) -> T | None:
-    """``value`` if it is ``None`` or a ``kind``; ``TypeError`` naming the keyword otherwise."""
-    if value is not None and not isinstance(value, kind):
-        raise TypeError(f"{name} must be a kvcert.{kind.__name__}, got {type(value).__name__}")
-    return value
 
 
 class CertifiedCache(Cache):
@@ -331,39 +117,24 @@ class CertifiedCache(Cache):
         validation: ValidationConfig | None = None,
         eviction: EvictionConfig | None = None,
     ) -> None:
-        self.family = _model_family(model)
-        cfg: Any = model.config
-        text_cfg = cfg.get_text_config(decoder=True)
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_cfg)
-        n_layers = text_cfg.num_hidden_layers
-        self.num_heads: int = text_cfg.num_attention_heads
-        self.num_kv_heads: int = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
+        shape = model_shape(model)
+        self.family, self.num_heads, self.num_kv_heads = shape.family, shape.num_heads, shape.num_kv_heads
+        n_layers = shape.num_layers
         self.gating = GateConfig.of(gate, ladder, validate)
-        self.validation = _typed(validation, ValidationConfig, "validation") or ValidationConfig()
+        self.validation = expect(validation, ValidationConfig, "validation") or ValidationConfig()
         self.validation.check(self.gate, validate)
         self.validate = bool(validate)
         self._delta_loc = self.validation.delta_loc(n_layers, self.num_heads)
+        self.eviction = expect(eviction, EvictionConfig, "eviction") or EvictionConfig()
         self.storage = resolve_storage(storage, keys, values, seed)
         self.observers = list(observers)
         self.require_identity = bool(self.observers) if require_identity is None else require_identity
         self.request_ids = None if request_ids is None else torch.as_tensor(request_ids, dtype=torch.int64)
-        layers = []
-        for i in range(n_layers):
-            window = layer_kwargs[i].get("sliding_window") if layer_types[i] == "sliding_attention" else None
-            layers.append(CertifiedLayer(self.storage.store(i), window))
+        layers = model_layers(shape.text_config, self.storage)
         hf_layers: list[Any] = list(layers)
         super().__init__(layers=hf_layers)
         self._layers = layers
-        self.uncompressed_layers = _uncompressible_sliding_layers(layers)
-        if self.uncompressed_layers:
-            warnings.warn(
-                f"kvcert: sliding-window layers {list(self.uncompressed_layers)} hold fewer tokens than one "
-                "write block of their codecs, so they stay exact: nothing there is compressed, read "
-                "through a certificate or counted in cells (telemetry().uncompressed_layers)",
-                UserWarning,
-                stacklevel=2,
-            )
-        self.eviction = _typed(eviction, EvictionConfig, "eviction") or EvictionConfig()
+        self.uncompressed_layers = uncompressible_sliding_layers(layers)
         stores = [layer.store for layer in layers]
         self.eviction.check(
             stores,
@@ -477,48 +248,22 @@ class CertifiedCache(Cache):
 
     # ------------------------------------------------------------------------------------ lifecycle
     def attach(self) -> CertifiedCache:
-        """Register the kvcert attention + mask functions and activate them on this model only.
-
-        The model's own implementation is remembered on the model (once, while it is not already on kvcert
-        attention), so detaching restores it whatever order several caches of one model are detached in."""
-        register_attention(ATTN_NAME, kvcert_attention)
-        if self._model.config._attn_implementation != ATTN_NAME:
-            self._model._kvcert_original_impl = self._model.config._attn_implementation
-        self._first_attn = None
-        for module in self._model.modules():
-            if hasattr(module, "layer_idx") and hasattr(module, "num_key_value_groups"):
-                module._kvcert_cache = self
-                if self._first_attn is None:
-                    self._first_attn = module
-        self._model.set_attn_implementation(ATTN_NAME)
+        """Register the kvcert attention + mask functions and activate them on this model only (:func:`bind`)."""
+        self._first_attn = bind(self._model, self)
         self.attached = True
         return self
 
     def _check_active(self) -> None:
         """Fail closed instead of letting this cache's reads fall back to uncertified SDPA unseen: the model
         must still run kvcert attention, and its attention modules must point at this cache."""
-        if (
-            getattr(self._first_attn, "_kvcert_cache", None) is not self
-            or self._model.config._attn_implementation != ATTN_NAME
-        ):
-            raise CacheNotActiveError(
-                "this CertifiedCache is not the model's active cache (another CertifiedCache was attached to the "
-                "model after it, or the model's attention implementation was changed), so its reads would not "
-                "be certified; call cache.attach() to make it active again"
-            )
+        check_bound(self._model, self._first_attn, self)
 
     def detach(self) -> None:
         """Close the cache; the cache cannot be used afterwards. If it is the model's active cache, the model
-        gets back the attention implementation it had before any kvcert cache was attached; a cache that
-        another one has since replaced leaves the model to the active one."""
+        gets back the attention implementation it had before any kvcert cache was attached (:func:`unbind`)."""
         if not self.attached:
             return
-        active = getattr(self._first_attn, "_kvcert_cache", None) is self
-        for module in self._model.modules():
-            if getattr(module, "_kvcert_cache", None) is self:
-                del module._kvcert_cache
-        if active:
-            self._model.set_attn_implementation(self._model._kvcert_original_impl)
+        unbind(self._model, self._first_attn, self)
         self.attached = False
         for layer in self._layers:
             layer.closed = True
@@ -585,7 +330,11 @@ class CertifiedCache(Cache):
         observes it. A sliding layer's entry of ``attentions`` is not read (eviction does not manage it).
         """
         sources: list[Any] = list(past.layers)
-        self._check_ingest(sources, attentions)
+        if self._step >= 0:
+            raise ValueError("ingest() must be called on a fresh CertifiedCache")
+        if self.eviction.belady:
+            raise ValueError("belady=True needs the prefill to run through the cache (no ingest)")
+        check_ingest(self._layers, sources, attentions)
         for i, (src, layer) in enumerate(zip(sources, self._layers, strict=True)):
             if src.keys is None:
                 raise ValueError(f"layer {i} of the source cache is empty")
@@ -597,32 +346,6 @@ class CertifiedCache(Cache):
                 attn = None if attentions is None else attentions[i]
                 self._evictor.ingest(layer.store, src.keys, attn, self._step)
         self._step = 0
-
-    def _check_ingest(self, sources: list[Any], attentions: Sequence[torch.Tensor | PrefillAttention] | None) -> None:
-        if self._step >= 0:
-            raise ValueError("ingest() must be called on a fresh CertifiedCache")
-        if self.eviction.belady:
-            raise ValueError("belady=True needs the prefill to run through the cache (no ingest)")
-        if len(sources) != len(self._layers):
-            raise ValueError(f"cache has {len(sources)} layers, model has {len(self._layers)}")
-        if attentions is None:
-            return
-        if len(attentions) != len(self._layers):
-            raise ValueError(f"attentions must hold one tensor per layer ({len(self._layers)}), got {len(attentions)}")
-        for i, (src, attn, layer) in enumerate(zip(sources, attentions, self._layers, strict=True)):
-            if layer.is_sliding:  # eviction does not manage it: its attention is not read
-                continue
-            b, hkv, s = src.keys.shape[:3] if src.keys is not None else (0, 1, 0)
-            if isinstance(attn, PrefillAttention):
-                if attn.shape != (b, hkv, s) or attn.queries != s:
-                    raise ValueError(
-                        f"attentions[{i}] must be a prefill's attention [B, Hkv, S] = {(b, hkv, s)} over {s} "
-                        f"queries, got {attn.shape} over {attn.queries}"
-                    )
-            elif attn.dim() != 4 or attn.shape[0] != b or attn.shape[1] % hkv or attn.shape[2:] != (s, s):
-                raise ValueError(
-                    f"attentions[{i}] must be [B, H, S, S] = [{b}, k·{hkv}, {s}, {s}], got {tuple(attn.shape)}"
-                )
 
     # ------------------------------------------------------------------------------------------ read
     def _read(
@@ -639,7 +362,7 @@ class CertifiedCache(Cache):
         store = layer.store
         assert store.k is not None and store.v is not None
         sc = float(module.scaling if scaling is None else scaling)  # type: ignore[arg-type]
-        logical, mask, sdpa_mask = self._masks(layer, query, key.shape[2], mask)
+        logical, mask, sdpa_mask = read_masks(layer, query, key.shape[2], mask, self.evict is not None)
         if not self.certify or (store.k.n_encoded == 0 and store.v.n_encoded == 0):
             # Uncertified baseline, or nothing compressed is visible (every entry exact): plain SDPA. The served
             # tier is float32; a half-precision model's query gets K/V back in its own dtype (lossless here:
@@ -656,7 +379,7 @@ class CertifiedCache(Cache):
             store,
             mask,
             sc,
-            _exact_attention(module, query, sc, kwargs),
+            exact_attention(module, query, sc, kwargs),
             step=self._step,
             rows=self.request_ids,
             logical=logical,
@@ -665,27 +388,6 @@ class CertifiedCache(Cache):
             assert logical is not None
             self._evictor.after_read(store, query, key, logical, sc, outcome.result.attn_kv, self._step)
         return outcome.out.to(query.dtype)
-
-    def _masks(
-        self, layer: CertifiedLayer, query: torch.Tensor, s: int, mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """``(logical, slot mask, SDPA mask)`` of a read: with eviction the position-space mask (causal over the
-        logical length when transformers passed none) gathered onto each KV head's slots ``[B, Hkv, Q, S]`` and
-        expanded to the query heads for SDPA; without it, and on sliding-window layers (which eviction does not
-        manage), the given (or causal) mask over the slots, for both."""
-        b, hq, nq, _ = query.shape
-        if self.evict is not None and not layer.is_sliding:
-            logical = mask
-            if logical is None:  # causal in position space over the logical length
-                t = layer.cumulative_length
-                logical = (torch.arange(t).view(1, t) <= (t - nq + torch.arange(nq)).view(nq, 1)).expand(b, 1, nq, t)
-            slots = slot_mask(logical, layer.store.positions.view())  # [B, Hkv, Q, S]
-            return logical, slots, slots.repeat_interleave(hq // slots.shape[1], dim=1)  # per query head
-        if mask is None:
-            pos = torch.arange(s)
-            mask = (pos.view(1, s) <= (s - nq + torch.arange(nq)).view(nq, 1)).expand(b, 1, nq, s)
-        mask = mask.to(torch.bool)
-        return mask, mask, mask
 
     # ------------------------------------------------------------------------------------- eviction
     def set_kappa(self, kappa: torch.Tensor) -> None:
@@ -749,22 +451,3 @@ class CertifiedCache(Cache):
         self._pages.clear()
         if self._evictor is not None:
             self._evictor.reset()
-
-
-class KappaFeeder(LogitsProcessor):
-    """Feeds RMM's correctness weight during ``model.generate``: ``κ`` = probability of the emitted token.
-
-    Greedy decoding emits the argmax, so ``κ = max softmax(scores)`` (kind ``"emitted"``, a confidence
-    proxy). Put it first in ``logits_processor`` (it reads the scores as it receives them) and use greedy
-    decoding. Scores pass through unchanged.
-    """
-
-    def __init__(self, cache: CertifiedCache) -> None:
-        if not isinstance(cache, CertifiedCache) or cache.evict is None:
-            raise ValueError("cache must be a CertifiedCache built with an eviction policy (eviction=...)")
-        self.cache = cache
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        """Call ``cache.set_kappa(max softmax prob)`` for the forward that produced ``scores[B, V]``."""
-        self.cache.set_kappa(torch.softmax(scores.to(torch.float64), dim=-1).amax(-1))
-        return scores

@@ -23,8 +23,9 @@ from transformers import PreTrainedModel
 from kvcert.cache.telemetry import Telemetry
 from kvcert.contracts import ATTN_DIST_TV, ATTN_LOGIT_LINF, KV_ENTRY_L2, Chain, bridges, stages
 from kvcert.integrations.cache_config import StorageConfig
+from kvcert.integrations.certified_layer import CertifiedLayer
 from kvcert.integrations.live_probe.request import serve_request
-from kvcert.integrations.transformers import CertifiedCache, CertifiedLayer
+from kvcert.integrations.transformers import CertifiedCache
 from kvcert.probe.chains import LayerChain
 from kvcert.probe.recorder import Q_NORM, RADIUS_ATOL, TRUE_TV, Recorder
 from kvcert.quant import Codec

@@ -1,4 +1,4 @@
-"""Periodic re-selection of a resident set (``CertifiedCache(..., resident=R, reselect=N)``), ranked by the key proxy
+"""Periodic re-selection of a resident set (``EvictionConfig.resident_set(R, reselect=N)``), ranked by the key proxy
 or by the decode queries (``reselect_score``): exactness at tau = 0, per-cell soundness in validate mode, what it moves
 and pages in, held tokens carried across the re-paging, the device budget, bad arguments."""
 

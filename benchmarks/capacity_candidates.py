@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from kvcert import StorageConfig
 from kvcert.cache.gate import Gate
 from kvcert.cli.common import load_model
 from kvcert.eval import ruler
@@ -58,7 +59,10 @@ def main() -> None:
         for sinks in (int(s) for s in args.sinks.split(",")):
             t0 = time.time()
             cache = CertifiedCache(
-                loaded.model, keys=keys, values=values or keys, gate=Gate.off(), seed=args.seed, witness=args.witness
+                loaded.model,
+                gate=Gate.off(),
+                seed=args.seed,
+                storage=StorageConfig(keys=keys, values=values or keys, witness=args.witness),
             )
             for layer in cache.layers:
                 layer.store.exact_sinks = sinks  # before the first write: positions < sinks stay exact

@@ -20,7 +20,7 @@ resident variant that is the whole context, resident and omitted tokens (``Telem
 its ``bytes_fp16``, which counts the resident tokens only.
 
 Resident variants (``--resident R``): each scheme of ``--resident-schemes`` (default ``--schemes``) also runs as
-``<scheme>+resident`` — ``CertifiedCache(resident=R, select=--select, summary=--summary, recall=--recall)``
+``<scheme>+resident`` — ``EvictionConfig.resident_set(R, select=--select, summary=--summary, recall=--recall)``
 gated ``certified(0.2)`` at head granularity (the granularity a resident read recalls at), under the same
 ``--device-budget`` as the gated variants (it caps what persistent recall keeps on the device).
 
@@ -117,7 +117,7 @@ class ResidentOptions:
     """The resident variants of a run (``--resident``): each of ``specs`` with a resident set of ``fraction`` of
     its tokens chosen by ``select`` (a :data:`~kvcert.cli.common.SELECT_POLICIES` name), omitted pages summarised
     as ``summary``, recall ``persistent`` or ``transient``, split across layers by ``alloc`` (``uniform`` or
-    ``mass``: ``CertifiedCache(resident_alloc=)``), gated ``certified(τ = 0.2)`` at head granularity (the
+    ``mass``: ``EvictionConfig.resident_set(resident_alloc=)``), gated ``certified(τ = 0.2)`` at head granularity (the
     granularity a resident read recalls at)."""
 
     fraction: float
@@ -525,7 +525,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--device-budget",
         type=float,
         default=1.0,
-        help="CertifiedCache(device_budget=): the most of the fp16 K/V bytes persistent repair (and persistent "
+        help="StorageConfig(device_budget=): the most of the fp16 K/V bytes persistent repair (and persistent "
         "recall) may fill (library default 1.0)",
     )
     ap.add_argument(

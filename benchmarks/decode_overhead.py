@@ -34,7 +34,7 @@ from rich.console import Console
 from tqdm import tqdm
 from transformers import DynamicCache, QuantizedCache
 
-from kvcert import CertifiedCache, Gate
+from kvcert import CertifiedCache, Gate, ValidationConfig
 from kvcert.cli.common import CERTIFIED_TAU, REPAIR_BLOCK, parse_schemes
 from kvcert.eval.corpora import load_corpus
 from kvcert.models import load
@@ -115,7 +115,7 @@ def main() -> None:
         return c
 
     def kv(certify: bool, gate: Gate | None, keys: str = "int8", values: str = "int4") -> CertifiedCache:
-        c = CertifiedCache(model, keys=keys, values=values, certify=certify, gate=gate)
+        c = CertifiedCache(model, keys=keys, values=values, gate=gate, validation=ValidationConfig(certify=certify))
         c.ingest(pre)
         return c
 

@@ -22,7 +22,7 @@ from rich.console import Console
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from kvcert import CertifiedCache
+from kvcert import CertifiedCache, ValidationConfig
 from kvcert.eval.corpora import load_corpus
 from kvcert.integrations import transformers as integration
 from kvcert.models import load
@@ -86,7 +86,7 @@ def main() -> None:
             gc.freeze()
         for rep in tqdm(range(args.reps + 1), desc=f"{'frozen' if frozen else 'not frozen'} (first rep warms up)"):
             for certify in (False, True):
-                cache = CertifiedCache(model, keys="int8", values="int4", certify=certify)
+                cache = CertifiedCache(model, keys="int8", values="int4", validation=ValidationConfig(certify=certify))
                 cache.ingest(pre)
                 reads.spent, collector.spent, collector.passes = 0.0, 0.0, Counter()
                 collector.active, tok_, t0 = True, first, time.process_time()

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from evict_ruler import POLICIES as RULER_POLICIES
 from evict_ruler import shared_prefill
+from kvcert import EvictionConfig, ValidationConfig
 from kvcert.eval import load_task, score
 from kvcert.eval.multiturn import converse, dialogue_ids, split_queries
 from kvcert.eval.stats import paired_bootstrap
@@ -125,9 +126,10 @@ def main() -> None:
         budget = int(args.budget * segments[0].shape[1])
         budgets.append(budget)
         for name in names:
-            kwargs = {} if name == "reference" else {"evict": POLICIES[name](), "budget": budget}
-            cache = CertifiedCache(model, keys="none", values="none", certify=False, **kwargs)
-            cache.ingest(past, attentions=attentions if kwargs else None)
+            eviction = None if name == "reference" else EvictionConfig.decode_budget(POLICIES[name](), budget)
+            uncertified = ValidationConfig(certify=False)
+            cache = CertifiedCache(model, keys="none", values="none", validation=uncertified, eviction=eviction)
+            cache.ingest(past, attentions=attentions if eviction is not None else None)
             conv = converse(model, cache, segments, args.max_new, [tok.eos_token_id], first_logits=logits[:, -1])
             cache.detach()
             scores[name].append(

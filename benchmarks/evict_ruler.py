@@ -23,17 +23,17 @@ ceiling.
     .venv/bin/python benchmarks/evict_ruler.py --report runs/ev2k runs/ev4k    # tables + plot from saved runs
 
 ``--recall TAU`` adds, for every policy and kept fraction, the recall-gated variant ``recall(τ,<summary>):<policy>``:
-``CertifiedCache(resident=keep, select=policy, gate=Gate.certified(τ), summary=...)`` (``--summary``, default
+``EvictionConfig.resident_set(keep, select=policy, summary=...)`` gated ``Gate.certified(τ)`` (``--summary``, default
 int8; ``docs/eviction.md``, "Resident set and recall") over the same ingested prefill — the same resident set as
 the plain policy, the omitted tokens kept in the host tier and recalled page by page while a read's certificate
 exceeds τ (exact storage, so the certificate is the omitted-mass bound plus float32 rounding). Its page-in cost
 is recorded per sample (``recall`` in ``scores.jsonl``: bytes recalled or paged for dense fallback, decode reads,
 fp16 KV bytes of the prompt) and reported as the mean page-in bytes per decode step relative to the prompt's
 fp16 KV bytes. ``--reselect N`` re-selects the recall-gated variant's resident set every ``N`` decode steps
-(``CertifiedCache(reselect=N)``; ``docs/eviction.md``, "Re-selection of the resident set"); its promotions are part
+(``resident_set(reselect=N)``; ``docs/eviction.md``, "Re-selection of the resident set"); its promotions are part
 of the page-in bytes and are also recorded apart (``reselect_paged``, ``promoted``). ``--resident-alloc mass``
 splits the recall-gated variant's resident tokens across layers by the policy's prefill scores, the same total
-(``CertifiedCache(resident_alloc="mass")``; ``docs/eviction.md``, "Per-layer allocation of the resident set").
+(``resident_set(resident_alloc="mass")``; ``docs/eviction.md``, "Per-layer allocation of the resident set").
 
 With ``--out DIR`` every sample's scores are appended to ``DIR/scores.jsonl`` as soon as they exist, so a
 stopped run keeps what it measured and runs can be sharded; ``--policies`` runs a subset (the reference
@@ -57,7 +57,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
-from kvcert import Gate
+from kvcert import EvictionConfig, Gate, StorageConfig, ValidationConfig
 from kvcert.attention.evict_driver import RESIDENT_ALLOCS, ingest_reads
 from kvcert.attention.resident import SUMMARIES
 from kvcert.eval import load_task
@@ -395,24 +395,26 @@ def main() -> None:
         answer = torch.empty(0)
         for name, keep in [("reference", 1.0), *configs]:
             base = name.split(":", 1)[-1]
+            uncertified = ValidationConfig(certify=False)
             if name == "reference":
-                kwargs: dict[str, Any] = {"certify": False}
+                cache = CertifiedCache(model, keys="none", values="none", validation=uncertified)
             elif name.startswith("recall("):
-                kwargs = {
-                    "resident": keep,
-                    "select": POLICIES[base](answer),
-                    "gate": Gate.certified(args.recall),
-                    "summary": args.summary,
-                    "recall": args.recall_mode,
-                    "device_budget": args.device_budget,
-                    "keys": args.keys,
-                    "values": args.values,
-                    "reselect": args.reselect,
-                    "resident_alloc": args.resident_alloc,
-                }
+                cache = CertifiedCache(
+                    model,
+                    gate=Gate.certified(args.recall),
+                    storage=StorageConfig(keys=args.keys, values=args.values, device_budget=args.device_budget),
+                    eviction=EvictionConfig.resident_set(
+                        keep,
+                        select=POLICIES[base](answer),
+                        summary=args.summary,
+                        recall=args.recall_mode,
+                        reselect=args.reselect,
+                        resident_alloc=args.resident_alloc,
+                    ),
+                )
             else:
-                kwargs = {"evict": POLICIES[base](answer), "compression_ratio": 1.0 - keep, "certify": False}
-            cache = CertifiedCache(model, **{"keys": "none", "values": "none", **kwargs})
+                prefill = EvictionConfig.prefill(POLICIES[base](answer), 1.0 - keep)
+                cache = CertifiedCache(model, keys="none", values="none", validation=uncertified, eviction=prefill)
             if name != "reference":
                 cache.set_prefill_kappa(kappa)
             cache.ingest(past, attentions=attentions if name != "reference" else None)

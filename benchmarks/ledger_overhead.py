@@ -31,7 +31,7 @@ import torch
 from rich.console import Console
 from tqdm import tqdm
 
-from kvcert import CertifiedCache
+from kvcert import CertifiedCache, StorageConfig
 from kvcert.cache.events import ReadEvent, WriteEvent
 from kvcert.ledger import EventLog, Ledger, LedgerObserver
 from kvcert.models.tiny import SMOLLM2_135M_SHAPE, tiny_random
@@ -73,11 +73,9 @@ def _run(model, ids, mask, observer: _Timed | None, steps: int, write_block: int
     b = ids.shape[0]
     cache = CertifiedCache(
         model,
-        keys="int8",
-        values="int4",
         request_ids=torch.arange(b),
         observers=[] if observer is None else [observer],
-        write_block=write_block,
+        storage=StorageConfig(keys="int8", values="int4", write_block=write_block),
     )
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():

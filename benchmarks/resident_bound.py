@@ -1,11 +1,11 @@
 """Question: how tight is the omitted-mass bound of a resident set on a real model, per page summary and policy?
 
-SmolLM2-135M, one RULER prompt (exact prefill shared through ``ingest``), ``CertifiedCache(resident=R,
-select=policy, summary=..., gate=Gate.off(), validate=True)`` with exact K/V storage, a few greedy decode steps.
-Per (decode step, layer, row, query head) cell: the certified bound ``m̄`` on the attention mass of the omitted
-tokens (worst over the read's queries) against its exact value (validate mode), the share of cells whose bound is
-``<= tau`` (served without recall at ``Gate.certified(tau)``) against the share whose exact omitted mass is, the
-summary's device bytes and the violations (must be 0). Bound: **certified**; exact mass: **measured**.
+SmolLM2-135M, one RULER prompt (exact prefill shared through ``ingest``), ``CertifiedCache(gate=Gate.off(),
+validate=True, eviction=EvictionConfig.resident_set(R, select=policy, summary=...))`` with exact K/V storage, a few
+greedy decode steps. Per (decode step, layer, row, query head) cell: the certified bound ``m̄`` on the attention mass of
+the omitted tokens (worst over the read's queries) against its exact value (validate mode), the share of cells whose
+bound is ``<= tau`` (served without recall at ``Gate.certified(tau)``) against the share whose exact omitted mass is,
+the summary's device bytes and the violations (must be 0). Bound: **certified**; exact mass: **measured**.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/resident_bound.py --summaries box:16,box:4,int8:16
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/resident_bound.py --summaries int8:16,basis8:16,basis16:16,basis24:16
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evict_ruler import decode, prefilled_prompt, resident_args  # noqa: E402
-from kvcert import Gate  # noqa: E402
+from kvcert import EvictionConfig, Gate  # noqa: E402
 from kvcert.attention.resident import SUMMARIES  # noqa: E402
 from kvcert.evict import EvictionPolicy, SnapKV, StreamingLLM  # noqa: E402
 from kvcert.integrations.transformers import CertifiedCache  # noqa: E402
@@ -63,12 +63,11 @@ def main() -> None:
                 model,
                 keys="none",
                 values="none",
-                resident=args.resident,
-                select=policy(),
                 gate=Gate.off(),
                 validate=True,
-                page_size=int(page),
-                summary=summary,
+                eviction=EvictionConfig.resident_set(
+                    args.resident, select=policy(), page_size=int(page), summary=summary
+                ),
             )
             cache.ingest(past, attentions=attentions)
             with torch.inference_mode():

@@ -6,10 +6,10 @@ configurations interleaved ``--reps`` times. Per configuration: CPU seconds per 
 robust to other jobs on a shared box; wall time beside it) and the ratio to dense, side by side in one run:
 
 * ``dense`` — ``DynamicCache``, every token, SDPA;
-* ``plain snapkv`` — ``CertifiedCache(evict=SnapKV, compression_ratio=1 − R, certify=False)``: the same resident
+* ``plain snapkv`` — ``EvictionConfig.prefill(SnapKV, 1 − R)``, uncertified: the same resident
   set, the omitted tokens dropped, SDPA over the kept ones;
-* ``recall persistent`` / ``recall transient`` — ``CertifiedCache(resident=R, select=SnapKV,
-  gate=Gate.certified(tau), recall=...)``: the certified resident read (the eager reference path: no fused
+* ``recall persistent`` / ``recall transient`` — ``EvictionConfig.resident_set(R, select=SnapKV,
+  recall=...)`` at ``Gate.certified(tau)``: the certified resident read (the eager reference path: no fused
   kernel) with page bounds and recall.
 
 Timings are measured (empirical), single thread.
@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evict_ruler import prefilled_prompt, resident_args  # noqa: E402
-from kvcert import Gate  # noqa: E402
+from kvcert import EvictionConfig, Gate, ValidationConfig  # noqa: E402
 from kvcert.attention.evict_driver import ingest_reads  # noqa: E402
 from kvcert.evict import SnapKV  # noqa: E402
 from kvcert.integrations.transformers import CertifiedCache  # noqa: E402
@@ -51,10 +51,8 @@ def main() -> None:
                 model,
                 keys="none",
                 values="none",
-                resident=args.resident,
-                select=SnapKV(window=32, kernel=5),
                 gate=Gate.certified(args.tau),
-                recall=recall,
+                eviction=EvictionConfig.resident_set(args.resident, select=SnapKV(window=32, kernel=5), recall=recall),
             )
             cache.ingest(past, attentions=attentions)
             return cache
@@ -66,9 +64,8 @@ def main() -> None:
             model,
             keys="none",
             values="none",
-            evict=SnapKV(window=32, kernel=5),
-            compression_ratio=1.0 - args.resident,
-            certify=False,
+            validation=ValidationConfig(certify=False),
+            eviction=EvictionConfig.prefill(SnapKV(window=32, kernel=5), 1.0 - args.resident),
         )
         cache.ingest(past, attentions=attentions)
         return cache

@@ -1,13 +1,13 @@
 """Question: what does re-selecting a resident set every N decode steps (``reselect=N``) move and page in, and does
 every cell stay certified on a real model?
 
-SmolLM2-135M, one RULER prompt (exact prefill shared through ``ingest``), ``CertifiedCache(resident=R, select=policy,
-gate=Gate.certified(tau), validate=True, reselect=N)`` against the same cache without re-selection, a fixed number of
-greedy decode steps; each re-selection ranks tokens by ``reselect_score`` (``--scores``: the key proxy and / or the
-decode queries' attention). Per configuration: violations in validate mode (cells whose true TV exceeded the
-certificate, plus omitted-mass and output-bound violations; must be 0), re-selections, tokens promoted, their page-in
-bytes, all page-in bytes per decode step over the fp16 K/V of the context (both at fp16, 2 bytes per entry, whatever
-the host dtype), whether the tokens equal the exact cache's, wall time. Counts and bytes: **measured**.
+SmolLM2-135M, one RULER prompt (exact prefill shared through ``ingest``), ``CertifiedCache(gate=Gate.certified(tau),
+validate=True, eviction=EvictionConfig.resident_set(R, select=policy, reselect=N))`` against the same cache without
+re-selection, a fixed number of greedy decode steps; each re-selection ranks tokens by ``reselect_score`` (``--scores``:
+the key proxy and / or the decode queries' attention). Per configuration: violations in validate mode (cells whose true
+TV exceeded the certificate, plus omitted-mass and output-bound violations; must be 0), re-selections, tokens promoted,
+their page-in bytes, all page-in bytes per decode step over the fp16 K/V of the context (both at fp16, 2 bytes per
+entry, whatever the host dtype), whether the tokens equal the exact cache's, wall time. Counts and bytes: **measured**.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/resident_reselect.py --context 1024 --steps 12 --reselect off,4 \
         --scores key_proxy,decode
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evict_ruler import decode, prefilled_prompt, resident_args  # noqa: E402
-from kvcert import Gate  # noqa: E402
+from kvcert import EvictionConfig, Gate, ValidationConfig  # noqa: E402
 from kvcert.evict import H2O, EvictionPolicy, SnapKV  # noqa: E402
 from kvcert.integrations.transformers import CertifiedCache  # noqa: E402
 
@@ -43,7 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     pr = prefilled_prompt(args.task, args.context)
     model, ids, past, attentions, first = pr.model, pr.ids, pr.past, pr.attentions, pr.first
-    exact = CertifiedCache(model, keys="none", values="none", certify=False)
+    exact = CertifiedCache(model, keys="none", values="none", validation=ValidationConfig(certify=False))
     exact.ingest(past)
     with torch.inference_mode():
         ref = decode(model, exact, first, args.steps, -1)
@@ -66,12 +66,14 @@ def main() -> None:
                 model,
                 keys=codec,
                 values=codec,
-                resident=args.resident,
-                select=policy(),
                 gate=Gate.certified(args.tau),
                 validate=True,
-                reselect=every,
-                reselect_score="key_proxy" if score == "-" else score,
+                eviction=EvictionConfig.resident_set(
+                    args.resident,
+                    select=policy(),
+                    reselect=every,
+                    reselect_score="key_proxy" if score == "-" else score,
+                ),
             )
             cache.ingest(past, attentions=attentions)
             with torch.inference_mode():

@@ -1,12 +1,12 @@
 """Question: where does the recall traffic of a resident set come from (layer, KV head, decode step, recall vs dense
 fallback), and how much of the context does it page in per decode step?
 
-SmolLM2-135M, RULER prompts (exact prefill shared through ``ingest``), ``CertifiedCache(resident=R, select=SnapKV,
-gate=Gate.certified(tau))`` with the resident K/V codec given, greedy decode of the sample's answer budget. Per read
-(decode step, layer): pages recalled per KV head, KV heads served by dense fallback, and the page-in entries
-relative to the context's K/V entries (K and V of every token, every layer and KV head — the ratio of the
-fp16 bytes when the host tier holds fp16; this model's host tier is float32, which doubles the bytes, not the
-ratio). All numbers measured (empirical).
+SmolLM2-135M, RULER prompts (exact prefill shared through ``ingest``), ``CertifiedCache(gate=Gate.certified(tau),
+eviction=EvictionConfig.resident_set(R, select=SnapKV))`` with the resident K/V codec given, greedy decode of the
+sample's answer budget. Per read (decode step, layer): pages recalled per KV head, KV heads served by dense fallback,
+and the page-in entries relative to the context's K/V entries (K and V of every token, every layer and KV head — the
+ratio of the fp16 bytes when the host tier holds fp16; this model's host tier is float32, which doubles the bytes, not
+the ratio). All numbers measured (empirical).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/resident_traffic.py --samples 2 --keys none --values none
 """
@@ -14,6 +14,7 @@ ratio). All numbers measured (empirical).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -22,12 +23,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evict_ruler import decode, shared_prefill  # noqa: E402
-from kvcert import Gate  # noqa: E402
+from kvcert import EvictionConfig, Gate, StorageConfig  # noqa: E402
 from kvcert.eval import load_task  # noqa: E402
 from kvcert.eval.harness import prompt_ids  # noqa: E402
 from kvcert.evict import SnapKV  # noqa: E402
 from kvcert.integrations.transformers import CertifiedCache  # noqa: E402
 from kvcert.models import converted_dir, load  # noqa: E402
+
+#: the --options that configure the storage (the others configure the resident set)
+STORAGE = {f.name for f in dataclasses.fields(StorageConfig)}
 
 
 def main() -> None:
@@ -40,7 +44,11 @@ def main() -> None:
     ap.add_argument("--keys", default="none")
     ap.add_argument("--values", default="none")
     ap.add_argument("--max-new", type=int, default=32)
-    ap.add_argument("--options", default="", help="extra CertifiedCache keyword arguments, k=v,k=v (python literals)")
+    ap.add_argument(
+        "--options",
+        default="",
+        help="StorageConfig or EvictionConfig.resident_set keywords, k=v,k=v (python literals)",
+    )
     args = ap.parse_args()
     extra = {k: eval(v) for k, v in (kv.split("=", 1) for kv in args.options.split(",") if kv)}  # noqa: S307
     torch.set_num_threads(1)
@@ -55,12 +63,15 @@ def main() -> None:
             t0 = time.perf_counter()
             cache = CertifiedCache(
                 model,
-                keys=args.keys,
-                values=args.values,
-                resident=args.resident,
-                select=SnapKV(window=32, kernel=5),
                 gate=Gate.certified(args.tau),
-                **extra,
+                storage=StorageConfig(
+                    keys=args.keys, values=args.values, **{k: v for k, v in extra.items() if k in STORAGE}
+                ),
+                eviction=EvictionConfig.resident_set(
+                    args.resident,
+                    select=SnapKV(window=32, kernel=5),
+                    **{k: v for k, v in extra.items() if k not in STORAGE},
+                ),
             )
             cache.ingest(past, attentions=attentions)
             with torch.inference_mode():

@@ -15,12 +15,17 @@ from kvcert import bounds
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # pragma: no cover
+    from kvcert.attention.evict_driver import EvictionConfig
     from kvcert.cache.gate import Gate
+    from kvcert.integrations.cache_config import StorageConfig, ValidationConfig
     from kvcert.integrations.transformers import CertifiedCache
 
 _LAZY = {
     "CertifiedCache": ("kvcert.integrations.transformers", "CertifiedCache"),
     "Gate": ("kvcert.cache.gate", "Gate"),
+    "EvictionConfig": ("kvcert.attention.evict_driver", "EvictionConfig"),
+    "StorageConfig": ("kvcert.integrations.cache_config", "StorageConfig"),
+    "ValidationConfig": ("kvcert.integrations.cache_config", "ValidationConfig"),
 }
 
 
@@ -47,4 +52,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'kvcert' has no attribute {name!r}")
 
 
-__all__ = ["CertifiedCache", "Gate", "__version__", "bounds"]
+__all__ = ["CertifiedCache", "EvictionConfig", "Gate", "StorageConfig", "ValidationConfig", "__version__", "bounds"]

@@ -3,11 +3,12 @@ decode through a cache, and the per-cell soundness checks of a validate-mode run
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 
 import torch
 
-from kvcert import Gate
+from kvcert import EvictionConfig, Gate, StorageConfig
 from kvcert.cache.telemetry import Telemetry
 from kvcert.evict import H2O, RMM, SnapKV, StreamingLLM
 from kvcert.evict.base import EvictionPolicy
@@ -59,12 +60,20 @@ def assert_sound_in_every_cell(tel) -> None:
     assert float(tel.true_tv[rec].max()) > 0.2
 
 
-def resident_cache(model, codec: str, policy: str, gate: Gate, **options) -> CertifiedCache:
-    """The resident cache of these tests: ``R = 0.25``, pages of 4, ``codec`` keys and values, ``POLICIES[policy]``
-    selection, ``gate``, ``options`` added."""
-    return CertifiedCache(
-        model, keys=codec, values=codec, resident=0.25, select=POLICIES[policy](), gate=gate, page_size=4, **options
-    )
+def resident_cache(
+    model,
+    codec: str,
+    policy: str,
+    gate: Gate,
+    validate: bool = False,
+    storage: StorageConfig | None = None,
+    **options,
+) -> CertifiedCache:
+    """The resident cache of these tests: ``R = 0.25``, pages of 4, ``codec`` keys and values (in ``storage`` when
+    given), ``POLICIES[policy]`` selection, ``gate``, ``options`` added to the resident set."""
+    storage = dataclasses.replace(storage or StorageConfig(), keys=codec, values=codec)
+    resident = EvictionConfig.resident_set(0.25, select=POLICIES[policy](), page_size=4, **options)
+    return CertifiedCache(model, gate=gate, validate=validate, storage=storage, eviction=resident)
 
 
 #: the gate of the validate-mode runs of :func:`validated_runs`
@@ -72,14 +81,14 @@ TAU = 0.3
 
 
 def validated_runs(
-    model, ids: torch.Tensor, codec: str, policy: str, steps: int, **options
+    model, ids: torch.Tensor, codec: str, policy: str, steps: int, storage: StorageConfig | None = None, **options
 ) -> Iterator[tuple[Gate, Telemetry]]:
     """Decode ``steps`` greedy tokens after ``ids`` through a validate-mode resident cache (``R = 0.25``, pages of 4,
-    ``codec`` keys and values, ``POLICIES[policy]`` selection, ``options`` added) twice: ungated, then at
+    ``codec`` keys and values in ``storage``, ``POLICIES[policy]`` selection, ``options`` added) twice: ungated, then at
     ``Gate.certified(TAU)``. Each run is checked per cell (:func:`assert_sound_in_every_cell`); the gated run must
     serve every cell at most ``TAU``. Yields each run's gate and telemetry."""
     for gate in (Gate.off(), Gate.certified(TAU)):
-        with resident_cache(model, codec, policy, gate, validate=True, **options) as cache:
+        with resident_cache(model, codec, policy, gate, True, storage, **options) as cache:
             greedy_decode(model, ids, cache, steps)
             tel = cache.telemetry()
         assert_sound_in_every_cell(tel)

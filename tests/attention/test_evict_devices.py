@@ -18,7 +18,7 @@ import torch
 from resident_cases import POLICIES, greedy_decode, prompt_ids
 from torch.overrides import TorchFunctionMode
 
-from kvcert import Gate
+from kvcert import EvictionConfig, Gate, StorageConfig
 from kvcert.cache import recall
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models.tiny import tiny_random
@@ -94,8 +94,9 @@ def _decode(model, cache, steps: int = 4) -> None:
     greedy_decode(model, prompt_ids(model, batch=2), cache, steps)
 
 
-def _record(model, watched: tuple[Path, ...] = WATCHED, **kw) -> list[str]:
-    with CertifiedCache(model, keys="int4", values="int4", **kw) as cache, FactoryRecorder(watched) as rec:
+def _record(model, watched: tuple[Path, ...] = WATCHED, write_block: int = 16, **kw) -> list[str]:
+    storage = StorageConfig(keys="int4", values="int4", write_block=write_block)
+    with CertifiedCache(model, storage=storage, **kw) as cache, FactoryRecorder(watched) as rec:
         _decode(model, cache)
         cache.telemetry()
     return sorted(set(rec.calls))
@@ -104,14 +105,12 @@ def _record(model, watched: tuple[Path, ...] = WATCHED, **kw) -> list[str]:
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("mode", ["budget", "compression", "budget-validate-belady"])
 def test_eviction_creates_tensors_on_the_inputs_device(model, policy, mode):
-    kw: dict[str, object] = {"evict": POLICIES[policy](), "gate": Gate.certified(0.2)}
+    belady = mode == "budget-validate-belady"
     if mode == "compression":
-        kw["compression_ratio"] = 0.5
+        eviction = EvictionConfig.prefill(POLICIES[policy](), 0.5)
     else:
-        kw["budget"] = 24
-    if mode == "budget-validate-belady":
-        kw |= {"validate": True, "belady": True}
-    assert _record(model, **kw) == []
+        eviction = EvictionConfig.decode_budget(POLICIES[policy](), 24, belady=belady)
+    assert _record(model, gate=Gate.certified(0.2), validate=belady, eviction=eviction) == []
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
@@ -130,13 +129,11 @@ def test_resident_reads_and_recall_create_tensors_on_the_inputs_device(model, po
     exact resident entries, in validate mode (the exact omitted mass and true TV beside every read)."""
     calls = _record(
         model,
-        resident=0.25,
-        select=POLICIES[policy](),
         gate=Gate.certified(tau),
-        page_size=4,
-        recall=recall,
-        summary=summary,
         validate=True,
+        eviction=EvictionConfig.resident_set(
+            0.25, select=POLICIES[policy](), page_size=4, recall=recall, summary=summary
+        ),
     )
     assert calls == []
 
@@ -147,12 +144,9 @@ def test_resident_reselection_creates_tensors_on_the_inputs_device(model, policy
     carried over) in validate mode, with persistent recall."""
     calls = _record(
         model,
-        resident=0.25,
-        select=POLICIES[policy](),
         gate=Gate.certified(0.1),
-        page_size=4,
-        reselect=2,
         validate=True,
+        eviction=EvictionConfig.resident_set(0.25, select=POLICIES[policy](), page_size=4, reselect=2),
     )
     assert calls == []
 
@@ -163,13 +157,11 @@ def test_resident_mass_allocation_creates_tensors_on_the_inputs_device(model, po
     the deferred gathers) with re-selection at each layer's fraction and persistent recall, in validate mode."""
     calls = _record(
         model,
-        resident=0.25,
-        select=POLICIES[policy](),
         gate=Gate.certified(0.1),
-        page_size=4,
-        reselect=2,
-        resident_alloc="mass",
         validate=True,
+        eviction=EvictionConfig.resident_set(
+            0.25, select=POLICIES[policy](), page_size=4, reselect=2, resident_alloc="mass"
+        ),
     )
     assert calls == []
 
@@ -181,14 +173,12 @@ def test_a_resident_set_on_a_sliding_window_model_creates_tensors_on_the_inputs_
     gemma = tiny_random("gemma3", num_hidden_layers=3, head_dim=32, num_key_value_heads=2, sliding_window=16)
     calls = _record(
         gemma,
-        resident=0.25,
-        select=POLICIES["snapkv"](),
-        gate=Gate.certified(0.1),
-        page_size=4,
         write_block=4,
-        reselect=2,
-        resident_alloc=alloc,
+        gate=Gate.certified(0.1),
         validate=True,
+        eviction=EvictionConfig.resident_set(
+            0.25, select=POLICIES["snapkv"](), page_size=4, reselect=2, resident_alloc=alloc
+        ),
     )
     assert calls == []
 

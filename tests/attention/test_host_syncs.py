@@ -23,7 +23,7 @@ import torch
 from resident_cases import POLICIES, prompt_ids
 from torch.overrides import TorchFunctionMode
 
-from kvcert import Gate, kernels
+from kvcert import EvictionConfig, Gate, kernels
 from kvcert.evict import base
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models.tiny import tiny_random
@@ -109,9 +109,8 @@ def test_certified_read_syncs_per_read_do_not_regress(model, backend, monkeypatc
 
 def test_resident_read_syncs_per_read_do_not_regress(model, monkeypatch):
     monkeypatch.setenv(kernels.ENV, "torch")
-    per_read, rec = _syncs_per_read(
-        model, resident=0.25, select=POLICIES["h2o"](), gate=Gate.certified(0.1), page_size=4, recall="persistent"
-    )
+    resident = EvictionConfig.resident_set(0.25, select=POLICIES["h2o"](), page_size=4, recall="persistent")
+    per_read, rec = _syncs_per_read(model, gate=Gate.certified(0.1), eviction=resident)
     assert per_read <= MAX_SYNCS_PER_READ["resident"], rec.calls
 
 
@@ -149,9 +148,10 @@ def test_policy_state_stays_on_the_device(model, policy, mode, monkeypatch):
     from_numpy = _FromNumpy(torch.from_numpy, SRC / "evict")
     monkeypatch.setattr(torch, "from_numpy", from_numpy)
     select = POLICIES[policy]()
-    kw: dict[str, object] = {"evict": select, "gate": Gate.certified(0.2)}
-    kw |= {"compression_ratio": 0.5} if mode == "compression" else {"budget": 24}
-    per_read, rec = _syncs_per_read(model, 4, SRC / "evict", **kw)
+    eviction = (
+        EvictionConfig.prefill(select, 0.5) if mode == "compression" else EvictionConfig.decode_budget(select, 24)
+    )
+    per_read, rec = _syncs_per_read(model, 4, SRC / "evict", gate=Gate.certified(0.2), eviction=eviction)
     copies = {k: v for k, v in rec.calls.items() if k.split()[-1] in HOST_COPIES}
     assert copies == {} and from_numpy.calls == Counter()
     assert per_read <= MAX_POLICY_SYNCS[mode][policy], rec.calls

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from resident_cases import POLICIES, PROMPT, greedy_decode, resident_cache, vali
 from resident_cases import prompt_ids as _ids
 from transformers import DynamicCache
 
-from kvcert import Gate
+from kvcert import EvictionConfig, Gate, StorageConfig, ValidationConfig
 from kvcert.attention.resident import can_omit
 from kvcert.cache.store import LayerStore
 from kvcert.cache.telemetry import Telemetry
@@ -43,10 +44,8 @@ def test_tau_zero_is_token_identical_to_dynamic_cache(models, family, policy):
             model,
             keys="int4",
             values="int4",
-            resident=resident,
-            select=POLICIES[policy](),
             gate=Gate.certified(0.0),
-            page_size=4,
+            eviction=EvictionConfig.resident_set(resident, select=POLICIES[policy](), page_size=4),
         ) as cache:
             assert torch.equal(_decode(model, ids, cache), ref)
             tel = cache.telemetry()
@@ -78,7 +77,10 @@ def test_basis_summary_bytes_are_its_stored_tensors(models):
     cfg = model.config
     hkv, d = cfg.num_key_value_heads, 32
     with CertifiedCache(
-        model, keys="int8", values="int8", resident=0.25, select=StreamingLLM(sinks=2), page_size=4, summary="basis8"
+        model,
+        keys="int8",
+        values="int8",
+        eviction=EvictionConfig.resident_set(0.25, select=StreamingLLM(sinks=2), page_size=4, summary="basis8"),
     ) as cache:
         _decode(model, _ids(model, seed=2), cache, steps=1)
         tel = cache.telemetry()
@@ -130,11 +132,8 @@ def test_accounting_of_summaries_recall_and_resident_fraction(models):
         model,
         keys="int8",
         values="int8",
-        resident=0.25,
-        select=StreamingLLM(sinks=2),
         gate=Gate.certified(0.3),
-        page_size=5,
-        summary="box",
+        eviction=EvictionConfig.resident_set(0.25, select=StreamingLLM(sinks=2), page_size=5, summary="box"),
     ) as cache:
         _decode(model, ids, cache)
         tel = cache.telemetry()
@@ -176,11 +175,9 @@ def test_a_tau_no_recall_can_meet_falls_back_to_exact_attention_over_every_token
         model,
         keys="int8",
         values="int8",
-        resident=0.25,
-        select=H2O(recent=3),
         gate=Gate.certified(1e-9),
         validate=True,
-        page_size=4,
+        eviction=EvictionConfig.resident_set(0.25, select=H2O(recent=3), page_size=4),
     ) as cache:
         assert torch.equal(_decode(model, ids, cache), ref)
         tel = cache.telemetry()
@@ -199,12 +196,9 @@ def test_int8_sketch_summary_is_exact_at_tau_zero_and_counts_its_bytes(models, f
         model,
         keys="int4",
         values="int4",
-        resident=0.25,
-        select=POLICIES[policy](),
         gate=Gate.certified(0.3),
         validate=True,
-        page_size=4,
-        summary="int8",
+        eviction=EvictionConfig.resident_set(0.25, select=POLICIES[policy](), page_size=4, summary="int8"),
     ) as cache:
         _decode(model, ids, cache)
         tel = cache.telemetry()
@@ -223,7 +217,12 @@ def test_resident_one_keeps_everything_and_reads_as_before(models):
     model = models["llama"]
     ids = _ids(model, seed=3)
     with CertifiedCache(
-        model, keys="int8", values="int8", resident=1.0, gate=Gate.certified(0.2), validate=True
+        model,
+        keys="int8",
+        values="int8",
+        gate=Gate.certified(0.2),
+        validate=True,
+        eviction=EvictionConfig.resident_set(1.0),
     ) as cache:  # default select (SnapKV) and summary (int8)
         _decode(model, ids, cache)
         tel = cache.telemetry()
@@ -231,28 +230,33 @@ def test_resident_one_keeps_everything_and_reads_as_before(models):
     assert tel.omitted_mass_bound is None and tel.violations == 0
 
 
+def _resident(resident: object = 0.5, **kw) -> Callable[[], EvictionConfig]:
+    return lambda: EvictionConfig.resident_set(resident, **kw)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("build", "cache_kw", "match"),
     [
-        ({"resident": 0.0}, "resident must be a fraction"),
-        ({"resident": -0.5}, "resident must be a fraction"),
-        ({"resident": 1.5}, "resident must be a fraction"),
-        ({"resident": float("nan")}, "resident must be a fraction"),
-        ({"resident": True}, "resident must be a fraction"),
-        ({"resident": "0.5"}, "resident must be a fraction"),
-        ({"resident": 0.5, "page_size": 0}, "page_size"),
-        ({"resident": 0.5, "summary": "int3"}, "summary must be one of"),
-        ({"resident": 0.5, "recall": "sometimes"}, "recall must be one of"),
-        ({"resident": 0.5, "evict": H2O(recent=2), "compression_ratio": 0.5}, "select=<policy>"),
-        ({"select": H2O(recent=2)}, "needs resident"),
-        ({"resident": 0.5, "gate": Gate.certified(0.2, granularity="block")}, "head granularity"),
-        ({"resident": 0.5, "gate": Gate.risk_ranked(5.0)}, "head granularity"),
-        ({"resident": 0.5, "certify": False}, "certify=True"),
+        (_resident(0.0), {}, "resident must be a fraction"),
+        (_resident(-0.5), {}, "resident must be a fraction"),
+        (_resident(1.5), {}, "resident must be a fraction"),
+        (_resident(float("nan")), {}, "resident must be a fraction"),
+        (_resident(True), {}, "resident must be a fraction"),
+        (_resident("0.5"), {}, "resident must be a fraction"),
+        (_resident(page_size=0), {}, "page_size"),
+        (_resident(summary="int3"), {}, "summary must be one of"),
+        (_resident(recall="sometimes"), {}, "recall must be one of"),
+        (_resident(select="snapkv"), {}, "select must be a kvcert.evict.EvictionPolicy"),
+        (lambda: EvictionConfig(H2O(recent=2), budget=8, resident=0.5), {}, "resident_set"),
+        (lambda: EvictionConfig(H2O(recent=2), compression_ratio=0.25, resident=0.5), {}, "resident_set"),
+        (_resident(), {"gate": Gate.certified(0.2, granularity="block")}, "head granularity"),
+        (_resident(), {"gate": Gate.risk_ranked(5.0)}, "head granularity"),
+        (_resident(), {"validation": ValidationConfig(certify=False)}, "certify=True"),
     ],
 )
-def test_bad_resident_arguments_raise_clear_errors(models, kwargs, match):
+def test_bad_resident_arguments_raise_clear_errors(models, build, cache_kw, match):
     with pytest.raises(ValueError, match=match):
-        CertifiedCache(models["llama"], keys="int8", values="int8", **kwargs)
+        CertifiedCache(models["llama"], keys="int8", values="int8", eviction=build(), **cache_kw)
 
 
 def test_non_finite_layer_keeps_every_token_resident():
@@ -292,21 +296,17 @@ def test_left_padded_batch_masks_omitted_tokens_by_position(models):
         model,
         keys="int8",
         values="int8",
-        resident=0.25,
-        select=StreamingLLM(sinks=2),
         gate=Gate.certified(0.0),
-        page_size=4,
+        eviction=EvictionConfig.resident_set(0.25, select=StreamingLLM(sinks=2), page_size=4),
     ) as cache:
         assert torch.equal(_decode_padded(model, ids, mask, cache), ref)
     with CertifiedCache(
         model,
         keys="int8",
         values="int8",
-        resident=0.25,
-        select=H2O(recent=3),
         gate=Gate.certified(0.3),
         validate=True,
-        page_size=4,
+        eviction=EvictionConfig.resident_set(0.25, select=H2O(recent=3), page_size=4),
     ) as cache:
         _decode_padded(model, ids, mask, cache)
         tel = cache.telemetry()
@@ -325,15 +325,10 @@ def test_persistent_recall_pages_in_once_within_the_device_budget(models, family
     for recall in ("transient", "persistent"):
         with CertifiedCache(
             model,
-            keys="int4",
-            values="int4",
-            resident=0.25,
-            select=StreamingLLM(sinks=2),
             gate=Gate.certified(0.1),
             validate=True,
-            page_size=4,
-            recall=recall,
-            device_budget=1.0,
+            storage=StorageConfig(keys="int4", values="int4", device_budget=1.0),
+            eviction=EvictionConfig.resident_set(0.25, select=StreamingLLM(sinks=2), page_size=4, recall=recall),
         ) as cache:
             _decode(model, ids, cache, steps=10)
             tel = cache.telemetry()
@@ -358,12 +353,9 @@ def test_resident_codes_above_tau_are_read_exact_instead_of_dense(models):
         model,
         keys="int2",
         values="int2",
-        resident=0.5,
-        select=StreamingLLM(sinks=2),
         gate=Gate.certified(0.05),
         validate=True,
-        page_size=4,
-        recall="transient",
+        eviction=EvictionConfig.resident_set(0.5, select=StreamingLLM(sinks=2), page_size=4, recall="transient"),
     ) as cache:
         _decode(model, ids, cache)
         tel = cache.telemetry()

@@ -1,4 +1,4 @@
-"""Per-layer allocation of a resident set (``CertifiedCache(..., resident=R, resident_alloc="mass")``): the uniform
+"""Per-layer allocation of a resident set (``EvictionConfig.resident_set(R, resident_alloc="mass")``): the uniform
 total split across layers, protected tokens in every layer, per-cell soundness, exactness at tau = 0, re-selection at
 each layer's own fraction, a layer that keeps every token, clear errors."""
 
@@ -11,7 +11,7 @@ from resident_cases import prompt_ids as _ids
 from transformers import DynamicCache
 
 import kvcert.attention.evict_driver as evict_driver
-from kvcert import Gate
+from kvcert import EvictionConfig, Gate, StorageConfig
 from kvcert.evict import SnapKV, StreamingLLM
 from kvcert.evict.base import prefill_kept_count
 from kvcert.integrations.transformers import CertifiedCache
@@ -30,9 +30,10 @@ def models():
     return {family: tiny_random(family, head_dim=32, num_hidden_layers=LAYERS) for family in ("llama", "qwen2")}
 
 
-def _prefill_sizes(model, ids, **kw) -> list[int]:
+def _prefill_sizes(model, ids, resident: float, **kw) -> list[int]:
     """Resident tokens per (row, KV head) of every layer right after the prefill of ``ids``."""
-    with CertifiedCache(model, keys="int8", values="int8", page_size=4, **kw) as cache, torch.no_grad():
+    resident_set = EvictionConfig.resident_set(resident, page_size=4, **kw)
+    with CertifiedCache(model, keys="int8", values="int8", eviction=resident_set) as cache, torch.no_grad():
         model(ids, cache=cache, use_cache=True)
         return [layer.store.n for layer in cache.layers]
 
@@ -42,8 +43,8 @@ def _prefill_sizes(model, ids, **kw) -> list[int]:
 def test_mass_keeps_the_uniform_total_and_the_protected_tokens_of_every_layer(models, family, resident):
     model = models[family]
     ids = _ids(model, batch=2, seed=3)
-    uniform = _prefill_sizes(model, ids, resident=resident, select=SnapKV(window=3, kernel=3))
-    mass = _prefill_sizes(model, ids, resident=resident, select=SnapKV(window=3, kernel=3), resident_alloc="mass")
+    uniform = _prefill_sizes(model, ids, resident, select=SnapKV(window=3, kernel=3))
+    mass = _prefill_sizes(model, ids, resident, select=SnapKV(window=3, kernel=3), resident_alloc="mass")
     assert uniform == [prefill_kept_count(PROMPT, 1.0 - resident)] * LAYERS
     assert sum(mass) == sum(uniform) and all(3 <= n <= PROMPT for n in mass)
     assert mass != uniform  # random layers differ in how concentrated their attention is
@@ -66,7 +67,9 @@ def test_tau_zero_with_mass_is_token_identical_to_dynamic_cache(models, family, 
 def test_validate_mode_zero_violations_in_every_cell_with_mass(models, family, policy, codec, summary):
     model = models[family]
     ids = _ids(model, batch=2, seed=1)
-    runs = validated_runs(model, ids, codec, policy, STEPS, summary=summary, resident_alloc="mass", device_budget=0.5)
+    runs = validated_runs(
+        model, ids, codec, policy, STEPS, StorageConfig(device_budget=0.5), summary=summary, resident_alloc="mass"
+    )
     assert len(list(runs)) == 2  # each run checked per cell, the gated one at most TAU in every served cell
 
 
@@ -77,10 +80,9 @@ def test_telemetry_reports_each_layers_resident_fraction(models):
         model,
         keys="int8",
         values="int8",
-        resident=0.25,
-        select=SnapKV(window=3, kernel=3),
-        page_size=4,
-        resident_alloc="mass",
+        eviction=EvictionConfig.resident_set(
+            0.25, select=SnapKV(window=3, kernel=3), page_size=4, resident_alloc="mass"
+        ),
     ) as cache:
         greedy_decode(model, ids, cache, STEPS)
         tel = cache.telemetry()
@@ -102,7 +104,10 @@ def test_ingest_splits_after_the_last_layer(models):
     with torch.no_grad():
         model(ids, cache=pre, use_cache=True)
     with CertifiedCache(
-        model, keys="int8", values="int8", resident=0.25, select=SnapKV(window=3, kernel=3), resident_alloc="mass"
+        model,
+        keys="int8",
+        values="int8",
+        eviction=EvictionConfig.resident_set(0.25, select=SnapKV(window=3, kernel=3), resident_alloc="mass"),
     ) as cache:
         cache.ingest(pre)
         sizes = [layer.store.n for layer in cache.layers]
@@ -119,13 +124,15 @@ def test_reselect_keeps_each_layers_own_fraction(models):
         model,
         keys="int8",
         values="int8",
-        resident=0.25,
-        select=SnapKV(window=3, kernel=3),
         gate=Gate.certified(0.3),
-        page_size=4,
-        reselect=3,
-        reselect_score="key_proxy",
-        resident_alloc="mass",
+        eviction=EvictionConfig.resident_set(
+            0.25,
+            select=SnapKV(window=3, kernel=3),
+            page_size=4,
+            reselect=3,
+            reselect_score="key_proxy",
+            resident_alloc="mass",
+        ),
     ) as cache:
         greedy_decode(model, ids, cache, STEPS, each=lambda c: sizes.append([layer.store.n for layer in c.layers]))
         ratios = dict(cache._evictor.layer_ratio)
@@ -148,16 +155,12 @@ def test_a_layer_that_keeps_every_token_reads_plainly_beside_resident_ones(model
     model = models["qwen2"]
     with CertifiedCache(
         model,
-        keys="int4",
-        values="int4",
-        resident=0.4,
-        select=SnapKV(window=3, kernel=3),
         gate=Gate.certified(0.1),
         validate=True,
-        page_size=4,
-        recall="persistent",
-        device_budget=0.5,
-        resident_alloc="mass",
+        storage=StorageConfig(keys="int4", values="int4", device_budget=0.5),
+        eviction=EvictionConfig.resident_set(
+            0.4, select=SnapKV(window=3, kernel=3), page_size=4, recall="persistent", resident_alloc="mass"
+        ),
     ) as cache:
         greedy_decode(model, _ids(model, batch=2, seed=7), cache, STEPS)
         tel = cache.telemetry()
@@ -167,14 +170,19 @@ def test_a_layer_that_keeps_every_token_reads_plainly_beside_resident_ones(model
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("build", "match"),
     [
-        ({"resident": 0.5, "resident_alloc": "greedy"}, "resident_alloc must be one of uniform, mass"),
-        ({"resident_alloc": "mass"}, "resident_alloc .* needs resident"),
-        ({"resident_alloc": "uniform"}, "resident_alloc .* needs resident"),
-        ({"resident": 0.5, "select": StreamingLLM(sinks=2), "resident_alloc": "mass"}, "resident_alloc='mass'"),
+        (
+            lambda: EvictionConfig.resident_set(0.5, resident_alloc="greedy"),
+            "resident_alloc must be one of uniform, mass",
+        ),
+        (lambda: EvictionConfig(resident_alloc="mass"), "resident_alloc splits a resident set"),
+        (
+            lambda: EvictionConfig.resident_set(0.5, select=StreamingLLM(sinks=2), resident_alloc="mass"),
+            "resident_alloc='mass'",
+        ),
     ],
 )
-def test_bad_resident_alloc_raises_naming_the_argument(models, kwargs, match):
+def test_bad_resident_alloc_raises_naming_the_argument(models, build, match):
     with pytest.raises(ValueError, match=match):
-        CertifiedCache(models["llama"], keys="int8", values="int8", **kwargs)
+        CertifiedCache(models["llama"], keys="int8", values="int8", eviction=build())

@@ -8,7 +8,7 @@ import pytest
 import torch
 from resident_cases import POLICIES, assert_sound_in_every_cell, greedy_decode, prompt_ids
 
-from kvcert import Gate
+from kvcert import EvictionConfig, Gate, StorageConfig
 from kvcert.attention import resident
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models.tiny import tiny_random
@@ -23,19 +23,17 @@ def models():
     return {family: tiny_random(family, head_dim=32) for family in ("llama", "qwen2")}
 
 
-def _cache(model, codec: str = "int4", tau: float = 0.1, budget: float | None = 3.0, **kw) -> CertifiedCache:
+def _cache(
+    model, codec: str = "int4", tau: float = 0.1, budget: float | None = 3.0, validate: bool = True, **kw
+) -> CertifiedCache:
     return CertifiedCache(
         model,
-        keys=codec,
-        values=codec,
-        resident=0.25,
-        select=kw.pop("select", POLICIES["h2o"]()),
         gate=Gate.certified(tau),
-        validate=kw.pop("validate", True),
-        page_size=4,
-        recall="persistent",
-        device_budget=budget,
-        **kw,
+        validate=validate,
+        storage=StorageConfig(keys=codec, values=codec, device_budget=budget),
+        eviction=EvictionConfig.resident_set(
+            0.25, select=kw.pop("select", POLICIES["h2o"]()), page_size=4, recall="persistent", **kw
+        ),
     )
 
 
@@ -134,11 +132,8 @@ def test_the_device_budget_holds_at_every_step_with_bytes_from_the_tensors(model
         model,
         keys="int4",
         values="int4",
-        resident=0.25,
-        select=POLICIES["h2o"](),
         gate=Gate.certified(0.1),
-        page_size=4,
-        recall="transient",
+        eviction=EvictionConfig.resident_set(0.25, select=POLICIES["h2o"](), page_size=4, recall="transient"),
     ) as transient:
         greedy_decode(model, ids, transient, STEPS)
         assert tel.bytes_recalled < transient.telemetry().bytes_recalled

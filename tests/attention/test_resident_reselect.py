@@ -1,4 +1,4 @@
-"""Periodic re-selection of a resident set (``CertifiedCache(..., resident=R, reselect=N)``), ranked by the key proxy
+"""Periodic re-selection of a resident set (``EvictionConfig.resident_set(R, reselect=N)``), ranked by the key proxy
 or by the decode queries (``reselect_score``): exactness at tau = 0, per-cell soundness in validate mode, what it moves
 and pages in, held tokens carried across the re-paging, the device budget, bad arguments."""
 
@@ -9,7 +9,7 @@ import torch
 from resident_cases import POLICIES, PROMPT, greedy_decode, prompt_ids, resident_cache, validated_runs
 from transformers import DynamicCache
 
-from kvcert import Gate
+from kvcert import EvictionConfig, Gate, StorageConfig
 from kvcert.attention.resident import held_by_position
 from kvcert.evict import H2O, PrefillAttention, SnapKV
 from kvcert.evict.base import aggregate_gqa, causal_attention, prefill_kept_count
@@ -88,12 +88,8 @@ def test_reselect_moves_tokens_pages_them_in_and_keeps_the_resident_fraction(mod
         model,
         keys="int8",
         values="int8",
-        resident=0.25,
-        select=H2O(recent=3),
         gate=Gate.certified(0.3),
-        page_size=4,
-        recall="transient",
-        reselect=3,
+        eviction=EvictionConfig.resident_set(0.25, select=H2O(recent=3), page_size=4, recall="transient", reselect=3),
     ) as cache:
         _decode(model, ids, cache, each=lambda c: sizes.append([layer.store.n for layer in c._layers]))
         tel = cache.telemetry()
@@ -136,15 +132,11 @@ def test_bytes_device_never_exceeds_the_device_budget_with_reselect(models, code
 
     with CertifiedCache(
         model,
-        keys=codec,
-        values=codec,
-        resident=0.25,
-        select=SnapKV(window=3, kernel=3),
         gate=Gate.certified(0.05),
-        page_size=4,
-        device_budget=1.0,
-        reselect=2,
-        reselect_score=score,
+        storage=StorageConfig(keys=codec, values=codec, device_budget=1.0),
+        eviction=EvictionConfig.resident_set(
+            0.25, select=SnapKV(window=3, kernel=3), page_size=4, reselect=2, reselect_score=score
+        ),
     ) as cache:
         _decode(model, ids, cache, each=check)
         assert cache.reselect_stats is not None and cache.reselect_stats.reselections > 0
@@ -152,22 +144,26 @@ def test_bytes_device_never_exceeds_the_device_budget_with_reselect(models, code
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "keys", "match"),
     [
-        ({"reselect": 4}, "needs resident"),
-        ({"resident": 0.25, "reselect": 0}, "reselect must be a positive int"),
-        ({"resident": 0.25, "reselect": -2}, "reselect must be a positive int"),
-        ({"resident": 0.25, "reselect": 1.5}, "reselect must be a positive int"),
-        ({"resident": 0.25, "reselect": True}, "reselect must be a positive int"),
-        ({"resident": 0.25, "reselect": 2, "keys": "dither-int8"}, "dithered codec 'dither-int8'"),
-        ({"resident": 0.25, "reselect": 2, "reselect_score": "bogus"}, "reselect_score must be one of .* 'bogus'"),
-        ({"resident": 0.25, "reselect": 2, "reselect_score": None}, "reselect_score must be one of .* None"),
+        ({"reselect": 0}, "int8", "reselect must be a positive int"),
+        ({"reselect": -2}, "int8", "reselect must be a positive int"),
+        ({"reselect": 1.5}, "int8", "reselect must be a positive int"),
+        ({"reselect": True}, "int8", "reselect must be a positive int"),
+        ({"reselect": 2}, "dither-int8", "dithered codec 'dither-int8'"),
+        ({"reselect": 2, "reselect_score": "bogus"}, "int8", "reselect_score must be one of .* 'bogus'"),
+        ({"reselect": 2, "reselect_score": None}, "int8", "reselect_score must be one of .* None"),
     ],
 )
-def test_bad_reselect_arguments_raise_clear_errors(models, kwargs, match):
-    args = {"keys": "int8", "values": "int8", "gate": Gate.certified(0.2), **kwargs}
+def test_bad_reselect_arguments_raise_clear_errors(models, kwargs, keys, match):
     with pytest.raises(ValueError, match=match):
-        CertifiedCache(models["llama"], **args)
+        resident = EvictionConfig.resident_set(0.25, **kwargs)
+        CertifiedCache(models["llama"], keys=keys, values="int8", gate=Gate.certified(0.2), eviction=resident)
+
+
+def test_reselect_without_a_resident_set_is_refused() -> None:
+    with pytest.raises(ValueError, match="reselect=N re-selects a resident set"):
+        EvictionConfig(reselect=4)
 
 
 def _held_and_omitted(evictor, store) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,15 +187,11 @@ def test_held_tokens_that_stay_omitted_stay_held_across_a_re_paging(models, scor
     seen = {"carried": 0, "paged": 0}
     with CertifiedCache(
         model,
-        keys="int4",
-        values="int4",
-        resident=0.25,
-        select=SnapKV(window=3, kernel=3),
         gate=Gate.certified(0.05),
-        page_size=page_size,
-        device_budget=None,
-        reselect=2,
-        reselect_score=score,
+        storage=StorageConfig(keys="int4", values="int4", device_budget=None),
+        eviction=EvictionConfig.resident_set(
+            0.25, select=SnapKV(window=3, kernel=3), page_size=page_size, reselect=2, reselect_score=score
+        ),
     ) as cache:
         evictor = cache._evictor
         reselect = evictor._reselect

@@ -11,7 +11,7 @@ import torch
 from resident_cases import POLICIES, assert_sound_in_every_cell, greedy_decode, prompt_ids
 from transformers import DynamicCache
 
-from kvcert import Gate
+from kvcert import EvictionConfig, Gate, StorageConfig
 from kvcert.attention.evict_driver import ingest_reads
 from kvcert.eval.branching import exact_prefill, greedy_from
 from kvcert.evict import H2O, SnapKV
@@ -30,17 +30,23 @@ def model():
     return tiny_random("gemma3", num_hidden_layers=6, head_dim=32, num_key_value_heads=2, sliding_window=WINDOW)
 
 
-def _cache(model, tau: float = 0.2, **kw) -> CertifiedCache:
+def _cache(
+    model,
+    tau: float = 0.2,
+    codec: str = "int4",
+    resident: float = 0.25,
+    validate: bool = False,
+    device_budget: float | None = 1.0,
+    **kw,
+) -> CertifiedCache:
     return CertifiedCache(
         model,
-        keys=kw.pop("codec", "int4"),
-        values="int4",
-        resident=kw.pop("resident", 0.25),
-        select=kw.pop("select", POLICIES["snapkv"]()),
         gate=Gate.certified(tau),
-        page_size=4,
-        write_block=4,
-        **kw,
+        validate=validate,
+        storage=StorageConfig(keys=codec, values="int4", write_block=4, device_budget=device_budget),
+        eviction=EvictionConfig.resident_set(
+            resident, select=kw.pop("select", POLICIES["snapkv"]()), page_size=4, **kw
+        ),
     )
 
 
@@ -161,12 +167,9 @@ def test_prefill_compression_applies_to_the_full_layers(model):
     ids = prompt_ids(model, batch=1, seed=17)
     with CertifiedCache(
         model,
-        keys="int8",
-        values="int8",
-        evict=SnapKV(window=3, kernel=3),
-        compression_ratio=0.5,
         validate=True,
-        write_block=4,
+        storage=StorageConfig(keys="int8", values="int8", write_block=4),
+        eviction=EvictionConfig.prefill(SnapKV(window=3, kernel=3), 0.5),
     ) as cache:
         greedy_decode(model, ids, cache, 2)
         tel = cache.telemetry()
@@ -180,10 +183,17 @@ def test_prefill_compression_applies_to_the_full_layers(model):
 
 def test_what_cannot_be_served_is_refused():
     gemma = tiny_random("gemma3", sliding_window=WINDOW)
-    with pytest.raises(ValueError, match="budget=... \\(decode-time eviction\\) is not supported"):
-        CertifiedCache(gemma, keys="int8", values="int8", evict=H2O(recent=2), budget=8, write_block=4)
+    with pytest.raises(ValueError, match="decode-time eviction \\(EvictionConfig.decode_budget\\) is not supported"):
+        CertifiedCache(
+            gemma,
+            storage=StorageConfig(keys="int8", values="int8", write_block=4),
+            eviction=EvictionConfig.decode_budget(H2O(recent=2), 8),
+        )
     every_layer_sliding = tiny_random("mistral", sliding_window=8)
     with pytest.raises(ValueError, match="no full-attention layer"):
         CertifiedCache(
-            every_layer_sliding, keys="int8", values="int8", resident=0.25, gate=Gate.certified(0.2), write_block=4
+            every_layer_sliding,
+            gate=Gate.certified(0.2),
+            storage=StorageConfig(keys="int8", values="int8", write_block=4),
+            eviction=EvictionConfig.resident_set(0.25),
         )

@@ -3,7 +3,7 @@ import torch
 from resident_cases import POLICIES, prompt_ids
 from transformers import DynamicCache
 
-from kvcert import Gate
+from kvcert import EvictionConfig, Gate
 from kvcert.eval import branching
 from kvcert.eval.branching import Scheme, exact_prefill, run_branches
 from kvcert.evict import PrefillReads
@@ -79,7 +79,10 @@ def test_resident_scheme_selects_from_the_real_prefill_attention(select, monkeyp
         scheme = Scheme("r", "none", "none", resident=0.4, select=POLICIES[select], resident_alloc=alloc)
         run_branches(model, ids, [scheme], 2, [])
         own = CertifiedCache(
-            model, keys="none", values="none", resident=0.4, select=POLICIES[select](), resident_alloc=alloc
+            model,
+            keys="none",
+            values="none",
+            eviction=EvictionConfig.resident_set(0.4, select=POLICIES[select](), resident_alloc=alloc),
         )
         with torch.no_grad():
             model(ids, cache=own, use_cache=True)
@@ -89,7 +92,9 @@ def test_resident_scheme_selects_from_the_real_prefill_attention(select, monkeyp
         for a, b in zip(got[0], want, strict=True):
             assert torch.equal(a, b)
         if select == "snapkv" and alloc == "uniform":  # the key-proxy scores (no attention) keep another set here
-            proxy = CertifiedCache(model, keys="none", values="none", resident=0.4, select=POLICIES[select]())
+            proxy = CertifiedCache(
+                model, keys="none", values="none", eviction=EvictionConfig.resident_set(0.4, select=POLICIES[select]())
+            )
             proxy.ingest(exact_prefill(model, ids).cache)
             assert any(not torch.equal(a, b) for a, b in zip(_kept(proxy), want, strict=True))
             proxy.detach()

@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, DynamicCache
 
+from kvcert import EvictionConfig, ValidationConfig
 from kvcert.eval import Sample, prompt_ids
 from kvcert.eval.multiturn import converse, dialogue_ids, split_queries
 from kvcert.evict import H2O, StreamingLLM
@@ -100,7 +101,7 @@ def test_cache_is_carried_across_turns_with_logical_positions():
     model = tiny_random("llama", head_dim=32)
     segments = _segments(model)
     dense = converse(model, DynamicCache(config=model.config), segments, max_new_tokens=4)
-    cache = CertifiedCache(model, keys="none", values="none", certify=False)
+    cache = CertifiedCache(model, keys="none", values="none", validation=ValidationConfig(certify=False))
     plain = converse(model, cache, segments, max_new_tokens=4)
     cache.detach()
     assert plain.tokens == dense.tokens and [len(t) for t in plain.tokens] == [4, 4, 4]
@@ -108,7 +109,13 @@ def test_cache_is_carried_across_turns_with_logical_positions():
     lengths = [s.shape[1] for s in segments]
     ref = _reference_logits(model, segments, plain, _replay_mask(lengths, plain.tokens))
     assert torch.allclose(torch.cat(plain.logits), ref, atol=1e-4, rtol=0)
-    roomy = CertifiedCache(model, keys="none", values="none", certify=False, evict=H2O(recent=2), budget=200)
+    roomy = CertifiedCache(
+        model,
+        keys="none",
+        values="none",
+        validation=ValidationConfig(certify=False),
+        eviction=EvictionConfig.decode_budget(H2O(recent=2), 200),
+    )
     same = converse(model, roomy, segments, max_new_tokens=4)
     roomy.detach()
     assert same.tokens == plain.tokens
@@ -122,7 +129,11 @@ def test_eviction_at_turn_one_is_carried_into_later_turns():
     segments = _segments(model, seed=1)
     budget, sinks = 12, 2
     cache = CertifiedCache(
-        model, keys="none", values="none", certify=False, evict=StreamingLLM(sinks=sinks), budget=budget
+        model,
+        keys="none",
+        values="none",
+        validation=ValidationConfig(certify=False),
+        eviction=EvictionConfig.decode_budget(StreamingLLM(sinks=sinks), budget),
     )
     conv = converse(model, cache, segments, max_new_tokens=3)
     cache.detach()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvcert import Gate
+from kvcert import Gate, StorageConfig
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models.tiny import tiny_random
 
@@ -72,7 +72,9 @@ def test_persistent_int2_repair_never_exceeds_the_budget_at_any_step(granularity
     model = tiny_random("llama", head_dim=32)
     ids = torch.randint(3, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
     gate = Gate.certified(0.0, granularity=granularity, block_size=8, persistent=True)
-    cache = CertifiedCache(model, keys="int2", values="int2", gate=gate, seed=0, write_block=4, device_budget=budget)
+    cache = CertifiedCache(
+        model, gate=gate, seed=0, storage=StorageConfig(keys="int2", values="int2", write_block=4, device_budget=budget)
+    )
     seen = []
     _ingested(model, ids, cache, 20, _budget_check(budget, seen))
     cache.detach()
@@ -81,7 +83,9 @@ def test_persistent_int2_repair_never_exceeds_the_budget_at_any_step(granularity
     assert tel.transient_page_ins > 0 and tel.bytes_transient > 0  # the budget did bind
     assert tel.capacity >= 1.0 / budget
     # without a budget the same gate stores more than fp16: the check above is not vacuous
-    free = CertifiedCache(model, keys="int2", values="int2", gate=gate, seed=0, write_block=4, device_budget=None)
+    free = CertifiedCache(
+        model, gate=gate, seed=0, storage=StorageConfig(keys="int2", values="int2", write_block=4, device_budget=None)
+    )
     _ingested(model, ids, free, 20, lambda c: None)
     free.detach()
     assert free.telemetry().bytes_device > budget * free.telemetry().bytes_fp16
@@ -92,11 +96,9 @@ def test_default_budget_keeps_gated_int2_at_or_below_fp16():
     ids = torch.randint(3, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
     cache = CertifiedCache(
         model,
-        keys="int2",
-        values="int2",
         seed=0,
-        write_block=4,
         gate=Gate.certified(0.0, granularity="block", block_size=8, persistent=True),
+        storage=StorageConfig(keys="int2", values="int2", write_block=4),
     )
     seen = []
     _ingested(model, ids, cache, 12, _budget_check(1.0, seen))
@@ -112,11 +114,8 @@ def test_tau0_with_binding_budget_is_token_identical_to_dynamic_cache(family):
     for granularity in ("head", "block"):
         cache = CertifiedCache(
             model,
-            keys="int2",
-            values="int2",
-            device_budget=0.5,
-            write_block=4,
             gate=Gate.certified(0.0, granularity=granularity, block_size=4, persistent=True),
+            storage=StorageConfig(keys="int2", values="int2", write_block=4, device_budget=0.5),
         )
         got = _stepwise(model, ids, cache, 12)
         cache.detach()
@@ -130,7 +129,10 @@ def test_fallback_rate_is_per_read_for_persistent_gates():
     model = tiny_random("llama", head_dim=32)
     ids = torch.randint(3, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(5))
     cache = CertifiedCache(
-        model, keys="int4", values="int4", gate=Gate.certified(1e-3, persistent=True), device_budget=None, seed=0
+        model,
+        gate=Gate.certified(1e-3, persistent=True),
+        seed=0,
+        storage=StorageConfig(keys="int4", values="int4", device_budget=None),
     )
     _ingested(model, ids, cache, 10, lambda c: None)
     cache.detach()
@@ -165,4 +167,4 @@ def test_telemetry_bytes_device_is_the_sum_over_layers_of_the_stored_tensors():
 def test_device_budget_rejects_bad_values():
     model = tiny_random("llama", head_dim=32)
     with pytest.raises(ValueError, match="device_budget"):
-        CertifiedCache(model, keys="int4", values="int4", device_budget=-1.0)
+        CertifiedCache(model, storage=StorageConfig(keys="int4", values="int4", device_budget=-1.0))

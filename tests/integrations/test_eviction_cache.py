@@ -6,11 +6,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvcert import Gate
+from kvcert import EvictionConfig, Gate, ValidationConfig
 from kvcert.attention.evict_driver import ingest_reads
 from kvcert.eval.branching import exact_prefill
 from kvcert.evict import H2O, RMM, Belady, SnapKV, StreamingLLM, prefill_kept_count, selection_tv, trace_from_attentions
-from kvcert.integrations.transformers import CertifiedCache, KappaFeeder
+from kvcert.integrations.kappa_feeder import KappaFeeder
+from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models.tiny import tiny_random
 
 torch.set_num_threads(1)
@@ -68,7 +69,9 @@ def test_every_policy_keeps_the_budget_through_a_decode_loop(name):
     model = _model()
     ids = _ids(model)
     budget = 9
-    cache = CertifiedCache(model, keys="int8", values="int8", evict=POLICIES[name](model, ids), budget=budget)
+    cache = CertifiedCache(
+        model, keys="int8", values="int8", eviction=EvictionConfig.decode_budget(POLICIES[name](model, ids), budget)
+    )
     sizes = []
     _decode(model, ids, cache, on_step=lambda c, _: sizes.append([layer.store.n for layer in c.layers]))
     # after each decode forward a layer holds the budget plus the one new token; eviction happened
@@ -90,13 +93,23 @@ def test_budget_above_sequence_is_bit_identical_and_repair_equals_dynamic(family
     plain = CertifiedCache(model, keys="int4", values="int4", seed=7)
     ref_tok, ref_logits = _decode(model, ids, plain)
     plain.detach()
-    cache = CertifiedCache(model, keys="int4", values="int4", seed=7, evict=H2O(recent=2), budget=PROMPT + STEPS + 1)
+    cache = CertifiedCache(
+        model,
+        keys="int4",
+        values="int4",
+        seed=7,
+        eviction=EvictionConfig.decode_budget(H2O(recent=2), PROMPT + STEPS + 1),
+    )
     tok, logits = _decode(model, ids, cache)
     cache.detach()
     assert torch.equal(tok, ref_tok) and torch.equal(logits, ref_logits)
     dyn_tok, _ = _decode(model, ids, DynamicCache(config=model.config))
     repaired = CertifiedCache(
-        model, keys="int4", values="int4", gate=Gate.certified(0.0), evict=H2O(recent=2), budget=PROMPT + STEPS + 1
+        model,
+        keys="int4",
+        values="int4",
+        gate=Gate.certified(0.0),
+        eviction=EvictionConfig.decode_budget(H2O(recent=2), PROMPT + STEPS + 1),
     )
     tok, _ = _decode(model, ids, repaired)
     assert torch.equal(tok, dyn_tok)
@@ -110,7 +123,11 @@ def test_positions_after_eviction_match_a_masked_full_forward():
     ids = _ids(model, seed=5)
     sinks, budget = 2, 8
     cache = CertifiedCache(
-        model, keys="int8", values="int8", gate=Gate.certified(0.0), evict=StreamingLLM(sinks=sinks), budget=budget
+        model,
+        keys="int8",
+        values="int8",
+        gate=Gate.certified(0.0),
+        eviction=EvictionConfig.decode_budget(StreamingLLM(sinks=sinks), budget),
     )
     tok, logits = _decode(model, ids, cache)
     cache.detach()
@@ -139,7 +156,11 @@ def test_left_padding_batch_matches_single_rows_under_eviction():
 
     def run(ids, mask):
         cache = CertifiedCache(
-            model, keys="int8", values="int8", gate=Gate.certified(0.0), evict=H2O(recent=2), budget=10
+            model,
+            keys="int8",
+            values="int8",
+            gate=Gate.certified(0.0),
+            eviction=EvictionConfig.decode_budget(H2O(recent=2), 10),
         )
         out = model.generate(
             ids,
@@ -168,7 +189,12 @@ def test_eviction_with_int8_and_certified_gate_has_no_violations(policy):
     model = _model()
     ids = _ids(model, 2 * PROMPT, batch=2, seed=11)
     cache = CertifiedCache(
-        model, keys="int8", values="int4", gate=Gate.certified(0.05), validate=True, evict=policy, budget=16
+        model,
+        keys="int8",
+        values="int4",
+        gate=Gate.certified(0.05),
+        validate=True,
+        eviction=EvictionConfig.decode_budget(policy, 16),
     )
     _decode(model, ids, cache)
     tel = cache.telemetry()
@@ -184,8 +210,9 @@ def test_validate_evicted_mass_equals_brute_force_tv_per_cell(mode):
     attention restricted to the kept set and renormalised), recomputed from every key ever written."""
     model = _model()
     ids = _ids(model, seed=13)
-    kwargs = {"budget": 8} if mode == "budget" else {"compression_ratio": 0.5}
-    cache = CertifiedCache(model, keys="int8", values="int8", validate=True, evict=H2O(recent=2), **kwargs)
+    policy = H2O(recent=2)
+    eviction = EvictionConfig.decode_budget(policy, 8) if mode == "budget" else EvictionConfig.prefill(policy, 0.5)
+    cache = CertifiedCache(model, keys="int8", values="int8", validate=True, eviction=eviction)
     written: dict[int, list[torch.Tensor]] = {0: [], 1: []}
     reads = []
     update, read = cache.update, cache._read
@@ -228,7 +255,7 @@ def test_validate_evicted_mass_equals_brute_force_tv_per_cell(mode):
 def test_prefill_compression_keeps_the_documented_count(policy, ratio):
     model = _model()
     ids = _ids(model)
-    cache = CertifiedCache(model, keys="int8", values="int8", evict=policy, compression_ratio=ratio)
+    cache = CertifiedCache(model, keys="int8", values="int8", eviction=EvictionConfig.prefill(policy, ratio))
     sizes = []
     _decode(model, ids, cache, steps=3, on_step=lambda c, _: sizes.append([layer.store.n for layer in c.layers]))
     kept = prefill_kept_count(PROMPT, ratio)
@@ -247,11 +274,13 @@ def test_ingest_compression_uses_key_proxy_and_keeps_count():
     past = DynamicCache(config=model.config)
     with torch.no_grad():
         model(ids, cache=past, use_cache=True)
-    cache = CertifiedCache(model, keys="int8", values="int8", evict=H2O(recent=2), compression_ratio=0.5)
+    cache = CertifiedCache(model, keys="int8", values="int8", eviction=EvictionConfig.prefill(H2O(recent=2), 0.5))
     cache.ingest(past)
     assert [layer.store.n for layer in cache.layers] == [10, 10]
     assert cache.get_seq_length() == PROMPT
-    budget_cache = CertifiedCache(model, keys="int8", values="int8", evict=H2O(recent=2), budget=6)
+    budget_cache = CertifiedCache(
+        model, keys="int8", values="int8", eviction=EvictionConfig.decode_budget(H2O(recent=2), 6)
+    )
     budget_cache.ingest(past)
     with torch.no_grad():
         model(ids[:, :1], cache=budget_cache, use_cache=True)
@@ -261,7 +290,9 @@ def test_ingest_compression_uses_key_proxy_and_keeps_count():
 def test_rmm_kappa_feeder_in_generate_and_missing_kappa_fails_closed():
     model = _model()
     ids = _ids(model)
-    cache = CertifiedCache(model, keys="int8", values="int8", evict=RMM(lag=3, kappa="emitted"), budget=8)
+    cache = CertifiedCache(
+        model, keys="int8", values="int8", eviction=EvictionConfig.decode_budget(RMM(lag=3, kappa="emitted"), 8)
+    )
     with torch.no_grad():
         model.generate(
             ids,
@@ -275,7 +306,9 @@ def test_rmm_kappa_feeder_in_generate_and_missing_kappa_fails_closed():
     assert max(layer.store.n for layer in cache.layers) <= 9 and not cache._kappa_groups
     scores = cache.evict._layers[0].scores
     assert (scores > 0).any()  # κ-weighted rows reached DU
-    bare = CertifiedCache(model, keys="int8", values="int8", evict=RMM(lag=3, kappa="emitted"), budget=8)
+    bare = CertifiedCache(
+        model, keys="int8", values="int8", eviction=EvictionConfig.decode_budget(RMM(lag=3, kappa="emitted"), 8)
+    )
     with pytest.raises(ValueError, match="set_kappa"):
         _decode(model, ids, bare, steps=2)
     with pytest.raises(ValueError, match="kappa"):
@@ -288,7 +321,7 @@ def test_rmm_prefill_kappa_changes_the_kept_set():
 
     def kept(kappa):
         cache = CertifiedCache(
-            model, keys="int8", values="int8", evict=RMM(lag=2, kappa="realised"), compression_ratio=0.5
+            model, keys="int8", values="int8", eviction=EvictionConfig.prefill(RMM(lag=2, kappa="realised"), 0.5)
         )
         cache.set_prefill_kappa(kappa)
         with torch.no_grad():
@@ -302,33 +335,39 @@ def test_rmm_prefill_kappa_changes_the_kept_set():
 
 
 @pytest.mark.parametrize(
-    "kwargs,match",
+    "build,cache_kw,match",
     [
-        ({"keys": "kivi-2", "evict": H2O(recent=2), "budget": 8}, "per-token"),
-        ({"keys": "int8", "values": "kvquant-4", "evict": H2O(recent=2), "budget": 8}, "per-token"),
-        ({"evict": StreamingLLM(sinks=4), "budget": 3}, "budget"),
-        ({"evict": H2O(recent=6, sinks=2), "budget": 7}, "budget"),
-        ({"evict": H2O(recent=2), "budget": 8, "compression_ratio": 0.5}, "exactly one"),
-        ({"evict": H2O(recent=2)}, "exactly one"),
-        ({"budget": 8}, "evict"),
-        ({"evict": H2O(recent=2), "compression_ratio": 1.0}, "compression_ratio"),
-        ({"evict": H2O(recent=2), "budget": 8, "ladder": True}, "ladder"),
-        ({"evict": H2O(recent=2), "budget": 8, "evict_chunk": 0}, "evict_chunk"),
-        ({"evict": H2O(recent=2), "budget": 8, "evict_chunk": 9}, "evict_chunk"),
-        ({"evict": H2O(recent=6), "budget": 8, "evict_chunk": 4}, "evict_chunk"),
-        ({"evict": H2O(recent=2), "budget": 8, "belady": True}, "belady"),
-        ({"evict": H2O(recent=2), "compression_ratio": 0.5, "validate": True, "belady": True}, "belady"),
+        (lambda: EvictionConfig.decode_budget(H2O(recent=2), 8), {"keys": "kivi-2"}, "per-token"),
+        (lambda: EvictionConfig.decode_budget(H2O(recent=2), 8), {"values": "kvquant-4"}, "per-token"),
+        (lambda: EvictionConfig.decode_budget(StreamingLLM(sinks=4), 3), {}, "budget"),
+        (lambda: EvictionConfig.decode_budget(H2O(recent=6, sinks=2), 7), {}, "budget"),
+        (lambda: EvictionConfig.decode_budget(H2O(recent=2), 0), {}, "budget must be a positive int"),
+        (lambda: EvictionConfig.decode_budget(H2O(recent=2), True), {}, "budget must be a positive int"),
+        (lambda: EvictionConfig(H2O(recent=2), 8, 0.5), {}, "exactly one"),
+        (lambda: EvictionConfig(H2O(recent=2)), {}, "exactly one"),
+        (lambda: EvictionConfig(budget=8), {}, "need a policy"),
+        (lambda: EvictionConfig.decode_budget("h2o", 8), {}, "policy must be a kvcert.evict.EvictionPolicy"),
+        (lambda: EvictionConfig.prefill(H2O(recent=2), 1.0), {}, "compression_ratio"),
+        (lambda: EvictionConfig.prefill(H2O(recent=2), -0.1), {}, "compression_ratio"),
+        (lambda: EvictionConfig.prefill(H2O(recent=2), "half"), {}, "compression_ratio"),
+        (lambda: EvictionConfig.decode_budget(H2O(recent=2), 8), {"ladder": True}, "ladder"),
+        (lambda: EvictionConfig.decode_budget(H2O(recent=2), 8, chunk=0), {}, "chunk"),
+        (lambda: EvictionConfig.decode_budget(H2O(recent=2), 8, chunk=9), {}, "chunk"),
+        (lambda: EvictionConfig.decode_budget(H2O(recent=6), 8, chunk=4), {}, "chunk"),
+        (lambda: EvictionConfig.decode_budget(H2O(recent=2), 8, belady=True), {}, "belady"),
+        (lambda: EvictionConfig.decode_budget(H2O(recent=2), 8, belady=1), {}, "belady must be a bool"),
+        (lambda: EvictionConfig(H2O(recent=2), compression_ratio=0.5, belady=True), {"validate": True}, "belady"),
     ],
 )
-def test_bad_eviction_settings_fail_with_a_named_error(kwargs, match):
+def test_bad_eviction_settings_fail_with_a_named_error(build, cache_kw, match):
     model = _model()
     with pytest.raises(ValueError, match=match):
-        CertifiedCache(model, **kwargs)
+        CertifiedCache(model, eviction=build(), **cache_kw)
 
 
 def test_sliding_window_models_are_refused():
     with pytest.raises(ValueError, match="sliding"):
-        CertifiedCache(_model("gemma3"), evict=H2O(recent=2), budget=8)
+        CertifiedCache(_model("gemma3"), eviction=EvictionConfig.decode_budget(H2O(recent=2), 8))
 
 
 @pytest.mark.parametrize("policy", [H2O(recent=3), SnapKV(window=3, kernel=3)])
@@ -337,7 +376,7 @@ def test_ingest_with_recorded_attention_keeps_what_the_in_forward_compression_ke
     ``benchmarks/evict_ruler.py``) selects the same slots as compressing inside the prefill forward."""
     model = _model()
     ids = _ids(model, seed=21)
-    inline = CertifiedCache(model, keys="int8", values="int8", evict=policy, compression_ratio=0.5)
+    inline = CertifiedCache(model, keys="int8", values="int8", eviction=EvictionConfig.prefill(policy, 0.5))
     with torch.no_grad():
         model(ids, cache=inline, use_cache=True)
     inline.detach()
@@ -346,16 +385,16 @@ def test_ingest_with_recorded_attention_keeps_what_the_in_forward_compression_ke
     with torch.no_grad():
         attentions = model(ids, cache=past, use_cache=True, output_attentions=True).attentions
     model.set_attn_implementation("sdpa")
-    branched = CertifiedCache(model, keys="int8", values="int8", evict=policy, compression_ratio=0.5)
+    branched = CertifiedCache(model, keys="int8", values="int8", eviction=EvictionConfig.prefill(policy, 0.5))
     branched.ingest(past, attentions=attentions)
     gen = torch.Generator().manual_seed(0)
-    other = CertifiedCache(model, keys="int8", values="int8", evict=policy, compression_ratio=0.5)
+    other = CertifiedCache(model, keys="int8", values="int8", eviction=EvictionConfig.prefill(policy, 0.5))
     other.ingest(past, attentions=[torch.rand(a.shape, generator=gen).tril() for a in attentions])
     for layer in range(2):
         assert torch.equal(branched.kept_positions(layer), inline.kept_positions(layer))
     assert any(not torch.equal(other.kept_positions(i), inline.kept_positions(i)) for i in range(2))
     with pytest.raises(ValueError, match="attentions"):
-        CertifiedCache(model, evict=policy, compression_ratio=0.5).ingest(past, attentions=attentions[:1])
+        CertifiedCache(model, eviction=EvictionConfig.prefill(policy, 0.5)).ingest(past, attentions=attentions[:1])
 
 
 def test_ingest_of_a_partial_recording_serves_compression_and_refuses_budget_mode():
@@ -368,13 +407,17 @@ def test_ingest_of_a_partial_recording_serves_compression_and_refuses_budget_mod
     pre = exact_prefill(model, ids, ingest_reads(policy))
     short = exact_prefill(model, ids[:, :-1], ingest_reads(policy))
     assert pre.attentions is not None and short.attentions is not None
-    cache = CertifiedCache(model, keys="int8", values="int8", evict=policy, compression_ratio=0.5)
+    cache = CertifiedCache(model, keys="int8", values="int8", eviction=EvictionConfig.prefill(policy, 0.5))
     cache.ingest(pre.cache, attentions=pre.attentions)
     assert cache.kept_positions(0).shape[-1] == prefill_kept_count(ids.shape[1], 0.5)
     with pytest.raises(ValueError, match="newest were recorded"):
-        CertifiedCache(model, evict=SnapKV(window=3, kernel=3), budget=8).ingest(pre.cache, attentions=pre.attentions)
+        CertifiedCache(model, eviction=EvictionConfig.decode_budget(SnapKV(window=3, kernel=3), 8)).ingest(
+            pre.cache, attentions=pre.attentions
+        )
     with pytest.raises(ValueError, match="prefill's attention"):
-        CertifiedCache(model, evict=policy, compression_ratio=0.5).ingest(pre.cache, attentions=short.attentions)
+        CertifiedCache(model, eviction=EvictionConfig.prefill(policy, 0.5)).ingest(
+            pre.cache, attentions=short.attentions
+        )
 
 
 @pytest.mark.parametrize("chunk", [1, 4])
@@ -382,7 +425,9 @@ def test_evict_chunk_evicts_that_many_at_once_within_the_budget(chunk):
     model = _model()
     ids = _ids(model, seed=23)
     budget = 9
-    cache = CertifiedCache(model, keys="int8", values="int8", evict=H2O(recent=2), budget=budget, evict_chunk=chunk)
+    cache = CertifiedCache(
+        model, keys="int8", values="int8", eviction=EvictionConfig.decode_budget(H2O(recent=2), budget, chunk=chunk)
+    )
     sizes = []
     _decode(model, ids, cache, on_step=lambda c, _: sizes.append(c.layers[0].store.n))
     # the size a decode read sees cycles budget − chunk + 2 .. budget + 1
@@ -393,7 +438,13 @@ def test_evict_chunk_evicts_that_many_at_once_within_the_budget(chunk):
 def _teacher_forced(model, ids, policy, budget=10, prompt=12):
     """Prefill ``prompt`` tokens, then feed the rest of ``ids`` one token at a time (the given tokens, not the
     model's: layer 0's queries and keys then do not depend on what was evicted)."""
-    cache = CertifiedCache(model, keys="int8", values="int8", validate=True, evict=policy, budget=budget, belady=True)
+    cache = CertifiedCache(
+        model,
+        keys="int8",
+        values="int8",
+        validate=True,
+        eviction=EvictionConfig.decode_budget(policy, budget, belady=True),
+    )
     with torch.no_grad():
         model(ids[:, :prompt], cache=cache, use_cache=True)
         for t in range(prompt, ids.shape[1]):
@@ -432,16 +483,19 @@ def test_snapkv_first_budget_eviction_after_ingest_keeps_the_prefill_compression
         attentions = model(ids, cache=past, use_cache=True, output_attentions=True).attentions
     model.set_attn_implementation("sdpa")
     compressed = CertifiedCache(
-        model, keys="none", values="none", certify=False, evict=SnapKV(window=8, kernel=3), compression_ratio=0.5
+        model,
+        keys="none",
+        values="none",
+        validation=ValidationConfig(certify=False),
+        eviction=EvictionConfig.prefill(SnapKV(window=8, kernel=3), 0.5),
     )
     compressed.ingest(past, attentions=attentions)
     budget = CertifiedCache(
         model,
         keys="none",
         values="none",
-        certify=False,
-        evict=SnapKV(window=8, kernel=3),
-        budget=prefill_kept_count(60, 0.5),
+        validation=ValidationConfig(certify=False),
+        eviction=EvictionConfig.decode_budget(SnapKV(window=8, kernel=3), prefill_kept_count(60, 0.5)),
     )
     budget.ingest(past, attentions=attentions)
     with torch.no_grad():

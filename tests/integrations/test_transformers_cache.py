@@ -7,8 +7,10 @@ import torch
 from transformers import DynamicCache
 
 import kvcert
-from kvcert import Gate
-from kvcert.integrations.transformers import CacheClosedError, CacheNotActiveError, CertifiedCache
+from kvcert import Gate, StorageConfig
+from kvcert.integrations.certified_layer import CacheClosedError
+from kvcert.integrations.model_attention import CacheNotActiveError
+from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models.tiny import tiny_random
 
 torch.set_num_threads(1)
@@ -251,7 +253,7 @@ def test_unsupported_family_is_named():
 def test_non_finite_inputs_are_counted_through_the_cache():
     model = _tiny("llama")
     ids = torch.randint(3, model.config.vocab_size, (1, 20))
-    cache = CertifiedCache(model, keys="int8", values="int8", write_block=1)
+    cache = CertifiedCache(model, storage=StorageConfig(keys="int8", values="int8", write_block=1))
     with torch.no_grad():
         model.model.layers[0].self_attn.k_proj.weight[0, 0] = float("nan")  # NaN keys in layer 0
         model(ids, cache=cache)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvcert import CertifiedCache, Gate
+from kvcert import CertifiedCache, Gate, StorageConfig
 from kvcert.models.tiny import tiny_random
 
 SCHEMES = [("dither-int8", "int4"), ("dither-int6", "int2"), ("int4", "kivi-2")]
@@ -27,7 +27,12 @@ def test_log8_validate_zero_violations_and_certificates_only_grow(family, keys, 
     ids = torch.randint(3, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
     tels = {}
     for witness in ("f32", "log8"):
-        cache = CertifiedCache(model, keys=keys, values=values, validate=True, seed=3, witness=witness, write_block=1)
+        cache = CertifiedCache(
+            model,
+            validate=True,
+            seed=3,
+            storage=StorageConfig(keys=keys, values=values, write_block=1, witness=witness),
+        )
         _decode(model, ids, cache, 8)
         cache.detach()
         tels[witness] = tel = cache.telemetry()
@@ -46,7 +51,9 @@ def test_log8_repair_everything_equals_dynamic_cache(family):
     model = tiny_random(family, head_dim=32)
     ids = torch.randint(3, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
     ref = _decode(model, ids, DynamicCache(config=model.config), 10)
-    cache = CertifiedCache(model, keys="dither-int6", values="int2", gate=Gate.certified(0.0), witness="log8")
+    cache = CertifiedCache(
+        model, gate=Gate.certified(0.0), storage=StorageConfig(keys="dither-int6", values="int2", witness="log8")
+    )
     got = _decode(model, ids, cache, 10)
     cache.detach()
     assert torch.equal(ref, got)
@@ -57,7 +64,9 @@ def test_log8_repair_everything_equals_dynamic_cache(family):
 def test_log8_validate_zero_violations_smollm2(smollm2_model, keys, values):
     model, tok = smollm2_model
     ids = tok("In a hole in the ground there lived a hobbit. The capital of France is", return_tensors="pt").input_ids
-    cache = CertifiedCache(model, keys=keys, values=values, validate=True, seed=0, witness="log8")
+    cache = CertifiedCache(
+        model, validate=True, seed=0, storage=StorageConfig(keys=keys, values=values, witness="log8")
+    )
     _decode(model, ids, cache, 3)
     cache.detach()
     tel = cache.telemetry()

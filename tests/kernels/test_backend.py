@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvcert import Gate, kernels
+from kvcert import Gate, StorageConfig, kernels
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.kernels import triton_read
 from kvcert.models.tiny import tiny_random
@@ -68,7 +68,9 @@ def test_repair_everything_is_token_identical_to_dynamic_cache(family, triton_re
     model = _tiny(family)
     ids = torch.randint(3, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
     ref = _decode_loop(model, ids, DynamicCache(config=model.config), 4)
-    cache = CertifiedCache(model, keys="int2", values="int2", gate=Gate.certified(tau=0.0), write_block=4)
+    cache = CertifiedCache(
+        model, gate=Gate.certified(tau=0.0), storage=StorageConfig(keys="int2", values="int2", write_block=4)
+    )
     got = _decode_loop(model, ids, cache, 4)
     cache.detach()
     assert torch.equal(ref, got)
@@ -83,7 +85,9 @@ def test_validate_mode_zero_violations_per_cell_on_triton(family, batch, keys, g
     """GQA (qwen2's tiny config groups query heads), batch 2, validate mode; block repair under a gate."""
     model = _tiny(family)
     ids = torch.randint(3, model.config.vocab_size, (batch, 24), generator=torch.Generator().manual_seed(1))
-    cache = CertifiedCache(model, keys=keys, values="int4", gate=gate, validate=True, seed=3, write_block=4)
+    cache = CertifiedCache(
+        model, gate=gate, validate=True, seed=3, storage=StorageConfig(keys=keys, values="int4", write_block=4)
+    )
     _decode_loop(model, ids, cache, 4)  # the prefill, then 3 decode reads per layer
     cache.detach()
     tel = cache.telemetry()
@@ -102,7 +106,7 @@ def test_triton_and_numba_backends_certify_the_same_reads(monkeypatch) -> None:
     certs = {}
     for name in ("numba", "triton", "torch"):
         monkeypatch.setenv(kernels.ENV, name)
-        cache = CertifiedCache(model, keys="int4", values="int8", seed=0, write_block=4)
+        cache = CertifiedCache(model, seed=0, storage=StorageConfig(keys="int4", values="int8", write_block=4))
         _decode_loop(model, ids, cache, 3)
         cache.detach()
         certs[name] = cache.telemetry().certificates

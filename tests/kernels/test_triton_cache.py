@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvcert import Gate, kernels, quant
+from kvcert import Gate, StorageConfig, kernels, quant
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.kernels import triton_read
 from kvcert.kernels.packed import MODES
@@ -56,7 +56,11 @@ def test_tau0_is_token_exact_and_validate_has_no_violation_on_packed_codes(keys,
     ids = torch.randint(3, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(4))
     ref = _generate(model, ids, DynamicCache(config=model.config), 4)
     cache = CertifiedCache(
-        model, keys=_codec(keys), values=_codec(values), gate=Gate.certified(0.0), validate=True, seed=1, write_block=4
+        model,
+        gate=Gate.certified(0.0),
+        validate=True,
+        seed=1,
+        storage=StorageConfig(keys=_codec(keys), values=_codec(values), write_block=4),
     )
     got = _generate(model, ids, cache, 4)
     cache.detach()
@@ -84,7 +88,9 @@ def test_block_repair_under_a_threshold_on_packed_codes(packed_reads) -> None:
     model = tiny_random("llama", **SMOLLM2_SHAPE)
     ids = torch.randint(3, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(5))
     gate = Gate.certified(0.02, granularity="block", block_size=8)
-    cache = CertifiedCache(model, keys="int2", values="int4", gate=gate, validate=True, seed=2, write_block=4)
+    cache = CertifiedCache(
+        model, gate=gate, validate=True, seed=2, storage=StorageConfig(keys="int2", values="int4", write_block=4)
+    )
     _generate(model, ids, cache, 4)
     cache.detach()
     tel = cache.telemetry()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvcert import StorageConfig
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.ledger import Ledger
 from kvcert.ledger.observer import LedgerObserver
@@ -20,12 +21,10 @@ def test_dither_writes_update_the_eprocess_and_int8_writes_do_not():
         uid = ledger.open_request()
         cache = CertifiedCache(
             model,
-            keys=keys,
-            values="int8",
             request_ids=[uid],
             observers=[LedgerObserver(ledger)],
-            write_block=1,
             seed=0,
+            storage=StorageConfig(keys=keys, values="int8", write_block=1),
         )
         with torch.no_grad():
             out = model(ids, cache=cache)

@@ -8,6 +8,7 @@ from collections import Counter
 import numpy as np
 import torch
 
+from kvcert import StorageConfig
 from kvcert.cache.events import ReadEvent, WriteEvent
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.ledger import EventLog, Ledger, read_events
@@ -35,7 +36,9 @@ def _serve(
 ) -> CertifiedCache:
     """Prefill ``prompt_len`` tokens per row, then ``steps`` greedy decode steps (write_block 1)."""
     observers = [LedgerObserver(ledger)] + ([] if recorder is None else [recorder])
-    cache = CertifiedCache(model, keys="int8", values="int8", request_ids=uids, observers=observers, write_block=1)
+    cache = CertifiedCache(
+        model, request_ids=uids, observers=observers, storage=StorageConfig(keys="int8", values="int8", write_block=1)
+    )
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, (len(uids), prompt_len), generator=gen)
     with torch.no_grad():

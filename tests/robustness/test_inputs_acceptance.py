@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvcert import Gate
+from kvcert import Gate, StorageConfig
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models.tiny import tiny_random
 
@@ -76,7 +76,7 @@ def test_sliding_window_smaller_than_a_write_block_is_reported(window: int, sile
     ids = torch.randint(3, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(3))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cache = CertifiedCache(model, keys="int4", values="int4", write_block=16, seed=0)
+        cache = CertifiedCache(model, seed=0, storage=StorageConfig(keys="int4", values="int4", write_block=16))
     _decode(model, ids, cache, 4)
     cache.detach()
     tel = cache.telemetry()

@@ -12,6 +12,7 @@ import pytest
 from replica_seeds import rank_dependent_seed
 from typer.testing import CliRunner
 
+from kvcert import StorageConfig
 from kvcert.cli.ledger_command import app
 from kvcert.ledger import diff_states, evaluate, replay
 from kvcert.models.tiny import tiny_random
@@ -27,7 +28,7 @@ def _run(out: Path, n_ranks: int, **kw) -> tuple[list[dict], dict[int, list[list
         n_ranks,
         out,
         nonce=2**40 + 17,
-        cache_options={"write_block": 1},
+        cache_options={"storage": StorageConfig(write_block=1)},
         timeout_s=300,
         **kw,
     )

@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from kvcert import StorageConfig
 from kvcert.cache.events import ReadEvent, WriteEvent
 from kvcert.integrations.observed_cache import ObservedDynamicCache
 from kvcert.ledger import Ledger, LedgerObserver, SlotState, evaluate
@@ -107,7 +108,7 @@ def _serve(model, led, prompts, lengths, factory, max_batch=8):
     return done, srv
 
 
-CODEC_OPTIONS = {"key_options": {"group_size": 16}, "value_options": {"group_size": 16}}
+CODEC_OPTIONS = {"storage": StorageConfig(key_options={"group_size": 16}, value_options={"group_size": 16})}
 
 
 @pytest.mark.parametrize("cache", ["certified", "dynamic"])

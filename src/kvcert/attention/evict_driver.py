@@ -94,17 +94,26 @@ def grouped_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, s
 
 @dataclass(frozen=True)
 class EvictionConfig:
-    """Eviction settings of a cache (``CertifiedCache(evict=..., budget=..., ...)``; see its documentation).
+    """Eviction settings of a cache (``CertifiedCache(model, eviction=...)``); build one with a named constructor.
 
-    ``policy`` with exactly one of ``budget`` (decode-time budget, ``chunk`` slots evicted at once) and
-    ``compression_ratio`` (prefill compression); ``belady``: record the run's exact trace (validate + budget
-    mode); ``resident``: the resident fraction of a resident set (then ``policy`` selects it and
-    ``compression_ratio = 1 − resident``), its omitted pages summarised in ``page_size`` tokens as ``summary``;
-    ``reselect``: re-select the resident set every ``reselect`` decode steps (``None``: never), ranking tokens by
-    ``reselect_score`` (:data:`RESELECT_SCORES`: ``"key_proxy"`` or ``"decode"``, see :class:`DecodeScores`);
-    ``resident_alloc`` (:data:`RESIDENT_ALLOCS`): ``"uniform"`` keeps the resident fraction in every layer,
-    ``"mass"`` the same total split across layers by the policy's prefill scores
-    (:func:`~kvcert.evict.allocation.allocate_kept`).
+    * :meth:`prefill` — ``policy`` compresses the prefill: it removes the fraction ``compression_ratio`` (kvpress
+      convention) of the first write of more than one token (a prefill or ``ingest``) right after its read.
+    * :meth:`decode_budget` — ``policy`` keeps at most ``budget`` slots per KV head after every write's eviction
+      (``budget + q`` during a read of ``q`` new tokens), evicting ``chunk`` slots at once; ``belady``: record the
+      run's exact trace and report the kept-set overlap with Belady on it (validate mode).
+    * :meth:`resident_set` — certified sparse attention: after the prefill each (layer, KV head) keeps the fraction
+      ``resident`` of its tokens resident, chosen by ``policy`` (the ``select`` policy; prefill compression with
+      ``compression_ratio = 1 − resident``); the whole KV stays in the host tier and the omitted pages of
+      ``page_size`` tokens are summarised as ``summary`` on the device (``"int8"``, ``"basis8"`` or ``"box"``);
+      ``recall`` keeps recalled pages on the device within the device budget (``"persistent"``) or pages them in
+      per read (``"transient"``); ``reselect``: re-select the resident set every ``reselect`` decode steps
+      (``None``: never), ranking tokens by ``reselect_score`` (:data:`RESELECT_SCORES`, see :class:`DecodeScores`);
+      ``resident_alloc`` (:data:`RESIDENT_ALLOCS`): ``"uniform"`` keeps the resident fraction in every layer,
+      ``"mass"`` the same total split across layers by the policy's prefill scores
+      (:func:`~kvcert.evict.allocation.allocate_kept`).
+
+    Every construction checks its arguments and names the one at fault; :meth:`check` then checks what depends on
+    the cache (codecs, gate, validate mode, ladder, sliding-window layers). ``docs/eviction.md`` has the details.
     """
 
     policy: EvictionPolicy | None = None
@@ -121,95 +130,134 @@ class EvictionConfig:
     resident_alloc: str = "uniform"
 
     @classmethod
-    def of(
+    def prefill(cls, policy: EvictionPolicy, compression_ratio: float) -> EvictionConfig:
+        """``policy`` removes the fraction ``compression_ratio`` in ``[0, 1)`` of the prefill's tokens."""
+        return cls(policy, compression_ratio=compression_ratio)
+
+    @classmethod
+    def decode_budget(
+        cls, policy: EvictionPolicy, budget: int, *, chunk: int = 1, belady: bool = False
+    ) -> EvictionConfig:
+        """``policy`` keeps at most ``budget`` slots per KV head, evicting ``chunk`` at once (every ``chunk``
+        steps; ``1``: back to exactly ``budget`` at every write); ``belady`` records the run's exact trace."""
+        return cls(policy, budget, chunk=chunk, belady=belady)
+
+    @classmethod
+    def resident_set(
         cls,
-        evict: EvictionPolicy | None,
-        budget: int | None,
-        compression_ratio: float | None,
-        chunk: int,
-        belady: bool,
-        resident: float | None,
-        select: EvictionPolicy | None,
-        page_size: int,
-        summary: str,
-        gate: Gate,
-        certify: bool,
+        resident: float,
+        *,
+        select: EvictionPolicy | None = None,
+        page_size: int = 16,
+        summary: str = "int8",
         recall: str = "persistent",
         reselect: int | None = None,
         reselect_score: str = "decode",
-        resident_alloc: str | None = None,
+        resident_alloc: str = "uniform",
     ) -> EvictionConfig:
-        """The configuration of the cache's keywords: a resident set is prefill compression by ``select``
-        (default :func:`default_select`) that keeps the omitted tokens on the host, split across layers by
-        ``resident_alloc`` (``None``: ``"uniform"``). Each error names the argument.
-        """
-        if resident_alloc is not None and resident_alloc not in RESIDENT_ALLOCS:
-            raise ValueError(f"resident_alloc must be one of {', '.join(RESIDENT_ALLOCS)}, got {resident_alloc!r}")
+        """A resident set of the fraction ``resident`` in ``(0, 1]``, chosen by ``select`` (default
+        :func:`default_select`): prefill compression by ``select`` that keeps the omitted tokens on the host."""
+        if isinstance(resident, bool) or not isinstance(resident, (int, float)):
+            raise ValueError(f"resident must be a fraction in (0, 1], got {resident!r}")
+        return cls(
+            default_select() if select is None else select,
+            None,
+            1.0 - float(resident),
+            resident=float(resident),
+            page_size=page_size,
+            summary=summary,
+            recall=recall,
+            reselect=reselect,
+            reselect_score=reselect_score,
+            resident_alloc=resident_alloc,
+        )
+
+    def __post_init__(self) -> None:
+        """Fail on arguments that are wrong whatever the cache (each message names the argument)."""
+        if self.resident_alloc not in RESIDENT_ALLOCS:
+            raise ValueError(f"resident_alloc must be one of {', '.join(RESIDENT_ALLOCS)}, got {self.resident_alloc!r}")
+        reselect = self.reselect
         if reselect is not None and (isinstance(reselect, bool) or not isinstance(reselect, int) or reselect < 1):
             raise ValueError(f"reselect must be a positive int (decode steps between re-selections), got {reselect!r}")
-        if reselect_score not in RESELECT_SCORES:
-            raise ValueError(f"reselect_score must be one of {', '.join(RESELECT_SCORES)}, got {reselect_score!r}")
-        if resident is None:
-            if reselect is not None:
-                raise ValueError("reselect=N re-selects a resident set: it needs resident=<fraction in (0, 1]>")
-            if select is not None:
-                raise ValueError("select=<policy> needs resident=<fraction in (0, 1]>")
-            if resident_alloc is not None:
-                raise ValueError("resident_alloc splits a resident set across layers: it needs resident=<fraction>")
-            return cls(evict, budget, compression_ratio, chunk, belady, None, page_size, summary, recall)
-        if evict is not None or budget is not None or compression_ratio is not None:
+        if self.reselect_score not in RESELECT_SCORES:
+            raise ValueError(f"reselect_score must be one of {', '.join(RESELECT_SCORES)}, got {self.reselect_score!r}")
+        if not isinstance(self.belady, bool):
+            raise ValueError(f"belady must be a bool, got {self.belady!r}")
+        if self.resident is None:
+            self._check_eviction()
+        else:
+            self._check_resident()
+
+    def _check_eviction(self) -> None:
+        """Plain eviction (no resident set): the policy with exactly one of a budget and a compression ratio."""
+        if self.reselect is not None:
+            raise ValueError("reselect=N re-selects a resident set: use EvictionConfig.resident_set(...)")
+        if self.resident_alloc != "uniform":
+            raise ValueError("resident_alloc splits a resident set across layers: use EvictionConfig.resident_set(...)")
+        policy, budget, ratio = self.policy, self.budget, self.compression_ratio
+        if self.belady and budget is None:
+            raise ValueError("belady=True needs decode-time eviction (EvictionConfig.decode_budget) in validate mode")
+        if policy is None:
+            if budget is not None or ratio is not None:
+                raise ValueError("budget / compression_ratio need a policy (an EvictionPolicy)")
+            return
+        if not isinstance(policy, EvictionPolicy):
+            raise ValueError(f"policy must be a kvcert.evict.EvictionPolicy, got {type(policy).__name__}")
+        if (budget is None) == (ratio is None):
             raise ValueError(
-                "resident=... picks its tokens with select=<policy>; do not pass evict, budget or "
-                "compression_ratio with it"
+                "an eviction policy needs exactly one of budget (decode-time) or compression_ratio (prefill)"
             )
-        fraction = check_resident(resident, gate, certify, page_size, summary, recall)
-        policy = select if select is not None else default_select()
-        alloc = resident_alloc or "uniform"
-        if alloc == "mass" and not policy.needs_attention:
+        self._check_budget(policy)
+        if ratio is not None and (
+            isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio < 1.0
+        ):
+            raise ValueError(f"compression_ratio must be in [0, 1), got {ratio!r}")
+
+    def _check_resident(self) -> None:
+        """A resident set: prefill compression by its ``select`` policy at ``1 − resident``, nothing else."""
+        check_resident(self.resident, Gate.off(), True, self.page_size, self.summary, self.recall)
+        policy = self.policy
+        if not isinstance(policy, EvictionPolicy):
+            raise ValueError(f"select must be a kvcert.evict.EvictionPolicy, got {type(policy).__name__}")
+        assert self.resident is not None
+        if self.budget is not None or self.belady or self.compression_ratio != 1.0 - self.resident:
+            raise ValueError(
+                "a resident set is prefill compression at 1 - resident without a budget or belady: build it with "
+                "EvictionConfig.resident_set(...)"
+            )
+        if self.resident_alloc == "mass" and not policy.needs_attention:
             raise ValueError(
                 f"resident_alloc='mass' splits the resident set by the select policy's attention scores; "
                 f"{type(policy).__name__} scores ignore attention (use resident_alloc='uniform')"
             )
-        return cls(
-            policy,
-            None,
-            1.0 - fraction,
-            chunk,
-            belady,
-            fraction,
-            page_size,
-            summary,
-            recall,
-            reselect,
-            reselect_score,
-            alloc,
-        )
 
-    def check(self, stores: Sequence[LayerStore], sliding: bool, ladder: bool, validate: bool) -> None:
-        """Fail closed on settings that cannot be honoured by these stores (each message names the argument).
+    def check(
+        self,
+        stores: Sequence[LayerStore],
+        *,
+        sliding: bool,
+        ladder: bool,
+        validate: bool,
+        gate: Gate,
+        certify: bool,
+    ) -> None:
+        """Fail closed on settings that these stores and this cache cannot honour (each message names the argument).
         ``sliding``: the model has sliding-window layers; only prefill compression and resident sets (which
-        manage its full-attention layers, ``docs/eviction.md``, "Sliding-window models") are served then."""
-        policy, budget, ratio = self.policy, self.budget, self.compression_ratio
-        if policy is None:
-            if budget is not None or ratio is not None:
-                raise ValueError("budget / compression_ratio need evict=<EvictionPolicy>")
+        manage its full-attention layers, ``docs/eviction.md``, "Sliding-window models") are served then; a resident
+        set needs certificates and a head-granularity ``Gate.off()`` or ``Gate.certified(tau)``."""
+        if self.policy is None:
             return
-        if not isinstance(policy, EvictionPolicy):
-            raise ValueError(f"evict must be a kvcert.evict.EvictionPolicy, got {type(policy).__name__}")
-        if (budget is None) == (ratio is None):
-            raise ValueError("evict needs exactly one of budget (decode-time) or compression_ratio (prefill)")
-        self._check_budget(policy)
-        if self.belady and (budget is None or not validate):
-            raise ValueError("belady=True needs decode-time eviction (budget=...) in validate mode (validate=True)")
-        if ratio is not None and not 0.0 <= ratio < 1.0:
-            raise ValueError(f"compression_ratio must be in [0, 1), got {ratio}")
+        if self.resident is not None:
+            check_resident(self.resident, gate, certify, self.page_size, self.summary, self.recall)
+        if self.belady and not validate:
+            raise ValueError("belady=True needs decode-time eviction (EvictionConfig.decode_budget) in validate mode")
         if ladder:
-            raise ValueError("evict cannot be combined with ladder=True")
+            raise ValueError("eviction cannot be combined with ladder=True")
         self._check_codecs(stores)
-        if sliding and budget is not None:
+        if sliding and self.budget is not None:
             raise ValueError(
-                "evict with budget=... (decode-time eviction) is not supported on models with sliding-window "
-                "layers; prefill compression (compression_ratio=...) and resident=... apply to their "
+                "decode-time eviction (EvictionConfig.decode_budget) is not supported on models with sliding-window "
+                "layers; prefill compression (EvictionConfig.prefill) and resident sets apply to their "
                 "full-attention layers"
             )
 
@@ -220,7 +268,7 @@ class EvictionConfig:
             for codec in (store.key_codec, store.value_codec):
                 if codec.block != 1 or codec.residual_window:
                     raise ValueError(
-                        f"evict needs per-token codecs (block == 1, no residual window); keys/values "
+                        f"eviction needs per-token codecs (block == 1, no residual window); keys/values "
                         f"codec {codec.name!r} encodes blocks of {codec.block} tokens"
                     )
                 if self.reselect is not None and codec.needs_key:
@@ -248,7 +296,7 @@ class EvictionConfig:
             or (budget is not None and (chunk > budget or budget - chunk + 1 < protected))
         ):
             raise ValueError(
-                f"evict_chunk must be an int in [1, budget] leaving budget - evict_chunk + 1 >= the "
+                f"chunk must be an int in [1, budget] leaving budget - chunk + 1 >= the "
                 f"policy's protected items ({protected}), got {chunk!r}"
             )
 

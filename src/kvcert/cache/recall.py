@@ -12,7 +12,7 @@ has an entry outside the storage dtype's finite range (or a non-finite one) is n
 in, and counted, at every read that needs it.
 
 The held tokens of every layer share one :class:`RecallPool`, the room the cache's device budget leaves
-(``CertifiedCache(device_budget=F)``: the device bytes of every layer — resident codes, summaries and held pages —
+(``StorageConfig(device_budget=F)``: the device bytes of every layer — resident codes, summaries and held pages —
 stay within ``F`` times the fp16 K/V bytes of every token written, resident or omitted; ``docs/eviction.md``), in
 *slot tokens*: a held page costs ``page_size`` tokens of ``bytes_per_token`` 16-bit K/V bytes (a short last page
 too: its slot is allocated whole). A (row, KV head) may hold what it held plus what the pool has free. When a read's

@@ -27,7 +27,7 @@ certificate of a read is relative to exact attention over the *kept* set; by the
 ``TV(full, served) <= evicted_mass + certificate`` per cell. ``belady_overlap`` (``belady=True``) is the share
 of Belady's kept set (computed on the run's own exact trace) that the policy held at each read, **empirical**.
 
-Resident set (``CertifiedCache(..., resident=R)``, ``kvcert.attention.resident``): every certificate above is then
+Resident set (``EvictionConfig.resident_set(R)``, ``kvcert.attention.resident``): every certificate above is then
 relative to exact attention over *every* token (resident and omitted). ``omitted_mass_bound`` is the per-cell
 bound on the attention mass of the omitted tokens before recall (**certified**), ``omitted_mass`` its exact value
 (**measured**, validate mode); ``pages_recalled`` / ``bytes_recalled`` count what recall paged in from the host

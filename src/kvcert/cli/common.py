@@ -109,7 +109,7 @@ def load_model(spec: str, seed: int = 0) -> LoadedModel:
 @dataclass(frozen=True)
 class SchemeSpec:
     """A compressed KV configuration: key codec and value codec (registry names), witness storage and device
-    budget (``CertifiedCache(witness=, device_budget=)``)."""
+    budget (``StorageConfig(witness=, device_budget=)``)."""
 
     keys: str
     values: str
@@ -181,7 +181,8 @@ class ResidentPlan:
     its tokens chosen by ``select`` (a :data:`SELECT_POLICIES` name), gated by ``gate`` (``certified(τ)`` at
     head granularity, or ``off``: certificates without recall), re-selected every ``reselect`` decode steps
     (``None``: never), the omitted tokens' keys summarised as ``summary`` (a :data:`SUMMARIES` name), the resident
-    tokens split across layers by ``alloc`` (``CertifiedCache(resident_alloc=)``: ``uniform`` or ``mass``)."""
+    tokens split across layers by ``alloc`` (``EvictionConfig.resident_set(resident_alloc=)``: ``uniform`` or
+    ``mass``)."""
 
     fraction: float
     select: str

@@ -24,7 +24,7 @@ import typer
 
 from kvcert.cli.common import TINY_PREFIX
 from kvcert.eval import ruler
-from kvcert.integrations.transformers import SUPPORTED_FAMILIES as CACHE_FAMILIES
+from kvcert.integrations.model_attention import SUPPORTED_FAMILIES as CACHE_FAMILIES
 from kvcert.models.tiny import SUPPORTED_FAMILIES, tiny_config
 from kvcert.models.zoo import ZOO, cache_root
 

@@ -22,12 +22,13 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from kvcert.attention.evict_driver import default_select, ingest_reads
+from kvcert.attention.evict_driver import EvictionConfig, default_select, ingest_reads
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import DEFAULT_WITNESS, Witness
 from kvcert.cache.telemetry import Telemetry
 from kvcert.eval.attention_record import recorded_attention
 from kvcert.evict import EvictionPolicy, PrefillAttention, PrefillReads
+from kvcert.integrations.cache_config import StorageConfig
 from kvcert.integrations.transformers import CertifiedCache
 
 
@@ -41,19 +42,43 @@ class Scheme:
     gate: Gate = field(default_factory=Gate.off)
     validate: bool = False
     key_options: tuple[tuple[str, object], ...] = ()
-    resident: float | None = None  # resident set fraction (``CertifiedCache(resident=)``)
+    resident: float | None = None  # resident set fraction (``EvictionConfig.resident_set(resident)``)
     select: Callable[[], EvictionPolicy] | None = None  # builds the resident set's policy, one per request
-    summary: str = "int8"  # storage form of the omitted pages' summaries (``CertifiedCache(summary=)``)
+    summary: str = "int8"  # storage form of the omitted pages' summaries (``resident_set(summary=)``)
     recall: str = "persistent"  # recalled pages kept within the device budget or paged in per read (``recall=``)
-    reselect: int | None = None  # re-select the resident set every N decode steps (``CertifiedCache(reselect=)``)
-    resident_alloc: str | None = None  # split of the resident set across layers (``CertifiedCache(resident_alloc=)``)
-    witness: Witness = DEFAULT_WITNESS  # storage of the write-time witnesses (``CertifiedCache(witness=)``)
-    device_budget: float | None = 1.0  # ``CertifiedCache(device_budget=)`` (its default: never above fp16)
+    reselect: int | None = None  # re-select the resident set every N decode steps (``resident_set(reselect=)``)
+    resident_alloc: str | None = None  # split of the resident set across layers (``resident_set(resident_alloc=)``)
+    witness: Witness = DEFAULT_WITNESS  # storage of the write-time witnesses (``StorageConfig(witness=)``)
+    device_budget: float | None = 1.0  # ``StorageConfig(device_budget=)`` (its default: never above fp16)
 
     @property
     def is_dense(self) -> bool:
         """True for the uncompressed baseline."""
         return self.keys is None
+
+    def storage(self) -> StorageConfig:
+        """The cache's storage (values default to the keys' codec)."""
+        assert self.keys is not None
+        return StorageConfig(
+            self.keys,
+            self.values or self.keys,
+            key_options=dict(self.key_options),
+            device_budget=self.device_budget,
+            witness=self.witness,
+        )
+
+    def eviction(self) -> EvictionConfig | None:
+        """The cache's resident set (a fresh ``select`` policy per request; ``None`` without a resident set)."""
+        if self.resident is None:
+            return None
+        return EvictionConfig.resident_set(
+            self.resident,
+            select=None if self.select is None else self.select(),
+            summary=self.summary,
+            recall=self.recall,
+            reselect=self.reselect,
+            resident_alloc=self.resident_alloc or "uniform",
+        )
 
     @property
     def prefill_reads(self) -> PrefillReads:
@@ -170,20 +195,11 @@ def run_branches(
             continue
         cache = CertifiedCache(
             model,
-            keys=scheme.keys,
-            values=scheme.values or scheme.keys,
             gate=scheme.gate,
             validate=scheme.validate,
             seed=seed,
-            key_options=dict(scheme.key_options),
-            resident=scheme.resident,
-            select=None if scheme.select is None else scheme.select(),
-            summary=scheme.summary,
-            recall=scheme.recall,
-            reselect=scheme.reselect,
-            resident_alloc=scheme.resident_alloc,
-            witness=scheme.witness,
-            device_budget=scheme.device_budget,
+            storage=scheme.storage(),
+            eviction=scheme.eviction(),
         )
         try:
             cache.ingest(pre, None if scheme.resident is None else prefill.attentions)

@@ -4,9 +4,13 @@ them. Submodules are imported on use: each pulls in transformers."""
 
 __all__ = [
     "attention_impl",
+    "cache_config",
+    "certified_layer",
     "forget_gates",
+    "kappa_feeder",
     "live_probe",
     "mla",
+    "model_attention",
     "observed_cache",
     "pooled_attention",
     "selector",

@@ -1,17 +1,19 @@
 """The configuration of a :class:`~kvcert.integrations.transformers.CertifiedCache`, grouped by concern.
 
-``CertifiedCache``'s keywords are collected into a few frozen dataclasses: :class:`StorageConfig` (codecs, witnesses,
-write blocks, device budget: how each layer's store is built), :class:`GateConfig` (the gate or the ladder: which
-read path serves), :class:`ValidationConfig` (certificates on or off, validate mode, the Tier-B failure budget) and
-:class:`~kvcert.attention.evict_driver.EvictionConfig` (eviction policy and resident set). Each checks its own
-arguments and names the one at fault.
+``CertifiedCache(model, keys, values, gate=..., validate=...)`` takes the knobs almost every user sets flat; the rare
+ones travel in frozen dataclasses: :class:`StorageConfig` (``storage=``: codecs and their options, witnesses, write
+blocks, device budget: how each layer's store is built), :class:`ValidationConfig` (``validation=``: certificates on
+or off, the Tier-B failure budget) and :class:`~kvcert.attention.evict_driver.EvictionConfig` (``eviction=``: an
+eviction policy or a resident set). :class:`GateConfig` is the cache's own grouping of its ``gate`` and ``ladder``
+keywords (which read path serves). Each checks its own arguments and names the one at fault.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvcert.attention.evict_driver import EvictionConfig
 from kvcert.attention.ladder import LadderConfig
@@ -21,29 +23,55 @@ from kvcert.cache.gate import Gate
 from kvcert.cache.store import DEFAULT_WITNESS, LayerStore, Witness
 from kvcert.quant import Codec, resolve
 
-__all__ = ["EvictionConfig", "GateConfig", "StorageConfig", "ValidationConfig"]
+__all__ = ["EvictionConfig", "GateConfig", "StorageConfig", "ValidationConfig", "expect", "resolve_storage"]
+
+T = TypeVar("T")
+
+
+def expect(value: Any, kind: type[T], name: str) -> T | None:
+    """``value`` if it is ``None`` or a ``kind``; ``TypeError`` naming the keyword otherwise."""
+    if value is not None and not isinstance(value, kind):
+        raise TypeError(f"{name} must be a kvcert.{kind.__name__}, got {type(value).__name__}")
+    return value
 
 
 @dataclass(frozen=True)
 class StorageConfig:
-    """How each layer stores its K/V: codec names (or instances) and their options, band count and RoPE pairing of
-    the key witness, dither ``seed``, ``write_block`` (pending tokens encode in whole blocks) and the device budget
-    of persistent repairs (a fraction of the live tokens' fp16 bytes; ``None``: no cap) and the storage of the
-    write-time witnesses (``"log8"`` or ``"f32"``, see ``docs/math.md#compact-witnesses``)."""
+    """How each layer stores its K/V: codec names (or instances) and their options (``key_options`` /
+    ``value_options``, e.g. ``{"bypass": 4}``), band count and RoPE pairing of the key witness, dither ``seed``
+    (``None``: the cache draws one at random, so dither is never reused across caches), ``write_block`` (pending
+    tokens encode in whole blocks of this many tokens, exact until then), the device budget of persistent repairs
+    and recalled pages (a fraction of the live tokens' fp16 K/V bytes, default ``1.0``: never more than fp16;
+    ``None``: no cap; see ``docs/architecture.md``) and the storage of the write-time witnesses (``"log8"``: 8-bit
+    codes that decode to values never below the true ones, or ``"f32"``; see ``docs/math.md#compact-witnesses``)."""
 
     keys: str | Codec = "int8"
     values: str | Codec = "int8"
     bands: int = 8
     pairing: Pairing = "rotate_half"
-    seed: int = 0
+    seed: int | None = None
     key_options: dict[str, Any] = field(default_factory=dict)
     value_options: dict[str, Any] = field(default_factory=dict)
     write_block: int = 16
     device_budget: float | None = 1.0
     witness: Witness = DEFAULT_WITNESS
 
+    def __post_init__(self) -> None:
+        """Fail on a wrong type (each message names the argument); value ranges are the store's to check."""
+        for name in ("keys", "values"):
+            if not isinstance(getattr(self, name), (str, Codec)):
+                raise TypeError(f"{name} must be a codec name or a Codec, got {type(getattr(self, name)).__name__}")
+        for name in ("key_options", "value_options"):
+            if not isinstance(getattr(self, name), dict):
+                raise TypeError(f"{name} must be a dict of codec options, got {type(getattr(self, name)).__name__}")
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+
     def store(self, layer: int) -> LayerStore:
-        """A fresh store for decoder layer ``layer`` (codecs resolved per layer)."""
+        """A fresh store for decoder layer ``layer`` (codecs resolved per layer); the seed must be set."""
+        if self.seed is None:
+            raise ValueError("StorageConfig.store needs a seed (resolve_storage draws one)")
         return LayerStore(
             layer,
             resolve(self.keys, "key", self.key_options),
@@ -55,6 +83,33 @@ class StorageConfig:
             device_budget=self.device_budget,
             witness=self.witness,
         )
+
+
+def resolve_storage(
+    storage: StorageConfig | None, keys: str | Codec | None, values: str | Codec | None, seed: int | None
+) -> StorageConfig:
+    """The storage of a cache given its flat ``keys`` / ``values`` / ``seed`` and its ``storage``: each setting comes
+    from exactly one place (``ValueError`` naming it when given in both), codecs default to int8 and a missing seed
+    is drawn at random."""
+    given = expect(storage, StorageConfig, "storage")
+    base = StorageConfig() if given is None else given
+    if given is not None:
+        for name, flat in (("keys", keys), ("values", values)):
+            if flat is not None:
+                raise ValueError(
+                    f"{name} given both flat and in storage=StorageConfig(...): pass the codecs in one place "
+                    f"(StorageConfig(keys=..., values=..., ...) when storage is given)"
+                )
+        if seed is not None and base.seed is not None:
+            raise ValueError("seed given both flat and in storage=StorageConfig(seed=...): pass it in one place")
+    if seed is None:
+        seed = base.seed if base.seed is not None else int.from_bytes(os.urandom(4), "little")
+    return dataclasses.replace(
+        base,
+        keys=base.keys if keys is None else keys,
+        values=base.values if values is None else values,
+        seed=seed,
+    )
 
 
 @dataclass(frozen=True)
@@ -69,6 +124,8 @@ class GateConfig:
     def of(cls, gate: Gate | None, ladder: bool | LadderConfig, validate: bool) -> GateConfig:
         """The cache's ``gate`` (default off) and ``ladder`` keywords (``True``: the default ladder)."""
         gate = gate or Gate.off()
+        if not isinstance(gate, Gate):
+            raise TypeError(f"gate must be a kvcert.Gate, got {type(gate).__name__}")
         if not ladder:
             return cls(gate)
         if gate.mode != "off":
@@ -79,21 +136,30 @@ class GateConfig:
 
 @dataclass(frozen=True)
 class ValidationConfig:
-    """``certify`` (certificates on; ``False``: the uncertified baseline), ``validate`` (exact attention from the
-    host tier, violations counted) and the Tier-B request failure budget ``delta_req`` split uniformly over
-    ``layers · heads · max_steps`` cells (:attr:`delta_loc`)."""
+    """``certify`` (certificates on; ``False``: the uncertified baseline that serves the compressed cache with plain
+    SDPA and records nothing, used to measure the certificate's cost) and the Tier-B request failure budget
+    ``delta_req`` in ``(0, 1]``, split uniformly over ``layers · heads · max_steps`` cells (:meth:`delta_loc`)."""
 
     certify: bool = True
-    validate: bool = False
     delta_req: float = 1e-2
     max_steps: int = 256
-    delta_loc: float = 0.0
 
-    @classmethod
-    def of(
-        cls, certify: bool, validate: bool, gate: Gate, delta_req: float, max_steps: int, layers: int, heads: int
-    ) -> ValidationConfig:
-        """The cache's keywords; an uncertified cache has neither a gate nor validate mode."""
-        if not certify and (gate.mode != "off" or validate):
+    def __post_init__(self) -> None:
+        """Fail on a wrong argument (each message names it)."""
+        if not isinstance(self.certify, bool):
+            raise TypeError(f"certify must be a bool, got {type(self.certify).__name__}")
+        d = self.delta_req
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 < d <= 1.0:
+            raise ValueError(f"delta_req must lie in (0, 1], got {d!r}")
+        n = self.max_steps
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"max_steps must be a positive int, got {n!r}")
+
+    def check(self, gate: Gate, validate: bool) -> None:
+        """An uncertified cache has neither a gate nor validate mode."""
+        if not self.certify and (gate.mode != "off" or validate):
             raise ValueError("certify=False cannot be combined with a gate or validate=True")
-        return cls(certify, validate, delta_req, max_steps, uniform_split(delta_req, layers, heads, max_steps))
+
+    def delta_loc(self, layers: int, heads: int) -> float:
+        """Per-cell failure budget ``δ_loc = δ_req / (layers · heads · max_steps)`` (rounded down)."""
+        return uniform_split(self.delta_req, layers, heads, self.max_steps)

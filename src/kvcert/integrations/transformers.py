@@ -1,6 +1,7 @@
 """Hugging Face transformers glue: a drop-in certified cache plus its attention and mask functions.
 
-``CertifiedCache(model, keys=..., values=..., gate=...)`` builds one :class:`CertifiedLayer` per decoder
+``CertifiedCache(model, keys=..., values=..., gate=...)`` (rare knobs grouped: ``storage=``, ``validation=``,
+``eviction=``, see :mod:`kvcert.integrations.cache_config`) builds one :class:`CertifiedLayer` per decoder
 layer (sliding-window layers keep transformers' window semantics), registers the ``"kvcert"`` attention
 function **and** its mask function (:func:`kvcert.integrations.attention_impl.register_attention`) and switches
 *this model only* to it. ``detach()`` (or leaving the ``with`` block) restores the model's previous
@@ -14,439 +15,135 @@ attention in float32, and the served output is cast to the model's dtype last. T
 bounds are about the float32 served output before that cast, the same rounding the model applies to its own
 attention output.
 
-Eviction (``evict=policy`` with ``budget=C`` or ``compression_ratio=r``, see ``docs/eviction.md``): every
-physical slot carries its logical position (``LayerStore.positions``). ``get_seq_length`` stays logical
-(RoPE position ids), and ``get_mask_sizes`` keeps reporting the *logical* length so transformers builds its
-padding + causal mask in position space, which is exact; the read path maps it onto the physical slots of
-each KV head by gathering it at the slots' logical positions (``slot_mask``), so the certified read and the
-exact repair path see a per-KV-head mask that matches the compacted slots. On a model with sliding-window layers
-eviction and resident sets manage the full-attention layers only; a sliding layer keeps its window and
-transformers' sliding mask over its slots.
+Around it: :mod:`~kvcert.integrations.certified_layer` (one layer's storage, positions and masks; eviction),
+:mod:`~kvcert.integrations.model_attention` (model families, the attention function, binding to a model),
+:mod:`~kvcert.integrations.cache_config` (the configuration groups), :mod:`~kvcert.integrations.kappa_feeder`.
 """
 
 from __future__ import annotations
 
-import math
-import os
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import Cache, LogitsProcessor
-from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
+from transformers import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvcert.attention.certified import ReadConfig
 from kvcert.attention.evict_driver import EvictionConfig, EvictionDriver
-from kvcert.attention.exact import ExactAttention
 from kvcert.attention.ladder import LadderConfig, LadderStats
-from kvcert.attention.read_path import (
-    CertifiedReadPath,
-    LadderReadPath,
-    ReadPath,
-    Recorder,
-    ResidentReadPath,
-    slot_mask,
-)
+from kvcert.attention.read_path import CertifiedReadPath, LadderReadPath, ReadPath, Recorder, ResidentReadPath
 from kvcert.attention.resident import OmittedPages, ResidentRecord
-from kvcert.bounds.rope import Pairing
 from kvcert.cache.events import CacheObserver, last_write_event
 from kvcert.cache.gate import Gate
-from kvcert.cache.store import DEFAULT_WITNESS, LayerStore, Witness
+from kvcert.cache.store import LayerStore
 from kvcert.cache.telemetry import CacheReadings, ReselectStats, Telemetry, assemble
 from kvcert.evict import EvictionPolicy, PrefillAttention, RunTrace
-from kvcert.integrations.attention_impl import register_attention
-from kvcert.integrations.cache_config import GateConfig, StorageConfig, ValidationConfig
+from kvcert.integrations.cache_config import GateConfig, StorageConfig, ValidationConfig, expect, resolve_storage
+from kvcert.integrations.certified_layer import (
+    CacheClosedError,
+    CertifiedLayer,
+    check_ingest,
+    model_layers,
+    read_masks,
+    uncompressible_sliding_layers,
+)
+from kvcert.integrations.model_attention import (
+    bind,
+    check_bound,
+    exact_attention,
+    model_shape,
+    unbind,
+)
 from kvcert.quant import Codec
-
-ATTN_NAME = "kvcert"
-SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "mistral", "gemma3_text", "gemma3")
-
-
-class CacheClosedError(RuntimeError):
-    """A detached or closed :class:`CertifiedCache` was used again."""
-
-
-class CacheNotActiveError(RuntimeError):
-    """A :class:`CertifiedCache` was used while its model served another cache's (or no) kvcert attention."""
-
-
-def kvcert_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention function registered as ``"kvcert"``.
-
-    If this module's layer is served by an attached :class:`CertifiedCache` and ``key`` is what that cache
-    returned, the certified read path runs; otherwise (another cache, or no cache) it is plain SDPA.
-    """
-    cache: CertifiedCache | None = getattr(module, "_kvcert_cache", None)
-    layer = None
-    if cache is not None:
-        layer_idx: Any = module.layer_idx
-        layer = cache.layers[layer_idx]
-    if cache is None or not isinstance(layer, CertifiedLayer) or layer.returned is not key:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    if kwargs.get("softcap") is not None:
-        raise ValueError("kvcert attention does not support attention logit soft-capping")
-    return cache._read(module, layer, query, key, value, attention_mask, scaling, kwargs), None
-
-
-class CertifiedLayer(CacheLayerMixin):
-    """One decoder layer's certified storage (logical length vs physical length like the sliding layer)."""
-
-    is_compileable = False
-    is_croppable = False
-
-    def __init__(self, store: LayerStore, sliding_window: int | None = None) -> None:
-        super().__init__()
-        self.store = store
-        self.sliding_window = sliding_window
-        self.is_sliding = sliding_window is not None
-        self.cumulative_length = 0
-        self.returned: torch.Tensor | None = None
-        self.closed = False
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Storage is created by the store on first append."""
-        self.device = key_states.device
-        self.is_initialized = True
-
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        rows: torch.Tensor | None = None,
-        keep_exact: torch.Tensor | None = None,
-        *args: Any,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new post-RoPE K/V and return the served (decoded) K/V the attention reads.
-
-        ``rows[b]`` is the request UID of row ``b``; ``keep_exact[b]`` forces row ``b`` to be stored exact.
-        """
-        if self.closed:
-            raise CacheClosedError("this CertifiedCache was detached/closed; build a new one")
-        b = key_states.shape[0]
-        rows = torch.arange(b, dtype=torch.int64) if rows is None else rows
-        keep_exact = torch.zeros(b, dtype=torch.bool) if keep_exact is None else keep_exact
-        store = self.store
-        if self.sliding_window is not None and store.n > self.sliding_window - 1:
-            store.drop_before(store.n - (self.sliding_window - 1))
-        store.append(key_states, value_states, rows, keep_exact)
-        self.is_initialized = True
-        self.cumulative_length += key_states.shape[2]
-        assert store.k is not None and store.v is not None
-        self.returned = store.k.served.view()
-        return self.returned, store.v.served.view()
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """KV length and offset for the mask (sliding layers keep ``window − 1`` past tokens).
-
-        Without eviction slot ``j`` is position ``offset + j``. With eviction the length stays *logical*, so
-        transformers builds its mask in position space; the read path maps it onto the slots (``slot_mask``).
-        """
-        if self.sliding_window is None:
-            return self.cumulative_length + query_length, 0
-        w = self.sliding_window
-        offset = max(self.cumulative_length - w + 1, 0)
-        if self.cumulative_length >= w:
-            return w - 1 + query_length, offset
-        return self.cumulative_length + query_length, offset
-
-    def get_seq_length(self) -> int:
-        """Logical number of tokens seen (drives default position ids)."""
-        return self.cumulative_length
-
-    def get_max_length(self) -> int:
-        """Sliding layers are bounded by their window; full layers grow without bound (-1)."""
-        return -1 if self.sliding_window is None else self.sliding_window
-
-    @property
-    def keys(self) -> torch.Tensor | None:
-        """Served (decoded) keys ``[B, Hkv, S, D]``."""
-        return None if self.store.k is None else self.store.k.served.view()
-
-    @keys.setter
-    def keys(self, value: Any) -> None:
-        if value is not None:
-            raise AttributeError("CertifiedLayer keys are derived from its store")
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        """Served (decoded) values ``[B, Hkv, S, D]``."""
-        return None if self.store.v is None else self.store.v.served.view()
-
-    @values.setter
-    def values(self, value: Any) -> None:
-        if value is not None:
-            raise AttributeError("CertifiedLayer values are derived from its store")
-
-    def reset(self) -> None:
-        """Drop all stored tokens (the cache can then serve a new request)."""
-        st = self.store
-        self.store = LayerStore(
-            st.layer,
-            st.key_codec,
-            st.value_codec,
-            bands=st.bands,
-            pairing=st.pairing,
-            seed=st.seed,
-            write_block=st.write_block,
-            device_budget=st.device_budget,
-            witness=st.witness,
-        )
-        self.cumulative_length = 0
-        self.returned = None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search reorders rows; the certified cache does not support it."""
-        raise NotImplementedError("CertifiedCache does not support beam search (reorder_cache)")
-
-
-def _model_family(model: torch.nn.Module) -> str:
-    config: Any = model.config
-    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    family = getattr(cfg, "model_type", "?")
-    if family not in SUPPORTED_FAMILIES:
-        raise ValueError(
-            f"kvcert CertifiedCache does not support model family {family!r}; supported: "
-            f"{', '.join(SUPPORTED_FAMILIES)}"
-        )
-    return family
-
-
-def _exact_attention(
-    module: torch.nn.Module, query: torch.Tensor, scaling: float, kwargs: dict[str, Any]
-) -> ExactAttention:
-    """The dense fallback of one read (:class:`~kvcert.attention.exact.ExactAttention`): transformers' SDPA of
-    ``query[B, Hq, Q, D]`` over exact K/V paged in from the host, in float32 (the precision the output bound
-    models; also for half-precision models), with the per-KV-head mask expanded to the query heads."""
-
-    def exact(
-        keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, heads: tuple[int, int] | None = None
-    ) -> torch.Tensor:
-        g = query.shape[1] // keys.shape[1]
-        q, m = query, mask
-        if heads is not None:  # only KV heads h0..h1-1 and their query heads (views, no copies)
-            h0, h1 = heads
-            q, keys, values = q[:, h0 * g : h1 * g], keys[:, h0:h1], values[:, h0:h1]
-            m = m[:, h0:h1] if m.shape[1] > 1 else m
-        if m.shape[1] > 1:
-            m = m.repeat_interleave(g, dim=1)  # per query head
-        work = torch.promote_types(query.dtype, torch.float32)
-        hk, hv = (x.to(query.device, work, non_blocking=True) for x in (keys, values))
-        o, _ = sdpa_attention_forward(module, q.to(work), hk, hv, m, scaling=scaling, **kwargs)
-        return o
-
-    return exact
-
-
-def _uncompressible_sliding_layers(layers: Sequence[CertifiedLayer]) -> tuple[int, ...]:
-    """Sliding layers that can never encode a token: a sliding layer holds at most ``window − 1`` tokens when
-    it encodes (:meth:`CertifiedLayer.update` trims before appending), and a codec encodes only whole blocks
-    of ``lcm(codec.block, write_block)`` tokens beyond its residual window; if that exceeds ``window − 1``
-    for both the key and the value codec, the layer stays exact forever."""
-    out = []
-    for i, layer in enumerate(layers):
-        st = layer.store
-        need = min(math.lcm(c.block, st.write_block) + c.residual_window for c in (st.key_codec, st.value_codec))
-        if layer.sliding_window is not None and layer.sliding_window - 1 < need:
-            out.append(i)
-    return tuple(out)
 
 
 class CertifiedCache(Cache):
     """A transformers ``Cache`` whose every attention read is certified, gated and repairable.
 
-    A thin adapter: its keywords are grouped into :attr:`storage` (:class:`StorageConfig`), :attr:`gating`
-    (:class:`GateConfig`), :attr:`validation` (:class:`ValidationConfig`) and :attr:`eviction`
-    (:class:`~kvcert.attention.evict_driver.EvictionConfig`); every read goes through :attr:`read_path` (one
-    :class:`~kvcert.attention.read_path.ReadPath`, chosen at construction), eviction through an
-    :class:`~kvcert.attention.evict_driver.EvictionDriver`, and :meth:`telemetry` is
+    A thin adapter: what almost every user sets is a keyword, the rare knobs come grouped in :attr:`storage`
+    (:class:`~kvcert.integrations.cache_config.StorageConfig`), :attr:`validation`
+    (:class:`~kvcert.integrations.cache_config.ValidationConfig`) and :attr:`eviction`
+    (:class:`~kvcert.attention.evict_driver.EvictionConfig`); ``gate`` and ``ladder`` become :attr:`gating`. Every
+    read goes through :attr:`read_path` (one :class:`~kvcert.attention.read_path.ReadPath`, chosen at construction),
+    eviction through an :class:`~kvcert.attention.evict_driver.EvictionDriver`, and :meth:`telemetry` is
     :func:`kvcert.cache.telemetry.assemble` of what they recorded.
 
     Args:
         model: a supported causal LM (Llama, Qwen2, Mistral, Gemma-3).
-        keys / values: codec names from :func:`kvcert.quant.names` (or codec instances).
+        keys / values: codec names from :func:`kvcert.quant.names` (or codec instances); default ``"int8"``. Give
+            them here or in ``storage``, not both (``ValueError``).
         gate: :class:`~kvcert.cache.gate.Gate` (default ``Gate.off()``: observe only).
         validate: also compute exact attention from the host tier and count violations.
-        bands: band count of the key witness; ``pairing``: the model's RoPE pairing.
+        seed: dither seed (random per cache when omitted, so dither is never reused across caches); here or in
+            ``storage``, not both.
+        observers: :class:`~kvcert.cache.events.CacheObserver` instances receiving write/read events.
         request_ids: request UID per batch row (``-1`` = unknown). With ``require_identity`` (default: on
             when observers are attached) rows without a UID are stored exact and counted as fail-closed.
-        delta_req / max_steps: Tier-B request failure budget, split uniformly over L·Hq·max_steps cells.
-        observers: :class:`~kvcert.cache.events.CacheObserver` instances receiving write/read events.
-        seed: dither seed (random per cache when omitted, so dither is never reused across caches).
-        key_options / value_options: extra codec options, e.g. ``{"bypass": 4}``.
-        certify: compute certificates (default). ``False`` serves the compressed cache with plain SDPA and
-            records nothing — the uncertified baseline used to measure the certificate's cost; it cannot be
-            combined with a gate or validate mode.
-        write_block: pending tokens are encoded in whole blocks of this many tokens (exact until then).
         ladder: ``True`` (or a :class:`~kvcert.attention.ladder.LadderConfig`) serves through the RC tiered
             read path with its four-rung fallback ladder instead of the meter-gated path; ``gate`` must then
             be off. Rung counters are in ``cache.ladder_stats``.
-        evict: an :class:`~kvcert.evict.EvictionPolicy`; with ``budget`` (decode-time budget: at most
-            ``budget`` slots per KV head after every write's eviction, ``budget + q`` during a read of ``q``
-            new tokens) or ``compression_ratio`` (kvpress convention, fraction removed: the first write of
-            more than one token, a prefill or :meth:`ingest`, is compressed right after its read). Needs
-            per-token codecs (``block == 1``) and no ladder. On a model with sliding-window layers only
-            ``compression_ratio`` is served, on its full-attention layers (the sliding ones keep their window;
-            ``docs/eviction.md``, "Sliding-window models"); ``budget`` raises ``ValueError``. In validate mode the
-            evicted entries stay in the host tier and the exact evicted mass is measured per cell.
-        evict_chunk: decode budget mode evicts this many slots at once, every ``evict_chunk`` steps (at most
-            ``budget`` slots either way; ``1``: back to exactly ``budget`` at every write).
-        belady: validate + budget mode: record the run's exact attention trace and report the kept-set
-            overlap with Belady on it (``telemetry().belady_overlap``; memory ``O(T² · L · Hkv)``).
-        device_budget: the most each layer's device tier may hold after persistent repair, as a fraction of its live
-            tokens' fp16 K/V bytes (a sliding layer's live tokens: its window; default ``1.0``: a compressed cache never
-            keeps more than fp16 would; ``None``: no cap). A repair that does not fit is served exact for that read and
-            kept nowhere (a transient page-in, counted in ``telemetry().transient_page_ins``); held repairs are released
-            when new tokens need the room. Value promotion is always transient. Only persistent gates keep anything, so
-            the budget never changes what other gates serve. See ``docs/architecture.md``.
-        resident: certified sparse attention (``docs/eviction.md``, "Resident set and recall"): after the prefill
-            each (layer, KV head) keeps this fraction (in (0, 1]) of its tokens resident, chosen by ``select``
-            (default :func:`default_select`); the whole KV stays in the host tier, page summaries of the omitted
-            tokens (``page_size`` consecutive omitted tokens per page; ``summary="int8"``: an int8 sketch of every
-            omitted key with its error witness, ``"box"``: per page a float16 box and ball) on the device. Every
-            read's certificate bounds the TV against exact attention over *every* token; ``Gate.certified(tau)``
-            recalls pages until it is ``<= tau`` (``tau = 0``: the dense answer). Exclusive with ``evict``. On a
-            model with sliding-window layers the resident set is kept by the full-attention layers only; a
-            sliding layer keeps its window as without ``resident`` and is certified against attention over it.
-        witness: storage of the write-time witnesses: ``"log8"`` (default; 8-bit codes that decode to values never
-            below the true ones, 12 B per token per KV head) or ``"f32"`` (float32, 52 B); see
-            ``docs/math.md#compact-witnesses``.
-        recall: with ``resident``: ``"persistent"`` (default) keeps recalled pages on the device within
-            ``device_budget`` (paged in, and counted, once while held); ``"transient"`` pages them in for the read
-            that needs them only.
-        reselect: with ``resident``: every ``reselect`` decode steps (before the write of each step ``s`` with
-            ``s % reselect == 0``) re-select every (layer, KV head)'s resident set over all its tokens, ranked by
-            ``reselect_score``, at the resident fraction:
-            chosen omitted tokens are promoted into the device store, the others summarised again
-            (``docs/eviction.md``, "Re-selection of the resident set"); counts in :attr:`reselect_stats`. Needs
-            non-dithered codecs. ``None`` (default): the prefill's selection stays. Held pages whose tokens stay
-            omitted stay held across the re-paging of the archive.
-        reselect_score: with ``reselect``: what a re-selection ranks tokens by (after the policy's protected sinks
-            and recent window): ``"decode"`` (default; the attention the decode queries paid each token, accumulated
-            at every resident read from the served keys and the summary's point estimates, no page-in; re-selects
-            once a decode query has been read) or ``"key_proxy"`` (``select``'s own score over the key-proxy
-            attention of the exact host keys). Any other value raises ``ValueError``.
-        resident_alloc: with ``resident``: how the resident tokens are split across layers (``docs/eviction.md``,
-            "Per-layer allocation of the resident set"). ``"uniform"`` (``None``, the default): every (layer, KV
-            head) keeps the fraction ``resident``. ``"mass"``: the same total (``resident`` times the tokens
-            written, summed over layers) split to minimise the omitted attention mass estimated by ``select``'s
-            prefill scores (normalised per KV head): every layer keeps its protected tokens, then the tokens whose
-            normalised scores are largest over all layers; every KV head of a layer keeps the same count, a layer
-            may keep all its tokens. The split is made once the last layer's prefill was read; re-selection keeps
-            each layer's fraction. Needs a ``select`` whose scores are attention (not ``StreamingLLM``).
+        storage: codec options, witness bands and storage, write block, dither seed and device budget
+            (:class:`~kvcert.integrations.cache_config.StorageConfig`). The device budget caps what persistent
+            repair (and persistent recall) keeps on each layer's device tier; a repair that does not fit is served
+            exact for that read and kept nowhere (``telemetry().transient_page_ins``).
+        validation: ``certify=False`` (the uncertified baseline: plain SDPA over the compressed cache, nothing
+            recorded; no gate, no validate mode) and the Tier-B request failure budget ``delta_req`` split
+            uniformly over ``L·Hq·max_steps`` cells (:class:`~kvcert.integrations.cache_config.ValidationConfig`).
+        eviction: an eviction policy or a resident set (:class:`~kvcert.attention.evict_driver.EvictionConfig`:
+            ``EvictionConfig.prefill(policy, r)``, ``.decode_budget(policy, C)``, ``.resident_set(R, select=...)``;
+            ``docs/eviction.md``). Needs per-token codecs (``block == 1``) and no ladder. On a model with
+            sliding-window layers only prefill compression and resident sets are served, on its full-attention
+            layers (the sliding ones keep their window; ``docs/eviction.md``, "Sliding-window models"). In validate
+            mode the evicted entries stay in the host tier and the exact evicted mass is measured per cell. A
+            resident set's certificate bounds the TV against exact attention over *every* token;
+            ``Gate.certified(tau)`` recalls pages until it is ``<= tau`` (``tau = 0``: the dense answer).
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
-        keys: str | Codec = "int8",
-        values: str | Codec = "int8",
+        keys: str | Codec | None = None,
+        values: str | Codec | None = None,
         *,
         gate: Gate | None = None,
         validate: bool = False,
-        bands: int = 8,
-        pairing: Pairing = "rotate_half",
+        seed: int | None = None,
+        observers: Sequence[CacheObserver] = (),
         request_ids: Sequence[int] | torch.Tensor | None = None,
         require_identity: bool | None = None,
-        delta_req: float = 1e-2,
-        max_steps: int = 256,
-        observers: Sequence[CacheObserver] = (),
-        seed: int | None = None,
-        key_options: dict[str, Any] | None = None,
-        value_options: dict[str, Any] | None = None,
-        certify: bool = True,
-        write_block: int = 16,
         ladder: bool | LadderConfig = False,
-        evict: EvictionPolicy | None = None,
-        budget: int | None = None,
-        compression_ratio: float | None = None,
-        evict_chunk: int = 1,
-        belady: bool = False,
-        device_budget: float | None = 1.0,
-        resident: float | None = None,
-        select: EvictionPolicy | None = None,
-        page_size: int = 16,
-        summary: str = "int8",
-        witness: Witness = DEFAULT_WITNESS,
-        recall: str = "persistent",
-        reselect: int | None = None,
-        reselect_score: str = "decode",
-        resident_alloc: str | None = None,
+        storage: StorageConfig | None = None,
+        validation: ValidationConfig | None = None,
+        eviction: EvictionConfig | None = None,
     ) -> None:
-        self.family = _model_family(model)
-        cfg: Any = model.config
-        text_cfg = cfg.get_text_config(decoder=True)
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_cfg)
-        n_layers = text_cfg.num_hidden_layers
-        self.num_heads: int = text_cfg.num_attention_heads
-        self.num_kv_heads: int = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
-        self.validation = ValidationConfig.of(
-            certify, validate, gate or Gate.off(), delta_req, max_steps, n_layers, self.num_heads
-        )
+        shape = model_shape(model)
+        self.family, self.num_heads, self.num_kv_heads = shape.family, shape.num_heads, shape.num_kv_heads
+        n_layers = shape.num_layers
         self.gating = GateConfig.of(gate, ladder, validate)
-        self.storage = StorageConfig(
-            keys,
-            values,
-            bands,
-            pairing,
-            int.from_bytes(os.urandom(4), "little") if seed is None else int(seed),
-            dict(key_options or {}),
-            dict(value_options or {}),
-            write_block,
-            device_budget,
-            witness,
-        )
+        self.validation = expect(validation, ValidationConfig, "validation") or ValidationConfig()
+        self.validation.check(self.gate, validate)
+        self.validate = bool(validate)
+        self._delta_loc = self.validation.delta_loc(n_layers, self.num_heads)
+        self.eviction = expect(eviction, EvictionConfig, "eviction") or EvictionConfig()
+        self.storage = resolve_storage(storage, keys, values, seed)
         self.observers = list(observers)
         self.require_identity = bool(self.observers) if require_identity is None else require_identity
         self.request_ids = None if request_ids is None else torch.as_tensor(request_ids, dtype=torch.int64)
-        layers = []
-        for i in range(n_layers):
-            window = layer_kwargs[i].get("sliding_window") if layer_types[i] == "sliding_attention" else None
-            layers.append(CertifiedLayer(self.storage.store(i), window))
+        layers = model_layers(shape.text_config, self.storage)
         hf_layers: list[Any] = list(layers)
         super().__init__(layers=hf_layers)
         self._layers = layers
-        self.uncompressed_layers = _uncompressible_sliding_layers(layers)
-        if self.uncompressed_layers:
-            warnings.warn(
-                f"kvcert: sliding-window layers {list(self.uncompressed_layers)} hold fewer tokens than one "
-                "write block of their codecs, so they stay exact: nothing there is compressed, read "
-                "through a certificate or counted in cells (telemetry().uncompressed_layers)",
-                UserWarning,
-                stacklevel=2,
-            )
-        self.eviction = EvictionConfig.of(
-            evict,
-            budget,
-            compression_ratio,
-            evict_chunk,
-            belady,
-            resident,
-            select,
-            page_size,
-            summary,
-            self.gate,
-            certify,
-            recall,
-            reselect,
-            reselect_score,
-            resident_alloc,
-        )
+        self.uncompressed_layers = uncompressible_sliding_layers(layers)
         stores = [layer.store for layer in layers]
-        self.eviction.check(stores, any(layer.is_sliding for layer in layers), self.ladder, validate)
+        self.eviction.check(
+            stores,
+            sliding=any(layer.is_sliding for layer in layers),
+            ladder=self.ladder,
+            validate=validate,
+            gate=self.gate,
+            certify=self.certify,
+        )
         self._pages: dict[int, OmittedPages] = {}  # resident mode: summaries of each layer's omitted pages
         self._evictor = (
             None
@@ -485,11 +182,6 @@ class CertifiedCache(Cache):
     def certify(self) -> bool:
         """Whether reads are certified (``False``: the uncertified baseline)."""
         return self.validation.certify
-
-    @property
-    def validate(self) -> bool:
-        """Validate mode: exact attention from the host tier, violations counted."""
-        return self.validation.validate
 
     @property
     def evict(self) -> EvictionPolicy | None:
@@ -532,7 +224,7 @@ class CertifiedCache(Cache):
         """The one read path every read of this cache goes through (chosen once, from the configuration)."""
         if self.gating.ladder is not None:
             return LadderReadPath(self.gating.ladder, sink=self._sink)
-        read_cfg = ReadConfig(self.gate, self.validate, self.validation.delta_loc, attn_kv=self.evict is not None)
+        read_cfg = ReadConfig(self.gate, self.validate, self._delta_loc, attn_kv=self.evict is not None)
         certified = CertifiedReadPath(read_cfg, sink=self._sink)
         if self.resident is None:
             return certified
@@ -556,48 +248,22 @@ class CertifiedCache(Cache):
 
     # ------------------------------------------------------------------------------------ lifecycle
     def attach(self) -> CertifiedCache:
-        """Register the kvcert attention + mask functions and activate them on this model only.
-
-        The model's own implementation is remembered on the model (once, while it is not already on kvcert
-        attention), so detaching restores it whatever order several caches of one model are detached in."""
-        register_attention(ATTN_NAME, kvcert_attention)
-        if self._model.config._attn_implementation != ATTN_NAME:
-            self._model._kvcert_original_impl = self._model.config._attn_implementation
-        self._first_attn = None
-        for module in self._model.modules():
-            if hasattr(module, "layer_idx") and hasattr(module, "num_key_value_groups"):
-                module._kvcert_cache = self
-                if self._first_attn is None:
-                    self._first_attn = module
-        self._model.set_attn_implementation(ATTN_NAME)
+        """Register the kvcert attention + mask functions and activate them on this model only (:func:`bind`)."""
+        self._first_attn = bind(self._model, self)
         self.attached = True
         return self
 
     def _check_active(self) -> None:
         """Fail closed instead of letting this cache's reads fall back to uncertified SDPA unseen: the model
         must still run kvcert attention, and its attention modules must point at this cache."""
-        if (
-            getattr(self._first_attn, "_kvcert_cache", None) is not self
-            or self._model.config._attn_implementation != ATTN_NAME
-        ):
-            raise CacheNotActiveError(
-                "this CertifiedCache is not the model's active cache (another CertifiedCache was attached to the "
-                "model after it, or the model's attention implementation was changed), so its reads would not "
-                "be certified; call cache.attach() to make it active again"
-            )
+        check_bound(self._model, self._first_attn, self)
 
     def detach(self) -> None:
         """Close the cache; the cache cannot be used afterwards. If it is the model's active cache, the model
-        gets back the attention implementation it had before any kvcert cache was attached; a cache that
-        another one has since replaced leaves the model to the active one."""
+        gets back the attention implementation it had before any kvcert cache was attached (:func:`unbind`)."""
         if not self.attached:
             return
-        active = getattr(self._first_attn, "_kvcert_cache", None) is self
-        for module in self._model.modules():
-            if getattr(module, "_kvcert_cache", None) is self:
-                del module._kvcert_cache
-        if active:
-            self._model.set_attn_implementation(self._model._kvcert_original_impl)
+        unbind(self._model, self._first_attn, self)
         self.attached = False
         for layer in self._layers:
             layer.closed = True
@@ -664,7 +330,11 @@ class CertifiedCache(Cache):
         observes it. A sliding layer's entry of ``attentions`` is not read (eviction does not manage it).
         """
         sources: list[Any] = list(past.layers)
-        self._check_ingest(sources, attentions)
+        if self._step >= 0:
+            raise ValueError("ingest() must be called on a fresh CertifiedCache")
+        if self.eviction.belady:
+            raise ValueError("belady=True needs the prefill to run through the cache (no ingest)")
+        check_ingest(self._layers, sources, attentions)
         for i, (src, layer) in enumerate(zip(sources, self._layers, strict=True)):
             if src.keys is None:
                 raise ValueError(f"layer {i} of the source cache is empty")
@@ -676,32 +346,6 @@ class CertifiedCache(Cache):
                 attn = None if attentions is None else attentions[i]
                 self._evictor.ingest(layer.store, src.keys, attn, self._step)
         self._step = 0
-
-    def _check_ingest(self, sources: list[Any], attentions: Sequence[torch.Tensor | PrefillAttention] | None) -> None:
-        if self._step >= 0:
-            raise ValueError("ingest() must be called on a fresh CertifiedCache")
-        if self.eviction.belady:
-            raise ValueError("belady=True needs the prefill to run through the cache (no ingest)")
-        if len(sources) != len(self._layers):
-            raise ValueError(f"cache has {len(sources)} layers, model has {len(self._layers)}")
-        if attentions is None:
-            return
-        if len(attentions) != len(self._layers):
-            raise ValueError(f"attentions must hold one tensor per layer ({len(self._layers)}), got {len(attentions)}")
-        for i, (src, attn, layer) in enumerate(zip(sources, attentions, self._layers, strict=True)):
-            if layer.is_sliding:  # eviction does not manage it: its attention is not read
-                continue
-            b, hkv, s = src.keys.shape[:3] if src.keys is not None else (0, 1, 0)
-            if isinstance(attn, PrefillAttention):
-                if attn.shape != (b, hkv, s) or attn.queries != s:
-                    raise ValueError(
-                        f"attentions[{i}] must be a prefill's attention [B, Hkv, S] = {(b, hkv, s)} over {s} "
-                        f"queries, got {attn.shape} over {attn.queries}"
-                    )
-            elif attn.dim() != 4 or attn.shape[0] != b or attn.shape[1] % hkv or attn.shape[2:] != (s, s):
-                raise ValueError(
-                    f"attentions[{i}] must be [B, H, S, S] = [{b}, k·{hkv}, {s}, {s}], got {tuple(attn.shape)}"
-                )
 
     # ------------------------------------------------------------------------------------------ read
     def _read(
@@ -718,7 +362,7 @@ class CertifiedCache(Cache):
         store = layer.store
         assert store.k is not None and store.v is not None
         sc = float(module.scaling if scaling is None else scaling)  # type: ignore[arg-type]
-        logical, mask, sdpa_mask = self._masks(layer, query, key.shape[2], mask)
+        logical, mask, sdpa_mask = read_masks(layer, query, key.shape[2], mask, self.evict is not None)
         if not self.certify or (store.k.n_encoded == 0 and store.v.n_encoded == 0):
             # Uncertified baseline, or nothing compressed is visible (every entry exact): plain SDPA. The served
             # tier is float32; a half-precision model's query gets K/V back in its own dtype (lossless here:
@@ -735,7 +379,7 @@ class CertifiedCache(Cache):
             store,
             mask,
             sc,
-            _exact_attention(module, query, sc, kwargs),
+            exact_attention(module, query, sc, kwargs),
             step=self._step,
             rows=self.request_ids,
             logical=logical,
@@ -744,27 +388,6 @@ class CertifiedCache(Cache):
             assert logical is not None
             self._evictor.after_read(store, query, key, logical, sc, outcome.result.attn_kv, self._step)
         return outcome.out.to(query.dtype)
-
-    def _masks(
-        self, layer: CertifiedLayer, query: torch.Tensor, s: int, mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """``(logical, slot mask, SDPA mask)`` of a read: with eviction the position-space mask (causal over the
-        logical length when transformers passed none) gathered onto each KV head's slots ``[B, Hkv, Q, S]`` and
-        expanded to the query heads for SDPA; without it, and on sliding-window layers (which eviction does not
-        manage), the given (or causal) mask over the slots, for both."""
-        b, hq, nq, _ = query.shape
-        if self.evict is not None and not layer.is_sliding:
-            logical = mask
-            if logical is None:  # causal in position space over the logical length
-                t = layer.cumulative_length
-                logical = (torch.arange(t).view(1, t) <= (t - nq + torch.arange(nq)).view(nq, 1)).expand(b, 1, nq, t)
-            slots = slot_mask(logical, layer.store.positions.view())  # [B, Hkv, Q, S]
-            return logical, slots, slots.repeat_interleave(hq // slots.shape[1], dim=1)  # per query head
-        if mask is None:
-            pos = torch.arange(s)
-            mask = (pos.view(1, s) <= (s - nq + torch.arange(nq)).view(nq, 1)).expand(b, 1, nq, s)
-        mask = mask.to(torch.bool)
-        return mask, mask, mask
 
     # ------------------------------------------------------------------------------------- eviction
     def set_kappa(self, kappa: torch.Tensor) -> None:
@@ -775,7 +398,7 @@ class CertifiedCache(Cache):
         sets every query. No-op in compression mode (the policy does not observe decode reads).
         """
         if self._evictor is None:
-            raise ValueError("set_kappa needs a cache built with evict=policy")
+            raise ValueError("set_kappa needs a cache built with an eviction policy (eviction=EvictionConfig...)")
         self._evictor.set_kappa(kappa)
 
     def set_prefill_kappa(self, kappa: torch.Tensor | None) -> None:
@@ -828,22 +451,3 @@ class CertifiedCache(Cache):
         self._pages.clear()
         if self._evictor is not None:
             self._evictor.reset()
-
-
-class KappaFeeder(LogitsProcessor):
-    """Feeds RMM's correctness weight during ``model.generate``: ``κ`` = probability of the emitted token.
-
-    Greedy decoding emits the argmax, so ``κ = max softmax(scores)`` (kind ``"emitted"``, a confidence
-    proxy). Put it first in ``logits_processor`` (it reads the scores as it receives them) and use greedy
-    decoding. Scores pass through unchanged.
-    """
-
-    def __init__(self, cache: CertifiedCache) -> None:
-        if not isinstance(cache, CertifiedCache) or cache.evict is None:
-            raise ValueError("cache must be a CertifiedCache built with evict=<policy>")
-        self.cache = cache
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        """Call ``cache.set_kappa(max softmax prob)`` for the forward that produced ``scores[B, V]``."""
-        self.cache.set_kappa(torch.softmax(scores.to(torch.float64), dim=-1).amax(-1))
-        return scores

@@ -10,6 +10,7 @@ a request joins only at a batch boundary (no in-flight admission).
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kvcert.integrations.cache_config import StorageConfig
 from kvcert.integrations.observed_cache import ObservedDynamicCache
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.ledger.ledger import Ledger
@@ -54,11 +56,16 @@ def dynamic_cache() -> CacheFactory:
     return make
 
 
-def certified_cache(keys: str = "int8", values: str = "int4", **options: Any) -> CacheFactory:
-    """Factory of a :class:`CertifiedCache` per batch with the rows' UIDs and the ledger observer."""
+def certified_cache(
+    keys: str = "int8", values: str = "int4", storage: StorageConfig | None = None, **options: Any
+) -> CacheFactory:
+    """Factory of a :class:`CertifiedCache` per batch with the rows' UIDs and the ledger observer: ``keys`` /
+    ``values`` are the codecs of ``storage`` (the storage's other settings; default :class:`StorageConfig`),
+    ``options`` further ``CertifiedCache`` keywords."""
+    storage = dataclasses.replace(storage or StorageConfig(), keys=keys, values=values)
 
     def make(model: torch.nn.Module, uids: torch.Tensor, observer: LedgerObserver) -> Any:
-        return CertifiedCache(model, keys=keys, values=values, request_ids=uids, observers=[observer], **options)
+        return CertifiedCache(model, request_ids=uids, observers=[observer], storage=storage, **options)
 
     return make
 

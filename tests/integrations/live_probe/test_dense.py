@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from kvcert import StorageConfig
 from kvcert.cache.telemetry import ChainInputs
 from kvcert.contracts import Chain, MetricMismatch, Tier, bridges, stages
 from kvcert.integrations.live_probe.dense import dense_chains
@@ -19,7 +20,8 @@ IDS = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
 def _run(keys: str, **kwargs) -> CertifiedCache:
     """Prefill 8 tokens, then teacher-forced decode of 8 more (every decode read sees compressed keys)."""
     model = tiny_random("llama", head_dim=32)
-    cache = CertifiedCache(model, keys=keys, values="int8", validate=True, write_block=1, seed=1, **kwargs)
+    storage = StorageConfig(keys=keys, values="int8", write_block=1, seed=1)
+    cache = CertifiedCache(model, validate=True, storage=storage, **kwargs)
     with torch.no_grad():
         model(IDS[:, :8], cache=cache, use_cache=True)
         for t in range(8, IDS.shape[1]):

@@ -22,8 +22,10 @@ from transformers import PreTrainedModel
 
 from kvcert.cache.telemetry import Telemetry
 from kvcert.contracts import ATTN_DIST_TV, ATTN_LOGIT_LINF, KV_ENTRY_L2, Chain, bridges, stages
+from kvcert.integrations.cache_config import StorageConfig
+from kvcert.integrations.certified_layer import CertifiedLayer
 from kvcert.integrations.live_probe.request import serve_request
-from kvcert.integrations.transformers import CertifiedCache, CertifiedLayer
+from kvcert.integrations.transformers import CertifiedCache
 from kvcert.probe.chains import LayerChain
 from kvcert.probe.recorder import Q_NORM, RADIUS_ATOL, TRUE_TV, Recorder
 from kvcert.quant import Codec
@@ -88,7 +90,12 @@ def probe_dense_live(
     Self-checks (``witness_violations``): every stored key's witness against its true residual, every cell's
     true TV against its certificate (telemetry ``violations``) and each layer's chain against its worst cell.
     """
-    cache = CertifiedCache(model, keys=key_codec, values="none", validate=True, bands=bands, seed=seed, write_block=1)
+    cache = CertifiedCache(
+        model,
+        validate=True,
+        seed=seed,
+        storage=StorageConfig(keys=key_codec, values="none", bands=bands, write_block=1),
+    )
     try:
         serve_request(model, input_ids, cache)
     finally:

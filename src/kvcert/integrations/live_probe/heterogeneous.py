@@ -57,6 +57,7 @@ from kvcert.integrations.forget_gates import GateTrace, extract_forget_gates
 from kvcert.integrations.live_probe.dense import DENSE_PATH, dense_chain, probe_dense_live
 from kvcert.integrations.live_probe.pooled_path import PoolingMeters, probe_pooling
 from kvcert.integrations.mla import LatentLayer, extract_latents
+from kvcert.integrations.model_attention import SUPPORTED_FAMILIES
 from kvcert.integrations.pooled_attention import WEIGHTINGS, PoolingConfig, Weighting, pooled_layers
 from kvcert.integrations.selector import (
     CapturedAttention,
@@ -65,7 +66,6 @@ from kvcert.integrations.selector import (
     expand_kv,
     topk_attention,
 )
-from kvcert.integrations.transformers import SUPPORTED_FAMILIES
 from kvcert.probe.chains import LayerChain
 from kvcert.probe.recorder import Q_NORM, RADIUS_ATOL, TRUE_TV, Recorder, cell_checks, served_softmax
 from kvcert.probe.snapshot import Declared, ProbeSnapshot, SelfChecks

@@ -176,6 +176,24 @@ def test_exact_sinks_keep_the_first_positions_exact_with_zero_residual():
         LayerStore(0, get("int8"), get("int8"), bands=8, pairing="rotate_half", seed=1, exact_sinks=-1)
 
 
+def test_emptied_store_keeps_every_setting_and_holds_nothing():
+    """A cache reset starts from ``emptied()``: the same layer, codecs and settings (exact sinks included), no tokens,
+    and the same writes then store the same codes."""
+    gen = torch.Generator().manual_seed(2)
+    st = LayerStore(
+        3, get("dither-int6"), get("int4"), bands=4, pairing="rotate_half", seed=7, write_block=4,
+        device_budget=0.5, witness="f32", exact_sinks=2,
+    )  # fmt: skip
+    k, v = torch.randn(1, 2, 12, 64, generator=gen), torch.randn(1, 2, 12, 64, generator=gen)
+    st.append(k, v, torch.arange(1), torch.zeros(1, dtype=torch.bool))
+    fresh = st.emptied()
+    settings = ("layer", "key_codec", "value_codec", "bands", "pairing", "seed", "write_block", "device_budget")
+    assert all(getattr(fresh, a) == getattr(st, a) for a in (*settings, "witness", "exact_sinks"))
+    assert fresh.n == 0 and fresh.k is None and st.n == 12
+    fresh.append(k, v, torch.arange(1), torch.zeros(1, dtype=torch.bool))
+    assert torch.equal(fresh.k.served.view(), st.k.served.view())
+
+
 def test_promote_encodes_host_tokens_at_their_own_positions_with_valid_witnesses():
     """Promoted tokens get the codes a write would give them, their own logical positions (per head) and witnesses
     that bound their residuals; ``appended`` does not move; a dithered codec is refused."""

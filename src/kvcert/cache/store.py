@@ -184,6 +184,22 @@ class LayerStore:
         self.nonfinite = 0  # entries kept exact because K or V had NaN/inf
         self.fail_closed = 0  # entries kept exact because their row had no request identity
 
+    def emptied(self) -> LayerStore:
+        """A new store of the same layer and configuration (codecs, bands, pairing, seed, write block, device budget,
+        witness format, exact sinks) that holds nothing: what a cache reset starts from."""
+        return LayerStore(
+            self.layer,
+            self.key_codec,
+            self.value_codec,
+            bands=self.bands,
+            pairing=self.pairing,
+            seed=self.seed,
+            write_block=self.write_block,
+            device_budget=self.device_budget,
+            witness=self.witness,
+            exact_sinks=self.exact_sinks,
+        )
+
     # ----------------------------------------------------------------------------------------- write
     def _init(self, k: torch.Tensor, v: torch.Tensor) -> None:
         pin = torch.cuda.is_available()

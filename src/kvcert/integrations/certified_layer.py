@@ -124,18 +124,7 @@ class CertifiedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         """Drop all stored tokens (the cache can then serve a new request)."""
-        st = self.store
-        self.store = LayerStore(
-            st.layer,
-            st.key_codec,
-            st.value_codec,
-            bands=st.bands,
-            pairing=st.pairing,
-            seed=st.seed,
-            write_block=st.write_block,
-            device_budget=st.device_budget,
-            witness=st.witness,
-        )
+        self.store = self.store.emptied()
         self.cumulative_length = 0
         self.returned = None
 

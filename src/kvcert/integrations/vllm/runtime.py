@@ -116,7 +116,7 @@ class Runtime:
         self.read_path = CertifiedReadPath(ReadConfig(self.gate, settings.validate, self.delta_loc, attn_kv=False))
         self.seed = int.from_bytes(os.urandom(4), "little") if settings.seed is None else settings.seed
         self.storage = StorageConfig(
-            settings.keys, settings.values, BANDS, "rotate_half", self.seed, write_block=WRITE_BLOCK
+            keys=settings.keys, values=settings.values, bands=BANDS, seed=self.seed, write_block=WRITE_BLOCK
         )
 
     # ------------------------------------------------------------------------------------------- steps

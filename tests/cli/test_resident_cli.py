@@ -52,29 +52,30 @@ RESIDENT_FIELDS = {
 RECALL_NEED = ("resident_reads", "reads_mass_bound_above", "reads_mass_above")
 
 
-@pytest.mark.parametrize(
-    ("args", "needle"),
-    [
-        (["--resident", "0"], "--resident must be a fraction in (0, 1]"),
-        (["--resident", "1.5"], "--resident must be a fraction in (0, 1]"),
-        (["--resident", "nan"], "--resident must be a fraction in (0, 1]"),
-        (["--resident", "0.25", "--select", "belady"], "--select: unknown policy 'belady'"),
-        (["--select", "snapkv"], "--select picks the resident set"),
-        (["--resident", "0.25", "--gate", "risk:5"], "--resident needs --gate auto, off or certified:TAU"),
-        (["--resident", "0.05"], "fewer than the 32 that --select snapkv protects"),  # 26 of 512 tokens kept
-        (["--reselect", "4"], "--reselect re-selects the resident set"),
-        (["--resident", "0.25", "--reselect", "0"], "--reselect must be a positive number"),
-        (["--resident", "0.25", "--reselect", "2", "--schemes", "dither-int8/int4"], "dithered codecs"),
-        (["--summary", "basis8"], "--summary summarises a resident set's omitted keys"),
-        (["--resident", "0.25", "--summary", "pca"], "--summary: unknown summary 'pca'"),
-        (["--resident-alloc", "mass"], "--resident-alloc splits the resident set"),
-        (["--resident", "0.25", "--resident-alloc", "greedy"], "--resident-alloc: unknown split 'greedy'"),
-        (
-            ["--resident", "0.25", "--select", "streaming", "--resident-alloc", "mass"],
-            "--resident-alloc mass splits by attention scores",
-        ),
-    ],
-)
+# Refused resident options and the message each gets; kvcert frontier refuses them with the same messages.
+BAD_RESIDENT: list[tuple[list[str], str]] = [
+    (["--resident", "0"], "--resident must be a fraction in (0, 1]"),
+    (["--resident", "1.5"], "--resident must be a fraction in (0, 1]"),
+    (["--resident", "nan"], "--resident must be a fraction in (0, 1]"),
+    (["--resident", "0.25", "--select", "belady"], "--select: unknown policy 'belady'"),
+    (["--select", "snapkv"], "--select picks the resident set"),
+    (["--resident", "0.25", "--gate", "risk:5"], "--resident needs --gate auto, off or certified:TAU"),
+    (["--resident", "0.05"], "fewer than the 32 that --select snapkv protects"),  # 26 of 512 tokens kept
+    (["--reselect", "4"], "--reselect re-selects the resident set"),
+    (["--resident", "0.25", "--reselect", "0"], "--reselect must be a positive number"),
+    (["--resident", "0.25", "--reselect", "2", "--schemes", "dither-int8/int4"], "dithered codecs"),
+    (["--summary", "basis8"], "--summary summarises a resident set's omitted keys"),
+    (["--resident", "0.25", "--summary", "pca"], "--summary: unknown summary 'pca'"),
+    (["--resident-alloc", "mass"], "--resident-alloc splits the resident set"),
+    (["--resident", "0.25", "--resident-alloc", "greedy"], "--resident-alloc: unknown split 'greedy'"),
+    (
+        ["--resident", "0.25", "--select", "streaming", "--resident-alloc", "mass"],
+        "--resident-alloc mass splits by attention scores",
+    ),
+]
+
+
+@pytest.mark.parametrize(("args", "needle"), BAD_RESIDENT)
 def test_bad_resident_options_are_refused_before_loading(tmp_path: Path, args: list[str], needle: str) -> None:
     out = tmp_path / "out"
     result = runner.invoke(app, ["eval", *TINY, *args, "--out", str(out)])

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from kvcert.cli.common import SELECT_POLICIES
 from kvcert.cli.main import app
 from kvcert.cli.merge import merge_results
-from kvcert.cli.ruler_report import resident_numbers, resident_reads_above
+from kvcert.cli.ruler_report import context_ratios, resident_numbers, resident_reads_above
 from kvcert.eval.branching import Scheme, run_branches
 from kvcert.models.tiny import tiny_random
 from kvcert.report.results import untiered_numbers
@@ -194,6 +194,8 @@ def _shard(task: str, n: int, fraction: float, pages: int, recalled: int, bound:
 def test_merge_pools_resident_numbers() -> None:
     a = _shard("t1", 1, 0.3, pages=4, recalled=400, bound=0.5)
     b = _shard("t2", 3, 0.26, pages=6, recalled=200, bound=0.9)
+    a["results"]["variants"]["int8+resident"]["page_in_bytes"] = _t(80)
+    b["results"]["variants"]["int8+resident"]["page_in_bytes"] = _t(120)
     merged = merge_results([a, b], [Path("a"), Path("b")], seed=0, resamples=100)
     assert untiered_numbers(merged) == []
     v = merged["variants"]["int8+resident"]
@@ -205,6 +207,20 @@ def test_merge_pools_resident_numbers() -> None:
     assert v["resident_fraction"]["value"] == pytest.approx((0.3 + 3 * 0.26) / 4)
     assert v["recall_ratio"]["value"] == pytest.approx(600 / 4000)
     assert v["bytes_fp16_context"]["value"] == 4000 and v["capacity_context"]["value"] == pytest.approx(4000 / 1600)
+    assert v["page_in_ratio_context"] == _t(pytest.approx(200 / 4000))
+    assert v["bytes_per_token_device_context"] == _t(pytest.approx(100.0 * 1600 / 4000))  # fp16 B/token / capacity
+
+
+def test_context_ratios_are_nan_without_a_denominator_or_numerator() -> None:
+    got = context_ratios(0, 0, None, None, 100.0)
+    assert set(got) == {"capacity_context", "bytes_per_token_device_context", "page_in_ratio_context", "recall_ratio"}
+    assert all(v == _t(None) for v in got.values())  # NaN is stored as null
+    assert context_ratios(1000, 250, 50, 20, 100.0) == {
+        "capacity_context": _t(4.0),
+        "bytes_per_token_device_context": _t(25.0),
+        "page_in_ratio_context": _t(0.05),
+        "recall_ratio": _t(0.02),
+    }
 
 
 def test_merge_refuses_a_summed_count_with_two_tiers() -> None:

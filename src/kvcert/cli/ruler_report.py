@@ -94,6 +94,29 @@ def resident_reads_above(tels: list[Telemetry], attr: str, tau: float) -> tuple[
     return reads, above
 
 
+def context_ratios(
+    fp16: float | None, device: float | None, paged: float | None, recalled: float | None, fp16_token: float
+) -> dict[str, Any]:
+    """A resident variant's byte figures against its whole contexts (resident and omitted tokens), tiered empirical
+    (measured), from the sums over its samples of ``bytes_fp16_context`` (``fp16``), ``bytes_device``,
+    ``page_in_bytes`` (``paged``) and ``bytes_recalled`` and the fp16 bytes of one token: ``capacity_context =
+    fp16 / device``, ``bytes_per_token_device_context = fp16_token · device / fp16``, ``page_in_ratio_context =
+    paged / fp16``, ``recall_ratio = recalled / fp16``; NaN where a denominator is 0 or missing, or a numerator
+    missing."""
+
+    def ratio(num: float | None, den: float | None) -> float:
+        return num / den if num is not None and den else float("nan")
+
+    return {
+        "capacity_context": tiered(ratio(fp16, device), EMPIRICAL),
+        "bytes_per_token_device_context": tiered(
+            ratio(None if device is None else fp16_token * device, fp16), EMPIRICAL
+        ),
+        "page_in_ratio_context": tiered(ratio(paged, fp16), EMPIRICAL),
+        "recall_ratio": tiered(ratio(recalled, fp16), EMPIRICAL),
+    }
+
+
 def resident_numbers(tels: list[Telemetry]) -> dict[str, Any]:
     """Tiered resident-set numbers of a variant (``docs/cli.md#resident-variants``): mean resident fraction over
     the samples, the largest omitted-mass bound of any cell (certified), pages / bytes recalled and summary bytes
@@ -104,7 +127,6 @@ def resident_numbers(tels: list[Telemetry]) -> dict[str, Any]:
     device = sum(t.bytes_device for t in tels)
     recalled = sum(t.bytes_recalled for t in tels)
     paged = sum(t.bytes_paged for t in tels)
-    nan = float("nan")
     out = {
         "resident_fraction": tiered(_mean([float(t.resident_fraction or 0.0) for t in tels]), EMPIRICAL),
         "max_omitted_mass_bound": tiered(_max_cell(tels, "omitted_mass_bound"), CERTIFIED),
@@ -112,12 +134,7 @@ def resident_numbers(tels: list[Telemetry]) -> dict[str, Any]:
         "bytes_recalled": tiered(recalled, EMPIRICAL),
         "bytes_summary": tiered(sum(t.bytes_summary for t in tels), EMPIRICAL),
         "bytes_fp16_context": tiered(fp16, EMPIRICAL),
-        "capacity_context": tiered(fp16 / device if device else nan, EMPIRICAL),
-        "bytes_per_token_device_context": tiered(
-            aggregate.fp16_bytes_per_token(tels[0]) * device / fp16 if fp16 else nan, EMPIRICAL
-        ),
-        "page_in_ratio_context": tiered(paged / fp16 if fp16 else nan, EMPIRICAL),
-        "recall_ratio": tiered(recalled / fp16 if fp16 else nan, EMPIRICAL),
+        **context_ratios(fp16, device, paged, recalled, aggregate.fp16_bytes_per_token(tels[0])),
     }
     reads, bound_above = resident_reads_above(tels, "omitted_mass_bound", COVERAGE_TAU)
     out["resident_reads"] = tiered(reads, EMPIRICAL)

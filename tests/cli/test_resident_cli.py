@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from kvcert.cli.common import SELECT_POLICIES
 from kvcert.cli.main import app
 from kvcert.cli.merge import merge_results
-from kvcert.cli.ruler_report import resident_numbers, resident_reads_above
+from kvcert.cli.ruler_report import context_ratios, resident_numbers, resident_reads_above
 from kvcert.eval.branching import Scheme, run_branches
 from kvcert.models.tiny import tiny_random
 from kvcert.report.results import untiered_numbers
@@ -52,29 +52,30 @@ RESIDENT_FIELDS = {
 RECALL_NEED = ("resident_reads", "reads_mass_bound_above", "reads_mass_above")
 
 
-@pytest.mark.parametrize(
-    ("args", "needle"),
-    [
-        (["--resident", "0"], "--resident must be a fraction in (0, 1]"),
-        (["--resident", "1.5"], "--resident must be a fraction in (0, 1]"),
-        (["--resident", "nan"], "--resident must be a fraction in (0, 1]"),
-        (["--resident", "0.25", "--select", "belady"], "--select: unknown policy 'belady'"),
-        (["--select", "snapkv"], "--select picks the resident set"),
-        (["--resident", "0.25", "--gate", "risk:5"], "--resident needs --gate auto, off or certified:TAU"),
-        (["--resident", "0.05"], "fewer than the 32 that --select snapkv protects"),  # 26 of 512 tokens kept
-        (["--reselect", "4"], "--reselect re-selects the resident set"),
-        (["--resident", "0.25", "--reselect", "0"], "--reselect must be a positive number"),
-        (["--resident", "0.25", "--reselect", "2", "--schemes", "dither-int8/int4"], "dithered codecs"),
-        (["--summary", "basis8"], "--summary summarises a resident set's omitted keys"),
-        (["--resident", "0.25", "--summary", "pca"], "--summary: unknown summary 'pca'"),
-        (["--resident-alloc", "mass"], "--resident-alloc splits the resident set"),
-        (["--resident", "0.25", "--resident-alloc", "greedy"], "--resident-alloc: unknown split 'greedy'"),
-        (
-            ["--resident", "0.25", "--select", "streaming", "--resident-alloc", "mass"],
-            "--resident-alloc mass splits by attention scores",
-        ),
-    ],
-)
+# Refused resident options and the message each gets; kvcert frontier refuses them with the same messages.
+BAD_RESIDENT: list[tuple[list[str], str]] = [
+    (["--resident", "0"], "--resident must be a fraction in (0, 1]"),
+    (["--resident", "1.5"], "--resident must be a fraction in (0, 1]"),
+    (["--resident", "nan"], "--resident must be a fraction in (0, 1]"),
+    (["--resident", "0.25", "--select", "belady"], "--select: unknown policy 'belady'"),
+    (["--select", "snapkv"], "--select picks the resident set"),
+    (["--resident", "0.25", "--gate", "risk:5"], "--resident needs --gate auto, off or certified:TAU"),
+    (["--resident", "0.05"], "fewer than the 32 that --select snapkv protects"),  # 26 of 512 tokens kept
+    (["--reselect", "4"], "--reselect re-selects the resident set"),
+    (["--resident", "0.25", "--reselect", "0"], "--reselect must be a positive number"),
+    (["--resident", "0.25", "--reselect", "2", "--schemes", "dither-int8/int4"], "dithered codecs"),
+    (["--summary", "basis8"], "--summary summarises a resident set's omitted keys"),
+    (["--resident", "0.25", "--summary", "pca"], "--summary: unknown summary 'pca'"),
+    (["--resident-alloc", "mass"], "--resident-alloc splits the resident set"),
+    (["--resident", "0.25", "--resident-alloc", "greedy"], "--resident-alloc: unknown split 'greedy'"),
+    (
+        ["--resident", "0.25", "--select", "streaming", "--resident-alloc", "mass"],
+        "--resident-alloc mass splits by attention scores",
+    ),
+]
+
+
+@pytest.mark.parametrize(("args", "needle"), BAD_RESIDENT)
 def test_bad_resident_options_are_refused_before_loading(tmp_path: Path, args: list[str], needle: str) -> None:
     out = tmp_path / "out"
     result = runner.invoke(app, ["eval", *TINY, *args, "--out", str(out)])
@@ -193,6 +194,8 @@ def _shard(task: str, n: int, fraction: float, pages: int, recalled: int, bound:
 def test_merge_pools_resident_numbers() -> None:
     a = _shard("t1", 1, 0.3, pages=4, recalled=400, bound=0.5)
     b = _shard("t2", 3, 0.26, pages=6, recalled=200, bound=0.9)
+    a["results"]["variants"]["int8+resident"]["page_in_bytes"] = _t(80)
+    b["results"]["variants"]["int8+resident"]["page_in_bytes"] = _t(120)
     merged = merge_results([a, b], [Path("a"), Path("b")], seed=0, resamples=100)
     assert untiered_numbers(merged) == []
     v = merged["variants"]["int8+resident"]
@@ -204,6 +207,20 @@ def test_merge_pools_resident_numbers() -> None:
     assert v["resident_fraction"]["value"] == pytest.approx((0.3 + 3 * 0.26) / 4)
     assert v["recall_ratio"]["value"] == pytest.approx(600 / 4000)
     assert v["bytes_fp16_context"]["value"] == 4000 and v["capacity_context"]["value"] == pytest.approx(4000 / 1600)
+    assert v["page_in_ratio_context"] == _t(pytest.approx(200 / 4000))
+    assert v["bytes_per_token_device_context"] == _t(pytest.approx(100.0 * 1600 / 4000))  # fp16 B/token / capacity
+
+
+def test_context_ratios_are_nan_without_a_denominator_or_numerator() -> None:
+    got = context_ratios(0, 0, None, None, 100.0)
+    assert set(got) == {"capacity_context", "bytes_per_token_device_context", "page_in_ratio_context", "recall_ratio"}
+    assert all(v == _t(None) for v in got.values())  # NaN is stored as null
+    assert context_ratios(1000, 250, 50, 20, 100.0) == {
+        "capacity_context": _t(4.0),
+        "bytes_per_token_device_context": _t(25.0),
+        "page_in_ratio_context": _t(0.05),
+        "recall_ratio": _t(0.02),
+    }
 
 
 def test_merge_refuses_a_summed_count_with_two_tiers() -> None:
@@ -285,3 +302,28 @@ def test_eval_resident_alloc_reaches_the_cache(tmp_path: Path) -> None:
         assert kept["violations"]["value"] == 0 and kept["recall_violations"]["value"] == 0
         fractions[alloc] = kept["resident_fraction"]["value"]
     assert fractions["mass"] == pytest.approx(fractions["uniform"])
+
+
+@pytest.mark.parametrize(
+    ("command", "task"),
+    [("eval", ["--task", "ruler:niah_single_1"]), ("frontier", ["--tasks", "niah_single_1", "--peers", ""])],
+)
+def test_resident_variant_takes_the_runs_storage_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str, task: list[str]
+) -> None:
+    """``--device-budget`` and ``--witness`` reach the resident variant's cache as they reach the schemes' (the
+    resident variant once ran under the default budget 1.0 whatever the run asked for). With a fixed gate every
+    variant decodes in one ``run_branches`` call, which is captured before it runs."""
+    seen: list[Scheme] = []
+
+    def capture(model: object, ids: object, schemes: list[Scheme], *args: object, **kwargs: object) -> list[object]:
+        seen.extend(schemes)
+        raise RuntimeError("captured")
+
+    monkeypatch.setattr("kvcert.cli.workload.run_branches", capture)
+    storage = ["--device-budget", "0.3333", "--witness", "f32", "--gate", "certified:0.2", "--resident", "0.25"]
+    tiny = ["--model", "tiny:llama", "--context", "512", "--samples", "1", "--schemes", "int4"]
+    result = runner.invoke(app, [command, *tiny, *task, *storage, "--out", str(tmp_path / "out")])
+    assert isinstance(result.exception, RuntimeError) and str(result.exception) == "captured", result.output
+    got = {sc.name: (sc.device_budget, sc.witness) for sc in seen if sc.keys is not None}
+    assert got == dict.fromkeys(["int4", "int4+gate", "int4+resident"], (0.3333, "f32"))

@@ -112,3 +112,22 @@ def test_html_renders_in_headless_chromium(tmp_path: Path) -> None:
 
     img = matplotlib.image.imread(shot)
     assert img.std() > 0.01, "screenshot is blank"
+
+
+def test_bytes_vs_accuracy_marks_resident_points_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resident point is drawn as a diamond at its bytes with its own legend entry; a point without bytes is not
+    drawn."""
+    drawn: list[figures.plt.Figure] = []
+    monkeypatch.setattr(figures, "_save", lambda fig, path: drawn.append(fig) or path)
+    pts = [
+        figures.AccuracyPoint("int4", 0.5, -0.3, 0.0, 290.0, False),
+        figures.AccuracyPoint("int4+resident", 0.75, -0.2, 0.0, 95.0, True, resident=True),
+        figures.AccuracyPoint("none+gate", 1.0, 0.0, 0.0, None, True),
+    ]
+    figures.bytes_vs_accuracy(pts, 1024.0, 1.0, tmp_path / "bytes.png")
+    (ax,) = drawn[0].axes
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["raw", "resident (whole-context bytes)", "dense (fp16)"]
+    offsets = [tuple(c.get_offsets()[0]) for c in ax.collections]
+    assert offsets == [(290.0, 0.5), (95.0, 0.75), (1024.0, 1.0)]
+    assert [a.get_text() for a in ax.texts] == ["int4", "int4+resident"]

@@ -243,6 +243,76 @@ def _check_alloc(resident: float | None, select: str | None, alloc: str) -> None
         raise ValueError(f"--resident-alloc mass splits by attention scores; --select {select} has none")
 
 
+# Resident-variant options shared by ``kvcert eval`` and ``kvcert frontier`` (checked by :func:`resident_plan`).
+ResidentOption = Annotated[
+    float | None,
+    typer.Option(
+        help="also run each scheme with a resident set of this fraction of its tokens, in (0, 1] "
+        "(variant <scheme>+resident, gated certified at --gate's tau, 0.2 for auto)"
+    ),
+]
+SelectOption = Annotated[
+    str | None,
+    typer.Option(
+        help=f"resident-set policy: {' | '.join(SELECT_POLICIES)} (default {DEFAULT_SELECT}; needs --resident)",
+    ),
+]
+ReselectOption = Annotated[
+    int | None,
+    typer.Option(
+        help="re-select each resident set every N decode steps over all its tokens (needs --resident; "
+        "not with dithered codecs)",
+    ),
+]
+SummaryOption = Annotated[
+    str | None,
+    typer.Option(
+        help=f"summary of the omitted tokens' keys: {' | '.join(SUMMARIES)} (default int8; needs --resident; "
+        "docs/eviction.md)",
+    ),
+]
+ResidentAllocOption = Annotated[
+    str | None,
+    typer.Option(
+        help=f"split of the resident tokens across layers: {' | '.join(RESIDENT_ALLOCS)} (default uniform: every "
+        "layer keeps --resident; mass: the same total split by the policy's prefill scores; needs --resident)",
+    ),
+]
+ValidateOption = Annotated[
+    bool,
+    typer.Option(
+        help="also compute exact attention per read: true TV and violations per variant, and for resident "
+        "variants the exact omitted mass and recall violations (slower)"
+    ),
+]
+
+
+def resident_plan(
+    resident: float | None,
+    select: str | None,
+    reselect: int | None,
+    specs: tuple[SchemeSpec, ...],
+    summary: str | None,
+    alloc: str | None,
+    gate: Gate | None,
+) -> ResidentPlan | None:
+    """The resident variants of a run from its options (``None`` without ``--resident``): the options checked by
+    :func:`check_resident_options`, the gate by :func:`resident_gate`, defaults ``--select snapkv``,
+    ``--summary int8``, ``--resident-alloc uniform``; ``ValueError`` naming the option otherwise."""
+    check_resident_options(resident, select, reselect, specs, summary, alloc)
+    if resident is None:
+        return None
+    return ResidentPlan(
+        resident,
+        select or DEFAULT_SELECT,
+        resident_gate(gate),
+        specs,
+        reselect,
+        summary or "int8",
+        alloc or "uniform",
+    )
+
+
 def resident_fits(plan: ResidentPlan | None, context: int) -> None:
     """Refuse a resident set smaller than its policy's protected tokens (``sinks + recent``: SnapKV's window,
     RMM's lag) at a prompt of ``context`` tokens, before any work: the policy would raise mid-run. ``ValueError``

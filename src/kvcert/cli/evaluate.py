@@ -10,22 +10,22 @@ from rich.console import Console
 
 from kvcert.cli.common import (
     DEFAULT_SCHEMES,
-    DEFAULT_SELECT,
-    RESIDENT_ALLOCS,
-    SELECT_POLICIES,
-    SUMMARIES,
     DeviceBudgetOption,
     GateOption,
     ModelOption,
-    ResidentPlan,
+    ReselectOption,
+    ResidentAllocOption,
+    ResidentOption,
     SchemesOption,
+    SelectOption,
+    SummaryOption,
+    ValidateOption,
     WitnessOption,
-    check_resident_options,
     default_out,
     parse_gate,
     parse_schemes,
     parse_storage,
-    resident_gate,
+    resident_plan,
 )
 from kvcert.cli.ruler_command import RulerJob, execute
 from kvcert.cli.validate import OverwriteOption, checked_inputs
@@ -57,47 +57,12 @@ def evaluate(
     overwrite: OverwriteOption = False,
     witness: WitnessOption = "log8",
     device_budget: DeviceBudgetOption = "1.0",
-    resident: Annotated[
-        float | None,
-        typer.Option(
-            help="also run each scheme with a resident set of this fraction of its tokens, in (0, 1] "
-            "(variant <scheme>+resident, gated certified at --gate's tau, 0.2 for auto)"
-        ),
-    ] = None,
-    select: Annotated[
-        str | None,
-        typer.Option(
-            help=f"resident-set policy: {' | '.join(SELECT_POLICIES)} (default {DEFAULT_SELECT}; needs --resident)",
-        ),
-    ] = None,
-    reselect: Annotated[
-        int | None,
-        typer.Option(
-            help="re-select each resident set every N decode steps over all its tokens (needs --resident; "
-            "not with dithered codecs)",
-        ),
-    ] = None,
-    summary: Annotated[
-        str | None,
-        typer.Option(
-            help=f"summary of the omitted tokens' keys: {' | '.join(SUMMARIES)} (default int8; needs --resident; "
-            "docs/eviction.md)",
-        ),
-    ] = None,
-    resident_alloc: Annotated[
-        str | None,
-        typer.Option(
-            help=f"split of the resident tokens across layers: {' | '.join(RESIDENT_ALLOCS)} (default uniform: every "
-            "layer keeps --resident; mass: the same total split by the policy's prefill scores; needs --resident)",
-        ),
-    ] = None,
-    validate: Annotated[
-        bool,
-        typer.Option(
-            help="also compute exact attention per read: true TV and violations per variant, and for resident "
-            "variants the exact omitted mass and recall violations (slower)"
-        ),
-    ] = False,
+    resident: ResidentOption = None,
+    select: SelectOption = None,
+    reselect: ReselectOption = None,
+    summary: SummaryOption = None,
+    resident_alloc: ResidentAllocOption = None,
+    validate: ValidateOption = False,
 ) -> None:
     """Accuracy per scheme (raw and gated, and resident with --resident) with a paired bootstrap 95% CI and exact
     McNemar p against the uncompressed run on the same samples, plus bytes per token, host page-in bytes and
@@ -106,20 +71,7 @@ def evaluate(
         tasks = parse_task_option(task)
         specs = parse_storage(parse_schemes(schemes), witness, device_budget)
         chosen = parse_gate(gate)
-        check_resident_options(resident, select, reselect, tuple(specs), summary, resident_alloc)
-        plan = (
-            None
-            if resident is None
-            else ResidentPlan(
-                resident,
-                select or DEFAULT_SELECT,
-                resident_gate(chosen),
-                tuple(specs),
-                reselect,
-                summary or "int8",
-                resident_alloc or "uniform",
-            )
-        )
+        plan = resident_plan(resident, select, reselect, tuple(specs), summary, resident_alloc, chosen)
     job = RulerJob(
         "eval",
         model,

@@ -23,7 +23,13 @@ from kvcert.cli.common import (
     DeviceBudgetOption,
     GateOption,
     ModelOption,
+    ReselectOption,
+    ResidentAllocOption,
+    ResidentOption,
     SchemesOption,
+    SelectOption,
+    SummaryOption,
+    ValidateOption,
     WitnessOption,
     command_line,
     default_out,
@@ -31,10 +37,12 @@ from kvcert.cli.common import (
     parse_gate,
     parse_schemes,
     parse_storage,
+    resident_fits,
+    resident_plan,
     set_seed,
 )
 from kvcert.cli.progress import progress_bar
-from kvcert.cli.ruler_report import results_section, variant_numbers
+from kvcert.cli.ruler_report import results_section, variant_numbers, whole_context
 from kvcert.cli.validate import (
     OverwriteOption,
     at_least,
@@ -53,7 +61,7 @@ from kvcert.report.html import write_html
 from kvcert.report.results import EMPIRICAL, build_document, tiered, write_results
 from kvcert.report.tables import ReportTable, fmt, print_table
 
-PEER_KIND, DEFAULT_PEERS = "peer", "quanto-int4,quanto-int2,fp8-e4m3"
+PEER_KIND, RESIDENT_KIND, DEFAULT_PEERS = "peer", "resident", "quanto-int4,quanto-int2,fp8-e4m3"
 
 
 def peer_numbers(
@@ -76,18 +84,20 @@ def peer_numbers(
 
 
 def frontier_table(variants: dict[str, Any]) -> ReportTable:
-    """One row per variant, sorted by device bytes per token (dense at its fp16 bytes)."""
+    """One row per variant, sorted by device bytes per token (dense at its fp16 bytes; a resident variant's device
+    bytes, capacity and page-in against its whole contexts, :func:`~kvcert.cli.ruler_report.whole_context`)."""
 
     def val(v: dict[str, Any], key: str) -> Any:
         return v[key]["value"] if key in v else None
 
     def dev(v: dict[str, Any]) -> float:
-        return val(v, "bytes_per_token_device") or val(v, "bytes_per_token_fp16") or float("inf")
+        return whole_context(v)[0] or float("inf")
 
     rows = []
     for label, v in sorted(variants.items(), key=lambda kv: dev(kv[1])):
         low, high = val(v, "ci95_low"), val(v, "ci95_high")
         ci = "–" if low is None else f"[{100 * low:+.1f}, {100 * high:+.1f}]"
+        per_token, capacity, page_in = whole_context(v)
         rows.append(
             (
                 label,
@@ -95,9 +105,9 @@ def frontier_table(variants: dict[str, Any]) -> ReportTable:
                 v["gate"],
                 fmt(val(v, "accuracy"), percent=True),
                 ci,
-                fmt(dev(v), 4),
-                fmt(val(v, "capacity") or (1.0 if label == DENSE else None), 2),
-                fmt(val(v, "page_in_ratio"), 3),
+                fmt(per_token, 4),
+                fmt(capacity, 2),
+                fmt(page_in, 3),
                 fmt(val(v, "coverage_kv@0.2"), percent=True),
             )
         )
@@ -107,7 +117,9 @@ def frontier_table(variants: dict[str, Any]) -> ReportTable:
         tuple(rows),
         "dev B/tok = bytes resident on the device tier per token at the end of the request, all layers (kvcert: "
         "codes, scales, witnesses, exact entries; peers: quantized states + residual window; dense: fp16 K/V); "
-        "capacity = fp16 / device bytes; page-in ×fp16 = host page-in traffic / fp16 K/V bytes. Tiers: acc, CI "
+        "capacity = fp16 / device bytes; page-in ×fp16 = host page-in traffic / fp16 K/V bytes. Resident rows "
+        "(kind resident, +resident): device bytes, capacity and page-in against the fp16 K/V of the whole context "
+        "(resident and omitted tokens; device bytes include the summaries of the omitted keys). Tiers: acc, CI "
         "empirical; bytes, capacity, page-in measured (empirical); cov@0.2 certified.",
     )
 
@@ -130,18 +142,27 @@ def frontier(
     overwrite: OverwriteOption = False,
     witness: WitnessOption = "log8",
     device_budget: DeviceBudgetOption = "1.0",
+    resident: ResidentOption = None,
+    select: SelectOption = None,
+    reselect: ReselectOption = None,
+    summary: SummaryOption = None,
+    resident_alloc: ResidentAllocOption = None,
+    validate: ValidateOption = False,
 ) -> None:
-    """Accuracy vs device bytes per token for every scheme raw and gated and for peer caches (transformers'
-    QuantizedCache), all on the same samples: table, frontier.png and report.html."""
+    """Accuracy vs device bytes per token for every scheme raw and gated (and resident with --resident, as in
+    kvcert eval) and for peer caches (transformers' QuantizedCache), all on the same samples: table, frontier.png
+    and report.html."""
     out = out or default_out("frontier")
     with checked_inputs("frontier"):
         task_list = tuple(t.strip() for t in tasks.split(",") if t.strip())
         specs = parse_storage(parse_schemes(schemes), witness, device_budget)
         chosen: Gate | None = parse_gate(gate)
+        plan = resident_plan(resident, select, reselect, tuple(specs), summary, resident_alloc, chosen)
         peer_specs = parse_peers(peers, residual_length)
         positions = model_max_positions(model)
         ruler_tasks(task_list, context)
         context_fits(context, positions)
+        resident_fits(plan, context)
         at_least("samples", samples, 1)
         at_least("resamples", resamples, 1)
         at_least("residual-length", residual_length, 0)
@@ -155,9 +176,11 @@ def frontier(
         with checked_inputs("frontier"):
             context_fits(context, loaded.model.config.get_text_config().max_position_embeddings)
     data = [s for t in task_list for s in ruler.load_task(t, context, samples, seed, loaded.tokenizer_dir)]
-    n_var = 1 + 2 * len(specs)
+    n_var = 1 + 2 * len(specs) + (0 if plan is None else len(plan.specs))
     with progress_bar(f"decoding {len(data)} samples × {n_var} variants", len(data), console) as tick:
-        result = run_workload(loaded, data, specs, chosen, seed, max_new_tokens, on_sample=tick)
+        result = run_workload(
+            loaded, data, specs, chosen, seed, max_new_tokens, validate=validate, on_sample=tick, resident=plan
+        )
     peer_recs = {p.label: VariantRecord(p.label, None, Gate.off()) for p in peer_specs}
     peer_runs: dict[str, list[PeerResult]] = {p.label: [] for p in peer_specs}
     with progress_bar(f"decoding {len(data)} samples × {len(peer_specs)} peers", len(data), console) as tick:
@@ -183,13 +206,20 @@ def frontier(
         "gate": gate,
         "peers": [p.label for p in peer_specs],
         "residual_length": residual_length,
+        "resident": resident,
+        "select": None if plan is None else plan.select,
+        "reselect": reselect,
+        "summary": None if plan is None else plan.summary,
+        "resident_alloc": None if plan is None else plan.alloc,
+        "resident_gate": None if plan is None else plan.gate.describe(),
+        "validate": validate,
         "seed": seed,
         "max_new_tokens": max_new_tokens,
         "bootstrap_resamples": resamples,
         "out": str(out),
     }
     table = frontier_table(results["variants"])
-    png = frontier_figure(result, results, out / "frontier.png")
+    png = frontier_figure(results, out / "frontier.png")
     doc = build_document("frontier", config, results, seed, {"seconds": time.time() - t0}, command_line().split())
     json_path = write_results(out / "results.json", doc)
     html = write_html(
@@ -198,6 +228,13 @@ def frontier(
         [
             f"{len(data)} RULER samples ({', '.join(task_list)}) at {context} tokens, model {model}; "
             f"peers decode from the same exact prefill."
+            + (
+                ""
+                if plan is None
+                else f" Resident variants: R = {resident} chosen by {plan.select}, summary {plan.summary}, "
+                f"split {plan.alloc}, gate {plan.gate.describe()}; their bytes, capacity and page-in are against "
+                "the whole context."
+            )
         ],
         [table],
         [png],
@@ -217,7 +254,8 @@ def frontier_results(
     """``results`` of results.json: the eval workload's variants (each with its ``kind``) and the peers."""
     results = results_section(result, seed, resamples)
     for rec in result.variants:
-        results["variants"][rec.label]["kind"] = DENSE if rec.label == DENSE else ("gated" if rec.gated else "raw")
+        kind = RESIDENT_KIND if rec.resident is not None else ("gated" if rec.gated else "raw")
+        results["variants"][rec.label]["kind"] = DENSE if rec.label == DENSE else kind
     dense = result.variant(DENSE)
     fp16_token = results["variants"][DENSE].get("bytes_per_token_fp16", {}).get("value")
     for label, rec in peer_recs.items():
@@ -230,20 +268,28 @@ def frontier_results(
     return results
 
 
-def frontier_figure(result: WorkloadResult, results: dict[str, Any], path: Path) -> Path:
-    """Accuracy vs device bytes per token: raw red, gated green, peers blue, dense starred at fp16."""
-    variants = results["variants"]
-    points = [
+def frontier_points(results: dict[str, Any]) -> list[figures.AccuracyPoint]:
+    """The plotted points: every variant but dense at its device bytes per token (a resident variant's against its
+    whole contexts, flagged ``resident``; peers with ``gated=None``)."""
+    return [
         figures.AccuracyPoint(
             label,
             v["accuracy"]["value"],
             v["ci95_low"]["value"],
             v["ci95_high"]["value"],
-            v["bytes_per_token_device"]["value"],
-            None if v["kind"] == PEER_KIND else v["kind"] == "gated",
+            whole_context(v)[0],
+            None if v["kind"] == PEER_KIND else v["gate"] != "off",
+            v["kind"] == RESIDENT_KIND,
         )
-        for label, v in variants.items()
+        for label, v in results["variants"].items()
         if label != DENSE
     ]
-    dense = variants[DENSE]
-    return figures.bytes_vs_accuracy(points, dense["bytes_per_token_fp16"]["value"], dense["accuracy"]["value"], path)
+
+
+def frontier_figure(results: dict[str, Any], path: Path) -> Path:
+    """Accuracy vs device bytes per token: raw red, gated green, resident purple diamonds, peers blue, dense starred
+    at fp16."""
+    dense = results["variants"][DENSE]
+    return figures.bytes_vs_accuracy(
+        frontier_points(results), dense["bytes_per_token_fp16"]["value"], dense["accuracy"]["value"], path
+    )

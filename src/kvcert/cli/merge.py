@@ -24,7 +24,7 @@ from rich.console import Console
 
 from kvcert.cli.common import command_line
 from kvcert.cli.progress import progress_bar
-from kvcert.cli.ruler_report import resident_table
+from kvcert.cli.ruler_report import context_ratios, resident_table
 from kvcert.cli.validate import OverwriteOption, at_least, checked_inputs, prepare_out
 from kvcert.cli.workload import DENSE
 from kvcert.eval.stats import mcnemar, paired_bootstrap
@@ -259,12 +259,15 @@ def merge_results(docs: list[dict[str, Any]], paths: list[Path], seed: int, resa
                     sum(f * k for f, k in zip(fractions, n, strict=True)) / sum(n) if None not in fractions else None,
                     EMPIRICAL,
                 )
-                fp16, recalled = _value(out, "bytes_fp16_context"), _value(out, "bytes_recalled")
-                device = _value(out, "bytes_device")
-                out["recall_ratio"] = tiered(
-                    recalled / fp16 if fp16 and recalled is not None else float("nan"), EMPIRICAL
+                out.update(
+                    context_ratios(
+                        _value(out, "bytes_fp16_context"),
+                        _value(out, "bytes_device"),
+                        _value(out, "page_in_bytes"),
+                        _value(out, "bytes_recalled"),
+                        _value(parts[0], "bytes_per_token_fp16"),
+                    )
                 )
-                out["capacity_context"] = tiered(fp16 / device if fp16 and device else float("nan"), EMPIRICAL)
             out["bytes_per_token_fp16"] = parts[0]["bytes_per_token_fp16"]
             out["bytes_per_token_stored_per_shard"] = [p["bytes_per_token_stored"] for p in parts]
             if "bytes_device" in out and _value(out, "bytes_device"):  # measured: Σ fp16 / Σ device bytes

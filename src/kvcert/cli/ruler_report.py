@@ -94,15 +94,39 @@ def resident_reads_above(tels: list[Telemetry], attr: str, tau: float) -> tuple[
     return reads, above
 
 
+def context_ratios(
+    fp16: float | None, device: float | None, paged: float | None, recalled: float | None, fp16_token: float
+) -> dict[str, Any]:
+    """A resident variant's byte figures against its whole contexts (resident and omitted tokens), tiered empirical
+    (measured), from the sums over its samples of ``bytes_fp16_context`` (``fp16``), ``bytes_device``,
+    ``page_in_bytes`` (``paged``) and ``bytes_recalled`` and the fp16 bytes of one token: ``capacity_context =
+    fp16 / device``, ``bytes_per_token_device_context = fp16_token · device / fp16``, ``page_in_ratio_context =
+    paged / fp16``, ``recall_ratio = recalled / fp16``; NaN where a denominator is 0 or missing, or a numerator
+    missing."""
+
+    def ratio(num: float | None, den: float | None) -> float:
+        return num / den if num is not None and den else float("nan")
+
+    return {
+        "capacity_context": tiered(ratio(fp16, device), EMPIRICAL),
+        "bytes_per_token_device_context": tiered(
+            ratio(None if device is None else fp16_token * device, fp16), EMPIRICAL
+        ),
+        "page_in_ratio_context": tiered(ratio(paged, fp16), EMPIRICAL),
+        "recall_ratio": tiered(ratio(recalled, fp16), EMPIRICAL),
+    }
+
+
 def resident_numbers(tels: list[Telemetry]) -> dict[str, Any]:
     """Tiered resident-set numbers of a variant (``docs/cli.md#resident-variants``): mean resident fraction over
     the samples, the largest omitted-mass bound of any cell (certified), pages / bytes recalled and summary bytes
-    (sums, measured), the fp16 K/V bytes of the whole contexts (resident and omitted tokens), device capacity and
-    recall traffic relative to them, and in validate mode the largest exact omitted mass and the recall violations
-    (must be 0)."""
+    (sums, measured), the fp16 K/V bytes of the whole contexts (resident and omitted tokens), device capacity, device
+    bytes per token, page-in and recall traffic relative to them, and in validate mode the largest exact omitted
+    mass and the recall violations (must be 0)."""
     fp16 = sum(t.bytes_fp16_context for t in tels)
     device = sum(t.bytes_device for t in tels)
     recalled = sum(t.bytes_recalled for t in tels)
+    paged = sum(t.bytes_paged for t in tels)
     out = {
         "resident_fraction": tiered(_mean([float(t.resident_fraction or 0.0) for t in tels]), EMPIRICAL),
         "max_omitted_mass_bound": tiered(_max_cell(tels, "omitted_mass_bound"), CERTIFIED),
@@ -110,8 +134,7 @@ def resident_numbers(tels: list[Telemetry]) -> dict[str, Any]:
         "bytes_recalled": tiered(recalled, EMPIRICAL),
         "bytes_summary": tiered(sum(t.bytes_summary for t in tels), EMPIRICAL),
         "bytes_fp16_context": tiered(fp16, EMPIRICAL),
-        "capacity_context": tiered(fp16 / device if device else float("nan"), EMPIRICAL),
-        "recall_ratio": tiered(recalled / fp16 if fp16 else float("nan"), EMPIRICAL),
+        **context_ratios(fp16, device, paged, recalled, aggregate.fp16_bytes_per_token(tels[0])),
     }
     reads, bound_above = resident_reads_above(tels, "omitted_mass_bound", COVERAGE_TAU)
     out["resident_reads"] = tiered(reads, EMPIRICAL)
@@ -169,17 +192,22 @@ def results_section(result: WorkloadResult, seed: int, resamples: int) -> dict[s
     return {"variants": variants, "gate_choice": choice, "per_sample": per_sample}
 
 
-def _context_bytes(v: dict[str, Any]) -> tuple[str, str, str]:
-    """Device bytes per token, capacity and page-in of a resident variant against its whole contexts (resident and
-    omitted tokens, ``bytes_fp16_context``): its ``bytes_fp16`` counts the resident tokens only, so the plain
-    columns would compare a 25 % resident set with a quarter of the context."""
-    capacity, context = v["capacity_context"]["value"], v["bytes_fp16_context"]["value"]
-    per_token = v["bytes_per_token_fp16"]["value"]
-    paged = v["page_in_bytes"]["value"]
+def whole_context(v: dict[str, Any]) -> tuple[float | None, float | None, float | None]:
+    """``(device bytes per token, capacity, page-in ratio)`` of a variant's results entry ``v``, a resident variant's
+    against its whole contexts (resident and omitted tokens, ``bytes_fp16_context``; its plain ``bytes_fp16`` counts
+    the resident tokens only, so the plain columns would compare a 25 % resident set with a quarter of the context),
+    any other's the plain ones (dense: fp16 bytes per token, capacity 1, no page-in)."""
+
+    def val(key: str) -> Any:
+        return v[key]["value"] if key in v else None
+
+    if "capacity_context" in v:
+        return val("bytes_per_token_device_context"), val("capacity_context"), val("page_in_ratio_context")
+    fp16 = val("bytes_per_token_fp16")
     return (
-        fmt(per_token / capacity if capacity else None, 4),
-        fmt(capacity, 2),
-        fmt(paged / context if context else None, 3),
+        val("bytes_per_token_device") or fp16,
+        val("capacity") or (1.0 if fp16 else None),
+        val("page_in_ratio"),
     )
 
 
@@ -199,15 +227,7 @@ def summary_table(results: dict[str, Any]) -> ReportTable:
                 fmt(val("accuracy"), percent=True),
                 ci,
                 fmt(val("mcnemar_p"), 2),
-                *(
-                    _context_bytes(v)
-                    if "capacity_context" in v
-                    else (
-                        fmt(val("bytes_per_token_device") or val("bytes_per_token_fp16"), 4),
-                        fmt(val("capacity") or (1.0 if val("bytes_per_token_fp16") else None), 2),
-                        fmt(val("page_in_ratio"), 3),
-                    )
-                ),
+                *(fmt(x, d) for x, d in zip(whole_context(v), (4, 2, 3), strict=True)),
                 fmt(val("fallback_rate"), percent=True),
                 fmt(val("coverage_kv@0.2"), percent=True),
                 fmt(val("informative_fraction"), percent=True),
@@ -356,17 +376,17 @@ def _figures(result: WorkloadResult, results: dict[str, Any], out: Path) -> list
             variants[r.label]["accuracy"]["value"],
             variants[r.label]["ci95_low"]["value"],
             variants[r.label]["ci95_high"]["value"],
-            variants[r.label]["bytes_per_token_device"]["value"],
+            whole_context(variants[r.label])[0],
             r.gated,
+            r.resident is not None,
         )
         for r in compressed
     ]
     if points:
         figs.append(figures.accuracy_bars(points, baseline, out / "accuracy.png"))
         dense_bytes = variants[compressed[0].label]["bytes_per_token_fp16"]["value"]
-        placed = [p for p in points if p.bytes_per_token is not None]  # None: no read, no effective bytes
-        if placed:
-            figs.append(figures.bytes_vs_accuracy(placed, dense_bytes, baseline, out / "bytes_vs_accuracy.png"))
+        if any(p.bytes_per_token is not None for p in points):  # None: no read, no effective bytes
+            figs.append(figures.bytes_vs_accuracy(points, dense_bytes, baseline, out / "bytes_vs_accuracy.png"))
     return figs
 
 

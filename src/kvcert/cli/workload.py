@@ -122,6 +122,8 @@ def run_workload(
                 reselect=resident.reselect,
                 summary=resident.summary,
                 resident_alloc=resident.alloc,
+                witness=s.witness,
+                device_budget=s.device_budget,
             )
             for s in resident.specs
         ]

@@ -67,8 +67,9 @@ class AccuracyPoint:
     accuracy: float
     diff_low: float
     diff_high: float
-    bytes_per_token: float
+    bytes_per_token: float | None  # None: no read, no effective bytes (left out of bytes_vs_accuracy)
     gated: bool | None  # None: a peer cache that is not kvcert's (no gate, no certificate)
+    resident: bool = False  # a resident variant: bytes_per_token over its whole context (resident + omitted)
 
 
 def accuracy_bars(points: Sequence[AccuracyPoint], baseline: float, path: Path) -> Path:
@@ -123,13 +124,22 @@ def accuracy_vs_budget(
 
 def bytes_vs_accuracy(points: Sequence[AccuracyPoint], dense_bytes: float, baseline: float, path: Path) -> Path:
     """Scatter of device-tier bytes per token (measured: codes, scales, witnesses, exact entries) against
-    accuracy: gated green, raw red, peers (``gated=None``, e.g. transformers' QuantizedCache) blue, dense
-    marked."""
+    accuracy: gated green, raw red, peers (``gated=None``, e.g. transformers' QuantizedCache) blue, resident
+    variants purple diamonds (their own legend entry), dense marked; points without bytes are left out."""
     fig, ax = plt.subplots(figsize=(6, 4))
-    colours = {True: "tab:green", False: "tab:red", None: "tab:blue"}
-    names = {True: "gated", False: "raw", None: "peer"}
+    colours = {True: "tab:green", False: "tab:red", None: "tab:blue", "resident": "tab:purple"}
+    names = {True: "gated", False: "raw", None: "peer", "resident": "resident (whole-context bytes)"}
     for p in points:
-        ax.scatter(p.bytes_per_token, p.accuracy, color=colours[p.gated], label=names.pop(p.gated, None))
+        if p.bytes_per_token is None:
+            continue
+        kind: bool | None | str = "resident" if p.resident else p.gated
+        ax.scatter(
+            p.bytes_per_token,
+            p.accuracy,
+            color=colours[kind],
+            marker="D" if p.resident else "o",
+            label=names.pop(kind, None),
+        )
         ax.annotate(p.label, (p.bytes_per_token, p.accuracy), fontsize=6)
     ax.scatter([dense_bytes], [baseline], color="k", marker="*", s=80, label="dense (fp16)")
     ax.set_xlabel("device KV bytes per token at the end of the request, all layers (measured)")

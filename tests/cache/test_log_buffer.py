@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcert.cache.buffer import LogBuffer, TokenIndex, WriteBatch
+from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex, WriteBatch
 from kvcert.cache.store import STORED_WITNESSES, LayerStore, band_sum_up
 from kvcert.checks import deferred, fail_if
 from kvcert.quant import get, logcode
@@ -243,6 +243,42 @@ def test_write_batch_fallback_matches_per_buffer_writes(monkeypatch):
     writes.write(batched[0], (slice(None), slice(None), slice(1, 3)), values[2] * 2.0**20)
     writes.commit()
     assert all(_same(a, b) for a, b in zip(settled, batched, strict=True))
+
+
+@pytest.mark.parametrize("rounds", [2, 0])
+def test_appends_together_store_what_appends_one_by_one_store(monkeypatch, rounds):
+    """``WriteBatch.appends`` settles every buffer's exponents in one call and ``append_zeros`` plans zeros
+    directly; both store exactly what one append per buffer stores (codes, bases, decoded values, rebases), with
+    a base set by a first write, a base raised, a buffer untouched by zeros, and a GrowBuffer in between; with
+    ``SETTLE_ROUNDS = 0`` the shared unsettled flag sends every write through the exact search, same result."""
+    gen = torch.Generator().manual_seed(12)
+    values = [
+        logcode.dec(torch.randint(-60, 60, shape, generator=gen, dtype=torch.int32)).to(torch.float64)
+        for shape in ((2, 3, 2, 4), (2, 3, 2))
+    ]
+    values[1][1, 2] = 1e9  # far above the first write's top code: that head's base rises
+    tails = ((4,), (), ())
+    one, together = _three_empty(tails), _three_empty(tails)
+    for buf in (one[1], together[1]):
+        buf.append(torch.rand(2, 3, 3, generator=torch.Generator().manual_seed(13)))
+    grown_one, grown_together = GrowBuffer(torch.zeros(2, 3, 0)), GrowBuffer(torch.zeros(2, 3, 0))
+    monkeypatch.setattr(logcode, "SETTLE_ROUNDS", rounds)
+    one[0].append(values[0])
+    grown_one.append(values[1].to(torch.float32))
+    one[1].append(values[1])
+    one[2].append(torch.zeros(2, 3, 2))
+    writes = WriteBatch()
+    writes.appends([(together[0], values[0]), (grown_together, values[1].to(torch.float32)), (together[1], values[1])])
+    writes.append_zeros(together[2], (2, 3, 2))
+    writes.commit()
+    assert writes.raised == {together[1]}
+    assert all(_same(a, b) for a, b in zip(one, together, strict=True))
+    assert torch.equal(grown_one.view(), grown_together.view())
+    assert (together[2].base == logcode.UNSET).all() and not together[2].view().any()
+
+
+def _three_empty(tails: tuple[tuple[int, ...], ...]) -> list[LogBuffer]:
+    return [LogBuffer(torch.zeros(2, 3, 0, *tail)) for tail in tails]
 
 
 @pytest.mark.parametrize("witness", ["f32", "log8"])

@@ -4,7 +4,7 @@ and :class:`LogBuffer` (non-negative witnesses stored as 8-bit logarithmic codes
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -190,6 +190,16 @@ class LogBuffer:
         summary = torch.cat([unsettled.view(1), (shift > 0).sum().view(1)]).to(torch.int64)
         return _Planned(self, index, x, n, new, shift, codes, summary)
 
+    def _plan_zeros(self, shape: tuple[int, ...], base: torch.Tensor) -> _Planned:
+        """:meth:`_plan` of appending zeros of ``shape``, built directly: a zero is code 0 against any base and sets
+        no exponent, so the bases stay, nothing can fail a check, and no exponent is searched."""
+        dev = base.device
+        x = torch.zeros(shape, dtype=torch.float32, device=dev)
+        n = torch.full(shape, logcode.MIN_N, dtype=torch.int32, device=dev)
+        codes = torch.zeros(shape, dtype=torch.uint8, device=dev)
+        summary = torch.zeros(2, dtype=torch.int64, device=dev)
+        return _Planned(self, None, x, n, base, torch.zeros_like(base), codes, summary)
+
     def _store(self, p: _Planned, rebased: int) -> None:
         """Store the checked plan ``p`` (this buffer's next write, ``rebased``: how many of its bases rise)."""
         live = self.codes.view()
@@ -220,6 +230,19 @@ class LogBuffer:
     def nbytes(self) -> int:
         """Stored bytes: the live codes (one byte per value) and the per-(row, head) base exponents."""
         return self.codes.nbytes + self.base.numel() * self.base.element_size()
+
+
+def _settle_together(xs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`~kvcert.quant.logcode.exponent_settle` of every tensor of ``xs`` in one call: ``(n, unsettled)`` per
+    tensor, ``n`` shaped as it, ``unsettled`` the flag of the whole call (True when any entry may be off)."""
+    if not xs:
+        return []
+    if len(xs) == 1:
+        return [logcode.exponent_settle(xs[0])]
+    flat = torch.cat([x.reshape(-1).to(torch.float64) for x in xs])
+    n, unsettled = logcode.exponent_settle(flat)
+    parts = n.split([x.numel() for x in xs])
+    return [(part.view(x.shape), unsettled) for part, x in zip(parts, xs, strict=True)]
 
 
 @dataclass
@@ -278,12 +301,30 @@ class WriteBatch:
 
     def append(self, buffer: GrowBuffer | LogBuffer, x: torch.Tensor) -> None:
         """Record appending ``x[B, H, t, *tail]`` along the token axis of ``buffer``."""
+        self.appends([(buffer, x)])
+
+    def appends(self, items: Sequence[tuple[GrowBuffer | LogBuffer, torch.Tensor]]) -> None:
+        """Record each ``(buffer, x)`` append, in order (as :meth:`append` one by one). The :class:`LogBuffer`
+        values share one :func:`~kvcert.quant.logcode.exponent_settle` (its cost is a fixed number of small device
+        operations per call, whatever the size), with one unsettled flag for all of them: an exponent left unsettled
+        anywhere replans every one of these writes at the commit, each from its exact exponents."""
+        logs = [x if x.is_floating_point() else x.to(torch.float64) for b, x in items if isinstance(b, LogBuffer)]
+        settled = iter(_settle_together(logs))
+        for buffer, x in items:
+            if isinstance(buffer, GrowBuffer):
+                self.then(partial(buffer.append, x))
+                continue
+            x = x if x.is_floating_point() else x.to(torch.float64)
+            with deferred(self._checks):
+                self._ops.append(buffer._plan(x, *next(settled), None, self._base(buffer)))
+
+    def append_zeros(self, buffer: GrowBuffer | LogBuffer, shape: tuple[int, ...]) -> None:
+        """Record appending zeros ``[B, H, t, *tail]`` of ``shape`` (as :meth:`append` of a zero tensor, float32 for a
+        :class:`GrowBuffer` of floats, without the exponent search of a :class:`LogBuffer`)."""
         if isinstance(buffer, GrowBuffer):
-            self.then(partial(buffer.append, x))
+            self.then(partial(buffer.append, buffer.view().new_zeros(shape)))
             return
-        x = x if x.is_floating_point() else x.to(torch.float64)
-        with deferred(self._checks):
-            self._ops.append(buffer._plan(x, *logcode.exponent_settle(x), None, self._base(buffer)))
+        self._ops.append(buffer._plan_zeros(shape, self._base(buffer)))
 
     def then(self, change: Callable[[], object]) -> None:
         """Record a state change to run at the commit, in order, once every check has passed."""

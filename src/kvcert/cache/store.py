@@ -291,13 +291,18 @@ class LayerStore:
             writes.append(ts.served, x.to(torch.float32))
             writes.append(ts.exact, torch.ones(b, h, t, dtype=torch.bool, device=x.device))
             writes.append(ts.held, torch.zeros(b, h, t, dtype=torch.bool, device=x.device))
-        writes.append(self.k_band, k.new_zeros((b, h, t, self.bands), dtype=torch.float32))
-        writes.append(self.k_wit, k.new_zeros((b, h, t), dtype=torch.float32))
-        writes.append(self.k_hat_norm, norm_up_f32(k))
-        writes.append(self.v_res, k.new_zeros((b, h, t), dtype=torch.float32))
-        writes.append(self.v_hat_norm, norm_up_f32(v))
-        writes.append(self.v_dist, norm_up_f32(v.to(torch.float64) - self.v_centre))
-        writes.append(self.positions, positions)
+        # pending entries are exact: residual witnesses 0; the norms of "log8" settle their exponents together
+        writes.append_zeros(self.k_band, (b, h, t, self.bands))
+        writes.append_zeros(self.k_wit, (b, h, t))
+        writes.append_zeros(self.v_res, (b, h, t))
+        writes.appends(
+            [
+                (self.k_hat_norm, norm_up_f32(k)),
+                (self.v_hat_norm, norm_up_f32(v)),
+                (self.v_dist, norm_up_f32(v.to(torch.float64) - self.v_centre)),
+                (self.positions, positions),
+            ]
+        )
         if self.k_steps is not None:
             writes.append(self.k_steps, k.new_zeros((b, h, t, self.k_steps.view().shape[-1]), dtype=torch.float32))
 

@@ -11,7 +11,8 @@ the summary's device bytes and the violations (must be 0). Bound: **certified**;
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/resident_bound.py --summaries int8:16,basis8:16,basis16:16,basis24:16
 
 ``--summaries``: comma-separated ``kind:page_size`` with ``kind`` any of ``SUMMARIES`` (box, int8, basis8 ...
-basis32). The bytes column counts every device byte of the summaries (for ``basis<r>`` the per-head bases too).
+basis32, basis8-t2). The bytes column counts every device byte of the summaries (for ``basis<r>`` the per-head
+bases too).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ elements through the log8 code (decoded ≥ value per element) and ``N`` end-to-
 form whose band norms go through the code before the Tier-A radius (radius ≥ ``|ε_t|``, meter ≥ TV).
 
 The page forms (``kvcert.bounds.pages``: page logit bound, omitted-mass bound, direct form, composed certificate of
-a resident read; the same per token for the int8 and the principal-basis key sketches) run on their own
+a resident read; the same per token for the int8 and the principal-basis key sketches, the latter with an int4
+and with a 2-bit tail; ``--page-summaries`` picks which) run on their own
 adversarial cells (``tests/bounds/pages_adversarial.py``: corner-aligned queries, needles, masked omitted tokens;
 the families ``edge`` / ``masked`` / ``range`` of summaries at their rounding edges, masks inside pages and keys at
 the ends of the float16 range), ``--page-cells`` of them (0 skips them); a
@@ -48,7 +49,14 @@ from codec_cells import (  # noqa: E402
     witness_element_violations,
 )
 from codec_cells import violations as codec_violations  # noqa: E402
-from pages_adversarial import FAMILIES, PAGE_PLAN, make_page_cells, page_checks, page_violations  # noqa: E402
+from pages_adversarial import (  # noqa: E402
+    FAMILIES,
+    PAGE_PLAN,
+    PAGE_SUMMARIES,
+    make_page_cells,
+    page_checks,
+    page_violations,
+)
 
 
 def codec_fuzz(n_cells: int, gen: torch.Generator) -> bool:
@@ -110,12 +118,20 @@ def main() -> None:
         "--page-seconds", type=float, default=None, help="stop the page forms after the round that passes S seconds"
     )
     ap.add_argument(
+        "--page-summaries",
+        default=",".join(PAGE_SUMMARIES),
+        help=f"comma-separated summaries whose page forms run (default all: {','.join(PAGE_SUMMARIES)})",
+    )
+    ap.add_argument(
         "--forms",
         choices=("all", "pages", "witness"),
         default="all",
         help="'pages': only the page forms; 'witness': only the compact-witness forms (--witness-cells)",
     )
     args = ap.parse_args()
+    summaries = tuple(args.page_summaries.split(","))
+    if not summaries or not set(summaries) <= set(PAGE_SUMMARIES):
+        ap.error(f"--page-summaries takes names among {','.join(PAGE_SUMMARIES)}; got {args.page_summaries!r}")
     gen = torch.Generator().manual_seed(args.seed)
     per_round = sum(rows for _, rows in CI_PLAN)
     rounds = 0 if args.forms != "all" else -(-args.cells // per_round)
@@ -144,7 +160,7 @@ def main() -> None:
             for s_r, s_o, ps, d, rows in PAGE_PLAN:
                 batch = make_page_cells(rows, s_r, s_o, ps, d, gen)
                 any_bad = torch.zeros(rows, dtype=torch.bool)
-                for form, (bound, truth) in page_checks(batch).items():
+                for form, (bound, truth) in page_checks(batch, summaries=summaries).items():
                     bad = page_violations(form, bound, truth)
                     any_bad |= bad.reshape(rows, -1).any(-1)
                     cells[form] = cells.get(form, 0) + rows

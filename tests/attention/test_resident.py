@@ -53,7 +53,7 @@ def test_tau_zero_is_token_identical_to_dynamic_cache(models, family, policy):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("summary", ["basis8", "basis16"])
+@pytest.mark.parametrize("summary", ["basis8", "basis16", "basis8-t2"])
 def test_tau_zero_with_the_basis_sketch_is_token_identical_to_dynamic_cache(models, family, summary):
     tel = _tau_zero_identical(models[family], "int4", "snapkv", summary)
     assert tel.summary()["bytes_summary"] > 0
@@ -69,10 +69,12 @@ def _tau_zero_identical(model, codec: str, policy: str, summary: str) -> Telemet
         return cache.telemetry()
 
 
-def test_basis_summary_bytes_are_its_stored_tensors(models):
-    """``bytes_summary`` of a ``basis8`` resident set: per (layer, KV head) the float32 head basis ``D×8`` and
-    float16 tail basis ``D×(D − 8)``, per omitted token 8 int8 + ``D − 8`` packed int4 codes and five bfloat16
-    numbers, plus the three float32 value / key norm bounds — and it matches the stored tensors byte for byte."""
+@pytest.mark.parametrize(("summary", "tail_bits"), [("basis8", 4), ("basis8-t2", 2)])
+def test_basis_summary_bytes_are_its_stored_tensors(models, summary, tail_bits):
+    """``bytes_summary`` of a ``basis8`` / ``basis8-t2`` resident set: per (layer, KV head) the float32 head basis
+    ``D×8`` and float16 tail basis ``D×(D − 8)``, per omitted token 8 int8 + ``D − 8`` packed int4 (2-bit) codes and
+    five bfloat16 numbers, plus the three float32 value / key norm bounds — and it matches the stored tensors byte
+    for byte."""
     model = models["llama"]
     cfg = model.config
     hkv, d = cfg.num_key_value_heads, 32
@@ -80,14 +82,16 @@ def test_basis_summary_bytes_are_its_stored_tensors(models):
         model,
         keys="int8",
         values="int8",
-        eviction=EvictionConfig.resident_set(0.25, select=StreamingLLM(sinks=2), page_size=4, summary="basis8"),
+        eviction=EvictionConfig.resident_set(0.25, select=StreamingLLM(sinks=2), page_size=4, summary=summary),
     ) as cache:
         _decode(model, _ids(model, seed=2), cache, steps=1)
         tel = cache.telemetry()
         omitted = PROMPT - (PROMPT - math.floor(0.75 * PROMPT + 1e-9))
-        per_layer = hkv * (d * 8 * 4 + d * (d - 8) * 2 + omitted * (8 + (d - 8) // 2 + 5 * 2)) + 3 * hkv * 4
+        tail = (d - 8) * tail_bits // 8
+        per_layer = hkv * (d * 8 * 4 + d * (d - 8) * 2 + omitted * (8 + tail + 5 * 2)) + 3 * hkv * 4
         assert tel.bytes_summary == cfg.num_hidden_layers * per_layer
         sketches = [p.sketch for p in cache._pages.values()]
+        assert all(sk.tail_bits == tail_bits for sk in sketches)
         stored = sum(
             t.numel() * t.element_size()
             for sk in sketches
@@ -110,7 +114,15 @@ def test_basis_summary_bytes_are_its_stored_tensors(models):
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize(
     ("codec", "summary"),
-    [("none", "int8"), ("int8", "int8"), ("int4", "int8"), ("int8", "box"), ("int4", "basis8"), ("none", "basis16")],
+    [
+        ("none", "int8"),
+        ("int8", "int8"),
+        ("int4", "int8"),
+        ("int8", "box"),
+        ("int4", "basis8"),
+        ("none", "basis16"),
+        ("int4", "basis8-t2"),
+    ],
 )
 def test_validate_mode_zero_violations_in_every_cell(models, family, policy, codec, summary):
     model = models[family]

@@ -14,10 +14,10 @@ draw does not reach:
 * ``base`` — the draw above;
 * ``edge`` — summaries at their rounding edges: every omitted key sits half a float16 step between two float16
   numbers (the box's outward rounding is what keeps it sound), the needle's channels sit half an int8 step between
-  two sketch codes (the sketch's error is as large as it gets) and in three quarters of its cells the query points
+  two sketch codes (the sketch's error is as large as it gets) and in four fifths of its cells the query points
   along one of the needle's sketch residuals: the int8 ``k − k̂``, or the principal-basis sketch's tail residual
-  ``k − AAᵀk − B·b̂`` or head coefficient error ``A(Aᵀk − â)`` (Cauchy–Schwarz is an equality there, so the
-  witness term is attained);
+  ``k − AAᵀk − B·b̂`` (int4 or 2-bit tail) or head coefficient error ``A(Aᵀk − â)`` (Cauchy–Schwarz is an equality
+  there, so the witness term is attained);
 * ``masked`` — masks inside pages: the needle itself is masked, each page is masked whole with probability 1/2
   and in a quarter of the cells every omitted token is masked (nothing visible is omitted: the bound must be 0);
 * ``range`` — keys at the ends of the float16 range: channels beyond ±65504 (box entries ±inf, the ball and norm
@@ -49,6 +49,9 @@ PAGE_PLAN: tuple[tuple[int, int, int, int, int], ...] = (
 # float64 rounding of the brute-force references (sums of at most ~10^3 terms of magnitude <= 1)
 SLACK = 1e-12
 FAMILIES: tuple[str, ...] = ("base", "edge", "masked", "range")
+# the summaries :func:`page_checks` can check (each gives a logit, a mass and a certificate form; the box also the
+# direct form)
+PAGE_SUMMARIES: tuple[str, ...] = ("box", "int8", "basis", "basis_t2")
 
 
 @dataclass(frozen=True)
@@ -99,11 +102,11 @@ def basis_rank(d: int) -> int:
     return max(1, d // 4)
 
 
-def _basis_residuals(keys: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The needle's (token ``idx`` of each cell) two principal-basis sketch residuals ``[n, D]``: the tail's
-    ``k − AAᵀk − B·b̂`` and the head's coefficient error ``A(Aᵀk − â)``; a query along either makes its
-    Cauchy–Schwarz step an equality."""
-    sk = pg.basis_sketch(keys, basis_rank(keys.shape[-1]))
+def _basis_residuals(keys: torch.Tensor, idx: torch.Tensor, tail_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The needle's (token ``idx`` of each cell) two principal-basis sketch residuals ``[n, D]`` (tail codes
+    ``tail_bits`` wide): the tail's ``k − AAᵀk − B·b̂`` and the head's coefficient error ``A(Aᵀk − â)``; a query
+    along either makes its Cauchy–Schwarz step an equality."""
+    sk = pg.basis_sketch(keys, basis_rank(keys.shape[-1]), tail_bits)
     rows = torch.arange(keys.shape[0])
     a, b, k = sk.basis.to(F64), sk.tail.to(F64), keys[rows, idx].to(F64)
     coef = torch.einsum("nd,ndr->nr", k, a)
@@ -150,20 +153,24 @@ def make_page_cells(n: int, s_r: int, s_o: int, page_size: int, d: int, gen: tor
     push = keys_o.clone()
     push[rows, idx] = push[rows, idx] + q / q.norm(dim=-1, keepdim=True) * scale[:, 0] * 8.0 * u(n, 1)
     keys_o = torch.where(needle.unsqueeze(-1), push, keys_o)
-    # edge family: every omitted key at a float16 midpoint, the needle at int8 half steps; in half of its cells
-    # the query points along the needle's sketch residual (the rest keep the corner / random query)
+    # edge family: every omitted key at a float16 midpoint, the needle at int8 half steps; in four fifths of its
+    # cells the query points along one of the needle's sketch residuals (the rest keep the corner / random query)
     snapped = _f16_midpoint(keys_o)
     snapped[rows, idx] = _int8_half_steps(keys_o[rows, idx], torch.randint(-126, 126, (n, d), generator=gen))
     keys_o = torch.where(edge.unsqueeze(-1), snapped, keys_o)
     ko32 = keys_o.to(torch.float32)
     sk = pg.sketch_keys(ko32[rows, idx].unsqueeze(1))
-    direction = pick(4)
+    direction = pick(5)
     resid = torch.stack(
-        [ko32[rows, idx].to(F64) - sk.codes[:, 0].to(F64) * sk.scale.to(F64), *_basis_residuals(ko32, idx)]
+        [
+            ko32[rows, idx].to(F64) - sk.codes[:, 0].to(F64) * sk.scale.to(F64),
+            *_basis_residuals(ko32, idx, 4),
+            _basis_residuals(ko32, idx, 2)[0],
+        ]
     )
-    resid = resid[direction[:, 0].clamp(max=2), rows]
+    resid = resid[direction[:, 0].clamp(max=3), rows]
     rn = resid.norm(dim=-1, keepdim=True)
-    along = edge & (direction < 3) & (rn > 0)
+    along = edge & (direction < 4) & (rn > 0)
     q = torch.where(along, resid / rn.clamp(min=1e-300) * q.norm(dim=-1, keepdim=True), q)
     q32, kr32 = q.to(torch.float32), keys_r.to(torch.float32)
     sc = 1.0 / math.sqrt(d)
@@ -197,46 +204,67 @@ def page_violations(name: str, bound: torch.Tensor, truth: torch.Tensor) -> torc
     return ~(bound + slack >= truth)
 
 
-def page_checks(cells: PageCells, gamma: float | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """``name -> (bound, truth)`` per cell: page logit bound vs the page's largest exact logit (plus the rounding
-    allowance), omitted-mass bound vs exact omitted mass, direct form and composed certificate vs true TV; the
-    ``token_logit`` / ``*_int8`` entries the same for the int8 key sketch and ``basis_logit`` / ``*_basis`` for the
-    principal-basis sketch of rank :func:`basis_rank` (per-token bounds pooled per page)."""
+def page_checks(
+    cells: PageCells, gamma: float | None = None, summaries: tuple[str, ...] = PAGE_SUMMARIES
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``name -> (bound, truth)`` per cell for each summary of ``summaries`` (:data:`PAGE_SUMMARIES`): ``box`` —
+    page logit bound vs the page's largest exact logit (plus the rounding allowance), omitted-mass bound vs exact
+    omitted mass, direct form and composed certificate vs true TV; ``int8`` — ``token_logit`` / ``*_int8`` the same
+    for the int8 key sketch; ``basis`` / ``basis_t2`` — ``basis_logit`` / ``*_basis`` and ``basis_t2_logit`` /
+    ``*_basis_t2`` for the principal-basis sketch of rank :func:`basis_rank` with an int4 resp. 2-bit tail
+    (per-token bounds pooled per page)."""
+    unknown = set(summaries) - set(PAGE_SUMMARIES)
+    if unknown:
+        raise ValueError(f"summaries must be among {PAGE_SUMMARIES}, got {sorted(unknown)}")
     d = cells.q.shape[-1]
     gamma = gamma_f32(d + 1) if gamma is None else gamma
-    summary = pg.summarize_pages(cells.keys_o, cells.page_size)
-    u = pg.page_logit_bound(cells.q.unsqueeze(1), summary, cells.scaling, gamma)[:, 0]  # [n, P]
-    n, s_o = cells.s_o.shape
-    pages = summary.pages
-    pad = pages * cells.page_size - s_o
-    knorm = cells.keys_o.to(F64).norm(dim=-1)
-    need = cells.s_o + 3.0 * cells.scaling * gamma * cells.q.to(F64).norm(dim=-1, keepdim=True) * knorm
-    need = torch.nn.functional.pad(need, (0, pad), value=float("-inf")).reshape(n, pages, -1).amax(-1)
-    vis = torch.nn.functional.pad(cells.visible_o, (0, pad)).reshape(n, pages, -1).sum(-1)
-    w = pg.page_weights(cells.served, u, vis)
+    q = cells.q.unsqueeze(1)
     meter = tv_meter(cells.p_served, cells.radius)
-    oc = pg.omitted_certificate(cells.p_served, cells.radius, w, meter)
     tv = cells.tv
-    # the int8 and principal-basis sketches: per-token bounds pooled per page
+    knorm = cells.keys_o.to(F64).norm(dim=-1)
     need_tok = cells.s_o + 3.0 * cells.scaling * gamma * cells.q.to(F64).norm(dim=-1, keepdim=True) * knorm
-    u_tok = pg.token_logit_bound(cells.q.unsqueeze(1), pg.sketch_keys(cells.keys_o), cells.scaling, gamma)[:, 0]
-    basis = pg.basis_sketch(cells.keys_o, basis_rank(d))
-    u_basis = pg.basis_logit_bound(cells.q.unsqueeze(1), basis, cells.scaling, gamma)[:, 0]
-
-    def pooled_certificate(u_t: torch.Tensor) -> pg.OmittedCertificate:
-        pooled, seen = pg.pool_pages(u_t, cells.visible_o, cells.page_size)
-        return pg.omitted_certificate(cells.p_served, cells.radius, pg.page_weights(cells.served, pooled, seen), meter)
-
-    oc8, ocb = pooled_certificate(u_tok), pooled_certificate(u_basis)
-    return {
-        "page_logit": (u, need),
-        "omitted_mass": (oc.mass, cells.true_mass),
-        "direct": (oc.direct, tv),
-        "composed": (oc.certificate, tv),
-        "token_logit": (u_tok, need_tok),
-        "omitted_mass_int8": (oc8.mass, cells.true_mass),
-        "composed_int8": (oc8.certificate, tv),
-        "basis_logit": (u_basis, need_tok),
-        "omitted_mass_basis": (ocb.mass, cells.true_mass),
-        "composed_basis": (ocb.certificate, tv),
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if "box" in summaries:
+        summary = pg.summarize_pages(cells.keys_o, cells.page_size)
+        u = pg.page_logit_bound(q, summary, cells.scaling, gamma)[:, 0]  # [n, P]
+        n, s_o = cells.s_o.shape
+        pages = summary.pages
+        pad = pages * cells.page_size - s_o
+        need = torch.nn.functional.pad(need_tok, (0, pad), value=float("-inf")).reshape(n, pages, -1).amax(-1)
+        vis = torch.nn.functional.pad(cells.visible_o, (0, pad)).reshape(n, pages, -1).sum(-1)
+        oc = pg.omitted_certificate(cells.p_served, cells.radius, pg.page_weights(cells.served, u, vis), meter)
+        out |= {
+            "page_logit": (u, need),
+            "omitted_mass": (oc.mass, cells.true_mass),
+            "direct": (oc.direct, tv),
+            "composed": (oc.certificate, tv),
+        }
+    # the int8 and principal-basis sketches: per-token bounds pooled per page
+    sketches = {
+        "int8": (
+            "token_logit",
+            "int8",
+            lambda: pg.token_logit_bound(q, pg.sketch_keys(cells.keys_o), cells.scaling, gamma),
+        ),
+        "basis": ("basis_logit", "basis", lambda: _basis_bound(cells, gamma, 4)),
+        "basis_t2": ("basis_t2_logit", "basis_t2", lambda: _basis_bound(cells, gamma, 2)),
     }
+    for kind, (logit_name, suffix, bound) in sketches.items():
+        if kind not in summaries:
+            continue
+        u_t = bound()[:, 0]
+        pooled, seen = pg.pool_pages(u_t, cells.visible_o, cells.page_size)
+        oc_t = pg.omitted_certificate(cells.p_served, cells.radius, pg.page_weights(cells.served, pooled, seen), meter)
+        out |= {
+            logit_name: (u_t, need_tok),
+            f"omitted_mass_{suffix}": (oc_t.mass, cells.true_mass),
+            f"composed_{suffix}": (oc_t.certificate, tv),
+        }
+    return out
+
+
+def _basis_bound(cells: PageCells, gamma: float, tail_bits: int) -> torch.Tensor:
+    """``[n, 1, S_O]`` per-token bounds of the principal-basis sketch (rank :func:`basis_rank`, tail codes
+    ``tail_bits`` wide) of each cell's omitted keys."""
+    sk = pg.basis_sketch(cells.keys_o, basis_rank(cells.q.shape[-1]), tail_bits)
+    return pg.basis_logit_bound(cells.q.unsqueeze(1), sk, cells.scaling, gamma)

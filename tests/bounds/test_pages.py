@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -19,13 +20,14 @@ F64 = torch.float64
 
 def test_page_forms_sound_in_every_cell():
     """>= 2*10^5 adversarial cells over every family: every bound dominates its truth in every cell, and the fuzz
-    reaches tight cells in every family (the rounding-edge family attains the sketch's error witness)."""
+    reaches tight cells in every family (the rounding-edge family attains the sketch's error witness, the int4 and
+    the 2-bit tail's alike)."""
     gen = torch.Generator().manual_seed(1707)
     cells_seen = dict.fromkeys(FAMILIES, 0)
     mass_forms = ("omitted_mass", "composed", "omitted_mass_int8")
     worst = {(f, name): 0.0 for f in FAMILIES for name in mass_forms}
     edge_gap = math.inf  # smallest relative slack of the per-token bound in the edge family
-    basis_gap = math.inf  # the same for the principal-basis sketch's bound
+    basis_gap = {"basis_logit": math.inf, "basis_t2_logit": math.inf}  # the same for both basis sketches' bounds
     for s_r, s_o, ps, d, rows in PAGE_PLAN:
         cells = make_page_cells(rows, s_r, s_o, ps, d, gen)
         for name, (bound, truth) in page_checks(cells).items():
@@ -42,9 +44,9 @@ def test_page_forms_sound_in_every_cell():
                 if name == "token_logit" and fam == "edge" and bool(sel.any()):
                     gap = ((bound - truth) / (1.0 + truth.abs()))[sel]
                     edge_gap = min(edge_gap, float(gap.min()))
-                if name == "basis_logit" and fam == "edge" and bool(sel.any()):
+                if name in basis_gap and fam == "edge" and bool(sel.any()):
                     gap = ((bound - truth) / (1.0 + truth.abs()))[sel]
-                    basis_gap = min(basis_gap, float(gap.min()))
+                    basis_gap[name] = min(basis_gap[name], float(gap.min()))
         hidden = (~cells.visible_o).all(-1)
         mass = page_checks(cells)["omitted_mass"][0]
         assert bool((mass[hidden] == 0).all()), "every omitted token masked: the mass bound must be 0"
@@ -54,7 +56,7 @@ def test_page_forms_sound_in_every_cell():
     # adversarial, not just random: corner-aligned needles make the omitted-mass bound nearly attained
     for (fam, name), ratio in worst.items():
         assert ratio > (0.9 if name != "composed" else 0.5), (fam, name, ratio)
-    assert edge_gap < 1e-9 and basis_gap < 1e-6
+    assert edge_gap < 1e-9 and max(basis_gap.values()) < 1e-6, basis_gap
 
 
 @settings(max_examples=200, deadline=None)
@@ -228,11 +230,14 @@ def _check_basis_bound(keys: torch.Tensor, sk: pg.BasisSketch, q: torch.Tensor, 
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(1, 40), st.integers(1, 24), st.integers(1, 30), st.integers(0, 2**31 - 1))
-def test_basis_sketch_witnesses_and_bound_for_any_query(n_tok, d, rank, seed):
-    """The principal-basis sketch's witnesses and per-token bound (:func:`_check_basis_bound`) for random queries,
-    queries along each token's tail residual ``k − AAᵀk − B·b̂`` and along its head coefficient error
-    ``A(Aᵀk − â)``, and keys with outlier channels, a low-rank structure or one dominant direction."""
+@given(
+    st.integers(1, 40), st.integers(1, 24), st.integers(1, 30), st.integers(0, 2**31 - 1), st.sampled_from(pg.TAIL_BITS)
+)
+def test_basis_sketch_witnesses_and_bound_for_any_query(n_tok, d, rank, seed, tail_bits):
+    """The principal-basis sketch's witnesses and per-token bound (:func:`_check_basis_bound`), int4 and 2-bit
+    tails, for random queries, queries along each token's tail residual ``k − AAᵀk − B·b̂`` and along its head
+    coefficient error ``A(Aᵀk − â)``, and keys with outlier channels, a low-rank structure or one dominant
+    direction."""
     gen = torch.Generator().manual_seed(seed)
     mag = 10 ** torch.empty(1).uniform_(-3, 3, generator=gen)
     kind = seed % 3
@@ -246,9 +251,10 @@ def test_basis_sketch_witnesses_and_bound_for_any_query(n_tok, d, rank, seed):
         keys = keys + 30.0 * torch.randn(3, 1, d, generator=gen, dtype=F64)
     keys = (keys * mag).float()
     keys[0, 0] = 0.0
-    sk = pg.basis_sketch(keys, rank)
+    sk = pg.basis_sketch(keys, rank, tail_bits)
     assert sk.basis.shape == (3, d, r) and sk.tail.shape == (3, d, d - r) and sk.codes.shape == (3, n_tok, r)
-    assert sk.tail_codes.shape == (3, n_tok, (d - r + 1) // 2)
+    per_byte = 8 // tail_bits
+    assert sk.tail_bits == tail_bits and sk.tail_codes.shape == (3, n_tok, -(-(d - r) // per_byte))
     if kind == 1:  # the keys lie in the head's span: the tail residual is rounding only
         assert bool((sk.perp_err.to(F64) <= 1e-4 * (1 + keys.to(F64).norm(dim=-1))).all())
     coef, ahat, perp = _basis_parts(keys, sk)
@@ -277,11 +283,50 @@ def test_basis_bound_holds_for_bases_that_are_not_orthonormal():
         _check_basis_bound(keys, sk, q, 0.25, 0.0)
 
 
-def test_int4_tail_codes_pack_two_per_byte_and_round_trip():
-    codes = torch.randint(-7, 8, (3, 5, 11))
-    packed = pg._pack4(codes)
-    assert packed.dtype == torch.uint8 and packed.shape == (3, 5, 6)
-    assert torch.equal(pg._unpack4(packed, 11), codes)
+@pytest.mark.parametrize(("bits", "width"), [(4, 6), (2, 3)])
+def test_tail_codes_pack_per_byte_and_round_trip(bits, width):
+    """4-bit fields pack two per byte, 2-bit fields four, low bits first."""
+    fields = torch.randint(0, 1 << bits, (3, 5, 11))
+    packed = pg._pack(fields, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 5, width)
+    assert torch.equal(pg._unpack(packed, 11, bits), fields)
+    assert int(pg._pack(torch.tensor([1, 2, 3, 0, 3]), 2)[0]) == 1 | 2 << 2 | 3 << 4
+
+
+def test_2bit_tail_decodes_odd_codes_and_beats_the_best_ternary_code():
+    """The 2-bit tail decodes to ``s·c`` with ``c ∈ {−3, −1, 1, 3}`` (every code reached), and on Gaussian rows its
+    residual ``‖y − s·c‖`` is below that of the best ternary code ``s·{−1, 0, 1}`` (the best threshold and scale per
+    row, by the sorted-prefix formula): the reason for the odd 4-level code."""
+    gen = torch.Generator().manual_seed(5)
+    y = torch.randn(400, 56, generator=gen, dtype=F64)
+    codes, scale = pg._odd2_codes(y)
+    assert set(codes.unique().tolist()) == {-3, -1, 1, 3} and scale.dtype == torch.bfloat16
+    odd = (y - codes * scale.to(F64).unsqueeze(-1)).norm(dim=-1)
+    top = y.abs().sort(-1, descending=True).values.cumsum(-1)
+    gain = (top**2 / torch.arange(1, 57, dtype=F64)).amax(-1)
+    ternary = (y.pow(2).sum(-1) - gain).clamp(min=0).sqrt()
+    assert float(odd.mean()) < 0.95 * float(ternary.mean())
+    # the fitted scale: no worse than the Gaussian starting point 0.498·rms in any row
+    s0 = pg._round_out(0.498 * y.norm(dim=-1) / 56**0.5, torch.bfloat16, up=True).to(F64)
+    c0 = (2.0 * torch.round((y / s0.unsqueeze(-1) - 1.0) / 2.0) + 1.0).clamp(-3.0, 3.0)
+    assert bool((odd <= (y - c0 * s0.unsqueeze(-1)).norm(dim=-1) * (1 + 1e-2)).all())
+    # an all-zero row gets scale 0: its decoded coefficients are exactly 0
+    zc, zs = pg._odd2_codes(torch.zeros(2, 8, dtype=F64))
+    assert bool((zs == 0).all()) and bool((zc.abs() == 1).all())
+
+
+def test_dropping_the_2bit_tail_error_is_caught():
+    """Planted bug: a 2-bit sketch whose tail witness ``perp_err`` is replaced by 0 (the tail's coding error
+    forgotten) fails :func:`_check_basis_bound` for queries along the tail residual; the real sketch passes."""
+    gen = torch.Generator().manual_seed(11)
+    keys = torch.randn(2, 30, 16, generator=gen) * torch.linspace(0.2, 3.0, 16)
+    sk = pg.basis_sketch(keys, 4, tail_bits=2)
+    _, _, perp = _basis_parts(keys, sk)
+    q = (perp / perp.norm(dim=-1, keepdim=True) * 5.0).float()
+    _check_basis_bound(keys, sk, q, 0.25, 1e-7)
+    broken = dataclasses.replace(sk, perp_err=torch.zeros_like(sk.perp_err))
+    with pytest.raises(AssertionError):
+        _check_basis_bound(keys, broken, q, 0.25, 1e-7)
 
 
 def test_basis_sketch_bytes_are_its_tensors():
@@ -294,16 +339,26 @@ def test_basis_sketch_bytes_are_its_tensors():
     assert {t.dtype for t in (sk.scale, sk.tail_scale, sk.coef_err, sk.perp_err, sk.norm)} == {torch.bfloat16}
 
 
+def test_2bit_basis_sketch_bytes_are_its_tensors():
+    """``basis8-t2`` at ``D = 64``: per token 8 int8 + 56 two-bit codes (14 bytes) + 5 bfloat16 = 32 bytes, an
+    eighth of the token's float16 K+V bytes, plus the per-head bases."""
+    keys = torch.randn(2, 3, 40, 64)
+    sk = pg.basis_sketch(keys, 8, tail_bits=2)
+    assert sk.tail_codes.shape == (2, 3, 40, 14) and sk.tail_codes.dtype == torch.uint8
+    assert sk.nbytes == 2 * 3 * (64 * 8 * 4 + 64 * 56 * 2 + 40 * (8 + 14 + 5 * 2))
+
+
 def test_basis_sketch_estimate_is_within_its_witnesses():
     """``k̂ = A·â + B·b̂`` (the ranking estimate) is within ``‖A‖₂·coef_err + perp_err`` of every key."""
     keys = torch.randn(2, 3, 40, 64, dtype=torch.float64) * torch.linspace(0.1, 3.0, 64, dtype=torch.float64)
-    sk = pg.basis_sketch(keys.float(), 16)
-    est = sk.estimate()
-    assert est.shape == keys.shape and est.dtype == torch.float32
-    err = (keys - est.double()).norm(dim=-1)
-    a_norm = torch.linalg.matrix_norm(sk.basis.double(), ord=2).unsqueeze(-1)
-    allowed = a_norm * sk.coef_err.double() + sk.perp_err.double()
-    assert bool((err <= allowed * (1 + 1e-5) + 1e-5).all())
+    for tail_bits in pg.TAIL_BITS:
+        sk = pg.basis_sketch(keys.float(), 16, tail_bits)
+        est = sk.estimate()
+        assert est.shape == keys.shape and est.dtype == torch.float32
+        err = (keys - est.double()).norm(dim=-1)
+        a_norm = torch.linalg.matrix_norm(sk.basis.double(), ord=2).unsqueeze(-1)
+        allowed = a_norm * sk.coef_err.double() + sk.perp_err.double()
+        assert bool((err <= allowed * (1 + 1e-5) + 1e-5).all())
 
 
 @pytest.mark.parametrize(
@@ -318,6 +373,9 @@ def test_basis_sketch_estimate_is_within_its_witnesses():
         (lambda: pg.basis_sketch(torch.tensor([[[1.0, float("inf")]]]), 2), "keys contains non-finite"),
         (lambda: pg.basis_sketch(torch.ones(1, 3, 4), 0), "rank"),
         (lambda: pg.basis_sketch(torch.ones(1, 3, 4), True), "rank"),
+        (lambda: pg.basis_sketch(torch.ones(1, 3, 4), 2, 3), "tail_bits must be one of"),
+        (lambda: pg.basis_sketch(torch.ones(1, 3, 4), 2, True), "tail_bits must be one of"),
+        (lambda: pg.basis_sketch_in(torch.ones(1, 3, 4), torch.ones(1, 4, 2), torch.ones(1, 4, 2), 8), "tail_bits"),
         (lambda: pg.basis_sketch_in(torch.ones(1, 3, 4), torch.ones(1, 5, 2), torch.ones(1, 4, 2)), "basis must"),
         (lambda: pg.basis_sketch_in(torch.ones(1, 3, 4), torch.ones(1, 4, 2), torch.ones(2, 4, 2)), "tail must"),
         (
@@ -387,10 +445,11 @@ def test_non_finite_input_raises_or_is_vacuous_in_every_cell(value):
             pg.page_logit_bound(_poison(q, value, gen), pg.summarize_pages(keys, 3), 0.5, 1e-7)
         with pytest.raises(ValueError, match="q contains non-finite"):
             pg.token_logit_bound(_poison(q, value, gen), pg.sketch_keys(keys), 0.5, 1e-7)
-        with pytest.raises(ValueError, match="keys contains non-finite"):
-            pg.basis_sketch(_poison(keys, value, gen), 2)
-        with pytest.raises(ValueError, match="q contains non-finite"):
-            pg.basis_logit_bound(_poison(q, value, gen), pg.basis_sketch(keys, 2), 0.5, 1e-7)
+        for tail_bits in pg.TAIL_BITS:
+            with pytest.raises(ValueError, match="keys contains non-finite"):
+                pg.basis_sketch(_poison(keys, value, gen), 2, tail_bits)
+            with pytest.raises(ValueError, match="q contains non-finite"):
+                pg.basis_logit_bound(_poison(q, value, gen), pg.basis_sketch(keys, 2, tail_bits), 0.5, 1e-7)
         served = torch.randn(2, 3, 5, generator=gen, dtype=F64)
         u = pg.token_logit_bound(q, pg.sketch_keys(keys), 0.5, 1e-7)  # [2, 3, 7]
         visible = torch.ones(2, 3, 7, dtype=torch.bool)
@@ -433,12 +492,14 @@ def test_keys_whose_norm_overflows_float32_give_an_infinite_bound_and_a_zero_que
     for u in (
         pg.token_logit_bound(torch.ones(1, 1, 2), pg.sketch_keys(keys), 1.0, 1e-7),
         pg.basis_logit_bound(torch.ones(1, 1, 2), pg.basis_sketch(keys, 1), 1.0, 1e-7),
+        pg.basis_logit_bound(torch.ones(1, 1, 2), pg.basis_sketch(keys, 1, 2), 1.0, 1e-7),
         pg.page_logit_bound(torch.ones(1, 1, 2), pg.summarize_pages(keys, 2), 1.0, 0.0),
     ):
         assert bool(torch.isinf(u[..., 0]).all() and (u[..., 0] > 0).all())
     zero = torch.zeros(1, 1, 2)
     assert bool((pg.token_logit_bound(zero, pg.sketch_keys(keys), 1.0, 1e-7) == 0).all())
     assert bool((pg.basis_logit_bound(zero, pg.basis_sketch(keys, 1), 1.0, 1e-7) == 0).all())
+    assert bool((pg.basis_logit_bound(zero, pg.basis_sketch(keys, 1, 2), 1.0, 1e-7) == 0).all())
     assert bool((pg.page_logit_bound(zero, pg.summarize_pages(keys, 2), 1.0, 1e-7) == 0).all())
     pooled, seen = pg.pool_pages(
         pg.token_logit_bound(torch.ones(1, 1, 2), pg.sketch_keys(keys), 1.0, 1e-7),

@@ -270,10 +270,11 @@ def test_eval_reselect_reports_what_reselection_moved(tmp_path: Path) -> None:
 
 
 def test_eval_summary_option_reaches_the_cache(tmp_path: Path) -> None:
-    """``--summary basis8`` builds the resident variant's summaries as basis sketches: recorded in the config and
-    the variant, 0 violations in validate mode, and summary bytes unlike the int8 sketch's on the same samples."""
+    """``--summary basis8`` / ``basis8-t2`` build the resident variant's summaries as basis sketches: recorded in
+    the config and the variant, 0 violations in validate mode, and summary bytes unlike the int8 sketch's on the
+    same samples (the 2-bit tail's below the int4 tail's)."""
     summary_bytes = {}
-    for summary in ("int8", "basis8"):
+    for summary in ("int8", "basis8", "basis8-t2"):
         out = tmp_path / summary
         args = ["--gate", "certified:0.2", "--resident", "0.25", "--select", "streaming", "--validate"]
         result = runner.invoke(app, ["eval", *TINY, *args, "--summary", summary, "--out", str(out)])
@@ -285,6 +286,7 @@ def test_eval_summary_option_reaches_the_cache(tmp_path: Path) -> None:
         summary_bytes[summary] = kept["bytes_summary"]["value"]
     assert summary_bytes["int8"] > 0 and summary_bytes["basis8"] > 0
     assert summary_bytes["int8"] != summary_bytes["basis8"]
+    assert 0 < summary_bytes["basis8-t2"] < summary_bytes["basis8"]
 
 
 def test_eval_resident_alloc_reaches_the_cache(tmp_path: Path) -> None:

@@ -59,10 +59,12 @@ from kvcert.cache.store import LayerStore
 
 F64 = torch.float64
 Sketch = KeySketch | BasisSketch
-# per-token summaries: how each kind sketches the omitted keys (``basis<r>``: principal basis of ``r`` vectors)
+# per-token summaries: how each kind sketches the omitted keys (``basis<r>``: principal basis of ``r`` vectors,
+# int4 tail; ``-t2``: the same with a 2-bit tail)
 SKETCHES: dict[str, Callable[[torch.Tensor], Sketch]] = {
     "int8": sketch_keys,
     **{f"basis{r}": partial(basis_sketch, rank=r) for r in (8, 16, 24, 32)},
+    "basis8-t2": partial(basis_sketch, rank=8, tail_bits=2),
 }
 SUMMARIES: tuple[str, ...] = ("box", *SKETCHES)
 RECALLS: tuple[str, ...] = ("persistent", "transient")

@@ -18,9 +18,9 @@ the exact one ``p`` the softmax of the exact logits ``s`` over every visible tok
   ``log Σ_{t∈P} e^{u_t}``: far tighter than a page box, at half the keys' float16 bytes (plus 12 bytes per token).
 * :func:`basis_sketch` / :func:`basis_sketch_in` / :func:`basis_logit_bound` — the same per-token contract from a
   smaller sketch (``docs/math.md#basis-sketch``): per (row, KV head) a head basis ``A`` (int8 coefficients per
-  token) and a tail basis ``B`` (packed int4 coefficients of what ``A`` leaves), with one error witness against
-  ``‖Aᵀq‖`` and one against ``‖q − AAᵀq‖``; ``r + (D − r)/2 + 10`` bytes per token plus the bases. Sound for any
-  stored ``A``, ``B`` (no orthonormality assumed).
+  token) and a tail basis ``B`` (packed int4 or 2-bit coefficients of what ``A`` leaves), with one error witness
+  against ``‖Aᵀq‖`` and one against ``‖q − AAᵀq‖``; ``r + (D − r)/2 + 10`` (int4 tail) or ``r + (D − r)/4 + 10``
+  (2-bit tail) bytes per token plus the bases. Sound for any stored ``A``, ``B`` (no orthonormality assumed).
 * :func:`key_page_bound` — the same pooled contract for a page whose keys were paged in (its values not): from
   the computed logits and their rounding radii, ``u_t = l_t + c_t`` rounded up (``docs/math.md#key-only-pages``);
   as tight as the page's exact mass allows, and within a summary's bound.
@@ -390,14 +390,16 @@ _BF16 = torch.bfloat16
 @dataclass(frozen=True)
 class BasisSketch:
     """Per-token sketch of keys ``[..., N, D]`` in a stored basis split into a head ``A`` (``r`` vectors, int8
-    coefficients) and a tail ``B`` (int4 coefficients of what ``A`` leaves): ``k_t ≈ A·â_t + B·b̂_t``.
+    coefficients) and a tail ``B`` (int4 or 2-bit coefficients of what ``A`` leaves): ``k_t ≈ A·â_t + B·b̂_t``.
 
     ``basis`` ``A`` float32 ``[..., D, r]`` and ``tail`` ``B`` float16 ``[..., D, D − r]`` (one pair per leading
     index, e.g. per (row, KV head); any matrices: no bound relies on orthonormality). ``codes`` int8
-    ``[..., N, r]`` with ``â_t = scale_t·codes_t``; ``tail_codes`` uint8 ``[..., N, ⌈(D − r)/2⌉]`` (two 4-bit codes
-    ``c + 8``, ``c ∈ [−7, 7]``, per byte, low nibble first) with ``b̂_t = tail_scale_t·c_t``. Per token, bfloat16:
-    ``scale``, ``tail_scale``, ``coef_err ≥ ‖Aᵀk_t − â_t‖ + δ·‖Aᵀk_t‖`` (``δ ≥ ‖I − AᵀA‖_F``),
-    ``perp_err ≥ ‖k_t − AAᵀk_t − B·b̂_t‖`` and ``norm ≥ ‖k_t‖``.
+    ``[..., N, r]`` with ``â_t = scale_t·codes_t``; ``tail_codes`` uint8 with ``b̂_t = tail_scale_t·c_t`` and
+    ``tail_bits`` (:data:`TAIL_BITS`) saying how the codes ``c`` are packed: 4 — ``[..., N, ⌈(D − r)/2⌉]``, two
+    codes ``c + 8``, ``c ∈ [−7, 7]``, per byte; 2 — ``[..., N, ⌈(D − r)/4⌉]``, four codes ``(c + 3)/2``,
+    ``c ∈ {−3, −1, 1, 3}``, per byte (low bits first in both). Per token, bfloat16: ``scale``, ``tail_scale``,
+    ``coef_err ≥ ‖Aᵀk_t − â_t‖ + δ·‖Aᵀk_t‖`` (``δ ≥ ‖I − AᵀA‖_F``), ``perp_err ≥ ‖k_t − AAᵀk_t − B·b̂_t‖`` and
+    ``norm ≥ ‖k_t‖``.
     """
 
     basis: torch.Tensor
@@ -409,6 +411,7 @@ class BasisSketch:
     coef_err: torch.Tensor
     perp_err: torch.Tensor
     norm: torch.Tensor
+    tail_bits: int = 4
 
     @property
     def nbytes(self) -> int:
@@ -427,8 +430,11 @@ class BasisSketch:
         return sum(t.numel() * t.element_size() for t in parts)
 
     def tail_coefficients(self) -> torch.Tensor:
-        """``b̂`` float64 ``[..., N, D − r]`` decoded from the packed 4-bit codes (exact)."""
-        return _unpack4(self.tail_codes, self.tail.shape[-1]).to(F64) * self.tail_scale.to(F64).unsqueeze(-1)
+        """``b̂`` float64 ``[..., N, D − r]`` decoded from the packed tail codes (exact: a bfloat16 scale times a
+        code of at most 3 bits fits the float64 significand)."""
+        fields = _unpack(self.tail_codes, self.tail.shape[-1], self.tail_bits)
+        codes = fields - 8 if self.tail_bits == 4 else 2 * fields - 3
+        return codes.to(F64) * self.tail_scale.to(F64).unsqueeze(-1)
 
     def estimate(self) -> torch.Tensor:
         """Point estimate ``k̂_t = A·â_t + B·b̂_t`` float32 ``[..., N, D]`` (for ranking tokens; no bound uses it)."""
@@ -437,17 +443,25 @@ class BasisSketch:
         return (head + self.tail_coefficients() @ self.tail.to(F64).transpose(-1, -2)).to(torch.float32)
 
 
-def _pack4(codes: torch.Tensor) -> torch.Tensor:
-    """int64 codes in ``[−7, 7]`` ``[..., n]`` -> uint8 ``[..., ⌈n/2⌉]`` (``c + 8`` per nibble, low nibble first)."""
-    n = codes.shape[-1]
-    nib = torch.nn.functional.pad(codes + 8, (0, n % 2), value=8).reshape(*codes.shape[:-1], (n + 1) // 2, 2)
-    return (nib[..., 0] | (nib[..., 1] << 4)).to(torch.uint8)
+# tail code widths of :func:`basis_sketch_in`: 4 — symmetric integers ``[−7, 7]``; 2 — odd integers ``{−3, −1, 1, 3}``
+TAIL_BITS: tuple[int, ...] = (4, 2)
 
 
-def _unpack4(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """Inverse of :func:`_pack4`: int64 ``[..., n]``."""
-    p = packed.to(torch.int64)
-    return (torch.stack([p & 15, p >> 4], -1).flatten(-2) - 8)[..., :n]
+def _pack(fields: torch.Tensor, bits: int) -> torch.Tensor:
+    """int64 ``fields`` in ``[0, 2^bits)`` ``[..., n]`` -> uint8 ``[..., ⌈n·bits/8⌉]`` (``8/bits`` fields per byte,
+    low bits first; ``bits`` divides 8)."""
+    per = 8 // bits
+    n = fields.shape[-1]
+    padded = torch.nn.functional.pad(fields, (0, -n % per)).reshape(*fields.shape[:-1], -(-n // per), per)
+    shifts = torch.arange(per, device=fields.device) * bits
+    return (padded << shifts).sum(-1).to(torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """Inverse of :func:`_pack`: int64 ``[..., n]``."""
+    per = 8 // bits
+    shifts = torch.arange(per, device=packed.device) * bits
+    return ((packed.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)[..., :n]
 
 
 def _frob_up(x: torch.Tensor) -> torch.Tensor:
@@ -466,16 +480,22 @@ def principal_basis(keys: torch.Tensor) -> torch.Tensor:
     return vecs.flip(-1)
 
 
-def basis_sketch(keys: torch.Tensor, rank: int) -> BasisSketch:
+def basis_sketch(keys: torch.Tensor, rank: int, tail_bits: int = 4) -> BasisSketch:
     """Sketch ``keys[..., N, D]`` in their principal basis (:func:`principal_basis`): head the leading
-    ``min(rank, D)`` vectors, tail the rest (:func:`basis_sketch_in`). Raises ``ValueError`` for ``rank < 1``, no
-    tokens or non-finite keys."""
+    ``min(rank, D)`` vectors, tail the rest, its codes ``tail_bits`` wide (:func:`basis_sketch_in`). Raises
+    ``ValueError`` for ``rank < 1``, a width not in :data:`TAIL_BITS`, no tokens or non-finite keys."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be a positive int, got {rank!r}")
+    _check_tail_bits(tail_bits)
     _check_keys(keys)
     vecs = principal_basis(keys)
     r = min(rank, keys.shape[-1])
-    return basis_sketch_in(keys, vecs[..., :r], vecs[..., r:])
+    return basis_sketch_in(keys, vecs[..., :r], vecs[..., r:], tail_bits)
+
+
+def _check_tail_bits(tail_bits: object) -> None:
+    if isinstance(tail_bits, bool) or tail_bits not in TAIL_BITS:
+        raise ValueError(f"tail_bits must be one of {TAIL_BITS}, got {tail_bits!r}")
 
 
 def _check_keys(keys: torch.Tensor) -> None:
@@ -497,6 +517,29 @@ def _symmetric_codes(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.
     return codes, scale
 
 
+def _odd2_codes(x: torch.Tensor, iterations: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token 2-bit codes of float64 ``x[..., N, m]`` in ``{−3, −1, 1, 3}`` and their bfloat16 scale ``s``:
+    ``s·c`` is the uniform 4-level quantizer without a zero level, its step fitted per token by alternating the
+    nearest-code assignment and the least-squares scale ``Σ_j x_j c_j / Σ_j c_j²`` (neither step raises
+    ``‖x − s·c‖``), started at the Gaussian optimum ``s = 0.498·rms(x)``. The codes are the nearest ones to the
+    *stored* scale. Any ``s`` is sound (the caller measures the residual); an all-zero row gets ``s = 0`` (its
+    ``b̂`` is exactly 0). ``ValueError`` beyond the bfloat16 range."""
+    zero = x.abs().amax(-1) == 0 if x.shape[-1] else torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device)
+
+    def nearest(s: torch.Tensor) -> torch.Tensor:
+        s = torch.where(zero, 1.0, s).unsqueeze(-1)
+        return (2.0 * torch.round((x / s - 1.0) / 2.0) + 1.0).clamp(-3.0, 3.0)
+
+    s = 0.498 * x.norm(dim=-1) / max(x.shape[-1], 1) ** 0.5
+    for _ in range(iterations):
+        c = nearest(s)
+        s = (x * c).sum(-1) / (c * c).sum(-1).clamp(min=1.0)  # > 0 unless the row is all zero (x_j·c_j = |x_j c_j|)
+    scale = torch.where(zero, 0.0, _round_out(s, _BF16, up=True).to(F64)).to(_BF16)
+    if not bool(torch.isfinite(scale).all()):
+        raise ValueError("keys are beyond the bfloat16 range of the sketch's scale")
+    return nearest(scale.to(F64)).to(torch.int64), scale
+
+
 def _check_bases(keys: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The stored head (float32) and tail (float16) bases; ``ValueError`` unless finite ``[..., D, ·]`` fitting
     ``keys``."""
@@ -508,7 +551,7 @@ def _check_bases(keys: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor) ->
     return stored, stored_tail
 
 
-def basis_sketch_in(keys: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor) -> BasisSketch:
+def basis_sketch_in(keys: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor, tail_bits: int = 4) -> BasisSketch:
     """Sketch ``keys[..., N, D]`` in a head ``basis[..., D, r]`` (stored float32) and a ``tail[..., D, m]`` (stored
     float16); any finite matrices, orthonormal or not.
 
@@ -518,10 +561,14 @@ def basis_sketch_in(keys: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor)
     inflated by ``1 + (D + r + 8)·2^-53`` and the products with ``A`` and ``B`` get absolute allowances
     (``(D + r + 16)·2^-52·(1 + ‖A‖_F)²·‖k_t‖`` for ``Aᵀk`` and ``A(Aᵀk)``, whose rounding errors are at most
     ``(D + r + 2)·2^-53·(1 + ‖A‖_F)²·‖k_t‖``; ``(D + 16)·2^-52·(‖k⊥‖ + ‖B‖_F·‖b̂_t‖)`` for ``B·b̂_t``); then
-    rounded up to bfloat16. Codes: symmetric per token, int8 for ``Aᵀk_t``, int4 for ``Bᵀ(k_t − AAᵀk_t)``.
-    Raises ``ValueError`` for no tokens, non-finite keys or bases, bases whose shape does not fit the keys, or keys
-    beyond the bfloat16 range of the scales.
+    rounded up to bfloat16. Codes: symmetric per token, int8 for ``Aᵀk_t``; for ``Bᵀ(k_t − AAᵀk_t)`` int4
+    (``tail_bits=4``, integers in ``[−7, 7]``, scale ``max|·|/7``) or 2-bit (``tail_bits=2``, :func:`_odd2_codes`).
+    The contract does not depend on the tail code: ``perp_err`` is measured against the decoded ``b̂_t`` (exact in
+    float64), whatever the code and its rounding. Raises ``ValueError`` for no tokens, non-finite keys or bases,
+    bases whose shape does not fit the keys, a width not in :data:`TAIL_BITS`, or keys beyond the bfloat16 range
+    of the scales.
     """
+    _check_tail_bits(tail_bits)
     _check_keys(keys)
     a32, b16 = _check_bases(keys, basis, tail)
     x, a, b = keys.to(F64), a32.to(F64), b16.to(F64)
@@ -538,7 +585,7 @@ def basis_sketch_in(keys: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor)
     coef_err = (coef - ahat).norm(dim=-1) * inflate + slack
     coef_err = coef_err + delta.unsqueeze(-1) * (coef.norm(dim=-1) * inflate + slack)
     perp = x - coef @ a.transpose(-1, -2)  # ≈ k_t − AAᵀk_t, within slack
-    tail_codes, tail_scale = _symmetric_codes(perp @ b, 7)
+    tail_codes, tail_scale = _symmetric_codes(perp @ b, 7) if tail_bits == 4 else _odd2_codes(perp @ b)
     bhat = tail_codes.to(F64) * tail_scale.to(F64).unsqueeze(-1)
     rebuilt = bhat @ b.transpose(-1, -2)
     g_up = _frob_up(b).unsqueeze(-1)
@@ -549,12 +596,13 @@ def basis_sketch_in(keys: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor)
         a32,
         b16,
         codes.to(torch.int8),
-        _pack4(tail_codes),
+        _pack(tail_codes + 8 if tail_bits == 4 else (tail_codes + 3) // 2, tail_bits),
         scale,
         tail_scale,
         _round_out(coef_err * inflate, _BF16, up=True),
         _round_out(perp_err * inflate, _BF16, up=True),
         _round_out(knorm, _BF16, up=True),
+        tail_bits,
     )
 
 

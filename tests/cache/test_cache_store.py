@@ -187,8 +187,9 @@ def test_emptied_store_keeps_every_setting_and_holds_nothing():
     k, v = torch.randn(1, 2, 12, 64, generator=gen), torch.randn(1, 2, 12, 64, generator=gen)
     st.append(k, v, torch.arange(1), torch.zeros(1, dtype=torch.bool))
     fresh = st.emptied()
-    settings = ("layer", "key_codec", "value_codec", "bands", "pairing", "seed", "write_block", "device_budget")
-    assert all(getattr(fresh, a) == getattr(st, a) for a in (*settings, "witness", "exact_sinks"))
+    kept = ("layer", "key_codec", "value_codec", "bands", "pairing", "seed", "write_block", "device_budget")
+    assert all(getattr(fresh, a) == getattr(st, a) for a in (*kept, "witness", "exact_sinks"))
+    assert (st.exact_sinks, st.device_budget, st.witness) == (2, 0.5, "f32")  # the non-defaults are kept
     assert fresh.n == 0 and fresh.k is None and st.n == 12
     fresh.append(k, v, torch.arange(1), torch.zeros(1, dtype=torch.bool))
     assert torch.equal(fresh.k.served.view(), st.k.served.view())

@@ -133,6 +133,10 @@ def band_sum_up(rho: torch.Tensor, bands: int) -> torch.Tensor:
     return round_up_f32(rho.to(torch.float64).sum(-1) * (1.0 + 2.0 * (bands + 2) * 2.0**-53))
 
 
+#: the keyword settings of a :class:`LayerStore` (besides its layer and codecs), kept as attributes of the same names
+STORE_SETTINGS = ("bands", "pairing", "seed", "write_block", "device_budget", "witness", "exact_sinks")
+
+
 class LayerStore:
     """All tiers of one layer; see the module docstring for the layout, the write protocol, the device bytes
     and the device budget."""
@@ -187,18 +191,8 @@ class LayerStore:
     def emptied(self) -> LayerStore:
         """A new store of the same layer and configuration (codecs, bands, pairing, seed, write block, device budget,
         witness format, exact sinks) that holds nothing: what a cache reset starts from."""
-        return LayerStore(
-            self.layer,
-            self.key_codec,
-            self.value_codec,
-            bands=self.bands,
-            pairing=self.pairing,
-            seed=self.seed,
-            write_block=self.write_block,
-            device_budget=self.device_budget,
-            witness=self.witness,
-            exact_sinks=self.exact_sinks,
-        )
+        settings = {name: getattr(self, name) for name in STORE_SETTINGS}
+        return LayerStore(self.layer, self.key_codec, self.value_codec, **settings)
 
     # ----------------------------------------------------------------------------------------- write
     def _init(self, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -51,7 +51,7 @@ class GrowBuffer:
             new = self._alloc(cap, self._data.dtype, self._data.device)
             new[:, :, : self.n] = self._data[:, :, : self.n]
             self._data = new
-        self._data[:, :, self.n : self.n + t] = x
+        self._data.narrow(2, self.n, t).copy_(x)  # as ``[:, :, n : n + t] = x``, without the indexing machinery
         self.n += t
 
     @property
@@ -62,7 +62,7 @@ class GrowBuffer:
 
     def view(self) -> torch.Tensor:
         """The live prefix ``[B, H, n, *tail]`` (shares storage)."""
-        return self._data[:, :, : self.n]
+        return self._data.narrow(2, 0, self.n)
 
     def array(self) -> np.ndarray:
         """The whole C-contiguous allocation ``[B, H, capacity, *tail]`` as a numpy array sharing its memory
@@ -197,10 +197,12 @@ class LogBuffer:
         whole_heads = index is None or (
             len(index) == 3 and index[0] == slice(None) and index[1] == slice(None) and isinstance(index[2], slice)
         )
-        heads = None if whole_heads else self._spread(torch.arange(base.numel()).view(base.shape), index, x)
+        dev = x.device
+        heads = None if whole_heads else self._spread(torch.arange(base.numel(), device=dev).view(base.shape), index, x)
         p = logcode_numba.plan(x, heads, base)
-        logcode.check_codes(x, torch.tensor(p.negative), torch.tensor(p.above_top))
-        summary = torch.tensor([0, p.rebased], dtype=torch.int64)
+        if p.negative or p.above_top:  # a check that cannot fail is not recorded
+            logcode.check_codes(x, torch.tensor(p.negative, device=dev), torch.tensor(p.above_top, device=dev))
+        summary = torch.tensor([0, p.rebased], dtype=torch.int64, device=dev)
         return _Planned(self, index, x, p.n, p.base, p.shift, p.codes, summary, p.decoded)
 
     def _plan_zeros(self, shape: tuple[int, ...], base: torch.Tensor) -> _Planned:

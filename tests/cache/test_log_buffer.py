@@ -10,7 +10,7 @@ import torch
 from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex, WriteBatch
 from kvcert.cache.store import STORED_WITNESSES, LayerStore, band_sum_up
 from kvcert.checks import deferred, fail_if
-from kvcert.quant import get, logcode
+from kvcert.quant import get, logcode, logcode_numba
 
 
 def test_log_buffer_append_write_rebase_gather_trim():
@@ -97,6 +97,7 @@ def test_log_buffer_write_is_the_same_through_the_exact_search(monkeypatch):
     """A write whose exponents the device-side rounds did not settle falls back to the exact search and stores
     what a settled write stores (codes, bases, decoded values); a negative witness is refused before anything is
     stored."""
+    monkeypatch.setenv(logcode_numba.ENV, "torch")  # the tensor path: the fused CPU plan searches exactly
     gen = torch.Generator().manual_seed(4)
     n = torch.randint(-60, 60, (2, 3, 5, 4), generator=gen, dtype=torch.int32)
     x = logcode.dec(n).to(torch.float64)  # codes' own values: the float64 log2 guess is one code too high
@@ -224,6 +225,7 @@ def test_write_batch_counts_and_refuses_a_write_after_an_append():
 def test_write_batch_fallback_matches_per_buffer_writes(monkeypatch):
     """Batched writes whose exponents the device-side rounds did not settle (codes' own values: the float64 log2
     guess is one code off) take the exact search and store what settled per-buffer writes store."""
+    monkeypatch.setenv(logcode_numba.ENV, "torch")  # the tensor path: the fused CPU plan searches exactly
     gen = torch.Generator().manual_seed(10)
     values = [
         logcode.dec(torch.randint(-60, 60, shape, generator=gen, dtype=torch.int32)).to(torch.float64)
@@ -263,6 +265,7 @@ def test_appends_together_store_what_appends_one_by_one_store(monkeypatch, round
         buf.append(torch.rand(2, 3, 3, generator=torch.Generator().manual_seed(13)))
     grown_one, grown_together = GrowBuffer(torch.zeros(2, 3, 0)), GrowBuffer(torch.zeros(2, 3, 0))
     monkeypatch.setattr(logcode, "SETTLE_ROUNDS", rounds)
+    monkeypatch.setenv(logcode_numba.ENV, "torch")  # the tensor path: the fused CPU plan searches exactly
     one[0].append(values[0])
     grown_one.append(values[1].to(torch.float32))
     one[1].append(values[1])
@@ -302,3 +305,39 @@ def test_a_refused_store_write_changes_nothing(witness):
         assert ts.n_encoded == n_encoded and len(ts.chunks) == chunks and ts.host.n == st.n == 6
         assert torch.equal(ts.served.view(), served) and torch.equal(ts.exact.view(), exact)
     assert st.nonfinite == 0 and st.appended == 6
+
+
+def test_fused_cpu_writes_store_what_the_tensor_path_stores(monkeypatch):
+    """The same sequence of appends and writes (whole-head token slices, a boolean mask of one head, batches of
+    several buffers, bases set, raised and left unset, NaN and inf) stores the same codes, bases, decoded values
+    and rebase counts after every step on the fused CPU plan as on the tensor path."""
+
+    def run() -> list[tuple[torch.Tensor, ...]]:
+        gen = torch.Generator().manual_seed(21)
+        bufs = [LogBuffer(torch.zeros(2, 3, 0, 4)), LogBuffer(torch.zeros(2, 3, 0))]
+        states = []
+        for step in range(24):
+            x = torch.rand(2, 3, 2, 4, generator=gen) * 10.0 ** int(torch.randint(-3, 9, (1,), generator=gen))
+            x[0, 1] = 0.0 if step % 5 == 0 else x[0, 1]
+            x[1, 1, 0, 0] = float("nan") if step == 7 else x[1, 1, 0, 0]
+            writes = WriteBatch()
+            writes.appends([(bufs[0], x), (bufs[1], x.sum(-1).to(torch.float64))])
+            writes.commit()
+            if step % 3 == 0:
+                bufs[0].write((slice(None), slice(None), slice(0, 2)), torch.rand(2, 3, 2, 4, generator=gen) * 100)
+            if step % 4 == 0:
+                mask = torch.arange(bufs[1].n) % 2 == 0
+                bufs[1].write((1, 2, mask), torch.rand(int(mask.sum()), generator=gen) * 1e5)
+            states += [
+                (b.codes.view().clone(), b.base.clone(), b.view().clone(), torch.tensor(b.rebases)) for b in bufs
+            ]
+        assert bufs[0].rebases and bufs[1].rebases  # some bases rose
+        return states
+
+    monkeypatch.setenv(logcode_numba.ENV, "torch")
+    tensor_path = run()
+    monkeypatch.setenv(logcode_numba.ENV, "numba")
+    fused = run()
+    assert all(
+        all(torch.equal(a, b) for a, b in zip(s, t, strict=True)) for s, t in zip(tensor_path, fused, strict=True)
+    )

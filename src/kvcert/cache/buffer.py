@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from kvcert.checks import Checks, deferred
-from kvcert.quant import logcode
+from kvcert.quant import logcode, logcode_numba
 
 #: an index into a ``[B, H, T, ...]`` buffer: ``(rows, heads, tokens)`` as ints, slices or a boolean token mask
 TokenIndex = tuple[int | slice | torch.Tensor, ...]
@@ -51,7 +51,7 @@ class GrowBuffer:
             new = self._alloc(cap, self._data.dtype, self._data.device)
             new[:, :, : self.n] = self._data[:, :, : self.n]
             self._data = new
-        self._data[:, :, self.n : self.n + t] = x
+        self._data.narrow(2, self.n, t).copy_(x)  # as ``[:, :, n : n + t] = x``, without the indexing machinery
         self.n += t
 
     @property
@@ -62,7 +62,7 @@ class GrowBuffer:
 
     def view(self) -> torch.Tensor:
         """The live prefix ``[B, H, n, *tail]`` (shares storage)."""
-        return self._data[:, :, : self.n]
+        return self._data.narrow(2, 0, self.n)
 
     def array(self) -> np.ndarray:
         """The whole C-contiguous allocation ``[B, H, capacity, *tail]`` as a numpy array sharing its memory
@@ -190,6 +190,21 @@ class LogBuffer:
         summary = torch.cat([unsettled.view(1), (shift > 0).sum().view(1)]).to(torch.int64)
         return _Planned(self, index, x, n, new, shift, codes, summary)
 
+    def _plan_fused(self, x: torch.Tensor, index: TokenIndex | None, base: torch.Tensor) -> _Planned:
+        """:meth:`_plan` on CPU in one :func:`kvcert.quant.logcode_numba.plan` call, exponents searched exactly (so
+        nothing is unsettled): the same bases, shifts and codes, the same deferred encoder check, and the decoded
+        values :meth:`_store` would compute (``tests/quant/test_logcode_numba.py`` pins the equality per element)."""
+        whole_heads = index is None or (
+            len(index) == 3 and index[0] == slice(None) and index[1] == slice(None) and isinstance(index[2], slice)
+        )
+        dev = x.device
+        heads = None if whole_heads else self._spread(torch.arange(base.numel(), device=dev).view(base.shape), index, x)
+        p = logcode_numba.plan(x, heads, base)
+        if p.negative or p.above_top:  # a check that cannot fail is not recorded
+            logcode.check_codes(x, torch.tensor(p.negative, device=dev), torch.tensor(p.above_top, device=dev))
+        summary = torch.tensor([0, p.rebased], dtype=torch.int64, device=dev)
+        return _Planned(self, index, x, p.n, p.base, p.shift, p.codes, summary, p.decoded)
+
     def _plan_zeros(self, shape: tuple[int, ...], base: torch.Tensor) -> _Planned:
         """:meth:`_plan` of appending zeros of ``shape``, built directly: a zero is code 0 against any base and sets
         no exponent, so the bases stay, nothing can fail a check, and no exponent is searched."""
@@ -198,7 +213,7 @@ class LogBuffer:
         n = torch.full(shape, logcode.MIN_N, dtype=torch.int32, device=dev)
         codes = torch.zeros(shape, dtype=torch.uint8, device=dev)
         summary = torch.zeros(2, dtype=torch.int64, device=dev)
-        return _Planned(self, None, x, n, base, torch.zeros_like(base), codes, summary)
+        return _Planned(self, None, x, n, base, torch.zeros_like(base), codes, summary, x)  # code 0 decodes to 0
 
     def _store(self, p: _Planned, rebased: int) -> None:
         """Store the checked plan ``p`` (this buffer's next write, ``rebased``: how many of its bases rise)."""
@@ -208,7 +223,7 @@ class LogBuffer:
             self.rebases += rebased
             live.copy_(logcode.rebase(live, p.shift.view(*p.shift.shape, *([1] * (live.dim() - 2)))))
             self.decoded.view().copy_(logcode.decode(live, self.base.view(*self.base.shape, *([1] * (live.dim() - 2)))))
-        decoded = logcode.decode(p.codes, self._spread(self.base, p.index, p.x))
+        decoded = p.decoded if p.decoded is not None else logcode.decode(p.codes, self._spread(self.base, p.index, p.x))
         if p.index is None:
             self.codes.append(p.codes)
             self.decoded.append(decoded)
@@ -249,7 +264,8 @@ def _settle_together(xs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.T
 class _Planned:
     """A :class:`LogBuffer` write planned on the device, nothing stored yet: ``x`` (exponents ``n``) at ``index``
     (``None``: appended), the buffer's bases after it, the ``shift`` per (row, head) that raises them, the codes,
-    and ``summary``, int64 ``[2]``: exponents unsettled, bases rising."""
+    ``summary``, int64 ``[2]``: exponents unsettled, bases rising, and, when the planner computed them, the codes'
+    decoded values against the new bases."""
 
     buffer: LogBuffer
     index: TokenIndex | None
@@ -259,6 +275,7 @@ class _Planned:
     shift: torch.Tensor
     codes: torch.Tensor
     summary: torch.Tensor
+    decoded: torch.Tensor | None = None
 
 
 class WriteBatch:
@@ -297,7 +314,10 @@ class WriteBatch:
         x = torch.as_tensor(values, device=target.device)
         x = torch.broadcast_to(x if x.is_floating_point() else x.to(torch.float64), target.shape)  # no rounding
         with deferred(self._checks):
-            self._ops.append(buffer._plan(x, *logcode.exponent_settle(x), index, self._base(buffer)))
+            if logcode_numba.enabled(x.device):
+                self._ops.append(buffer._plan_fused(x, index, self._base(buffer)))
+            else:
+                self._ops.append(buffer._plan(x, *logcode.exponent_settle(x), index, self._base(buffer)))
 
     def append(self, buffer: GrowBuffer | LogBuffer, x: torch.Tensor) -> None:
         """Record appending ``x[B, H, t, *tail]`` along the token axis of ``buffer``."""
@@ -305,18 +325,23 @@ class WriteBatch:
 
     def appends(self, items: Sequence[tuple[GrowBuffer | LogBuffer, torch.Tensor]]) -> None:
         """Record each ``(buffer, x)`` append, in order (as :meth:`append` one by one). The :class:`LogBuffer`
-        values share one :func:`~kvcert.quant.logcode.exponent_settle` (its cost is a fixed number of small device
-        operations per call, whatever the size), with one unsettled flag for all of them: an exponent left unsettled
-        anywhere replans every one of these writes at the commit, each from its exact exponents."""
+        values off CPU share one :func:`~kvcert.quant.logcode.exponent_settle` (its cost is a fixed number of small
+        device operations per call, whatever the size), with one unsettled flag for all of them: an exponent left
+        unsettled anywhere replans every one of these writes at the commit, each from its exact exponents. On CPU
+        each is one :meth:`LogBuffer._plan_fused` call."""
         logs = [x if x.is_floating_point() else x.to(torch.float64) for b, x in items if isinstance(b, LogBuffer)]
-        settled = iter(_settle_together(logs))
+        settled = iter(_settle_together([x for x in logs if not logcode_numba.enabled(x.device)]))
+        values = iter(logs)
         for buffer, x in items:
             if isinstance(buffer, GrowBuffer):
                 self.then(partial(buffer.append, x))
                 continue
-            x = x if x.is_floating_point() else x.to(torch.float64)
+            x = next(values)
             with deferred(self._checks):
-                self._ops.append(buffer._plan(x, *next(settled), None, self._base(buffer)))
+                if logcode_numba.enabled(x.device):
+                    self._ops.append(buffer._plan_fused(x, None, self._base(buffer)))
+                else:
+                    self._ops.append(buffer._plan(x, *next(settled), None, self._base(buffer)))
 
     def append_zeros(self, buffer: GrowBuffer | LogBuffer, shape: tuple[int, ...]) -> None:
         """Record appending zeros ``[B, H, t, *tail]`` of ``shape`` (as :meth:`append` of a zero tensor, float32 for a

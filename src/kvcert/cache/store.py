@@ -91,15 +91,26 @@ class _Tensorstore:
         b, h = like.shape[:2]
         self.exact = GrowBuffer(torch.zeros(b, h, 1, dtype=torch.bool, device=device))
         self.held = GrowBuffer(torch.zeros(b, h, 1, dtype=torch.bool, device=device))  # persistent repairs
-        self.chunks: list[_Chunk] = []
+        self.chunks = []  # (the setter also resets the packed byte count)
         self.n_encoded = 0  # tokens [0, n_encoded) went through the codec (relative to live window)
         self.last_encoded = 0  # tokens encoded by the most recent encode_pending call
+
+    @property
+    def chunks(self) -> list[_Chunk]:
+        """The encoded runs, oldest first (append through :meth:`encoded`; assigning a new list recounts the bytes)."""
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, chunks: list[_Chunk]) -> None:
+        self._chunks = chunks
+        self._packed_bytes = sum(c.packed.nbytes for c in chunks)
 
     def encoded(self, n: int, chunk: _Chunk | None) -> None:
         """Record an encoding of the next ``n`` pending tokens into ``chunk`` (``None`` when ``n`` is 0)."""
         self.last_encoded = n
         if chunk is not None:
-            self.chunks.append(chunk)
+            self._chunks.append(chunk)
+            self._packed_bytes += chunk.packed.nbytes
             self.n_encoded += n
 
     def encodable(self) -> int:
@@ -110,7 +121,9 @@ class _Tensorstore:
         return max(avail // self.block, 0) * self.block
 
     def packed_nbytes(self) -> int:
-        return sum(c.packed.nbytes for c in self.chunks)
+        """``Σ`` of the chunks' :attr:`Packed.nbytes` (kept as the chunks change: the device-budget checks of every
+        write read it, and the sum over every chunk grows with the context)."""
+        return self._packed_bytes
 
     def exact_nbytes(self, head_dim: int) -> int:
         return int(self.exact.view().sum()) * head_dim * EXACT_BYTES

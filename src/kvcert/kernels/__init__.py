@@ -19,10 +19,11 @@ import os
 
 import torch
 
+from kvcert.quant.logcode_numba import ENV
+
 __all__ = ["BACKENDS", "ENV", "active"]
 
 BACKENDS: tuple[str, ...] = ("numba", "torch", "triton")
-ENV = "KVCERT_KERNEL"
 
 
 def active(device: torch.device | str | None = None) -> str:

@@ -109,7 +109,15 @@ def encode_checked(x: torch.Tensor, base: torch.Tensor, n: torch.Tensor) -> torc
     beyond = torch.isnan(x) | torch.isinf(x) | (n > MAX_N)
     code = (n.to(torch.int64) - base.to(torch.int64) + 1).clamp(min=1)
     finite_pos = (x > 0) & ~beyond
-    negative, above_top = (x < 0).any(), (finite_pos & (code > TOP)).any()
+    check_codes(x, (x < 0).any(), (finite_pos & (code > TOP)).any())
+    code = torch.where(finite_pos, code, 0)
+    return torch.where(beyond, INF_CODE, code).to(torch.uint8)
+
+
+def check_codes(x: torch.Tensor, negative: torch.Tensor, above_top: torch.Tensor) -> None:
+    """The encoder's fail-closed check of the witnesses ``x``, one :func:`kvcert.checks.fail_if` (``ValueError``):
+    ``negative`` (0-dim bool: some entry is negative; reported first) or ``above_top`` (some finite entry needs a
+    code above ``TOP`` against its base)."""
 
     def error() -> ValueError:
         if bool(negative):
@@ -117,8 +125,6 @@ def encode_checked(x: torch.Tensor, base: torch.Tensor, n: torch.Tensor) -> torc
         return ValueError("a witness exceeds the top code of its base; rebase the buffer before encoding")
 
     fail_if(negative | above_top, error)
-    code = torch.where(finite_pos, code, 0)
-    return torch.where(beyond, INF_CODE, code).to(torch.uint8)
 
 
 def encode(x: torch.Tensor, base: torch.Tensor, n: torch.Tensor | None = None) -> torch.Tensor:

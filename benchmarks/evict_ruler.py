@@ -31,7 +31,9 @@ is recorded per sample (``recall`` in ``scores.jsonl``: bytes recalled or paged 
 fp16 KV bytes of the prompt) and reported as the mean page-in bytes per decode step relative to the prompt's
 fp16 KV bytes. ``--reselect N`` re-selects the recall-gated variant's resident set every ``N`` decode steps
 (``resident_set(reselect=N)``; ``docs/eviction.md``, "Re-selection of the resident set"); its promotions are part
-of the page-in bytes and are also recorded apart (``reselect_paged``, ``promoted``). ``--resident-alloc mass``
+of the page-in bytes and are also recorded apart (``reselect_paged``, ``promoted``). ``--recall-mode swap`` swaps the
+pages each read paged in into the resident set (``resident_set(recall="swap")``; ``docs/eviction.md``); its
+moves are recorded the same way. ``--resident-alloc mass``
 splits the recall-gated variant's resident tokens across layers by the policy's prefill scores, the same total
 (``resident_set(resident_alloc="mass")``; ``docs/eviction.md``, "Per-layer allocation of the resident set").
 
@@ -59,7 +61,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from kvcert import EvictionConfig, Gate, StorageConfig, ValidationConfig
 from kvcert.attention.evict_driver import RESIDENT_ALLOCS, ingest_reads
-from kvcert.attention.resident import SUMMARIES
+from kvcert.attention.resident import RECALLS, SUMMARIES
 from kvcert.eval import load_task
 from kvcert.eval.attention_record import recorded_attention
 from kvcert.eval.branching import exact_prefill
@@ -328,9 +330,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--recall-mode",
-        choices=("persistent", "transient"),
+        choices=RECALLS,
         default="persistent",
-        help="recalled pages stay on the device within --device-budget, or are paged in per read",
+        help="recalled pages stay on the device within --device-budget, are paged in per read (transient), or are "
+        "swapped into the resident set after each read (swap)",
     )
     parser.add_argument("--device-budget", type=float, default=1.0, help="device budget of the recall-gated cache")
     parser.add_argument(

@@ -193,33 +193,43 @@ def table(context: int, rows: list[dict[str, Any]], configs: list[tuple[str, flo
 PARTS = ("keys", "values")  # the recalled bytes, apart
 
 
+def _per_step(got: list[dict[str, Any]], fields: list[str]) -> str:
+    """``"a, b"``: each of ``fields`` per decode step over the context's fp16 K/V, mean over ``got``; "–" when a
+    configuration's rows do not all record them."""
+    if not all(f in c for c in got for f in fields):
+        return "–"
+    part = [sum(c[f] / max(c["steps"], 1) / c["fp16"] for c in got) / len(got) for f in fields]
+    return ", ".join(f"{x:.3f}" for x in part)
+
+
 def recall_cost(rows: list[dict[str, Any]]) -> list[str]:
     """Markdown lines per recall-gated configuration (all measured): recalled bytes per decode step and all page-in
     bytes per decode step (recall + resident entries read exact + dense fallback), both counted at fp16 (2 bytes
     per K/V entry, whatever the host tier's dtype) over the fp16 K/V bytes of the whole context (every written
     token, resident or omitted); device capacity = that fp16 K/V / the device bytes at the end (resident codes,
     summaries, held pages). The recalled bytes split into keys and values (mean per step; key-first recall pages in
-    the values of only some of the pages whose keys it reads); rows written before the split show "–" there."""
+    the values of only some of the pages whose keys it reads), the rest of the page-in into resident entries read
+    exact and dense fallbacks (mean per step); rows written before a split show "–" there."""
     names = sorted({k for r in rows for k in r.get("recall", {}) if "recalled" in r["recall"][k]})
     if not names:
         return []
     lines = [
         "| recall-gated config | recalled / step / fp16 KV of the context (mean, max) | of which keys, values (mean) "
-        "| all page-in / step (mean, max) | device capacity (mean) |",
-        "|---|---|---|---|---|",
+        "| all page-in / step (mean, max) | of which exact resident, dense (mean) | device capacity (mean) |",
+        "|---|---|---|---|---|---|",
     ]
     for key in names:
         got = [c for r in rows if (c := r.get("recall", {}).get(key))]
         rec = [c["recalled"] / max(c["steps"], 1) / c["fp16"] for c in got]
         paged = [c["paged"] / max(c["steps"], 1) / c["fp16"] for c in got]
         cap = [c["fp16"] / c["device"] for c in got]
-        split = "–"
-        if all("recalled_keys" in c for c in got):
-            part = [sum(c[f"recalled_{p}"] / max(c["steps"], 1) / c["fp16"] for c in got) / len(got) for p in PARTS]
-            split = f"{part[0]:.3f}, {part[1]:.3f}"
+        split, rest = (
+            _per_step(got, [f"recalled_{p}" for p in PARTS]),
+            _per_step(got, ["exact", "dense"]),
+        )
         lines.append(
             f"| {key} | {sum(rec) / len(rec):.3f}, {max(rec):.3f} | {split} "
-            f"| {sum(paged) / len(paged):.3f}, {max(paged):.3f} | {sum(cap) / len(cap):.2f}x |"
+            f"| {sum(paged) / len(paged):.3f}, {max(paged):.3f} | {rest} | {sum(cap) / len(cap):.2f}x |"
         )
     return lines
 
@@ -430,6 +440,9 @@ def main() -> None:
                     "recalled_keys": tel.bytes_recalled_keys * 2 // host,  # key-first recall: keys and values apart
                     "recalled_values": tel.bytes_recalled_values * 2 // host,
                     "paged": tel.bytes_paged * 2 // host,  # recall + exact resident reads + dense fallback
+                    # the two parts of "paged" that are not recall: resident entries read exact, dense fallback
+                    "exact": sum(r.bytes_exact for r in cache.resident_records) * 2 // host,
+                    "dense": sum(r.bytes_dense for r in cache.resident_records) * 2 // host,
                     "steps": toks.shape[1],
                     "fp16": tel.bytes_fp16_context,
                     "device": tel.bytes_device,

@@ -31,7 +31,9 @@ is recorded per sample (``recall`` in ``scores.jsonl``: bytes recalled or paged 
 fp16 KV bytes of the prompt) and reported as the mean page-in bytes per decode step relative to the prompt's
 fp16 KV bytes. ``--reselect N`` re-selects the recall-gated variant's resident set every ``N`` decode steps
 (``resident_set(reselect=N)``; ``docs/eviction.md``, "Re-selection of the resident set"); its promotions are part
-of the page-in bytes and are also recorded apart (``reselect_paged``, ``promoted``). ``--resident-alloc mass``
+of the page-in bytes and are also recorded apart (``reselect_paged``, ``promoted``). ``--recall-mode swap`` swaps the
+pages each read paged in into the resident set (``resident_set(recall="swap")``; ``docs/eviction.md``); its
+moves are recorded the same way. ``--resident-alloc mass``
 splits the recall-gated variant's resident tokens across layers by the policy's prefill scores, the same total
 (``resident_set(resident_alloc="mass")``; ``docs/eviction.md``, "Per-layer allocation of the resident set").
 
@@ -59,7 +61,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from kvcert import EvictionConfig, Gate, StorageConfig, ValidationConfig
 from kvcert.attention.evict_driver import RESIDENT_ALLOCS, ingest_reads
-from kvcert.attention.resident import SUMMARIES
+from kvcert.attention.resident import RECALLS, SUMMARIES
 from kvcert.eval import load_task
 from kvcert.eval.attention_record import recorded_attention
 from kvcert.eval.branching import exact_prefill
@@ -191,33 +193,43 @@ def table(context: int, rows: list[dict[str, Any]], configs: list[tuple[str, flo
 PARTS = ("keys", "values")  # the recalled bytes, apart
 
 
+def _per_step(got: list[dict[str, Any]], fields: list[str]) -> str:
+    """``"a, b"``: each of ``fields`` per decode step over the context's fp16 K/V, mean over ``got``; "–" when a
+    configuration's rows do not all record them."""
+    if not all(f in c for c in got for f in fields):
+        return "–"
+    part = [sum(c[f] / max(c["steps"], 1) / c["fp16"] for c in got) / len(got) for f in fields]
+    return ", ".join(f"{x:.3f}" for x in part)
+
+
 def recall_cost(rows: list[dict[str, Any]]) -> list[str]:
     """Markdown lines per recall-gated configuration (all measured): recalled bytes per decode step and all page-in
     bytes per decode step (recall + resident entries read exact + dense fallback), both counted at fp16 (2 bytes
     per K/V entry, whatever the host tier's dtype) over the fp16 K/V bytes of the whole context (every written
     token, resident or omitted); device capacity = that fp16 K/V / the device bytes at the end (resident codes,
     summaries, held pages). The recalled bytes split into keys and values (mean per step; key-first recall pages in
-    the values of only some of the pages whose keys it reads); rows written before the split show "–" there."""
+    the values of only some of the pages whose keys it reads), the rest of the page-in into resident entries read
+    exact and dense fallbacks (mean per step); rows written before a split show "–" there."""
     names = sorted({k for r in rows for k in r.get("recall", {}) if "recalled" in r["recall"][k]})
     if not names:
         return []
     lines = [
         "| recall-gated config | recalled / step / fp16 KV of the context (mean, max) | of which keys, values (mean) "
-        "| all page-in / step (mean, max) | device capacity (mean) |",
-        "|---|---|---|---|---|",
+        "| all page-in / step (mean, max) | of which exact resident, dense (mean) | device capacity (mean) |",
+        "|---|---|---|---|---|---|",
     ]
     for key in names:
         got = [c for r in rows if (c := r.get("recall", {}).get(key))]
         rec = [c["recalled"] / max(c["steps"], 1) / c["fp16"] for c in got]
         paged = [c["paged"] / max(c["steps"], 1) / c["fp16"] for c in got]
         cap = [c["fp16"] / c["device"] for c in got]
-        split = "–"
-        if all("recalled_keys" in c for c in got):
-            part = [sum(c[f"recalled_{p}"] / max(c["steps"], 1) / c["fp16"] for c in got) / len(got) for p in PARTS]
-            split = f"{part[0]:.3f}, {part[1]:.3f}"
+        split, rest = (
+            _per_step(got, [f"recalled_{p}" for p in PARTS]),
+            _per_step(got, ["exact", "dense"]),
+        )
         lines.append(
             f"| {key} | {sum(rec) / len(rec):.3f}, {max(rec):.3f} | {split} "
-            f"| {sum(paged) / len(paged):.3f}, {max(paged):.3f} | {sum(cap) / len(cap):.2f}x |"
+            f"| {sum(paged) / len(paged):.3f}, {max(paged):.3f} | {rest} | {sum(cap) / len(cap):.2f}x |"
         )
     return lines
 
@@ -328,9 +340,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--recall-mode",
-        choices=("persistent", "transient"),
+        choices=RECALLS,
         default="persistent",
-        help="recalled pages stay on the device within --device-budget, or are paged in per read",
+        help="recalled pages stay on the device within --device-budget, are paged in per read (transient), or are "
+        "swapped into the resident set after each read (swap)",
     )
     parser.add_argument("--device-budget", type=float, default=1.0, help="device budget of the recall-gated cache")
     parser.add_argument(
@@ -427,6 +440,9 @@ def main() -> None:
                     "recalled_keys": tel.bytes_recalled_keys * 2 // host,  # key-first recall: keys and values apart
                     "recalled_values": tel.bytes_recalled_values * 2 // host,
                     "paged": tel.bytes_paged * 2 // host,  # recall + exact resident reads + dense fallback
+                    # the two parts of "paged" that are not recall: resident entries read exact, dense fallback
+                    "exact": sum(r.bytes_exact for r in cache.resident_records) * 2 // host,
+                    "dense": sum(r.bytes_dense for r in cache.resident_records) * 2 // host,
                     "steps": toks.shape[1],
                     "fp16": tel.bytes_fp16_context,
                     "device": tel.bytes_device,

@@ -23,6 +23,7 @@ from kvcert.attention.resident import (
     OmittedPages,
     can_omit,
     check_resident,
+    fresh_by_position,
     held_by_position,
     refresh_pool,
     summarize_omitted,
@@ -105,11 +106,13 @@ class EvictionConfig:
       ``resident`` of its tokens resident, chosen by ``policy`` (the ``select`` policy; prefill compression with
       ``compression_ratio = 1 − resident``); the whole KV stays in the host tier and the omitted pages of
       ``page_size`` tokens are summarised as ``summary`` on the device (``"int8"``, ``"basis8"`` or ``"box"``);
-      ``recall`` keeps recalled pages on the device within the device budget (``"persistent"``) or pages them in
-      per read (``"transient"``); ``reselect``: re-select the resident set every ``reselect`` decode steps
-      (``None``: never), ranking tokens by ``reselect_score`` (:data:`RESELECT_SCORES`, see :class:`DecodeScores`);
-      ``resident_alloc`` (:data:`RESIDENT_ALLOCS`): ``"uniform"`` keeps the resident fraction in every layer,
-      ``"mass"`` the same total split across layers by the policy's prefill scores
+      ``recall`` keeps recalled pages on the device within the device budget (``"persistent"``), pages them in
+      per read (``"transient"``), or keeps them as persistent recall does and, right after every decode read,
+      swaps them into the resident set in place of the resident tokens with the least decode attention
+      (``"swap"``, :meth:`EvictionDriver.swap`); ``reselect``: re-select the resident set every ``reselect``
+      decode steps (``None``: never), ranking tokens by ``reselect_score`` (:data:`RESELECT_SCORES`, see
+      :class:`DecodeScores`); ``resident_alloc`` (:data:`RESIDENT_ALLOCS`): ``"uniform"`` keeps the resident
+      fraction in every layer, ``"mass"`` the same total split across layers by the policy's prefill scores
       (:func:`~kvcert.evict.allocation.allocate_kept`).
 
     Every construction checks its arguments and names the one at fault; :meth:`check` then checks what depends on
@@ -262,8 +265,9 @@ class EvictionConfig:
             )
 
     def _check_codecs(self, stores: Sequence[LayerStore]) -> None:
-        """Per-token codecs (eviction gathers single tokens); no dither with ``reselect`` (a promoted token is
-        re-encoded, and the dither key holds one position per row for every KV head)."""
+        """Per-token codecs (eviction gathers single tokens); no dither with ``reselect`` or ``recall="swap"`` (a
+        promoted token is re-encoded, and the dither key holds one position per row for every KV head)."""
+        moves = "reselect" if self.reselect is not None else 'recall="swap"' if self.recall == "swap" else None
         for store in stores:
             for codec in (store.key_codec, store.value_codec):
                 if codec.block != 1 or codec.residual_window:
@@ -271,9 +275,9 @@ class EvictionConfig:
                         f"eviction needs per-token codecs (block == 1, no residual window); keys/values "
                         f"codec {codec.name!r} encodes blocks of {codec.block} tokens"
                     )
-                if self.reselect is not None and codec.needs_key:
+                if moves is not None and codec.needs_key:
                     raise ValueError(
-                        f"reselect cannot be combined with the dithered codec {codec.name!r}: a promoted token "
+                        f"{moves} cannot be combined with the dithered codec {codec.name!r}: a promoted token "
                         "must be re-encoded, and the dither key holds one position per row for every KV head, "
                         "so heads promoting different positions would reuse another head's dither realisation "
                         "(Tier B needs dither independent across entries); use a non-dithered codec"
@@ -389,10 +393,13 @@ class EvictionDriver:
         self.prefill_kappa: torch.Tensor | None = None
         self.records: list[EvictRecord] = []
         # a resident set's persistent recall: the room the device budget leaves for held pages (None: transient)
-        self.recall_pool = RecallPool() if cfg.resident is not None and cfg.recall == "persistent" else None
+        held = cfg.recall in ("persistent", "swap")
+        self.recall_pool = RecallPool() if cfg.resident is not None and held else None
         self.reselect_stats = ReselectStats()  # what periodic re-selection moved (cfg.reselect)
         # re-selection ranked by the decode queries: what they attended to, accumulated at every resident read
-        self.decode_scores = DecodeScores() if cfg.reselect is not None and cfg.reselect_score == "decode" else None
+        # (and recall="swap", whose swaps rank by it)
+        ranked = (cfg.reselect is not None and cfg.reselect_score == "decode") or cfg.recall == "swap"
+        self.decode_scores = DecodeScores() if cfg.resident is not None and ranked else None
         self._last_attn: dict[int, torch.Tensor] = {}  # last served row [B, Hkv, S] (mean over G) per layer
         self._prefilled: set[int] = set()  # layers whose prefill was compressed (with "mass": scored, pending)
         # resident_alloc="mass": each prefilled layer's (scores, protected) until every layer's prefill was read
@@ -423,7 +430,7 @@ class EvictionDriver:
         if store.layer not in self.layers:
             return
         every, scores = self.cfg.reselect, self.decode_scores
-        ready = scores is None or scores.observed(store.layer)
+        ready = scores is None or self.cfg.reselect_score != "decode" or scores.observed(store.layer)
         if every is not None and step > 0 and step % every == 0 and store.layer in self.pages and ready:
             self._reselect(store)
         if self.cfg.budget is None or store.n == 0:
@@ -469,6 +476,8 @@ class EvictionDriver:
             self._compress_prefill(store, attn, step)
         elif self.decode_scores is not None and store.layer in self.pages:
             self.decode_scores.observe(store, self.pages[store.layer], query, logical, scaling)
+            if self.cfg.recall == "swap":
+                self.swap(store)
         self._prefilled.add(store.layer)
 
     def ingest(
@@ -601,42 +610,88 @@ class EvictionDriver:
             serving = serving_reading(last, kept).mass
         store.gather(keep, retain_evicted=self.validate or self.cfg.resident is not None)
         if self.cfg.resident is not None:
-            self.pages[store.layer] = summarize_omitted(store, self.cfg.page_size, self.cfg.summary, self.recall_pool)
+            self.pages[store.layer] = self._summarize(store)
         evicted = (n - keep.shape[-1]) * keep.shape[0] * keep.shape[1]
         self.records.append(EvictRecord(step=step, layer=store.layer, serving_mass=serving, evicted=evicted))
+
+    def _summarize(self, store: LayerStore) -> OmittedPages:
+        """The summary of the layer's current archive (with an empty held set under persistent recall or swap)."""
+        swap = self.cfg.recall == "swap"
+        return summarize_omitted(store, self.cfg.page_size, self.cfg.summary, self.recall_pool, swap=swap)
 
     def _reselect(self, store: LayerStore) -> None:
         """Re-select one layer's resident set over every token written so far (``docs/eviction.md``,
         "Re-selection of the resident set"), at the layer's resident fraction (its own with ``resident_alloc="mass"``),
-        the policy's protected tokens (sinks, recent
-        window) first. ``reselect_score="key_proxy"``: the policy's ``prefill_keep`` over all exact host keys in
-        position order, scored with the key-proxy attention ``softmax(k_s·k_i/√D)`` (causal, per KV head);
-        ``"decode"``: the rest ranked by what the decode queries attended to (:class:`DecodeScores`). The chosen
-        omitted tokens are promoted (encoded from their exact originals into the device store), the resident ones
-        not chosen demoted to the archive, which is re-summarised with the tokens held on the device before that
-        stay omitted first (in position order, then the others in position order), so they fill whole pages and stay
-        held (:meth:`~kvcert.cache.recall.HeldPages.carry`). Counts go to :attr:`reselect_stats`; page-in: the
-        promoted tokens not held before and the tokens paged in to complete a held page."""
+        the policy's protected tokens (sinks, recent window) first. ``reselect_score="key_proxy"``: the policy's
+        ``prefill_keep`` over all exact host keys in position order, scored with the key-proxy attention
+        ``softmax(k_s·k_i/√D)`` (causal, per KV head); ``"decode"``: the rest ranked by what the decode queries
+        attended to (:class:`DecodeScores`). :meth:`_move` then moves the tokens."""
         assert store.k is not None and store.v is not None and self.cfg.compression_ratio is not None
-        ev, n = store.evicted, store.n
-        keys = torch.cat([store.k.host.view(), ev["k"].view()], 2)
-        values = torch.cat([store.v.host.view(), ev["v"].view()], 2)
-        positions = torch.cat([store.positions.view(), ev["positions"].view()], 2).to(keys.device)
-        # resident and archive hold every position 0..T-1 once per head: the sorted index is the position
-        order = positions.argsort(-1)
         ratio = self.layer_ratio.get(store.layer, self.cfg.compression_ratio)
-        if self.decode_scores is not None:
-            ranked = self.decode_scores.mean(store.layer, store.appended)
-            keep = self.policy.keep_ranked(ranked, ratio).to(order.device)
+        if self.decode_scores is not None and self.cfg.reselect_score == "decode":
+            keep = self.policy.keep_ranked(self.decode_scores.mean(store.layer, store.appended), ratio)
         else:
+            ev = store.evicted
+            keys = torch.cat([store.k.host.view(), ev["k"].view()], 2)
+            values = torch.cat([store.v.host.view(), ev["v"].view()], 2)
+            positions = torch.cat([store.positions.view(), ev["positions"].view()], 2).to(keys.device)
+            order = positions.argsort(-1)
             ks = keys.gather(2, order[..., None].expand_as(keys))
             vs = values.gather(2, order[..., None].expand_as(values))
             attn = causal_attention(ks, ks) if self.policy.needs_attention else None
             kappa = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.float64, device=keys.device)
             keep = self.policy.prefill_keep(store.layer, ks, vs, ratio, attn=attn, kappa=kappa)
+        self._move(store, keep)
+
+    def swap(self, store: LayerStore) -> None:
+        """``recall="swap"``, right after a decode read of the layer: promote the pages that recall paged in into the
+        resident set, in place of the resident tokens with the least decode attention (``docs/eviction.md``,
+        "Swapping recalled pages into the resident set").
+
+        The candidates are the resident tokens and the omitted tokens whose exact K/V are on the device now: those
+        of the held pages and of the pages whose values were paged in since the archive was last summarised
+        (:attr:`~kvcert.cache.recall.HeldPages.fresh`). Among them the policy keeps the layer's resident fraction of
+        every token written (:meth:`~kvcert.evict.EvictionPolicy.keep_ranked`: protected tokens first, then the
+        highest :class:`DecodeScores` mean); an omitted token that is not a candidate ranks below every candidate
+        (score ``−1 < 0 ≤`` any mean), so it is chosen only when the candidates are too few, and then counted as
+        paged in. Nothing moves unless a candidate from the archive is chosen. The move is :meth:`_move`'s: the
+        promoted tokens are encoded from their exact originals (the K/V paged in), the demoted ones join the
+        archive, which is summarised anew, so every later read is certified against the new resident set and
+        archive exactly as after a re-selection."""
+        assert self.decode_scores is not None and self.cfg.compression_ratio is not None
+        pages = self.pages[store.layer]
+        assert pages.held is not None and pages.held.fresh is not None
+        if not bool(pages.held.fresh.any()):
+            return
+        archive, length = store.evicted["positions"].view(), store.appended
+        held_at, _ = held_by_position(pages, archive, length)
+        on_device = held_at | fresh_by_position(pages, archive, length)
+        resident = torch.zeros_like(on_device).scatter(-1, store.positions.view().to(on_device.device), True)
+        ranked = self.decode_scores.mean(store.layer, length).to(on_device.device)
+        ranked = torch.where(resident | on_device, ranked, -1.0)
+        keep = self.policy.keep_ranked(ranked, self.layer_ratio.get(store.layer, self.cfg.compression_ratio))
+        if bool((~resident).gather(-1, keep).any()):
+            self._move(store, keep, on_device)
+
+    def _move(self, store: LayerStore, keep: torch.Tensor, on_device: torch.Tensor | None = None) -> None:
+        """Make the tokens at logical positions ``keep[B, Hkv, C]`` the layer's resident set. The chosen omitted
+        tokens are promoted (encoded from their exact originals into the device store), the resident ones not
+        chosen demoted to the archive, which is re-summarised with the tokens held on the device before that stay
+        omitted first (in position order, then the others in position order), so they fill whole pages and stay held
+        (:meth:`~kvcert.cache.recall.HeldPages.carry`). Counts go to :attr:`reselect_stats`; page-in: the promoted
+        tokens that were neither held nor ``on_device[B, Hkv, T]`` (by position; :meth:`swap`) and the tokens paged
+        in to complete a held page."""
+        assert store.k is not None and store.v is not None
+        ev, n = store.evicted, store.n
+        positions = torch.cat([store.positions.view(), ev["positions"].view()], 2)
+        # resident and archive hold every position 0..T-1 once per head: the sorted index is the position
+        order = positions.argsort(-1)
         chosen = order.gather(2, keep.to(order.device)).sort(-1).values  # slots of [resident, archive]
         before = self.pages[store.layer]
         held_at, score_at = held_by_position(before, ev["positions"].view(), store.appended)
+        free_at = held_at if on_device is None else held_at | on_device.to(held_at.device)
+        dk, dv = store.k.host.shape[-1], store.v.host.shape[-1]
+        elt = store.k.host.dtype.itemsize
         # the reference encodes the whole archive and keeps the chosen slots (a per-token codec gives a token the
         # same code either way); only the promoted tokens count as paged in
         store.promote(ev["k"].view(), ev["v"].view(), ev["positions"].view())
@@ -648,7 +703,7 @@ class EvictionDriver:
         by_key = (archive + (~carried).to(torch.int64) * store.appended).argsort(-1)
         for buf in store.evicted.values():
             buf.gather(by_key.to(buf.view().device))
-        after = summarize_omitted(store, self.cfg.page_size, self.cfg.summary, self.recall_pool)
+        after = self._summarize(store)
         self.pages[store.layer] = after
         filled = 0
         if after.held is not None and self.recall_pool is not None:
@@ -658,13 +713,13 @@ class EvictionDriver:
             arch_k, arch_v = store.evicted["k"].view(), store.evicted["v"].view()
             filled = int(after.held.carry(carried.sum(-1), score_at.gather(-1, archive), arch_k, arch_v).sum())
         promoted = chosen >= n
-        was_held = held_at.gather(-1, positions.gather(2, chosen).to(held_at.device)).to(promoted.device)
-        paged = int((promoted & ~was_held).sum()) + filled
+        was_free = free_at.gather(-1, positions.gather(2, chosen).to(free_at.device)).to(promoted.device)
+        paged = int((promoted & ~was_free).sum()) + filled
         stats = self.reselect_stats
         stats.reselections += 1
         stats.promoted += int(promoted.sum())
         stats.demoted += n * chosen.shape[0] * chosen.shape[1] - int((~promoted).sum())
-        stats.bytes_paged += paged * (keys.shape[-1] + values.shape[-1]) * keys.element_size()
+        stats.bytes_paged += paged * (dk + dv) * elt
 
     def _validate_reading(
         self, store: LayerStore, query: torch.Tensor, logical: torch.Tensor, scaling: float, step: int

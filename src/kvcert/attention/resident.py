@@ -67,7 +67,7 @@ SKETCHES: dict[str, Callable[[torch.Tensor], Sketch]] = {
     "basis8-t2": partial(basis_sketch, rank=8, tail_bits=2),
 }
 SUMMARIES: tuple[str, ...] = ("box", *SKETCHES)
-RECALLS: tuple[str, ...] = ("persistent", "transient")
+RECALLS: tuple[str, ...] = ("persistent", "transient", "swap")
 
 
 def check_resident(
@@ -152,10 +152,11 @@ class OmittedPages:
 
 
 def summarize_omitted(
-    store: LayerStore, page_size: int, summary: str = "int8", pool: RecallPool | None = None
+    store: LayerStore, page_size: int, summary: str = "int8", pool: RecallPool | None = None, swap: bool = False
 ) -> OmittedPages:
     """Summarize the store's evicted archive (the omitted tokens) in pages of ``page_size`` (``summary`` kind);
-    with a ``pool`` (persistent recall) also an empty :class:`~kvcert.cache.recall.HeldPages` drawing on it."""
+    with a ``pool`` (persistent recall) also an empty :class:`~kvcert.cache.recall.HeldPages` drawing on it, which
+    records the pages paged in since (:attr:`~kvcert.cache.recall.HeldPages.fresh`) when ``swap``."""
     dev = store.v_centre.device  # the summary lives on the device tier; the omitted tokens stay in the host tier
     k, v = store.evicted["k"].view().to(dev), store.evicted["v"].view().to(dev)
     box = summarize_pages(k, page_size) if summary == "box" else None
@@ -164,7 +165,8 @@ def summarize_omitted(
     if pool is not None:
         n = k.shape[2]
         counts = (n - torch.arange(0, n, page_size, device=dev)).clamp(max=page_size)
-        held = HeldPages.empty(k.shape[0], k.shape[1], counts, page_size, (k.shape[-1], v.shape[-1]), k.dtype, pool)
+        dims = (k.shape[-1], v.shape[-1])
+        held = HeldPages.empty(k.shape[0], k.shape[1], counts, page_size, dims, k.dtype, pool, track_fresh=swap)
     return OmittedPages(
         page_size,
         box,
@@ -176,21 +178,33 @@ def summarize_omitted(
     )
 
 
+def _by_position(per_page: torch.Tensor, page_size: int, archive_pos: torch.Tensor, length: int) -> torch.Tensor:
+    """``per_page[B, Hkv, P]`` spread over logical positions ``[B, Hkv, length]``: each archive token (positions
+    ``archive_pos[B, Hkv, N]``, archive order) gets its page's entry, every other position zero."""
+    n, pos = archive_pos.shape[-1], archive_pos.to(per_page.device)
+    out = torch.zeros(*archive_pos.shape[:2], length, dtype=per_page.dtype, device=per_page.device)
+    return out.scatter(-1, pos, per_page.repeat_interleave(page_size, -1)[..., :n])
+
+
 def held_by_position(pages: OmittedPages, archive_pos: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(held, score)`` ``[B, Hkv, length]`` over logical positions: which tokens of ``pages``' archive (logical
     positions ``archive_pos[B, Hkv, N]``, archive order) are held on the device and the score of the page holding
     them (False / 0 elsewhere, and everywhere under transient recall). A re-selection reads it before it re-pages
     the archive: a promoted token held there needs no page-in, a held token that stays omitted stays held
     (:meth:`~kvcert.cache.recall.HeldPages.carry`)."""
-    dev = archive_pos.device if pages.held is None else pages.held.held.device
-    held_at = torch.zeros(*archive_pos.shape[:2], length, dtype=torch.bool, device=dev)
-    score_at = torch.zeros(*archive_pos.shape[:2], length, dtype=F64, device=dev)
     if pages.held is None:
-        return held_at, score_at
-    n, ps, pos = archive_pos.shape[-1], pages.page_size, archive_pos.to(dev)
-    tokens = pages.held.held.repeat_interleave(ps, -1)[..., :n]
-    score = pages.held.score.repeat_interleave(ps, -1)[..., :n]
-    return held_at.scatter(-1, pos, tokens), score_at.scatter(-1, pos, score)
+        dev = archive_pos.device
+        held_at = torch.zeros(*archive_pos.shape[:2], length, dtype=torch.bool, device=dev)
+        return held_at, torch.zeros(held_at.shape, dtype=F64, device=dev)
+    ps, held = pages.page_size, pages.held
+    return _by_position(held.held, ps, archive_pos, length), _by_position(held.score, ps, archive_pos, length)
+
+
+def fresh_by_position(pages: OmittedPages, archive_pos: torch.Tensor, length: int) -> torch.Tensor:
+    """``[B, Hkv, length]``: the archive tokens (as in :func:`held_by_position`) of the pages paged in since the
+    archive was summarised (``recall="swap"``; :attr:`~kvcert.cache.recall.HeldPages.fresh`), held or not."""
+    assert pages.held is not None and pages.held.fresh is not None
+    return _by_position(pages.held.fresh, pages.page_size, archive_pos, length)
 
 
 def refresh_pool(pool: RecallPool, stores: list[LayerStore], pages: list[OmittedPages]) -> None:

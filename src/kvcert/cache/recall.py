@@ -76,6 +76,10 @@ class HeldPages:
     v_slots: torch.Tensor
     host: torch.dtype
     pool: RecallPool
+    #: ``recall="swap"``: ``[B, Hkv, P]`` the pages whose values were paged in since the archive was last summarised,
+    #: held or not (their exact K/V were on the device at that read, so a swap may promote them at no page-in);
+    #: ``None`` for persistent recall
+    fresh: torch.Tensor | None = None
 
     @classmethod
     def empty(
@@ -87,9 +91,10 @@ class HeldPages:
         dims: tuple[int, int],
         host: torch.dtype,
         pool: RecallPool,
+        track_fresh: bool = False,
     ) -> HeldPages:
         """Nothing held yet (``counts[P]`` tokens per page, all positive and at most ``page_size``: ``ValueError``
-        otherwise; ``dims = (Dk, Dv)``; the host tier's dtype ``host``)."""
+        otherwise; ``dims = (Dk, Dv)``; the host tier's dtype ``host``); ``track_fresh``: record :attr:`fresh`."""
         if counts.dim() != 1 or bool((counts <= 0).any()) or bool((counts > page_size).any()):
             raise ValueError(f"counts must be a positive count per page, at most {page_size}, got {counts.tolist()}")
         pages, dev, store = counts.shape[0], counts.device, storage_dtype(host)
@@ -102,6 +107,7 @@ class HeldPages:
             torch.zeros(0, page_size, dims[1], dtype=store, device=dev),
             host,
             pool,
+            torch.zeros(batch, heads, pages, dtype=torch.bool, device=dev) if track_fresh else None,
         )
 
     @property
@@ -163,6 +169,8 @@ class HeldPages:
         before = self.held[row, head].clone()
         was = before[read]
         new = read[~was]
+        if self.fresh is not None:
+            self.fresh[row, head, new] = True
         # which pages of read may be held: those held before, and the fresh ones whose K/V fit the storage dtype
         spare = torch.ones(1, dtype=torch.bool, device=read.device)  # read may have no fresh page
         fresh_ok = torch.cat([self.fits(fresh_k, fresh_v).to(read.device), spare])
@@ -268,5 +276,6 @@ class HeldPages:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of the held pages: the slot tensors, the slot index and the scores."""
-        return sum(t.numel() * t.element_size() for t in (self.k_slots, self.v_slots, self.slot, self.score))
+        """Device bytes of the held pages: the slot tensors, the slot index, the scores and :attr:`fresh`."""
+        kept = [self.k_slots, self.v_slots, self.slot, self.score] + ([] if self.fresh is None else [self.fresh])
+        return sum(t.numel() * t.element_size() for t in kept)

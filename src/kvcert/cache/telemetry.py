@@ -455,10 +455,11 @@ def stack_records(records: Sequence[Reading], layers: int, steps: int, attr: str
 
 @dataclass
 class ReselectStats:
-    """What periodic re-selection of a resident set moved (**measured**): ``reselections`` (one per layer and
-    re-selecting step), ``promoted`` / ``demoted`` tokens (per row and KV head) into / out of the resident set and
-    ``bytes_paged``, the page-in bytes of the promoted tokens not already held on the device plus those of the
-    omitted tokens paged in to complete a page of carried held tokens (``HeldPages.carry``)."""
+    """What periodic re-selection of a resident set, or its swaps (``recall="swap"``), moved (**measured**):
+    ``reselections`` (one per layer and re-selecting or swapping step), ``promoted`` / ``demoted`` tokens (per row
+    and KV head) into / out of the resident set and ``bytes_paged``, the page-in bytes of the promoted tokens not
+    already on the device (held, or paged in for the read a swap follows) plus those of the omitted tokens paged in
+    to complete a page of carried held tokens (``HeldPages.carry``)."""
 
     reselections: int = 0
     promoted: int = 0

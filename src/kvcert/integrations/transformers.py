@@ -205,8 +205,9 @@ class CertifiedCache(Cache):
 
     @property
     def reselect_stats(self) -> ReselectStats | None:
-        """What periodic re-selection of the resident set moved so far (``None`` without ``reselect=``)."""
-        if self._evictor is None or self.eviction.reselect is None:
+        """What periodic re-selection of the resident set and ``recall="swap"`` moved so far (``None`` without
+        either)."""
+        if self._evictor is None or (self.eviction.reselect is None and self.eviction.recall != "swap"):
             return None
         return self._evictor.reselect_stats
 

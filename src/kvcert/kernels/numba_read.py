@@ -235,6 +235,19 @@ def softmax_meter(
     )
 
 
+def meter_rows(p: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """The clipped meter ``[R]`` of given served distributions ``p[R, S]`` (float64, C-contiguous) under radii
+    ``c[R, S]`` (float64): :func:`softmax_meter`'s row kernel (same formulas, rounding allowance, clamps and
+    fail-closed rules; rows with no positive entry give 0) without the softmax. ``p`` is not written."""
+    pp = p.copy()  # the row kernel zeroes entries that are not > 0 in place; it also reads visibility from it
+    with np.errstate(over="ignore"):  # e^{c} = inf for huge radii: the meter's overflow-safe forms take it
+        ec = np.exp(c)
+    p32 = np.empty(p.shape, dtype=np.float32)
+    cells = np.empty((3, p.shape[0]))  # cert, raw, tmax
+    _rows(pp, pp, c, ec, p32, cells[0], cells[1], cells[2])
+    return cells[0]
+
+
 #: reads with at most this many query rows per KV head use the decode kernels; larger ones (prefill) use BLAS
 DECODE_MAX_ROWS = 64
 

@@ -10,7 +10,8 @@ around two vectorised numpy ``exp`` calls (the softmax and ``e^{c}``, :func:`_so
 float32 BLAS product (the output), reading the cache's token-major allocations in place.
 :func:`decode_read` runs the same two steps on numpy arrays without their input checks or tensor
 conversions (the certified cache's read path). :func:`softmax_meter` is the meter alone, for reads of any
-size.
+size; :func:`meter_rows` the meter of a given distribution (for the Tier-B side meter,
+:mod:`kvcert.kernels.numba_tier_b`).
 
 Refinement (``docs/read-path.md#kernel-refinement``: a kernel must refine the reference before it ships):
 

@@ -95,6 +95,29 @@ def test_tier_b_reported_for_dither_only():
     assert res2.cert_b is None
 
 
+@pytest.mark.parametrize("nq", [1, 2])
+def test_fused_tier_b_is_never_below_the_eager_tier_b_per_cell(nq, monkeypatch):
+    """On the numba backend the read's Tier-B meter comes from the fused kernel; with the kernel declining (as on
+    a non-finite input) the same served read takes the eager forms: per cell the fused value is never below the
+    eager one and at most 1e-9 above it."""
+    import kvcert.attention.certified as certified
+
+    monkeypatch.setenv(kernels.ENV, "numba")
+    st, q, mask = _setup("dither-int8", 150, 6, 3.0, nq=nq)
+    cfg = ReadConfig(Gate.off(), False, 1e-4)
+    calls, kernel = [], certified.tier_b_meter
+    monkeypatch.setattr(certified, "tier_b_meter", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    fused = certified_read(q, st, mask, D**-0.5, cfg, _exact(st, q, mask, D**-0.5))
+    assert calls  # the fused kernel served it
+    monkeypatch.setattr(certified, "tier_b_meter", lambda *a, **k: None)
+    eager = certified_read(q, st, mask, D**-0.5, cfg, _exact(st, q, mask, D**-0.5))
+    assert fused.cert_b is not None and eager.cert_b is not None
+    assert torch.equal(fused.cert_pre, eager.cert_pre)
+    assert torch.all(fused.cert_b >= eager.cert_b), (eager.cert_b - fused.cert_b).max()
+    assert torch.all(fused.cert_b <= eager.cert_b + 1e-9)
+    assert (eager.cert_b > 0).any()
+
+
 def test_value_promotion_zeroes_value_term():
     st, q, mask = _setup("int8", 64, 4, 0.1)
     gate = Gate.certified(1.0, value_tol=0.0)

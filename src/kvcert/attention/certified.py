@@ -50,6 +50,7 @@ from kvcert.kernels.numba_read import (
     decode_read,
     softmax_meter,
 )
+from kvcert.kernels.numba_tier_b import tier_b_meter
 from kvcert.kernels.repair import repair_blocks
 
 _U = U_F32
@@ -453,12 +454,30 @@ def _serve(rd: _Read, fail_closed: bool) -> _Served:
 
 def _tier_b(rd: _Read, sv: _Served, delta_loc: float) -> torch.Tensor | None:
     """Phase *certify* (Tier B, dithered keys only): the meter of ``p̃`` under the dither radii plus the same
-    float32 logit slack (non-adaptive: sound for queries independent of the dither)."""
+    float32 logit slack (non-adaptive: sound for queries independent of the dither). On the numba backend one
+    fused kernel (:func:`kvcert.kernels.numba_tier_b.tier_b_meter`, never below the eager value); the eager forms
+    elsewhere, on reads that failed closed, and when the kernel meets a non-finite input (they raise its error)."""
     store = rd.store
     if store.k_steps is None:
         return None
     codec, qg = store.key_codec, rd.qg
     qm = qg if codec.channel_mask is None else qg * codec.channel_mask.view(1, rd.hkv, 1, rd.d).to(qg)
+    if sv.bad_cell is None and rd.s > 0 and kernel_backend(qg.device) == "numba":
+        fused = tier_b_meter(
+            np.ascontiguousarray(qm.detach().numpy()),
+            store.k_steps.array(),
+            store.k_hat_norm.array(),
+            store.k_wit.array(),
+            np.ascontiguousarray(sv.qn.numpy()[..., 0]),
+            np.ascontiguousarray(sv.p64.numpy()),
+            rd.s,
+            scale=rd.scaling,
+            gamma=gamma_f32(rd.d + 1),
+            group_size=codec.group_size,
+            delta_loc=delta_loc,
+        )
+        if fused is not None:
+            return fused
     sig2 = tier_b_sigma2(qm, store.k_steps.view().unsqueeze(2), rd.scaling, codec.group_size)
     k_hat_norm, k_wit = store.k_hat_norm.view(), store.k_wit.view()
     if sv.bad_cell is not None:

@@ -10,7 +10,8 @@ around two vectorised numpy ``exp`` calls (the softmax and ``e^{c}``, :func:`_so
 float32 BLAS product (the output), reading the cache's token-major allocations in place.
 :func:`decode_read` runs the same two steps on numpy arrays without their input checks or tensor
 conversions (the certified cache's read path). :func:`softmax_meter` is the meter alone, for reads of any
-size.
+size; :func:`meter_rows` the meter of a given distribution (for the Tier-B side meter,
+:mod:`kvcert.kernels.numba_tier_b`).
 
 Refinement (``docs/read-path.md#kernel-refinement``: a kernel must refine the reference before it ships):
 
@@ -233,6 +234,19 @@ def softmax_meter(
         t(cells[1]).reshape(lead),
         t(cells[2]).reshape(lead),
     )
+
+
+def meter_rows(p: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """The clipped meter ``[R]`` of given served distributions ``p[R, S]`` (float64, C-contiguous) under radii
+    ``c[R, S]`` (float64): :func:`softmax_meter`'s row kernel (same formulas, rounding allowance, clamps and
+    fail-closed rules; rows with no positive entry give 0) without the softmax. ``p`` is not written."""
+    pp = p.copy()  # the row kernel zeroes entries that are not > 0 in place; it also reads visibility from it
+    with np.errstate(over="ignore"):  # e^{c} = inf for huge radii: the meter's overflow-safe forms take it
+        ec = np.exp(c)
+    p32 = np.empty(p.shape, dtype=np.float32)
+    cells = np.empty((3, p.shape[0]))  # cert, raw, tmax
+    _rows(pp, pp, c, ec, p32, cells[0], cells[1], cells[2])
+    return cells[0]
 
 
 #: reads with at most this many query rows per KV head use the decode kernels; larger ones (prefill) use BLAS

@@ -130,7 +130,13 @@ class ResidentOptions:
     def plan(self) -> ResidentPlan:
         """The CLI's description of these variants (the report code reads the policy and summary names from it)."""
         return ResidentPlan(
-            self.fraction, self.select, resident_gate(None), self.specs, summary=self.summary, alloc=self.alloc
+            self.fraction,
+            self.select,
+            resident_gate(None),
+            self.specs,
+            summary=self.summary,
+            alloc=self.alloc,
+            recall=self.recall,
         )
 
     def describe(self) -> dict[str, Any]:

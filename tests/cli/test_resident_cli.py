@@ -64,6 +64,9 @@ BAD_RESIDENT: list[tuple[list[str], str]] = [
     (["--reselect", "4"], "--reselect re-selects the resident set"),
     (["--resident", "0.25", "--reselect", "0"], "--reselect must be a positive number"),
     (["--resident", "0.25", "--reselect", "2", "--schemes", "dither-int8/int4"], "dithered codecs"),
+    (["--recall", "swap"], "--recall chooses how a resident set recalls"),
+    (["--resident", "0.25", "--recall", "lazy"], "--recall: unknown recall form 'lazy'"),
+    (["--resident", "0.25", "--recall", "swap", "--schemes", "dither-int8/int4"], "--recall swap cannot re-encode"),
     (["--summary", "basis8"], "--summary summarises a resident set's omitted keys"),
     (["--resident", "0.25", "--summary", "pca"], "--summary: unknown summary 'pca'"),
     (["--resident-alloc", "mass"], "--resident-alloc splits the resident set"),
@@ -267,6 +270,24 @@ def test_eval_reselect_reports_what_reselection_moved(tmp_path: Path) -> None:
     kept = doc["results"]["variants"]["int4+resident"]
     assert kept["reselections"]["value"] > 0 and kept["reselect_promoted"]["tier"] == "empirical"
     assert kept["reselect_bytes_paged"]["value"] >= 0
+
+
+@pytest.mark.parametrize("recall", ["transient", "swap"])
+def test_eval_recall_option_reaches_the_cache(tmp_path: Path, recall: str) -> None:
+    """``--recall`` builds the resident variant with that recall form: recorded in the config and the variant, 0
+    violations in validate mode; ``swap`` moves recalled pages into the resident set (counted as re-selections,
+    the page-in of what it promotes included), ``transient`` keeps nothing and moves nothing."""
+    out = tmp_path / recall
+    args = ["--gate", "certified:0.2", "--resident", "0.25", "--select", "h2o", "--validate", "--recall", recall]
+    result = runner.invoke(app, ["eval", *TINY, *args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "results.json").read_text())
+    kept = doc["results"]["variants"]["int4+resident"]
+    assert doc["config"]["recall"] == recall and kept["recall"] == recall
+    assert kept["violations"]["value"] == 0 and kept["recall_violations"]["value"] == 0
+    assert kept["pages_recalled"]["value"] > 0  # the tiny model's reads recall, so the forms differ in what follows
+    moved = kept.get("reselections", {"value": 0})["value"]
+    assert (moved > 0) == (recall == "swap")
 
 
 def test_eval_summary_option_reaches_the_cache(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer, PreTrainedModel  # noqa: E402
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase  # noqa: E402
 
 from kvcert.attention.evict_driver import RESIDENT_ALLOCS, default_select  # noqa: E402
-from kvcert.attention.resident import SUMMARIES  # noqa: E402
+from kvcert.attention.resident import RECALLS, SUMMARIES  # noqa: E402
 from kvcert.cache.gate import Gate  # noqa: E402
 from kvcert.cache.store import DEFAULT_WITNESS, WITNESS_FORMATS, Witness  # noqa: E402
 from kvcert.evict import H2O, RMM, EvictionPolicy, StreamingLLM, prefill_kept_count  # noqa: E402
@@ -182,7 +182,8 @@ class ResidentPlan:
     head granularity, or ``off``: certificates without recall), re-selected every ``reselect`` decode steps
     (``None``: never), the omitted tokens' keys summarised as ``summary`` (a :data:`SUMMARIES` name), the resident
     tokens split across layers by ``alloc`` (``EvictionConfig.resident_set(resident_alloc=)``: ``uniform`` or
-    ``mass``)."""
+    ``mass``), recalled pages kept, paged in per read or swapped into the resident set as ``recall``
+    (``EvictionConfig.resident_set(recall=)``, a :data:`~kvcert.attention.resident.RECALLS` name)."""
 
     fraction: float
     select: str
@@ -191,6 +192,7 @@ class ResidentPlan:
     reselect: int | None = None
     summary: str = "int8"
     alloc: str = "uniform"
+    recall: str = "persistent"
 
     def policy(self) -> EvictionPolicy:
         """A fresh selection policy for one request."""
@@ -204,11 +206,13 @@ def check_resident_options(
     specs: tuple[SchemeSpec, ...] = (),
     summary: str | None = None,
     alloc: str | None = None,
+    recall: str | None = None,
 ) -> None:
     """``--resident`` in (0, 1], ``--select`` a known policy, ``--reselect`` a positive step count, ``--summary`` a
-    known summary and ``--resident-alloc`` a known split (all only together with ``--resident``; ``--reselect`` not
-    with a dithered codec in ``specs``; ``--resident-alloc mass`` not with ``--select streaming``, whose scores are
-    no attention); ``ValueError`` naming the option otherwise."""
+    known summary, ``--resident-alloc`` a known split and ``--recall`` a known recall form (all only together with
+    ``--resident``; ``--reselect`` and ``--recall swap`` not with a dithered codec in ``specs``: both re-encode
+    promoted tokens; ``--resident-alloc mass`` not with ``--select streaming``, whose scores are no attention);
+    ``ValueError`` naming the option otherwise."""
     if resident is not None and not 0.0 < resident <= 1.0:
         raise ValueError(f"--resident must be a fraction in (0, 1], got {resident}")
     if summary is not None:
@@ -221,9 +225,9 @@ def check_resident_options(
             raise ValueError("--reselect re-selects the resident set: pass --resident <fraction in (0, 1]> with it")
         if reselect < 1:
             raise ValueError(f"--reselect must be a positive number of decode steps, got {reselect}")
-        dithered = sorted({c for s in specs for c in (s.keys, s.values) if BUILTINS[c]().needs_key})
-        if dithered:
-            raise ValueError(f"--reselect cannot re-encode promoted tokens with dithered codecs {dithered}")
+        _check_promotes("--reselect", specs)
+    if recall is not None:
+        _check_recall(resident, recall, specs)
     if select is not None:
         if resident is None:
             raise ValueError("--select picks the resident set: pass --resident <fraction in (0, 1]> with it")
@@ -231,6 +235,24 @@ def check_resident_options(
             raise ValueError(f"--select: unknown policy {select!r}; known are {', '.join(SELECT_POLICIES)}")
     if alloc is not None:
         _check_alloc(resident, select, alloc)
+
+
+def _check_recall(resident: float | None, recall: str, specs: tuple[SchemeSpec, ...]) -> None:
+    """``--recall``: with ``--resident``, a known recall form, ``swap`` only with codecs it can re-encode."""
+    if resident is None:
+        raise ValueError("--recall chooses how a resident set recalls: pass --resident with it")
+    if recall not in RECALLS:
+        raise ValueError(f"--recall: unknown recall form {recall!r}; known are {', '.join(RECALLS)}")
+    if recall == "swap":
+        _check_promotes("--recall swap", specs)
+
+
+def _check_promotes(option: str, specs: tuple[SchemeSpec, ...]) -> None:
+    """``option`` promotes omitted tokens into the resident set by re-encoding them: ``ValueError`` naming it when
+    a codec of ``specs`` is dithered (its dither key holds one position per row for every KV head)."""
+    dithered = sorted({c for s in specs for c in (s.keys, s.values) if BUILTINS[c]().needs_key})
+    if dithered:
+        raise ValueError(f"{option} cannot re-encode promoted tokens with dithered codecs {dithered}")
 
 
 def _check_alloc(resident: float | None, select: str | None, alloc: str) -> None:
@@ -278,6 +300,14 @@ ResidentAllocOption = Annotated[
         "layer keeps --resident; mass: the same total split by the policy's prefill scores; needs --resident)",
     ),
 ]
+RecallOption = Annotated[
+    str | None,
+    typer.Option(
+        help=f"what a resident set does with the pages it recalls: {' | '.join(RECALLS)} (default persistent: "
+        "kept while the device budget has room; transient: paged in per read; swap: swapped into the resident set "
+        "in place of its least-attended tokens, not with dithered codecs; needs --resident; docs/eviction.md)",
+    ),
+]
 ValidateOption = Annotated[
     bool,
     typer.Option(
@@ -295,11 +325,13 @@ def resident_plan(
     summary: str | None,
     alloc: str | None,
     gate: Gate | None,
+    recall: str | None = None,
 ) -> ResidentPlan | None:
     """The resident variants of a run from its options (``None`` without ``--resident``): the options checked by
     :func:`check_resident_options`, the gate by :func:`resident_gate`, defaults ``--select snapkv``,
-    ``--summary int8``, ``--resident-alloc uniform``; ``ValueError`` naming the option otherwise."""
-    check_resident_options(resident, select, reselect, specs, summary, alloc)
+    ``--summary int8``, ``--resident-alloc uniform``, ``--recall persistent``; ``ValueError`` naming the option
+    otherwise."""
+    check_resident_options(resident, select, reselect, specs, summary, alloc, recall)
     if resident is None:
         return None
     return ResidentPlan(
@@ -310,6 +342,7 @@ def resident_plan(
         reselect,
         summary or "int8",
         alloc or "uniform",
+        recall or "persistent",
     )
 
 

@@ -13,6 +13,7 @@ from kvcert.cli.common import (
     DeviceBudgetOption,
     GateOption,
     ModelOption,
+    RecallOption,
     ReselectOption,
     ResidentAllocOption,
     ResidentOption,
@@ -62,6 +63,7 @@ def evaluate(
     reselect: ReselectOption = None,
     summary: SummaryOption = None,
     resident_alloc: ResidentAllocOption = None,
+    recall: RecallOption = None,
     validate: ValidateOption = False,
 ) -> None:
     """Accuracy per scheme (raw and gated, and resident with --resident) with a paired bootstrap 95% CI and exact
@@ -71,7 +73,7 @@ def evaluate(
         tasks = parse_task_option(task)
         specs = parse_storage(parse_schemes(schemes), witness, device_budget)
         chosen = parse_gate(gate)
-        plan = resident_plan(resident, select, reselect, tuple(specs), summary, resident_alloc, chosen)
+        plan = resident_plan(resident, select, reselect, tuple(specs), summary, resident_alloc, chosen, recall)
     job = RulerJob(
         "eval",
         model,

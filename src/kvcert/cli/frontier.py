@@ -23,6 +23,7 @@ from kvcert.cli.common import (
     DeviceBudgetOption,
     GateOption,
     ModelOption,
+    RecallOption,
     ReselectOption,
     ResidentAllocOption,
     ResidentOption,
@@ -147,6 +148,7 @@ def frontier(
     reselect: ReselectOption = None,
     summary: SummaryOption = None,
     resident_alloc: ResidentAllocOption = None,
+    recall: RecallOption = None,
     validate: ValidateOption = False,
 ) -> None:
     """Accuracy vs device bytes per token for every scheme raw and gated (and resident with --resident, as in
@@ -157,7 +159,7 @@ def frontier(
         task_list = tuple(t.strip() for t in tasks.split(",") if t.strip())
         specs = parse_storage(parse_schemes(schemes), witness, device_budget)
         chosen: Gate | None = parse_gate(gate)
-        plan = resident_plan(resident, select, reselect, tuple(specs), summary, resident_alloc, chosen)
+        plan = resident_plan(resident, select, reselect, tuple(specs), summary, resident_alloc, chosen, recall)
         peer_specs = parse_peers(peers, residual_length)
         positions = model_max_positions(model)
         ruler_tasks(task_list, context)
@@ -211,6 +213,7 @@ def frontier(
         "reselect": reselect,
         "summary": None if plan is None else plan.summary,
         "resident_alloc": None if plan is None else plan.alloc,
+        "recall": None if plan is None else plan.recall,
         "resident_gate": None if plan is None else plan.gate.describe(),
         "validate": validate,
         "seed": seed,
@@ -232,8 +235,8 @@ def frontier(
                 ""
                 if plan is None
                 else f" Resident variants: R = {resident} chosen by {plan.select}, summary {plan.summary}, "
-                f"split {plan.alloc}, gate {plan.gate.describe()}; their bytes, capacity and page-in are against "
-                "the whole context."
+                f"split {plan.alloc}, recall {plan.recall}, gate {plan.gate.describe()}; their bytes, capacity and "
+                "page-in are against the whole context."
             )
         ],
         [table],

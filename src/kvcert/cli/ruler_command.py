@@ -57,6 +57,7 @@ class RulerJob:
             "reselect": None if self.resident is None else self.resident.reselect,
             "summary": None if self.resident is None else self.resident.summary,
             "resident_alloc": None if self.resident is None else self.resident.alloc,
+            "recall": None if self.resident is None else self.resident.recall,
             "resident_gate": None if self.resident is None else self.resident.gate.describe(),
             "resident_schemes": [] if self.resident is None else [s.label for s in self.resident.specs],
             "validate": self.validate,

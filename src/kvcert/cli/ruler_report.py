@@ -166,6 +166,7 @@ def results_section(result: WorkloadResult, seed: int, resamples: int) -> dict[s
                     "select": rec.resident.select,
                     "summary": rec.resident.summary,
                     "resident_alloc": rec.resident.alloc,
+                    "recall": rec.resident.recall,
                 }
             ),
             **variant_numbers(rec, dense, seed, resamples),

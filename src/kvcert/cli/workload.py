@@ -122,6 +122,7 @@ def run_workload(
                 reselect=resident.reselect,
                 summary=resident.summary,
                 resident_alloc=resident.alloc,
+                recall=resident.recall,
                 witness=s.witness,
                 device_budget=s.device_budget,
             )

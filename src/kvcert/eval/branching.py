@@ -45,7 +45,7 @@ class Scheme:
     resident: float | None = None  # resident set fraction (``EvictionConfig.resident_set(resident)``)
     select: Callable[[], EvictionPolicy] | None = None  # builds the resident set's policy, one per request
     summary: str = "int8"  # storage form of the omitted pages' summaries (``resident_set(summary=)``)
-    recall: str = "persistent"  # recalled pages kept within the device budget or paged in per read (``recall=``)
+    recall: str = "persistent"  # recalled pages kept within the budget, paged in per read or swapped in (``recall=``)
     reselect: int | None = None  # re-select the resident set every N decode steps (``resident_set(reselect=)``)
     resident_alloc: str | None = None  # split of the resident set across layers (``resident_set(resident_alloc=)``)
     witness: Witness = DEFAULT_WITNESS  # storage of the write-time witnesses (``StorageConfig(witness=)``)

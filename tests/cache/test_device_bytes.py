@@ -165,3 +165,43 @@ def test_release_runs_on_write_until_under_budget():
 def test_budget_rejects_non_positive():
     with pytest.raises(ValueError, match="device_budget"):
         _store(budget=0.0)
+
+
+def _full_state(st: LayerStore) -> dict[str, torch.Tensor]:
+    """Every witness (log8: codes and bases too), served entry and exact / held flag, and the counters."""
+    state = _witness_state(st)
+    for name in ("k_band", "k_hat_norm", "v_res", "v_hat_norm", "v_dist"):
+        buf = getattr(st, name)
+        if hasattr(buf, "codes"):
+            state[name + ".codes"], state[name + ".base"] = buf.codes.view().clone(), buf.base.clone()
+    state["k_held"], state["v_held"] = st.k.held.view().clone(), st.v.held.view().clone()
+    for name in ("n_held", "transient_repairs", "bytes_transient"):
+        state[name] = torch.tensor(getattr(st, name))
+    return state
+
+
+@pytest.mark.parametrize("witness", ["f32", "log8"])
+@pytest.mark.parametrize("budget", [None, 0.8])
+def test_persist_heads_is_persist_head_by_head(witness, budget):
+    """One commit for several heads leaves every element, code, base and counter as persist head by head does
+    (under a budget that binds part way through: each check sees the heads kept before it)."""
+    heads = [(0, 1), (1, 0), (0, 2), (1, 2), (0, 0), (1, 1)]
+    masks = [torch.arange(65) % (j + 2) != 0 for j in range(len(heads))]
+
+    def build():
+        st = _store("int2", "int2", budget=budget, witness=witness)
+        st.append(*_kv(t=64), *_rows())
+        st.append(*_kv(t=1, seed=1), *_rows())
+        return st
+
+    one_by_one, batched = build(), build()
+    kept = [one_by_one.persist(b, h, m) for (b, h), m in zip(heads, masks, strict=True)]
+    assert batched.persist_heads(heads, masks) == kept
+    if budget is not None:
+        assert any(kept) and not all(kept)  # the budget binds part way through
+    want, got = _full_state(one_by_one), _full_state(batched)
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    with pytest.raises(ValueError, match="2 heads but 1"):
+        batched.persist_heads(heads[:2], masks[:1])

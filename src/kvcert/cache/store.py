@@ -55,7 +55,7 @@ archive* in the host tier, so exact attention over everything ever written stays
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -418,6 +418,15 @@ class LayerStore:
         """Persistent repair: serve ``tokens`` (a slice or a boolean mask over physical slots) of (row b, KV
         head h) exact from now on. Returns the bytes written back; the witness becomes 0 (radius 0) there.
         """
+        writes = WriteBatch()
+        moved = self._make_exact(b, h, tokens, writes)
+        self._commit(writes)
+        return moved
+
+    def _make_exact(self, b: int, h: int, tokens: slice | torch.Tensor, writes: WriteBatch) -> int:
+        """:meth:`make_exact` with the witness writes recorded in ``writes`` (stored by its :meth:`_commit`; the
+        served entries and exact / held flags change now). Heads are independent: the witnesses of (b, h) are
+        computed from its own served entries only, so several heads' writes share one commit."""
         assert self.k is not None and self.v is not None
         moved = 0
         for ts in (self.k, self.v):
@@ -440,9 +449,7 @@ class LayerStore:
         }
         if self.k_steps is not None:
             wit["k_steps"] = 0.0
-        writes = WriteBatch()
         self._write_witnesses((b, h, tokens), wit, writes)
-        self._commit(writes)
         return moved
 
     # --------------------------------------------------------------------------------- device budget
@@ -455,9 +462,25 @@ class LayerStore:
         bytes are counted, and False is returned. After an eviction merged a dithered store's chunks the codes
         cannot be re-decoded for a later release, so repairs are then always transient under a budget.
         """
+        return self.persist_heads([(b, h)], [tokens])[0]
+
+    def persist_heads(self, heads: Sequence[tuple[int, int]], tokens: Sequence[slice | torch.Tensor]) -> list[bool]:
+        """:meth:`persist` of ``tokens[j]`` of each (row, KV head) ``heads[j]``, in order (each budget check sees
+        the entries the earlier ones kept), with the witness writes of every kept head stored by one commit (one
+        host sync instead of one per head). Returns the per-head :meth:`persist` results."""
+        if len(heads) != len(tokens):
+            raise ValueError(f"persist_heads: {len(heads)} heads but {len(tokens)} token selections")
+        writes = WriteBatch()
+        kept = [self._persist(b, h, t, writes) for (b, h), t in zip(heads, tokens, strict=True)]
+        if any(kept):
+            self._commit(writes)
+        return kept
+
+    def _persist(self, b: int, h: int, tokens: slice | torch.Tensor, writes: WriteBatch) -> bool:
+        """:meth:`persist` with the witness writes recorded in ``writes`` (see :meth:`_make_exact`)."""
         assert self.k is not None and self.v is not None
         if self.device_budget is None:
-            self.make_exact(b, h, tokens)
+            self._make_exact(b, h, tokens, writes)
             return True
         added = sum(
             int((~ts.exact.view()[b, h, tokens]).sum()) * ts.host.shape[-1] * EXACT_BYTES for ts in (self.k, self.v)
@@ -468,7 +491,7 @@ class LayerStore:
             self.transient_repairs += 1
             self.bytes_transient += n * (self.k.host.shape[-1] + self.v.host.shape[-1]) * self.k.host.dtype.itemsize
             return False
-        self.make_exact(b, h, tokens)
+        self._make_exact(b, h, tokens, writes)
         return True
 
     def held_heads(self) -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcert.bounds.rope import norm_up_f32
+from kvcert.cache.buffer import WriteBatch
 from kvcert.cache.store import LayerStore
 from kvcert.quant import get
 
@@ -165,3 +167,75 @@ def test_release_runs_on_write_until_under_budget():
 def test_budget_rejects_non_positive():
     with pytest.raises(ValueError, match="device_budget"):
         _store(budget=0.0)
+
+
+def _full_state(st: LayerStore) -> dict[str, torch.Tensor]:
+    """Every witness (log8: codes and bases too), served entry and exact / held flag, and the counters."""
+    state = _witness_state(st)
+    for name in ("k_band", "k_hat_norm", "v_res", "v_hat_norm", "v_dist"):
+        buf = getattr(st, name)
+        if hasattr(buf, "codes"):
+            state[name + ".codes"], state[name + ".base"] = buf.codes.view().clone(), buf.base.clone()
+    state["k_held"], state["v_held"] = st.k.held.view().clone(), st.v.held.view().clone()
+    for name in ("n_held", "transient_repairs", "bytes_transient"):
+        state[name] = torch.tensor(getattr(st, name))
+    return state
+
+
+def _make_exact_head_by_head(st: LayerStore, b: int, h: int, tokens) -> None:
+    """The reference: make_exact as it was before the witnesses of several heads shared one write, the served
+    entries and flags of (b, h) set, then its witnesses written at ``(b, h, tokens)`` and committed alone."""
+    for ts in (st.k, st.v):
+        ts.served.view()[b, h, tokens] = ts.host.view()[b, h, tokens].to(torch.float32)
+        newly = ~ts.exact.view()[b, h, tokens]
+        ts.held.view()[b, h, tokens] |= newly
+        st.n_held += int(newly.sum())
+        ts.exact.view()[b, h, tokens] = True
+    exact_v = st.v.served.view()[b, h, tokens]
+    wit = {
+        "k_band": 0.0,
+        "k_wit": 0.0,
+        "v_res": 0.0,
+        "k_hat_norm": norm_up_f32(st.k.served.view()[b, h, tokens]),
+        "v_hat_norm": norm_up_f32(exact_v),
+        "v_dist": norm_up_f32(exact_v.to(torch.float64) - st.v_centre[b, h]),
+    }
+    if st.k_steps is not None:
+        wit["k_steps"] = 0.0
+    writes = WriteBatch()
+    st._write_witnesses((b, h, tokens), wit, writes)
+    st._commit(writes)
+
+
+@pytest.mark.parametrize("witness", ["f32", "log8"])
+@pytest.mark.parametrize("budget", [None, 0.8])
+def test_persist_heads_is_persist_head_by_head(witness, budget):
+    """One witness write per buffer for several heads leaves every element, code, base and counter as the former
+    make_exact head by head (one commit each) does, and as persist head by head does (under a budget that binds
+    part way through: each check sees the heads kept before it)."""
+    heads = [(0, 1), (1, 0), (0, 2), (1, 2), (0, 0), (1, 1)]
+    masks = [torch.arange(65) % (j + 2) != 0 for j in range(len(heads))]
+
+    def build():
+        st = _store("int2", "int2", budget=budget, witness=witness)
+        st.append(*_kv(t=64), *_rows())
+        st.append(*_kv(t=1, seed=1), *_rows())
+        return st
+
+    one_by_one, batched, reference = build(), build(), build()
+    kept = [one_by_one.persist(b, h, m) for (b, h), m in zip(heads, masks, strict=True)]
+    assert batched.persist_heads(heads, masks) == kept
+    if budget is not None:
+        assert any(kept) and not all(kept)  # the budget binds part way through
+    for (b, h), m, k in zip(heads, masks, kept, strict=True):
+        if k:
+            _make_exact_head_by_head(reference, b, h, m)
+    reference.transient_repairs, reference.bytes_transient = one_by_one.transient_repairs, one_by_one.bytes_transient
+    want = _full_state(reference)
+    for st in (one_by_one, batched):
+        got = _full_state(st)
+        assert want.keys() == got.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+    with pytest.raises(ValueError, match="2 heads but 1"):
+        batched.persist_heads(heads[:2], masks[:1])

@@ -589,9 +589,8 @@ def _repair_heads(rd: _Read, ch: _Changes, dc: _Decision, cfg: ReadConfig, exact
         ch.p_served = torch.where(need.view(b, rd.hkv, 1, 1), rd.exact_probs(), ch.p_served)
     ch.bytes_paged += sum(map(sum, dc.need_rows)) * s * _kv_bytes(rd.store)
     if cfg.gate.persistent:  # kept within the store's device budget, else a transient page-in
-        for bi, row in enumerate(dc.need_rows):
-            for hi in (h for h, flag in enumerate(row) if flag):
-                rd.store.persist(bi, hi, slice(0, s))
+        pairs = [(bi, hi) for bi, row in enumerate(dc.need_rows) for hi, flag in enumerate(row) if flag]
+        rd.store.persist_heads(pairs, [slice(0, s)] * len(pairs))  # one commit for every head
 
 
 def _kv_bytes(store: LayerStore) -> int:

@@ -55,7 +55,7 @@ archive* in the host tier, so exact attention over everything ever written stays
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -418,6 +418,13 @@ class LayerStore:
         """Persistent repair: serve ``tokens`` (a slice or a boolean mask over physical slots) of (row b, KV
         head h) exact from now on. Returns the bytes written back; the witness becomes 0 (radius 0) there.
         """
+        moved = self._hold_exact(b, h, tokens)
+        self._write_exact_witnesses([(b, h, tokens)])
+        return moved
+
+    def _hold_exact(self, b: int, h: int, tokens: slice | torch.Tensor) -> int:
+        """The served entries and exact / held flags of :meth:`make_exact` (its witnesses not yet written: see
+        :meth:`_write_exact_witnesses`). Returns the bytes written back."""
         assert self.k is not None and self.v is not None
         moved = 0
         for ts in (self.k, self.v):
@@ -429,21 +436,32 @@ class LayerStore:
             ts.held.view()[b, h, tokens] |= newly
             self.n_held += int(newly.sum())
             ts.exact.view()[b, h, tokens] = True
-        exact_v = self.v.served.view()[b, h, tokens]
+        return moved
+
+    def _write_exact_witnesses(self, held: Sequence[tuple[int, int, slice | torch.Tensor]]) -> None:
+        """Store the witnesses of entries :meth:`_hold_exact` served exact, for every ``(row, KV head, tokens)`` of
+        ``held`` at once (one write per witness buffer at the union of their places, one commit: one host sync):
+        radius 0 (``k_band``, ``k_wit``, ``v_res``, ``k_steps``) and the norms of the served entries. Each value
+        depends only on its own token's served entries, so it is the one a write per head would store."""
+        assert self.k is not None and self.v is not None
+        sel = torch.zeros(self.k.exact.shape, dtype=torch.bool, device=self.k.exact.view().device)
+        for b, h, tokens in held:
+            sel[b, h, tokens] = True
+        exact_v = self.v.served.view()[sel]
+        centre = self.v_centre.expand(self.v.served.shape)[sel]
         wit: dict[str, torch.Tensor | float] = {
             "k_band": 0.0,
             "k_wit": 0.0,
             "v_res": 0.0,
-            "k_hat_norm": norm_up_f32(self.k.served.view()[b, h, tokens]),
+            "k_hat_norm": norm_up_f32(self.k.served.view()[sel]),
             "v_hat_norm": norm_up_f32(exact_v),
-            "v_dist": norm_up_f32(exact_v.to(torch.float64) - self.v_centre[b, h]),
+            "v_dist": norm_up_f32(exact_v.to(torch.float64) - centre),
         }
         if self.k_steps is not None:
             wit["k_steps"] = 0.0
         writes = WriteBatch()
-        self._write_witnesses((b, h, tokens), wit, writes)
+        self._write_witnesses((sel,), wit, writes)
         self._commit(writes)
-        return moved
 
     # --------------------------------------------------------------------------------- device budget
     def persist(self, b: int, h: int, tokens: slice | torch.Tensor) -> bool:
@@ -455,9 +473,26 @@ class LayerStore:
         bytes are counted, and False is returned. After an eviction merged a dithered store's chunks the codes
         cannot be re-decoded for a later release, so repairs are then always transient under a budget.
         """
+        return self.persist_heads([(b, h)], [tokens])[0]
+
+    def persist_heads(self, heads: Sequence[tuple[int, int]], tokens: Sequence[slice | torch.Tensor]) -> list[bool]:
+        """:meth:`persist` of ``tokens[j]`` of each (row, KV head) ``heads[j]``, in order (each budget check sees
+        the entries the earlier ones kept), with the witnesses of every kept head stored together
+        (:meth:`_write_exact_witnesses`: one host sync instead of one per head). Returns the per-head
+        :meth:`persist` results."""
+        if len(heads) != len(tokens):
+            raise ValueError(f"persist_heads: {len(heads)} heads but {len(tokens)} token selections")
+        kept = [self._persist(b, h, t) for (b, h), t in zip(heads, tokens, strict=True)]
+        held = [(b, h, t) for (b, h), t, k in zip(heads, tokens, kept, strict=True) if k]
+        if held:
+            self._write_exact_witnesses(held)
+        return kept
+
+    def _persist(self, b: int, h: int, tokens: slice | torch.Tensor) -> bool:
+        """:meth:`persist` but for the witnesses of a kept repair (:meth:`_hold_exact` only)."""
         assert self.k is not None and self.v is not None
         if self.device_budget is None:
-            self.make_exact(b, h, tokens)
+            self._hold_exact(b, h, tokens)
             return True
         added = sum(
             int((~ts.exact.view()[b, h, tokens]).sum()) * ts.host.shape[-1] * EXACT_BYTES for ts in (self.k, self.v)
@@ -468,7 +503,7 @@ class LayerStore:
             self.transient_repairs += 1
             self.bytes_transient += n * (self.k.host.shape[-1] + self.v.host.shape[-1]) * self.k.host.dtype.itemsize
             return False
-        self.make_exact(b, h, tokens)
+        self._hold_exact(b, h, tokens)
         return True
 
     def held_heads(self) -> torch.Tensor:

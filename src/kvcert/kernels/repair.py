@@ -95,8 +95,7 @@ def repair_blocks(
             break
         k = torch.where(done, k, 2 * k)
     if gate.persistent:  # kept within the store's device budget, else a transient page-in
-        for j, (b, h) in enumerate(pairs):
-            store.persist(b, h, tok[j])
+        store.persist_heads(pairs, tok.unbind(0))  # one commit for every head
     out = pm.to(torch.float32) @ torch.where(tok.unsqueeze(-1), hv, vhat)
     v_res = torch.where(tok, 0.0, vres)
     return BlockRepairs(heads, out, cert, raw, pm, v_res, tok, k.clamp(max=nb))

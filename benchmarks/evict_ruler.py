@@ -207,16 +207,19 @@ def recall_cost(rows: list[dict[str, Any]]) -> list[str]:
     bytes per decode step (recall + resident entries read exact + dense fallback), both counted at fp16 (2 bytes
     per K/V entry, whatever the host tier's dtype) over the fp16 K/V bytes of the whole context (every written
     token, resident or omitted); device capacity = that fp16 K/V / the device bytes at the end (resident codes,
-    summaries, held pages). The recalled bytes split into keys and values (mean per step; key-first recall pages in
-    the values of only some of the pages whose keys it reads), the rest of the page-in into resident entries read
-    exact and dense fallbacks (mean per step); rows written before a split show "–" there."""
+    summaries, held pages), its mean and its range over the samples, and the device bytes less the held pages over
+    that fp16 K/V (what persistent recall cannot hand back: above ``--device-budget`` the budget cannot bind). The
+    recalled bytes split into keys and values (mean per step; key-first recall pages in the values of only some of
+    the pages whose keys it reads), the rest of the page-in into resident entries read exact and dense fallbacks
+    (mean per step); rows written before a split show "–" there."""
     names = sorted({k for r in rows for k in r.get("recall", {}) if "recalled" in r["recall"][k]})
     if not names:
         return []
     lines = [
         "| recall-gated config | recalled / step / fp16 KV of the context (mean, max) | of which keys, values (mean) "
-        "| all page-in / step (mean, max) | of which exact resident, dense (mean) | device capacity (mean) |",
-        "|---|---|---|---|---|---|",
+        "| all page-in / step (mean, max) | of which exact resident, dense (mean) "
+        "| device capacity (mean; min–max over the samples) | device without held pages / fp16 KV (mean, max) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for key in names:
         got = [c for r in rows if (c := r.get("recall", {}).get(key))]
@@ -227,9 +230,14 @@ def recall_cost(rows: list[dict[str, Any]]) -> list[str]:
             _per_step(got, [f"recalled_{p}" for p in PARTS]),
             _per_step(got, ["exact", "dense"]),
         )
+        fixed = "–"
+        if all("held" in c for c in got):
+            base = [(c["device"] - c["held"]) / c["fp16"] for c in got]
+            fixed = f"{sum(base) / len(base):.4f}, {max(base):.4f}"
         lines.append(
             f"| {key} | {sum(rec) / len(rec):.3f}, {max(rec):.3f} | {split} "
-            f"| {sum(paged) / len(paged):.3f}, {max(paged):.3f} | {rest} | {sum(cap) / len(cap):.2f}x |"
+            f"| {sum(paged) / len(paged):.3f}, {max(paged):.3f} | {rest} "
+            f"| {sum(cap) / len(cap):.2f}x ({min(cap):.2f}–{max(cap):.2f}) | {fixed} |"
         )
     return lines
 

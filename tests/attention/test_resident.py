@@ -71,10 +71,10 @@ def _tau_zero_identical(model, codec: str, policy: str, summary: str) -> Telemet
 
 @pytest.mark.parametrize(("summary", "tail_bits"), [("basis8", 4), ("basis8-t2", 2)])
 def test_basis_summary_bytes_are_its_stored_tensors(models, summary, tail_bits):
-    """``bytes_summary`` of a ``basis8`` / ``basis8-t2`` resident set: per (layer, KV head) the float32 head basis
-    ``D×8`` and float16 tail basis ``D×(D − 8)``, per omitted token 8 int8 + ``D − 8`` packed int4 (2-bit) codes and
-    five bfloat16 numbers, plus the three float32 value / key norm bounds — and it matches the stored tensors byte
-    for byte."""
+    """``bytes_summary`` of a ``basis8`` / ``basis8-t2`` resident set: per (layer, KV head) the head basis ``D×8``
+    and tail basis ``D×(D − 8)`` (float32 / float16; float16 / float8 e4m3 with the 2-bit tail), per omitted token
+    8 int8 + ``D − 8`` packed int4 (2-bit) codes and five bfloat16 numbers, plus the three float32 value / key norm
+    bounds — and it matches the stored tensors byte for byte."""
     model = models["llama"]
     cfg = model.config
     hkv, d = cfg.num_key_value_heads, 32
@@ -88,7 +88,8 @@ def test_basis_summary_bytes_are_its_stored_tensors(models, summary, tail_bits):
         tel = cache.telemetry()
         omitted = PROMPT - (PROMPT - math.floor(0.75 * PROMPT + 1e-9))
         tail = (d - 8) * tail_bits // 8
-        per_layer = hkv * (d * 8 * 4 + d * (d - 8) * 2 + omitted * (8 + tail + 5 * 2)) + 3 * hkv * 4
+        head, tail_entry = (4, 2) if tail_bits == 4 else (2, 1)  # float32 / float16 or float16 / float8 bases
+        per_layer = hkv * (d * 8 * head + d * (d - 8) * tail_entry + omitted * (8 + tail + 5 * 2)) + 3 * hkv * 4
         assert tel.bytes_summary == cfg.num_hidden_layers * per_layer
         sketches = [p.sketch for p in cache._pages.values()]
         assert all(sk.tail_bits == tail_bits for sk in sketches)

@@ -392,8 +392,9 @@ class BasisSketch:
     """Per-token sketch of keys ``[..., N, D]`` in a stored basis split into a head ``A`` (``r`` vectors, int8
     coefficients) and a tail ``B`` (int4 or 2-bit coefficients of what ``A`` leaves): ``k_t ≈ A·â_t + B·b̂_t``.
 
-    ``basis`` ``A`` float32 ``[..., D, r]`` and ``tail`` ``B`` float16 ``[..., D, D − r]`` (one pair per leading
-    index, e.g. per (row, KV head); any matrices: no bound relies on orthonormality). ``codes`` int8
+    ``basis`` ``A`` ``[..., D, r]`` and ``tail`` ``B`` ``[..., D, D − r]`` (one pair per leading index, e.g. per
+    (row, KV head); any matrices: no bound relies on orthonormality), stored at :data:`BASES_DTYPES` of
+    ``tail_bits``: float32 / float16 with the int4 tail, float16 / float8 e4m3 with the 2-bit tail. ``codes`` int8
     ``[..., N, r]`` with ``â_t = scale_t·codes_t``; ``tail_codes`` uint8 with ``b̂_t = tail_scale_t·c_t`` and
     ``tail_bits`` (:data:`TAIL_BITS`) saying how the codes ``c`` are packed: 4 — ``[..., N, ⌈(D − r)/2⌉]``, two
     codes ``c + 8``, ``c ∈ [−7, 7]``, per byte; 2 — ``[..., N, ⌈(D − r)/4⌉]``, four codes ``(c + 3)/2``,
@@ -445,6 +446,12 @@ class BasisSketch:
 
 # tail code widths of :func:`basis_sketch_in`: 4 — symmetric integers ``[−7, 7]``; 2 — odd integers ``{−3, −1, 1, 3}``
 TAIL_BITS: tuple[int, ...] = (4, 2)
+# storage dtypes of the bases ``(A, B)`` per tail width: the 2-bit tail's coding error (about 0.4 of ``‖k⊥‖``) dwarfs
+# the bases' rounding, so it stores them coarser (half the bytes per (row, KV head)); any stored pair is sound
+BASES_DTYPES: dict[int, tuple[torch.dtype, torch.dtype]] = {
+    4: (torch.float32, torch.float16),
+    2: (torch.float16, torch.float8_e4m3fn),
+}
 
 
 def _pack(fields: torch.Tensor, bits: int) -> torch.Tensor:
@@ -540,20 +547,26 @@ def _odd2_codes(x: torch.Tensor, iterations: int = 4) -> tuple[torch.Tensor, tor
     return nearest(scale.to(F64)).to(torch.int64), scale
 
 
-def _check_bases(keys: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stored head (float32) and tail (float16) bases; ``ValueError`` unless finite ``[..., D, ·]`` fitting
-    ``keys``."""
-    stored, stored_tail = basis.to(torch.float32), tail.to(torch.float16)
+def _check_bases(
+    keys: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor, tail_bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored head and tail bases (dtypes :data:`BASES_DTYPES` of ``tail_bits``); ``ValueError`` unless finite
+    ``[..., D, ·]`` fitting ``keys`` before and after the rounding to storage (a float16 overflow is refused)."""
+    _finite(basis, "basis")
+    _finite(tail, "tail")
+    head_dtype, tail_dtype = BASES_DTYPES[tail_bits]
+    stored, stored_tail = basis.to(head_dtype), tail.to(tail_dtype)
     for name, m in (("basis", stored), ("tail", stored_tail)):
-        _finite(m, name)
+        _finite(m.to(torch.float32), name)
         if m.dim() != keys.dim() or m.shape[:-2] != keys.shape[:-2] or m.shape[-2] != keys.shape[-1]:
             raise ValueError(f"{name} must be [..., D, ·] for keys {tuple(keys.shape)}, got {tuple(m.shape)}")
     return stored, stored_tail
 
 
 def basis_sketch_in(keys: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor, tail_bits: int = 4) -> BasisSketch:
-    """Sketch ``keys[..., N, D]`` in a head ``basis[..., D, r]`` (stored float32) and a ``tail[..., D, m]`` (stored
-    float16); any finite matrices, orthonormal or not.
+    """Sketch ``keys[..., N, D]`` in a head ``basis[..., D, r]`` and a ``tail[..., D, m]``, stored at the dtypes
+    :data:`BASES_DTYPES` gives ``tail_bits`` (int4 tail: float32 / float16; 2-bit tail: float16 / float8 e4m3); any
+    finite matrices, orthonormal or not.
 
     Contract (``docs/math.md#basis-sketch``), for the *stored* ``A``, ``B`` and every token:
     ``coef_err_t ≥ ‖Aᵀk_t − â_t‖ + δ·‖Aᵀk_t‖`` with ``δ ≥ ‖I − AᵀA‖_F``, ``perp_err_t ≥ ‖k_t − AAᵀk_t − B·b̂_t‖``,
@@ -570,8 +583,8 @@ def basis_sketch_in(keys: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor,
     """
     _check_tail_bits(tail_bits)
     _check_keys(keys)
-    a32, b16 = _check_bases(keys, basis, tail)
-    x, a, b = keys.to(F64), a32.to(F64), b16.to(F64)
+    a_stored, b_stored = _check_bases(keys, basis, tail, tail_bits)
+    x, a, b = keys.to(F64), a_stored.to(F64), b_stored.to(F64)
     d, r = a.shape[-2:]
     inflate = 1.0 + (d + r + 8) * _U64
     f_up = _frob_up(a)
@@ -593,8 +606,8 @@ def basis_sketch_in(keys: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor,
     room = (d + 16) * 2.0**-52 * (perp_n + g_up * bhat.norm(dim=-1) * inflate)
     perp_err = (perp - rebuilt).norm(dim=-1) * inflate + slack + room
     return BasisSketch(
-        a32,
-        b16,
+        a_stored,
+        b_stored,
         codes.to(torch.int8),
         _pack(tail_codes + 8 if tail_bits == 4 else (tail_codes + 3) // 2, tail_bits),
         scale,

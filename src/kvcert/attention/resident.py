@@ -13,8 +13,10 @@ the bound, and its values are paged in — served exact, with their float32 roun
 be served for every cell to be ``≤ τ``. Recalled pages (those whose values were paged in) stay on
 the device as 16-bit copies within the device budget (persistent recall, :mod:`kvcert.cache.recall`; later reads serve
 them from the copies, with the copies' rounding radius on keys and values) or serve one read
-(``recall="transient"``). When the resident codes alone exceed ``τ``, or every page recalled over them still leaves
-a cell above it, the head's resident entries are read exact from the host tier and pages recalled on top; if even
+(``recall="transient"``). When the resident codes alone exceed ``τ``, the resident blocks with the largest meter
+contribution are read exact from the host tier (1, 2, 4, ... blocks of ``gate.block_size``, then all) and pages
+recalled on top until every cell is ``≤ τ``; when every page recalled over the codes still leaves a cell above it,
+all resident entries are read exact and pages recalled on top; if even
 that leaves a cell above ``τ`` (or a cell cannot be certified) the head is served by the exact attention over every
 token, in position order (``τ = 0``: the dense answer).
 """
@@ -36,7 +38,7 @@ from kvcert.attention.certified import (
     probs64,
     ungroup_heads,
 )
-from kvcert.attention.key_recall import OmittedView, first_certifying, grow_recall
+from kvcert.attention.key_recall import OmittedView, first_certifying, grow_recall, page_tokens
 from kvcert.bounds.pages import (
     BasisSketch,
     KeySketch,
@@ -53,6 +55,7 @@ from kvcert.bounds.pages import (
 )
 from kvcert.bounds.rc import gamma_f32
 from kvcert.bounds.rope import norm_up_f32
+from kvcert.bounds.softmax_tv import served_meter
 from kvcert.cache.gate import Gate
 from kvcert.cache.recall import HeldPages, RecallPool
 from kvcert.cache.store import LayerStore
@@ -256,7 +259,7 @@ class ResidentRecord:
     head_pages: torch.Tensor | None = None  # [B, Hkv] pages recalled (keys at least) per KV head at this read
     head_dense: torch.Tensor | None = None  # [B, Hkv] KV heads served by exact attention over every token
     bytes_dense: int = 0  # page-in bytes of those dense reads
-    bytes_exact: int = 0  # page-in bytes of resident entries read exact (their codes alone exceeded tau)
+    bytes_exact: int = 0  # page-in bytes of the resident entries read exact (the blocks the served try read)
     queries: int = 0  # query positions of the read (1 at a decode step)
 
     def reading(self, name: str) -> torch.Tensor | None:
@@ -289,16 +292,61 @@ def _page_counts(mask_o: torch.Tensor, page_size: int, pages: int) -> torch.Tens
     return torch.nn.functional.pad(mask_o, (0, pad)).reshape(*mask_o.shape[:-1], pages, page_size).sum(-1)
 
 
+def _exact_blocks(p: torch.Tensor, c: torch.Tensor, block: int) -> torch.Tensor:
+    """Resident blocks of ``block`` consecutive slots, ordered by their largest contribution
+    ``Σ_{t∈b} p̃_t(e^{c_t} − 1)`` to the meter over the head's cells (``p[M, S_R]`` served, ``c[M, S_R]`` radii, 0 where
+    invisible), descending: the order in which a head whose codes alone exceed ``τ`` reads its blocks exact."""
+    s_r = p.shape[-1]
+    n = -(-s_r // block)
+    part = torch.nn.functional.pad(p * torch.expm1(c), (0, n * block - s_r))
+    return torch.argsort(part.view(p.shape[0], n, block).sum(-1).amax(0), descending=True, stable=True)
+
+
+def _exact_counts(n_blocks: int) -> list[int]:
+    """Block counts a codes-above-``τ`` head tries reading exact: 1, 2, 4, ... then every block."""
+    counts, k = [], 1
+    while k < n_blocks:
+        counts.append(k)
+        k *= 2
+    return [*counts, n_blocks]
+
+
+@dataclass(frozen=True)
+class _ResidentServed:
+    """What one KV head serves over its resident slots: logits ``logits[M, S_R]``, radii ``radius[M, S_R]``, values
+    ``values[S_R, Dv]`` (float32), value radii ``value_radius[S_R]`` and the number of slots read exact ``n_exact``."""
+
+    logits: torch.Tensor
+    radius: torch.Tensor
+    values: torch.Tensor
+    value_radius: torch.Tensor
+    n_exact: int
+
+
 def _exact_resident(
-    ov: OmittedView, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, bi: int, hi: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logits, radii and values of KV head ``(bi, hi)``'s resident entries read exact from the host tier
-    (``keys`` / ``values`` ``[S_R, ·]``, visibility ``mask[M, S_R]``): served in float32, so the radius is the float32
-    rounding, as a recalled token's."""
-    kr = keys.to(ov.qg.device, torch.float32)
-    logits = torch.matmul(ov.qg[bi, hi] * ov.scaling, kr.T).masked_fill(~mask, float("-inf"))
-    radius = torch.where(mask, ov.rate[bi, hi] * 2.0 * norm_up_f32(kr).to(F64), 0.0)
-    return logits, radius, values.to(ov.qg.device, torch.float32)
+    ov: OmittedView,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    bi: int,
+    hi: int,
+    slots: torch.Tensor,
+    served: _ResidentServed,
+) -> _ResidentServed:
+    """``served`` (KV head ``(bi, hi)``'s resident codes) with the resident ``slots`` read exact from the host tier
+    (``keys`` / ``values`` ``[S_R, ·]``, visibility ``mask[M, S_R]``): those slots' logits are computed from the exact
+    keys in float32, so their radius is the float32 rounding ``2·rate·‖k_t‖`` (as a recalled token's), and their values
+    are served exact (value radius 0); every other slot keeps its code's logit, radius and value."""
+    dev = ov.qg.device
+    kr = keys[slots.to(keys.device)].to(dev, torch.float32)
+    vis = mask[:, slots]
+    logits, radius = served.logits.clone(), served.radius.clone()
+    vals, v_rad = served.values.clone(), served.value_radius.clone()
+    logits[:, slots] = torch.matmul(ov.qg[bi, hi] * ov.scaling, kr.T).masked_fill(~vis, float("-inf"))
+    radius[:, slots] = torch.where(vis, ov.rate[bi, hi] * 2.0 * norm_up_f32(kr).to(F64), 0.0)
+    vals[slots] = values[slots.to(values.device)].to(dev, torch.float32)
+    v_rad[slots] = 0.0
+    return _ResidentServed(logits, radius, vals, v_rad, served.n_exact + slots.numel())
 
 
 def _dense_fallback(
@@ -407,6 +455,8 @@ def resident_read(
     qnorm = scaling * norm_up_f32(qg).to(F64).unsqueeze(-1)  # [B, Hkv, M, 1] ≥ sc·‖q‖
     ctx = OmittedView(qg, rate, qnorm, scaling, ev_k, ev_v, m_o, u, counts, ps, gate.threshold, held)
     vmax_recalled = torch.zeros(b, hkv, 1, dtype=F64, device=dev)  # ≥ ‖ṽ_t‖ of the recalled tokens as served
+    bs = gate.block_size
+    n_blk = -(-s_r // bs)  # resident blocks a head can read exact
     bytes_exact = 0  # resident entries read exact from the host tier (their codes could not be certified)
     # tokens whose keys / values were paged in by recall: read back once, after the loop
     paged_tokens = torch.zeros(2, dtype=torch.int64, device=dev)
@@ -428,23 +478,37 @@ def resident_read(
         order = torch.argsort(wh.amax(0), descending=True, stable=True)
         first = torch.argsort(held_mask[bi, hi, order].to(torch.int8), descending=True, stable=True)
         order = order[first]  # held pages first (on the device), each part by its largest page weight
-        # the resident codes alone above tau: recall cannot help, read the resident entries exact (host tier)
-        exact = need_head and codes_above
-        for exact_res in (exact,) if exact else (False, True):
+        codes = _ResidentServed(
+            logits[bi, hi],
+            torch.where(m[bi, hi], sv.c[bi, hi], 0.0),
+            store.v.served.view()[bi, hi].to(torch.float32),
+            store.v_res.view()[bi, hi].to(F64),
+            0,
+        )
+        # the resident codes alone above tau: recall cannot help; read exact the resident blocks with the largest
+        # contribution to the meter, doubling them until the certificate with recall on top is <= tau (all blocks
+        # exact and still above: dense). Otherwise the codes first, then every resident entry exact.
+        doubling = bool(need_head and codes_above)
+        blk = _exact_blocks(sv.p64[bi, hi], codes.radius, bs) if doubling else torch.arange(n_blk, device=dev)
+        tries = _exact_counts(n_blk) if doubling else [0, n_blk]
+        for n_exact in tries:
+            res = codes
+            if n_exact:
+                slots = page_tokens(blk[:n_exact], bs)
+                res = _exact_resident(ctx, host_k[bi, hi], host_v[bi, hi], m[bi, hi], bi, hi, slots[slots < s_r], codes)
             k = held_pages
             if need_head:
+                meter0 = served_meter(probs64(res.logits), res.radius)[0] if n_exact else sv.cert[bi, hi]
                 cum = wh[:, order].cumsum(-1)
                 rest_u = (oc.u[bi, hi].unsqueeze(-1) - cum).clamp(min=0.0)
-                meter0 = 0.0 if exact_res else sv.cert[bi, hi].unsqueeze(-1)
-                predicted = (rest_u / (oc.b[bi, hi].unsqueeze(-1) + rest_u) + meter0 <= gate.threshold).all(0)
+                predicted = (
+                    rest_u / (oc.b[bi, hi].unsqueeze(-1) + rest_u) + meter0.unsqueeze(-1) <= gate.threshold
+                ).all(0)
+                if doubling and n_exact != tries[-1] and not bool(predicted.any()):
+                    continue  # not predicted to certify with any recall: read more blocks exact first
                 # the first page count predicted to certify, else every page: one sync
                 k = max(k, first_certifying(predicted, n_pages))
-            if exact_res:
-                l_res, c_res, v_res = _exact_resident(ctx, host_k[bi, hi], host_v[bi, hi], m[bi, hi], bi, hi)
-            else:
-                l_res, c_res = logits[bi, hi], torch.where(m[bi, hi], sv.c[bi, hi], 0.0)
-                v_res = store.v.served.view()[bi, hi]
-            r = grow_recall(ctx, bi, hi, order, k, held_pages, l_res, c_res)
+            r = grow_recall(ctx, bi, hi, order, k, held_pages, res.logits, res.radius)
             paged_tokens[0] += _tokens(r.keyed, ps, s_o)  # a try that does not certify paged its keys in too
             blocks[bi, hi] += r.keyed.numel()
             n_recalled += r.keyed.numel()
@@ -454,16 +518,13 @@ def resident_read(
             dense[bi, hi] = True
             dense_heads.append(hi)
             continue
+        bytes_exact += res.n_exact * (dk + dv) * elt  # the resident entries read exact (tries nest: the last's)
         p_all, tok = r.p, r.tok
-        out[bi, hi] = p_all.to(torch.float32) @ torch.cat([v_res, r.values], 0)
+        out[bi, hi] = p_all.to(torch.float32) @ torch.cat([res.values, r.values], 0)
         cert[bi, hi] = r.oc.certificate
         held_term = p_all[:, s_r:] @ r.value_radius  # held tokens: their 16-bit copies' value rounding
         vmax_recalled[bi, hi] = norm_up_f32(r.values).to(F64).amax(-1, keepdim=True) if tok.numel() else 0.0
-        if exact_res:
-            value_term[bi, hi] = held_term
-            bytes_exact += s_r * (dk + dv) * elt
-        else:
-            value_term[bi, hi] = p_all[:, :s_r] @ store.v_res.view()[bi, hi].to(F64) + held_term
+        value_term[bi, hi] = p_all[:, :s_r] @ res.value_radius + held_term
         paged_tokens[1] += _tokens(r.pages[held_pages:], ps, s_o)  # the pages whose values were paged in
         mass_post[bi, hi] = r.oc.mass
         if held is not None:  # page masses of this read (worst cell) decide what stays on the device

@@ -4,6 +4,7 @@ and :class:`LogBuffer` (non-negative witnesses stored as 8-bit logarithmic codes
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -91,9 +92,9 @@ class GrowBuffer:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the live prefix (not the reserved capacity)."""
-        v = self.view()
-        return v.numel() * v.element_size()
+        """Bytes of the live prefix (not the reserved capacity), from :attr:`shape` (no view is built: the
+        device-budget checks read it at every write)."""
+        return math.prod(self.shape) * self._data.element_size()
 
     def write(self, index: TokenIndex, values: torch.Tensor | float) -> None:
         """``view()[index] = values``."""

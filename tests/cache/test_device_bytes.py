@@ -92,6 +92,7 @@ def test_bytes_device_is_the_sum_of_the_stored_tensors(keys, values, witness):
     st.append(*_kv(t=3, seed=2), *_rows())
     st.drop_before(20)  # sliding trim frees whole chunks
     assert st.bytes_device() == walk_device_bytes(st)
+    assert st.bytes_fp16() == (st.k.host.view().numel() + st.v.host.view().numel()) * 2 > 0
     assert st.n_held == sum(int(ts.held.view().sum()) for ts in (st.k, st.v)) > 0
 
 

@@ -341,3 +341,67 @@ def test_fused_cpu_writes_store_what_the_tensor_path_stores(monkeypatch):
     assert all(
         all(torch.equal(a, b) for a, b in zip(s, t, strict=True)) for s, t in zip(tensor_path, fused, strict=True)
     )
+
+
+@pytest.mark.parametrize(("path", "rounds"), [("numba", 2), ("torch", 2), ("torch", 0)])
+def test_scalar_zero_writes_store_what_the_generic_plan_stores(monkeypatch, path, rounds):
+    """``WriteBatch.write`` of a Python zero (``0.0``, ``0``, ``-0.0``; planned directly) stores bit for bit what
+    the same write of a zero *tensor* (the generic exponent-search plan) stores: codes, bases, decoded values (as
+    float32 bits) and rebase counts, after every step, at whole-head slices, one head's boolean mask and a
+    ``[B, H, T]`` mask, with bases unset, set and raised earlier in the same batch; on the fused CPU plan, the
+    tensor path and (``SETTLE_ROUNDS = 0``) the tensor path's replan of every write in the batch. The zero writes
+    never reach the generic planners."""
+    monkeypatch.setenv(logcode_numba.ENV, path)
+
+    def run(zero: bool) -> list[tuple[torch.Tensor, ...]]:
+        gen = torch.Generator().manual_seed(41)
+        bufs = [LogBuffer(torch.zeros(2, 3, 0, 4)), LogBuffer(torch.zeros(2, 3, 0))]
+        x = logcode.dec(torch.randint(-60, 60, (2, 3, 6, 4), generator=gen, dtype=torch.int32)).to(torch.float64)
+        x[0, 1] = 0.0  # a head that has only seen zeros keeps no base
+        bufs[0].append(x)
+        bufs[1].append(x.sum(-1))
+        mask = torch.rand(2, 3, 6, generator=gen) < 0.5
+        places: list[TokenIndex] = [
+            (slice(None), slice(None), slice(1, 3)),
+            (1, 2, torch.arange(6) % 2 == 0),
+            (mask,),
+            (0, 1, slice(0, 6)),
+        ]
+        monkeypatch.setattr(logcode, "SETTLE_ROUNDS", rounds)
+        states = []
+        for step, where in enumerate(places):
+            for buf in bufs:
+                writes = WriteBatch()
+                if step % 2:  # a rising write to the same buffer first: the zero is planned against its bases
+                    rise = buf.codes.view()[0, 0, 4:6]
+                    writes.write(buf, (0, 0, slice(4, 6)), torch.full(rise.shape, 1e9, dtype=torch.float64))
+                if zero:
+                    with monkeypatch.context() as m:  # planned directly: no exponent search, no generic plan
+                        m.setattr(LogBuffer, "_plan", _refuse)
+                        m.setattr(LogBuffer, "_plan_fused", _refuse)
+                        writes.write(buf, where, (0.0, 0, -0.0)[step % 3])
+                else:
+                    writes.write(buf, where, torch.zeros(buf.codes.view()[where].shape))
+                writes.commit()
+                states.append(
+                    (buf.codes.view().clone(), buf.base.clone(), buf.view().view(torch.int32).clone())
+                    + (torch.tensor(buf.rebases),)
+                )
+        assert bufs[0].rebases and (bufs[0].base[0, 1] == logcode.UNSET)
+        return states
+
+    direct, generic = run(True), run(False)
+    assert all(all(torch.equal(a, b) for a, b in zip(s, t, strict=True)) for s, t in zip(direct, generic, strict=True))
+
+
+def _refuse(*args: object) -> None:
+    raise AssertionError("a scalar zero went through the generic plan")
+
+
+def test_a_scalar_zero_write_after_an_append_is_refused():
+    """The direct zero plan keeps the batch's rule: no write to a buffer after an append to it, before a commit."""
+    buf = LogBuffer(torch.zeros(2, 3, 0))
+    writes = WriteBatch()
+    writes.append_zeros(buf, (2, 3, 2))
+    with pytest.raises(ValueError, match="write after an append"):
+        writes.write(buf, (slice(None),) * 3, 0.0)

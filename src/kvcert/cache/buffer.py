@@ -4,6 +4,7 @@ and :class:`LogBuffer` (non-negative witnesses stored as 8-bit logarithmic codes
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -91,9 +92,9 @@ class GrowBuffer:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the live prefix (not the reserved capacity)."""
-        v = self.view()
-        return v.numel() * v.element_size()
+        """Bytes of the live prefix (not the reserved capacity), from :attr:`shape` (no view is built: the
+        device-budget checks read it at every write)."""
+        return math.prod(self.shape) * self._data.element_size()
 
     def write(self, index: TokenIndex, values: torch.Tensor | float) -> None:
         """``view()[index] = values``."""
@@ -205,15 +206,16 @@ class LogBuffer:
         summary = torch.tensor([0, p.rebased], dtype=torch.int64, device=dev)
         return _Planned(self, index, x, p.n, p.base, p.shift, p.codes, summary, p.decoded)
 
-    def _plan_zeros(self, shape: tuple[int, ...], base: torch.Tensor) -> _Planned:
-        """:meth:`_plan` of appending zeros of ``shape``, built directly: a zero is code 0 against any base and sets
-        no exponent, so the bases stay, nothing can fail a check, and no exponent is searched."""
+    def _plan_zeros(self, shape: tuple[int, ...], index: TokenIndex | None, base: torch.Tensor) -> _Planned:
+        """:meth:`_plan` of writing zeros of ``shape`` at ``index`` (``None``: appended), built directly: a zero is
+        code 0 against any base (which decodes to 0) and sets no exponent, so the bases stay, nothing can fail a
+        check, and no exponent is searched (``n`` is ``MIN_N``, what the search gives a zero)."""
         dev = base.device
-        x = torch.zeros(shape, dtype=torch.float32, device=dev)
-        n = torch.full(shape, logcode.MIN_N, dtype=torch.int32, device=dev)
-        codes = torch.zeros(shape, dtype=torch.uint8, device=dev)
+        x = torch.zeros((), dtype=torch.float32, device=dev).expand(shape)
+        n = torch.full((), logcode.MIN_N, dtype=torch.int32, device=dev).expand(shape)
+        codes = torch.zeros((), dtype=torch.uint8, device=dev).expand(shape)
         summary = torch.zeros(2, dtype=torch.int64, device=dev)
-        return _Planned(self, None, x, n, base, torch.zeros_like(base), codes, summary, x)  # code 0 decodes to 0
+        return _Planned(self, index, x, n, base, torch.zeros_like(base), codes, summary, x)
 
     def _store(self, p: _Planned, rebased: int) -> None:
         """Store the checked plan ``p`` (this buffer's next write, ``rebased``: how many of its bases rise)."""
@@ -304,13 +306,17 @@ class WriteBatch:
         )
 
     def write(self, buffer: GrowBuffer | LogBuffer, index: TokenIndex, values: torch.Tensor | float) -> None:
-        """Record ``buffer.view()[index] = values`` (for a :class:`LogBuffer`: non-negative, stored upwards)."""
+        """Record ``buffer.view()[index] = values`` (for a :class:`LogBuffer`: non-negative, stored upwards; a
+        Python scalar zero is planned directly, as :meth:`append_zeros`, with the same codes, bases and values)."""
         if isinstance(buffer, GrowBuffer):
             self.then(partial(buffer.write, index, values))
             return
         if any(isinstance(p, _Planned) and p.buffer is buffer and p.index is None for p in self._ops):
             raise ValueError("a write after an append to the same buffer needs a commit in between")
         target = buffer.codes.view()[index]
+        if isinstance(values, int | float) and values == 0:  # a literal zero (as a repair's radius): no search
+            self._ops.append(buffer._plan_zeros(target.shape, index, self._base(buffer)))
+            return
         x = torch.as_tensor(values, device=target.device)
         x = torch.broadcast_to(x if x.is_floating_point() else x.to(torch.float64), target.shape)  # no rounding
         with deferred(self._checks):
@@ -349,7 +355,7 @@ class WriteBatch:
         if isinstance(buffer, GrowBuffer):
             self.then(partial(buffer.append, buffer.view().new_zeros(shape)))
             return
-        self._ops.append(buffer._plan_zeros(shape, self._base(buffer)))
+        self._ops.append(buffer._plan_zeros(shape, None, self._base(buffer)))
 
     def then(self, change: Callable[[], object]) -> None:
         """Record a state change to run at the commit, in order, once every check has passed."""

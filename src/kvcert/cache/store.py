@@ -638,7 +638,7 @@ class LayerStore:
         if self.k is None:
             return 0
         assert self.v is not None
-        return (self.k.host.view().numel() + self.v.host.view().numel()) * 2
+        return (math.prod(self.k.host.shape) + math.prod(self.v.host.shape)) * 2
 
     def bytes_witness(self) -> int:
         """Write-time witness bytes: the stored witness buffers (:data:`STORED_WITNESSES`; in ``"f32"`` also

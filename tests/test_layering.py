@@ -49,6 +49,8 @@ LAZY_OK: dict[str, str] = {
     "imports vLLM's registry only once KVCERT_VLLM=1 asks for the backend",
     "kvcert.kernels.triton_read": "imports triton at its top (optional GPU dependency): loaded only when the Triton "
     "backend serves a read",
+    "kvcert.quant.logcode_numba": "imports numba at its top: loaded on the first fused log8 write, never with the "
+    "cache package, which the vLLM plugin imports in every vLLM process (kvcert.quant.kernel_env)",
 }
 
 

@@ -10,7 +10,7 @@ import torch
 from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex, WriteBatch
 from kvcert.cache.store import STORED_WITNESSES, LayerStore, band_sum_up
 from kvcert.checks import deferred, fail_if
-from kvcert.quant import get, logcode, logcode_numba
+from kvcert.quant import get, kernel_env, logcode
 
 
 def test_log_buffer_append_write_rebase_gather_trim():
@@ -97,7 +97,7 @@ def test_log_buffer_write_is_the_same_through_the_exact_search(monkeypatch):
     """A write whose exponents the device-side rounds did not settle falls back to the exact search and stores
     what a settled write stores (codes, bases, decoded values); a negative witness is refused before anything is
     stored."""
-    monkeypatch.setenv(logcode_numba.ENV, "torch")  # the tensor path: the fused CPU plan searches exactly
+    monkeypatch.setenv(kernel_env.ENV, "torch")  # the tensor path: the fused CPU plan searches exactly
     gen = torch.Generator().manual_seed(4)
     n = torch.randint(-60, 60, (2, 3, 5, 4), generator=gen, dtype=torch.int32)
     x = logcode.dec(n).to(torch.float64)  # codes' own values: the float64 log2 guess is one code too high
@@ -225,7 +225,7 @@ def test_write_batch_counts_and_refuses_a_write_after_an_append():
 def test_write_batch_fallback_matches_per_buffer_writes(monkeypatch):
     """Batched writes whose exponents the device-side rounds did not settle (codes' own values: the float64 log2
     guess is one code off) take the exact search and store what settled per-buffer writes store."""
-    monkeypatch.setenv(logcode_numba.ENV, "torch")  # the tensor path: the fused CPU plan searches exactly
+    monkeypatch.setenv(kernel_env.ENV, "torch")  # the tensor path: the fused CPU plan searches exactly
     gen = torch.Generator().manual_seed(10)
     values = [
         logcode.dec(torch.randint(-60, 60, shape, generator=gen, dtype=torch.int32)).to(torch.float64)
@@ -265,7 +265,7 @@ def test_appends_together_store_what_appends_one_by_one_store(monkeypatch, round
         buf.append(torch.rand(2, 3, 3, generator=torch.Generator().manual_seed(13)))
     grown_one, grown_together = GrowBuffer(torch.zeros(2, 3, 0)), GrowBuffer(torch.zeros(2, 3, 0))
     monkeypatch.setattr(logcode, "SETTLE_ROUNDS", rounds)
-    monkeypatch.setenv(logcode_numba.ENV, "torch")  # the tensor path: the fused CPU plan searches exactly
+    monkeypatch.setenv(kernel_env.ENV, "torch")  # the tensor path: the fused CPU plan searches exactly
     one[0].append(values[0])
     grown_one.append(values[1].to(torch.float32))
     one[1].append(values[1])
@@ -334,9 +334,9 @@ def test_fused_cpu_writes_store_what_the_tensor_path_stores(monkeypatch):
         assert bufs[0].rebases and bufs[1].rebases  # some bases rose
         return states
 
-    monkeypatch.setenv(logcode_numba.ENV, "torch")
+    monkeypatch.setenv(kernel_env.ENV, "torch")
     tensor_path = run()
-    monkeypatch.setenv(logcode_numba.ENV, "numba")
+    monkeypatch.setenv(kernel_env.ENV, "numba")
     fused = run()
     assert all(
         all(torch.equal(a, b) for a, b in zip(s, t, strict=True)) for s, t in zip(tensor_path, fused, strict=True)
@@ -351,7 +351,7 @@ def test_scalar_zero_writes_store_what_the_generic_plan_stores(monkeypatch, path
     ``[B, H, T]`` mask, with bases unset, set and raised earlier in the same batch; on the fused CPU plan, the
     tensor path and (``SETTLE_ROUNDS = 0``) the tensor path's replan of every write in the batch. The zero writes
     never reach the generic planners."""
-    monkeypatch.setenv(logcode_numba.ENV, path)
+    monkeypatch.setenv(kernel_env.ENV, path)
 
     def run(zero: bool) -> list[tuple[torch.Tensor, ...]]:
         gen = torch.Generator().manual_seed(41)

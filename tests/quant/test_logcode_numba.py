@@ -100,12 +100,3 @@ def test_fused_plan_flags_a_negative_witness(bad):
     got = logcode_numba.plan(x, None, base)
     _, ref_bad = _tensor_plan(LogBuffer(torch.zeros(1, 2, 0)), x, base)
     assert got.negative and ref_bad
-
-
-def test_fused_plan_runs_where_the_read_path_runs_numba(monkeypatch):
-    monkeypatch.delenv(logcode_numba.ENV, raising=False)
-    assert logcode_numba.enabled(torch.device("cpu")) and not logcode_numba.enabled(torch.device("meta"))
-    monkeypatch.setenv(logcode_numba.ENV, "torch")
-    assert not logcode_numba.enabled(torch.device("cpu"))
-    monkeypatch.setenv(logcode_numba.ENV, "numba")
-    assert logcode_numba.enabled(torch.device("cpu"))

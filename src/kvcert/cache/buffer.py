@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from kvcert.checks import Checks, deferred
-from kvcert.quant import logcode, logcode_numba
+from kvcert.quant import logcode
+from kvcert.quant.kernel_env import fused_log8
 
 #: an index into a ``[B, H, T, ...]`` buffer: ``(rows, heads, tokens)`` as ints, slices or a boolean token mask
 TokenIndex = tuple[int | slice | torch.Tensor, ...]
@@ -198,9 +199,11 @@ class LogBuffer:
         whole_heads = index is None or (
             len(index) == 3 and index[0] == slice(None) and index[1] == slice(None) and isinstance(index[2], slice)
         )
+        from kvcert.quant.logcode_numba import plan  # numba on first use only (kvcert.quant.kernel_env says why)
+
         dev = x.device
         heads = None if whole_heads else self._spread(torch.arange(base.numel(), device=dev).view(base.shape), index, x)
-        p = logcode_numba.plan(x, heads, base)
+        p = plan(x, heads, base)
         if p.negative or p.above_top:  # a check that cannot fail is not recorded
             logcode.check_codes(x, torch.tensor(p.negative, device=dev), torch.tensor(p.above_top, device=dev))
         summary = torch.tensor([0, p.rebased], dtype=torch.int64, device=dev)
@@ -320,7 +323,7 @@ class WriteBatch:
         x = torch.as_tensor(values, device=target.device)
         x = torch.broadcast_to(x if x.is_floating_point() else x.to(torch.float64), target.shape)  # no rounding
         with deferred(self._checks):
-            if logcode_numba.enabled(x.device):
+            if fused_log8(x.device):
                 self._ops.append(buffer._plan_fused(x, index, self._base(buffer)))
             else:
                 self._ops.append(buffer._plan(x, *logcode.exponent_settle(x), index, self._base(buffer)))
@@ -336,7 +339,7 @@ class WriteBatch:
         unsettled anywhere replans every one of these writes at the commit, each from its exact exponents. On CPU
         each is one :meth:`LogBuffer._plan_fused` call."""
         logs = [x if x.is_floating_point() else x.to(torch.float64) for b, x in items if isinstance(b, LogBuffer)]
-        settled = iter(_settle_together([x for x in logs if not logcode_numba.enabled(x.device)]))
+        settled = iter(_settle_together([x for x in logs if not fused_log8(x.device)]))
         values = iter(logs)
         for buffer, x in items:
             if isinstance(buffer, GrowBuffer):
@@ -344,7 +347,7 @@ class WriteBatch:
                 continue
             x = next(values)
             with deferred(self._checks):
-                if logcode_numba.enabled(x.device):
+                if fused_log8(x.device):
                     self._ops.append(buffer._plan_fused(x, None, self._base(buffer)))
                 else:
                     self._ops.append(buffer._plan(x, *next(settled), None, self._base(buffer)))

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from kvcert.quant.logcode_numba import ENV
+from kvcert.quant.kernel_env import ENV
 
 __all__ = ["BACKENDS", "ENV", "active"]
 

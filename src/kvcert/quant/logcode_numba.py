@@ -17,14 +17,15 @@ It refines the tensor path exactly, element by element (``tests/quant/test_logco
   :func:`~kvcert.quant.logcode.encode_checked` integer for integer, and the decoded values are
   :func:`~kvcert.quant.logcode.decode` of the codes against the new bases.
 
-The write path uses it where the read path uses its CPU kernels: on CPU tensors unless :data:`ENV` forces another
-backend (``kvcert.kernels.active``), so the host-sync tests of the CUDA paths run the tensor path they pin.
+The write path uses it where the read path uses its CPU kernels: on CPU tensors unless
+:data:`kvcert.quant.kernel_env.ENV` forces another backend (``kvcert.kernels.active``), so the host-sync tests of the
+CUDA paths run the tensor path they pin. It is imported on first use, never with the cache package
+(:mod:`kvcert.quant.kernel_env` says why).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import numba
@@ -33,19 +34,10 @@ import torch
 
 from kvcert.quant import logcode
 
-#: environment variable that forces a backend (``numba``, ``torch`` or ``triton``) of the read path's kernels
-#: (:func:`kvcert.kernels.active`) and, off ``numba``, the tensor path of the ``log8`` witness writes
-ENV = "KVCERT_KERNEL"
-
 _F32 = logcode.FRACTIONS.numpy().copy()
 _SUB, _MIN_N, _MAX_N, _TOP = logcode.SUB, logcode.MIN_N, logcode.MAX_N, logcode.TOP
 _INF_CODE, _HEADROOM, _UNSET = logcode.INF_CODE, logcode.HEADROOM, logcode.UNSET
 _NO_HEADS = np.zeros(0, np.int64)
-
-
-def enabled(device: torch.device) -> bool:
-    """Whether a ``log8`` write of tensors on ``device`` runs :func:`plan`: CPU, and :data:`ENV` unset or ``numba``."""
-    return device.type == "cpu" and os.environ.get(ENV, "").strip().lower() in ("", "numba")
 
 
 @numba.njit(cache=True, nogil=True)

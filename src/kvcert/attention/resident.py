@@ -59,6 +59,7 @@ from kvcert.bounds.softmax_tv import served_meter
 from kvcert.cache.gate import Gate
 from kvcert.cache.recall import HeldPages, RecallPool
 from kvcert.cache.store import LayerStore
+from kvcert.kernels.repair import block_contributions
 
 F64 = torch.float64
 Sketch = KeySketch | BasisSketch
@@ -293,13 +294,10 @@ def _page_counts(mask_o: torch.Tensor, page_size: int, pages: int) -> torch.Tens
 
 
 def _exact_blocks(p: torch.Tensor, c: torch.Tensor, block: int) -> torch.Tensor:
-    """Resident blocks of ``block`` consecutive slots, ordered by their largest contribution
-    ``Σ_{t∈b} p̃_t(e^{c_t} − 1)`` to the meter over the head's cells (``p[M, S_R]`` served, ``c[M, S_R]`` radii, 0 where
-    invisible), descending: the order in which a head whose codes alone exceed ``τ`` reads its blocks exact."""
-    s_r = p.shape[-1]
-    n = -(-s_r // block)
-    part = torch.nn.functional.pad(p * torch.expm1(c), (0, n * block - s_r))
-    return torch.argsort(part.view(p.shape[0], n, block).sum(-1).amax(0), descending=True, stable=True)
+    """Resident blocks of ``block`` consecutive slots, ordered by their largest contribution to the meter over the
+    head's cells (:func:`~kvcert.kernels.repair.block_contributions`; ``p[M, S_R]`` served, ``c[M, S_R]`` radii, 0
+    where invisible), descending: the order in which a head whose codes alone exceed ``τ`` reads its blocks exact."""
+    return torch.argsort(block_contributions(p, c, block).amax(0), descending=True, stable=True)
 
 
 def _exact_counts(n_blocks: int) -> list[int]:

@@ -29,7 +29,7 @@ from kvcert.bounds.softmax_tv import probs64, served_meter
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 
-__all__ = ["BlockRepairs", "repair_blocks"]
+__all__ = ["BlockRepairs", "block_contributions", "repair_blocks"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,17 @@ class BlockRepairs:
     v_res: torch.Tensor  # [n, S] value residual norms, 0 on paged tokens
     tokens: torch.Tensor  # [n, S] bool, the paged tokens
     n_blocks: torch.Tensor  # [n] int64 blocks paged
+
+
+def block_contributions(p: torch.Tensor, c: torch.Tensor, block: int) -> torch.Tensor:
+    """``Σ_{t∈b} p_t(e^{c_t} − 1)`` per block ``b`` of ``block`` consecutive slots (the last one possibly shorter):
+    ``[..., M, nb]`` from a served distribution ``p`` and radii ``c`` ``[..., M, S]``, each block's share of the
+    meter's first-order term; a block gate reads blocks exact in descending order of their largest value over the
+    cells."""
+    s = p.shape[-1]
+    nb = -(-s // block)
+    part = torch.nn.functional.pad(p * torch.expm1(c), (0, nb * block - s))
+    return part.reshape(*p.shape[:-1], nb, block).sum(-1)
 
 
 def repair_blocks(
@@ -77,7 +88,7 @@ def repair_blocks(
     n, rows, s = pp.shape
     bs = gate.block_size
     nb = (s + bs - 1) // bs
-    contrib = torch.nn.functional.pad(pp * torch.expm1(cc), (0, nb * bs - s)).reshape(n, rows, nb, bs).sum(-1)
+    contrib = block_contributions(pp, cc, bs)  # [n, M, nb]
     order = torch.argsort(contrib.amax(1), dim=-1, descending=True, stable=True)  # [n, nb]
     ordered = torch.gather(contrib, 2, order.unsqueeze(1).expand(n, rows, nb))
     remaining = contrib.sum(-1, keepdim=True) - ordered.cumsum(-1)  # [n, M, nb]

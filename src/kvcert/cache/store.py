@@ -64,6 +64,7 @@ import torch
 
 from kvcert.bounds.rope import Pairing, band_norms, norm_up_f32, round_up_f32
 from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex, WriteBatch
+from kvcert.cache.paged import PagedCodes
 from kvcert.checks import deferred
 from kvcert.quant import Codec, DitherKey, Packed
 
@@ -105,13 +106,13 @@ class _Tensorstore:
         self._chunks = chunks
         self._packed_bytes = sum(c.packed.nbytes for c in chunks)
 
-    def encoded(self, n: int, chunk: _Chunk | None) -> None:
-        """Record an encoding of the next ``n`` pending tokens into ``chunk`` (``None`` when ``n`` is 0)."""
+    def encoded(self, n: int, chunks: Sequence[_Chunk]) -> None:
+        """Record an encoding of the next ``n`` pending tokens into ``chunks`` (in order; empty when ``n`` is 0)."""
         self.last_encoded = n
-        if chunk is not None:
+        for chunk in chunks:
             self._chunks.append(chunk)
             self._packed_bytes += chunk.packed.nbytes
-            self.n_encoded += n
+        self.n_encoded += n
 
     def encodable(self) -> int:
         """How many pending tokens can be encoded now: whole blocks (``lcm(codec.block, write_block)``) outside
@@ -200,6 +201,8 @@ class LayerStore:
         self.evicted: dict[str, GrowBuffer] = {}  # evicted archive: "k", "v", "positions" (retain_evicted)
         self.nonfinite = 0  # entries kept exact because K or V had NaN/inf
         self.fail_closed = 0  # entries kept exact because their row had no request identity
+        # where the packed codes live: None = the store's own tensors; else a serving engine's pages (B = 1)
+        self.pages: PagedCodes | None = None
 
     def emptied(self) -> LayerStore:
         """A new store of the same layer and configuration (codecs, bands, pairing, seed, write block, device budget,
@@ -242,6 +245,8 @@ class LayerStore:
         ``rows[b]`` is the request UID of row ``b`` (used to key the dither); ``keep_exact_rows[b]`` marks
         rows whose entries must never be compressed (fail-closed identity).
         """
+        if self.pages is not None and k.shape[0] != 1:
+            raise ValueError(f"a store whose codes live in pages holds one sequence (B = 1), got B = {k.shape[0]}")
         if self.k is None:
             self._init(k, v)
         assert self.k is not None and self.v is not None
@@ -266,6 +271,7 @@ class LayerStore:
         be encoded with another head's dither realisation.
         """
         assert self.k is not None and self.v is not None
+        self._unpaged("promote")
         for ts in (self.k, self.v):
             if ts.codec.needs_key or ts.codec.block != 1 or ts.codec.residual_window:
                 raise ValueError(
@@ -333,7 +339,7 @@ class LayerStore:
             if flush:
                 n = max(ts.host.n - ts.codec.residual_window - ts.n_encoded, 0)
             if n == 0:
-                writes.then(partial(ts.encoded, 0, None))
+                writes.then(partial(ts.encoded, 0, ()))
                 continue
             lo, hi = ts.n_encoded, ts.n_encoded + n
             x = ts.host.view()[:, :, lo:hi].to(ts.served.view().device, torch.float32)  # encode on the device tier
@@ -368,7 +374,22 @@ class LayerStore:
                         )
                     )
             self._write_witnesses(where, wit, writes)
-            writes.then(partial(ts.encoded, n, _Chunk(self.base + lo, self.base + hi, packed, key)))
+            writes.then(
+                partial(
+                    self._store_codes, "k" if is_key else "v", n, _Chunk(self.base + lo, self.base + hi, packed, key)
+                )
+            )
+
+    def _store_codes(self, tensor: str, n: int, chunk: _Chunk) -> None:
+        """Keep the codes of ``n`` newly encoded tokens: as ``chunk`` itself, or, with :attr:`pages`, copied into
+        the pages it covers, one chunk of page views per page (:meth:`~kvcert.cache.paged.PagedCodes.place`)."""
+        ts = self.k if tensor == "k" else self.v
+        assert ts is not None
+        if self.pages is None:
+            ts.encoded(n, [chunk])
+            return
+        pieces = self.pages.place(tensor, chunk.start, chunk.stop, chunk.packed, chunk.key)
+        ts.encoded(n, [_Chunk(lo, hi, packed, key) for lo, hi, packed, key in pieces])
 
     def _witnesses(
         self, is_key: bool, x: torch.Tensor, xhat: torch.Tensor, keep: torch.Tensor, steps: torch.Tensor | None
@@ -561,11 +582,18 @@ class LayerStore:
         """The per-token witness and position buffers (trimmed and gathered together with the tiers)."""
         return (self.k_band, self.k_wit, self.k_hat_norm, self.v_res, self.v_hat_norm, self.v_dist, self.positions)
 
+    def _unpaged(self, what: str) -> None:
+        """Raise ``ValueError`` when the codes live in pages: a page holds the tokens at fixed sequence positions,
+        so ``what`` (which moves or drops tokens) cannot keep them addressable."""
+        if self.pages is not None:
+            raise ValueError(f"{what} is not supported on a store whose codes live in a serving engine's pages")
+
     def drop_before(self, start: int) -> None:
         """Discard live tokens ``[0, start)`` (sliding-window layers). Packed chunks wholly before are freed."""
         if start <= 0 or self.k is None:
             return
         assert self.v is not None
+        self._unpaged("drop_before")
         for ts in (self.k, self.v):
             for buf in (ts.host, ts.served, ts.exact, ts.held):
                 buf.drop_before(start)
@@ -586,6 +614,7 @@ class LayerStore:
         (validate mode). Requires per-token codecs without a residual window (``ValueError`` otherwise).
         """
         assert self.k is not None and self.v is not None
+        self._unpaged("gather")
         for ts in (self.k, self.v):
             if ts.codec.block != 1 or ts.codec.residual_window:
                 raise ValueError(f"eviction needs a per-token codec; {ts.codec.name!r} encodes token blocks")

@@ -29,6 +29,16 @@ import torch
 from kvcert.quant import Codec, DitherKey, Packed, sample_key
 
 
+def check_per_token(codec: Codec) -> None:
+    """Raise ``ValueError`` unless ``codec`` encodes each token on its own (``block == 1``, no residual window)."""
+    if codec.block != 1 or codec.residual_window:
+        raise ValueError(
+            f"codec {codec.name!r} encodes blocks of {codec.block} tokens"
+            + (f" with a residual window of {codec.residual_window}" if codec.residual_window else "")
+            + "; only per-token codecs can be stored in a serving engine's pages"
+        )
+
+
 @dataclass(frozen=True)
 class Field:
     """One packed tensor of K or V in a cell: ``width`` elements of ``dtype`` at byte ``offset``."""
@@ -66,12 +76,7 @@ class CellLayout:
             raise ValueError(f"align must be >= 1, got {align}")
         found: list[tuple[str, str, torch.dtype, tuple[int, ...]]] = []
         for tensor, codec, dim in (("k", key_codec, head_dim), ("v", value_codec, head_dim_v)):
-            if codec.block != 1 or codec.residual_window:
-                raise ValueError(
-                    f"codec {codec.name!r} encodes blocks of {codec.block} tokens"
-                    + (f" with a residual window of {codec.residual_window}" if codec.residual_window else "")
-                    + "; only per-token codecs can be stored in a serving engine's pages"
-                )
+            check_per_token(codec)
             x = torch.randn(1, 1, 1, dim, generator=torch.Generator().manual_seed(0))
             packed = copy.deepcopy(codec).encode(x, sample_key(x) if codec.needs_key else None)
             for name, t in packed.tensors.items():
@@ -145,3 +150,27 @@ class PagedCodes:
             pieces.append((lo, hi, Packed(packed.codec, shape, views), piece_key))
             lo = hi
         return pieces
+
+
+@dataclass(frozen=True)
+class BlockPool:
+    """One layer's block pool of a serving engine, ``blocks[num_blocks, H, page_tokens, C]`` (``uint8``, cells laid
+    out by ``layout``), and the step's ``block_table[rows, max_blocks]``: page ``j`` of row ``i`` is block
+    ``block_table[i, j]``."""
+
+    layout: CellLayout
+    blocks: torch.Tensor
+    block_table: torch.Tensor
+
+    def __post_init__(self) -> None:
+        b = self.blocks
+        if b.dtype != torch.uint8 or b.dim() != 4 or b.shape[-1] != self.layout.nbytes:
+            raise ValueError(
+                f"blocks must be uint8 [num_blocks, H, page_tokens, {self.layout.nbytes}] (the packed cell of "
+                f"{self.layout.key_codec!r} / {self.layout.value_codec!r}), got {b.dtype} {tuple(b.shape)}"
+            )
+
+    def codes(self, row: int) -> PagedCodes:
+        """Where the store of batch row ``row`` keeps its codes this step."""
+        table = self.block_table[row]
+        return PagedCodes(self.layout, self.blocks.shape[2], lambda j: self.blocks[int(table[j])])

@@ -46,6 +46,7 @@ from kvcert.attention.exact import ExactAttention
 from kvcert.attention.read_path import CertifiedReadPath, read_event
 from kvcert.bounds import uniform_split
 from kvcert.cache.events import last_write_event
+from kvcert.cache.paged import BlockPool, CellLayout
 from kvcert.cache.store import LayerStore
 from kvcert.integrations.cache_config import StorageConfig
 from kvcert.integrations.vllm.ledger_feed import Lease, ServingLedger
@@ -89,7 +90,6 @@ class Runtime:
     def __init__(self, settings: Settings, num_layers: int, num_heads: int, *, register_exit: bool = True) -> None:
         self.delta_loc = uniform_split(DELTA_REQ, num_layers, num_heads, MAX_STEPS)
         self.configure(settings)
-        self.active = True  # False: pass vLLM's own attention through untouched (tests' reference)
         self.keep_cells = False
         self.cells: list[CellLog] = []
         self.sequences: dict[str, _Sequence] = {}
@@ -222,13 +222,15 @@ class Runtime:
         query_start_loc: list[int],
         seq_lens: list[int],
         output: torch.Tensor,
+        pages: BlockPool | None = None,
     ) -> None:
-        """Write this step's K/V of every sequence into its store and serve its decode reads (see module doc).
+        """Write this step's K/V of every sequence into its store and serve every row (see the module docstring).
 
-        ``query[T, Hq, D]``, ``key/value[T, Hkv, D]`` are the flat batch's new tokens; ``output[T, Hq, Dv]``
-        holds vLLM's attention output and is overwritten for the decode tokens the certified path serves.
-        Rows are :attr:`batch` in order; ``query_start_loc[i]:query_start_loc[i + 1]`` are row ``i``'s tokens and
-        ``seq_lens[i]`` its length after them.
+        ``query[T, Hq, D]``, ``key/value[T, Hkv, D]`` are the flat batch's new tokens; ``output[T, Hq, Dv]`` is
+        written for every token of every row. Rows are :attr:`batch` in order;
+        ``query_start_loc[i]:query_start_loc[i + 1]`` are row ``i``'s tokens and ``seq_lens[i]`` its length after
+        them. With ``pages``, each store keeps its packed codes in the engine's blocks of row ``i``
+        (``pages.block_table[i]``) instead of tensors of its own.
         """
         batch = self.rows()
         assert batch is not None, "forward_layer outside an engine step"
@@ -245,6 +247,8 @@ class Runtime:
                     f"kvcert: layer {layer} of request {rid!r} holds {store.appended} tokens but vLLM has computed "
                     f"{ctx}; refusing to serve an uncertifiable read"
                 )
+            if pages is not None:
+                store.pages = pages.codes(i)
             rows = torch.tensor([seq.uid], dtype=torch.int64)
             k = key[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
             v = value[lo:hi].transpose(0, 1).unsqueeze(0)
@@ -255,13 +259,15 @@ class Runtime:
                 if ev is not None:
                     seq.lease.observer.on_write(ev)
             self._dirty.add(rid)
+            q = query[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             if n > 1 or ctx == 0:
                 if layer == 0:
                     seq.record.prefill_tokens += n
+                output[lo:hi] = _exact_rows(q, scaling, store, ctx).to(output.dtype)
                 continue
             if layer == 0:
                 seq.record.decode_steps += 1
-            self._decode(seq, layer, query[lo:hi].transpose(0, 1).unsqueeze(0), scaling, store, output[lo])
+            self._decode(seq, layer, q, scaling, store, output[lo])
 
     def _decode(
         self, seq: _Sequence, layer: int, q: torch.Tensor, scaling: float, store: LayerStore, out: torch.Tensor
@@ -270,7 +276,8 @@ class Runtime:
         assert store.k is not None and store.v is not None
         rec = seq.record
         if store.k.n_encoded == 0 and store.v.n_encoded == 0:
-            rec.exact_reads += 1  # every visible entry is exact: vLLM's own output is the exact read
+            rec.exact_reads += 1  # every visible entry is exact: the exact read over the host tier is served
+            out.copy_(_exact_rows(q, scaling, store, store.n - 1)[0].to(out.dtype))
             return
         mask = torch.ones(1, 1, 1, store.n, dtype=torch.bool)
         outcome = self.read_path.read(q, store, mask, scaling, _exact_attention(q, scaling), step=rec.decode_steps)
@@ -300,6 +307,14 @@ class Runtime:
                 )
 
 
+def cell_layout(settings: Settings, head_size: int, head_size_v: int, dtype: torch.dtype) -> CellLayout:
+    """The cell one (token, KV head) takes in vLLM's blocks under ``settings``' codecs: the codecs of the stores the
+    runtime builds, measured (:meth:`~kvcert.cache.paged.CellLayout.measure`), rounded up to the element size of
+    vLLM's cache dtype ``dtype`` (vLLM views each layer's blocks in that dtype)."""
+    store = StorageConfig(keys=settings.keys, values=settings.values, seed=0).store(0)
+    return CellLayout.measure(store.key_codec, store.value_codec, head_size, head_size_v, align=dtype.itemsize)
+
+
 def _measure(seq: _Sequence) -> None:
     """Record the measured bytes of the request's kvcert tiers (summed over layers) after a step."""
     rec = seq.record
@@ -308,10 +323,20 @@ def _measure(seq: _Sequence) -> None:
     rec.host_bytes = sum(st.bytes_host() for st in seq.stores.values())
 
 
+def _exact_rows(q: torch.Tensor, scaling: float, store: LayerStore, ctx: int) -> torch.Tensor:
+    """Exact causal attention of the ``n`` new tokens ``q[1, Hq, n, D]`` at positions ``ctx, …, ctx + n − 1`` over
+    the host tier's exact K/V (GQA), as ``[n, Hq, Dv]``: query ``i`` attends the tokens at positions
+    ``<= ctx + i``."""
+    assert store.k is not None and store.v is not None
+    n, s = q.shape[2], store.n
+    mask = torch.arange(s).view(1, s) <= torch.arange(ctx, ctx + n).view(n, 1)
+    return _exact_attention(q, scaling)(store.k.host.view(), store.v.host.view(), mask.view(1, 1, n, s))[0]
+
+
 def _exact_attention(q: torch.Tensor, scaling: float) -> ExactAttention:
     """The gate's repair for decode query ``q[1, Hq, 1, D]`` (:class:`~kvcert.attention.exact.ExactAttention`):
-    exact float32 attention over the host tier's K/V under ``mask[1, 1|Hkv, 1, S]`` for the KV heads ``[h0, h1)``
-    and their query heads, as ``[1, 1, (h1 − h0)·G, Dv]``."""
+    exact float32 attention over the host tier's K/V under ``mask[1, 1|Hkv, n, S]`` for the KV heads ``[h0, h1)``
+    and their query heads, as ``[1, n, (h1 − h0)·G, Dv]``."""
 
     def exact(
         keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, heads: tuple[int, int] | None = None

@@ -5,8 +5,9 @@ sees the same configuration. Pure Python: importing this module never imports vL
 variable                            meaning (default)
 ==================================  =================================================================
 ``KVCERT_VLLM``                     ``1`` turns the plugin on; anything else leaves vLLM untouched
-``KVCERT_VLLM_KEYS``                key codec name (``dither-int8``)
-``KVCERT_VLLM_VALUES``              value codec name (``int4``)
+``KVCERT_VLLM_KEYS``                key codec name (``dither-int8``); a per-token codec (its codes fill
+                                    vLLM's blocks one cell per token and KV head)
+``KVCERT_VLLM_VALUES``              value codec name (``int4``); a per-token codec
 ``KVCERT_VLLM_GATE``                ``off`` | ``certified:TAU`` | ``risk:TAU_GATE`` (``certified:0.2``)
 ``KVCERT_VLLM_VALIDATE``            ``1``: also compute exact attention per read and count violations
 ``KVCERT_VLLM_RECORDS``             SQLite file the per-request records are written to (none)
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvcert.cache.gate import Gate
+from kvcert.cache.paged import check_per_token
 from kvcert.quant import resolve
 
 ENABLE = "KVCERT_VLLM"
@@ -95,7 +97,7 @@ class Settings:
         )
         for var, name, axis in axes:
             try:
-                resolve(name, axis)
+                check_per_token(resolve(name, axis))  # its codes go into vLLM's blocks, one cell per token
             except ValueError as exc:
                 raise ValueError(f"{var} / --{axis}s: {exc}") from None
         gate_from_spec(self.gate)

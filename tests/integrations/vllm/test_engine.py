@@ -1,13 +1,19 @@
-"""The plugin inside a real vLLM engine (SmolLM2-135M, fp32, CPU): one engine start for the module.
+"""The plugin inside a real vLLM engine (SmolLM2-135M, fp32, CPU): one kvcert engine start for the module.
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the tests read the plugin's runtime
 directly. Two prompts are generated in one ``generate`` call (continuous batching: both sequences in every
-step) with ``Gate.certified(tau=0)`` in validate mode, then the same prompts with the plugin passed through
-(``Runtime.active = False``: vLLM's own CPU backend, untouched) as the reference. The request ledger is on
-(``KVCERT_VLLM_LEDGER``): each request id must have its own account fed by its cache events.
+step) with ``Gate.certified(tau=0)`` in validate mode. The reference is vLLM's own CPU backend, run in a second
+process without the plugin (``vllm_reference.py``, started first so both engines load together) at the same
+``VLLM_CPU_KVCACHE_SPACE``: its tokens and its block count. The request ledger is on (``KVCERT_VLLM_LEDGER``):
+each request id must have its own account fed by its cache events.
 """
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +35,11 @@ ENV = {
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
+    env = {k: v for k, v in {**os.environ, **ENV}.items() if k != "KVCERT_VLLM"}
+    script = Path(__file__).with_name("vllm_reference.py")
+    reference = subprocess.Popen(
+        [sys.executable, str(script), str(MAX_TOKENS), *PROMPTS], env=env, stdout=subprocess.PIPE, text=True
+    )
     with pytest.MonkeyPatch.context() as mp:
         for k, v in ENV.items():
             mp.setenv(k, v)
@@ -54,10 +65,26 @@ def served(tmp_path_factory):
         rt.keep_cells = True
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
         outs = llm.generate(PROMPTS, params)
-        rt.active = False
-        ref = llm.generate(PROMPTS, params)  # its steps also report the kvcert requests finished
-        rt.active = True
-        yield {"outs": outs, "ref": ref, "rt": rt, "tokenizer": llm.get_tokenizer()}
+        vcfg = llm.llm_engine.vllm_config
+        ctx = vcfg.compilation_config.static_forward_context
+        caches = {name: ctx[name].kv_cache for name in ctx if hasattr(ctx[name], "kv_cache")}
+        # the finished requests are reported to the runtime with the next step: their stores are still live here
+        stores = {rid: dict(seq.stores) for rid, seq in rt.sequences.items()}
+        after = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=2))  # frees the two above
+        stdout, _ = reference.communicate(timeout=1200)
+        assert reference.returncode == 0, "the reference engine (vLLM's own backend) failed"
+        ref = json.loads(stdout.strip().splitlines()[-1])
+        yield {
+            "outs": outs,
+            "ref": ref,
+            "rt": rt,
+            "tokenizer": llm.get_tokenizer(),
+            "blocks": vcfg.cache_config.num_gpu_blocks,
+            "block_size": vcfg.cache_config.block_size,
+            "caches": caches,
+            "stores": stores,
+            "after": after,
+        }
 
 
 def _record(rt, request_id):
@@ -67,9 +94,59 @@ def _record(rt, request_id):
 
 
 def test_tau0_tokens_equal_vllm_backend(served):
-    for o, r in zip(served["outs"], served["ref"], strict=True):
+    for o, r in zip(served["outs"], served["ref"]["tokens"], strict=True):
         assert len(o.outputs[0].token_ids) == MAX_TOKENS
-        assert list(o.outputs[0].token_ids) == list(r.outputs[0].token_ids)
+        assert list(o.outputs[0].token_ids) == r
+
+
+def _layout(rt):
+    from kvcert.integrations.vllm.runtime import cell_layout
+
+    return cell_layout(rt.settings, 64, 64, torch.float32)  # SmolLM2-135M: head dim 64, fp32 engine
+
+
+def test_blocks_hold_the_measured_packed_cell(served):
+    from kvcert.quant import bytes_per_token_head, resolve
+
+    lay = _layout(served["rt"])
+    measured = bytes_per_token_head(resolve("dither-int8", "key"), 64) + bytes_per_token_head(
+        resolve("int4", "value"), 64
+    )
+    assert lay.packed_bytes == measured and lay.nbytes == -(-measured // 4) * 4  # fp32 views: 4-byte cells
+    assert len(served["caches"]) == 30
+    for kv in served["caches"].values():
+        # vLLM's own [num_blocks, H, block_size, C] view of the layer: C is the packed cell, not 2·64·4 bytes
+        assert tuple(kv.view(torch.uint8).shape) == (served["blocks"], 3, served["block_size"], lay.nbytes)
+
+
+def test_same_cache_space_holds_more_blocks(served):
+    lay = _layout(served["rt"])
+    ref_blocks, blocks = served["ref"]["num_blocks"], served["blocks"]
+    assert served["ref"]["block_size"] == served["block_size"]
+    fp32_cell = 2 * 64 * 4
+    # vLLM divides the same VLLM_CPU_KVCACHE_SPACE by the page size: blocks scale with fp32 cell / packed cell
+    assert blocks > ref_blocks and abs(blocks / ref_blocks - fp32_cell / lay.nbytes) < 0.01 * fp32_cell / lay.nbytes
+
+
+def test_codes_read_from_vllm_blocks_decode_to_what_the_store_encoded(served):
+    stores = served["stores"]
+    assert len(stores) == len(PROMPTS)
+    spans = [(kv.untyped_storage().data_ptr(), kv.untyped_storage().nbytes()) for kv in served["caches"].values()]
+    lo, hi = min(p for p, _ in spans), max(p + n for p, n in spans)
+    checked = 0
+    for per_layer in stores.values():
+        assert set(per_layer) == set(range(30))
+        for store in per_layer.values():
+            assert store.pages is not None
+            for ts in (store.k, store.v):
+                assert ts.n_encoded >= 16 and sum(c.stop - c.start for c in ts.chunks) == ts.n_encoded
+                for c in ts.chunks:
+                    for t in c.packed.tensors.values():
+                        assert lo <= t.data_ptr() < hi  # a view of vLLM's KV allocation
+                    dec = ts.codec.decode(c.packed, key=c.key).to(torch.float32)
+                    assert torch.equal(dec, ts.served.view()[:, :, c.start : c.stop])  # per element
+                    checked += 1
+    assert checked >= 2 * 30 * len(PROMPTS)
 
 
 def test_certificates_finite_and_sound_per_cell(served):
@@ -105,21 +182,22 @@ def test_concurrent_requests_get_separate_records(served):
     assert cells == {r.request_id for r in records}
 
 
-def test_finished_requests_free_their_stores_and_pass_through_stores_nothing(served):
+def test_finished_requests_free_their_stores(served):
     rt = served["rt"]
-    assert rt.sequences == {}  # the kvcert requests were freed; the pass-through run created no store
-    assert len(rt.finished) == len(PROMPTS)
+    first = set(served["stores"])
+    assert first.isdisjoint(rt.sequences)  # freed when vLLM reported them finished (the next generate's steps)
+    assert first <= set(rt.finished) and len(rt.sequences) <= 1  # only the last request, not yet reported, is live
 
 
 def test_each_request_has_its_own_ledger_account(served):
     rt = served["rt"]
-    assert rt.ledger is not None and rt.ledger.leases == {}  # leases released when the requests finished
+    assert rt.ledger is not None and set(rt.ledger.leases) == set(rt.sequences)  # finished: released
     records = [_record(rt, o.request_id) for o in served["outs"]]
     uids = [r.ledger_uid for r in records]
     assert None not in uids and len(set(uids)) == len(PROMPTS)
     assert len({r.ledger_pool for r in records}) == len(PROMPTS)  # concurrent requests: separate lanes
     summary = rt.ledger.summary()
-    assert summary["n_user_requests"] == len(PROMPTS)
+    assert summary["n_user_requests"] == len(PROMPTS) + 1  # and the request that flushed the first two
     assert summary["n_read_unwritten"] == summary["n_read_stale"] == summary["n_read_foreign_owner"] == 0
     for rec in records:
         acc = rt.ledger.account(rec.ledger_uid)

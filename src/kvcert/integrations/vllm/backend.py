@@ -154,8 +154,8 @@ class KvcertCPUImpl(CPUAttentionBackendImpl):
         rt = _RUNTIME
         assert rt is not None
         if self._pool is None or self._pool[0] is not kv_cache:
-            vcfg = get_current_vllm_config()
-            layout = cell_layout(rt.settings, self.head_size, self.head_size, vcfg.model_config.dtype)
+            # vLLM views the blocks in the spec's dtype, the alignment customize_spec used
+            layout = cell_layout(rt.settings, self.head_size, self.head_size, kv_cache.dtype)
             blocks = kv_cache.view(torch.uint8)
             if blocks.dim() != 4 or blocks.shape[-1] != layout.nbytes:
                 raise PackingError(

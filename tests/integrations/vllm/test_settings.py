@@ -30,6 +30,7 @@ def test_settings_roundtrip_and_defaults():
         ({"KVCERT_VLLM_GATE": "certified:x"}, "'x' is not a number"),
         ({"KVCERT_VLLM_VALIDATE": "yes"}, "KVCERT_VLLM_VALIDATE must be 0 or 1"),
         ({"KVCERT_VLLM_SEED": "1.5"}, "KVCERT_VLLM_SEED must be an integer"),
+        ({"KVCERT_VLLM_KEYS": "kivi-4"}, "KVCERT_VLLM_KEYS.*only per-token codecs"),  # blocks of 32: no cell
     ],
 )
 def test_bad_settings_name_the_variable(env, match):
@@ -69,6 +70,41 @@ def test_check_supported_refuses_what_it_cannot_certify():
     ):
         bad = SimpleNamespace(**{**vars(ok), field: value})
         assert text in check_supported("llama", bad, torch.float32)
+
+
+def _spec(**kw):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.float32, **kw)
+
+
+def test_backend_publishes_the_measured_packed_cell(monkeypatch):
+    from kvcert.integrations.vllm import backend
+    from kvcert.quant import bytes_per_token_head, resolve
+
+    monkeypatch.setenv("KVCERT_VLLM_KEYS", "dither-int8")
+    monkeypatch.setenv("KVCERT_VLLM_VALUES", "int2")
+    spec = backend.KvcertCPUBackend.customize_spec(_spec())
+    packed = bytes_per_token_head(resolve("dither-int8", "key"), 64) + bytes_per_token_head(
+        resolve("int2", "value"), 64
+    )
+    assert spec.state_content_bytes == -(-packed // 4) * 4  # fp32 views of the blocks: a multiple of 4 bytes
+    assert spec.page_size_bytes == 3 * 128 * spec.state_content_bytes < _spec().page_size_bytes
+    with pytest.raises(backend.PackingError, match="cannot store packed codes"):
+        backend.KvcertCPUBackend.customize_spec(_spec(sliding_window=256))
+    monkeypatch.setattr(backend, "_REFUSED", ["model type 'x'"])  # a layer served uncertified: nothing packed
+    assert backend.KvcertCPUBackend.customize_spec(_spec()) == _spec()
+
+
+def test_a_vllm_without_the_packing_hook_refuses_to_start(monkeypatch):
+    from vllm.v1.attention.backend import AttentionBackend
+
+    from kvcert.integrations.vllm import backend
+
+    backend.check_packing_hooks()
+    monkeypatch.delattr(AttentionBackend, "customize_spec")
+    with pytest.raises(backend.PackingError, match="customize_spec"):
+        backend.check_packing_hooks()
 
 
 def test_check_model(tmp_path):

@@ -14,8 +14,8 @@ attention recomputed from the host tier). ``ledger_*`` exist when the request le
 spent (certified: an upper bound on the failure budget used) and its located read incidents (unwritten, stale or
 foreign-owner slot reads; 0 expected). ``device_bytes`` / ``fp16_bytes`` / ``host_bytes`` are measured from
 kvcert's stores after each step of the request (:meth:`~kvcert.cache.store.LayerStore.bytes_device` etc., summed over
-layers): kvcert's compressed tier, what an fp16 cache would hold, and the exact host tier — vLLM's own paged
-cache is allocated beside them and is not reduced.
+layers): kvcert's compressed tier (its packed codes live in vLLM's own KV blocks), what an fp16 cache would hold,
+and the exact host tier.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ class RequestRecord:
     ``reads`` counts (layer, KV head, decode step) reads that went through the certified path; ``cells`` the
     (layer, query head, decode step) cells certified; ``repaired_reads`` the KV-head reads served exact from
     the host tier by the gate; ``exact_reads`` the per-layer decode reads that saw no compressed entry yet (all
-    entries still pending/exact: vLLM's own output kept, certificate 0); ``prefill_tokens`` the prompt tokens
-    read by vLLM's own kernel over the full-precision paged cache (exact).
+    entries still pending/exact: served exact over the host tier, certificate 0); ``prefill_tokens`` the prompt
+    tokens, served exact over the host tier.
     """
 
     request_id: str

@@ -8,16 +8,19 @@ Per layer and per forward call, for every sequence ``i`` of the batch (continuou
 and decodes mixed) with new tokens ``[lo, hi)`` of the flat batch and ``ctx`` tokens already computed:
 
 * the new post-RoPE K/V go into the sequence's own :class:`~kvcert.cache.store.LayerStore` (``B = 1``): the
-  compressed device tier (real packed codes, write-time witnesses) and the exact host tier;
+  compressed device tier (real packed codes, written into the sequence's vLLM blocks when the backend passes its
+  :class:`~kvcert.cache.paged.BlockPool`; write-time witnesses) and the exact host tier;
 * a **decode** read (one new token, ``ctx > 0``) is served by a
   :class:`~kvcert.attention.read_path.CertifiedReadPath` — the same read path
   :class:`~kvcert.integrations.transformers.CertifiedCache` uses: served attention over the decoded codes, a
   Tier-A certificate per (layer, query head) cell, the gate, repair from the host tier through this module's
-  :class:`~kvcert.attention.exact.ExactAttention` — and its output replaces vLLM's for that token. Each read's
-  outcome is accounted into its request's record. A read that sees no compressed entry yet (every entry still
-  pending, i.e. exact) keeps vLLM's output and is counted in ``exact_reads``;
-* a **prefill** chunk (several new tokens) keeps vLLM's own output: its reads attend the full-precision
-  K/V, so there is nothing to certify; the store still receives every token.
+  :class:`~kvcert.attention.exact.ExactAttention` — and written to the row's output. Each read's outcome is
+  accounted into its request's record. A read that sees no compressed entry yet (every entry still pending, i.e.
+  exact) is served exact over the host tier and counted in ``exact_reads``;
+* a **prefill** chunk (several new tokens, or the sequence's first) is served exact: causal attention over the
+  host tier's K/V (GQA), nothing to certify; the store still receives every token.
+
+Every row's output is written here: vLLM's kernel does not run on a layer whose blocks hold packed codes.
 
 A sequence is identified by vLLM's request id. A request seen for the first time must start at ``ctx = 0``
 (prefix caching off); a request whose ``ctx`` does not match its store's length raises ``RuntimeError``

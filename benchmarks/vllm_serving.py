@@ -65,13 +65,25 @@ def _round(llm: Any, prompts: list[Any], params: Any, first: Any) -> tuple[float
     return t1 - t0, time.perf_counter() - t1
 
 
+#: prefix of the child's replies on its stdout (vLLM logs there too)
+REPLY = "kvcert-bench "
+
+
 def _child(args: argparse.Namespace) -> None:
-    """The ``vllm`` variant: vLLM's own backend; one round per ``round`` line on stdin, one JSON line back."""
+    """The ``vllm`` variant: vLLM's own backend; one round per line on stdin, one :data:`REPLY` JSON line back."""
     engine = _engine(args)
-    print("ready", flush=True)
+    print(REPLY + "{}", flush=True)
     for _ in sys.stdin:
         prefill, wall = _round(*engine)
-        print(json.dumps({"prefill": prefill, "wall": wall}), flush=True)
+        print(REPLY + json.dumps({"prefill": prefill, "wall": wall}), flush=True)
+
+
+def _reply(stdout: Any) -> dict[str, float]:
+    """The child's next reply (log lines before it skipped); ``RuntimeError`` when it exits first."""
+    for line in stdout:
+        if line.startswith(REPLY):
+            return json.loads(line[len(REPLY) :])
+    raise RuntimeError("the vllm variant's child process exited (its engine failed; see its stderr)")
 
 
 def main() -> None:
@@ -128,8 +140,7 @@ def main() -> None:
         keep = set(args.variants.split(",")) | {"vllm"}
         variants = {k: v for k, v in variants.items() if k in keep}
     assert baseline.stdin is not None and baseline.stdout is not None
-    if baseline.stdout.readline().strip() != "ready":
-        raise RuntimeError("the vllm variant's child process failed to start its engine")
+    _reply(baseline.stdout)  # its engine is up
     wall = {name: 0.0 for name in variants}
     prefill = {name: 0.0 for name in variants}
     for _ in range(args.rounds):
@@ -137,7 +148,7 @@ def main() -> None:
             if settings is None:  # vllm: the child's round
                 baseline.stdin.write("round\n")
                 baseline.stdin.flush()
-                got = json.loads(baseline.stdout.readline())
+                got = _reply(baseline.stdout)
                 t_prefill, t_wall = got["prefill"], got["wall"]
             else:
                 rt.ledger = ledger if name == "ledger" else None  # requests keep the ledger that leased them

@@ -30,25 +30,20 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int) -> t
     return torch.einsum("hns,shd->nhd", logits.softmax(-1), vv)
 
 
-@pytest.fixture(scope="module")
-def served():
-    settings = Settings(gate="certified:0", validate=True, seed=3)
-    rt = Runtime(settings, LAYERS, HQ, register_exit=False)
-    layout = cell_layout(settings, D, D, torch.float32)
-    pools = [torch.zeros(BLOCKS, HKV, PAGE, layout.nbytes, dtype=torch.uint8) for _ in range(LAYERS)]
-    gen = torch.Generator().manual_seed(12)
-    hist = {(rid, layer): (torch.zeros(0, HKV, D), torch.zeros(0, HKV, D)) for rid in TABLE for layer in range(LAYERS)}
+def _drive(rt, layout, pools, steps, tables, seed):
+    """Run ``steps`` (each ``{request id: (new tokens, context before them)}``) through ``rt`` with the block table
+    rows ``tables[request id]``; returns the largest |served − exact| of prefill and of decode rows."""
+    gen = torch.Generator().manual_seed(seed)
+    hist = {}
     errors = {"prefill": 0.0, "decode": 0.0}
-    lens = {"a": 0, "b": 0}
-    steps = [{"a": 20, "b": 18}] + [{"a": 1, "b": 1}] * 32  # 52 and 50 tokens: both second blocks are written
     for news in steps:
         batch = list(news)
         rt.begin_step(lambda batch=batch: batch, [])
         qsl = [0]
         for rid in batch:
-            qsl.append(qsl[-1] + news[rid])
-        seq_lens = [lens[rid] + news[rid] for rid in batch]
-        table = torch.tensor([TABLE[rid] for rid in batch])
+            qsl.append(qsl[-1] + news[rid][0])
+        seq_lens = [sum(news[rid]) for rid in batch]
+        table = torch.tensor([tables[rid] for rid in batch])
         t = qsl[-1]
         for layer in range(LAYERS):
             q, k, v = (torch.randn(t, h, D, generator=gen) for h in (HQ, HKV, HKV))
@@ -56,16 +51,30 @@ def served():
             rt.forward_layer(layer, SCALE, q, k, v, qsl, seq_lens, out, BlockPool(layout, pools[layer], table))
             for i, rid in enumerate(batch):
                 lo, hi = qsl[i], qsl[i + 1]
-                hk, hv = hist[rid, layer]
-                hk, hv = torch.cat([hk, k[lo:hi]]), torch.cat([hv, v[lo:hi]])
+                ctx = news[rid][1]
+                hk, hv = hist.get((rid, layer), (torch.zeros(0, HKV, D), torch.zeros(0, HKV, D)))
+                hk, hv = torch.cat([hk[:ctx], k[lo:hi]]), torch.cat([hv[:ctx], v[lo:hi]])  # a restart drops it all
                 hist[rid, layer] = hk, hv
-                err = float((out[lo:hi].double() - _reference(q[lo:hi], hk, hv, lens[rid])).abs().max())
+                err = float((out[lo:hi].double() - _reference(q[lo:hi], hk, hv, ctx)).abs().max())
                 kind = "prefill" if hi - lo > 1 else "decode"
                 errors[kind] = max(errors[kind], err)
         rt.end_step()
-        for rid in batch:
-            lens[rid] += news[rid]
-    return rt, layout, pools, errors
+    return errors
+
+
+def _runtime():
+    settings = Settings(gate="certified:0", validate=True, seed=3)
+    layout = cell_layout(settings, D, D, torch.float32)
+    pools = [torch.zeros(BLOCKS, HKV, PAGE, layout.nbytes, dtype=torch.uint8) for _ in range(LAYERS)]
+    return Runtime(settings, LAYERS, HQ, register_exit=False), layout, pools
+
+
+@pytest.fixture(scope="module")
+def served():
+    rt, layout, pools = _runtime()
+    # 52 and 50 tokens: both second blocks are written
+    steps = [{"a": (20, 0), "b": (18, 0)}] + [{"a": (1, 20 + i), "b": (1, 18 + i)} for i in range(32)]
+    return rt, layout, pools, _drive(rt, layout, pools, steps, TABLE, seed=12)
 
 
 def test_every_row_is_the_exact_attention(served):
@@ -97,6 +106,25 @@ def test_codes_live_in_the_requests_blocks_and_decode_to_what_was_served(served)
     assert used == {5, 2, 0, 7}
     for pool in pools:
         assert int(pool[[1, 3, 4, 6]].sum()) == 0  # no request was given those blocks: untouched
+
+
+def test_a_request_recomputed_from_zero_writes_its_new_blocks_only():
+    rt, layout, pools = _runtime()
+    steps = [{"r": (40, 0)}] + [{"r": (1, 40 + i)} for i in range(3)]
+    errors = _drive(rt, layout, pools, steps, {"r": [1, 2]}, seed=13)
+    before = [pool[[1, 2]].clone() for pool in pools]
+    assert all(int(b.sum()) > 0 for b in before)
+    # preempted, then recomputed from token 0 in the blocks vLLM gives it now (vLLM 0.32 frees the old ones)
+    steps = [{"r": (20, 0)}] + [{"r": (1, 20 + i)} for i in range(14)]
+    again = _drive(rt, layout, pools, steps, {"r": [6, 3]}, seed=14)
+    assert max(*errors.values(), *again.values()) < 1e-5, (errors, again)
+    for pool, b in zip(pools, before, strict=True):
+        assert torch.equal(pool[[1, 2]], b)  # the old blocks were not written after the restart
+        assert int(pool[6].sum()) > 0 and int(pool[3].sum()) == 0  # 33 tokens: codes for 32, all in the first block
+    for store in rt.sequences["r"].stores.values():
+        assert store.n == 34 and all(c.stop <= PAGE for c in store.k.chunks)
+    rec = rt.record("r")
+    assert rec.violations == 0 and rec.decode_steps == 3 + 14
 
 
 def test_a_pool_without_the_packed_cell_is_refused(served):

@@ -90,6 +90,7 @@ class _Tensorstore:
         self.served = GrowBuffer(like.to(device, torch.float32))
         b, h = like.shape[:2]
         self.exact = GrowBuffer(torch.zeros(b, h, 1, dtype=torch.bool, device=device))
+        self.n_exact = 0  # entries of ``exact`` set (kept as it changes: every device-budget check reads it)
         self.held = GrowBuffer(torch.zeros(b, h, 1, dtype=torch.bool, device=device))  # persistent repairs
         self.chunks = []  # (the setter also resets the packed byte count)
         self.n_encoded = 0  # tokens [0, n_encoded) went through the codec (relative to live window)
@@ -126,7 +127,17 @@ class _Tensorstore:
         return self._packed_bytes
 
     def exact_nbytes(self, head_dim: int) -> int:
-        return int(self.exact.view().sum()) * head_dim * EXACT_BYTES
+        """16-bit bytes of the entries held exact: :attr:`n_exact` (``= exact.view().sum()``, counted as the flags
+        change instead of summed over every live token at each budget check) times ``head_dim``."""
+        return self.n_exact * head_dim * EXACT_BYTES
+
+    def add_exact(self, n: int) -> None:
+        """Count ``n`` more (negative: fewer) entries of ``exact`` set."""
+        self.n_exact += n
+
+    def recount_exact(self) -> None:
+        """Recount :attr:`n_exact` from the flags (after an eviction or trim: one host sync)."""
+        self.n_exact = int(self.exact.view().sum())
 
 
 #: bytes per element of an entry held exact on the device tier (fp16 / bf16, the serving precision)
@@ -297,6 +308,7 @@ class LayerStore:
             writes.append(ts.host, x.to(ts.host.dtype).to(ts.host.view().device))
             writes.append(ts.served, x.to(torch.float32))
             writes.append(ts.exact, torch.ones(b, h, t, dtype=torch.bool, device=x.device))
+            writes.then(partial(ts.add_exact, b * h * t))
             writes.append(ts.held, torch.zeros(b, h, t, dtype=torch.bool, device=x.device))
         # pending entries are exact: residual witnesses 0; the norms of "log8" settle their exponents together
         writes.append_zeros(self.k_band, (b, h, t, self.bands))
@@ -355,6 +367,7 @@ class LayerStore:
                 wit = self._witnesses(is_key, x, xhat, keep, ts.codec.steps(packed))
             where = (slice(None), slice(None), slice(lo, hi))
             writes.write(ts.served, where, xhat)
+            writes.count(f"exact_{'k' if is_key else 'v'}", keep.sum() - ts.exact.view()[where].sum())
             writes.write(ts.exact, where, keep)
             if is_key:
                 writes.count("nonfinite", (~finite).sum())
@@ -410,6 +423,9 @@ class LayerStore:
         counts = writes.commit()
         self.nonfinite += counts.get("nonfinite", 0)
         self.fail_closed += counts.get("fail_closed", 0)
+        if self.k is not None and self.v is not None:
+            self.k.add_exact(counts.get("exact_k", 0))
+            self.v.add_exact(counts.get("exact_v", 0))
         for where in [(slice(None),) * 3] if bands and self.k_band in writes.raised else bands:
             self.k_wit.write(where, band_sum_up(self.k_band.view()[where], self.bands))
 
@@ -434,7 +450,9 @@ class LayerStore:
             newly = ~ts.exact.view()[b, h, tokens]
             moved += int(newly.sum()) * ts.host.view().shape[-1] * 2
             ts.held.view()[b, h, tokens] |= newly
-            self.n_held += int(newly.sum())
+            count = int(newly.sum())
+            self.n_held += count
+            ts.add_exact(count)
             ts.exact.view()[b, h, tokens] = True
         return moved
 
@@ -550,6 +568,7 @@ class LayerStore:
                     writes,
                 )
                 self._commit(writes)
+                ts.add_exact(-int((ts.exact.view()[:, :, lo:hi] & held).sum()))
                 ts.exact.view()[:, :, lo:hi] &= ~held
                 self.released += int(held.sum())
                 self.n_held -= int(held.sum())
@@ -569,6 +588,7 @@ class LayerStore:
         for ts in (self.k, self.v):
             for buf in (ts.host, ts.served, ts.exact, ts.held):
                 buf.drop_before(start)
+            ts.recount_exact()
             ts.n_encoded = max(ts.n_encoded - start, 0)
             ts.chunks = [c for c in ts.chunks if c.stop > self.base + start]
         self.n_held = sum(int(ts.held.view().sum()) for ts in (self.k, self.v))
@@ -612,6 +632,7 @@ class LayerStore:
             ts.chunks = [_Chunk(0, keep.shape[-1], _gather_packed(ts.chunks, keep, n))] if ts.chunks else []
             for buf in (ts.host, ts.served, ts.exact, ts.held):
                 buf.gather(keep)
+            ts.recount_exact()
             ts.n_encoded = keep.shape[-1]
             ts.last_encoded = 0
         self.compacted = True

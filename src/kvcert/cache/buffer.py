@@ -206,8 +206,7 @@ class LogBuffer:
         p = plan(x, heads, base)
         if p.negative or p.above_top:  # a check that cannot fail is not recorded
             logcode.check_codes(x, torch.tensor(p.negative, device=dev), torch.tensor(p.above_top, device=dev))
-        summary = torch.tensor([0, p.rebased], dtype=torch.int64, device=dev)
-        return _Planned(self, index, x, p.n, p.base, p.shift, p.codes, summary, p.decoded)
+        return _Planned(self, index, x, p.n, p.base, p.shift, p.codes, (0, p.rebased), p.decoded)
 
     def _plan_zeros(self, shape: tuple[int, ...], index: TokenIndex | None, base: torch.Tensor) -> _Planned:
         """:meth:`_plan` of writing zeros of ``shape`` at ``index`` (``None``: appended), built directly: a zero is
@@ -217,8 +216,7 @@ class LogBuffer:
         x = torch.zeros((), dtype=torch.float32, device=dev).expand(shape)
         n = torch.full((), logcode.MIN_N, dtype=torch.int32, device=dev).expand(shape)
         codes = torch.zeros((), dtype=torch.uint8, device=dev).expand(shape)
-        summary = torch.zeros(2, dtype=torch.int64, device=dev)
-        return _Planned(self, index, x, n, base, torch.zeros_like(base), codes, summary, x)
+        return _Planned(self, index, x, n, base, torch.zeros_like(base), codes, (0, 0), x)
 
     def _store(self, p: _Planned, rebased: int) -> None:
         """Store the checked plan ``p`` (this buffer's next write, ``rebased``: how many of its bases rise)."""
@@ -269,8 +267,9 @@ def _settle_together(xs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.T
 class _Planned:
     """A :class:`LogBuffer` write planned on the device, nothing stored yet: ``x`` (exponents ``n``) at ``index``
     (``None``: appended), the buffer's bases after it, the ``shift`` per (row, head) that raises them, the codes,
-    ``summary``, int64 ``[2]``: exponents unsettled, bases rising, and, when the planner computed them, the codes'
-    decoded values against the new bases."""
+    ``summary``: exponents unsettled, bases rising (int64 ``[2]`` on the device, or two ints when the planner knows
+    them on the host: the fused and the zero plans, which need no read-back), and, when the planner computed them,
+    the codes' decoded values against the new bases."""
 
     buffer: LogBuffer
     index: TokenIndex | None
@@ -279,7 +278,7 @@ class _Planned:
     base: torch.Tensor
     shift: torch.Tensor
     codes: torch.Tensor
-    summary: torch.Tensor
+    summary: torch.Tensor | tuple[int, int]
     decoded: torch.Tensor | None = None
 
 
@@ -330,6 +329,9 @@ class WriteBatch:
 
     def append(self, buffer: GrowBuffer | LogBuffer, x: torch.Tensor) -> None:
         """Record appending ``x[B, H, t, *tail]`` along the token axis of ``buffer``."""
+        if isinstance(buffer, GrowBuffer):
+            self.then(partial(buffer.append, x))
+            return
         self.appends([(buffer, x)])
 
     def appends(self, items: Sequence[tuple[GrowBuffer | LogBuffer, torch.Tensor]]) -> None:
@@ -339,15 +341,16 @@ class WriteBatch:
         unsettled anywhere replans every one of these writes at the commit, each from its exact exponents. On CPU
         each is one :meth:`LogBuffer._plan_fused` call."""
         logs = [x if x.is_floating_point() else x.to(torch.float64) for b, x in items if isinstance(b, LogBuffer)]
-        settled = iter(_settle_together([x for x in logs if not fused_log8(x.device)]))
-        values = iter(logs)
+        fused = [fused_log8(x.device) for x in logs]
+        settled = iter(_settle_together([x for x, f in zip(logs, fused, strict=True) if not f]))
+        values, flags = iter(logs), iter(fused)
         for buffer, x in items:
             if isinstance(buffer, GrowBuffer):
                 self.then(partial(buffer.append, x))
                 continue
             x = next(values)
             with deferred(self._checks):
-                if fused_log8(x.device):
+                if next(flags):
                     self._ops.append(buffer._plan_fused(x, None, self._base(buffer)))
                 else:
                     self._ops.append(buffer._plan(x, *next(settled), None, self._base(buffer)))
@@ -390,16 +393,18 @@ class WriteBatch:
         planned = [p for p in self._ops if isinstance(p, _Planned)]
         checks, counts, self._checks, self._counts = self._checks, self._counts, Checks(), {}
         try:
-            back = checks.read_back([p.summary for p in planned] + list(counts.values()))  # the one host sync
+            on_device = [p.summary for p in planned if isinstance(p.summary, torch.Tensor)]
+            back = checks.read_back(on_device + list(counts.values()))  # the one host sync (none if nothing to read)
             assert back is not None  # no guard
-            rows = [back[2 * i : 2 * i + 2] for i in range(len(planned))]
-            counted = dict(zip(counts, back[2 * len(planned) :], strict=True))
+            read = iter(back[2 * i : 2 * i + 2] for i in range(len(on_device)))
+            rows = [list(p.summary) if isinstance(p.summary, tuple) else next(read) for p in planned]
+            counted = dict(zip(counts, back[2 * len(on_device) :], strict=True))
             if any(row[0] for row in rows):  # not seen in practice: the exact search decides the unsettled exponents
                 recheck = Checks()
                 with deferred(recheck):
                     self._replan({id(p) for p, row in zip(planned, rows, strict=True) if row[0]})
                 planned = [p for p in self._ops if isinstance(p, _Planned)]
-                replanned = recheck.read_back([p.summary for p in planned])
+                replanned = recheck.read_back([torch.as_tensor(p.summary) for p in planned])  # all on the device
                 assert replanned is not None
                 rows = [replanned[2 * i : 2 * i + 2] for i in range(len(planned))]
         finally:

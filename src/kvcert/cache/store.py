@@ -465,20 +465,21 @@ class LayerStore:
         sel = torch.zeros(self.k.exact.shape, dtype=torch.bool, device=self.k.exact.view().device)
         for b, h, tokens in held:
             sel[b, h, tokens] = True
-        exact_v = self.v.served.view()[sel]
-        centre = self.v_centre.expand(self.v.served.shape)[sel]
+        where = sel.nonzero(as_tuple=True)  # the places of ``sel`` in its order: every write below indexes by them
+        exact_v = self.v.served.view()[where]
+        centre = self.v_centre.expand(self.v.served.shape)[where]
         wit: dict[str, torch.Tensor | float] = {
             "k_band": 0.0,
             "k_wit": 0.0,
             "v_res": 0.0,
-            "k_hat_norm": norm_up_f32(self.k.served.view()[sel]),
+            "k_hat_norm": norm_up_f32(self.k.served.view()[where]),
             "v_hat_norm": norm_up_f32(exact_v),
             "v_dist": norm_up_f32(exact_v.to(torch.float64) - centre),
         }
         if self.k_steps is not None:
             wit["k_steps"] = 0.0
         writes = WriteBatch()
-        self._write_witnesses((sel,), wit, writes)
+        self._write_witnesses(where, wit, writes)
         self._commit(writes)
 
     # --------------------------------------------------------------------------------- device budget
@@ -500,6 +501,7 @@ class LayerStore:
         :meth:`persist` results."""
         if len(heads) != len(tokens):
             raise ValueError(f"persist_heads: {len(heads)} heads but {len(tokens)} token selections")
+        tokens = [_as_slots(t) for t in tokens]
         kept = [self._persist(b, h, t) for (b, h), t in zip(heads, tokens, strict=True)]
         held = [(b, h, t) for (b, h), t, k in zip(heads, tokens, kept, strict=True) if k]
         if held:
@@ -685,6 +687,14 @@ class LayerStore:
             return 0
         assert self.v is not None
         return self.k.host.nbytes + self.v.host.nbytes
+
+
+def _as_slots(tokens: slice | torch.Tensor) -> slice | torch.Tensor:
+    """A boolean token mask as the indices of its set slots (ascending: indexing by them selects what the mask
+    selects, in the same order, without finding the set slots again at every indexing); slices and indices as given."""
+    if isinstance(tokens, torch.Tensor) and tokens.dtype == torch.bool:
+        return tokens.nonzero().view(-1)
+    return tokens
 
 
 def _gather_packed(chunks: list[_Chunk], keep: torch.Tensor, n: int) -> Packed:

@@ -151,6 +151,30 @@ def test_growbuffer_append_view_gather():
     assert buf.view()[0, 0, :, 0].tolist() == [0, 3] and buf.view()[0, 1, :, 0].tolist() == [1, 4]
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
+)
+def test_growbuffer_numpy_append_and_fill_store_what_torch_stores(dtype):
+    """The numpy copy of a CPU append (same dtype) and the constant fill store, element for element, what
+    ``narrow(...).copy_`` of the same tensors stores (bfloat16, which numpy lacks, and other dtypes take torch),
+    for strided, broadcast and negative-view inputs, across a reallocation."""
+    gen = torch.Generator().manual_seed(3)
+    a, b = GrowBuffer(torch.zeros(2, 3, 0, 4, dtype=dtype), capacity=3), torch.empty(2, 3, 0, 4, dtype=dtype)
+    raw = torch.randn(2, 3, 6, 8, generator=gen) * 100
+    inputs = [raw[:, :, :2, ::2], raw[:, :, 2:3, :4].expand(2, 3, 1, 4), raw[:, :, 3:5, 4:].contiguous()]
+    if dtype.is_floating_point:
+        inputs.append(torch.zeros(2, 3, 2, 4).neg())  # -0.0 bits
+        inputs.append(raw[:, :, :1, :4]._neg_view())  # a lazily negated view
+    for x in inputs:
+        x = x.to(dtype) if not x.is_neg() else x.resolve_neg().to(dtype)._neg_view()
+        a.append(x)
+        b = torch.cat([b, x.resolve_neg()], dim=2)
+        a.append_fill(1, True if dtype == torch.bool else 7)
+        b = torch.cat([b, torch.full((2, 3, 1, 4), True if dtype == torch.bool else 7, dtype=dtype)], dim=2)
+    got = a.view()
+    assert got.shape == b.shape and torch.equal(got.view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
 def test_gate_validation_and_labels():
     assert Gate.off().describe() == "off"
     assert Gate.certified(0.2).describe() == "certified(tau=0.2, head)"

@@ -45,15 +45,32 @@ class GrowBuffer:
         """Element type of the stored tensor."""
         return self._data.dtype
 
-    def append(self, x: torch.Tensor) -> None:
-        """Append ``x[B, H, t, *tail]`` along the token axis."""
-        t = x.shape[2]
+    def _reserve(self, t: int) -> None:
+        """Make room for ``t`` more tokens (capacity doubling)."""
         if self.n + t > self._data.shape[2]:
             cap = max(2 * self._data.shape[2], 2 * (self.n + t))  # a large chunk leaves room to grow
             new = self._alloc(cap, self._data.dtype, self._data.device)
             new[:, :, : self.n] = self._data[:, :, : self.n]
             self._data = new
-        self._data.narrow(2, self.n, t).copy_(x)  # as ``[:, :, n : n + t] = x``, without the indexing machinery
+
+    def append(self, x: torch.Tensor) -> None:
+        """Append ``x[B, H, t, *tail]`` along the token axis (on CPU, same dtype: a numpy copy of the same elements,
+        which costs less than a torch one for the few entries of a decode step)."""
+        t = x.shape[2]
+        self._reserve(t)
+        if x.dtype == self._data.dtype and _numpy_copyable(x) and _numpy_copyable(self._data):
+            self.array()[:, :, self.n : self.n + t] = x.numpy()
+        else:
+            self._data.narrow(2, self.n, t).copy_(x)  # as ``[:, :, n : n + t] = x``, without the indexing machinery
+        self.n += t
+
+    def append_fill(self, t: int, value: bool | float) -> None:
+        """Append ``t`` tokens whose every element is ``value`` (as :meth:`append` of a full tensor, without one)."""
+        self._reserve(t)
+        if _numpy_copyable(self._data):
+            self.array()[:, :, self.n : self.n + t] = value
+        else:
+            self._data.narrow(2, self.n, t).fill_(value)
         self.n += t
 
     @property
@@ -100,6 +117,34 @@ class GrowBuffer:
     def write(self, index: TokenIndex, values: torch.Tensor | float) -> None:
         """``view()[index] = values``."""
         self.view()[index] = values
+
+
+#: dtypes whose CPU tensors numpy views element for element (bit for bit)
+_NUMPY_DTYPES = frozenset(
+    (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+)
+
+
+def _numpy_copyable(x: torch.Tensor) -> bool:
+    """Whether ``x.numpy()`` views ``x``'s elements as they are: a CPU tensor of a numpy dtype, no gradient, no
+    conjugate or negative bit."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in _NUMPY_DTYPES
+        and not x.requires_grad
+        and not x.is_conj()
+        and not x.is_neg()
+    )
 
 
 class LogBuffer:
@@ -359,9 +404,15 @@ class WriteBatch:
         """Record appending zeros ``[B, H, t, *tail]`` of ``shape`` (as :meth:`append` of a zero tensor, float32 for a
         :class:`GrowBuffer` of floats, without the exponent search of a :class:`LogBuffer`)."""
         if isinstance(buffer, GrowBuffer):
-            self.then(partial(buffer.append, buffer.view().new_zeros(shape)))
+            if tuple(shape) != buffer.shape[:2] + (shape[2],) + buffer.shape[3:]:
+                raise ValueError(f"append_zeros: shape {tuple(shape)} does not extend a buffer of shape {buffer.shape}")
+            self.append_fill(buffer, shape[2], 0)
             return
         self._ops.append(buffer._plan_zeros(shape, None, self._base(buffer)))
+
+    def append_fill(self, buffer: GrowBuffer, t: int, value: bool | float) -> None:
+        """Record appending ``t`` tokens of ``buffer`` whose every element is ``value``."""
+        self.then(partial(buffer.append_fill, t, value))
 
     def then(self, change: Callable[[], object]) -> None:
         """Record a state change to run at the commit, in order, once every check has passed."""

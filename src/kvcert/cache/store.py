@@ -307,9 +307,9 @@ class LayerStore:
         for ts, x in ((self.k, k), (self.v, v)):
             writes.append(ts.host, x.to(ts.host.dtype).to(ts.host.view().device))
             writes.append(ts.served, x.to(torch.float32))
-            writes.append(ts.exact, torch.ones(b, h, t, dtype=torch.bool, device=x.device))
+            writes.append_fill(ts.exact, t, True)
             writes.then(partial(ts.add_exact, b * h * t))
-            writes.append(ts.held, torch.zeros(b, h, t, dtype=torch.bool, device=x.device))
+            writes.append_fill(ts.held, t, False)
         # pending entries are exact: residual witnesses 0; the norms of "log8" settle their exponents together
         writes.append_zeros(self.k_band, (b, h, t, self.bands))
         writes.append_zeros(self.k_wit, (b, h, t))
@@ -323,7 +323,7 @@ class LayerStore:
             ]
         )
         if self.k_steps is not None:
-            writes.append(self.k_steps, k.new_zeros((b, h, t, self.k_steps.view().shape[-1]), dtype=torch.float32))
+            writes.append_fill(self.k_steps, t, 0.0)
 
     def encode_pending(self, flush: bool = False) -> None:
         """Push every encodable pending token through its codec and record the write-time witnesses.

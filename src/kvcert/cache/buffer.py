@@ -147,6 +147,10 @@ def _numpy_copyable(x: torch.Tensor) -> bool:
     )
 
 
+#: the index of every (row, head): ``index[:2]`` of a write to whole heads
+_ALL2 = (slice(None), slice(None))
+
+
 class LogBuffer:
     """A :class:`GrowBuffer` of non-negative float32 witnesses ``[B, H, T, *tail]`` *stored* as 8-bit
     :mod:`kvcert.quant.logcode` codes with one base exponent per (row, head), plus the decoded float32 copy
@@ -242,7 +246,7 @@ class LogBuffer:
         nothing is unsettled): the same bases, shifts and codes, the same deferred encoder check, and the decoded
         values :meth:`_store` would compute (``tests/quant/test_logcode_numba.py`` pins the equality per element)."""
         whole_heads = index is None or (
-            len(index) == 3 and index[0] == slice(None) and index[1] == slice(None) and isinstance(index[2], slice)
+            len(index) == 3 and all(isinstance(i, slice) for i in index) and index[:2] == _ALL2
         )
         from kvcert.quant.logcode_numba import plan  # numba on first use only (kvcert.quant.kernel_env says why)
 

@@ -166,15 +166,18 @@ def test_release_runs_on_write_until_under_budget():
 
 
 def _assert_exact_counted(st: LayerStore) -> None:
+    """The running counts and the remembered held heads equal what the flags give now."""
     for ts in (st.k, st.v):
         assert ts.n_exact == int(ts.exact.view().sum())
+    assert torch.equal(st.held_heads(), st.k.held.view().any(-1) | st.v.held.view().any(-1))
 
 
 @pytest.mark.parametrize("witness", ["f32", "log8"])
 def test_exact_count_follows_the_flags(witness):
-    """The running count of entries held exact (what every budget check reads) equals the flags' sum after every
-    kind of change: pending appends, block encodes (non-finite entries and fail-closed rows kept exact), holds,
-    budget releases, a sliding trim and an eviction."""
+    """The running count of entries held exact (what every budget check reads) equals the flags' sum, and the
+    held heads (remembered between changes) equal the held flags' reduction, after every kind of change: pending
+    appends, block encodes (non-finite entries and fail-closed rows kept exact), holds, budget releases, a sliding
+    trim and an eviction."""
     bad = _store("int8", "int4", write_block=4, witness=witness)
     k, v = _kv(t=20)
     k[0, 1, 3, 5] = float("nan")  # kept exact at its encode

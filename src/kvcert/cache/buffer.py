@@ -31,6 +31,7 @@ class GrowBuffer:
         self._shape = (b, h, tail)
         self._pin = pin
         self._data = self._alloc(max(capacity, like.shape[2]), like.dtype, like.device)
+        self._numpy_ok = _numpy_copyable(self._data)  # the allocations keep this dtype and device
         self._array: np.ndarray | None = None
         self._array_of: torch.Tensor | None = None  # the allocation ``_array`` views
         self.n = 0
@@ -45,6 +46,11 @@ class GrowBuffer:
         """Element type of the stored tensor."""
         return self._data.dtype
 
+    @property
+    def device(self) -> torch.device:
+        """Device of the stored tensor."""
+        return self._data.device
+
     def _reserve(self, t: int) -> None:
         """Make room for ``t`` more tokens (capacity doubling)."""
         if self.n + t > self._data.shape[2]:
@@ -58,7 +64,7 @@ class GrowBuffer:
         which costs less than a torch one for the few entries of a decode step)."""
         t = x.shape[2]
         self._reserve(t)
-        if x.dtype == self._data.dtype and _numpy_copyable(x) and _numpy_copyable(self._data):
+        if self._numpy_ok and x.dtype == self._data.dtype and _numpy_copyable(x):
             self.array()[:, :, self.n : self.n + t] = x.numpy()
         else:
             self._data.narrow(2, self.n, t).copy_(x)  # as ``[:, :, n : n + t] = x``, without the indexing machinery
@@ -67,7 +73,7 @@ class GrowBuffer:
     def append_fill(self, t: int, value: bool | float) -> None:
         """Append ``t`` tokens whose every element is ``value`` (as :meth:`append` of a full tensor, without one)."""
         self._reserve(t)
-        if _numpy_copyable(self._data):
+        if self._numpy_ok:
             self.array()[:, :, self.n : self.n + t] = value
         else:
             self._data.narrow(2, self.n, t).fill_(value)

@@ -196,6 +196,7 @@ class LayerStore:
         self.bytes_transient = 0  # their page-in bytes
         self.released = 0  # held (repaired) entries released back to their codes by the budget
         self.n_held = 0  # entries (K and V counted apart) currently held exact by persistent repair
+        self._held_heads: torch.Tensor | None = None  # held_heads() until the held flags change (None: recompute)
         self.compacted = False  # an eviction merged the chunks (dither keys of the codes are lost)
         self.write_block = write_block
         self.layer = layer
@@ -305,7 +306,7 @@ class LayerStore:
         t = k.shape[2]
         b, h = k.shape[:2]
         for ts, x in ((self.k, k), (self.v, v)):
-            writes.append(ts.host, x.to(ts.host.dtype).to(ts.host.view().device))
+            writes.append(ts.host, x.to(ts.host.dtype).to(ts.host.device))
             writes.append(ts.served, x.to(torch.float32))
             writes.append_fill(ts.exact, t, True)
             writes.then(partial(ts.add_exact, b * h * t))
@@ -450,6 +451,7 @@ class LayerStore:
             newly = ~ts.exact.view()[b, h, tokens]
             moved += int(newly.sum()) * ts.host.view().shape[-1] * 2
             ts.held.view()[b, h, tokens] |= newly
+            self._held_heads = None
             count = int(newly.sum())
             self.n_held += count
             ts.add_exact(count)
@@ -527,9 +529,13 @@ class LayerStore:
         return True
 
     def held_heads(self) -> torch.Tensor:
-        """``[B, H]`` bool: the (row, KV head) holds an entry kept exact by a persistent repair."""
+        """``[B, H]`` bool: the (row, KV head) holds an entry kept exact by a persistent repair (a new tensor; the
+        reduction over every live token is redone only after the held flags changed: a repair, a release, a trim,
+        an eviction)."""
         assert self.k is not None and self.v is not None
-        return self.k.held.view().any(-1) | self.v.held.view().any(-1)
+        if self._held_heads is None:
+            self._held_heads = self.k.held.view().any(-1) | self.v.held.view().any(-1)
+        return self._held_heads.clone()
 
     def _release_over_budget(self) -> None:
         """Release held (persistently repaired) entries, newest chunk first, K then V, until
@@ -575,6 +581,7 @@ class LayerStore:
                 self.released += int(held.sum())
                 self.n_held -= int(held.sum())
                 held.zero_()
+                self._held_heads = None
                 if self.bytes_device() <= limit:
                     return
 
@@ -594,6 +601,7 @@ class LayerStore:
             ts.n_encoded = max(ts.n_encoded - start, 0)
             ts.chunks = [c for c in ts.chunks if c.stop > self.base + start]
         self.n_held = sum(int(ts.held.view().sum()) for ts in (self.k, self.v))
+        self._held_heads = None
         for token_buf in self._token_buffers():
             token_buf.drop_before(start)
         if self.k_steps is not None:
@@ -638,6 +646,7 @@ class LayerStore:
             ts.n_encoded = keep.shape[-1]
             ts.last_encoded = 0
         self.compacted = True
+        self._held_heads = None
         if self.n_held:  # nothing held stays nothing held: recount (a host sync) only when something was
             self.n_held = sum(int(ts.held.view().sum()) for ts in (self.k, self.v))
         for token_buf in self._token_buffers():

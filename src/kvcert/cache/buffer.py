@@ -153,6 +153,21 @@ def _numpy_copyable(x: torch.Tensor) -> bool:
     )
 
 
+_ZERO_SCALARS: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _zero_scalars(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 0-dim value, exponent and code of a zero write on ``device`` (float32 0, int32 ``MIN_N``, uint8 0), made
+    once per device: a zero plan only expands them (its tensors are read, never written in place)."""
+    if device not in _ZERO_SCALARS:
+        _ZERO_SCALARS[device] = (
+            torch.zeros((), dtype=torch.float32, device=device),
+            torch.full((), logcode.MIN_N, dtype=torch.int32, device=device),
+            torch.zeros((), dtype=torch.uint8, device=device),
+        )
+    return _ZERO_SCALARS[device]
+
+
 #: the index of every (row, head): ``index[:2]`` of a write to whole heads
 _ALL2 = (slice(None), slice(None))
 
@@ -267,11 +282,11 @@ class LogBuffer:
         """:meth:`_plan` of writing zeros of ``shape`` at ``index`` (``None``: appended), built directly: a zero is
         code 0 against any base (which decodes to 0) and sets no exponent, so the bases stay, nothing can fail a
         check, and no exponent is searched (``n`` is ``MIN_N``, what the search gives a zero)."""
-        dev = base.device
-        x = torch.zeros((), dtype=torch.float32, device=dev).expand(shape)
-        n = torch.full((), logcode.MIN_N, dtype=torch.int32, device=dev).expand(shape)
-        codes = torch.zeros((), dtype=torch.uint8, device=dev).expand(shape)
-        return _Planned(self, index, x, n, base, torch.zeros_like(base), codes, (0, 0), x)
+        zero, n_zero, code_zero = _zero_scalars(base.device)
+        x = zero.expand(shape)
+        return _Planned(
+            self, index, x, n_zero.expand(shape), base, torch.zeros_like(base), code_zero.expand(shape), (0, 0), x
+        )
 
     def _store(self, p: _Planned, rebased: int) -> None:
         """Store the checked plan ``p`` (this buffer's next write, ``rebased``: how many of its bases rise)."""

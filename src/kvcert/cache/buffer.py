@@ -290,9 +290,9 @@ class LogBuffer:
 
     def _store(self, p: _Planned, rebased: int) -> None:
         """Store the checked plan ``p`` (this buffer's next write, ``rebased``: how many of its bases rise)."""
-        live = self.codes.view()
         self.base = p.base
         if rebased:
+            live = self.codes.view()
             self.rebases += rebased
             live.copy_(logcode.rebase(live, p.shift.view(*p.shift.shape, *([1] * (live.dim() - 2)))))
             self.decoded.view().copy_(logcode.decode(live, self.base.view(*self.base.shape, *([1] * (live.dim() - 2)))))
@@ -301,7 +301,7 @@ class LogBuffer:
             self.codes.append(p.codes)
             self.decoded.append(decoded)
         else:
-            live[p.index] = p.codes
+            self.codes.view()[p.index] = p.codes
             self.decoded.view()[p.index] = decoded
 
     def drop_before(self, start: int) -> None:

@@ -661,8 +661,7 @@ class LayerStore:
         if self.k is None:
             return 0
         assert self.v is not None
-        d = self.k.host.view().shape[-1]
-        dv = self.v.host.view().shape[-1]
+        d, dv = self.k.host.shape[-1], self.v.host.shape[-1]
         return self.k.packed_nbytes() + self.v.packed_nbytes() + self.k.exact_nbytes(d) + self.v.exact_nbytes(dv)
 
     def bytes_fp16(self) -> int:

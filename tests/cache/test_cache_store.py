@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvcert.bounds import band_norms
+from kvcert.bounds.rope import norm_up_f32
 from kvcert.cache.buffer import GrowBuffer
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
@@ -173,6 +174,24 @@ def test_growbuffer_numpy_append_and_fill_store_what_torch_stores(dtype):
         b = torch.cat([b, torch.full((2, 3, 1, 4), True if dtype == torch.bool else 7, dtype=dtype)], dim=2)
     got = a.view()
     assert got.shape == b.shape and torch.equal(got.view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("dv", [64, 32])
+def test_pending_norms_are_the_norms_of_each_entry(dv):
+    """The witnesses of pending (exact) entries, stored as float32 (``"f32"``), are per element the rounded-up norms
+    ``norm_up_f32`` gives each tensor on its own: ``‖k_t‖``, ``‖v_t‖`` and ``‖v_t − c‖`` (also when the three are
+    evaluated together, with equal key and value head dims), over scales from 1e-6 to 1e6."""
+    gen = torch.Generator().manual_seed(11)
+    st = LayerStore(0, get("int8"), get("int4"), bands=8, pairing="rotate_half", seed=1, write_block=64, witness="f32")
+    rows, keep = torch.arange(2), torch.zeros(2, dtype=torch.bool)
+    for i, scale in enumerate([1e-6, 1.0, 3e2, 1e6, 0.5]):
+        k = torch.randn(2, 3, 1 + i % 3, 64, generator=gen) * scale
+        v = torch.randn(2, 3, 1 + i % 3, dv, generator=gen) / scale
+        st.append(k, v, rows, keep)
+        t = k.shape[2]
+        assert torch.equal(st.k_hat_norm.view()[:, :, -t:], norm_up_f32(k))
+        assert torch.equal(st.v_hat_norm.view()[:, :, -t:], norm_up_f32(v))
+        assert torch.equal(st.v_dist.view()[:, :, -t:], norm_up_f32(v.to(torch.float64) - st.v_centre))
 
 
 def test_gate_validation_and_labels():

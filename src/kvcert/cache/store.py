@@ -315,16 +315,21 @@ class LayerStore:
         writes.append_zeros(self.k_band, (b, h, t, self.bands))
         writes.append_zeros(self.k_wit, (b, h, t))
         writes.append_zeros(self.v_res, (b, h, t))
+        k_norm, v_norm, v_dist = self._pending_norms(k, v)
         writes.appends(
-            [
-                (self.k_hat_norm, norm_up_f32(k)),
-                (self.v_hat_norm, norm_up_f32(v)),
-                (self.v_dist, norm_up_f32(v.to(torch.float64) - self.v_centre)),
-                (self.positions, positions),
-            ]
+            [(self.k_hat_norm, k_norm), (self.v_hat_norm, v_norm), (self.v_dist, v_dist), (self.positions, positions)]
         )
         if self.k_steps is not None:
             writes.append_fill(self.k_steps, t, 0.0)
+
+    def _pending_norms(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(‖k_t‖, ‖v_t‖, ‖v_t − c‖)`` rounded up (:func:`norm_up_f32`) of exact pending entries; with equal key and
+        value head dims as one call on the three stacked (each row's reduction is the one a call of its own makes:
+        ``tests/cache/test_cache_store.py`` pins the values per element)."""
+        v64 = v.to(torch.float64)
+        if k.shape[-1] != v.shape[-1]:
+            return norm_up_f32(k), norm_up_f32(v), norm_up_f32(v64 - self.v_centre)
+        return norm_up_f32(torch.stack([k.to(torch.float64), v64, v64 - self.v_centre])).unbind(0)
 
     def encode_pending(self, flush: bool = False) -> None:
         """Push every encodable pending token through its codec and record the write-time witnesses.

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvcert.bounds import band_norms
+from kvcert.bounds.rope import norm_up_f32
 from kvcert.cache.buffer import GrowBuffer
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
@@ -149,6 +150,48 @@ def test_growbuffer_append_view_gather():
     assert buf.view().shape == (1, 2, 5, 3) and buf.view()[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4]
     buf.gather(torch.tensor([[[0, 3], [1, 4]]]))
     assert buf.view()[0, 0, :, 0].tolist() == [0, 3] and buf.view()[0, 1, :, 0].tolist() == [1, 4]
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
+)
+def test_growbuffer_numpy_append_and_fill_store_what_torch_stores(dtype):
+    """The numpy copy of a CPU append (same dtype) and the constant fill store, element for element, what
+    ``narrow(...).copy_`` of the same tensors stores (bfloat16, which numpy lacks, and other dtypes take torch),
+    for strided, broadcast and negative-view inputs, across a reallocation."""
+    gen = torch.Generator().manual_seed(3)
+    a, b = GrowBuffer(torch.zeros(2, 3, 0, 4, dtype=dtype), capacity=3), torch.empty(2, 3, 0, 4, dtype=dtype)
+    raw = torch.randn(2, 3, 6, 8, generator=gen) * 100
+    inputs = [raw[:, :, :2, ::2], raw[:, :, 2:3, :4].expand(2, 3, 1, 4), raw[:, :, 3:5, 4:].contiguous()]
+    if dtype.is_floating_point:
+        inputs.append(torch.zeros(2, 3, 2, 4).neg())  # -0.0 bits
+        inputs.append(raw[:, :, :1, :4]._neg_view())  # a lazily negated view
+    for x in inputs:
+        x = x.to(dtype) if not x.is_neg() else x.resolve_neg().to(dtype)._neg_view()
+        a.append(x)
+        b = torch.cat([b, x.resolve_neg()], dim=2)
+        a.append_fill(1, True if dtype == torch.bool else 7)
+        b = torch.cat([b, torch.full((2, 3, 1, 4), True if dtype == torch.bool else 7, dtype=dtype)], dim=2)
+    got = a.view()
+    assert got.shape == b.shape and torch.equal(got.view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("dv", [64, 32])
+def test_pending_norms_are_the_norms_of_each_entry(dv):
+    """The witnesses of pending (exact) entries, stored as float32 (``"f32"``), are per element the rounded-up norms
+    ``norm_up_f32`` gives each tensor on its own: ``‖k_t‖``, ``‖v_t‖`` and ``‖v_t − c‖`` (also when the three are
+    evaluated together, with equal key and value head dims), over scales from 1e-6 to 1e6."""
+    gen = torch.Generator().manual_seed(11)
+    st = LayerStore(0, get("int8"), get("int4"), bands=8, pairing="rotate_half", seed=1, write_block=64, witness="f32")
+    rows, keep = torch.arange(2), torch.zeros(2, dtype=torch.bool)
+    for i, scale in enumerate([1e-6, 1.0, 3e2, 1e6, 0.5]):
+        k = torch.randn(2, 3, 1 + i % 3, 64, generator=gen) * scale
+        v = torch.randn(2, 3, 1 + i % 3, dv, generator=gen) / scale
+        st.append(k, v, rows, keep)
+        t = k.shape[2]
+        assert torch.equal(st.k_hat_norm.view()[:, :, -t:], norm_up_f32(k))
+        assert torch.equal(st.v_hat_norm.view()[:, :, -t:], norm_up_f32(v))
+        assert torch.equal(st.v_dist.view()[:, :, -t:], norm_up_f32(v.to(torch.float64) - st.v_centre))
 
 
 def test_gate_validation_and_labels():

@@ -165,6 +165,49 @@ def test_release_runs_on_write_until_under_budget():
             assert st.bytes_device() <= max(budget * st.bytes_fp16(), floor)
 
 
+def _assert_exact_counted(st: LayerStore) -> None:
+    """The running counts and the remembered held heads equal what the flags give now."""
+    for ts in (st.k, st.v):
+        assert ts.n_exact == int(ts.exact.view().sum())
+    assert torch.equal(st.held_heads(), st.k.held.view().any(-1) | st.v.held.view().any(-1))
+
+
+@pytest.mark.parametrize("witness", ["f32", "log8"])
+def test_exact_count_follows_the_flags(witness):
+    """The running count of entries held exact (what every budget check reads) equals the flags' sum, and the
+    held heads (remembered between changes) equal the held flags' reduction, after every kind of change: pending
+    appends, block encodes (non-finite entries and fail-closed rows kept exact), holds, budget releases, a sliding
+    trim and an eviction."""
+    bad = _store("int8", "int4", write_block=4, witness=witness)
+    k, v = _kv(t=20)
+    k[0, 1, 3, 5] = float("nan")  # kept exact at its encode
+    bad.append(k, v, torch.arange(2), torch.tensor([False, True]))  # row 1: fail closed, never compressed
+    bad.append(*_kv(t=1, seed=1), torch.arange(2), torch.tensor([False, True]))
+    assert bad.nonfinite > 0 and bad.fail_closed > 0
+    _assert_exact_counted(bad)
+    st = _store("int8", "int4", budget=0.9, write_block=4, witness=witness)
+    st.append(*_kv(t=20), *_rows())
+    _assert_exact_counted(st)
+    for step in range(10):
+        st.append(*_kv(t=1, seed=20 + step), *_rows())
+        _assert_exact_counted(st)
+        st.persist(step % 2, step % 3, torch.arange(st.n) % (step + 2) == 0)
+        _assert_exact_counted(st)
+    assert st.n_held > 0
+    st.device_budget = 1e-6  # the next write releases every hold
+    st.append(*_kv(t=1, seed=40), *_rows())
+    assert st.released > 0
+    _assert_exact_counted(st)
+    st.drop_before(5)
+    _assert_exact_counted(st)
+    ev = _store("int8", "int8", witness=witness)
+    ev.append(*_kv(t=20), *_rows())
+    ev.append(*_kv(t=1, seed=1), *_rows())
+    ev.make_exact(0, 1, slice(2, 9))
+    ev.gather(torch.tensor([0, 2, 5, 7, 15]).expand(2, 3, 5).contiguous())
+    _assert_exact_counted(ev)
+
+
 def test_budget_rejects_non_positive():
     with pytest.raises(ValueError, match="device_budget"):
         _store(budget=0.0)
@@ -191,6 +234,7 @@ def _make_exact_head_by_head(st: LayerStore, b: int, h: int, tokens) -> None:
         newly = ~ts.exact.view()[b, h, tokens]
         ts.held.view()[b, h, tokens] |= newly
         st.n_held += int(newly.sum())
+        ts.add_exact(int(newly.sum()))
         ts.exact.view()[b, h, tokens] = True
     exact_v = st.v.served.view()[b, h, tokens]
     wit = {

@@ -12,15 +12,17 @@ from kvcert.bounds.rc import gamma_f32
 from kvcert.bounds.softmax_tv import probs64, served_meter
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
-from kvcert.kernels.repair import repair_blocks
-from kvcert.quant import get
+from kvcert.kernels.repair import repair_blocks, repaired_read
+from kvcert.quant import get, kernel_env
 
 torch.set_num_threads(1)
 SC = 0.125
+BACKENDS = ("numba", "torch")  # the repaired read's softmax and meter: the fused row kernel, or the eager forms
 
 
-def _per_head(q, khat, hk, m, c, p, gate):
-    """The per-head procedure (one head at a time, a host decision per doubling): the oracle."""
+def _per_head(q, khat, hk, m, c, p, gate, fused):
+    """The per-head procedure (one head at a time, a host decision per doubling): the oracle, evaluating each
+    recomputed read as the backend does (``fused``: the row kernel; else :func:`probs64` and :func:`served_meter`)."""
     s, bs = khat.shape[0], gate.block_size
     nb = (s + bs - 1) // bs
     rows = torch.nn.functional.pad(p * torch.expm1(c), (0, nb * bs - s)).reshape(p.shape[0], nb, bs).sum(-1)
@@ -33,15 +35,20 @@ def _per_head(q, khat, hk, m, c, p, gate):
         tok[order[: min(k, nb)]] = True
         tok = tok.reshape(-1)[:s]
         logits = (q @ torch.where(tok.unsqueeze(-1), hk, khat).T * SC).masked_fill(~m, -math.inf)
-        pm = probs64(logits)
-        cert, raw = served_meter(pm, torch.where(tok, 0.0, c))
+        if fused:
+            pm, cert, raw = repaired_read(logits, torch.where(tok, 0.0, c), True)
+        else:
+            pm = probs64(logits)
+            cert, raw = served_meter(pm, torch.where(tok, 0.0, c))
         if bool(((raw if gate.uses_unclipped else cert) <= gate.threshold).all()) or k >= nb:
             return tok, cert, pm, min(k, nb)
         k *= 2
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("tau", [0.0, 0.01, 0.2])
-def test_batched_block_repair_makes_the_per_head_choice_and_certifies_every_cell(tau: float) -> None:
+def test_batched_block_repair_makes_the_per_head_choice_and_certifies_every_cell(tau, backend, monkeypatch) -> None:
+    monkeypatch.setenv(kernel_env.ENV, backend)
     gen = torch.Generator().manual_seed(3)
     b, h, m_rows, d, s = 2, 3, 4, 32, 100
     store = LayerStore(0, get("int2"), get("int4"), bands=4, pairing="rotate_half", seed=1)
@@ -63,7 +70,7 @@ def test_batched_block_repair_makes_the_per_head_choice_and_certifies_every_cell
     host_k, host_v = store.k.host.view(), store.v.host.view()
     for j, (bi, hi) in enumerate(res.heads.tolist()):
         tok, cert, pm, nblk = _per_head(
-            q[bi, hi], khat[bi, hi], host_k[bi, hi], mask[bi, hi], c[bi, hi], p[bi, hi], gate
+            q[bi, hi], khat[bi, hi], host_k[bi, hi], mask[bi, hi], c[bi, hi], p[bi, hi], gate, backend == "numba"
         )
         assert torch.equal(res.tokens[j], tok) and int(res.n_blocks[j]) == nblk
         assert torch.allclose(res.cert[j], cert, rtol=1e-12, atol=1e-15)
@@ -76,10 +83,12 @@ def test_batched_block_repair_makes_the_per_head_choice_and_certifies_every_cell
     assert (res.n_blocks > 0).all() if tau == 0.0 else True
 
 
-def test_repaired_certificate_bounds_the_true_tv_per_cell() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_repaired_certificate_bounds_the_true_tv_per_cell(backend, monkeypatch) -> None:
     """Per cell the repaired meter is at least the TV to the dense read as computed (validate mode's reference,
     ``docs/read-path.md#validate-mode``: float32 logits of the exact keys, the repair's own evaluation of paged
     tokens, whose radius is 0); unpaged tokens keep a radius covering their logit error to it."""
+    monkeypatch.setenv(kernel_env.ENV, backend)
     gen = torch.Generator().manual_seed(5)
     b, h, m_rows, d, s = 1, 2, 3, 32, 80
     store = LayerStore(0, get("int2"), get("int2"), bands=4, pairing="rotate_half", seed=1)
@@ -102,3 +111,26 @@ def test_repaired_certificate_bounds_the_true_tv_per_cell() -> None:
         tv = true_tv(exact[bi, hi], res.p[j])
         assert bool((tv <= res.cert[j] + 1e-9).all()), float((tv - res.cert[j]).max())
         assert bool((res.cert[j] <= 0.05).all())
+
+
+def test_fused_repaired_read_refines_the_eager_one_per_cell() -> None:
+    """The fused evaluation of a repaired read (CPU row kernel) against the eager forms on the same logits and
+    radii, per cell: the same distribution up to float64 rounding, a meter never below the eager one by more than
+    float64 rounding nor above it by more than the kernel's rounding allowance, fully masked rows and rows with
+    every radius 0 give 0."""
+    gen = torch.Generator().manual_seed(9)
+    logits = (torch.randn(6, 4, 300, generator=gen) * 3).to(torch.float32)
+    logits[1, 1] = float("-inf")  # a row that sees nothing
+    logits[2, :, ::3] = float("-inf")
+    c = torch.rand(6, 4, 300, generator=gen) * torch.tensor([0.0, 0.01, 0.3, 2.0, 8.0, 40.0]).view(6, 1, 1)
+    c[3, :, :100] = 0.0  # paged tokens
+    p_f, cert_f, raw_f = repaired_read(logits, c, True)
+    p_e, cert_e, raw_e = repaired_read(logits, c, False)
+    assert torch.allclose(p_f, p_e, rtol=1e-12, atol=1e-15)
+    near = raw_e <= 10.0
+    gap = raw_f[near] - raw_e[near]
+    assert bool((gap >= -1e-12).all()) and bool((gap <= 1e-9).all()), (float(gap.min()), float(gap.max()))
+    assert bool((raw_f[~near] >= raw_e[~near] * (1 - 1e-12)).all())
+    assert torch.equal(cert_f, raw_f.clamp(max=1.0))
+    assert float(raw_f[1, 1]) == float(raw_e[1, 1]) == 0.0
+    assert bool((raw_f[0] == 0.0).all()) and bool((raw_e[0] == 0.0).all())  # zero radii: p̃ = p, TV 0

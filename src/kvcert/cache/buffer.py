@@ -31,6 +31,7 @@ class GrowBuffer:
         self._shape = (b, h, tail)
         self._pin = pin
         self._data = self._alloc(max(capacity, like.shape[2]), like.dtype, like.device)
+        self._numpy_ok = _numpy_copyable(self._data)  # the allocations keep this dtype and device
         self._array: np.ndarray | None = None
         self._array_of: torch.Tensor | None = None  # the allocation ``_array`` views
         self.n = 0
@@ -45,15 +46,37 @@ class GrowBuffer:
         """Element type of the stored tensor."""
         return self._data.dtype
 
-    def append(self, x: torch.Tensor) -> None:
-        """Append ``x[B, H, t, *tail]`` along the token axis."""
-        t = x.shape[2]
+    @property
+    def device(self) -> torch.device:
+        """Device of the stored tensor."""
+        return self._data.device
+
+    def _reserve(self, t: int) -> None:
+        """Make room for ``t`` more tokens (capacity doubling)."""
         if self.n + t > self._data.shape[2]:
             cap = max(2 * self._data.shape[2], 2 * (self.n + t))  # a large chunk leaves room to grow
             new = self._alloc(cap, self._data.dtype, self._data.device)
             new[:, :, : self.n] = self._data[:, :, : self.n]
             self._data = new
-        self._data.narrow(2, self.n, t).copy_(x)  # as ``[:, :, n : n + t] = x``, without the indexing machinery
+
+    def append(self, x: torch.Tensor) -> None:
+        """Append ``x[B, H, t, *tail]`` along the token axis (on CPU, same dtype: a numpy copy of the same elements,
+        which costs less than a torch one for the few entries of a decode step)."""
+        t = x.shape[2]
+        self._reserve(t)
+        if self._numpy_ok and x.dtype == self._data.dtype and _numpy_copyable(x):
+            self.array()[:, :, self.n : self.n + t] = x.numpy()
+        else:
+            self._data.narrow(2, self.n, t).copy_(x)  # as ``[:, :, n : n + t] = x``, without the indexing machinery
+        self.n += t
+
+    def append_fill(self, t: int, value: bool | float) -> None:
+        """Append ``t`` tokens whose every element is ``value`` (as :meth:`append` of a full tensor, without one)."""
+        self._reserve(t)
+        if self._numpy_ok:
+            self.array()[:, :, self.n : self.n + t] = value
+        else:
+            self._data.narrow(2, self.n, t).fill_(value)
         self.n += t
 
     @property
@@ -100,6 +123,53 @@ class GrowBuffer:
     def write(self, index: TokenIndex, values: torch.Tensor | float) -> None:
         """``view()[index] = values``."""
         self.view()[index] = values
+
+
+#: dtypes whose CPU tensors numpy views element for element (bit for bit)
+_NUMPY_DTYPES = frozenset(
+    (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+)
+
+
+def _numpy_copyable(x: torch.Tensor) -> bool:
+    """Whether ``x.numpy()`` views ``x``'s elements as they are: a CPU tensor of a numpy dtype, no gradient, no
+    conjugate or negative bit."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in _NUMPY_DTYPES
+        and not x.requires_grad
+        and not x.is_conj()
+        and not x.is_neg()
+    )
+
+
+_ZERO_SCALARS: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _zero_scalars(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 0-dim value, exponent and code of a zero write on ``device`` (float32 0, int32 ``MIN_N``, uint8 0), made
+    once per device: a zero plan only expands them (its tensors are read, never written in place)."""
+    if device not in _ZERO_SCALARS:
+        _ZERO_SCALARS[device] = (
+            torch.zeros((), dtype=torch.float32, device=device),
+            torch.full((), logcode.MIN_N, dtype=torch.int32, device=device),
+            torch.zeros((), dtype=torch.uint8, device=device),
+        )
+    return _ZERO_SCALARS[device]
+
+
+#: the index of every (row, head): ``index[:2]`` of a write to whole heads
+_ALL2 = (slice(None), slice(None))
 
 
 class LogBuffer:
@@ -197,7 +267,7 @@ class LogBuffer:
         nothing is unsettled): the same bases, shifts and codes, the same deferred encoder check, and the decoded
         values :meth:`_store` would compute (``tests/quant/test_logcode_numba.py`` pins the equality per element)."""
         whole_heads = index is None or (
-            len(index) == 3 and index[0] == slice(None) and index[1] == slice(None) and isinstance(index[2], slice)
+            len(index) == 3 and all(isinstance(i, slice) for i in index) and index[:2] == _ALL2
         )
         from kvcert.quant.logcode_numba import plan  # numba on first use only (kvcert.quant.kernel_env says why)
 
@@ -206,25 +276,23 @@ class LogBuffer:
         p = plan(x, heads, base)
         if p.negative or p.above_top:  # a check that cannot fail is not recorded
             logcode.check_codes(x, torch.tensor(p.negative, device=dev), torch.tensor(p.above_top, device=dev))
-        summary = torch.tensor([0, p.rebased], dtype=torch.int64, device=dev)
-        return _Planned(self, index, x, p.n, p.base, p.shift, p.codes, summary, p.decoded)
+        return _Planned(self, index, x, p.n, p.base, p.shift, p.codes, (0, p.rebased), p.decoded)
 
     def _plan_zeros(self, shape: tuple[int, ...], index: TokenIndex | None, base: torch.Tensor) -> _Planned:
         """:meth:`_plan` of writing zeros of ``shape`` at ``index`` (``None``: appended), built directly: a zero is
         code 0 against any base (which decodes to 0) and sets no exponent, so the bases stay, nothing can fail a
         check, and no exponent is searched (``n`` is ``MIN_N``, what the search gives a zero)."""
-        dev = base.device
-        x = torch.zeros((), dtype=torch.float32, device=dev).expand(shape)
-        n = torch.full((), logcode.MIN_N, dtype=torch.int32, device=dev).expand(shape)
-        codes = torch.zeros((), dtype=torch.uint8, device=dev).expand(shape)
-        summary = torch.zeros(2, dtype=torch.int64, device=dev)
-        return _Planned(self, index, x, n, base, torch.zeros_like(base), codes, summary, x)
+        zero, n_zero, code_zero = _zero_scalars(base.device)
+        x = zero.expand(shape)
+        return _Planned(
+            self, index, x, n_zero.expand(shape), base, torch.zeros_like(base), code_zero.expand(shape), (0, 0), x
+        )
 
     def _store(self, p: _Planned, rebased: int) -> None:
         """Store the checked plan ``p`` (this buffer's next write, ``rebased``: how many of its bases rise)."""
-        live = self.codes.view()
         self.base = p.base
         if rebased:
+            live = self.codes.view()
             self.rebases += rebased
             live.copy_(logcode.rebase(live, p.shift.view(*p.shift.shape, *([1] * (live.dim() - 2)))))
             self.decoded.view().copy_(logcode.decode(live, self.base.view(*self.base.shape, *([1] * (live.dim() - 2)))))
@@ -233,7 +301,7 @@ class LogBuffer:
             self.codes.append(p.codes)
             self.decoded.append(decoded)
         else:
-            live[p.index] = p.codes
+            self.codes.view()[p.index] = p.codes
             self.decoded.view()[p.index] = decoded
 
     def drop_before(self, start: int) -> None:
@@ -269,8 +337,9 @@ def _settle_together(xs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.T
 class _Planned:
     """A :class:`LogBuffer` write planned on the device, nothing stored yet: ``x`` (exponents ``n``) at ``index``
     (``None``: appended), the buffer's bases after it, the ``shift`` per (row, head) that raises them, the codes,
-    ``summary``, int64 ``[2]``: exponents unsettled, bases rising, and, when the planner computed them, the codes'
-    decoded values against the new bases."""
+    ``summary``: exponents unsettled, bases rising (int64 ``[2]`` on the device, or two ints when the planner knows
+    them on the host: the fused and the zero plans, which need no read-back), and, when the planner computed them,
+    the codes' decoded values against the new bases."""
 
     buffer: LogBuffer
     index: TokenIndex | None
@@ -279,7 +348,7 @@ class _Planned:
     base: torch.Tensor
     shift: torch.Tensor
     codes: torch.Tensor
-    summary: torch.Tensor
+    summary: torch.Tensor | tuple[int, int]
     decoded: torch.Tensor | None = None
 
 
@@ -330,6 +399,9 @@ class WriteBatch:
 
     def append(self, buffer: GrowBuffer | LogBuffer, x: torch.Tensor) -> None:
         """Record appending ``x[B, H, t, *tail]`` along the token axis of ``buffer``."""
+        if isinstance(buffer, GrowBuffer):
+            self.then(partial(buffer.append, x))
+            return
         self.appends([(buffer, x)])
 
     def appends(self, items: Sequence[tuple[GrowBuffer | LogBuffer, torch.Tensor]]) -> None:
@@ -339,15 +411,16 @@ class WriteBatch:
         unsettled anywhere replans every one of these writes at the commit, each from its exact exponents. On CPU
         each is one :meth:`LogBuffer._plan_fused` call."""
         logs = [x if x.is_floating_point() else x.to(torch.float64) for b, x in items if isinstance(b, LogBuffer)]
-        settled = iter(_settle_together([x for x in logs if not fused_log8(x.device)]))
-        values = iter(logs)
+        fused = [fused_log8(x.device) for x in logs]
+        settled = iter(_settle_together([x for x, f in zip(logs, fused, strict=True) if not f]))
+        values, flags = iter(logs), iter(fused)
         for buffer, x in items:
             if isinstance(buffer, GrowBuffer):
                 self.then(partial(buffer.append, x))
                 continue
             x = next(values)
             with deferred(self._checks):
-                if fused_log8(x.device):
+                if next(flags):
                     self._ops.append(buffer._plan_fused(x, None, self._base(buffer)))
                 else:
                     self._ops.append(buffer._plan(x, *next(settled), None, self._base(buffer)))
@@ -356,9 +429,15 @@ class WriteBatch:
         """Record appending zeros ``[B, H, t, *tail]`` of ``shape`` (as :meth:`append` of a zero tensor, float32 for a
         :class:`GrowBuffer` of floats, without the exponent search of a :class:`LogBuffer`)."""
         if isinstance(buffer, GrowBuffer):
-            self.then(partial(buffer.append, buffer.view().new_zeros(shape)))
+            if tuple(shape) != buffer.shape[:2] + (shape[2],) + buffer.shape[3:]:
+                raise ValueError(f"append_zeros: shape {tuple(shape)} does not extend a buffer of shape {buffer.shape}")
+            self.append_fill(buffer, shape[2], 0)
             return
         self._ops.append(buffer._plan_zeros(shape, None, self._base(buffer)))
+
+    def append_fill(self, buffer: GrowBuffer, t: int, value: bool | float) -> None:
+        """Record appending ``t`` tokens of ``buffer`` whose every element is ``value``."""
+        self.then(partial(buffer.append_fill, t, value))
 
     def then(self, change: Callable[[], object]) -> None:
         """Record a state change to run at the commit, in order, once every check has passed."""
@@ -390,16 +469,18 @@ class WriteBatch:
         planned = [p for p in self._ops if isinstance(p, _Planned)]
         checks, counts, self._checks, self._counts = self._checks, self._counts, Checks(), {}
         try:
-            back = checks.read_back([p.summary for p in planned] + list(counts.values()))  # the one host sync
+            on_device = [p.summary for p in planned if isinstance(p.summary, torch.Tensor)]
+            back = checks.read_back(on_device + list(counts.values()))  # the one host sync (none if nothing to read)
             assert back is not None  # no guard
-            rows = [back[2 * i : 2 * i + 2] for i in range(len(planned))]
-            counted = dict(zip(counts, back[2 * len(planned) :], strict=True))
+            read = iter(back[2 * i : 2 * i + 2] for i in range(len(on_device)))
+            rows = [list(p.summary) if isinstance(p.summary, tuple) else next(read) for p in planned]
+            counted = dict(zip(counts, back[2 * len(on_device) :], strict=True))
             if any(row[0] for row in rows):  # not seen in practice: the exact search decides the unsettled exponents
                 recheck = Checks()
                 with deferred(recheck):
                     self._replan({id(p) for p, row in zip(planned, rows, strict=True) if row[0]})
                 planned = [p for p in self._ops if isinstance(p, _Planned)]
-                replanned = recheck.read_back([p.summary for p in planned])
+                replanned = recheck.read_back([torch.as_tensor(p.summary) for p in planned])  # all on the device
                 assert replanned is not None
                 rows = [replanned[2 * i : 2 * i + 2] for i in range(len(planned))]
         finally:

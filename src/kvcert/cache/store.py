@@ -91,6 +91,7 @@ class _Tensorstore:
         self.served = GrowBuffer(like.to(device, torch.float32))
         b, h = like.shape[:2]
         self.exact = GrowBuffer(torch.zeros(b, h, 1, dtype=torch.bool, device=device))
+        self.n_exact = 0  # entries of ``exact`` set (kept as it changes: every device-budget check reads it)
         self.held = GrowBuffer(torch.zeros(b, h, 1, dtype=torch.bool, device=device))  # persistent repairs
         self.chunks = []  # (the setter also resets the packed byte count)
         self.n_encoded = 0  # tokens [0, n_encoded) went through the codec (relative to live window)
@@ -127,7 +128,17 @@ class _Tensorstore:
         return self._packed_bytes
 
     def exact_nbytes(self, head_dim: int) -> int:
-        return int(self.exact.view().sum()) * head_dim * EXACT_BYTES
+        """16-bit bytes of the entries held exact: :attr:`n_exact` (``= exact.view().sum()``, counted as the flags
+        change instead of summed over every live token at each budget check) times ``head_dim``."""
+        return self.n_exact * head_dim * EXACT_BYTES
+
+    def add_exact(self, n: int) -> None:
+        """Count ``n`` more (negative: fewer) entries of ``exact`` set."""
+        self.n_exact += n
+
+    def recount_exact(self) -> None:
+        """Recount :attr:`n_exact` from the flags (after an eviction or trim: one host sync)."""
+        self.n_exact = int(self.exact.view().sum())
 
 
 #: bytes per element of an entry held exact on the device tier (fp16 / bf16, the serving precision)
@@ -186,6 +197,7 @@ class LayerStore:
         self.bytes_transient = 0  # their page-in bytes
         self.released = 0  # held (repaired) entries released back to their codes by the budget
         self.n_held = 0  # entries (K and V counted apart) currently held exact by persistent repair
+        self._held_heads: torch.Tensor | None = None  # held_heads() until the held flags change (None: recompute)
         self.compacted = False  # an eviction merged the chunks (dither keys of the codes are lost)
         self.write_block = write_block
         self.layer = layer
@@ -300,24 +312,30 @@ class LayerStore:
         t = k.shape[2]
         b, h = k.shape[:2]
         for ts, x in ((self.k, k), (self.v, v)):
-            writes.append(ts.host, x.to(ts.host.dtype).to(ts.host.view().device))
+            writes.append(ts.host, x.to(ts.host.dtype).to(ts.host.device))
             writes.append(ts.served, x.to(torch.float32))
-            writes.append(ts.exact, torch.ones(b, h, t, dtype=torch.bool, device=x.device))
-            writes.append(ts.held, torch.zeros(b, h, t, dtype=torch.bool, device=x.device))
+            writes.append_fill(ts.exact, t, True)
+            writes.then(partial(ts.add_exact, b * h * t))
+            writes.append_fill(ts.held, t, False)
         # pending entries are exact: residual witnesses 0; the norms of "log8" settle their exponents together
         writes.append_zeros(self.k_band, (b, h, t, self.bands))
         writes.append_zeros(self.k_wit, (b, h, t))
         writes.append_zeros(self.v_res, (b, h, t))
+        k_norm, v_norm, v_dist = self._pending_norms(k, v)
         writes.appends(
-            [
-                (self.k_hat_norm, norm_up_f32(k)),
-                (self.v_hat_norm, norm_up_f32(v)),
-                (self.v_dist, norm_up_f32(v.to(torch.float64) - self.v_centre)),
-                (self.positions, positions),
-            ]
+            [(self.k_hat_norm, k_norm), (self.v_hat_norm, v_norm), (self.v_dist, v_dist), (self.positions, positions)]
         )
         if self.k_steps is not None:
-            writes.append(self.k_steps, k.new_zeros((b, h, t, self.k_steps.view().shape[-1]), dtype=torch.float32))
+            writes.append_fill(self.k_steps, t, 0.0)
+
+    def _pending_norms(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(‖k_t‖, ‖v_t‖, ‖v_t − c‖)`` rounded up (:func:`norm_up_f32`) of exact pending entries; with equal key and
+        value head dims as one call on the three stacked (each row's reduction is the one a call of its own makes:
+        ``tests/cache/test_cache_store.py`` pins the values per element)."""
+        v64 = v.to(torch.float64)
+        if k.shape[-1] != v.shape[-1]:
+            return norm_up_f32(k), norm_up_f32(v), norm_up_f32(v64 - self.v_centre)
+        return norm_up_f32(torch.stack([k.to(torch.float64), v64, v64 - self.v_centre])).unbind(0)
 
     def encode_pending(self, flush: bool = False) -> None:
         """Push every encodable pending token through its codec and record the write-time witnesses.
@@ -361,6 +379,7 @@ class LayerStore:
                 wit = self._witnesses(is_key, x, xhat, keep, ts.codec.steps(packed))
             where = (slice(None), slice(None), slice(lo, hi))
             writes.write(ts.served, where, xhat)
+            writes.count(f"exact_{'k' if is_key else 'v'}", keep.sum() - ts.exact.view()[where].sum())
             writes.write(ts.exact, where, keep)
             if is_key:
                 writes.count("nonfinite", (~finite).sum())
@@ -431,6 +450,9 @@ class LayerStore:
         counts = writes.commit()
         self.nonfinite += counts.get("nonfinite", 0)
         self.fail_closed += counts.get("fail_closed", 0)
+        if self.k is not None and self.v is not None:
+            self.k.add_exact(counts.get("exact_k", 0))
+            self.v.add_exact(counts.get("exact_v", 0))
         for where in [(slice(None),) * 3] if bands and self.k_band in writes.raised else bands:
             self.k_wit.write(where, band_sum_up(self.k_band.view()[where], self.bands))
 
@@ -455,7 +477,10 @@ class LayerStore:
             newly = ~ts.exact.view()[b, h, tokens]
             moved += int(newly.sum()) * ts.host.view().shape[-1] * 2
             ts.held.view()[b, h, tokens] |= newly
-            self.n_held += int(newly.sum())
+            self._held_heads = None
+            count = int(newly.sum())
+            self.n_held += count
+            ts.add_exact(count)
             ts.exact.view()[b, h, tokens] = True
         return moved
 
@@ -468,20 +493,21 @@ class LayerStore:
         sel = torch.zeros(self.k.exact.shape, dtype=torch.bool, device=self.k.exact.view().device)
         for b, h, tokens in held:
             sel[b, h, tokens] = True
-        exact_v = self.v.served.view()[sel]
-        centre = self.v_centre.expand(self.v.served.shape)[sel]
+        where = sel.nonzero(as_tuple=True)  # the places of ``sel`` in its order: every write below indexes by them
+        exact_v = self.v.served.view()[where]
+        centre = self.v_centre.expand(self.v.served.shape)[where]
         wit: dict[str, torch.Tensor | float] = {
             "k_band": 0.0,
             "k_wit": 0.0,
             "v_res": 0.0,
-            "k_hat_norm": norm_up_f32(self.k.served.view()[sel]),
+            "k_hat_norm": norm_up_f32(self.k.served.view()[where]),
             "v_hat_norm": norm_up_f32(exact_v),
             "v_dist": norm_up_f32(exact_v.to(torch.float64) - centre),
         }
         if self.k_steps is not None:
             wit["k_steps"] = 0.0
         writes = WriteBatch()
-        self._write_witnesses((sel,), wit, writes)
+        self._write_witnesses(where, wit, writes)
         self._commit(writes)
 
     # --------------------------------------------------------------------------------- device budget
@@ -503,6 +529,7 @@ class LayerStore:
         :meth:`persist` results."""
         if len(heads) != len(tokens):
             raise ValueError(f"persist_heads: {len(heads)} heads but {len(tokens)} token selections")
+        tokens = [_as_slots(t) for t in tokens]
         kept = [self._persist(b, h, t) for (b, h), t in zip(heads, tokens, strict=True)]
         held = [(b, h, t) for (b, h), t, k in zip(heads, tokens, kept, strict=True) if k]
         if held:
@@ -528,9 +555,13 @@ class LayerStore:
         return True
 
     def held_heads(self) -> torch.Tensor:
-        """``[B, H]`` bool: the (row, KV head) holds an entry kept exact by a persistent repair."""
+        """``[B, H]`` bool: the (row, KV head) holds an entry kept exact by a persistent repair (a new tensor; the
+        reduction over every live token is redone only after the held flags changed: a repair, a release, a trim,
+        an eviction)."""
         assert self.k is not None and self.v is not None
-        return self.k.held.view().any(-1) | self.v.held.view().any(-1)
+        if self._held_heads is None:
+            self._held_heads = self.k.held.view().any(-1) | self.v.held.view().any(-1)
+        return self._held_heads.clone()
 
     def _release_over_budget(self) -> None:
         """Release held (persistently repaired) entries, newest chunk first, K then V, until
@@ -571,10 +602,12 @@ class LayerStore:
                     writes,
                 )
                 self._commit(writes)
+                ts.add_exact(-int((ts.exact.view()[:, :, lo:hi] & held).sum()))
                 ts.exact.view()[:, :, lo:hi] &= ~held
                 self.released += int(held.sum())
                 self.n_held -= int(held.sum())
                 held.zero_()
+                self._held_heads = None
                 if self.bytes_device() <= limit:
                     return
 
@@ -597,9 +630,11 @@ class LayerStore:
         for ts in (self.k, self.v):
             for buf in (ts.host, ts.served, ts.exact, ts.held):
                 buf.drop_before(start)
+            ts.recount_exact()
             ts.n_encoded = max(ts.n_encoded - start, 0)
             ts.chunks = [c for c in ts.chunks if c.stop > self.base + start]
         self.n_held = sum(int(ts.held.view().sum()) for ts in (self.k, self.v))
+        self._held_heads = None
         for token_buf in self._token_buffers():
             token_buf.drop_before(start)
         if self.k_steps is not None:
@@ -641,9 +676,11 @@ class LayerStore:
             ts.chunks = [_Chunk(0, keep.shape[-1], _gather_packed(ts.chunks, keep, n))] if ts.chunks else []
             for buf in (ts.host, ts.served, ts.exact, ts.held):
                 buf.gather(keep)
+            ts.recount_exact()
             ts.n_encoded = keep.shape[-1]
             ts.last_encoded = 0
         self.compacted = True
+        self._held_heads = None
         if self.n_held:  # nothing held stays nothing held: recount (a host sync) only when something was
             self.n_held = sum(int(ts.held.view().sum()) for ts in (self.k, self.v))
         for token_buf in self._token_buffers():
@@ -658,8 +695,7 @@ class LayerStore:
         if self.k is None:
             return 0
         assert self.v is not None
-        d = self.k.host.view().shape[-1]
-        dv = self.v.host.view().shape[-1]
+        d, dv = self.k.host.shape[-1], self.v.host.shape[-1]
         return self.k.packed_nbytes() + self.v.packed_nbytes() + self.k.exact_nbytes(d) + self.v.exact_nbytes(dv)
 
     def bytes_fp16(self) -> int:
@@ -693,6 +729,14 @@ class LayerStore:
             return 0
         assert self.v is not None
         return self.k.host.nbytes + self.v.host.nbytes
+
+
+def _as_slots(tokens: slice | torch.Tensor) -> slice | torch.Tensor:
+    """A boolean token mask as the indices of its set slots (ascending: indexing by them selects what the mask
+    selects, in the same order, without finding the set slots again at every indexing); slices and indices as given."""
+    if isinstance(tokens, torch.Tensor) and tokens.dtype == torch.bool:
+        return tokens.nonzero().view(-1)
+    return tokens
 
 
 def _gather_packed(chunks: list[_Chunk], keep: torch.Tensor, n: int) -> Packed:

@@ -64,25 +64,28 @@ def _tier_b_radii(
     nb, nh, m, d = q.shape
     ng = d // group_size
     qg2 = np.empty(ng)
+    acc = np.empty(s)  # Σ_g steps[t, g]²·‖q_g‖² per token, the groups added in order (token loops innermost: SIMD)
     for bi in range(nb):
         for h in range(nh):
             for r in range(m):
                 for g in range(ng):
-                    acc = 0.0
+                    sq = 0.0
                     for j in range(g * group_size, (g + 1) * group_size):
                         x = np.float64(q[bi, h, r, j])
-                        acc += x * x
-                    qg2[g] = acc
+                        sq += x * x
+                    qg2[g] = sq
                 rate = rate_scale * qn[bi, h, r]
                 bad = not (np.isfinite(rate) and rate >= 0.0)
-                for t in range(s):
-                    acc = 0.0
-                    for g in range(ng):
+                acc[:] = 0.0
+                for g in range(ng):
+                    qq = qg2[g]
+                    for t in range(s):
                         st = np.float64(steps[bi, h, t, g])
                         bad |= not st >= 0.0
-                        acc += st * st * qg2[g]
+                        acc[t] += st * st * qq
+                for t in range(s):
                     kf = 2.0 * np.float64(k_hat_norm[bi, h, t]) + np.float64(k_wit[bi, h, t])
-                    ut = (math.sqrt(2.0 * (acc * sig_scale) * log_term) + rate * kf) * infl
+                    ut = (math.sqrt(2.0 * (acc[t] * sig_scale) * log_term) + rate * kf) * infl
                     bad |= not (ut >= 0.0 and ut < np.inf)
                     u[bi, h, r, t] = ut
                 if bad:

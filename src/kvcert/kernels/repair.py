@@ -14,9 +14,11 @@ per-head procedure it replaces:
    doubled until the recomputed meter is under the threshold for every cell or every block is paged.
 
 The meter of the recomputed read is the certificate of what is served (paged tokens have radius 0, the others
-keep their radii, which bound their logit errors whatever the other tokens are). The host tier's K/V of the
-gated heads are paged to the device once, head by head from the host tier's slices (pinned memory beside a GPU:
-asynchronous copies).
+keep their radii, which bound their logit errors whatever the other tokens are). On the numba backend its softmax
+and meter are the decode read's fused row kernel (:func:`kvcert.kernels.numba_read.softmax_meter`, with that
+kernel's rounding allowance, ``docs/math.md#kernel-rounding``), elsewhere the eager forms (:func:`repaired_read`).
+The host tier's K/V of the gated heads are paged to the device once, head by head from the host tier's slices
+(pinned memory beside a GPU: asynchronous copies).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ import torch
 from kvcert.bounds.softmax_tv import probs64, served_meter
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
+from kvcert.kernels import active
+from kvcert.kernels.numba_read import softmax_meter
 
-__all__ = ["BlockRepairs", "block_contributions", "repair_blocks"]
+__all__ = ["BlockRepairs", "block_contributions", "repair_blocks", "repaired_read"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,17 @@ def block_contributions(p: torch.Tensor, c: torch.Tensor, block: int) -> torch.T
     nb = -(-s // block)
     part = torch.nn.functional.pad(p * torch.expm1(c), (0, nb * block - s))
     return part.reshape(*p.shape[:-1], nb, block).sum(-1)
+
+
+def repaired_read(logits: torch.Tensor, c: torch.Tensor, fused: bool) -> tuple[torch.Tensor, ...]:
+    """``(p̃, meter, unclipped meter)`` of masked float32 ``logits[..., S]`` under radii ``c[..., S]``: with ``fused``
+    (CPU) the fused row kernel :func:`kvcert.kernels.numba_read.softmax_meter` (numpy's ``exp``, the meter never
+    below its formula at the computed ``p̃``), else :func:`probs64` and :func:`served_meter`."""
+    if fused:
+        p, _, cert, raw, _ = softmax_meter(logits, c)
+        return p, cert, raw
+    p = probs64(logits)
+    return (p, *served_meter(p, c))
 
 
 def repair_blocks(
@@ -95,12 +110,12 @@ def repair_blocks(
     predicted_ok = (0.5 * ((1.0 + remaining.clamp(min=0)) ** 2 - 1.0) <= gate.threshold).all(1)  # [n, nb]
     k = torch.where(predicted_ok.any(-1), predicted_ok.to(torch.int64).argmax(-1) + 1, nb)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(nb, device=dev).expand(n, nb))
+    fused = active(dev) == "numba"
     while True:
         tok = (rank < k.unsqueeze(-1)).repeat_interleave(bs, -1)[:, :s]  # [n, S] the first k blocks in order
         kmix = torch.where(tok.unsqueeze(-1), hk, khat)
         logits = (q @ kmix.transpose(-1, -2) * scaling).masked_fill(~m, float("-inf"))
-        pm = probs64(logits)
-        cert, raw = served_meter(pm, torch.where(tok.unsqueeze(1), 0.0, cc))
+        pm, cert, raw = repaired_read(logits, torch.where(tok.unsqueeze(1), 0.0, cc), fused)
         done = ((raw if gate.uses_unclipped else cert) <= gate.threshold).all(-1) | (k >= nb)
         if bool(done.all()):  # one synchronisation per doubling round
             break

@@ -150,14 +150,15 @@ def plan(x: torch.Tensor, heads: torch.Tensor | None, base: torch.Tensor) -> Pla
     n, codes, decoded, new, shift, negative, above_top = _plan(
         x64, flat_heads, per_head, np.ascontiguousarray(base.numpy(), dtype=np.int32).reshape(-1), _F32
     )
-    shape = x.shape
+    # numpy reshapes, then one from_numpy each: a torch ``view`` per output costs more than the kernel
+    shape, base_shape = tuple(x.shape), tuple(base.shape)
     return Plan(
-        torch.from_numpy(n).view(shape),
-        torch.from_numpy(codes).view(shape),
-        torch.from_numpy(decoded).view(shape),
-        torch.from_numpy(new).view(base.shape),
-        torch.from_numpy(shift).view(base.shape),
-        int((shift > 0).sum()),
+        torch.from_numpy(n.reshape(shape)),
+        torch.from_numpy(codes.reshape(shape)),
+        torch.from_numpy(decoded.reshape(shape)),
+        torch.from_numpy(new.reshape(base_shape)),
+        torch.from_numpy(shift.reshape(base_shape)),
+        int(np.count_nonzero(shift)),
         bool(negative),
         bool(above_top),
     )

@@ -140,7 +140,7 @@ def test_the_sliding_windows_device_bytes_bound_the_capacity(model):
     table = resident_table({"variants": {"int8+resident": {"gate": tel.gate, **numbers}}})
     assert table is not None
     (row,) = table.rows
-    assert row[table.columns.index("ceiling")] == f"{ceiling:.2g}"
+    assert row[table.columns.index("ceiling")] == f"{ceiling:.3g}"
 
 
 def test_mass_allocation_splits_over_the_full_layers_only(model):

@@ -288,7 +288,7 @@ def resident_table(results: dict[str, Any]) -> ReportTable | None:
                 v["gate"],
                 fmt(val("resident_fraction"), percent=True),
                 fmt(val("capacity_context"), 2),
-                fmt(context / sliding if sliding and context is not None else None, 2),
+                fmt(context / sliding if sliding and context is not None else None, 3),
                 fmt(val("max_omitted_mass_bound"), 3),
                 fmt(val("max_omitted_mass"), 3),
                 share("reads_mass_bound_above"),

@@ -169,6 +169,22 @@ def test_reselection_on_a_sliding_model_is_sound(model):
     assert tel.violations == 0 and tel.out_violations == 0 and tel.recall_violations == 0
 
 
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_swap_recall_on_a_sliding_model_is_sound(model, codec):
+    """``recall="swap"`` (the SmolLM2 3x configuration: fp16 or int8 resident keys, basis8 summaries) swaps in the
+    resident set of the full-attention layers with 0 violations in every cell, 0 output and 0 recall violations; the
+    sliding layers still hold only their window."""
+    ids = prompt_ids(model, batch=2, seed=19)
+    with _cache(model, tau=0.1, codec=codec, summary="basis8", recall="swap", validate=True) as cache:
+        greedy_decode(model, ids, cache, STEPS)
+        tel = cache.telemetry()
+        held = [layer.store.n for layer in cache.layers]
+    assert_sound_in_every_cell(tel)
+    assert tel.violations == 0 and tel.out_violations == 0 and tel.recall_violations == 0
+    assert tel.reselect is not None and tel.reselect.promoted > 0  # the swaps happened
+    assert all(held[i] <= WINDOW for i in SLIDING)
+
+
 @pytest.mark.parametrize("recorded", [False, True])
 def test_an_ingested_prefill_at_tau_zero_decodes_the_dense_tokens(model, recorded):
     """The branching path of the benchmarks: a ``DynamicCache`` prefill (its sliding layers hold their window) is

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 from kvcert import EvictionConfig, Gate, StorageConfig
 from kvcert.attention.evict_driver import ingest_reads
+from kvcert.cli.ruler_report import resident_numbers, resident_table
 from kvcert.eval.branching import exact_prefill, greedy_from
 from kvcert.evict import H2O, SnapKV
 from kvcert.integrations.transformers import CertifiedCache
@@ -120,6 +121,28 @@ def test_the_device_budget_holds_at_every_step(model):
     assert max(ratio) >= 0.97 * budget
 
 
+def test_the_sliding_windows_device_bytes_bound_the_capacity(model):
+    """``bytes_device_sliding`` is the sliding layers' share of ``bytes_device`` (their stores: codes, scales,
+    witnesses; no summary or held page is theirs), so ``bytes_fp16_context / bytes_device_sliding`` bounds the
+    capacity from above; the resident table reports that ceiling next to the capacity."""
+    with _cache(model, tau=0.2, codec="int8", device_budget=None) as cache:
+        greedy_decode(model, prompt_ids(model, batch=2, seed=23), cache, STEPS)
+        tel = cache.telemetry()
+        sliding = sum(cache.layers[i].store.bytes_device() for i in SLIDING)
+        full = sum(cache.layers[i].store.bytes_device() for i in (2, 5))
+    assert tel.bytes_device_sliding == sliding > 0
+    assert tel.bytes_device == sliding + full + tel.bytes_summary + tel.bytes_held
+    assert tel.summary()["bytes_device_sliding"] == sliding
+    ceiling = tel.bytes_fp16_context / sliding
+    assert tel.bytes_fp16_context / tel.bytes_device < ceiling
+    numbers = resident_numbers([tel, tel])  # two samples: the bytes add up, the ceiling is their ratio
+    assert numbers["bytes_device_sliding"] == {"value": 2 * sliding, "tier": "empirical"}
+    table = resident_table({"variants": {"int8+resident": {"gate": tel.gate, **numbers}}})
+    assert table is not None
+    (row,) = table.rows
+    assert row[table.columns.index("ceiling")] == f"{ceiling:.3g}"
+
+
 def test_mass_allocation_splits_over_the_full_layers_only(model):
     """``resident_alloc="mass"`` keeps the uniform setting's total over the full-attention layers, split between
     them; the sliding layers take no share."""
@@ -144,6 +167,22 @@ def test_reselection_on_a_sliding_model_is_sound(model):
         tel = cache.telemetry()
     assert tel.reselect is not None and tel.reselect.reselections == 2 * 3  # layers 2 and 5 at steps 2, 4, 6
     assert tel.violations == 0 and tel.out_violations == 0 and tel.recall_violations == 0
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_swap_recall_on_a_sliding_model_is_sound(model, codec):
+    """``recall="swap"`` (the SmolLM2 3x configuration: fp16 or int8 resident keys, basis8 summaries) swaps in the
+    resident set of the full-attention layers with 0 violations in every cell, 0 output and 0 recall violations; the
+    sliding layers still hold only their window."""
+    ids = prompt_ids(model, batch=2, seed=19)
+    with _cache(model, tau=0.1, codec=codec, summary="basis8", recall="swap", validate=True) as cache:
+        greedy_decode(model, ids, cache, STEPS)
+        tel = cache.telemetry()
+        held = [layer.store.n for layer in cache.layers]
+    assert_sound_in_every_cell(tel)
+    assert tel.violations == 0 and tel.out_violations == 0 and tel.recall_violations == 0
+    assert tel.reselect is not None and tel.reselect.promoted > 0  # the swaps happened
+    assert all(held[i] <= WINDOW for i in SLIDING)
 
 
 @pytest.mark.parametrize("recorded", [False, True])

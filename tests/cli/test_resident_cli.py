@@ -45,6 +45,7 @@ RESIDENT_FIELDS = {
     "bytes_summary": "empirical",
     "recall_ratio": "empirical",
     "bytes_fp16_context": "empirical",
+    "bytes_device_sliding": "empirical",
     "capacity_context": "empirical",
     "resident_reads": "empirical",
     "reads_mass_bound_above": "certified",
@@ -112,6 +113,7 @@ def test_eval_resident_variant_reports_tiered_numbers(tmp_path: Path) -> None:
     assert kept["recall_ratio"]["value"] == pytest.approx(kept["bytes_recalled"]["value"] / context)
     assert kept["capacity_context"]["value"] == pytest.approx(context / kept["bytes_device"]["value"])
     assert context == variants["int4"]["bytes_fp16"]["value"]  # the plain scheme holds every token
+    assert kept["bytes_device_sliding"]["value"] == 0  # no sliding-window layer: no ceiling
     # the summary table's capacity column shows the context capacity for the resident row, not the resident-only one
     assert f"| {kept['capacity_context']['value']:.2g} |" in row
     assert "omitted_mass" not in json.dumps(variants["int4+gate"])  # only resident variants carry them

@@ -42,7 +42,9 @@ token, resident and omitted (``bytes_fp16`` counts the resident ones only). On a
 the resident set is kept by the full-attention layers only: ``resident_fraction`` is over those layers, a sliding
 layer's entry of ``layer_resident_fractions`` is NaN (left out of the extremes), and ``bytes_fp16_context`` counts
 a sliding layer's fp16 K/V of the tokens it holds (its window, what a ``DynamicCache`` holds for it), not every
-token written (the model itself drops the older ones);
+token written (the model itself drops the older ones); ``bytes_device_sliding`` is the part of ``bytes_device`` the
+sliding layers hold (their windows in the cache's codecs), which no resident fraction shrinks, so the capacity
+``bytes_fp16_context / bytes_device`` of any resident setting is at most ``bytes_fp16_context / bytes_device_sliding``;
 ``recall_violations`` (validate) counts cells whose exact omitted mass exceeded its bound (before recall, and of
 what recall left omitted) or whose true TV after recall exceeded the served certificate. With ``reselect=N``
 (:class:`ReselectStats`, **measured**) ``reselections``
@@ -257,6 +259,7 @@ class Telemetry:
     bytes_held: int = 0  # resident set: device bytes of persistently recalled pages at the end
     recall_violations: int = 0
     bytes_fp16_context: int = 0  # resident set: fp16 K/V of every written token (0: none)
+    bytes_device_sliding: int = 0  # resident set: device bytes of the sliding-window layers (part of bytes_device)
     reselect: ReselectStats | None = None  # resident set with reselect=N (None: no re-selection configured)
     tiers: dict[str, str] = field(default_factory=lambda: dict(TIERS))
 
@@ -401,6 +404,7 @@ class Telemetry:
                 bytes_summary=self.bytes_summary,
                 bytes_held=self.bytes_held,
                 bytes_fp16_context=self.bytes_fp16_context,
+                bytes_device_sliding=self.bytes_device_sliding,
                 recall_violations=self.recall_violations if self.omitted_mass is not None else None,
             )
             for name in ("omitted_mass_bound", "omitted_mass"):
@@ -566,6 +570,7 @@ def _resident_fields(src: CacheReadings) -> dict[str, Any]:
         "bytes_held": src.bytes_held,
         "recall_violations": sum(r.violations for r in recs),
         "bytes_fp16_context": sum(s.bytes_fp16() for s in stores) + omitted_fp16,
+        "bytes_device_sliding": sum(stores[i].bytes_device() for i in src.sliding_layers),
     }
 
 

@@ -53,6 +53,7 @@ SUMMED = (
     "bytes_summary",
     "recall_violations",
     "bytes_fp16_context",
+    "bytes_device_sliding",
     "resident_reads",
     "reads_mass_bound_above",
     "reads_mass_above",

@@ -134,6 +134,7 @@ def resident_numbers(tels: list[Telemetry]) -> dict[str, Any]:
         "bytes_recalled": tiered(recalled, EMPIRICAL),
         "bytes_summary": tiered(sum(t.bytes_summary for t in tels), EMPIRICAL),
         "bytes_fp16_context": tiered(fp16, EMPIRICAL),
+        "bytes_device_sliding": tiered(sum(t.bytes_device_sliding for t in tels), EMPIRICAL),
         **context_ratios(fp16, device, paged, recalled, aggregate.fp16_bytes_per_token(tels[0])),
     }
     reads, bound_above = resident_reads_above(tels, "omitted_mass_bound", COVERAGE_TAU)
@@ -274,6 +275,7 @@ def resident_table(results: dict[str, Any]) -> ReportTable | None:
             return v[key]["value"] if key in v else None
 
         recalled, summary, reads = val("bytes_recalled"), val("bytes_summary"), val("resident_reads")
+        sliding, context = val("bytes_device_sliding"), val("bytes_fp16_context")
 
         def share(key: str, reads: int | None = reads) -> str:
             n = val(key)
@@ -286,6 +288,7 @@ def resident_table(results: dict[str, Any]) -> ReportTable | None:
                 v["gate"],
                 fmt(val("resident_fraction"), percent=True),
                 fmt(val("capacity_context"), 2),
+                fmt(context / sliding if sliding and context is not None else None, 3),
                 fmt(val("max_omitted_mass_bound"), 3),
                 fmt(val("max_omitted_mass"), 3),
                 share("reads_mass_bound_above"),
@@ -307,6 +310,7 @@ def resident_table(results: dict[str, Any]) -> ReportTable | None:
             "gate",
             "resident",
             "capacity",
+            "ceiling",
             "max m̄ bound",
             "max m (exact)",
             "reads m̄>0.2",
@@ -319,7 +323,10 @@ def resident_table(results: dict[str, Any]) -> ReportTable | None:
         ),
         tuple(rows),
         "resident = share of written tokens held on the device (mean over samples); capacity = fp16 K/V bytes of the "
-        "whole contexts (resident and omitted tokens) / device bytes (codes, witnesses, summaries, held pages); max "
+        "whole contexts (resident and omitted tokens) / device bytes (codes, witnesses, summaries, held pages); "
+        "ceiling = the same fp16 K/V / the device bytes of the sliding-window layers alone (their windows in the "
+        "scheme's codecs, which no resident fraction shrinks): no resident setting of that scheme exceeds it (– "
+        "without sliding-window layers); max "
         "m̄ bound = largest certified bound on the attention mass of the non-resident tokens over all cells (before "
         "recall); max m (exact) = its exact value (validate mode only); reads m̄>0.2 / m>0.2 = share of the KV-head "
         "reads whose worst query head's omitted-mass bound / exact omitted mass (validate mode only) exceeds 0.2 "

@@ -67,6 +67,7 @@ from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex, WriteBatch
 from kvcert.cache.paged import PagedCodes
 from kvcert.checks import deferred
 from kvcert.quant import Codec, DitherKey, Packed
+from kvcert.quant.kernel_env import fused_log8
 
 
 @dataclass
@@ -331,7 +332,13 @@ class LayerStore:
     def _pending_norms(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``(‖k_t‖, ‖v_t‖, ‖v_t − c‖)`` rounded up (:func:`norm_up_f32`) of exact pending entries; with equal key and
         value head dims as one call on the three stacked (each row's reduction is the one a call of its own makes:
-        ``tests/cache/test_cache_store.py`` pins the values per element)."""
+        ``tests/cache/test_cache_store.py`` pins the values per element); on CPU with float32 entries one fused
+        kernel (:func:`kvcert.quant.norms_numba.pending_norms_up`: the same rounding up, never below the exact norm,
+        within two float32 steps of the tensor form)."""
+        if fused_log8(k.device) and k.dtype == v.dtype == self.v_centre.dtype == torch.float32:
+            from kvcert.quant.norms_numba import pending_norms_up  # numba on first use only (kernel_env says why)
+
+            return pending_norms_up(k, v, self.v_centre)
         v64 = v.to(torch.float64)
         if k.shape[-1] != v.shape[-1]:
             return norm_up_f32(k), norm_up_f32(v), norm_up_f32(v64 - self.v_centre)

@@ -11,7 +11,7 @@ from kvcert.cache.buffer import GrowBuffer
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 from kvcert.quant import get, kernel_env
-from kvcert.quant.norms_numba import pending_norms_up
+from kvcert.quant.norms_numba import norms_up
 
 
 def _store(keys="int8", values="int4", **kw):
@@ -183,7 +183,7 @@ def test_pending_norms_are_the_norms_of_each_entry(dv, kernel, monkeypatch):
     """The witnesses of pending (exact) entries, stored as float32 (``"f32"``), are per element the rounded-up norms
     ``‖k_t‖``, ``‖v_t‖`` and ``‖v_t − c‖``, over scales from 1e-6 to 1e6: on the tensor path exactly what
     ``norm_up_f32`` gives each tensor on its own (also when the three are evaluated together, with equal key and
-    value head dims); on CPU by default exactly the fused kernel's values (:func:`pending_norms_up`, never below the
+    value head dims); on CPU by default exactly the fused kernel's values (:func:`norms_up`, never below the
     exact norm: ``tests/quant/test_norms_numba.py``), within two float32 steps of ``norm_up_f32``."""
     monkeypatch.setenv(kernel_env.ENV, kernel)
     gen = torch.Generator().manual_seed(11)
@@ -196,7 +196,7 @@ def test_pending_norms_are_the_norms_of_each_entry(dv, kernel, monkeypatch):
         t = k.shape[2]
         got = (st.k_hat_norm.view()[:, :, -t:], st.v_hat_norm.view()[:, :, -t:], st.v_dist.view()[:, :, -t:])
         tensor_form = (norm_up_f32(k), norm_up_f32(v), norm_up_f32(v.to(torch.float64) - st.v_centre))
-        want = tensor_form if kernel == "torch" else pending_norms_up(k, v, st.v_centre)
+        want = tensor_form if kernel == "torch" else norms_up(k, v, st.v_centre)
         for g, w, tf in zip(got, want, tensor_form, strict=True):
             assert torch.equal(g, w)
             assert (g.view(torch.int32).to(torch.int64) - tf.view(torch.int32).to(torch.int64)).abs().max() <= 2

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvcert.bounds.rope import norm_up_f32
-from kvcert.quant.norms_numba import pending_norms_up
+from kvcert.quant.norms_numba import norms_up
 
 
 def _exact_norm(row: torch.Tensor) -> Decimal:
@@ -37,7 +37,7 @@ def _steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(("dk", "dv"), [(64, 64), (128, 32), (3, 5)])
 def test_never_below_the_exact_norm_and_within_two_steps_of_the_tensor_form(scale, dk, dv):
     k, v, c = _inputs(int(scale > 1) + dk, scale, dk, dv)
-    got = pending_norms_up(k, v, c)
+    got = norms_up(k, v, c)
     diff = v.to(torch.float64) - c  # the float64 difference both forms take the norm of
     for out, x in zip(got, (k.to(torch.float64), v.to(torch.float64), diff), strict=True):
         assert out.dtype == torch.float32 and out.shape == x.shape[:3]
@@ -62,7 +62,7 @@ def test_non_finite_rows_give_what_the_tensor_form_gives():
     v[1, 2, 3, 0] = float("-inf")
     v[1, 2, 3, 1] = float("inf")  # inf and -inf: the difference from the centre stays infinite, no NaN
     v[0, 2, 1, 4] = float("nan")
-    got = pending_norms_up(k, v, c)
+    got = norms_up(k, v, c)
     v64 = v.to(torch.float64)
     for out, ref in zip(got, (norm_up_f32(k), norm_up_f32(v), norm_up_f32(v64 - c)), strict=True):
         assert torch.equal(out.isnan(), ref.isnan())
@@ -72,11 +72,21 @@ def test_non_finite_rows_give_what_the_tensor_form_gives():
     assert got[0][0, 0, 0] == float("inf") and got[0][0, 1, 0].isnan() and got[1][1, 2, 3] == float("inf")
 
 
+def test_flat_rows_with_a_centre_per_row_equal_the_batched_call():
+    """The persistent-repair form (rows gathered from several heads, each with its head's centre) gives each row
+    what the ``[B, H, T, D]`` call gives it."""
+    k, v, c = _inputs(5, 1.0, 64, 64)
+    batched = norms_up(k, v, c)
+    flat = norms_up(k.reshape(-1, 64), v.reshape(-1, 64), c.expand(v.shape).reshape(-1, 64))
+    for a, b in zip(batched, flat, strict=True):
+        assert torch.equal(a.reshape(-1), b)
+
+
 def test_bad_inputs_are_named():
     k, v, c = _inputs(0, 1.0, 64, 64)
     with pytest.raises(ValueError, match="float32 k"):
-        pending_norms_up(k.double(), v, c)
+        norms_up(k.double(), v, c)
     with pytest.raises(ValueError, match="centre"):
-        pending_norms_up(k, v, c[:1])
-    with pytest.raises(ValueError, match="centre"):
-        pending_norms_up(k, v[:, :, :2], c)
+        norms_up(k, v, c[..., :5])
+    with pytest.raises(ValueError, match="leading"):
+        norms_up(k, v[:, :, :2], c)

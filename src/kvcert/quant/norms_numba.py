@@ -4,7 +4,8 @@ A decode step appends, per layer, one exact token per KV head whose write-time w
 and ``‖v_t − c‖`` (``c`` the store's fixed value centre), each rounded up to float32 as
 :func:`kvcert.bounds.rope.norm_up_f32` rounds it. On CPU tensors the tensor form costs some ten small operations
 (casts, a stack, the norm, the inflation, the cast down, ``nextafter``), each more dispatch than arithmetic;
-:func:`pending_norms_up` computes the three in one pass.
+:func:`norms_up` computes the three in one pass (and, for the entries a persistent repair
+makes exact, the same norms of their served values).
 
 Rounding (``docs/math.md#pending-norms``): per row ``x`` (float32 ``k_t`` or ``v_t`` widened exactly, or the float64
 difference ``fl(v_t − c)``, one IEEE subtraction exactly as the tensor form makes it) the sum of squares is
@@ -21,11 +22,13 @@ Imported on first use, never with the cache package (:mod:`kvcert.quant.kernel_e
 
 from __future__ import annotations
 
+import math
+
 import numba
 import numpy as np
 import torch
 
-__all__ = ["pending_norms_up"]
+__all__ = ["norms_up"]
 
 _U64 = 2.0**-53
 
@@ -49,37 +52,31 @@ def _up_f32(sumsq: float, d: int) -> np.float32:  # pragma: no cover - compiled 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _norms(k: np.ndarray, v: np.ndarray, centre: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
-    """``out[0] = ‖k‖``, ``out[1] = ‖v‖``, ``out[2] = ‖v − centre‖`` per ``[b, h, t]``, each rounded up
+    """``out[0, r] = ‖k[r]‖``, ``out[1, r] = ‖v[r]‖``, ``out[2, r] = ‖v[r] − centre[r]‖``, each rounded up
     (:func:`_up_f32`)."""
-    nb, nh, nt, dk = k.shape
-    dv = v.shape[3]
-    for b in range(nb):
-        for h in range(nh):
-            ch = centre[b, h]
-            for t in range(nt):
-                out[0, b, h, t] = _up_f32(_sumsq(k[b, h, t], ch, False), dk)
-                out[1, b, h, t] = _up_f32(_sumsq(v[b, h, t], ch, False), dv)
-                out[2, b, h, t] = _up_f32(_sumsq(v[b, h, t], ch, True), dv)
+    dk, dv = k.shape[1], v.shape[1]
+    for r in range(k.shape[0]):
+        out[0, r] = _up_f32(_sumsq(k[r], centre[r], False), dk)
+        out[1, r] = _up_f32(_sumsq(v[r], centre[r], False), dv)
+        out[2, r] = _up_f32(_sumsq(v[r], centre[r], True), dv)
 
 
-def pending_norms_up(
-    k: torch.Tensor, v: torch.Tensor, centre: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(‖k_t‖, ‖v_t‖, ‖v_t − c‖)`` ``[B, H, T]`` float32, each never below the exact norm (module docstring), of
-    float32 CPU tensors ``k[B, H, T, Dk]``, ``v[B, H, T, Dv]`` and the float32 centre ``c[B, H, 1, Dv]``."""
-    b, h, t, _ = k.shape
-    dv = v.shape[-1]
-    if (
-        k.dtype != torch.float32
-        or v.dtype != torch.float32
-        or centre.dtype != torch.float32
-        or v.shape[:3] != (b, h, t)
-        or centre.shape != (b, h, 1, dv)
-    ):
+def norms_up(k: torch.Tensor, v: torch.Tensor, centre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(‖k‖, ‖v‖, ‖v − c‖)`` over the last dimension, float32 shaped as the leading dimensions, each never below
+    the exact norm (module docstring), of float32 CPU tensors ``k[..., Dk]``, ``v[..., Dv]`` (the same leading
+    dimensions) and the float32 centre ``c`` (broadcastable to ``v``)."""
+    lead, dk, dv = tuple(k.shape[:-1]), k.shape[-1], v.shape[-1]
+    if k.dtype != torch.float32 or v.dtype != torch.float32 or centre.dtype != torch.float32 or v.shape[:-1] != lead:
         raise ValueError(
-            f"pending_norms_up: float32 k [B, H, T, Dk], v [B, H, T, Dv] and centre [B, H, 1, Dv], got "
-            f"{k.dtype} {tuple(k.shape)}, {v.dtype} {tuple(v.shape)}, {centre.dtype} {tuple(centre.shape)}"
+            f"norms_up: float32 k [..., Dk] and v [..., Dv] with the same leading dimensions, got "
+            f"{k.dtype} {tuple(k.shape)} and {v.dtype} {tuple(v.shape)} (centre {centre.dtype})"
         )
-    out = np.empty((3, b, h, t), dtype=np.float32)
-    _norms(k.detach().numpy(), v.detach().numpy(), centre.detach().numpy()[:, :, 0], out)
-    return torch.from_numpy(out[0]), torch.from_numpy(out[1]), torch.from_numpy(out[2])
+    try:
+        c = torch.broadcast_to(centre, v.shape)
+    except RuntimeError as e:
+        raise ValueError(f"norms_up: the centre {tuple(centre.shape)} does not broadcast to v {tuple(v.shape)}") from e
+    rows = math.prod(lead)
+    out = np.empty((3, rows), dtype=np.float32)
+    _norms(k.detach().reshape(rows, dk).numpy(), v.detach().reshape(rows, dv).numpy(), c.reshape(rows, dv).numpy(), out)
+    k_norm, v_norm, v_dist = (torch.from_numpy(x.reshape(lead)) for x in out)
+    return k_norm, v_norm, v_dist

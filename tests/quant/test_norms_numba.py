@@ -90,3 +90,12 @@ def test_bad_inputs_are_named():
         norms_up(k, v, c[..., :5])
     with pytest.raises(ValueError, match="leading"):
         norms_up(k, v[:, :, :2], c)
+
+
+def test_inputs_that_require_grad_are_read_as_their_values():
+    """A store built outside ``torch.no_grad`` holds a centre (and gets entries) that require grad: same norms."""
+    k, v, c = _inputs(4, 1.0, 64, 64)
+    want = norms_up(k, v, c)
+    got = norms_up(k.requires_grad_(), v.requires_grad_(), c.requires_grad_())
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)

@@ -72,7 +72,7 @@ def norms_up(k: torch.Tensor, v: torch.Tensor, centre: torch.Tensor) -> tuple[to
             f"{k.dtype} {tuple(k.shape)} and {v.dtype} {tuple(v.shape)} (centre {centre.dtype})"
         )
     try:
-        c = torch.broadcast_to(centre, v.shape)
+        c = torch.broadcast_to(centre.detach(), v.shape)
     except RuntimeError as e:
         raise ValueError(f"norms_up: the centre {tuple(centre.shape)} does not broadcast to v {tuple(v.shape)}") from e
     rows = math.prod(lead)

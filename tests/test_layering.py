@@ -51,6 +51,8 @@ LAZY_OK: dict[str, str] = {
     "backend serves a read",
     "kvcert.quant.logcode_numba": "imports numba at its top: loaded on the first fused log8 write, never with the "
     "cache package, which the vLLM plugin imports in every vLLM process (kvcert.quant.kernel_env)",
+    "kvcert.quant.norms_numba": "imports numba at its top: loaded on the first fused norm of an entry served exact, "
+    "never with the cache package (as kvcert.quant.logcode_numba)",
 }
 
 

@@ -10,7 +10,8 @@ from kvcert.bounds.rope import norm_up_f32
 from kvcert.cache.buffer import GrowBuffer
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
-from kvcert.quant import get
+from kvcert.quant import get, kernel_env
+from kvcert.quant.norms_numba import norms_up
 
 
 def _store(keys="int8", values="int4", **kw):
@@ -176,11 +177,15 @@ def test_growbuffer_numpy_append_and_fill_store_what_torch_stores(dtype):
     assert got.shape == b.shape and torch.equal(got.view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+@pytest.mark.parametrize("kernel", ["numba", "torch"])
 @pytest.mark.parametrize("dv", [64, 32])
-def test_pending_norms_are_the_norms_of_each_entry(dv):
+def test_pending_norms_are_the_norms_of_each_entry(dv, kernel, monkeypatch):
     """The witnesses of pending (exact) entries, stored as float32 (``"f32"``), are per element the rounded-up norms
-    ``norm_up_f32`` gives each tensor on its own: ``‖k_t‖``, ``‖v_t‖`` and ``‖v_t − c‖`` (also when the three are
-    evaluated together, with equal key and value head dims), over scales from 1e-6 to 1e6."""
+    ``‖k_t‖``, ``‖v_t‖`` and ``‖v_t − c‖``, over scales from 1e-6 to 1e6: on the tensor path exactly what
+    ``norm_up_f32`` gives each tensor on its own (also when the three are evaluated together, with equal key and
+    value head dims); on CPU by default exactly the fused kernel's values (:func:`norms_up`, never below the
+    exact norm: ``tests/quant/test_norms_numba.py``), within two float32 steps of ``norm_up_f32``."""
+    monkeypatch.setenv(kernel_env.ENV, kernel)
     gen = torch.Generator().manual_seed(11)
     st = LayerStore(0, get("int8"), get("int4"), bands=8, pairing="rotate_half", seed=1, write_block=64, witness="f32")
     rows, keep = torch.arange(2), torch.zeros(2, dtype=torch.bool)
@@ -189,9 +194,12 @@ def test_pending_norms_are_the_norms_of_each_entry(dv):
         v = torch.randn(2, 3, 1 + i % 3, dv, generator=gen) / scale
         st.append(k, v, rows, keep)
         t = k.shape[2]
-        assert torch.equal(st.k_hat_norm.view()[:, :, -t:], norm_up_f32(k))
-        assert torch.equal(st.v_hat_norm.view()[:, :, -t:], norm_up_f32(v))
-        assert torch.equal(st.v_dist.view()[:, :, -t:], norm_up_f32(v.to(torch.float64) - st.v_centre))
+        got = (st.k_hat_norm.view()[:, :, -t:], st.v_hat_norm.view()[:, :, -t:], st.v_dist.view()[:, :, -t:])
+        tensor_form = (norm_up_f32(k), norm_up_f32(v), norm_up_f32(v.to(torch.float64) - st.v_centre))
+        want = tensor_form if kernel == "torch" else norms_up(k, v, st.v_centre)
+        for g, w, tf in zip(got, want, tensor_form, strict=True):
+            assert torch.equal(g, w)
+            assert (g.view(torch.int32).to(torch.int64) - tf.view(torch.int32).to(torch.int64)).abs().max() <= 2
 
 
 def test_gate_validation_and_labels():

@@ -19,6 +19,7 @@ from kvcert.attention.certified import _logit_slack_factors
 from kvcert.bounds import tier_b_radius, tier_b_sigma2
 from kvcert.bounds.rc import gamma_f32
 from kvcert.bounds.softmax_tv import probs64, served_meter
+from kvcert.kernels.numba_read import meter_rows
 from kvcert.kernels.numba_tier_b import _tier_b_radii, tier_b_inflation, tier_b_meter
 
 B, H, M, D, GS = 2, 3, 4, 64, 32
@@ -106,6 +107,28 @@ def test_fused_tier_b_is_never_below_the_eager_forms(case, delta):
             assert torch.all(got[1, 2, 3] == 0)  # the fully masked row
         if kw.get("qscale") == 0.0:
             assert torch.all(got == 0)  # zero queries: every radius 0, p̃ = p
+
+
+@pytest.mark.parametrize("s", [1, 37, 2048])
+def test_meter_rows_leaves_p_unchanged_and_is_never_below_the_eager_meter_per_row(s):
+    """The row kernel reads visibility from the caller's ``p`` and writes a copy (so its loop vectorises, summing in
+    another order): per row the meter is never below the eager float64 meter at the same ``p̃`` and radii, at most
+    ``10⁻⁹`` above it, and ``p`` is unchanged bit for bit (masked zeros, a fully masked row, tiny and large radii)."""
+    g = torch.Generator().manual_seed(7)
+    for c_scale in (1e-6, 0.05, 3.0):
+        logits = torch.randn(6, s, generator=g, dtype=torch.float64) * 4
+        if s > 1:
+            logits[:, ::3] = float("-inf")
+        logits[5] = float("-inf")  # a row with no visible token
+        p = np.ascontiguousarray(probs64(logits).numpy())
+        before = p.copy()
+        c = (torch.rand(6, s, generator=g, dtype=torch.float64) * c_scale).numpy()
+        got = torch.from_numpy(meter_rows(p, c))
+        ref = served_meter(torch.from_numpy(before), torch.from_numpy(c))[0]
+        assert np.array_equal(p.view(np.uint64), before.view(np.uint64))
+        assert torch.all(got >= ref), (ref - got).max()
+        assert torch.all(got <= ref + 1e-9), (got - ref).max()
+        assert got[5] == 0.0
 
 
 def test_fused_radii_are_never_below_their_exact_value():

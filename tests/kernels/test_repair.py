@@ -12,7 +12,7 @@ from kvcert.bounds.rc import gamma_f32
 from kvcert.bounds.softmax_tv import probs64, served_meter
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
-from kvcert.kernels.repair import repair_blocks, repaired_read
+from kvcert.kernels.repair import _in_place, _mix, _page, repair_blocks, repaired_read
 from kvcert.quant import get, kernel_env
 
 torch.set_num_threads(1)
@@ -134,3 +134,24 @@ def test_fused_repaired_read_refines_the_eager_one_per_cell() -> None:
     assert torch.equal(cert_f, raw_f.clamp(max=1.0))
     assert float(raw_f[1, 1]) == float(raw_e[1, 1]) == 0.0
     assert bool((raw_f[0] == 0.0).all()) and bool((raw_e[0] == 0.0).all())  # zero radii: p̃ = p, TV 0
+
+
+def test_in_place_mix_equals_the_paged_where_bit_for_bit() -> None:
+    """The CPU form of the repair's K/V mixture (the host tier's entries of the paged tokens written into the served
+    copy, round after growing round) holds exactly the elements of ``where(tok, paged host slices, served)``, the
+    form off CPU."""
+    gen = torch.Generator().manual_seed(9)
+    host = torch.randn(2, 3, 50, 16, generator=gen)
+    served_all = host + 0.01 * torch.randn(2, 3, 50, 16, generator=gen)
+    pairs = [[0, 2], [1, 0], [1, 1]]
+    bi, hi = torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
+    assert _in_place(torch.device("cpu"), (host,))
+    paged = _page(host, pairs, torch.device("cpu"))
+    tok = torch.rand(3, 50, generator=gen) > 0.8
+    in_place = served_all[bi, hi]
+    for grow in (tok, tok | (torch.rand(3, 50, generator=gen) > 0.5)):  # tok only grows between rounds
+        want = _mix(served_all[bi, hi], host, paged, grow, pairs)
+        got = _mix(in_place, host, None, grow, pairs)
+        assert got.data_ptr() == in_place.data_ptr()
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        assert not torch.equal(want, served_all[bi, hi])

@@ -31,7 +31,9 @@ class GrowBuffer:
         self._shape = (b, h, tail)
         self._pin = pin
         self._data = self._alloc(max(capacity, like.shape[2]), like.dtype, like.device)
-        self._numpy_ok = _numpy_copyable(self._data)  # the allocations keep this dtype and device
+        # the allocations keep this dtype and device; under KVCERT_KERNEL=torch|triton the torch copies (the path a
+        # CUDA cache runs, whose host syncs tests/attention/test_host_syncs.py counts on CPU)
+        self._numpy_ok = _numpy_copyable(self._data) and fused_log8(self._data.device)
         self._array: np.ndarray | None = None
         self._array_of: torch.Tensor | None = None  # the allocation ``_array`` views
         self.n = 0
@@ -60,8 +62,8 @@ class GrowBuffer:
             self._data = new
 
     def append(self, x: torch.Tensor) -> None:
-        """Append ``x[B, H, t, *tail]`` along the token axis (on CPU, same dtype: a numpy copy of the same elements,
-        which costs less than a torch one for the few entries of a decode step)."""
+        """Append ``x[B, H, t, *tail]`` along the token axis (on CPU, same dtype, numba backend: a numpy copy of the
+        same elements, which costs less than a torch one for the few entries of a decode step)."""
         t = x.shape[2]
         self._reserve(t)
         if self._numpy_ok and x.dtype == self._data.dtype and _numpy_copyable(x):

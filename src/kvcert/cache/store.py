@@ -67,6 +67,7 @@ from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex, WriteBatch
 from kvcert.cache.paged import PagedCodes
 from kvcert.checks import deferred
 from kvcert.quant import Codec, DitherKey, Packed
+from kvcert.quant.kernel_env import fused_log8
 
 
 @dataclass
@@ -321,21 +322,12 @@ class LayerStore:
         writes.append_zeros(self.k_band, (b, h, t, self.bands))
         writes.append_zeros(self.k_wit, (b, h, t))
         writes.append_zeros(self.v_res, (b, h, t))
-        k_norm, v_norm, v_dist = self._pending_norms(k, v)
+        k_norm, v_norm, v_dist = _norms_up(k, v, self.v_centre)
         writes.appends(
             [(self.k_hat_norm, k_norm), (self.v_hat_norm, v_norm), (self.v_dist, v_dist), (self.positions, positions)]
         )
         if self.k_steps is not None:
             writes.append_fill(self.k_steps, t, 0.0)
-
-    def _pending_norms(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``(‖k_t‖, ‖v_t‖, ‖v_t − c‖)`` rounded up (:func:`norm_up_f32`) of exact pending entries; with equal key and
-        value head dims as one call on the three stacked (each row's reduction is the one a call of its own makes:
-        ``tests/cache/test_cache_store.py`` pins the values per element)."""
-        v64 = v.to(torch.float64)
-        if k.shape[-1] != v.shape[-1]:
-            return norm_up_f32(k), norm_up_f32(v), norm_up_f32(v64 - self.v_centre)
-        return norm_up_f32(torch.stack([k.to(torch.float64), v64, v64 - self.v_centre])).unbind(0)
 
     def encode_pending(self, flush: bool = False) -> None:
         """Push every encodable pending token through its codec and record the write-time witnesses.
@@ -494,15 +486,15 @@ class LayerStore:
         for b, h, tokens in held:
             sel[b, h, tokens] = True
         where = sel.nonzero(as_tuple=True)  # the places of ``sel`` in its order: every write below indexes by them
-        exact_v = self.v.served.view()[where]
         centre = self.v_centre.expand(self.v.served.shape)[where]
+        k_norm, v_norm, v_dist = _norms_up(self.k.served.view()[where], self.v.served.view()[where], centre)
         wit: dict[str, torch.Tensor | float] = {
             "k_band": 0.0,
             "k_wit": 0.0,
             "v_res": 0.0,
-            "k_hat_norm": norm_up_f32(self.k.served.view()[where]),
-            "v_hat_norm": norm_up_f32(exact_v),
-            "v_dist": norm_up_f32(exact_v.to(torch.float64) - centre),
+            "k_hat_norm": k_norm,
+            "v_hat_norm": v_norm,
+            "v_dist": v_dist,
         }
         if self.k_steps is not None:
             wit["k_steps"] = 0.0
@@ -753,3 +745,20 @@ def _gather_packed(chunks: list[_Chunk], keep: torch.Tensor, n: int) -> Packed:
         tensors[name] = torch.gather(cat, 2, idx)
     shape = (*first.shape[:2], keep.shape[-1], *first.shape[3:])
     return Packed(first.codec, shape, tensors)
+
+
+def _norms_up(k: torch.Tensor, v: torch.Tensor, centre: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(‖k‖, ‖v‖, ‖v − c‖)`` over the last dimension, rounded up to float32 (:func:`norm_up_f32`; ``centre``
+    broadcasts to ``v``), of entries served exact (pending writes, persistently repaired entries). With equal key
+    and value head dims one call on the three stacked (each row's reduction is the one a call of its own makes); on
+    CPU with float32 entries one fused kernel (:func:`kvcert.quant.norms_numba.norms_up`: the same rounding up,
+    never below the exact norm, within two float32 steps of the tensor form). ``tests/cache/test_cache_store.py``
+    pins the stored values per element on both paths."""
+    if fused_log8(k.device) and k.dtype == v.dtype == centre.dtype == torch.float32:
+        from kvcert.quant.norms_numba import norms_up  # numba on first use only (kvcert.quant.kernel_env says why)
+
+        return norms_up(k, v, centre)
+    v64 = v.to(torch.float64)
+    if k.shape[-1] != v.shape[-1]:
+        return norm_up_f32(k), norm_up_f32(v), norm_up_f32(v64 - centre)
+    return norm_up_f32(torch.stack([k.to(torch.float64), v64, v64 - centre])).unbind(0)

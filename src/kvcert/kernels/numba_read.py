@@ -239,13 +239,17 @@ def softmax_meter(
 def meter_rows(p: np.ndarray, c: np.ndarray) -> np.ndarray:
     """The clipped meter ``[R]`` of given served distributions ``p[R, S]`` (float64, C-contiguous) under radii
     ``c[R, S]`` (float64): :func:`softmax_meter`'s row kernel (same formulas, rounding allowance, clamps and
-    fail-closed rules; rows with no positive entry give 0) without the softmax. ``p`` is not written."""
-    pp = p.copy()  # the row kernel zeroes entries that are not > 0 in place; it also reads visibility from it
+    fail-closed rules; rows with no positive entry give 0) without the softmax. ``p`` is not written.
+
+    The row kernel zeroes entries that are not > 0 in place, so it gets a copy; visibility is read from ``p``
+    itself, not the copy (an array it writes as it reads would keep its loop from vectorising; the clipped meter
+    does not depend on visibility, only ``tanh(max visible c)``, which is not returned)."""
+    pp = p.copy()
     with np.errstate(over="ignore"):  # e^{c} = inf for huge radii: the meter's overflow-safe forms take it
         ec = np.exp(c)
     p32 = np.empty(p.shape, dtype=np.float32)
     cells = np.empty((3, p.shape[0]))  # cert, raw, tmax
-    _rows(pp, pp, c, ec, p32, cells[0], cells[1], cells[2])
+    _rows(p, pp, c, ec, p32, cells[0], cells[1], cells[2])
     return cells[0]
 
 

@@ -91,13 +91,10 @@ def repair_blocks(
     heads = need.nonzero()
     pairs = heads.tolist()  # one synchronisation per read
     bi, hi = heads[:, 0], heads[:, 1]
-    khat, vhat = store.k.served.view()[bi, hi], store.v.served.view()[bi, hi]  # [n, S, D]
+    khat, vhat = store.k.served.view()[bi, hi], store.v.served.view()[bi, hi]  # [n, S, D] (copies: written below)
     dev = khat.device
-
-    def page(host: torch.Tensor) -> torch.Tensor:  # each head's slice of the (pinned) host tier: async copies
-        return torch.stack([host[b, h].to(dev, non_blocking=True) for b, h in pairs]).to(torch.float32)
-
-    hk, hv = page(store.k.host.view()), page(store.v.host.view())
+    hosts = store.k.host.view(), store.v.host.view()
+    hk, hv = (None, None) if _in_place(dev, hosts) else (_page(hosts[0], pairs, dev), _page(hosts[1], pairs, dev))
     vres = store.v_res.view()[bi, hi]
     q, m, cc, pp = qg[bi, hi], mask[bi, hi], c[bi, hi], p[bi, hi]
     n, rows, s = pp.shape
@@ -113,7 +110,7 @@ def repair_blocks(
     fused = active(dev) == "numba"
     while True:
         tok = (rank < k.unsqueeze(-1)).repeat_interleave(bs, -1)[:, :s]  # [n, S] the first k blocks in order
-        kmix = torch.where(tok.unsqueeze(-1), hk, khat)
+        kmix = _mix(khat, hosts[0], hk, tok, pairs)
         logits = (q @ kmix.transpose(-1, -2) * scaling).masked_fill(~m, float("-inf"))
         pm, cert, raw = repaired_read(logits, torch.where(tok.unsqueeze(1), 0.0, cc), fused)
         done = ((raw if gate.uses_unclipped else cert) <= gate.threshold).all(-1) | (k >= nb)
@@ -122,6 +119,32 @@ def repair_blocks(
         k = torch.where(done, k, 2 * k)
     if gate.persistent:  # kept within the store's device budget, else a transient page-in
         store.persist_heads(pairs, tok.unbind(0))  # one commit for every head
-    out = pm.to(torch.float32) @ torch.where(tok.unsqueeze(-1), hv, vhat)
+    out = pm.to(torch.float32) @ _mix(vhat, hosts[1], hv, tok, pairs)
     v_res = torch.where(tok, 0.0, vres)
     return BlockRepairs(heads, out, cert, raw, pm, v_res, tok, k.clamp(max=nb))
+
+
+def _in_place(dev: torch.device, hosts: tuple[torch.Tensor, ...]) -> bool:
+    """Whether the read's device and the host tier are both the CPU: then :func:`_mix` copies only the paged
+    tokens' entries; elsewhere each gated head's host slice is paged to the device once (:func:`_page`)."""
+    return dev.type == "cpu" and all(x.device.type == "cpu" for x in hosts)
+
+
+def _page(host: torch.Tensor, pairs: list[list[int]], dev: torch.device) -> torch.Tensor:
+    """``[n, S, D]`` float32 on ``dev``: each (row, KV head) of ``pairs``' slice of the (pinned) host tier
+    (asynchronous copies)."""
+    return torch.stack([host[b, h].to(dev, non_blocking=True) for b, h in pairs]).to(torch.float32)
+
+
+def _mix(
+    served: torch.Tensor, host: torch.Tensor, paged: torch.Tensor | None, tok: torch.Tensor, pairs: list[list[int]]
+) -> torch.Tensor:
+    """``where(tok[..., None], exact, served)`` for the heads of ``pairs``, ``served[n, S, D]`` a copy the caller
+    owns: from the paged host slices ``paged`` when given, else (CPU) by writing the host tier's float32 entries
+    of the tokens of ``tok`` into ``served`` itself (the same elements; ``tok`` only grows between the doubling
+    rounds, so a later round overwrites what an earlier one wrote with the same values)."""
+    if paged is not None:
+        return torch.where(tok.unsqueeze(-1), paged, served)
+    for i, (b, h) in enumerate(pairs):
+        served[i, tok[i]] = host[b, h, tok[i]].to(torch.float32)
+    return served

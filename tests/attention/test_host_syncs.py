@@ -24,7 +24,6 @@ from resident_cases import POLICIES, prompt_ids
 from torch.overrides import TorchFunctionMode
 
 from kvcert import EvictionConfig, Gate, kernels
-from kvcert.cache import buffer
 from kvcert.evict import base
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models.tiny import tiny_random
@@ -69,13 +68,6 @@ class SyncRecorder(TorchFunctionMode):
     @property
     def total(self) -> int:
         return sum(self.calls.values())
-
-
-@pytest.fixture(autouse=True)
-def device_buffers(monkeypatch):
-    """Buffers take the copy path a device tensor takes: their CPU-only numpy copies
-    (``kvcert.cache.buffer._numpy_copyable``) never run on a CUDA cache, so they are not syncs there."""
-    monkeypatch.setattr(buffer, "_numpy_copyable", lambda x: False)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm_reference import engine
 
 PROMPTS = ["The capital of France is", "Water boils at a temperature of 100 degrees"]
 MAX_TOKENS = 24  # > the write block (16) minus the prompt, so compressed entries are read
@@ -44,18 +45,9 @@ def served(tmp_path_factory):
         for k, v in ENV.items():
             mp.setenv(k, v)
         mp.setenv("KVCERT_VLLM_LEDGER", str(tmp_path_factory.mktemp("ledger")))
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
 
-        from kvcert.models.zoo import converted_dir
-
-        llm = LLM(
-            str(converted_dir("smollm2-135m")),
-            dtype="float32",
-            enforce_eager=True,
-            enable_prefix_caching=False,
-            max_model_len=512,
-            seed=0,
-        )
+        llm = engine()
         # imported only now: vLLM's Triton kernel dispatcher scans every loaded module when the engine starts and
         # fails on llvmlite's (numba's) library object, which kvcert's read path imports
         from kvcert.integrations.vllm import backend

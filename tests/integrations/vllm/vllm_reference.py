@@ -1,8 +1,9 @@
 """Run as a script (not a test module): vLLM's own CPU backend, the kvcert plugin off, in its own process.
 
 ``python vllm_reference.py MAX_TOKENS PROMPT...`` builds :func:`engine`, the engine ``test_engine.py`` builds
-with the kvcert plugin (``VLLM_CPU_KVCACHE_SPACE`` from the environment), generates the prompts greedily and prints one JSON line: ``{"tokens": [[...], ...], "num_blocks": N, "block_size": B}``. The
-kvcert plugin registers itself in every vLLM process it is loaded in, so the reference needs a process without
+with the kvcert plugin (``VLLM_CPU_KVCACHE_SPACE`` from the environment), generates the prompts greedily and
+prints one JSON line: ``{"tokens": [[...], ...], "num_blocks": N, "block_size": B}``. The kvcert plugin
+registers itself in every vLLM process it is loaded in, so the reference needs a process without
 ``KVCERT_VLLM=1``."""
 
 import json

@@ -173,14 +173,17 @@ def variants(
     validate: bool,
     budget: float | None,
     resident: ResidentOptions | None = None,
+    gated: bool = True,
 ) -> list[Scheme]:
-    """Dense, then per scheme raw (unless ``raw`` is False) and gated, then the resident variants
-    (``<scheme>+resident``); every kvcert variant validated if asked, every one under the same device budget."""
+    """Dense, then per scheme raw (unless ``raw`` is False) and gated (unless ``gated`` is False), then the
+    resident variants (``<scheme>+resident``); every kvcert variant validated if asked, every one under the same
+    device budget."""
     out = [Scheme(DENSE)]
     for s in specs:
         if raw:
             out.append(Scheme(s.label, s.keys, s.values, Gate.off(), validate, device_budget=budget))
-        out.append(Scheme(s.label + GATED_SUFFIX, s.keys, s.values, gate, validate, device_budget=budget))
+        if gated:
+            out.append(Scheme(s.label + GATED_SUFFIX, s.keys, s.values, gate, validate, device_budget=budget))
     if resident is not None:
         out += [
             Scheme(
@@ -526,6 +529,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, required=True, help="RULER data seed (and codec dither seed, bootstrap seed)")
     ap.add_argument("--gate", choices=GATES, default="block", help="certified gate form at tau = 0.2")
     ap.add_argument("--no-raw", dest="raw", action="store_false", help="skip the ungated variants")
+    ap.add_argument(
+        "--no-gated",
+        dest="gated",
+        action="store_false",
+        help="skip the gated variants of --schemes (with --resident: dense and the resident variants only)",
+    )
     ap.add_argument("--validate", action="store_true", help="exact TV next to every certificate (violations)")
     ap.add_argument(
         "--device-budget",
@@ -576,6 +585,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ]
         if given:
             ap.error(f"{', '.join(given)} describe the resident variants: pass --resident <fraction in (0, 1]>")
+        if not args.gated and not args.raw:
+            ap.error("--no-raw --no-gated without --resident leaves no variant to compare with dense")
     elif not 0.0 < args.resident <= 1.0:
         ap.error(f"--resident must be a fraction in (0, 1], got {args.resident}")
     elif args.resident_alloc == "mass" and not SELECT_POLICIES[args.select or DEFAULT_SELECT]().needs_attention:
@@ -608,7 +619,7 @@ def main() -> None:
     resident = resident_options(args)
     if resident is not None:
         resident_fits(resident.plan(), args.context)
-    schemes = variants(specs, make_gate(args.gate), args.raw, args.validate, args.device_budget, resident)
+    schemes = variants(specs, make_gate(args.gate), args.raw, args.validate, args.device_budget, resident, args.gated)
     config = {
         "model": args.model,
         "tasks": tasks,

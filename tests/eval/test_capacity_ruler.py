@@ -88,6 +88,8 @@ def test_resident_variants_carry_every_option(bench: ModuleType) -> None:
     assert (plan.select, plan.summary, plan.alloc) == ("h2o", "box", "mass")
     assert kept.select is not None and type(kept.select()).__name__ == "H2O"
     assert bench.variants([SchemeSpec("int4", "int4")], Gate.off(), True, False, None)[-1].resident is None
+    only_resident = bench.variants([SchemeSpec("int4", "int4")], Gate.off(), False, False, None, opts, gated=False)
+    assert [s.name for s in only_resident] == ["dense", "int8/int2+resident"]
 
 
 @pytest.mark.parametrize(
@@ -101,6 +103,7 @@ def test_resident_variants_carry_every_option(bench: ModuleType) -> None:
         (["--resident-alloc", "mass"], "--resident-alloc describe the resident variants"),
         (["--resident", "0.25", "--resident-alloc", "greedy"], "invalid choice: 'greedy'"),
         (["--resident", "0.25", "--select", "streaming", "--resident-alloc", "mass"], "splits by attention scores"),
+        (["--no-raw", "--no-gated"], "leaves no variant to compare with dense"),
     ],
 )
 def test_bad_resident_options_are_refused(

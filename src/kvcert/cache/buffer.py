@@ -12,6 +12,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from kvcert.cache.paged import CellTokens
 from kvcert.checks import Checks, deferred
 from kvcert.quant import logcode
 from kvcert.quant.kernel_env import fused_log8
@@ -172,6 +173,8 @@ def _zero_scalars(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, tor
 
 #: the index of every (row, head): ``index[:2]`` of a write to whole heads
 _ALL2 = (slice(None), slice(None))
+#: the index of every token of every (row, head)
+_ALL3 = (*_ALL2, slice(None))
 
 
 class LogBuffer:
@@ -183,12 +186,14 @@ class LogBuffer:
     (``docs/math.md#compact-witnesses``); ``0`` stays exactly ``0``. :attr:`nbytes` counts the stored codes and
     base exponents only. A head's base is set by its first positive write; a later value above its top code
     raises the base (:func:`kvcert.quant.logcode.rebase`: every stored value can only grow) and is counted
-    in :attr:`rebases`.
+    in :attr:`rebases`. The codes are a :class:`GrowBuffer` of their own, or ``codes`` given (a paged store's
+    :class:`~kvcert.cache.paged.CellTokens`: the codes in the cells of a serving engine's pages), written through
+    the same calls, so both hold the same codes and decode to the same values.
     """
 
-    def __init__(self, like: torch.Tensor, capacity: int = 256) -> None:
+    def __init__(self, like: torch.Tensor, capacity: int = 256, codes: CellTokens | None = None) -> None:
         b, h = like.shape[:2]
-        self.codes = GrowBuffer(like.to(torch.uint8), capacity)
+        self.codes: GrowBuffer | CellTokens = GrowBuffer(like.to(torch.uint8), capacity) if codes is None else codes
         self.decoded = GrowBuffer(like.to(torch.float32), capacity)
         self.base = torch.full((b, h), logcode.UNSET, dtype=torch.int32, device=like.device)
         self.rebases = 0
@@ -296,14 +301,15 @@ class LogBuffer:
         if rebased:
             live = self.codes.view()
             self.rebases += rebased
-            live.copy_(logcode.rebase(live, p.shift.view(*p.shift.shape, *([1] * (live.dim() - 2)))))
+            live = logcode.rebase(live, p.shift.view(*p.shift.shape, *([1] * (live.dim() - 2))))
+            self.codes.write(_ALL3, live)  # every stored code re-coded in place: max(c − shift, 1)
             self.decoded.view().copy_(logcode.decode(live, self.base.view(*self.base.shape, *([1] * (live.dim() - 2)))))
         decoded = p.decoded if p.decoded is not None else logcode.decode(p.codes, self._spread(self.base, p.index, p.x))
         if p.index is None:
             self.codes.append(p.codes)
             self.decoded.append(decoded)
         else:
-            self.codes.view()[p.index] = p.codes
+            self.codes.write(p.index, p.codes)
             self.decoded.view()[p.index] = decoded
 
     def drop_before(self, start: int) -> None:

@@ -64,7 +64,7 @@ import torch
 
 from kvcert.bounds.rope import Pairing, band_norms, norm_up_f32, round_up_f32
 from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex, WriteBatch
-from kvcert.cache.paged import PagedCodes
+from kvcert.cache.paged import CellLayout, CellTokens, PagedCodes
 from kvcert.checks import deferred
 from kvcert.quant import Codec, DitherKey, Packed
 from kvcert.quant.kernel_env import fused_log8
@@ -225,6 +225,17 @@ class LayerStore:
 
     # ----------------------------------------------------------------------------------------- write
     def _init(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        b, h, _, d = k.shape
+        z = k.new_zeros((b, h, 0), dtype=torch.float32)
+        # the witness buffers first: a format or layout the pages cannot hold is refused before anything is set
+        self._witness_cells = self.pages is not None
+        stored = self._witness_buffer
+        self.k_band: GrowBuffer | LogBuffer = stored("k_band", k.new_zeros((b, h, 0, self.bands), dtype=torch.float32))
+        self.k_wit = GrowBuffer(z)  # in "log8": derived from the decoded bands (band_sum_up), not stored
+        self.k_hat_norm: GrowBuffer | LogBuffer = stored("k_hat_norm", z)
+        self.v_res: GrowBuffer | LogBuffer = stored("v_res", z)
+        self.v_hat_norm: GrowBuffer | LogBuffer = stored("v_hat_norm", z)
+        self.v_dist: GrowBuffer | LogBuffer = stored("v_dist", z)
         pin = torch.cuda.is_available()
         self.k = _Tensorstore(
             self.key_codec, k[:, :, :0].to("cpu") if pin else k[:, :, :0], pin, self.write_block, k.device
@@ -232,20 +243,47 @@ class LayerStore:
         self.v = _Tensorstore(
             self.value_codec, v[:, :, :0].to("cpu") if pin else v[:, :, :0], pin, self.write_block, v.device
         )
-        b, h, _, d = k.shape
-        z = k.new_zeros((b, h, 0), dtype=torch.float32)
-        stored = LogBuffer if self.witness == "log8" else GrowBuffer
-        self.k_band: GrowBuffer | LogBuffer = stored(k.new_zeros((b, h, 0, self.bands), dtype=torch.float32))
-        self.k_wit = GrowBuffer(z)  # in "log8": derived from the decoded bands (band_sum_up), not stored
-        self.k_hat_norm: GrowBuffer | LogBuffer = stored(z)
-        self.v_res: GrowBuffer | LogBuffer = stored(z)
-        self.v_hat_norm: GrowBuffer | LogBuffer = stored(z)
-        self.v_dist: GrowBuffer | LogBuffer = stored(z)
         # any fixed centre makes the spread max_t ‖v̂_t − c‖ valid; the first write's mean keeps it small
         self.v_centre = torch.nan_to_num(v.to(torch.float32), 0.0, 0.0, 0.0).mean(2, keepdim=True)
         self.k_steps: GrowBuffer | None = None
         self.positions = GrowBuffer(torch.zeros(b, h, 0, dtype=torch.int64, device=k.device))
         self.rows = torch.full((b,), -1, dtype=torch.int64, device=k.device)
+
+    def _witness_buffer(self, name: str, like: torch.Tensor) -> GrowBuffer | LogBuffer:
+        """The stored witness buffer ``name`` (of :data:`STORED_WITNESSES`), shaped as the empty ``like``: float32
+        in ``"f32"``; in ``"log8"`` its codes in a tensor of its own, or, with :attr:`pages`, in the cells of the
+        pages (:class:`~kvcert.cache.paged.CellTokens`; ``ValueError`` in ``"f32"`` or for a layout without that
+        witness field)."""
+        if self.witness == "f32":
+            if self.pages is not None:
+                raise ValueError("a store whose codes live in pages keeps its witnesses there as log8 codes, not f32")
+            return GrowBuffer(like)
+        if self.pages is None:
+            return LogBuffer(like)
+        return LogBuffer(like, codes=CellTokens(self._current_pages, name, like[:, :, :0].to(torch.uint8)))
+
+    def _current_pages(self) -> PagedCodes:
+        """:attr:`pages` (where the witness codes of a store first written with pages live); ``ValueError`` when
+        they were removed."""
+        if self.pages is None:
+            raise ValueError("this store's witness codes live in a serving engine's pages, but its pages were removed")
+        return self.pages
+
+    def cell_layout(self, head_dim: int, head_dim_v: int, align: int = 1) -> CellLayout:
+        """The cell one (token, KV head) of a store of this configuration takes in a serving engine's pages: the
+        codecs' packed tensors and the ``"log8"`` witness codes, each measured (:meth:`CellLayout.measure`; the
+        witnesses from the codes an empty store of this configuration holds after writing one sample token), the
+        cell rounded up to ``align``. Raises ``ValueError`` in ``"f32"`` (no witness cells) or for codecs that do
+        not encode each token on its own."""
+        if self.witness != "log8":
+            raise ValueError(
+                f"a store keeps its witnesses in a serving engine's pages only as log8, not {self.witness}"
+            )
+        sample = self.emptied()
+        one = torch.zeros(1, dtype=torch.int64)
+        sample.append(torch.zeros(1, 1, 1, head_dim), torch.zeros(1, 1, 1, head_dim_v), one, one.to(torch.bool))
+        witnesses = {name: getattr(sample, name).codes.view() for name in STORED_WITNESSES}
+        return CellLayout.measure(self.key_codec, self.value_codec, head_dim, head_dim_v, align, witnesses)
 
     @property
     def n(self) -> int:
@@ -260,6 +298,8 @@ class LayerStore:
         """
         if self.pages is not None and k.shape[0] != 1:
             raise ValueError(f"a store whose codes live in pages holds one sequence (B = 1), got B = {k.shape[0]}")
+        if self.k is not None and (self.pages is not None) != self._witness_cells:
+            raise ValueError("a store's pages must be set before its first write and kept (its witnesses live there)")
         if self.k is None:
             self._init(k, v)
         assert self.k is not None and self.v is not None

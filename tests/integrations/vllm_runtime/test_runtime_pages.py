@@ -4,12 +4,14 @@ batches driven as the backend drives them, each request's stores writing into it
 Every row the runtime serves is compared per element with exact causal GQA attention computed here in float64 over
 the K/V written so far (prefill rows: exact over the host tier; decode rows: ``certified:0`` repairs every cell
 with a positive certificate). Validate mode must count no violation, and the codes the stores hold must be views of
-the pool's blocks of that request that decode to the entries the read path served."""
+the pool's blocks of that request that decode to the entries the read path served, and every token's witness codes
+must be in its cell of those blocks."""
 
 import pytest
 import torch
 
 from kvcert.cache.paged import BlockPool
+from kvcert.cache.store import STORED_WITNESSES
 from kvcert.integrations.vllm.runtime import Runtime, cell_layout
 from kvcert.integrations.vllm.settings import Settings
 
@@ -103,6 +105,13 @@ def test_codes_live_in_the_requests_blocks_and_decode_to_what_was_served(served)
                         assert lo <= tensor.data_ptr() < lo + pool[block].numel()
                     dec = ts.codec.decode(c.packed, key=c.key).to(torch.float32)
                     assert torch.equal(dec, ts.served.view()[:, :, c.start : c.stop]), (rid, layer, name, c.start)
+            for name in STORED_WITNESSES:  # every token's witness codes are in its cell of the request's blocks
+                f = layout.field("w", name)
+                codes = getattr(store, name).codes.view()[0]
+                for j, block in enumerate(blocks):
+                    lo, hi = j * PAGE, min((j + 1) * PAGE, store.n)
+                    cell = pool[block, :, : hi - lo, f.offset : f.offset + f.nbytes]
+                    assert torch.equal(cell, codes[:, lo:hi].reshape(cell.shape)), (rid, layer, name, j)
     assert used == {5, 2, 0, 7}
     for pool in pools:
         assert int(pool[[1, 3, 4, 6]].sum()) == 0  # no request was given those blocks: untouched
@@ -118,9 +127,14 @@ def test_a_request_recomputed_from_zero_writes_its_new_blocks_only():
     steps = [{"r": (20, 0)}] + [{"r": (1, 20 + i)} for i in range(14)]
     again = _drive(rt, layout, pools, steps, {"r": [6, 3]}, seed=14)
     assert max(*errors.values(), *again.values()) < 1e-5, (errors, again)
+    packed = torch.zeros(layout.nbytes, dtype=torch.bool)  # the bytes of a cell that hold K/V codes
+    for f in layout.fields:
+        packed[f.offset : f.offset + f.nbytes] |= f.tensor != "w"
     for pool, b in zip(pools, before, strict=True):
         assert torch.equal(pool[[1, 2]], b)  # the old blocks were not written after the restart
-        assert int(pool[6].sum()) > 0 and int(pool[3].sum()) == 0  # 33 tokens: codes for 32, all in the first block
+        # 34 tokens: codes for 32, all in the first block; the second holds the witness codes of tokens 32, 33 only
+        assert int(pool[6].sum()) > 0 and int(pool[3][..., packed].sum()) == 0 and int(pool[3][:, 2:].sum()) == 0
+        assert int(pool[3][:, :2].sum()) > 0
     for store in rt.sequences["r"].stores.values():
         assert store.n == 34 and all(c.stop <= PAGE for c in store.k.chunks)
     rec = rt.record("r")

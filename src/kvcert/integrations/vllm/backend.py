@@ -5,10 +5,11 @@ Imported only inside vLLM processes (the plugin registers the class path; see
 :class:`KvcertCPUImpl` as its implementation.
 
 Memory: :meth:`KvcertCPUBackend.customize_spec` publishes the layer's packed cell (``state_content_bytes``: the
-key and value codecs' packed bytes per (token, KV head), measured by
-:meth:`~kvcert.cache.paged.CellLayout.measure`), so vLLM sizes and allocates its block pool at that size: more
-blocks for the same ``VLLM_CPU_KVCACHE_SPACE``. Each sequence's store puts the codes of its encoded tokens in the
-sequence's own vLLM blocks (``block_table[i, pos // block_size]``); the exact K/V stay in kvcert's host tier.
+key and value codecs' packed bytes and the write-time witness codes per (token, KV head), measured by
+:meth:`~kvcert.cache.store.LayerStore.cell_layout`), so vLLM sizes and allocates its block pool at that size: more
+blocks for the same ``VLLM_CPU_KVCACHE_SPACE``. Each sequence's store puts the codes of its encoded tokens and the
+witness codes of its tokens in the sequence's own vLLM blocks (``block_table[i, pos // block_size]``); the exact
+K/V stay in kvcert's host tier.
 
 Reads: vLLM's kernel cannot read packed blocks, so it never runs on a kvcert layer and ``do_kv_cache_update``
 writes nothing. :meth:`KvcertCPUImpl.forward` hands the flat batch to the process's

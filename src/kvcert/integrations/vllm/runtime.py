@@ -8,8 +8,8 @@ Per layer and per forward call, for every sequence ``i`` of the batch (continuou
 and decodes mixed) with new tokens ``[lo, hi)`` of the flat batch and ``ctx`` tokens already computed:
 
 * the new post-RoPE K/V go into the sequence's own :class:`~kvcert.cache.store.LayerStore` (``B = 1``): the
-  compressed device tier (real packed codes, written into the sequence's vLLM blocks when the backend passes its
-  :class:`~kvcert.cache.paged.BlockPool`; write-time witnesses) and the exact host tier;
+  compressed device tier (real packed codes and the write-time witness codes, written into the sequence's vLLM
+  blocks when the backend passes its :class:`~kvcert.cache.paged.BlockPool`) and the exact host tier;
 * a **decode** read (one new token, ``ctx > 0``) is served by a
   :class:`~kvcert.attention.read_path.CertifiedReadPath` — the same read path
   :class:`~kvcert.integrations.transformers.CertifiedCache` uses: served attention over the decoded codes, a
@@ -311,11 +311,11 @@ class Runtime:
 
 
 def cell_layout(settings: Settings, head_size: int, head_size_v: int, dtype: torch.dtype) -> CellLayout:
-    """The cell one (token, KV head) takes in vLLM's blocks under ``settings``' codecs: the codecs of the stores the
-    runtime builds, measured (:meth:`~kvcert.cache.paged.CellLayout.measure`), rounded up to the element size of
-    vLLM's cache dtype ``dtype`` (vLLM views each layer's blocks in that dtype)."""
+    """The cell one (token, KV head) takes in vLLM's blocks under ``settings``: the packed codes and the witness codes
+    of the stores the runtime builds, measured (:meth:`~kvcert.cache.store.LayerStore.cell_layout`), rounded up to
+    the element size of vLLM's cache dtype ``dtype`` (vLLM views each layer's blocks in that dtype)."""
     store = StorageConfig(keys=settings.keys, values=settings.values, seed=0).store(0)
-    return CellLayout.measure(store.key_codec, store.value_codec, head_size, head_size_v, align=dtype.itemsize)
+    return store.cell_layout(head_size, head_size_v, align=dtype.itemsize)
 
 
 def _measure(seq: _Sequence) -> None:

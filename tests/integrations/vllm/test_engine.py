@@ -62,6 +62,7 @@ def served(tmp_path_factory):
         caches = {name: ctx[name].kv_cache for name in ctx if hasattr(ctx[name], "kv_cache")}
         # the finished requests are reported to the runtime with the next step: their stores are still live here
         stores = {rid: dict(seq.stores) for rid, seq in rt.sequences.items()}
+        witness_cells = _witness_cells(rt, stores, caches, vcfg.cache_config.block_size)
         after = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=2))  # frees the two above
         stdout, _ = reference.communicate(timeout=1200)
         assert reference.returncode == 0, "the reference engine (vLLM's own backend) failed"
@@ -75,6 +76,7 @@ def served(tmp_path_factory):
             "block_size": vcfg.cache_config.block_size,
             "caches": caches,
             "stores": stores,
+            "witness_cells": witness_cells,
             "after": after,
         }
 
@@ -104,7 +106,9 @@ def test_blocks_hold_the_measured_packed_cell(served):
     measured = bytes_per_token_head(resolve("dither-int8", "key"), 64) + bytes_per_token_head(
         resolve("int4", "value"), 64
     )
-    assert lay.packed_bytes == measured and lay.nbytes == -(-measured // 4) * 4  # fp32 views: 4-byte cells
+    # the packed codes, then the witness codes: 8 band codes + 4 norm codes; fp32 views: 4-byte cells
+    assert lay.packed_bytes == measured and lay.witness_bytes == 8 + 4
+    assert lay.nbytes == -(-(measured + lay.witness_bytes) // 4) * 4
     assert len(served["caches"]) == 30
     for kv in served["caches"].values():
         # vLLM's own [num_blocks, H, block_size, C] view of the layer: C is the packed cell, not 2·64·4 bytes
@@ -139,6 +143,45 @@ def test_codes_read_from_vllm_blocks_decode_to_what_the_store_encoded(served):
                     assert torch.equal(dec, ts.served.view()[:, :, c.start : c.stop])  # per element
                     checked += 1
     assert checked >= 2 * 30 * len(PROMPTS)
+
+
+def _witness_cells(rt, stores, caches, block_size):
+    """``(store, witness name, start, stop, the cells of tokens [start, stop) in vLLM's block)`` per K chunk of every
+    store, copied while the requests are live (a later request may get their freed blocks); the block is found
+    from the address of the chunk's codes in vLLM's allocation."""
+    from kvcert.cache.store import STORED_WITNESSES
+
+    lay = _layout(rt)
+    pools = [kv.view(torch.uint8) for kv in caches.values()]
+    codes_field = lay.field("k", "codes")
+    out = []
+    for per_layer in stores.values():
+        for store in per_layer.values():
+            for c in store.k.chunks:
+                off = c.start % block_size
+                ptr = c.packed.tensors["codes"].data_ptr() - off * lay.nbytes - codes_field.offset  # the page
+                pool = next(p for p in pools if p.data_ptr() <= ptr < p.data_ptr() + p.numel())
+                block, rest = divmod(ptr - pool.data_ptr(), pool[0].numel())
+                assert rest == 0
+                for name in STORED_WITNESSES:
+                    f = lay.field("w", name)
+                    cell = pool[block, :, off : off + c.stop - c.start, f.offset : f.offset + f.nbytes].clone()
+                    out.append((store, name, c.start, c.stop, cell))
+    return out
+
+
+def test_witness_codes_live_in_the_blocks_of_their_tokens(served):
+    """Every encoded token's witness codes (``"log8"``) are in its cell of the vLLM block its K codes are in: they
+    decode, bit for bit, to the witnesses the store's read path reads."""
+    from kvcert.quant import logcode
+
+    cells = served["witness_cells"]
+    assert len(cells) >= 5 * 30 * len(PROMPTS)
+    for store, name, start, stop, cell in cells:
+        buf = getattr(store, name)
+        got = logcode.decode(cell, buf.base[0].view(-1, *[1] * (cell.dim() - 1))).view(torch.int32)
+        want = buf.view()[0, :, start:stop].reshape(cell.shape).view(torch.int32)
+        assert torch.equal(got, want), (store.layer, name, start)
 
 
 def test_certificates_finite_and_sound_per_cell(served):

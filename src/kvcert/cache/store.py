@@ -17,7 +17,9 @@ Layout per layer (``B`` batch rows, ``H`` KV heads, ``S`` tokens, ``D`` head dim
   the four norms as 8-bit logarithmic codes that decode to values never below the true ones
   (:class:`~kvcert.cache.buffer.LogBuffer`, ``docs/math.md#compact-witnesses``), derives ``W_t`` from the
   decoded bands and the steps from the codec's stored scales (nothing extra stored: 12 B per token per KV
-  head with 8 bands); ``"f32"`` stores every witness as float32 (52 B, plus the steps);
+  head with 8 bands); ``"f32"`` stores every witness as float32 (52 B, plus the steps). A store whose codes live
+  in a serving engine's pages (:attr:`LayerStore.pages`) keeps the ``"log8"`` codes in the same cells
+  (:class:`~kvcert.cache.paged.CellTokens`; the bases stay with the store);
 * **decode scratch** — the dequantized keys/values the read path attends over. A fused kernel would
   dequantize in registers; this CPU reference keeps the decoded copy and reports it separately.
 
@@ -260,7 +262,7 @@ class LayerStore:
             return GrowBuffer(like)
         if self.pages is None:
             return LogBuffer(like)
-        return LogBuffer(like, codes=CellTokens(self._current_pages, name, like[:, :, :0].to(torch.uint8)))
+        return LogBuffer(like, codes=CellTokens(self._current_pages, name, like.to(torch.uint8)))
 
     def _current_pages(self) -> PagedCodes:
         """:attr:`pages` (where the witness codes of a store first written with pages live); ``ValueError`` when

@@ -88,7 +88,8 @@ def test_backend_publishes_the_measured_packed_cell(monkeypatch):
     packed = bytes_per_token_head(resolve("dither-int8", "key"), 64) + bytes_per_token_head(
         resolve("int2", "value"), 64
     )
-    assert spec.state_content_bytes == -(-packed // 4) * 4  # fp32 views of the blocks: a multiple of 4 bytes
+    witness = 8 + 4  # the log8 witness codes per (token, KV head): 8 band codes and 4 norm codes
+    assert spec.state_content_bytes == -(-(packed + witness) // 4) * 4  # fp32 views of the blocks: a multiple of 4
     assert spec.page_size_bytes == 3 * 128 * spec.state_content_bytes < _spec().page_size_bytes
     with pytest.raises(backend.PackingError, match="cannot store packed codes"):
         backend.KvcertCPUBackend.customize_spec(_spec(sliding_window=256))

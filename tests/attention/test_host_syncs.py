@@ -24,8 +24,10 @@ from resident_cases import POLICIES, prompt_ids
 from torch.overrides import TorchFunctionMode
 
 from kvcert import EvictionConfig, Gate, kernels
+from kvcert.attention import certified
 from kvcert.evict import base
 from kvcert.integrations.transformers import CertifiedCache
+from kvcert.kernels import repair
 from kvcert.models.tiny import tiny_random
 
 torch.set_num_threads(1)
@@ -98,6 +100,11 @@ def _syncs_per_read(model, steps: int = 3, watched: Path = SRC, **kw) -> tuple[f
 #: the resident read to 66.0 (73.0 before the one read-back): a head that has to serve values evaluates its
 #: certificate twice (all keyed pages key-only, then the pages served).
 MAX_SYNCS_PER_READ = {"triton": 2.0, "torch": 2.0, "resident": 66.0}
+#: the certified read with block repair at every read (τ = 0.01, blocks of 8), per backend: the read's 2 plus one per
+#: doubling round (the round's decision, its paged token count and its meter's checks in one read-back; one round
+#: here). Before issue 19: 9.0 (the head list's ``nonzero`` and ``tolist``, three meter checks, the round's decision
+#: and the paged token count, each its own sync)
+MAX_SYNCS_BLOCK_REPAIR = 3.0
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -105,6 +112,24 @@ def test_certified_read_syncs_per_read_do_not_regress(model, backend, monkeypatc
     monkeypatch.setenv(kernels.ENV, backend)
     per_read, rec = _syncs_per_read(model, gate=Gate.certified(0.2))
     assert per_read <= MAX_SYNCS_PER_READ[backend], rec.calls
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_block_repair_syncs_per_read_do_not_regress(model, backend, monkeypatch):
+    """Every read repairs blocks (the spy counts the repairs); the K/V mixture is the one a CUDA device runs (the
+    paged host slices, :func:`kvcert.kernels.repair._in_place` False), not the CPU's in-place write."""
+    monkeypatch.setenv(kernels.ENV, backend)
+    monkeypatch.setattr(repair, "_in_place", lambda dev, hosts: False)
+    calls = []
+
+    def spy(*args, **kw):
+        calls.append(1)
+        return repair.repair_blocks(*args, **kw)
+
+    monkeypatch.setattr(certified, "repair_blocks", spy)
+    per_read, rec = _syncs_per_read(model, gate=Gate.certified(0.01, granularity="block", block_size=8))
+    assert len(calls) == 3 * model.config.num_hidden_layers
+    assert per_read <= MAX_SYNCS_BLOCK_REPAIR, rec.calls
 
 
 def test_resident_read_syncs_per_read_do_not_regress(model, monkeypatch):

@@ -42,6 +42,19 @@ def deferred(sink: Sink) -> Iterator[None]:
         _SINK.reset(token)
 
 
+def read_back(values: Sequence[torch.Tensor]) -> list[int]:
+    """``values`` (integer or bool tensors of any shape, flattened and concatenated) as Python ints, in one host
+    sync. Inside :func:`deferred` with a :class:`Checks` sink, the checks it holds come back in the same sync and the
+    first failed one raises its error before any value is returned (:meth:`Checks.read_back`): code that decides on
+    the host only from what this returns never acts on the results of a failed check."""
+    sink = _SINK.get()
+    if isinstance(sink, Checks):
+        back = sink.read_back(values)
+        assert back is not None  # no guard: never None
+        return back
+    return torch.cat([v.reshape(-1).to(torch.int64) for v in values]).tolist()
+
+
 class Checks:
     """A :data:`Sink` that keeps the deferred checks of a block in the order they were made, for its owner to read
     back with :meth:`read_back`."""

@@ -30,6 +30,7 @@ from kvcert.bounds.pages import OmittedCertificate, key_page_bound, omitted_cert
 from kvcert.bounds.rope import norm_up_f32
 from kvcert.bounds.softmax_tv import probs64, served_meter
 from kvcert.cache.recall import HeldPages
+from kvcert.checks import read_back
 
 F64 = torch.float64
 
@@ -270,13 +271,14 @@ def grow_recall(
         # served tokens (within the archive) when the first j pages by exact mass are served, j = 0..n
         valid = (s_o - ps * torch.cat([held_pages, fetched.pages[by_mass]])).clamp(max=ps)
         n_tok = valid[:n_held].sum() + torch.cat([valid.new_zeros(1), valid[n_held:].cumsum(0)])
-        pred, counts = torch.stack([_predicted(e, fetched, by_mass, ov.threshold).to(torch.int64), n_tok]).tolist()
+        back = read_back([_predicted(e, fetched, by_mass, ov.threshold), n_tok])  # one sync
+        pred, counts = back[: fetched.n + 1], back[fetched.n + 1 :]
         j = pred.index(1) if 1 in pred else fetched.n
         while True:
             if j:  # the first evaluation (j = 0) is e itself, and pred[0] its exact verdict
                 serve = fetched.take(by_mass[:j])
                 e = _evaluate(ov, bi, hi, l_res, c_res, held.cat(serve), fetched.take(by_mass[j:]), rest)
-            ok = bool(pred[0]) if not j else bool((e.oc.certificate <= ov.threshold).all())
+            ok = bool(pred[0] if not j else read_back([(e.oc.certificate <= ov.threshold).all()])[0])
             if ok or j >= fetched.n:
                 break
             j = min(2 * j, fetched.n)
@@ -319,4 +321,4 @@ def first_certifying(predicted: torch.Tensor, n_pages: int) -> int:
     """The smallest page count ``predicted[P]`` marks as certifying, else ``n_pages`` (one sync)."""
     if not predicted.numel():
         return n_pages
-    return int(torch.where(predicted.any(), predicted.to(torch.int64).argmax() + 1, n_pages))
+    return read_back([torch.where(predicted.any(), predicted.to(torch.int64).argmax() + 1, n_pages)])[0]

@@ -59,6 +59,7 @@ from kvcert.bounds.softmax_tv import served_meter
 from kvcert.cache.gate import Gate
 from kvcert.cache.recall import HeldPages, RecallPool
 from kvcert.cache.store import LayerStore
+from kvcert.checks import Checks, deferred, read_back
 from kvcert.kernels.repair import block_contributions
 
 F64 = torch.float64
@@ -283,7 +284,7 @@ def _recall_bytes(tokens: torch.Tensor, pages: int, key_bytes: int, value_bytes:
     token; read back only when ``pages`` were paged in."""
     if not pages:
         return 0, 0
-    n_k, n_v = tokens.tolist()
+    n_k, n_v = read_back([tokens])
     return n_k * key_bytes, n_v * value_bytes
 
 
@@ -402,140 +403,148 @@ def resident_read(
     b, hq, nq, d = q.shape
     hkv, s_r = store.k.served.shape[1:3]
     g = hq // hkv
-    qg = group_heads(q.to(torch.float32), hkv)  # [B, Hkv, M, D]
-    m = mask[:, :, None].expand(b, hkv, g, nq, s_r).reshape(b, hkv, g * nq, s_r)
-    m_o = mask_o[:, :, None].expand(b, hkv, g, nq, mask_o.shape[-1]).reshape(b, hkv, g * nq, -1)
-    full = bool(m.all())
-    sv = _eager_served(qg, store, mask, m, full, scaling)
-    qg = sv.qg
-    khat = store.k.served.view()
-    if sv.bad_cell is not None:
-        khat = torch.nan_to_num(khat, 0.0, 0.0, 0.0)
-    logits = masked_logits(qg, khat, m, scaling, full)  # as the served read
-    live = m.any(-1)  # [B, Hkv, M]
-    bad = ~live if sv.bad_cell is None else (~live | sv.bad_cell)
-    gamma = gamma_f32(d + 1)
-    ps = pages.page_size
-    n_pages = -(-m_o.shape[-1] // ps)
-    if pages.box is not None:
-        u = page_logit_bound(qg, pages.box, scaling, gamma)  # [B, Hkv, M, P]
-        counts = _page_counts(m_o, ps, n_pages)
-    else:  # per-token bounds pooled per page: n_P e^{u_P} = Σ_{t∈P visible} e^{u_t}
-        assert pages.sketch is not None
-        u, counts = pool_pages(sketch_logit_bound(qg, pages.sketch, scaling, gamma), m_o, ps)
-    w = page_weights(torch.where(live.unsqueeze(-1), logits, 0.0), u, counts)
-    w = torch.where(bad.unsqueeze(-1), float("inf"), w)  # fail closed
-    oc = omitted_certificate(sv.p64, torch.where(m, sv.c, 0.0), w, sv.cert)
-    cert_pre = oc.certificate
-    dev = q.device
-    need = (
-        (cert_pre.amax(-1) > gate.threshold)
-        if gate.mode != "off"
-        else torch.zeros(b, hkv, dtype=torch.bool, device=dev)
-    )
-    need = need | bad.any(-1)
-    held = pages.held
-    held_mask = held.held if held is not None else torch.zeros(b, hkv, n_pages, dtype=torch.bool, device=dev)
-    has_held = held_mask.any(-1)
-    out, cert, value_term = sv.out.clone(), cert_pre.clone(), sv.value_term.clone()
-    dense = torch.zeros(b, hkv, dtype=torch.bool, device=dev)
-    blocks = torch.zeros(b, hkv, dtype=torch.int64, device=dev)  # pages paged in (keys at least) per KV head
-    n_recalled = 0
-    elt = store.k.host.dtype.itemsize
-    dk, dv = store.k.host.shape[-1], store.v.host.shape[-1]
-    ev_k, ev_v = store.evicted["k"].view(), store.evicted["v"].view()
-    s_o = ev_k.shape[2]
-    rate = scaling * gamma * qg.to(F64).norm(dim=-1, keepdim=True)  # [B, Hkv, M, 1]
-    p_post = None
-    if validate:
-        p_post = torch.cat([sv.p64, torch.zeros(*sv.p64.shape[:3], s_o, dtype=F64, device=dev)], -1)
-    host_k, host_v = store.k.host.view(), store.v.host.view()
-    qnorm = scaling * norm_up_f32(qg).to(F64).unsqueeze(-1)  # [B, Hkv, M, 1] ≥ sc·‖q‖
-    ctx = OmittedView(qg, rate, qnorm, scaling, ev_k, ev_v, m_o, u, counts, ps, gate.threshold, held)
-    vmax_recalled = torch.zeros(b, hkv, 1, dtype=F64, device=dev)  # ≥ ‖ṽ_t‖ of the recalled tokens as served
-    bs = gate.block_size
-    n_blk = -(-s_r // bs)  # resident blocks a head can read exact
-    bytes_exact = 0  # resident entries read exact from the host tier (their codes could not be certified)
-    # tokens whose keys / values were paged in by recall: read back once, after the loop
-    paged_tokens = torch.zeros(2, dtype=torch.int64, device=dev)
-    mass_post = oc.mass.clone()  # the omitted-mass bound of what each read left omitted (validate checks it)
-    served_o = torch.zeros(b, hkv, s_o, dtype=torch.bool, device=dev)  # omitted tokens served after recall
-    dense_heads: list[int] = []  # KV head index of each head served dense (known here: no read-back)
-    # every per-head decision the loop starts from, read back in one sync: which heads to visit (they need recall
-    # or hold pages), which have a bad cell, which need recall, whose resident codes alone exceed tau
-    # (and how many pages each holds)
-    heads = (need | has_held, bad.any(-1), need, sv.cert.amax(-1) > gate.threshold, held_mask.sum(-1))
-    flags = torch.stack([f.to(torch.int64) for f in heads], -1).tolist()  # [B][Hkv][5] Python ints
-    visit = [(bi, hi, *f[1:]) for bi, row in enumerate(flags) for hi, f in enumerate(row) if f[0]]
-    for bi, hi, bad_head, need_head, codes_above, held_pages in visit:
-        if bad_head or gate.threshold == 0:  # nothing short of exact attention certifies these
-            dense[bi, hi] = True
-            dense_heads.append(hi)
-            continue
-        wh = w[bi, hi]  # [M, P]
-        order = torch.argsort(wh.amax(0), descending=True, stable=True)
-        first = torch.argsort(held_mask[bi, hi, order].to(torch.int8), descending=True, stable=True)
-        order = order[first]  # held pages first (on the device), each part by its largest page weight
-        codes = _ResidentServed(
-            logits[bi, hi],
-            torch.where(m[bi, hi], sv.c[bi, hi], 0.0),
-            store.v.served.view()[bi, hi].to(torch.float32),
-            store.v_res.view()[bi, hi].to(F64),
-            0,
+    checks = Checks()  # every fail-closed check below comes back with the next decision read-back
+    with deferred(checks):
+        qg = group_heads(q.to(torch.float32), hkv)  # [B, Hkv, M, D]
+        m = mask[:, :, None].expand(b, hkv, g, nq, s_r).reshape(b, hkv, g * nq, s_r)
+        m_o = mask_o[:, :, None].expand(b, hkv, g, nq, mask_o.shape[-1]).reshape(b, hkv, g * nq, -1)
+        full = bool(m.all())
+        sv = _eager_served(qg, store, mask, m, full, scaling)
+        qg = sv.qg
+        khat = store.k.served.view()
+        if sv.bad_cell is not None:
+            khat = torch.nan_to_num(khat, 0.0, 0.0, 0.0)
+        logits = masked_logits(qg, khat, m, scaling, full)  # as the served read
+        live = m.any(-1)  # [B, Hkv, M]
+        bad = ~live if sv.bad_cell is None else (~live | sv.bad_cell)
+        gamma = gamma_f32(d + 1)
+        ps = pages.page_size
+        n_pages = -(-m_o.shape[-1] // ps)
+        if pages.box is not None:
+            u = page_logit_bound(qg, pages.box, scaling, gamma)  # [B, Hkv, M, P]
+            counts = _page_counts(m_o, ps, n_pages)
+        else:  # per-token bounds pooled per page: n_P e^{u_P} = Σ_{t∈P visible} e^{u_t}
+            assert pages.sketch is not None
+            u, counts = pool_pages(sketch_logit_bound(qg, pages.sketch, scaling, gamma), m_o, ps)
+        w = page_weights(torch.where(live.unsqueeze(-1), logits, 0.0), u, counts)
+        w = torch.where(bad.unsqueeze(-1), float("inf"), w)  # fail closed
+        oc = omitted_certificate(sv.p64, torch.where(m, sv.c, 0.0), w, sv.cert)
+        cert_pre = oc.certificate
+        dev = q.device
+        need = (
+            (cert_pre.amax(-1) > gate.threshold)
+            if gate.mode != "off"
+            else torch.zeros(b, hkv, dtype=torch.bool, device=dev)
         )
-        # the resident codes alone above tau: recall cannot help; read exact the resident blocks with the largest
-        # contribution to the meter, doubling them until the certificate with recall on top is <= tau (all blocks
-        # exact and still above: dense). Otherwise the codes first, then every resident entry exact.
-        doubling = bool(need_head and codes_above)
-        blk = _exact_blocks(sv.p64[bi, hi], codes.radius, bs) if doubling else torch.arange(n_blk, device=dev)
-        tries = _exact_counts(n_blk) if doubling else [0, n_blk]
-        for n_exact in tries:
-            res = codes
-            if n_exact:
-                slots = page_tokens(blk[:n_exact], bs)
-                res = _exact_resident(ctx, host_k[bi, hi], host_v[bi, hi], m[bi, hi], bi, hi, slots[slots < s_r], codes)
-            k = held_pages
-            if need_head:
-                meter0 = served_meter(probs64(res.logits), res.radius)[0] if n_exact else sv.cert[bi, hi]
-                cum = wh[:, order].cumsum(-1)
-                rest_u = (oc.u[bi, hi].unsqueeze(-1) - cum).clamp(min=0.0)
-                predicted = (
-                    rest_u / (oc.b[bi, hi].unsqueeze(-1) + rest_u) + meter0.unsqueeze(-1) <= gate.threshold
-                ).all(0)
-                if doubling and n_exact != tries[-1] and not bool(predicted.any()):
-                    continue  # not predicted to certify with any recall: read more blocks exact first
-                # the first page count predicted to certify, else every page: one sync
-                k = max(k, first_certifying(predicted, n_pages))
-            r = grow_recall(ctx, bi, hi, order, k, held_pages, res.logits, res.radius)
-            paged_tokens[0] += _tokens(r.keyed, ps, s_o)  # a try that does not certify paged its keys in too
-            blocks[bi, hi] += r.keyed.numel()
-            n_recalled += r.keyed.numel()
-            if r.ok:
-                break
-        if not r.ok:
-            dense[bi, hi] = True
-            dense_heads.append(hi)
-            continue
-        bytes_exact += res.n_exact * (dk + dv) * elt  # the resident entries read exact (tries nest: the last's)
-        p_all, tok = r.p, r.tok
-        out[bi, hi] = p_all.to(torch.float32) @ torch.cat([res.values, r.values], 0)
-        cert[bi, hi] = r.oc.certificate
-        held_term = p_all[:, s_r:] @ r.value_radius  # held tokens: their 16-bit copies' value rounding
-        vmax_recalled[bi, hi] = norm_up_f32(r.values).to(F64).amax(-1, keepdim=True) if tok.numel() else 0.0
-        value_term[bi, hi] = p_all[:, :s_r] @ res.value_radius + held_term
-        paged_tokens[1] += _tokens(r.pages[held_pages:], ps, s_o)  # the pages whose values were paged in
-        mass_post[bi, hi] = r.oc.mass
-        if held is not None:  # page masses of this read (worst cell) decide what stays on the device
-            mass = torch.zeros(p_all.shape[0], n_pages, dtype=F64, device=dev).index_add_(1, tok // ps, p_all[:, s_r:])
-            held.admit(bi, hi, r.pages, mass.amax(0)[r.pages], r.fresh_k, r.fresh_v)  # values paged in: admitted
-        served_o[bi, hi, tok] = True
-        if p_post is not None:
-            p_post[bi, hi] = 0.0
-            p_post[bi, hi, :, :s_r] = p_all[:, :s_r]
-            p_post[bi, hi, :, s_r + tok] = p_all[:, s_r:]
-    cert = _dense_fallback(out, cert, dense, dense_exact, dense_heads)
-    bytes_paged = len(dense_heads) * (s_r + s_o) * (dk + dv) * elt
-    bytes_keys, bytes_values = _recall_bytes(paged_tokens, n_recalled, dk * elt, dv * elt)
+        need = need | bad.any(-1)
+        held = pages.held
+        held_mask = held.held if held is not None else torch.zeros(b, hkv, n_pages, dtype=torch.bool, device=dev)
+        has_held = held_mask.any(-1)
+        out, cert, value_term = sv.out.clone(), cert_pre.clone(), sv.value_term.clone()
+        dense = torch.zeros(b, hkv, dtype=torch.bool, device=dev)
+        blocks = torch.zeros(b, hkv, dtype=torch.int64, device=dev)  # pages paged in (keys at least) per KV head
+        n_recalled = 0
+        elt = store.k.host.dtype.itemsize
+        dk, dv = store.k.host.shape[-1], store.v.host.shape[-1]
+        ev_k, ev_v = store.evicted["k"].view(), store.evicted["v"].view()
+        s_o = ev_k.shape[2]
+        rate = scaling * gamma * qg.to(F64).norm(dim=-1, keepdim=True)  # [B, Hkv, M, 1]
+        p_post = None
+        if validate:
+            p_post = torch.cat([sv.p64, torch.zeros(*sv.p64.shape[:3], s_o, dtype=F64, device=dev)], -1)
+        host_k, host_v = store.k.host.view(), store.v.host.view()
+        qnorm = scaling * norm_up_f32(qg).to(F64).unsqueeze(-1)  # [B, Hkv, M, 1] ≥ sc·‖q‖
+        ctx = OmittedView(qg, rate, qnorm, scaling, ev_k, ev_v, m_o, u, counts, ps, gate.threshold, held)
+        vmax_recalled = torch.zeros(b, hkv, 1, dtype=F64, device=dev)  # ≥ ‖ṽ_t‖ of the recalled tokens as served
+        bs = gate.block_size
+        n_blk = -(-s_r // bs)  # resident blocks a head can read exact
+        bytes_exact = 0  # resident entries read exact from the host tier (their codes could not be certified)
+        # tokens whose keys / values were paged in by recall: read back once, after the loop
+        paged_tokens = torch.zeros(2, dtype=torch.int64, device=dev)
+        mass_post = oc.mass.clone()  # the omitted-mass bound of what each read left omitted (validate checks it)
+        served_o = torch.zeros(b, hkv, s_o, dtype=torch.bool, device=dev)  # omitted tokens served after recall
+        dense_heads: list[int] = []  # KV head index of each head served dense (known here: no read-back)
+        # every per-head decision the loop starts from, read back in one sync: which heads to visit (they need recall
+        # or hold pages), which have a bad cell, which need recall, whose resident codes alone exceed tau
+        # (and how many pages each holds)
+        heads = (need | has_held, bad.any(-1), need, sv.cert.amax(-1) > gate.threshold, held_mask.sum(-1))
+        flat = read_back([torch.stack([f.to(torch.int64) for f in heads], -1)])  # [B·Hkv·5] Python ints
+        flags = [flat[i : i + 5] for i in range(0, len(flat), 5)]  # per (row, KV head), row-major
+        visit = [(i // hkv, i % hkv, *f[1:]) for i, f in enumerate(flags) if f[0]]
+        for bi, hi, bad_head, need_head, codes_above, held_pages in visit:
+            if bad_head or gate.threshold == 0:  # nothing short of exact attention certifies these
+                dense[bi, hi] = True
+                dense_heads.append(hi)
+                continue
+            wh = w[bi, hi]  # [M, P]
+            order = torch.argsort(wh.amax(0), descending=True, stable=True)
+            first = torch.argsort(held_mask[bi, hi, order].to(torch.int8), descending=True, stable=True)
+            order = order[first]  # held pages first (on the device), each part by its largest page weight
+            codes = _ResidentServed(
+                logits[bi, hi],
+                torch.where(m[bi, hi], sv.c[bi, hi], 0.0),
+                store.v.served.view()[bi, hi].to(torch.float32),
+                store.v_res.view()[bi, hi].to(F64),
+                0,
+            )
+            # the resident codes alone above tau: recall cannot help; read exact the resident blocks with the largest
+            # contribution to the meter, doubling them until the certificate with recall on top is <= tau (all blocks
+            # exact and still above: dense). Otherwise the codes first, then every resident entry exact.
+            doubling = bool(need_head and codes_above)
+            blk = _exact_blocks(sv.p64[bi, hi], codes.radius, bs) if doubling else torch.arange(n_blk, device=dev)
+            tries = _exact_counts(n_blk) if doubling else [0, n_blk]
+            for n_exact in tries:
+                res = codes
+                if n_exact:
+                    slots = page_tokens(blk[:n_exact], bs)
+                    res = _exact_resident(
+                        ctx, host_k[bi, hi], host_v[bi, hi], m[bi, hi], bi, hi, slots[slots < s_r], codes
+                    )
+                k = held_pages
+                if need_head:
+                    meter0 = served_meter(probs64(res.logits), res.radius)[0] if n_exact else sv.cert[bi, hi]
+                    cum = wh[:, order].cumsum(-1)
+                    rest_u = (oc.u[bi, hi].unsqueeze(-1) - cum).clamp(min=0.0)
+                    predicted = (
+                        rest_u / (oc.b[bi, hi].unsqueeze(-1) + rest_u) + meter0.unsqueeze(-1) <= gate.threshold
+                    ).all(0)
+                    if doubling and n_exact != tries[-1] and not read_back([predicted.any()])[0]:
+                        continue  # not predicted to certify with any recall: read more blocks exact first
+                    # the first page count predicted to certify, else every page: one sync
+                    k = max(k, first_certifying(predicted, n_pages))
+                r = grow_recall(ctx, bi, hi, order, k, held_pages, res.logits, res.radius)
+                paged_tokens[0] += _tokens(r.keyed, ps, s_o)  # a try that does not certify paged its keys in too
+                blocks[bi, hi] += r.keyed.numel()
+                n_recalled += r.keyed.numel()
+                if r.ok:
+                    break
+            if not r.ok:
+                dense[bi, hi] = True
+                dense_heads.append(hi)
+                continue
+            bytes_exact += res.n_exact * (dk + dv) * elt  # the resident entries read exact (tries nest: the last's)
+            p_all, tok = r.p, r.tok
+            out[bi, hi] = p_all.to(torch.float32) @ torch.cat([res.values, r.values], 0)
+            cert[bi, hi] = r.oc.certificate
+            held_term = p_all[:, s_r:] @ r.value_radius  # held tokens: their 16-bit copies' value rounding
+            vmax_recalled[bi, hi] = norm_up_f32(r.values).to(F64).amax(-1, keepdim=True) if tok.numel() else 0.0
+            value_term[bi, hi] = p_all[:, :s_r] @ res.value_radius + held_term
+            paged_tokens[1] += _tokens(r.pages[held_pages:], ps, s_o)  # the pages whose values were paged in
+            mass_post[bi, hi] = r.oc.mass
+            if held is not None:  # page masses of this read (worst cell) decide what stays on the device
+                mass = torch.zeros(p_all.shape[0], n_pages, dtype=F64, device=dev).index_add_(
+                    1, tok // ps, p_all[:, s_r:]
+                )
+                held.admit(bi, hi, r.pages, mass.amax(0)[r.pages], r.fresh_k, r.fresh_v)  # values paged in: admitted
+            served_o[bi, hi, tok] = True
+            if p_post is not None:
+                p_post[bi, hi] = 0.0
+                p_post[bi, hi, :, :s_r] = p_all[:, :s_r]
+                p_post[bi, hi, :, s_r + tok] = p_all[:, s_r:]
+        cert = _dense_fallback(out, cert, dense, dense_exact, dense_heads)
+        bytes_paged = len(dense_heads) * (s_r + s_o) * (dk + dv) * elt
+        bytes_keys, bytes_values = _recall_bytes(paged_tokens, n_recalled, dk * elt, dv * elt)
+        checks.read_back()  # the checks made since the last read-back (a sync only when there are some)
     key_norm_all = torch.maximum(sv.key_norm_max, 2.0 * pages.k_norm.to(F64))
     phi_max = 2.0 * rate.amax(-2) * key_norm_all
     spread = torch.maximum(sv.spread, pages.v_spread.to(F64))

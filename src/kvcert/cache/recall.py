@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcert.bounds.rope import norm_up_f32, round_up_f32
+from kvcert.checks import read_back
 
 DECAY = 0.5  # per read: a held page's score halves each read it is not needed at full mass
 #: per host dtype wider than 16 bits: ``(rel, tiny)`` with ``|x − fl16(x)| ≤ rel·|x| + tiny`` per entry of the float16
@@ -168,9 +169,6 @@ class HeldPages:
         ps = self.page_size
         before = self.held[row, head].clone()
         was = before[read]
-        new = read[~was]
-        if self.fresh is not None:
-            self.fresh[row, head, new] = True
         # which pages of read may be held: those held before, and the fresh ones whose K/V fit the storage dtype
         spare = torch.ones(1, dtype=torch.bool, device=read.device)  # read may have no fresh page
         fresh_ok = torch.cat([self.fits(fresh_k, fresh_v).to(read.device), spare])
@@ -183,10 +181,14 @@ class HeldPages:
         fits = ok[order] & (cost.cumsum(0) <= own + self.pool.free)
         after = before.clone()
         after[read[order]] = fits  # the pages of read that fit are held, the others not (read: unique)
+        added, released = after & ~before, before & ~after
+        # the admission's one read-back (with the caller's deferred checks); the state changes after it
+        n_add, n_rel, n_was = read_back([added.sum(), released.sum(), was.sum()])
+        new = read[torch.argsort(was.to(torch.int8), stable=True)[: read.numel() - n_was]]  # read[~was], in order
+        if self.fresh is not None:
+            self.fresh[row, head, new] = True
         self.score[row, head] = torch.where(after, self.score[row, head], 0.0)
         self.score[row, head, read[order]] = torch.where(fits, score[order], 0.0)
-        added, released = after & ~before, before & ~after
-        n_add, n_rel = torch.stack([added.sum(), released.sum()]).tolist()  # the admission's one read-back
         self.pool.free -= ps * (n_add - n_rel)
         if n_add or n_rel:
             pick = torch.argsort(added[new].to(torch.int8), descending=True, stable=True)[:n_add]

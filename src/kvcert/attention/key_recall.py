@@ -317,8 +317,10 @@ def _served(
     return Recalled(torch.cat([held.pages, pages]), tok, p, vals, radius, fk[chosen], fv, e.oc, True, fetched.pages)
 
 
-def first_certifying(predicted: torch.Tensor, n_pages: int) -> int:
-    """The smallest page count ``predicted[P]`` marks as certifying, else ``n_pages`` (one sync)."""
-    if not predicted.numel():
-        return n_pages
-    return read_back([torch.where(predicted.any(), predicted.to(torch.int64).argmax() + 1, n_pages)])[0]
+def first_certifying(predicted: torch.Tensor) -> torch.Tensor:
+    """``[...]`` (int64, on the device: no sync) the smallest page count ``predicted[..., P]`` marks as certifying,
+    else ``P`` (every page)."""
+    n_pages = predicted.shape[-1]
+    if not n_pages:
+        return torch.zeros(predicted.shape[:-1], dtype=torch.int64, device=predicted.device)
+    return torch.where(predicted.any(-1), predicted.to(torch.int64).argmax(-1) + 1, n_pages)

@@ -42,6 +42,7 @@ from kvcert.attention.key_recall import OmittedView, first_certifying, grow_reca
 from kvcert.bounds.pages import (
     BasisSketch,
     KeySketch,
+    OmittedCertificate,
     PageSummary,
     basis_logit_bound,
     basis_sketch,
@@ -294,6 +295,37 @@ def _page_counts(mask_o: torch.Tensor, page_size: int, pages: int) -> torch.Tens
     return torch.nn.functional.pad(mask_o, (0, pad)).reshape(*mask_o.shape[:-1], pages, page_size).sum(-1)
 
 
+def recall_order(w: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """``[..., P]`` the order in which a KV head recalls its pages: those ``held[..., P]`` on the device first, each
+    part by its largest page weight ``w[..., M, P]`` over the head's cells, descending (stable: ties by page)."""
+    order = torch.argsort(w.amax(-2), dim=-1, descending=True, stable=True)
+    first = torch.argsort(held.gather(-1, order).to(torch.int8), dim=-1, descending=True, stable=True)
+    return order.gather(-1, first)
+
+
+def _predicted_pages(
+    w_ordered: torch.Tensor, u: torch.Tensor, b: torch.Tensor, meter0: torch.Tensor, threshold: float
+) -> torch.Tensor:
+    """``[..., P]``: whether recalling the first ``j = 1..P`` pages of the recall order (their weights
+    ``w_ordered[..., M, P]`` in that order) is predicted to certify every cell: ``m̄_j + meter₀ ≤ τ`` with the omitted
+    mass ``m̄_j = U_j/(B₋ + U_j)`` of what is left, ``U_j = max(0, U − Σ_{i≤j} w_i)`` (``u``, ``b``, ``meter0``
+    ``[..., M]``: ``U``, ``B₋`` and the meter of the resident read). A guess for the first page count to try, never a
+    certificate (recall certifies what it serves)."""
+    rest_u = (u.unsqueeze(-1) - w_ordered.cumsum(-1)).clamp(min=0.0)
+    return (rest_u / (b.unsqueeze(-1) + rest_u) + meter0.unsqueeze(-1) <= threshold).all(-2)
+
+
+def _exact_guess(
+    res: _ResidentServed, w_ordered: torch.Tensor, oc: OmittedCertificate, bi: int, hi: int, threshold: float
+) -> int | None:
+    """The first page count predicted to certify KV head ``(bi, hi)`` over ``res`` (its resident read with some
+    entries exact; :func:`_predicted_pages` with its meter), ``None`` when no count is: one sync."""
+    meter0 = served_meter(probs64(res.logits), res.radius)[0]
+    predicted = _predicted_pages(w_ordered, oc.u[bi, hi], oc.b[bi, hi], meter0, threshold)
+    any_certifies, first = read_back([predicted.any(), first_certifying(predicted)])
+    return first if any_certifies else None
+
+
 def _exact_blocks(p: torch.Tensor, c: torch.Tensor, block: int) -> torch.Tensor:
     """Resident blocks of ``block`` consecutive slots, ordered by their largest contribution to the meter over the
     head's cells (:func:`~kvcert.kernels.repair.block_contributions`; ``p[M, S_R]`` served, ``c[M, S_R]`` radii, 0
@@ -466,20 +498,20 @@ def resident_read(
         dense_heads: list[int] = []  # KV head index of each head served dense (known here: no read-back)
         # every per-head decision the loop starts from, read back in one sync: which heads to visit (they need recall
         # or hold pages), which have a bad cell, which need recall, whose resident codes alone exceed tau
-        # (and how many pages each holds)
-        heads = (need | has_held, bad.any(-1), need, sv.cert.amax(-1) > gate.threshold, held_mask.sum(-1))
-        flat = read_back([torch.stack([f.to(torch.int64) for f in heads], -1)])  # [B·Hkv·5] Python ints
-        flags = [flat[i : i + 5] for i in range(0, len(flat), 5)]  # per (row, KV head), row-major
+        # (and how many pages each holds), and the page count predicted to certify over the resident codes
+        orders = recall_order(w, held_mask)  # [B, Hkv, P]
+        w_ordered = w.gather(-1, orders.unsqueeze(-2).expand_as(w))
+        guess = first_certifying(_predicted_pages(w_ordered, oc.u, oc.b, sv.cert, gate.threshold))
+        heads = (need | has_held, bad.any(-1), need, sv.cert.amax(-1) > gate.threshold, held_mask.sum(-1), guess)
+        flat = read_back([torch.stack([f.to(torch.int64) for f in heads], -1)])  # [B·Hkv·6] Python ints
+        flags = [flat[i : i + 6] for i in range(0, len(flat), 6)]  # per (row, KV head), row-major
         visit = [(i // hkv, i % hkv, *f[1:]) for i, f in enumerate(flags) if f[0]]
-        for bi, hi, bad_head, need_head, codes_above, held_pages in visit:
+        for bi, hi, bad_head, need_head, codes_above, held_pages, codes_guess in visit:
             if bad_head or gate.threshold == 0:  # nothing short of exact attention certifies these
                 dense[bi, hi] = True
                 dense_heads.append(hi)
                 continue
-            wh = w[bi, hi]  # [M, P]
-            order = torch.argsort(wh.amax(0), descending=True, stable=True)
-            first = torch.argsort(held_mask[bi, hi, order].to(torch.int8), descending=True, stable=True)
-            order = order[first]  # held pages first (on the device), each part by its largest page weight
+            order = orders[bi, hi]  # held pages first (on the device), each part by its largest page weight
             codes = _ResidentServed(
                 logits[bi, hi],
                 torch.where(m[bi, hi], sv.c[bi, hi], 0.0),
@@ -501,17 +533,11 @@ def resident_read(
                         ctx, host_k[bi, hi], host_v[bi, hi], m[bi, hi], bi, hi, slots[slots < s_r], codes
                     )
                 k = held_pages
-                if need_head:
-                    meter0 = served_meter(probs64(res.logits), res.radius)[0] if n_exact else sv.cert[bi, hi]
-                    cum = wh[:, order].cumsum(-1)
-                    rest_u = (oc.u[bi, hi].unsqueeze(-1) - cum).clamp(min=0.0)
-                    predicted = (
-                        rest_u / (oc.b[bi, hi].unsqueeze(-1) + rest_u) + meter0.unsqueeze(-1) <= gate.threshold
-                    ).all(0)
-                    if doubling and n_exact != tries[-1] and not read_back([predicted.any()])[0]:
+                if need_head:  # over the codes alone the first guess came with the flags; else one sync
+                    first = _exact_guess(res, w_ordered[bi, hi], oc, bi, hi, gate.threshold) if n_exact else codes_guess
+                    if first is None and doubling and n_exact != tries[-1]:
                         continue  # not predicted to certify with any recall: read more blocks exact first
-                    # the first page count predicted to certify, else every page: one sync
-                    k = max(k, first_certifying(predicted, n_pages))
+                    k = max(k, n_pages if first is None else first)
                 r = grow_recall(ctx, bi, hi, order, k, held_pages, res.logits, res.radius)
                 paged_tokens[0] += _tokens(r.keyed, ps, s_o)  # a try that does not certify paged its keys in too
                 blocks[bi, hi] += r.keyed.numel()

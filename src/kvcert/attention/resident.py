@@ -58,7 +58,7 @@ from kvcert.bounds.rc import gamma_f32
 from kvcert.bounds.rope import norm_up_f32
 from kvcert.bounds.softmax_tv import served_meter
 from kvcert.cache.gate import Gate
-from kvcert.cache.recall import HeldPages, RecallPool
+from kvcert.cache.recall import Admission, HeldPages, RecallPool
 from kvcert.cache.store import LayerStore
 from kvcert.checks import Checks, deferred, read_back
 from kvcert.kernels.repair import block_contributions
@@ -280,13 +280,19 @@ def _tokens(pages: torch.Tensor, page_size: int, s_o: int) -> torch.Tensor:
     return (s_o - page_size * pages).clamp(max=page_size).sum()
 
 
-def _recall_bytes(tokens: torch.Tensor, pages: int, key_bytes: int, value_bytes: int) -> tuple[int, int]:
-    """``(key bytes, value bytes)`` recall paged in: ``tokens[2]`` (keys, values; on the device) times the bytes per
-    token; read back only when ``pages`` were paged in."""
-    if not pages:
+def _commit_recall(
+    held: HeldPages | None, admissions: list[Admission], paged_tokens: torch.Tensor, recalled: bool
+) -> tuple[int, int]:
+    """After a read's loop over its KV heads: read back the tokens whose keys / values recall paged in
+    (``paged_tokens[2]``) and every planned admission's counts in one sync (none when nothing was ``recalled`` or
+    planned), commit the admissions to ``held`` in the order they were planned, and return the two token counts."""
+    if not recalled and not admissions:
         return 0, 0
-    n_k, n_v = read_back([tokens])
-    return n_k * key_bytes, n_v * value_bytes
+    back = read_back([paged_tokens, *(a.counts for a in admissions)])
+    for i, adm in enumerate(admissions):
+        assert held is not None
+        held.commit(adm, back[2 + 3 * i : 5 + 3 * i])
+    return back[0], back[1]
 
 
 def _page_counts(mask_o: torch.Tensor, page_size: int, pages: int) -> torch.Tensor:
@@ -413,6 +419,7 @@ def resident_read(
     validate: bool,
     dense_exact: Callable[[tuple[int, int]], torch.Tensor],
     step: int,
+    checks: Checks | None = None,
 ) -> tuple[ReadResult, ResidentRecord]:
     """Serve one layer's attention from the resident store plus recalled pages; certify every cell.
 
@@ -430,12 +437,18 @@ def resident_read(
     keys alone were paged in is not offered) and only pages not held before are counted as recalled (pages and
     bytes). Without it every recall is transient (paged in, and counted, at every read that
     needs it).
+
+    Host syncs: the fail-closed checks of the read (and those ``checks`` holds, the caller's) are deferred
+    (:mod:`kvcert.checks`) and come back with the read's decisions: one read-back of every head's flags and first
+    page guess, per visited head the read-backs of key-first recall (:func:`~kvcert.attention.key_recall.grow_recall`)
+    and of a guess over exact resident blocks, and one after the loop for the page-in counts and every held-page
+    admission (planned per head on the device, committed in order after it: :meth:`HeldPages.plan`).
     """
     assert store.k is not None and store.v is not None
     b, hq, nq, d = q.shape
     hkv, s_r = store.k.served.shape[1:3]
     g = hq // hkv
-    checks = Checks()  # every fail-closed check below comes back with the next decision read-back
+    checks = Checks() if checks is None else checks  # every fail-closed check comes back with a decision read-back
     with deferred(checks):
         qg = group_heads(q.to(torch.float32), hkv)  # [B, Hkv, M, D]
         m = mask[:, :, None].expand(b, hkv, g, nq, s_r).reshape(b, hkv, g * nq, s_r)
@@ -496,6 +509,7 @@ def resident_read(
         mass_post = oc.mass.clone()  # the omitted-mass bound of what each read left omitted (validate checks it)
         served_o = torch.zeros(b, hkv, s_o, dtype=torch.bool, device=dev)  # omitted tokens served after recall
         dense_heads: list[int] = []  # KV head index of each head served dense (known here: no read-back)
+        admissions: list[Admission] = []  # persistent recall: planned per head, committed after the loop
         # every per-head decision the loop starts from, read back in one sync: which heads to visit (they need recall
         # or hold pages), which have a bad cell, which need recall, whose resident codes alone exceed tau
         # (and how many pages each holds), and the page count predicted to certify over the resident codes
@@ -561,7 +575,8 @@ def resident_read(
                 mass = torch.zeros(p_all.shape[0], n_pages, dtype=F64, device=dev).index_add_(
                     1, tok // ps, p_all[:, s_r:]
                 )
-                held.admit(bi, hi, r.pages, mass.amax(0)[r.pages], r.fresh_k, r.fresh_v)  # values paged in: admitted
+                free = admissions[-1].free if admissions else held.pool.free  # after the earlier heads' admissions
+                admissions.append(held.plan(bi, hi, r.pages, mass.amax(0)[r.pages], r.fresh_k, r.fresh_v, free))
             served_o[bi, hi, tok] = True
             if p_post is not None:
                 p_post[bi, hi] = 0.0
@@ -569,7 +584,8 @@ def resident_read(
                 p_post[bi, hi, :, s_r + tok] = p_all[:, s_r:]
         cert = _dense_fallback(out, cert, dense, dense_exact, dense_heads)
         bytes_paged = len(dense_heads) * (s_r + s_o) * (dk + dv) * elt
-        bytes_keys, bytes_values = _recall_bytes(paged_tokens, n_recalled, dk * elt, dv * elt)
+        n_keys, n_values = _commit_recall(held, admissions, paged_tokens, n_recalled > 0)
+        bytes_keys, bytes_values = n_keys * dk * elt, n_values * dv * elt
         checks.read_back()  # the checks made since the last read-back (a sync only when there are some)
     key_norm_all = torch.maximum(sv.key_norm_max, 2.0 * pages.k_norm.to(F64))
     phi_max = 2.0 * rate.amax(-2) * key_norm_all

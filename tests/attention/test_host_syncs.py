@@ -99,7 +99,7 @@ def _syncs_per_read(model, steps: int = 3, watched: Path = SRC, **kw) -> tuple[f
 #: 2.0, 2.0 and 57.7: the store write's commit and the read's decision). Key-first recall (issues 16 and 17) raised
 #: the resident read to 66.0 (73.0 before the one read-back): a head that has to serve values evaluates its
 #: certificate twice (all keyed pages key-only, then the pages served).
-MAX_SYNCS_PER_READ = {"triton": 2.0, "torch": 2.0, "resident": 12.0}
+MAX_SYNCS_PER_READ = {"triton": 2.0, "torch": 2.0, "resident": 8.0}
 #: the certified read with block repair at every read (τ = 0.01, blocks of 8), per backend: the read's 2 plus one per
 #: doubling round (the round's decision, its paged token count and its meter's checks in one read-back; one round
 #: here). Before issue 19: 9.0 (the head list's ``nonzero`` and ``tolist``, three meter checks, the round's decision

@@ -38,7 +38,7 @@ from kvcert.attention.certified import (
     probs64,
     ungroup_heads,
 )
-from kvcert.attention.key_recall import OmittedView, first_certifying, grow_recall, page_tokens
+from kvcert.attention.key_recall import OmittedView, Recalled, first_certifying, grow_recall, page_tokens
 from kvcert.bounds.pages import (
     BasisSketch,
     KeySketch,
@@ -60,7 +60,7 @@ from kvcert.bounds.softmax_tv import served_meter
 from kvcert.cache.gate import Gate
 from kvcert.cache.recall import Admission, HeldPages, RecallPool
 from kvcert.cache.store import LayerStore
-from kvcert.checks import Checks, deferred, read_back
+from kvcert.checks import Checks, Steps, deferred, lockstep, read_back
 from kvcert.kernels.repair import block_contributions
 
 F64 = torch.float64
@@ -323,13 +323,95 @@ def _predicted_pages(
 
 def _exact_guess(
     res: _ResidentServed, w_ordered: torch.Tensor, oc: OmittedCertificate, bi: int, hi: int, threshold: float
-) -> int | None:
+) -> Steps[int | None]:
     """The first page count predicted to certify KV head ``(bi, hi)`` over ``res`` (its resident read with some
-    entries exact; :func:`_predicted_pages` with its meter), ``None`` when no count is: one sync."""
+    entries exact; :func:`_predicted_pages` with its meter), ``None`` when no count is: one read-back."""
     meter0 = served_meter(probs64(res.logits), res.radius)[0]
     predicted = _predicted_pages(w_ordered, oc.u[bi, hi], oc.b[bi, hi], meter0, threshold)
-    any_certifies, first = read_back([predicted.any(), first_certifying(predicted)])
+    any_certifies, first = yield [predicted.any(), first_certifying(predicted)]
     return first if any_certifies else None
+
+
+@dataclass(frozen=True)
+class _HeadRead:
+    """What the recall of every visited KV head of a read reads (``[B, Hkv, ...]``): the omitted tokens' view ``ov``,
+    the served resident logits ``logits`` and visibility ``m`` ``[B, Hkv, M, S_R]`` with their radii ``c`` and served
+    distribution ``p64``, the served values ``v_served`` and their residual norms ``v_res``, the host tier's resident
+    K/V ``host_k`` / ``host_v``, the recall ``orders`` ``[B, Hkv, P]`` with the page weights in that order
+    ``w_ordered``, the resident read's composed certificate ``oc`` and the gate's ``block_size``."""
+
+    ov: OmittedView
+    logits: torch.Tensor
+    m: torch.Tensor
+    c: torch.Tensor
+    p64: torch.Tensor
+    v_served: torch.Tensor
+    v_res: torch.Tensor
+    host_k: torch.Tensor
+    host_v: torch.Tensor
+    orders: torch.Tensor
+    w_ordered: torch.Tensor
+    oc: OmittedCertificate
+    block_size: int
+
+
+@dataclass(frozen=True)
+class _Visited:
+    """One visited KV head: the last try's resident read ``res`` and recall ``r`` (``r.ok`` False: it is served by
+    exact attention over every token), and over every try the pages whose keys were paged in (``keyed``) and their
+    archive tokens ``keyed_tokens`` (0-d, on the device)."""
+
+    res: _ResidentServed
+    r: Recalled
+    keyed: int
+    keyed_tokens: torch.Tensor
+
+
+def _visit(
+    hr: _HeadRead, bi: int, hi: int, need_head: int, codes_above: int, held_pages: int, codes_guess: int
+) -> Steps[_Visited]:
+    """Recall for KV head ``(bi, hi)`` (flags of the read's first read-back: whether it needs recall, whether its
+    resident codes alone exceed τ, the pages it holds, the first page guess over the codes). When the codes alone
+    exceed τ, recall cannot help: the resident blocks with the largest contribution to the meter are read exact,
+    doubling them until the certificate with recall on top is ``≤ τ`` (all blocks exact and still above: dense).
+    Otherwise the codes first, then every resident entry exact. A :data:`~kvcert.checks.Steps` computation that
+    changes no shared state (the read runs every head's visit in :func:`kvcert.checks.lockstep`)."""
+    ov = hr.ov
+    ps, n_pages, s_r, s_o, dev = ov.page_size, ov.n_pages, hr.logits.shape[-1], ov.keys.shape[2], ov.qg.device
+    bs = hr.block_size
+    n_blk = -(-s_r // bs)  # resident blocks a head can read exact
+    codes = _ResidentServed(
+        hr.logits[bi, hi],
+        torch.where(hr.m[bi, hi], hr.c[bi, hi], 0.0),
+        hr.v_served[bi, hi].to(torch.float32),
+        hr.v_res[bi, hi].to(F64),
+        0,
+    )
+    doubling = bool(need_head and codes_above)
+    blk = _exact_blocks(hr.p64[bi, hi], codes.radius, bs) if doubling else torch.arange(n_blk, device=dev)
+    tries = _exact_counts(n_blk) if doubling else [0, n_blk]
+    keyed, keyed_tokens = 0, torch.zeros((), dtype=torch.int64, device=dev)
+    for n_exact in tries:
+        res = codes
+        if n_exact:
+            slots = page_tokens(blk[:n_exact], bs)
+            res = _exact_resident(
+                ov, hr.host_k[bi, hi], hr.host_v[bi, hi], hr.m[bi, hi], bi, hi, slots[slots < s_r], codes
+            )
+        k = held_pages
+        if need_head:  # over the codes alone the first guess came with the flags; else one read-back
+            first: int | None = codes_guess
+            if n_exact:
+                first = yield from _exact_guess(res, hr.w_ordered[bi, hi], hr.oc, bi, hi, ov.threshold)
+            if first is None and doubling and n_exact != tries[-1]:
+                continue  # not predicted to certify with any recall: read more blocks exact first
+            k = max(k, n_pages if first is None else first)
+        r = yield from grow_recall(ov, bi, hi, hr.orders[bi, hi], k, held_pages, res.logits, res.radius)
+        keyed_tokens = keyed_tokens + _tokens(r.keyed, ps, s_o)  # a try that does not certify paged its keys in too
+        keyed += r.keyed.numel()
+        if r.ok:
+            break
+    return _Visited(res, r, keyed, keyed_tokens)
 
 
 def _exact_blocks(p: torch.Tensor, c: torch.Tensor, block: int) -> torch.Tensor:
@@ -501,8 +583,6 @@ def resident_read(
         qnorm = scaling * norm_up_f32(qg).to(F64).unsqueeze(-1)  # [B, Hkv, M, 1] ≥ sc·‖q‖
         ctx = OmittedView(qg, rate, qnorm, scaling, ev_k, ev_v, m_o, u, counts, ps, gate.threshold, held)
         vmax_recalled = torch.zeros(b, hkv, 1, dtype=F64, device=dev)  # ≥ ‖ṽ_t‖ of the recalled tokens as served
-        bs = gate.block_size
-        n_blk = -(-s_r // bs)  # resident blocks a head can read exact
         bytes_exact = 0  # resident entries read exact from the host tier (their codes could not be certified)
         # tokens whose keys / values were paged in by recall: read back once, after the loop
         paged_tokens = torch.zeros(2, dtype=torch.int64, device=dev)
@@ -520,44 +600,33 @@ def resident_read(
         flat = read_back([torch.stack([f.to(torch.int64) for f in heads], -1)])  # [B·Hkv·6] Python ints
         flags = [flat[i : i + 6] for i in range(0, len(flat), 6)]  # per (row, KV head), row-major
         visit = [(i // hkv, i % hkv, *f[1:]) for i, f in enumerate(flags) if f[0]]
-        for bi, hi, bad_head, need_head, codes_above, held_pages, codes_guess in visit:
+        hr = _HeadRead(
+            ctx,
+            logits,
+            m,
+            sv.c,
+            sv.p64,
+            store.v.served.view(),
+            store.v_res.view(),
+            host_k,
+            host_v,
+            orders,
+            w_ordered,
+            oc,
+            gate.block_size,
+        )
+        recall = [f for f in visit if not (f[2] or gate.threshold == 0)]
+        for bi, hi, bad_head, *_ in visit:
             if bad_head or gate.threshold == 0:  # nothing short of exact attention certifies these
                 dense[bi, hi] = True
                 dense_heads.append(hi)
-                continue
-            order = orders[bi, hi]  # held pages first (on the device), each part by its largest page weight
-            codes = _ResidentServed(
-                logits[bi, hi],
-                torch.where(m[bi, hi], sv.c[bi, hi], 0.0),
-                store.v.served.view()[bi, hi].to(torch.float32),
-                store.v_res.view()[bi, hi].to(F64),
-                0,
-            )
-            # the resident codes alone above tau: recall cannot help; read exact the resident blocks with the largest
-            # contribution to the meter, doubling them until the certificate with recall on top is <= tau (all blocks
-            # exact and still above: dense). Otherwise the codes first, then every resident entry exact.
-            doubling = bool(need_head and codes_above)
-            blk = _exact_blocks(sv.p64[bi, hi], codes.radius, bs) if doubling else torch.arange(n_blk, device=dev)
-            tries = _exact_counts(n_blk) if doubling else [0, n_blk]
-            for n_exact in tries:
-                res = codes
-                if n_exact:
-                    slots = page_tokens(blk[:n_exact], bs)
-                    res = _exact_resident(
-                        ctx, host_k[bi, hi], host_v[bi, hi], m[bi, hi], bi, hi, slots[slots < s_r], codes
-                    )
-                k = held_pages
-                if need_head:  # over the codes alone the first guess came with the flags; else one sync
-                    first = _exact_guess(res, w_ordered[bi, hi], oc, bi, hi, gate.threshold) if n_exact else codes_guess
-                    if first is None and doubling and n_exact != tries[-1]:
-                        continue  # not predicted to certify with any recall: read more blocks exact first
-                    k = max(k, n_pages if first is None else first)
-                r = grow_recall(ctx, bi, hi, order, k, held_pages, res.logits, res.radius)
-                paged_tokens[0] += _tokens(r.keyed, ps, s_o)  # a try that does not certify paged its keys in too
-                blocks[bi, hi] += r.keyed.numel()
-                n_recalled += r.keyed.numel()
-                if r.ok:
-                    break
+        # every head's recall side by side: one read-back per round for all of them
+        visited = lockstep([_visit(hr, bi, hi, *f) for bi, hi, _, *f in recall])
+        for (bi, hi, _, _, _, held_pages, _), v in zip(recall, visited, strict=True):
+            res, r = v.res, v.r
+            paged_tokens[0] += v.keyed_tokens
+            blocks[bi, hi] += v.keyed
+            n_recalled += v.keyed
             if not r.ok:
                 dense[bi, hi] = True
                 dense_heads.append(hi)

@@ -61,11 +61,6 @@ def read_back(values: Sequence[torch.Tensor]) -> list[int]:
     return torch.cat([v.reshape(-1).to(torch.int64) for v in values]).tolist()
 
 
-def run(steps: Steps[T]) -> T:
-    """Run one :data:`Steps` computation alone: each yield is one :func:`read_back`."""
-    return lockstep([steps])[0]
-
-
 def lockstep(steps: Sequence[Steps[T]]) -> list[T]:
     """Run :data:`Steps` computations side by side, each round reading back what every unfinished one yielded in one
     :func:`read_back` (the active :class:`Checks` sink's checks with it): ``max`` rounds instead of their sum.

@@ -246,7 +246,7 @@ def grow_recall(
     the keys of ``order[n_held:k]`` are paged in, the values of the fewest of them (largest exact mass first) whose
     service certifies every cell at ``≤ threshold``; ``k`` doubles while serving every keyed page does not.
 
-    A :data:`~kvcert.checks.Steps` computation (:func:`kvcert.checks.run` runs it alone): it yields what it decides
+    A :data:`~kvcert.checks.Steps` computation (``lockstep([steps])[0]`` runs it alone): it yields what it decides
     on — per round of ``k`` the predicted count of pages to serve with the token counts, then whether each served set
     tried certifies — so that the resident read waits for every head's round at once
     (:func:`kvcert.checks.lockstep`). It reads and changes no shared state."""

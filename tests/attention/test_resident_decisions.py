@@ -19,6 +19,7 @@ import torch
 from resident_cases import POLICIES, assert_sound_in_every_cell, greedy_decode, prompt_ids
 
 from kvcert import EvictionConfig, Gate, StorageConfig
+from kvcert.attention.resident import resident_read
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models.tiny import tiny_random
 
@@ -109,3 +110,31 @@ def test_the_cases_cover_exact_blocks_dense_heads_and_key_only_pages():
 if __name__ == "__main__":
     RECORDING.write_text(json.dumps({name: _run(name) for name in sorted(CASES)}, indent=None) + "\n")
     print(f"wrote {RECORDING}")
+
+
+@torch.no_grad()
+def test_a_non_finite_query_fails_closed_on_its_kv_head_only():
+    """The query's finiteness comes back with the read's first read-back: a NaN in one query head serves its KV head
+    by exact attention over every token (certificate 0), and the other KV head is read and certified as usual."""
+    model = tiny_random("llama", head_dim=32)
+    eviction = EvictionConfig.resident_set(0.25, select=POLICIES["h2o"](), page_size=4)
+    with CertifiedCache(model, gate=Gate.certified(0.3), eviction=eviction) as cache:
+        model(prompt_ids(model), cache=cache, use_cache=True)
+        layer = min(cache._pages)
+        store, pages = cache.layers[layer].store, cache._pages[layer]
+        hkv, s_r = store.k.served.shape[1:3]
+        s_o = store.evicted["k"].view().shape[2]
+        hq = model.config.num_attention_heads
+        q = torch.randn(1, hq, 1, 32, generator=torch.Generator().manual_seed(2))
+        q[0, hq - 1, 0, 5] = float("nan")  # a query head of the last KV head
+        exact_calls = []
+
+        def dense_exact(heads):
+            exact_calls.append(heads)
+            return torch.zeros(1, 1, (heads[1] - heads[0]) * (hq // hkv), 32)
+
+        mask, mask_o = torch.ones(1, hkv, 1, s_r, dtype=torch.bool), torch.ones(1, hkv, 1, s_o, dtype=torch.bool)
+        res, rec = resident_read(q, store, pages, mask, mask_o, 32**-0.5, Gate.certified(0.3), False, dense_exact, 0)
+    assert res.repaired.tolist() == [[False] * (hkv - 1) + [True]] and exact_calls == [(hkv - 1, hkv)]
+    assert bool((res.cert[0, hq - 1] == 0).all()) and bool(torch.isfinite(res.out[0, 0, : hq - hq // hkv]).all())
+    assert rec.head_dense.tolist() == res.repaired.tolist()

@@ -297,6 +297,23 @@ def _triton_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, nq: 
     return _Served(qg, hkv * (m // nq), nq, **r._asdict())
 
 
+def pending_finite(qg: torch.Tensor, store: LayerStore) -> torch.Tensor | None:
+    """Whether the query ``qg`` and the store's pending (not yet encoded) keys and values are all finite: one fused
+    0-d bool flag on the device (no sync). ``None`` when the store already counts a non-finite entry (a read then
+    fails closed without looking)."""
+    assert store.k is not None and store.v is not None
+    if store.nonfinite > 0:
+        return None
+    khat, vhat = store.k.served.view(), store.v.served.view()
+    s = khat.shape[2]
+    finite = torch.isfinite(qg).all()
+    if store.k.n_encoded < s:
+        finite = finite & torch.isfinite(khat[:, :, store.k.n_encoded :]).all()
+    if store.v.n_encoded < s:
+        finite = finite & torch.isfinite(vhat[:, :, store.v.n_encoded :]).all()
+    return finite
+
+
 def _eager_served(
     qg: torch.Tensor,
     store: LayerStore,
@@ -321,12 +338,9 @@ def _eager_served(
     finite = None
     if store.nonfinite > 0:
         nonfinite = True
-    elif not nonfinite:  # the query and the pending keys / values: one fused flag
-        finite = torch.isfinite(qg).all()
-        if store.k.n_encoded < s:
-            finite = finite & torch.isfinite(khat[:, :, store.k.n_encoded :]).all()
-        if store.v.n_encoded < s:
-            finite = finite & torch.isfinite(vhat[:, :, store.v.n_encoded :]).all()
+    elif not nonfinite:
+        finite = pending_finite(qg, store)
+        assert finite is not None
         if nonfinite is None:  # read it back now
             nonfinite, finite = not bool(finite), None
     k_band, k_hat_norm, k_wit = store.k_band.view(), store.k_hat_norm.view(), store.k_wit.view()

@@ -35,6 +35,7 @@ from kvcert.attention.certified import (
     _out_bound,
     group_heads,
     masked_logits,
+    pending_finite,
     probs64,
     ungroup_heads,
 )
@@ -535,8 +536,12 @@ def resident_read(
         qg = group_heads(q.to(torch.float32), hkv)  # [B, Hkv, M, D]
         m = mask[:, :, None].expand(b, hkv, g, nq, s_r).reshape(b, hkv, g * nq, s_r)
         m_o = mask_o[:, :, None].expand(b, hkv, g, nq, mask_o.shape[-1]).reshape(b, hkv, g * nq, -1)
-        full = bool(m.all())
-        sv = _eager_served(qg, store, mask, m, full, scaling)
+        # whether every resident slot is visible (a faster path) and whether the query and pending entries are
+        # finite (else the read fails closed), in one read-back with the caller's deferred checks
+        finite = pending_finite(qg, store)
+        back = read_back([m.all()] if finite is None else [m.all(), finite])
+        full = bool(back[0])
+        sv = _eager_served(qg, store, mask, m, full, scaling, finite is None or not back[1])
         qg = sv.qg
         khat = store.k.served.view()
         if sv.bad_cell is not None:

@@ -522,10 +522,12 @@ def resident_read(
     needs it).
 
     Host syncs: the fail-closed checks of the read (and those ``checks`` holds, the caller's) are deferred
-    (:mod:`kvcert.checks`) and come back with the read's decisions: one read-back of every head's flags and first
-    page guess, per visited head the read-backs of key-first recall (:func:`~kvcert.attention.key_recall.grow_recall`)
-    and of a guess over exact resident blocks, and one after the loop for the page-in counts and every held-page
-    admission (planned per head on the device, committed in order after it: :meth:`HeldPages.plan`).
+    (:mod:`kvcert.checks`) and come back with the read's decisions: one read-back of whether every slot is visible
+    and the query and pending entries are finite, one of every head's flags and first page guess, one per round of
+    the visited heads' recall, all heads together (:func:`_visit` in :func:`kvcert.checks.lockstep`: the rounds of
+    key-first recall, :func:`~kvcert.attention.key_recall.grow_recall`, and the guesses over exact resident blocks),
+    and one for the page-in counts and every held-page admission (planned per head on the device, committed in
+    order after recall: :meth:`HeldPages.plan`).
     """
     assert store.k is not None and store.v is not None
     b, hq, nq, d = q.shape

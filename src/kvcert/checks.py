@@ -11,11 +11,17 @@ sink: it keeps the checks in order and reads them back together with the owner's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
+#: a computation that waits for the device now and then: it yields the integer or bool tensors it needs on the host
+#: and is sent them back as Python ints (flattened, concatenated), then returns its result
+Steps = Generator[list[torch.Tensor], list[int], T]
 
 #: receives a deferred check: its 0-dim bool flag (True: failed) and the error to raise then
 Sink = Callable[[torch.Tensor, Callable[[], Exception]], None]
@@ -40,6 +46,49 @@ def deferred(sink: Sink) -> Iterator[None]:
         yield
     finally:
         _SINK.reset(token)
+
+
+def read_back(values: Sequence[torch.Tensor]) -> list[int]:
+    """``values`` (integer or bool tensors of any shape, flattened and concatenated) as Python ints, in one host
+    sync. Inside :func:`deferred` with a :class:`Checks` sink, the checks it holds come back in the same sync and the
+    first failed one raises its error before any value is returned (:meth:`Checks.read_back`): code that decides on
+    the host only from what this returns never acts on the results of a failed check."""
+    sink = _SINK.get()
+    if isinstance(sink, Checks):
+        back = sink.read_back(values)
+        assert back is not None  # no guard: never None
+        return back
+    return torch.cat([v.reshape(-1).to(torch.int64) for v in values]).tolist()
+
+
+def lockstep(steps: Sequence[Steps[T]]) -> list[T]:
+    """Run :data:`Steps` computations side by side, each round reading back what every unfinished one yielded in one
+    :func:`read_back` (the active :class:`Checks` sink's checks with it): ``max`` rounds instead of their sum.
+    Returns the results in order. Each computation is sent exactly the values it would be sent run alone, so its
+    result is the same as long as none reads state another one changes before it finishes."""
+    results: dict[int, T] = {}
+    pending: dict[int, list[torch.Tensor]] = {}
+
+    def advance(i: int, values: list[int] | None) -> None:
+        try:
+            pending[i] = next(steps[i]) if values is None else steps[i].send(values)
+        except StopIteration as done:
+            results[i] = done.value
+
+    for i in range(len(steps)):
+        advance(i, None)
+    while pending:
+        wanted, round_ = list(pending.items()), []
+        pending.clear()
+        for _, tensors in wanted:
+            round_.extend(tensors)
+        back = read_back(round_) if round_ else []
+        at = 0
+        for i, tensors in wanted:
+            n = sum(t.numel() for t in tensors)
+            advance(i, back[at : at + n])
+            at += n
+    return [results[i] for i in range(len(steps))]
 
 
 class Checks:

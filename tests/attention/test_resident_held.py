@@ -47,7 +47,7 @@ class _HeldReads:
         monkeypatch.setattr(resident, "grow_recall", self)
 
     def __call__(self, ov, bi, hi, order, k, n_held, l_res, c_res):
-        r = self.real(ov, bi, hi, order, k, n_held, l_res, c_res)
+        r = yield from self.real(ov, bi, hi, order, k, n_held, l_res, c_res)
         if n_held:
             self.reads += 1
             ps, held = ov.page_size, ov.held

@@ -99,7 +99,7 @@ def test_keys_are_those_of_the_kv_rule_and_values_a_subset(models, monkeypatch):
     real = resident.grow_recall
 
     def spy(ov, bi, hi, order, k, n_held, l_res, c_res):
-        r = real(ov, bi, hi, order, k, n_held, l_res, c_res)
+        r = yield from real(ov, bi, hi, order, k, n_held, l_res, c_res)
         calls.append((order, k, n_held, r))
         return r
 

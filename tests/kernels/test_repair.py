@@ -20,6 +20,11 @@ SC = 0.125
 BACKENDS = ("numba", "torch")  # the repaired read's softmax and meter: the fused row kernel, or the eager forms
 
 
+def _pairs(need: torch.Tensor) -> list[tuple[int, int]]:
+    """``need``'s heads as the caller's decision lists them on the host."""
+    return [(bi, hi) for bi, hi in need.nonzero().tolist()]
+
+
 def _per_head(q, khat, hk, m, c, p, gate, fused):
     """The per-head procedure (one head at a time, a host decision per doubling): the oracle, evaluating each
     recomputed read as the backend does (``fused``: the row kernel; else :func:`probs64` and :func:`served_meter`)."""
@@ -65,8 +70,8 @@ def test_batched_block_repair_makes_the_per_head_choice_and_certifies_every_cell
     c = torch.rand(b, h, m_rows, s, generator=gen) * 0.3  # any non-negative radii
     need = torch.tensor([[True, False, True], [False, True, True]])
     gate = Gate.certified(tau, granularity="block", block_size=16)
-    res = repair_blocks(q, store, need, mask, c, p, SC, gate)
-    assert res.heads.tolist() == need.nonzero().tolist()
+    res = repair_blocks(q, store, need, _pairs(need), mask, c, p, SC, gate)
+    assert res.heads.tolist() == need.nonzero().tolist() and res.n_tokens == int(res.tokens.sum())
     host_k, host_v = store.k.host.view(), store.v.host.view()
     for j, (bi, hi) in enumerate(res.heads.tolist()):
         tok, cert, pm, nblk = _per_head(
@@ -105,7 +110,8 @@ def test_repaired_certificate_bounds_the_true_tv_per_cell(backend, monkeypatch) 
     kn = khat.to(torch.float64).norm(dim=-1).unsqueeze(2)
     c = (SC * qn * dk + SC * gamma_f32(d + 1) * qn * (2 * kn + dk)) * (1 + 1e-12)
     gate = Gate.certified(0.05, granularity="block", block_size=8)
-    res = repair_blocks(q, store, torch.ones(b, h, dtype=torch.bool), mask, c, p, SC, gate)
+    need = torch.ones(b, h, dtype=torch.bool)
+    res = repair_blocks(q, store, need, _pairs(need), mask, c, p, SC, gate)
     exact = probs64(q @ k.transpose(-1, -2) * SC)
     for j, (bi, hi) in enumerate(res.heads.tolist()):
         tv = true_tv(exact[bi, hi], res.p[j])
@@ -143,7 +149,7 @@ def test_in_place_mix_equals_the_paged_where_bit_for_bit() -> None:
     gen = torch.Generator().manual_seed(9)
     host = torch.randn(2, 3, 50, 16, generator=gen)
     served_all = host + 0.01 * torch.randn(2, 3, 50, 16, generator=gen)
-    pairs = [[0, 2], [1, 0], [1, 1]]
+    pairs = [(0, 2), (1, 0), (1, 1)]
     bi, hi = torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
     assert _in_place(torch.device("cpu"), (host,))
     paged = _page(host, pairs, torch.device("cpu"))
@@ -155,3 +161,14 @@ def test_in_place_mix_equals_the_paged_where_bit_for_bit() -> None:
         assert got.data_ptr() == in_place.data_ptr()
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
         assert not torch.equal(want, served_all[bi, hi])
+
+
+def test_block_repair_without_a_head_is_refused() -> None:
+    store = LayerStore(0, get("int4"), get("int4"), bands=4, pairing="rotate_half", seed=1)
+    store.append(torch.randn(1, 1, 8, 32), torch.randn(1, 1, 8, 32), torch.arange(1), torch.zeros(1, dtype=torch.bool))
+    store.encode_pending(flush=True)
+    q, mask = torch.randn(1, 1, 2, 32), torch.ones(1, 1, 2, 8, dtype=torch.bool)
+    p, c = probs64(q @ store.k.served.view().transpose(-1, -2)), torch.zeros(1, 1, 2, 8, dtype=torch.float64)
+    need = torch.zeros(1, 1, dtype=torch.bool)
+    with pytest.raises(ValueError, match="at least one head"):
+        repair_blocks(q, store, need, [], mask, c, p, SC, Gate.certified(0.1, granularity="block", block_size=4))

@@ -297,6 +297,23 @@ def _triton_served(qg: torch.Tensor, store: LayerStore, mask: torch.Tensor, nq: 
     return _Served(qg, hkv * (m // nq), nq, **r._asdict())
 
 
+def pending_finite(qg: torch.Tensor, store: LayerStore) -> torch.Tensor | None:
+    """Whether the query ``qg`` and the store's pending (not yet encoded) keys and values are all finite: one fused
+    0-d bool flag on the device (no sync). ``None`` when the store already counts a non-finite entry (a read then
+    fails closed without looking)."""
+    assert store.k is not None and store.v is not None
+    if store.nonfinite > 0:
+        return None
+    khat, vhat = store.k.served.view(), store.v.served.view()
+    s = khat.shape[2]
+    finite = torch.isfinite(qg).all()
+    if store.k.n_encoded < s:
+        finite = finite & torch.isfinite(khat[:, :, store.k.n_encoded :]).all()
+    if store.v.n_encoded < s:
+        finite = finite & torch.isfinite(vhat[:, :, store.v.n_encoded :]).all()
+    return finite
+
+
 def _eager_served(
     qg: torch.Tensor,
     store: LayerStore,
@@ -321,12 +338,9 @@ def _eager_served(
     finite = None
     if store.nonfinite > 0:
         nonfinite = True
-    elif not nonfinite:  # the query and the pending keys / values: one fused flag
-        finite = torch.isfinite(qg).all()
-        if store.k.n_encoded < s:
-            finite = finite & torch.isfinite(khat[:, :, store.k.n_encoded :]).all()
-        if store.v.n_encoded < s:
-            finite = finite & torch.isfinite(vhat[:, :, store.v.n_encoded :]).all()
+    elif not nonfinite:
+        finite = pending_finite(qg, store)
+        assert finite is not None
         if nonfinite is None:  # read it back now
             nonfinite, finite = not bool(finite), None
     k_band, k_hat_norm, k_wit = store.k_band.view(), store.k_hat_norm.view(), store.k_wit.view()
@@ -537,6 +551,11 @@ class _Decision:
     promote: torch.Tensor | None
     promote_rows: list[list[int]]
 
+    @property
+    def need_pairs(self) -> list[tuple[int, int]]:
+        """The heads to repair as ``(row, KV head)`` pairs in row-major order (``need.nonzero()``, from the host)."""
+        return [(bi, hi) for bi, row in enumerate(self.need_rows) for hi, flag in enumerate(row) if flag]
+
 
 def _rows(flat: list[int], b: int, hkv: int) -> list[list[int]]:
     """``b·hkv`` flags read back as ``b`` rows of ``hkv``."""
@@ -589,7 +608,7 @@ def _repair_heads(rd: _Read, ch: _Changes, dc: _Decision, cfg: ReadConfig, exact
         ch.p_served = torch.where(need.view(b, rd.hkv, 1, 1), rd.exact_probs(), ch.p_served)
     ch.bytes_paged += sum(map(sum, dc.need_rows)) * s * _kv_bytes(rd.store)
     if cfg.gate.persistent:  # kept within the store's device budget, else a transient page-in
-        pairs = [(bi, hi) for bi, row in enumerate(dc.need_rows) for hi, flag in enumerate(row) if flag]
+        pairs = dc.need_pairs
         rd.store.persist_heads(pairs, [slice(0, s)] * len(pairs))  # one commit for every head
 
 
@@ -599,17 +618,18 @@ def _kv_bytes(store: LayerStore) -> int:
     return (store.k.host.shape[-1] + store.v.host.shape[-1]) * store.k.host.dtype.itemsize
 
 
-def _repair_block_heads(rd: _Read, sv: _Served, ch: _Changes, need: torch.Tensor, gate: Gate) -> None:
+def _repair_block_heads(rd: _Read, sv: _Served, ch: _Changes, dc: _Decision, gate: Gate) -> None:
     """Phase *repair*, block granularity: page in token blocks of every needing (row, KV head) at once until every
     cell of it is under the threshold (:func:`kvcert.kernels.repair.repair_blocks`, on the read's device)."""
     assert ch.out is not None and ch.cert is not None and ch.p_served is not None and ch.value_term is not None
     ch.cert, ch.p_served, ch.value_term = ch.cert.clone(), ch.p_served.clone(), ch.value_term.clone()
-    res = repair_blocks(rd.qg, rd.store, need, rd.grouped_mask(), sv.c, sv.p64, rd.scaling, gate)
+    need = dc.need
+    res = repair_blocks(rd.qg, rd.store, need, dc.need_pairs, rd.grouped_mask(), sv.c, sv.p64, rd.scaling, gate)
     bi, hi = res.heads.unbind(-1)
     ch.out[bi, hi], ch.cert[bi, hi], ch.p_served[bi, hi] = res.out, res.cert, res.p
     ch.value_term[bi, hi] = torch.linalg.vecdot(res.p, res.v_res.to(torch.float64).unsqueeze(-2))
     ch.blocks = torch.zeros(rd.b, rd.hkv, dtype=torch.int64, device=need.device).index_put_((bi, hi), res.n_blocks)
-    ch.bytes_paged += int(res.tokens.sum()) * _kv_bytes(rd.store)
+    ch.bytes_paged += res.n_tokens * _kv_bytes(rd.store)
 
 
 def _repair(rd: _Read, ch: _Changes, dc: _Decision, cfg: ReadConfig, exact: ExactAttention) -> None:
@@ -621,7 +641,7 @@ def _repair(rd: _Read, ch: _Changes, dc: _Decision, cfg: ReadConfig, exact: Exac
     if by_head:
         _repair_heads(rd, ch, dc, cfg, exact)
     else:
-        _repair_block_heads(rd, sv, ch, dc.need, cfg.gate)
+        _repair_block_heads(rd, sv, ch, dc, cfg.gate)
     assert ch.out is not None and ch.cert is not None and ch.value_term is not None
     bound, key_term, slack = _out_bound(ch.value_term, ch.cert, sv.spread, sv.vmax, rd.s, ch.out.shape[-1], sv.phi_max)
     if by_head:  # an exactly repaired head: no key or value term, only the slack

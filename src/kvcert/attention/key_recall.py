@@ -30,6 +30,7 @@ from kvcert.bounds.pages import OmittedCertificate, key_page_bound, omitted_cert
 from kvcert.bounds.rope import norm_up_f32
 from kvcert.bounds.softmax_tv import probs64, served_meter
 from kvcert.cache.recall import HeldPages
+from kvcert.checks import Steps
 
 F64 = torch.float64
 
@@ -239,11 +240,16 @@ def grow_recall(
     n_held: int,
     l_res: torch.Tensor,
     c_res: torch.Tensor,
-) -> Recalled:
+) -> Steps[Recalled]:
     """Key-first recall for KV head ``(bi, hi)`` over the resident logits ``l_res`` and radii ``c_res`` (module doc):
     the first ``n_held`` pages of ``order`` are held on the device (``ov.held``) and always served from their copies;
     the keys of ``order[n_held:k]`` are paged in, the values of the fewest of them (largest exact mass first) whose
-    service certifies every cell at ``≤ threshold``; ``k`` doubles while serving every keyed page does not."""
+    service certifies every cell at ``≤ threshold``; ``k`` doubles while serving every keyed page does not.
+
+    A :data:`~kvcert.checks.Steps` computation (``lockstep([steps])[0]`` runs it alone): it yields what it decides
+    on — per round of ``k`` the predicted count of pages to serve with the token counts, then whether each served set
+    tried certifies — so that the resident read waits for every head's round at once
+    (:func:`kvcert.checks.lockstep`). It reads and changes no shared state."""
     ps, n_pages, dev = ov.page_size, ov.n_pages, ov.qg.device
     s_o, dk, dv = ov.keys.shape[2], ov.keys.shape[-1], ov.values.shape[-1]
     held_pages = order[:n_held]
@@ -270,13 +276,14 @@ def grow_recall(
         # served tokens (within the archive) when the first j pages by exact mass are served, j = 0..n
         valid = (s_o - ps * torch.cat([held_pages, fetched.pages[by_mass]])).clamp(max=ps)
         n_tok = valid[:n_held].sum() + torch.cat([valid.new_zeros(1), valid[n_held:].cumsum(0)])
-        pred, counts = torch.stack([_predicted(e, fetched, by_mass, ov.threshold).to(torch.int64), n_tok]).tolist()
+        back = yield [_predicted(e, fetched, by_mass, ov.threshold), n_tok]  # one read-back
+        pred, counts = back[: fetched.n + 1], back[fetched.n + 1 :]
         j = pred.index(1) if 1 in pred else fetched.n
         while True:
             if j:  # the first evaluation (j = 0) is e itself, and pred[0] its exact verdict
                 serve = fetched.take(by_mass[:j])
                 e = _evaluate(ov, bi, hi, l_res, c_res, held.cat(serve), fetched.take(by_mass[j:]), rest)
-            ok = bool(pred[0]) if not j else bool((e.oc.certificate <= ov.threshold).all())
+            ok = bool(pred[0] if not j else (yield [(e.oc.certificate <= ov.threshold).all()])[0])
             if ok or j >= fetched.n:
                 break
             j = min(2 * j, fetched.n)
@@ -315,8 +322,10 @@ def _served(
     return Recalled(torch.cat([held.pages, pages]), tok, p, vals, radius, fk[chosen], fv, e.oc, True, fetched.pages)
 
 
-def first_certifying(predicted: torch.Tensor, n_pages: int) -> int:
-    """The smallest page count ``predicted[P]`` marks as certifying, else ``n_pages`` (one sync)."""
-    if not predicted.numel():
-        return n_pages
-    return int(torch.where(predicted.any(), predicted.to(torch.int64).argmax() + 1, n_pages))
+def first_certifying(predicted: torch.Tensor) -> torch.Tensor:
+    """``[...]`` (int64, on the device: no sync) the smallest page count ``predicted[..., P]`` marks as certifying,
+    else ``P`` (every page)."""
+    n_pages = predicted.shape[-1]
+    if not n_pages:
+        return torch.zeros(predicted.shape[:-1], dtype=torch.int64, device=predicted.device)
+    return torch.where(predicted.any(-1), predicted.to(torch.int64).argmax(-1) + 1, n_pages)

@@ -33,6 +33,7 @@ from kvcert.cache.gate import Gate
 from kvcert.cache.recall import RecallPool
 from kvcert.cache.store import LayerStore
 from kvcert.cache.telemetry import ChainInputs, StepRecord
+from kvcert.checks import Checks, deferred, fail_if
 
 __all__ = [
     "CertifiedReadPath",
@@ -59,10 +60,16 @@ def slot_mask(logical: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """
     b, h, s = positions.shape
     lm = logical.to(torch.bool)
-    if lm.dim() != 4 or lm.shape[1] != 1 or (s and lm.shape[-1] <= int(positions.max())):
-        raise ValueError(f"mask must be [B, 1, Q, T] covering every logical position, got {tuple(lm.shape)}")
+
+    def error() -> ValueError:
+        return ValueError(f"mask must be [B, 1, Q, T] covering every logical position, got {tuple(lm.shape)}")
+
+    if lm.dim() != 4 or lm.shape[1] != 1:
+        raise error()
     q, t = lm.shape[-2:]
-    return lm.expand(b, h, q, t).gather(-1, positions[:, :, None, :].expand(b, h, q, s))
+    if s:  # through kvcert.checks.fail_if (deferred inside a resident read); the gather never reads out of range
+        fail_if(positions.max() >= t, error)
+    return lm.expand(b, h, q, t).gather(-1, positions.clamp(max=max(t - 1, 0))[:, :, None, :].expand(b, h, q, s))
 
 
 @dataclass
@@ -282,7 +289,10 @@ class ResidentReadPath(ReadPath):
         ev = store.evicted
         positions = torch.cat([store.positions.view(), ev["positions"].view()], 2)
         order = positions.argsort(-1)
-        dense_mask = slot_mask(logical, positions.gather(2, order))
+        checks = Checks()  # the masks' range checks come back with the read's first decision
+        with deferred(checks):
+            dense_mask = slot_mask(logical, positions.gather(2, order))
+            mask_o = slot_mask(logical, ev["positions"].view())
 
         def in_order(resident: torch.Tensor, omitted: torch.Tensor) -> torch.Tensor:
             both = torch.cat([resident, omitted], 2)
@@ -294,10 +304,9 @@ class ResidentReadPath(ReadPath):
             values = in_order(store.v.host.view(), ev["v"].view())
             return req.exact(keys, values, dense_mask, heads)
 
-        mask_o = slot_mask(logical, ev["positions"].view())
         pages = self.pages[store.layer]
         if self.pool is not None and store.layer == min(self.pages):  # once per forward: room for held pages
             refresh_pool(self.pool, list(self.stores()), list(self.pages.values()))
         return resident_read(
-            req.q, store, pages, req.mask, mask_o, req.scaling, self.gate, self.validate, dense_exact, req.step
+            req.q, store, pages, req.mask, mask_o, req.scaling, self.gate, self.validate, dense_exact, req.step, checks
         )

@@ -35,13 +35,15 @@ from kvcert.attention.certified import (
     _out_bound,
     group_heads,
     masked_logits,
+    pending_finite,
     probs64,
     ungroup_heads,
 )
-from kvcert.attention.key_recall import OmittedView, first_certifying, grow_recall, page_tokens
+from kvcert.attention.key_recall import OmittedView, Recalled, first_certifying, grow_recall, page_tokens
 from kvcert.bounds.pages import (
     BasisSketch,
     KeySketch,
+    OmittedCertificate,
     PageSummary,
     basis_logit_bound,
     basis_sketch,
@@ -57,8 +59,9 @@ from kvcert.bounds.rc import gamma_f32
 from kvcert.bounds.rope import norm_up_f32
 from kvcert.bounds.softmax_tv import served_meter
 from kvcert.cache.gate import Gate
-from kvcert.cache.recall import HeldPages, RecallPool
+from kvcert.cache.recall import Admission, HeldPages, RecallPool
 from kvcert.cache.store import LayerStore
+from kvcert.checks import Checks, Steps, deferred, lockstep, read_back
 from kvcert.kernels.repair import block_contributions
 
 F64 = torch.float64
@@ -278,19 +281,138 @@ def _tokens(pages: torch.Tensor, page_size: int, s_o: int) -> torch.Tensor:
     return (s_o - page_size * pages).clamp(max=page_size).sum()
 
 
-def _recall_bytes(tokens: torch.Tensor, pages: int, key_bytes: int, value_bytes: int) -> tuple[int, int]:
-    """``(key bytes, value bytes)`` recall paged in: ``tokens[2]`` (keys, values; on the device) times the bytes per
-    token; read back only when ``pages`` were paged in."""
-    if not pages:
+def _commit_recall(
+    held: HeldPages | None, admissions: list[Admission], paged_tokens: torch.Tensor, recalled: bool
+) -> tuple[int, int]:
+    """After a read's loop over its KV heads: read back the tokens whose keys / values recall paged in
+    (``paged_tokens[2]``) and every planned admission's counts in one sync (none when nothing was ``recalled`` or
+    planned), commit the admissions to ``held`` in the order they were planned, and return the two token counts."""
+    if not recalled and not admissions:
         return 0, 0
-    n_k, n_v = tokens.tolist()
-    return n_k * key_bytes, n_v * value_bytes
+    back = read_back([paged_tokens, *(a.counts for a in admissions)])
+    for i, adm in enumerate(admissions):
+        assert held is not None
+        held.commit(adm, back[2 + 3 * i : 5 + 3 * i])
+    return back[0], back[1]
 
 
 def _page_counts(mask_o: torch.Tensor, page_size: int, pages: int) -> torch.Tensor:
     """Visible tokens per page ``[..., P]`` from the omitted tokens' mask ``[..., S_O]``."""
     pad = pages * page_size - mask_o.shape[-1]
     return torch.nn.functional.pad(mask_o, (0, pad)).reshape(*mask_o.shape[:-1], pages, page_size).sum(-1)
+
+
+def recall_order(w: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """``[..., P]`` the order in which a KV head recalls its pages: those ``held[..., P]`` on the device first, each
+    part by its largest page weight ``w[..., M, P]`` over the head's cells, descending (stable: ties by page)."""
+    order = torch.argsort(w.amax(-2), dim=-1, descending=True, stable=True)
+    first = torch.argsort(held.gather(-1, order).to(torch.int8), dim=-1, descending=True, stable=True)
+    return order.gather(-1, first)
+
+
+def _predicted_pages(
+    w_ordered: torch.Tensor, u: torch.Tensor, b: torch.Tensor, meter0: torch.Tensor, threshold: float
+) -> torch.Tensor:
+    """``[..., P]``: whether recalling the first ``j = 1..P`` pages of the recall order (their weights
+    ``w_ordered[..., M, P]`` in that order) is predicted to certify every cell: ``m̄_j + meter₀ ≤ τ`` with the omitted
+    mass ``m̄_j = U_j/(B₋ + U_j)`` of what is left, ``U_j = max(0, U − Σ_{i≤j} w_i)`` (``u``, ``b``, ``meter0``
+    ``[..., M]``: ``U``, ``B₋`` and the meter of the resident read). A guess for the first page count to try, never a
+    certificate (recall certifies what it serves)."""
+    rest_u = (u.unsqueeze(-1) - w_ordered.cumsum(-1)).clamp(min=0.0)
+    return (rest_u / (b.unsqueeze(-1) + rest_u) + meter0.unsqueeze(-1) <= threshold).all(-2)
+
+
+def _exact_guess(
+    res: _ResidentServed, w_ordered: torch.Tensor, oc: OmittedCertificate, bi: int, hi: int, threshold: float
+) -> Steps[int | None]:
+    """The first page count predicted to certify KV head ``(bi, hi)`` over ``res`` (its resident read with some
+    entries exact; :func:`_predicted_pages` with its meter), ``None`` when no count is: one read-back."""
+    meter0 = served_meter(probs64(res.logits), res.radius)[0]
+    predicted = _predicted_pages(w_ordered, oc.u[bi, hi], oc.b[bi, hi], meter0, threshold)
+    any_certifies, first = yield [predicted.any(), first_certifying(predicted)]
+    return first if any_certifies else None
+
+
+@dataclass(frozen=True)
+class _HeadRead:
+    """What the recall of every visited KV head of a read reads (``[B, Hkv, ...]``): the omitted tokens' view ``ov``,
+    the served resident logits ``logits`` and visibility ``m`` ``[B, Hkv, M, S_R]`` with their radii ``c`` and served
+    distribution ``p64``, the served values ``v_served`` and their residual norms ``v_res``, the host tier's resident
+    K/V ``host_k`` / ``host_v``, the recall ``orders`` ``[B, Hkv, P]`` with the page weights in that order
+    ``w_ordered``, the resident read's composed certificate ``oc`` and the gate's ``block_size``."""
+
+    ov: OmittedView
+    logits: torch.Tensor
+    m: torch.Tensor
+    c: torch.Tensor
+    p64: torch.Tensor
+    v_served: torch.Tensor
+    v_res: torch.Tensor
+    host_k: torch.Tensor
+    host_v: torch.Tensor
+    orders: torch.Tensor
+    w_ordered: torch.Tensor
+    oc: OmittedCertificate
+    block_size: int
+
+
+@dataclass(frozen=True)
+class _Visited:
+    """One visited KV head: the last try's resident read ``res`` and recall ``r`` (``r.ok`` False: it is served by
+    exact attention over every token), and over every try the pages whose keys were paged in (``keyed``) and their
+    archive tokens ``keyed_tokens`` (0-d, on the device)."""
+
+    res: _ResidentServed
+    r: Recalled
+    keyed: int
+    keyed_tokens: torch.Tensor
+
+
+def _visit(
+    hr: _HeadRead, bi: int, hi: int, need_head: int, codes_above: int, held_pages: int, codes_guess: int
+) -> Steps[_Visited]:
+    """Recall for KV head ``(bi, hi)`` (flags of the read's first read-back: whether it needs recall, whether its
+    resident codes alone exceed τ, the pages it holds, the first page guess over the codes). When the codes alone
+    exceed τ, recall cannot help: the resident blocks with the largest contribution to the meter are read exact,
+    doubling them until the certificate with recall on top is ``≤ τ`` (all blocks exact and still above: dense).
+    Otherwise the codes first, then every resident entry exact. A :data:`~kvcert.checks.Steps` computation that
+    changes no shared state (the read runs every head's visit in :func:`kvcert.checks.lockstep`)."""
+    ov = hr.ov
+    ps, n_pages, s_r, s_o, dev = ov.page_size, ov.n_pages, hr.logits.shape[-1], ov.keys.shape[2], ov.qg.device
+    bs = hr.block_size
+    n_blk = -(-s_r // bs)  # resident blocks a head can read exact
+    codes = _ResidentServed(
+        hr.logits[bi, hi],
+        torch.where(hr.m[bi, hi], hr.c[bi, hi], 0.0),
+        hr.v_served[bi, hi].to(torch.float32),
+        hr.v_res[bi, hi].to(F64),
+        0,
+    )
+    doubling = bool(need_head and codes_above)
+    blk = _exact_blocks(hr.p64[bi, hi], codes.radius, bs) if doubling else torch.arange(n_blk, device=dev)
+    tries = _exact_counts(n_blk) if doubling else [0, n_blk]
+    keyed, keyed_tokens = 0, torch.zeros((), dtype=torch.int64, device=dev)
+    for n_exact in tries:
+        res = codes
+        if n_exact:
+            slots = page_tokens(blk[:n_exact], bs)
+            res = _exact_resident(
+                ov, hr.host_k[bi, hi], hr.host_v[bi, hi], hr.m[bi, hi], bi, hi, slots[slots < s_r], codes
+            )
+        k = held_pages
+        if need_head:  # over the codes alone the first guess came with the flags; else one read-back
+            first: int | None = codes_guess
+            if n_exact:
+                first = yield from _exact_guess(res, hr.w_ordered[bi, hi], hr.oc, bi, hi, ov.threshold)
+            if first is None and doubling and n_exact != tries[-1]:
+                continue  # not predicted to certify with any recall: read more blocks exact first
+            k = max(k, n_pages if first is None else first)
+        r = yield from grow_recall(ov, bi, hi, hr.orders[bi, hi], k, held_pages, res.logits, res.radius)
+        keyed_tokens = keyed_tokens + _tokens(r.keyed, ps, s_o)  # a try that does not certify paged its keys in too
+        keyed += r.keyed.numel()
+        if r.ok:
+            break
+    return _Visited(res, r, keyed, keyed_tokens)
 
 
 def _exact_blocks(p: torch.Tensor, c: torch.Tensor, block: int) -> torch.Tensor:
@@ -380,6 +502,7 @@ def resident_read(
     validate: bool,
     dense_exact: Callable[[tuple[int, int]], torch.Tensor],
     step: int,
+    checks: Checks | None = None,
 ) -> tuple[ReadResult, ResidentRecord]:
     """Serve one layer's attention from the resident store plus recalled pages; certify every cell.
 
@@ -397,145 +520,149 @@ def resident_read(
     keys alone were paged in is not offered) and only pages not held before are counted as recalled (pages and
     bytes). Without it every recall is transient (paged in, and counted, at every read that
     needs it).
+
+    Host syncs: the fail-closed checks of the read (and those ``checks`` holds, the caller's) are deferred
+    (:mod:`kvcert.checks`) and come back with the read's decisions: one read-back of whether every slot is visible
+    and the query and pending entries are finite, one of every head's flags and first page guess, one per round of
+    the visited heads' recall, all heads together (:func:`_visit` in :func:`kvcert.checks.lockstep`: the rounds of
+    key-first recall, :func:`~kvcert.attention.key_recall.grow_recall`, and the guesses over exact resident blocks),
+    and one for the page-in counts and every held-page admission (planned per head on the device, committed in
+    order after recall: :meth:`HeldPages.plan`).
     """
     assert store.k is not None and store.v is not None
     b, hq, nq, d = q.shape
     hkv, s_r = store.k.served.shape[1:3]
     g = hq // hkv
-    qg = group_heads(q.to(torch.float32), hkv)  # [B, Hkv, M, D]
-    m = mask[:, :, None].expand(b, hkv, g, nq, s_r).reshape(b, hkv, g * nq, s_r)
-    m_o = mask_o[:, :, None].expand(b, hkv, g, nq, mask_o.shape[-1]).reshape(b, hkv, g * nq, -1)
-    full = bool(m.all())
-    sv = _eager_served(qg, store, mask, m, full, scaling)
-    qg = sv.qg
-    khat = store.k.served.view()
-    if sv.bad_cell is not None:
-        khat = torch.nan_to_num(khat, 0.0, 0.0, 0.0)
-    logits = masked_logits(qg, khat, m, scaling, full)  # as the served read
-    live = m.any(-1)  # [B, Hkv, M]
-    bad = ~live if sv.bad_cell is None else (~live | sv.bad_cell)
-    gamma = gamma_f32(d + 1)
-    ps = pages.page_size
-    n_pages = -(-m_o.shape[-1] // ps)
-    if pages.box is not None:
-        u = page_logit_bound(qg, pages.box, scaling, gamma)  # [B, Hkv, M, P]
-        counts = _page_counts(m_o, ps, n_pages)
-    else:  # per-token bounds pooled per page: n_P e^{u_P} = Σ_{t∈P visible} e^{u_t}
-        assert pages.sketch is not None
-        u, counts = pool_pages(sketch_logit_bound(qg, pages.sketch, scaling, gamma), m_o, ps)
-    w = page_weights(torch.where(live.unsqueeze(-1), logits, 0.0), u, counts)
-    w = torch.where(bad.unsqueeze(-1), float("inf"), w)  # fail closed
-    oc = omitted_certificate(sv.p64, torch.where(m, sv.c, 0.0), w, sv.cert)
-    cert_pre = oc.certificate
-    dev = q.device
-    need = (
-        (cert_pre.amax(-1) > gate.threshold)
-        if gate.mode != "off"
-        else torch.zeros(b, hkv, dtype=torch.bool, device=dev)
-    )
-    need = need | bad.any(-1)
-    held = pages.held
-    held_mask = held.held if held is not None else torch.zeros(b, hkv, n_pages, dtype=torch.bool, device=dev)
-    has_held = held_mask.any(-1)
-    out, cert, value_term = sv.out.clone(), cert_pre.clone(), sv.value_term.clone()
-    dense = torch.zeros(b, hkv, dtype=torch.bool, device=dev)
-    blocks = torch.zeros(b, hkv, dtype=torch.int64, device=dev)  # pages paged in (keys at least) per KV head
-    n_recalled = 0
-    elt = store.k.host.dtype.itemsize
-    dk, dv = store.k.host.shape[-1], store.v.host.shape[-1]
-    ev_k, ev_v = store.evicted["k"].view(), store.evicted["v"].view()
-    s_o = ev_k.shape[2]
-    rate = scaling * gamma * qg.to(F64).norm(dim=-1, keepdim=True)  # [B, Hkv, M, 1]
-    p_post = None
-    if validate:
-        p_post = torch.cat([sv.p64, torch.zeros(*sv.p64.shape[:3], s_o, dtype=F64, device=dev)], -1)
-    host_k, host_v = store.k.host.view(), store.v.host.view()
-    qnorm = scaling * norm_up_f32(qg).to(F64).unsqueeze(-1)  # [B, Hkv, M, 1] ≥ sc·‖q‖
-    ctx = OmittedView(qg, rate, qnorm, scaling, ev_k, ev_v, m_o, u, counts, ps, gate.threshold, held)
-    vmax_recalled = torch.zeros(b, hkv, 1, dtype=F64, device=dev)  # ≥ ‖ṽ_t‖ of the recalled tokens as served
-    bs = gate.block_size
-    n_blk = -(-s_r // bs)  # resident blocks a head can read exact
-    bytes_exact = 0  # resident entries read exact from the host tier (their codes could not be certified)
-    # tokens whose keys / values were paged in by recall: read back once, after the loop
-    paged_tokens = torch.zeros(2, dtype=torch.int64, device=dev)
-    mass_post = oc.mass.clone()  # the omitted-mass bound of what each read left omitted (validate checks it)
-    served_o = torch.zeros(b, hkv, s_o, dtype=torch.bool, device=dev)  # omitted tokens served after recall
-    dense_heads: list[int] = []  # KV head index of each head served dense (known here: no read-back)
-    # every per-head decision the loop starts from, read back in one sync: which heads to visit (they need recall
-    # or hold pages), which have a bad cell, which need recall, whose resident codes alone exceed tau
-    # (and how many pages each holds)
-    heads = (need | has_held, bad.any(-1), need, sv.cert.amax(-1) > gate.threshold, held_mask.sum(-1))
-    flags = torch.stack([f.to(torch.int64) for f in heads], -1).tolist()  # [B][Hkv][5] Python ints
-    visit = [(bi, hi, *f[1:]) for bi, row in enumerate(flags) for hi, f in enumerate(row) if f[0]]
-    for bi, hi, bad_head, need_head, codes_above, held_pages in visit:
-        if bad_head or gate.threshold == 0:  # nothing short of exact attention certifies these
-            dense[bi, hi] = True
-            dense_heads.append(hi)
-            continue
-        wh = w[bi, hi]  # [M, P]
-        order = torch.argsort(wh.amax(0), descending=True, stable=True)
-        first = torch.argsort(held_mask[bi, hi, order].to(torch.int8), descending=True, stable=True)
-        order = order[first]  # held pages first (on the device), each part by its largest page weight
-        codes = _ResidentServed(
-            logits[bi, hi],
-            torch.where(m[bi, hi], sv.c[bi, hi], 0.0),
-            store.v.served.view()[bi, hi].to(torch.float32),
-            store.v_res.view()[bi, hi].to(F64),
-            0,
+    checks = Checks() if checks is None else checks  # every fail-closed check comes back with a decision read-back
+    with deferred(checks):
+        qg = group_heads(q.to(torch.float32), hkv)  # [B, Hkv, M, D]
+        m = mask[:, :, None].expand(b, hkv, g, nq, s_r).reshape(b, hkv, g * nq, s_r)
+        m_o = mask_o[:, :, None].expand(b, hkv, g, nq, mask_o.shape[-1]).reshape(b, hkv, g * nq, -1)
+        # whether every resident slot is visible (a faster path) and whether the query and pending entries are
+        # finite (else the read fails closed), in one read-back with the caller's deferred checks
+        finite = pending_finite(qg, store)
+        back = read_back([m.all()] if finite is None else [m.all(), finite])
+        full = bool(back[0])
+        sv = _eager_served(qg, store, mask, m, full, scaling, finite is None or not back[1])
+        qg = sv.qg
+        khat = store.k.served.view()
+        if sv.bad_cell is not None:
+            khat = torch.nan_to_num(khat, 0.0, 0.0, 0.0)
+        logits = masked_logits(qg, khat, m, scaling, full)  # as the served read
+        live = m.any(-1)  # [B, Hkv, M]
+        bad = ~live if sv.bad_cell is None else (~live | sv.bad_cell)
+        gamma = gamma_f32(d + 1)
+        ps = pages.page_size
+        n_pages = -(-m_o.shape[-1] // ps)
+        if pages.box is not None:
+            u = page_logit_bound(qg, pages.box, scaling, gamma)  # [B, Hkv, M, P]
+            counts = _page_counts(m_o, ps, n_pages)
+        else:  # per-token bounds pooled per page: n_P e^{u_P} = Σ_{t∈P visible} e^{u_t}
+            assert pages.sketch is not None
+            u, counts = pool_pages(sketch_logit_bound(qg, pages.sketch, scaling, gamma), m_o, ps)
+        w = page_weights(torch.where(live.unsqueeze(-1), logits, 0.0), u, counts)
+        w = torch.where(bad.unsqueeze(-1), float("inf"), w)  # fail closed
+        oc = omitted_certificate(sv.p64, torch.where(m, sv.c, 0.0), w, sv.cert)
+        cert_pre = oc.certificate
+        dev = q.device
+        need = (
+            (cert_pre.amax(-1) > gate.threshold)
+            if gate.mode != "off"
+            else torch.zeros(b, hkv, dtype=torch.bool, device=dev)
         )
-        # the resident codes alone above tau: recall cannot help; read exact the resident blocks with the largest
-        # contribution to the meter, doubling them until the certificate with recall on top is <= tau (all blocks
-        # exact and still above: dense). Otherwise the codes first, then every resident entry exact.
-        doubling = bool(need_head and codes_above)
-        blk = _exact_blocks(sv.p64[bi, hi], codes.radius, bs) if doubling else torch.arange(n_blk, device=dev)
-        tries = _exact_counts(n_blk) if doubling else [0, n_blk]
-        for n_exact in tries:
-            res = codes
-            if n_exact:
-                slots = page_tokens(blk[:n_exact], bs)
-                res = _exact_resident(ctx, host_k[bi, hi], host_v[bi, hi], m[bi, hi], bi, hi, slots[slots < s_r], codes)
-            k = held_pages
-            if need_head:
-                meter0 = served_meter(probs64(res.logits), res.radius)[0] if n_exact else sv.cert[bi, hi]
-                cum = wh[:, order].cumsum(-1)
-                rest_u = (oc.u[bi, hi].unsqueeze(-1) - cum).clamp(min=0.0)
-                predicted = (
-                    rest_u / (oc.b[bi, hi].unsqueeze(-1) + rest_u) + meter0.unsqueeze(-1) <= gate.threshold
-                ).all(0)
-                if doubling and n_exact != tries[-1] and not bool(predicted.any()):
-                    continue  # not predicted to certify with any recall: read more blocks exact first
-                # the first page count predicted to certify, else every page: one sync
-                k = max(k, first_certifying(predicted, n_pages))
-            r = grow_recall(ctx, bi, hi, order, k, held_pages, res.logits, res.radius)
-            paged_tokens[0] += _tokens(r.keyed, ps, s_o)  # a try that does not certify paged its keys in too
-            blocks[bi, hi] += r.keyed.numel()
-            n_recalled += r.keyed.numel()
-            if r.ok:
-                break
-        if not r.ok:
-            dense[bi, hi] = True
-            dense_heads.append(hi)
-            continue
-        bytes_exact += res.n_exact * (dk + dv) * elt  # the resident entries read exact (tries nest: the last's)
-        p_all, tok = r.p, r.tok
-        out[bi, hi] = p_all.to(torch.float32) @ torch.cat([res.values, r.values], 0)
-        cert[bi, hi] = r.oc.certificate
-        held_term = p_all[:, s_r:] @ r.value_radius  # held tokens: their 16-bit copies' value rounding
-        vmax_recalled[bi, hi] = norm_up_f32(r.values).to(F64).amax(-1, keepdim=True) if tok.numel() else 0.0
-        value_term[bi, hi] = p_all[:, :s_r] @ res.value_radius + held_term
-        paged_tokens[1] += _tokens(r.pages[held_pages:], ps, s_o)  # the pages whose values were paged in
-        mass_post[bi, hi] = r.oc.mass
-        if held is not None:  # page masses of this read (worst cell) decide what stays on the device
-            mass = torch.zeros(p_all.shape[0], n_pages, dtype=F64, device=dev).index_add_(1, tok // ps, p_all[:, s_r:])
-            held.admit(bi, hi, r.pages, mass.amax(0)[r.pages], r.fresh_k, r.fresh_v)  # values paged in: admitted
-        served_o[bi, hi, tok] = True
-        if p_post is not None:
-            p_post[bi, hi] = 0.0
-            p_post[bi, hi, :, :s_r] = p_all[:, :s_r]
-            p_post[bi, hi, :, s_r + tok] = p_all[:, s_r:]
-    cert = _dense_fallback(out, cert, dense, dense_exact, dense_heads)
-    bytes_paged = len(dense_heads) * (s_r + s_o) * (dk + dv) * elt
-    bytes_keys, bytes_values = _recall_bytes(paged_tokens, n_recalled, dk * elt, dv * elt)
+        need = need | bad.any(-1)
+        held = pages.held
+        held_mask = held.held if held is not None else torch.zeros(b, hkv, n_pages, dtype=torch.bool, device=dev)
+        has_held = held_mask.any(-1)
+        out, cert, value_term = sv.out.clone(), cert_pre.clone(), sv.value_term.clone()
+        dense = torch.zeros(b, hkv, dtype=torch.bool, device=dev)
+        blocks = torch.zeros(b, hkv, dtype=torch.int64, device=dev)  # pages paged in (keys at least) per KV head
+        n_recalled = 0
+        elt = store.k.host.dtype.itemsize
+        dk, dv = store.k.host.shape[-1], store.v.host.shape[-1]
+        ev_k, ev_v = store.evicted["k"].view(), store.evicted["v"].view()
+        s_o = ev_k.shape[2]
+        rate = scaling * gamma * qg.to(F64).norm(dim=-1, keepdim=True)  # [B, Hkv, M, 1]
+        p_post = None
+        if validate:
+            p_post = torch.cat([sv.p64, torch.zeros(*sv.p64.shape[:3], s_o, dtype=F64, device=dev)], -1)
+        host_k, host_v = store.k.host.view(), store.v.host.view()
+        qnorm = scaling * norm_up_f32(qg).to(F64).unsqueeze(-1)  # [B, Hkv, M, 1] ≥ sc·‖q‖
+        ctx = OmittedView(qg, rate, qnorm, scaling, ev_k, ev_v, m_o, u, counts, ps, gate.threshold, held)
+        vmax_recalled = torch.zeros(b, hkv, 1, dtype=F64, device=dev)  # ≥ ‖ṽ_t‖ of the recalled tokens as served
+        bytes_exact = 0  # resident entries read exact from the host tier (their codes could not be certified)
+        # tokens whose keys / values were paged in by recall: read back once, after the loop
+        paged_tokens = torch.zeros(2, dtype=torch.int64, device=dev)
+        mass_post = oc.mass.clone()  # the omitted-mass bound of what each read left omitted (validate checks it)
+        served_o = torch.zeros(b, hkv, s_o, dtype=torch.bool, device=dev)  # omitted tokens served after recall
+        dense_heads: list[int] = []  # KV head index of each head served dense (known here: no read-back)
+        admissions: list[Admission] = []  # persistent recall: planned per head, committed after the loop
+        # every per-head decision the loop starts from, read back in one sync: which heads to visit (they need recall
+        # or hold pages), which have a bad cell, which need recall, whose resident codes alone exceed tau
+        # (and how many pages each holds), and the page count predicted to certify over the resident codes
+        orders = recall_order(w, held_mask)  # [B, Hkv, P]
+        w_ordered = w.gather(-1, orders.unsqueeze(-2).expand_as(w))
+        guess = first_certifying(_predicted_pages(w_ordered, oc.u, oc.b, sv.cert, gate.threshold))
+        heads = (need | has_held, bad.any(-1), need, sv.cert.amax(-1) > gate.threshold, held_mask.sum(-1), guess)
+        flat = read_back([torch.stack([f.to(torch.int64) for f in heads], -1)])  # [B·Hkv·6] Python ints
+        flags = [flat[i : i + 6] for i in range(0, len(flat), 6)]  # per (row, KV head), row-major
+        visit = [(i // hkv, i % hkv, *f[1:]) for i, f in enumerate(flags) if f[0]]
+        hr = _HeadRead(
+            ctx,
+            logits,
+            m,
+            sv.c,
+            sv.p64,
+            store.v.served.view(),
+            store.v_res.view(),
+            host_k,
+            host_v,
+            orders,
+            w_ordered,
+            oc,
+            gate.block_size,
+        )
+        recall = [f for f in visit if not (f[2] or gate.threshold == 0)]
+        for bi, hi, bad_head, *_ in visit:
+            if bad_head or gate.threshold == 0:  # nothing short of exact attention certifies these
+                dense[bi, hi] = True
+                dense_heads.append(hi)
+        # every head's recall side by side: one read-back per round for all of them
+        visited = lockstep([_visit(hr, bi, hi, *f) for bi, hi, _, *f in recall])
+        for (bi, hi, _, _, _, held_pages, _), v in zip(recall, visited, strict=True):
+            res, r = v.res, v.r
+            paged_tokens[0] += v.keyed_tokens
+            blocks[bi, hi] += v.keyed
+            n_recalled += v.keyed
+            if not r.ok:
+                dense[bi, hi] = True
+                dense_heads.append(hi)
+                continue
+            bytes_exact += res.n_exact * (dk + dv) * elt  # the resident entries read exact (tries nest: the last's)
+            p_all, tok = r.p, r.tok
+            out[bi, hi] = p_all.to(torch.float32) @ torch.cat([res.values, r.values], 0)
+            cert[bi, hi] = r.oc.certificate
+            held_term = p_all[:, s_r:] @ r.value_radius  # held tokens: their 16-bit copies' value rounding
+            vmax_recalled[bi, hi] = norm_up_f32(r.values).to(F64).amax(-1, keepdim=True) if tok.numel() else 0.0
+            value_term[bi, hi] = p_all[:, :s_r] @ res.value_radius + held_term
+            paged_tokens[1] += _tokens(r.pages[held_pages:], ps, s_o)  # the pages whose values were paged in
+            mass_post[bi, hi] = r.oc.mass
+            if held is not None:  # page masses of this read (worst cell) decide what stays on the device
+                mass = torch.zeros(p_all.shape[0], n_pages, dtype=F64, device=dev).index_add_(
+                    1, tok // ps, p_all[:, s_r:]
+                )
+                free = admissions[-1].free if admissions else held.pool.free  # after the earlier heads' admissions
+                admissions.append(held.plan(bi, hi, r.pages, mass.amax(0)[r.pages], r.fresh_k, r.fresh_v, free))
+            served_o[bi, hi, tok] = True
+            if p_post is not None:
+                p_post[bi, hi] = 0.0
+                p_post[bi, hi, :, :s_r] = p_all[:, :s_r]
+                p_post[bi, hi, :, s_r + tok] = p_all[:, s_r:]
+        cert = _dense_fallback(out, cert, dense, dense_exact, dense_heads)
+        bytes_paged = len(dense_heads) * (s_r + s_o) * (dk + dv) * elt
+        n_keys, n_values = _commit_recall(held, admissions, paged_tokens, n_recalled > 0)
+        bytes_keys, bytes_values = n_keys * dk * elt, n_values * dv * elt
+        checks.read_back()  # the checks made since the last read-back (a sync only when there are some)
     key_norm_all = torch.maximum(sv.key_norm_max, 2.0 * pages.k_norm.to(F64))
     phi_max = 2.0 * rate.amax(-2) * key_norm_all
     spread = torch.maximum(sv.spread, pages.v_spread.to(F64))

@@ -38,19 +38,23 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcert.checks import fail_if
+
 F64 = torch.float64
 _U64 = 2.0**-53
 _F32_INF = torch.tensor(float("inf"), dtype=torch.float32)
 
 
 def _finite(x: torch.Tensor, name: str) -> None:
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError(f"{name} contains non-finite entries")
+    """``ValueError`` naming ``name`` unless every entry of ``x`` is finite (:func:`kvcert.checks.fail_if`: at once,
+    or deferred to the owner's read-back)."""
+    fail_if(~torch.isfinite(x).all(), lambda: ValueError(f"{name} contains non-finite entries"))
 
 
 def _check_composed_inputs(p: torch.Tensor, radius: torch.Tensor, weights: torch.Tensor, meter: torch.Tensor) -> None:
     """The fail-closed checks of :func:`omitted_certificate`, fused into one reduction (one host synchronisation
-    on a device); when one fails, the checks run again one by one to raise the first failure's own error."""
+    on a device, or none here inside :func:`kvcert.checks.deferred`); when it fails, the checks run again one by
+    one to raise the first failure's own error."""
     ok = (
         torch.isfinite(p).all()
         & torch.isfinite(radius).all()
@@ -59,15 +63,20 @@ def _check_composed_inputs(p: torch.Tensor, radius: torch.Tensor, weights: torch
         & ~(torch.isnan(weights).any() | (weights < 0).any())
         & ~(torch.isnan(meter).any() | (meter < 0).any())
     )
-    if bool(ok):
-        return
-    _finite(p, "p_served")
-    _finite(radius, "radius")
+    fail_if(~ok, lambda: _composed_error(p, radius, weights))
+
+
+def _composed_error(p: torch.Tensor, radius: torch.Tensor, weights: torch.Tensor) -> ValueError:
+    """The error of the first failed check of :func:`_check_composed_inputs` (its failure path: one read-back per
+    check)."""
+    for x, name in ((p, "p_served"), (radius, "radius")):
+        if not bool(torch.isfinite(x).all()):
+            return ValueError(f"{name} contains non-finite entries")
     if bool((radius < 0).any()) or bool((p < 0).any()):
-        raise ValueError("p_served and radius must be non-negative")
+        return ValueError("p_served and radius must be non-negative")
     if bool(torch.isnan(weights).any()) or bool((weights < 0).any()):
-        raise ValueError("weights must be non-negative (inf allowed)")
-    raise ValueError("meter must be non-negative (inf allowed), got NaN or a negative entry")
+        return ValueError("weights must be non-negative (inf allowed)")
+    return ValueError("meter must be non-negative (inf allowed), got NaN or a negative entry")
 
 
 def _times(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -226,11 +235,14 @@ def page_weights(served_logits: torch.Tensor, bound: torch.Tensor, counts: torch
     (an unbounded page) gives ``w = +inf``; a NaN bound raises ``ValueError`` (it bounds nothing).
     """
     lse = torch.logsumexp(served_logits.to(F64), dim=-1, keepdim=True)
-    nan_bound, no_finite = torch.stack([torch.isnan(bound).any(), ~torch.isfinite(lse).all()]).tolist()  # one sync
-    if nan_bound:
-        raise ValueError("bound contains NaN: a page logit bound must be a number or +inf")
-    if no_finite:
-        raise ValueError("served_logits must have at least one finite entry per row")
+    nan_bound = torch.isnan(bound).any()
+
+    def error() -> ValueError:
+        if bool(nan_bound):
+            return ValueError("bound contains NaN: a page logit bound must be a number or +inf")
+        return ValueError("served_logits must have at least one finite entry per row")
+
+    fail_if(nan_bound | ~torch.isfinite(lse).all(), error)  # one fused check
     w = counts.to(F64) * torch.exp(bound.to(F64) - lse) * (1.0 + 8 * 2.0**-52)
     return torch.where(counts.to(F64).expand_as(w) > 0, w, 0.0)
 
@@ -336,8 +348,9 @@ def pool_pages(bound: torch.Tensor, visible: torch.Tensor, page_size: int) -> tu
     :func:`omitted_certificate` take them unchanged; pages are ``page_size`` consecutive tokens. A page holding a
     visible token with ``u_t = +inf`` pools to ``+inf`` (counted, never dropped); a NaN bound raises ``ValueError``.
     """
-    if bool(torch.isnan(bound).any()):
-        raise ValueError("bound contains NaN: a token logit bound must be a number or +inf")
+    fail_if(
+        torch.isnan(bound).any(), lambda: ValueError("bound contains NaN: a token logit bound must be a number or +inf")
+    )
     return _pool(bound, visible, page_size)
 
 

@@ -28,11 +28,13 @@ copies; the certificate of every read is computed from what it serves, with the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvcert.bounds.rope import norm_up_f32, round_up_f32
+from kvcert.checks import read_back
 
 DECAY = 0.5  # per read: a held page's score halves each read it is not needed at full mass
 #: per host dtype wider than 16 bits: ``(rel, tiny)`` with ``|x − fl16(x)| ≤ rel·|x| + tiny`` per entry of the float16
@@ -56,6 +58,30 @@ class RecallPool:
     every layer's :class:`HeldPages`; the cache refreshes it from its device budget once per forward."""
 
     free: int = 0  # negative: the held pages must shrink by that much
+
+
+@dataclass(frozen=True)
+class Admission:
+    """One (row, head)'s admission planned on the device (:meth:`HeldPages.plan`), for :meth:`HeldPages.commit`:
+    the pages ``read[k]`` served, their ``score[k]`` and descending ``order``, whether each (in that order) ``fits``,
+    the held pages ``after[P]`` the admission leaves and those ``added`` / ``released``, which pages of ``read``
+    ``was`` held before, the paged-in K/V ``fresh_k`` / ``fresh_v``, the ``counts[3]`` to read back (pages added,
+    released, held before among ``read``) and the pool's free slot tokens ``free`` left after it (0-d)."""
+
+    row: int
+    head: int
+    read: torch.Tensor
+    order: torch.Tensor
+    fits: torch.Tensor
+    after: torch.Tensor
+    added: torch.Tensor
+    released: torch.Tensor
+    was: torch.Tensor
+    score: torch.Tensor
+    fresh_k: torch.Tensor
+    fresh_v: torch.Tensor
+    counts: torch.Tensor
+    free: torch.Tensor
 
 
 @dataclass
@@ -164,13 +190,29 @@ class HeldPages:
         before, in the order of ``read`` (zero past a short last page's tokens): those admitted are copied into
         slots (the page-in is the caller's, already counted); released slots are compacted away. Returns the pages of
         ``read`` that were *not* held before the read (the page-in of this read). Pages not in ``read`` keep their
-        state (a read serves every held page, so there are none unless the caller skipped the head)."""
+        state (a read serves every held page, so there are none unless the caller skipped the head).
+
+        :meth:`plan` then :meth:`commit` with one read-back between them (the caller's deferred checks with it)."""
+        adm = self.plan(row, head, read, mass, fresh_k, fresh_v, self.pool.free)
+        return self.commit(adm, read_back([adm.counts]))
+
+    def plan(
+        self,
+        row: int,
+        head: int,
+        read: torch.Tensor,
+        mass: torch.Tensor,
+        fresh_k: torch.Tensor,
+        fresh_v: torch.Tensor,
+        free: int | torch.Tensor,
+    ) -> Admission:
+        """:meth:`admit`'s choice on the device, without a sync and without changing any state, against ``free``
+        slot tokens in the pool (the pool's, or the :attr:`Admission.free` an earlier plan of the same read leaves:
+        plans of distinct heads chained that way and committed in the same order are the admissions one after
+        the other, since an admission changes only its own head's slots, scores and the pool)."""
         ps = self.page_size
         before = self.held[row, head].clone()
         was = before[read]
-        new = read[~was]
-        if self.fresh is not None:
-            self.fresh[row, head, new] = True
         # which pages of read may be held: those held before, and the fresh ones whose K/V fit the storage dtype
         spare = torch.ones(1, dtype=torch.bool, device=read.device)  # read may have no fresh page
         fresh_ok = torch.cat([self.fits(fresh_k, fresh_v).to(read.device), spare])
@@ -180,17 +222,30 @@ class HeldPages:
         score = torch.where(ok, score, 0.0)
         order = torch.argsort(score, descending=True, stable=True)
         cost = ps * ok[order].to(torch.int64)  # a refused page costs nothing and is not held
-        fits = ok[order] & (cost.cumsum(0) <= own + self.pool.free)
+        fits = ok[order] & (cost.cumsum(0) <= own + free)
         after = before.clone()
         after[read[order]] = fits  # the pages of read that fit are held, the others not (read: unique)
-        self.score[row, head] = torch.where(after, self.score[row, head], 0.0)
-        self.score[row, head, read[order]] = torch.where(fits, score[order], 0.0)
         added, released = after & ~before, before & ~after
-        n_add, n_rel = torch.stack([added.sum(), released.sum()]).tolist()  # the admission's one read-back
+        counts = torch.stack([added.sum(), released.sum(), was.sum()])
+        left = free - ps * (counts[0] - counts[1])
+        return Admission(
+            row, head, read, order, fits, after, added, released, was, score, fresh_k, fresh_v, counts, left
+        )
+
+    def commit(self, adm: Admission, counts: Sequence[int]) -> torch.Tensor:
+        """Apply the planned ``adm`` given its :attr:`Admission.counts` read back (pages added, released, and of
+        ``read`` held before); returns :meth:`admit`'s value."""
+        ps, row, head, read = self.page_size, adm.row, adm.head, adm.read
+        n_add, n_rel, n_was = counts
+        new = read[torch.argsort(adm.was.to(torch.int8), stable=True)[: read.numel() - n_was]]  # read[~was], in order
+        if self.fresh is not None:
+            self.fresh[row, head, new] = True
+        self.score[row, head] = torch.where(adm.after, self.score[row, head], 0.0)
+        self.score[row, head, read[adm.order]] = torch.where(adm.fits, adm.score[adm.order], 0.0)
         self.pool.free -= ps * (n_add - n_rel)
         if n_add or n_rel:
-            pick = torch.argsort(added[new].to(torch.int8), descending=True, stable=True)[:n_add]
-            self._restore(row, head, released, n_rel, new[pick], fresh_k[pick], fresh_v[pick])
+            pick = torch.argsort(adm.added[new].to(torch.int8), descending=True, stable=True)[:n_add]
+            self._restore(row, head, adm.released, n_rel, new[pick], adm.fresh_k[pick], adm.fresh_v[pick])
         return new
 
     def _restore(

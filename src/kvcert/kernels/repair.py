@@ -2,9 +2,10 @@
 
 The certified read's block gate pages in whole token blocks of each KV head whose cells are over the threshold
 (``docs/read-path.md``). :func:`repair_blocks` does this for all such heads together, as batched tensor
-operations: one host synchronisation to list the heads (``need.nonzero()``), one per doubling round (whether
-any head is still over the threshold), none per head or per cell. Per head it makes exactly the choice of the
-per-head procedure it replaces:
+operations: the heads come listed from the read's decision (already on the host), and each doubling round waits for
+the device once (whether any head is still over the threshold, the paged token count and the meter's fail-closed
+checks in one read-back), none per head or per cell. Per head it makes exactly the choice of the per-head procedure
+it replaces:
 
 1. blocks ordered by their largest contribution ``Σ_{t∈b} p̃_t(e^{c_t} − 1)`` over the head's cells (descending,
    stable);
@@ -30,6 +31,7 @@ import torch
 from kvcert.bounds.softmax_tv import probs64, served_meter
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
+from kvcert.checks import Checks, deferred
 from kvcert.kernels import active
 from kvcert.kernels.numba_read import softmax_meter
 
@@ -38,7 +40,8 @@ __all__ = ["BlockRepairs", "block_contributions", "repair_blocks", "repaired_rea
 
 @dataclass(frozen=True)
 class BlockRepairs:
-    """The repaired heads of one read, in ``need.nonzero()`` order (``n`` heads; tensors on the read's device)."""
+    """The repaired heads of one read, in ``need.nonzero()`` order (``n`` heads; tensors on the read's device), and
+    ``n_tokens``, the tokens paged over all of them (read back with the last doubling round's decision)."""
 
     heads: torch.Tensor  # [n, 2] int64 (row, KV head)
     out: torch.Tensor  # [n, M, Dv] float32 served output
@@ -48,6 +51,7 @@ class BlockRepairs:
     v_res: torch.Tensor  # [n, S] value residual norms, 0 on paged tokens
     tokens: torch.Tensor  # [n, S] bool, the paged tokens
     n_blocks: torch.Tensor  # [n] int64 blocks paged
+    n_tokens: int
 
 
 def block_contributions(p: torch.Tensor, c: torch.Tensor, block: int) -> torch.Tensor:
@@ -76,6 +80,7 @@ def repair_blocks(
     qg: torch.Tensor,
     store: LayerStore,
     need: torch.Tensor,
+    pairs: list[tuple[int, int]],
     mask: torch.Tensor,
     c: torch.Tensor,
     p: torch.Tensor,
@@ -83,14 +88,19 @@ def repair_blocks(
     gate: Gate,
 ) -> BlockRepairs:
     """Page in token blocks of every (row, KV head) with ``need[B, Hkv]`` until each of its cells is under
-    ``gate.threshold`` (see the module docstring). ``qg[B, Hkv, M, D]`` float32 grouped queries,
-    ``mask[B, Hkv, M, S]`` visibility, ``c`` / ``p`` ``[B, Hkv, M, S]`` the read's radii and served distribution.
-    Persistent gates keep the paged entries exact within the store's device budget (:meth:`LayerStore.persist`).
+    ``gate.threshold`` (see the module docstring). ``pairs``: the same heads on the host, ``need.nonzero()`` as
+    ``(row, KV head)`` pairs in row-major order (the caller's read-back of its decision; no sync here).
+    ``qg[B, Hkv, M, D]`` float32 grouped queries, ``mask[B, Hkv, M, S]`` visibility, ``c`` / ``p`` ``[B, Hkv, M, S]``
+    the read's radii and served distribution. Persistent gates keep the paged entries exact within the store's
+    device budget (:meth:`LayerStore.persist`).
     """
     assert store.k is not None and store.v is not None
-    heads = need.nonzero()
-    pairs = heads.tolist()  # one synchronisation per read
-    bi, hi = heads[:, 0], heads[:, 1]
+    if not pairs:
+        raise ValueError("repair_blocks needs at least one head to repair (pairs is empty)")
+    # need's True entries in row-major order, found on the device: a stable descending sort puts them first
+    flat = torch.argsort(need.flatten().to(torch.int8), descending=True, stable=True)[: len(pairs)]
+    bi, hi = flat // need.shape[1], flat % need.shape[1]
+    heads = torch.stack([bi, hi], -1)
     khat, vhat = store.k.served.view()[bi, hi], store.v.served.view()[bi, hi]  # [n, S, D] (copies: written below)
     dev = khat.device
     hosts = store.k.host.view(), store.v.host.view()
@@ -108,20 +118,25 @@ def repair_blocks(
     k = torch.where(predicted_ok.any(-1), predicted_ok.to(torch.int64).argmax(-1) + 1, nb)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(nb, device=dev).expand(n, nb))
     fused = active(dev) == "numba"
+    checks = Checks()
     while True:
         tok = (rank < k.unsqueeze(-1)).repeat_interleave(bs, -1)[:, :s]  # [n, S] the first k blocks in order
         kmix = _mix(khat, hosts[0], hk, tok, pairs)
         logits = (q @ kmix.transpose(-1, -2) * scaling).masked_fill(~m, float("-inf"))
-        pm, cert, raw = repaired_read(logits, torch.where(tok.unsqueeze(1), 0.0, cc), fused)
+        with deferred(checks):  # the meter's fail-closed checks come back with the round's decision
+            pm, cert, raw = repaired_read(logits, torch.where(tok.unsqueeze(1), 0.0, cc), fused)
         done = ((raw if gate.uses_unclipped else cert) <= gate.threshold).all(-1) | (k >= nb)
-        if bool(done.all()):  # one synchronisation per doubling round
+        back = checks.read_back([done.all(), tok.sum()])  # one synchronisation per doubling round
+        assert back is not None  # no guard: None is never returned
+        all_done, n_tokens = back
+        if all_done:
             break
         k = torch.where(done, k, 2 * k)
     if gate.persistent:  # kept within the store's device budget, else a transient page-in
         store.persist_heads(pairs, tok.unbind(0))  # one commit for every head
     out = pm.to(torch.float32) @ _mix(vhat, hosts[1], hv, tok, pairs)
     v_res = torch.where(tok, 0.0, vres)
-    return BlockRepairs(heads, out, cert, raw, pm, v_res, tok, k.clamp(max=nb))
+    return BlockRepairs(heads, out, cert, raw, pm, v_res, tok, k.clamp(max=nb), n_tokens)
 
 
 def _in_place(dev: torch.device, hosts: tuple[torch.Tensor, ...]) -> bool:
@@ -130,14 +145,18 @@ def _in_place(dev: torch.device, hosts: tuple[torch.Tensor, ...]) -> bool:
     return dev.type == "cpu" and all(x.device.type == "cpu" for x in hosts)
 
 
-def _page(host: torch.Tensor, pairs: list[list[int]], dev: torch.device) -> torch.Tensor:
+def _page(host: torch.Tensor, pairs: list[tuple[int, int]], dev: torch.device) -> torch.Tensor:
     """``[n, S, D]`` float32 on ``dev``: each (row, KV head) of ``pairs``' slice of the (pinned) host tier
     (asynchronous copies)."""
     return torch.stack([host[b, h].to(dev, non_blocking=True) for b, h in pairs]).to(torch.float32)
 
 
 def _mix(
-    served: torch.Tensor, host: torch.Tensor, paged: torch.Tensor | None, tok: torch.Tensor, pairs: list[list[int]]
+    served: torch.Tensor,
+    host: torch.Tensor,
+    paged: torch.Tensor | None,
+    tok: torch.Tensor,
+    pairs: list[tuple[int, int]],
 ) -> torch.Tensor:
     """``where(tok[..., None], exact, served)`` for the heads of ``pairs``, ``served[n, S, D]`` a copy the caller
     owns: from the paged host slices ``paged`` when given, else (CPU) by writing the host tier's float32 entries

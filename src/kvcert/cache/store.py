@@ -60,10 +60,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
+import numpy as np
 import torch
 
 from kvcert.bounds.rope import Pairing, band_norms, norm_up_f32, round_up_f32
-from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex, WriteBatch
+from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex, WriteBatch, numpy_copyable
 from kvcert.cache.paged import PagedCodes
 from kvcert.checks import deferred
 from kvcert.quant import Codec, DitherKey, Packed
@@ -310,6 +311,8 @@ class LayerStore:
         """Record in ``writes`` appending ``k, v[B, H, T, D]`` at logical ``positions[B, H, T]`` as pending
         (exact) entries."""
         assert self.k is not None and self.v is not None
+        if self._append_pending_fused(k, v, positions, writes):
+            return
         t = k.shape[2]
         b, h = k.shape[:2]
         for ts, x in ((self.k, k), (self.v, v)):
@@ -328,6 +331,77 @@ class LayerStore:
         )
         if self.k_steps is not None:
             writes.append_fill(self.k_steps, t, 0.0)
+
+    def _append_pending_fused(
+        self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, writes: WriteBatch
+    ) -> bool:
+        """:meth:`_append_pending` in two numpy-side steps, where it applies: on the numba backend, ``"log8"``
+        witnesses, float32 ``k, v`` of the host tier's dtype, every buffer copying through numpy, and the pending
+        norms' codes leaving every base as it is (the steady state of a decode). One fused kernel
+        (:func:`kvcert.quant.pending_numba.pending_codes`) plans the three norms against the bases the writes
+        recorded before leave (:meth:`WriteBatch.base_of`), and one recorded change appends every buffer's entries
+        with numpy copies at the commit: the same elements as the general path stores (a zero witness is code 0,
+        decoded 0, against any base; ``tests/cache/test_cache_store.py`` pins every buffer per element). It must
+        be the batch's last record of these buffers (as in :meth:`_encode_and_append`). Returns False, recording
+        nothing, where it does not apply."""
+        assert self.k is not None and self.v is not None
+        logs = (self.k_hat_norm, self.v_hat_norm, self.v_dist)
+        grows: tuple[GrowBuffer, ...] = (
+            self.k.host,
+            self.k.served,
+            self.k.exact,
+            self.k.held,
+            self.v.host,
+            self.v.served,
+            self.v.exact,
+        )
+        grows += (self.v.held, self.k_wit, self.positions) + (() if self.k_steps is None else (self.k_steps,))
+        if not (
+            self.witness == "log8"
+            and fused_log8(k.device)
+            and k.shape[2] > 0
+            and k.dtype == v.dtype == self.k.host.dtype == self.v.host.dtype == self.v_centre.dtype == torch.float32
+            and positions.dtype == self.positions.dtype
+            and numpy_copyable(k)
+            and numpy_copyable(v)
+            and numpy_copyable(positions)
+            and all(buf.numpy_ok for buf in grows)
+            and all(isinstance(buf, LogBuffer) and buf.codes.numpy_ok for buf in (*logs, self.k_band, self.v_res))
+        ):
+            return False
+        from kvcert.quant.pending_numba import pending_codes  # numba on first use only (kernel_env says why)
+
+        planned = pending_codes(k, v, self.v_centre, tuple(writes.base_of(buf) for buf in logs))  # type: ignore[arg-type]
+        if planned is None:
+            return False
+        writes.then(partial(self._store_pending, k.numpy(), v.numpy(), positions.numpy(), *planned))
+        return True
+
+    def _store_pending(
+        self, k: np.ndarray, v: np.ndarray, positions: np.ndarray, codes: np.ndarray, decoded: np.ndarray
+    ) -> None:
+        """Append the pending entries ``k, v[B, H, t, D]`` at ``positions[B, H, t]`` with the ``log8`` codes and
+        decoded values ``[3, B, H, t]`` of their three norms (:meth:`_append_pending_fused`), every buffer by numpy."""
+        assert self.k is not None and self.v is not None
+        b, h, t = k.shape[:3]
+        for ts, x in ((self.k, k), (self.v, v)):
+            ts.host.append_array(x)
+            ts.served.append_array(x)
+            ts.exact.append_fill(t, True)
+            ts.add_exact(b * h * t)
+            ts.held.append_fill(t, False)
+        for zero in (self.k_band, self.v_res):
+            assert isinstance(zero, LogBuffer)
+            zero.codes.append_fill(t, 0)
+            zero.decoded.append_fill(t, 0.0)
+        self.k_wit.append_fill(t, 0.0)
+        for buf, c, d in zip((self.k_hat_norm, self.v_hat_norm, self.v_dist), codes, decoded, strict=True):
+            assert isinstance(buf, LogBuffer)
+            buf.codes.append_array(c)
+            buf.decoded.append_array(d)
+        self.positions.append_array(positions)
+        if self.k_steps is not None:
+            self.k_steps.append_fill(t, 0.0)
 
     def encode_pending(self, flush: bool = False) -> None:
         """Push every encodable pending token through its codec and record the write-time witnesses.

@@ -304,24 +304,30 @@ def test_fused_pending_append_stores_what_the_general_path_stores(keys, monkeypa
     kernel and numpy copies (:meth:`LayerStore._append_pending_fused`); every buffer (host and served K/V, flags,
     positions, each witness's codes, bases and decoded values, the Tier-B steps) and every count equal, element
     for element, those of the same appends with the fused path switched off: decode tokens and multi-token appends,
-    block encodes in between, norms that raise a base (the fallback), non-finite tokens and persistent repairs."""
+    block encodes in between, norms that raise a base (the fallback), non-finite tokens; and so do the witnesses of
+    persistent repairs (:meth:`LayerStore._exact_witnesses_fused`)."""
     monkeypatch.setenv(kernel_env.ENV, "numba")
     gen = torch.Generator().manual_seed(23)
     stores = {
         fused: LayerStore(0, get(keys), get("int4"), bands=8, pairing="rotate_half", seed=5, write_block=4)
         for fused in (True, False)
     }
-    taken = {True: 0, False: 0}
-    general = LayerStore._append_pending_fused
+    taken = {(name, done): 0 for name in ("_append_pending_fused", "_exact_witnesses_fused") for done in (True, False)}
 
-    def spy(self, k, v, positions, writes):
-        if self is stores[False]:
-            return False
-        done = general(self, k, v, positions, writes)
-        taken[done] += 1
-        return done
+    def spy(name):
+        fused = getattr(LayerStore, name)
 
-    monkeypatch.setattr(LayerStore, "_append_pending_fused", spy)
+        def call(self, *args):
+            if self is stores[False]:
+                return False
+            done = fused(self, *args)
+            taken[name, done] += 1
+            return done
+
+        return call
+
+    for name in ("_append_pending_fused", "_exact_witnesses_fused"):
+        monkeypatch.setattr(LayerStore, name, spy(name))
     rows, keep = torch.arange(2), torch.zeros(2, dtype=torch.bool)
     for step in range(40):
         t = 6 if step == 0 else (3 if step % 9 == 4 else 1)
@@ -332,8 +338,11 @@ def test_fused_pending_append_stores_what_the_general_path_stores(keys, monkeypa
             v[1, 2, 0, 5] = math.nan  # kept exact, its norms the infinity code
         for st in stores.values():
             st.append(k, v, rows, keep)
-            if step in (21, 33):
-                st.persist(0, 1, slice(0, 4))
+            if step in (8, 21, 33, 36):
+                st.persist(0, 1, slice(0, 4 + step))  # some of them already held exact
+                st.persist_heads([(1, 2), (0, 0)], [slice(2, 9), torch.arange(st.n) % 5 == 0])
+            if step == 36:
+                st.persist(1, 1, slice(0, 12))  # large served norms at 12 and 30: a rebase (the general path)
         got, want = _store_state(stores[True]), _store_state(stores[False])
         assert got.keys() == want.keys()
         for name, w in want.items():
@@ -343,7 +352,8 @@ def test_fused_pending_append_stores_what_the_general_path_stores(keys, monkeypa
                 assert torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)), (step, name)
             else:
                 assert g == w, (step, name)
-    assert taken[True] >= 30 and taken[False] >= 3  # both the fused path and its fallback ran
+    assert taken["_append_pending_fused", True] >= 30 and taken["_append_pending_fused", False] >= 3
+    assert taken["_exact_witnesses_fused", True] >= 4  # both fused paths ran (and the pending one's fallback)
 
 
 def test_fused_pending_append_is_numba_only(monkeypatch):

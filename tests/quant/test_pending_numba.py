@@ -11,7 +11,7 @@ import torch
 
 from kvcert.quant import logcode, logcode_numba
 from kvcert.quant.norms_numba import norms_up
-from kvcert.quant.pending_numba import pending_codes
+from kvcert.quant.pending_numba import held_codes, pending_codes
 
 
 def _inputs(seed: int, t: int, scale: float, dv: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -99,3 +99,26 @@ def test_bad_input_is_refused():
         pending_codes(k[:, :, :0], v[:, :, :0], c, bases)
     with pytest.raises(ValueError, match="does not broadcast"):
         pending_codes(k, v, c[..., :5], bases)
+
+
+def test_held_codes_at_scattered_places_are_those_of_the_indexed_plans():
+    """Rows at scattered (row, head) places: the norms of ``norms_up`` planned with those heads, bit for bit, and
+    ``None`` where a head's base would rise."""
+    k, v, c = _inputs(5, 4, 1.0)
+    bases = _settled_bases(k * 2, v * 2, c)
+    where = (torch.tensor([0, 1, 1, 0, 1]), torch.tensor([2, 0, 2, 2, 1]), torch.tensor([3, 0, 1, 1, 2]))
+    kr, vr, cr = k[where], v[where], c.expand(v.shape)[where]
+    heads = where[0] * 3 + where[1]
+    got = held_codes(kr.numpy(), vr.numpy(), cr.contiguous().numpy(), heads.numpy(), tuple(b.numpy() for b in bases))
+    assert got is not None
+    for w, (n, b) in enumerate(zip(norms_up(kr, vr, cr), bases, strict=True)):
+        ref = logcode_numba.plan(n, heads, b)
+        assert torch.equal(ref.base, b) and torch.equal(torch.from_numpy(got[0][w]), ref.codes)
+        assert torch.equal(torch.from_numpy(got[1][w]).view(torch.int32), ref.decoded.view(torch.int32))
+    kr[2] *= 2.0**40
+    args = (vr.numpy(), cr.contiguous().numpy(), heads.numpy(), tuple(b.numpy() for b in bases))
+    assert held_codes(kr.numpy(), *args) is None
+    with pytest.raises(ValueError, match="held_codes"):
+        held_codes(kr.numpy(), args[0], args[1], heads.numpy() + 6, args[3])  # a head beyond the bases
+    with pytest.raises(ValueError, match="held_codes"):
+        held_codes(kr.numpy(), args[0], args[1][:, :5], *args[2:])

@@ -541,10 +541,10 @@ class LayerStore:
             on_host = tokens.to(host.device) if isinstance(tokens, torch.Tensor) else tokens  # a device-tier mask
             ts.served.view()[b, h, tokens] = host[b, h, on_host].to(ts.served.view().device, torch.float32)
             newly = ~ts.exact.view()[b, h, tokens]
-            moved += int(newly.sum()) * ts.host.view().shape[-1] * 2
+            count = int(newly.sum())
+            moved += count * ts.host.view().shape[-1] * 2
             ts.held.view()[b, h, tokens] |= newly
             self._held_heads = None
-            count = int(newly.sum())
             self.n_held += count
             ts.add_exact(count)
             ts.exact.view()[b, h, tokens] = True
@@ -560,6 +560,8 @@ class LayerStore:
         for b, h, tokens in held:
             sel[b, h, tokens] = True
         where = sel.nonzero(as_tuple=True)  # the places of ``sel`` in its order: every write below indexes by them
+        if self._exact_witnesses_fused(where):
+            return
         centre = self.v_centre.expand(self.v.served.shape)[where]
         k_norm, v_norm, v_dist = _norms_up(self.k.served.view()[where], self.v.served.view()[where], centre)
         wit: dict[str, torch.Tensor | float] = {
@@ -575,6 +577,53 @@ class LayerStore:
         writes = WriteBatch()
         self._write_witnesses(where, wit, writes)
         self._commit(writes)
+
+    def _exact_witnesses_fused(self, where: tuple[torch.Tensor, ...]) -> bool:
+        """:meth:`_write_exact_witnesses` at the places ``where`` (``(rows, heads, tokens)`` index arrays) by numpy,
+        where it applies: on the numba backend, ``"log8"`` witnesses, every buffer numpy-backed, and the served
+        entries' norms leaving every base as it is. One fused kernel (:func:`kvcert.quant.pending_numba.held_codes`:
+        the norms and codes of :func:`_norms_up` and the fused plan) and a numpy assignment per buffer store what
+        the general path's writes and commit store (radius 0 is code 0, decoded 0; ``W_t`` of zero bands is 0),
+        element for element (``tests/cache/test_cache_store.py``). Returns False, storing nothing, elsewhere."""
+        assert self.k is not None and self.v is not None
+        logs = (self.k_hat_norm, self.v_hat_norm, self.v_dist)
+        zeros = (self.k_band, self.v_res)
+        flat = (self.k.served, self.v.served, self.k_wit) + (() if self.k_steps is None else (self.k_steps,))
+        if not (
+            self.witness == "log8"
+            and fused_log8(self.k.served.device)
+            and self.v_centre.dtype == torch.float32
+            and numpy_copyable(self.v_centre)
+            and all(buf.numpy_ok for buf in flat)
+            and all(isinstance(buf, LogBuffer) and buf.codes.numpy_ok for buf in (*logs, *zeros))
+        ):
+            return False
+        from kvcert.quant.pending_numba import held_codes  # numba on first use only (kernel_env says why)
+
+        hat_k, hat_v, dist = logs
+        assert isinstance(hat_k, LogBuffer) and isinstance(hat_v, LogBuffer) and isinstance(dist, LogBuffer)
+
+        b, h, t = (i.numpy() for i in where)
+        planned = held_codes(
+            self.k.served.array()[b, h, t],
+            self.v.served.array()[b, h, t],
+            self.v_centre.numpy()[b, h, 0],
+            b * self.k.served.shape[1] + h,
+            (hat_k.base.numpy(), hat_v.base.numpy(), dist.base.numpy()),
+        )
+        if planned is None:
+            return False
+        for buf, codes, decoded in zip(logs, *planned, strict=True):
+            assert isinstance(buf, LogBuffer)
+            buf.codes.array()[b, h, t] = codes
+            buf.decoded.array()[b, h, t] = decoded
+        for zero in zeros:
+            assert isinstance(zero, LogBuffer)
+            zero.codes.array()[b, h, t] = 0
+            zero.decoded.array()[b, h, t] = 0.0
+        for buf in flat[2:]:
+            buf.array()[b, h, t] = 0.0
+        return True
 
     # --------------------------------------------------------------------------------- device budget
     def persist(self, b: int, h: int, tokens: slice | torch.Tensor) -> bool:

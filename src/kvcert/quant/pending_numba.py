@@ -22,10 +22,10 @@ import numba
 import numpy as np
 import torch
 
-from kvcert.quant.logcode_numba import _F32, _plan
+from kvcert.quant.logcode_numba import _F32, _NO_HEADS, _plan
 from kvcert.quant.norms_numba import _norms
 
-__all__ = ["pending_codes"]
+__all__ = ["held_codes", "pending_codes"]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -33,6 +33,7 @@ def _pending(
     k: np.ndarray,
     v: np.ndarray,
     centre: np.ndarray,
+    heads: np.ndarray,
     base_k: np.ndarray,
     base_v: np.ndarray,
     base_dist: np.ndarray,
@@ -40,19 +41,19 @@ def _pending(
     f32: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, bool]:  # pragma: no cover - compiled (tested via numba)
     """The three norms of rows ``k[R, Dk]``, ``v[R, Dv]`` (centre ``centre[R, Dv]``) planned against the int32
-    ``[B, H]`` bases of their three buffers (row ``r`` in head ``r // per_head``): ``(codes[3, R], decoded[3, R], ok)``;
-    ``ok`` is False when some base would change or some check fail (the codes are then not to be used)."""
+    ``[B, H]`` bases of their three buffers (row ``r`` in the flat head ``heads[r]``, or ``r // per_head`` when
+    ``heads`` is empty): ``(codes[3, R], decoded[3, R], ok)``; ``ok`` is False when some base would change or some
+    check fail (the codes are then not to be used)."""
     rows = k.shape[0]
     norms = np.empty((3, rows), np.float32)
     _norms(k, v, centre, norms)
     codes = np.empty((3, rows), np.uint8)
     decoded = np.empty((3, rows), np.float32)
-    no_heads = np.zeros(0, np.int64)
     ok = True
     bases = (base_k, base_v, base_dist)
     for w in range(3):
         base = bases[w].reshape(-1)
-        _, c, d, new, _, negative, above_top = _plan(norms[w].astype(np.float64), no_heads, per_head, base, f32)
+        _, c, d, new, _, negative, above_top = _plan(norms[w].astype(np.float64), heads, per_head, base, f32)
         if negative or above_top or not np.array_equal(new, base):
             ok = False
         codes[w] = c
@@ -95,8 +96,43 @@ def pending_codes(
     c_rows = c_np.reshape(rows, dv)
     b_k, b_v, b_dist = b_np
     codes, decoded, ok = _pending(
-        k_np.reshape(rows, dk), v_np.reshape(rows, dv), c_rows, b_k, b_v, b_dist, lead[2], _F32
+        k_np.reshape(rows, dk), v_np.reshape(rows, dv), c_rows, _NO_HEADS, b_k, b_v, b_dist, lead[2], _F32
     )
     if not ok:
         return None
     return codes.reshape(3, *lead), decoded.reshape(3, *lead)
+
+
+def held_codes(
+    k: np.ndarray,
+    v: np.ndarray,
+    centre: np.ndarray,
+    heads: np.ndarray,
+    bases: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`pending_codes` of entries at scattered places (those a persistent repair makes exact): rows
+    ``k[N, Dk]``, ``v[N, Dv]`` and ``centre[N, Dv]`` (float32 numpy), row ``r`` in the head ``heads[r]`` (int64, a
+    flat index into the ``[B, H]`` int32 ``bases``); codes and decoded values ``[3, N]``, or ``None`` as there.
+    Row by row the same values as :func:`kvcert.quant.logcode_numba.plan` with these ``heads`` of each norm."""
+    n = k.shape[0] if k.ndim == 2 else -1
+    if (
+        n < 0
+        or k.dtype != np.float32
+        or v.dtype != np.float32
+        or centre.dtype != np.float32
+        or v.ndim != 2
+        or v.shape[0] != n
+        or centre.shape != v.shape
+        or heads.dtype != np.int64
+        or heads.shape != (n,)
+        or any(b.dtype != np.int32 or b.ndim != 2 or b.shape != bases[0].shape for b in bases)
+        or (n and not 0 <= heads.min() <= heads.max() < bases[0].size)
+    ):
+        raise ValueError(
+            "held_codes: float32 rows k [N, Dk], v [N, Dv], centre [N, Dv], int64 heads [N] within three int32 "
+            f"[B, H] bases; got k {k.dtype} {k.shape}, v {v.dtype} {v.shape}, centre {centre.dtype} {centre.shape}, "
+            f"heads {heads.dtype} {heads.shape}, bases {[(b.dtype, b.shape) for b in bases]}"
+        )
+    b_k, b_v, b_dist = (np.ascontiguousarray(b) for b in bases)
+    codes, decoded, ok = _pending(k, v, centre, heads, b_k, b_v, b_dist, 1, _F32)
+    return (codes, decoded) if ok else None

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from kvcert.bounds import band_norms
 from kvcert.bounds.rope import norm_up_f32
-from kvcert.cache.buffer import GrowBuffer
+from kvcert.cache.buffer import GrowBuffer, LogBuffer, WriteBatch
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 from kvcert.quant import get, kernel_env
@@ -272,3 +274,94 @@ def test_promote_encodes_host_tokens_at_their_own_positions_with_valid_witnesses
     dither.append(k, v, *_rows())
     with pytest.raises(ValueError, match="dither"):
         dither.promote(pk, pv, pos)
+
+
+def _store_state(st: LayerStore) -> dict[str, torch.Tensor | int]:
+    """Every buffer's live elements (as raw bytes), every ``log8`` base and the counters of a store."""
+    state: dict[str, torch.Tensor | int] = {}
+    for name in ("k_band", "k_wit", "k_hat_norm", "v_res", "v_hat_norm", "v_dist", "positions", "k_steps"):
+        buf = getattr(st, name)
+        if isinstance(buf, LogBuffer):
+            state[f"{name}.codes"] = buf.codes.view().clone()
+            state[f"{name}.base"] = buf.base.clone()
+            state[f"{name}.rebases"] = buf.rebases
+        if buf is not None:
+            state[name] = buf.view().clone()
+    for tag, ts in (("k", st.k), ("v", st.v)):
+        assert ts is not None
+        for part in ("host", "served", "exact", "held"):
+            state[f"{tag}.{part}"] = getattr(ts, part).view().clone()
+        state[f"{tag}.n_exact"] = ts.n_exact
+        state[f"{tag}.n_encoded"] = ts.n_encoded
+    for name in ("n_held", "nonfinite", "fail_closed", "appended"):
+        state[name] = getattr(st, name)
+    return state
+
+
+@pytest.mark.parametrize("keys", ["dither-int8", "int8"])
+def test_fused_pending_append_stores_what_the_general_path_stores(keys, monkeypatch):
+    """On the numba backend a pending append whose norms leave every ``log8`` base as it is goes through one fused
+    kernel and numpy copies (:meth:`LayerStore._append_pending_fused`); every buffer (host and served K/V, flags,
+    positions, each witness's codes, bases and decoded values, the Tier-B steps) and every count equal, element
+    for element, those of the same appends with the fused path switched off: decode tokens and multi-token appends,
+    block encodes in between, norms that raise a base (the fallback), non-finite tokens; and so do the witnesses of
+    persistent repairs (:meth:`LayerStore._exact_witnesses_fused`)."""
+    monkeypatch.setenv(kernel_env.ENV, "numba")
+    gen = torch.Generator().manual_seed(23)
+    stores = {
+        fused: LayerStore(0, get(keys), get("int4"), bands=8, pairing="rotate_half", seed=5, write_block=4)
+        for fused in (True, False)
+    }
+    taken = {(name, done): 0 for name in ("_append_pending_fused", "_exact_witnesses_fused") for done in (True, False)}
+
+    def spy(name):
+        fused = getattr(LayerStore, name)
+
+        def call(self, *args):
+            if self is stores[False]:
+                return False
+            done = fused(self, *args)
+            taken[name, done] += 1
+            return done
+
+        return call
+
+    for name in ("_append_pending_fused", "_exact_witnesses_fused"):
+        monkeypatch.setattr(LayerStore, name, spy(name))
+    rows, keep = torch.arange(2), torch.zeros(2, dtype=torch.bool)
+    for step in range(40):
+        t = 6 if step == 0 else (3 if step % 9 == 4 else 1)
+        k, v = torch.randn(2, 3, t, 64, generator=gen), torch.randn(2, 3, t, 64, generator=gen)
+        if step in (12, 30):
+            k = k * 2.0**20  # above the top code of the key-norm bases: a rebase (the general path)
+        if step == 17:
+            v[1, 2, 0, 5] = math.nan  # kept exact, its norms the infinity code
+        for st in stores.values():
+            st.append(k, v, rows, keep)
+            if step in (8, 21, 33, 36):
+                st.persist(0, 1, slice(0, 4 + step))  # some of them already held exact
+                st.persist_heads([(1, 2), (0, 0)], [slice(2, 9), torch.arange(st.n) % 5 == 0])
+            if step == 36:
+                st.persist(1, 1, slice(0, 12))  # large served norms at 12 and 30: a rebase (the general path)
+        got, want = _store_state(stores[True]), _store_state(stores[False])
+        assert got.keys() == want.keys()
+        for name, w in want.items():
+            g = got[name]
+            if isinstance(w, torch.Tensor):
+                assert g.shape == w.shape and g.dtype == w.dtype, name
+                assert torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)), (step, name)
+            else:
+                assert g == w, (step, name)
+    assert taken["_append_pending_fused", True] >= 30 and taken["_append_pending_fused", False] >= 3
+    assert taken["_exact_witnesses_fused", True] >= 4  # both fused paths ran (and the pending one's fallback)
+
+
+def test_fused_pending_append_is_numba_only(monkeypatch):
+    """Under ``KVCERT_KERNEL=torch`` (the tensor path a CUDA cache runs) the fused path records nothing."""
+    monkeypatch.setenv(kernel_env.ENV, "torch")
+    st = _store()
+    k, v = _kv()
+    st.append(k, v, *_rows())
+    writes = WriteBatch()
+    assert not st._append_pending_fused(k[:, :, :1], v[:, :, :1], st.positions.view()[:, :, :1], writes)
+    assert writes.commit() == {}

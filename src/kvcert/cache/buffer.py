@@ -34,7 +34,7 @@ class GrowBuffer:
         self._data = self._alloc(max(capacity, like.shape[2]), like.dtype, like.device)
         # the allocations keep this dtype and device; under KVCERT_KERNEL=torch|triton the torch copies (the path a
         # CUDA cache runs, whose host syncs tests/attention/test_host_syncs.py counts on CPU)
-        self._numpy_ok = _numpy_copyable(self._data) and fused_log8(self._data.device)
+        self._numpy_ok = numpy_copyable(self._data) and fused_log8(self._data.device)
         self._array: np.ndarray | None = None
         self._array_of: torch.Tensor | None = None  # the allocation ``_array`` views
         self.n = 0
@@ -65,13 +65,30 @@ class GrowBuffer:
     def append(self, x: torch.Tensor) -> None:
         """Append ``x[B, H, t, *tail]`` along the token axis (on CPU, same dtype, numba backend: a numpy copy of the
         same elements, which costs less than a torch one for the few entries of a decode step)."""
+        if self._numpy_ok and x.dtype == self._data.dtype and numpy_copyable(x):
+            self.append_array(x.numpy())
+            return
         t = x.shape[2]
         self._reserve(t)
-        if self._numpy_ok and x.dtype == self._data.dtype and _numpy_copyable(x):
-            self.array()[:, :, self.n : self.n + t] = x.numpy()
-        else:
-            self._data.narrow(2, self.n, t).copy_(x)  # as ``[:, :, n : n + t] = x``, without the indexing machinery
+        self._data.narrow(2, self.n, t).copy_(x)  # as ``[:, :, n : n + t] = x``, without the indexing machinery
         self.n += t
+
+    def append_array(self, x: np.ndarray) -> None:
+        """Append the numpy ``x[B, H, t, *tail]`` of this buffer's dtype (:attr:`numpy_ok` buffers only; raises
+        ``ValueError`` otherwise): the numpy copy of :meth:`append`."""
+        if not self._numpy_ok or x.dtype != self.array().dtype:
+            raise ValueError(
+                f"append_array: a numpy append to a buffer of {self.dtype} on the numba backend, got {x.dtype}"
+            )
+        t = x.shape[2]
+        self._reserve(t)
+        self.array()[:, :, self.n : self.n + t] = x
+        self.n += t
+
+    @property
+    def numpy_ok(self) -> bool:
+        """Whether appends copy through numpy (CPU, a numpy dtype, the numba backend): :meth:`append_array` works."""
+        return self._numpy_ok
 
     def append_fill(self, t: int, value: bool | float) -> None:
         """Append ``t`` tokens whose every element is ``value`` (as :meth:`append` of a full tensor, without one)."""
@@ -144,7 +161,7 @@ _NUMPY_DTYPES = frozenset(
 )
 
 
-def _numpy_copyable(x: torch.Tensor) -> bool:
+def numpy_copyable(x: torch.Tensor) -> bool:
     """Whether ``x.numpy()`` views ``x``'s elements as they are: a CPU tensor of a numpy dtype, no gradient, no
     conjugate or negative bit."""
     return (
@@ -379,7 +396,7 @@ class WriteBatch:
         #: the :class:`LogBuffer` s whose bases the last :meth:`commit` raised
         self.raised: set[LogBuffer] = set()
 
-    def _base(self, buffer: LogBuffer) -> torch.Tensor:
+    def base_of(self, buffer: LogBuffer) -> torch.Tensor:
         """``buffer``'s bases after the writes recorded so far."""
         return next(
             (p.base for p in reversed(self._ops) if isinstance(p, _Planned) and p.buffer is buffer), buffer.base
@@ -395,15 +412,15 @@ class WriteBatch:
             raise ValueError("a write after an append to the same buffer needs a commit in between")
         target = buffer.codes.view()[index]
         if isinstance(values, int | float) and values == 0:  # a literal zero (as a repair's radius): no search
-            self._ops.append(buffer._plan_zeros(target.shape, index, self._base(buffer)))
+            self._ops.append(buffer._plan_zeros(target.shape, index, self.base_of(buffer)))
             return
         x = torch.as_tensor(values, device=target.device)
         x = torch.broadcast_to(x if x.is_floating_point() else x.to(torch.float64), target.shape)  # no rounding
         with deferred(self._checks):
             if fused_log8(x.device):
-                self._ops.append(buffer._plan_fused(x, index, self._base(buffer)))
+                self._ops.append(buffer._plan_fused(x, index, self.base_of(buffer)))
             else:
-                self._ops.append(buffer._plan(x, *logcode.exponent_settle(x), index, self._base(buffer)))
+                self._ops.append(buffer._plan(x, *logcode.exponent_settle(x), index, self.base_of(buffer)))
 
     def append(self, buffer: GrowBuffer | LogBuffer, x: torch.Tensor) -> None:
         """Record appending ``x[B, H, t, *tail]`` along the token axis of ``buffer``."""
@@ -429,9 +446,9 @@ class WriteBatch:
             x = next(values)
             with deferred(self._checks):
                 if next(flags):
-                    self._ops.append(buffer._plan_fused(x, None, self._base(buffer)))
+                    self._ops.append(buffer._plan_fused(x, None, self.base_of(buffer)))
                 else:
-                    self._ops.append(buffer._plan(x, *next(settled), None, self._base(buffer)))
+                    self._ops.append(buffer._plan(x, *next(settled), None, self.base_of(buffer)))
 
     def append_zeros(self, buffer: GrowBuffer | LogBuffer, shape: tuple[int, ...]) -> None:
         """Record appending zeros ``[B, H, t, *tail]`` of ``shape`` (as :meth:`append` of a zero tensor, float32 for a
@@ -441,7 +458,7 @@ class WriteBatch:
                 raise ValueError(f"append_zeros: shape {tuple(shape)} does not extend a buffer of shape {buffer.shape}")
             self.append_fill(buffer, shape[2], 0)
             return
-        self._ops.append(buffer._plan_zeros(shape, None, self._base(buffer)))
+        self._ops.append(buffer._plan_zeros(shape, None, self.base_of(buffer)))
 
     def append_fill(self, buffer: GrowBuffer, t: int, value: bool | float) -> None:
         """Record appending ``t`` tokens of ``buffer`` whose every element is ``value``."""
@@ -512,5 +529,5 @@ class WriteBatch:
             if isinstance(op, _Planned):
                 n = logcode.exponent_up(op.x) if id(op) in unsettled else op.n
                 settled = torch.zeros((), dtype=torch.bool, device=op.x.device)
-                op = op.buffer._plan(op.x, n, settled, op.index, self._base(op.buffer))
+                op = op.buffer._plan(op.x, n, settled, op.index, self.base_of(op.buffer))
             self._ops.append(op)

@@ -62,10 +62,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
+import numpy as np
 import torch
 
 from kvcert.bounds.rope import Pairing, band_norms, norm_up_f32, round_up_f32
-from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex, WriteBatch
+from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex, WriteBatch, numpy_copyable
 from kvcert.cache.paged import CellLayout, CellTokens, PagedCodes
 from kvcert.checks import deferred
 from kvcert.quant import Codec, DitherKey, Packed
@@ -80,6 +81,22 @@ class _Chunk:
     stop: int
     packed: Packed
     key: DitherKey | None = None  # the dither key it was encoded with (re-decoding on budget release)
+
+
+def _fused_codes(buf: object) -> GrowBuffer | None:
+    """``buf``'s ``log8`` codes when the fused numpy writes can address them: a :class:`LogBuffer` whose codes are
+    a numpy-backed buffer of its own. ``None`` otherwise, e.g. for a paged store's codes in the engine's cells
+    (:class:`~kvcert.cache.paged.CellTokens`), which take the general writes."""
+    if isinstance(buf, LogBuffer) and isinstance(buf.codes, GrowBuffer) and buf.codes.numpy_ok:
+        return buf.codes
+    return None
+
+
+def _own_codes(buf: LogBuffer) -> GrowBuffer:
+    """The codes :func:`_fused_codes` admitted (the fused writes run only after it did)."""
+    codes = _fused_codes(buf)
+    assert codes is not None
+    return codes
 
 
 class _Tensorstore:
@@ -352,6 +369,8 @@ class LayerStore:
         """Record in ``writes`` appending ``k, v[B, H, T, D]`` at logical ``positions[B, H, T]`` as pending
         (exact) entries."""
         assert self.k is not None and self.v is not None
+        if self._append_pending_fused(k, v, positions, writes):
+            return
         t = k.shape[2]
         b, h = k.shape[:2]
         for ts, x in ((self.k, k), (self.v, v)):
@@ -370,6 +389,77 @@ class LayerStore:
         )
         if self.k_steps is not None:
             writes.append_fill(self.k_steps, t, 0.0)
+
+    def _append_pending_fused(
+        self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, writes: WriteBatch
+    ) -> bool:
+        """:meth:`_append_pending` in two numpy-side steps, where it applies: on the numba backend, ``"log8"``
+        witnesses, float32 ``k, v`` of the host tier's dtype, every buffer copying through numpy, and the pending
+        norms' codes leaving every base as it is (the steady state of a decode). One fused kernel
+        (:func:`kvcert.quant.pending_numba.pending_codes`) plans the three norms against the bases the writes
+        recorded before leave (:meth:`WriteBatch.base_of`), and one recorded change appends every buffer's entries
+        with numpy copies at the commit: the same elements as the general path stores (a zero witness is code 0,
+        decoded 0, against any base; ``tests/cache/test_cache_store.py`` pins every buffer per element). It must
+        be the batch's last record of these buffers (as in :meth:`_encode_and_append`). Returns False, recording
+        nothing, where it does not apply."""
+        assert self.k is not None and self.v is not None
+        logs = (self.k_hat_norm, self.v_hat_norm, self.v_dist)
+        grows: tuple[GrowBuffer, ...] = (
+            self.k.host,
+            self.k.served,
+            self.k.exact,
+            self.k.held,
+            self.v.host,
+            self.v.served,
+            self.v.exact,
+        )
+        grows += (self.v.held, self.k_wit, self.positions) + (() if self.k_steps is None else (self.k_steps,))
+        if not (
+            self.witness == "log8"
+            and fused_log8(k.device)
+            and k.shape[2] > 0
+            and k.dtype == v.dtype == self.k.host.dtype == self.v.host.dtype == self.v_centre.dtype == torch.float32
+            and positions.dtype == self.positions.dtype
+            and numpy_copyable(k)
+            and numpy_copyable(v)
+            and numpy_copyable(positions)
+            and all(buf.numpy_ok for buf in grows)
+            and all(_fused_codes(buf) is not None for buf in (*logs, self.k_band, self.v_res))
+        ):
+            return False
+        from kvcert.quant.pending_numba import pending_codes  # numba on first use only (kernel_env says why)
+
+        planned = pending_codes(k, v, self.v_centre, tuple(writes.base_of(buf) for buf in logs))  # type: ignore[arg-type]
+        if planned is None:
+            return False
+        writes.then(partial(self._store_pending, k.numpy(), v.numpy(), positions.numpy(), *planned))
+        return True
+
+    def _store_pending(
+        self, k: np.ndarray, v: np.ndarray, positions: np.ndarray, codes: np.ndarray, decoded: np.ndarray
+    ) -> None:
+        """Append the pending entries ``k, v[B, H, t, D]`` at ``positions[B, H, t]`` with the ``log8`` codes and
+        decoded values ``[3, B, H, t]`` of their three norms (:meth:`_append_pending_fused`), every buffer by numpy."""
+        assert self.k is not None and self.v is not None
+        b, h, t = k.shape[:3]
+        for ts, x in ((self.k, k), (self.v, v)):
+            ts.host.append_array(x)
+            ts.served.append_array(x)
+            ts.exact.append_fill(t, True)
+            ts.add_exact(b * h * t)
+            ts.held.append_fill(t, False)
+        for zero in (self.k_band, self.v_res):
+            assert isinstance(zero, LogBuffer)
+            _own_codes(zero).append_fill(t, 0)
+            zero.decoded.append_fill(t, 0.0)
+        self.k_wit.append_fill(t, 0.0)
+        for buf, c, d in zip((self.k_hat_norm, self.v_hat_norm, self.v_dist), codes, decoded, strict=True):
+            assert isinstance(buf, LogBuffer)
+            _own_codes(buf).append_array(c)
+            buf.decoded.append_array(d)
+        self.positions.append_array(positions)
+        if self.k_steps is not None:
+            self.k_steps.append_fill(t, 0.0)
 
     def encode_pending(self, flush: bool = False) -> None:
         """Push every encodable pending token through its codec and record the write-time witnesses.
@@ -509,10 +599,10 @@ class LayerStore:
             on_host = tokens.to(host.device) if isinstance(tokens, torch.Tensor) else tokens  # a device-tier mask
             ts.served.view()[b, h, tokens] = host[b, h, on_host].to(ts.served.view().device, torch.float32)
             newly = ~ts.exact.view()[b, h, tokens]
-            moved += int(newly.sum()) * ts.host.view().shape[-1] * 2
+            count = int(newly.sum())
+            moved += count * ts.host.view().shape[-1] * 2
             ts.held.view()[b, h, tokens] |= newly
             self._held_heads = None
-            count = int(newly.sum())
             self.n_held += count
             ts.add_exact(count)
             ts.exact.view()[b, h, tokens] = True
@@ -528,6 +618,8 @@ class LayerStore:
         for b, h, tokens in held:
             sel[b, h, tokens] = True
         where = sel.nonzero(as_tuple=True)  # the places of ``sel`` in its order: every write below indexes by them
+        if self._exact_witnesses_fused(where):
+            return
         centre = self.v_centre.expand(self.v.served.shape)[where]
         k_norm, v_norm, v_dist = _norms_up(self.k.served.view()[where], self.v.served.view()[where], centre)
         wit: dict[str, torch.Tensor | float] = {
@@ -543,6 +635,53 @@ class LayerStore:
         writes = WriteBatch()
         self._write_witnesses(where, wit, writes)
         self._commit(writes)
+
+    def _exact_witnesses_fused(self, where: tuple[torch.Tensor, ...]) -> bool:
+        """:meth:`_write_exact_witnesses` at the places ``where`` (``(rows, heads, tokens)`` index arrays) by numpy,
+        where it applies: on the numba backend, ``"log8"`` witnesses, every buffer numpy-backed, and the served
+        entries' norms leaving every base as it is. One fused kernel (:func:`kvcert.quant.pending_numba.held_codes`:
+        the norms and codes of :func:`_norms_up` and the fused plan) and a numpy assignment per buffer store what
+        the general path's writes and commit store (radius 0 is code 0, decoded 0; ``W_t`` of zero bands is 0),
+        element for element (``tests/cache/test_cache_store.py``). Returns False, storing nothing, elsewhere."""
+        assert self.k is not None and self.v is not None
+        logs = (self.k_hat_norm, self.v_hat_norm, self.v_dist)
+        zeros = (self.k_band, self.v_res)
+        flat = (self.k.served, self.v.served, self.k_wit) + (() if self.k_steps is None else (self.k_steps,))
+        if not (
+            self.witness == "log8"
+            and fused_log8(self.k.served.device)
+            and self.v_centre.dtype == torch.float32
+            and numpy_copyable(self.v_centre)
+            and all(buf.numpy_ok for buf in flat)
+            and all(_fused_codes(buf) is not None for buf in (*logs, *zeros))
+        ):
+            return False
+        from kvcert.quant.pending_numba import held_codes  # numba on first use only (kernel_env says why)
+
+        hat_k, hat_v, dist = logs
+        assert isinstance(hat_k, LogBuffer) and isinstance(hat_v, LogBuffer) and isinstance(dist, LogBuffer)
+
+        b, h, t = (i.numpy() for i in where)
+        planned = held_codes(
+            self.k.served.array()[b, h, t],
+            self.v.served.array()[b, h, t],
+            self.v_centre.numpy()[b, h, 0],
+            b * self.k.served.shape[1] + h,
+            (hat_k.base.numpy(), hat_v.base.numpy(), dist.base.numpy()),
+        )
+        if planned is None:
+            return False
+        for buf, codes, decoded in zip(logs, *planned, strict=True):
+            assert isinstance(buf, LogBuffer)
+            _own_codes(buf).array()[b, h, t] = codes
+            buf.decoded.array()[b, h, t] = decoded
+        for zero in zeros:
+            assert isinstance(zero, LogBuffer)
+            _own_codes(zero).array()[b, h, t] = 0
+            zero.decoded.array()[b, h, t] = 0.0
+        for buf in flat[2:]:
+            buf.array()[b, h, t] = 0.0
+        return True
 
     # --------------------------------------------------------------------------------- device budget
     def persist(self, b: int, h: int, tokens: slice | torch.Tensor) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvcert.quant.base import Codec, DitherKey, Packed
+from kvcert.quant.kernel_env import fused_log8
 from kvcert.quant.packing import pack_bits, unpack_bits
 from kvcert.quant.scales import check_positive, per_group, safe_div, symmetric_scales
 
@@ -74,9 +75,15 @@ def keyed_uniform(key: DitherKey, shape: tuple[int, ...]) -> torch.Tensor:
 
     Each field is absorbed by ``h ← mix(h ⊕ field + golden)``; the top 24 bits of the final word give ``u``.
     Equal keys regenerate identical dither; a different seed, request, layer, head, position or channel
-    gives a different counter and (by the mixer's avalanche) an independent-looking draw.
+    gives a different counter and (by the mixer's avalanche) an independent-looking draw. On CPU with the numba
+    backend (:func:`kvcert.quant.kernel_env.fused_log8`) one compiled pass gives the same values bit for bit
+    (:mod:`kvcert.quant.dither_numba`).
     """
     key.check(shape)
+    if fused_log8(key.request.device) and key.positions.device.type == "cpu":  # the numba backend's CPU kernels
+        from kvcert.quant.dither_numba import keyed_uniform as fused  # numba on first use (kernel_env says why)
+
+        return fused(key.seed, key.request, key.layer, key.positions, shape[1], shape[3])
     return dither_from_state(keyed_state(key, shape[1]), shape[3])
 
 

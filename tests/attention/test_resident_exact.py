@@ -42,10 +42,11 @@ def _exact_reads(monkeypatch) -> list[tuple[int, int]]:
     keep: list[object] = []
     inner = resident._exact_resident
 
-    def spy(ov, keys, values, mask, bi, hi, slots, served):
+    def spy(ov, keys, values, mask, bi, hi, slots, slots_host, served):
+        assert slots.tolist() == list(slots_host)  # the slots on the device and as read back agree
         keep.append(served)
-        calls.append((id(served), slots.numel()))
-        return inner(ov, keys, values, mask, bi, hi, slots, served)
+        calls.append((id(served), len(slots_host)))
+        return inner(ov, keys, values, mask, bi, hi, slots, slots_host, served)
 
     monkeypatch.setattr(resident, "_exact_resident", spy)
     return calls

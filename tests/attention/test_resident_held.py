@@ -46,8 +46,8 @@ class _HeldReads:
         self.reads = 0
         monkeypatch.setattr(resident, "grow_recall", self)
 
-    def __call__(self, ov, bi, hi, order, k, n_held, l_res, c_res):
-        r = yield from self.real(ov, bi, hi, order, k, n_held, l_res, c_res)
+    def __call__(self, ov, bi, hi, order, order_host, k, n_held, l_res, c_res):
+        r = yield from self.real(ov, bi, hi, order, order_host, k, n_held, l_res, c_res)
         if n_held:
             self.reads += 1
             ps, held = ov.page_size, ov.held

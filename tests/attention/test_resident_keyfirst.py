@@ -98,8 +98,9 @@ def test_keys_are_those_of_the_kv_rule_and_values_a_subset(models, monkeypatch):
     calls = []
     real = resident.grow_recall
 
-    def spy(ov, bi, hi, order, k, n_held, l_res, c_res):
-        r = yield from real(ov, bi, hi, order, k, n_held, l_res, c_res)
+    def spy(ov, bi, hi, order, order_host, k, n_held, l_res, c_res):
+        assert order_host == order.tolist()  # the recall order as read back
+        r = yield from real(ov, bi, hi, order, order_host, k, n_held, l_res, c_res)
         calls.append((order, k, n_held, r))
         return r
 

@@ -22,6 +22,7 @@ other pages' summary weights — never predicted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -135,15 +136,15 @@ def page_tokens(pages: torch.Tensor, page_size: int) -> torch.Tensor:
 
 
 def page_in(
-    source: torch.Tensor, bi: int, hi: int, pages: torch.Tensor, page_size: int, dev: torch.device
+    source: torch.Tensor, bi: int, hi: int, pages: Sequence[int], page_size: int, dev: torch.device
 ) -> torch.Tensor:
-    """Page in ``pages[n]`` of ``source[B, Hkv, S_O, D]`` (the host tier's keys or values) for KV head ``(bi, hi)``:
-    ``[n, page_size, D]`` float32 on ``dev``, zero past the archive's end."""
+    """Page in ``pages`` of ``source[B, Hkv, S_O, D]`` (the host tier's keys or values) for KV head ``(bi, hi)``:
+    ``[n, page_size, D]`` float32 on ``dev``, zero past the archive's end. ``pages`` are host ints (read back with
+    the decision that chose them), so the gather copies no index from the device to the host."""
     s_o = source.shape[2]
-    tok = page_tokens(pages, page_size)
-    on_host = tok.clamp(max=max(s_o - 1, 0)).to(source.device)
-    past = (tok >= s_o).view(-1, page_size, 1)
-    return source[bi, hi, on_host].to(dev, torch.float32).view(-1, page_size, source.shape[-1]).masked_fill(past, 0.0)
+    tok = page_tokens(torch.tensor(pages, dtype=torch.int64, device=source.device), page_size)
+    rows = source[bi, hi, tok.clamp(max=max(s_o - 1, 0))].masked_fill((tok >= s_o).unsqueeze(-1), 0)
+    return rows.to(dev, torch.float32).view(-1, page_size, source.shape[-1])
 
 
 def _page_logits(
@@ -236,6 +237,7 @@ def grow_recall(
     bi: int,
     hi: int,
     order: torch.Tensor,
+    order_host: Sequence[int],
     k: int,
     n_held: int,
     l_res: torch.Tensor,
@@ -245,9 +247,12 @@ def grow_recall(
     the first ``n_held`` pages of ``order`` are held on the device (``ov.held``) and always served from their copies;
     the keys of ``order[n_held:k]`` are paged in, the values of the fewest of them (largest exact mass first) whose
     service certifies every cell at ``≤ threshold``; ``k`` doubles while serving every keyed page does not.
+    ``order_host`` is ``order`` read back (Python ints): the pages to page in are taken from it, and the exact-mass
+    order of the keyed pages comes back with each round's decision, so no page index is copied to the host alone.
 
     A :data:`~kvcert.checks.Steps` computation (``lockstep([steps])[0]`` runs it alone): it yields what it decides
-    on — per round of ``k`` the predicted count of pages to serve with the token counts, then whether each served set
+    on — per round of ``k`` the predicted count of pages to serve with the token counts and the keyed pages' order by
+    exact mass, then whether each served set
     tried certifies — so that the resident read waits for every head's round at once
     (:func:`kvcert.checks.lockstep`). It reads and changes no shared state."""
     ps, n_pages, dev = ov.page_size, ov.n_pages, ov.qg.device
@@ -267,7 +272,7 @@ def grow_recall(
     k = max(k, n_held)
     while True:
         new = order[n_held + fetched.n : k]  # page in the keys of the pages not keyed yet
-        nk = page_in(ov.keys, bi, hi, new, ps, dev)
+        nk = page_in(ov.keys, bi, hi, order_host[n_held + fetched.n : k], ps, dev)
         fk = torch.cat([fk, nk])
         fetched = fetched.cat(_page_logits(ov, bi, hi, new, nk, torch.zeros(nk.shape[:2], dtype=F64, device=dev)))
         rest = order[k:].sort().values  # the pages not keyed, ascending (order is a permutation of the pages)
@@ -276,8 +281,9 @@ def grow_recall(
         # served tokens (within the archive) when the first j pages by exact mass are served, j = 0..n
         valid = (s_o - ps * torch.cat([held_pages, fetched.pages[by_mass]])).clamp(max=ps)
         n_tok = valid[:n_held].sum() + torch.cat([valid.new_zeros(1), valid[n_held:].cumsum(0)])
-        back = yield [_predicted(e, fetched, by_mass, ov.threshold), n_tok]  # one read-back
-        pred, counts = back[: fetched.n + 1], back[fetched.n + 1 :]
+        back = yield [_predicted(e, fetched, by_mass, ov.threshold), n_tok, by_mass]  # one read-back
+        n = fetched.n
+        pred, counts, by_mass_host = back[: n + 1], back[n + 1 : 2 * n + 2], back[2 * n + 2 :]
         j = pred.index(1) if 1 in pred else fetched.n
         while True:
             if j:  # the first evaluation (j = 0) is e itself, and pred[0] its exact verdict
@@ -288,7 +294,8 @@ def grow_recall(
                 break
             j = min(2 * j, fetched.n)
         if ok:
-            return _served(ov, bi, hi, e, held, hv, ev, fetched, fk, by_mass[:j], counts[j])
+            chosen_host = [order_host[n_held + i] for i in by_mass_host[:j]]
+            return _served(ov, bi, hi, e, held, hv, ev, fetched, fk, by_mass[:j], chosen_host, counts[j])
         if k >= n_pages:
             none = torch.zeros(0, dtype=torch.int64, device=dev)
             empty = torch.zeros(0, ps, dv, dtype=torch.float32, device=dev)
@@ -307,13 +314,15 @@ def _served(
     fetched: _Pages,
     fk: torch.Tensor,
     chosen: torch.Tensor,
+    pages_host: Sequence[int],
     n_tok: int,
 ) -> Recalled:
-    """Page in the values of ``fetched``'s pages at positions ``chosen`` and assemble what ``e`` certified: the held
-    pages (copies ``hv``, value radii ``ev``) and those pages, ``n_tok`` tokens in ascending order."""
+    """Page in the values of ``fetched``'s pages at positions ``chosen`` (those pages: ``pages_host``, read back) and
+    assemble what ``e`` certified: the held pages (copies ``hv``, value radii ``ev``) and those pages, ``n_tok``
+    tokens in ascending order."""
     ps, dev, r = ov.page_size, ov.qg.device, held.n
     pages = fetched.pages[chosen]
-    fv = page_in(ov.values, bi, hi, pages, ps, dev)
+    fv = page_in(ov.values, bi, hi, pages_host, ps, dev)
     vals = torch.cat([hv, fv]).flatten(0, 1)[e.perm][:n_tok]
     radius = torch.cat([ev, torch.zeros(fv.shape[:2], dtype=F64, device=dev)]).flatten()[e.perm][:n_tok]
     tok = torch.cat([held.tok, fetched.take(chosen).tok])[e.perm][:n_tok]

@@ -23,7 +23,7 @@ token, in position order (``τ = 0``: the dense answer).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -369,12 +369,20 @@ class _Visited:
 
 
 def _visit(
-    hr: _HeadRead, bi: int, hi: int, need_head: int, codes_above: int, held_pages: int, codes_guess: int
+    hr: _HeadRead,
+    bi: int,
+    hi: int,
+    order: list[int],
+    need_head: int,
+    codes_above: int,
+    held_pages: int,
+    codes_guess: int,
 ) -> Steps[_Visited]:
-    """Recall for KV head ``(bi, hi)`` (flags of the read's first read-back: whether it needs recall, whether its
-    resident codes alone exceed τ, the pages it holds, the first page guess over the codes). When the codes alone
-    exceed τ, recall cannot help: the resident blocks with the largest contribution to the meter are read exact,
-    doubling them until the certificate with recall on top is ``≤ τ`` (all blocks exact and still above: dense).
+    """Recall for KV head ``(bi, hi)`` (what the read's first read-back brought for it: its recall order, whether it
+    needs recall, whether its resident codes alone exceed τ, the pages it holds, the first page guess over the codes).
+    When the codes alone exceed τ, recall cannot help: the resident blocks with the largest contribution to the meter
+    are read exact (their order read back first, with the other heads' rounds), doubling them until the certificate
+    with recall on top is ``≤ τ`` (all blocks exact and still above: dense).
     Otherwise the codes first, then every resident entry exact. A :data:`~kvcert.checks.Steps` computation that
     changes no shared state (the read runs every head's visit in :func:`kvcert.checks.lockstep`)."""
     ov = hr.ov
@@ -390,15 +398,16 @@ def _visit(
     )
     doubling = bool(need_head and codes_above)
     blk = _exact_blocks(hr.p64[bi, hi], codes.radius, bs) if doubling else torch.arange(n_blk, device=dev)
+    blk_host = (yield [blk]) if doubling else list(range(n_blk))
     tries = _exact_counts(n_blk) if doubling else [0, n_blk]
     keyed, keyed_tokens = 0, torch.zeros((), dtype=torch.int64, device=dev)
     for n_exact in tries:
         res = codes
         if n_exact:
-            slots = page_tokens(blk[:n_exact], bs)
-            res = _exact_resident(
-                ov, hr.host_k[bi, hi], hr.host_v[bi, hi], hr.m[bi, hi], bi, hi, slots[slots < s_r], codes
-            )
+            slots = [t for b in blk_host[:n_exact] for t in range(b * bs, min((b + 1) * bs, s_r))]
+            tok = page_tokens(blk[:n_exact], bs)  # the same slots on the device, those past S_R last
+            on_dev = tok[torch.argsort((tok >= s_r).to(torch.int8), stable=True)[: len(slots)]]
+            res = _exact_resident(ov, hr.host_k[bi, hi], hr.host_v[bi, hi], hr.m[bi, hi], bi, hi, on_dev, slots, codes)
         k = held_pages
         if need_head:  # over the codes alone the first guess came with the flags; else one read-back
             first: int | None = codes_guess
@@ -407,7 +416,7 @@ def _visit(
             if first is None and doubling and n_exact != tries[-1]:
                 continue  # not predicted to certify with any recall: read more blocks exact first
             k = max(k, n_pages if first is None else first)
-        r = yield from grow_recall(ov, bi, hi, hr.orders[bi, hi], k, held_pages, res.logits, res.radius)
+        r = yield from grow_recall(ov, bi, hi, hr.orders[bi, hi], order, k, held_pages, res.logits, res.radius)
         keyed_tokens = keyed_tokens + _tokens(r.keyed, ps, s_o)  # a try that does not certify paged its keys in too
         keyed += r.keyed.numel()
         if r.ok:
@@ -451,20 +460,24 @@ def _exact_resident(
     bi: int,
     hi: int,
     slots: torch.Tensor,
+    slots_host: Sequence[int],
     served: _ResidentServed,
 ) -> _ResidentServed:
-    """``served`` (KV head ``(bi, hi)``'s resident codes) with the resident ``slots`` read exact from the host tier
-    (``keys`` / ``values`` ``[S_R, ·]``, visibility ``mask[M, S_R]``): those slots' logits are computed from the exact
-    keys in float32, so their radius is the float32 rounding ``2·rate·‖k_t‖`` (as a recalled token's), and their values
-    are served exact (value radius 0); every other slot keeps its code's logit, radius and value."""
+    """``served`` (KV head ``(bi, hi)``'s resident codes) with the resident ``slots`` (on the device; ``slots_host``
+    the same, read back) read exact from the host tier (``keys`` / ``values`` ``[S_R, ·]``, visibility
+    ``mask[M, S_R]``): those slots' logits are computed from the exact keys in float32, so their radius is the float32
+    rounding ``2·rate·‖k_t‖`` (as a recalled token's), and their values are served exact (value radius 0); every other
+    slot keeps its code's logit, radius and value. The host tier is gathered at ``slots_host``: no index is copied
+    from the device to the host."""
     dev = ov.qg.device
-    kr = keys[slots.to(keys.device)].to(dev, torch.float32)
+    rows = torch.tensor(slots_host, dtype=torch.int64, device=keys.device)
+    kr = keys[rows].to(dev, torch.float32)
     vis = mask[:, slots]
     logits, radius = served.logits.clone(), served.radius.clone()
     vals, v_rad = served.values.clone(), served.value_radius.clone()
     logits[:, slots] = torch.matmul(ov.qg[bi, hi] * ov.scaling, kr.T).masked_fill(~vis, float("-inf"))
     radius[:, slots] = torch.where(vis, ov.rate[bi, hi] * 2.0 * norm_up_f32(kr).to(F64), 0.0)
-    vals[slots] = values[slots.to(values.device)].to(dev, torch.float32)
+    vals[slots] = values[rows].to(dev, torch.float32)
     v_rad[slots] = 0.0
     return _ResidentServed(logits, radius, vals, v_rad, served.n_exact + slots.numel())
 
@@ -604,9 +617,16 @@ def resident_read(
         w_ordered = w.gather(-1, orders.unsqueeze(-2).expand_as(w))
         guess = first_certifying(_predicted_pages(w_ordered, oc.u, oc.b, sv.cert, gate.threshold))
         heads = (need | has_held, bad.any(-1), need, sv.cert.amax(-1) > gate.threshold, held_mask.sum(-1), guess)
-        flat = read_back([torch.stack([f.to(torch.int64) for f in heads], -1)])  # [B·Hkv·6] Python ints
-        flags = [flat[i : i + 6] for i in range(0, len(flat), 6)]  # per (row, KV head), row-major
-        visit = [(i // hkv, i % hkv, *f[1:]) for i, f in enumerate(flags) if f[0]]
+        # with every head's recall order, so that recall gathers its pages from the host tier at host indices
+        flat = read_back([torch.stack([f.to(torch.int64) for f in heads], -1), orders])  # [B·Hkv·(6 + P)] ints
+        at = 6 * b * hkv
+        flags = [flat[i : i + 6] for i in range(0, at, 6)]  # per (row, KV head), row-major
+        # (row, KV head, bad cell, recall order, needs recall, codes above tau, pages held, first guess)
+        visit: list[tuple[int, int, int, list[int], int, int, int, int]] = [
+            (i // hkv, i % hkv, f[1], flat[at + n_pages * i : at + n_pages * (i + 1)], f[2], f[3], f[4], f[5])
+            for i, f in enumerate(flags)
+            if f[0]
+        ]
         hr = _HeadRead(
             ctx,
             logits,
@@ -628,8 +648,8 @@ def resident_read(
                 dense[bi, hi] = True
                 dense_heads.append(hi)
         # every head's recall side by side: one read-back per round for all of them
-        visited = lockstep([_visit(hr, bi, hi, *f) for bi, hi, _, *f in recall])
-        for (bi, hi, _, _, _, held_pages, _), v in zip(recall, visited, strict=True):
+        visited = lockstep([_visit(hr, bi, hi, o, nd, ca, hp, gs) for bi, hi, _, o, nd, ca, hp, gs in recall])
+        for (bi, hi, *_, held_pages, _), v in zip(recall, visited, strict=True):
             res, r = v.res, v.r
             paged_tokens[0] += v.keyed_tokens
             blocks[bi, hi] += v.keyed

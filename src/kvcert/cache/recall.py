@@ -215,7 +215,7 @@ class HeldPages:
         was = before[read]
         # which pages of read may be held: those held before, and the fresh ones whose K/V fit the storage dtype
         spare = torch.ones(1, dtype=torch.bool, device=read.device)  # read may have no fresh page
-        fresh_ok = torch.cat([self.fits(fresh_k, fresh_v).to(read.device), spare])
+        fresh_ok = torch.cat([self.fits(fresh_k, fresh_v), spare])
         ok = was | fresh_ok[(~was).cumsum(0) - 1]
         own = ps * before.sum()  # slot tokens held before, on the device (no read-back)
         score = torch.maximum(mass.to(torch.float64), DECAY * self.score[row, head, read])

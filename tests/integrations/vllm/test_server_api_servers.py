@@ -20,15 +20,20 @@ LEDGER = 'kvcert_ledger_requests{model="vllm",tier="certified"}'
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """``(responses, scrapes, server log)``: the two responses, then ``SCRAPES`` readings of the ``kvcert_*``
-    samples once the engine has published its ledger summary of both requests."""
+    samples once the engine's ledger summary counts both requests and has stopped changing."""
     tmp = tmp_path_factory.mktemp("serve2")
     with running_server(tmp, api_server_count=API_SERVERS) as (_, base):
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             responses = list(pool.map(lambda p: complete(base, p), PROMPTS))
-        for _ in range(60):  # the engine publishes its ledger summary at most every 0.5 s
-            if metric_values(base).get(LEDGER, [0.0])[0] >= len(PROMPTS):
+        # the engine publishes its ledger summary at most every 0.5 s while the ledger changes, and a request's last
+        # events can follow the summary that first counts it: wait for both requests and two equal readings 1 s apart
+        previous: dict[str, list[float]] = {}
+        for _ in range(60):
+            current = metric_values(base)
+            if current.get(LEDGER, [0.0])[0] >= len(PROMPTS) and current == previous:
                 break
-            time.sleep(0.5)
+            previous = current
+            time.sleep(1.0)
         scrapes = [metric_values(base) for _ in range(SCRAPES)]
     return responses, scrapes, (tmp / "server.log").read_text()
 
@@ -57,4 +62,5 @@ def test_metrics_expose_each_kvcert_series_once_with_both_requests(served):
         assert values['kvcert_violations_total{tier="measured"}'] == [0.0]
         assert values[LEDGER] == [float(len(PROMPTS))]
         assert values['kvcert_ledger_unwritten_reads{model="vllm",tier="certified"}'] == [0.0]
-    assert all(values == scrapes[0] for values in scrapes)  # every process reads the same records file
+    differ = {k for values in scrapes for k in values.keys() | scrapes[0].keys() if values.get(k) != scrapes[0].get(k)}
+    assert not differ, {k: [values.get(k) for values in scrapes] for k in differ}  # every process reads one file

@@ -57,6 +57,8 @@ LAZY_OK: dict[str, str] = {
     "write, never with the cache package (as kvcert.quant.logcode_numba)",
     "kvcert.quant.dither_numba": "imports numba at its top: loaded on the first dither drawn on the numba backend, "
     "never with the quant package, which the cache package imports (as kvcert.quant.logcode_numba)",
+    "kvcert.quant.rtn_numba": "imports numba at its top: loaded on the first RTN write block encoded on the numba "
+    "backend, never with the quant package (as kvcert.quant.dither_numba)",
 }
 
 

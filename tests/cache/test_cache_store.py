@@ -365,3 +365,69 @@ def test_fused_pending_append_is_numba_only(monkeypatch):
     writes = WriteBatch()
     assert not st._append_pending_fused(k[:, :, :1], v[:, :, :1], st.positions.view()[:, :, :1], writes)
     assert writes.commit() == {}
+
+
+@pytest.mark.parametrize(("keys", "values"), [("dither-int8", "int4"), ("dither-int6", "int2"), ("int8", "int4")])
+def test_fused_block_round_trip_stores_what_encode_then_decode_stores(keys, values, monkeypatch):
+    """On the numba backend a dithered or RTN write block is encoded and decoded in one compiled pass
+    (:meth:`~kvcert.quant.base.Codec.encode_decode`); every buffer, base and count of the store, and the
+    codes and steps of every chunk, equal per element those of the same writes encoded then decoded on the tensor
+    form (``Codec._encode_decode``): decode tokens and multi-token appends, a token with a non-finite entry (kept
+    exact), exact sinks, magnitudes that raise a witness base."""
+    from kvcert.quant.base import Codec
+    from kvcert.quant.dither import DitherCodec
+    from kvcert.quant.rtn import RTNCodec
+
+    monkeypatch.setenv(kernel_env.ENV, "numba")
+    gen = torch.Generator().manual_seed(31)
+    stores = {
+        fused: LayerStore(
+            0, get(keys), get(values), bands=8, pairing="rotate_half", seed=9, write_block=4, exact_sinks=2
+        )
+        for fused in (True, False)
+    }
+    reference = (stores[False].key_codec, stores[False].value_codec)
+    fused_calls: list[tuple[str, int]] = []
+
+    def spy(cls):
+        round_trip = cls._encode_decode
+
+        def call(self, x, key):
+            if any(self is codec for codec in reference):
+                return Codec._encode_decode(self, x, key)
+            fused_calls.append((self.name, x.shape[2]))
+            return round_trip(self, x, key)
+
+        return call
+
+    for cls in (DitherCodec, RTNCodec):
+        monkeypatch.setattr(cls, "_encode_decode", spy(cls))
+    rows, keep = torch.arange(2), torch.zeros(2, dtype=torch.bool)
+    for step in range(30):
+        t = 7 if step == 0 else (3 if step % 7 == 3 else 1)
+        k, v = torch.randn(2, 3, t, 64, generator=gen), torch.randn(2, 3, t, 64, generator=gen)
+        if step == 11:
+            k = k * 2.0**10  # (the int6 steps stay within fp16)
+        if step == 15:
+            k[0, 1, 0, 7] = math.inf
+        for st in stores.values():
+            st.append(k, v, rows, keep)
+        got, want = _store_state(stores[True]), _store_state(stores[False])
+        assert got.keys() == want.keys()
+        for name, w in want.items():
+            g = got[name]
+            if isinstance(w, torch.Tensor):
+                assert g.dtype == w.dtype and torch.equal(
+                    g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)
+                )
+            else:
+                assert g == w, (step, name)
+    for tensor in ("k", "v"):
+        chunks = [getattr(st, tensor).chunks for st in (stores[True], stores[False])]
+        assert len(chunks[0]) == len(chunks[1]) >= 8
+        for a, b in zip(*chunks, strict=True):
+            assert (a.start, a.stop) == (b.start, b.stop)
+            assert all(torch.equal(a.packed.tensors[n], b.packed.tensors[n]) for n in b.packed.tensors)
+    for name, ts in ((keys, stores[True].k), (values, stores[True].v)):
+        assert sum(t for codec, t in fused_calls if codec == name) == ts.n_encoded
+    assert stores[True].k_hat_norm.rebases > 0

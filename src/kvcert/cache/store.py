@@ -498,8 +498,8 @@ class LayerStore:
                 # after an eviction compacts the slots; pending tokens share positions across heads
                 key = DitherKey(self.seed, self.rows.to(torch.int64), self.layer, self.positions.view()[:, 0, lo:hi])
             with deferred(writes.require):
-                packed = ts.codec.encode(xin, key=key)
-                xhat = torch.where(keep.unsqueeze(-1), x, ts.codec.decode(packed, key=key).to(torch.float32))
+                packed, decoded = ts.codec.encode_decode(xin, key=key)
+                xhat = torch.where(keep.unsqueeze(-1), x, decoded.to(torch.float32))
                 wit = self._witnesses(is_key, x, xhat, keep, ts.codec.steps(packed))
             where = (slice(None), slice(None), slice(lo, hi))
             writes.write(ts.served, where, xhat)

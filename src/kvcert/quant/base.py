@@ -99,11 +99,25 @@ class Codec(ABC):
 
     def encode(self, x: torch.Tensor, key: DitherKey | None = None) -> Packed:
         """Encode ``x[B, H, T, D]``; raise ``ValueError`` on non-finite input or a bad shape/key."""
+        self._check_encode(x, key)
+        return self._encode(x, key)
+
+    def encode_decode(self, x: torch.Tensor, key: DitherKey | None = None) -> tuple[Packed, torch.Tensor]:
+        """``(encode(x, key), decode of it)``: the stored form of ``x[B, H, T, D]`` and what it decodes to, with
+        :meth:`encode`'s checks (a write block's round trip; a codec may share work between the two halves,
+        with the same values)."""
+        self._check_encode(x, key)
+        return self._encode_decode(x, key)
+
+    def _check_encode(self, x: torch.Tensor, key: DitherKey | None) -> None:
         check_input(x)
         if x.shape[-2] % self.block:
             raise ValueError(f"x has T={x.shape[-2]} tokens; {self.name!r} encodes blocks of {self.block}")
         self._check_key(key, tuple(x.shape))
-        return self._encode(x, key)
+
+    def _encode_decode(self, x: torch.Tensor, key: DitherKey | None) -> tuple[Packed, torch.Tensor]:
+        packed = self._encode(x, key)
+        return packed, self._decode(packed, key)
 
     def decode(self, packed: Packed, key: DitherKey | None = None) -> torch.Tensor:
         """Reconstruct ``x̂`` as float32 ``[B, H, T, D]`` from the stored tensors (and the key if needed)."""

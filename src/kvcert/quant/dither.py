@@ -112,6 +112,19 @@ class DitherCodec(Codec):
         stored = code if self.bits == 8 else pack_bits(code + self.qmax, int(self.bits))
         return Packed(self.name, tuple(x.shape), {"codes": stored, "scales": s})
 
+    def _encode_decode(self, x: torch.Tensor, key: DitherKey | None) -> tuple[Packed, torch.Tensor]:
+        """:meth:`_encode` and :meth:`_decode` of its codes; float32 CPU input on the numba backend in one compiled
+        pass from one draw of the dither (:func:`kvcert.quant.dither_numba.round_trip`: the same values)."""
+        assert key is not None  # guaranteed by Codec.encode_decode (needs_key)
+        if not (fused_log8(x.device) and x.dtype == torch.float32 and key.positions.device.type == "cpu"):
+            return super()._encode_decode(x, key)
+        from kvcert.quant.dither_numba import round_trip  # numba on first use (kernel_env says why)
+
+        s = symmetric_scales(x, self.group_size, self.qmax - 0.5)
+        code, x_hat = round_trip(x, keyed_uniform(key, tuple(x.shape)), s, self.group_size)
+        stored = code if self.bits == 8 else pack_bits(code + self.qmax, int(self.bits))
+        return Packed(self.name, tuple(x.shape), {"codes": stored, "scales": s}), x_hat
+
     def codes(self, packed: Packed) -> torch.Tensor:
         """Signed codes in ``[−qmax, qmax]`` (int16) recovered from the stored tensors."""
         stored = packed.tensors["codes"]

@@ -8,6 +8,13 @@ does, its masked right shift is the unsigned shift, and the last step (the top 2
 is exact in float64 and in float32. So every value equals the tensor form's bit for bit
 (``tests/quant/test_dither_numba.py`` pins it per element over the whole int64 range of the key's fields).
 
+A block write then encodes the block and decodes it again (the served values are the decoded codes).
+:func:`round_trip` does the quantiser and the reconstruction in one pass over the block, from one draw, with the
+tensor form's float64 operations in its order (``v = x/s + u``, ``code = round(v)`` to nearest even,
+``x̂ = float32(s·(code − u))``, ``0`` in place of ``x/s`` where ``s = 0``): each is one IEEE operation whose
+result does not depend on how it is scheduled, so codes and decoded values equal
+:meth:`kvcert.quant.dither.DitherCodec.encode` / ``decode``'s bit for bit (``tests/quant/test_dither_numba.py``).
+
 Imported on first use (:mod:`kvcert.quant.kernel_env` says why).
 """
 
@@ -17,7 +24,7 @@ import numba
 import numpy as np
 import torch
 
-__all__ = ["keyed_uniform"]
+__all__ = ["keyed_uniform", "round_trip"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -68,3 +75,49 @@ def keyed_uniform(
     pos = np.ascontiguousarray(positions.numpy()).view(np.uint64)
     u = _uniform(np.uint64(seed % 2**64), req, np.uint64(layer % 2**64), pos, heads, d)
     return torch.from_numpy(u)
+
+
+@numba.njit(cache=True, nogil=True)
+def _round_trip(
+    x: np.ndarray, u: np.ndarray, s: np.ndarray, group: int, code: np.ndarray, xhat: np.ndarray
+) -> None:  # pragma: no cover - compiled (tested via numba)
+    """Rows ``x[R, D]`` (float32) with dither ``u[R, D]`` (float32) and steps ``s[R, D/group]`` (float32, each an
+    fp16 value): ``code = round_half_even(x/s + u)`` (int8; ``x/s`` read as 0 where ``s = 0``) and
+    ``xhat = float32(s·(code − u))``, every operation in float64."""
+    rows, d = x.shape
+    for r in range(rows):
+        for c in range(d):
+            sc = np.float64(s[r, c // group])
+            ur = np.float64(u[r, c])
+            v = (np.float64(x[r, c]) / sc if sc > 0.0 else 0.0) + ur
+            code[r, c] = np.int8(np.rint(v))
+            xhat[r, c] = np.float32(sc * (np.float64(code[r, c]) - ur))  # from the stored code: −0 reads as +0
+
+
+def round_trip(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 codes and the decoded values (float32), both shaped as ``x``, of a dithered block: float32 CPU
+    ``x[..., D]`` and dither ``u[..., D]``, steps ``s[..., D/group]`` (float16 or float32), the values of the
+    tensor form (module docstring). The caller checks that ``|x/s + u|`` stays within the int8 range (the codec's
+    steps ensure it)."""
+    d = x.shape[-1]
+    if (
+        x.dtype != torch.float32
+        or u.dtype != torch.float32
+        or u.shape != x.shape
+        or group < 1
+        or d % group
+        or s.shape != (*x.shape[:-1], d // group)
+        or s.dtype not in (torch.float16, torch.float32)
+    ):
+        raise ValueError(
+            f"round_trip: float32 x [..., D] and u of its shape, steps [..., D/group]; got x {x.dtype} "
+            f"{tuple(x.shape)}, u {u.dtype} {tuple(u.shape)}, s {s.dtype} {tuple(s.shape)}, group {group}"
+        )
+    rows = x.numel() // max(d, 1)
+    x_np = np.ascontiguousarray(x.detach().numpy()).reshape(rows, d)
+    u_np = np.ascontiguousarray(u.detach().numpy()).reshape(rows, d)
+    s_np = np.ascontiguousarray(s.detach().to(torch.float32).numpy()).reshape(rows, d // group)  # exact widening
+    code = np.empty((rows, d), np.int8)
+    xhat = np.empty((rows, d), np.float32)
+    _round_trip(x_np, u_np, s_np, group, code, xhat)
+    return torch.from_numpy(code.reshape(x.shape)), torch.from_numpy(xhat.reshape(x.shape))

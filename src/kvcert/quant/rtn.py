@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvcert.quant.base import Codec, DitherKey, Packed
+from kvcert.quant.kernel_env import fused_log8
 from kvcert.quant.packing import pack_bits, unpack_bits
 from kvcert.quant.scales import check_positive, per_group, safe_div, symmetric_scales
 
@@ -37,6 +38,18 @@ class RTNCodec(Codec):
         code = torch.round(safe_div(x.to(torch.float32), per_group(s, self.group_size))).to(torch.int8)
         stored = code if self.bits == 8 else pack_bits(code + OFFSET[int(self.bits)], int(self.bits))
         return Packed(self.name, tuple(x.shape), {"codes": stored, "scales": s})
+
+    def _encode_decode(self, x: torch.Tensor, key: DitherKey | None) -> tuple[Packed, torch.Tensor]:
+        """:meth:`_encode` and :meth:`_decode` of its codes; float32 CPU input on the numba backend in one compiled
+        pass (:func:`kvcert.quant.rtn_numba.round_trip`: the same values)."""
+        if not (fused_log8(x.device) and x.dtype == torch.float32):
+            return super()._encode_decode(x, key)
+        from kvcert.quant.rtn_numba import round_trip  # numba on first use (kernel_env says why)
+
+        s = symmetric_scales(x, self.group_size, self.qmax)
+        code, x_hat = round_trip(x, s, self.group_size)
+        stored = code if self.bits == 8 else pack_bits(code + OFFSET[int(self.bits)], int(self.bits))
+        return Packed(self.name, tuple(x.shape), {"codes": stored, "scales": s}), x_hat
 
     def codes(self, packed: Packed) -> torch.Tensor:
         """Signed integer codes in ``[−qmax, qmax]`` (int16) recovered from the stored tensors."""

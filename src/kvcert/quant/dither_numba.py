@@ -24,6 +24,8 @@ import numba
 import numpy as np
 import torch
 
+from kvcert.quant.rtn_numba import round_trip_rows
+
 __all__ = ["keyed_uniform", "round_trip"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -99,25 +101,4 @@ def round_trip(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, group: int) ->
     ``x[..., D]`` and dither ``u[..., D]``, steps ``s[..., D/group]`` (float16 or float32), the values of the
     tensor form (module docstring). The caller checks that ``|x/s + u|`` stays within the int8 range (the codec's
     steps ensure it)."""
-    d = x.shape[-1]
-    if (
-        x.dtype != torch.float32
-        or u.dtype != torch.float32
-        or u.shape != x.shape
-        or group < 1
-        or d % group
-        or s.shape != (*x.shape[:-1], d // group)
-        or s.dtype not in (torch.float16, torch.float32)
-    ):
-        raise ValueError(
-            f"round_trip: float32 x [..., D] and u of its shape, steps [..., D/group]; got x {x.dtype} "
-            f"{tuple(x.shape)}, u {u.dtype} {tuple(u.shape)}, s {s.dtype} {tuple(s.shape)}, group {group}"
-        )
-    rows = x.numel() // max(d, 1)
-    x_np = np.ascontiguousarray(x.detach().numpy()).reshape(rows, d)
-    u_np = np.ascontiguousarray(u.detach().numpy()).reshape(rows, d)
-    s_np = np.ascontiguousarray(s.detach().to(torch.float32).numpy()).reshape(rows, d // group)  # exact widening
-    code = np.empty((rows, d), np.int8)
-    xhat = np.empty((rows, d), np.float32)
-    _round_trip(x_np, u_np, s_np, group, code, xhat)
-    return torch.from_numpy(code.reshape(x.shape)), torch.from_numpy(xhat.reshape(x.shape))
+    return round_trip_rows(_round_trip, x, (u,), s, group)

@@ -15,11 +15,13 @@ Imported on first use (:mod:`kvcert.quant.kernel_env` says why).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numba
 import numpy as np
 import torch
 
-__all__ = ["round_trip"]
+__all__ = ["round_trip", "round_trip_rows"]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -41,22 +43,34 @@ def round_trip(x: torch.Tensor, s: torch.Tensor, group: int) -> tuple[torch.Tens
     """The int8 codes and the decoded values (float32), both shaped as ``x``, of an RTN block: float32 CPU
     ``x[..., D]``, steps ``s[..., D/group]`` (float16 or float32), the values of the tensor form (module docstring).
     The caller checks that ``|x/s|`` stays within the int8 range (the codec's steps ensure it)."""
+    return round_trip_rows(_round_trip, x, (), s, group)
+
+
+def round_trip_rows(
+    kernel: Callable[..., None], x: torch.Tensor, beside: tuple[torch.Tensor, ...], s: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a round-trip row kernel ``kernel(x, *beside, s, group, code, xhat)`` over float32 CPU ``x[..., D]``
+    flattened to rows, with the float32 tensors ``beside`` shaped as ``x`` (the dither) and the steps
+    ``s[..., D/group]`` (float16 or float32, widened exactly to float32): the int8 codes and float32 decoded values,
+    shaped as ``x``. Anything else is a ``ValueError`` naming the shapes and dtypes."""
     d = x.shape[-1]
     if (
         x.dtype != torch.float32
+        or any(t.dtype != torch.float32 or t.shape != x.shape for t in beside)
         or group < 1
         or d % group
         or s.shape != (*x.shape[:-1], d // group)
         or s.dtype not in (torch.float16, torch.float32)
     ):
+        got = ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in (x, *beside))
         raise ValueError(
-            f"round_trip: float32 x [..., D] and steps [..., D/group]; got x {x.dtype} {tuple(x.shape)}, "
+            f"round_trip: float32 x [..., D] (and any dither of its shape), steps [..., D/group]; got {got}, "
             f"s {s.dtype} {tuple(s.shape)}, group {group}"
         )
     rows = x.numel() // max(d, 1)
-    x_np = np.ascontiguousarray(x.detach().numpy()).reshape(rows, d)
+    arrays = [np.ascontiguousarray(t.detach().numpy()).reshape(rows, d) for t in (x, *beside)]
     s_np = np.ascontiguousarray(s.detach().to(torch.float32).numpy()).reshape(rows, d // group)  # exact widening
     code = np.empty((rows, d), np.int8)
     xhat = np.empty((rows, d), np.float32)
-    _round_trip(x_np, s_np, group, code, xhat)
+    kernel(*arrays, s_np, group, code, xhat)
     return torch.from_numpy(code.reshape(x.shape)), torch.from_numpy(xhat.reshape(x.shape))

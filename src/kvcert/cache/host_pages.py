@@ -73,29 +73,34 @@ class HostPages:
     blocks: HostBlocks
     table: torch.Tensor
 
-    def _ids(self, pages: int) -> torch.Tensor:
-        """The block ids of pages ``[0, pages)`` as int64 on the pool's device; ``ValueError`` when the table row
+    def _ids(self, first: int, last: int) -> torch.Tensor:
+        """The block ids of pages ``[first, last)`` as int64 on the pool's device; ``ValueError`` when the table row
         has fewer entries."""
-        if pages > self.table.shape[0]:
-            raise ValueError(f"the block table row has {self.table.shape[0]} pages, the tokens need {pages}")
-        return self.table[:pages].to(self.blocks.k.device, torch.int64)
+        if last > self.table.shape[0]:
+            raise ValueError(f"the block table row has {self.table.shape[0]} pages, the tokens need {last}")
+        return self.table[first:last].to(self.blocks.k.device, torch.int64)
 
     def read(self, which: KV, n: int) -> torch.Tensor:
-        """Tokens ``[0, n)`` as ``[1, H, n, D]`` (a copy: one ``index_select`` of the row's blocks)."""
+        """Tokens ``[0, n)`` as ``[1, H, n, D]`` (a copy: one ``index_select`` of the row's blocks, then one copy
+        into token order)."""
         pool = self.blocks.tensor(which)
         _, h, p, d = pool.shape
         pages = -(-n // p)
-        out = torch.index_select(pool.transpose(0, 1), 1, self._ids(pages))  # [H, pages, P, D], contiguous
-        return out.view(1, h, pages * p, d).narrow(2, 0, n)
+        picked = pool.index_select(0, self._ids(0, pages))  # [pages, H, P, D]
+        return picked.transpose(0, 1).reshape(1, h, pages * p, d).narrow(2, 0, n)
 
     def write(self, which: KV, start: int, x: torch.Tensor) -> None:
         """Store ``x[1, H, t, D]`` as tokens ``[start, start + t)``: token ``s`` at block ``table[s // P]``, offset
-        ``s % P`` (one indexed copy)."""
+        ``s % P`` (one copy per block the tokens fall in)."""
         pool = self.blocks.tensor(which)
-        p = pool.shape[2]
-        pos = torch.arange(start, start + x.shape[2], device=pool.device)
-        ids = self._ids(-(-(start + x.shape[2]) // p))
-        pool[ids[pos // p], :, pos % p] = x[0].transpose(0, 1)  # [t, H, D]
+        p, stop = pool.shape[2], start + x.shape[2]
+        ids = self._ids(start // p, -(-stop // p)).tolist()
+        lo = start
+        while lo < stop:
+            page, off = divmod(lo, p)
+            hi = min(stop, (page + 1) * p)
+            pool[ids[page - start // p], :, off : off + hi - lo].copy_(x[0, :, lo - start : hi - start])
+            lo = hi
 
 
 class HostTokens:

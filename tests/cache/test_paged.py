@@ -6,8 +6,11 @@ whose witness codes live in their cells, each compared per element with the same
 import pytest
 import torch
 
-from kvcert.cache.buffer import LogBuffer, WriteBatch
-from kvcert.cache.paged import CellLayout, CellTokens, PagedCodes
+from kvcert.attention.certified import ReadConfig, certified_read
+from kvcert.cache.buffer import GrowBuffer, LogBuffer, WriteBatch
+from kvcert.cache.gate import Gate
+from kvcert.cache.host_pages import HostBlocks, HostPages, HostTokens
+from kvcert.cache.paged import BlockPool, CellLayout, CellTokens, PagedCodes
 from kvcert.cache.store import STORED_WITNESSES, LayerStore
 from kvcert.quant import bytes_per_token_head, kernel_env, logcode, resolve
 
@@ -276,3 +279,153 @@ def test_paged_store_refuses_moves_and_batches():
         )
     with pytest.raises(ValueError, match="page_tokens"):
         PagedCodes(lay, 0, lambda i: pool[i])
+
+
+def _host_paged(store, layout, pool, host, table):
+    """``store`` with its codes in ``pool`` and its exact host tier in ``host``, both addressed by ``table``."""
+    pages = HostPages(host, torch.tensor(table, dtype=torch.int32))  # int32: vLLM's block-table dtype
+    store.pages = PagedCodes(layout, PAGE, lambda i: pool[table[i]], pages)
+    return store
+
+
+def _same_store(paged, plain):
+    """Host tier, served entries, exact / held flags and witnesses of the stores, per element."""
+    assert isinstance(paged.k.host, HostTokens) and isinstance(plain.k.host, GrowBuffer)
+    for a, b in ((paged.k, plain.k), (paged.v, plain.v)):
+        assert a.host.shape == b.host.shape and a.host.dtype == b.host.dtype and a.host.device == b.host.device
+        assert torch.equal(a.host.view(), b.host.view()) and a.host.nbytes == b.host.nbytes
+        for name in ("served", "exact", "held"):
+            assert torch.equal(getattr(a, name).view(), getattr(b, name).view()), name
+    assert paged.bytes_host() == plain.bytes_host() and paged.n_held == plain.n_held
+    _same_witnesses(paged, plain)
+
+
+def _host_blocks_hold_the_tokens(store, host, table, ks, vs):
+    """The exact K/V ``ks, vs[1, H, n, D]`` sit in ``host`` at the block-table addresses: token ``t`` at block
+    ``table[t // PAGE]``, offset ``t % PAGE`` (read from the pool tensors, not through the store)."""
+    n = ks.shape[2]
+    assert store.n == n
+    for t in range(n):
+        block, off = table[t // PAGE], t % PAGE
+        assert torch.equal(host.k[block, :, off], ks[0, :, t]) and torch.equal(host.v[block, :, off], vs[0, :, t]), t
+
+
+def _exact(q):
+    """Exact attention of ``q[1, Hq, 1, D]`` over host-tier K/V (GQA), the repair the read path calls."""
+
+    def fn(keys, values, mask, heads=None):
+        h0, h1 = heads if heads is not None else (0, keys.shape[1])
+        g = q.shape[1] // keys.shape[1]
+        k, v = (x[:, h0:h1].repeat_interleave(g, dim=1) for x in (keys, values))
+        out = torch.nn.functional.scaled_dot_product_attention(q[:, h0 * g : h1 * g], k, v, attn_mask=mask)
+        return out.transpose(1, 2)
+
+    return fn
+
+
+def test_paged_store_keeps_its_host_tier_in_the_host_blocks():
+    """A paged store whose pages carry host blocks, the same paged store with its host tier in tensors of its own,
+    and the same store unpaged, through writes that cross page boundaries, persistent repairs, a read that repairs
+    heads from the host tier and device-budget releases: the same host view, served entries, flags and witnesses
+    per element after every step, the same read result, and the exact K/V of every token in the host pool at its
+    block-table address; blocks outside the table stay untouched. (After the release only the two paged stores are
+    compared: a paged store splits a write block that crosses a page into one chunk per page, and the budget
+    releases held entries a chunk at a time, so an unpaged store may release more.)"""
+    lay = _store().cell_layout(D, D, align=4)
+    pool, own_pool = (torch.zeros(6, H, PAGE, lay.nbytes, dtype=torch.uint8) for _ in range(2))
+    host = HostBlocks(torch.full((6, H, PAGE, D), -7.0), torch.full((6, H, PAGE, D), -7.0))
+    table = [4, 1, 3]
+    paged = _host_paged(_store(device_budget=0.72), lay, pool, host, table)
+    own, plain = _paged(_store(device_budget=0.72), lay, own_pool, table), _store(device_budget=0.72)
+    stores = (paged, own, plain)
+    gen = torch.Generator().manual_seed(21)
+    rows, keep = torch.tensor([7]), torch.zeros(1, dtype=torch.bool)
+    ks, vs = torch.zeros(1, H, 0, D), torch.zeros(1, H, 0, D)
+    for t in (20, 1, 1, 30, 1, 17, 1, 20):  # 91 tokens, three pages; the write block [16, 48) crosses a page
+        k, v = torch.randn(1, H, t, D, generator=gen), torch.randn(1, H, t, D, generator=gen)
+        ks, vs = torch.cat([ks, k], 2), torch.cat([vs, v], 2)
+        for st in stores:
+            st.append(k, v, rows, keep)
+        for ref in stores[1:]:
+            _same_store(paged, ref)
+        _host_blocks_hold_the_tokens(paged, host, table, ks, vs)
+        if t == 1 and paged.n == 71:  # before the last write: repairs, then a read over them
+            mask = torch.zeros(paged.n, dtype=torch.bool)
+            mask[[2, 5, 33, 40]] = True
+            for st in stores:
+                assert st.persist_heads([(0, 1), (0, 2)], [mask, slice(30, 50)]) == [True, True]
+            for ref in stores[1:]:
+                _same_store(paged, ref)
+            q = torch.randn(1, 2 * H, 1, D, generator=gen) * 3.0
+            see = torch.ones(1, 1, 1, paged.n, dtype=torch.bool)
+            cfg = ReadConfig(Gate.certified(0.05), True, 1e-6)
+            got, *refs = (certified_read(q, st, see, D**-0.5, cfg, _exact(q)) for st in stores)
+            assert bool(got.repaired.any())  # heads repaired from the host tier (its blocks for the paged store)
+            for want in refs:
+                for name in ("out", "cert_pre", "cert", "repaired", "true_tv", "true_out_err", "out_bound"):
+                    assert torch.equal(getattr(got, name), getattr(want, name)), name
+                assert got.bytes_paged == want.bytes_paged > 0
+            stores = stores[:2]  # the last write releases held entries (see the docstring)
+    # the 20 pending exact tokens of the last write raised the floor: held repairs went back to their codes (some)
+    assert paged.released == own.released > 0
+    assert bool((host.k[[0, 2, 5]] == -7.0).all()) and bool((host.v[[0, 2, 5]] == -7.0).all())
+    assert bool((host.k[3, :, paged.n - 2 * PAGE :] == -7.0).all())  # past the last token: untouched
+
+
+def test_host_blocks_fail_closed():
+    """Host blocks that do not match the engine's blocks (count, heads, block size), the store's K/V (heads, head
+    dim, dtype) or each other are refused with ``ValueError``; host blocks added or removed after a store's first
+    write are refused; a table row too short for the tokens is refused; a host tier in blocks refuses to move
+    tokens and numpy appends."""
+    lay = _store().cell_layout(D, D, align=4)
+    pool = torch.zeros(3, H, PAGE, lay.nbytes, dtype=torch.uint8)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    for shape in ((4, H, PAGE, D), (3, H + 1, PAGE, D), (3, H, PAGE // 2, D)):
+        with pytest.raises(ValueError, match="do not match the engine's blocks"):
+            BlockPool(lay, pool, table, HostBlocks(torch.zeros(shape), torch.zeros(shape)))
+    with pytest.raises(ValueError, match="same blocks, heads and block size"):
+        HostBlocks(torch.zeros(3, H, PAGE, D), torch.zeros(3, H, PAGE + 1, D))
+    with pytest.raises(ValueError, match="one floating dtype"):
+        HostBlocks(torch.zeros(3, H, PAGE, D), torch.zeros(3, H, PAGE, D, dtype=torch.float64))
+    with pytest.raises(ValueError, match="tokens each"):
+        PagedCodes(
+            lay, PAGE, lambda i: pool[i], HostPages(HostBlocks.empty(3, H, PAGE // 2, D, D, torch.float32), table[0])
+        )
+    for k, v in (
+        (torch.zeros(3, H, PAGE, D // 2), torch.zeros(3, H, PAGE, D)),  # another head dim
+        (torch.zeros(3, H, PAGE, D, dtype=torch.float64), torch.zeros(3, H, PAGE, D, dtype=torch.float64)),
+    ):
+        store = _host_paged(_store(), lay, pool, HostBlocks(k, v), [0, 1])
+        with pytest.raises(ValueError, match="but the store writes"):
+            _fill(store, [1])
+    assert int(pool.sum()) == 0  # a refused store wrote nothing into the cells
+    host = HostBlocks.empty(3, H, PAGE, D, D, torch.float32)
+    late = _paged(_store(), lay, pool, [0])
+    _fill(late, [1])
+    late.pages = PagedCodes(lay, PAGE, lambda i: pool[i], HostPages(host, table[0]))
+    with pytest.raises(ValueError, match="host blocks must be given with its pages"):
+        _fill(late, [1])
+    gone = _host_paged(_store(), lay, pool, host, [0, 1])
+    _fill(gone, [1])
+    gone.pages = PagedCodes(lay, PAGE, lambda i: pool[i])
+    with pytest.raises(ValueError, match="host blocks must be given with its pages"):
+        _fill(gone, [1])
+    with pytest.raises(ValueError, match="host blocks, but they were removed"):
+        gone.k.host.view()
+    short = _host_paged(_store(), lay, pool, host, [2])
+    with pytest.raises(ValueError, match="has 1 pages, the tokens need 2"):
+        _fill(short, [PAGE + 1])
+    tokens = _host_paged(_store(), lay, pool, host, [0, 1])
+    _fill(tokens, [3])
+    buf = tokens.k.host
+    assert not buf.numpy_ok
+    with pytest.raises(ValueError, match="numpy"):
+        buf.append_array(buf.view().numpy())
+    with pytest.raises(ValueError, match="expected"):
+        buf.append(torch.zeros(1, H, 1, D + 1))
+    with pytest.raises(ValueError, match="cannot drop"):
+        buf.drop_before(1)
+    with pytest.raises(ValueError, match="cannot gather"):
+        buf.gather(torch.zeros(1, H, 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="B = 2"):
+        HostTokens(lambda: HostPages(host, table[0]), "k", torch.zeros(2, H, 0, D))

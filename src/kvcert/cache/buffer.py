@@ -12,6 +12,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from kvcert.cache.host_pages import HostTokens
 from kvcert.cache.paged import CellTokens
 from kvcert.checks import Checks, deferred
 from kvcert.quant import logcode
@@ -422,9 +423,10 @@ class WriteBatch:
             else:
                 self._ops.append(buffer._plan(x, *logcode.exponent_settle(x), index, self.base_of(buffer)))
 
-    def append(self, buffer: GrowBuffer | LogBuffer, x: torch.Tensor) -> None:
-        """Record appending ``x[B, H, t, *tail]`` along the token axis of ``buffer``."""
-        if isinstance(buffer, GrowBuffer):
+    def append(self, buffer: GrowBuffer | HostTokens | LogBuffer, x: torch.Tensor) -> None:
+        """Record appending ``x[B, H, t, *tail]`` along the token axis of ``buffer`` (a paged store's host tier,
+        :class:`~kvcert.cache.host_pages.HostTokens`, as a :class:`GrowBuffer`)."""
+        if not isinstance(buffer, LogBuffer):
             self.then(partial(buffer.append, x))
             return
         self.appends([(buffer, x)])

@@ -19,7 +19,8 @@ sample token the store wrote: :meth:`kvcert.cache.store.LayerStore.cell_layout`)
 codes tensor of one witness buffer kept in those fields: a write of the codes of tokens ``[lo, hi)`` writes the
 cells of those tokens, and a raised base exponent (which re-codes every stored code ``c`` of a (row, KV head) as
 ``max(c − Δ, 1)``) rewrites the cells of that sequence in place. The base exponents themselves (one ``int32`` per
-(row, KV head)) stay with the store, as the block table does.
+(row, KV head)) stay with the store, as the block table does. The exact host tier can live in blocks of the same
+ids too (:mod:`kvcert.cache.host_pages`: ``PagedCodes.host``, ``BlockPool.host``).
 
 Only per-token codecs fit a cell (``codec.block == 1``, no residual window, every stored tensor ``[B, H, T, *]``);
 :meth:`CellLayout.measure` refuses the others with ``ValueError``.
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcert.cache.host_pages import HostBlocks, HostPages
 from kvcert.quant import Codec, DitherKey, Packed, sample_key
 
 
@@ -147,15 +149,21 @@ class PagedCodes:
     """Where a :class:`~kvcert.cache.store.LayerStore` stores its packed codes (see the module docstring).
 
     ``page`` may be replaced between writes (a serving engine hands a fresh block-table row each step); pages
-    already written must keep their bytes for as long as the store lives."""
+    already written must keep their bytes for as long as the store lives. ``host``, when given, is where the
+    store keeps its exact host tier (:class:`~kvcert.cache.host_pages.HostTokens`), addressed by the same row."""
 
     layout: CellLayout
     page_tokens: int
     page: PageLookup
+    host: HostPages | None = None
 
     def __post_init__(self) -> None:
         if self.page_tokens < 1:
             raise ValueError(f"page_tokens must be >= 1, got {self.page_tokens}")
+        if self.host is not None and self.host.blocks.k.shape[2] != self.page_tokens:
+            raise ValueError(
+                f"the host blocks hold {self.host.blocks.k.shape[2]} tokens each, the pages {self.page_tokens}"
+            )
 
     def spans(self, start: int, stop: int) -> Iterator[tuple[torch.Tensor, int, int, int]]:
         """The pages tokens ``[start, stop)`` (positions in the sequence) fall in: one ``(page, offset in the page,
@@ -193,11 +201,14 @@ class PagedCodes:
 class BlockPool:
     """One layer's block pool of a serving engine, ``blocks[num_blocks, H, page_tokens, C]`` (``uint8``, cells laid
     out by ``layout``), and the step's ``block_table[rows, max_blocks]``: page ``j`` of row ``i`` is block
-    ``block_table[i, j]``."""
+    ``block_table[i, j]``. ``host``, when given, is the layer's exact host tier in blocks of the same ids
+    (:class:`~kvcert.cache.host_pages.HostBlocks`, ``[num_blocks, H, page_tokens, D]``), addressed by the same
+    table."""
 
     layout: CellLayout
     blocks: torch.Tensor
     block_table: torch.Tensor
+    host: HostBlocks | None = None
 
     def __post_init__(self) -> None:
         b = self.blocks
@@ -206,11 +217,18 @@ class BlockPool:
                 f"blocks must be uint8 [num_blocks, H, page_tokens, {self.layout.nbytes}] (the packed cell of "
                 f"{self.layout.key_codec!r} / {self.layout.value_codec!r}), got {b.dtype} {tuple(b.shape)}"
             )
+        if self.host is not None and self.host.k.shape[:3] != b.shape[:3]:
+            raise ValueError(
+                f"the host blocks [num_blocks, H, page_tokens] = {list(self.host.k.shape[:3])} do not match the "
+                f"engine's blocks {list(b.shape[:3])}: block ids would address other tokens"
+            )
 
     def codes(self, row: int) -> PagedCodes:
-        """Where the store of batch row ``row`` keeps its codes this step."""
+        """Where the store of batch row ``row`` keeps its codes (and, with :attr:`host`, its exact host tier) this
+        step."""
         table = self.block_table[row]
-        return PagedCodes(self.layout, self.blocks.shape[2], lambda j: self.blocks[int(table[j])])
+        host = None if self.host is None else HostPages(self.host, table)
+        return PagedCodes(self.layout, self.blocks.shape[2], lambda j: self.blocks[int(table[j])], host)
 
 
 class CellTokens:

@@ -7,7 +7,9 @@ Layout per layer (``B`` batch rows, ``H`` KV heads, ``S`` tokens, ``D`` head dim
   current forward, or waiting for a KIVI token block / residual window), non-finite entries,
   unattributable writes, the first ``exact_sinks`` logical positions (attention sinks; default 0) and
   persistently repaired entries;
-* **host tier** — the exact originals, pinned when CUDA is present; repair pages in from here;
+* **host tier** — the exact originals, pinned when CUDA is present; repair pages in from here. A paged store
+  whose pages carry host blocks (:attr:`PagedCodes.host <kvcert.cache.paged.PagedCodes.host>`) keeps them in
+  those blocks, addressed by the engine's block table (:class:`~kvcert.cache.host_pages.HostTokens`);
 * **witnesses** (small, device side) — per token the key-residual band norms ``ρ_{t,b}`` over whole
   RoPE pairs and their sum ``W_t = Σ_b ρ_{t,b} ≥ ‖Δk_t‖``, the served key norm ``‖k̂_t‖`` (for the
   floating-point slack), the value residual norm ``‖Δv_t‖``, the served value norm ``‖v̂_t‖`` and its
@@ -67,6 +69,7 @@ import torch
 
 from kvcert.bounds.rope import Pairing, band_norms, norm_up_f32, round_up_f32
 from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex, WriteBatch, numpy_copyable
+from kvcert.cache.host_pages import HostPages, HostTokens
 from kvcert.cache.paged import CellLayout, CellTokens, PagedCodes
 from kvcert.checks import deferred
 from kvcert.quant import Codec, DitherKey, Packed
@@ -102,12 +105,21 @@ def _own_codes(buf: LogBuffer) -> GrowBuffer:
 class _Tensorstore:
     """Device + host storage of one of K or V for one layer."""
 
-    def __init__(self, codec: Codec, like: torch.Tensor, pin: bool, write_block: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        codec: Codec,
+        like: torch.Tensor,
+        pin: bool,
+        write_block: int,
+        device: torch.device,
+        host: HostTokens | None = None,
+    ) -> None:
         """``like``: an empty ``[B, H, 0, D]`` tensor of the host tier's dtype and device (pinned CPU beside a GPU);
-        ``device``: the device tier's device (that of the K/V written), which holds the served scratch."""
+        ``device``: the device tier's device (that of the K/V written), which holds the served scratch; ``host``:
+        the host tier in a serving engine's host blocks (default: a buffer of its own)."""
         self.codec = codec
         self.block = math.lcm(codec.block, write_block)
-        self.host = GrowBuffer(like, pin=pin)
+        self.host: GrowBuffer | HostTokens = GrowBuffer(like, pin=pin) if host is None else host
         self.served = GrowBuffer(like.to(device, torch.float32))
         b, h = like.shape[:2]
         self.exact = GrowBuffer(torch.zeros(b, h, 1, dtype=torch.bool, device=device))
@@ -246,7 +258,15 @@ class LayerStore:
     def _init(self, k: torch.Tensor, v: torch.Tensor) -> None:
         b, h, _, d = k.shape
         z = k.new_zeros((b, h, 0), dtype=torch.float32)
-        # the witness buffers first: a format or layout the pages cannot hold is refused before anything is set
+        pin = torch.cuda.is_available()
+        like_k, like_v = (k[:, :, :0].to("cpu"), v[:, :, :0].to("cpu")) if pin else (k[:, :, :0], v[:, :, :0])
+        # the host blocks and witness buffers first: pages that cannot hold them are refused before anything is set
+        self._host_cells = self.pages is not None and self.pages.host is not None
+        host_k, host_v = (
+            (HostTokens(self._current_host, "k", like_k), HostTokens(self._current_host, "v", like_v))
+            if self._host_cells
+            else (None, None)
+        )
         self._witness_cells = self.pages is not None
         stored = self._witness_buffer
         self.k_band: GrowBuffer | LogBuffer = stored("k_band", k.new_zeros((b, h, 0, self.bands), dtype=torch.float32))
@@ -255,13 +275,8 @@ class LayerStore:
         self.v_res: GrowBuffer | LogBuffer = stored("v_res", z)
         self.v_hat_norm: GrowBuffer | LogBuffer = stored("v_hat_norm", z)
         self.v_dist: GrowBuffer | LogBuffer = stored("v_dist", z)
-        pin = torch.cuda.is_available()
-        self.k = _Tensorstore(
-            self.key_codec, k[:, :, :0].to("cpu") if pin else k[:, :, :0], pin, self.write_block, k.device
-        )
-        self.v = _Tensorstore(
-            self.value_codec, v[:, :, :0].to("cpu") if pin else v[:, :, :0], pin, self.write_block, v.device
-        )
+        self.k = _Tensorstore(self.key_codec, like_k, pin, self.write_block, k.device, host_k)
+        self.v = _Tensorstore(self.value_codec, like_v, pin, self.write_block, v.device, host_v)
         # any fixed centre makes the spread max_t ‖v̂_t − c‖ valid; the first write's mean keeps it small
         self.v_centre = torch.nan_to_num(v.to(torch.float32), 0.0, 0.0, 0.0).mean(2, keepdim=True)
         self.k_steps: GrowBuffer | None = None
@@ -287,6 +302,14 @@ class LayerStore:
         if self.pages is None:
             raise ValueError("this store's witness codes live in a serving engine's pages, but its pages were removed")
         return self.pages
+
+    def _current_host(self) -> HostPages:
+        """The host blocks of :attr:`pages` (where the host tier of a store first written with them lives);
+        ``ValueError`` when they were removed."""
+        pages = self._current_pages()
+        if pages.host is None:
+            raise ValueError("this store's host tier lives in a serving engine's host blocks, but they were removed")
+        return pages.host
 
     def cell_layout(self, head_dim: int, head_dim_v: int, align: int = 1) -> CellLayout:
         """The cell one (token, KV head) of a store of this configuration takes in a serving engine's pages: the
@@ -319,6 +342,11 @@ class LayerStore:
             raise ValueError(f"a store whose codes live in pages holds one sequence (B = 1), got B = {k.shape[0]}")
         if self.k is not None and (self.pages is not None) != self._witness_cells:
             raise ValueError("a store's pages must be set before its first write and kept (its witnesses live there)")
+        if self.k is not None and self.pages is not None and (self.pages.host is not None) != self._host_cells:
+            raise ValueError(
+                "a store's host blocks must be given with its pages before its first write and kept (its exact "
+                "host tier lives there)"
+            )
         if self.k is None:
             self._init(k, v)
         assert self.k is not None and self.v is not None
@@ -404,7 +432,7 @@ class LayerStore:
         nothing, where it does not apply."""
         assert self.k is not None and self.v is not None
         logs = (self.k_hat_norm, self.v_hat_norm, self.v_dist)
-        grows: tuple[GrowBuffer, ...] = (
+        grows: tuple[GrowBuffer | HostTokens, ...] = (
             self.k.host,
             self.k.served,
             self.k.exact,

@@ -63,6 +63,7 @@ def served(tmp_path_factory):
         # the finished requests are reported to the runtime with the next step: their stores are still live here
         stores = {rid: dict(seq.stores) for rid, seq in rt.sequences.items()}
         witness_cells = _witness_cells(rt, stores, caches, vcfg.cache_config.block_size)
+        host_cells = _host_cells(rt, stores, caches, vcfg.cache_config.block_size)
         after = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=2))  # frees the two above
         stdout, _ = reference.communicate(timeout=1200)
         assert reference.returncode == 0, "the reference engine (vLLM's own backend) failed"
@@ -77,6 +78,7 @@ def served(tmp_path_factory):
             "caches": caches,
             "stores": stores,
             "witness_cells": witness_cells,
+            "host_cells": host_cells,
             "after": after,
         }
 
@@ -145,6 +147,41 @@ def test_codes_read_from_vllm_blocks_decode_to_what_the_store_encoded(served):
     assert checked >= 2 * 30 * len(PROMPTS)
 
 
+def _block_of(chunk, lay, pools, block_size):
+    """``(the layer's uint8 block pool, the block id)`` of vLLM's block that holds a K chunk's codes, found from the
+    address of the codes in vLLM's allocation (not from kvcert's block table)."""
+    off = chunk.start % block_size
+    ptr = chunk.packed.tensors["codes"].data_ptr() - off * lay.nbytes - lay.field("k", "codes").offset  # the page
+    pool = next(p for p in pools if p.data_ptr() <= ptr < p.data_ptr() + p.numel())
+    block, rest = divmod(ptr - pool.data_ptr(), pool[0].numel())
+    assert rest == 0
+    return pool, block
+
+
+def _host_cells(rt, stores, caches, block_size):
+    """Per store: ``(store, its block-table row, its exact K and V [1, H, n, D] read from the layer's host blocks at
+    those ids, the store's host views of K and V, the block id of each K chunk's codes in vLLM's allocation, the
+    codes of every K and V chunk)``, copied while the requests are live (a later request may get their blocks)."""
+    lay = _layout(rt)
+    pools = [kv.view(torch.uint8) for kv in caches.values()]
+    out = []
+    for per_layer in stores.values():
+        for store in per_layer.values():
+            host = store.pages.host
+            table = host.table[: -(-store.n // block_size)].to(torch.int64).clone()
+            exact = [
+                t[table].transpose(0, 1).reshape(1, t.shape[1], -1, t.shape[3])[:, :, : store.n].clone()
+                for t in (host.blocks.k, host.blocks.v)
+            ]
+            views = [ts.host.view().clone() for ts in (store.k, store.v)]
+            chunks = [_block_of(c, lay, pools, block_size)[1] for c in store.k.chunks]
+            codes = [
+                [{n: t.clone() for n, t in c.packed.tensors.items()} for c in ts.chunks] for ts in (store.k, store.v)
+            ]
+            out.append((store, table, exact, views, chunks, codes))
+    return out
+
+
 def _witness_cells(rt, stores, caches, block_size):
     """``(store, witness name, start, stop, the cells of tokens [start, stop) in vLLM's block)`` per K chunk of every
     store, copied while the requests are live (a later request may get their freed blocks); the block is found
@@ -153,16 +190,12 @@ def _witness_cells(rt, stores, caches, block_size):
 
     lay = _layout(rt)
     pools = [kv.view(torch.uint8) for kv in caches.values()]
-    codes_field = lay.field("k", "codes")
     out = []
     for per_layer in stores.values():
         for store in per_layer.values():
             for c in store.k.chunks:
                 off = c.start % block_size
-                ptr = c.packed.tensors["codes"].data_ptr() - off * lay.nbytes - codes_field.offset  # the page
-                pool = next(p for p in pools if p.data_ptr() <= ptr < p.data_ptr() + p.numel())
-                block, rest = divmod(ptr - pool.data_ptr(), pool[0].numel())
-                assert rest == 0
+                pool, block = _block_of(c, lay, pools, block_size)
                 for name in STORED_WITNESSES:
                     f = lay.field("w", name)
                     cell = pool[block, :, off : off + c.stop - c.start, f.offset : f.offset + f.nbytes].clone()
@@ -182,6 +215,28 @@ def test_witness_codes_live_in_the_blocks_of_their_tokens(served):
         got = logcode.decode(cell, buf.base[0].view(-1, *[1] * (cell.dim() - 1))).view(torch.int32)
         want = buf.view()[0, :, start:stop].reshape(cell.shape).view(torch.int32)
         assert torch.equal(got, want), (store.layer, name, start)
+
+
+def test_exact_kv_live_in_the_host_blocks_of_the_tokens_blocks(served):
+    """Every token's exact K/V sit in the layer's host blocks at its vLLM block id (the block its K codes are in,
+    found from their address in vLLM's allocation), offset ``t % block_size``: re-encoding them gives, per element,
+    the codes in vLLM's blocks (same codec, same dither key), and the entries served exact (pending, repaired) are
+    them bit for bit. The host tier's bytes are those of the tokens held (float32 K and V)."""
+    cells = served["host_cells"]
+    size = served["block_size"]
+    assert len(cells) == 30 * len(PROMPTS)
+    for store, table, exact, views, chunk_blocks, codes in cells:
+        assert [int(table[c.start // size]) for c in store.k.chunks] == chunk_blocks
+        for ts, x, view, chunk_codes in zip((store.k, store.v), exact, views, codes, strict=True):
+            assert torch.equal(view, x)  # the store's host tier is the host blocks' contents
+            for c, stored in zip(ts.chunks, chunk_codes, strict=True):
+                again = ts.codec.encode(x[:, :, c.start : c.stop], key=c.key)
+                for name, t in stored.items():
+                    assert torch.equal(again.tensors[name], t), (store.layer, name, c.start)
+            flags = ts.exact.view()
+            assert bool(flags[:, :, ts.n_encoded :].all()) and bool(flags.any())
+            assert torch.equal(ts.served.view()[flags], x[flags])
+        assert store.bytes_host() == sum(x.numel() for x in exact) * 4
 
 
 def test_certificates_finite_and_sound_per_cell(served):

@@ -5,11 +5,13 @@ Every row the runtime serves is compared per element with exact causal GQA atten
 the K/V written so far (prefill rows: exact over the host tier; decode rows: ``certified:0`` repairs every cell
 with a positive certificate). Validate mode must count no violation, and the codes the stores hold must be views of
 the pool's blocks of that request that decode to the entries the read path served, and every token's witness codes
-must be in its cell of those blocks."""
+must be in its cell of those blocks. Each request's exact K/V must sit in the layer's host blocks at the same block
+ids (token ``t`` at block ``table[t // PAGE]``, offset ``t % PAGE``), read from the host pool directly."""
 
 import pytest
 import torch
 
+from kvcert.cache.host_pages import HostBlocks
 from kvcert.cache.paged import BlockPool
 from kvcert.cache.store import STORED_WITNESSES
 from kvcert.integrations.vllm.runtime import Runtime, cell_layout
@@ -32,11 +34,13 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int) -> t
     return torch.einsum("hns,shd->nhd", logits.softmax(-1), vv)
 
 
-def _drive(rt, layout, pools, steps, tables, seed):
+def _drive(rt, layout, pools, steps, tables, seed, hist=None):
     """Run ``steps`` (each ``{request id: (new tokens, context before them)}``) through ``rt`` with the block table
-    rows ``tables[request id]``; returns the largest |served − exact| of prefill and of decode rows."""
+    rows ``tables[request id]`` (``pools[layer]``: the layer's cell blocks and host blocks); returns the largest
+    |served − exact| of prefill and of decode rows. ``hist`` (filled if given) gets each (request, layer)'s exact
+    K/V ``[S, HKV, D]``."""
     gen = torch.Generator().manual_seed(seed)
-    hist = {}
+    hist = {} if hist is None else hist
     errors = {"prefill": 0.0, "decode": 0.0}
     for news in steps:
         batch = list(news)
@@ -50,7 +54,8 @@ def _drive(rt, layout, pools, steps, tables, seed):
         for layer in range(LAYERS):
             q, k, v = (torch.randn(t, h, D, generator=gen) for h in (HQ, HKV, HKV))
             out = torch.full((t, HQ, D), float("nan"))
-            rt.forward_layer(layer, SCALE, q, k, v, qsl, seq_lens, out, BlockPool(layout, pools[layer], table))
+            cells, host = pools[layer]
+            rt.forward_layer(layer, SCALE, q, k, v, qsl, seq_lens, out, BlockPool(layout, cells, table, host))
             for i, rid in enumerate(batch):
                 lo, hi = qsl[i], qsl[i + 1]
                 ctx = news[rid][1]
@@ -64,10 +69,25 @@ def _drive(rt, layout, pools, steps, tables, seed):
     return errors
 
 
+def _host_holds(store, host, blocks, ks, vs):
+    """The exact K/V ``ks, vs[S, HKV, D]`` of a request's layer sit in the layer's host blocks at its block-table
+    addresses (token ``t`` at block ``blocks[t // PAGE]``, offset ``t % PAGE``), and its host bytes count them."""
+    assert store.n == ks.shape[0] and store.bytes_host() == (ks.numel() + vs.numel()) * 4
+    for t in range(store.n):
+        block, off = blocks[t // PAGE], t % PAGE
+        assert torch.equal(host.k[block, :, off], ks[t]) and torch.equal(host.v[block, :, off], vs[t]), t
+
+
 def _runtime():
     settings = Settings(gate="certified:0", validate=True, seed=3)
     layout = cell_layout(settings, D, D, torch.float32)
-    pools = [torch.zeros(BLOCKS, HKV, PAGE, layout.nbytes, dtype=torch.uint8) for _ in range(LAYERS)]
+    pools = [
+        (
+            torch.zeros(BLOCKS, HKV, PAGE, layout.nbytes, dtype=torch.uint8),
+            HostBlocks(torch.full((BLOCKS, HKV, PAGE, D), -7.0), torch.full((BLOCKS, HKV, PAGE, D), -7.0)),
+        )
+        for _ in range(LAYERS)
+    ]
     return Runtime(settings, LAYERS, HQ, register_exit=False), layout, pools
 
 
@@ -76,11 +96,12 @@ def served():
     rt, layout, pools = _runtime()
     # 52 and 50 tokens: both second blocks are written
     steps = [{"a": (20, 0), "b": (18, 0)}] + [{"a": (1, 20 + i), "b": (1, 18 + i)} for i in range(32)]
-    return rt, layout, pools, _drive(rt, layout, pools, steps, TABLE, seed=12)
+    hist = {}
+    return rt, layout, pools, _drive(rt, layout, pools, steps, TABLE, seed=12, hist=hist), hist
 
 
 def test_every_row_is_the_exact_attention(served):
-    rt, _, _, errors = served
+    rt, _, _, errors, _ = served
     assert errors["prefill"] < 1e-5 and errors["decode"] < 1e-5, errors  # float32 vs the float64 reference
     for rid in TABLE:
         rec = rt.record(rid)
@@ -89,11 +110,12 @@ def test_every_row_is_the_exact_attention(served):
 
 
 def test_codes_live_in_the_requests_blocks_and_decode_to_what_was_served(served):
-    rt, layout, pools, _ = served
+    rt, layout, pools, _, hist = served
     used = set()
     for rid, blocks in TABLE.items():
         for layer, store in rt.sequences[rid].stores.items():
-            pool = pools[layer]
+            pool, host = pools[layer]
+            _host_holds(store, host, blocks, *hist[rid, layer])
             for name, ts in (("k", store.k), ("v", store.v)):
                 assert ts.n_encoded == (store.n - 1) // 16 * 16 > PAGE  # whole write blocks, encoded a write later
                 assert sum(c.stop - c.start for c in ts.chunks) == ts.n_encoded
@@ -113,35 +135,39 @@ def test_codes_live_in_the_requests_blocks_and_decode_to_what_was_served(served)
                     cell = pool[block, :, : hi - lo, f.offset : f.offset + f.nbytes]
                     assert torch.equal(cell, codes[:, lo:hi].reshape(cell.shape)), (rid, layer, name, j)
     assert used == {5, 2, 0, 7}
-    for pool in pools:
+    for pool, host in pools:
         assert int(pool[[1, 3, 4, 6]].sum()) == 0  # no request was given those blocks: untouched
+        assert bool((host.k[[1, 3, 4, 6]] == -7.0).all()) and bool((host.v[[1, 3, 4, 6]] == -7.0).all())
 
 
 def test_a_request_recomputed_from_zero_writes_its_new_blocks_only():
     rt, layout, pools = _runtime()
     steps = [{"r": (40, 0)}] + [{"r": (1, 40 + i)} for i in range(3)]
     errors = _drive(rt, layout, pools, steps, {"r": [1, 2]}, seed=13)
-    before = [pool[[1, 2]].clone() for pool in pools]
-    assert all(int(b.sum()) > 0 for b in before)
+    before = [(pool[[1, 2]].clone(), host.k[[1, 2]].clone(), host.v[[1, 2]].clone()) for pool, host in pools]
+    assert all(int(b[0].sum()) > 0 for b in before)
     # preempted, then recomputed from token 0 in the blocks vLLM gives it now (vLLM 0.32 frees the old ones)
     steps = [{"r": (20, 0)}] + [{"r": (1, 20 + i)} for i in range(14)]
-    again = _drive(rt, layout, pools, steps, {"r": [6, 3]}, seed=14)
+    hist = {}
+    again = _drive(rt, layout, pools, steps, {"r": [6, 3]}, seed=14, hist=hist)
     assert max(*errors.values(), *again.values()) < 1e-5, (errors, again)
     packed = torch.zeros(layout.nbytes, dtype=torch.bool)  # the bytes of a cell that hold K/V codes
     for f in layout.fields:
         packed[f.offset : f.offset + f.nbytes] |= f.tensor != "w"
-    for pool, b in zip(pools, before, strict=True):
+    for (pool, host), (b, hk, hv) in zip(pools, before, strict=True):
         assert torch.equal(pool[[1, 2]], b)  # the old blocks were not written after the restart
+        assert torch.equal(host.k[[1, 2]], hk) and torch.equal(host.v[[1, 2]], hv)
         # 34 tokens: codes for 32, all in the first block; the second holds the witness codes of tokens 32, 33 only
         assert int(pool[6].sum()) > 0 and int(pool[3][..., packed].sum()) == 0 and int(pool[3][:, 2:].sum()) == 0
         assert int(pool[3][:, :2].sum()) > 0
-    for store in rt.sequences["r"].stores.values():
+    for layer, store in rt.sequences["r"].stores.items():
         assert store.n == 34 and all(c.stop <= PAGE for c in store.k.chunks)
+        _host_holds(store, pools[layer][1], [6, 3], *hist["r", layer])
     rec = rt.record("r")
     assert rec.violations == 0 and rec.decode_steps == 3 + 14
 
 
 def test_a_pool_without_the_packed_cell_is_refused(served):
-    _, layout, _, _ = served
+    _, layout, _, _, _ = served
     with pytest.raises(ValueError, match="packed cell"):
         BlockPool(layout, torch.zeros(2, HKV, PAGE, layout.nbytes + 4, dtype=torch.uint8), torch.zeros(1, 2))

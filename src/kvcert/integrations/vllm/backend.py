@@ -8,8 +8,11 @@ Memory: :meth:`KvcertCPUBackend.customize_spec` publishes the layer's packed cel
 key and value codecs' packed bytes and the write-time witness codes per (token, KV head), measured by
 :meth:`~kvcert.cache.store.LayerStore.cell_layout`), so vLLM sizes and allocates its block pool at that size: more
 blocks for the same ``VLLM_CPU_KVCACHE_SPACE``. Each sequence's store puts the codes of its encoded tokens and the
-witness codes of its tokens in the sequence's own vLLM blocks (``block_table[i, pos // block_size]``); the exact
-K/V stay in kvcert's host tier.
+witness codes of its tokens in the sequence's own vLLM blocks (``block_table[i, pos // block_size]``). The exact
+K/V go to kvcert's host tier, one pool of host blocks per layer with vLLM's block ids
+(:class:`~kvcert.cache.host_pages.HostBlocks`, ``[num_blocks, H, block_size, D]`` in the model's dtype, created
+with the layer's first forward): token ``pos`` at host block ``block_table[i, pos // block_size]``, offset
+``pos % block_size``, the addresses of its cells.
 
 Reads: vLLM's kernel cannot read packed blocks, so it never runs on a kvcert layer and ``do_kv_cache_update``
 writes nothing. :meth:`KvcertCPUImpl.forward` hands the flat batch to the process's
@@ -40,6 +43,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVQuantMode
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+from kvcert.cache.host_pages import HostBlocks
 from kvcert.cache.paged import BlockPool
 from kvcert.integrations.vllm.runtime import Runtime, cell_layout
 from kvcert.integrations.vllm.settings import SUPPORTED_MODEL_TYPES, Settings
@@ -149,9 +153,11 @@ class KvcertCPUImpl(CPUAttentionBackendImpl):
         """kvcert serves this layer (else vLLM's own attention does, over unpacked blocks)."""
         return self.kvcert and not _REFUSED
 
-    def _blocks(self, kv_cache: torch.Tensor, block_table: torch.Tensor) -> BlockPool:
-        """This layer's blocks as ``uint8 [num_blocks, H, block_size, C]`` with the step's block table; raises
-        :class:`PackingError` when the blocks do not have the packed cell (vLLM allocated them unpacked)."""
+    def _blocks(self, kv_cache: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype) -> BlockPool:
+        """This layer's blocks as ``uint8 [num_blocks, H, block_size, C]`` and its host blocks (exact K/V of
+        ``dtype``, the dtype of the K/V the model computes; allocated with the first call) with the step's block
+        table; raises :class:`PackingError` when the blocks do not have the packed cell (vLLM allocated them
+        unpacked)."""
         rt = _RUNTIME
         assert rt is not None
         if self._pool is None or self._pool[0] is not kv_cache:
@@ -164,7 +170,9 @@ class KvcertCPUImpl(CPUAttentionBackendImpl):
                     f"packed cell of {layout.nbytes} bytes per (token, KV head) that customize_spec published; "
                     "refusing to write codes into them"
                 )
-            self._pool = (kv_cache, BlockPool(layout, blocks, block_table))
+            n, h, size = blocks.shape[:3]
+            host = HostBlocks.empty(n, h, size, self.head_size, self.head_size, dtype)
+            self._pool = (kv_cache, BlockPool(layout, blocks, block_table, host))
         return dataclasses.replace(self._pool[1], block_table=block_table)
 
     def do_kv_cache_update(
@@ -215,7 +223,7 @@ class KvcertCPUImpl(CPUAttentionBackendImpl):
             qsl,
             attn_metadata.seq_lens.tolist(),
             output[:t].view(t, self.num_heads, -1),
-            self._blocks(kv_cache, attn_metadata.block_table),
+            self._blocks(kv_cache, attn_metadata.block_table, key.dtype),
         )
         return output
 

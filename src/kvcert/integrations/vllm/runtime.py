@@ -9,7 +9,8 @@ and decodes mixed) with new tokens ``[lo, hi)`` of the flat batch and ``ctx`` to
 
 * the new post-RoPE K/V go into the sequence's own :class:`~kvcert.cache.store.LayerStore` (``B = 1``): the
   compressed device tier (real packed codes and the write-time witness codes, written into the sequence's vLLM
-  blocks when the backend passes its :class:`~kvcert.cache.paged.BlockPool`) and the exact host tier;
+  blocks when the backend passes its :class:`~kvcert.cache.paged.BlockPool`) and the exact host tier (in the
+  pool's host blocks of the same ids when it carries them, :class:`~kvcert.cache.host_pages.HostBlocks`);
 * a **decode** read (one new token, ``ctx > 0``) is served by a
   :class:`~kvcert.attention.read_path.CertifiedReadPath` — the same read path
   :class:`~kvcert.integrations.transformers.CertifiedCache` uses: served attention over the decoded codes, a
@@ -233,7 +234,8 @@ class Runtime:
         written for every token of every row. Rows are :attr:`batch` in order;
         ``query_start_loc[i]:query_start_loc[i + 1]`` are row ``i``'s tokens and ``seq_lens[i]`` its length after
         them. With ``pages``, each store keeps its packed codes in the engine's blocks of row ``i``
-        (``pages.block_table[i]``) instead of tensors of its own.
+        (``pages.block_table[i]``) instead of tensors of its own, and, when ``pages.host`` is given, its exact K/V
+        in the host blocks of the same ids.
         """
         batch = self.rows()
         assert batch is not None, "forward_layer outside an engine step"

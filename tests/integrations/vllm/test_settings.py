@@ -144,3 +144,23 @@ def test_record_store_prefix_lookup_and_merge(tmp_path):
     assert m.coverage == pytest.approx(5 / 6) and m.fallback_share == pytest.approx(1 / 6)
     assert RecordStore(tmp_path / "r.sqlite").matching("cmpl-10")[0] == c  # a second process sees the rows
     assert store.matching("cmpl_1") == []  # LIKE wildcards in ids are escaped
+
+
+def test_a_kv_cache_rebound_while_requests_are_live_fails_closed(monkeypatch):
+    """A layer's blocks and host blocks follow vLLM's KV cache tensor: a new tensor with no live request (profiling,
+    then the real cache) is taken; a new one while a request is live raises ``PackingError`` naming it (its codes
+    and exact K/V are in the old blocks), instead of serving reads of unwritten blocks."""
+    from kvcert.integrations.vllm import backend
+    from kvcert.integrations.vllm.runtime import Runtime, cell_layout
+
+    rt = Runtime(Settings(), 2, 3, register_exit=False)
+    monkeypatch.setattr(backend, "_RUNTIME", rt)
+    nbytes = cell_layout(rt.settings, 64, 64, torch.float32).nbytes
+    impl = SimpleNamespace(_pool=None, head_size=64)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    first, second = (torch.zeros(4, 3, 16, nbytes // 4) for _ in range(2))
+    assert backend.KvcertCPUImpl._blocks(impl, first, table, torch.float32).blocks.data_ptr() == first.data_ptr()
+    assert backend.KvcertCPUImpl._blocks(impl, second, table, torch.float32).blocks.data_ptr() == second.data_ptr()
+    rt.sequences["req-7"] = SimpleNamespace()
+    with pytest.raises(backend.PackingError, match="req-7"):
+        backend.KvcertCPUImpl._blocks(impl, first, table, torch.float32)

@@ -157,9 +157,16 @@ class KvcertCPUImpl(CPUAttentionBackendImpl):
         """This layer's blocks as ``uint8 [num_blocks, H, block_size, C]`` and its host blocks (exact K/V of
         ``dtype``, the dtype of the K/V the model computes; allocated with the first call) with the step's block
         table; raises :class:`PackingError` when the blocks do not have the packed cell (vLLM allocated them
-        unpacked)."""
+        unpacked) or when the layer's KV cache tensor changes while requests are live (fail closed: their codes and
+        exact K/V stay in the old one)."""
         rt = _RUNTIME
         assert rt is not None
+        if self._pool is not None and self._pool[0] is not kv_cache and rt.sequences:
+            raise PackingError(
+                "kvcert: vLLM handed this layer another KV cache tensor while requests are live; their packed codes "
+                "and exact K/V are in the blocks and host blocks of the previous one, so their reads cannot be served "
+                f"(live requests: {sorted(rt.sequences)[:3]}). Refusing instead of reading unwritten blocks."
+            )
         if self._pool is None or self._pool[0] is not kv_cache:
             # vLLM views the blocks in the spec's dtype, the alignment customize_spec used
             layout = cell_layout(rt.settings, self.head_size, self.head_size, kv_cache.dtype)

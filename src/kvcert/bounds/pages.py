@@ -804,8 +804,10 @@ def basis_page_bound(
     top = s_hat.amax(-1, keepdim=True).clamp(min=-1e300)  # a page without a visible token: no term (seen = 0)
     w = torch.exp(s_hat - top)  # e^{ŝ_t − top}, 0 off the visible tokens
     cc = paged(c, 0.0)
-    phi = torch.where(cc > 0, torch.expm1(cc) / cc.clamp(min=1e-300), 1.0)  # (e^c − 1)/c, increasing, ≥ 1
-    lin = torch.where(vis, w * phi, 0.0).norm(dim=-1)  # [..., M, P]
+    # log((e^c − 1)/c) = c + log(1 − e^{−c}) − log c (≥ 0, increasing; 0 at c = 0), so that e^{ŝ−top}·(e^c − 1)/c is
+    # one exp that underflows to 0 or overflows to inf, never 0·inf
+    log_phi = torch.where(cc > 0, cc + torch.log(-torch.expm1(-cc)) - torch.log(cc.clamp(min=1e-300)), 0.0)
+    lin = torch.where(vis, torch.exp(s_hat - top + log_phi.clamp(min=0.0)), 0.0).norm(dim=-1)  # [..., M, P]
     rho_p = torch.where(vis, paged(rho, 0.0), 0.0).norm(dim=-1)
     e_p = (
         scaling
@@ -815,8 +817,11 @@ def basis_page_bound(
         )
         + rho_p
     )
-    spread = torch.where(lin > 0, lin * e_p * (1.0 + 8 * _U64), 0.0)
+    spread = torch.where((lin > 0) & (e_p > 0), lin * e_p * (1.0 + (2 * ps + 16) * 2.0**-52), 0.0)
     total = (w.sum(-1) + spread) * (1.0 + (ps + 16) * 2.0**-52)
     spec = torch.log(total) + top.squeeze(-1)
-    spec = spec + (ps + 16) * 2.0**-52 * (1.0 + spec.abs())
+    # float64 allowances: the exponents ŝ_t − top + log φ(c_t) (each off by a few ulps of its terms' magnitude),
+    # then the log and the sum with top
+    reach = torch.where(vis, s_hat.abs() + cc + log_phi.abs() + cc.clamp(min=1e-300).log().abs(), 0.0).amax(-1)
+    spec = spec + 16 * 2.0**-52 * (1.0 + reach + top.squeeze(-1).abs()) + (ps + 16) * 2.0**-52 * (1.0 + spec.abs())
     return torch.where(seen.bool(), torch.minimum(pooled, spec), 0.0), seen

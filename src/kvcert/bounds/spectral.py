@@ -38,8 +38,9 @@ def _scale_exponent(norm_up: torch.Tensor) -> torch.Tensor:
 def spectral_norm_up(x: torch.Tensor, squarings: int = SQUARINGS) -> torch.Tensor:
     """``σ̄[...] ≥ ‖x‖₂`` (float64) for finite matrices ``x[..., m, n]``.
 
-    With ``Y = 2^{-e}·X`` (exact, ``‖Y‖_F ≤ 1``) and ``P₁ = fl(G)`` for ``G`` the smaller Gram matrix of ``Y``
-    (``k = min(m, n)``, ``‖P₁ − G‖_F ≤ γ_L`` with ``L = max(m, n)`` the summed length), each squaring takes
+    With ``Y = 2^{-e}·X`` (exact up to underflow, ``‖Y‖_F ≤ 1``; ``e`` from the largest entry, then the norm) and
+    ``P₁ = fl(G)`` for ``G`` the smaller Gram matrix of ``Y`` (``k = min(m, n)``, ``‖P₁ − G‖_F ≤ γ_L`` with
+    ``L = max(m, n)`` the summed length), each squaring takes
     ``Q = 2^{-f}·P`` (exact, ``‖Q‖_F ≤ 1``) and ``P ← fl(Q·Q)``, and tracks ``E ≥ ‖P − T‖_F`` for the exact
     ``T = 2^{a}·G^{2^j}``: ``E ← γ_k‖Q‖_F² + 2^{-f}E·(2‖Q‖_F + 2^{-f}E)``. Then
     ``λ_max(G)^{2^K}·2^{a} = λ_max(T) ≤ ‖T‖_F ≤ ‖P‖_F + E``, ``‖X‖₂ = 2^{e}·λ_max(G)^{1/2}``. Computed norms are
@@ -55,9 +56,13 @@ def spectral_norm_up(x: torch.Tensor, squarings: int = SQUARINGS) -> torch.Tenso
         raise ValueError("x contains NaN or inf: its spectral norm has no finite bound")
     m, n = x64.shape[-2:]
     k, length = min(m, n), max(m, n)
-    fro = x64.flatten(-2).norm(dim=-1) * (1.0 + (m * n + 4) * _U)  # ≥ ‖X‖_F
-    e = _scale_exponent(fro)
-    y = torch.ldexp(x64, -e[..., None, None].to(F64))  # exact (powers of two), ‖Y‖_F ≤ 1
+    # two exact power-of-two rescalings: entries to at most 1 (no overflow in the norm), then ‖Y‖_F to at most 1
+    e0 = _scale_exponent(x64.abs().flatten(-2).amax(-1))
+    x1 = torch.ldexp(x64, -e0[..., None, None].to(F64))
+    fro = x1.flatten(-2).norm(dim=-1) * (1.0 + (m * n + 4) * _U)  # ≥ ‖2^{-e0}·X‖_F
+    e1 = _scale_exponent(fro)
+    y = torch.ldexp(x1, -e1[..., None, None].to(F64))  # ‖Y‖_F ≤ 1, Y = 2^{-e}·X with e = e0 + e1
+    e = e0 + e1
     p = y.transpose(-1, -2) @ y if n <= m else y @ y.transpose(-1, -2)  # [..., k, k]
     err = torch.full(e.shape, _gamma(length) + _TINY, dtype=F64, device=x64.device)
     log2_scale = torch.zeros(e.shape, dtype=F64, device=x64.device)  # a: T = 2^a · G^(2^j)

@@ -38,7 +38,7 @@ def test_tau_zero_with_swap_is_token_identical_to_dynamic_cache(models, family, 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("policy", ["h2o", "snapkv"])
 @pytest.mark.parametrize(
-    ("codec", "summary"), [("int4", "int8"), ("none", "int8"), ("int4", "basis8"), ("int8", "box")]
+    ("codec", "summary"), [("int4", "int8"), ("none", "int8"), ("int4", "basis8"), ("int4", "basis8-spec"), ("int8", "box")]
 )
 @pytest.mark.parametrize("budget", [None, 0.6])
 def test_validate_mode_zero_violations_in_every_cell_with_swap(models, family, policy, codec, summary, budget):
@@ -172,3 +172,54 @@ def test_swap_refuses_dithered_codecs(models, keys):
 def test_unknown_recall_is_refused_and_names_swap():
     with pytest.raises(ValueError, match="recall must be one of persistent, transient, swap, got 'bogus'"):
         EvictionConfig.resident_set(0.25, recall="bogus")
+
+
+def _store_state(store) -> dict[str, torch.Tensor]:
+    """Every per-token tensor of ``store`` (tiers, witnesses, positions, packed codes) and its archive, the archive
+    sorted by position per (row, KV head) (its order is free: the summary re-orders it)."""
+    state = {
+        f"{t}.{name}": getattr(getattr(store, t), name).view() for t in "kv" for name in ("host", "served", "exact")
+    }
+    for i, buf in enumerate(store._token_buffers()):
+        state[f"token{i}"] = buf.view()
+    for t in "kv":
+        for i, chunk in enumerate(getattr(store, t).chunks):
+            state.update({f"{t}.chunk{i}.{name}": x for name, x in chunk.packed.tensors.items()})
+    order = store.evicted["positions"].view().argsort(-1)
+    for name, buf in store.evicted.items():
+        x = buf.view()
+        state[f"evicted.{name}"] = x.gather(2, order.reshape(*order.shape, *[1] * (x.dim() - 3)).expand_as(x))
+    return state
+
+
+@pytest.mark.parametrize("codec", ["int4", "none"])
+def test_promoting_only_the_chosen_archive_tokens_equals_promoting_the_whole_archive(models, codec):
+    """``EvictionDriver._promote_chosen`` encodes only the archive tokens some head chooses; the store (every tier,
+    witness, position, packed code, and the archive up to its order) equals per element the reference that promotes
+    the whole archive and gathers the chosen slots."""
+    from kvcert.attention.evict_driver import EvictionDriver
+
+    model = models["llama"]
+    ids = prompt_ids(model, batch=2, seed=5)
+    stores = []
+    for _ in range(2):  # two identical stores (a store's numpy-backed buffers do not survive copy.deepcopy)
+        with resident_cache(model, codec, "snapkv", Gate.off()) as cache:
+            greedy_decode(model, ids, cache, 2)
+            stores.append(cache.layers[1].store)
+    ours, ref = stores
+    n, archive = ref.n, ref.evicted["positions"].view().shape[-1]
+    gen = torch.Generator().manual_seed(0)
+    b, h = ref.positions.view().shape[:2]
+    # every head keeps n slots of [resident, archive], a different mix per head (some archive slots for each)
+    chosen = torch.stack([torch.randperm(n + archive, generator=gen)[:n] for _ in range(b * h)]).view(b, h, n)
+    chosen = chosen.sort(-1).values
+    assert bool((chosen >= n).any(-1).all()) and bool((chosen < n).any(-1).all())
+    EvictionDriver._promote_chosen(ours, chosen, n)
+    ev = ref.evicted
+    ref.promote(ev["k"].view(), ev["v"].view(), ev["positions"].view())
+    ref.evicted = {}
+    ref.gather(chosen, retain_evicted=True)
+    got, want = _store_state(ours), _store_state(ref)
+    assert got.keys() == want.keys()
+    for name, x in want.items():
+        assert torch.equal(got[name], x), name

@@ -51,7 +51,7 @@ SLACK = 1e-12
 FAMILIES: tuple[str, ...] = ("base", "edge", "masked", "range")
 # the summaries :func:`page_checks` can check (each gives a logit, a mass and a certificate form; the box also the
 # direct form)
-PAGE_SUMMARIES: tuple[str, ...] = ("box", "int8", "basis", "basis_t2")
+PAGE_SUMMARIES: tuple[str, ...] = ("box", "int8", "basis", "basis_t2", "basis_spec")
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,19 @@ def _basis_residuals(keys: torch.Tensor, idx: torch.Tensor, tail_bits: int) -> t
     return perp, torch.einsum("nr,ndr->nd", coef - ahat, a)
 
 
+def _page_tail_direction(keys: torch.Tensor, page: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``[n, D]``: the top left singular vector of the tail residuals ``k_t − AAᵀk_t − B·b̂_t`` (int4 tail) of the
+    tokens of page ``page`` of each cell: a query along it attains the page-spectral step of
+    :func:`~kvcert.bounds.pages.basis_page_bound` (``docs/math.md#page-spectral-witness``)."""
+    sk = pg.basis_sketch(keys, basis_rank(keys.shape[-1]), 4)
+    a, b, k = sk.basis.to(F64), sk.tail.to(F64), keys.to(F64)
+    coef = k @ a
+    resid = k - coef @ a.transpose(-1, -2) - sk.tail_coefficients() @ b.transpose(-1, -2)  # [n, S_O, D]
+    tok = (page.view(-1, 1) * page_size + torch.arange(page_size).view(1, -1)).clamp(max=keys.shape[1] - 1)
+    cols = resid.gather(1, tok.unsqueeze(-1).expand(-1, -1, keys.shape[-1]))  # [n, page_size, D]
+    return torch.linalg.svd(cols.transpose(-1, -2), full_matrices=False).U[..., 0]
+
+
 def make_page_cells(n: int, s_r: int, s_o: int, page_size: int, d: int, gen: torch.Generator) -> PageCells:
     """``n`` adversarial cells, a quarter of each family of :data:`FAMILIES` (see the module docstring)."""
     u = lambda *shape: torch.rand(*shape, generator=gen, dtype=F64)  # noqa: E731
@@ -160,17 +173,18 @@ def make_page_cells(n: int, s_r: int, s_o: int, page_size: int, d: int, gen: tor
     keys_o = torch.where(edge.unsqueeze(-1), snapped, keys_o)
     ko32 = keys_o.to(torch.float32)
     sk = pg.sketch_keys(ko32[rows, idx].unsqueeze(1))
-    direction = pick(5)
+    direction = pick(6)
     resid = torch.stack(
         [
             ko32[rows, idx].to(F64) - sk.codes[:, 0].to(F64) * sk.scale.to(F64),
             *_basis_residuals(ko32, idx, 4),
             _basis_residuals(ko32, idx, 2)[0],
+            _page_tail_direction(ko32, page, page_size),
         ]
     )
-    resid = resid[direction[:, 0].clamp(max=3), rows]
+    resid = resid[direction[:, 0].clamp(max=4), rows]
     rn = resid.norm(dim=-1, keepdim=True)
-    along = edge & (direction < 4) & (rn > 0)
+    along = edge & (direction < 5) & (rn > 0)
     q = torch.where(along, resid / rn.clamp(min=1e-300) * q.norm(dim=-1, keepdim=True), q)
     q32, kr32 = q.to(torch.float32), keys_r.to(torch.float32)
     sc = 1.0 / math.sqrt(d)
@@ -212,7 +226,9 @@ def page_checks(
     omitted mass, direct form and composed certificate vs true TV; ``int8`` — ``token_logit`` / ``*_int8`` the same
     for the int8 key sketch; ``basis`` / ``basis_t2`` — ``basis_logit`` / ``*_basis`` and ``basis_t2_logit`` /
     ``*_basis_t2`` for the principal-basis sketch of rank :func:`basis_rank` with an int4 resp. 2-bit tail
-    (per-token bounds pooled per page)."""
+    (per-token bounds pooled per page); ``basis_spec`` — ``basis_spec_page_logit`` (per page: the bound against
+    ``log Σ_{t∈P visible} e^{s_t + 3·sc·γ·‖q‖‖k_t‖}``) / ``*_basis_spec`` for the int4-tail sketch pooled by its page
+    spectra."""
     unknown = set(summaries) - set(PAGE_SUMMARIES)
     if unknown:
         raise ValueError(f"summaries must be among {PAGE_SUMMARIES}, got {sorted(unknown)}")
@@ -259,6 +275,23 @@ def page_checks(
             logit_name: (u_t, need_tok),
             f"omitted_mass_{suffix}": (oc_t.mass, cells.true_mass),
             f"composed_{suffix}": (oc_t.certificate, tv),
+        }
+    if "basis_spec" in summaries:  # the principal-basis sketch (int4 tail) pooled per page by its page spectra
+        sk = pg.basis_sketch(cells.keys_o, basis_rank(d), 4, page_size=cells.page_size)
+        vis = cells.visible_o.unsqueeze(1)
+        u_p, seen = pg.basis_page_bound(q, sk, vis, cells.scaling, gamma)
+        u_p, seen = u_p[:, 0], seen[:, 0]
+        n, s_o = cells.s_o.shape
+        pages = -(-s_o // cells.page_size)
+        pad = pages * cells.page_size - s_o
+        hidden = torch.where(cells.visible_o, need_tok, float("-inf"))
+        need_p = torch.nn.functional.pad(hidden, (0, pad), value=float("-inf")).reshape(n, pages, -1)
+        need_p = torch.logsumexp(need_p, -1).nan_to_num(neginf=0.0)  # a page with no visible token: 0 (uncounted)
+        oc_s = pg.omitted_certificate(cells.p_served, cells.radius, pg.page_weights(cells.served, u_p, seen), meter)
+        out |= {
+            "basis_spec_page_logit": (torch.where(seen.bool(), u_p, 0.0), need_p),
+            "omitted_mass_basis_spec": (oc_s.mass, cells.true_mass),
+            "composed_basis_spec": (oc_s.certificate, tv),
         }
     return out
 

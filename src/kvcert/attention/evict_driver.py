@@ -28,6 +28,7 @@ from kvcert.attention.resident import (
     refresh_pool,
     summarize_omitted,
 )
+from kvcert.cache.buffer import GrowBuffer
 from kvcert.cache.gate import Gate
 from kvcert.cache.recall import RecallPool
 from kvcert.cache.store import LayerStore
@@ -692,11 +693,7 @@ class EvictionDriver:
         free_at = held_at if on_device is None else held_at | on_device.to(held_at.device)
         dk, dv = store.k.host.shape[-1], store.v.host.shape[-1]
         elt = store.k.host.dtype.itemsize
-        # the reference encodes the whole archive and keeps the chosen slots (a per-token codec gives a token the
-        # same code either way); only the promoted tokens count as paged in
-        store.promote(ev["k"].view(), ev["v"].view(), ev["positions"].view())
-        store.evicted = {}
-        store.gather(chosen.to(store.positions.view().device), retain_evicted=True)
+        self._promote_chosen(store, chosen, n)
         archive = store.evicted["positions"].view().to(held_at.device)
         carried = held_at.gather(-1, archive)
         # held tokens that stay omitted first, then the rest, each in position order: the held ones fill whole pages
@@ -720,6 +717,36 @@ class EvictionDriver:
         stats.promoted += int(promoted.sum())
         stats.demoted += n * chosen.shape[0] * chosen.shape[1] - int((~promoted).sum())
         stats.bytes_paged += paged * (dk + dv) * elt
+
+    @staticmethod
+    def _promote_chosen(store: LayerStore, chosen: torch.Tensor, n: int) -> None:
+        """Make the slots ``chosen[B, Hkv, C]`` of ``[resident (n), archive]`` (strictly increasing per head) the
+        store's tokens; the rest form its new archive (``store.evicted``, in no particular order).
+
+        Only the archive slots some (row, KV head) chooses are encoded (:meth:`~kvcert.cache.store.LayerStore.promote`
+        takes rectangular ``[B, Hkv, u]`` runs, so a slot chosen by one head is promoted for all, then dropped by the
+        others' gather): a per-token codec gives a token the same codes whether it is encoded alone or with the whole
+        archive, so the store ends as if the whole archive had been promoted and gathered (tested per element in
+        ``tests/attention/test_resident_swap.py``), at the cost of the promoted tokens instead of the archive's."""
+        ev = store.evicted
+        used = torch.zeros(ev["positions"].view().shape[-1], dtype=torch.bool, device=chosen.device)
+        picked = chosen[chosen >= n] - n
+        used[picked] = True
+        take, rest = used.nonzero().squeeze(-1), (~used).nonzero().squeeze(-1)
+        rank = used.cumsum(0) - 1  # archive slot -> its place among the promoted ones
+        keep = torch.where(chosen >= n, n + rank[(chosen - n).clamp(min=0)], chosen)
+        parts = {name: buf.view() for name, buf in ev.items()}
+        if take.numel():
+            store.promote(
+                *(parts[name].index_select(2, take.to(parts[name].device)) for name in ("k", "v", "positions"))
+            )
+        store.evicted = {}
+        store.gather(keep.to(store.positions.view().device), retain_evicted=True)
+        for name, part in parts.items():  # the archive slots nobody chose stay in the archive
+            left = part.index_select(2, rest.to(part.device))
+            if name not in store.evicted:
+                store.evicted[name] = GrowBuffer(left[:, :, :0])
+            store.evicted[name].append(left)
 
     def _validate_reading(
         self, store: LayerStore, query: torch.Tensor, logical: torch.Tensor, scaling: float, step: int

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -46,6 +45,7 @@ from kvcert.bounds.pages import (
     OmittedCertificate,
     PageSummary,
     basis_logit_bound,
+    basis_page_bound,
     basis_sketch,
     omitted_certificate,
     page_logit_bound,
@@ -66,12 +66,30 @@ from kvcert.kernels.repair import block_contributions
 
 F64 = torch.float64
 Sketch = KeySketch | BasisSketch
-# per-token summaries: how each kind sketches the omitted keys (``basis<r>``: principal basis of ``r`` vectors,
-# int4 tail; ``-t2``: the same with a 2-bit tail)
-SKETCHES: dict[str, Callable[[torch.Tensor], Sketch]] = {
-    "int8": sketch_keys,
-    **{f"basis{r}": partial(basis_sketch, rank=r) for r in (8, 16, 24, 32)},
-    "basis8-t2": partial(basis_sketch, rank=8, tail_bits=2),
+
+
+def _int8_sketch(keys: torch.Tensor, page_size: int) -> Sketch:
+    """The int8 sketch of ``keys`` (per token; the page size does not enter)."""
+    return sketch_keys(keys)
+
+
+def _basis(rank: int, tail_bits: int = 4, spectra: bool = False) -> Callable[[torch.Tensor, int], Sketch]:
+    """The principal-basis sketch of ``rank`` with a ``tail_bits`` tail, with page spectra when ``spectra``."""
+
+    def sketch(keys: torch.Tensor, page_size: int) -> Sketch:
+        return basis_sketch(keys, rank, tail_bits, page_size if spectra else 0)
+
+    return sketch
+
+
+# per-token summaries: how each kind sketches the omitted keys ``(keys, page_size)`` (``basis<r>``: principal basis
+# of ``r`` vectors, int4 tail; ``-t2``: the same with a 2-bit tail; ``-spec``: with the page spectra that
+# :func:`~kvcert.bounds.pages.basis_page_bound` pools pages with, ``docs/math.md#page-spectral-witness``)
+SKETCHES: dict[str, Callable[[torch.Tensor, int], Sketch]] = {
+    "int8": _int8_sketch,
+    **{f"basis{r}": _basis(r) for r in (8, 16, 24, 32)},
+    "basis8-t2": _basis(8, tail_bits=2),
+    **{f"basis{r}-spec": _basis(r, spectra=True) for r in (8, 16)},
 }
 SUMMARIES: tuple[str, ...] = ("box", *SKETCHES)
 RECALLS: tuple[str, ...] = ("persistent", "transient", "swap")
@@ -167,7 +185,7 @@ def summarize_omitted(
     dev = store.v_centre.device  # the summary lives on the device tier; the omitted tokens stay in the host tier
     k, v = store.evicted["k"].view().to(dev), store.evicted["v"].view().to(dev)
     box = summarize_pages(k, page_size) if summary == "box" else None
-    sketch = SKETCHES[summary](k) if summary in SKETCHES else None
+    sketch = SKETCHES[summary](k, page_size) if summary in SKETCHES else None
     held = None
     if pool is not None:
         n = k.shape[2]
@@ -570,6 +588,8 @@ def resident_read(
         if pages.box is not None:
             u = page_logit_bound(qg, pages.box, scaling, gamma)  # [B, Hkv, M, P]
             counts = _page_counts(m_o, ps, n_pages)
+        elif isinstance(pages.sketch, BasisSketch) and pages.sketch.page_size:  # pooled, or from the page spectra
+            u, counts = basis_page_bound(qg, pages.sketch, m_o, scaling, gamma)
         else:  # per-token bounds pooled per page: n_P e^{u_P} = Σ_{t∈P visible} e^{u_t}
             assert pages.sketch is not None
             u, counts = pool_pages(sketch_logit_bound(qg, pages.sketch, scaling, gamma), m_o, ps)

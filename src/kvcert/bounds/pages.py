@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcert.bounds.spectral import spectral_norm_up
 from kvcert.checks import fail_if
 
 F64 = torch.float64
@@ -414,6 +415,11 @@ class BasisSketch:
     ``c ∈ {−3, −1, 1, 3}``, per byte (low bits first in both). Per token, bfloat16: ``scale``, ``tail_scale``,
     ``coef_err ≥ ‖Aᵀk_t − â_t‖ + δ·‖Aᵀk_t‖`` (``δ ≥ ‖I − AᵀA‖_F``), ``perp_err ≥ ‖k_t − AAᵀk_t − B·b̂_t‖`` and
     ``norm ≥ ‖k_t‖``.
+
+    Page spectra (``page_size > 0``, ``docs/math.md#page-spectral-witness``): per page ``P`` of ``page_size``
+    consecutive tokens, float32 ``coef_spec[..., P] ≥ ‖[Aᵀk_t − â_t]_{t∈P}‖₂ + δ·‖(‖Aᵀk_t‖)_{t∈P}‖₂`` and
+    ``perp_spec[..., P] ≥ ‖[k_t − AAᵀk_t − B·b̂_t]_{t∈P}‖₂`` (spectral norms of the matrices whose columns are the
+    page's residuals); :func:`basis_page_bound` uses them. ``page_size = 0``: none stored.
     """
 
     basis: torch.Tensor
@@ -426,10 +432,14 @@ class BasisSketch:
     perp_err: torch.Tensor
     norm: torch.Tensor
     tail_bits: int = 4
+    page_size: int = 0
+    coef_spec: torch.Tensor | None = None
+    perp_spec: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of the sketch: both bases, both codes and the five per-token bfloat16 numbers."""
+        """Device bytes of the sketch: both bases, both codes, the five per-token bfloat16 numbers and, with page
+        spectra, the two float32 numbers per page."""
         parts = (
             self.basis,
             self.tail,
@@ -440,6 +450,7 @@ class BasisSketch:
             self.coef_err,
             self.perp_err,
             self.norm,
+            *(t for t in (self.coef_spec, self.perp_spec) if t is not None),
         )
         return sum(t.numel() * t.element_size() for t in parts)
 
@@ -500,17 +511,18 @@ def principal_basis(keys: torch.Tensor) -> torch.Tensor:
     return vecs.flip(-1)
 
 
-def basis_sketch(keys: torch.Tensor, rank: int, tail_bits: int = 4) -> BasisSketch:
+def basis_sketch(keys: torch.Tensor, rank: int, tail_bits: int = 4, page_size: int = 0) -> BasisSketch:
     """Sketch ``keys[..., N, D]`` in their principal basis (:func:`principal_basis`): head the leading
-    ``min(rank, D)`` vectors, tail the rest, its codes ``tail_bits`` wide (:func:`basis_sketch_in`). Raises
-    ``ValueError`` for ``rank < 1``, a width not in :data:`TAIL_BITS`, no tokens or non-finite keys."""
+    ``min(rank, D)`` vectors, tail the rest, its codes ``tail_bits`` wide, with page spectra for pages of
+    ``page_size`` tokens when it is positive (:func:`basis_sketch_in`). Raises ``ValueError`` for ``rank < 1``, a
+    width not in :data:`TAIL_BITS`, no tokens or non-finite keys."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be a positive int, got {rank!r}")
     _check_tail_bits(tail_bits)
     _check_keys(keys)
     vecs = principal_basis(keys)
     r = min(rank, keys.shape[-1])
-    return basis_sketch_in(keys, vecs[..., :r], vecs[..., r:], tail_bits)
+    return basis_sketch_in(keys, vecs[..., :r], vecs[..., r:], tail_bits, page_size)
 
 
 def _check_tail_bits(tail_bits: object) -> None:
@@ -576,7 +588,9 @@ def _check_bases(
     return stored, stored_tail
 
 
-def basis_sketch_in(keys: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor, tail_bits: int = 4) -> BasisSketch:
+def basis_sketch_in(
+    keys: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor, tail_bits: int = 4, page_size: int = 0
+) -> BasisSketch:
     """Sketch ``keys[..., N, D]`` in a head ``basis[..., D, r]`` and a ``tail[..., D, m]``, stored at the dtypes
     :data:`BASES_DTYPES` gives ``tail_bits`` (int4 tail: float32 / float16; 2-bit tail: float16 / float8 e4m3); any
     finite matrices, orthonormal or not.
@@ -590,10 +604,13 @@ def basis_sketch_in(keys: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor,
     rounded up to bfloat16. Codes: symmetric per token, int8 for ``Aᵀk_t``; for ``Bᵀ(k_t − AAᵀk_t)`` int4
     (``tail_bits=4``, integers in ``[−7, 7]``, scale ``max|·|/7``) or 2-bit (``tail_bits=2``, :func:`_odd2_codes`).
     The contract does not depend on the tail code: ``perp_err`` is measured against the decoded ``b̂_t`` (exact in
-    float64), whatever the code and its rounding. Raises ``ValueError`` for no tokens, non-finite keys or bases,
-    bases whose shape does not fit the keys, a width not in :data:`TAIL_BITS`, or keys beyond the bfloat16 range
-    of the scales.
+    float64), whatever the code and its rounding. With ``page_size > 0`` also the page spectra of
+    :class:`BasisSketch` (:func:`_page_spectra`). Raises ``ValueError`` for no tokens, non-finite keys or bases,
+    bases whose shape does not fit the keys, a width not in :data:`TAIL_BITS`, a negative ``page_size``, or keys
+    beyond the bfloat16 range of the scales.
     """
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 0:
+        raise ValueError(f"page_size must be a non-negative int (0: no page spectra), got {page_size!r}")
     _check_tail_bits(tail_bits)
     _check_keys(keys)
     a_stored, b_stored = _check_bases(keys, basis, tail, tail_bits)
@@ -618,6 +635,11 @@ def basis_sketch_in(keys: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor,
     perp_n = perp.norm(dim=-1) * inflate
     room = (d + 16) * 2.0**-52 * (perp_n + g_up * bhat.norm(dim=-1) * inflate)
     perp_err = (perp - rebuilt).norm(dim=-1) * inflate + slack + room
+    spectra: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    if page_size:
+        # per-token allowances on the computed residual columns, as in coef_err / perp_err
+        coef_cols = _PageColumns(coef - ahat, slack, delta.unsqueeze(-1) * (coef.norm(dim=-1) * inflate + slack))
+        spectra = _page_spectra(coef_cols, _PageColumns(perp - rebuilt, slack + room, None), page_size, inflate)
     return BasisSketch(
         a_stored,
         b_stored,
@@ -629,22 +651,67 @@ def basis_sketch_in(keys: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor,
         _round_out(perp_err * inflate, _BF16, up=True),
         _round_out(knorm, _BF16, up=True),
         tail_bits,
+        page_size,
+        *spectra,
     )
 
 
-def basis_logit_bound(q: torch.Tensor, sketch: BasisSketch, scaling: float, gamma: float) -> torch.Tensor:
-    """Per-token bound ``u[..., M, N] ≥ sc·⟨q_m, k_t⟩ + 3·sc·γ·‖q_m‖·‖k_t‖`` from a :class:`BasisSketch`
-    (the contract of :func:`token_logit_bound`).
+@dataclass(frozen=True)
+class _PageColumns:
+    """Computed residual columns ``cols[..., N, m]`` with ``‖c_t − ĉ_t‖ ≤ allow[..., N]`` for the exact ones, and
+    an optional per-token term ``extra[..., N]`` (non-negative) added in the page's 2-norm."""
 
-    For any matrices ``A``, ``B``, with ``q⊥ = q − AAᵀq`` (``docs/math.md#basis-sketch``):
-    ``⟨q, k⟩ = ⟨Aᵀq, â⟩ + ⟨Aᵀq, Aᵀk − â⟩ + (Aᵀq)ᵀ(I − AᵀA)(Aᵀk) + ⟨Bᵀq⊥, b̂⟩ + ⟨q⊥, k − AAᵀk − B b̂⟩
-    ≤ ⟨Aᵀq, â⟩ + ‖Aᵀq‖·coef_err + ⟨Bᵀq⊥, b̂⟩ + ‖q⊥‖·perp_err``, and ``⟨q, k⟩ ≤ ‖q‖·norm``; the bound takes the
-    smaller. Evaluated in float64 with ``ũ = fl(Aᵀq)``, ``fl(q − Aũ)`` and ``w̃ = fl(Bᵀ fl(q − Aũ))``: ``‖Aᵀq‖``
-    and ``‖q⊥‖`` are bounded by the computed norms inflated by ``1 + (D + r + 8)·2^-53`` plus
-    ``ρ = (D + r + 16)·2^-52·(1 + ‖A‖_F)²·‖q‖``; ``⟨Aᵀq, â⟩`` by the computed dot plus ``ρ·‖â‖``, ``⟨Bᵀq⊥, b̂⟩``
-    by the computed dot plus ``ρ_B·‖b̂‖`` with ``ρ_B = ‖B‖_F·(ρ + (D + 16)·2^-52·‖q⊥‖)``; the final sums get
-    ``(D + r + 16)·2^-52·sc·(Σ_j |ũ_j â_j| + Σ_j |w̃_j b̂_j| + every added term)``.
-    """
+    cols: torch.Tensor
+    allow: torch.Tensor
+    extra: torch.Tensor | None
+
+
+def _page_spectra(
+    head: _PageColumns, tail: _PageColumns, page_size: int, inflate: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(coef_spec, perp_spec)`` float32 ``[..., P]`` rounded up: per page, ``‖C_P‖₂ ≤ ‖Ĉ_P‖₂ + ‖C_P − Ĉ_P‖_F``
+    (Weyl) with ``‖C_P − Ĉ_P‖_F ≤ ‖(allow_t)_{t∈P}‖₂``, ``‖Ĉ_P‖₂`` from :func:`~kvcert.bounds.spectral.spectral_norm_up`
+    (rigorous), plus ``‖(extra_t)_{t∈P}‖₂``; every float64 norm inflated by ``inflate``, the sums by ``1 + 8u``.
+    The last page is padded with zero columns (they change no norm)."""
+    out = []
+    n = head.cols.shape[-2]
+    pages = -(-n // page_size)
+    pad = pages * page_size - n
+
+    def page_l2(x: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.pad(x, (0, pad)).reshape(*x.shape[:-1], pages, page_size)
+        return x.norm(dim=-1) * inflate
+
+    for part in (head, tail):
+        cols = torch.nn.functional.pad(part.cols, (0, 0, 0, pad)).reshape(*part.cols.shape[:-2], pages, page_size, -1)
+        spec = spectral_norm_up(cols) * inflate  # of the exactly subtracted columns, not their rounded difference
+        total = spec + page_l2(part.allow)
+        if part.extra is not None:
+            total = total + page_l2(part.extra)
+        out.append(_round_out(total * (1.0 + 8 * _U64), torch.float32, up=True))
+    return out[0], out[1]
+
+
+@dataclass(frozen=True)
+class _BasisTerms:
+    """The pieces of :func:`basis_logit_bound` per (query ``m``, token ``t``), float64 ``[..., M, N]`` unless stated:
+    the computed ``dot = ⟨ũ, â_t⟩ + ⟨w̃, b̂_t⟩``, the two Cauchy–Schwarz terms ``e1 = ‖Aᵀq‖⁺·coef_err_t`` and
+    ``e2 = ‖q⊥‖⁺·perp_err_t``, ``coded`` (what the computed projections ``ũ``, ``w̃`` may miss against ``â_t``,
+    ``b̂_t``), ``mag`` (the absolute dot, for its rounding), ``nrm = ‖q‖⁺·norm_t``, and the upper bounds
+    ``head_n ≥ ‖Aᵀq‖``, ``perp_n ≥ ‖q⊥‖`` ``[..., M, 1]``."""
+
+    dot: torch.Tensor
+    e1: torch.Tensor
+    e2: torch.Tensor
+    coded: torch.Tensor
+    mag: torch.Tensor
+    nrm: torch.Tensor
+    head_n: torch.Tensor
+    perp_n: torch.Tensor
+
+
+def _basis_terms(q: torch.Tensor, sketch: BasisSketch, scaling: float, gamma: float) -> _BasisTerms:
+    """:class:`_BasisTerms` of ``q[..., M, D]`` against every token of ``sketch`` (see :func:`basis_logit_bound`)."""
     _check_query(q, sketch.basis.shape[-2], scaling, gamma)
     d, r = sketch.basis.shape[-2:]
     inflate = 1.0 + (d + r + 8) * _U64
@@ -666,8 +733,95 @@ def basis_logit_bound(q: torch.Tensor, sketch: BasisSketch, scaling: float, gamm
     coded = rho * (ahat.norm(dim=-1) * inflate).unsqueeze(-2) + _times(
         rho_b, (bhat.norm(dim=-1) * inflate).unsqueeze(-2)
     )
-    extra = e1 + e2 + coded
     nrm = _times(qn, sketch.norm.to(F64).unsqueeze(-2))
-    best = torch.minimum(dot + extra, nrm)
-    err = (d + r + 16) * 2.0**-52 * scaling * (mag + extra + 4.0 * nrm)
-    return scaling * best + _times(nrm.new_tensor(3.0 * scaling * gamma), nrm) + err
+    return _BasisTerms(dot, e1, e2, coded, mag, nrm, head_n, perp_n)
+
+
+def basis_logit_bound(q: torch.Tensor, sketch: BasisSketch, scaling: float, gamma: float) -> torch.Tensor:
+    """Per-token bound ``u[..., M, N] ≥ sc·⟨q_m, k_t⟩ + 3·sc·γ·‖q_m‖·‖k_t‖`` from a :class:`BasisSketch`
+    (the contract of :func:`token_logit_bound`).
+
+    For any matrices ``A``, ``B``, with ``q⊥ = q − AAᵀq`` (``docs/math.md#basis-sketch``):
+    ``⟨q, k⟩ = ⟨Aᵀq, â⟩ + ⟨Aᵀq, Aᵀk − â⟩ + (Aᵀq)ᵀ(I − AᵀA)(Aᵀk) + ⟨Bᵀq⊥, b̂⟩ + ⟨q⊥, k − AAᵀk − B b̂⟩
+    ≤ ⟨Aᵀq, â⟩ + ‖Aᵀq‖·coef_err + ⟨Bᵀq⊥, b̂⟩ + ‖q⊥‖·perp_err``, and ``⟨q, k⟩ ≤ ‖q‖·norm``; the bound takes the
+    smaller. Evaluated in float64 with ``ũ = fl(Aᵀq)``, ``fl(q − Aũ)`` and ``w̃ = fl(Bᵀ fl(q − Aũ))``: ``‖Aᵀq‖``
+    and ``‖q⊥‖`` are bounded by the computed norms inflated by ``1 + (D + r + 8)·2^-53`` plus
+    ``ρ = (D + r + 16)·2^-52·(1 + ‖A‖_F)²·‖q‖``; ``⟨Aᵀq, â⟩`` by the computed dot plus ``ρ·‖â‖``, ``⟨Bᵀq⊥, b̂⟩``
+    by the computed dot plus ``ρ_B·‖b̂‖`` with ``ρ_B = ‖B‖_F·(ρ + (D + 16)·2^-52·‖q⊥‖)``; the final sums get
+    ``(D + r + 16)·2^-52·sc·(Σ_j |ũ_j â_j| + Σ_j |w̃_j b̂_j| + every added term)``.
+    """
+    t = _basis_terms(q, sketch, scaling, gamma)
+    d, r = sketch.basis.shape[-2:]
+    extra = t.e1 + t.e2 + t.coded
+    best = torch.minimum(t.dot + extra, t.nrm)
+    err = (d + r + 16) * 2.0**-52 * scaling * (t.mag + extra + 4.0 * t.nrm)
+    return scaling * best + _times(t.nrm.new_tensor(3.0 * scaling * gamma), t.nrm) + err
+
+
+def basis_page_bound(
+    q: torch.Tensor, sketch: BasisSketch, visible: torch.Tensor, scaling: float, gamma: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-page bounds ``(ū[..., M, P], seen[..., M, P])`` with ``seen_P·e^{ū_P} ≥ Σ_{t∈P visible} e^{s_t}``
+    (``s_t ≤ sc·⟨q_m, k_t⟩ + 3·sc·γ·‖q_m‖·‖k_t‖``, the contract of :func:`pool_pages`), from a :class:`BasisSketch`
+    with page spectra (``docs/math.md#page-spectral-witness``); ``visible[..., M, N]``.
+
+    Per token ``u_t`` is :func:`basis_logit_bound`, ``ŝ_t = min(fl(sc·dot_t), u_t)`` a point and ``c_t ≥ u_t − ŝ_t ≥ 0``
+    (rounded up). The exact residual ``x_t = s_t − ŝ_t`` obeys ``x_t ≤ c_t`` and, over a page,
+    ``‖(x_t⁺)_{t∈P}‖₂ ≤ E_P = sc·(‖Aᵀq‖⁺·coef_spec_P + ‖q⊥‖⁺·perp_spec_P) + ‖(ρ_t)_{t∈P}‖₂`` (the residual is
+    ``⟨Aᵀq, Aᵀk_t − â_t⟩ + (Aᵀq)ᵀ(I − AᵀA)(Aᵀk_t) + ⟨q⊥, k_t − AAᵀk_t − B b̂_t⟩`` plus the per-token rounding
+    ``ρ_t`` of :func:`basis_logit_bound`: ``sc·coded + 3·sc·γ·nrm`` and twice its float64 allowance). By convexity
+    ``e^{x} ≤ 1 + x·(e^{c} − 1)/c`` on ``[0, c]``, so
+    ``Σ_P e^{s_t} ≤ Σ_P e^{ŝ_t} + ‖(e^{ŝ_t}(e^{c_t} − 1)/c_t)_P‖₂·E_P`` (Cauchy–Schwarz over the page's tokens).
+    ``ū_P`` is the smaller of its logarithm (with float64 allowances) and the pooled per-token bound. Raises
+    ``ValueError`` when the sketch has no page spectra, ``visible`` does not match the bounds, or a bound is NaN.
+    """
+    if sketch.page_size < 1 or sketch.coef_spec is None or sketch.perp_spec is None:
+        raise ValueError("basis_page_bound needs a BasisSketch with page spectra (basis_sketch(..., page_size=P))")
+    t = _basis_terms(q, sketch, scaling, gamma)
+    d, r = sketch.basis.shape[-2:]
+    extra = t.e1 + t.e2 + t.coded
+    best = torch.minimum(t.dot + extra, t.nrm)
+    allow = (d + r + 16) * 2.0**-52 * scaling * (t.mag + extra + 4.0 * t.nrm)
+    tails = _times(t.nrm.new_tensor(3.0 * scaling * gamma), t.nrm)
+    u = scaling * best + tails + allow
+    if visible.shape != u.shape:
+        raise ValueError(f"visible must match the bounds {tuple(u.shape)}, got {tuple(visible.shape)}")
+    pooled, seen = pool_pages(u, visible, sketch.page_size)
+    inf = torch.tensor(float("inf"), dtype=F64, device=u.device)
+    point = torch.minimum(scaling * t.dot, u)
+    c = torch.nextafter(u - point, inf).clamp(min=0.0)
+    rho = scaling * t.coded + tails + 2.0 * allow
+    ps = sketch.page_size
+    n = u.shape[-1]
+    pages = -(-n // ps)
+    pad = pages * ps - n
+
+    def paged(x: torch.Tensor, fill: float) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, pad), value=fill).reshape(*x.shape[:-1], pages, ps)
+
+    vis = paged(visible, False)
+    s_hat = paged(torch.where(visible, point, float("-inf")), float("-inf"))
+    top = s_hat.amax(-1, keepdim=True).clamp(min=-1e300)  # a page without a visible token: no term (seen = 0)
+    w = torch.exp(s_hat - top)  # e^{ŝ_t − top}, 0 off the visible tokens
+    cc = paged(c, 0.0)
+    # log((e^c − 1)/c) = c + log(1 − e^{−c}) − log c (≥ 0, increasing; 0 at c = 0), so that e^{ŝ−top}·(e^c − 1)/c is
+    # one exp that underflows to 0 or overflows to inf, never 0·inf
+    log_phi = torch.where(cc > 0, cc + torch.log(-torch.expm1(-cc)) - torch.log(cc.clamp(min=1e-300)), 0.0)
+    lin = torch.where(vis, torch.exp(s_hat - top + log_phi.clamp(min=0.0)), 0.0).norm(dim=-1)  # [..., M, P]
+    rho_p = torch.where(vis, paged(rho, 0.0), 0.0).norm(dim=-1)
+    e_p = (
+        scaling
+        * (
+            _times(t.head_n, sketch.coef_spec.to(F64).unsqueeze(-2))
+            + _times(t.perp_n, sketch.perp_spec.to(F64).unsqueeze(-2))
+        )
+        + rho_p
+    )
+    spread = torch.where((lin > 0) & (e_p > 0), lin * e_p * (1.0 + (2 * ps + 16) * 2.0**-52), 0.0)
+    total = (w.sum(-1) + spread) * (1.0 + (ps + 16) * 2.0**-52)
+    spec = torch.log(total) + top.squeeze(-1)
+    # float64 allowances: the exponents ŝ_t − top + log φ(c_t) (each off by a few ulps of its terms' magnitude),
+    # then the log and the sum with top
+    reach = torch.where(vis, s_hat.abs() + cc + log_phi.abs() + cc.clamp(min=1e-300).log().abs(), 0.0).amax(-1)
+    spec = spec + 16 * 2.0**-52 * (1.0 + reach + top.squeeze(-1).abs()) + (ps + 16) * 2.0**-52 * (1.0 + spec.abs())
+    return torch.where(seen.bool(), torch.minimum(pooled, spec), 0.0), seen

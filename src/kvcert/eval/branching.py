@@ -80,6 +80,18 @@ class Scheme:
             resident_alloc=self.resident_alloc or "uniform",
         )
 
+    def cache(self, model: PreTrainedModel, seed: int = 0) -> CertifiedCache:
+        """A fresh :class:`CertifiedCache` of this (non-dense) scheme on ``model``: its gate, validate mode, storage and
+        resident set, the dither keyed by ``seed``."""
+        return CertifiedCache(
+            model,
+            gate=self.gate,
+            validate=self.validate,
+            seed=seed,
+            storage=self.storage(),
+            eviction=self.eviction(),
+        )
+
     @property
     def prefill_reads(self) -> PrefillReads:
         """What this scheme's cache reads of a recorded prefill attention (:func:`ingest_reads` of its resident set's
@@ -193,14 +205,7 @@ def run_branches(
             toks = greedy_from(model, first, _copy_cache(model, pre), max_new_tokens, eos_ids)
             results.append(BranchResult(scheme, toks, None))
             continue
-        cache = CertifiedCache(
-            model,
-            gate=scheme.gate,
-            validate=scheme.validate,
-            seed=seed,
-            storage=scheme.storage(),
-            eviction=scheme.eviction(),
-        )
+        cache = scheme.cache(model, seed)
         try:
             cache.ingest(pre, None if scheme.resident is None else prefill.attentions)
             toks = greedy_from(model, first, cache, max_new_tokens, eos_ids)

@@ -38,7 +38,8 @@ def test_tau_zero_with_swap_is_token_identical_to_dynamic_cache(models, family, 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("policy", ["h2o", "snapkv"])
 @pytest.mark.parametrize(
-    ("codec", "summary"), [("int4", "int8"), ("none", "int8"), ("int4", "basis8"), ("int4", "basis8-spec"), ("int8", "box")]
+    ("codec", "summary"),
+    [("int4", "int8"), ("none", "int8"), ("int4", "basis8"), ("int4", "basis8-spec"), ("int8", "box")],
 )
 @pytest.mark.parametrize("budget", [None, 0.6])
 def test_validate_mode_zero_violations_in_every_cell_with_swap(models, family, policy, codec, summary, budget):

@@ -25,7 +25,10 @@ def test_parse_gate() -> None:
     assert parse_gate("off") == Gate.off()
     assert parse_gate("certified:0.2") == Gate.certified(0.2)
     assert parse_gate("risk:5") == Gate.risk_ranked(5.0)
-    for bad in ("certified", "risk:x", "maybe:1"):
+    block = {"granularity": "block", "block_size": 64, "persistent": True}  # the block gate of auto_gate
+    assert parse_gate("certified:0.2:block") == Gate.certified(0.2, **block)
+    assert parse_gate("risk:5:block") == Gate.risk_ranked(5.0, **block)
+    for bad in ("certified", "risk:x", "maybe:1", "certified:0.2:page", "certified:0.2:block:x"):
         with pytest.raises(ValueError, match="gate"):
             parse_gate(bad)
 

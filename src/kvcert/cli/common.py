@@ -172,7 +172,7 @@ def parse_gate(text: str) -> Gate | None:
     """
     if text == "auto":
         return None
-    return gate_from_spec(text, "--gate", "auto, off, certified:TAU or risk:TAU")
+    return gate_from_spec(text, "--gate", "auto, off, certified:TAU[:block] or risk:TAU[:block]")
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ def test_settings_roundtrip_and_defaults():
         ({"KVCERT_VLLM_VALUES": "int3"}, "KVCERT_VLLM_VALUES.*unknown codec 'int3'"),
         ({"KVCERT_VLLM_GATE": "certified:-0.1"}, "KVCERT_VLLM_GATE.*threshold must be >= 0"),
         ({"KVCERT_VLLM_GATE": "certified:inf"}, "finite threshold"),
-        ({"KVCERT_VLLM_GATE": "always"}, "expected off, certified:TAU or risk:TAU_GATE"),
+        ({"KVCERT_VLLM_GATE": "always"}, r"expected off, certified:TAU\[:block\] or risk:TAU_GATE\[:block\]"),
+        ({"KVCERT_VLLM_GATE": "certified:0.2:page"}, "expected off, certified"),
         ({"KVCERT_VLLM_GATE": "certified:x"}, "'x' is not a number"),
         ({"KVCERT_VLLM_VALIDATE": "yes"}, "KVCERT_VLLM_VALIDATE must be 0 or 1"),
         ({"KVCERT_VLLM_SEED": "1.5"}, "KVCERT_VLLM_SEED must be an integer"),
@@ -43,6 +44,11 @@ def test_gate_spec():
     g = gate_from_spec("certified:0.2")
     assert (g.mode, g.threshold) == ("certified", 0.2)
     assert gate_from_spec("risk:5").mode == "risk_ranked"
+    assert (g.granularity, g.persistent) == ("head", False)
+    b = gate_from_spec("certified:0.1:block")
+    assert (b.mode, b.threshold, b.granularity, b.block_size, b.persistent) == ("certified", 0.1, "block", 64, True)
+    r = gate_from_spec("risk:5:block")
+    assert (r.mode, r.granularity, r.persistent) == ("risk_ranked", "block", True)
 
 
 def test_plugin_is_inert_without_switch_and_fails_closed_with_bad_settings(monkeypatch):

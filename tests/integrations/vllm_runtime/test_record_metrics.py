@@ -16,6 +16,7 @@ FAMILIES = {
     "kvcert_decode_reads",
     "kvcert_cells",
     "kvcert_repaired_reads",
+    "kvcert_repaired_blocks",
     "kvcert_cells_over_tau",
     "kvcert_page_in_bytes",
     "kvcert_violations",

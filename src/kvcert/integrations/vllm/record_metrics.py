@@ -69,10 +69,11 @@ class RecordCollector(Collector):
             ("kvcert_cells", "(layer, query head, step) cells certified", "certified", total.cells),
             (
                 "kvcert_repaired_reads",
-                "KV-head reads repaired exactly from the host tier",
+                "KV-head reads repaired exactly from the host tier (the head, or some of its blocks)",
                 "exact",
                 total.repaired_reads,
             ),
+            ("kvcert_repaired_blocks", "token blocks paged in by block repairs", "exact", total.repaired_blocks),
             (
                 "kvcert_cells_over_tau",
                 "cells whose certificate exceeded tau before repair",

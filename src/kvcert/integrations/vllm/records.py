@@ -35,10 +35,11 @@ class RequestRecord:
     """What the certified read path did for one request (all decode reads, every layer).
 
     ``reads`` counts (layer, KV head, decode step) reads that went through the certified path; ``cells`` the
-    (layer, query head, decode step) cells certified; ``repaired_reads`` the KV-head reads served exact from
-    the host tier by the gate; ``exact_reads`` the per-layer decode reads that saw no compressed entry yet (all
-    entries still pending/exact: served exact over the host tier, certificate 0); ``prefill_tokens`` the prompt
-    tokens, served exact over the host tier.
+    (layer, query head, decode step) cells certified; ``repaired_reads`` the KV-head reads the gate repaired from
+    the host tier (the whole head, or some of its token blocks under a ``:block`` gate); ``repaired_blocks`` the
+    token blocks block repairs paged in; ``exact_reads`` the per-layer decode reads that saw no compressed entry
+    yet (all entries still pending/exact: served exact over the host tier, certificate 0); ``prefill_tokens`` the
+    prompt tokens, served exact over the host tier.
     """
 
     request_id: str
@@ -48,6 +49,7 @@ class RequestRecord:
     reads: int = 0
     cells: int = 0
     repaired_reads: int = 0
+    repaired_blocks: int = 0
     exact_reads: int = 0
     cells_over_tau: int = 0
     max_certificate: float = 0.0

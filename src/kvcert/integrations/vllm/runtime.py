@@ -295,7 +295,8 @@ class Runtime:
         rec = seq.record
         rec.reads += int(res.repaired.numel())
         rec.cells += int(res.cert.numel())
-        rec.repaired_reads += int(res.repaired.sum())
+        rec.repaired_reads += int((res.repaired | (res.blocks > 0)).sum())
+        rec.repaired_blocks += int(res.blocks.sum())
         rec.bytes_paged += int(res.bytes_paged)
         rec.max_certificate = max(rec.max_certificate, float(res.cert.max()))
         rec.max_certificate_pre = max(rec.max_certificate_pre, float(res.cert_pre.max()))

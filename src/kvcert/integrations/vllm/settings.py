@@ -8,7 +8,8 @@ variable                            meaning (default)
 ``KVCERT_VLLM_KEYS``                key codec name (``dither-int8``); a per-token codec (its codes fill
                                     vLLM's blocks one cell per token and KV head)
 ``KVCERT_VLLM_VALUES``              value codec name (``int4``); a per-token codec
-``KVCERT_VLLM_GATE``                ``off`` | ``certified:TAU`` | ``risk:TAU_GATE`` (``certified:0.2``)
+``KVCERT_VLLM_GATE``                ``off`` | ``certified:TAU`` | ``risk:TAU_GATE`` (``certified:0.2``), either
+                                    with ``:block`` for 64-token block repair written back exact
 ``KVCERT_VLLM_VALIDATE``            ``1``: also compute exact attention per read and count violations
 ``KVCERT_VLLM_RECORDS``             SQLite file the per-request records are written to (none)
 ``KVCERT_VLLM_SEED``                dither seed (random per process when unset)
@@ -49,21 +50,29 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral")
 
 
 def gate_from_spec(
-    text: str, label: str = f"{GATE} / --gate", accepted: str = "off, certified:TAU or risk:TAU_GATE"
+    text: str,
+    label: str = f"{GATE} / --gate",
+    accepted: str = "off, certified:TAU[:block] or risk:TAU_GATE[:block]",
 ) -> Gate:
-    """``off`` | ``certified:TAU`` | ``risk:TAU_GATE`` -> :class:`~kvcert.cache.gate.Gate`; ``ValueError`` naming
-    ``label`` otherwise (the threshold checks are :class:`Gate`'s). Also the CLI's ``--gate`` parser."""
+    """``off`` | ``certified:TAU`` | ``risk:TAU_GATE``, each optionally ``:block`` ->
+    :class:`~kvcert.cache.gate.Gate`; ``ValueError`` naming ``label`` otherwise (the threshold checks are
+    :class:`Gate`'s). Without a suffix the gate repairs whole KV heads (transient); ``:block`` repairs the 64-token
+    blocks that carry the certificate and writes them back exact (``granularity="block"``, ``persistent=True``:
+    their radius is 0 from then on, within the store's device budget). Also the CLI's ``--gate`` parser."""
     if text == "off":
         return Gate.off()
-    kind, _, value = text.partition(":")
-    if kind not in ("certified", "risk"):
+    kind, _, rest = text.partition(":")
+    value, _, unit = rest.partition(":")
+    if kind not in ("certified", "risk") or unit not in ("", "block"):
         raise ValueError(f"{label}: expected {accepted}, got {text!r}")
     try:
         threshold = float(value)
     except ValueError:
         raise ValueError(f"{label}: expected {accepted}; {value!r} is not a number") from None
+    unit_args = {"granularity": "block", "persistent": True} if unit == "block" else {}
+    make = Gate.certified if kind == "certified" else Gate.risk_ranked
     try:
-        return Gate.certified(threshold) if kind == "certified" else Gate.risk_ranked(threshold)
+        return make(threshold, **unit_args)
     except ValueError as exc:
         raise ValueError(f"{label} {text!r}: {exc}") from None
 

@@ -69,10 +69,10 @@ def gate_from_spec(
         threshold = float(value)
     except ValueError:
         raise ValueError(f"{label}: expected {accepted}; {value!r} is not a number") from None
-    unit_args = {"granularity": "block", "persistent": True} if unit == "block" else {}
+    block = unit == "block"
     make = Gate.certified if kind == "certified" else Gate.risk_ranked
     try:
-        return make(threshold, **unit_args)
+        return make(threshold, granularity="block" if block else "head", persistent=block)
     except ValueError as exc:
         raise ValueError(f"{label} {text!r}: {exc}") from None
 

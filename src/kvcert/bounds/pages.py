@@ -751,11 +751,20 @@ def basis_logit_bound(q: torch.Tensor, sketch: BasisSketch, scaling: float, gamm
     ``(D + r + 16)·2^-52·sc·(Σ_j |ũ_j â_j| + Σ_j |w̃_j b̂_j| + every added term)``.
     """
     t = _basis_terms(q, sketch, scaling, gamma)
+    return _token_bound(t, sketch, scaling, gamma)[0]
+
+
+def _token_bound(
+    t: _BasisTerms, sketch: BasisSketch, scaling: float, gamma: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(u, allow, tails)`` ``[..., M, N]``: the per-token bound of :func:`basis_logit_bound` from its terms, its
+    float64 allowance ``(D + r + 16)·2^-52·sc·(mag + e1 + e2 + coded + 4·nrm)`` and the ``3·sc·γ·nrm`` term."""
     d, r = sketch.basis.shape[-2:]
     extra = t.e1 + t.e2 + t.coded
     best = torch.minimum(t.dot + extra, t.nrm)
-    err = (d + r + 16) * 2.0**-52 * scaling * (t.mag + extra + 4.0 * t.nrm)
-    return scaling * best + _times(t.nrm.new_tensor(3.0 * scaling * gamma), t.nrm) + err
+    allow = (d + r + 16) * 2.0**-52 * scaling * (t.mag + extra + 4.0 * t.nrm)
+    tails = _times(t.nrm.new_tensor(3.0 * scaling * gamma), t.nrm)
+    return scaling * best + tails + allow, allow, tails
 
 
 def basis_page_bound(
@@ -778,12 +787,7 @@ def basis_page_bound(
     if sketch.page_size < 1 or sketch.coef_spec is None or sketch.perp_spec is None:
         raise ValueError("basis_page_bound needs a BasisSketch with page spectra (basis_sketch(..., page_size=P))")
     t = _basis_terms(q, sketch, scaling, gamma)
-    d, r = sketch.basis.shape[-2:]
-    extra = t.e1 + t.e2 + t.coded
-    best = torch.minimum(t.dot + extra, t.nrm)
-    allow = (d + r + 16) * 2.0**-52 * scaling * (t.mag + extra + 4.0 * t.nrm)
-    tails = _times(t.nrm.new_tensor(3.0 * scaling * gamma), t.nrm)
-    u = scaling * best + tails + allow
+    u, allow, tails = _token_bound(t, sketch, scaling, gamma)
     if visible.shape != u.shape:
         raise ValueError(f"visible must match the bounds {tuple(u.shape)}, got {tuple(visible.shape)}")
     pooled, seen = pool_pages(u, visible, sketch.page_size)

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from kvcert.attention.certified import group_heads, masked_logits, probs64
+from kvcert.attention.query_gram import QueryGrams, query_gram
 from kvcert.attention.read_path import slot_mask
 from kvcert.attention.resident import (
+    QUERY_AWARE,
     OmittedPages,
     can_omit,
     check_resident,
@@ -401,6 +403,9 @@ class EvictionDriver:
         # (and recall="swap", whose swaps rank by it)
         ranked = (cfg.reselect is not None and cfg.reselect_score == "decode") or cfg.recall == "swap"
         self.decode_scores = DecodeScores() if cfg.resident is not None and ranked else None
+        # a query-aware summary's basis: the queries each layer has read with (prefill rows, then every decode read)
+        aware = cfg.resident is not None and cfg.summary in QUERY_AWARE
+        self.query_grams = QueryGrams() if aware else None
         self._last_attn: dict[int, torch.Tensor] = {}  # last served row [B, Hkv, S] (mean over G) per layer
         self._prefilled: set[int] = set()  # layers whose prefill was compressed (with "mass": scored, pending)
         # resident_alloc="mass": each prefilled layer's (scores, protected) until every layer's prefill was read
@@ -474,11 +479,18 @@ class EvictionDriver:
             else:  # the last row only, for the serving reading
                 last = grouped_probs(query[:, :, -1:], served_k, mask[:, :, -1:], scaling)
                 self._last_attn[store.layer] = last[:, :, :, 0].mean(2)
+            if self.query_grams is not None:  # the rows an ingested prefill's recording keeps (ingest_reads)
+                rows = ingest_reads(self.policy).rows
+                kept = nq if rows is None else min(rows, nq)
+                self.query_grams.add(store.layer, query_gram(query[:, :, nq - kept :], served_k.shape[1]))
             self._compress_prefill(store, attn, step)
-        elif self.decode_scores is not None and store.layer in self.pages:
-            self.decode_scores.observe(store, self.pages[store.layer], query, logical, scaling)
-            if self.cfg.recall == "swap":
-                self.swap(store)
+        elif store.layer in self.pages:
+            if self.query_grams is not None:
+                self.query_grams.add(store.layer, query_gram(query, served_k.shape[1]))
+            if self.decode_scores is not None:
+                self.decode_scores.observe(store, self.pages[store.layer], query, logical, scaling)
+                if self.cfg.recall == "swap":
+                    self.swap(store)
         self._prefilled.add(store.layer)
 
     def ingest(
@@ -501,6 +513,8 @@ class EvictionDriver:
             self._observe(store, mean, s)
             return
         self._last_attn[store.layer] = mean[:, :, -1]
+        if self.query_grams is not None and isinstance(attn, PrefillAttention) and attn.query_gram is not None:
+            self.query_grams.add(store.layer, attn.query_gram)
         if s > 1:
             self._compress_prefill(store, attn if self.policy.needs_attention else None, step)
         self._prefilled.add(store.layer)
@@ -533,6 +547,8 @@ class EvictionDriver:
         self.policy.reset()
         if self.decode_scores is not None:
             self.decode_scores.clear()
+        if self.query_grams is not None:
+            self.query_grams.clear()
         self.kappa_groups = []
         self.prefill_kappa = None
         self._last_attn.clear()
@@ -617,8 +633,11 @@ class EvictionDriver:
 
     def _summarize(self, store: LayerStore) -> OmittedPages:
         """The summary of the layer's current archive (with an empty held set under persistent recall or swap)."""
-        swap = self.cfg.recall == "swap"
-        return summarize_omitted(store, self.cfg.page_size, self.cfg.summary, self.recall_pool, swap=swap)
+        swap, grams = self.cfg.recall == "swap", self.query_grams
+        gram = None if grams is None else grams.get(store.layer)
+        return summarize_omitted(
+            store, self.cfg.page_size, self.cfg.summary, self.recall_pool, swap=swap, query_gram=gram
+        )
 
     def _reselect(self, store: LayerStore) -> None:
         """Re-select one layer's resident set over every token written so far (``docs/eviction.md``,

@@ -68,29 +68,36 @@ F64 = torch.float64
 Sketch = KeySketch | BasisSketch
 
 
-def _int8_sketch(keys: torch.Tensor, page_size: int) -> Sketch:
-    """The int8 sketch of ``keys`` (per token; the page size does not enter)."""
+def _int8_sketch(keys: torch.Tensor, page_size: int, query_gram: torch.Tensor | None) -> Sketch:
+    """The int8 sketch of ``keys`` (per token; neither the page size nor the queries enter)."""
     return sketch_keys(keys)
 
 
-def _basis(rank: int, tail_bits: int = 4, spectra: bool = False) -> Callable[[torch.Tensor, int], Sketch]:
-    """The principal-basis sketch of ``rank`` with a ``tail_bits`` tail, with page spectra when ``spectra``."""
+def _basis(
+    rank: int, tail_bits: int = 4, spectra: bool = False, queries: bool = False
+) -> Callable[[torch.Tensor, int, torch.Tensor | None], Sketch]:
+    """The basis sketch of ``rank`` with a ``tail_bits`` tail, with page spectra when ``spectra``, in the query-aware
+    basis when ``queries`` (and a query Gram is given; the principal basis otherwise)."""
 
-    def sketch(keys: torch.Tensor, page_size: int) -> Sketch:
-        return basis_sketch(keys, rank, tail_bits, page_size if spectra else 0)
+    def sketch(keys: torch.Tensor, page_size: int, query_gram: torch.Tensor | None) -> Sketch:
+        return basis_sketch(keys, rank, tail_bits, page_size if spectra else 0, query_gram if queries else None)
 
     return sketch
 
 
-# per-token summaries: how each kind sketches the omitted keys ``(keys, page_size)`` (``basis<r>``: principal basis
-# of ``r`` vectors, int4 tail; ``-t2``: the same with a 2-bit tail; ``-spec``: with the page spectra that
-# :func:`~kvcert.bounds.pages.basis_page_bound` pools pages with, ``docs/math.md#page-spectral-witness``)
-SKETCHES: dict[str, Callable[[torch.Tensor, int], Sketch]] = {
+# per-token summaries: how each kind sketches the omitted keys ``(keys, page_size, query_gram)`` (``basis<r>``:
+# principal basis of ``r`` vectors, int4 tail; ``-t2``: the same with a 2-bit tail; ``-spec``: with the page spectra
+# that :func:`~kvcert.bounds.pages.basis_page_bound` pools pages with, ``docs/math.md#page-spectral-witness``;
+# ``-qspec``: the same in the query-aware basis, ``docs/math.md#query-aware-basis``)
+SKETCHES: dict[str, Callable[[torch.Tensor, int, torch.Tensor | None], Sketch]] = {
     "int8": _int8_sketch,
     **{f"basis{r}": _basis(r) for r in (8, 16, 24, 32)},
     "basis8-t2": _basis(8, tail_bits=2),
     **{f"basis{r}-spec": _basis(r, spectra=True) for r in (8, 16)},
+    "basis8-qspec": _basis(8, spectra=True, queries=True),
 }
+#: the summaries whose basis takes the queries into account (the driver keeps a query Gram per layer for them)
+QUERY_AWARE: frozenset[str] = frozenset({"basis8-qspec"})
 SUMMARIES: tuple[str, ...] = ("box", *SKETCHES)
 RECALLS: tuple[str, ...] = ("persistent", "transient", "swap")
 
@@ -177,15 +184,23 @@ class OmittedPages:
 
 
 def summarize_omitted(
-    store: LayerStore, page_size: int, summary: str = "int8", pool: RecallPool | None = None, swap: bool = False
+    store: LayerStore,
+    page_size: int,
+    summary: str = "int8",
+    pool: RecallPool | None = None,
+    swap: bool = False,
+    query_gram: torch.Tensor | None = None,
 ) -> OmittedPages:
     """Summarize the store's evicted archive (the omitted tokens) in pages of ``page_size`` (``summary`` kind);
     with a ``pool`` (persistent recall) also an empty :class:`~kvcert.cache.recall.HeldPages` drawing on it, which
-    records the pages paged in since (:attr:`~kvcert.cache.recall.HeldPages.fresh`) when ``swap``."""
+    records the pages paged in since (:attr:`~kvcert.cache.recall.HeldPages.fresh`) when ``swap``. ``query_gram``
+    ``[B, Hkv, D, D]``: the layer's query Gram (:class:`~kvcert.attention.query_gram.QueryGrams`), used by the
+    query-aware kinds (:data:`QUERY_AWARE`) only."""
     dev = store.v_centre.device  # the summary lives on the device tier; the omitted tokens stay in the host tier
     k, v = store.evicted["k"].view().to(dev), store.evicted["v"].view().to(dev)
     box = summarize_pages(k, page_size) if summary == "box" else None
-    sketch = SKETCHES[summary](k, page_size) if summary in SKETCHES else None
+    grams = None if query_gram is None else query_gram.to(dev)
+    sketch = SKETCHES[summary](k, page_size, grams) if summary in SKETCHES else None
     held = None
     if pool is not None:
         n = k.shape[2]

@@ -20,7 +20,8 @@ the exact one ``p`` the softmax of the exact logits ``s`` over every visible tok
   smaller sketch (``docs/math.md#basis-sketch``): per (row, KV head) a head basis ``A`` (int8 coefficients per
   token) and a tail basis ``B`` (packed int4 or 2-bit coefficients of what ``A`` leaves), with one error witness
   against ``‖Aᵀq‖`` and one against ``‖q − AAᵀq‖``; ``r + (D − r)/2 + 10`` (int4 tail) or ``r + (D − r)/4 + 10``
-  (2-bit tail) bytes per token plus the bases. Sound for any stored ``A``, ``B`` (no orthonormality assumed).
+  (2-bit tail) bytes per token plus the bases. Sound for any stored ``A``, ``B`` (no orthonormality assumed);
+  :func:`principal_basis` takes them from the keys alone, :func:`query_aware_basis` from the keys and the queries.
 * :func:`key_page_bound` — the same pooled contract for a page whose keys were paged in (its values not): from
   the computed logits and their rounding radii, ``u_t = l_t + c_t`` rounded up (``docs/math.md#key-only-pages``);
   as tight as the page's exact mass allows, and within a summary's bound.
@@ -511,16 +512,43 @@ def principal_basis(keys: torch.Tensor) -> torch.Tensor:
     return vecs.flip(-1)
 
 
-def basis_sketch(keys: torch.Tensor, rank: int, tail_bits: int = 4, page_size: int = 0) -> BasisSketch:
-    """Sketch ``keys[..., N, D]`` in their principal basis (:func:`principal_basis`): head the leading
-    ``min(rank, D)`` vectors, tail the rest, its codes ``tail_bits`` wide, with page spectra for pages of
-    ``page_size`` tokens when it is positive (:func:`basis_sketch_in`). Raises ``ValueError`` for ``rank < 1``, a
-    width not in :data:`TAIL_BITS`, no tokens or non-finite keys."""
+def query_aware_basis(keys: torch.Tensor, query_gram: torch.Tensor) -> torch.Tensor:
+    """Float64 ``[..., D, D]``: the eigenvectors, largest eigenvalue first, of ``K/tr K + Q/tr Q`` with
+    ``K = Σ_t k_t k_tᵀ`` over ``keys[..., N, D]`` and ``Q = query_gram[..., D, D]`` (``Σ_m q_m q_mᵀ`` over queries
+    the head has read with; ``docs/math.md#query-aware-basis``). Where ``tr Q`` is 0 or ``Q`` is not finite the key
+    term alone (:func:`principal_basis`); where ``tr K`` is 0 the query term alone.
+
+    Any matrices are sound for :func:`basis_sketch_in`; this choice aims the head at the directions both the keys
+    and the queries occupy, so that the tail's coding error meets a small ``‖q − AAᵀq‖`` in the bound.
+    ``ValueError`` unless ``query_gram`` is ``[..., D, D]`` matching ``keys``.
+    """
+    x = keys.to(F64)
+    d = x.shape[-1]
+    if query_gram.shape != (*x.shape[:-2], d, d):
+        raise ValueError(f"query_gram must be [..., D, D] = {(*x.shape[:-2], d, d)}, got {tuple(query_gram.shape)}")
+    gk, gq = x.transpose(-1, -2) @ x, query_gram.to(F64)
+    tk = gk.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None]
+    tq = gq.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None]
+    usable = torch.isfinite(gq).flatten(-2).all(-1)[..., None, None] & (tq > 0) & torch.isfinite(tq)
+    mixed = torch.where(tk > 0, gk / torch.where(tk > 0, tk, 1.0), 0.0)
+    mixed = mixed + torch.where(usable, torch.nan_to_num(gq, 0.0, 0.0, 0.0) / torch.where(usable, tq, 1.0), 0.0)
+    _, vecs = torch.linalg.eigh(mixed)
+    return vecs.flip(-1)
+
+
+def basis_sketch(
+    keys: torch.Tensor, rank: int, tail_bits: int = 4, page_size: int = 0, query_gram: torch.Tensor | None = None
+) -> BasisSketch:
+    """Sketch ``keys[..., N, D]`` in their principal basis (:func:`principal_basis`), or with a ``query_gram`` in the
+    query-aware basis (:func:`query_aware_basis`): head the leading ``min(rank, D)`` vectors, tail the rest, its
+    codes ``tail_bits`` wide, with page spectra for pages of ``page_size`` tokens when it is positive
+    (:func:`basis_sketch_in`). Raises ``ValueError`` for ``rank < 1``, a width not in :data:`TAIL_BITS`, no tokens,
+    non-finite keys or a ``query_gram`` of the wrong shape."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be a positive int, got {rank!r}")
     _check_tail_bits(tail_bits)
     _check_keys(keys)
-    vecs = principal_basis(keys)
+    vecs = principal_basis(keys) if query_gram is None else query_aware_basis(keys, query_gram)
     r = min(rank, keys.shape[-1])
     return basis_sketch_in(keys, vecs[..., :r], vecs[..., r:], tail_bits, page_size)
 

@@ -7,8 +7,9 @@ queries over its ``K`` keys that a :class:`~kvcert.evict.PrefillReads` asks for:
 and, with ``column_sums``, each key's attention summed over every query row (in chunks of :data:`CHUNK` rows). The
 probabilities are evaluated as the certified cache's prefill compression evaluates them
 (:func:`~kvcert.attention.evict_driver.grouped_probs`: float64 softmax of float32 logits under the forward's mask),
-summed over each KV head's query heads. Memory: ``O((rows + CHUNK) · K)`` per layer while recording and
-``O(rows · K)`` kept, never ``O(K²)`` unless every row is asked for.
+summed over each KV head's query heads, and the Gram ``Σ q qᵀ`` of the recorded rows' queries per KV head
+(:func:`~kvcert.attention.query_gram.query_gram`, ``[B, Hkv, D, D]``). Memory: ``O((rows + CHUNK) · K)`` per layer
+while recording and ``O(rows · K)`` kept, never ``O(K²)`` unless every row is asked for.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvcert.attention.evict_driver import grouped_probs
+from kvcert.attention.query_gram import query_gram
 from kvcert.evict import PrefillAttention, PrefillReads
 from kvcert.integrations.attention_impl import swapped_attention
 
@@ -77,7 +79,8 @@ def _record(
         sums = torch.zeros(b, hkv, k, dtype=torch.float64, device=query.device)
         for lo in range(0, q, CHUNK):
             sums += probs(lo, min(lo + CHUNK, q)).sum(2)
-    return PrefillAttention(rows, q, group=hq // hkv, column_sums=sums)
+    gram = query_gram(query[:, :, q - n :], hkv)  # the same rows' queries, for a query-aware summary
+    return PrefillAttention(rows, q, group=hq // hkv, column_sums=sums, query_gram=gram)
 
 
 @contextmanager

@@ -79,11 +79,20 @@ class PrefillAttention:
 
     ``rows[B, H, r, S]``: the ``r`` newest query rows (``r == queries``: the whole matrix, :attr:`complete`);
     ``column_sums[B, H, S]``: each key's attention summed over every query row (``None``: not recorded). A matrix of
-    ``H`` heads that are already means over their groups is ``group=1``. ``ValueError`` unless the shapes agree and
-    every entry is finite.
+    ``H`` heads that are already means over their groups is ``group=1``. ``query_gram[B, H, D, D]``: the second
+    moment ``Σ q qᵀ`` of the recorded rows' queries over each KV head's group
+    (:func:`~kvcert.attention.query_gram.query_gram`; ``None``: not recorded), what a query-aware resident summary is
+    built from. ``ValueError`` unless the shapes agree and every entry is finite.
     """
 
-    def __init__(self, rows: Tensor, queries: int, group: int = 1, column_sums: Tensor | None = None) -> None:
+    def __init__(
+        self,
+        rows: Tensor,
+        queries: int,
+        group: int = 1,
+        column_sums: Tensor | None = None,
+        query_gram: Tensor | None = None,
+    ) -> None:
         if rows.dim() != 4 or not 0 <= rows.shape[2] <= queries or group < 1:
             raise ValueError(
                 f"rows must be [B, H, r, S] with r <= queries={queries} and group >= 1, got {tuple(rows.shape)}, "
@@ -91,12 +100,17 @@ class PrefillAttention:
             )
         if column_sums is not None and column_sums.shape != (*rows.shape[:2], rows.shape[3]):
             raise ValueError(f"column_sums must be [B, H, S] matching rows {tuple(rows.shape)}")
+        gram = None if query_gram is None else tuple(query_gram.shape)
+        if gram is not None and (len(gram) != 4 or gram[:2] != tuple(rows.shape[:2]) or gram[2] != gram[3]):
+            raise ValueError(f"query_gram must be [B, H, D, D] matching rows {tuple(rows.shape)}, got {gram}")
         finite = torch.isfinite(rows).all()
-        if column_sums is not None:
-            finite = finite & torch.isfinite(column_sums).all()
+        for extra in (column_sums, query_gram):
+            if extra is not None:
+                finite = finite & torch.isfinite(extra).all()
         if not bool(finite):
             raise ValueError("attn must be finite")
         self.rows, self.queries, self.group, self.column_sums = rows, queries, group, column_sums
+        self.query_gram = query_gram
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -170,12 +170,13 @@ def test_reselection_on_a_sliding_model_is_sound(model):
 
 
 @pytest.mark.parametrize("codec", ["none", "int8"])
-def test_swap_recall_on_a_sliding_model_is_sound(model, codec):
-    """``recall="swap"`` (the SmolLM2 3x configuration: fp16 or int8 resident keys, basis8 summaries) swaps in the
-    resident set of the full-attention layers with 0 violations in every cell, 0 output and 0 recall violations; the
-    sliding layers still hold only their window."""
+@pytest.mark.parametrize("summary", ["basis8", "basis8-qspec"])
+def test_swap_recall_on_a_sliding_model_is_sound(model, codec, summary):
+    """``recall="swap"`` (the SmolLM2 3x configuration: fp16 or int8 resident keys, basis8 summaries, principal or
+    query-aware basis) swaps in the resident set of the full-attention layers with 0 violations in every cell, 0
+    output and 0 recall violations; the sliding layers still hold only their window."""
     ids = prompt_ids(model, batch=2, seed=19)
-    with _cache(model, tau=0.1, codec=codec, summary="basis8", recall="swap", validate=True) as cache:
+    with _cache(model, tau=0.1, codec=codec, summary=summary, recall="swap", validate=True) as cache:
         greedy_decode(model, ids, cache, STEPS)
         tel = cache.telemetry()
         held = [layer.store.n for layer in cache.layers]

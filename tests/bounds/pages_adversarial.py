@@ -51,7 +51,7 @@ SLACK = 1e-12
 FAMILIES: tuple[str, ...] = ("base", "edge", "masked", "range")
 # the summaries :func:`page_checks` can check (each gives a logit, a mass and a certificate form; the box also the
 # direct form)
-PAGE_SUMMARIES: tuple[str, ...] = ("box", "int8", "basis", "basis_t2", "basis_spec")
+PAGE_SUMMARIES: tuple[str, ...] = ("box", "int8", "basis", "basis_t2", "basis_spec", "basis_qspec")
 
 
 @dataclass(frozen=True)
@@ -228,7 +228,8 @@ def page_checks(
     ``*_basis_t2`` for the principal-basis sketch of rank :func:`basis_rank` with an int4 resp. 2-bit tail
     (per-token bounds pooled per page); ``basis_spec`` — ``basis_spec_page_logit`` (per page: the bound against
     ``log Σ_{t∈P visible} e^{s_t + 3·sc·γ·‖q‖‖k_t‖}``) / ``*_basis_spec`` for the int4-tail sketch pooled by its page
-    spectra."""
+    spectra; ``basis_qspec`` — the same forms (``basis_qspec_*``) with the sketch in the query-aware basis of the cell's
+    own query (``docs/math.md#query-aware-basis``)."""
     unknown = set(summaries) - set(PAGE_SUMMARIES)
     if unknown:
         raise ValueError(f"summaries must be among {PAGE_SUMMARIES}, got {sorted(unknown)}")
@@ -276,24 +277,44 @@ def page_checks(
             f"omitted_mass_{suffix}": (oc_t.mass, cells.true_mass),
             f"composed_{suffix}": (oc_t.certificate, tv),
         }
-    if "basis_spec" in summaries:  # the principal-basis sketch (int4 tail) pooled per page by its page spectra
-        sk = pg.basis_sketch(cells.keys_o, basis_rank(d), 4, page_size=cells.page_size)
-        vis = cells.visible_o.unsqueeze(1)
-        u_p, seen = pg.basis_page_bound(q, sk, vis, cells.scaling, gamma)
-        u_p, seen = u_p[:, 0], seen[:, 0]
-        n, s_o = cells.s_o.shape
-        pages = -(-s_o // cells.page_size)
-        pad = pages * cells.page_size - s_o
-        hidden = torch.where(cells.visible_o, need_tok, float("-inf"))
-        need_p = torch.nn.functional.pad(hidden, (0, pad), value=float("-inf")).reshape(n, pages, -1)
-        need_p = torch.logsumexp(need_p, -1).nan_to_num(neginf=0.0)  # a page with no visible token: 0 (uncounted)
-        oc_s = pg.omitted_certificate(cells.p_served, cells.radius, pg.page_weights(cells.served, u_p, seen), meter)
-        out |= {
-            "basis_spec_page_logit": (torch.where(seen.bool(), u_p, 0.0), need_p),
-            "omitted_mass_basis_spec": (oc_s.mass, cells.true_mass),
-            "composed_basis_spec": (oc_s.certificate, tv),
-        }
+    # the int4-tail basis sketch pooled per page by its page spectra: in the principal basis (basis_spec) and in the
+    # query-aware basis of a Gram that is the cell's own query (basis_qspec: the head aimed at the query, q⊥ ≈ 0)
+    for kind in ("basis_spec", "basis_qspec"):
+        if kind in summaries:
+            q64 = cells.q.to(F64)
+            gram = q64.unsqueeze(-1) * q64.unsqueeze(-2) if kind == "basis_qspec" else None
+            out |= _spec_forms(cells, q, gamma, need_tok, meter, kind, gram)
     return out
+
+
+def _spec_forms(
+    cells: PageCells,
+    q: torch.Tensor,
+    gamma: float,
+    need_tok: torch.Tensor,
+    meter: torch.Tensor,
+    kind: str,
+    gram: torch.Tensor | None,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The page-spectral forms ``<kind>_page_logit`` (per page: the bound against
+    ``log Σ_{t∈P visible} e^{s_t + 3·sc·γ·‖q‖‖k_t‖}``), ``omitted_mass_<kind>`` and ``composed_<kind>`` of the int4-tail
+    basis sketch (rank :func:`basis_rank`) built with ``query_gram=gram``."""
+    sk = pg.basis_sketch(cells.keys_o, basis_rank(cells.q.shape[-1]), 4, page_size=cells.page_size, query_gram=gram)
+    vis = cells.visible_o.unsqueeze(1)
+    u_p, seen = pg.basis_page_bound(q, sk, vis, cells.scaling, gamma)
+    u_p, seen = u_p[:, 0], seen[:, 0]
+    n, s_o = cells.s_o.shape
+    pages = -(-s_o // cells.page_size)
+    pad = pages * cells.page_size - s_o
+    hidden = torch.where(cells.visible_o, need_tok, float("-inf"))
+    need_p = torch.nn.functional.pad(hidden, (0, pad), value=float("-inf")).reshape(n, pages, -1)
+    need_p = torch.logsumexp(need_p, -1).nan_to_num(neginf=0.0)  # a page with no visible token: 0 (uncounted)
+    oc_s = pg.omitted_certificate(cells.p_served, cells.radius, pg.page_weights(cells.served, u_p, seen), meter)
+    return {
+        f"{kind}_page_logit": (torch.where(seen.bool(), u_p, 0.0), need_p),
+        f"omitted_mass_{kind}": (oc_s.mass, cells.true_mass),
+        f"composed_{kind}": (oc_s.certificate, cells.tv),
+    }
 
 
 def _basis_bound(cells: PageCells, gamma: float, tail_bits: int) -> torch.Tensor:

@@ -81,3 +81,9 @@ def test_a_read_of_what_was_not_recorded_raises():
         PrefillAttention(torch.full((1, 1, 1, 4), float("nan")), 4)
     with pytest.raises(ValueError, match="r <= queries"):
         PrefillAttention(torch.zeros(1, 1, 5, 4), 4)
+    with pytest.raises(ValueError, match=r"query_gram must be \[B, H, D, D\]"):
+        PrefillAttention(torch.zeros(1, 2, 1, 4), 4, query_gram=torch.zeros(1, 2, 8, 7))
+    with pytest.raises(ValueError, match=r"query_gram must be \[B, H, D, D\]"):
+        PrefillAttention(torch.zeros(1, 2, 1, 4), 4, query_gram=torch.zeros(1, 3, 8, 8))
+    with pytest.raises(ValueError, match="finite"):
+        PrefillAttention(torch.zeros(1, 2, 1, 4), 4, query_gram=torch.full((1, 2, 8, 8), float("inf")))

@@ -315,7 +315,7 @@ class DecodeScores:
     Each resident read after the prefill adds, for every token it can see, the largest attention any of the KV
     head's query heads paid it (summed over the read's queries), and counts the queries that saw it. The attention
     is estimated from the device tier alone, at no page-in: a softmax of the query against the resident tokens'
-    served keys and the omitted tokens' summary point estimates (:meth:`OmittedPages.key_estimate`). A token's
+    served keys and the omitted tokens' summary point estimates (:attr:`OmittedPages.key_estimate`). A token's
     score is the mean over the queries that saw it (every decode query weighs the same, and a token written late is
     not outranked for having been seen less often); the maximum over the group, because the gate recalls for a KV
     head when any of its query heads' cells is above ``tau``. No bound relies on it: it only decides which tokens are
@@ -333,7 +333,7 @@ class DecodeScores:
         ``pages``."""
         assert store.k is not None
         served = torch.nan_to_num(store.k.served.view(), 0.0, 0.0, 0.0)  # fail-closed entries rank as zero keys
-        keys = torch.cat([served, pages.key_estimate().to(served.device)], 2)
+        keys = torch.cat([served, pages.key_estimate.to(served.device)], 2)
         positions = torch.cat([store.positions.view(), store.evicted["positions"].view()], 2).to(served.device)
         mask = slot_mask(logical, positions)  # [B, Hkv, Q, S]
         p = grouped_probs(query, keys, mask, scaling)  # [B, Hkv, G, Q, S]

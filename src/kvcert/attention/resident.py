@@ -23,6 +23,7 @@ token, in position order (``τ = 0``: the dense answer).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -157,11 +158,12 @@ class OmittedPages:
     k_norm: torch.Tensor
     held: HeldPages | None = None
 
+    @functools.cached_property
     def key_estimate(self) -> torch.Tensor:
         """A point estimate ``[B, Hkv, N, D]`` (float32, on the device) of every omitted key from the summary alone:
         the int8 sketch's ``k̂_t = scale_t · codes_t``, the basis sketch's ``A·â_t + B·b̂_t``, or the centre of the
         token's page box. No host read; it only ranks tokens (:class:`~kvcert.attention.evict_driver.DecodeScores`),
-        no bound relies on it."""
+        no bound relies on it. Decoded once per summary (the summary is immutable; a new archive gets a new one)."""
         if isinstance(self.sketch, BasisSketch):
             return self.sketch.estimate()
         if self.sketch is not None:

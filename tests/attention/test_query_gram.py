@@ -139,11 +139,14 @@ def test_every_summary_is_built_in_the_query_aware_basis_of_its_archive_and_gram
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3"])
-@pytest.mark.parametrize("recall", ["swap", "persistent"])
-def test_validate_mode_zero_violations_in_every_cell_with_the_query_aware_summary(models, family, recall):
-    """Every (step, layer, row, query head) cell of a validate-mode run with ``basis8-qspec`` summaries, ungated and
-    gated: true TV <= certificate, exact omitted mass <= its bound, output error <= its bound (int4 resident codes)."""
+@pytest.mark.parametrize(
+    ("summary", "recall"), [("basis8-qspec", "swap"), ("basis8-qspec", "persistent"), ("basis16-qspec", "swap")]
+)
+def test_validate_mode_zero_violations_in_every_cell_with_the_query_aware_summary(models, family, summary, recall):
+    """Every (step, layer, row, query head) cell of a validate-mode run with query-aware summaries (rank 8 and 16),
+    ungated and gated: true TV <= certificate, exact omitted mass <= its bound, output error <= its bound (int4
+    resident codes)."""
     model = models[family]
     ids = prompt_ids(model, batch=2, seed=6)
-    for _, tel in validated_runs(model, ids, "int4", "snapkv", STEPS, summary="basis8-qspec", recall=recall):
+    for _, tel in validated_runs(model, ids, "int4", "snapkv", STEPS, summary=summary, recall=recall):
         assert_sound_in_every_cell(tel)

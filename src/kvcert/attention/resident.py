@@ -95,10 +95,10 @@ SKETCHES: dict[str, Callable[[torch.Tensor, int, torch.Tensor | None], Sketch]] 
     **{f"basis{r}": _basis(r) for r in (8, 16, 24, 32)},
     "basis8-t2": _basis(8, tail_bits=2),
     **{f"basis{r}-spec": _basis(r, spectra=True) for r in (8, 16)},
-    "basis8-qspec": _basis(8, spectra=True, queries=True),
+    **{f"basis{r}-qspec": _basis(r, spectra=True, queries=True) for r in (8, 16)},
 }
 #: the summaries whose basis takes the queries into account (the driver keeps a query Gram per layer for them)
-QUERY_AWARE: frozenset[str] = frozenset({"basis8-qspec"})
+QUERY_AWARE: frozenset[str] = frozenset(name for name in SKETCHES if name.endswith("-qspec"))
 SUMMARIES: tuple[str, ...] = ("box", *SKETCHES)
 RECALLS: tuple[str, ...] = ("persistent", "transient", "swap")
 

@@ -14,10 +14,10 @@ take turns one decode step at a time, in an order that rotates every step; one w
                       back exact (persistent), under the library's default device budget
 * ``resident-3x``     issue 16's 3x configuration as ``docs/results.md#three-x-at-ruler-scale`` runs it: fp16 keys and
                       int4 values for a SnapKV resident set of 20 % of the tokens (chosen from the shared prefill's
-                      attention), the omitted pages summarised as ``basis8-qspec`` (page spectra in the
-                      query-aware basis, ``docs/math.md#query-aware-basis``) and, beside it, as ``basis8-spec`` (the
-                      keys' principal basis); swap recall, ``Gate.certified(0.2)`` at head granularity, device
-                      budget 1/3 of the fp16 K/V
+                      attention), the omitted pages summarised as ``basis16-qspec`` (page spectra in the
+                      query-aware basis, ``docs/math.md#query-aware-basis``) and, beside it, as ``basis8-qspec`` and
+                      ``basis8-spec`` (the keys' principal basis); swap recall, ``Gate.certified(0.2)`` at head
+                      granularity, device budget 1/3 of the fp16 K/V
 
 Prints ms/token (best of ``--reps``) and the ratios the issues target: certified / raw (<= 1.10), gated / dense
 (<= 1.5), capacity-gated / dense and resident-3x / dense (<= 1.3), from the best times and as the median of the
@@ -217,9 +217,9 @@ def _resident_3x(summary: str) -> Scheme:
     )
 
 
-#: the 3x configuration with the query-aware page-spectral summary (the one the target is read on) and with the
-#: principal-basis one
-RESIDENT_3X = {s.name: s for s in (_resident_3x("basis8-qspec"), _resident_3x("basis8-spec"))}
+#: the 3x configuration with the rank-16 query-aware page-spectral summary (the one the target is read on), the rank-8
+#: one and the principal-basis one
+RESIDENT_3X = {s.name: s for s in map(_resident_3x, ("basis16-qspec", "basis8-qspec", "basis8-spec"))}
 RESIDENT = next(iter(RESIDENT_3X))
 TARGETS = (
     ("kvcert-certified", "kvcert-raw", 1.10),

@@ -378,3 +378,20 @@ def test_resident_codes_above_tau_are_read_exact_instead_of_dense(models):
     assert sum(r.bytes_exact for r in recs) > 0 and sum(r.bytes_dense for r in recs) == 0
     # the prefill (read before the resident set exists) may repair too: the resident reads' page-in is part of it
     assert tel.bytes_paged >= sum(r.bytes + r.bytes_exact + r.bytes_dense for r in recs) > 0
+
+
+@pytest.mark.parametrize("summary", ["int8", "basis8"])
+def test_a_summarys_key_estimate_is_decoded_once_and_is_the_sketchs_point_estimate(models, summary):
+    """``OmittedPages.key_estimate`` (the decode scores' ranking) is computed once per summary object and equals the
+    sketch's own point estimate, one per omitted token: the int8 sketch's scale times codes, the basis sketch's
+    ``A·â + B·b̂``."""
+    model = models["llama"]
+    with resident_cache(model, "int4", "snapkv", Gate.certified(0.1), summary=summary) as cache:
+        _decode(model, _ids(model, batch=2, seed=9), cache, steps=1)
+        layer, pages = next(iter(cache._pages.items()))
+        first = pages.key_estimate
+        assert pages.key_estimate is first
+        sk = pages.sketch
+        want = sk.estimate() if summary == "basis8" else sk.codes.to(torch.float32) * sk.scale.unsqueeze(-1)
+        assert torch.equal(first, want)
+        assert first.shape == cache.layers[layer].store.evicted["k"].view().shape

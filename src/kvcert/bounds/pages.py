@@ -530,8 +530,8 @@ def query_aware_basis(keys: torch.Tensor, query_gram: torch.Tensor) -> torch.Ten
     tk = gk.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None]
     tq = gq.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None]
     usable = torch.isfinite(gq).flatten(-2).all(-1)[..., None, None] & (tq > 0) & torch.isfinite(tq)
-    mixed = torch.where(tk > 0, gk / torch.where(tk > 0, tk, 1.0), 0.0)
-    mixed = mixed + torch.where(usable, torch.nan_to_num(gq, 0.0, 0.0, 0.0) / torch.where(usable, tq, 1.0), 0.0)
+    # K = 0 where tr K = 0; an unusable Q is dropped whole by the where (its NaN or inf never reaches the sum)
+    mixed = gk / torch.where(tk > 0, tk, 1.0) + torch.where(usable, gq / torch.where(usable, tq, 1.0), 0.0)
     _, vecs = torch.linalg.eigh(mixed)
     return vecs.flip(-1)
 

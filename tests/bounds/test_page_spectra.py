@@ -40,7 +40,9 @@ def test_spectral_bound_dominates_and_is_within_its_stated_factor(m, n, exp10, k
     ref = torch.linalg.matrix_norm(x, ord=2)
     assert bool((sigma >= ref * (1 - 1e-12)).all()), (sigma / ref).min()
     factor = min(m, n) ** (1 / 2**7)
-    assert bool((sigma <= ref * factor * (1 + 1e-9)).all()), (sigma / ref).max()
+    # the final log/exp's relative 2^-30 inflation and the product allowances aside (as the flat-spectrum test below);
+    # 1e-9 alone was exceeded by 1.05e-9 on an orthogonal 20 × 39 matrix at 1e71
+    assert bool((sigma <= ref * factor * (1 + 3e-9)).all()), (sigma / ref).max()
 
 
 def test_spectral_bound_of_zero_and_bad_input():

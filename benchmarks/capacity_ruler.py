@@ -24,6 +24,10 @@ Resident variants (``--resident R``): each scheme of ``--resident-schemes`` (def
 gated ``certified(0.2)`` at head granularity (the granularity a resident read recalls at), under the same
 ``--device-budget`` as the gated variants (it caps what persistent recall keeps on the device).
 
+Allocated variant (``--allocation FILE``, a ``kvcert allocate`` JSON, ``docs/codecs.md#bit-allocation``): the
+allocation's per-(layer, KV head) dithered key widths and per-layer value codecs also run as ``allocated`` (raw,
+unless ``--no-raw``) and ``allocated+gate``, under the same gate and device budget as the schemes.
+
 Then the issue-16 target per gated or resident variant: capacity >= ``--target-capacity``, CI lower end >= −2
 points with dense inside the CI, page-in <= 5 % of fp16, >= 60 samples over >= 5 tasks; and the issue-17 target
 per resident variant: CI lower end >= −3 points with dense inside, recalled bytes per decode step <= 15 % of the
@@ -98,6 +102,7 @@ from kvcert.eval.branching import Scheme, run_branches
 from kvcert.eval.harness import prompt_ids
 from kvcert.eval.journal import Journal, JournalRow, sample_key
 from kvcert.models.zoo import ZOO, converted_dir
+from kvcert.quant import Allocation
 from kvcert.report.aggregate import fp16_bytes_per_token
 from kvcert.report.results import EMPIRICAL, build_document, tiered, write_results
 from kvcert.report.tables import ReportTable, fmt, print_table, to_markdown
@@ -151,6 +156,9 @@ class ResidentOptions:
         }
 
 
+ALLOCATED = "allocated"  # the variant name of --allocation
+
+
 def command() -> str:
     """This run's command line, as typed after the interpreter."""
     return " ".join(["benchmarks/capacity_ruler.py", *sys.argv[1:]])
@@ -174,16 +182,22 @@ def variants(
     budget: float | None,
     resident: ResidentOptions | None = None,
     gated: bool = True,
+    allocation: Allocation | None = None,
 ) -> list[Scheme]:
-    """Dense, then per scheme raw (unless ``raw`` is False) and gated (unless ``gated`` is False), then the
-    resident variants (``<scheme>+resident``); every kvcert variant validated if asked, every one under the same
-    device budget."""
+    """Dense, then per scheme (and the allocation, as ``allocated``) raw (unless ``raw`` is False) and gated (unless
+    ``gated`` is False), then the resident variants (``<scheme>+resident``); every kvcert variant validated if asked,
+    every one under the same device budget."""
     out = [Scheme(DENSE)]
-    for s in specs:
+    rows = [(s.label, s.keys, s.values, None) for s in specs]
+    if allocation is not None:
+        rows.append((ALLOCATED, "dither-mixed", None, allocation))
+    for label, keys, values, alloc in rows:
         if raw:
-            out.append(Scheme(s.label, s.keys, s.values, Gate.off(), validate, device_budget=budget))
+            out.append(Scheme(label, keys, values, Gate.off(), validate, device_budget=budget, allocation=alloc))
         if gated:
-            out.append(Scheme(s.label + GATED_SUFFIX, s.keys, s.values, gate, validate, device_budget=budget))
+            out.append(
+                Scheme(label + GATED_SUFFIX, keys, values, gate, validate, device_budget=budget, allocation=alloc)
+            )
     if resident is not None:
         out += [
             Scheme(
@@ -530,6 +544,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gate", choices=GATES, default="block", help="certified gate form at tau = 0.2")
     ap.add_argument("--no-raw", dest="raw", action="store_false", help="skip the ungated variants")
     ap.add_argument(
+        "--allocation", type=Path, default=None, help="also run this kvcert-allocate JSON as 'allocated' (module doc)"
+    )
+    ap.add_argument(
         "--no-gated",
         dest="gated",
         action="store_false",
@@ -619,7 +636,10 @@ def main() -> None:
     resident = resident_options(args)
     if resident is not None:
         resident_fits(resident.plan(), args.context)
-    schemes = variants(specs, make_gate(args.gate), args.raw, args.validate, args.device_budget, resident, args.gated)
+    allocation = None if args.allocation is None else Allocation.load(args.allocation)
+    schemes = variants(
+        specs, make_gate(args.gate), args.raw, args.validate, args.device_budget, resident, args.gated, allocation
+    )
     config = {
         "model": args.model,
         "tasks": tasks,
@@ -630,6 +650,9 @@ def main() -> None:
         "device_budget": args.device_budget,
         "max_new_tokens": args.max_new_tokens,
         **({} if resident is None else {"resident": resident.describe()}),
+        **(
+            {} if allocation is None else {"allocation": {"key_bits": allocation.key_bits, "values": allocation.values}}
+        ),
     }
     journal = Journal(args.out, config)
     set_seed(args.seed)

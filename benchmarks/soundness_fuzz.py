@@ -11,7 +11,8 @@ adversarial keys, the codec, its Tier-A witness, queries up to the Cauchy–Schw
 
 With ``--witness-cells N`` it runs the compact-witness forms (``docs/math.md#compact-witnesses``): ``N`` adversarial
 elements through the log8 code (decoded ≥ value per element) and ``N`` end-to-end cells per ``(key codec, log8)``
-form whose band norms go through the code before the Tier-A radius (radius ≥ ``|ε_t|``, meter ≥ TV).
+form whose band norms go through the code before the Tier-A radius (radius ≥ ``|ε_t|``, meter ≥ TV);
+``--witness-codecs`` picks the key codecs of those forms.
 
 The page forms (``kvcert.bounds.pages``: page logit bound, omitted-mass bound, direct form, composed certificate of
 a resident read; the same per token for the int8 and the principal-basis key sketches, the latter with an int4
@@ -49,6 +50,8 @@ from codec_cells import (  # noqa: E402
     witness_element_violations,
 )
 from codec_cells import violations as codec_violations  # noqa: E402
+
+WITNESS_CODECS = tuple(codec for codec, _ in WITNESS_FORMS)
 from pages_adversarial import (  # noqa: E402
     FAMILIES,
     PAGE_PLAN,
@@ -78,9 +81,9 @@ def codec_fuzz(n_cells: int, gen: torch.Generator) -> bool:
     return clean
 
 
-def witness_fuzz(n_cells: int, gen: torch.Generator) -> bool:
+def witness_fuzz(n_cells: int, gen: torch.Generator, codecs: tuple[str, ...]) -> bool:
     """Compact-witness forms: ``n_cells`` log8 elements, then ``n_cells`` (whole rounds) end-to-end cells per
-    ``WITNESS_FORMS`` entry; prints a table, returns True if clean."""
+    ``WITNESS_FORMS`` entry whose key codec is in ``codecs``; prints a table, returns True if clean."""
     chunk = 1_000_000
     elems, bad, worst = 0, 0, 0.0
     for _ in tqdm(range(-(-n_cells // chunk)), desc="log8 elements"):
@@ -90,7 +93,7 @@ def witness_fuzz(n_cells: int, gen: torch.Generator) -> bool:
     print(f"{'log8 element':>20} | {elems:>11,} | {bad:>10} | {worst:>11.6f}  (decoded / value at or above base)")
     clean = bad == 0
     per_round = sum(rows for _, rows in WITNESS_PLAN)
-    for codec, witness in WITNESS_FORMS:
+    for codec, witness in (form for form in WITNESS_FORMS if form[0] in codecs):
         cells, bad_r, bad_m, tight = 0, 0, 0, 0.0
         for _ in tqdm(range(-(-n_cells // per_round)), desc=f"{codec}+{witness}"):
             for s, rows in WITNESS_PLAN:
@@ -123,6 +126,11 @@ def main() -> None:
         help=f"comma-separated summaries whose page forms run (default all: {','.join(PAGE_SUMMARIES)})",
     )
     ap.add_argument(
+        "--witness-codecs",
+        default=",".join(WITNESS_CODECS),
+        help=f"comma-separated key codecs whose compact-witness forms run (default all: {','.join(WITNESS_CODECS)})",
+    )
+    ap.add_argument(
         "--forms",
         choices=("all", "pages", "witness"),
         default="all",
@@ -132,6 +140,9 @@ def main() -> None:
     summaries = tuple(args.page_summaries.split(","))
     if not summaries or not set(summaries) <= set(PAGE_SUMMARIES):
         ap.error(f"--page-summaries takes names among {','.join(PAGE_SUMMARIES)}; got {args.page_summaries!r}")
+    witness_codecs = tuple(args.witness_codecs.split(","))
+    if not set(witness_codecs) <= set(WITNESS_CODECS):
+        ap.error(f"--witness-codecs takes names among {','.join(WITNESS_CODECS)}; got {args.witness_codecs!r}")
     gen = torch.Generator().manual_seed(args.seed)
     per_round = sum(rows for _, rows in CI_PLAN)
     rounds = 0 if args.forms != "all" else -(-args.cells // per_round)
@@ -183,7 +194,7 @@ def main() -> None:
         for name, n, bad in zip(FAMILIES, fam_cells, fam_bad, strict=True):
             print(f"{name:>12} | {n:>11,} | {bad:>33}")
     codecs_clean = codec_fuzz(args.codec_cells, gen) if args.codec_cells else True
-    witness_clean = witness_fuzz(args.witness_cells, gen) if args.witness_cells else True
+    witness_clean = witness_fuzz(args.witness_cells, gen, witness_codecs) if args.witness_cells else True
     if any(violations.values()) or not codecs_clean or not witness_clean:
         raise SystemExit("VIOLATIONS FOUND")
 

@@ -11,12 +11,14 @@ import torch
 from kvcert import Gate
 from kvcert.cli.audit import tightness
 from kvcert.cli.codecs import real_informative
+from kvcert.cli.main import app
 from kvcert.cli.merge import merge_results
+from kvcert.integrations.cache_config import StorageConfig
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models.tiny import tiny_random
-from kvcert.quant import BUILTINS
+from kvcert.quant import BUILTINS, Allocation, get
 
-from .test_main_cli import RULER, TINY, check_report, invoke
+from .test_main_cli import RULER, TINY, check_report, invoke, runner
 from .test_merge import _shard, _t
 
 torch.set_num_threads(1)
@@ -86,8 +88,12 @@ def test_tightness_quantiles_of_true_tv_over_certificate():
 def test_codecs_real_prompt_informative_fraction():
     frac = real_informative("tiny:llama", context=512, steps=2, seed=0)
     assert set(frac) == set(BUILTINS)
-    assert frac["none"] == 1.0  # exact keys: radius 0 up to float rounding
-    assert all(0.0 <= f <= 1.0 for f in frac.values())
+    assert frac["none"].tier_a == 1.0  # exact keys: radius 0 up to float rounding
+    assert all(0.0 <= f.tier_a <= 1.0 for f in frac.values())
+    dithered = {name for name in BUILTINS if get(name).tier_b}
+    assert dithered >= {"dither-int8", "dither-int4", "dither-int3"}
+    assert {name for name, f in frac.items() if f.tier_b is not None} == dithered
+    assert all(0.0 <= f.tier_b <= 1.0 for f in frac.values() if f.tier_b is not None)
 
 
 def test_merge_pools_capacity_from_summed_device_and_fp16_bytes():
@@ -98,3 +104,29 @@ def test_merge_pools_capacity_from_summed_device_and_fp16_bytes():
     v = merge_results([a, b], [Path("a"), Path("b")], seed=0, resamples=100)["variants"]["int2"]
     assert v["bytes_device"]["value"] == 1200 and v["bytes_fp16"]["value"] == 3000
     assert v["capacity"] == {"value": 2.5, "tier": "empirical"}
+
+
+def test_allocate_writes_an_allocation_the_cache_loads(tmp_path):
+    out = tmp_path / "alloc.json"
+    args = ("allocate", *TINY, "--tokens", "48", "--prompts", "1", "--steps", "3", "--out", str(out))
+    result = invoke(*args, "--value-tol", "0.05")
+    alloc = Allocation.load(out)
+    model = tiny_random("llama", head_dim=64)
+    layers, kv = model.config.num_hidden_layers, model.config.num_key_value_heads
+    assert len(alloc.key_bits) == layers and all(len(row) == kv for row in alloc.key_bits)
+    assert alloc.tau == 0.2 and alloc.value_tol == 0.05 and alloc.provenance["corpus"] == "kjv"
+    assert set(alloc.provenance["value_share"]) == {"int8", "int4", "int2"}
+    assert "mean key width" in result.output and "certified, calibration" in result.output
+    cache = CertifiedCache(model, storage=StorageConfig(keys=alloc.key_codecs(), values=alloc.values))
+    assert [layer.store.key_codec.head_bits for layer in cache.layers] == list(alloc.key_bits)
+    invoke(*args)  # without --value-tol every layer takes --values
+    assert Allocation.load(out).values == ("int4",) * layers
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [(("--values", "int9"), "unknown codec 'int9'"), (("--max-loss", "2"), "max-loss"), (("--corpus", "x"), "corpus")],
+)
+def test_allocate_refuses_bad_options(tmp_path, extra, match):
+    result = runner.invoke(app, ["allocate", *TINY, "--out", str(tmp_path / "a.json"), *extra])
+    assert result.exit_code == 2 and match in result.output

@@ -15,6 +15,7 @@ import torch
 
 from kvcert.cache.gate import Gate
 from kvcert.cli.common import SchemeSpec
+from kvcert.quant import Allocation
 
 torch.set_num_threads(1)
 
@@ -172,3 +173,24 @@ def test_a_different_resident_config_is_refused_in_the_same_out(
     other = [*RESIDENT[:-1], "persistent"]
     with pytest.raises(ValueError, match="resident"):
         _main(bench, [*ARGS, *other, "--out", str(out)], monkeypatch)
+
+
+def test_an_allocation_runs_as_the_allocated_variants(
+    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--allocation FILE``: ``allocated`` and ``allocated+gate`` decode with the file's per-(layer, KV head) key
+    widths and per-layer values (validate mode: 0 violations), beside the schemes, in the journal's config."""
+    alloc = Allocation(((8, 4), (3, 6)), ("int4", "int2"), tau=0.2, max_loss=0.02)
+    path = tmp_path / "alloc.json"
+    alloc.save(path)
+    schemes = bench.variants([SchemeSpec("int4", "int4")], Gate.off(), True, False, None, allocation=alloc)
+    assert [s.name for s in schemes] == ["dense", "int4", "int4+gate", "allocated", "allocated+gate"]
+    storage = schemes[-1].storage()
+    assert [c.head_bits for c in storage.keys] == [(8, 4), (3, 6)] and storage.values == alloc.values
+    out = tmp_path / "run"
+    _main(bench, [*ARGS, "--allocation", str(path), "--out", str(out)], monkeypatch)
+    doc = json.loads((out / "results.json").read_text())
+    variants = doc["results"]["variants"]
+    for name in ("allocated", "allocated+gate"):
+        assert _v(variants[name], "violations") == 0 and _v(variants[name], "cells") > 0
+    assert doc["config"]["allocation"]["key_bits"] == [[8, 4], [3, 6]]

@@ -11,7 +11,13 @@ from transformers import DynamicCache
 from kvcert import CertifiedCache, Gate, StorageConfig
 from kvcert.models.tiny import tiny_random
 
-SCHEMES = [("dither-int8", "int4"), ("dither-int6", "int2"), ("int4", "kivi-2")]
+SCHEMES = [
+    ("dither-int8", "int4"),
+    ("dither-int6", "int2"),
+    ("dither-int4", "int4"),
+    ("dither-int3", "int2"),
+    ("int4", "kivi-2"),
+]
 
 
 def _decode(model, ids, cache, steps):
@@ -47,12 +53,13 @@ def test_log8_validate_zero_violations_and_certificates_only_grow(family, keys, 
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_log8_repair_everything_equals_dynamic_cache(family):
+@pytest.mark.parametrize("keys", ["dither-int6", "dither-int4", "dither-int3"])
+def test_log8_repair_everything_equals_dynamic_cache(family, keys):
     model = tiny_random(family, head_dim=32)
     ids = torch.randint(3, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
     ref = _decode(model, ids, DynamicCache(config=model.config), 10)
     cache = CertifiedCache(
-        model, gate=Gate.certified(0.0), storage=StorageConfig(keys="dither-int6", values="int2", witness="log8")
+        model, gate=Gate.certified(0.0), storage=StorageConfig(keys=keys, values="int2", witness="log8")
     )
     got = _decode(model, ids, cache, 10)
     cache.detach()
@@ -60,7 +67,7 @@ def test_log8_repair_everything_equals_dynamic_cache(family):
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("keys,values", [("dither-int8", "int4"), ("dither-int6", "int2")])
+@pytest.mark.parametrize("keys,values", [("dither-int8", "int4"), ("dither-int6", "int2"), ("dither-int3", "int4")])
 def test_log8_validate_zero_violations_smollm2(smollm2_model, keys, values):
     model, tok = smollm2_model
     ids = tok("In a hole in the ground there lived a hobbit. The capital of France is", return_tensors="pt").input_ids

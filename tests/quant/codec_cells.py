@@ -23,7 +23,12 @@ from kvcert.quant import get, logcode, sample_key
 F64 = torch.float64
 CODEC_FORMS: tuple[str, ...] = ("hadamard-int4", "hadamard-int2")
 #: (codec, witness storage) forms whose Tier-A band norms go through the compact log8 code before the radius
-WITNESS_FORMS: tuple[tuple[str, str], ...] = (("dither-int8", "log8"), ("dither-int6", "log8"))
+WITNESS_FORMS: tuple[tuple[str, str], ...] = (
+    ("dither-int8", "log8"),
+    ("dither-int6", "log8"),
+    ("dither-int4", "log8"),
+    ("dither-int3", "log8"),
+)
 #: (S, cells) per chunk for the witness forms: short reads (the code acts per token and band; the dither hash
 #: costs per element), one round is 10^5 cells
 WITNESS_PLAN: tuple[tuple[int, int], ...] = ((2, 60_000), (4, 30_000), (8, 10_000))

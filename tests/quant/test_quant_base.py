@@ -61,6 +61,8 @@ def test_bytes_per_token_head_measured_at_d64():
         "dither-int8": 68,
         "dither-int6": 52,  # 64 six-bit codes in 48 bytes + 2 fp16 steps
         "dither-int5": 44,
+        "dither-int4": 36,  # two codes a byte: 32 + 2 fp16 steps
+        "dither-int3": 28,  # 8 three-bit codes in 3 bytes: 24 + 2 fp16 steps
         "fp8-e4m3": 64,
         "fp8-e5m2": 64,
         "fp8-e4m3-scaled": 68,

@@ -2,9 +2,12 @@ import math
 
 import pytest
 import torch
+from bounds_stats import binomial_sf
 from quant_cases import fp16_exact, ulp32, with_outlier_channels
 
+from kvcert.bounds import tier_b_radius, tier_b_sigma2
 from kvcert.quant import DitherKey, get, keyed_uniform, quantize, sample_key
+from kvcert.quant.dither import DITHER_BITS
 from kvcert.quant.scales import per_group
 
 
@@ -175,10 +178,10 @@ def test_dither_key_scalars_validated(field, value):
         get("dither-int8").encode(x, key)
 
 
-@pytest.mark.parametrize("bits,divisor", [(6, 30.5), (5, 14.5)])
+@pytest.mark.parametrize("bits,divisor", [(6, 30.5), (5, 14.5), (4, 6.5), (3, 2.5)])
 def test_narrow_dither_packs_real_bits_never_saturates_and_keeps_the_half_step(bits, divisor):
-    """dither-int6 / -int5: step amax/(2^{b−1} − 1.5), codes in [−q, q] even when every group hits ±amax,
-    stored bit-packed (6-bit: 48 code bytes per 64 channels), error ≤ s/2 per element, residual uniform."""
+    """dither-int6 / -int5 / -int4 / -int3: step amax/(2^{b−1} − 1.5), codes in [−q, q] even when every group hits
+    ±amax, stored bit-packed (6-bit: 48 code bytes per 64 channels), error ≤ s/2 per element, residual uniform."""
     codec = get(f"dither-int{bits}")
     q = 2 ** (bits - 1) - 1
     x = fp16_exact(4, 2, 64, 64, seed=6)
@@ -200,3 +203,26 @@ def test_narrow_dither_packs_real_bits_never_saturates_and_keeps_the_half_step(b
     nz = s > 0
     ks = _ks_uniform(r[nz] / s[nz])
     assert ks < 1.63 / math.sqrt(int(nz.sum()))
+
+
+@pytest.mark.parametrize("bits", DITHER_BITS)
+def test_tier_b_radius_covers_the_real_codec_at_rate_delta(bits):
+    """Tier B on the codec itself (not a simulated uniform): one fixed key block with outlier channels and a fixed
+    query, 4,000 independent dithers (one request id each); the read fails when any token has |ε_t| > u_t, with
+    ``u = tier_b_radius(tier_b_sigma2(q, steps))``. A one-sided binomial test at p < 1e-6 must not reject
+    "failure rate ≤ δ", and must reject it for u/2 (power: the test can fail)."""
+    trials, s, delta, scale = 4000, 16, 0.05, 64**-0.5
+    gen = torch.Generator().manual_seed(40 + bits)
+    x = with_outlier_channels(1, 1, s, 64, seed=bits, channels=(3, 40))
+    x = x.expand(trials, 1, s, 64).contiguous()
+    q = torch.randn(64, generator=gen, dtype=torch.float64) * 3
+    codec = get(f"dither-int{bits}")
+    key = _key(x, seed=bits)
+    packed = codec.encode(x, key)
+    eps = scale * ((codec.decode(packed, key).to(torch.float64) - x.to(torch.float64)) @ q)[:, 0]  # [trials, S]
+    sigma2 = tier_b_sigma2(q, codec.steps(packed)[:1, 0].to(torch.float64), scale, 32)  # steps equal over trials
+    u = tier_b_radius(sigma2, s, delta)
+    failures = int((eps.abs() > u).any(-1).sum())
+    assert binomial_sf(failures, trials, delta) > 1e-6, failures
+    too_small = int((eps.abs() > u / 2).any(-1).sum())
+    assert binomial_sf(too_small, trials, delta) < 1e-6, too_small

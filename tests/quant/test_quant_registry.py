@@ -12,6 +12,8 @@ BUILTIN_NAMES = [
     "dither-int8",
     "dither-int6",
     "dither-int5",
+    "dither-int4",
+    "dither-int3",
     "fp8-e4m3",
     "fp8-e5m2",
     "fp8-e4m3-scaled",

@@ -119,6 +119,7 @@ def step_record(res: ReadResult, layer: int, step: int, nq: int, chain: ChainInp
         "served": res.cert,
         "tanh": res.tanh,
         "out_bound": res.out_bound,
+        "value_term": res.value_term,
         "tier_b": res.cert_b,
         "true_tv": res.true_tv,
         "true_out_err": res.true_out_err,

@@ -950,10 +950,12 @@ def _gather_packed(chunks: list[_Chunk], keep: torch.Tensor, n: int) -> Packed:
         if cat.shape[2] < n:  # the caller checked keep < n: a shape check, no host sync
             raise ValueError("eviction index beyond encoded tokens")
         on = keep.to(cat.device)
+        if name in first.heads:  # a tensor of some heads only (a per-head mixed codec)
+            on = on[:, list(first.heads[name])]
         idx = on.reshape(*on.shape, *([1] * (cat.dim() - 3))).expand(*on.shape, *cat.shape[3:])
         tensors[name] = torch.gather(cat, 2, idx)
     shape = (*first.shape[:2], keep.shape[-1], *first.shape[3:])
-    return Packed(first.codec, shape, tensors)
+    return Packed(first.codec, shape, tensors, first.heads)
 
 
 def _norms_up(k: torch.Tensor, v: torch.Tensor, centre: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -74,6 +74,7 @@ TIERS: dict[str, str] = {
     "served": "certified",
     "tanh": "certified",
     "out_bound": "certified",
+    "value_term": "certified (the output bound's value term Σ_t p̃_t‖Δv_t‖ of what was served)",
     "tier_b": "partially certified (non-adaptive queries only)",
     "true_tv": "measured (validate mode)",
     "true_out_err": "measured (validate mode)",
@@ -238,6 +239,7 @@ class Telemetry:
     evicted_entries: int = 0  # entries evicted over all layers, rows and KV heads
     belady_overlap: torch.Tensor | None = None  # [steps, layers, B, Hkv] (belady=True; NaN: nothing evicted)
     witness: torch.Tensor | None = None  # [steps, layers, B, Hq] live chain readings (see module doc)
+    value_term: torch.Tensor | None = None  # [steps, layers, B, Hq] the output bound's value term (None: no read)
     qnorm: torch.Tensor | None = None
     logit_slack: torch.Tensor | None = None
     uncompressed_layers: tuple[int, ...] = ()  # sliding layers whose window never holds a write block
@@ -517,7 +519,17 @@ def _cell_fields(src: CacheReadings) -> dict[str, Any]:
             return empty.clone()  # an empty [0, L, 1, Hq] cell tensor: no cell, not "not recorded"
         return None if x is None else x[keep]
 
-    names = (*_ALWAYS, "tier_b", "true_tv", "true_out_err", "witness", "qnorm", "logit_slack", "fallback")
+    names = (
+        *_ALWAYS,
+        "value_term",
+        "tier_b",
+        "true_tv",
+        "true_out_err",
+        "witness",
+        "qnorm",
+        "logit_slack",
+        "fallback",
+    )
     fields = {name: sel(name) for name in names}
     repaired = stack_records(src.records, n_layers, steps, "repaired")
     fields["repaired"] = repaired[keep] if repaired is not None else torch.zeros(0, dtype=torch.bool)

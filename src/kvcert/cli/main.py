@@ -6,6 +6,7 @@ import importlib.util
 
 import typer
 
+from kvcert.cli.allocate import allocate
 from kvcert.cli.audit import audit
 from kvcert.cli.codecs import codecs
 from kvcert.cli.evaluate import evaluate
@@ -27,6 +28,7 @@ app.command("eval")(evaluate)
 app.command("ppl")(ppl)
 app.command("merge")(merge)
 app.command("codecs")(codecs)
+app.command("allocate")(allocate)
 app.command("frontier")(frontier)
 app.command("serve")(serve)
 app.add_typer(probe_app, name="probe")

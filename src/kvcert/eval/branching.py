@@ -30,6 +30,8 @@ from kvcert.eval.attention_record import recorded_attention
 from kvcert.evict import EvictionPolicy, PrefillAttention, PrefillReads
 from kvcert.integrations.cache_config import StorageConfig
 from kvcert.integrations.transformers import CertifiedCache
+from kvcert.quant.bit_allocation import Allocation
+from kvcert.quant.dither import DitherCodec
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class Scheme:
     resident_alloc: str | None = None  # split of the resident set across layers (``resident_set(resident_alloc=)``)
     witness: Witness = DEFAULT_WITNESS  # storage of the write-time witnesses (``StorageConfig(witness=)``)
     device_budget: float | None = 1.0  # ``StorageConfig(device_budget=)`` (its default: never above fp16)
+    allocation: Allocation | None = None  # per-(layer, KV head) key widths and per-layer values (replace keys/values)
 
     @property
     def is_dense(self) -> bool:
@@ -57,11 +60,15 @@ class Scheme:
         return self.keys is None
 
     def storage(self) -> StorageConfig:
-        """The cache's storage (values default to the keys' codec)."""
+        """The cache's storage (values default to the keys' codec; an allocation gives both, per layer)."""
         assert self.keys is not None
+        keys: str | tuple[DitherCodec, ...] = self.keys
+        values: str | tuple[str, ...] = self.values or self.keys
+        if self.allocation is not None:
+            keys, values = self.allocation.key_codecs(), self.allocation.values
         return StorageConfig(
-            self.keys,
-            self.values or self.keys,
+            keys,
+            values,
             key_options=dict(self.key_options),
             device_budget=self.device_budget,
             witness=self.witness,

@@ -37,7 +37,8 @@ def expect(value: Any, kind: type[T], name: str) -> T | None:
 
 @dataclass(frozen=True)
 class StorageConfig:
-    """How each layer stores its K/V: codec names (or instances) and their options (``key_options`` /
+    """How each layer stores its K/V: codec names (or instances; or a tuple of them, entry ``l`` for decoder layer
+    ``l``, e.g. :meth:`~kvcert.quant.Allocation.key_codecs`) and their options (``key_options`` /
     ``value_options``, e.g. ``{"bypass": 4}``), band count and RoPE pairing of the key witness, dither ``seed``
     (``None``: the cache draws one at random, so dither is never reused across caches), ``write_block`` (pending
     tokens encode in whole blocks of this many tokens, exact until then), the device budget of persistent repairs
@@ -45,8 +46,8 @@ class StorageConfig:
     ``None``: no cap; see ``docs/architecture.md``) and the storage of the write-time witnesses (``"log8"``: 8-bit
     codes that decode to values never below the true ones, or ``"f32"``; see ``docs/math.md#compact-witnesses``)."""
 
-    keys: str | Codec = "int8"
-    values: str | Codec = "int8"
+    keys: str | Codec | tuple[str | Codec, ...] = "int8"
+    values: str | Codec | tuple[str | Codec, ...] = "int8"
     bands: int = 8
     pairing: Pairing = "rotate_half"
     seed: int | None = None
@@ -59,8 +60,14 @@ class StorageConfig:
     def __post_init__(self) -> None:
         """Fail on a wrong type (each message names the argument); value ranges are the store's to check."""
         for name in ("keys", "values"):
-            if not isinstance(getattr(self, name), (str, Codec)):
-                raise TypeError(f"{name} must be a codec name or a Codec, got {type(getattr(self, name)).__name__}")
+            given = getattr(self, name)
+            entries = given if isinstance(given, tuple) else (given,)
+            bad = [type(e).__name__ for e in entries if not isinstance(e, (str, Codec))]
+            if bad or not entries:
+                raise TypeError(
+                    f"{name} must be a codec name, a Codec or a non-empty tuple of them (one per layer), "
+                    f"got {type(given).__name__}" + (f" holding {', '.join(bad)}" if bad else "")
+                )
         for name in ("key_options", "value_options"):
             if not isinstance(getattr(self, name), dict):
                 raise TypeError(f"{name} must be a dict of codec options, got {type(getattr(self, name)).__name__}")
@@ -74,8 +81,8 @@ class StorageConfig:
             raise ValueError("StorageConfig.store needs a seed (resolve_storage draws one)")
         return LayerStore(
             layer,
-            resolve(self.keys, "key", self.key_options),
-            resolve(self.values, "value", self.value_options),
+            resolve(_of_layer(self.keys, layer, "keys"), "key", self.key_options),
+            resolve(_of_layer(self.values, layer, "values"), "value", self.value_options),
             bands=self.bands,
             pairing=self.pairing,
             seed=self.seed,
@@ -83,6 +90,16 @@ class StorageConfig:
             device_budget=self.device_budget,
             witness=self.witness,
         )
+
+
+def _of_layer(given: str | Codec | tuple[str | Codec, ...], layer: int, name: str) -> str | Codec:
+    """The codec of decoder layer ``layer``: ``given`` itself, or its entry ``layer`` when it is a per-layer tuple
+    (``ValueError`` naming ``name`` when the tuple is shorter than the model)."""
+    if not isinstance(given, tuple):
+        return given
+    if layer >= len(given):
+        raise ValueError(f"{name} lists codecs for {len(given)} layers; the model has a layer {layer}")
+    return given[layer]
 
 
 def resolve_storage(

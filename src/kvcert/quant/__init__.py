@@ -10,11 +10,13 @@ from kvcert.quant.base import (
     quantize,
     sample_key,
 )
+from kvcert.quant.bit_allocation import Allocation
 from kvcert.quant.dither import keyed_uniform
 from kvcert.quant.outlier import OutlierBypass
 from kvcert.quant.registry import BUILTINS, get, names, register, resolve, unregister
 
 __all__ = [
+    "Allocation",
     "BUILTINS",
     "Codec",
     "DitherKey",

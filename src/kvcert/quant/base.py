@@ -9,6 +9,7 @@ witness of the residual ``x̂ − x`` is computed once at write time by :func:`q
 from __future__ import annotations
 
 import copy
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -22,11 +23,14 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 @dataclass(frozen=True)
 class Packed:
-    """Stored form of one encoded tensor: only real tensors that would live in device memory."""
+    """Stored form of one encoded tensor: only real tensors that would live in device memory. ``heads`` names the
+    tensors whose head axis (dim 1) holds only some heads of ``shape[1]``, in that order (a per-head mixed codec,
+    e.g. ``dither-mixed``); every other tensor holds all heads."""
 
     codec: str
     shape: tuple[int, ...]
     tensors: dict[str, torch.Tensor]
+    heads: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -96,6 +100,7 @@ class Codec(ABC):
     needs_key: bool = False
     group_size: int = 32
     channel_mask: torch.Tensor | None = None
+    heads: int | None = None  # the head count a per-head codec was built for (None: any)
 
     def encode(self, x: torch.Tensor, key: DitherKey | None = None) -> Packed:
         """Encode ``x[B, H, T, D]``; raise ``ValueError`` on non-finite input or a bad shape/key."""
@@ -113,7 +118,12 @@ class Codec(ABC):
         check_input(x)
         if x.shape[-2] % self.block:
             raise ValueError(f"x has T={x.shape[-2]} tokens; {self.name!r} encodes blocks of {self.block}")
+        self._check_heads(tuple(x.shape))
         self._check_key(key, tuple(x.shape))
+
+    def _check_heads(self, shape: tuple[int, ...]) -> None:
+        if self.heads is not None and shape[1] != self.heads:
+            raise ValueError(f"codec {self.name!r} is built for {self.heads} heads, got a tensor of {shape[1]} heads")
 
     def _encode_decode(self, x: torch.Tensor, key: DitherKey | None) -> tuple[Packed, torch.Tensor]:
         packed = self._encode(x, key)
@@ -123,6 +133,7 @@ class Codec(ABC):
         """Reconstruct ``x̂`` as float32 ``[B, H, T, D]`` from the stored tensors (and the key if needed)."""
         if packed.codec != self.name:
             raise ValueError(f"packed was written by codec {packed.codec!r}, not {self.name!r}")
+        self._check_heads(packed.shape)
         self._check_key(key, packed.shape)
         return self._decode(packed, key)
 
@@ -193,13 +204,15 @@ def sample_key(x: torch.Tensor, seed: int = 0, layer: int = 0) -> DitherKey:
 def bytes_per_token_head(codec: Codec, D: int = 64, tokens: int = 64) -> float:
     """Stored bytes per (token, head), measured from the tensors of an encoded random ``[1, 1, T, D]`` sample.
 
-    ``T`` is ``tokens`` rounded up to a multiple of ``codec.block``. A copy of ``codec`` is encoded, so
-    calibration state (outlier-bypass pairs) of the given codec is left untouched.
+    ``T`` is ``tokens`` rounded up to a multiple of ``codec.block``; a per-head codec encodes its ``heads`` heads and
+    the bytes are averaged over them. A copy of ``codec`` is encoded, so calibration state (outlier-bypass pairs)
+    of the given codec is left untouched.
     """
     if D < 2 or tokens < 1:
         raise ValueError(f"D must be >= 2 and tokens >= 1, got D={D}, tokens={tokens}")
     t = -(-tokens // codec.block) * codec.block
+    h = codec.heads or 1
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 1, t, D, generator=gen)
+    x = torch.randn(1, h, t, D, generator=gen)
     key = sample_key(x) if codec.needs_key else None
-    return copy.deepcopy(codec).encode(x, key).nbytes / t
+    return copy.deepcopy(codec).encode(x, key).nbytes / (t * h)

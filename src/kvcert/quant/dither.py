@@ -1,16 +1,19 @@
-"""``dither-int8`` / ``dither-int6`` / ``dither-int5``: subtractive uniform dither (Tier A + B,
+"""``dither-int8`` / ``-int6`` / ``-int5`` / ``-int4`` / ``-int3``: subtractive uniform dither (Tier A + B,
 ``docs/codecs.md#dither-int8``).
 
 At ``b`` bits, ``q = 2^{b−1} − 1`` and ``s = amax_g/(q − ½)`` per token per channel group (fp16, rounded up),
 ``code = round(x/s + u)``, ``x̂ = s·(code − u)`` with ``u ~ U[−½, ½)`` regenerated from a counter-based keyed
 hash. Since ``|x/s| ≤ q − ½`` and ``u ∈ [−½, ½)``, ``code ∈ [−q, q]`` (int8: ``s = amax/126.5``, codes in
-``[−127, 127]``; int6: ``amax/30.5``, ``[−31, 31]``, stored offset by ``q`` and packed 4 codes in 3 bytes): the
+``[−127, 127]``; int6: ``amax/30.5``, ``[−31, 31]``, stored offset by ``q`` and packed 4 codes in 3 bytes; int4:
+``amax/6.5``, ``[−7, 7]``, two codes a byte; int3: ``amax/2.5``, ``[−3, 3]``, 8 codes in 3 bytes): the
 quantiser never saturates, so the residual
 ``r = x̂ − x = s·(round(v) − v)`` with ``v = x/s + u`` is uniform on ``[−s/2, s/2]`` and independent of ``x``
 (Schuchman), giving ``E e^{λr} = sinh(λs/2)/(λs/2) ≤ exp(λ²s²/24)``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -19,7 +22,7 @@ from kvcert.quant.kernel_env import fused_log8
 from kvcert.quant.packing import pack_bits, unpack_bits
 from kvcert.quant.scales import check_positive, per_group, safe_div, symmetric_scales
 
-DITHER_BITS = (8, 6, 5)
+DITHER_BITS = (8, 6, 5, 4, 3)
 _U64 = 1 << 64
 
 
@@ -89,28 +92,66 @@ def keyed_uniform(key: DitherKey, shape: tuple[int, ...]) -> torch.Tensor:
 
 class DitherCodec(Codec):
     """``dither-int{bits}``: subtractive-dither ``bits``-bit codes with per-token, per-``group_size`` fp16 steps
-    (Tier B); int8 codes stored as int8, narrower ones offset to unsigned and bit-packed."""
+    (Tier B); int8 codes stored as int8, narrower ones offset to unsigned and bit-packed.
+
+    With ``head_bits=(b_0, …, b_{H−1})`` it is ``dither-mixed[b_0,…]``: head ``h`` of a ``[B, H, T, D]`` tensor gets
+    ``b_h`` bits (its own step ``amax/(2^{b_h−1} − 3/2)``), the dither is the same draw as for a uniform width
+    (head index ``h`` in the counter), and the codes of the heads of each width are stored together at that width
+    (``codes{b}``, ``Packed.heads`` names the heads): the per-(layer, KV head) widths of a certificate-driven
+    allocation (``docs/codecs.md#dither-mixed``)."""
 
     tier_b = True
     needs_key = True
 
-    def __init__(self, bits: int = 8, group_size: int = 32) -> None:
-        if bits not in DITHER_BITS:
-            raise ValueError(f"bits must be one of {DITHER_BITS}, got {bits}")
+    def __init__(self, bits: int = 8, group_size: int = 32, head_bits: Sequence[int] | None = None) -> None:
         check_positive("group_size", group_size)
-        self.name = f"dither-int{bits}"
-        self.bits = float(bits)
-        self.qmax = 2 ** (bits - 1) - 1
         self.group_size = group_size
+        widths = (bits,) if head_bits is None else tuple(head_bits)
+        if not widths or any(isinstance(b, bool) or b not in DITHER_BITS for b in widths):
+            raise ValueError(f"bits must be one of {DITHER_BITS} (per head with head_bits), got {widths}")
+        self.widths = widths
+        self.head_bits: tuple[int, ...] | None = None if head_bits is None else widths
+        if self.head_bits is None:
+            self.name = f"dither-int{bits}"
+        else:
+            self.name = f"dither-mixed[{','.join(map(str, widths))}]"
+            self.heads = len(widths)
+        self.bits = sum(widths) / len(widths)
+        self.qmax = 2 ** (max(widths) - 1) - 1  # the widest head's largest code
+
+    def _divisor(self, x: torch.Tensor) -> float | torch.Tensor:
+        """``q − ½`` (``q = 2^{b−1} − 1``): a number, or per head ``[H, 1, 1]`` for mixed widths."""
+        if self.head_bits is None:
+            return self.qmax - 0.5
+        return torch.tensor([2.0 ** (b - 1) - 1.5 for b in self.head_bits], device=x.device).view(-1, 1, 1)
+
+    def _groups(self) -> list[tuple[str, int, list[int]]]:
+        """``(tensor name, width, heads)`` per stored width, widest first (one ``"codes"`` tensor when uniform)."""
+        if self.head_bits is None:
+            return [("codes", self.widths[0], [])]
+        return [
+            (f"codes{w}", w, [h for h, b in enumerate(self.head_bits) if b == w])
+            for w in sorted(set(self.head_bits), reverse=True)
+        ]
+
+    def _store(self, code: torch.Tensor, s: torch.Tensor, shape: tuple[int, ...]) -> Packed:
+        """The stored form of signed codes ``code[B, H, T, D]`` (int8) and steps ``s``."""
+        tensors: dict[str, torch.Tensor] = {}
+        heads: dict[str, tuple[int, ...]] = {}
+        for name, w, hs in self._groups():
+            c = code if not hs else code[:, hs]
+            tensors[name] = c if w == 8 else pack_bits(c + (2 ** (w - 1) - 1), w)
+            if hs:
+                heads[name] = tuple(hs)
+        tensors["scales"] = s
+        return Packed(self.name, shape, tensors, heads)
 
     def _encode(self, x: torch.Tensor, key: DitherKey | None) -> Packed:
         assert key is not None  # guaranteed by Codec.encode (needs_key)
-        s = symmetric_scales(x, self.group_size, self.qmax - 0.5)
+        s = symmetric_scales(x, self.group_size, self._divisor(x))
         u = keyed_uniform(key, tuple(x.shape)).to(torch.float64)
         v = safe_div(x.to(torch.float64), per_group(s, self.group_size).to(torch.float64)) + u
-        code = torch.round(v).to(torch.int8)
-        stored = code if self.bits == 8 else pack_bits(code + self.qmax, int(self.bits))
-        return Packed(self.name, tuple(x.shape), {"codes": stored, "scales": s})
+        return self._store(torch.round(v).to(torch.int8), s, tuple(x.shape))
 
     def _encode_decode(self, x: torch.Tensor, key: DitherKey | None) -> tuple[Packed, torch.Tensor]:
         """:meth:`_encode` and :meth:`_decode` of its codes; float32 CPU input on the numba backend in one compiled
@@ -120,17 +161,24 @@ class DitherCodec(Codec):
             return super()._encode_decode(x, key)
         from kvcert.quant.dither_numba import round_trip  # numba on first use (kernel_env says why)
 
-        s = symmetric_scales(x, self.group_size, self.qmax - 0.5)
+        s = symmetric_scales(x, self.group_size, self._divisor(x))
         code, x_hat = round_trip(x, keyed_uniform(key, tuple(x.shape)), s, self.group_size)
-        stored = code if self.bits == 8 else pack_bits(code + self.qmax, int(self.bits))
-        return Packed(self.name, tuple(x.shape), {"codes": stored, "scales": s}), x_hat
+        return self._store(code, s, tuple(x.shape)), x_hat
 
     def codes(self, packed: Packed) -> torch.Tensor:
-        """Signed codes in ``[−qmax, qmax]`` (int16) recovered from the stored tensors."""
-        stored = packed.tensors["codes"]
-        if self.bits == 8:
-            return stored.to(torch.int16)
-        return unpack_bits(stored, int(self.bits)).to(torch.int16) - self.qmax
+        """Signed codes in ``[−q_h, q_h]`` (int16 ``[B, H, T, D]``) recovered from the stored tensors."""
+        groups = self._groups()
+        if self.head_bits is None:
+            name, w, _ = groups[0]
+            stored = packed.tensors[name]
+            return stored.to(torch.int16) if w == 8 else unpack_bits(stored, w).to(torch.int16) - self.qmax
+        out = torch.empty(packed.shape, dtype=torch.int16, device=packed.tensors["scales"].device)
+        for name, w, hs in groups:
+            stored = packed.tensors[name]
+            out[:, hs] = (
+                stored.to(torch.int16) if w == 8 else unpack_bits(stored, w).to(torch.int16) - (2 ** (w - 1) - 1)
+            )
+        return out
 
     def _decode(self, packed: Packed, key: DitherKey | None) -> torch.Tensor:
         assert key is not None  # guaranteed by Codec.decode (needs_key)

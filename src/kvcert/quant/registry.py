@@ -35,6 +35,8 @@ BUILTINS: dict[str, Callable[..., Codec]] = {
     "dither-int8": DitherInt8Codec,
     "dither-int6": partial(DitherCodec, 6),
     "dither-int5": partial(DitherCodec, 5),
+    "dither-int4": partial(DitherCodec, 4),
+    "dither-int3": partial(DitherCodec, 3),
     "fp8-e4m3": partial(Fp8Codec, "e4m3"),
     "fp8-e5m2": partial(Fp8Codec, "e5m2"),
     "fp8-e4m3-scaled": partial(Fp8Codec, "e4m3", True),

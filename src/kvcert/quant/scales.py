@@ -53,8 +53,9 @@ def fp16_down(s: torch.Tensor, what: str = "zero-point") -> torch.Tensor:
     return torch.where(h.to(torch.float32) > s, torch.nextafter(h, torch.full_like(h, float("-inf"))), h)
 
 
-def symmetric_scales(x: torch.Tensor, group_size: int, divisor: float) -> torch.Tensor:
-    """Per-token, per-group fp16 scales ``s = amax/divisor`` rounded up: float16 ``[..., D/group_size]``."""
+def symmetric_scales(x: torch.Tensor, group_size: int, divisor: float | torch.Tensor) -> torch.Tensor:
+    """Per-token, per-group fp16 scales ``s = amax/divisor`` rounded up: float16 ``[..., D/group_size]``
+    (``divisor`` a number, or a float32 tensor broadcasting against ``[..., T, D/group_size]``, e.g. per head)."""
     amax = grouped(x.to(torch.float32), group_size).abs().amax(-1)
     return fp16_up(amax / divisor)
 

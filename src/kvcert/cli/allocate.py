@@ -1,0 +1,116 @@
+"""``kvcert allocate``: a certificate-driven bit allocation per (layer, KV head) from a calibration pass on corpus
+text (``docs/codecs.md#bit-allocation``), written as JSON for ``kvcert.quant.Allocation.load``.
+
+The table carries its tiers: the coverages are **certified** shares (reads whose Tier-A certificate is ``≤ τ``) on
+the calibration prompts, the bytes are **measured** from encoded tensors (codes and scales; the cache adds its
+witnesses). The mounting is the lead's (:mod:`kvcert.cli.main`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from kvcert.cli.common import load_model
+from kvcert.cli.progress import progress_bar
+from kvcert.cli.validate import checked_inputs, model_max_positions
+from kvcert.eval.bit_calibration import allocate as allocation_of
+from kvcert.eval.bit_calibration import calibrate, calibration_ids
+from kvcert.eval.corpora import CORPORA
+from kvcert.quant import BUILTINS, bytes_per_token_head, get
+from kvcert.quant.bit_allocation import Allocation
+from kvcert.quant.dither import DITHER_BITS
+from kvcert.report.tables import ReportTable, print_table
+
+
+def allocation_table(alloc: Allocation, head_dim: int) -> ReportTable:
+    """Per layer: the key widths per KV head, the value codec and the certified coverage at τ of the chosen widths
+    and of the widest, and with ``value_tol`` the value-term share of each value codec (from the calibration's
+    provenance)."""
+    cov = alloc.provenance.get("key_coverage", {})
+    widest = str(max(int(b) for b in cov)) if cov else None
+    shares: dict[str, list[float]] = alloc.provenance.get("value_share", {})
+    rows = []
+    for layer, (bits, values) in enumerate(zip(alloc.key_bits, alloc.values, strict=True)):
+        chosen = [cov[str(b)][layer][h] for h, b in enumerate(bits)] if cov else []
+        ref = cov[widest][layer] if widest else []
+        rows.append(
+            (
+                str(layer),
+                " ".join(map(str, bits)),
+                values,
+                " ".join(f"{x:.2f}" for x in chosen) or "—",
+                " ".join(f"{x:.2f}" for x in ref) or "—",
+                " ".join(f"{v} {s[layer]:.2f}" for v, s in shares.items()) or "—",
+            )
+        )
+    uniform = len(alloc.key_bits[0]) * len(alloc.key_bits) * bytes_per_token_head(get("dither-int8"), D=head_dim)
+    title = (
+        f"allocation at tau={alloc.tau}, max_loss={alloc.max_loss}: mean key width {alloc.mean_key_bits():.2f} bits; "
+        f"key+value codec bytes/token {alloc.bytes_per_token(head_dim):,.0f} (measured; keys alone at dither-int8: "
+        f"{uniform:,.0f})"
+    )
+    columns = (
+        "layer",
+        "key bits per KV head",
+        "values",
+        "coverage at tau, chosen (certified, calibration)",
+        f"coverage at tau, {widest}-bit (certified, calibration)",
+        "value term <= value_tol, share per codec (certified, calibration)",
+    )
+    return ReportTable(title, columns, tuple(rows))
+
+
+def allocate(
+    out: Annotated[Path, typer.Option(help="where to write the allocation (JSON)")] = Path("allocation.json"),
+    model: Annotated[str, typer.Option(help="zoo name, local folder or tiny:<family>")] = "smollm2-135m",
+    corpus: Annotated[str, typer.Option(help=f"calibration text, one of {sorted(CORPORA)}")] = "kjv",
+    tokens: Annotated[int, typer.Option(help="tokens per calibration prompt")] = 1024,
+    prompts: Annotated[int, typer.Option(help="calibration prompts (corpus windows at seeded offsets)")] = 2,
+    steps: Annotated[int, typer.Option(help="greedy decode steps per prompt and candidate")] = 16,
+    tau: Annotated[float, typer.Option(help="the gate threshold a read must be certified at")] = 0.2,
+    max_loss: Annotated[float, typer.Option(help="coverage a head may lose against the widest width")] = 0.02,
+    value_tol: Annotated[
+        float | None, typer.Option(help="choose values per layer by the value term at this tolerance")
+    ] = None,
+    values: Annotated[str, typer.Option(help="the value codec of every layer when --value-tol is not given")] = "int4",
+    seed: Annotated[int, typer.Option(help="seed of the prompts' offsets, the dither and tiny weights")] = 0,
+) -> None:
+    """Calibrate per-(layer, KV head) dithered key widths (and per-layer value codecs with --value-tol) from
+    certificates, and write the allocation."""
+    with checked_inputs("allocate"):
+        model_max_positions(model)
+        if values not in BUILTINS:
+            raise ValueError(f"--values: unknown codec {values!r}; known are {sorted(BUILTINS)}")
+        if not 0.0 <= max_loss <= 1.0:
+            raise ValueError(f"--max-loss must be in [0, 1], got {max_loss}")
+        loaded = load_model(model, seed)
+        ids = calibration_ids(loaded.tokenizer, corpus, tokens, prompts, seed)
+    console = Console(width=max(100, Console().width))
+    with progress_bar(f"calibrating on {prompts} prompt(s)", prompts, console) as tick:
+        cal = calibrate(
+            loaded.model, ids, steps=steps, tau=tau, widths=DITHER_BITS, value_tol=value_tol, seed=seed, tick=tick
+        )
+    head_dim = int(loaded.model.config.get_text_config().head_dim)
+    alloc = allocation_of(
+        cal,
+        tau=tau,
+        max_loss=max_loss,
+        value_tol=value_tol,
+        fixed_values=values,
+        head_dim=head_dim,
+        provenance={
+            "model": model,
+            "corpus": corpus,
+            "tokens": tokens,
+            "prompts": prompts,
+            "steps": steps,
+            "seed": seed,
+        },
+    )
+    alloc.save(out)
+    print_table(console, allocation_table(alloc, head_dim))
+    console.print(f"wrote {out}")

@@ -80,6 +80,7 @@ from kvcert.attention.resident import RECALLS, SUMMARIES
 from kvcert.cache.gate import Gate
 from kvcert.cache.telemetry import Telemetry
 from kvcert.cli.common import (
+    ALLOCATED,
     CERTIFIED_TAU,
     DEFAULT_SELECT,
     REPAIR_BLOCK,
@@ -154,9 +155,6 @@ class ResidentOptions:
             "alloc": self.alloc,
             "schemes": [s.label for s in self.specs],
         }
-
-
-ALLOCATED = "allocated"  # the variant name of --allocation
 
 
 def command() -> str:

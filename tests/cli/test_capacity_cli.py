@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -130,3 +131,34 @@ def test_allocate_writes_an_allocation_the_cache_loads(tmp_path):
 def test_allocate_refuses_bad_options(tmp_path, extra, match):
     result = runner.invoke(app, ["allocate", *TINY, "--out", str(tmp_path / "a.json"), *extra])
     assert result.exit_code == 2 and match in result.output
+
+
+def test_eval_runs_an_allocation_beside_the_schemes(tmp_path):
+    """``kvcert eval --allocation FILE`` adds ``allocated`` (raw) and ``allocated+gate`` with the file's per-layer
+    codecs; a file that is not an allocation is refused before anything loads."""
+    model = tiny_random("llama", head_dim=64)
+    layers, kv = model.config.num_hidden_layers, model.config.num_key_value_heads
+    path = tmp_path / "alloc.json"
+    bits = tuple(tuple((8, 3)[(layer + h) % 2] for h in range(kv)) for layer in range(layers))
+    Allocation(bits, ("int4",) * layers, tau=0.2, max_loss=0.02).save(path)
+    out = tmp_path / "eval"
+    invoke(
+        "eval",
+        *TINY,
+        *RULER,
+        "--schemes",
+        "int4",
+        "--gate",
+        "certified:0.2",
+        "--validate",
+        "--allocation",
+        str(path),
+        "--out",
+        str(out),
+    )
+    variants = json.loads((out / "results.json").read_text())["results"]["variants"]
+    assert {"allocated", "allocated+gate"} <= set(variants)
+    assert all(variants[v]["violations"]["value"] == 0 for v in ("allocated", "allocated+gate"))
+    path.write_text("{}")
+    bad = runner.invoke(app, ["eval", *TINY, *RULER, "--allocation", str(path), "--out", str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "--allocation" in bad.output and "not a kvcert allocation" in bad.output

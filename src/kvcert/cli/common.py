@@ -26,7 +26,7 @@ from kvcert.integrations.vllm.settings import gate_from_spec  # noqa: E402
 from kvcert.models.tiny import SUPPORTED_FAMILIES, tiny_random  # noqa: E402
 from kvcert.models.zoo import ZOO, converted_dir  # noqa: E402
 from kvcert.models.zoo import load as zoo_load  # noqa: E402
-from kvcert.quant import BUILTINS  # noqa: E402
+from kvcert.quant import BUILTINS, Allocation  # noqa: E402
 
 TINY_PREFIX = "tiny:"
 TINY_TOKENIZER_MODEL = "smollm2-135m"
@@ -109,17 +109,37 @@ def load_model(spec: str, seed: int = 0) -> LoadedModel:
 @dataclass(frozen=True)
 class SchemeSpec:
     """A compressed KV configuration: key codec and value codec (registry names), witness storage and device
-    budget (``StorageConfig(witness=, device_budget=)``)."""
+    budget (``StorageConfig(witness=, device_budget=)``); or, with ``allocation``, the per-(layer, KV head) key widths
+    and per-layer value codecs of a ``kvcert allocate`` file (``keys`` / ``values`` then only describe it)."""
 
     keys: str
     values: str
     witness: Witness = DEFAULT_WITNESS
     device_budget: float | None = 1.0
+    allocation: Allocation | None = None
 
     @property
     def label(self) -> str:
-        """``keys`` when both codecs agree, else ``keys/values``."""
+        """``allocated`` for an allocation; else ``keys`` when both codecs agree, else ``keys/values``."""
+        if self.allocation is not None:
+            return ALLOCATED
         return self.keys if self.keys == self.values else f"{self.keys}/{self.values}"
+
+
+#: the label of the scheme an ``--allocation`` file adds
+ALLOCATED = "allocated"
+
+
+def allocation_spec(path: Path | None) -> list[SchemeSpec]:
+    """The scheme of ``--allocation`` (none without one; :func:`parse_storage` sets its witness and budget):
+    ``ValueError`` naming the option for a file that is not an allocation."""
+    if path is None:
+        return []
+    try:
+        alloc = Allocation.load(path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--allocation: {err}") from None
+    return [SchemeSpec("dither-mixed", "per-layer", allocation=alloc)]
 
 
 def parse_schemes(text: str) -> list[SchemeSpec]:
@@ -161,7 +181,7 @@ def parse_storage(specs: list[SchemeSpec], witness: str, device_budget: str) -> 
         if not 0.0 < budget < float("inf"):
             raise ValueError(f"--device-budget: expected a finite fraction > 0 or 'none', got {device_budget!r}")
     form: Witness = "log8" if witness == "log8" else "f32"
-    return [SchemeSpec(s.keys, s.values, form, budget) for s in specs]
+    return [SchemeSpec(s.keys, s.values, form, budget, s.allocation) for s in specs]
 
 
 def parse_gate(text: str) -> Gate | None:

@@ -22,6 +22,7 @@ from kvcert.cli.common import (
     SummaryOption,
     ValidateOption,
     WitnessOption,
+    allocation_spec,
     default_out,
     parse_gate,
     parse_schemes,
@@ -65,15 +66,20 @@ def evaluate(
     resident_alloc: ResidentAllocOption = None,
     recall: RecallOption = None,
     validate: ValidateOption = False,
+    allocation: Annotated[
+        Path | None,
+        typer.Option(help="also run the per-(layer, KV head) codecs of this kvcert-allocate file, as 'allocated'"),
+    ] = None,
 ) -> None:
     """Accuracy per scheme (raw and gated, and resident with --resident) with a paired bootstrap 95% CI and exact
     McNemar p against the uncompressed run on the same samples, plus bytes per token, host page-in bytes and
     fallback rate (and resident fraction, omitted-mass bound and recall for resident variants)."""
     with checked_inputs("eval"):
         tasks = parse_task_option(task)
-        specs = parse_storage(parse_schemes(schemes), witness, device_budget)
+        plain = parse_storage(parse_schemes(schemes), witness, device_budget)
+        specs = plain + parse_storage(allocation_spec(allocation), witness, device_budget)
         chosen = parse_gate(gate)
-        plan = resident_plan(resident, select, reselect, tuple(specs), summary, resident_alloc, chosen, recall)
+        plan = resident_plan(resident, select, reselect, tuple(plain), summary, resident_alloc, chosen, recall)
     job = RulerJob(
         "eval",
         model,

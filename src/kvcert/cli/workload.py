@@ -67,6 +67,7 @@ def _scheme(spec: SchemeSpec, gate: Gate, label: str, validate: bool) -> Scheme:
         validate=validate,
         witness=spec.witness,
         device_budget=spec.device_budget,
+        allocation=spec.allocation,
     )
 
 

@@ -126,7 +126,14 @@ def test_allocate_writes_an_allocation_the_cache_loads(tmp_path):
 
 @pytest.mark.parametrize(
     ("extra", "match"),
-    [(("--values", "int9"), "unknown codec 'int9'"), (("--max-loss", "2"), "max-loss"), (("--corpus", "x"), "corpus")],
+    [
+        (("--values", "int9"), "unknown codec 'int9'"),
+        (("--max-loss", "2"), "max-loss"),
+        (("--corpus", "x"), "corpus"),
+        (("--tau", "inf"), "tau must be a finite number"),
+        (("--steps", "0"), "steps must be >= 1"),
+        (("--value-tol", "-1"), "value_tol must be a finite number"),
+    ],
 )
 def test_allocate_refuses_bad_options(tmp_path, extra, match):
     result = runner.invoke(app, ["allocate", *TINY, "--out", str(tmp_path / "a.json"), *extra])

@@ -18,7 +18,7 @@ from kvcert.cli.common import load_model
 from kvcert.cli.progress import progress_bar
 from kvcert.cli.validate import checked_inputs, model_max_positions
 from kvcert.eval.bit_calibration import allocate as allocation_of
-from kvcert.eval.bit_calibration import calibrate, calibration_ids
+from kvcert.eval.bit_calibration import calibrate, calibration_ids, check_calibration
 from kvcert.eval.corpora import CORPORA
 from kvcert.quant import BUILTINS, bytes_per_token_head, get
 from kvcert.quant.bit_allocation import Allocation
@@ -87,6 +87,7 @@ def allocate(
             raise ValueError(f"--values: unknown codec {values!r}; known are {sorted(BUILTINS)}")
         if not 0.0 <= max_loss <= 1.0:
             raise ValueError(f"--max-loss must be in [0, 1], got {max_loss}")
+        check_calibration(steps, tau, DITHER_BITS, value_tol)
         loaded = load_model(model, seed)
         ids = calibration_ids(loaded.tokenizer, corpus, tokens, prompts, seed)
     console = Console(width=max(100, Console().width))

@@ -85,6 +85,19 @@ def layer_value_share(tel: Telemetry, value_tol: float) -> tuple[torch.Tensor, t
     return ok.sum((0, 2, 3)).to(torch.float64), rec.sum((0, 2, 3)).to(torch.float64)
 
 
+def check_calibration(steps: int, tau: float, widths: Sequence[int], value_tol: float | None) -> None:
+    """``ValueError`` naming the argument unless ``steps ≥ 1``, ``tau`` and ``value_tol`` (when given) are finite and
+    ``≥ 0``, and ``widths`` are dithered widths."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if not 0.0 <= tau < float("inf"):
+        raise ValueError(f"tau must be a finite number >= 0, got {tau}")
+    if not widths or any(b not in DITHER_BITS for b in widths):
+        raise ValueError(f"widths must be dithered widths {DITHER_BITS}, got {tuple(widths)}")
+    if value_tol is not None and not 0.0 <= value_tol < float("inf"):
+        raise ValueError(f"value_tol must be a finite number >= 0, got {value_tol}")
+
+
 def calibrate(
     model: PreTrainedModel,
     prompts: Sequence[torch.Tensor],
@@ -98,14 +111,7 @@ def calibrate(
     tick: Callable[[int], None] | None = None,
 ) -> Calibration:
     """Measure the coverages of the module doc on ``prompts`` (``tick`` is called once per prompt)."""
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    if not 0.0 <= tau < float("inf"):
-        raise ValueError(f"tau must be a finite number >= 0, got {tau}")
-    if not widths or any(b not in DITHER_BITS for b in widths):
-        raise ValueError(f"widths must be dithered widths {DITHER_BITS}, got {tuple(widths)}")
-    if value_tol is not None and not 0.0 <= value_tol < float("inf"):
-        raise ValueError(f"value_tol must be a finite number >= 0, got {value_tol}")
+    check_calibration(steps, tau, widths, value_tol)
     key_schemes = [Scheme(f"keys:{b}", f"dither-int{b}", KEY_BRANCH_VALUES) for b in widths]
     value_schemes = [] if value_tol is None else [Scheme(f"values:{v}", VALUE_BRANCH_KEYS, v) for v in values]
     sums: dict[str, list[torch.Tensor]] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -69,7 +70,11 @@ def test_allocation_codecs_bytes_and_json_round_trip(tmp_path):
     path = tmp_path / "a.json"
     alloc.save(path)
     assert Allocation.load(path) == alloc
-    path.write_text(json.dumps({"key_bits": [[8]]}))
+    for bad in ({"key_bits": [[8]]}, {**json.loads(json.dumps(asdict(alloc))), "key_bits": [["x"]]}):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match="not a kvcert allocation"):
+            Allocation.load(path)
+    path.write_text("{not json")
     with pytest.raises(ValueError, match="not a kvcert allocation"):
         Allocation.load(path)
 

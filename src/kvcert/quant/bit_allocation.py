@@ -149,5 +149,5 @@ class Allocation:
                 value_tol=None if doc.get("value_tol") is None else float(doc["value_tol"]),
                 provenance=dict(doc.get("provenance", {})),
             )
-        except (KeyError, TypeError, json.JSONDecodeError) as err:
+        except (KeyError, TypeError, ValueError) as err:  # JSONDecodeError is a ValueError
             raise ValueError(f"{path}: not a kvcert allocation ({err})") from None

@@ -128,6 +128,10 @@ class SchemeSpec:
 
 #: the label of the scheme an ``--allocation`` file adds
 ALLOCATED = "allocated"
+AllocationOption = Annotated[
+    Path | None,
+    typer.Option(help="also run the per-(layer, KV head) codecs of this kvcert-allocate file, as 'allocated'"),
+]
 
 
 def allocation_spec(path: Path | None) -> list[SchemeSpec]:

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from kvcert.cli.common import (
     DEFAULT_SCHEMES,
+    AllocationOption,
     DeviceBudgetOption,
     GateOption,
     ModelOption,
@@ -66,10 +67,7 @@ def evaluate(
     resident_alloc: ResidentAllocOption = None,
     recall: RecallOption = None,
     validate: ValidateOption = False,
-    allocation: Annotated[
-        Path | None,
-        typer.Option(help="also run the per-(layer, KV head) codecs of this kvcert-allocate file, as 'allocated'"),
-    ] = None,
+    allocation: AllocationOption = None,
 ) -> None:
     """Accuracy per scheme (raw and gated, and resident with --resident) with a paired bootstrap 95% CI and exact
     McNemar p against the uncompressed run on the same samples, plus bytes per token, host page-in bytes and

@@ -20,6 +20,7 @@ from rich.console import Console
 from kvcert.cache.gate import Gate
 from kvcert.cli.common import (
     DEFAULT_SCHEMES,
+    AllocationOption,
     DeviceBudgetOption,
     GateOption,
     ModelOption,
@@ -32,6 +33,7 @@ from kvcert.cli.common import (
     SummaryOption,
     ValidateOption,
     WitnessOption,
+    allocation_spec,
     command_line,
     default_out,
     load_model,
@@ -150,16 +152,18 @@ def frontier(
     resident_alloc: ResidentAllocOption = None,
     recall: RecallOption = None,
     validate: ValidateOption = False,
+    allocation: AllocationOption = None,
 ) -> None:
-    """Accuracy vs device bytes per token for every scheme raw and gated (and resident with --resident, as in
-    kvcert eval) and for peer caches (transformers' QuantizedCache), all on the same samples: table, frontier.png
-    and report.html."""
+    """Accuracy vs device bytes per token for every scheme raw and gated (and an allocation's with --allocation,
+    resident with --resident, as in kvcert eval) and for peer caches (transformers' QuantizedCache), all on the
+    same samples: table, frontier.png and report.html."""
     out = out or default_out("frontier")
     with checked_inputs("frontier"):
         task_list = tuple(t.strip() for t in tasks.split(",") if t.strip())
-        specs = parse_storage(parse_schemes(schemes), witness, device_budget)
+        plain = parse_storage(parse_schemes(schemes), witness, device_budget)
+        specs = plain + parse_storage(allocation_spec(allocation), witness, device_budget)
         chosen: Gate | None = parse_gate(gate)
-        plan = resident_plan(resident, select, reselect, tuple(specs), summary, resident_alloc, chosen, recall)
+        plan = resident_plan(resident, select, reselect, tuple(plain), summary, resident_alloc, chosen, recall)
         peer_specs = parse_peers(peers, residual_length)
         positions = model_max_positions(model)
         ruler_tasks(task_list, context)

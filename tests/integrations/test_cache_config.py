@@ -31,8 +31,8 @@ def test_storage_builds_each_layer_a_store_with_its_own_codecs() -> None:
 @pytest.mark.parametrize(
     ("kw", "error", "match"),
     [
-        ({"keys": 4}, TypeError, "keys must be a codec name or a Codec"),
-        ({"values": None}, TypeError, "values must be a codec name or a Codec"),
+        ({"keys": 4}, TypeError, "keys must be a codec name, a Codec or a non-empty tuple of them"),
+        ({"values": None}, TypeError, "values must be a codec name, a Codec or a non-empty tuple of them"),
         ({"key_options": [("bypass", 4)]}, TypeError, "key_options must be a dict"),
         ({"seed": 1.5}, TypeError, "seed must be an int"),
         ({"seed": True}, TypeError, "seed must be an int"),

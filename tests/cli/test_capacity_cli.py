@@ -120,8 +120,13 @@ def test_allocate_writes_an_allocation_the_cache_loads(tmp_path):
     assert "mean key width" in result.output and "certified, calibration" in result.output
     cache = CertifiedCache(model, storage=StorageConfig(keys=alloc.key_codecs(), values=alloc.values))
     assert [layer.store.key_codec.head_bits for layer in cache.layers] == list(alloc.key_bits)
-    invoke(*args)  # without --value-tol every layer takes --values
-    assert Allocation.load(out).values == ("int4",) * layers
+    invoke(*args, "--widths", "8,6")  # without --value-tol every layer takes --values
+    narrow = Allocation.load(out)
+    assert narrow.values == ("int4",) * layers
+    assert {b for row in narrow.key_bits for b in row} <= {8, 6} and set(narrow.provenance["key_coverage"]) == {
+        "8",
+        "6",
+    }
 
 
 @pytest.mark.parametrize(
@@ -133,6 +138,9 @@ def test_allocate_writes_an_allocation_the_cache_loads(tmp_path):
         (("--tau", "inf"), "tau must be a finite number"),
         (("--steps", "0"), "steps must be >= 1"),
         (("--value-tol", "-1"), "value_tol must be a finite number"),
+        (("--widths", "8,7"), "--widths: expected distinct widths"),
+        (("--widths", "8,8"), "--widths: expected distinct widths"),
+        (("--widths", "eight"), "--widths: expected comma-separated integers"),
     ],
 )
 def test_allocate_refuses_bad_options(tmp_path, extra, match):

@@ -64,6 +64,17 @@ def allocation_table(alloc: Allocation, head_dim: int) -> ReportTable:
     return ReportTable(title, columns, tuple(rows))
 
 
+def parse_widths(text: str) -> tuple[int, ...]:
+    """``--widths``: distinct dithered widths, comma-separated; ``ValueError`` naming the option otherwise."""
+    try:
+        found = tuple(int(w) for w in text.split(",") if w.strip())
+    except ValueError:
+        raise ValueError(f"--widths: expected comma-separated integers among {DITHER_BITS}, got {text!r}") from None
+    if not found or len(set(found)) != len(found) or not set(found) <= set(DITHER_BITS):
+        raise ValueError(f"--widths: expected distinct widths among {DITHER_BITS}, got {text!r}")
+    return found
+
+
 def allocate(
     out: Annotated[Path, typer.Option(help="where to write the allocation (JSON)")] = Path("allocation.json"),
     model: Annotated[str, typer.Option(help="zoo name, local folder or tiny:<family>")] = "smollm2-135m",
@@ -78,6 +89,9 @@ def allocate(
     ] = None,
     values: Annotated[str, typer.Option(help="the value codec of every layer when --value-tol is not given")] = "int4",
     seed: Annotated[int, typer.Option(help="seed of the prompts' offsets, the dither and tiny weights")] = 0,
+    widths: Annotated[
+        str, typer.Option(help="candidate dithered key widths, comma-separated (the widest is the reference)")
+    ] = ",".join(map(str, DITHER_BITS)),
 ) -> None:
     """Calibrate per-(layer, KV head) dithered key widths (and per-layer value codecs with --value-tol) from
     certificates, and write the allocation."""
@@ -87,13 +101,14 @@ def allocate(
             raise ValueError(f"--values: unknown codec {values!r}; known are {sorted(BUILTINS)}")
         if not 0.0 <= max_loss <= 1.0:
             raise ValueError(f"--max-loss must be in [0, 1], got {max_loss}")
-        check_calibration(steps, tau, DITHER_BITS, value_tol)
+        candidates = parse_widths(widths)
+        check_calibration(steps, tau, candidates, value_tol)
         loaded = load_model(model, seed)
         ids = calibration_ids(loaded.tokenizer, corpus, tokens, prompts, seed)
     console = Console(width=max(100, Console().width))
     with progress_bar(f"calibrating on {prompts} prompt(s)", prompts, console) as tick:
         cal = calibrate(
-            loaded.model, ids, steps=steps, tau=tau, widths=DITHER_BITS, value_tol=value_tol, seed=seed, tick=tick
+            loaded.model, ids, steps=steps, tau=tau, widths=candidates, value_tol=value_tol, seed=seed, tick=tick
         )
     head_dim = int(loaded.model.config.get_text_config().head_dim)
     alloc = allocation_of(

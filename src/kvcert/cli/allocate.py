@@ -3,11 +3,12 @@ text (``docs/codecs.md#bit-allocation``), written as JSON for ``kvcert.quant.All
 
 The table carries its tiers: the coverages are **certified** shares (reads whose Tier-A certificate is ``≤ τ``) on
 the calibration prompts, the bytes are **measured** from encoded tensors (codes and scales; the cache adds its
-witnesses). The mounting is the lead's (:mod:`kvcert.cli.main`).
+witnesses). :mod:`kvcert.cli.main` mounts :func:`allocate` as a command.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated
 
@@ -20,7 +21,7 @@ from kvcert.cli.validate import checked_inputs, model_max_positions
 from kvcert.eval.bit_calibration import allocate as allocation_of
 from kvcert.eval.bit_calibration import calibrate, calibration_ids, check_calibration
 from kvcert.eval.corpora import CORPORA
-from kvcert.quant import BUILTINS, bytes_per_token_head, get
+from kvcert.quant import BUILTINS
 from kvcert.quant.bit_allocation import Allocation
 from kvcert.quant.dither import DITHER_BITS
 from kvcert.report.tables import ReportTable, print_table
@@ -47,11 +48,12 @@ def allocation_table(alloc: Allocation, head_dim: int) -> ReportTable:
                 " ".join(f"{v} {s[layer]:.2f}" for v, s in shares.items()) or "—",
             )
         )
-    uniform = len(alloc.key_bits[0]) * len(alloc.key_bits) * bytes_per_token_head(get("dither-int8"), D=head_dim)
+    widest_bits = int(widest) if widest else max(b for row in alloc.key_bits for b in row)
+    uniform = dataclasses.replace(alloc, key_bits=tuple((widest_bits,) * len(row) for row in alloc.key_bits))
     title = (
         f"allocation at tau={alloc.tau}, max_loss={alloc.max_loss}: mean key width {alloc.mean_key_bits():.2f} bits; "
-        f"key+value codec bytes/token {alloc.bytes_per_token(head_dim):,.0f} (measured; keys alone at dither-int8: "
-        f"{uniform:,.0f})"
+        f"key+value codec bytes/token {alloc.bytes_per_token(head_dim):,.0f} (measured; every key at "
+        f"{widest_bits} bits: {uniform.bytes_per_token(head_dim):,.0f})"
     )
     columns = (
         "layer",

@@ -148,14 +148,19 @@ def test_allocate_refuses_bad_options(tmp_path, extra, match):
     assert result.exit_code == 2 and match in result.output
 
 
+def tiny_allocation(path: Path) -> Path:
+    """An allocation file for ``tiny:llama``: 8- and 3-bit keys alternating over (layer, KV head), int4 values."""
+    model = tiny_random("llama", head_dim=64)
+    layers, kv = model.config.num_hidden_layers, model.config.num_key_value_heads
+    bits = tuple(tuple((8, 3)[(layer + h) % 2] for h in range(kv)) for layer in range(layers))
+    Allocation(bits, ("int4",) * layers, tau=0.2, max_loss=0.02).save(path)
+    return path
+
+
 def test_eval_runs_an_allocation_beside_the_schemes(tmp_path):
     """``kvcert eval --allocation FILE`` adds ``allocated`` (raw) and ``allocated+gate`` with the file's per-layer
     codecs; a file that is not an allocation is refused before anything loads."""
-    model = tiny_random("llama", head_dim=64)
-    layers, kv = model.config.num_hidden_layers, model.config.num_key_value_heads
-    path = tmp_path / "alloc.json"
-    bits = tuple(tuple((8, 3)[(layer + h) % 2] for h in range(kv)) for layer in range(layers))
-    Allocation(bits, ("int4",) * layers, tau=0.2, max_loss=0.02).save(path)
+    path = tiny_allocation(tmp_path / "alloc.json")
     out = tmp_path / "eval"
     invoke(
         "eval",

@@ -9,9 +9,8 @@ from typer.testing import CliRunner
 
 from kvcert.cli.frontier import frontier_points
 from kvcert.cli.main import app
-from kvcert.models.tiny import tiny_random
-from kvcert.quant import Allocation
 
+from .test_capacity_cli import tiny_allocation
 from .test_main_cli import RULER, TINY, check_report, invoke
 from .test_resident_cli import BAD_RESIDENT
 
@@ -103,11 +102,7 @@ def test_frontier_resident_variant_at_whole_context_bytes(tmp_path: Path) -> Non
 
 
 def test_frontier_plots_an_allocation_beside_the_schemes(tmp_path: Path) -> None:
-    model = tiny_random("llama", head_dim=64)
-    layers, kv = model.config.num_hidden_layers, model.config.num_key_value_heads
-    path = tmp_path / "alloc.json"
-    bits = tuple(tuple((8, 3)[(layer + h) % 2] for h in range(kv)) for layer in range(layers))
-    Allocation(bits, ("int4",) * layers, tau=0.2, max_loss=0.02).save(path)
+    path = tiny_allocation(tmp_path / "alloc.json")
     out = tmp_path / "frontier"
     invoke(
         "frontier",

@@ -67,7 +67,9 @@ def test_log8_repair_everything_equals_dynamic_cache(family, keys):
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("keys,values", [("dither-int8", "int4"), ("dither-int6", "int2"), ("dither-int3", "int4")])
+@pytest.mark.parametrize(
+    "keys,values", [("dither-int8", "int4"), ("dither-int6", "int2"), ("dither-int4", "int4"), ("dither-int3", "int4")]
+)
 def test_log8_validate_zero_violations_smollm2(smollm2_model, keys, values):
     model, tok = smollm2_model
     ids = tok("In a hole in the ground there lived a hobbit. The capital of France is", return_tensors="pt").input_ids

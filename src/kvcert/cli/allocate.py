@@ -57,8 +57,8 @@ def allocation_table(alloc: Allocation, head_dim: int) -> ReportTable:
     )
     columns = (
         "layer",
-        "key bits per KV head",
-        "values",
+        "key bits per KV head (allocated)",
+        "values (allocated)",
         "coverage at tau, chosen (certified, calibration)",
         f"coverage at tau, {widest}-bit (certified, calibration)",
         "value term <= value_tol, share per codec (certified, calibration)",

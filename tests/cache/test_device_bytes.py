@@ -10,6 +10,7 @@ from kvcert.cache.buffer import WriteBatch
 from kvcert.cache.store import LayerStore
 from kvcert.quant import get
 from kvcert.quant.dither import DitherCodec
+from kvcert.quant.per_head import PerHeadCodec
 
 
 def _store(keys="int8", values="int4", budget=None, write_block=1, witness="log8", **kw):
@@ -117,14 +118,16 @@ def test_bytes_device_after_eviction_gather(witness):
 
 @pytest.mark.parametrize("witness", ["f32", "log8"])
 def test_mixed_width_keys_bytes_and_gather_per_head(witness):
-    """``dither-mixed`` keys (a width per KV head): the device bytes are the stored tensors', and an eviction gather
-    that keeps different tokens per head keeps each head's codes from its own width group."""
-    codec = DitherCodec(head_bits=(8, 3, 5))
-    st = LayerStore(0, codec, get("int4"), bands=8, pairing="rotate_half", seed=1, write_block=1, witness=witness)
+    """``dither-mixed`` keys (a width per KV head) and ``mixed[...]`` values (a codec per KV head): the device bytes
+    are the stored tensors', and an eviction gather that keeps different tokens per head keeps each head's codes
+    from its own width or member group."""
+    codec, vcodec = DitherCodec(head_bits=(8, 3, 5)), PerHeadCodec(("int4", "int2", "int8"))
+    st = LayerStore(0, codec, vcodec, bands=8, pairing="rotate_half", seed=1, write_block=1, witness=witness)
     st.append(*_kv(t=20), *_rows())
     st.append(*_kv(t=1, seed=1), *_rows())
     assert st.bytes_device() == walk_device_bytes(st) > 0
     before = torch.cat([codec.codes(c.packed) for c in st.k.chunks], dim=2)
+    before_v = torch.cat([vcodec.decode(c.packed) for c in st.v.chunks], dim=2)
     keep = torch.stack(
         [torch.tensor([0, 2, 5, 7, 15]), torch.tensor([1, 3, 4, 9, 19]), torch.tensor([0, 6, 8, 10, 11])]
     )
@@ -133,6 +136,8 @@ def test_mixed_width_keys_bytes_and_gather_per_head(witness):
     assert st.bytes_device() == walk_device_bytes(st)
     after = torch.cat([codec.codes(c.packed) for c in st.k.chunks], dim=2)
     assert torch.equal(after, torch.gather(before, 2, keep.unsqueeze(-1).expand(2, 3, 5, 64)))
+    after_v = torch.cat([vcodec.decode(c.packed) for c in st.v.chunks], dim=2)
+    assert torch.equal(after_v, torch.gather(before_v, 2, keep.unsqueeze(-1).expand(2, 3, 5, 64)))
 
 
 def test_persist_never_exceeds_the_budget_and_counts_transient_page_ins():

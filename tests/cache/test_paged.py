@@ -14,6 +14,7 @@ from kvcert.cache.paged import BlockPool, CellLayout, CellTokens, PagedCodes
 from kvcert.cache.store import STORED_WITNESSES, LayerStore
 from kvcert.quant import bytes_per_token_head, kernel_env, logcode, resolve
 from kvcert.quant.dither import DitherCodec
+from kvcert.quant.per_head import PerHeadCodec
 
 H, D, PAGE = 3, 64, 32
 
@@ -39,8 +40,10 @@ def test_block_codecs_are_refused():
     kc, vc = _codecs("kivi-4", "int4")
     with pytest.raises(ValueError, match="per-token codecs"):
         CellLayout.measure(kc, vc, D, D)
-    with pytest.raises(ValueError, match="each head at its own width; a serving engine's pages hold one cell layout"):
+    with pytest.raises(ValueError, match="each head in its own codec; a serving engine's pages hold one cell layout"):
         CellLayout.measure(DitherCodec(head_bits=(8, 4)), vc, D, D)
+    with pytest.raises(ValueError, match="'mixed\\[int8,int4\\]' stores each head in its own codec"):
+        CellLayout.measure(vc, PerHeadCodec(("int8", "int4")), D, D)
     lay = CellLayout.measure(*_codecs(), D, D)
     with pytest.raises(ValueError, match="page must be uint8"):
         lay.views(torch.zeros(H, PAGE, lay.nbytes + 1, dtype=torch.uint8), "k", 0, 1)

@@ -118,11 +118,14 @@ def test_allocate_writes_an_allocation_the_cache_loads(tmp_path):
     assert alloc.tau == 0.2 and alloc.value_tol == 0.05 and alloc.provenance["corpus"] == "kjv"
     assert set(alloc.provenance["value_share"]) == {"int8", "int4", "int2"}
     assert "mean key width" in result.output and "certified, calibration" in result.output
-    cache = CertifiedCache(model, storage=StorageConfig(keys=alloc.key_codecs(), values=alloc.values))
+    assert all(len(row) == kv and set(row) <= {"int8", "int4", "int2"} for row in alloc.values)
+    cache = CertifiedCache(model, storage=StorageConfig(keys=alloc.key_codecs(), values=alloc.value_codecs()))
     assert [layer.store.key_codec.head_bits for layer in cache.layers] == list(alloc.key_bits)
-    invoke(*args, "--widths", "8,6")  # without --value-tol every layer takes --values
+    invoke(*args, "--widths", "8,6")  # without --value-tol every KV head takes --values
     narrow = Allocation.load(out)
-    assert narrow.values == ("int4",) * layers
+    assert narrow.values == (("int4",) * kv,) * layers
+    invoke(*args, "--value-tol", "0.05", "--value-candidates", "int4,kivi-2")
+    assert set(Allocation.load(out).provenance["value_share"]) == {"int4", "kivi-2"}
     assert {b for row in narrow.key_bits for b in row} <= {8, 6} and set(narrow.provenance["key_coverage"]) == {
         "8",
         "6",
@@ -133,6 +136,8 @@ def test_allocate_writes_an_allocation_the_cache_loads(tmp_path):
     ("extra", "match"),
     [
         (("--values", "int9"), "unknown codec 'int9'"),
+        (("--value-candidates", "int8,dither-int4"), "--value-candidates: member 'dither-int4'"),
+        (("--value-candidates", "int8,int8"), "--value-candidates: expected distinct"),
         (("--max-loss", "2"), "max-loss"),
         (("--corpus", "x"), "corpus"),
         (("--tau", "inf"), "tau must be a finite number"),

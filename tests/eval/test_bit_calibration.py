@@ -7,7 +7,7 @@ import torch
 
 from kvcert import CertifiedCache
 from kvcert.cli.common import load_model
-from kvcert.eval.bit_calibration import allocate, calibrate, calibration_ids, kv_head_certified, layer_value_share
+from kvcert.eval.bit_calibration import allocate, calibrate, calibration_ids, kv_head_certified, kv_head_value_share
 from kvcert.integrations.cache_config import StorageConfig
 
 
@@ -28,26 +28,27 @@ def test_kv_head_counts_match_a_cell_by_cell_count(tiny):
     tel = _telemetry(tiny.model)
     g = tel.group_size
     tau = float(tel.certificates[tel.recorded].median())  # a threshold that splits the reads
-    ok, rec = kv_head_certified(tel, tau)
-    steps, layers, rows, hq = tel.certificates.shape
-    want_ok, want_rec = torch.zeros(layers, hq // g), torch.zeros(layers, hq // g)
-    for s in range(steps):
-        for layer in range(layers):
-            for b in range(rows):
-                for h in range(hq // g):
-                    heads = range(h * g, (h + 1) * g)
-                    if all(bool(tel.recorded[s, layer, b, q]) for q in heads):
-                        want_rec[layer, h] += 1
-                        want_ok[layer, h] += all(float(tel.certificates[s, layer, b, q]) <= tau for q in heads)
-    assert torch.equal(rec, want_rec.double()) and torch.equal(ok, want_ok.double())
-    assert 0 < ok.sum() < rec.sum()
     vt = tel.value_term
     assert vt is not None and bool((vt[tel.recorded] >= 0).all())
     assert bool((vt[tel.recorded] <= tel.out_bound[tel.recorded]).all())  # one term of the output bound
     tol = float(vt[tel.recorded].median())
-    v_ok, v_rec = layer_value_share(tel, tol)
-    assert torch.equal(v_rec, tel.recorded.sum((0, 2, 3)).double())
-    assert torch.equal(v_ok, ((vt <= tol) & tel.recorded).sum((0, 2, 3)).double())
+    for counted, per_cell, limit in (
+        (kv_head_certified(tel, tau), tel.certificates, tau),
+        (kv_head_value_share(tel, tol), vt, tol),
+    ):
+        ok, rec = counted
+        steps, layers, rows, hq = per_cell.shape
+        want_ok, want_rec = torch.zeros(layers, hq // g), torch.zeros(layers, hq // g)
+        for s in range(steps):
+            for layer in range(layers):
+                for b in range(rows):
+                    for h in range(hq // g):
+                        heads = range(h * g, (h + 1) * g)
+                        if all(bool(tel.recorded[s, layer, b, q]) for q in heads):
+                            want_rec[layer, h] += 1
+                            want_ok[layer, h] += all(float(per_cell[s, layer, b, q]) <= limit for q in heads)
+        assert torch.equal(rec, want_rec.double()) and torch.equal(ok, want_ok.double())
+        assert 0 < ok.sum() < rec.sum()
 
 
 def test_the_value_term_follows_the_value_codec_step(tiny):
@@ -81,11 +82,13 @@ def test_calibrate_and_allocate_on_a_tiny_model(tiny):
     assert ticks == [0, 1] and cal.reads == 2 * 2  # two decode reads per prompt (the first token is the prefill's)
     assert set(cal.key_coverage) == {8, 4, 3} and all(c.shape == (layers, kv) for c in cal.key_coverage.values())
     assert set(cal.value_share) == {"int8", "int4", "int2"}
+    assert all(c.shape == (layers, kv) for c in cal.value_share.values())
     assert all(bool(((c >= 0) & (c <= 1)).all()) for c in (*cal.key_coverage.values(), *cal.value_share.values()))
     alloc = allocate(
         cal, tau=0.2, max_loss=0.02, value_tol=0.05, fixed_values="int4", head_dim=64, provenance={"corpus": "kjv"}
     )
     assert len(alloc.key_bits) == layers and all(len(row) == kv for row in alloc.key_bits)
+    assert all(len(row) == kv and set(row) <= {"int8", "int4", "int2"} for row in alloc.values)
     assert alloc.provenance["corpus"] == "kjv" and set(alloc.provenance["key_coverage"]) == {"8", "4", "3"}
     fixed = allocate(
         cal.__class__(cal.key_coverage, {}, cal.reads),
@@ -96,7 +99,7 @@ def test_calibrate_and_allocate_on_a_tiny_model(tiny):
         head_dim=64,
         provenance={},
     )
-    assert fixed.values == ("kivi-2",) * layers
+    assert fixed.values == (("kivi-2",) * kv,) * layers
     # every read's meter is at most 1: at tau = 1 every width covers every read, so the narrowest wins
     loose = calibrate(tiny.model, ids[:1], steps=2, tau=1.0, widths=(8, 3))
     assert all(bool((c == 1).all()) for c in loose.key_coverage.values())

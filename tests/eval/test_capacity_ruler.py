@@ -179,14 +179,15 @@ def test_an_allocation_runs_as_the_allocated_variants(
     bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``--allocation FILE``: ``allocated`` and ``allocated+gate`` decode with the file's per-(layer, KV head) key
-    widths and per-layer values (validate mode: 0 violations), beside the schemes, in the journal's config."""
-    alloc = Allocation(((8, 4), (3, 6)), ("int4", "int2"), tau=0.2, max_loss=0.02)
+    widths and value codecs (validate mode: 0 violations), beside the schemes, in the journal's config."""
+    alloc = Allocation(((8, 4), (3, 6)), ("int4", ("int2", "kivi-2")), tau=0.2, max_loss=0.02)
     path = tmp_path / "alloc.json"
     alloc.save(path)
     schemes = bench.variants([SchemeSpec("int4", "int4")], Gate.off(), True, False, None, allocation=alloc)
     assert [s.name for s in schemes] == ["dense", "int4", "int4+gate", "allocated", "allocated+gate"]
     storage = schemes[-1].storage()
-    assert [c.head_bits for c in storage.keys] == [(8, 4), (3, 6)] and storage.values == alloc.values
+    assert [c.head_bits for c in storage.keys] == [(8, 4), (3, 6)] and storage.values[0] == "int4"
+    assert storage.values[1].name == "mixed[int2,kivi-2]"
     out = tmp_path / "run"
     _main(bench, [*ARGS, "--allocation", str(path), "--out", str(out)], monkeypatch)
     doc = json.loads((out / "results.json").read_text())

@@ -1,5 +1,6 @@
-"""CertifiedCache with an allocation's per-(layer, KV head) dithered key widths (``dither-mixed``) and per-layer
-values: 0 violations per cell in validate mode on every tiny family and SmolLM2, Gate.certified(0) token-identical
+"""CertifiedCache with an allocation's per-(layer, KV head) dithered key widths (``dither-mixed``) and value codecs
+(``mixed[...]`` where a layer's heads differ): 0 violations per cell in validate mode on every tiny family and
+SmolLM2, Gate.certified(0) token-identical
 to DynamicCache, and the stores' device bytes those of the stored tensors."""
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ def _allocation(model) -> Allocation:
     cfg = model.config.get_text_config()
     layers, kv = cfg.num_hidden_layers, cfg.num_key_value_heads
     bits = tuple(tuple(WIDTHS[(layer + h) % len(WIDTHS)] for h in range(kv)) for layer in range(layers))
-    values = tuple(("int4", "int2", "int8")[layer % 3] for layer in range(layers))
+    # per KV head: a mixed value codec on layers whose heads differ (every layer when kv > 1), one codec otherwise
+    codecs = ("int4", "kivi-2", "int8", "int2")
+    values = tuple(tuple(codecs[(layer + h) % 4] for h in range(kv)) for layer in range(layers))
     return Allocation(bits, values, tau=0.2, max_loss=0.02)
 
 
 def _storage(alloc: Allocation, **kw) -> StorageConfig:
-    return StorageConfig(keys=alloc.key_codecs(), values=alloc.values, **kw)
+    return StorageConfig(keys=alloc.key_codecs(), values=alloc.value_codecs(), **kw)
 
 
 def _decode(model, ids, cache, steps):
@@ -46,7 +49,8 @@ def test_mixed_keys_validate_zero_violations_and_measured_bytes(family):
     stores = [layer.store for layer in cache.layers]
     for layer, store in enumerate(stores):
         assert store.k.codec.head_bits == alloc.key_bits[layer]
-        assert store.v.codec.name == alloc.values[layer]
+        want = alloc.values[layer]
+        assert store.v.codec.name == (want[0] if len(set(want)) == 1 else f"mixed[{','.join(want)}]")
         packed = sum(t.nbytes for ts in (store.k, store.v) for c in ts.chunks for t in c.packed.tensors.values())
         assert store.k.packed_nbytes() + store.v.packed_nbytes() == packed > 0
     assert tel.bytes_device == sum(s.bytes_device() for s in stores)

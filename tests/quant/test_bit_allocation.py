@@ -8,9 +8,10 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from kvcert.quant import Allocation, bytes_per_token_head, get
+from kvcert.quant import Allocation, bytes_per_token_head, get, resolve
 from kvcert.quant.bit_allocation import choose_key_bits, choose_values
 from kvcert.quant.dither import DitherCodec
+from kvcert.quant.per_head import PerHeadCodec
 
 
 def _cov(**rows):
@@ -47,18 +48,28 @@ def test_key_bits_refuse_bad_inputs():
 
 
 def test_values_take_the_fewest_measured_bytes_within_max_loss_of_the_costliest():
+    """Per (layer, KV head), among codecs within ``max_loss`` of the costliest's share, the fewest bytes; kivi-2 is
+    costed as the value codec it is (per token, 24 B at D = 64), not as its per-channel key form."""
     share = {
-        "int8": torch.tensor([1.0, 1.0, 0.6]),
-        "int4": torch.tensor([0.99, 0.5, 0.6]),
-        "int2": torch.tensor([0.2, 0.1, 0.59]),
+        "int8": torch.tensor([[1.0, 1.0], [0.6, 0.3]]),
+        "int4": torch.tensor([[0.99, 0.5], [0.6, 0.3]]),
+        "int2": torch.tensor([[0.2, 0.1], [0.59, 0.0]]),
+        "kivi-2": torch.tensor([[0.2, 0.1], [0.59, 0.3]]),
     }
-    assert choose_values(share, 0.02) == ("int4", "int8", "int2")
+    assert bytes_per_token_head(resolve("int2", "value")) < bytes_per_token_head(resolve("kivi-2", "value"))
+    assert bytes_per_token_head(resolve("kivi-2", "value")) < bytes_per_token_head(get("int4"))
+    assert choose_values(share, 0.02) == (("int4", "int8"), ("int2", "kivi-2"))
+    assert choose_values(share, 0.0) == (("int8", "int8"), ("int4", "kivi-2"))
     with pytest.raises(ValueError, match="unknown value codecs"):
-        choose_values({"int9": torch.tensor([1.0])}, 0.1)
+        choose_values({"int9": torch.tensor([[1.0]])}, 0.1)
+    with pytest.raises(ValueError, match=r"\[layers, KV heads\]"):
+        choose_values({"int8": torch.tensor([1.0])}, 0.1)
 
 
 def test_allocation_codecs_bytes_and_json_round_trip(tmp_path):
     alloc = Allocation(((8, 6, 3), (5, 5, 4)), ("int4", "int2"), tau=0.2, max_loss=0.02, provenance={"model": "x"})
+    assert alloc.values == (("int4",) * 3, ("int2",) * 3)  # a name stands for every KV head of its layer
+    assert alloc.value_codecs() == ("int4", "int2")
     codecs = alloc.key_codecs()
     assert [c.head_bits for c in codecs] == [(8, 6, 3), (5, 5, 4)]
     assert isinstance(codecs[0], DitherCodec) and codecs[0].heads == 3
@@ -74,6 +85,13 @@ def test_allocation_codecs_bytes_and_json_round_trip(tmp_path):
         path.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match="not a kvcert allocation"):
             Allocation.load(path)
+    mixed = Allocation(((8, 6, 3),), (("int8", "kivi-2", "int8"),), tau=0.2, max_loss=0.02)
+    (per_head,) = mixed.value_codecs()
+    assert isinstance(per_head, PerHeadCodec) and per_head.name == "mixed[int8,kivi-2,int8]"
+    cost = sum(bytes_per_token_head(resolve(v, "value")) for v in ("int8", "kivi-2", "int8"))
+    assert mixed.bytes_per_token() == 3 * bytes_per_token_head(mixed.key_codecs()[0]) + cost
+    mixed.save(path)
+    assert Allocation.load(path) == mixed
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not a kvcert allocation"):
         Allocation.load(path)
@@ -86,6 +104,8 @@ def test_allocation_codecs_bytes_and_json_round_trip(tmp_path):
         ((), (), "same layers"),
         (((8, 7),), ("int4",), "dithered widths"),
         (((8,),), ("int9",), "unknown codecs"),
+        (((8, 6),), (("int4",),), "one value codec per KV head"),
+        (((8, 6),), (("int4", 3),), "one value codec per KV head"),
     ],
 )
 def test_allocation_refuses_malformed_fields(key_bits, values, match):

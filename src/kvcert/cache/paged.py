@@ -41,10 +41,10 @@ from kvcert.quant import Codec, DitherKey, Packed, sample_key
 
 def check_per_token(codec: Codec) -> None:
     """Raise ``ValueError`` unless ``codec`` encodes each token on its own (``block == 1``, no residual window) into
-    one cell layout for every head (not a per-head mixed codec)."""
+    one cell layout for every head (not a per-head mixed codec: ``dither-mixed``, ``mixed[...]``)."""
     if codec.heads is not None:
         raise ValueError(
-            f"codec {codec.name!r} stores each head at its own width; a serving engine's pages hold one cell layout "
+            f"codec {codec.name!r} stores each head in its own codec; a serving engine's pages hold one cell layout "
             "for every head"
         )
     if codec.block != 1 or codec.residual_window:

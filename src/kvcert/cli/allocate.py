@@ -22,18 +22,19 @@ from kvcert.eval.bit_calibration import allocate as allocation_of
 from kvcert.eval.bit_calibration import calibrate, calibration_ids, check_calibration
 from kvcert.eval.corpora import CORPORA
 from kvcert.quant import BUILTINS
-from kvcert.quant.bit_allocation import Allocation
+from kvcert.quant.bit_allocation import VALUE_CANDIDATES, Allocation
 from kvcert.quant.dither import DITHER_BITS
+from kvcert.quant.per_head import PerHeadCodec
 from kvcert.report.tables import ReportTable, print_table
 
 
 def allocation_table(alloc: Allocation, head_dim: int) -> ReportTable:
-    """Per layer: the key widths per KV head, the value codec and the certified coverage at τ of the chosen widths
-    and of the widest, and with ``value_tol`` the value-term share of each value codec (from the calibration's
-    provenance)."""
+    """Per layer: the key widths and value codecs per KV head, the certified coverage at τ of the chosen widths and
+    of the widest, and with ``value_tol`` the value-term share per KV head of each value codec (from the
+    calibration's provenance)."""
     cov = alloc.provenance.get("key_coverage", {})
     widest = str(max(int(b) for b in cov)) if cov else None
-    shares: dict[str, list[float]] = alloc.provenance.get("value_share", {})
+    shares: dict[str, list[list[float]]] = alloc.provenance.get("value_share", {})
     rows = []
     for layer, (bits, values) in enumerate(zip(alloc.key_bits, alloc.values, strict=True)):
         chosen = [cov[str(b)][layer][h] for h, b in enumerate(bits)] if cov else []
@@ -42,10 +43,10 @@ def allocation_table(alloc: Allocation, head_dim: int) -> ReportTable:
             (
                 str(layer),
                 " ".join(map(str, bits)),
-                values,
+                " ".join(values),
                 " ".join(f"{x:.2f}" for x in chosen) or "—",
                 " ".join(f"{x:.2f}" for x in ref) or "—",
-                " ".join(f"{v} {s[layer]:.2f}" for v, s in shares.items()) or "—",
+                "; ".join(f"{v} " + " ".join(f"{x:.2f}" for x in s[layer]) for v, s in shares.items()) or "—",
             )
         )
     widest_bits = int(widest) if widest else max(b for row in alloc.key_bits for b in row)
@@ -58,10 +59,10 @@ def allocation_table(alloc: Allocation, head_dim: int) -> ReportTable:
     columns = (
         "layer",
         "key bits per KV head (allocated)",
-        "values (allocated)",
+        "values per KV head (allocated)",
         "coverage at tau, chosen (certified, calibration)",
         f"coverage at tau, {widest}-bit (certified, calibration)",
-        "value term <= value_tol, share per codec (certified, calibration)",
+        "value term <= value_tol, share per codec and KV head (certified, calibration)",
     )
     return ReportTable(title, columns, tuple(rows))
 
@@ -77,6 +78,20 @@ def parse_widths(text: str) -> tuple[int, ...]:
     return found
 
 
+def parse_value_candidates(text: str) -> tuple[str, ...]:
+    """``--value-candidates``: distinct value codecs that a per-head value codec can hold (keyless, each token on its
+    own), comma-separated; ``ValueError`` naming the option otherwise."""
+    found = tuple(v.strip() for v in text.split(",") if v.strip())
+    if not found or len(set(found)) != len(found):
+        raise ValueError(f"--value-candidates: expected distinct codec names, got {text!r}")
+    for v in found:
+        try:
+            PerHeadCodec((v,))
+        except ValueError as err:
+            raise ValueError(f"--value-candidates: {err}") from None
+    return found
+
+
 def allocate(
     out: Annotated[Path, typer.Option(help="where to write the allocation (JSON)")] = Path("allocation.json"),
     model: Annotated[str, typer.Option(help="zoo name, local folder or tiny:<family>")] = "smollm2-135m",
@@ -87,20 +102,24 @@ def allocate(
     tau: Annotated[float, typer.Option(help="the gate threshold a read must be certified at")] = 0.2,
     max_loss: Annotated[float, typer.Option(help="coverage a head may lose against the widest width")] = 0.02,
     value_tol: Annotated[
-        float | None, typer.Option(help="choose values per layer by the value term at this tolerance")
+        float | None, typer.Option(help="choose values per KV head by the value term at this tolerance")
     ] = None,
-    values: Annotated[str, typer.Option(help="the value codec of every layer when --value-tol is not given")] = "int4",
+    values: Annotated[str, typer.Option(help="the value codec of every KV head without --value-tol")] = "int4",
+    value_candidates: Annotated[
+        str, typer.Option(help="with --value-tol: the value codecs to choose from, comma-separated")
+    ] = ",".join(VALUE_CANDIDATES),
     seed: Annotated[int, typer.Option(help="seed of the prompts' offsets, the dither and tiny weights")] = 0,
     widths: Annotated[
         str, typer.Option(help="candidate dithered key widths, comma-separated (the widest is the reference)")
     ] = ",".join(map(str, DITHER_BITS)),
 ) -> None:
-    """Calibrate per-(layer, KV head) dithered key widths (and per-layer value codecs with --value-tol) from
-    certificates, and write the allocation."""
+    """Calibrate per-(layer, KV head) dithered key widths (and value codecs with --value-tol) from certificates, and
+    write the allocation."""
     with checked_inputs("allocate"):
         model_max_positions(model)
         if values not in BUILTINS:
             raise ValueError(f"--values: unknown codec {values!r}; known are {sorted(BUILTINS)}")
+        candidate_values = parse_value_candidates(value_candidates)
         if not 0.0 <= max_loss <= 1.0:
             raise ValueError(f"--max-loss must be in [0, 1], got {max_loss}")
         candidates = parse_widths(widths)
@@ -110,7 +129,15 @@ def allocate(
     console = Console(width=max(100, Console().width))
     with progress_bar(f"calibrating on {prompts} prompt(s)", prompts, console) as tick:
         cal = calibrate(
-            loaded.model, ids, steps=steps, tau=tau, widths=candidates, value_tol=value_tol, seed=seed, tick=tick
+            loaded.model,
+            ids,
+            steps=steps,
+            tau=tau,
+            widths=candidates,
+            values=candidate_values,
+            value_tol=value_tol,
+            seed=seed,
+            tick=tick,
         )
     head_dim = int(loaded.model.config.get_text_config().head_dim)
     alloc = allocation_of(

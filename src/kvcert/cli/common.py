@@ -110,7 +110,7 @@ def load_model(spec: str, seed: int = 0) -> LoadedModel:
 class SchemeSpec:
     """A compressed KV configuration: key codec and value codec (registry names), witness storage and device
     budget (``StorageConfig(witness=, device_budget=)``); or, with ``allocation``, the per-(layer, KV head) key widths
-    and per-layer value codecs of a ``kvcert allocate`` file (``keys`` / ``values`` then only describe it)."""
+    and value codecs of a ``kvcert allocate`` file (``keys`` / ``values`` then only describe it)."""
 
     keys: str
     values: str
@@ -143,7 +143,7 @@ def allocation_spec(path: Path | None) -> list[SchemeSpec]:
         alloc = Allocation.load(path)
     except (OSError, ValueError) as err:
         raise ValueError(f"--allocation: {err}") from None
-    return [SchemeSpec("dither-mixed", "per-layer", allocation=alloc)]
+    return [SchemeSpec("dither-mixed", "per-head", allocation=alloc)]
 
 
 def parse_schemes(text: str) -> list[SchemeSpec]:

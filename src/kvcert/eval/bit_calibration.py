@@ -9,8 +9,9 @@ off, so every read's certificate is recorded and none is repaired):
 * keys: one branch per dithered width ``b`` (values ``int8``, which a key certificate does not depend on); the
   coverage ``C_b[l, h]`` is the share of reads of KV head ``h`` of layer ``l`` whose certified meter is ``≤ τ`` in
   all its query heads, over every decode read of every prompt;
-* values (with ``value_tol``): one branch per candidate value codec (keys ``dither-int8``); the share ``V_v[l]``
-  of layer ``l``'s cells whose certified value term is ``≤ value_tol``.
+* values (with ``value_tol``): one branch per candidate value codec (keys ``dither-int8``); the share
+  ``V_v[l, h]`` of the reads of KV head ``h`` of layer ``l`` whose certified value term is ``≤ value_tol`` in all
+  its query heads.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ VALUE_BRANCH_KEYS = "dither-int8"  # keys of the value branches
 
 @dataclass(frozen=True)
 class Calibration:
-    """What a calibration measured: ``key_coverage[b]`` ``[L, Hkv]`` per dithered width, ``value_share[v]`` ``[L]``
-    per value codec (empty without ``value_tol``), and the number of decode reads per KV head behind them."""
+    """What a calibration measured: ``key_coverage[b]`` ``[L, Hkv]`` per dithered width, ``value_share[v]``
+    ``[L, Hkv]`` per value codec (empty without ``value_tol``), and the number of decode reads per KV head behind
+    them."""
 
     key_coverage: dict[int, torch.Tensor]
     value_share: dict[str, torch.Tensor]
@@ -66,23 +68,27 @@ def calibration_ids(
     return out
 
 
-def kv_head_certified(tel: Telemetry, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(certified, recorded)`` read counts ``[L, Hkv]`` of a telemetry: a read of a KV head is certified when every
-    one of its query heads' certificate is ``≤ tau`` (what ``Gate.certified(tau)`` serves without paging in)."""
-    s, n_layers, b, hq = tel.certificates.shape
+def _kv_head_within(tel: Telemetry, per_cell: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(reads within, recorded reads)`` per KV head ``[L, Hkv]``: a read of a KV head is within when
+    ``per_cell[step, layer, row, query head] ≤ limit`` in every one of its query heads."""
+    s, n_layers, b, hq = per_cell.shape
     g = tel.group_size
-    cert = tel.certificates.reshape(s, n_layers, b, hq // g, g)
     rec = tel.recorded.reshape(s, n_layers, b, hq // g, g).all(-1)
-    ok = (cert <= tau).all(-1) & rec
+    ok = (per_cell.reshape(s, n_layers, b, hq // g, g) <= limit).all(-1) & rec
     return ok.sum((0, 2)).to(torch.float64), rec.sum((0, 2)).to(torch.float64)
 
 
-def layer_value_share(tel: Telemetry, value_tol: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cells with value term ≤ value_tol, recorded cells)`` per layer ``[L]``."""
+def kv_head_certified(tel: Telemetry, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(certified, recorded)`` read counts ``[L, Hkv]`` of a telemetry: a read of a KV head is certified when every
+    one of its query heads' certificate is ``≤ tau`` (what ``Gate.certified(tau)`` serves without paging in)."""
+    return _kv_head_within(tel, tel.certificates, tau)
+
+
+def kv_head_value_share(tel: Telemetry, value_tol: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(reads with value term ≤ value_tol in every query head, recorded reads)`` per KV head ``[L, Hkv]`` (what a
+    gate with ``value_tol`` serves without promoting that head's values)."""
     assert tel.value_term is not None  # every certified read records it
-    rec = tel.recorded
-    ok = (tel.value_term <= value_tol) & rec
-    return ok.sum((0, 2, 3)).to(torch.float64), rec.sum((0, 2, 3)).to(torch.float64)
+    return _kv_head_within(tel, tel.value_term, value_tol)
 
 
 def check_calibration(steps: int, tau: float, widths: Sequence[int], value_tol: float | None) -> None:
@@ -120,7 +126,7 @@ def calibrate(
             tel = r.telemetry
             assert tel is not None  # every branch is a kvcert scheme
             if value_tol is not None and r.scheme.name.startswith("values:"):
-                got = layer_value_share(tel, value_tol)
+                got = kv_head_value_share(tel, value_tol)
             else:
                 got = kv_head_certified(tel, tau)
             prev = sums.get(r.scheme.name)
@@ -153,11 +159,19 @@ def allocate(
     provenance: dict[str, object],
 ) -> Allocation:
     """The allocation of a calibration: keys by :func:`choose_key_bits`; values by :func:`choose_values` with
-    ``value_tol``, else ``fixed_values`` on every layer."""
+    ``value_tol``, else ``fixed_values`` on every KV head."""
     key_bits = choose_key_bits(cal.key_coverage, max_loss)
-    vals = choose_values(cal.value_share, max_loss, head_dim) if cal.value_share else (fixed_values,) * len(key_bits)
-    coverage = {str(b): [[round(float(x), 4) for x in row] for row in c] for b, c in cal.key_coverage.items()}
-    shares = {v: [round(float(x), 4) for x in c] for v, c in cal.value_share.items()}
+    vals = (
+        choose_values(cal.value_share, max_loss, head_dim)
+        if cal.value_share
+        else tuple((fixed_values,) * len(row) for row in key_bits)
+    )
+
+    def rounded(shares: torch.Tensor) -> list[list[float]]:
+        return [[round(float(x), 4) for x in row] for row in shares]
+
+    coverage = {str(b): rounded(c) for b, c in cal.key_coverage.items()}
+    shares = {v: rounded(c) for v, c in cal.value_share.items()}
     return Allocation(
         key_bits,
         vals,

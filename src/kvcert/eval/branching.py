@@ -32,6 +32,7 @@ from kvcert.integrations.cache_config import StorageConfig
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.quant.bit_allocation import Allocation
 from kvcert.quant.dither import DitherCodec
+from kvcert.quant.per_head import PerHeadCodec
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class Scheme:
     resident_alloc: str | None = None  # split of the resident set across layers (``resident_set(resident_alloc=)``)
     witness: Witness = DEFAULT_WITNESS  # storage of the write-time witnesses (``StorageConfig(witness=)``)
     device_budget: float | None = 1.0  # ``StorageConfig(device_budget=)`` (its default: never above fp16)
-    allocation: Allocation | None = None  # per-(layer, KV head) key widths and per-layer values (replace keys/values)
+    allocation: Allocation | None = None  # per-(layer, KV head) key widths and value codecs (replace keys/values)
 
     @property
     def is_dense(self) -> bool:
@@ -63,9 +64,9 @@ class Scheme:
         """The cache's storage (values default to the keys' codec; an allocation gives both, per layer)."""
         assert self.keys is not None
         keys: str | tuple[DitherCodec, ...] = self.keys
-        values: str | tuple[str, ...] = self.values or self.keys
+        values: str | tuple[str | PerHeadCodec, ...] = self.values or self.keys
         if self.allocation is not None:
-            keys, values = self.allocation.key_codecs(), self.allocation.values
+            keys, values = self.allocation.key_codecs(), self.allocation.value_codecs()
         return StorageConfig(
             keys,
             values,

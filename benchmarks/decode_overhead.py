@@ -1,8 +1,9 @@
 """Question: what does certifying every attention read cost per decoded token?
 
-SmolLM2-135M (real weights, offline), one prompt of ``--context`` tokens, ``--steps`` greedy decode steps,
-measured side by side in one run (same prompt, same shared exact prefill; within a repetition the variants
-take turns one decode step at a time, in an order that rotates every step; one warm-up repetition first):
+SmolLM2-135M by default (``--model``: any zoo name, real weights, offline), one prompt of ``--context`` tokens,
+``--steps`` greedy decode steps, measured side by side in one run (same prompt, same shared exact prefill; within a
+repetition the variants take turns one decode step at a time, in an order that rotates every step; one warm-up
+repetition first):
 
 * ``dense``           transformers ``DynamicCache``
 * ``hf-quantized``    transformers ``QuantizedCache`` (fp8 backend: the one that installs here)
@@ -17,12 +18,15 @@ take turns one decode step at a time, in an order that rotates every step; one w
                       attention), the omitted pages summarised as ``basis16-qspec`` (page spectra in the
                       query-aware basis, ``docs/math.md#query-aware-basis``) and, beside it, as ``basis8-qspec`` and
                       ``basis8-spec`` (the keys' principal basis); swap recall, ``Gate.certified(0.2)`` at head
-                      granularity, device budget 1/3 of the fp16 K/V
+                      granularity, device budget 1/3 of the fp16 K/V (``--no-resident`` leaves these out)
+* ``allocated-gated`` with ``--allocation FILE`` (a ``kvcert allocate`` file): its per-(layer, KV head) key and value
+                      codecs, ``Gate.certified(0.2)`` at head granularity (transient repair), the configuration of the
+                      allocated Gemma-3 runs in ``docs/results.md#certificate-driven-bit-allocation-on-smollm2``
 
 Prints ms/token (best of ``--reps``) and the ratios the issues target: certified / raw (<= 1.10), gated / dense
-(<= 1.5), capacity-gated / dense and resident-3x / dense (<= 1.3), from the best times and as the median of the
-per-repetition ratios. The prefill records what the resident set's policy reads of its attention (SnapKV: the newest
-32 query rows); every variant starts from that one exact prefill.
+(<= 1.5), capacity-gated / dense, resident-3x / dense and allocated-gated / dense (<= 1.3), from the best times and
+as the median of the per-repetition ratios. The prefill records what the resident set's policy reads of its
+attention (SnapKV: the newest 32 query rows); every variant starts from that one exact prefill.
 Run: ``.venv/bin/python benchmarks/decode_overhead.py [--clock cpu]`` (``cpu``: CPU time of the process with
 single-threaded torch, robust to other load on a shared machine; ``wall``: elapsed time with torch's threads).
 After the prefill the start-up objects are frozen out of Python's garbage collector (``gc.freeze()``, as
@@ -37,6 +41,7 @@ import functools
 import gc
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -48,7 +53,9 @@ from kvcert.attention.evict_driver import default_select
 from kvcert.cli.common import CERTIFIED_TAU, REPAIR_BLOCK, parse_schemes
 from kvcert.eval.branching import Scheme, exact_prefill
 from kvcert.eval.corpora import load_corpus
+from kvcert.evict import PrefillReads
 from kvcert.models import load
+from kvcert.quant import Allocation
 from kvcert.report.tables import ReportTable, print_table
 
 
@@ -76,7 +83,7 @@ def _decode_interleaved(model, first_tok, caches: dict, steps: int, clock, own_a
     return {name: t / steps * 1e3 for name, t in spent.items()}
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=32)
@@ -102,16 +109,28 @@ def main() -> None:
         help="keycodec/valuecodec of the capacity-gated variant (as in benchmarks/capacity_ruler.py --schemes)",
     )
     ap.add_argument("--plot", metavar="PNG", help="also write the per-repetition times and ratios as a figure")
-    args = ap.parse_args()
+    ap.add_argument("--model", default="smollm2-135m", help="zoo name of the model (offline weights)")
+    ap.add_argument(
+        "--allocation", type=Path, default=None, help="also time this kvcert-allocate file as 'allocated-gated'"
+    )
+    ap.add_argument("--no-resident", dest="resident", action="store_false", help="leave out the resident-3x variants")
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = _args()
     (capacity,) = parse_schemes(args.capacity_scheme)
+    allocation = None if args.allocation is None else Allocation.load(args.allocation)
+    resident_3x = RESIDENT_3X if args.resident else {}
     clock = time.perf_counter
     if args.clock == "cpu":
         torch.set_num_threads(1)
         clock = time.process_time
     torch.manual_seed(0)
-    model, tok = load("smollm2-135m")
+    model, tok = load(args.model)
     ids = tok(load_corpus("pg-essays")[: args.context * 8], return_tensors="pt").input_ids[:, : args.context]
-    prefill = exact_prefill(model, ids, RESIDENT_3X[RESIDENT].prefill_reads)  # both read the same (SnapKV)
+    reads = RESIDENT_3X[RESIDENT].prefill_reads if resident_3x else PrefillReads()  # all read the same (SnapKV)
+    prefill = exact_prefill(model, ids, reads)
     pre, first = prefill.cache, prefill.first
     if not args.no_gc_freeze:
         gc.collect()
@@ -128,9 +147,9 @@ def main() -> None:
         c.ingest(pre)
         return c
 
-    def resident(scheme: Scheme) -> CertifiedCache:
+    def scheme_cache(scheme: Scheme) -> CertifiedCache:
         c = scheme.cache(model)
-        c.ingest(pre, prefill.attentions)
+        c.ingest(pre, None if scheme.resident is None else prefill.attentions)
         return c
 
     def hfq() -> QuantizedCache:
@@ -146,9 +165,32 @@ def main() -> None:
         "kvcert-certified": lambda: kv(True, Gate.off()),
         "kvcert-gated (tau=0.2)": lambda: kv(True, Gate.certified(0.2)),
         CAPACITY: lambda: kv(True, CAPACITY_GATE, capacity.keys, capacity.values),
-        **{name: functools.partial(resident, scheme) for name, scheme in RESIDENT_3X.items()},
+        **{name: functools.partial(scheme_cache, scheme) for name, scheme in resident_3x.items()},
     }
+    if not _builds(hfq):  # transformers refuses models with sliding-window layers (Gemma-3); said so
+        del variants["hf-quantized (fp8)"]
+    if allocation is not None:
+        variants[ALLOCATED] = functools.partial(scheme_cache, _allocated(allocation))
+    _report(*_measure(model, first, variants, args, clock), args)
+
+
+def _builds(make) -> bool:
+    """Whether ``make()`` builds its cache; prints why not (a ``ValueError``) and returns False otherwise."""
+    try:
+        make()
+    except ValueError as err:
+        Console().print(f"left out: {err}")
+        return False
+    return True
+
+
+def _measure(
+    model, first, variants: dict, args: argparse.Namespace, clock
+) -> tuple[dict[str, list[float]], dict[str, tuple[float, float]]]:
+    """ms/token of every variant per counted repetition (fresh caches each repetition; the first warms up), and per
+    kvcert variant the ``(capacity, page-in / fp16 K/V)`` its cache measured over the last repetition."""
     times: dict[str, list[float]] = {k: [] for k in variants}
+    measured: dict[str, tuple[float, float]] = {}
     own_attention = model.config._attn_implementation
     for rep in tqdm(range(args.reps + 1), desc="repetitions (the first warms up, not counted)"):
         model.set_attn_implementation(own_attention)
@@ -158,21 +200,32 @@ def main() -> None:
                 times[name].append(ms)
         for name, cache in caches.items():
             if isinstance(cache, CertifiedCache):
-                if cache.certify and cache.telemetry().certificates.shape[0] != args.steps:
-                    raise RuntimeError(f"{name}: not every decode step was certified; the timing is void")
                 cache.detach()
-    _report(times, args)
+                tel = cache.telemetry()
+                if cache.certify and tel.certificates.shape[0] != args.steps:
+                    raise RuntimeError(f"{name}: not every decode step was certified; the timing is void")
+                measured[name] = (tel.capacity, tel.page_in_ratio)
+    return times, measured
 
 
-def _report(times: dict[str, list[float]], args: argparse.Namespace) -> None:
-    """Print the best-of table, the two target ratios (best-of and per repetition), and the optional plot."""
+def _allocated(allocation: Allocation) -> Scheme:
+    """The allocated-gated variant: the allocation's codecs under ``Gate.certified(0.2)`` at head granularity."""
+    return Scheme(ALLOCATED, keys="dither-mixed", gate=Gate.certified(CERTIFIED_TAU), allocation=allocation)
+
+
+def _report(times: dict[str, list[float]], measured: dict[str, tuple[float, float]], args: argparse.Namespace) -> None:
+    """Print the best-of table (with each kvcert variant's measured capacity and page-in), the target ratios (best-of
+    and per repetition), and the optional plot."""
     best = {k: min(v) for k, v in times.items()}
     table = ReportTable(
-        f"decode cost, SmolLM2-135M, context {args.context}, {args.steps} steps, best of {args.reps}, "
+        f"decode cost, {args.model}, context {args.context}, {args.steps} steps, best of {args.reps}, "
         f"{args.clock} clock, {torch.get_num_threads()} torch threads, "
         f"start-up objects {'not ' if args.no_gc_freeze else ''}frozen (empirical)",
-        ("variant", "ms/token", "x dense"),
-        tuple((k, f"{v:.1f}", f"{v / best['dense']:.2f}") for k, v in best.items()),
+        ("variant", "ms/token", "x dense", "capacity (measured)", "page-in / fp16 K/V, request (measured)"),
+        tuple(
+            (k, f"{v:.1f}", f"{v / best['dense']:.2f}", *((f"{x:.2f}" for x in measured[k]) if k in measured else "––"))
+            for k, v in best.items()
+        ),
     )
     console = Console()
     print_table(console, table)
@@ -182,23 +235,25 @@ def _report(times: dict[str, list[float]], args: argparse.Namespace) -> None:
         f"capacity-gated ({args.capacity_scheme}) / dense = {best[CAPACITY] / best['dense']:.3f}"
         " (empirical; target <= 1.3)"
     )
-    for name in RESIDENT_3X:
+    for name in (n for n in (*RESIDENT_3X, ALLOCATED) if n in best):
         console.print(f"{name} / dense = {best[name] / best['dense']:.3f} (empirical; target <= 1.3)")
     # the same ratios per repetition (the variants of a repetition take turns step by step), then their median:
     # less sensitive than best-of to a slow spell on a shared machine hitting one variant only
     ratios = {}
-    for num, den, target in TARGETS:
+    targets = [t for t in (*TARGETS, (ALLOCATED, "dense", 1.3)) if t[0] in times]
+    for num, den, target in targets:
         per = ratios[(num, den)] = [a / b for a, b in zip(times[num], times[den], strict=True)]
         console.print(
             f"{num} / {den} per repetition: {', '.join(f'{r:.3f}' for r in per)}; median "
             f"{statistics.median(per):.3f} (empirical; target <= {target})"
         )
     if args.plot:
-        _plot(times, ratios, args.plot, table.title)
+        _plot(times, ratios, targets, args.plot, table.title)
         console.print(f"plot: {args.plot}")
 
 
 CAPACITY = "capacity-gated (tau=0.2, block)"
+ALLOCATED = "allocated-gated (tau=0.2, head)"
 CAPACITY_GATE = Gate.certified(CERTIFIED_TAU, granularity="block", block_size=REPAIR_BLOCK, persistent=True)
 
 
@@ -229,7 +284,13 @@ TARGETS = (
 )
 
 
-def _plot(times: dict[str, list[float]], ratios: dict[tuple[str, str], list[float]], path: str, title: str) -> None:
+def _plot(
+    times: dict[str, list[float]],
+    ratios: dict[tuple[str, str], list[float]],
+    targets: list[tuple[str, str, float]],
+    path: str,
+    title: str,
+) -> None:
     """ms/token per variant (every repetition, median marked) and the two target ratios per repetition."""
     import matplotlib
 
@@ -244,13 +305,13 @@ def _plot(times: dict[str, list[float]], ratios: dict[tuple[str, str], list[floa
     left.set_xticks(range(len(names)), [n.replace(" (", "\n(") for n in names], fontsize=8)
     left.set_ylabel("ms / token (each repetition; bar = median)")
     left.set_ylim(bottom=0)
-    for j, (num, den, target) in enumerate(TARGETS):
+    for j, (num, den, target) in enumerate(targets):
         per = ratios[(num, den)]
         right.scatter([j] * len(per), per, s=14, color="tab:orange", alpha=0.7)
         right.hlines(target, j - 0.35, j + 0.35, color="tab:red", linestyles="dashed")
         right.hlines(statistics.median(per), j - 0.25, j + 0.25, color="black")
     right.set_xticks(
-        range(len(TARGETS)), [f"{num.split(' (')[0]} / {den}\n(target ≤ {t})" for num, den, t in TARGETS], fontsize=8
+        range(len(targets)), [f"{num.split(' (')[0]}\n/ {den}\n(target ≤ {t})" for num, den, t in targets], fontsize=8
     )
     right.set_ylabel("ratio per repetition (dashed: target)")
     right.axhline(1.0, color="grey", linewidth=0.5)

@@ -118,10 +118,13 @@ def test_allocate_writes_an_allocation_the_cache_loads(tmp_path):
     assert alloc.tau == 0.2 and alloc.value_tol == 0.05 and alloc.provenance["corpus"] == "kjv"
     assert set(alloc.provenance["value_share"]) == {"int8", "int4", "int2"}
     assert "mean key width" in result.output and "certified, calibration" in result.output
+    said = " ".join(result.output.split())  # the console wraps long lines
+    assert "2 decode reads per KV head: one read is 0.500 of a share, more than --max-loss 0.02" in said
     assert all(len(row) == kv and set(row) <= {"int8", "int4", "int2"} for row in alloc.values)
     cache = CertifiedCache(model, storage=StorageConfig(keys=alloc.key_codecs(), values=alloc.value_codecs()))
     assert [layer.store.key_codec.head_bits for layer in cache.layers] == list(alloc.key_bits)
-    invoke(*args, "--widths", "8,6")  # without --value-tol every KV head takes --values
+    quiet = invoke(*args, "--widths", "8,6", "--max-loss", "0.6")  # without --value-tol every KV head takes --values
+    assert "decode reads per KV head" not in quiet.output  # one read (0.5) is within --max-loss
     narrow = Allocation.load(out)
     assert narrow.values == (("int4",) * kv,) * layers
     invoke(*args, "--value-tol", "0.05", "--value-candidates", "int4,kivi-2")

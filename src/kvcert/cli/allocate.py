@@ -158,4 +158,10 @@ def allocate(
     )
     alloc.save(out)
     print_table(console, allocation_table(alloc, head_dim))
+    if 1 / cal.reads > max_loss:
+        console.print(
+            f"[yellow]note:[/] {cal.reads} decode reads per KV head: one read is {1 / cal.reads:.3f} of a share, more "
+            f"than --max-loss {max_loss}, so a single read decides between widths or codecs; more --prompts or "
+            "--steps give finer shares"
+        )
     console.print(f"wrote {out}")

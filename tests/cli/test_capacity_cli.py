@@ -62,6 +62,19 @@ def test_frontier_reports_every_variant_and_peer_with_device_bytes(tmp_path):
     assert (out / "frontier.png").is_file()
 
 
+def test_frontier_refuses_peers_the_model_cannot_hold_before_decoding(tmp_path):
+    """transformers' QuantizedCache refuses models with sliding-window layers (Gemma-3): the run stops with one line
+    naming the peer before any sample is decoded."""
+    out = tmp_path / "frontier"
+    args = ["--model", "tiny:gemma3", "--seed", "0", "--context", "512", "--samples", "1", "--tasks", "niah_single_1"]
+    result = runner.invoke(app, ["frontier", *args, "--schemes", "int4", "--peers", "fp8-e4m3", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert said.startswith("kvcert frontier: error: peer fp8-e4m3: transformers' QuantizedCache refuses this model")
+    assert "--peers '' leaves the peers out" in said and "decoding" not in said
+    assert not (out / "results.json").exists()
+
+
 def test_tightness_quantiles_of_true_tv_over_certificate():
     model = tiny_random("qwen2", head_dim=32)
     ids = torch.randint(3, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(3))

@@ -178,9 +178,14 @@ def frontier(
     console, t0 = Console(), time.time()
     set_seed(seed)
     loaded = load_model(model, seed)
-    if positions is None:  # a zoo model converted by this load: its limit is known only now
-        with checked_inputs("frontier"):
+    with checked_inputs("frontier"):
+        if positions is None:  # a zoo model converted by this load: its limit is known only now
             context_fits(context, loaded.model.config.get_text_config().max_position_embeddings)
+        for p in peer_specs:  # before any decoding: a peer that cannot hold this model stops the run now
+            try:
+                p.build(loaded.model)
+            except ImportError as err:
+                raise ValueError(str(err)) from None
     data = [s for t in task_list for s in ruler.load_task(t, context, samples, seed, loaded.tokenizer_dir)]
     n_var = 1 + 2 * len(specs) + (0 if plan is None else len(plan.specs))
     with progress_bar(f"decoding {len(data)} samples × {n_var} variants", len(data), console) as tick:

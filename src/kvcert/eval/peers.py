@@ -39,13 +39,20 @@ class PeerSpec:
         return f"hf:{self.name}{window}"
 
     def build(self, model: PreTrainedModel) -> QuantizedCache:
-        """A fresh ``QuantizedCache`` for ``model`` (``ImportError`` naming the missing backend package)."""
+        """A fresh ``QuantizedCache`` for ``model`` (``ImportError`` naming the missing backend package;
+        ``ValueError`` naming the peer when transformers refuses the model, e.g. one with sliding-window layers)."""
         backend, bits = PEERS[self.name]
         if backend == "quanto" and importlib.util.find_spec("optimum.quanto") is None:
             raise ImportError(f"peer {self.name} needs optimum-quanto (pip install 'kvcert[eval]')")
-        if backend == "fp8":
-            return QuantizedCache(backend, model.config)
-        return QuantizedCache(backend, model.config, nbits=bits, residual_length=self.residual_length)
+        try:
+            if backend == "fp8":
+                return QuantizedCache(backend, model.config)
+            return QuantizedCache(backend, model.config, nbits=bits, residual_length=self.residual_length)
+        except ValueError as err:
+            raise ValueError(
+                f"peer {self.name}: transformers' QuantizedCache refuses this model ({err}); --peers '' leaves the "
+                "peers out"
+            ) from None
 
 
 def parse_peers(text: str, residual_length: int = 128) -> list[PeerSpec]:

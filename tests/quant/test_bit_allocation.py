@@ -92,6 +92,9 @@ def test_allocation_codecs_bytes_and_json_round_trip(tmp_path):
     assert mixed.bytes_per_token() == 3 * bytes_per_token_head(mixed.key_codecs()[0]) + cost
     mixed.save(path)
     assert Allocation.load(path) == mixed
+    per_layer = {**json.loads(json.dumps(asdict(alloc))), "values": ["int4", "int2"]}  # a file from before per head
+    path.write_text(json.dumps(per_layer))
+    assert Allocation.load(path) == alloc
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not a kvcert allocation"):
         Allocation.load(path)

@@ -48,6 +48,12 @@ DeviceBudgetOption = Annotated[
     str,
     typer.Option(help="cap on each layer's device bytes after persistent repair, a fraction of fp16 K/V (or 'none')"),
 ]
+# Options shared by the RULER commands (``kvcert eval``, ``kvcert frontier``).
+ContextOption = Annotated[int, typer.Option(help="RULER sequence length in tokens")]
+SamplesOption = Annotated[int, typer.Option(help="samples per task")]
+SeedOption = Annotated[int, typer.Option(help="seed for data, codecs and bootstrap")]
+MaxNewTokensOption = Annotated[int | None, typer.Option(help="cap on RULER's generation budget")]
+ResamplesOption = Annotated[int, typer.Option(help="paired bootstrap resamples")]
 
 # Resident-set selection policies by CLI name (``docs/cli.md#resident-variants``): each call builds a fresh
 # policy (policies keep per-request state). snapkv is the library's default_select (SnapKV(window=32,
@@ -368,6 +374,56 @@ def resident_plan(
         alloc or "uniform",
         recall or "persistent",
     )
+
+
+@dataclass(frozen=True)
+class ResidentSettings:
+    """The ``--resident``, ``--select``, ``--reselect``, ``--summary``, ``--resident-alloc`` and ``--recall`` options
+    as given (``None``: not given)."""
+
+    resident: float | None
+    select: str | None
+    reselect: int | None
+    summary: str | None
+    alloc: str | None
+    recall: str | None
+
+
+@dataclass(frozen=True)
+class RulerVariants:
+    """The variants of a RULER command from its options: the schemes (with ``--allocation``'s), the gate (``None``:
+    ``auto``) and the resident plan (``None`` without ``--resident``)."""
+
+    specs: tuple[SchemeSpec, ...]
+    gate: Gate | None
+    plan: ResidentPlan | None
+
+
+def ruler_variants(
+    schemes: str,
+    witness: str,
+    device_budget: str,
+    allocation: Path | None,
+    gate: str,
+    resident: ResidentSettings,
+) -> RulerVariants:
+    """:func:`parse_schemes` with :func:`parse_storage`, ``--allocation``'s scheme (:func:`allocation_spec`, under the
+    same storage options), :func:`parse_gate` and :func:`resident_plan` (the resident variants of the listed
+    schemes, not the allocation's); ``ValueError`` naming the option at fault."""
+    plain = parse_storage(parse_schemes(schemes), witness, device_budget)
+    specs = plain + parse_storage(allocation_spec(allocation), witness, device_budget)
+    chosen = parse_gate(gate)
+    plan = resident_plan(
+        resident.resident,
+        resident.select,
+        resident.reselect,
+        tuple(plain),
+        resident.summary,
+        resident.alloc,
+        chosen,
+        resident.recall,
+    )
+    return RulerVariants(tuple(specs), chosen, plan)
 
 
 def resident_fits(plan: ResidentPlan | None, context: int) -> None:

@@ -11,24 +11,26 @@ from rich.console import Console
 from kvcert.cli.common import (
     DEFAULT_SCHEMES,
     AllocationOption,
+    ContextOption,
     DeviceBudgetOption,
     GateOption,
+    MaxNewTokensOption,
     ModelOption,
     RecallOption,
+    ResamplesOption,
     ReselectOption,
     ResidentAllocOption,
     ResidentOption,
+    ResidentSettings,
+    SamplesOption,
     SchemesOption,
+    SeedOption,
     SelectOption,
     SummaryOption,
     ValidateOption,
     WitnessOption,
-    allocation_spec,
     default_out,
-    parse_gate,
-    parse_schemes,
-    parse_storage,
-    resident_plan,
+    ruler_variants,
 )
 from kvcert.cli.ruler_command import RulerJob, execute
 from kvcert.cli.validate import OverwriteOption, checked_inputs
@@ -48,14 +50,14 @@ def parse_task_option(text: str) -> tuple[str, ...]:
 
 def evaluate(
     task: Annotated[str, typer.Option(help="ruler:<task1,task2,...>")] = "ruler:niah_single_1",
-    context: Annotated[int, typer.Option(help="RULER sequence length in tokens")] = 2048,
-    samples: Annotated[int, typer.Option(help="samples per task")] = 2,
+    context: ContextOption = 2048,
+    samples: SamplesOption = 2,
     schemes: SchemesOption = DEFAULT_SCHEMES,
     gate: GateOption = "auto",
     model: ModelOption = "smollm2-135m",
-    seed: Annotated[int, typer.Option(help="seed for data, codecs and bootstrap")] = 0,
-    max_new_tokens: Annotated[int | None, typer.Option(help="cap on RULER's generation budget")] = None,
-    resamples: Annotated[int, typer.Option(help="paired bootstrap resamples")] = 10_000,
+    seed: SeedOption = 0,
+    max_new_tokens: MaxNewTokensOption = None,
+    resamples: ResamplesOption = 10_000,
     out: Annotated[Path | None, typer.Option(help="report directory (default runs/eval-<timestamp>)")] = None,
     overwrite: OverwriteOption = False,
     witness: WitnessOption = "log8",
@@ -74,24 +76,22 @@ def evaluate(
     fallback rate (and resident fraction, omitted-mass bound and recall for resident variants)."""
     with checked_inputs("eval"):
         tasks = parse_task_option(task)
-        plain = parse_storage(parse_schemes(schemes), witness, device_budget)
-        specs = plain + parse_storage(allocation_spec(allocation), witness, device_budget)
-        chosen = parse_gate(gate)
-        plan = resident_plan(resident, select, reselect, tuple(plain), summary, resident_alloc, chosen, recall)
+        settings = ResidentSettings(resident, select, reselect, summary, resident_alloc, recall)
+        variants = ruler_variants(schemes, witness, device_budget, allocation, gate, settings)
     job = RulerJob(
         "eval",
         model,
         tasks,
         context,
         samples,
-        tuple(specs),
-        chosen,
+        variants.specs,
+        variants.gate,
         seed,
         max_new_tokens,
         resamples,
         out or default_out("eval"),
         overwrite,
-        plan,
+        variants.plan,
         validate,
     )
     execute(job, Console())

@@ -21,27 +21,29 @@ from kvcert.cache.gate import Gate
 from kvcert.cli.common import (
     DEFAULT_SCHEMES,
     AllocationOption,
+    ContextOption,
     DeviceBudgetOption,
     GateOption,
+    MaxNewTokensOption,
     ModelOption,
     RecallOption,
+    ResamplesOption,
     ReselectOption,
     ResidentAllocOption,
     ResidentOption,
+    ResidentSettings,
+    SamplesOption,
     SchemesOption,
+    SeedOption,
     SelectOption,
     SummaryOption,
     ValidateOption,
     WitnessOption,
-    allocation_spec,
     command_line,
     default_out,
     load_model,
-    parse_gate,
-    parse_schemes,
-    parse_storage,
     resident_fits,
-    resident_plan,
+    ruler_variants,
     set_seed,
 )
 from kvcert.cli.progress import progress_bar
@@ -129,8 +131,8 @@ def frontier_table(variants: dict[str, Any]) -> ReportTable:
 
 def frontier(
     tasks: Annotated[str, typer.Option(help="comma-separated RULER tasks")] = "niah_single_1,niah_multikey_1",
-    context: Annotated[int, typer.Option(help="RULER sequence length in tokens")] = 2048,
-    samples: Annotated[int, typer.Option(help="samples per task")] = 2,
+    context: ContextOption = 2048,
+    samples: SamplesOption = 2,
     schemes: SchemesOption = DEFAULT_SCHEMES,
     gate: GateOption = "auto",
     peers: Annotated[
@@ -138,9 +140,9 @@ def frontier(
     ] = DEFAULT_PEERS,
     residual_length: Annotated[int, typer.Option(help="peers' full-precision residual window")] = 128,
     model: ModelOption = "smollm2-135m",
-    seed: Annotated[int, typer.Option(help="seed for data, codecs and bootstrap")] = 0,
-    max_new_tokens: Annotated[int | None, typer.Option(help="cap on RULER's generation budget")] = None,
-    resamples: Annotated[int, typer.Option(help="paired bootstrap resamples")] = 10_000,
+    seed: SeedOption = 0,
+    max_new_tokens: MaxNewTokensOption = None,
+    resamples: ResamplesOption = 10_000,
     out: Annotated[Path | None, typer.Option(help="report directory (default runs/frontier-<timestamp>)")] = None,
     overwrite: OverwriteOption = False,
     witness: WitnessOption = "log8",
@@ -160,10 +162,9 @@ def frontier(
     out = out or default_out("frontier")
     with checked_inputs("frontier"):
         task_list = tuple(t.strip() for t in tasks.split(",") if t.strip())
-        plain = parse_storage(parse_schemes(schemes), witness, device_budget)
-        specs = plain + parse_storage(allocation_spec(allocation), witness, device_budget)
-        chosen: Gate | None = parse_gate(gate)
-        plan = resident_plan(resident, select, reselect, tuple(plain), summary, resident_alloc, chosen, recall)
+        settings = ResidentSettings(resident, select, reselect, summary, resident_alloc, recall)
+        variants = ruler_variants(schemes, witness, device_budget, allocation, gate, settings)
+        specs, chosen, plan = list(variants.specs), variants.gate, variants.plan
         peer_specs = parse_peers(peers, residual_length)
         positions = model_max_positions(model)
         ruler_tasks(task_list, context)

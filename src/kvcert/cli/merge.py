@@ -22,7 +22,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from kvcert.cli.common import command_line
+from kvcert.cli.common import ResamplesOption, command_line
 from kvcert.cli.progress import progress_bar
 from kvcert.cli.ruler_report import context_ratios, resident_table
 from kvcert.cli.validate import OverwriteOption, at_least, checked_inputs, prepare_out
@@ -328,7 +328,7 @@ def merge(
     runs: Annotated[list[Path], typer.Argument(help="run directories (or results.json files) of `kvcert eval`")],
     out: Annotated[Path, typer.Option(help="directory for the merged results.json, report.html and PNG")],
     seed: Annotated[int, typer.Option(help="bootstrap seed")] = 0,
-    resamples: Annotated[int, typer.Option(help="paired bootstrap resamples")] = 10_000,
+    resamples: ResamplesOption = 10_000,
     overwrite: OverwriteOption = False,
 ) -> None:
     """Merge sharded `kvcert eval` runs: paired CI and McNemar recomputed on all samples together."""

@@ -15,7 +15,16 @@ def test_parse_schemes() -> None:
         SchemeSpec("dither-int8", "int4"),
     ]
     assert SchemeSpec("dither-int8", "int4").label == "dither-int8/int4"
-    for bad, word in [("int4,nope", "nope"), ("", "no scheme"), ("int4,int4", "twice"), ("a/b/c", "one '/'")]:
+    assert parse_schemes("dither-int8+bypass32/kivi-2") == [SchemeSpec("dither-int8+bypass32", "kivi-2")]
+    cases = [
+        ("int4,nope", "nope"),
+        ("", "no scheme"),
+        ("int4,int4", "twice"),
+        ("a/b/c", "one '/'"),
+        ("int9+bypass2", "unknown codec 'int9\\+bypass2'"),
+        ("int8+bypassx/int4", "schemes: codec 'int8\\+bypassx': expected <codec>\\+bypass<pairs"),
+    ]
+    for bad, word in cases:
         with pytest.raises(ValueError, match=word):
             parse_schemes(bad)
 

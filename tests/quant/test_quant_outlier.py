@@ -4,6 +4,7 @@ from quant_cases import with_outlier_channels
 
 from kvcert.bounds.rope import pair_sq_moduli
 from kvcert.quant import OutlierBypass, bytes_per_token_head, get, quantize, sample_key
+from kvcert.quant.dither import DitherCodec
 
 
 @pytest.mark.parametrize("pairing", ["rotate_half", "interleaved"])
@@ -87,3 +88,40 @@ def test_bytes_per_token_head_leaves_calibration_untouched():
     assert codec.channels is None
     codec.encode(with_outlier_channels())
     assert bool((codec.channel_mask[:, [3, 35]] == 0).all())
+
+
+def test_the_bypass_suffix_names_the_same_codec_as_the_option():
+    """``get("dither-int8+bypass2")`` is ``get("dither-int8", bypass=2)``: the name an OutlierBypass gives itself
+    resolves back to it (what ``--schemes`` lists); a malformed or doubled suffix is refused by name."""
+    x = with_outlier_channels()
+    key = sample_key(x, seed=4)
+    by_name, by_option = get("dither-int8+bypass2"), get("dither-int8", bypass=2)
+    assert isinstance(by_name, OutlierBypass) and by_name.name == by_option.name == "dither-int8+bypass2"
+    a, b = by_name.encode(x, key), by_option.encode(x, key)
+    assert all(torch.equal(a.tensors[n], b.tensors[n]) for n in b.tensors) and set(a.tensors) == set(b.tensors)
+    assert get("kivi-2+bypass1", axis="value").inner.name == "kivi-2"
+    for bad in ("int8+bypass0", "int8+bypassx", "+bypass2", "int8+bypass-1"):
+        with pytest.raises(ValueError, match="positive integer"):
+            get(bad)
+    with pytest.raises(ValueError, match="bypass given twice"):
+        get("int8+bypass2", bypass=3)
+    with pytest.raises(ValueError, match="unknown codec 'int9'"):
+        get("int9+bypass2")
+
+
+def test_bypass_over_a_per_head_codec_keeps_its_heads():
+    """Around ``dither-mixed`` the bypass keeps which heads each inner tensor holds (an eviction gather needs it) and
+    decodes, per head, what the inner codec gives the masked keys plus the exact bypassed channels."""
+    x = with_outlier_channels(2, 3, 16, 64, seed=2)
+    key = sample_key(x, seed=1)
+    codec = OutlierBypass(DitherCodec(head_bits=(8, 3, 5)), 2)
+    packed = codec.encode(x, key)
+    assert codec.heads == 3
+    assert packed.heads == {"inner.codes8": (0,), "inner.codes5": (2,), "inner.codes3": (1,)}
+    decoded = codec.decode(packed, key)
+    idx = codec.channels.view(1, 3, 1, -1).expand(2, 3, 16, -1)
+    assert torch.equal(decoded.gather(-1, idx), x.gather(-1, idx))  # fp16-exact input: bypassed channels exact
+    masked = x * codec.channel_mask.view(1, 3, 1, 64)
+    inner = DitherCodec(head_bits=(8, 3, 5))
+    want = inner.decode(inner.encode(masked, key), key).scatter(-1, idx, x.gather(-1, idx))
+    assert torch.equal(decoded, want)

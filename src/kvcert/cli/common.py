@@ -26,7 +26,8 @@ from kvcert.integrations.vllm.settings import gate_from_spec  # noqa: E402
 from kvcert.models.tiny import SUPPORTED_FAMILIES, tiny_random  # noqa: E402
 from kvcert.models.zoo import ZOO, converted_dir  # noqa: E402
 from kvcert.models.zoo import load as zoo_load  # noqa: E402
-from kvcert.quant import BUILTINS, Allocation  # noqa: E402
+from kvcert.quant import BUILTINS, Allocation, get  # noqa: E402
+from kvcert.quant.registry import BYPASS_SUFFIX, split_bypass  # noqa: E402
 
 TINY_PREFIX = "tiny:"
 TINY_TOKENIZER_MODEL = "smollm2-135m"
@@ -166,8 +167,15 @@ def parse_schemes(text: str) -> list[SchemeSpec]:
         if len(parts) > 2:
             raise ValueError(f"schemes: {item!r} has more than one '/' (use keycodec/valuecodec)")
         for codec in parts:
-            if codec not in BUILTINS:
-                raise ValueError(f"schemes: unknown codec {codec!r}; known are {sorted(BUILTINS)}")
+            try:
+                base, _ = split_bypass(codec)
+            except ValueError as err:
+                raise ValueError(f"schemes: {err}") from None
+            if base not in BUILTINS:
+                raise ValueError(
+                    f"schemes: unknown codec {codec!r}; known are {sorted(BUILTINS)} (each may end in "
+                    f"{BYPASS_SUFFIX}<pairs>)"
+                )
         spec = SchemeSpec(parts[0], parts[-1])
         if spec in out:
             raise ValueError(f"schemes: {item!r} is listed twice")
@@ -280,7 +288,7 @@ def _check_recall(resident: float | None, recall: str, specs: tuple[SchemeSpec, 
 def _check_promotes(option: str, specs: tuple[SchemeSpec, ...]) -> None:
     """``option`` promotes omitted tokens into the resident set by re-encoding them: ``ValueError`` naming it when
     a codec of ``specs`` is dithered (its dither key holds one position per row for every KV head)."""
-    dithered = sorted({c for s in specs for c in (s.keys, s.values) if BUILTINS[c]().needs_key})
+    dithered = sorted({c for s in specs for c in (s.keys, s.values) if get(c).needs_key})
     if dithered:
         raise ValueError(f"{option} cannot re-encode promoted tokens with dithered codecs {dithered}")
 

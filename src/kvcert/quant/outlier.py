@@ -42,6 +42,7 @@ class OutlierBypass(Codec):
         self.tier_b = inner.tier_b
         self.needs_key = inner.needs_key
         self.group_size = inner.group_size
+        self.heads = inner.heads
         self.channels: torch.Tensor | None = None  # [H, 2m] bypassed channels, fixed at first encode
         self.channel_mask: torch.Tensor | None = None
 
@@ -71,11 +72,13 @@ class OutlierBypass(Codec):
         inner = self.inner.encode(x * self.channel_mask.view(1, h, 1, d).to(x.dtype), key)
         tensors = {_INNER + k: v for k, v in inner.tensors.items()}
         tensors["bypass"] = exact.to(torch.float16)
-        return Packed(self.name, tuple(x.shape), tensors)
+        heads = {_INNER + k: v for k, v in inner.heads.items()}  # a per-head inner codec's tensors of some heads
+        return Packed(self.name, tuple(x.shape), tensors, heads)
 
     def _inner_packed(self, packed: Packed) -> Packed:
         inner = {k[len(_INNER) :]: v for k, v in packed.tensors.items() if k.startswith(_INNER)}
-        return Packed(self.inner.name, packed.shape, inner)
+        heads = {k[len(_INNER) :]: v for k, v in packed.heads.items() if k.startswith(_INNER)}
+        return Packed(self.inner.name, packed.shape, inner, heads)
 
     def _decode(self, packed: Packed, key: DitherKey | None) -> torch.Tensor:
         if self.channels is None:

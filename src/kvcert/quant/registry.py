@@ -49,6 +49,7 @@ BUILTINS: dict[str, Callable[..., Codec]] = {
     "hadamard-int2": partial(HadamardCodec, 2),
 }
 _FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+BYPASS_SUFFIX = "+bypass"
 
 
 def names() -> list[str]:
@@ -63,6 +64,8 @@ def register(name: str, fn: Callable[[torch.Tensor], torch.Tensor], *, overwrite
     without ``overwrite=True``. Shape preservation is checked at every encode.
     """
     check_function(name, fn)
+    if BYPASS_SUFFIX in name:
+        raise ValueError(f"codec name {name!r} must not contain {BYPASS_SUFFIX!r} (it names an outlier bypass)")
     if name in BUILTINS:
         raise ValueError(f"codec name {name!r} is a built-in and cannot be replaced")
     if name in _FUNCTIONS and not overwrite:
@@ -77,11 +80,29 @@ def unregister(name: str) -> None:
     del _FUNCTIONS[name]
 
 
-def get(name: str, *, bypass: int = 0, pairing: Pairing = "rotate_half", **options: object) -> Codec:
-    """A fresh codec ``name`` built with ``options``; ``bypass=m > 0`` wraps it in the outlier bypass.
+def split_bypass(name: str) -> tuple[str, int]:
+    """``"dither-int8+bypass32"`` -> ``("dither-int8", 32)`` (the name an :class:`OutlierBypass` gives itself);
+    ``(name, 0)`` without the suffix. ``ValueError`` for a suffix whose count is not a positive integer."""
+    base, sep, count = name.rpartition(BYPASS_SUFFIX)
+    if not sep:
+        return name, 0
+    if not count.isdigit() or int(count) < 1 or not base:
+        raise ValueError(f"codec {name!r}: expected <codec>{BYPASS_SUFFIX}<pairs kept exact, a positive integer>")
+    return base, int(count)
 
-    Raises ``ValueError`` for an unknown name (listing :func:`names`) or options the codec does not take.
+
+def get(name: str, *, bypass: int = 0, pairing: Pairing = "rotate_half", **options: object) -> Codec:
+    """A fresh codec ``name`` built with ``options``; ``bypass=m > 0``, or the suffix ``+bypass{m}`` on the name
+    (``"dither-int8+bypass32"``), wraps it in the outlier bypass.
+
+    Raises ``ValueError`` for an unknown name (listing :func:`names`), options the codec does not take, or a bypass
+    given both ways.
     """
+    name, suffixed = split_bypass(name)
+    if suffixed:
+        if bypass:
+            raise ValueError(f"bypass given twice: as {BYPASS_SUFFIX}{suffixed} in the name and as bypass={bypass}")
+        bypass = suffixed
     if name in BUILTINS:
         try:
             codec = BUILTINS[name](**options)

@@ -75,6 +75,8 @@ def test_register_rejects_non_callable_and_builtin_names():
         register("test-bad", 3)
     with pytest.raises(ValueError, match="built-in"):
         register("int8", lambda x: x)
+    with pytest.raises(ValueError, match="must not contain '\\+bypass'"):
+        register("mine+bypass2", lambda x: x)  # the suffix names an outlier bypass around a codec
     with pytest.raises(ValueError, match="no registered function"):
         unregister("test-never")
 

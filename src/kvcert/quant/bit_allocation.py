@@ -97,8 +97,9 @@ def choose_values(
 def _value_rows(
     values: tuple[str | tuple[str, ...], ...], key_bits: tuple[tuple[int, ...], ...]
 ) -> tuple[tuple[str, ...], ...]:
-    """``values`` with a name in place of a row spread over the KV heads of its layer (``key_bits``' row)."""
-    if len(values) != len(key_bits):
+    """``values`` with a name in place of a row spread over the KV heads of its layer (``key_bits``' row);
+    ``ValueError`` unless both list the same layers, at least one."""
+    if not key_bits or len(values) != len(key_bits):
         raise ValueError(f"key_bits and values must list the same layers, got {len(key_bits)} and {len(values)}")
     return tuple((v,) * len(bits) if isinstance(v, str) else tuple(v) for v, bits in zip(values, key_bits, strict=True))
 
@@ -118,14 +119,10 @@ class Allocation:
     provenance: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.key_bits or len(self.key_bits) != len(self.values):
-            raise ValueError(
-                f"key_bits and values must list the same layers, got {len(self.key_bits)} and {len(self.values)}"
-            )
+        rows = _value_rows(self.values, self.key_bits)
         for layer, row in enumerate(self.key_bits):
             if not row or any(isinstance(b, bool) or b not in DITHER_BITS for b in row):
                 raise ValueError(f"key_bits[{layer}] must be dithered widths in {DITHER_BITS}, got {row}")
-        rows = _value_rows(self.values, self.key_bits)
         for layer, (names, bits) in enumerate(zip(rows, self.key_bits, strict=True)):
             if len(names) != len(bits) or not all(isinstance(v, str) for v in names):
                 raise ValueError(f"values[{layer}] must name one value codec per KV head ({len(bits)}), got {names}")
@@ -155,7 +152,8 @@ class Allocation:
             bytes_per_token_head(c, D=head_dim) * len(row)
             for c, row in zip(self.key_codecs(), self.key_bits, strict=True)
         )
-        values = sum(bytes_per_token_head(resolve(v, "value"), D=head_dim) for row in self.values for v in row)
+        per_head = {v: bytes_per_token_head(resolve(v, "value"), D=head_dim) for row in self.values for v in set(row)}
+        values = sum(per_head[v] for row in self.values for v in row)
         return keys + values
 
     def save(self, path: str | Path) -> None:

@@ -16,6 +16,7 @@ many recent tokens exact for every head as each member asks for.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
@@ -26,12 +27,12 @@ from kvcert.quant.registry import resolve
 class PerHeadCodec(Codec):
     """``mixed[...]``: member codec ``members[h]`` (a name resolved for ``axis``, or a :class:`Codec`) on head ``h``."""
 
-    def __init__(self, members: Sequence[str | Codec], axis: str = "value") -> None:
+    def __init__(self, members: Sequence[str | Codec], axis: Literal["key", "value"] = "value") -> None:
         if not members:
             raise ValueError("a per-head codec needs one member codec per head, got none")
         if axis not in ("key", "value"):
             raise ValueError(f"axis must be 'key' or 'value', got {axis!r}")
-        codecs = [resolve(m, "key" if axis == "key" else "value") for m in members]
+        codecs = [resolve(m, axis) for m in members]
         by_name: dict[str, Codec] = {}
         for c in codecs:
             if c.needs_key or c.block != 1 or c.heads is not None:

@@ -12,7 +12,8 @@ repetition first):
 * ``kvcert-gated``    the same, ``Gate.certified(0.2)``
 * ``capacity-gated``  the capacity scheme of ``--capacity-scheme`` (default dither-int8 K + int4 V; issue 16), gated as
                       ``benchmarks/capacity_ruler.py`` gates it: ``Gate.certified(0.2)`` on 64-token blocks written
-                      back exact (persistent), under the library's default device budget
+                      back exact (persistent), under the library's default device budget; further comma-separated
+                      schemes run beside it the same way as ``capacity-gated (<scheme>)``
 * ``resident-3x``     issue 16's 3x configuration as ``docs/results.md#three-x-at-ruler-scale`` runs it: fp16 keys and
                       int4 values for a SnapKV resident set of 20 % of the tokens (chosen from the shared prefill's
                       attention), the omitted pages summarised as ``basis16-qspec`` (page spectra in the
@@ -106,7 +107,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument(
         "--capacity-scheme",
         default="dither-int8/int4",
-        help="keycodec/valuecodec of the capacity-gated variant (as in benchmarks/capacity_ruler.py --schemes)",
+        help="keycodec/valuecodec of the capacity-gated variant (as in benchmarks/capacity_ruler.py --schemes); "
+        "more, comma-separated, are timed beside it as 'capacity-gated (<scheme>)'",
     )
     ap.add_argument("--plot", metavar="PNG", help="also write the per-repetition times and ratios as a figure")
     ap.add_argument("--model", default="smollm2-135m", help="zoo name of the model (offline weights)")
@@ -119,7 +121,7 @@ def _args() -> argparse.Namespace:
 
 def main() -> None:
     args = _args()
-    (capacity,) = parse_schemes(args.capacity_scheme)
+    capacity, *more_capacity = parse_schemes(args.capacity_scheme)
     allocation = None if args.allocation is None else Allocation.load(args.allocation)
     resident_3x = RESIDENT_3X if args.resident else {}
     clock = time.perf_counter
@@ -165,6 +167,10 @@ def main() -> None:
         "kvcert-certified": lambda: kv(True, Gate.off()),
         "kvcert-gated (tau=0.2)": lambda: kv(True, Gate.certified(0.2)),
         CAPACITY: lambda: kv(True, CAPACITY_GATE, capacity.keys, capacity.values),
+        **{
+            f"{CAPACITY_PREFIX} ({s.label})": functools.partial(kv, True, CAPACITY_GATE, s.keys, s.values)
+            for s in more_capacity
+        },
         **{name: functools.partial(scheme_cache, scheme) for name, scheme in resident_3x.items()},
     }
     if not _builds(hfq):  # transformers refuses models with sliding-window layers (Gemma-3); said so
@@ -232,15 +238,16 @@ def _report(times: dict[str, list[float]], measured: dict[str, tuple[float, floa
     console.print(f"certified / raw = {best['kvcert-certified'] / best['kvcert-raw']:.3f} (empirical; target <= 1.10)")
     console.print(f"gated / dense   = {best['kvcert-gated (tau=0.2)'] / best['dense']:.3f} (empirical; target <= 1.5)")
     console.print(
-        f"capacity-gated ({args.capacity_scheme}) / dense = {best[CAPACITY] / best['dense']:.3f}"
+        f"capacity-gated ({args.capacity_scheme.split(',')[0]}) / dense = {best[CAPACITY] / best['dense']:.3f}"
         " (empirical; target <= 1.3)"
     )
-    for name in (n for n in (*RESIDENT_3X, ALLOCATED) if n in best):
+    more = [n for n in best if n.startswith(CAPACITY_PREFIX) and n != CAPACITY]  # further --capacity-scheme ones
+    for name in (n for n in (*more, *RESIDENT_3X, ALLOCATED) if n in best):
         console.print(f"{name} / dense = {best[name] / best['dense']:.3f} (empirical; target <= 1.3)")
     # the same ratios per repetition (the variants of a repetition take turns step by step), then their median:
     # less sensitive than best-of to a slow spell on a shared machine hitting one variant only
     ratios = {}
-    targets = [t for t in (*TARGETS, (ALLOCATED, "dense", 1.3)) if t[0] in times]
+    targets = [t for t in (*TARGETS, *((n, "dense", 1.3) for n in more), (ALLOCATED, "dense", 1.3)) if t[0] in times]
     for num, den, target in targets:
         per = ratios[(num, den)] = [a / b for a, b in zip(times[num], times[den], strict=True)]
         console.print(
@@ -253,6 +260,7 @@ def _report(times: dict[str, list[float]], measured: dict[str, tuple[float, floa
 
 
 CAPACITY = "capacity-gated (tau=0.2, block)"
+CAPACITY_PREFIX = "capacity-gated"
 ALLOCATED = "allocated-gated (tau=0.2, head)"
 CAPACITY_GATE = Gate.certified(CERTIFIED_TAU, granularity="block", block_size=REPAIR_BLOCK, persistent=True)
 
@@ -284,6 +292,11 @@ TARGETS = (
 )
 
 
+def _wrap(name: str) -> str:
+    """A variant's name over two lines for a tick label (its parenthesis on the second)."""
+    return name.replace(" (", "\n(")
+
+
 def _plot(
     times: dict[str, list[float]],
     ratios: dict[tuple[str, str], list[float]],
@@ -297,12 +310,12 @@ def _plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [3, 2]})
     names = list(times)
     for i, name in enumerate(names):
         left.scatter([i] * len(times[name]), times[name], s=12, color="tab:blue", alpha=0.6)
         left.hlines(statistics.median(times[name]), i - 0.3, i + 0.3, color="black")
-    left.set_xticks(range(len(names)), [n.replace(" (", "\n(") for n in names], fontsize=8)
+    left.set_xticks(range(len(names)), [_wrap(n) for n in names], fontsize=7, rotation=30)
     left.set_ylabel("ms / token (each repetition; bar = median)")
     left.set_ylim(bottom=0)
     for j, (num, den, target) in enumerate(targets):
@@ -311,7 +324,9 @@ def _plot(
         right.hlines(target, j - 0.35, j + 0.35, color="tab:red", linestyles="dashed")
         right.hlines(statistics.median(per), j - 0.25, j + 0.25, color="black")
     right.set_xticks(
-        range(len(targets)), [f"{num.split(' (')[0]}\n/ {den}\n(target ≤ {t})" for num, den, t in targets], fontsize=8
+        range(len(targets)),
+        [f"{_wrap(num)}\n/ {den}\n(target ≤ {t})" for num, den, t in targets],
+        fontsize=7,
     )
     right.set_ylabel("ratio per repetition (dashed: target)")
     right.axhline(1.0, color="grey", linewidth=0.5)

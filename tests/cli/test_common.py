@@ -37,7 +37,11 @@ def test_parse_gate() -> None:
     block = {"granularity": "block", "block_size": 64, "persistent": True}  # the block gate of auto_gate
     assert parse_gate("certified:0.2:block") == Gate.certified(0.2, **block)
     assert parse_gate("risk:5:block") == Gate.risk_ranked(5.0, **block)
-    for bad in ("certified", "risk:x", "maybe:1", "certified:0.2:page", "certified:0.2:block:x"):
+    transient = {"granularity": "block", "block_size": 64, "persistent": False}
+    assert parse_gate("certified:0.2:block-transient") == Gate.certified(0.2, **transient)
+    assert parse_gate("risk:5:block-transient") == Gate.risk_ranked(5.0, **transient)
+    bad_specs = ("certified", "risk:x", "maybe:1", "certified:0.2:page", "certified:0.2:block:x", "off:block-transient")
+    for bad in bad_specs:
         with pytest.raises(ValueError, match="gate"):
             parse_gate(bad)
 

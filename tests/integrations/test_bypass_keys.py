@@ -58,3 +58,29 @@ def test_bypass_keys_repair_everything_equals_dynamic_cache(keys):
     got = _decode(model, ids, cache, 10)
     cache.detach()
     assert torch.equal(ref, got)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_transient_block_repair_keeps_nothing_and_certified_zero_equals_dynamic_cache(family):
+    """The transient block gate (``certified:TAU:block-transient``) with bypass keys: at τ = 0 every read with a
+    positive certificate is served from paged-in exact blocks, so the greedy tokens are DynamicCache's; at τ = 1e-4
+    (below these tiny models' certificates) validate mode counts no violation, page-ins are counted, and the device
+    bytes are those of the ungated cache (nothing is kept)."""
+    model = tiny_random(family, head_dim=32)
+    ids = torch.randint(3, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
+    ref = _decode(model, ids, DynamicCache(config=model.config), 10)
+    storage = StorageConfig(keys="dither-int8+bypass2", values="int4", write_block=4)
+    zero = CertifiedCache(model, seed=3, gate=Gate.certified(0.0, granularity="block", block_size=8), storage=storage)
+    assert torch.equal(ref, _decode(model, ids, zero, 10))
+    zero.detach()
+    bytes_device = {}
+    for name, gate in (("off", Gate.off()), ("transient", Gate.certified(1e-4, granularity="block", block_size=8))):
+        cache = CertifiedCache(model, validate=True, seed=3, gate=gate, storage=storage)
+        _decode(model, ids, cache, 10)
+        cache.detach()
+        tel = cache.telemetry()
+        assert tel.cells > 0 and tel.violations == 0 and tel.out_violations == 0, tel.summary()
+        bytes_device[name] = tel.bytes_device
+        if name == "transient":
+            assert tel.bytes_paged > 0 and all(layer.store.n_held == 0 for layer in cache.layers)
+    assert bytes_device["transient"] == bytes_device["off"]

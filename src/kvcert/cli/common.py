@@ -41,7 +41,9 @@ REPAIR_BLOCK = 64
 # Options shared by the RULER / perplexity / audit commands.
 ModelOption = Annotated[str, typer.Option(help="smollm2-135m, a local transformers folder, or tiny:<family>")]
 SchemesOption = Annotated[str, typer.Option(help="comma-separated codecs or keycodec/valuecodec")]
-GateOption = Annotated[str, typer.Option(help="auto | off | certified:TAU | risk:TAU_GATE")]
+GateOption = Annotated[
+    str, typer.Option(help="auto | off | certified:TAU | risk:TAU_GATE, either with :block or :block-transient")
+]
 WitnessOption = Annotated[
     str, typer.Option(help="witness storage: log8 (8-bit codes decoding upwards, 12 B/token/KV head) | f32")
 ]
@@ -210,7 +212,9 @@ def parse_gate(text: str) -> Gate | None:
     """
     if text == "auto":
         return None
-    return gate_from_spec(text, "--gate", "auto, off, certified:TAU[:block] or risk:TAU[:block]")
+    return gate_from_spec(
+        text, "--gate", "auto, off, certified:TAU[:UNIT] or risk:TAU[:UNIT] (UNIT: block | block-transient)"
+    )
 
 
 @dataclass(frozen=True)

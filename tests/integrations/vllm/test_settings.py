@@ -26,7 +26,10 @@ def test_settings_roundtrip_and_defaults():
         ({"KVCERT_VLLM_VALUES": "int3"}, "KVCERT_VLLM_VALUES.*unknown codec 'int3'"),
         ({"KVCERT_VLLM_GATE": "certified:-0.1"}, "KVCERT_VLLM_GATE.*threshold must be >= 0"),
         ({"KVCERT_VLLM_GATE": "certified:inf"}, "finite threshold"),
-        ({"KVCERT_VLLM_GATE": "always"}, r"expected off, certified:TAU\[:block\] or risk:TAU_GATE\[:block\]"),
+        (
+            {"KVCERT_VLLM_GATE": "always"},
+            r"expected off, certified:TAU\[:UNIT\] or risk:TAU_GATE\[:UNIT\] \(UNIT: block",
+        ),
         ({"KVCERT_VLLM_GATE": "certified:0.2:page"}, "expected off, certified"),
         ({"KVCERT_VLLM_GATE": "certified:x"}, "'x' is not a number"),
         ({"KVCERT_VLLM_VALIDATE": "yes"}, "KVCERT_VLLM_VALIDATE must be 0 or 1"),
@@ -49,6 +52,8 @@ def test_gate_spec():
     assert (b.mode, b.threshold, b.granularity, b.block_size, b.persistent) == ("certified", 0.1, "block", 64, True)
     r = gate_from_spec("risk:5:block")
     assert (r.mode, r.granularity, r.persistent) == ("risk_ranked", "block", True)
+    t = gate_from_spec("certified:0.1:block-transient")
+    assert (t.mode, t.threshold, t.granularity, t.block_size, t.persistent) == ("certified", 0.1, "block", 64, False)
 
 
 def test_plugin_is_inert_without_switch_and_fails_closed_with_bad_settings(monkeypatch):

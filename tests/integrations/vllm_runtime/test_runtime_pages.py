@@ -78,8 +78,8 @@ def _host_holds(store, host, blocks, ks, vs):
         assert torch.equal(host.k[block, :, off], ks[t]) and torch.equal(host.v[block, :, off], vs[t]), t
 
 
-def _runtime(gate: str = "certified:0"):
-    settings = Settings(gate=gate, validate=True, seed=3)
+def _runtime(gate: str = "certified:0", keys: str = "dither-int8"):
+    settings = Settings(keys=keys, gate=gate, validate=True, seed=3)
     layout = cell_layout(settings, D, D, torch.float32)
     pools = [
         (
@@ -173,19 +173,38 @@ def test_a_pool_without_the_packed_cell_is_refused(served):
         BlockPool(layout, torch.zeros(2, HKV, PAGE, layout.nbytes + 4, dtype=torch.uint8), torch.zeros(1, 2))
 
 
-def test_a_block_gate_serves_every_row_exactly_and_writes_repaired_blocks_back():
-    """``certified:0:block`` (the repair unit is a 64-token block, written back exact): every row is still the exact
-    attention, validate mode counts no violation, the records count the blocks, and every store accounts its repairs
-    (held exact within the device budget, or transient page-ins)."""
-    rt, layout, pools = _runtime("certified:0:block")
-    assert (rt.gate.granularity, rt.gate.persistent) == ("block", True)
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_block_gate_serves_every_row_exactly_and_accounts_its_repairs(persistent):
+    """``certified:0:block`` (the repair unit is a 64-token block, written back exact) and
+    ``certified:0:block-transient`` (the same blocks, paged in for the read only): every row is still the exact
+    attention, validate mode counts no violation, the records count the blocks and the page-ins, and every store
+    accounts its repairs (written back: held exact within the device budget, or a counted transient page-in;
+    transient: nothing held)."""
+    rt, layout, pools = _runtime("certified:0:block" if persistent else "certified:0:block-transient")
+    assert (rt.gate.granularity, rt.gate.persistent) == ("block", persistent)
     steps = [{"a": (20, 0), "b": (18, 0)}] + [{"a": (1, 20 + i), "b": (1, 18 + i)} for i in range(24)]
     errors = _drive(rt, layout, pools, steps, TABLE, seed=13)
     assert errors["prefill"] < 1e-5 and errors["decode"] < 1e-5, errors
     for rid in TABLE:
         rec = rt.record(rid)
         assert rec.repaired_reads > 0 and rec.repaired_blocks >= rec.repaired_reads and rec.max_certificate == 0.0
+        assert rec.validated_cells == rec.cells > 0 and rec.violations == 0 and rec.bytes_paged > 0
+        stores = rt.sequences[rid].stores.values()
+        if persistent:  # here the 64-token blocks exceed what the fp16 budget leaves: every repair is transient
+            assert all(st.n_held > 0 or st.bytes_transient > 0 for st in stores)
+        else:
+            assert all(st.n_held == 0 and st.bytes_transient == 0 for st in stores)
+
+
+def test_outlier_bypass_keys_serve_from_the_blocks():
+    """``dither-int8+bypass2`` keys (two RoPE pairs per head stored exact in fp16 beside the codes): the bypassed
+    channels are part of the measured cell, every row under ``certified:0`` is the exact attention, validate mode
+    counts no violation, and the cell holds the bypass's bytes on top of the plain codec's."""
+    rt, layout, pools = _runtime("certified:0", keys="dither-int8+bypass2")
+    assert layout.nbytes >= cell_layout(Settings(), D, D, torch.float32).nbytes + 2 * 2 * 2  # 2 pairs, fp16
+    steps = [{"a": (20, 0), "b": (18, 0)}] + [{"a": (1, 20 + i), "b": (1, 18 + i)} for i in range(24)]
+    errors = _drive(rt, layout, pools, steps, TABLE, seed=17)
+    assert errors["prefill"] < 1e-5 and errors["decode"] < 1e-5, errors
+    for rid in TABLE:
+        rec = rt.record(rid)
         assert rec.validated_cells == rec.cells > 0 and rec.violations == 0
-        # written back exact where the device budget (fp16 by default) leaves room, else a counted transient page-in
-        # (here the 64-token blocks exceed what the budget leaves: every repair is transient)
-        assert all(st.n_held > 0 or st.bytes_transient > 0 for st in rt.sequences[rid].stores.values())

@@ -43,6 +43,8 @@ RECORDS = "KVCERT_VLLM_RECORDS"
 SEED = "KVCERT_VLLM_SEED"
 LEDGER = "KVCERT_VLLM_LEDGER"
 ALLOW_UNCERTIFIED = "KVCERT_VLLM_ALLOW_UNCERTIFIED"
+#: the repair units a gate spec may name after its threshold ("" = whole KV heads)
+GATE_UNITS = ("", "block", "block-transient")
 
 #: Hugging Face ``model_type`` values whose attention the plugin certifies (RoPE ``rotate_half`` pairing,
 #: plain causal softmax attention, no sliding window, no soft-capping)
@@ -52,27 +54,28 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral")
 def gate_from_spec(
     text: str,
     label: str = f"{GATE} / --gate",
-    accepted: str = "off, certified:TAU[:block] or risk:TAU_GATE[:block]",
+    accepted: str = "off, certified:TAU[:UNIT] or risk:TAU_GATE[:UNIT] (UNIT: block | block-transient)",
 ) -> Gate:
-    """``off`` | ``certified:TAU`` | ``risk:TAU_GATE``, each optionally ``:block`` ->
+    """``off`` | ``certified:TAU`` | ``risk:TAU_GATE``, each optionally ``:block`` or ``:block-transient`` ->
     :class:`~kvcert.cache.gate.Gate`; ``ValueError`` naming ``label`` otherwise (the threshold checks are
-    :class:`Gate`'s). Without a suffix the gate repairs whole KV heads (transient); ``:block`` repairs the 64-token
+    :class:`Gate`'s). Without a unit the gate repairs whole KV heads (transient). ``:block`` repairs the 64-token
     blocks that carry the certificate and writes them back exact (``granularity="block"``, ``persistent=True``:
-    their radius is 0 from then on, within the store's device budget). Also the CLI's ``--gate`` parser."""
+    their radius is 0 from then on, within the store's device budget); ``:block-transient`` pages the same blocks in
+    for the read only (``persistent=False``: nothing kept, the device bytes never grow). Also the CLI's ``--gate``
+    parser."""
     if text == "off":
         return Gate.off()
     kind, _, rest = text.partition(":")
     value, _, unit = rest.partition(":")
-    if kind not in ("certified", "risk") or unit not in ("", "block"):
+    if kind not in ("certified", "risk") or unit not in GATE_UNITS:
         raise ValueError(f"{label}: expected {accepted}, got {text!r}")
     try:
         threshold = float(value)
     except ValueError:
         raise ValueError(f"{label}: expected {accepted}; {value!r} is not a number") from None
-    block = unit == "block"
     make = Gate.certified if kind == "certified" else Gate.risk_ranked
     try:
-        return make(threshold, granularity="block" if block else "head", persistent=block)
+        return make(threshold, granularity="block" if unit else "head", persistent=unit == "block")
     except ValueError as exc:
         raise ValueError(f"{label} {text!r}: {exc}") from None
 

@@ -24,6 +24,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from rich.console import Console  # noqa: E402
 
+from kvcert.cli.workload import GATED_SUFFIX  # noqa: E402
 from kvcert.report.tables import ReportTable, fmt, print_table  # noqa: E402
 
 TARGET_PAGE_IN = 0.05  # issue 16: page-in <= 5 % of the request's fp16 K/V bytes
@@ -70,7 +71,7 @@ def rows(runs: list[tuple[Path, dict]]) -> list[dict]:
             if v["kind"] != "gated":
                 continue
             value = {k: x["value"] for k, x in v.items() if isinstance(x, dict) and "value" in x}
-            out.append({"scheme": name.removesuffix("+gate"), "form": form(v["gate"]), **value})
+            out.append({"scheme": name.removesuffix(GATED_SUFFIX), "form": form(v["gate"]), **value})
     return sorted(out, key=lambda r: (r["scheme"], r["form"]))
 
 

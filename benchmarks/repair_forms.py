@@ -58,7 +58,8 @@ def check_same(runs: list[tuple[Path, dict]]) -> None:
 
 def form(gate: str) -> str:
     """The repair form of a gate label: ``certified(tau=0.2, block, persistent)`` -> ``block, persistent``,
-    ``certified(tau=0.2, block)`` -> ``block, transient``, ``certified(tau=0.2, head)`` -> ``head``."""
+    ``certified(tau=0.2, block, transient)`` (``certified(tau=0.2, block)`` in runs labelled before the transient
+    form was named) -> ``block, transient``, ``certified(tau=0.2, head)`` -> ``head``."""
     unit = gate.split(", ", 1)[1].rstrip(")")
     return "block, transient" if unit == "block" else unit
 

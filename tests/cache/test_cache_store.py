@@ -207,6 +207,11 @@ def test_pending_norms_are_the_norms_of_each_entry(dv, kernel, monkeypatch):
 def test_gate_validation_and_labels():
     assert Gate.off().describe() == "off"
     assert Gate.certified(0.2).describe() == "certified(tau=0.2, head)"
+    assert Gate.certified(0.2, granularity="block").describe() == "certified(tau=0.2, block, transient)"
+    assert (
+        Gate.risk_ranked(5.0, granularity="block", persistent=True).describe()
+        == "risk_ranked(tau_gate=5, block, persistent)"
+    )
     assert Gate.risk_ranked(5.0, granularity="block", persistent=True).uses_unclipped
     with pytest.raises(ValueError, match="threshold"):
         Gate.certified(-1.0)

@@ -91,9 +91,10 @@ class Gate:
         return self.mode == "risk_ranked"
 
     def describe(self) -> str:
-        """A short human-readable label, e.g. ``certified(tau=0.2, head)``."""
+        """A short human-readable label, e.g. ``certified(tau=0.2, head)``, ``certified(tau=0.2, block, persistent)``
+        or ``certified(tau=0.2, block, transient)``."""
         if self.mode == "off":
             return "off"
         name = "tau" if self.mode == "certified" else "tau_gate"
-        extra = ", persistent" if self.persistent else ""
+        extra = ", persistent" if self.persistent else ", transient" if self.granularity == "block" else ""
         return f"{self.mode}({name}={self.threshold:g}, {self.granularity}{extra})"

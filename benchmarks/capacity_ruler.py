@@ -83,12 +83,12 @@ from kvcert.cli.common import (
     ALLOCATED,
     CERTIFIED_TAU,
     DEFAULT_SELECT,
-    REPAIR_BLOCK,
     SELECT_POLICIES,
     LoadedModel,
     ResidentPlan,
     SchemeSpec,
     load_model,
+    parse_gate,
     parse_schemes,
     resident_fits,
     resident_gate,
@@ -163,15 +163,14 @@ def command() -> str:
 
 
 def make_gate(name: str) -> Gate:
-    """The certified gate at the project's fixed τ = 0.2: ``block`` (64-token blocks, written back exact),
-    ``block-transient`` (64-token blocks paged in for the read, nothing kept) or ``head`` (whole KV heads,
-    transient)."""
-    if name in ("block", "block-transient"):
-        persistent = name == "block"
-        return Gate.certified(CERTIFIED_TAU, granularity="block", block_size=REPAIR_BLOCK, persistent=persistent)
-    if name == "head":
-        return Gate.certified(CERTIFIED_TAU)
-    raise ValueError(f"--gate must be one of {GATES}, got {name!r}")
+    """The certified gate at the project's fixed τ = 0.2 in the repair form ``name``, as the CLI's ``--gate
+    certified:0.2[:UNIT]`` builds it: ``block`` (64-token blocks, written back exact), ``block-transient`` (the same
+    blocks paged in for the read, nothing kept) or ``head`` (whole KV heads, transient)."""
+    if name not in GATES:
+        raise ValueError(f"--gate must be one of {GATES}, got {name!r}")
+    gate = parse_gate(f"certified:{CERTIFIED_TAU}" + ("" if name == "head" else f":{name}"))
+    assert gate is not None  # only "auto" parses to None
+    return gate
 
 
 def variants(

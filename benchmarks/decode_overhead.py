@@ -51,7 +51,7 @@ from transformers import DynamicCache, QuantizedCache
 
 from kvcert import CertifiedCache, Gate, ValidationConfig
 from kvcert.attention.evict_driver import default_select
-from kvcert.cli.common import CERTIFIED_TAU, REPAIR_BLOCK, parse_schemes
+from kvcert.cli.common import CERTIFIED_TAU, REPAIR_BLOCK, SchemeSpec, parse_schemes
 from kvcert.eval.branching import Scheme, exact_prefill
 from kvcert.eval.corpora import load_corpus
 from kvcert.evict import PrefillReads
@@ -167,10 +167,7 @@ def main() -> None:
         "kvcert-certified": lambda: kv(True, Gate.off()),
         "kvcert-gated (tau=0.2)": lambda: kv(True, Gate.certified(0.2)),
         CAPACITY: lambda: kv(True, CAPACITY_GATE, capacity.keys, capacity.values),
-        **{
-            f"{CAPACITY_PREFIX} ({s.label})": functools.partial(kv, True, CAPACITY_GATE, s.keys, s.values)
-            for s in more_capacity
-        },
+        **{_capacity_name(s): functools.partial(kv, True, CAPACITY_GATE, s.keys, s.values) for s in more_capacity},
         **{name: functools.partial(scheme_cache, scheme) for name, scheme in resident_3x.items()},
     }
     if not _builds(hfq):  # transformers refuses models with sliding-window layers (Gemma-3); said so
@@ -241,7 +238,7 @@ def _report(times: dict[str, list[float]], measured: dict[str, tuple[float, floa
         f"capacity-gated ({args.capacity_scheme.split(',')[0]}) / dense = {best[CAPACITY] / best['dense']:.3f}"
         " (empirical; target <= 1.3)"
     )
-    more = [n for n in best if n.startswith(CAPACITY_PREFIX) and n != CAPACITY]  # further --capacity-scheme ones
+    more = [_capacity_name(s) for s in parse_schemes(args.capacity_scheme)[1:]]  # further --capacity-scheme ones
     for name in (n for n in (*more, *RESIDENT_3X, ALLOCATED) if n in best):
         console.print(f"{name} / dense = {best[name] / best['dense']:.3f} (empirical; target <= 1.3)")
     # the same ratios per repetition (the variants of a repetition take turns step by step), then their median:
@@ -260,9 +257,15 @@ def _report(times: dict[str, list[float]], measured: dict[str, tuple[float, floa
 
 
 CAPACITY = "capacity-gated (tau=0.2, block)"
-CAPACITY_PREFIX = "capacity-gated"
+
+
 ALLOCATED = "allocated-gated (tau=0.2, head)"
 CAPACITY_GATE = Gate.certified(CERTIFIED_TAU, granularity="block", block_size=REPAIR_BLOCK, persistent=True)
+
+
+def _capacity_name(spec: SchemeSpec) -> str:
+    """The variant name of a further ``--capacity-scheme`` scheme."""
+    return f"capacity-gated ({spec.label})"
 
 
 def _resident_3x(summary: str) -> Scheme:

@@ -71,6 +71,16 @@ def _v(variant: dict[str, Any], key: str) -> Any:
     return variant[key]["value"]
 
 
+def test_gate_forms_are_the_clis(bench: ModuleType) -> None:
+    """``--gate`` names the repair forms of the CLI's gate spec at τ = 0.2 (64-token blocks)."""
+    block = {"granularity": "block", "block_size": 64}
+    assert bench.make_gate("head") == Gate.certified(0.2)
+    assert bench.make_gate("block") == Gate.certified(0.2, **block, persistent=True)
+    assert bench.make_gate("block-transient") == Gate.certified(0.2, **block, persistent=False)
+    with pytest.raises(ValueError, match="--gate"):
+        bench.make_gate("page")
+
+
 def test_resident_variants_carry_every_option(bench: ModuleType) -> None:
     opts = bench.ResidentOptions(0.25, "h2o", "box", "transient", (SchemeSpec("int8", "int2"),), "mass")
     schemes = bench.variants([SchemeSpec("int4", "int4")], Gate.off(), False, True, 0.33, opts)

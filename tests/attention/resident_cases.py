@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from kvcert import EvictionConfig, Gate, StorageConfig
+from kvcert.attention.resident import ResidentRecord
 from kvcert.cache.telemetry import Telemetry
 from kvcert.evict import H2O, RMM, SnapKV, StreamingLLM
 from kvcert.evict.base import EvictionPolicy
@@ -60,6 +61,19 @@ def assert_sound_in_every_cell(tel) -> None:
     assert float(tel.true_tv[rec].max()) > 0.2
 
 
+def assert_recall_above_its_floor(records: list[ResidentRecord], gate: Gate) -> None:
+    """Per resident read of a validate-mode run: with the gate on, the recall floor is recorded and the read paged in
+    at least that much (keys, values, dense fallbacks; a read certified with less served a bound below the exact
+    omitted mass, ``kvcert.attention.recall_floor``); with the gate off, no floor is recorded."""
+    assert records
+    for rec in records:
+        if gate.mode == "off":
+            assert rec.bytes_floor is None
+            continue
+        assert rec.bytes_floor is not None
+        assert rec.bytes_floor <= rec.bytes_keys + rec.bytes_values + rec.bytes_dense, (rec.step, rec.layer)
+
+
 def resident_cache(
     model,
     codec: str,
@@ -86,12 +100,15 @@ def validated_runs(
     """Decode ``steps`` greedy tokens after ``ids`` through a validate-mode resident cache (``R = 0.25``, pages of 4,
     ``codec`` keys and values in ``storage``, ``POLICIES[policy]`` selection, ``options`` added) twice: ungated, then at
     ``Gate.certified(TAU)``. Each run is checked per cell (:func:`assert_sound_in_every_cell`); the gated run must
-    serve every cell at most ``TAU``. Yields each run's gate and telemetry."""
+    serve every cell at most ``TAU`` and page in, read by read, at least the recall floor
+    (:func:`assert_recall_above_its_floor`). Yields each run's gate and telemetry."""
     for gate in (Gate.off(), Gate.certified(TAU)):
         with resident_cache(model, codec, policy, gate, True, storage, **options) as cache:
             greedy_decode(model, ids, cache, steps)
             tel = cache.telemetry()
+            records = list(cache.resident_records)
         assert_sound_in_every_cell(tel)
+        assert_recall_above_its_floor(records, gate)
         if gate.mode == "certified":
             assert bool((tel.served[tel.recorded] <= TAU).all())
         yield gate, tel

@@ -132,8 +132,10 @@ def test_validate_mode_zero_violations_in_every_cell(models, family, policy, cod
         rec = tel.recorded
         if gate.mode == "certified":  # recall brought every served cell under tau without a dense fallback
             assert tel.pages_recalled > 0 and tel.bytes_recalled > 0
+            assert tel.bytes_recall_floor is not None and tel.bytes_recall_floor <= tel.bytes_paged
         else:
             assert tel.pages_recalled == 0 and torch.equal(tel.served[rec], tel.certificates[rec])
+            assert tel.bytes_recall_floor is None
 
 
 def test_accounting_of_summaries_recall_and_resident_fraction(models):

@@ -214,6 +214,17 @@ def test_merge_pools_resident_numbers() -> None:
     assert v["bytes_fp16_context"]["value"] == 4000 and v["capacity_context"]["value"] == pytest.approx(4000 / 1600)
     assert v["page_in_ratio_context"] == _t(pytest.approx(200 / 4000))
     assert v["bytes_per_token_device_context"] == _t(pytest.approx(100.0 * 1600 / 4000))  # fp16 B/token / capacity
+    assert "bytes_recall_floor" not in v and "recall_floor_ratio" not in v  # not validated
+
+
+def test_merge_sums_the_recall_floor_of_validated_shards() -> None:
+    a = _shard("t1", 1, 0.3, pages=4, recalled=400, bound=0.5)
+    b = _shard("t2", 3, 0.26, pages=6, recalled=200, bound=0.9)
+    a["results"]["variants"]["int8+resident"]["bytes_recall_floor"] = _t(30)
+    b["results"]["variants"]["int8+resident"]["bytes_recall_floor"] = _t(50)
+    v = merge_results([a, b], [Path("a"), Path("b")], seed=0, resamples=100)["variants"]["int8+resident"]
+    assert v["bytes_recall_floor"] == _t(80)
+    assert v["recall_floor_ratio"] == _t(pytest.approx(80 / 4000))
 
 
 def test_context_ratios_are_nan_without_a_denominator_or_numerator() -> None:
@@ -260,6 +271,10 @@ def test_eval_resident_validate_reports_exact_omitted_mass_and_zero_violations(t
     assert kept["violations"]["value"] == 0
     assert 0.0 <= kept["max_omitted_mass"]["value"] <= kept["max_omitted_mass_bound"]["value"] <= 1.0
     assert kept["page_in_bytes"]["value"] >= kept["bytes_recalled"]["value"]
+    # the recall floor: what no sound bound could have saved, never above what was paged in
+    assert 0 <= kept["bytes_recall_floor"]["value"] <= kept["page_in_bytes"]["value"]
+    fp16 = kept["bytes_fp16_context"]["value"]
+    assert kept["recall_floor_ratio"]["value"] == pytest.approx(kept["bytes_recall_floor"]["value"] / fp16)
 
 
 def test_eval_reselect_reports_what_reselection_moved(tmp_path: Path) -> None:

@@ -167,7 +167,10 @@ def test_every_number_is_against_the_requests_fp16_kv(run: tuple[Path, dict[str,
         _v(kept, "bytes_recalled") / (context * _v(kept, "decode_steps"))
     )
     assert _v(kept, "recall_violations") == 0
-    assert "recall_per_step" not in plain
+    # validate mode: the recall floor over the same denominator, never above what recall paged in
+    assert 0 <= _v(kept, "recall_floor_request") * context == pytest.approx(_v(kept, "bytes_recall_floor"))
+    assert _v(kept, "bytes_recall_floor") <= _v(kept, "page_in_bytes")
+    assert "recall_per_step" not in plain and "recall_floor_request" not in plain
     assert _v(variants["dense"], "capacity_request") == 1.0
     summary = (out / "summary.txt").read_text()
     assert "issue-17 targets per resident variant" in summary and "issue-16 targets" in summary

@@ -40,6 +40,7 @@ from kvcert.attention.certified import (
     ungroup_heads,
 )
 from kvcert.attention.key_recall import OmittedView, Recalled, first_certifying, grow_recall, page_tokens
+from kvcert.attention.recall_floor import recall_floor
 from kvcert.bounds.pages import (
     BasisSketch,
     KeySketch,
@@ -282,7 +283,10 @@ class ResidentRecord:
     recall paged in from the host tier (key-first recall, :mod:`kvcert.attention.key_recall`: the values of only some
     of them), ``bytes_keys`` / ``bytes_values`` the K and V bytes it paged in (host dtype) and ``bytes`` their sum;
     ``violations``: validate-mode cells where the exact omitted mass exceeded ``m̄`` before recall or the bound of
-    what recall left omitted after it, or the true TV after recall exceeded the served certificate (must be 0).
+    what recall left omitted after it, or the true TV after recall exceeded the served certificate (must be 0);
+    ``bytes_floor`` (validate, gate on): the K/V bytes of the fewest omitted tokens any sound page-granular recall
+    pages in at this read (:func:`~kvcert.attention.recall_floor.recall_floor`, host dtype), never above
+    ``bytes_keys + bytes_values + bytes_dense`` (else recall served a bound below the exact mass).
     """
 
     step: int
@@ -300,6 +304,7 @@ class ResidentRecord:
     bytes_dense: int = 0  # page-in bytes of those dense reads
     bytes_exact: int = 0  # page-in bytes of the resident entries read exact (the blocks the served try read)
     queries: int = 0  # query positions of the read (1 at a decode step)
+    bytes_floor: int | None = None  # validate, gate on: the recall floor's K/V bytes (:mod:`.recall_floor`)
 
     def reading(self, name: str) -> torch.Tensor | None:
         """``mass_bound``, ``true_mass`` or ``certificate_post`` as :func:`~kvcert.cache.telemetry.stack_records`
@@ -785,4 +790,7 @@ def resident_read(
             + int((tv_post > cert).sum())
             + int(((true_left > mass_post) & ~dense.unsqueeze(-1)).sum())
         )
+        if gate.mode != "off":
+            floor = recall_floor(p_exact[..., s_r:], held_mask, ps, gate.threshold)
+            rec.bytes_floor = int(floor.sum()) * (dk + dv) * elt
     return result, rec

@@ -46,7 +46,10 @@ token written (the model itself drops the older ones); ``bytes_device_sliding`` 
 sliding layers hold (their windows in the cache's codecs), which no resident fraction shrinks, so the capacity
 ``bytes_fp16_context / bytes_device`` of any resident setting is at most ``bytes_fp16_context / bytes_device_sliding``;
 ``recall_violations`` (validate) counts cells whose exact omitted mass exceeded its bound (before recall, and of
-what recall left omitted) or whose true TV after recall exceeded the served certificate. With ``reselect=N``
+what recall left omitted) or whose true TV after recall exceeded the served certificate; ``bytes_recall_floor``
+(validate, gate on; **measured**) sums, read by read, the K/V bytes of the fewest omitted tokens that any sound
+page-granular recall would have paged in (``kvcert.attention.recall_floor``): the part of ``bytes_recalled`` that no
+tighter bound could save. With ``reselect=N``
 (:class:`ReselectStats`, **measured**) ``reselections``
 counts the (layer, step) re-selections of the resident set, ``reselect_promoted`` / ``reselect_demoted`` the tokens
 (per row and KV head) moved into / out of it, ``reselect_bytes_paged`` the page-in bytes of the promoted tokens
@@ -96,6 +99,8 @@ TIERS: dict[str, str] = {
     "read or kept by an earlier persistent repair)",
     "omitted_mass_bound": "certified (resident set: bound on the exact attention mass of the omitted tokens)",
     "omitted_mass": "measured (validate mode; exact attention mass of the omitted tokens)",
+    "bytes_recall_floor": "measured (validate mode; K/V bytes of the fewest omitted tokens any sound page-granular "
+    "recall pages in, read by read, from the exact attention)",
 }
 
 
@@ -260,6 +265,7 @@ class Telemetry:
     bytes_summary: int = 0
     bytes_held: int = 0  # resident set: device bytes of persistently recalled pages at the end
     recall_violations: int = 0
+    bytes_recall_floor: int | None = None  # resident set, validate mode: the recall floor (see module doc)
     bytes_fp16_context: int = 0  # resident set: fp16 K/V of every written token (0: none)
     bytes_device_sliding: int = 0  # resident set: device bytes of the sliding-window layers (part of bytes_device)
     reselect: ReselectStats | None = None  # resident set with reselect=N (None: no re-selection configured)
@@ -408,6 +414,7 @@ class Telemetry:
                 bytes_fp16_context=self.bytes_fp16_context,
                 bytes_device_sliding=self.bytes_device_sliding,
                 recall_violations=self.recall_violations if self.omitted_mass is not None else None,
+                bytes_recall_floor=self.bytes_recall_floor,
             )
             for name in ("omitted_mass_bound", "omitted_mass"):
                 vals = getattr(self, name)
@@ -442,6 +449,7 @@ class ResidentReading(Reading, Protocol):
     bytes_keys: int
     bytes_values: int
     violations: int
+    bytes_floor: int | None
 
 
 def stack_records(records: Sequence[Reading], layers: int, steps: int, attr: str) -> torch.Tensor | None:
@@ -566,6 +574,7 @@ def _resident_fields(src: CacheReadings) -> dict[str, Any]:
     omitted_per_layer = [s.evicted["k"].view().shape[2] if s.evicted else 0 for s in stores]
     held, omitted = sum(held_per_layer[i] for i in managed), sum(omitted_per_layer[i] for i in managed)
     omitted_fp16 = sum(2 * (s.evicted["k"].view().numel() + s.evicted["v"].view().numel()) for s in stores if s.evicted)
+    floors = [r.bytes_floor for r in recs if r.bytes_floor is not None]  # validate mode with the gate on
     return {
         "omitted_mass_bound": stack_records(recs, len(stores), steps, "mass_bound"),
         "omitted_mass": stack_records(recs, len(stores), steps, "true_mass"),
@@ -581,6 +590,7 @@ def _resident_fields(src: CacheReadings) -> dict[str, Any]:
         "bytes_summary": src.bytes_summary,
         "bytes_held": src.bytes_held,
         "recall_violations": sum(r.violations for r in recs),
+        "bytes_recall_floor": sum(floors) if floors else None,
         "bytes_fp16_context": sum(s.bytes_fp16() for s in stores) + omitted_fp16,
         "bytes_device_sliding": sum(stores[i].bytes_device() for i in src.sliding_layers),
     }

@@ -52,6 +52,7 @@ SUMMED = (
     "bytes_recalled",
     "bytes_summary",
     "recall_violations",
+    "bytes_recall_floor",
     "bytes_fp16_context",
     "bytes_device_sliding",
     "resident_reads",
@@ -269,6 +270,9 @@ def merge_results(docs: list[dict[str, Any]], paths: list[Path], seed: int, resa
                         _value(parts[0], "bytes_per_token_fp16"),
                     )
                 )
+                floor, context = out.get("bytes_recall_floor"), _value(out, "bytes_fp16_context")
+                if floor is not None and floor["value"] is not None and context:  # validate mode, gate on
+                    out["recall_floor_ratio"] = tiered(floor["value"] / context, EMPIRICAL)
             out["bytes_per_token_fp16"] = parts[0]["bytes_per_token_fp16"]
             out["bytes_per_token_stored_per_shard"] = [p["bytes_per_token_stored"] for p in parts]
             if "bytes_device" in out and _value(out, "bytes_device"):  # measured: Σ fp16 / Σ device bytes

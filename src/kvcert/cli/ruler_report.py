@@ -122,7 +122,8 @@ def resident_numbers(tels: list[Telemetry]) -> dict[str, Any]:
     the samples, the largest omitted-mass bound of any cell (certified), pages / bytes recalled and summary bytes
     (sums, measured), the fp16 K/V bytes of the whole contexts (resident and omitted tokens), device capacity, device
     bytes per token, page-in and recall traffic relative to them, and in validate mode the largest exact omitted
-    mass and the recall violations (must be 0)."""
+    mass, the recall violations (must be 0) and, with the gate on, the recall floor (``bytes_recall_floor``, also
+    over the contexts' fp16 K/V: ``recall_floor_ratio``)."""
     fp16 = sum(t.bytes_fp16_context for t in tels)
     device = sum(t.bytes_device for t in tels)
     recalled = sum(t.bytes_recalled for t in tels)
@@ -149,6 +150,10 @@ def resident_numbers(tels: list[Telemetry]) -> dict[str, Any]:
         out["max_omitted_mass"] = tiered(_max_cell(tels, "omitted_mass"), EMPIRICAL)
         out["reads_mass_above"] = tiered(resident_reads_above(tels, "omitted_mass", COVERAGE_TAU)[1], EMPIRICAL)
         out["recall_violations"] = tiered(sum(t.recall_violations for t in tels), EMPIRICAL)
+    floors = [t.bytes_recall_floor for t in tels if t.bytes_recall_floor is not None]
+    if floors:  # validate mode with the gate on: the recall no sound bound could have saved
+        out["bytes_recall_floor"] = tiered(sum(floors), EMPIRICAL)
+        out["recall_floor_ratio"] = tiered(sum(floors) / fp16 if fp16 else float("nan"), EMPIRICAL)
     return out
 
 
@@ -296,6 +301,7 @@ def resident_table(results: dict[str, Any]) -> ReportTable | None:
                 fmt(val("pages_recalled")),
                 fmt(None if recalled is None else recalled / MB, 3),
                 fmt(val("recall_ratio"), 3),
+                fmt(val("recall_floor_ratio"), 3),
                 fmt(None if summary is None else summary / MB, 3),
                 fmt(val("recall_violations")),
             )
@@ -318,6 +324,7 @@ def resident_table(results: dict[str, Any]) -> ReportTable | None:
             "pages rec.",
             "MB rec.",
             "recall ×fp16",
+            "floor ×fp16",
             "summary MB",
             "recall viol.",
         ),
@@ -336,9 +343,11 @@ def resident_table(results: dict[str, Any]) -> ReportTable | None:
         "(key-first recall; summed; a page held on the device by persistent recall counts once); recall "
         "×fp16 = recalled bytes / fp16 K/V bytes of the whole contexts, the denominator of the main table's page-in "
         "column, whose numerator adds the resident entries read exact and the dense fallbacks to the recalled bytes "
-        "(both numerators in the host tier's dtype); summary MB = device bytes of the page summaries; recall viol. = "
-        "cells whose exact omitted mass exceeded its bound or whose true TV after recall exceeded the served "
-        "certificate (validate mode; must be 0). "
+        "(both numerators in the host tier's dtype); floor ×fp16 = the recall floor over the same fp16 K/V: read by "
+        "read, the fewest omitted tokens' K/V that any sound page-granular recall pages in (validate mode only; the "
+        "part of the recall that no tighter bound could save); summary MB = device bytes of the page summaries; "
+        "recall viol. = cells whose exact omitted mass exceeded its bound or whose true TV after recall exceeded "
+        "the served certificate (validate mode; must be 0). "
         "Tiers: m̄ bound and reads m̄>0.2 certified; the rest measured (empirical).",
     )
 

@@ -308,6 +308,7 @@ def request_numbers(tels: list[Telemetry]) -> dict[str, Any]:
         floors = [t.bytes_recall_floor for t in tels if t.bytes_recall_floor is not None]
         if floors:  # validate mode: the recall that no sound bound could have saved, over the same fp16 K/V
             out["recall_floor_request"] = sum(floors) / total if total else nan
+            out["recall_floor_per_step"] = sum(floors) / step_fp16 if step_fp16 else nan
     return {k: tiered(v, EMPIRICAL) for k, v in out.items()}
 
 
@@ -473,7 +474,7 @@ def resident_target_table(results: dict[str, Any], tasks: int) -> ReportTable | 
 def capacity_figure(results: dict[str, Any], path: Path) -> Path:
     """Two panels from the pooled numbers, one bar per variant labelled with its capacity: RULER accuracy with the
     paired 95% CI of the difference to dense drawn around dense's accuracy (left); page-in and recalled bytes per
-    decode step over the context's fp16 K/V (right)."""
+    decode step over the context's fp16 K/V, and in validate mode the recall floor per step beside them (right)."""
     variants = results["variants"]
     names = list(variants)
     base = _val(variants[DENSE], "accuracy")
@@ -492,10 +493,16 @@ def capacity_figure(results: dict[str, Any], path: Path) -> Path:
     left.set_title("RULER accuracy; whiskers: dense + paired 95% CI of Δ; label: capacity", fontsize=8)
     kv = [n for n in names if n != DENSE]
     kx = np.arange(len(kv))
-    right.bar(kx - 0.2, [_val(variants[n], "page_in_per_step") for n in kv], width=0.4, color="tab:orange")
-    right.bar(kx + 0.2, [_val(variants[n], "recall_per_step") or 0.0 for n in kv], width=0.4, color="tab:purple")
+    bars = [("page_in_per_step", "tab:orange", "page-in per step (all)")]
+    bars.append(("recall_per_step", "tab:purple", "recalled pages per step"))
+    if any("recall_floor_per_step" in variants[n] for n in kv):  # validate mode with a resident variant
+        bars.append(("recall_floor_per_step", "tab:grey", "recall floor per step (any sound bound)"))
+    width = 0.8 / len(bars)
     right.axhline(RESIDENT_RECALL_PER_STEP, color="grey", linestyle=":", linewidth=1)
-    right.legend(["issue-17 recall target (0.15)", "page-in per step (all)", "recalled pages per step"], fontsize=7)
+    for i, (key, colour, _) in enumerate(bars):
+        offset = (i - (len(bars) - 1) / 2) * width
+        right.bar(kx + offset, [_val(variants[n], key) or 0.0 for n in kv], width=width, color=colour)
+    right.legend(["issue-17 recall target (0.15)", *(label for *_, label in bars)], fontsize=7)
     right.set_xticks(kx, [t for n, t in zip(names, ticks, strict=True) if n != DENSE], fontsize=7)
     right.set_ylabel("× context fp16 K/V (measured)")
     right.set_title("host traffic per decode step (bytes in the host tier's dtype)", fontsize=8)

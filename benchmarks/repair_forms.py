@@ -129,18 +129,29 @@ def plot(rs: list[dict], path: Path, title: str) -> None:
     ax.set_xlabel("capacity (fp16 K/V bytes / device bytes)")
     ax.set_ylabel("page-in over the request (× its fp16 K/V)")
     ax.set_title(title)
+    save_figure(fig, ax, path)
+
+
+def save_figure(fig: plt.Figure, ax: plt.Axes, path: Path) -> None:
+    """Put the legend right of the axes, write the figure to ``path`` (PNG) and close it."""
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", type=Path, help="capacity_ruler --out directories, one per gate form")
+def runs_parser(doc: str, runs_help: str, title: str) -> argparse.ArgumentParser:
+    """The command line of the scripts that read capacity_ruler runs: the run directories, ``--plot``, ``--title``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", type=Path, help=runs_help)
     ap.add_argument("--plot", type=Path, default=None, help="write the figure here (PNG)")
-    ap.add_argument("--title", default="page-in against capacity per repair form")
-    args = ap.parse_args()
+    ap.add_argument("--title", default=title)
+    return ap
+
+
+def main() -> None:
+    runs_help = "capacity_ruler --out directories, one per gate form"
+    args = runs_parser(__doc__, runs_help, "page-in against capacity per repair form").parse_args()
     runs = [(p, load_run(p)) for p in args.runs]
     check_same(runs)
     rs = rows(runs)

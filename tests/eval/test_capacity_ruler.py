@@ -170,6 +170,9 @@ def test_every_number_is_against_the_requests_fp16_kv(run: tuple[Path, dict[str,
     # validate mode: the recall floor over the same denominator, never above what recall paged in
     assert 0 <= _v(kept, "recall_floor_request") * context == pytest.approx(_v(kept, "bytes_recall_floor"))
     assert _v(kept, "bytes_recall_floor") <= _v(kept, "page_in_bytes")
+    assert _v(kept, "recall_floor_per_step") == pytest.approx(
+        _v(kept, "bytes_recall_floor") / (context * _v(kept, "decode_steps"))
+    )
     assert "recall_per_step" not in plain and "recall_floor_request" not in plain
     assert _v(variants["dense"], "capacity_request") == 1.0
     summary = (out / "summary.txt").read_text()
@@ -208,3 +211,31 @@ def test_an_allocation_runs_as_the_allocated_variants(
     for name in ("allocated", "allocated+gate"):
         assert _v(variants[name], "violations") == 0 and _v(variants[name], "cells") > 0
     assert doc["config"]["allocation"]["key_bits"] == [[8, 4], [3, 6]]
+
+
+def test_recall_floor_script_reads_a_validated_run(
+    run: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``benchmarks/recall_floor.py`` on this run: one row for the resident variant, traffic in fp16 bytes of the
+    request's K/V (the host tier's entry size measured from the variant: float32 here, so half the run's figures),
+    the floor never above the recall; a run without a validated resident variant is refused by name."""
+    out, doc = run
+    spec = importlib.util.spec_from_file_location("recall_floor", SCRIPT.with_name("recall_floor.py"))
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    (row,) = script.rows_of(out)
+    kept = doc["results"]["variants"]["int4+resident"]
+    assert _v(kept, "bytes_host") == 2 * _v(kept, "bytes_fp16")  # the float32 host tier of the CPU runs
+    assert row["floor"] == pytest.approx(_v(kept, "recall_floor_request") / 2)
+    assert row["page_in"] == pytest.approx(_v(kept, "page_in_request") / 2)
+    assert 0 < row["floor"] <= row["recall"] <= row["page_in"]
+    script.plot([row], tmp_path / "floor.png", "t")
+    assert (tmp_path / "floor.png").stat().st_size > 0
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "results.json").write_text(json.dumps({"config": doc["config"], "results": {"variants": {}}}))
+    with pytest.raises(SystemExit, match="no validated resident variant"):
+        script.rows_of(bare)
+    with pytest.raises(SystemExit, match="no results.json"):
+        script.rows_of(tmp_path / "missing")

@@ -58,6 +58,9 @@ def rows_of(path: Path) -> list[dict[str, Any]]:
                 "page_in": x["page_in_bytes"] / fp16,
                 "recall": x["bytes_recalled"] / fp16,
                 "floor": x["bytes_recall_floor"] / fp16,
+                "keys_share": x["bytes_recalled_keys"] / x["bytes_recalled"]
+                if "bytes_recalled_keys" in x and x["bytes_recalled"]
+                else None,
                 "bound_above": x["reads_mass_bound_above"] / x["resident_reads"],
                 "exact_above": x["reads_mass_above"] / x["resident_reads"],
                 "violations": f"{x['violations']} + {x['recall_violations']}",
@@ -82,6 +85,7 @@ def table(rs: list[dict[str, Any]]) -> ReportTable:
             fmt(r["recall"], 3),
             fmt(r["floor"], 3),
             fmt(r["recall"] / r["floor"] if r["floor"] else None, 2),
+            fmt(r["keys_share"], percent=True),
             fmt(r["bound_above"], percent=True),
             fmt(r["exact_above"], percent=True),
             r["violations"],
@@ -102,6 +106,7 @@ def table(rs: list[dict[str, Any]]) -> ReportTable:
             "recall",
             "floor",
             "recall / floor",
+            "keys of recall",
             "reads m̄>0.2",
             "reads m>0.2",
             "violations",
@@ -109,9 +114,11 @@ def table(rs: list[dict[str, Any]]) -> ReportTable:
         ),
         cells,
         f"traffic over the request in fp16 bytes of its K/V (target page-in <= {TARGET_PAGE_IN}); floor = what any "
-        "sound page-granular recall pages in at the same reads; reads m̄>0.2 / m>0.2 = KV-head reads whose omitted-mass "
-        "bound / exact omitted mass exceeds 0.2 before recall; violations = cells + recall (validate mode, must be 0). "
-        "Tiers: traffic, floor, capacity, reads m>0.2 measured; reads m̄>0.2 certified; acc empirical.",
+        "sound page-granular recall pages in at the same reads; keys of recall = share of the recalled bytes that are "
+        "keys (paged in to replace summary bounds by exact logits; runs made before this column: –); reads m̄>0.2 / "
+        "m>0.2 = KV-head reads whose omitted-mass bound / exact omitted mass exceeds 0.2 before recall; violations = "
+        "cells + recall (validate mode, must be 0). Tiers: traffic, floor, capacity, reads m>0.2 measured; reads "
+        "m̄>0.2 certified; acc empirical.",
     )
 
 

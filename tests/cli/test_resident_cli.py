@@ -271,6 +271,7 @@ def test_eval_resident_validate_reports_exact_omitted_mass_and_zero_violations(t
     assert kept["violations"]["value"] == 0
     assert 0.0 <= kept["max_omitted_mass"]["value"] <= kept["max_omitted_mass_bound"]["value"] <= 1.0
     assert kept["page_in_bytes"]["value"] >= kept["bytes_recalled"]["value"]
+    assert 0 < kept["bytes_recalled_keys"]["value"] <= kept["bytes_recalled"]["value"]  # key-first: keys, some values
     # the recall floor: what no sound bound could have saved, never above what was paged in
     assert 0 <= kept["bytes_recall_floor"]["value"] <= kept["page_in_bytes"]["value"]
     fp16 = kept["bytes_fp16_context"]["value"]

@@ -230,6 +230,8 @@ def test_recall_floor_script_reads_a_validated_run(
     assert row["floor"] == pytest.approx(_v(kept, "recall_floor_request") / 2)
     assert row["page_in"] == pytest.approx(_v(kept, "page_in_request") / 2)
     assert 0 < row["floor"] <= row["recall"] <= row["page_in"]
+    assert row["keys_share"] == pytest.approx(_v(kept, "bytes_recalled_keys") / _v(kept, "bytes_recalled"))
+    assert 0 < row["keys_share"] <= 1
     script.plot([row], tmp_path / "floor.png", "t")
     assert (tmp_path / "floor.png").stat().st_size > 0
     bare = tmp_path / "bare"

@@ -50,6 +50,7 @@ SUMMED = (
     "bytes_fp16",
     "pages_recalled",
     "bytes_recalled",
+    "bytes_recalled_keys",
     "bytes_summary",
     "recall_violations",
     "bytes_recall_floor",

@@ -119,11 +119,12 @@ def context_ratios(
 
 def resident_numbers(tels: list[Telemetry]) -> dict[str, Any]:
     """Tiered resident-set numbers of a variant (``docs/cli.md#resident-variants``): mean resident fraction over
-    the samples, the largest omitted-mass bound of any cell (certified), pages / bytes recalled and summary bytes
-    (sums, measured), the fp16 K/V bytes of the whole contexts (resident and omitted tokens), device capacity, device
-    bytes per token, page-in and recall traffic relative to them, and in validate mode the largest exact omitted
-    mass, the recall violations (must be 0) and, with the gate on, the recall floor (``bytes_recall_floor``, also
-    over the contexts' fp16 K/V: ``recall_floor_ratio``)."""
+    the samples, the largest omitted-mass bound of any cell (certified), pages / bytes recalled (and the keys' part of
+    them: key-first recall pages in keys to tighten the bound, values to serve) and summary bytes (sums, measured),
+    the fp16 K/V bytes of the whole contexts (resident and omitted tokens), device capacity, device bytes per token,
+    page-in and recall traffic relative to them, and in validate mode the largest exact omitted mass, the recall
+    violations (must be 0) and, with the gate on, the recall floor (``bytes_recall_floor``, also over the contexts'
+    fp16 K/V: ``recall_floor_ratio``)."""
     fp16 = sum(t.bytes_fp16_context for t in tels)
     device = sum(t.bytes_device for t in tels)
     recalled = sum(t.bytes_recalled for t in tels)
@@ -133,6 +134,7 @@ def resident_numbers(tels: list[Telemetry]) -> dict[str, Any]:
         "max_omitted_mass_bound": tiered(_max_cell(tels, "omitted_mass_bound"), CERTIFIED),
         "pages_recalled": tiered(sum(t.pages_recalled for t in tels), EMPIRICAL),
         "bytes_recalled": tiered(recalled, EMPIRICAL),
+        "bytes_recalled_keys": tiered(sum(t.bytes_recalled_keys for t in tels), EMPIRICAL),
         "bytes_summary": tiered(sum(t.bytes_summary for t in tels), EMPIRICAL),
         "bytes_fp16_context": tiered(fp16, EMPIRICAL),
         "bytes_device_sliding": tiered(sum(t.bytes_device_sliding for t in tels), EMPIRICAL),

@@ -289,8 +289,9 @@ def request_numbers(tels: list[Telemetry]) -> dict[str, Any]:
     requests wrote (:func:`request_fp16`), so resident and non-resident variants share one denominator: device
     bytes per token and capacity, page-in over the requests, page-in per decode step (Σ page-in / Σ steps × fp16
     K/V: the mean step's share of the context it pages in) and, for a resident set, recalled bytes per decode
-    step and (validate mode) the recall floor over the requests (``kvcert.attention.recall_floor``). Traffic is
-    counted in the host tier's dtype. All measured (empirical)."""
+    step and (validate mode) the recall floor per decode step (``kvcert.attention.recall_floor``; over the requests it
+    is the resident numbers' ``recall_floor_ratio``). Traffic is counted in the host tier's dtype. All measured
+    (empirical)."""
     fp16 = [request_fp16(t) for t in tels]
     step_fp16 = sum(t.certificates.shape[0] * f for t, f in zip(tels, fp16, strict=True))
     total, device, paged = sum(fp16), sum(t.bytes_device for t in tels), sum(t.bytes_paged for t in tels)
@@ -306,8 +307,7 @@ def request_numbers(tels: list[Telemetry]) -> dict[str, Any]:
     if tels[0].resident_fraction is not None:
         out["recall_per_step"] = sum(t.bytes_recalled for t in tels) / step_fp16 if step_fp16 else nan
         floors = [t.bytes_recall_floor for t in tels if t.bytes_recall_floor is not None]
-        if floors:  # validate mode: the recall that no sound bound could have saved, over the same fp16 K/V
-            out["recall_floor_request"] = sum(floors) / total if total else nan
+        if floors:  # validate mode: the recall no sound bound could have saved (over the request: recall_floor_ratio)
             out["recall_floor_per_step"] = sum(floors) / step_fp16 if step_fp16 else nan
     return {k: tiered(v, EMPIRICAL) for k, v in out.items()}
 
@@ -359,7 +359,7 @@ def capacity_table(results: dict[str, Any]) -> ReportTable:
                 fmt(_val(v, "bytes_per_token_device_request"), 4),
                 fmt(_val(v, "capacity_request"), 4),
                 fmt(_val(v, "page_in_request"), 3),
-                fmt(_val(v, "recall_floor_request"), 3),
+                fmt(_val(v, "recall_floor_ratio"), 3),
                 fmt(_val(v, "page_in_per_step"), 3),
                 fmt(_val(v, "recall_per_step"), 3),
                 fmt(_val(v, "coverage_kv@0.2"), percent=True),

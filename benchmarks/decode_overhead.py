@@ -121,7 +121,8 @@ def _args() -> argparse.Namespace:
 
 def main() -> None:
     args = _args()
-    capacity, *more_capacity = parse_schemes(args.capacity_scheme)
+    capacity_schemes = parse_schemes(args.capacity_scheme)
+    capacity, *more_capacity = capacity_schemes
     allocation = None if args.allocation is None else Allocation.load(args.allocation)
     resident_3x = RESIDENT_3X if args.resident else {}
     clock = time.perf_counter
@@ -174,7 +175,7 @@ def main() -> None:
         del variants["hf-quantized (fp8)"]
     if allocation is not None:
         variants[ALLOCATED] = functools.partial(scheme_cache, _allocated(allocation))
-    _report(*_measure(model, first, variants, args, clock), args)
+    _report(*_measure(model, first, variants, args, clock), args, capacity_schemes)
 
 
 def _builds(make) -> bool:
@@ -216,9 +217,15 @@ def _allocated(allocation: Allocation) -> Scheme:
     return Scheme(ALLOCATED, keys="dither-mixed", gate=Gate.certified(CERTIFIED_TAU), allocation=allocation)
 
 
-def _report(times: dict[str, list[float]], measured: dict[str, tuple[float, float]], args: argparse.Namespace) -> None:
+def _report(
+    times: dict[str, list[float]],
+    measured: dict[str, tuple[float, float]],
+    args: argparse.Namespace,
+    capacity: list[SchemeSpec],
+) -> None:
     """Print the best-of table (with each kvcert variant's measured capacity and page-in), the target ratios (best-of
-    and per repetition), and the optional plot."""
+    and per repetition), and the optional plot; ``capacity`` the ``--capacity-scheme`` schemes, the first timed as
+    ``capacity-gated``."""
     best = {k: min(v) for k, v in times.items()}
     table = ReportTable(
         f"decode cost, {args.model}, context {args.context}, {args.steps} steps, best of {args.reps}, "
@@ -235,10 +242,10 @@ def _report(times: dict[str, list[float]], measured: dict[str, tuple[float, floa
     console.print(f"certified / raw = {best['kvcert-certified'] / best['kvcert-raw']:.3f} (empirical; target <= 1.10)")
     console.print(f"gated / dense   = {best['kvcert-gated (tau=0.2)'] / best['dense']:.3f} (empirical; target <= 1.5)")
     console.print(
-        f"capacity-gated ({args.capacity_scheme.split(',')[0]}) / dense = {best[CAPACITY] / best['dense']:.3f}"
+        f"capacity-gated ({capacity[0].label}) / dense = {best[CAPACITY] / best['dense']:.3f}"
         " (empirical; target <= 1.3)"
     )
-    more = [_capacity_name(s) for s in parse_schemes(args.capacity_scheme)[1:]]  # further --capacity-scheme ones
+    more = [_capacity_name(s) for s in capacity[1:]]  # further --capacity-scheme ones
     for name in (n for n in (*more, *RESIDENT_3X, ALLOCATED) if n in best):
         console.print(f"{name} / dense = {best[name] / best['dense']:.3f} (empirical; target <= 1.3)")
     # the same ratios per repetition (the variants of a repetition take turns step by step), then their median:

@@ -15,7 +15,6 @@ Tiers: accuracy and Δ empirical; bytes, capacity, page-in and repair shares mea
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import matplotlib
@@ -25,6 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from kvcert.cli.workload import GATED_SUFFIX  # noqa: E402
+from kvcert.report.results import load_json_object  # noqa: E402
 from kvcert.report.tables import ReportTable, fmt, print_table  # noqa: E402
 
 TARGET_PAGE_IN = 0.05  # issue 16: page-in <= 5 % of the request's fp16 K/V bytes
@@ -37,7 +37,10 @@ def load_run(path: Path) -> dict:
     f = path / "results.json" if path.is_dir() else path
     if not f.is_file():
         raise SystemExit(f"{path}: no results.json (a benchmarks/capacity_ruler.py --out directory is expected)")
-    return json.loads(f.read_text())
+    try:
+        return load_json_object(f)
+    except ValueError as exc:  # unreadable or not a results document: one line naming the file
+        raise SystemExit(str(exc)) from None
 
 
 def samples_of(run: dict) -> list[tuple[str, int, str]]:

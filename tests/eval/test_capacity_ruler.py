@@ -168,12 +168,12 @@ def test_every_number_is_against_the_requests_fp16_kv(run: tuple[Path, dict[str,
     )
     assert _v(kept, "recall_violations") == 0
     # validate mode: the recall floor over the same denominator, never above what recall paged in
-    assert 0 <= _v(kept, "recall_floor_request") * context == pytest.approx(_v(kept, "bytes_recall_floor"))
+    assert 0 <= _v(kept, "recall_floor_ratio") * context == pytest.approx(_v(kept, "bytes_recall_floor"))
     assert _v(kept, "bytes_recall_floor") <= _v(kept, "page_in_bytes")
     assert _v(kept, "recall_floor_per_step") == pytest.approx(
         _v(kept, "bytes_recall_floor") / (context * _v(kept, "decode_steps"))
     )
-    assert "recall_per_step" not in plain and "recall_floor_request" not in plain
+    assert "recall_per_step" not in plain and "recall_floor_ratio" not in plain
     assert _v(variants["dense"], "capacity_request") == 1.0
     summary = (out / "summary.txt").read_text()
     assert "issue-17 targets per resident variant" in summary and "issue-16 targets" in summary
@@ -227,7 +227,7 @@ def test_recall_floor_script_reads_a_validated_run(
     (row,) = script.rows_of(out)
     kept = doc["results"]["variants"]["int4+resident"]
     assert _v(kept, "bytes_host") == 2 * _v(kept, "bytes_fp16")  # the float32 host tier of the CPU runs
-    assert row["floor"] == pytest.approx(_v(kept, "recall_floor_request") / 2)
+    assert row["floor"] == pytest.approx(_v(kept, "recall_floor_ratio") / 2)
     assert row["page_in"] == pytest.approx(_v(kept, "page_in_request") / 2)
     assert 0 < row["floor"] <= row["recall"] <= row["page_in"]
     assert row["keys_share"] == pytest.approx(_v(kept, "bytes_recalled_keys") / _v(kept, "bytes_recalled"))

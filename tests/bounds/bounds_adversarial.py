@@ -16,6 +16,7 @@ import torch
 
 from kvcert.bounds import (
     true_tv,
+    tv_box,
     tv_eform,
     tv_meter,
     tv_ptm,
@@ -123,6 +124,7 @@ def all_form_bounds(cells: Cells, gen: torch.Generator) -> dict[str, tuple[torch
         "meter": (tv_meter(p, c), tv),
         "tanh_max": (tv_tanh_max(p, c), tv),
         "tanh_osc": (tv_tanh_osc(p, c), tv),
+        "box": (tv_box(p, c), tv),
         "uniform": (tv_uniform(c.amax(-1)), tv),
     }
     p_exact_t, alpha, delta = tail_premise(cells, gen)

@@ -42,6 +42,7 @@ from kvcert.bounds.softmax_tv import (
     tv_two_sided,
     tv_uniform,
 )
+from kvcert.bounds.tv_box import tv_box
 
 __all__ = [
     "dither_witness_moments",
@@ -85,6 +86,7 @@ __all__ = [
     "topk_mask",
     "true_tv",
     "tv_bound",
+    "tv_box",
     "tv_eform",
     "tv_meter",
     "tv_ptm",

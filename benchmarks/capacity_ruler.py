@@ -108,7 +108,7 @@ from kvcert.report.aggregate import fp16_bytes_per_token
 from kvcert.report.results import EMPIRICAL, build_document, tiered, write_results
 from kvcert.report.tables import ReportTable, fmt, print_table, to_markdown
 
-GATES = ("block", "block-transient", "head")
+GATES = ("block", "block-transient", "head", "block-box", "block-transient-box", "box")
 TARGET_CI_LOW = -0.02  # issue 16: CI lower end >= -2 points
 TARGET_PAGE_IN = 0.05  # page-in <= 5 % of the request's fp16 K/V bytes
 TARGET_SAMPLES, TARGET_TASKS = 60, 5
@@ -165,10 +165,18 @@ def command() -> str:
 def make_gate(name: str) -> Gate:
     """The certified gate at the project's fixed τ = 0.2 in the repair form ``name``, as the CLI's ``--gate
     certified:0.2[:UNIT]`` builds it: ``block`` (64-token blocks, written back exact), ``block-transient`` (the same
-    blocks paged in for the read, nothing kept) or ``head`` (whole KV heads, transient)."""
+    blocks paged in for the read, nothing kept) or ``head`` (whole KV heads, transient); ``box`` alone (whole KV heads)
+    or as the ``-box`` suffix of a block form certifies the heads the meter would repair again with the box
+    supremum first (``certified:0.2[:UNIT]:box``)."""
     if name not in GATES:
         raise ValueError(f"--gate must be one of {GATES}, got {name!r}")
-    gate = parse_gate(f"certified:{CERTIFIED_TAU}" + ("" if name == "head" else f":{name}"))
+    unit = name.removesuffix("box").removesuffix("-")
+    spec = (
+        f"certified:{CERTIFIED_TAU}"
+        + ("" if unit in ("", "head") else f":{unit}")
+        + (":box" if name.endswith("box") else "")
+    )
+    gate = parse_gate(spec)
     assert gate is not None  # only "auto" parses to None
     return gate
 

@@ -76,6 +76,64 @@ def test_partial_head_repair_recomputes_only_needed_heads_and_matches_dense():
     assert torch.all(res.true_out_err <= res.out_bound)
 
 
+@pytest.mark.parametrize("backend", ["numba", "torch", "triton"])
+def test_box_gate_spares_heads_the_meter_would_repair_and_stays_sound(backend, monkeypatch):
+    """``Gate.certified(tau, box=True)``: every cell's exact TV and output error stay within the refined
+    certificate and output bound (validate mode), the refined certificate is never above the meter's, the box repairs
+    a subset of the meter's heads (strictly fewer over these cases), a spared head is served as is with every cell
+    ``<= tau``, and a repaired head still gets the dense output."""
+    monkeypatch.setenv(kernels.ENV, backend)
+    scale, tau, spared = D**-0.5, 0.1, 0
+    for seed in range(3):
+        st, q, mask = _setup("int8", 96, seed, 10.0, nq=2)
+        exact = _exact(st, q, mask, scale)
+        meter = certified_read(q, st, mask, scale, ReadConfig(Gate.certified(tau), True, 1e-6), exact)
+        box = certified_read(q, st, mask, scale, ReadConfig(Gate.certified(tau, box=True), True, 1e-6), exact)
+        assert torch.all(box.true_tv <= box.cert_pre) and torch.all(box.true_out_err <= box.out_bound)
+        assert torch.all(box.cert_pre <= meter.cert_pre) and torch.all(box.raw == meter.raw)
+        assert torch.all(box.repaired <= meter.repaired)
+        assert torch.equal(box.repaired, box.cert_pre.reshape(B, HKV, -1).amax(-1) > tau)
+        kept = (meter.repaired & ~box.repaired).view(B, HKV, 1).expand(B, HKV, G).reshape(B, HKV * G)
+        spared += int((meter.repaired & ~box.repaired).sum())
+        assert torch.all(box.cert.reshape(B, HKV * G, -1)[kept] <= tau)
+        heads = box.repaired.repeat_interleave(G, 1)  # [B, Hq]: the query heads of the repaired KV heads
+        assert torch.equal(box.out.transpose(1, 2)[heads], meter.out.transpose(1, 2)[heads])
+        assert box.bytes_paged < meter.bytes_paged or not bool((meter.repaired & ~box.repaired).any())
+    assert spared > 0
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_box_block_gate_pages_no_more_blocks_than_the_meters_and_stays_sound(backend, monkeypatch):
+    """A transient block gate with the box: every cell within its refined certificate and output bound (validate
+    mode), every repaired cell ``<= tau``, and per head never more blocks than the meter's block gate (it tries a
+    shorter prefix, then the meter's sequence of prefixes), strictly fewer over these cases."""
+    monkeypatch.setenv(kernels.ENV, backend)
+    scale, saved = D**-0.5, 0
+    for codec, qscale, tau in (("int8", 10.0, 0.1), ("fp8-e4m3", 1.0, 0.2), ("int4", 1.0, 0.2)):
+        for seed in range(2):
+            reads = []
+            for box in (False, True):
+                st, q, mask = _setup(codec, 256, seed, qscale, nq=2)
+                gate = Gate.certified(tau, granularity="block", block_size=16, box=box)
+                reads.append(
+                    certified_read(q, st, mask, scale, ReadConfig(gate, True, 1e-6), _exact(st, q, mask, scale))
+                )
+            meter, box = reads
+            assert torch.all(box.true_tv <= box.cert_pre) and torch.all(box.true_out_err <= box.out_bound)
+            assert torch.all(box.cert <= tau) and torch.all(box.cert_pre <= meter.cert_pre)
+            assert torch.all(box.blocks <= meter.blocks)
+            saved += int((meter.blocks - box.blocks).sum())
+    assert saved > 0
+
+
+def test_box_is_for_certified_gates_only():
+    assert Gate.certified(0.2, box=True).describe() == "certified(tau=0.2, head, box)"
+    block = Gate.certified(0.2, granularity="block", persistent=True, box=True)
+    assert block.describe() == "certified(tau=0.2, block, persistent, box)"
+    with pytest.raises(ValueError, match="risk_ranked gate"):
+        Gate("risk_ranked", 5.0, box=True)
+
+
 def test_block_repair_greedy_until_under_tau():
     st, q, mask = _setup("int2", 128, 2, 3.0)
     tau = 0.05

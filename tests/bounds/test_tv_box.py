@@ -145,3 +145,24 @@ def test_tightness_benchmark_cells_table_and_figure(tmp_path):
     assert len(table.rows) == 1 and table.rows[0][2] == "0"
     bench.plot({"int4": r}, tmp_path / "box.png")
     assert (tmp_path / "box.png").stat().st_size > 0
+
+
+def test_box_refined_under_a_threshold_refines_only_the_rows_above_it():
+    """``box_refined`` with a gate's threshold: never above the certificate it refines, the coarse grid kept where
+    it already certifies (no lower than the full grid's value there), the full grid's value wherever the coarse one
+    is above the threshold, and masked rows keep their certificate."""
+    from kvcert.bounds.tv_box import box_refined
+
+    gen = torch.Generator().manual_seed(9)
+    p = torch.softmax(torch.randn(64, 200, generator=gen, dtype=F64) * 2, -1)
+    c = 0.3 * torch.rand(64, 200, generator=gen, dtype=F64)
+    p[3] = 0.0  # a fully masked row
+    cert = torch.rand(64, generator=gen, dtype=F64)
+    tau = 0.12
+    full, gated = box_refined(p, c, cert), box_refined(p, c, cert, tau)
+    assert torch.all(gated <= cert) and torch.all(full <= cert)
+    assert gated[3] == cert[3] and full[3] == cert[3]
+    below = gated <= tau
+    assert bool(below.any()) and bool((~below).any())
+    assert torch.all(full[below] <= gated[below])
+    torch.testing.assert_close(gated[~below], full[~below], rtol=0, atol=0)

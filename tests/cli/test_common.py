@@ -40,7 +40,20 @@ def test_parse_gate() -> None:
     transient = {"granularity": "block", "block_size": 64, "persistent": False}
     assert parse_gate("certified:0.2:block-transient") == Gate.certified(0.2, **transient)
     assert parse_gate("risk:5:block-transient") == Gate.risk_ranked(5.0, **transient)
-    bad_specs = ("certified", "risk:x", "maybe:1", "certified:0.2:page", "certified:0.2:block:x", "off:block-transient")
+    assert parse_gate("certified:0.2:box") == Gate.certified(0.2, box=True)
+    assert parse_gate("certified:0.2:block:box") == Gate.certified(0.2, **block, box=True)
+    assert parse_gate("certified:0.2:block-transient:box") == Gate.certified(0.2, **transient, box=True)
+    bad_specs = (
+        "certified",
+        "risk:x",
+        "maybe:1",
+        "certified:0.2:page",
+        "certified:0.2:block:x",
+        "off:block-transient",
+        "risk:5:box",
+        "certified:0.2:box:block",
+        "certified:0.2:page:box",
+    )
     for bad in bad_specs:
         with pytest.raises(ValueError, match="gate"):
             parse_gate(bad)

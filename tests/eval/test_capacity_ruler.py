@@ -77,6 +77,9 @@ def test_gate_forms_are_the_clis(bench: ModuleType) -> None:
     assert bench.make_gate("head") == Gate.certified(0.2)
     assert bench.make_gate("block") == Gate.certified(0.2, **block, persistent=True)
     assert bench.make_gate("block-transient") == Gate.certified(0.2, **block, persistent=False)
+    assert bench.make_gate("box") == Gate.certified(0.2, box=True)
+    assert bench.make_gate("block-box") == Gate.certified(0.2, **block, persistent=True, box=True)
+    assert bench.make_gate("block-transient-box") == Gate.certified(0.2, **block, persistent=False, box=True)
     with pytest.raises(ValueError, match="--gate"):
         bench.make_gate("page")
 

@@ -36,6 +36,7 @@ from kvcert.bounds import band_norms, round_up_f32, tier_b_radius, tier_b_sigma2
 from kvcert.bounds.radii import tier_a_radius_f32
 from kvcert.bounds.rc import U_F32, gamma_f32
 from kvcert.bounds.softmax_tv import probs64, served_meter
+from kvcert.bounds.tv_box import box_refined
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 from kvcert.checks import Checks, deferred
@@ -510,6 +511,7 @@ class _Changes:
     promoted: torch.Tensor
     blocks: torch.Tensor
     out: torch.Tensor | None = None
+    cert_pre: torch.Tensor | None = None
     cert: torch.Tensor | None = None
     value_term: torch.Tensor | None = None
     key_term: torch.Tensor | None = None
@@ -590,6 +592,34 @@ def _decide(rd: _Read, ch: _Changes, cfg: ReadConfig, fail_closed: bool) -> _Dec
     return _Decision(sv, cert_b, no_heads if need is None else need, need_rows, promote, promote_rows)
 
 
+def _box_refine(rd: _Read, ch: _Changes, dc: _Decision, gate: Gate) -> None:
+    """Phase *refine* (``Gate.certified(tau, box=True)``): the cells of every KV head the gate would repair are
+    certified again with ``min(meter, tv_box)`` (``docs/math.md#box-supremum``) over the same served ``p̃`` and radii
+    ``c`` (the logit rounding slack included), so the premise is the meter's; a head whose refined cells are all
+    ``<= tau`` is no longer repaired (a block gate pages nothing for it). Heads that saw a non-finite entry stay
+    repaired (fail closed). The refined certificates become the read's certificate before and after repair
+    (``ch.cert_pre``, ``ch.cert``) and the output bound follows them. Fully masked rows keep their certificate (0)."""
+    sv = dc.sv
+    bad = sv.bad_cell.any(-1) if sv.bad_cell is not None else None
+    pairs = [(bi, hi) for bi, hi in dc.need_pairs if bad is None or not bool(bad[bi, hi])]
+    if not pairs:
+        return
+    bi, hi = torch.tensor(pairs, device=dc.need.device).unbind(-1)
+    refined = box_refined(sv.p64[bi, hi], sv.c[bi, hi], sv.cert[bi, hi], gate.threshold)  # [n, M]
+    ch.cert_pre = sv.cert.clone().index_put_((bi, hi), refined)
+    ch.cert = ch.cert_pre.clone()
+    spared = (refined.amax(-1) <= gate.threshold).tolist()
+    need = dc.need.clone()
+    for (b_i, h_i), ok in zip(pairs, spared, strict=True):
+        if ok:
+            need[b_i, h_i] = False
+            dc.need_rows[b_i][h_i] = 0
+    dc.need = need
+    ch.bound, ch.key_term, ch.slack = _out_bound(
+        sv.value_term, ch.cert, sv.spread, sv.vmax, rd.s, sv.out.shape[-1], sv.phi_max
+    )
+
+
 def _repair_heads(rd: _Read, ch: _Changes, dc: _Decision, cfg: ReadConfig, exact: ExactAttention) -> None:
     """Phase *repair*, head granularity (or any read with a non-finite entry): every needing KV head is served
     the dense fallback's output over the host tier (one call for the range of heads some row needs, known on the
@@ -636,7 +666,8 @@ def _repair(rd: _Read, ch: _Changes, dc: _Decision, cfg: ReadConfig, exact: Exac
     """Phase *repair*: heads or blocks, then the output bound follows the repaired meter and value term (an
     exactly repaired head keeps only the evaluation slack)."""
     sv = dc.sv
-    ch.out, ch.cert, ch.value_term, ch.p_served = sv.out, sv.cert, sv.value_term, sv.p64  # written below
+    cert = sv.cert if ch.cert is None else ch.cert  # the box's refined certificate, when it ran
+    ch.out, ch.cert, ch.value_term, ch.p_served = sv.out, cert, sv.value_term, sv.p64  # written below
     by_head = cfg.gate.granularity == "head" or sv.bad_cell is not None
     if by_head:
         _repair_heads(rd, ch, dc, cfg, exact)
@@ -686,7 +717,7 @@ def _result(rd: _Read, sv: _Served, ch: _Changes, cert_b: torch.Tensor | None, c
         attn_kv = p.reshape(b, rd.hkv, rd.g, nq, rd.s).sum(2).to(torch.float32)
     return ReadResult(
         out=sv.out_heads_last() if ch.out is None else ch.out.reshape(b, hq, nq, -1).transpose(1, 2),
-        cert_pre=sv.ungrouped("cert"),
+        cert_pre=sv.ungrouped("cert") if ch.cert_pre is None else ungroup_heads(ch.cert_pre, hq, nq),
         raw=sv.ungrouped("raw"),
         cert=ch.cells(sv, "cert", hq, nq),
         tanh=sv.ungrouped("tanh"),
@@ -737,6 +768,8 @@ def certified_read(
     assert dc is not None  # a fail-closed read has no finite flag to fail
     sv = dc.sv
     promote, promote_rows = dc.promote, dc.promote_rows
+    if cfg.gate.box and any(map(any, dc.need_rows)):
+        _box_refine(rd, ch, dc, cfg.gate)
     if any(map(any, dc.need_rows)):
         _repair(rd, ch, dc, cfg, exact)
         if cfg.gate.value_tol is not None:  # the repair changed the terms: decide again (one sync, repairs only)

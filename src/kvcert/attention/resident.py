@@ -118,7 +118,13 @@ def check_resident(
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
     if not certify:
         raise ValueError("resident=... needs certify=True (omitted tokens are only safe behind their bound)")
-    if gate.mode == "risk_ranked" or gate.granularity != "head" or gate.persistent or gate.value_tol is not None:
+    if (
+        gate.mode == "risk_ranked"
+        or gate.granularity != "head"
+        or gate.persistent
+        or gate.value_tol is not None
+        or gate.box
+    ):
         raise ValueError(
             f"resident=... supports Gate.off() and Gate.certified(tau) with head granularity, not "
             f"{gate.describe()} (persistent={gate.persistent}, value_tol={gate.value_tol})"

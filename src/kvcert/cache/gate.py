@@ -14,6 +14,11 @@ largest contributions ``Σ_{t∈b} p̃_t(e^{c_t} − 1)`` until the cell is back
 ``persistent=True`` writes repaired blocks back exact, so their radius is 0 from then on.
 ``value_tol`` promotes values to exact for a KV head whose output-error value term dominates its key
 term and exceeds ``value_tol``.
+``box=True`` (certified gates): before a KV head is repaired, its cells are certified again with ``min(meter,
+tv_box)`` (the box supremum, ``docs/math.md#box-supremum``) on the same served distribution and radii; a head whose
+cells are then all ``<= tau`` is served as is and reports the refined certificates. A block repair stops at the first
+doubling round whose refined certificates are all ``<= tau``. The box costs far more than the meter, so it is only
+computed for the heads the meter would repair.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class Gate:
     block_size: int = 64
     persistent: bool = False
     value_tol: float | None = None
+    box: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("off", "certified", "risk_ranked"):
@@ -53,6 +59,8 @@ class Gate:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.value_tol is not None and not self.value_tol >= 0:
             raise ValueError(f"value_tol must be >= 0, got {self.value_tol}")
+        if self.box and self.mode != "certified":
+            raise ValueError(f"box=True refines a certified gate (a bound on the TV), got a {self.mode} gate")
 
     @classmethod
     def off(cls) -> Gate:
@@ -68,9 +76,11 @@ class Gate:
         block_size: int = 64,
         persistent: bool = False,
         value_tol: float | None = None,
+        box: bool = False,
     ) -> Gate:
-        """Repair every KV head whose clipped certificate exceeds ``tau`` for any of its query heads."""
-        return cls("certified", tau, granularity, block_size, persistent, value_tol)
+        """Repair every KV head whose clipped certificate exceeds ``tau`` for any of its query heads (with ``box``:
+        whose ``min(meter, tv_box)`` does, module doc)."""
+        return cls("certified", tau, granularity, block_size, persistent, value_tol, box)
 
     @classmethod
     def risk_ranked(
@@ -91,10 +101,11 @@ class Gate:
         return self.mode == "risk_ranked"
 
     def describe(self) -> str:
-        """A short human-readable label, e.g. ``certified(tau=0.2, head)``, ``certified(tau=0.2, block, persistent)``
-        or ``certified(tau=0.2, block, transient)``."""
+        """A short human-readable label, e.g. ``certified(tau=0.2, head)``, ``certified(tau=0.2, block, persistent)``,
+        ``certified(tau=0.2, block, transient)`` or ``certified(tau=0.2, head, box)``."""
         if self.mode == "off":
             return "off"
         name = "tau" if self.mode == "certified" else "tau_gate"
         extra = ", persistent" if self.persistent else ", transient" if self.granularity == "block" else ""
+        extra += ", box" if self.box else ""
         return f"{self.mode}({name}={self.threshold:g}, {self.granularity}{extra})"

@@ -42,7 +42,11 @@ REPAIR_BLOCK = 64
 ModelOption = Annotated[str, typer.Option(help="smollm2-135m, a local transformers folder, or tiny:<family>")]
 SchemesOption = Annotated[str, typer.Option(help="comma-separated codecs or keycodec/valuecodec")]
 GateOption = Annotated[
-    str, typer.Option(help="auto | off | certified:TAU | risk:TAU_GATE, either with :block or :block-transient")
+    str,
+    typer.Option(
+        help="auto | off | certified:TAU | risk:TAU_GATE, either with :block or :block-transient; certified gates "
+        "may end in :box (the box supremum before repair)"
+    ),
 ]
 WitnessOption = Annotated[
     str, typer.Option(help="witness storage: log8 (8-bit codes decoding upwards, 12 B/token/KV head) | f32")
@@ -205,7 +209,8 @@ def parse_storage(specs: list[SchemeSpec], witness: str, device_budget: str) -> 
 
 
 def parse_gate(text: str) -> Gate | None:
-    """Parse ``auto`` (``None``: each scheme by its meter), ``off``, ``certified:TAU``, ``risk:TAU``.
+    """Parse ``auto`` (``None``: each scheme by its meter), ``off``, ``certified:TAU``, ``risk:TAU`` (each with an
+    optional repair unit, certified ones with an optional trailing ``:box``; :func:`gate_from_spec`).
 
     ``TAU`` must be a finite number ``>= 0`` (``inf``, ``1e400``, ``nan`` and negatives are refused by
     :class:`~kvcert.cache.gate.Gate`: an infinite threshold never repairs). ``ValueError`` naming ``--gate``.
@@ -213,7 +218,7 @@ def parse_gate(text: str) -> Gate | None:
     if text == "auto":
         return None
     return gate_from_spec(
-        text, "--gate", "auto, off, certified:TAU[:UNIT] or risk:TAU[:UNIT] (UNIT: block | block-transient)"
+        text, "--gate", "auto, off, certified:TAU[:UNIT][:box] or risk:TAU[:UNIT] (UNIT: block | block-transient)"
     )
 
 

@@ -12,7 +12,11 @@ it replaces:
 2. first guess: the shortest prefix of that order whose predicted e-form ``½(A_k² − 1)``, ``A_k = 1 +
    Σ_{b∉prefix} contribution_b``, is under the threshold for every cell (all blocks if none);
 3. the served attention is recomputed with the prefix's tokens exact (host-tier K/V, radius 0) and the prefix
-   doubled until the recomputed meter is under the threshold for every cell or every block is paged.
+   doubled until the recomputed meter is under the threshold for every cell or every block is paged. With a box gate
+   (``Gate.certified(tau, box=True)``) each round's certificate is ``min(meter, tv_box)``
+   (:func:`kvcert.bounds.tv_box.box_refined`) over the same distribution and radii, and a shorter prefix is tried
+   before step 2's (the one predicted under twice the threshold), so it never pages more blocks than the meter's
+   gate.
 
 The meter of the recomputed read is the certificate of what is served (paged tokens have radius 0, the others
 keep their radii, which bound their logit errors whatever the other tokens are). On the numba backend its softmax
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcert.bounds.softmax_tv import probs64, served_meter
+from kvcert.bounds.tv_box import box_refined
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 from kvcert.checks import Checks, deferred
@@ -45,7 +50,7 @@ class BlockRepairs:
 
     heads: torch.Tensor  # [n, 2] int64 (row, KV head)
     out: torch.Tensor  # [n, M, Dv] float32 served output
-    cert: torch.Tensor  # [n, M] meter of the repaired read
+    cert: torch.Tensor  # [n, M] meter of the repaired read (min(meter, box) with a box gate)
     raw: torch.Tensor  # [n, M] unclipped meter
     p: torch.Tensor  # [n, M, S] float64 served distribution
     v_res: torch.Tensor  # [n, S] value residual norms, 0 on paged tokens
@@ -114,8 +119,18 @@ def repair_blocks(
     order = torch.argsort(contrib.amax(1), dim=-1, descending=True, stable=True)  # [n, nb]
     ordered = torch.gather(contrib, 2, order.unsqueeze(1).expand(n, rows, nb))
     remaining = contrib.sum(-1, keepdim=True) - ordered.cumsum(-1)  # [n, M, nb]
-    predicted_ok = (0.5 * ((1.0 + remaining.clamp(min=0)) ** 2 - 1.0) <= gate.threshold).all(1)  # [n, nb]
-    k = torch.where(predicted_ok.any(-1), predicted_ok.to(torch.int64).argmax(-1) + 1, nb)
+    predicted = 0.5 * ((1.0 + remaining.clamp(min=0)) ** 2 - 1.0)  # [n, M, nb]
+
+    def first_under(level: float) -> torch.Tensor:  # per head, the shortest prefix predicted under ``level``
+        ok = (predicted <= level).all(1)
+        return torch.where(ok.any(-1), ok.to(torch.int64).argmax(-1) + 1, nb)
+
+    k_meter = first_under(gate.threshold)
+    # a box gate tries first the prefix predicted under twice the threshold (to first order in the radii the e-form
+    # is Σ p̃ c and the box supremum half of it where the radii are even, tanh(c/2) against c), then the meter's
+    # prefix, then doubles as the meter's gate does: any prefix where the meter certifies the box certifies too, so it
+    # never pages more blocks than the meter's gate (one round more at most)
+    k = first_under(2.0 * gate.threshold) if gate.box else k_meter
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(nb, device=dev).expand(n, nb))
     fused = active(dev) == "numba"
     checks = Checks()
@@ -123,15 +138,18 @@ def repair_blocks(
         tok = (rank < k.unsqueeze(-1)).repeat_interleave(bs, -1)[:, :s]  # [n, S] the first k blocks in order
         kmix = _mix(khat, hosts[0], hk, tok, pairs)
         logits = (q @ kmix.transpose(-1, -2) * scaling).masked_fill(~m, float("-inf"))
+        radii = torch.where(tok.unsqueeze(1), 0.0, cc)
         with deferred(checks):  # the meter's fail-closed checks come back with the round's decision
-            pm, cert, raw = repaired_read(logits, torch.where(tok.unsqueeze(1), 0.0, cc), fused)
+            pm, cert, raw = repaired_read(logits, radii, fused)
+            if gate.box:
+                cert = box_refined(pm, radii, cert, gate.threshold)
         done = ((raw if gate.uses_unclipped else cert) <= gate.threshold).all(-1) | (k >= nb)
         back = checks.read_back([done.all(), tok.sum()])  # one synchronisation per doubling round
         assert back is not None  # no guard: None is never returned
         all_done, n_tokens = back
         if all_done:
             break
-        k = torch.where(done, k, 2 * k)
+        k = torch.where(done, k, torch.where(k < k_meter, k_meter, 2 * k))
     if gate.persistent:  # kept within the store's device budget, else a transient page-in
         store.persist_heads(pairs, tok.unbind(0))  # one commit for every head
     out = pm.to(torch.float32) @ _mix(vhat, hosts[1], hv, tok, pairs)

@@ -28,7 +28,7 @@ def test_settings_roundtrip_and_defaults():
         ({"KVCERT_VLLM_GATE": "certified:inf"}, "finite threshold"),
         (
             {"KVCERT_VLLM_GATE": "always"},
-            r"expected off, certified:TAU\[:UNIT\] or risk:TAU_GATE\[:UNIT\] \(UNIT: block",
+            r"expected off, certified:TAU\[:UNIT\]\[:box\] or risk:TAU_GATE\[:UNIT\] \(UNIT: block",
         ),
         ({"KVCERT_VLLM_GATE": "certified:0.2:page"}, "expected off, certified"),
         ({"KVCERT_VLLM_GATE": "certified:x"}, "'x' is not a number"),
@@ -54,6 +54,10 @@ def test_gate_spec():
     assert (r.mode, r.granularity, r.persistent) == ("risk_ranked", "block", True)
     t = gate_from_spec("certified:0.1:block-transient")
     assert (t.mode, t.threshold, t.granularity, t.block_size, t.persistent) == ("certified", 0.1, "block", 64, False)
+    x = gate_from_spec("certified:0.1:box")
+    assert (x.mode, x.threshold, x.granularity, x.persistent, x.box) == ("certified", 0.1, "head", False, True)
+    with pytest.raises(ValueError, match="expected off, certified"):
+        gate_from_spec("risk:5:box")
 
 
 def test_plugin_is_inert_without_switch_and_fails_closed_with_bad_settings(monkeypatch):

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from kvcert.cache.gate import Gate
+from kvcert.cache.gate import Gate, Granularity
 from kvcert.cache.paged import check_per_token
 from kvcert.quant import resolve
 
@@ -54,28 +54,34 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral")
 def gate_from_spec(
     text: str,
     label: str = f"{GATE} / --gate",
-    accepted: str = "off, certified:TAU[:UNIT] or risk:TAU_GATE[:UNIT] (UNIT: block | block-transient)",
+    accepted: str = "off, certified:TAU[:UNIT][:box] or risk:TAU_GATE[:UNIT] (UNIT: block | block-transient)",
 ) -> Gate:
     """``off`` | ``certified:TAU`` | ``risk:TAU_GATE``, each optionally ``:block`` or ``:block-transient`` ->
     :class:`~kvcert.cache.gate.Gate`; ``ValueError`` naming ``label`` otherwise (the threshold checks are
     :class:`Gate`'s). Without a unit the gate repairs whole KV heads (transient). ``:block`` repairs the 64-token
     blocks that carry the certificate and writes them back exact (``granularity="block"``, ``persistent=True``:
     their radius is 0 from then on, within the store's device budget); ``:block-transient`` pages the same blocks in
-    for the read only (``persistent=False``: nothing kept, the device bytes never grow). Also the CLI's ``--gate``
-    parser."""
+    for the read only (``persistent=False``: nothing kept, the device bytes never grow). A trailing ``:box``
+    (certified gates only, e.g. ``certified:0.2:box`` or ``certified:0.2:block:box``) certifies the heads the meter
+    would repair again with the box supremum first (``Gate.certified(tau, ..., box=True)``). Also the CLI's
+    ``--gate`` parser."""
     if text == "off":
         return Gate.off()
     kind, _, rest = text.partition(":")
     value, _, unit = rest.partition(":")
-    if kind not in ("certified", "risk") or unit not in GATE_UNITS:
+    box = unit == "box" or unit.endswith(":box")
+    unit = unit.removesuffix("box").removesuffix(":") if box else unit
+    if kind not in ("certified", "risk") or unit not in GATE_UNITS or (box and kind != "certified"):
         raise ValueError(f"{label}: expected {accepted}, got {text!r}")
     try:
         threshold = float(value)
     except ValueError:
         raise ValueError(f"{label}: expected {accepted}; {value!r} is not a number") from None
-    make = Gate.certified if kind == "certified" else Gate.risk_ranked
+    granularity: Granularity = "block" if unit else "head"
     try:
-        return make(threshold, granularity="block" if unit else "head", persistent=unit == "block")
+        if kind == "certified":
+            return Gate.certified(threshold, granularity=granularity, persistent=unit == "block", box=box)
+        return Gate.risk_ranked(threshold, granularity=granularity, persistent=unit == "block")
     except ValueError as exc:
         raise ValueError(f"{label} {text!r}: {exc}") from None
 

@@ -166,3 +166,26 @@ def test_box_refined_under_a_threshold_refines_only_the_rows_above_it():
     assert bool(below.any()) and bool((~below).any())
     assert torch.all(full[below] <= gated[below])
     torch.testing.assert_close(gated[~below], full[~below], rtol=0, atol=0)
+
+
+def test_the_compiled_chooser_picks_the_sorted_choosers_lambda():
+    """``kvcert.kernels.numba_box.choose_lambda`` (weighted quickselect) against :func:`sorted_lambda` on adversarial
+    cells of every length: the same λ up to ties, so the same bound (the choice bears on tightness only)."""
+    from bounds_adversarial import make_cells
+
+    from kvcert.bounds.tv_box import sorted_lambda
+    from kvcert.kernels.numba_box import choose_lambda
+
+    gen = torch.Generator().manual_seed(21)
+    for s, rows in ((1, 50), (2, 500), (7, 500), (64, 200), (1024, 20)):
+        cells = make_cells(rows, s, gen) if s > 1 else None
+        p = torch.ones(rows, 1, dtype=F64) if cells is None else cells.p_served
+        c = torch.rand(rows, s, generator=gen, dtype=F64) if cells is None else cells.radius
+        fast = tv_box(p, c, choose=choose_lambda, clip=False)
+        torch.testing.assert_close(fast, tv_box(p, c, clip=False), rtol=1e-12, atol=1e-13)
+        h, l = torch.exp(c.clamp(max=50.0)), torch.exp(-c.clamp(max=50.0))  # tv_box zeroes rows above 300
+        mid = 1.0 + 0.5 * (torch.rand(rows, 5, generator=gen, dtype=F64) - 0.5)
+        b_sum = (p * l).sum(-1)
+        lam_fast, lam_sorted = choose_lambda(p, h, l, mid, b_sum), sorted_lambda(p, h, l, mid, b_sum)
+        assert bool(((lam_fast >= 0) & (lam_fast <= 1)).all())
+        torch.testing.assert_close(lam_fast, lam_sorted, rtol=1e-9, atol=1e-12)

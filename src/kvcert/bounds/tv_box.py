@@ -26,6 +26,7 @@ sum is monotone in every ``w_t``), so it is the largest of the suprema with thos
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -72,33 +73,56 @@ def _dual(
     return (val + _gamma(s + 8) * mag).clamp(min=0.0) / mu.squeeze(-1) * (1.0 + 4 * _U)
 
 
-def _interval_bounds(
-    p: torch.Tensor, h: torch.Tensor, l: torch.Tensor, a: torch.Tensor, b: torch.Tensor, b_sum: torch.Tensor
+#: picks ``λ`` ``[rows, I]`` from ``(p, h, l [rows, S], midpoints [rows, I], B₋ [rows])``; any choice is sound
+LambdaChooser = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sorted_lambda(
+    p: torch.Tensor, h: torch.Tensor, l: torch.Tensor, mid: torch.Tensor, b_sum: torch.Tensor
 ) -> torch.Tensor:
-    """``max(g(a, λ)/a, g(b, λ)/b)`` per interval ``[a, b]`` (``[rows, I]``; module doc), ``λ`` the dual optimum at
-    the interval's geometric midpoint ``m``. ``p, h, l``: ``[rows, S]``; ``b_sum = Σ p l`` (``λ`` only).
+    """The dual minimiser ``λ`` ``[rows, I]`` at each midpoint ``mid[rows, I]`` (``p, h, l`` ``[rows, S]``,
+    ``b_sum = Σ p l``), by sorting (any device).
 
     At ``μ = m`` the term of token ``t`` follows its ``h`` branch for ``λ < λ_t = ((h_t − m)₊ − (l_t − m)₊)/(h_t −
     l_t)`` (``∈ [0, 1]``), so ``∂g/∂λ = m − B₋ − Σ_{λ_t > λ} p_t (h_t − l_t)``: sorted by decreasing ``λ_t``, the
     minimum is at the breakpoint where the running weight first reaches ``m − B₋`` (``λ = 0`` if it never does)."""
-    p3, h3, l3 = p.unsqueeze(1), h.unsqueeze(1), l.unsqueeze(1)
-    a3, b3 = a.unsqueeze(-1), b.unsqueeze(-1)
+    p3, h3, l3, m3 = p.unsqueeze(1), h.unsqueeze(1), l.unsqueeze(1), mid.unsqueeze(-1)
     s = p.shape[-1]
-    mid = (a3 * b3).sqrt()
     gap = h3 - l3
-    brk = torch.where(gap > 0, ((h3 - mid).clamp(min=0.0) - (l3 - mid).clamp(min=0.0)) / gap.clamp(min=_U), 0.0)
+    brk = torch.where(gap > 0, ((h3 - m3).clamp(min=0.0) - (l3 - m3).clamp(min=0.0)) / gap.clamp(min=_U), 0.0)
     order = brk.argsort(-1, descending=True)
     cum = (p3 * gap).expand_as(brk).gather(-1, order).cumsum(-1)
-    target = (mid - b_sum.view(-1, 1, 1)).contiguous()
+    target = (m3 - b_sum.view(-1, 1, 1)).contiguous()
     k = torch.searchsorted(cum, target).clamp(max=s - 1)
     lam = brk.gather(-1, order).gather(-1, k)
     # m above A (no token weight reaches the target; an infeasible μ): the slope is positive for every λ ≥ 0, take 0
-    lam = torch.where(target > cum[..., -1:], 0.0, lam)
-    return torch.maximum(_dual(p3, h3, l3, a3, lam, s), _dual(p3, h3, l3, b3, lam, s))
+    return torch.where(target > cum[..., -1:], 0.0, lam).squeeze(-1)
+
+
+def _interval_bounds(
+    p: torch.Tensor,
+    h: torch.Tensor,
+    l: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    b_sum: torch.Tensor,
+    choose: LambdaChooser,
+) -> torch.Tensor:
+    """``max(g(a, λ)/a, g(b, λ)/b)`` per interval ``[a, b]`` (``[rows, I]``; module doc), ``λ`` chosen by ``choose``
+    at the interval's geometric midpoint. ``p, h, l``: ``[rows, S]``; ``b_sum = Σ p l`` (``λ`` only)."""
+    lam = choose(p, h, l, (a * b).sqrt(), b_sum).to(p.device, F64).unsqueeze(-1)
+    p3, h3, l3 = p.unsqueeze(1), h.unsqueeze(1), l.unsqueeze(1)
+    s = p.shape[-1]
+    return torch.maximum(_dual(p3, h3, l3, a.unsqueeze(-1), lam, s), _dual(p3, h3, l3, b.unsqueeze(-1), lam, s))
 
 
 def tv_box(
-    p_served: torch.Tensor, radius: torch.Tensor, intervals: int = 16, exact: int = 1, clip: bool = True
+    p_served: torch.Tensor,
+    radius: torch.Tensor,
+    intervals: int = 16,
+    exact: int = 1,
+    clip: bool = True,
+    choose: LambdaChooser = sorted_lambda,
 ) -> torch.Tensor:
     """``TV(p, p̃) ≤`` the box supremum bound for every ``ε`` with ``|ε_t| ≤ c_t`` (module doc), float64 ``[...]``.
 
@@ -109,7 +133,9 @@ def tv_box(
     supported radius above 300 get the trivial bound (1, or ``+inf`` with ``clip=False``). Rounding: ``e^{±c}`` is
     widened by ``8u``, ``A`` and ``B₋`` by ``γ_{S+2}``, and every interval's value by ``γ_{S+8}`` of its terms'
     magnitudes, so the returned value is never below the exact value of the bound. ``ValueError`` on non-finite or
-    negative input, rows not summing to 1, ``intervals < 1`` or ``exact`` not in ``[0, 8]``.
+    negative input, rows not summing to 1, ``intervals < 1`` or ``exact`` not in ``[0, 8]``. ``choose`` picks each
+    interval's ``λ`` (default :func:`sorted_lambda`; a compiled chooser on CPU:
+    :func:`kvcert.kernels.numba_box.choose_lambda`); it decides tightness only.
     """
     if isinstance(intervals, bool) or not isinstance(intervals, int) or intervals < 1:
         raise ValueError(f"intervals must be a positive int, got {intervals!r}")
@@ -145,14 +171,18 @@ def tv_box(
     for i in range(0, p.shape[0], rows):
         sl = slice(i, i + rows)
         a, b = _grid(b_lo[sl], a_hi[sl], intervals)
-        out[sl] = _interval_bounds(p[sl], h[sl], l[sl], a, b, b_sum[sl]).amax(-1)
+        out[sl] = _interval_bounds(p[sl], h[sl], l[sl], a, b, b_sum[sl], choose).amax(-1)
     out = out.view(n, cases).amax(-1)
     out = torch.where(huge, math.inf, out).reshape(batch)
     return out.clamp(0.0, 1.0) if clip else out
 
 
 def box_refined(
-    p_served: torch.Tensor, radius: torch.Tensor, cert: torch.Tensor, threshold: float | None = None
+    p_served: torch.Tensor,
+    radius: torch.Tensor,
+    cert: torch.Tensor,
+    threshold: float | None = None,
+    choose: LambdaChooser = sorted_lambda,
 ) -> torch.Tensor:
     """``min(cert, tv_box(p̃, c))`` per row of ``p_served[..., S]`` (a read's served distribution) and ``radius``, for
     ``cert[...]`` a sound certificate of the same rows (the meter); rows with no visible token (all ``p̃`` 0) keep
@@ -160,16 +190,17 @@ def box_refined(
 
     With a ``threshold`` (a gate's τ) the box is first computed on :data:`COARSE_INTERVALS` intervals, and only the
     rows still above the threshold get the default grid: a gate needs to know which rows are ``<= τ``, and a coarser
-    grid is as sound, a little looser and several times cheaper. One host synchronisation (which rows)."""
+    grid is as sound, a little looser and several times cheaper. One host synchronisation (which rows). ``choose``:
+    as :func:`tv_box`'s."""
     live = p_served.sum(-1) > 0
     onehot = torch.zeros(p_served.shape[-1], dtype=p_served.dtype, device=p_served.device)
     onehot[0] = 1.0
     p = torch.where(live.unsqueeze(-1), p_served, onehot)
     base = cert.to(F64)
     if threshold is None:
-        return torch.where(live, torch.minimum(base, tv_box(p, radius)), base)
-    out = torch.where(live, torch.minimum(base, tv_box(p, radius, intervals=COARSE_INTERVALS)), base)
+        return torch.where(live, torch.minimum(base, tv_box(p, radius, choose=choose)), base)
+    out = torch.where(live, torch.minimum(base, tv_box(p, radius, intervals=COARSE_INTERVALS, choose=choose)), base)
     again = (out > threshold) & live
     if bool(again.any()):
-        out[again] = torch.minimum(out[again], tv_box(p[again], radius.expand_as(p)[again]))
+        out[again] = torch.minimum(out[again], tv_box(p[again], radius.expand_as(p)[again], choose=choose))
     return out

@@ -2,7 +2,9 @@
 
 Columns carry their tier: stored bytes and true TV are *measured*, the relative key error is *empirical*, and
 the Tier-A meter (``tv_meter`` over ``tier_a_radius`` of the write-time band witness) is *certified*: it
-upper-bounds the true TV of every (head, query) cell. The lead mounts :func:`codecs` as a command.
+upper-bounds the true TV of every (head, query) cell. So is the box column, ``min(meter, tv_box)`` over the same
+radii (the box supremum, ``docs/math.md#box-supremum``: the least bound the radii allow; paper-level): where it is
+far below the meter, the form is loose; where it is not, the witness is. The lead mounts :func:`codecs` as a command.
 
 With ``--model`` (e.g. ``smollm2-135m`` from the zoo) each codec also serves the keys of a real prompt (the
 first RULER ``niah_single_1`` sample at ``--context`` tokens, shared exact prefill, ``--steps`` greedy decode
@@ -21,7 +23,7 @@ import torch
 import typer
 from rich.console import Console
 
-from kvcert.bounds import tier_a_radius, true_tv, tv_meter
+from kvcert.bounds import tier_a_radius, true_tv, tv_box, tv_meter
 from kvcert.cli.common import load_model
 from kvcert.cli.validate import checked_inputs, model_max_positions
 from kvcert.eval import ruler
@@ -35,12 +37,14 @@ HEADS, QUERIES, BANDS, OUTLIER_PAIRS, ROPE_BASE = 2, 4, 8, (1, 2), 10000.0
 
 @dataclass(frozen=True)
 class CodecRow:
-    """One codec's measurements; ``certificate`` and ``tv`` are per cell ``[1, HEADS, QUERIES]`` (float64)."""
+    """One codec's measurements; ``certificate`` (the meter), ``box`` (``min(meter, tv_box)``) and ``tv`` are per cell
+    ``[1, HEADS, QUERIES]`` (float64)."""
 
     name: str
     bytes_per_token_head: float
     relative_error: float
     certificate: torch.Tensor
+    box: torch.Tensor
     tv: torch.Tensor
 
 
@@ -88,12 +92,14 @@ def codec_rows(d: int = 64, tokens: int = 512, seed: int = 0) -> list[CodecRow]:
         rho = torch.cat([res.band_norms, torch.zeros(1, HEADS, tokens - n_q, BANDS, dtype=torch.float64)], -2)
         p_served = torch.softmax(scale * q.to(torch.float64) @ k_hat.to(torch.float64).transpose(-1, -2), -1)
         c = tier_a_radius(q, rho.unsqueeze(-3), scale)
+        meter = tv_meter(p_served, c)
         rows.append(
             CodecRow(
                 name=name,
                 bytes_per_token_head=bytes_per_token_head(get(name), D=d),
                 relative_error=float((k_hat - k).norm() / k.norm()),
-                certificate=tv_meter(p_served, c),
+                certificate=meter,
+                box=torch.minimum(meter, tv_box(p_served, c)),
                 tv=true_tv(p_exact, p_served),
             )
         )
@@ -153,7 +159,7 @@ def codecs(
     context: Annotated[int, typer.Option(help="real prompt length in tokens (with --model)")] = 1024,
     steps: Annotated[int, typer.Option(help="decode steps per codec on the real prompt (with --model)")] = 8,
 ) -> None:
-    """Compare every built-in codec: measured bytes, empirical error, certified Tier-A meter, measured TV, and
+    """Compare every built-in codec: measured bytes, empirical error, certified Tier-A meter and box, measured TV, and
     (with ``--model``) the informative fractions on a real prompt (Tier A certified, Tier B partially certified)."""
     with checked_inputs("codecs"):
         rows = codec_rows(d, tokens, seed)
@@ -165,6 +171,7 @@ def codecs(
         "bytes/token-head (measured)",
         "rel. key error (empirical)",
         "max Tier-A meter (certified)",
+        "max box (certified)",
         "max true TV (measured)",
         *(() if real is None else (f"informative on {model}, Tier A (certified)", "Tier B (partially certified)")),
     )
@@ -174,6 +181,7 @@ def codecs(
             f"{row.bytes_per_token_head:.2f}",
             f"{row.relative_error:.3e}",
             f"{float(row.certificate.max()):.3e}",
+            f"{float(row.box.max()):.3e}",
             f"{float(row.tv.max()):.3e}",
             *(() if real is None else _real_cells(real[row.name])),
         )

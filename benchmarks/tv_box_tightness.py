@@ -1,12 +1,14 @@
 """How much tighter is the box supremum than the meter, on real attention cells? Per key codec, the Tier-A cell
-certificate of SmolLM2-135M read two ways from the same radii: the meter (``min(1, eform, two_sided, ptm)``, what the
-gate reads today) and :func:`kvcert.bounds.tv_box` (``docs/math.md#box-supremum``: up to its grid, the least bound any
-form can derive from ``p̃`` and the radii alone), taken as ``min(meter, box)``.
+certificate of a real model (``--model``, SmolLM2-135M by default) read two ways from the same radii: the meter
+(``min(1, eform, two_sided, ptm)``, what the gate reads today) and :func:`kvcert.bounds.tv_box`
+(``docs/math.md#box-supremum``: up to its grid, the least bound any form can derive from ``p̃`` and the radii
+alone), taken as ``min(meter, box)``.
 
 Per sample: ``--tokens`` tokens of a corpus at a seeded offset, one forward recording the post-RoPE queries and keys
 of every layer (``benchmarks/witness_tightness.py``'s capture); then per (layer, query head) and each of the last
 ``--queries`` positions, a decode-like read over the whole causal prefix with the codec's served keys: ``p̃``, the
 Tier-A radii of the residual's 8 RoPE band norms (what the store keeps) and the exact TV against the unquantised keys.
+A sliding-window layer (Gemma-3) reads only its window, as the model does.
 
 Columns per codec: cells; violations (cells whose exact TV exceeds ``min(meter, box)``; must be 0); the medians of
 both certificates and of ``box / meter``; the share of cells each certifies at τ = 0.2 (the cells a
@@ -14,8 +16,8 @@ both certificates and of ``box / meter``; the share of cells each certifies at �
 box); the median exact TV; the CPU time per cell of each form, side by side. With ``--plot``, the distribution of
 both certificates per codec (ECDF, τ marked).
 
-Usage: ``OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/tv_box_tightness.py [--samples 2]
-[--tokens 2048] [--queries 8] [--corpus pg-essays] [--seed 1] [--codecs int8,fp8-e4m3,int4,hadamard-int4]
+Usage: ``OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/tv_box_tightness.py [--model smollm2-135m]
+[--samples 2] [--tokens 2048] [--queries 8] [--corpus pg-essays] [--seed 1] [--codecs int8,fp8-e4m3,int4,hadamard-int4]
 [--intervals 16] [--plot FILE]``. Tiers: both certificates certified (Tier A, any query); exact TV empirical.
 """
 
@@ -46,18 +48,27 @@ BANDS = 8
 
 
 def cells(
-    codec: str, qs: list[torch.Tensor], ks: list[torch.Tensor], sc: float, nq: int, intervals: int
+    codec: str,
+    qs: list[torch.Tensor],
+    ks: list[torch.Tensor],
+    sc: float,
+    nq: int,
+    intervals: int,
+    windows: list[int | None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per cell of every layer and query head: exact TV, the meter (clipped, unclipped) and ``min(meter, box)``; and
-    the seconds spent in the meter and in ``tv_box`` (one thread's clock, side by side on the same cells)."""
+    the seconds spent in the meter and in ``tv_box`` (one thread's clock, side by side on the same cells).
+    ``windows[layer]``: the layer's sliding window (its reads see the newest ``window`` tokens), ``None``: all."""
     tv, meter, raw, box = [], [], [], []
     spent = torch.zeros(2, dtype=torch.float64)
-    for q, k in zip(qs, ks, strict=True):
+    for layer, (q, k) in enumerate(zip(qs, ks, strict=True)):
         hkv, s, _ = k.shape
         g = q.shape[0] // hkv
         khat = served(Candidate(codec, codec, {}), k)
         pos = torch.arange(s - nq, s).view(1, nq, 1)
-        vis = torch.arange(s).view(1, 1, s) <= pos
+        t = torch.arange(s).view(1, 1, s)
+        window = None if windows is None else windows[layer]
+        vis = (t <= pos) & (t > pos - window) if window else t <= pos
         for h in range(hkv):
             qq = q[h * g : (h + 1) * g, s - nq :]
             c = tier_a_radius(qq, band_norms(khat[h] - k[h], BANDS).unsqueeze(0), sc).masked_fill(~vis, 0.0)
@@ -76,7 +87,7 @@ def cells(
     return {**out, "spent": spent}
 
 
-def table(results: dict[str, dict[str, torch.Tensor]], intervals: int) -> ReportTable:
+def table(results: dict[str, dict[str, torch.Tensor]], intervals: int, model: str = "smollm2-135m") -> ReportTable:
     rows = []
     for codec, r in results.items():
         share = lambda x: float((x <= TAU).double().mean())  # noqa: E731
@@ -97,7 +108,7 @@ def table(results: dict[str, dict[str, torch.Tensor]], intervals: int) -> Report
             )
         )
     return ReportTable(
-        f"Tier-A cell certificates on SmolLM2: the meter and the box supremum ({intervals} intervals, heaviest token "
+        f"Tier-A cell certificates on {model}: the meter and the box supremum ({intervals} intervals, heaviest token "
         "exact)",
         (
             "key codec",
@@ -121,7 +132,7 @@ def table(results: dict[str, dict[str, torch.Tensor]], intervals: int) -> Report
     )
 
 
-def plot(results: dict[str, dict[str, torch.Tensor]], path: Path) -> None:
+def plot(results: dict[str, dict[str, torch.Tensor]], path: Path, model: str = "smollm2-135m") -> None:
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     for i, (codec, r) in enumerate(results.items()):
         color = f"C{i}"
@@ -134,7 +145,7 @@ def plot(results: dict[str, dict[str, torch.Tensor]], path: Path) -> None:
     ax.set_xlim(1e-4, 1.0)
     ax.set_xlabel("cell certificate (bound on TV, clipped at 1)")
     ax.set_ylabel("share of cells at or below")
-    ax.set_title("SmolLM2-135M, Tier-A radii: meter (dashed) vs box supremum (solid)", fontsize=9)
+    ax.set_title(f"{model}, Tier-A radii: meter (dashed) vs box supremum (solid)", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
@@ -143,6 +154,7 @@ def plot(results: dict[str, dict[str, torch.Tensor]], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="zoo name of the model (offline weights)")
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--queries", type=int, default=8, help="last positions of each sample read as decode steps")
@@ -155,7 +167,9 @@ def main() -> None:
     codecs = args.codecs.split(",")
     for name in codecs:
         get(name)  # an unknown codec fails here, before the model loads
-    model, tok = load("smollm2-135m")
+    model, tok = load(args.model)
+    cfg = model.config
+    windows = [cfg.sliding_window if kind == "sliding_attention" else None for kind in getattr(cfg, "layer_types", [])]
     parts: dict[str, list[dict[str, torch.Tensor]]] = {c: [] for c in codecs}
     console = Console()
     with progress_bar("samples x codecs", args.samples * len(codecs), console) as tick:
@@ -163,20 +177,20 @@ def main() -> None:
             ids = tok(text, return_tensors="pt").input_ids[:, : args.tokens]
             qs, ks, sc = capture(model, ids)
             for codec in codecs:
-                parts[codec].append(cells(codec, qs, ks, sc, args.queries, args.intervals))
+                parts[codec].append(cells(codec, qs, ks, sc, args.queries, args.intervals, windows or None))
                 tick(1)
     results = {
         c: {k: torch.stack([p[k] for p in ps]).sum(0) if k == "spent" else torch.cat([p[k] for p in ps]) for k in ps[0]}
         for c, ps in parts.items()
     }
     console.print(
-        f"SmolLM2-135M, {args.corpus}, samples={args.samples} tokens={args.tokens} queries/sample={args.queries} "
+        f"{args.model}, {args.corpus}, samples={args.samples} tokens={args.tokens} queries/sample={args.queries} "
         f"seed={args.seed}",
         highlight=False,
     )
-    print_table(console, table(results, args.intervals))
+    print_table(console, table(results, args.intervals, args.model))
     if args.plot is not None:
-        plot(results, args.plot)
+        plot(results, args.plot, args.model)
         console.print(f"figure: {args.plot}", highlight=False)
     if any(int((r["tv"] > r["box"]).sum()) for r in results.values()):
         raise SystemExit("VIOLATIONS FOUND")

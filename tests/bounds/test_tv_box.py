@@ -140,6 +140,9 @@ def test_tightness_benchmark_cells_table_and_figure(tmp_path):
     r = bench.cells("int4", qs, ks, 0.125, nq=3, intervals=8)
     assert r["tv"].shape == r["box"].shape == (2 * 4 * 3,)
     assert bool((r["tv"] <= r["box"]).all()) and bool((r["box"] <= r["meter"]).all())
+    windowed = bench.cells("int4", qs, ks, 0.125, nq=3, intervals=8, windows=[None, 40])  # layer 1 reads 40 tokens
+    assert bool((windowed["tv"] <= windowed["box"]).all())
+    assert torch.equal(windowed["tv"][:12], r["tv"][:12]) and not torch.equal(windowed["tv"][12:], r["tv"][12:])
     assert bool((r["box"] < r["meter"]).any()) and bool((r["spent"] > 0).all())
     table = bench.table({"int4": r}, 8)
     assert len(table.rows) == 1 and table.rows[0][2] == "0"

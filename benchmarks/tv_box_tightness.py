@@ -41,7 +41,7 @@ from kvcert.cli.progress import progress_bar  # noqa: E402
 from kvcert.models.zoo import load  # noqa: E402
 from kvcert.quant import get  # noqa: E402
 from kvcert.report.tables import ReportTable, fmt, print_table  # noqa: E402
-from witness_tightness import Candidate, capture, served, texts  # noqa: E402
+from witness_tightness import Candidate, capture, head_reads, served, texts  # noqa: E402
 
 TAU = 0.2
 BANDS = 8
@@ -61,28 +61,23 @@ def cells(
     ``windows[layer]``: the layer's sliding window (its reads see the newest ``window`` tokens), ``None``: all."""
     tv, meter, raw, box = [], [], [], []
     spent = torch.zeros(2, dtype=torch.float64)
-    for layer, (q, k) in enumerate(zip(qs, ks, strict=True)):
-        hkv, s, _ = k.shape
-        g = q.shape[0] // hkv
-        khat = served(Candidate(codec, codec, {}), k)
-        pos = torch.arange(s - nq, s).view(1, nq, 1)
-        t = torch.arange(s).view(1, 1, s)
-        window = None if windows is None else windows[layer]
-        vis = (t <= pos) & (t > pos - window) if window else t <= pos
-        for h in range(hkv):
-            qq = q[h * g : (h + 1) * g, s - nq :]
-            c = tier_a_radius(qq, band_norms(khat[h] - k[h], BANDS).unsqueeze(0), sc).masked_fill(~vis, 0.0)
-            p = torch.softmax((sc * qq @ khat[h].T).masked_fill(~vis, float("-inf")), -1)
-            exact = torch.softmax((sc * qq @ k[h].T).masked_fill(~vis, float("-inf")), -1)
-            t0 = time.thread_time()
-            m, m_raw = meter_and_unclipped(p, c)
-            t1 = time.thread_time()
-            b = tv_box(p, c, intervals=intervals)
-            spent += torch.tensor([t1 - t0, time.thread_time() - t1], dtype=torch.float64)
-            tv.append(true_tv(exact, p).flatten())
-            meter.append(m.flatten())
-            raw.append(m_raw.flatten())
-            box.append(torch.minimum(m, b).flatten())
+    cand = Candidate(codec, codec, {})
+    for r in head_reads(qs, ks, nq, lambda k: served(cand, k)):
+        window = None if windows is None else windows[r.layer]
+        vis = (r.t <= r.pos) & (r.t > r.pos - window) if window else r.t <= r.pos
+        qq = r.q
+        c = tier_a_radius(qq, band_norms(r.khat - r.k, BANDS).unsqueeze(0), sc).masked_fill(~vis, 0.0)
+        p = torch.softmax((sc * qq @ r.khat.T).masked_fill(~vis, float("-inf")), -1)
+        exact = torch.softmax((sc * qq @ r.k.T).masked_fill(~vis, float("-inf")), -1)
+        t0 = time.thread_time()
+        m, m_raw = meter_and_unclipped(p, c)
+        t1 = time.thread_time()
+        b = tv_box(p, c, intervals=intervals)
+        spent += torch.tensor([t1 - t0, time.thread_time() - t1], dtype=torch.float64)
+        tv.append(true_tv(exact, p).flatten())
+        meter.append(m.flatten())
+        raw.append(m_raw.flatten())
+        box.append(torch.minimum(m, b).flatten())
     out = {name: torch.cat(x) for name, x in (("tv", tv), ("meter", meter), ("raw", raw), ("box", box))}
     return {**out, "spent": spent}
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +128,34 @@ def served(cand: Candidate, k: torch.Tensor) -> torch.Tensor:
     return torch.cat([khat, k[:, t:]], 1)  # a trailing partial block stays exact (as the store keeps it)
 
 
+@dataclass(frozen=True)
+class HeadRead:
+    """The decode-like reads of one (layer, KV head): its queries ``q[G, nq, D]`` at the last ``nq`` positions, the
+    exact and served keys ``k``, ``khat`` ``[S, D]``, and the positions as ``pos[1, nq, 1]`` and ``t[1, 1, S]``."""
+
+    layer: int
+    head: int
+    q: torch.Tensor
+    k: torch.Tensor
+    khat: torch.Tensor
+    pos: torch.Tensor
+    t: torch.Tensor
+
+
+def head_reads(
+    qs: list[torch.Tensor], ks: list[torch.Tensor], nq: int, serve: Callable[[torch.Tensor], torch.Tensor]
+) -> Iterator[HeadRead]:
+    """Every (layer, KV head) of the captured ``qs``/``ks``, its keys served by ``serve(k[Hkv, S, D])`` once per
+    layer."""
+    for layer, (q, k) in enumerate(zip(qs, ks, strict=True)):
+        hkv, s, _ = k.shape
+        g = q.shape[0] // hkv
+        khat = serve(k)
+        pos, t = torch.arange(s - nq, s).view(1, nq, 1), torch.arange(s).view(1, 1, s)
+        for h in range(hkv):
+            yield HeadRead(layer, h, q[h * g : (h + 1) * g, s - nq :], k[h], khat[h], pos, t)
+
+
 def measure(
     cand: Candidate,
     qs: list[torch.Tensor],
@@ -136,33 +165,27 @@ def measure(
     sub: list[list[torch.Tensor]] | None,
 ) -> dict[str, torch.Tensor | int]:
     raw, oracle, viol = [], [], 0
-    for layer, (q, k) in enumerate(zip(qs, ks, strict=True)):
-        hkv, s, _ = k.shape
-        g = q.shape[0] // hkv
-        khat = served(cand, k)
-        delta = khat - k
-        pos = torch.arange(s - nq, s).view(1, nq, 1)
-        t = torch.arange(s).view(1, 1, s)
-        vis, exact = t <= pos, t > pos - cand.window
-        for h in range(hkv):
-            qq = q[h * g : (h + 1) * g, s - nq :]  # [G, nq, D]
-            if cand.qsw_rank:
-                u = sub[layer][h]
-                a, w = qq @ u, delta[h] @ u
-                q_perp = (qq.square().sum(-1) - a.square().sum(-1)).clamp(min=0).sqrt()
-                r_perp = (delta[h].square().sum(-1) - w.square().sum(-1)).clamp(min=0).sqrt()
-                c = sc * ((a @ w.T).abs() + q_perp.unsqueeze(-1) * r_perp)
-            else:
-                rho = band_norms(delta[h], cand.bands)  # [S, bands]
-                c = tier_a_radius(qq, rho.unsqueeze(0), sc)  # [G, nq, S]
-            exact_logit = sc * qq @ k[h].T
-            logit = torch.where(exact, exact_logit, sc * qq @ khat[h].T)
-            eps = (logit - exact_logit).abs()
-            c = torch.where(exact | ~vis, 0.0, c)
-            viol += int(((eps > c) & vis).sum())
-            p = torch.softmax(logit.masked_fill(~vis, float("-inf")), -1)
-            raw.append(meter_and_unclipped(p, c)[1].flatten())
-            oracle.append(meter_and_unclipped(p, torch.where(vis, eps, 0.0))[1].flatten())
+    for r in head_reads(qs, ks, nq, lambda k: served(cand, k)):
+        qq, delta = r.q, r.khat - r.k  # [G, nq, D], [S, D]
+        vis, exact = r.t <= r.pos, r.t > r.pos - cand.window
+        if cand.qsw_rank:
+            assert sub is not None
+            u = sub[r.layer][r.head]
+            a, w = qq @ u, delta @ u
+            q_perp = (qq.square().sum(-1) - a.square().sum(-1)).clamp(min=0).sqrt()
+            r_perp = (delta.square().sum(-1) - w.square().sum(-1)).clamp(min=0).sqrt()
+            c = sc * ((a @ w.T).abs() + q_perp.unsqueeze(-1) * r_perp)
+        else:
+            rho = band_norms(delta, cand.bands)  # [S, bands]
+            c = tier_a_radius(qq, rho.unsqueeze(0), sc)  # [G, nq, S]
+        exact_logit = sc * qq @ r.k.T
+        logit = torch.where(exact, exact_logit, sc * qq @ r.khat.T)
+        eps = (logit - exact_logit).abs()
+        c = torch.where(exact | ~vis, 0.0, c)
+        viol += int(((eps > c) & vis).sum())
+        p = torch.softmax(logit.masked_fill(~vis, float("-inf")), -1)
+        raw.append(meter_and_unclipped(p, c)[1].flatten())
+        oracle.append(meter_and_unclipped(p, torch.where(vis, eps, 0.0))[1].flatten())
     return {"raw": torch.cat(raw), "oracle": torch.cat(oracle), "violations": viol}
 
 

@@ -203,15 +203,21 @@ def probs64(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits, dim=-1, dtype=torch.float64).nan_to_num_(nan=0.0)
 
 
-def served_meter(p: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(clipped, unclipped)`` meter per row; fully masked rows (no visible token) get 0 (their ``p̃`` is replaced
-    by a one-hot row for the evaluation, without a host sync to find them)."""
-    if p.dim() == 0 or p.shape[-1] == 0:
-        return meter_and_unclipped(p, c)  # raises: no token dimension
+def live_rows(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(p̃ with every fully masked row (all 0) replaced by a one-hot row, live [...])``: a form can then evaluate
+    every row, and the caller keeps its own value for the rows that are not live (no host sync to find them)."""
     live = p.sum(-1) > 0
     onehot = torch.zeros(p.shape[-1], dtype=p.dtype, device=p.device)
     onehot[0] = 1.0
-    clipped, raw = meter_and_unclipped(torch.where(live.unsqueeze(-1), p, onehot), c)
+    return torch.where(live.unsqueeze(-1), p, onehot), live
+
+
+def served_meter(p: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(clipped, unclipped)`` meter per row; fully masked rows (no visible token) get 0 (:func:`live_rows`)."""
+    if p.dim() == 0 or p.shape[-1] == 0:
+        return meter_and_unclipped(p, c)  # raises: no token dimension
+    p_eval, live = live_rows(p)
+    clipped, raw = meter_and_unclipped(p_eval, c)
     return torch.where(live, clipped, 0.0), torch.where(live, raw, 0.0)
 
 

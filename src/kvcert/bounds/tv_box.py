@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvcert.bounds.softmax_tv import _EXP_SAFE, check_nonneg_finite, check_served
+from kvcert.bounds.softmax_tv import _EXP_SAFE, check_nonneg_finite, check_served, live_rows
 
 F64 = torch.float64
 _U = 2.0**-53
@@ -192,10 +192,7 @@ def box_refined(
     rows still above the threshold get the default grid: a gate needs to know which rows are ``<= τ``, and a coarser
     grid is as sound, a little looser and several times cheaper. One host synchronisation (which rows). ``choose``:
     as :func:`tv_box`'s."""
-    live = p_served.sum(-1) > 0
-    onehot = torch.zeros(p_served.shape[-1], dtype=p_served.dtype, device=p_served.device)
-    onehot[0] = 1.0
-    p = torch.where(live.unsqueeze(-1), p_served, onehot)
+    p, live = live_rows(p_served)
     base = cert.to(F64)
     if threshold is None:
         return torch.where(live, torch.minimum(base, tv_box(p, radius, choose=choose)), base)

@@ -3,7 +3,9 @@
 * ``Gate.off()`` — never repair; certificates are still computed and reported.
 * ``Gate.certified(tau)`` — repair every KV head whose certificate exceeds ``tau`` for **any** of its
   G query heads (KV-head any-of-G); unrepaired reads then carry a true certificate ``<= tau``.
-  ``tau = 0`` repairs every read whose radius is not identically zero. ``tau`` must be finite: an
+  ``tau = 0`` repairs every read whose radius is not identically zero (with ``box=True``, below, not a read whose
+  served distribution puts all its mass on one token: its TV is 0 whatever the keys' error, and the box says so,
+  while the values it serves stay the codec's). ``tau`` must be finite: an
   infinite threshold would never repair and label an unrepaired read "certified" (``ValueError``).
 * ``Gate.risk_ranked(tau_gate)`` — for saturated schemes: rank by the *unclipped* meter and repair the
   KV heads whose unclipped value exceeds ``tau_gate`` (values above 1 carry no certificate semantics

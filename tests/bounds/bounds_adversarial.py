@@ -26,6 +26,7 @@ from kvcert.bounds import (
     tv_two_sided,
     tv_uniform,
 )
+from kvcert.kernels import numba_box
 
 F64 = torch.float64
 # (S, rows) per chunk: many short rows, fewer long ones (S from 2 to 4096)
@@ -125,6 +126,7 @@ def all_form_bounds(cells: Cells, gen: torch.Generator) -> dict[str, tuple[torch
         "tanh_max": (tv_tanh_max(p, c), tv),
         "tanh_osc": (tv_tanh_osc(p, c), tv),
         "box": (tv_box(p, c), tv),
+        "box_compiled": (tv_box(p, c, rows=numba_box.box_rows), tv),
         "uniform": (tv_uniform(c.amax(-1)), tv),
     }
     p_exact_t, alpha, delta = tail_premise(cells, gen)

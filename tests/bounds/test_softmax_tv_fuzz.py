@@ -7,7 +7,7 @@ from bounds_adversarial import CI_PLAN, SLACK, all_form_bounds, informative_rati
 
 from kvcert.bounds import FORMS, tv_meter
 
-ALL_FORMS = (*FORMS, "box", "uniform", "tail")
+ALL_FORMS = (*FORMS, "box", "box_compiled", "uniform", "tail")
 
 
 def test_every_form_sound_in_every_cell():
@@ -32,6 +32,7 @@ def test_every_form_sound_in_every_cell():
     assert 0.9 < worst["tanh_osc"] <= 1.0 + 1e-9
     assert 0.5 < worst["meter"] <= 1.0 + 1e-9
     assert 0.9 < worst["box"] <= 1.0 + 1e-9
+    assert 0.9 < worst["box_compiled"] <= 1.0 + 1e-9
 
 
 def test_meter_never_exceeds_any_of_its_forms_per_cell():

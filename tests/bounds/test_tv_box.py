@@ -12,6 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcert.bounds import tv_box, tv_meter
+from kvcert.bounds.tv_box import box_rows
+from kvcert.kernels import numba_box
+
+#: the two evaluations of the prepared rows: tensor operations (any device) and the compiled CPU kernel
+ROWS = pytest.mark.parametrize("rows", [box_rows, numba_box.box_rows], ids=["tensor", "compiled"])
 
 F64 = torch.float64
 # the brute force evaluates each vertex's TV in float64 (its own rounding, ~S·2^-53 relative); the bound is rounded up
@@ -29,7 +34,7 @@ def vertex_sup(p: torch.Tensor, c: torch.Tensor) -> float:
 
 
 @st.composite
-def rows(draw: st.DrawFn, max_tokens: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+def cell(draw: st.DrawFn, max_tokens: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
     s = draw(st.integers(1, max_tokens))
     logits = torch.tensor(draw(st.lists(st.floats(-12.0, 12.0), min_size=s, max_size=s)), dtype=F64)
     scale = 10.0 ** draw(st.floats(-4.0, 1.0))
@@ -38,32 +43,35 @@ def rows(draw: st.DrawFn, max_tokens: int = 7) -> tuple[torch.Tensor, torch.Tens
     return torch.softmax(logits, -1), radius
 
 
+@ROWS
 @settings(max_examples=300, deadline=None)
-@given(rows(), st.sampled_from([1, 2, 5, 32]), st.integers(0, 2))
-def test_bounds_the_supremum_over_every_vertex(row, intervals, exact):
+@given(cell(), st.sampled_from([1, 2, 5, 32]), st.integers(0, 2), st.sampled_from([0, 0, 1, 8]))
+def test_bounds_the_supremum_over_every_vertex(rows, row, intervals, exact, classes):
     p, c = row
-    bound = float(tv_box(p, c, intervals=intervals, exact=exact, clip=False))
+    bound = float(tv_box(p, c, intervals=intervals, exact=exact, clip=False, rows=rows, classes=classes))
     assert bound >= vertex_sup(p, c) * (1 - BRUTE_SLACK) - BRUTE_SLACK
 
 
+@ROWS
 @settings(max_examples=200, deadline=None)
-@given(rows(max_tokens=12), st.integers(0, 2**31 - 1))
-def test_bounds_the_true_tv_at_interior_errors(row, seed):
+@given(cell(max_tokens=12), st.integers(0, 2**31 - 1))
+def test_bounds_the_true_tv_at_interior_errors(rows, row, seed):
     p, c = row
     gen = torch.Generator().manual_seed(seed)
     eps = c * (2.0 * torch.rand(64, p.shape[-1], generator=gen, dtype=F64) - 1.0)
     tv = 0.5 * (torch.softmax(torch.log(p) - eps, -1) - p).abs().sum(-1)
-    assert float(tv.max()) <= float(tv_box(p, c)) * (1 + BRUTE_SLACK) + BRUTE_SLACK
+    assert float(tv.max()) <= float(tv_box(p, c, rows=rows)) * (1 + BRUTE_SLACK) + BRUTE_SLACK
 
 
+@ROWS
 @pytest.mark.parametrize("radius", [1e-3, 0.1, 0.5, 1.0, 2.0])
-def test_equal_radii_give_tanh_of_half_the_radius(radius):
+def test_equal_radii_give_tanh_of_half_the_radius(rows, radius):
     """With many equal tokens the supremum is ``tanh(c/2)`` (raise a share ``1/(e^c + 1)`` of the mass): the bound is
     at least the best vertex and within 5 % of ``tanh(c/2)`` at 64 intervals, where the meter gives about ``c``."""
     s = 2000
     p = torch.full((s,), 1.0 / s, dtype=F64)
     c = torch.full((s,), radius, dtype=F64)
-    bound = float(tv_box(p, c, intervals=64))
+    bound = float(tv_box(p, c, intervals=64, rows=rows))
     k = torch.arange(s + 1, dtype=F64)  # k tokens raised (ε = −c), the rest lowered
     up = k * math.exp(radius) / (k * math.exp(radius) + (s - k) * math.exp(-radius))
     best_vertex = float((up - k / s).max())
@@ -71,38 +79,49 @@ def test_equal_radii_give_tanh_of_half_the_radius(radius):
     assert bound < 0.6 * float(tv_meter(p, c)) or float(tv_meter(p, c)) == 1.0
 
 
-def test_the_dominant_token_enters_exactly():
+@ROWS
+def test_the_dominant_token_enters_exactly(rows):
     """Relaxed, a token of mass 0.999 may count as half raised and half lowered (a TV of about c/2); pinned to its
     ends it cannot, and the bound falls to the true supremum's scale."""
     p = torch.tensor([0.999, 0.0005, 0.0005], dtype=F64)
     c = torch.full((3,), 1.0, dtype=F64)
     sup = vertex_sup(p, c)
-    relaxed, pinned = float(tv_box(p, c, exact=0)), float(tv_box(p, c, exact=1))
+    relaxed, pinned = float(tv_box(p, c, exact=0, rows=rows)), float(tv_box(p, c, exact=1, rows=rows))
     assert sup <= pinned <= 1.1 * sup
     assert relaxed > 50 * sup
 
 
-def test_masked_tokens_change_nothing():
+@ROWS
+def test_masked_tokens_change_nothing(rows):
     gen = torch.Generator().manual_seed(3)
     p = torch.softmax(torch.randn(4, 40, generator=gen, dtype=F64) * 3, -1)
     c = torch.rand(4, 40, generator=gen, dtype=F64)
     padded_p = torch.cat([p, torch.zeros(4, 9, dtype=F64)], -1)
     padded_c = torch.cat([c, 50.0 * torch.rand(4, 9, generator=gen, dtype=F64)], -1)
-    torch.testing.assert_close(tv_box(padded_p, padded_c), tv_box(p, c), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(tv_box(padded_p, padded_c, rows=rows), tv_box(p, c, rows=rows), rtol=1e-12, atol=1e-15)
 
 
-def test_batch_shapes_broadcast_and_huge_radii_are_trivial():
+@ROWS
+def test_batch_shapes_broadcast_and_huge_radii_are_trivial(rows):
     gen = torch.Generator().manual_seed(5)
     p = torch.softmax(torch.randn(2, 3, 16, generator=gen, dtype=F64), -1)
     c = 0.1 * torch.rand(16, generator=gen, dtype=F64)
-    out = tv_box(p, c)
+    out = tv_box(p, c, rows=rows)
     assert out.shape == (2, 3)
-    torch.testing.assert_close(out[1, 2], tv_box(p[1, 2], c))
+    torch.testing.assert_close(out[1, 2], tv_box(p[1, 2], c, rows=rows))
     huge = c.clone()
     huge[4] = 400.0
-    assert float(tv_box(p[0, 0], huge)) == 1.0
-    assert tv_box(p[0, 0], huge, clip=False).item() == math.inf
-    assert float(tv_box(p[0, 0], torch.zeros(16, dtype=F64))) < 1e-13  # no error, (almost) no bound
+    assert float(tv_box(p[0, 0], huge, rows=rows)) == 1.0
+    assert tv_box(p[0, 0], huge, clip=False, rows=rows).item() == math.inf
+    masked_huge = huge.clone()
+    p_masked = p[0, 0].clone()
+    p_masked[4] = 0.0  # a huge radius on a masked token is ignored
+    p_masked /= p_masked.sum()
+    assert tv_box(p_masked, masked_huge, clip=False, rows=rows).item() < 1.0
+    assert float(tv_box(p[0, 0], torch.zeros(16, dtype=F64), rows=rows)) < 1e-13  # no error, (almost) no bound
+    near = torch.full((16,), 299.0, dtype=F64)  # radii under 300 whose class ends (320) are above it
+    assert tv_box(p[0, 0], near, clip=False, rows=rows, exact=0).item() < math.inf
+    assert tv_box(p[0, 0], near, clip=False, rows=rows, exact=0, classes=8).item() == math.inf
 
 
 @pytest.mark.parametrize(
@@ -114,6 +133,8 @@ def test_batch_shapes_broadcast_and_huge_radii_are_trivial():
         (torch.tensor([0.5, 0.2]), torch.tensor([0.1, 0.1]), {}, "sum to 1"),
         (torch.tensor([0.5, 0.5]), torch.tensor([0.1, 0.1]), {"intervals": 0}, "intervals"),
         (torch.tensor([0.5, 0.5]), torch.tensor([0.1, 0.1]), {"exact": 9}, "exact"),
+        (torch.tensor([0.5, 0.5]), torch.tensor([0.1, 0.1]), {"classes": 3}, "classes"),
+        (torch.tensor([0.5, 0.5]), torch.tensor([0.1, 0.1]), {"classes": 128}, "classes"),
     ],
 )
 def test_bad_input_is_refused(p, c, kwargs, match):
@@ -171,24 +192,56 @@ def test_box_refined_under_a_threshold_refines_only_the_rows_above_it():
     torch.testing.assert_close(gated[~below], full[~below], rtol=0, atol=0)
 
 
-def test_the_compiled_chooser_picks_the_sorted_choosers_lambda():
-    """``kvcert.kernels.numba_box.choose_lambda`` (weighted quickselect) against :func:`sorted_lambda` on adversarial
-    cells of every length: the same λ up to ties, so the same bound (the choice bears on tightness only)."""
+def test_the_compiled_rows_equal_the_tensor_rows():
+    """``kvcert.kernels.numba_box.box_rows`` against :func:`box_rows` on adversarial cells of every length, every
+    ``exact`` and both grids a gate uses: the same bound up to summation order (the same λ, the same grid)."""
     from bounds_adversarial import make_cells
 
-    from kvcert.bounds.tv_box import sorted_lambda
-    from kvcert.kernels.numba_box import choose_lambda
-
     gen = torch.Generator().manual_seed(21)
-    for s, rows in ((1, 50), (2, 500), (7, 500), (64, 200), (1024, 20)):
-        cells = make_cells(rows, s, gen) if s > 1 else None
-        p = torch.ones(rows, 1, dtype=F64) if cells is None else cells.p_served
-        c = torch.rand(rows, s, generator=gen, dtype=F64) if cells is None else cells.radius
-        fast = tv_box(p, c, choose=choose_lambda, clip=False)
-        torch.testing.assert_close(fast, tv_box(p, c, clip=False), rtol=1e-12, atol=1e-13)
-        h, l = torch.exp(c.clamp(max=50.0)), torch.exp(-c.clamp(max=50.0))  # tv_box zeroes rows above 300
-        mid = 1.0 + 0.5 * (torch.rand(rows, 5, generator=gen, dtype=F64) - 0.5)
-        b_sum = (p * l).sum(-1)
-        lam_fast, lam_sorted = choose_lambda(p, h, l, mid, b_sum), sorted_lambda(p, h, l, mid, b_sum)
-        assert bool(((lam_fast >= 0) & (lam_fast <= 1)).all())
-        torch.testing.assert_close(lam_fast, lam_sorted, rtol=1e-9, atol=1e-12)
+    for s, n in ((1, 50), (2, 500), (7, 500), (64, 200), (1024, 20)):
+        cells = make_cells(n, s, gen) if s > 1 else None
+        p = torch.ones(n, 1, dtype=F64) if cells is None else cells.p_served
+        c = torch.rand(n, s, generator=gen, dtype=F64) if cells is None else cells.radius
+        for intervals, exact, classes in ((4, 1, 0), (16, 1, 0), (16, 0, 0), (8, 3, 0), (4, 1, 8), (16, 2, 1)):
+            # merged classes carry the rounding allowance of a sum of sums (γ_{2S+16}, not γ_{S+8}), which dominates
+            # only in rows far above 1 (radii near 300: e^c ~ 1e130 against a TV of at most 1); compared clipped
+            kw = {"intervals": intervals, "exact": exact, "clip": classes > 0, "classes": classes}
+            fast = tv_box(p, c, rows=numba_box.box_rows, **kw)
+            slow = tv_box(p, c, **kw)  # the tensor rows evaluate every token at its class end, one by one
+            torch.testing.assert_close(fast, slow, rtol=1e-8, atol=1e-12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(0.0, 400.0) | st.floats(0.0, 1e-300) | st.floats(1e-320, 1e-5), st.sampled_from([1, 2, 8, 64]))
+def test_round_radii_raises_each_radius_less_than_one_class(c, classes):
+    """A class end is at least the radius, less than ``1 + 1/K`` times it (above the ``2^-1000`` floor), exact and
+    idempotent; the compiled kernel's class end of a radius is the same number."""
+    from kvcert.bounds.tv_box import round_radii
+
+    x = torch.tensor([c], dtype=F64)
+    end = round_radii(x, classes)
+    assert float(end) >= c
+    if c == 0.0:
+        assert float(end) == 0.0
+    else:
+        assert float(end) < (1 + 1 / classes) * max(c, 2.0**-1000)
+        assert float(end) == numba_box._class_end(c, classes)[1]
+    assert torch.equal(round_radii(end, classes), end)
+
+
+def test_radius_classes_loosen_the_bound_by_less_than_a_class():
+    """On real-sized cells the coarse pass's classes (8 per octave) give a bound within the bound of the radii raised
+    by a whole class (``1 + 1/8``) where that is informative, and never below the exact radii's: the looseness the
+    classes cost is bounded."""
+    from bounds_adversarial import make_cells
+
+    gen = torch.Generator().manual_seed(4)
+    cells = make_cells(300, 512, gen)
+    p, c = cells.p_served, cells.radius.clamp(max=10.0)
+    exact_radii = tv_box(p, c, intervals=16, clip=False, rows=numba_box.box_rows)
+    classed = tv_box(p, c, intervals=16, clip=False, rows=numba_box.box_rows, classes=8)
+    raised = tv_box(p, c * (1 + 1 / 8), intervals=16, clip=False, rows=numba_box.box_rows)
+    informative = raised < 1.0  # the bound is not exactly monotone in the radii where it exceeds 1 (allowances)
+    assert bool((classed >= exact_radii - 1e-12).all())
+    assert bool((classed <= raised + 1e-12)[informative].all()) and int(informative.sum()) > 200
+    assert bool((classed > exact_radii).any())

@@ -36,13 +36,13 @@ from kvcert.bounds import band_norms, round_up_f32, tier_b_radius, tier_b_sigma2
 from kvcert.bounds.radii import tier_a_radius_f32
 from kvcert.bounds.rc import U_F32, gamma_f32
 from kvcert.bounds.softmax_tv import probs64, served_meter
-from kvcert.bounds.tv_box import box_refined, sorted_lambda
+from kvcert.bounds.tv_box import box_refined, box_rows
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 from kvcert.checks import Checks, deferred
 from kvcert.kernels import active as kernel_backend
+from kvcert.kernels import numba_box
 from kvcert.kernels.inputs import store_inputs
-from kvcert.kernels.numba_box import choose_lambda
 from kvcert.kernels.numba_read import (
     CELL_ROWS,
     DECODE_MAX_ROWS,
@@ -606,8 +606,8 @@ def _box_refine(rd: _Read, ch: _Changes, dc: _Decision, gate: Gate) -> None:
     if not pairs:
         return
     bi, hi = torch.tensor(pairs, device=dc.need.device).unbind(-1)
-    choose = choose_lambda if kernel_backend(rd.qg.device) == "numba" else sorted_lambda
-    refined = box_refined(sv.p64[bi, hi], sv.c[bi, hi], sv.cert[bi, hi], gate.threshold, choose)  # [n, M]
+    rows = numba_box.box_rows if kernel_backend(rd.qg.device) == "numba" else box_rows
+    refined = box_refined(sv.p64[bi, hi], sv.c[bi, hi], sv.cert[bi, hi], gate.threshold, rows)  # [n, M]
     ch.cert_pre = sv.cert.clone().index_put_((bi, hi), refined)
     ch.cert = ch.cert_pre.clone()
     spared = (refined.amax(-1) <= gate.threshold).tolist()

@@ -39,6 +39,7 @@ from kvcert.eval.corpora import load_corpus
 from kvcert.integrations.attention_impl import swapped_attention
 from kvcert.models.zoo import load
 from kvcert.quant import get
+from kvcert.quant.base import sample_key
 
 D = 64
 
@@ -118,13 +119,18 @@ def codec_bits(cand: Candidate, k: torch.Tensor) -> float:
     """Measured codec bits per element of ``k[Hkv, T, D]`` (packed tensors, whole blocks)."""
     codec = get(cand.codec, **cand.options)
     t = k.shape[1] - k.shape[1] % codec.block
-    return codec.encode(k[None, :, :t].to(torch.float32)).nbytes * 8 / (k.shape[0] * t * k.shape[-1])
+    x = k[None, :, :t].to(torch.float32)
+    return codec.encode(x, sample_key(x) if codec.needs_key else None).nbytes * 8 / (k.shape[0] * t * k.shape[-1])
 
 
 def served(cand: Candidate, k: torch.Tensor) -> torch.Tensor:
+    """The keys ``k[Hkv, T, D]`` as the codec serves them; a dithered codec draws its dither from
+    :func:`kvcert.quant.base.sample_key` (seed 0, positions ``0..T−1``)."""
     codec = get(cand.codec, **cand.options)
     t = k.shape[1] - k.shape[1] % codec.block
-    khat = codec.decode(codec.encode(k[None, :, :t].to(torch.float32)))[0].to(torch.float64)
+    x = k[None, :, :t].to(torch.float32)
+    key = sample_key(x) if codec.needs_key else None
+    khat = codec.decode(codec.encode(x, key), key)[0].to(torch.float64)
     return torch.cat([khat, k[:, t:]], 1)  # a trailing partial block stays exact (as the store keeps it)
 
 

@@ -165,6 +165,8 @@ def test_tightness_benchmark_cells_table_and_figure(tmp_path):
     assert bool((windowed["tv"] <= windowed["box"]).all())
     assert torch.equal(windowed["tv"][:12], r["tv"][:12]) and not torch.equal(windowed["tv"][12:], r["tv"][12:])
     assert bool((r["box"] < r["meter"]).any()) and bool((r["spent"] > 0).all())
+    dithered = bench.cells("dither-int6", qs, ks, 0.125, nq=3, intervals=8)  # a codec that needs a dither key
+    assert bool((dithered["tv"] <= dithered["box"]).all()) and bool((dithered["tv"] > 0).all())
     table = bench.table({"int4": r}, 8)
     assert len(table.rows) == 1 and table.rows[0][2] == "0"
     bench.plot({"int4": r}, tmp_path / "box.png")

@@ -13,7 +13,9 @@ A sliding-window layer (Gemma-3) reads only its window, as the model does.
 Columns per codec: cells; violations (cells whose exact TV exceeds ``min(meter, box)``; must be 0); the medians of
 both certificates and of ``box / meter``; the share of cells each certifies at τ = 0.2 (the cells a
 ``Gate.certified(0.2)`` passes without repair); the informative fraction (unclipped meter < 1, unchanged by the
-box); the median exact TV; the CPU time per cell of each form, side by side. With ``--plot``, the distribution of
+box); the median exact TV; the CPU time per cell of each form, side by side, the box both as tensor operations and
+compiled (:func:`kvcert.kernels.numba_box.box_rows`), with the largest relative difference of the two. With
+``--plot``, the distribution of
 both certificates per codec (ECDF, τ marked).
 
 Usage: ``OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/tv_box_tightness.py [--model smollm2-135m]
@@ -38,6 +40,7 @@ from rich.console import Console  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvcert.bounds import band_norms, meter_and_unclipped, tier_a_radius, true_tv, tv_box  # noqa: E402
 from kvcert.cli.progress import progress_bar  # noqa: E402
+from kvcert.kernels import numba_box  # noqa: E402
 from kvcert.models.zoo import load  # noqa: E402
 from kvcert.quant import get  # noqa: E402
 from kvcert.report.tables import ReportTable, fmt, print_table  # noqa: E402
@@ -57,10 +60,11 @@ def cells(
     windows: list[int | None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per cell of every layer and query head: exact TV, the meter (clipped, unclipped) and ``min(meter, box)``; and
-    the seconds spent in the meter and in ``tv_box`` (one thread's clock, side by side on the same cells).
+    the seconds spent in the meter, in ``tv_box`` and in its compiled evaluation (one thread's clock, side by side on
+    the same cells), and each cell's relative difference of the two evaluations (``gap``).
     ``windows[layer]``: the layer's sliding window (its reads see the newest ``window`` tokens), ``None``: all."""
-    tv, meter, raw, box = [], [], [], []
-    spent = torch.zeros(2, dtype=torch.float64)
+    tv, meter, raw, box, gap = [], [], [], [], []
+    spent = torch.zeros(3, dtype=torch.float64)
     cand = Candidate(codec, codec, {})
     for r in head_reads(qs, ks, nq, lambda k: served(cand, k)):
         window = None if windows is None else windows[r.layer]
@@ -73,12 +77,15 @@ def cells(
         m, m_raw = meter_and_unclipped(p, c)
         t1 = time.thread_time()
         b = tv_box(p, c, intervals=intervals)
-        spent += torch.tensor([t1 - t0, time.thread_time() - t1], dtype=torch.float64)
+        t2 = time.thread_time()
+        b_compiled = tv_box(p, c, intervals=intervals, rows=numba_box.box_rows)
+        spent += torch.tensor([t1 - t0, t2 - t1, time.thread_time() - t2], dtype=torch.float64)
+        gap.append(((b_compiled - b).abs() / b.clamp(min=1e-12)).flatten())
         tv.append(true_tv(exact, p).flatten())
         meter.append(m.flatten())
         raw.append(m_raw.flatten())
         box.append(torch.minimum(m, b).flatten())
-    out = {name: torch.cat(x) for name, x in (("tv", tv), ("meter", meter), ("raw", raw), ("box", box))}
+    out = {name: torch.cat(x) for name, x in (("tv", tv), ("meter", meter), ("raw", raw), ("box", box), ("gap", gap))}
     return {**out, "spent": spent}
 
 
@@ -100,6 +107,8 @@ def table(results: dict[str, dict[str, torch.Tensor]], intervals: int, model: st
                 fmt(float(r["tv"].median())),
                 fmt(1e3 * float(r["spent"][0]) / r["tv"].numel()),
                 fmt(1e3 * float(r["spent"][1]) / r["tv"].numel()),
+                fmt(1e3 * float(r["spent"][2]) / r["tv"].numel()),
+                fmt(float(r["gap"].max())),
             )
         )
     return ReportTable(
@@ -118,11 +127,15 @@ def table(results: dict[str, dict[str, torch.Tensor]], intervals: int, model: st
             "median exact TV",
             "meter ms/cell",
             "box ms/cell",
+            "compiled box ms/cell",
+            "max rel. diff compiled",
         ),
         tuple(rows),
         "box = min(meter, tv_box); violations = cells whose exact TV exceeds it (must be 0); <= τ = cells a "
         "certified(0.2) gate passes without repair; informative = unclipped meter < 1; ms/cell = CPU time of one "
-        "thread per cell, the two forms timed side by side on the same cells. Tiers: certificates certified (Tier A, "
+        "thread per cell, the forms timed side by side on the same cells (box: the tensor evaluation; compiled box: "
+        "kvcert.kernels.numba_box, the same bound up to summation order, its largest relative difference beside it). "
+        "Tiers: certificates certified (Tier A, "
         "any query); exact TV empirical; times measured.",
     )
 

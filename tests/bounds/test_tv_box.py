@@ -167,8 +167,9 @@ def test_tightness_benchmark_cells_table_and_figure(tmp_path):
     assert bool((r["box"] < r["meter"]).any()) and bool((r["spent"] > 0).all())
     dithered = bench.cells("dither-int6", qs, ks, 0.125, nq=3, intervals=8)  # a codec that needs a dither key
     assert bool((dithered["tv"] <= dithered["box"]).all()) and bool((dithered["tv"] > 0).all())
+    assert float(r["gap"].max()) < 1e-8  # the compiled evaluation is the same bound
     table = bench.table({"int4": r}, 8)
-    assert len(table.rows) == 1 and table.rows[0][2] == "0"
+    assert len(table.rows) == 1 and table.rows[0][2] == "0" and len(table.rows[0]) == len(table.columns)
     bench.plot({"int4": r}, tmp_path / "box.png")
     assert (tmp_path / "box.png").stat().st_size > 0
 

@@ -38,13 +38,22 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kvcert.bounds import band_norms, meter_and_unclipped, tier_a_radius, true_tv, tv_box  # noqa: E402
+from kvcert import ValidationConfig  # noqa: E402
+from kvcert.bounds import (  # noqa: E402
+    band_norms,
+    meter_and_unclipped,
+    tier_a_radius,
+    tier_b_radius,
+    tier_b_sigma2,
+    true_tv,
+    tv_box,
+)
 from kvcert.cli.progress import progress_bar  # noqa: E402
 from kvcert.kernels import numba_box  # noqa: E402
 from kvcert.models.zoo import load  # noqa: E402
 from kvcert.quant import get  # noqa: E402
 from kvcert.report.tables import ReportTable, fmt, print_table  # noqa: E402
-from witness_tightness import Candidate, capture, head_reads, served, texts  # noqa: E402
+from witness_tightness import Candidate, capture, encoded, head_reads, texts  # noqa: E402
 
 TAU = 0.2
 BANDS = 8
@@ -58,15 +67,29 @@ def cells(
     nq: int,
     intervals: int,
     windows: list[int | None] | None = None,
+    delta_loc: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per cell of every layer and query head: exact TV, the meter (clipped, unclipped) and ``min(meter, box)``; and
     the seconds spent in the meter, in ``tv_box`` and in its compiled evaluation (one thread's clock, side by side on
-    the same cells), and each cell's relative difference of the two evaluations (``gap``).
-    ``windows[layer]``: the layer's sliding window (its reads see the newest ``window`` tokens), ``None``: all."""
-    tv, meter, raw, box, gap = [], [], [], [], []
+    the same cells), and each cell's relative difference of the two evaluations (``gap``). ``kv_box``: per KV-head
+    read (a decode step of one KV head), whether every query head's box is ``<= τ`` (what a head gate passes).
+    ``windows[layer]``: the layer's sliding window (its reads see the newest ``window`` tokens), ``None``: all.
+
+    With ``delta_loc`` and a dithered codec, also ``partial`` (and ``kv_partial``): ``min(meter, box)`` over the radii
+    ``min(c_t, u_t)``, ``u_t`` the Tier-B union radius at ``delta_loc`` (``docs/math.md#tier-b-radius``): partially
+    certified (non-adaptive queries; it fails with probability at most ``delta_loc`` per cell)."""
+    tv, meter, raw, box, gap, kv_box, partial, kv_partial = ([] for _ in range(8))
     spent = torch.zeros(3, dtype=torch.float64)
     cand = Candidate(codec, codec, {})
-    for r in head_reads(qs, ks, nq, lambda k: served(cand, k)):
+    tier_b = delta_loc is not None and get(codec).tier_b
+    group_size = getattr(get(codec), "group_size", 0)
+    layer_steps: list[torch.Tensor | None] = [None]
+
+    def serve(k: torch.Tensor) -> torch.Tensor:  # one call per layer, before its heads' reads
+        khat, layer_steps[0] = encoded(cand, k)
+        return khat
+
+    for r in head_reads(qs, ks, nq, serve):
         window = None if windows is None else windows[r.layer]
         vis = (r.t <= r.pos) & (r.t > r.pos - window) if window else r.t <= r.pos
         qq = r.q
@@ -84,8 +107,21 @@ def cells(
         tv.append(true_tv(exact, p).flatten())
         meter.append(m.flatten())
         raw.append(m_raw.flatten())
-        box.append(torch.minimum(m, b).flatten())
-    out = {name: torch.cat(x) for name, x in (("tv", tv), ("meter", meter), ("raw", raw), ("box", box), ("gap", gap))}
+        cell_box = torch.minimum(m, b)  # [G, nq]
+        box.append(cell_box.flatten())
+        kv_box.append((cell_box <= TAU).all(0))
+        if tier_b:
+            steps = layer_steps[0]
+            assert steps is not None  # a dithered codec stores its steps
+            u = tier_b_radius(tier_b_sigma2(qq, steps[r.head], sc, group_size), r.k.shape[0], delta_loc)
+            cp = torch.minimum(c, u).masked_fill(~vis, 0.0)
+            cell_partial = torch.minimum(meter_and_unclipped(p, cp)[0], tv_box(p, cp, rows=numba_box.box_rows))
+            partial.append(cell_partial.flatten())
+            kv_partial.append((cell_partial <= TAU).all(0))
+    named = (("tv", tv), ("meter", meter), ("raw", raw), ("box", box), ("gap", gap), ("kv_box", kv_box))
+    out = {name: torch.cat(x) for name, x in named}
+    if tier_b:
+        out |= {"partial": torch.cat(partial), "kv_partial": torch.cat(kv_partial)}
     return {**out, "spent": spent}
 
 
@@ -140,11 +176,57 @@ def table(results: dict[str, dict[str, torch.Tensor]], intervals: int, model: st
     )
 
 
+def gate_table(results: dict[str, dict[str, torch.Tensor]], delta_loc: float | None, model: str) -> ReportTable:
+    """Per codec, what a head gate at τ sees: the share of KV-head reads whose every query head's box is ``<= τ``,
+    with the Tier-A radii and (``--tier-b``, dithered codecs) with ``min(Tier A, Tier B)``."""
+    rows = []
+    for codec, r in results.items():
+        partial = r.get("partial")
+        rows.append(
+            (
+                codec,
+                fmt(r["kv_box"].numel()),
+                fmt(float(r["kv_box"].double().mean()), percent=True),
+                *(
+                    ("–",) * 4
+                    if partial is None
+                    else (
+                        fmt(float(partial.median())),
+                        fmt(float((partial <= TAU).double().mean()), percent=True),
+                        fmt(float(r["kv_partial"].double().mean()), percent=True),
+                        fmt(int((r["tv"] > partial).sum())),
+                    )
+                ),
+            )
+        )
+    delta = "no Tier B" if delta_loc is None else f"δ_loc = {delta_loc:.3g}"
+    return ReportTable(
+        f"What a head gate at τ = {TAU} passes on {model}: Tier A, and min(Tier A, Tier B) ({delta})",
+        (
+            "key codec",
+            "KV-head reads",
+            f"Tier A: KV heads <= {TAU}",
+            "min(A, B): median box",
+            f"min(A, B): cells <= {TAU}",
+            f"min(A, B): KV heads <= {TAU}",
+            "min(A, B): violations",
+        ),
+        tuple(rows),
+        "KV-head read = one decode step of one KV head; it passes when the box of every query head it serves is <= τ. "
+        "min(A, B) = the box over the radii min(Tier A, Tier-B union radius at δ_loc, the library's default split of "
+        "δ_req = 1e-2): partially certified (subtractive dither, non-adaptive queries; each cell fails with "
+        "probability at most δ_loc); violations = cells whose exact TV exceeds it. Tiers: Tier A certified, "
+        "min(A, B) partially certified, exact TV empirical.",
+    )
+
+
 def plot(results: dict[str, dict[str, torch.Tensor]], path: Path, model: str = "smollm2-135m") -> None:
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     for i, (codec, r) in enumerate(results.items()):
         color = f"C{i}"
-        for key, style, label in (("meter", "--", "meter"), ("box", "-", "box")):
+        for key, style, label in (("meter", "--", "meter"), ("box", "-", "box"), ("partial", ":", "box, min(A, B)")):
+            if key not in r:
+                continue
             x = r[key].sort().values.clamp(min=1e-6).numpy()
             ax.step(x, torch.linspace(0, 1, len(x)).numpy(), style, color=color, label=f"{codec}: {label}", lw=1.2)
     ax.axvline(TAU, color="grey", lw=0.8)
@@ -153,7 +235,7 @@ def plot(results: dict[str, dict[str, torch.Tensor]], path: Path, model: str = "
     ax.set_xlim(1e-4, 1.0)
     ax.set_xlabel("cell certificate (bound on TV, clipped at 1)")
     ax.set_ylabel("share of cells at or below")
-    ax.set_title(f"{model}, Tier-A radii: meter (dashed) vs box supremum (solid)", fontsize=9)
+    ax.set_title(f"{model}: meter (dashed), box (solid), box over min(Tier A, Tier B) (dotted)", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
@@ -171,6 +253,11 @@ def main() -> None:
     ap.add_argument("--codecs", default="int8,fp8-e4m3,int4,hadamard-int4")
     ap.add_argument("--intervals", type=int, default=16, help="tv_box's geometric intervals of [B₋, A]")
     ap.add_argument("--plot", type=Path, default=None, help="write the figure here (PNG)")
+    ap.add_argument(
+        "--tier-b",
+        action="store_true",
+        help="dithered codecs: also the box over min(Tier A, Tier B) radii (partially certified)",
+    )
     args = ap.parse_args()
     codecs = args.codecs.split(",")
     for name in codecs:
@@ -178,6 +265,7 @@ def main() -> None:
     model, tok = load(args.model)
     cfg = model.config
     windows = [cfg.sliding_window if kind == "sliding_attention" else None for kind in getattr(cfg, "layer_types", [])]
+    delta_loc = ValidationConfig().delta_loc(cfg.num_hidden_layers, cfg.num_attention_heads) if args.tier_b else None
     parts: dict[str, list[dict[str, torch.Tensor]]] = {c: [] for c in codecs}
     console = Console()
     with progress_bar("samples x codecs", args.samples * len(codecs), console) as tick:
@@ -185,7 +273,7 @@ def main() -> None:
             ids = tok(text, return_tensors="pt").input_ids[:, : args.tokens]
             qs, ks, sc = capture(model, ids)
             for codec in codecs:
-                parts[codec].append(cells(codec, qs, ks, sc, args.queries, args.intervals, windows or None))
+                parts[codec].append(cells(codec, qs, ks, sc, args.queries, args.intervals, windows or None, delta_loc))
                 tick(1)
     results = {
         c: {k: torch.stack([p[k] for p in ps]).sum(0) if k == "spent" else torch.cat([p[k] for p in ps]) for k in ps[0]}
@@ -197,10 +285,13 @@ def main() -> None:
         highlight=False,
     )
     print_table(console, table(results, args.intervals, args.model))
+    print_table(console, gate_table(results, delta_loc, args.model))
     if args.plot is not None:
         plot(results, args.plot, args.model)
         console.print(f"figure: {args.plot}", highlight=False)
-    if any(int((r["tv"] > r["box"]).sum()) for r in results.values()):
+    if any(
+        int((r["tv"] > r["box"]).sum()) + int((r["tv"] > r.get("partial", r["box"])).sum()) for r in results.values()
+    ):
         raise SystemExit("VIOLATIONS FOUND")
 
 

@@ -123,15 +123,26 @@ def codec_bits(cand: Candidate, k: torch.Tensor) -> float:
     return codec.encode(x, sample_key(x) if codec.needs_key else None).nbytes * 8 / (k.shape[0] * t * k.shape[-1])
 
 
-def served(cand: Candidate, k: torch.Tensor) -> torch.Tensor:
-    """The keys ``k[Hkv, T, D]`` as the codec serves them; a dithered codec draws its dither from
+def encoded(cand: Candidate, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The keys ``k[Hkv, T, D]`` as the codec serves them, and its per-group quantiser steps ``[Hkv, T, G]`` (float64;
+    0 on the exact tokens; ``None`` for a codec without steps). A dithered codec draws its dither from
     :func:`kvcert.quant.base.sample_key` (seed 0, positions ``0..T−1``)."""
     codec = get(cand.codec, **cand.options)
     t = k.shape[1] - k.shape[1] % codec.block
     x = k[None, :, :t].to(torch.float32)
     key = sample_key(x) if codec.needs_key else None
-    khat = codec.decode(codec.encode(x, key), key)[0].to(torch.float64)
-    return torch.cat([khat, k[:, t:]], 1)  # a trailing partial block stays exact (as the store keeps it)
+    packed = codec.encode(x, key)
+    khat = codec.decode(packed, key)[0].to(torch.float64)
+    steps = codec.steps(packed)
+    if steps is not None:
+        exact_steps = torch.zeros(k.shape[0], k.shape[1] - t, steps.shape[-1], dtype=torch.float64)
+        steps = torch.cat([steps[0].to(torch.float64), exact_steps], 1)
+    return torch.cat([khat, k[:, t:]], 1), steps  # a trailing partial block stays exact (as the store keeps it)
+
+
+def served(cand: Candidate, k: torch.Tensor) -> torch.Tensor:
+    """The keys ``k[Hkv, T, D]`` as the codec serves them (:func:`encoded`)."""
+    return encoded(cand, k)[0]
 
 
 @dataclass(frozen=True)

@@ -165,12 +165,18 @@ def test_tightness_benchmark_cells_table_and_figure(tmp_path):
     assert bool((windowed["tv"] <= windowed["box"]).all())
     assert torch.equal(windowed["tv"][:12], r["tv"][:12]) and not torch.equal(windowed["tv"][12:], r["tv"][12:])
     assert bool((r["box"] < r["meter"]).any()) and bool((r["spent"] > 0).all())
-    dithered = bench.cells("dither-int6", qs, ks, 0.125, nq=3, intervals=8)  # a codec that needs a dither key
+    # a codec that needs a dither key, with the partially certified min(Tier A, Tier B) box beside
+    dithered = bench.cells("dither-int6", qs, ks, 0.125, nq=3, intervals=8, delta_loc=1e-7)
     assert bool((dithered["tv"] <= dithered["box"]).all()) and bool((dithered["tv"] > 0).all())
+    assert bool((dithered["tv"] <= dithered["partial"]).all()) and bool((dithered["partial"] <= dithered["box"]).all())
+    assert dithered["kv_partial"].shape == dithered["kv_box"].shape == (2 * 2 * 3,)  # layers x KV heads x steps
+    assert "partial" not in r  # Tier B only with delta_loc, and only for a dithered codec
+    gates = bench.gate_table({"int4": r, "dither-int6": dithered}, 1e-7, "random")
+    assert gates.rows[0][3:] == ("–",) * 4 and gates.rows[1][-1] == "0"
     assert float(r["gap"].max()) < 1e-8  # the compiled evaluation is the same bound
     table = bench.table({"int4": r}, 8)
     assert len(table.rows) == 1 and table.rows[0][2] == "0" and len(table.rows[0]) == len(table.columns)
-    bench.plot({"int4": r}, tmp_path / "box.png")
+    bench.plot({"int4": r, "dither-int6": dithered}, tmp_path / "box.png")
     assert (tmp_path / "box.png").stat().st_size > 0
 
 

@@ -11,7 +11,9 @@ bound row by row:
 * the same geometric grid of ``[B₋, A]``, its first and last ends exactly ``B₋`` and ``A``;
 * ``λ`` at each interval's geometric midpoint by a weighted quickselect instead of a sort (the same breakpoint);
 * ``g(a, λ)/a`` and ``g(b, λ)/b`` in one pass over the tokens, each raised by ``γ_{S+8}`` of its terms' magnitudes,
-  then divided and raised by ``4u``.
+  then divided and raised by ``4u``;
+* with radius classes (``classes = K``), the tokens of each class as one entry of their summed mass at the class's
+  end, and the allowances ``γ_{2S+2}`` and ``γ_{2S+16}`` for the sums of sums.
 
 Soundness rests on the evaluation of ``g`` and on the interval ends covering ``[B₋, A]``, not on ``λ`` or on the cut
 points, and the rounding allowances hold for any summation order, so this kernel is as sound as the tensor one. It is

@@ -81,8 +81,9 @@ def cells(
     tv, meter, raw, box, gap, kv_box, partial, kv_partial = ([] for _ in range(8))
     spent = torch.zeros(3, dtype=torch.float64)
     cand = Candidate(codec, codec, {})
-    tier_b = delta_loc is not None and get(codec).tier_b
-    group_size = getattr(get(codec), "group_size", 0)
+    codec_obj = get(codec)
+    tier_b = delta_loc is not None and codec_obj.tier_b
+    group_size = getattr(codec_obj, "group_size", 0)
     layer_steps: list[torch.Tensor | None] = [None]
 
     def serve(k: torch.Tensor) -> torch.Tensor:  # one call per layer, before its heads' reads

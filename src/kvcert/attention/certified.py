@@ -36,7 +36,7 @@ from kvcert.bounds import band_norms, round_up_f32, tier_b_radius, tier_b_sigma2
 from kvcert.bounds.radii import tier_a_radius_f32
 from kvcert.bounds.rc import U_F32, gamma_f32
 from kvcert.bounds.softmax_tv import probs64, served_meter
-from kvcert.bounds.tv_box import box_refined, box_rows
+from kvcert.bounds.tv_box import box_refined
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 from kvcert.checks import Checks, deferred
@@ -606,7 +606,7 @@ def _box_refine(rd: _Read, ch: _Changes, dc: _Decision, gate: Gate) -> None:
     if not pairs:
         return
     bi, hi = torch.tensor(pairs, device=dc.need.device).unbind(-1)
-    rows = numba_box.box_rows if kernel_backend(rd.qg.device) == "numba" else box_rows
+    rows = numba_box.rows_for(rd.qg.device)
     refined = box_refined(sv.p64[bi, hi], sv.c[bi, hi], sv.cert[bi, hi], gate.threshold, rows)  # [n, M]
     ch.cert_pre = sv.cert.clone().index_put_((bi, hi), refined)
     ch.cert = ch.cert_pre.clone()

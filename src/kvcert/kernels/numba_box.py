@@ -29,20 +29,15 @@ import numpy as np
 import torch
 
 from kvcert.bounds.softmax_tv import _EXP_SAFE
-from kvcert.bounds.tv_box import _RADIUS_FLOOR
+from kvcert.bounds.tv_box import _EXP_WIDEN, _RADIUS_FLOOR, _U, BoxRows, _gamma
+from kvcert.bounds.tv_box import box_rows as tensor_box_rows
+from kvcert.kernels import active
 
-__all__ = ["box_rows"]
+__all__ = ["box_rows", "rows_for"]
 
-_U = 2.0**-53
-_EXP_WIDEN = 8 * _U
 _TINY = float(np.finfo(np.float64).tiny)
 #: class keys: ``(e + _E_OFFSET)·K + k`` for a class end ``(½ + k/(2K))·2^e`` with ``2^-1000 ≤ end < 2^10``
 _E_OFFSET = 1001
-
-
-@numba.njit(cache=True, nogil=True, error_model="numpy")
-def _gamma(n: int) -> float:  # pragma: no cover - compiled (tested via numba)
-    return n * _U / (1.0 - n * _U)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -233,8 +228,9 @@ def _bound(
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _rows(
-    p: np.ndarray, c: np.ndarray, intervals: int, exact: int, classes: int, out: np.ndarray
+    p: np.ndarray, c: np.ndarray, intervals: int, exact: int, classes: int, g2: float, g8: float, out: np.ndarray
 ) -> None:  # pragma: no cover - compiled (tested via numba)
+    """Every row's bound into ``out``; ``g2``, ``g8`` the allowances of ``A``/``B₋`` and of each ``g``."""
     rows, s = p.shape
     pc, cc = np.empty(s), np.empty(s)  # the row's entries: pinned tokens first, then tokens or classes
     m = min(exact, s)
@@ -242,9 +238,6 @@ def _rows(
     table = np.zeros((_E_OFFSET + 12) * max(classes, 1))  # mass per class key (0: unused)
     ends_of = np.empty_like(table)
     used = np.empty(s, dtype=np.int64)
-    # a class's mass is a float64 sum of at most S masses before it enters a sum of at most S entries: γ_{2S+…}
-    g2 = _gamma(2 * s + 2) if classes else _gamma(s + 2)
-    g8 = _gamma(2 * s + 16) if classes else _gamma(s + 8)
     for r in range(rows):
         pr, cr = p[r], c[r]
         # first on the raw radii, which also keeps every class key inside the table; then on the entries, as a class
@@ -264,6 +257,15 @@ def box_rows(p: torch.Tensor, c: torch.Tensor, intervals: int, exact: int, class
     With ``classes`` the tokens of each radius class (all but the ``exact`` heaviest) enter as one entry of their
     summed mass at the class's end (:func:`kvcert.bounds.tv_box.round_radii`, at least each of their radii; module
     doc). Returns float64 ``[n]``."""
+    s = p.shape[-1]
+    # a class's mass is a float64 sum of at most S masses before it enters a sum of at most S entries: γ_{2S+…}
+    g2, g8 = (_gamma(2 * s + 2), _gamma(2 * s + 16)) if classes else (_gamma(s + 2), _gamma(s + 8))
     out = np.empty(p.shape[0], dtype=np.float64)
-    _rows(p.detach().contiguous().numpy(), c.detach().contiguous().numpy(), intervals, exact, classes, out)
+    _rows(p.detach().contiguous().numpy(), c.detach().contiguous().numpy(), intervals, exact, classes, g2, g8, out)
     return torch.from_numpy(out)
+
+
+def rows_for(device: torch.device) -> BoxRows:
+    """The box evaluator of a read on ``device``: :func:`box_rows` on the numba backend
+    (:func:`kvcert.kernels.active`), the tensor evaluation on the others."""
+    return box_rows if active(device) == "numba" else tensor_box_rows

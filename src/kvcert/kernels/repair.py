@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcert.bounds.softmax_tv import probs64, served_meter
-from kvcert.bounds.tv_box import box_refined, box_rows
+from kvcert.bounds.tv_box import box_refined
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 from kvcert.checks import Checks, deferred
@@ -142,7 +142,7 @@ def repair_blocks(
         with deferred(checks):  # the meter's fail-closed checks come back with the round's decision
             pm, cert, raw = repaired_read(logits, radii, fused)
             if gate.box:
-                cert = box_refined(pm, radii, cert, gate.threshold, numba_box.box_rows if fused else box_rows)
+                cert = box_refined(pm, radii, cert, gate.threshold, numba_box.rows_for(dev))
         done = ((raw if gate.uses_unclipped else cert) <= gate.threshold).all(-1) | (k >= nb)
         back = checks.read_back([done.all(), tok.sum()])  # one synchronisation per doubling round
         assert back is not None  # no guard: None is never returned

@@ -96,7 +96,7 @@ from kvcert.cli.common import (
 )
 from kvcert.cli.frontier import frontier_results
 from kvcert.cli.progress import progress_bar
-from kvcert.cli.ruler_report import resident_table, summary_table
+from kvcert.cli.ruler_report import resident_table, summary_table, tier_b_table
 from kvcert.cli.workload import DENSE, GATED_SUFFIX, RESIDENT_SUFFIX, VariantRecord, WorkloadResult
 from kvcert.eval import ruler
 from kvcert.eval.branching import Scheme, run_branches
@@ -108,7 +108,16 @@ from kvcert.report.aggregate import fp16_bytes_per_token
 from kvcert.report.results import EMPIRICAL, build_document, tiered, write_results
 from kvcert.report.tables import ReportTable, fmt, print_table, to_markdown
 
-GATES = ("block", "block-transient", "head", "block-box", "block-transient-box", "box")
+GATES = (
+    "block",
+    "block-transient",
+    "head",
+    "block-box",
+    "block-transient-box",
+    "box",
+    "box-tier-b",
+    "block-transient-box-tier-b",
+)
 TARGET_CI_LOW = -0.02  # issue 16: CI lower end >= -2 points
 TARGET_PAGE_IN = 0.05  # page-in <= 5 % of the request's fp16 K/V bytes
 TARGET_SAMPLES, TARGET_TASKS = 60, 5
@@ -167,14 +176,18 @@ def make_gate(name: str) -> Gate:
     certified:0.2[:UNIT]`` builds it: ``block`` (64-token blocks, written back exact), ``block-transient`` (the same
     blocks paged in for the read, nothing kept) or ``head`` (whole KV heads, transient); ``box`` alone (whole KV heads)
     or as the ``-box`` suffix of a block form certifies the heads the meter would repair again with the box
-    supremum first (``certified:0.2[:UNIT]:box``)."""
+    supremum first (``certified:0.2[:UNIT]:box``); a further ``-tier-b`` serves heads on the partially certified box
+    over the Tier-B radii too (``:box:tier-b``)."""
     if name not in GATES:
         raise ValueError(f"--gate must be one of {GATES}, got {name!r}")
-    unit = name.removesuffix("box").removesuffix("-")
+    tier_b = name.endswith("-tier-b")
+    base = name.removesuffix("-tier-b")
+    unit = base.removesuffix("box").removesuffix("-")
     spec = (
         f"certified:{CERTIFIED_TAU}"
         + ("" if unit in ("", "head") else f":{unit}")
-        + (":box" if name.endswith("box") else "")
+        + (":box" if base.endswith("box") else "")
+        + (":tier-b" if tier_b else "")
     )
     gate = parse_gate(spec)
     assert gate is not None  # only "auto" parses to None
@@ -540,7 +553,11 @@ def report(
     tables = [
         capacity_table(results),
         summary_table(results),
-        *(t for t in (resident_table(results), resident_target_table(results, tasks)) if t is not None),
+        *(
+            t
+            for t in (resident_table(results), resident_target_table(results, tasks), tier_b_table(results))
+            if t is not None
+        ),
         target_table(results, tasks, args.target_capacity),
     ]
     png = capacity_figure(results, args.out / "capacity.png")

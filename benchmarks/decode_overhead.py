@@ -16,7 +16,9 @@ repetition first):
                       schemes run beside it the same way as ``capacity-gated (<scheme>)``; with ``--box`` the first
                       also as ``capacity-gated (tau=0.2, block, box)``, under the same gate certified again with the
                       box supremum (``docs/math.md#box-supremum``) before it repairs, and ``kvcert-gated`` also as
-                      ``kvcert-gated (tau=0.2, box)``
+                      ``kvcert-gated (tau=0.2, box)``; with ``--tier-b`` the first (a dithered one) also as
+                      ``capacity-gated (tau=0.2, block, box, tier-b)``, under the box gate that also serves heads on
+                      the partially certified box over the Tier-B radii (``docs/read-path.md#tier-b-gate``)
 * ``resident-3x``     issue 16's 3x configuration as ``docs/results.md#three-x-at-ruler-scale`` runs it: fp16 keys and
                       int4 values for a SnapKV resident set of 20 % of the tokens (chosen from the shared prefill's
                       attention), the omitted pages summarised as ``basis16-qspec`` (page spectra in the
@@ -126,6 +128,11 @@ def _args() -> argparse.Namespace:
         help=f"also time the first capacity scheme under the box-refined block gate as '{CAPACITY_BOX}' and the "
         f"kvcert storage under the box-refined head gate as '{GATED_BOX}'",
     )
+    ap.add_argument(
+        "--tier-b",
+        action="store_true",
+        help=f"also time the first capacity scheme (dithered keys) under the Tier-B box gate as '{CAPACITY_TIER_B}'",
+    )
     return ap.parse_args()
 
 
@@ -184,6 +191,11 @@ def main() -> None:
                 CAPACITY_BOX: lambda: kv(True, CAPACITY_BOX_GATE, capacity.keys, capacity.values),
             }
             if args.box
+            else {}
+        ),
+        **(
+            {CAPACITY_TIER_B: lambda: kv(True, CAPACITY_TIER_B_GATE, capacity.keys, capacity.values)}
+            if args.tier_b
             else {}
         ),
         **{_capacity_name(s): functools.partial(kv, True, CAPACITY_GATE, s.keys, s.values) for s in more_capacity},
@@ -264,7 +276,7 @@ def _report(
         " (empirical; target <= 1.3)"
     )
     more = [_capacity_name(s) for s in capacity[1:]]  # further --capacity-scheme ones
-    for name in (n for n in (GATED_BOX, CAPACITY_BOX, *more, *RESIDENT_3X, ALLOCATED) if n in best):
+    for name in (n for n in (GATED_BOX, CAPACITY_BOX, CAPACITY_TIER_B, *more, *RESIDENT_3X, ALLOCATED) if n in best):
         console.print(f"{name} / dense = {best[name] / best['dense']:.3f} (empirical; target <= 1.3)")
     # the same ratios per repetition (the variants of a repetition take turns step by step), then their median:
     # less sensitive than best-of to a slow spell on a shared machine hitting one variant only
@@ -272,6 +284,7 @@ def _report(
     extra = (
         (GATED_BOX, "dense", 1.5),
         (CAPACITY_BOX, "dense", 1.3),
+        (CAPACITY_TIER_B, "dense", 1.3),
         *((n, "dense", 1.3) for n in more),
         (ALLOCATED, "dense", 1.3),
     )
@@ -297,6 +310,9 @@ CAPACITY_GATE = Gate.certified(CERTIFIED_TAU, granularity="block", block_size=RE
 CAPACITY_BOX = "capacity-gated (tau=0.2, block, box)"
 CAPACITY_BOX_GATE = dataclasses.replace(CAPACITY_GATE, box=True)
 GATED_BOX = "kvcert-gated (tau=0.2, box)"
+#: ``--tier-b``: the capacity scheme under the box gate that also serves heads on the partially certified Tier-B box
+CAPACITY_TIER_B = "capacity-gated (tau=0.2, block, box, tier-b)"
+CAPACITY_TIER_B_GATE = dataclasses.replace(CAPACITY_BOX_GATE, tier_b=True)
 
 
 def _capacity_name(spec: SchemeSpec) -> str:

@@ -126,6 +126,67 @@ def test_box_block_gate_pages_no_more_blocks_than_the_meters_and_stays_sound(bac
     assert saved > 0
 
 
+def _tier_b_reads(codec: str, seed: int, qscale: float, cells: int) -> tuple:
+    """The same read under the box gate and under the box gate with Tier B (``cells`` per row and layer)."""
+    scale, tau, delta = D**-0.5, 0.2, 1e-6
+    reads = []
+    for gate in (Gate.certified(tau, box=True), Gate.certified(tau, box=True, tier_b=True)):
+        st, q, mask = _setup(codec, 96, seed, qscale, nq=2)
+        cfg = ReadConfig(gate, True, delta, tier_b_cells=cells)
+        reads.append((certified_read(q, st, mask, scale, cfg, _exact(st, q, mask, scale)), st))
+    return (*reads, tau)
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_tier_b_gate_spares_on_the_partial_bound_and_charges_each_cell(backend, monkeypatch):
+    """``Gate.certified(tau, box=True, tier_b=True)`` on dithered keys: the certified reading is the box gate's
+    (same ``cert_pre``, same output bound), it repairs a subset of the box gate's heads, exactly the spared ones are
+    flagged, their partial bound is ``<= tau`` on every cell, never above the certified one, and holds the exact TV
+    (validate mode, queries independent of the dither); each spared head charges its cells above ``tau`` to the
+    row's budget in the store; repaired heads are served as under the box gate."""
+    monkeypatch.setenv(kernels.ENV, backend)
+    spared = 0
+    for seed in range(4):
+        (box, _), (tb, st), tau = _tier_b_reads("dither-int6", seed, 1.0, 10**9)
+        assert torch.equal(tb.cert_pre, box.cert_pre) and torch.all(tb.true_tv <= tb.cert_pre)
+        assert torch.all(tb.repaired <= box.repaired)
+        assert torch.equal(tb.tier_b_heads, box.repaired & ~tb.repaired)
+        on_b = tb.tier_b_heads.repeat_interleave(G, 1).unsqueeze(-1).expand_as(tb.cert_partial)
+        assert torch.all(tb.cert_partial[on_b] <= tau) and torch.all(tb.cert_partial <= tb.cert)
+        assert torch.all(tb.true_tv[on_b] <= tb.cert_partial[on_b])
+        assert torch.equal(tb.cert_partial[~on_b], tb.cert[~on_b])
+        relies = ((tb.cert_pre > tau) & on_b).reshape(B, -1).sum(-1)
+        assert tb.tier_b_charged.tolist() == relies.tolist() == st.tier_b_spent(B)
+        assert torch.all(tb.true_out_err <= tb.out_bound)
+        heads = tb.repaired.repeat_interleave(G, 1)
+        assert torch.equal(tb.out.transpose(1, 2)[heads], box.out.transpose(1, 2)[heads])
+        spared += int(tb.tier_b_heads.sum())
+    assert spared > 0
+
+
+def test_tier_b_gate_fails_closed_on_an_empty_budget_and_plain_keys():
+    """With no budget left (``tier_b_cells=0``) a Tier-B gate repairs what the box gate repairs; a head that needs
+    more cells than its row has left is repaired (rows are charged apart); keys without a dither pass nothing on
+    Tier B."""
+    (box, _), (tb, st), _ = _tier_b_reads("dither-int6", 0, 1.0, 0)
+    assert box.repaired.any() and torch.equal(tb.repaired, box.repaired)
+    assert not tb.tier_b_heads.any() and tb.tier_b_charged.tolist() == [0] * B == st.tier_b_spent(B)
+    (_, _), (full, _), _ = _tier_b_reads("dither-int6", 0, 1.0, 10**9)
+    first = full.tier_b_charged.tolist()
+    assert sum(first) > 0
+    (_, _), (some, st), _ = _tier_b_reads("dither-int6", 0, 1.0, min(c for c in first if c > 0) - 1)
+    assert all(c < f or f == 0 for c, f in zip(some.tier_b_charged.tolist(), first, strict=True))
+    assert torch.all(some.tier_b_heads <= full.tier_b_heads) and max(st.tier_b_spent(B)) < min(c for c in first if c)
+    (box8, _), (tb8, _), _ = _tier_b_reads("int4", 0, 3.0, 10**9)
+    assert torch.equal(tb8.repaired, box8.repaired) and not tb8.tier_b_heads.any()
+
+
+def test_tier_b_gate_needs_the_box():
+    assert Gate.certified(0.2, box=True, tier_b=True).describe() == "certified(tau=0.2, head, box, tier-b)"
+    with pytest.raises(ValueError, match="needs box=True"):
+        Gate.certified(0.2, tier_b=True)
+
+
 def test_box_is_for_certified_gates_only():
     assert Gate.certified(0.2, box=True).describe() == "certified(tau=0.2, head, box)"
     block = Gate.certified(0.2, granularity="block", persistent=True, box=True)

@@ -43,7 +43,11 @@ def test_parse_gate() -> None:
     assert parse_gate("certified:0.2:box") == Gate.certified(0.2, box=True)
     assert parse_gate("certified:0.2:block:box") == Gate.certified(0.2, **block, box=True)
     assert parse_gate("certified:0.2:block-transient:box") == Gate.certified(0.2, **transient, box=True)
+    tier_b = Gate.certified(0.2, **transient, box=True, tier_b=True)
+    assert parse_gate("certified:0.2:block-transient:box:tier-b") == tier_b
     bad_specs = (
+        "certified:0.2:tier-b",
+        "certified:0.2:tier-b:box",
         "certified",
         "risk:x",
         "maybe:1",

@@ -66,6 +66,27 @@ def test_merge_equals_one_run_over_all_samples():
     assert merged["variants"]["dense"]["samples"]["value"] == 7
 
 
+def test_merge_pools_a_tier_b_gates_numbers():
+    """A Tier-B gate's numbers merge as one run's would: the share of reads on Tier B weighted by cells, the cells
+    charged and partial violations summed, the most δ a request spent maximised; absent elsewhere."""
+    a = _shard("t1", [1, 1], [1, 0], cells=100, cov=0.2, page=10)
+    b = _shard("t2", [1], [1], cells=300, cov=0.6, page=5)
+    for shard, share, cells, spent in ((a, 0.1, 7, 1e-6), (b, 0.3, 5, 3e-6)):
+        shard["results"]["variants"]["int2"].update(
+            tier_b_read_share=_t(share),
+            tier_b_cells=_t(cells),
+            tier_b_delta_spent_max=_t(spent),
+            partial_violations=_t(0),
+        )
+    merged = merge_results([a, b], [Path("a"), Path("b")], seed=3, resamples=100)
+    v = merged["variants"]["int2"]
+    assert v["tier_b_read_share"]["value"] == pytest.approx((0.1 * 100 + 0.3 * 300) / 400)
+    assert (v["tier_b_cells"]["value"], v["partial_violations"]["value"]) == (12, 0)
+    assert v["tier_b_delta_spent_max"]["value"] == 3e-6
+    plain = merge_results([_shard("t1", [1], [1], 1, 0.1, 0)], [Path("c")], seed=3, resamples=100)
+    assert "tier_b_read_share" not in plain["variants"]["int2"]
+
+
 def test_merge_rejects_overlap_and_gate_mismatch():
     a = _shard("t1", [1], [0], cells=1, cov=0.1, page=0)
     with pytest.raises(ValueError, match="disjoint"):
@@ -117,3 +138,12 @@ def test_cli_merges_two_real_eval_shards(tmp_path: Path):
     assert "data:image/png;base64," in (out / "report.html").read_text()
     bad = runner.invoke(app, ["merge", str(tmp_path / "a"), str(tmp_path / "a"), "--out", str(tmp_path / "x")])
     assert bad.exit_code == 2 and "disjoint" in bad.output
+
+
+def test_tier_b_table_lists_only_tier_b_variants():
+    from kvcert.cli.ruler_report import tier_b_table
+
+    v = {"gate": "g", "tier_b_read_share": _t(0.25), "tier_b_cells": _t(12), "tier_b_delta_spent_max": _t(3e-6)}
+    table = tier_b_table({"variants": {"dense": {"gate": "off"}, "x": v}})
+    assert table is not None and table.rows == (("x", "25.0%", "12", "3e-06", "–"),)
+    assert tier_b_table({"variants": {"dense": {"gate": "off"}}}) is None

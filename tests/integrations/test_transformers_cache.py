@@ -135,6 +135,44 @@ def test_certified_gate_serves_every_cell_under_tau():
         assert tel.fallback_rate > 0
 
 
+@pytest.mark.parametrize("family,exercised", [("llama", False), ("qwen2", False), ("mistral", False), ("gemma3", True)])
+def test_tier_b_gate_validate_mode_and_budget(family, exercised):
+    """A Tier-B gate through the cache (head dimension 256, where Tier B is tighter than Tier A), validate mode:
+    0 violations of the certified and output bounds and 0 of the partial bound; every recorded KV-head read is
+    repaired, certified ``<= tau``, or served on the partial bound ``<= tau`` (and flagged); the partial bound is
+    never above the certified one; the most δ a row spent stays within the request budget and is at most the cells
+    charged times ``δ_loc``; the summary names all of it. The tiny Gemma-3's reads need Tier B at this ``tau`` (the
+    others' are certified by Tier A alone)."""
+    model, tau = tiny_random(family, head_dim=256), 0.03
+    ids = torch.randint(3, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(5))
+    gate = Gate.certified(tau, box=True, tier_b=True)
+    cache = CertifiedCache(model, keys="dither-int8", values="int8", gate=gate, validate=True, seed=3)
+    _decode_loop(model, ids, cache, 10)
+    cache.detach()
+    tel, s = cache.telemetry(), cache.telemetry().summary()
+    assert tel.violations == 0 and tel.out_violations == 0 and tel.partial_violations == 0, s
+    rec = tel.recorded
+    assert tel.served_partial is not None and tel.tier_b_reads is not None
+    assert torch.all(tel.served_partial[rec] <= tel.served[rec])
+    g = tel.group_size
+    kv = lambda x: x.unflatten(-1, (-1, g)).amax(-1)  # noqa: E731 (worst query head of each KV head)
+    rec_kv = rec.unflatten(-1, (-1, g)).any(-1)
+    certified_ok = kv(torch.nan_to_num(tel.served, 2.0)) <= tau
+    partial_ok = tel.tier_b_reads & (kv(torch.nan_to_num(tel.served_partial, 2.0)) <= tau)
+    assert torch.all((tel.repaired | certified_ok | partial_ok)[rec_kv])
+    assert not torch.any(tel.tier_b_reads & tel.repaired)
+    assert s["tier_b_delta_spent"] <= cache.validation.delta_req
+    assert s["tier_b_delta_spent"] <= s["tier_b_cells"] * cache._delta_loc
+    assert s["partial_violations"] == 0 and s["tier_b_read_share"] == tel.tier_b_read_share
+    assert tel.tiers["served_partial"].startswith("partially certified")
+    assert (tel.tier_b_read_share > 0) == exercised and (s["tier_b_cells"] > 0) == exercised
+
+
+def test_tier_b_gate_needs_dithered_keys():
+    with pytest.raises(ValueError, match="needs a dithered key codec"):
+        CertifiedCache(_tiny("llama"), keys="int8", values="int4", gate=Gate.certified(0.2, box=True, tier_b=True))
+
+
 def test_persistent_block_repair_zeroes_radius():
     model = _tiny("llama")
     ids = torch.randint(3, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(4))

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from kvcert.cli.ledger_command import app
 from kvcert.ledger import EventLog, Ledger, replay
-from kvcert.ledger.events import FaultReport, LogError, OpenRequest, SlotRead, SlotWrite
+from kvcert.ledger.events import BudgetCharge, FaultReport, LogError, OpenRequest, SlotRead, SlotWrite
 from kvcert.ledger.log import LogIntegrityError, LogReader
 from kvcert.ledger.replay import replay_verified
 from kvcert.ledger.slots import MAX_SLOTS
@@ -152,6 +152,9 @@ INVALID = {  # events the live API refuses, each with a recomputed (intact) chai
     "reader_not_open": ([OPEN, _r([0], [1], readers=[4])], 2, "request UID 4 has no open account"),
     "fault_negative_slot": ([OPEN, FaultReport("x", "k", 0, -2)], 2, "fault slot must be >= 0"),
     "bad_budget": ([OpenRequest(0, 2.0)], 1, "delta_req"),
+    "charge_not_open": ([OPEN, BudgetCharge(3, 1, 1e-6)], 2, "request UID 3, which has no open account"),
+    "charge_negative": ([OPEN, BudgetCharge(0, -1, 1e-6)], 2, "cells must be a non-negative int"),
+    "charge_bad_delta": ([OPEN, BudgetCharge(0, 1, 0.0)], 2, "delta_loc must lie in"),
     "empty_pool": ([OPEN, FaultReport("x", "", 0, 1)], 2, "pool must be a non-empty string"),
     # rows of the wrong shape (what a truncated or hand-built row looks like)
     "header_not_json": ([("open", "{", None, None, None, None)], 1, "header is not valid JSON"),

@@ -59,3 +59,30 @@ def test_accounts_are_independent_and_spend_once_per_write(ledger: Ledger):
     assert acc_a.budget.spent == before
     assert acc_a.counts["n_read_by_others"] == 15 and acc_b.counts["n_read_shared"] == 15
     assert acc_b.counts["n_read_foreign_owner"] == 0
+
+
+def test_fixed_share_charges_add_exactly_and_replay(tmp_path):
+    """A Tier-B gate's charges (``cells · δ_loc``) add exactly to the telescoping spend, are logged, and a replay of
+    the log rebuilds the same spend; bad charges are refused by name."""
+    from kvcert.ledger import EventLog, replay
+
+    log = EventLog(tmp_path / "charges.db")
+    led = Ledger(log=log)
+    a = led.open_request()
+    led.write("kv", 0, np.arange(3), np.full(3, a), observed(np.ones(3, bool)), rule="probabilistic")
+    led.charge(a, 7, 1e-7)
+    led.charge(a, 0, 1e-7)
+    acc = led.accounts[a]
+    assert acc.budget.spent == Fraction(telescoping_delta(0, 0.01)) + 7 * Fraction(1e-7)
+    assert acc.to_dict()["tier_b_cells"] == 7 and acc.budget.k == 1
+    for bad, match in (
+        ((a + 1, 1, 1e-7), "no open account"),
+        ((a, -1, 1e-7), "non-negative"),
+        ((a, 1, 2.0), "must lie in"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            led.charge(*bad)
+    log.close()
+    again = replay(tmp_path / "charges.db")
+    assert again.accounts[a].budget.spent == acc.budget.spent
+    assert again.accounts[a].budget.charged_cells == 7

@@ -85,6 +85,10 @@ class ReadResult:
     witness_max: torch.Tensor | None = None  # [B, Hkv] max_t W_t over the stored tokens
     key_norm_max: torch.Tensor | None = None  # [B, Hkv] max_t (2‖k̂_t‖ + W_t) over the stored tokens
     held: torch.Tensor | None = None  # [B, Hkv] served entries kept exact by an earlier persistent repair
+    cert_partial: torch.Tensor | None = None  # Tier-B gate: partially certified bound of what was served
+    tier_b_heads: torch.Tensor | None = None  # [B, Hkv] Tier-B gate: served unrepaired on the partial bound
+    tier_b_charged: torch.Tensor | None = None  # [B] Tier-B gate: cells charged δ_loc each at this read
+    tier_b_delta_loc: float | None = None  # Tier-B gate: the δ_loc each charged cell spent
 
 
 def masked_logits(
@@ -121,10 +125,10 @@ def served_certificate(
 def _logit_slack_factors(
     qn: torch.Tensor, k_hat_norm: torch.Tensor, k_wit: torch.Tensor, scaling: float, d: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sc·γ_{D+1}·‖q‖ [B, Hkv, M, 1], 2‖k̂_t‖ + W_t [B, Hkv, 1, S])``: their product is the float32 logit
-    rounding slack ``φ_t`` of one cell and token (float64)."""
+    """``(sc·γ_{D+1}·‖q‖ [..., M, 1], 2‖k̂_t‖ + W_t [..., 1, S])`` for ``qn[..., M, 1]`` and the witnesses
+    ``[..., S]``: their product is the float32 logit rounding slack ``φ_t`` of one cell and token (float64)."""
     kfac = 2.0 * k_hat_norm.to(torch.float64) + k_wit.to(torch.float64)
-    return scaling * gamma_f32(d + 1) * qn, kfac.unsqueeze(2)
+    return scaling * gamma_f32(d + 1) * qn, kfac.unsqueeze(-2)
 
 
 def _out_bound(
@@ -186,6 +190,7 @@ class ReadConfig:
     validate: bool
     delta_loc: float  # Tier-B per-cell failure budget
     attn_kv: bool = True  # return the served attention per KV head (eviction policies read it)
+    tier_b_cells: int = 0  # cells per batch row and layer a Tier-B gate may pass at δ_loc each (the request budget)
 
 
 class _Served:
@@ -476,11 +481,9 @@ def _tier_b(rd: _Read, sv: _Served, delta_loc: float) -> torch.Tensor | None:
     store = rd.store
     if store.k_steps is None:
         return None
-    codec, qg = store.key_codec, rd.qg
-    qm = qg if codec.channel_mask is None else qg * codec.channel_mask.view(1, rd.hkv, 1, rd.d).to(qg)
-    if sv.bad_cell is None and rd.s > 0 and kernel_backend(qg.device) == "numba":
+    if sv.bad_cell is None and rd.s > 0 and kernel_backend(rd.qg.device) == "numba":
         fused = tier_b_meter(
-            np.ascontiguousarray(qm.detach().numpy()),
+            np.ascontiguousarray(_dither_query(rd).detach().numpy()),
             store.k_steps.array(),
             store.k_hat_norm.array(),
             store.k_wit.array(),
@@ -489,18 +492,38 @@ def _tier_b(rd: _Read, sv: _Served, delta_loc: float) -> torch.Tensor | None:
             rd.s,
             scale=rd.scaling,
             gamma=gamma_f32(rd.d + 1),
-            group_size=codec.group_size,
+            group_size=store.key_codec.group_size,
             delta_loc=delta_loc,
         )
         if fused is not None:
             return fused
-    sig2 = tier_b_sigma2(qm, store.k_steps.view().unsqueeze(2), rd.scaling, codec.group_size)
-    k_hat_norm, k_wit = store.k_hat_norm.view(), store.k_wit.view()
+    return served_meter(sv.p64, _tier_b_radii(rd, sv, delta_loc))[0]
+
+
+def _dither_query(rd: _Read) -> torch.Tensor:
+    """The grouped queries as the dither sees them: bypassed channels (exact in the store) zeroed."""
+    mask = rd.store.key_codec.channel_mask
+    return rd.qg if mask is None else rd.qg * mask.view(1, rd.hkv, 1, rd.d).to(rd.qg)
+
+
+def _tier_b_radii(
+    rd: _Read, sv: _Served, delta_loc: float, heads: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Tier-B radii ``u_t = sqrt(2σ²_t ln(2S/δ_loc)) + φ_t`` (:func:`kvcert.bounds.tier_b_radius` plus the Tier-A
+    logit rounding slack ``φ_t``) ``[B, Hkv, M, S]`` float64, or ``[n, M, S]`` for the ``(row, KV head)`` index pair
+    ``heads``: with probability at least ``1 − δ_loc`` every token of one cell has ``|s̃_t − s_t| ≤ u_t``, for a
+    query independent of the dither."""
+    store = rd.store
+    assert store.k_steps is not None
+    qm, steps = _dither_query(rd), store.k_steps.view()
+    k_hat_norm, k_wit, qn = store.k_hat_norm.view(), store.k_wit.view(), sv.qn
+    if heads is not None:
+        qm, steps, k_hat_norm, k_wit, qn = (x[heads] for x in (qm, steps, k_hat_norm, k_wit, qn))
+    sig2 = tier_b_sigma2(qm, steps.unsqueeze(-3), rd.scaling, store.key_codec.group_size)
     if sv.bad_cell is not None:
         k_hat_norm, k_wit = torch.nan_to_num(k_hat_norm, 0.0, 0.0, 0.0), torch.nan_to_num(k_wit, 0.0, 0.0, 0.0)
-    rate, kfac = _logit_slack_factors(sv.qn, k_hat_norm, k_wit, rd.scaling, rd.d)
-    u = tier_b_radius(sig2, rd.s, delta_loc) + rate * kfac  # same rounding slack
-    return served_meter(sv.p64, u)[0]
+    rate, kfac = _logit_slack_factors(qn, k_hat_norm, k_wit, rd.scaling, rd.d)
+    return tier_b_radius(sig2, rd.s, delta_loc) + rate * kfac  # same rounding slack
 
 
 @dataclass
@@ -519,6 +542,9 @@ class _Changes:
     slack: torch.Tensor | None = None
     bound: torch.Tensor | None = None
     p_served: torch.Tensor | None = None
+    cert_partial: torch.Tensor | None = None
+    tier_b_heads: torch.Tensor | None = None
+    tier_b_charged: torch.Tensor | None = None
     bytes_paged: int = 0
 
     def cells(self, sv: _Served, name: str, hq: int, nq: int) -> torch.Tensor:
@@ -593,14 +619,15 @@ def _decide(rd: _Read, ch: _Changes, cfg: ReadConfig, fail_closed: bool) -> _Dec
     return _Decision(sv, cert_b, no_heads if need is None else need, need_rows, promote, promote_rows)
 
 
-def _box_refine(rd: _Read, ch: _Changes, dc: _Decision, gate: Gate) -> None:
+def _box_refine(rd: _Read, ch: _Changes, dc: _Decision, cfg: ReadConfig) -> None:
     """Phase *refine* (``Gate.certified(tau, box=True)``): the cells of every KV head the gate would repair are
     certified again with ``min(meter, tv_box)`` (``docs/math.md#box-supremum``) over the same served ``p̃`` and radii
     ``c`` (the logit rounding slack included), so the premise is the meter's; a head whose refined cells are all
     ``<= tau`` is no longer repaired (a block gate pages nothing for it). Heads that saw a non-finite entry stay
     repaired (fail closed). The refined certificates become the read's certificate before and after repair
-    (``ch.cert_pre``, ``ch.cert``) and the output bound follows them. Fully masked rows keep their certificate (0)."""
-    sv = dc.sv
+    (``ch.cert_pre``, ``ch.cert``) and the output bound follows them. Fully masked rows keep their certificate (0).
+    With ``tier_b`` the heads still above ``tau`` get the partially certified pass :func:`_tier_b_refine`."""
+    sv, gate = dc.sv, cfg.gate
     bad = sv.bad_cell.any(-1) if sv.bad_cell is not None else None
     pairs = [(bi, hi) for bi, hi in dc.need_pairs if bad is None or not bool(bad[bi, hi])]
     if not pairs:
@@ -611,6 +638,8 @@ def _box_refine(rd: _Read, ch: _Changes, dc: _Decision, gate: Gate) -> None:
     ch.cert_pre = sv.cert.clone().index_put_((bi, hi), refined)
     ch.cert = ch.cert_pre.clone()
     spared = (refined.amax(-1) <= gate.threshold).tolist()
+    if gate.tier_b and rd.store.k_steps is not None and not all(spared):
+        spared = _tier_b_refine(rd, ch, dc, cfg, pairs, spared, refined)
     need = dc.need.clone()
     for (b_i, h_i), ok in zip(pairs, spared, strict=True):
         if ok:
@@ -620,6 +649,52 @@ def _box_refine(rd: _Read, ch: _Changes, dc: _Decision, gate: Gate) -> None:
     ch.bound, ch.key_term, ch.slack = _out_bound(
         sv.value_term, ch.cert, sv.spread, sv.vmax, rd.s, sv.out.shape[-1], sv.phi_max
     )
+
+
+def _tier_b_refine(
+    rd: _Read,
+    ch: _Changes,
+    dc: _Decision,
+    cfg: ReadConfig,
+    pairs: list[tuple[int, int]],
+    spared: list[bool],
+    refined: torch.Tensor,
+) -> list[bool]:
+    """Phase *refine*, partial tier (``Gate.certified(tau, box=True, tier_b=True)``, dithered keys): the heads the
+    certified box leaves above ``tau`` are certified a third time with the box over ``min(c, u)``
+    (``docs/math.md#tier-b-in-the-box``), ``u`` the Tier-B radii of :func:`_tier_b_radii`, starting from
+    ``min(certified, Tier-B meter)``. On the event that every token of a cell obeys ``|s̃_t − s_t| ≤ u_t``
+    (probability at least ``1 − δ_loc`` per cell, for a query independent of the dither) the true TV lies in that
+    box, so the result bounds it. A head whose partial bound is ``<= tau`` on every cell is spared if its row's
+    Tier-B budget (``cfg.tier_b_cells`` cells per row and layer, :attr:`LayerStore.tier_b_spent`) still pays for
+    the cells that rely on the event (those whose certified bound is above ``tau``); each is charged. Returns the
+    new spared flags; records the partial certificate of what is served (``ch.cert_partial``: the certified one
+    elsewhere), the heads spared on it and the cells charged per row."""
+    sv, tau = dc.sv, cfg.gate.threshold
+    todo = [i for i, ok in enumerate(spared) if not ok]
+    bi, hi = torch.tensor([pairs[i] for i in todo], device=dc.need.device).unbind(-1)
+    u = _tier_b_radii(rd, sv, cfg.delta_loc, (bi, hi))
+    start = refined[todo] if dc.cert_b is None else torch.minimum(refined[todo], dc.cert_b[bi, hi])
+    rows = numba_box.rows_for(rd.qg.device)
+    partial = box_refined(sv.p64[bi, hi], torch.minimum(sv.c[bi, hi], u), start, tau, rows)  # [n, M]
+    ok = (partial.amax(-1) <= tau).tolist()
+    relies = (refined[todo] > tau).sum(-1).tolist()  # cells certified only on the Tier-B event
+    spent = rd.store.tier_b_spent(rd.b)
+    assert ch.cert is not None
+    ch.cert_partial = ch.cert.clone()
+    heads = torch.zeros(rd.b, rd.hkv, dtype=torch.bool)
+    charged = [0] * rd.b
+    out = list(spared)
+    for j, i in enumerate(todo):
+        b_i, h_i = pairs[i]
+        if ok[j] and spent[b_i] + relies[j] <= cfg.tier_b_cells:
+            spent[b_i] += relies[j]
+            charged[b_i] += relies[j]
+            heads[b_i, h_i] = out[i] = True
+            ch.cert_partial[b_i, h_i] = torch.minimum(ch.cert[b_i, h_i], partial[j])
+    ch.tier_b_heads = heads.to(dc.need.device)
+    ch.tier_b_charged = torch.tensor(charged, dtype=torch.int64)
+    return out
 
 
 def _repair_heads(rd: _Read, ch: _Changes, dc: _Decision, cfg: ReadConfig, exact: ExactAttention) -> None:
@@ -717,7 +792,7 @@ def _result(rd: _Read, sv: _Served, ch: _Changes, cert_b: torch.Tensor | None, c
     if cfg.attn_kv:
         p = sv.p64 if ch.p_served is None else ch.p_served
         attn_kv = p.reshape(b, rd.hkv, rd.g, nq, rd.s).sum(2).to(torch.float32)
-    return ReadResult(
+    result = ReadResult(
         out=sv.out_heads_last() if ch.out is None else ch.out.reshape(b, hq, nq, -1).transpose(1, 2),
         cert_pre=sv.ungrouped("cert") if ch.cert_pre is None else ungroup_heads(ch.cert_pre, hq, nq),
         raw=sv.ungrouped("raw"),
@@ -737,6 +812,21 @@ def _result(rd: _Read, sv: _Served, ch: _Changes, cert_b: torch.Tensor | None, c
         key_norm_max=key_norm_max,
         held=rd.store.held_heads() if cfg.gate.persistent else None,
     )
+    if cfg.gate.tier_b:
+        _add_partial_fields(result, rd, sv, ch, cfg.delta_loc)
+    return result
+
+
+def _add_partial_fields(result: ReadResult, rd: _Read, sv: _Served, ch: _Changes, delta_loc: float) -> None:
+    """A Tier-B gate's result fields: ``cert_partial`` ``[B, Hq, Q]`` (the partial bound on the heads served on it,
+    the certificate of what was served elsewhere: a certified bound is a partial one too), ``tier_b_heads``
+    ``[B, Hkv]``, ``tier_b_charged`` ``[B]`` (zeros where the read passed nothing on Tier B) and ``δ_loc``."""
+    served = sv.cert if ch.cert is None else ch.cert
+    heads = _no_heads(rd.b, rd.hkv, torch.bool, served.device) if ch.tier_b_heads is None else ch.tier_b_heads
+    partial = served if ch.cert_partial is None else torch.where(heads.unsqueeze(-1), ch.cert_partial, served)
+    charged = torch.zeros(rd.b, dtype=torch.int64) if ch.tier_b_charged is None else ch.tier_b_charged
+    result.cert_partial = ungroup_heads(partial, rd.hq, rd.nq)
+    result.tier_b_heads, result.tier_b_charged, result.tier_b_delta_loc = heads, charged, delta_loc
 
 
 def _validate(rd: _Read, sv: _Served, ch: _Changes, result: ReadResult) -> None:
@@ -771,7 +861,7 @@ def certified_read(
     sv = dc.sv
     promote, promote_rows = dc.promote, dc.promote_rows
     if cfg.gate.box and any(map(any, dc.need_rows)):
-        _box_refine(rd, ch, dc, cfg.gate)
+        _box_refine(rd, ch, dc, cfg)
     if any(map(any, dc.need_rows)):
         _repair(rd, ch, dc, cfg, exact)
         if cfg.gate.value_tol is not None:  # the repair changed the terms: decide again (one sync, repairs only)

@@ -112,7 +112,8 @@ class ReadSink(Protocol):
 def step_record(res: ReadResult, layer: int, step: int, nq: int, chain: ChainInputs | None) -> StepRecord:
     """The telemetry record of one read: every cell reading, the per-head flags and, when the read computed the
     exact reference (validate mode), the per-cell violation counts (true TV above the certificate before repair,
-    true output error above the output bound)."""
+    true output error above the output bound, and with a Tier-B gate true TV above the partial bound on the reads
+    served on it)."""
     cells = {
         "cert": res.cert_pre,
         "raw": res.raw,
@@ -121,6 +122,7 @@ def step_record(res: ReadResult, layer: int, step: int, nq: int, chain: ChainInp
         "out_bound": res.out_bound,
         "value_term": res.value_term,
         "tier_b": res.cert_b,
+        "served_partial": res.cert_partial,
         "true_tv": res.true_tv,
         "true_out_err": res.true_out_err,
     }
@@ -132,10 +134,15 @@ def step_record(res: ReadResult, layer: int, step: int, nq: int, chain: ChainInp
         queries=nq,
         chain=chain,
         held=res.held,
+        tier_b_heads=res.tier_b_heads,
+        tier_b_charged=res.tier_b_charged,
     )
     if res.true_tv is not None and res.true_out_err is not None:
         rec.violations = int((res.true_tv > res.cert_pre).sum())
         rec.out_violations = int((res.true_out_err > res.out_bound).sum())
+        if res.tier_b_heads is not None and res.cert_partial is not None:  # the reads served on the partial bound
+            on_b = res.tier_b_heads.repeat_interleave(res.cert_partial.shape[1] // res.tier_b_heads.shape[1], 1)
+            rec.partial_violations = int(((res.true_tv > res.cert_partial) & on_b.unsqueeze(-1)).sum())
     return rec
 
 
@@ -177,6 +184,8 @@ def read_event(store: LayerStore, outcome: ReadOutcome, rows: torch.Tensor | Non
         certificate=res.cert[..., -1].clone(),
         repaired=rec.repaired_heads(),
         first_slot=store.base,
+        tier_b_cells=res.tier_b_charged,
+        delta_loc=res.tier_b_delta_loc,
     )
 
 

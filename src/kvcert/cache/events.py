@@ -51,7 +51,9 @@ class ReadEvent:
     ``n_slots[b]`` physical slots were read by row ``b``, starting at absolute slot ``first_slot``
     (non-zero after sliding-window trims); ``certificate[b, h]`` is the
     served Tier-A meter per query head (clipped to [0, 1]) for the last query of the step;
-    ``repaired[b, g]`` marks KV heads served exact from the host tier.
+    ``repaired[b, g]`` marks KV heads served exact from the host tier. With a Tier-B gate
+    (``Gate.certified(tau, box=True, tier_b=True)``) ``tier_b_cells[b]`` cells of row ``b`` were served on the
+    partially certified bound, each charged ``delta_loc`` against the request's failure budget (else ``None``).
     """
 
     layer: int
@@ -61,6 +63,8 @@ class ReadEvent:
     certificate: torch.Tensor
     repaired: torch.Tensor
     first_slot: int = 0
+    tier_b_cells: torch.Tensor | None = None
+    delta_loc: float | None = None
 
 
 class CacheObserver(Protocol):

@@ -21,6 +21,13 @@ tv_box)`` (the box supremum, ``docs/math.md#box-supremum``) on the same served d
 cells are then all ``<= tau`` is served as is and reports the refined certificates. A block repair stops at the first
 doubling round whose refined certificates are all ``<= tau``. The box costs far more than the meter, so it is only
 computed for the heads the meter would repair.
+``tier_b=True`` (with ``box=True``; dithered key codecs only): a KV head the certified box would still repair is
+certified a third time, with the box over ``min(c, u)``, ``u`` the Tier-B radii at the read's ``δ_loc``
+(``docs/math.md#tier-b-in-the-box``), and is served unrepaired when that bound is ``<= tau`` on every cell. Such a
+read is **partially certified**: the bound holds with probability at least ``1 − δ_loc`` per cell that relies on
+it, for queries independent of the dither. Each such cell is charged ``δ_loc`` against the request's Tier-B budget;
+a row whose budget cannot pay for a head's cells has that head repaired instead (fail closed). Block repair rounds
+use the certified bounds only.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ class Gate:
     persistent: bool = False
     value_tol: float | None = None
     box: bool = False
+    tier_b: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("off", "certified", "risk_ranked"):
@@ -63,6 +71,8 @@ class Gate:
             raise ValueError(f"value_tol must be >= 0, got {self.value_tol}")
         if self.box and self.mode != "certified":
             raise ValueError(f"box=True refines a certified gate (a bound on the TV), got a {self.mode} gate")
+        if self.tier_b and not self.box:
+            raise ValueError("tier_b=True reads the Tier-B radii through the box supremum: it needs box=True")
 
     @classmethod
     def off(cls) -> Gate:
@@ -79,10 +89,12 @@ class Gate:
         persistent: bool = False,
         value_tol: float | None = None,
         box: bool = False,
+        tier_b: bool = False,
     ) -> Gate:
         """Repair every KV head whose clipped certificate exceeds ``tau`` for any of its query heads (with ``box``:
-        whose ``min(meter, tv_box)`` does, module doc)."""
-        return cls("certified", tau, granularity, block_size, persistent, value_tol, box)
+        whose ``min(meter, tv_box)`` does; with ``tier_b`` as well: whose partially certified box over the Tier-B
+        radii does, module doc)."""
+        return cls("certified", tau, granularity, block_size, persistent, value_tol, box, tier_b)
 
     @classmethod
     def risk_ranked(
@@ -110,4 +122,5 @@ class Gate:
         name = "tau" if self.mode == "certified" else "tau_gate"
         extra = ", persistent" if self.persistent else ", transient" if self.granularity == "block" else ""
         extra += ", box" if self.box else ""
+        extra += ", tier-b" if self.tier_b else ""
         return f"{self.mode}({name}={self.threshold:g}, {self.granularity}{extra})"

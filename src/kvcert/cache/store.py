@@ -245,6 +245,7 @@ class LayerStore:
         self.evicted: dict[str, GrowBuffer] = {}  # evicted archive: "k", "v", "positions" (retain_evicted)
         self.nonfinite = 0  # entries kept exact because K or V had NaN/inf
         self.fail_closed = 0  # entries kept exact because their row had no request identity
+        self._tier_b_spent: list[int] = []  # per row: cells a Tier-B gate passed at this layer (tier_b_spent)
         # where the packed codes live: None = the store's own tensors; else a serving engine's pages (B = 1)
         self.pages: PagedCodes | None = None
 
@@ -253,6 +254,13 @@ class LayerStore:
         witness format, exact sinks) that holds nothing: what a cache reset starts from."""
         settings = {name: getattr(self, name) for name in STORE_SETTINGS}
         return LayerStore(self.layer, self.key_codec, self.value_codec, **settings)
+
+    def tier_b_spent(self, rows: int) -> list[int]:
+        """Per batch row, the cells of this layer a Tier-B gate has served on its partial bound so far, each charged
+        ``δ_loc`` against the request's budget (``kvcert.attention.certified``); the list is the store's own, and the
+        read path adds what it charges. Grows to ``rows`` entries."""
+        self._tier_b_spent.extend([0] * (rows - len(self._tier_b_spent)))
+        return self._tier_b_spent
 
     # ----------------------------------------------------------------------------------------- write
     def _init(self, k: torch.Tensor, v: torch.Tensor) -> None:

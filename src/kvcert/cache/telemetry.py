@@ -8,6 +8,13 @@ Tiers: ``certificates`` / ``served`` are **certified** (Tier A, adaptive-safe); 
 certified** (sound only for queries independent of the dither, i.e. non-adaptive); ``true_tv`` and
 ``true_out_err`` are **measured** in validate mode against the exact host tier.
 
+A Tier-B gate (``Gate.certified(tau, box=True, tier_b=True)``) serves some KV-head reads unrepaired on a partially
+certified bound: ``tier_b_reads`` ``[steps, layers, B, Hkv]`` marks them, ``served_partial`` is the partially
+certified bound of what was served (the partial bound on those reads, ``served`` elsewhere), ``tier_b_cells`` the
+cells charged ``δ_loc`` each against the request's Tier-B budget (``tier_b_delta_spent``: the most any row spent,
+at most ``tier_b_delta``), and in validate mode ``partial_violations`` the cells of those reads whose true TV
+exceeded the partial bound. On such reads ``served`` keeps the certified bound, which may exceed ``tau``.
+
 Live chain readings (per cell, the inputs of the per-layer dense contract chain
 ``store_witness(W) -> score_bridge -> logit_rounding(φ) -> softmax_uniform``, all **certified**):
 ``witness`` is the largest band witness ``W_t = Σ_b ρ_tb`` (rounded up) over the tokens the KV head holds,
@@ -79,6 +86,10 @@ TIERS: dict[str, str] = {
     "out_bound": "certified",
     "value_term": "certified (the output bound's value term Σ_t p̃_t‖Δv_t‖ of what was served)",
     "tier_b": "partially certified (non-adaptive queries only)",
+    "served_partial": "partially certified (Tier-B gate: the box over min(Tier A, Tier B) radii on the reads it "
+    "served unrepaired, w.p. >= 1 - δ_loc per charged cell for non-adaptive queries; certified elsewhere)",
+    "tier_b_reads": "measured (KV-head reads a Tier-B gate served on the partial bound alone)",
+    "partial_violations": "measured (validate mode; cells of Tier-B reads with true TV above the partial bound)",
     "true_tv": "measured (validate mode)",
     "true_out_err": "measured (validate mode)",
     "evicted_mass": "measured (validate mode; exact TV of eviction = attention mass on evicted entries)",
@@ -167,6 +178,9 @@ class StepRecord:
     out_violations: int = 0
     chain: ChainInputs | None = None  # the dense chain's inputs (certified reads of the default path)
     held: torch.Tensor | None = None  # [B, Hkv] entries kept exact by an earlier persistent repair
+    tier_b_heads: torch.Tensor | None = None  # [B, Hkv] Tier-B gate: served unrepaired on the partial bound
+    tier_b_charged: torch.Tensor | None = None  # [B] Tier-B gate: cells charged δ_loc each
+    partial_violations: int = 0  # validate, Tier-B gate: cells of tier_b_heads with true TV above the partial bound
 
     @cached_property
     def _chain_readings(self) -> dict[str, torch.Tensor]:
@@ -185,6 +199,8 @@ class StepRecord:
             return self.repaired_heads()
         if name == "blocks":
             return self.heads[1]
+        if name == "tier_b_heads":
+            return self.tier_b_heads
         if name == "fallback":  # served partly from an exact copy: paged in now or held from an earlier repair
             rep = self.repaired_heads()
             return rep if self.held is None else rep | self.held
@@ -269,6 +285,11 @@ class Telemetry:
     bytes_fp16_context: int = 0  # resident set: fp16 K/V of every written token (0: none)
     bytes_device_sliding: int = 0  # resident set: device bytes of the sliding-window layers (part of bytes_device)
     reselect: ReselectStats | None = None  # resident set with reselect=N (None: no re-selection configured)
+    served_partial: torch.Tensor | None = None  # [steps, layers, B, Hq] Tier-B gate (None: no such gate)
+    tier_b_reads: torch.Tensor | None = None  # [steps, layers, B, Hkv] bool, Tier-B gate
+    tier_b_cells: int = 0  # cells a Tier-B gate charged δ_loc each, over every row and layer
+    tier_b_delta_spent: float | None = None  # Tier-B gate: the most δ any row spent (cells · δ_loc)
+    partial_violations: int = 0
     tiers: dict[str, str] = field(default_factory=lambda: dict(TIERS))
 
     @property
@@ -324,6 +345,17 @@ class Telemetry:
         rec_kv = rec.reshape(s, l_, b, hq // self.group_size, self.group_size).any(-1)
         flags = self.repaired if self.fallback is None else self.fallback
         return float(flags[rec_kv].double().mean()) if rec_kv.any() else float("nan")
+
+    @property
+    def tier_b_read_share(self) -> float:
+        """Share of recorded KV-head reads a Tier-B gate served on the partially certified bound alone (NaN: no
+        such gate, or nothing recorded)."""
+        rec = self.recorded
+        if self.tier_b_reads is None or not rec.any():
+            return float("nan")
+        s, l_, b, hq = rec.shape
+        rec_kv = rec.reshape(s, l_, b, hq // self.group_size, self.group_size).any(-1)
+        return float(self.tier_b_reads[rec_kv].double().mean())
 
     @property
     def capacity(self) -> float:
@@ -389,6 +421,13 @@ class Telemetry:
         }
         if self.tier_b is not None:
             out["coverage_tier_b_kv@0.2"] = self.coverage(0.2, "kv_head", which="tier_b")
+        if self.tier_b_reads is not None:
+            out.update(
+                tier_b_read_share=self.tier_b_read_share,
+                tier_b_cells=self.tier_b_cells,
+                tier_b_delta_spent=self.tier_b_delta_spent,
+                partial_violations=self.partial_violations if self.true_tv is not None else None,
+            )
         for name in ("evicted_mass", "evicted_mass_serving"):
             vals = getattr(self, name)
             if vals is not None:
@@ -504,6 +543,7 @@ class CacheReadings:
     resident_records: Sequence[ResidentReading] | None = None
     reselect: ReselectStats | None = None  # resident set with reselect=N
     sliding_layers: tuple[int, ...] = ()  # sliding-window layers (a resident set does not manage them)
+    delta_loc: float | None = None  # a Tier-B gate's per-cell share (None: no Tier-B gate)
 
 
 #: cell fields every read produces (an empty cell tensor, not ``None``, when nothing was read)
@@ -537,6 +577,7 @@ def _cell_fields(src: CacheReadings) -> dict[str, Any]:
         "qnorm",
         "logit_slack",
         "fallback",
+        "served_partial",
     )
     fields = {name: sel(name) for name in names}
     repaired = stack_records(src.records, n_layers, steps, "repaired")
@@ -615,5 +656,27 @@ def assemble(src: CacheReadings) -> Telemetry:
         uncompressed_layers=src.uncompressed_layers,
         bytes_device=sum(s.bytes_device() for s in src.stores) + src.bytes_summary + src.bytes_held,
         **_resident_fields(src),
+        **_tier_b_gate_fields(src),
         reselect=src.reselect,
     )
+
+
+def _tier_b_gate_fields(src: CacheReadings) -> dict[str, Any]:
+    """A Tier-B gate's fields (none without one): the reads it served on the partial bound, the cells charged and
+    the most δ a row spent (cells summed over the layers, times ``δ_loc``)."""
+    if src.delta_loc is None:
+        return {}
+    n_layers, steps = len(src.stores), max(src.steps, 1)
+    reads = stack_records(src.records, n_layers, steps, "tier_b_heads")
+    cells = stack_records(src.records, n_layers, steps, "cert")
+    keep = None if cells is None else ~torch.isnan(cells).flatten(1).all(1)
+    per_row: dict[int, int] = {}
+    for r in src.records:
+        for row, n in enumerate([] if r.tier_b_charged is None else r.tier_b_charged.tolist()):
+            per_row[row] = per_row.get(row, 0) + n
+    return {
+        "tier_b_reads": torch.zeros(0, dtype=torch.bool) if reads is None or keep is None else reads[keep],
+        "tier_b_cells": sum(per_row.values()),
+        "tier_b_delta_spent": max(per_row.values(), default=0) * src.delta_loc,
+        "partial_violations": sum(r.partial_violations for r in src.records),
+    }

@@ -210,7 +210,8 @@ def parse_storage(specs: list[SchemeSpec], witness: str, device_budget: str) -> 
 
 def parse_gate(text: str) -> Gate | None:
     """Parse ``auto`` (``None``: each scheme by its meter), ``off``, ``certified:TAU``, ``risk:TAU`` (each with an
-    optional repair unit, certified ones with an optional trailing ``:box``; :func:`gate_from_spec`).
+    optional repair unit, certified ones with an optional trailing ``:box`` or ``:box:tier-b``;
+    :func:`gate_from_spec`).
 
     ``TAU`` must be a finite number ``>= 0`` (``inf``, ``1e400``, ``nan`` and negatives are refused by
     :class:`~kvcert.cache.gate.Gate`: an infinite threshold never repairs). ``ValueError`` naming ``--gate``.
@@ -218,7 +219,9 @@ def parse_gate(text: str) -> Gate | None:
     if text == "auto":
         return None
     return gate_from_spec(
-        text, "--gate", "auto, off, certified:TAU[:UNIT][:box] or risk:TAU[:UNIT] (UNIT: block | block-transient)"
+        text,
+        "--gate",
+        "auto, off, certified:TAU[:UNIT][:box[:tier-b]] or risk:TAU[:UNIT] (UNIT: block | block-transient)",
     )
 
 

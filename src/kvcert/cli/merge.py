@@ -24,7 +24,7 @@ from rich.console import Console
 
 from kvcert.cli.common import ResamplesOption, command_line
 from kvcert.cli.progress import progress_bar
-from kvcert.cli.ruler_report import context_ratios, resident_table
+from kvcert.cli.ruler_report import context_ratios, resident_table, tier_b_table
 from kvcert.cli.validate import OverwriteOption, at_least, checked_inputs, prepare_out
 from kvcert.cli.workload import DENSE
 from kvcert.eval.stats import mcnemar, paired_bootstrap
@@ -59,13 +59,21 @@ SUMMED = (
     "resident_reads",
     "reads_mass_bound_above",
     "reads_mass_above",
+    "tier_b_cells",
+    "partial_violations",
 )
-MAXED = {"max_certificate": CERTIFIED, "max_omitted_mass_bound": CERTIFIED, "max_omitted_mass": EMPIRICAL}
+MAXED = {
+    "max_certificate": CERTIFIED,
+    "max_omitted_mass_bound": CERTIFIED,
+    "max_omitted_mass": EMPIRICAL,
+    "tier_b_delta_spent_max": EMPIRICAL,
+}
 CELL_WEIGHTED = {
     "coverage_q@0.2": CERTIFIED,
     "coverage_kv@0.2": CERTIFIED,
     "informative_fraction": CERTIFIED,
     "fallback_rate": EMPIRICAL,
+    "tier_b_read_share": EMPIRICAL,
 }
 SAME_CONFIG = (
     "model",
@@ -244,6 +252,8 @@ def merge_results(docs: list[dict[str, Any]], paths: list[Path], seed: int, resa
                     out[key] = tiered(None if None in counts else sum(counts), tier)
             cells = [_value(p, "cells") for p in parts]
             for key, tier in CELL_WEIGHTED.items():
+                if not any(key in p for p in parts):  # a Tier-B gate's share: only its variants have it
+                    continue
                 pairs = [
                     (_value(p, key), c)
                     for p, c in zip(parts, cells, strict=True)
@@ -348,8 +358,7 @@ def merge(
         merged = merge_results(docs, runs, seed, resamples)
         prepare_out(out, overwrite, inputs=[p / "results.json" if p.is_dir() else p for p in runs])
     tables = [_table(merged)]
-    if (kept := resident_table(merged)) is not None:
-        tables.append(kept)
+    tables += [t for t in (resident_table(merged), tier_b_table(merged)) if t is not None]
     dense = _value(merged["variants"][DENSE], "accuracy")
     points = [
         AccuracyPoint(

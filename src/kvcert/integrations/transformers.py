@@ -160,6 +160,11 @@ class CertifiedCache(Cache):
         self.key_codec_name = stores[0].key_codec.name
         self.value_codec_name = stores[0].value_codec.name
         self.tier_b = bool(stores[0].key_codec.tier_b)
+        if self.gate.tier_b and not any(store.key_codec.tier_b for store in stores):
+            raise ValueError(
+                f"a tier_b gate reads the dither's Tier-B radii: it needs a dithered key codec (dither-int*), "
+                f"got {self.key_codec_name!r}"
+            )
         self._sink = Recorder(self.observers)
         self.read_path = self._pick_read_path()
         self._step = -1
@@ -225,7 +230,13 @@ class CertifiedCache(Cache):
         """The one read path every read of this cache goes through (chosen once, from the configuration)."""
         if self.gating.ladder is not None:
             return LadderReadPath(self.gating.ladder, sink=self._sink)
-        read_cfg = ReadConfig(self.gate, self.validate, self._delta_loc, attn_kv=self.evict is not None)
+        read_cfg = ReadConfig(
+            self.gate,
+            self.validate,
+            self._delta_loc,
+            attn_kv=self.evict is not None,
+            tier_b_cells=self.num_heads * self.validation.max_steps,  # δ_loc each: δ_req over the layers
+        )
         certified = CertifiedReadPath(read_cfg, sink=self._sink)
         if self.resident is None:
             return certified
@@ -434,6 +445,7 @@ class CertifiedCache(Cache):
                 tier_b=self.tier_b,
                 validate=self.validate,
                 tier_b_delta=self.validation.delta_req if self.tier_b else None,
+                delta_loc=self._delta_loc if self.gate.tier_b else None,
                 gate=self.gate.describe(),
                 evict_records=() if ev is None else ev.records,
                 belady_overlap=None if ev is None or ev.run_trace is None else ev.run_trace.overlap(),

@@ -84,7 +84,17 @@ class FaultReport:
     detail: str = ""
 
 
-Event = OpenRequest | SlotWrite | SlotRead | FaultReport
+@dataclass(frozen=True)
+class BudgetCharge:
+    """``cells`` reads of request ``uid`` served on a partially certified bound, each failing with probability at
+    most ``delta_loc`` (a Tier-B gate): the request's budget spends ``cells · delta_loc``."""
+
+    uid: int
+    cells: int
+    delta_loc: float
+
+
+Event = OpenRequest | SlotWrite | SlotRead | FaultReport | BudgetCharge
 Row = tuple[str, str, bytes | None, bytes | None, bytes | None, bytes | None]
 
 
@@ -126,6 +136,8 @@ def encode(event: Event) -> Row:
     if isinstance(event, FaultReport):
         meta = json.dumps([event.kind, event.pool, event.layer, event.slot, event.detail])
         return "fault", meta, None, None, None, None
+    if isinstance(event, BudgetCharge):
+        return "charge", json.dumps([event.uid, event.cells, event.delta_loc]), None, None, None, None
     raise TypeError(f"not a ledger event: {type(event).__name__}")
 
 
@@ -140,6 +152,7 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
     "write": (str, int, str, bool),
     "read": (str, int, bool, bool),
     "fault": (str, str, int, int, str),
+    "charge": (int, int, float),
 }
 
 
@@ -206,4 +219,6 @@ def decode(row: Row) -> Event:
             raise LogError(f"read arrays differ in length: {ranges.size} range values for {gens.size} ranges")
         r = ranges.reshape(4, -1)
         return SlotRead(m[0], m[1], r[0], r[1], r[2], r[3], gens, m[2], m[3])  # type: ignore[arg-type]
+    if kind == "charge":
+        return BudgetCharge(int(cast(int, m[0])), int(cast(int, m[1])), float(cast(float, m[2])))
     return FaultReport(m[0], m[1], m[2], m[3], m[4])  # type: ignore[arg-type]

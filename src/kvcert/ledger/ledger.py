@@ -19,6 +19,7 @@ from kvcert.bounds.eprocess import alarm_threshold
 from kvcert.ledger.admission import Decide, Decision
 from kvcert.ledger.events import (
     RULES,
+    BudgetCharge,
     Event,
     FaultReport,
     OpenRequest,
@@ -103,6 +104,7 @@ class Account:
             "k": self.budget.k,
             "delta_spent": self.budget.spent_upper,
             "delta_spent_exact": str(self.budget.spent),
+            "tier_b_cells": self.budget.charged_cells,
             **self.counts,
             "eprocess": self.eprocess.to_dict(),
         }
@@ -292,6 +294,15 @@ class Ledger:
                 self.log.append_rows([read_row(ev, key[1:])])  # the memo key already holds the bytes
             return self._apply_read(ev, key)
 
+    def charge(self, uid: int, cells: int, delta_loc: float) -> None:
+        """Charge request ``uid`` for ``cells`` reads served on a partially certified bound at ``delta_loc`` each
+        (:class:`BudgetCharge`; ``ValueError`` for an unknown request, negative cells or ``delta_loc`` outside
+        ``(0, 1]``)."""
+        event = BudgetCharge(int(uid), int(cells), float(delta_loc))
+        with self._lock:
+            self.check_event(event)
+            self._commit(event)
+
     def report_fault(self, kind: str, pool: str, layer: int, slot: int, detail: str = "") -> Incident:
         """Record a detected fault at ``(pool, layer, slot)``; a compressed slot turns ``restored_exact``."""
         check_slot_range(int(slot), int(slot), "fault slot")
@@ -336,13 +347,19 @@ class Ledger:
           one; no infinite e-process factor and none on a ``kept_exact`` entry;
         * ``SlotRead``: the checks of :meth:`read` (ranges non-negative and inside ``[0, MAX_SLOTS)``,
           at most ``MAX_SLOTS`` entries, readers unattributed or open accounts);
-        * ``FaultReport``: a slot in ``[0, MAX_SLOTS)``; every event: a non-empty pool and a layer >= 0.
+        * ``FaultReport``: a slot in ``[0, MAX_SLOTS)``; every event but the next: a non-empty pool and a layer >= 0;
+        * ``BudgetCharge``: an open account, ``cells >= 0`` and ``delta_loc`` in ``(0, 1]``.
         """
         if isinstance(event, OpenRequest):
             RequestBudget(event.delta_req)
             if event.uid < self.uids.next_uid:
                 what = "opened again" if event.uid in self.accounts else "out of order"
                 raise ValueError(f"request UID {event.uid} {what} (UIDs are allocated from {self.uids.next_uid})")
+            return
+        if isinstance(event, BudgetCharge):
+            if event.uid not in self.accounts:
+                raise ValueError(f"budget charge for request UID {event.uid}, which has no open account")
+            RequestBudget(1.0).charge(event.cells, event.delta_loc)  # validates cells and delta_loc
             return
         if isinstance(event, SlotWrite):
             self._check_write_event(event)
@@ -557,6 +574,9 @@ class Ledger:
             return self._apply_read(event, _read_key(self._table(event.pool, event.layer), event))
         if isinstance(event, FaultReport):
             self._apply_fault(event)
+            return np.zeros(0, dtype=bool)
+        if isinstance(event, BudgetCharge):
+            self.accounts[event.uid].budget.charge(event.cells, event.delta_loc)
             return np.zeros(0, dtype=bool)
         raise TypeError(f"not a ledger event: {type(event).__name__}")
 

@@ -28,7 +28,8 @@ class LedgerObserver:
     Per-row attribution: ``event.rows[b]`` is the owner/reader of row ``b``; ``-1`` fails closed. A rows
     vector whose length does not match the batch falls back to first-row attribution and is counted
     (``uid_group_fallbacks``). Writes of the dithered (Tier-B) key codec are probabilistic events: each
-    owner spends one telescoping share per layer write.
+    owner spends one telescoping share per layer write. Reads a Tier-B gate served on its partially certified
+    bound are charged to their reader's budget (``event.tier_b_cells`` cells at ``event.delta_loc`` each).
     """
 
     def __init__(self, ledger: Ledger, pool: str = "kv") -> None:
@@ -137,6 +138,10 @@ class LedgerObserver:
             generations=self._no_generation,
             fallback=self._read_fallback,
         )
+        if event.tier_b_cells is not None and event.delta_loc is not None:
+            for uid, cells in zip(self._readers[::h].tolist(), event.tier_b_cells.tolist(), strict=True):
+                if cells and uid >= 0:  # a row without identity stores nothing compressed: no Tier-B read
+                    self.ledger.charge(uid, cells, event.delta_loc)
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

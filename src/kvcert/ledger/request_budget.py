@@ -3,6 +3,10 @@
 The ``k``-th probabilistic event of a request spends ``δ_k = δ_req/((k+1)(k+2))`` (from
 :func:`kvcert.bounds.budget.telescoping_delta`, rounded down), so after ``n`` events
 ``Σ δ_k ≤ δ_req(1 − 1/(n+1)) < δ_req`` at any unknown request length. Each request owns its counter.
+
+A read served on a partially certified bound (a Tier-B gate) is charged a fixed share instead
+(:meth:`RequestBudget.charge`: ``cells · δ_loc``, the share its certificate was computed at); the cache keeps those
+charges within ``δ_req`` itself (``docs/read-path.md#tier-b-gate``), and the budget adds them to what it reports spent.
 """
 
 from __future__ import annotations
@@ -39,6 +43,17 @@ class RequestBudget:
         self.k = 0
         self._spent = Fraction(0)  # exact Σ_{i<_summed} δ_i; brought up to k when read
         self._summed = 0
+        self._charged = Fraction(0)  # exact Σ cells·δ_loc of the fixed-share charges
+        self.charged_cells = 0
+
+    def charge(self, cells: int, delta_loc: float) -> None:
+        """Spend ``cells · delta_loc`` exactly (``cells >= 0``, ``0 < delta_loc <= 1``; ``ValueError`` otherwise)."""
+        if isinstance(cells, bool) or not isinstance(cells, int) or cells < 0:
+            raise ValueError(f"cells must be a non-negative int, got {cells!r}")
+        if not 0.0 < delta_loc <= 1.0:
+            raise ValueError(f"delta_loc must lie in (0, 1], got {delta_loc!r}")
+        self._charged += Fraction(delta_loc) * cells
+        self.charged_cells += cells
 
     def next_share(self) -> float:
         """The share the next probabilistic event will spend (does not spend it)."""
@@ -52,11 +67,11 @@ class RequestBudget:
 
     @property
     def spent(self) -> Fraction:
-        """``Σ_{i<k} δ_i`` exactly (the float shares summed in rational arithmetic)."""
+        """``Σ_{i<k} δ_i`` plus the fixed-share charges, exactly (the float shares summed in rational arithmetic)."""
         while self._summed < self.k:
             self._spent += Fraction(_share(self._summed, self.delta_req))
             self._summed += 1
-        return self._spent
+        return self._spent + self._charged
 
     @property
     def spent_upper(self) -> float:

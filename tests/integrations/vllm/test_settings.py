@@ -28,7 +28,7 @@ def test_settings_roundtrip_and_defaults():
         ({"KVCERT_VLLM_GATE": "certified:inf"}, "finite threshold"),
         (
             {"KVCERT_VLLM_GATE": "always"},
-            r"expected off, certified:TAU\[:UNIT\]\[:box\] or risk:TAU_GATE\[:UNIT\] \(UNIT: block",
+            r"expected off, certified:TAU\[:UNIT\]\[:box\[:tier-b\]\] or risk:TAU_GATE\[:UNIT\] \(UNIT: block",
         ),
         ({"KVCERT_VLLM_GATE": "certified:0.2:page"}, "expected off, certified"),
         ({"KVCERT_VLLM_GATE": "certified:x"}, "'x' is not a number"),
@@ -58,6 +58,17 @@ def test_gate_spec():
     assert (x.mode, x.threshold, x.granularity, x.persistent, x.box) == ("certified", 0.1, "head", False, True)
     with pytest.raises(ValueError, match="expected off, certified"):
         gate_from_spec("risk:5:box")
+    y = gate_from_spec("certified:0.2:block-transient:box:tier-b")
+    assert (y.granularity, y.persistent, y.box, y.tier_b) == ("block", False, True, True)
+    assert gate_from_spec("certified:0.2:box:tier-b").describe() == "certified(tau=0.2, head, box, tier-b)"
+    with pytest.raises(ValueError, match="write ':box:tier-b'"):
+        gate_from_spec("certified:0.2:tier-b")
+    assert Settings(keys="dither-int8", gate="certified:0.2:box:tier-b").gate_policy.tier_b
+    with pytest.raises(ValueError, match="must be a dithered codec"):
+        Settings(keys="int8", gate="certified:0.2:box:tier-b")
+    for bad in ("certified:0.2:tier-b:box", "certified:0.2:block:block", "risk:5:box:tier-b"):
+        with pytest.raises(ValueError, match="expected off, certified"):
+            gate_from_spec(bad)
 
 
 def test_plugin_is_inert_without_switch_and_fails_closed_with_bad_settings(monkeypatch):

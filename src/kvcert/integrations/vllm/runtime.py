@@ -93,6 +93,7 @@ class Runtime:
 
     def __init__(self, settings: Settings, num_layers: int, num_heads: int, *, register_exit: bool = True) -> None:
         self.delta_loc = uniform_split(DELTA_REQ, num_layers, num_heads, MAX_STEPS)
+        self.tier_b_cells = num_heads * MAX_STEPS  # per request and layer, δ_loc each: DELTA_REQ in all
         self.configure(settings)
         self.keep_cells = False
         self.cells: list[CellLog] = []
@@ -117,7 +118,8 @@ class Runtime:
         requests that start afterwards."""
         self.settings = settings
         self.gate = settings.gate_policy
-        self.read_path = CertifiedReadPath(ReadConfig(self.gate, settings.validate, self.delta_loc, attn_kv=False))
+        cfg = ReadConfig(self.gate, settings.validate, self.delta_loc, attn_kv=False, tier_b_cells=self.tier_b_cells)
+        self.read_path = CertifiedReadPath(cfg)
         self.seed = int.from_bytes(os.urandom(4), "little") if settings.seed is None else settings.seed
         self.storage = StorageConfig(
             keys=settings.keys, values=settings.values, bands=BANDS, seed=self.seed, write_block=WRITE_BLOCK

@@ -54,7 +54,7 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral")
 def gate_from_spec(
     text: str,
     label: str = f"{GATE} / --gate",
-    accepted: str = "off, certified:TAU[:UNIT][:box] or risk:TAU_GATE[:UNIT] (UNIT: block | block-transient)",
+    accepted: str = "off, certified:TAU[:UNIT][:box[:tier-b]] or risk:TAU_GATE[:UNIT] (UNIT: block | block-transient)",
 ) -> Gate:
     """``off`` | ``certified:TAU`` | ``risk:TAU_GATE``, each optionally ``:block`` or ``:block-transient`` ->
     :class:`~kvcert.cache.gate.Gate`; ``ValueError`` naming ``label`` otherwise (the threshold checks are
@@ -63,16 +63,24 @@ def gate_from_spec(
     their radius is 0 from then on, within the store's device budget); ``:block-transient`` pages the same blocks in
     for the read only (``persistent=False``: nothing kept, the device bytes never grow). A trailing ``:box``
     (certified gates only, e.g. ``certified:0.2:box`` or ``certified:0.2:block:box``) certifies the heads the meter
-    would repair again with the box supremum first (``Gate.certified(tau, ..., box=True)``). Also the CLI's
-    ``--gate`` parser."""
+    would repair again with the box supremum first (``Gate.certified(tau, ..., box=True)``); ``:box:tier-b`` also
+    serves a head unrepaired on the partially certified box over the Tier-B radii (``tier_b=True``, dithered keys).
+    Also the CLI's ``--gate`` parser."""
     if text == "off":
         return Gate.off()
     kind, _, rest = text.partition(":")
-    value, _, unit = rest.partition(":")
-    box = unit == "box" or unit.endswith(":box")
-    unit = unit.removesuffix("box").removesuffix(":") if box else unit
+    value, *tail = rest.split(":")
+    tier_b = tail[-1:] == ["tier-b"]
+    tail = tail[:-1] if tier_b else tail
+    box = tail[-1:] == ["box"]
+    tail = tail[:-1] if box else tail
+    unit = tail[0] if len(tail) == 1 else "" if not tail else None
     if kind not in ("certified", "risk") or unit not in GATE_UNITS or (box and kind != "certified"):
         raise ValueError(f"{label}: expected {accepted}, got {text!r}")
+    if tier_b and not box:
+        raise ValueError(
+            f"{label}: ':tier-b' reads the Tier-B radii through the box: write ':box:tier-b', got {text!r}"
+        )
     try:
         threshold = float(value)
     except ValueError:
@@ -80,7 +88,9 @@ def gate_from_spec(
     granularity: Granularity = "block" if unit else "head"
     try:
         if kind == "certified":
-            return Gate.certified(threshold, granularity=granularity, persistent=unit == "block", box=box)
+            return Gate.certified(
+                threshold, granularity=granularity, persistent=unit == "block", box=box, tier_b=tier_b
+            )
         return Gate.risk_ranked(threshold, granularity=granularity, persistent=unit == "block")
     except ValueError as exc:
         raise ValueError(f"{label} {text!r}: {exc}") from None
@@ -118,7 +128,11 @@ class Settings:
                 check_per_token(resolve(name, axis))  # its codes go into vLLM's blocks, one cell per token
             except ValueError as exc:
                 raise ValueError(f"{var} / --{axis}s: {exc}") from None
-        gate_from_spec(self.gate)
+        if gate_from_spec(self.gate).tier_b and not resolve(self.keys, "key").tier_b:
+            raise ValueError(
+                f"{GATE} / --gate {self.gate!r}: ':tier-b' reads the dither's Tier-B radii; {KEYS} / --keys must be "
+                f"a dithered codec (dither-int*), got {self.keys!r}"
+            )
 
     @property
     def gate_policy(self) -> Gate:

@@ -61,6 +61,7 @@ token; dense starred at fp16), summary.txt (the tables as markdown).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -116,6 +117,7 @@ GATES = (
     "block-transient-box",
     "box",
     "box-tier-b",
+    "block-box-tier-b",
     "block-transient-box-tier-b",
 )
 TARGET_CI_LOW = -0.02  # issue 16: CI lower end >= -2 points
@@ -581,6 +583,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--seed", type=int, required=True, help="RULER data seed (and codec dither seed, bootstrap seed)")
     ap.add_argument("--gate", choices=GATES, default="block", help="certified gate form at tau = 0.2")
+    ap.add_argument(
+        "--value-tol",
+        type=float,
+        default=None,
+        help="the gate's value_tol: also serve a KV head's exact values (paged in for the read) when its output "
+        "bound's value term exceeds this and its key term (docs/read-path.md#repair)",
+    )
     ap.add_argument("--no-raw", dest="raw", action="store_false", help="skip the ungated variants")
     ap.add_argument(
         "--allocation", type=Path, default=None, help="also run this kvcert-allocate JSON as 'allocated' (module doc)"
@@ -676,9 +685,9 @@ def main() -> None:
     if resident is not None:
         resident_fits(resident.plan(), args.context)
     allocation = None if args.allocation is None else Allocation.load(args.allocation)
-    schemes = variants(
-        specs, make_gate(args.gate), args.raw, args.validate, args.device_budget, resident, args.gated, allocation
-    )
+    gate = make_gate(args.gate)
+    gate = gate if args.value_tol is None else dataclasses.replace(gate, value_tol=args.value_tol)
+    schemes = variants(specs, gate, args.raw, args.validate, args.device_budget, resident, args.gated, allocation)
     config = {
         "model": args.model,
         "tasks": tasks,

@@ -62,7 +62,8 @@ def check_same(runs: list[tuple[Path, dict]]) -> None:
 def form(gate: str) -> str:
     """The repair form of a gate label: ``certified(tau=0.2, block, persistent)`` -> ``block, persistent``,
     ``certified(tau=0.2, block, transient)`` (``certified(tau=0.2, block)`` in runs labelled before the transient
-    form was named) -> ``block, transient``, ``certified(tau=0.2, head)`` -> ``head``."""
+    form was named) -> ``block, transient``, ``certified(tau=0.2, head)`` -> ``head``; a box or Tier-B gate keeps its
+    suffix (``block, transient, box, tier-b``), drawn with the marker of its repair unit (hollow for Tier B)."""
     unit = gate.split(", ", 1)[1].rstrip(")")
     return "block, transient" if unit == "block" else unit
 
@@ -119,11 +120,13 @@ def plot(rs: list[dict], path: Path, title: str) -> None:
     schemes = sorted({r["scheme"] for r in rs})
     colors = dict(zip(schemes, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     for r in rs:
+        partial = "tier-b" in r["form"]  # the Tier-B gate's forms: hollow (some reads partially certified)
         ax.scatter(
             r["capacity_request"],
             r["page_in_request"],
-            color=colors[r["scheme"]],
-            marker=MARKERS.get(r["form"], "x"),
+            edgecolors=colors[r["scheme"]],
+            facecolors="none" if partial else colors[r["scheme"]],
+            marker=MARKERS.get(r["form"].split(", box")[0], "x"),
             s=60,
             label=f"{r['scheme']}, {r['form']}",
         )

@@ -183,6 +183,7 @@ def test_tier_b_gate_fails_closed_on_an_empty_budget_and_plain_keys():
 
 def test_tier_b_gate_needs_the_box():
     assert Gate.certified(0.2, box=True, tier_b=True).describe() == "certified(tau=0.2, head, box, tier-b)"
+    assert Gate.certified(0.2, value_tol=0.05).describe() == "certified(tau=0.2, head, value_tol=0.05)"
     with pytest.raises(ValueError, match="needs box=True"):
         Gate.certified(0.2, tier_b=True)
 

@@ -81,6 +81,7 @@ def test_gate_forms_are_the_clis(bench: ModuleType) -> None:
     assert bench.make_gate("block-box") == Gate.certified(0.2, **block, persistent=True, box=True)
     assert bench.make_gate("block-transient-box") == Gate.certified(0.2, **block, persistent=False, box=True)
     assert bench.make_gate("box-tier-b") == Gate.certified(0.2, box=True, tier_b=True)
+    assert bench.make_gate("block-box-tier-b") == Gate.certified(0.2, **block, persistent=True, box=True, tier_b=True)
     assert bench.make_gate("block-transient-box-tier-b") == Gate.certified(
         0.2, **block, persistent=False, box=True, tier_b=True
     )

@@ -15,7 +15,9 @@ For one layer and one forward call with queries ``q[B, Hq, Q, D]`` over ``S`` st
    (:func:`kvcert.kernels.triton_read.decode_read`; the backend per read is :func:`kvcert.kernels.active`);
    prefill-size reads, other devices and reads that meet a non-finite entry take the eager reference path
    (:func:`_eager_served`);
-4. KV-head verdict any-of-G; the gate repairs heads (exact SDPA on host K/V) or blocks (greedy by
+4. KV-head verdict any-of-G; a box gate first certifies the heads it would repair again with the box supremum, and a
+   Tier-B gate those still above threshold with the box over ``min(c, u)`` (partially certified,
+   ``docs/read-path.md#tier-b-gate``); the gate repairs heads (exact SDPA on host K/V) or blocks (greedy by
    contribution ``Σ_{t∈b} p̃_t(e^{c_t} − 1)``, doubling the block count until the cell is under threshold);
 5. two-term output-error bound ``‖ô − o‖ ≤ Σ p̃‖Δv‖ + 2·TV·max_t(‖v̂_t − c‖ + ‖Δv_t‖) + ξ`` (``c`` the
    store's fixed per-head value centre; every norm is a write-time witness, so no ``[S, D]`` pass per read)

@@ -123,4 +123,5 @@ class Gate:
         extra = ", persistent" if self.persistent else ", transient" if self.granularity == "block" else ""
         extra += ", box" if self.box else ""
         extra += ", tier-b" if self.tier_b else ""
+        extra += f", value_tol={self.value_tol:g}" if self.value_tol is not None else ""
         return f"{self.mode}({name}={self.threshold:g}, {self.granularity}{extra})"

@@ -113,6 +113,21 @@ def test_eval_fixed_gate_and_bad_task(tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "ruler:" in bad.output
 
 
+def test_eval_tier_b_gate_reports_its_partial_reads(tmp_path: Path) -> None:
+    """``--gate certified:TAU:box:tier-b`` reaches the cache; results.json carries the Tier-B gate's numbers, each
+    tiered, and the partial violations in validate mode; a scheme without dithered keys is refused by name."""
+    out = tmp_path / "eval"
+    common = ("eval", *TINY, *RULER, "--task", "ruler:niah_single_1", "--gate", "certified:0.2:box:tier-b")
+    invoke(*common, "--schemes", "dither-int8/int4", "--validate", "--resamples", "100", "--out", str(out))
+    gated = check_report(out)["results"]["variants"]["dither-int8/int4+gate"]
+    assert gated["gate"] == "certified(tau=0.2, head, box, tier-b)"
+    for key in ("tier_b_read_share", "tier_b_cells", "tier_b_delta_spent_max", "partial_violations"):
+        assert gated[key]["tier"] == "empirical", key
+    assert gated["partial_violations"]["value"] == 0 and gated["violations"]["value"] == 0
+    bad = runner.invoke(app, [*common, "--schemes", "int8", "--out", str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "every scheme needs dithered keys" in bad.output
+
+
 def test_bad_scheme_is_a_usage_error(tmp_path: Path) -> None:
     result = runner.invoke(app, ["run", *TINY, "--schemes", "int4,bogus", "--out", str(tmp_path)])
     assert result.exit_code == 2

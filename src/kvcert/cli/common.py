@@ -429,10 +429,17 @@ def ruler_variants(
 ) -> RulerVariants:
     """:func:`parse_schemes` with :func:`parse_storage`, ``--allocation``'s scheme (:func:`allocation_spec`, under the
     same storage options), :func:`parse_gate` and :func:`resident_plan` (the resident variants of the listed
-    schemes, not the allocation's); ``ValueError`` naming the option at fault."""
+    schemes, not the allocation's); ``ValueError`` naming the option at fault (also for a Tier-B gate over a scheme
+    whose keys are not dithered)."""
     plain = parse_storage(parse_schemes(schemes), witness, device_budget)
     specs = plain + parse_storage(allocation_spec(allocation), witness, device_budget)
     chosen = parse_gate(gate)
+    plain_keys = [s.keys for s in plain if not get(s.keys).tier_b]
+    if chosen is not None and chosen.tier_b and plain_keys:
+        raise ValueError(
+            f"--gate {gate}: ':tier-b' reads the dither's Tier-B radii, so every scheme needs dithered keys "
+            f"(dither-int*); not {', '.join(plain_keys)}"
+        )
     plan = resident_plan(
         resident.resident,
         resident.select,

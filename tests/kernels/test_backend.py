@@ -20,8 +20,10 @@ def test_active_defaults_overrides_and_errors(monkeypatch) -> None:
     assert kernels.active("cuda") == "triton"
     assert kernels.active("mps") == "torch"
     monkeypatch.setattr(kernels.importlib.util, "find_spec", lambda name: None)  # a CUDA install without triton
+    kernels._triton_installed.cache_clear()  # looked up once per process
     assert kernels.active("cuda") == "torch"
     monkeypatch.undo()
+    kernels._triton_installed.cache_clear()
     monkeypatch.delenv(kernels.ENV, raising=False)
     for name in kernels.BACKENDS:
         monkeypatch.setenv(kernels.ENV, name)

@@ -14,6 +14,7 @@ slack, softmax, meter, output and the output bound's per-read terms; ``docs/math
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -24,6 +25,12 @@ from kvcert.quant.kernel_env import ENV
 __all__ = ["BACKENDS", "ENV", "active"]
 
 BACKENDS: tuple[str, ...] = ("numba", "torch", "triton")
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    """Whether ``triton`` can be imported (looked up once per process: :func:`active` runs on every read)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def active(device: torch.device | str | None = None) -> str:
@@ -41,7 +48,7 @@ def active(device: torch.device | str | None = None) -> str:
     forced = os.environ.get(ENV, "").strip().lower()
     if forced and forced not in BACKENDS:
         raise ValueError(f"{ENV}={os.environ[ENV]!r} is not a read-path backend; use one of {', '.join(BACKENDS)}")
-    name = forced or {"cuda": "triton" if importlib.util.find_spec("triton") else "torch", "cpu": "numba"}.get(
+    name = forced or {"cuda": "triton" if kind == "cuda" and _triton_installed() else "torch", "cpu": "numba"}.get(
         kind, "torch"
     )
     if name == "numba" and kind != "cpu":

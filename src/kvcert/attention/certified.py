@@ -693,7 +693,7 @@ def _tier_b_refine(
             spent[b_i] += relies[j]
             charged[b_i] += relies[j]
             heads[b_i, h_i] = out[i] = True
-            ch.cert_partial[b_i, h_i] = torch.minimum(ch.cert[b_i, h_i], partial[j])
+            ch.cert_partial[b_i, h_i] = partial[j]  # <= the certified bound: box_refined starts from it
     ch.tier_b_heads = heads.to(dc.need.device)
     ch.tier_b_charged = torch.tensor(charged, dtype=torch.int64)
     return out

@@ -88,7 +88,9 @@ TIERS: dict[str, str] = {
     "tier_b": "partially certified (non-adaptive queries only)",
     "served_partial": "partially certified (Tier-B gate: the box over min(Tier A, Tier B) radii on the reads it "
     "served unrepaired, w.p. >= 1 - δ_loc per charged cell for non-adaptive queries; certified elsewhere)",
-    "tier_b_reads": "measured (KV-head reads a Tier-B gate served on the partial bound alone)",
+    "tier_b_reads": "measured (KV-head reads a Tier-B gate served on the partial bound alone; tier_b_read_share "
+    "their share of the recorded KV-head reads)",
+    "tier_b_cells": "measured (cells a Tier-B gate charged δ_loc each; tier_b_delta_spent the most δ a row spent)",
     "partial_violations": "measured (validate mode; cells of Tier-B reads with true TV above the partial bound)",
     "true_tv": "measured (validate mode)",
     "true_out_err": "measured (validate mode)",
@@ -334,28 +336,27 @@ class Telemetry:
         rec = self.recorded
         return float((self.raw[rec] < 1).double().mean()) if rec.any() else float("nan")
 
+    def _kv_share(self, flags: torch.Tensor) -> float:
+        """Share of recorded KV-head reads (any of the G query heads recorded) that ``flags`` ``[steps, layers, B,
+        Hkv]`` marks (NaN: none recorded)."""
+        rec = self.recorded
+        s, l_, b, hq = rec.shape
+        rec_kv = rec.reshape(s, l_, b, hq // self.group_size, self.group_size).any(-1)
+        return float(flags[rec_kv].double().mean()) if rec_kv.any() else float("nan")
+
     @property
     def fallback_rate(self) -> float:
         """Per read: the fraction of recorded KV-head reads that served at least one entry from an exact copy —
         paged in from the host tier at that read (head / block repair, value promotion) or kept on the device
         by an earlier persistent repair. A persistent gate that made a head exact at its first read therefore
         counts on every later read of that head, not once."""
-        rec = self.recorded
-        s, l_, b, hq = rec.shape
-        rec_kv = rec.reshape(s, l_, b, hq // self.group_size, self.group_size).any(-1)
-        flags = self.repaired if self.fallback is None else self.fallback
-        return float(flags[rec_kv].double().mean()) if rec_kv.any() else float("nan")
+        return self._kv_share(self.repaired if self.fallback is None else self.fallback)
 
     @property
     def tier_b_read_share(self) -> float:
         """Share of recorded KV-head reads a Tier-B gate served on the partially certified bound alone (NaN: no
         such gate, or nothing recorded)."""
-        rec = self.recorded
-        if self.tier_b_reads is None or not rec.any():
-            return float("nan")
-        s, l_, b, hq = rec.shape
-        rec_kv = rec.reshape(s, l_, b, hq // self.group_size, self.group_size).any(-1)
-        return float(self.tier_b_reads[rec_kv].double().mean())
+        return float("nan") if self.tier_b_reads is None else self._kv_share(self.tier_b_reads)
 
     @property
     def capacity(self) -> float:
@@ -580,8 +581,14 @@ def _cell_fields(src: CacheReadings) -> dict[str, Any]:
         "served_partial",
     )
     fields = {name: sel(name) for name in names}
-    repaired = stack_records(src.records, n_layers, steps, "repaired")
-    fields["repaired"] = repaired[keep] if repaired is not None else torch.zeros(0, dtype=torch.bool)
+
+    def head_flags(name: str) -> torch.Tensor:  # [steps kept, L, B, Hkv] bool
+        x = stack_records(src.records, n_layers, steps, name)
+        return x[keep] if x is not None else torch.zeros(0, dtype=torch.bool)
+
+    fields["repaired"] = head_flags("repaired")
+    if src.delta_loc is not None:  # a Tier-B gate
+        fields["tier_b_reads"] = head_flags("tier_b_heads")
     fields["certificates"] = certs[keep]
     return fields
 
@@ -662,20 +669,15 @@ def assemble(src: CacheReadings) -> Telemetry:
 
 
 def _tier_b_gate_fields(src: CacheReadings) -> dict[str, Any]:
-    """A Tier-B gate's fields (none without one): the reads it served on the partial bound, the cells charged and
+    """A Tier-B gate's counts (none without one; its reads are stacked with the cell fields): the cells charged and
     the most δ a row spent (cells summed over the layers, times ``δ_loc``)."""
     if src.delta_loc is None:
         return {}
-    n_layers, steps = len(src.stores), max(src.steps, 1)
-    reads = stack_records(src.records, n_layers, steps, "tier_b_heads")
-    cells = stack_records(src.records, n_layers, steps, "cert")
-    keep = None if cells is None else ~torch.isnan(cells).flatten(1).all(1)
     per_row: dict[int, int] = {}
     for r in src.records:
         for row, n in enumerate([] if r.tier_b_charged is None else r.tier_b_charged.tolist()):
             per_row[row] = per_row.get(row, 0) + n
     return {
-        "tier_b_reads": torch.zeros(0, dtype=torch.bool) if reads is None or keep is None else reads[keep],
         "tier_b_cells": sum(per_row.values()),
         "tier_b_delta_spent": max(per_row.values(), default=0) * src.delta_loc,
         "partial_violations": sum(r.partial_violations for r in src.records),

@@ -609,6 +609,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "recall) may fill (library default 1.0)",
     )
     ap.add_argument(
+        "--exact-sinks",
+        type=int,
+        default=0,
+        help="StorageConfig(exact_sinks=): keep the tokens at the first N positions exact in every kvcert variant "
+        "(attention sinks; default 0)",
+    )
+    ap.add_argument(
         "--resident",
         type=float,
         default=None,
@@ -642,6 +649,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--max-new-tokens must be >= 1")
     if not (args.device_budget > 0 and math.isfinite(args.device_budget)):
         ap.error("--device-budget must be a finite fraction > 0")
+    if args.exact_sinks < 0:
+        ap.error(f"--exact-sinks must be >= 0, got {args.exact_sinks}")
     if args.resident is None:
         given = [
             f"--{k.replace('_', '-')}"
@@ -688,6 +697,7 @@ def main() -> None:
     gate = make_gate(args.gate)
     gate = gate if args.value_tol is None else dataclasses.replace(gate, value_tol=args.value_tol)
     schemes = variants(specs, gate, args.raw, args.validate, args.device_budget, resident, args.gated, allocation)
+    schemes = [s if s.is_dense else dataclasses.replace(s, exact_sinks=args.exact_sinks) for s in schemes]
     config = {
         "model": args.model,
         "tasks": tasks,
@@ -696,6 +706,7 @@ def main() -> None:
         "variants": {s.name: s.gate.describe() for s in schemes},
         "validate": args.validate,
         "device_budget": args.device_budget,
+        "exact_sinks": args.exact_sinks,
         "max_new_tokens": args.max_new_tokens,
         **({} if resident is None else {"resident": resident.describe()}),
         **(

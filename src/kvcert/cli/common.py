@@ -55,6 +55,9 @@ DeviceBudgetOption = Annotated[
     str,
     typer.Option(help="cap on each layer's device bytes after persistent repair, a fraction of fp16 K/V (or 'none')"),
 ]
+ExactSinksOption = Annotated[
+    int, typer.Option(help="keep the tokens at the first N positions exact in every kvcert variant (attention sinks)")
+]
 # Options shared by the RULER commands (``kvcert eval``, ``kvcert frontier``).
 ContextOption = Annotated[int, typer.Option(help="RULER sequence length in tokens")]
 SamplesOption = Annotated[int, typer.Option(help="samples per task")]
@@ -121,15 +124,17 @@ def load_model(spec: str, seed: int = 0) -> LoadedModel:
 
 @dataclass(frozen=True)
 class SchemeSpec:
-    """A compressed KV configuration: key codec and value codec (registry names), witness storage and device
-    budget (``StorageConfig(witness=, device_budget=)``); or, with ``allocation``, the per-(layer, KV head) key widths
-    and value codecs of a ``kvcert allocate`` file (``keys`` / ``values`` then only describe it)."""
+    """A compressed KV configuration: key codec and value codec (registry names), witness storage, device budget
+    and exact sink positions (``StorageConfig(witness=, device_budget=, exact_sinks=)``); or, with ``allocation``,
+    the per-(layer, KV head) key widths and value codecs of a ``kvcert allocate`` file (``keys`` / ``values`` then
+    only describe it)."""
 
     keys: str
     values: str
     witness: Witness = DEFAULT_WITNESS
     device_budget: float | None = 1.0
     allocation: Allocation | None = None
+    exact_sinks: int = 0
 
     @property
     def label(self) -> str:
@@ -191,9 +196,12 @@ def parse_schemes(text: str) -> list[SchemeSpec]:
     return out
 
 
-def parse_storage(specs: list[SchemeSpec], witness: str, device_budget: str) -> list[SchemeSpec]:
-    """``specs`` with ``--witness`` (one of ``WITNESS_FORMATS``) and ``--device-budget`` (a fraction > 0 of the fp16
-    K/V bytes, or ``none``) applied to each; ``ValueError`` naming the option otherwise."""
+def parse_storage(specs: list[SchemeSpec], witness: str, device_budget: str, exact_sinks: int = 0) -> list[SchemeSpec]:
+    """``specs`` with ``--witness`` (one of ``WITNESS_FORMATS``), ``--device-budget`` (a fraction > 0 of the fp16
+    K/V bytes, or ``none``) and ``--exact-sinks`` (``>= 0``) applied to each; ``ValueError`` naming the option
+    otherwise."""
+    if isinstance(exact_sinks, bool) or not isinstance(exact_sinks, int) or exact_sinks < 0:
+        raise ValueError(f"--exact-sinks: expected a number of positions >= 0, got {exact_sinks!r}")
     if witness not in WITNESS_FORMATS:
         raise ValueError(f"--witness: expected one of {', '.join(WITNESS_FORMATS)}, got {witness!r}")
     budget: float | None = None
@@ -205,7 +213,7 @@ def parse_storage(specs: list[SchemeSpec], witness: str, device_budget: str) -> 
         if not 0.0 < budget < float("inf"):
             raise ValueError(f"--device-budget: expected a finite fraction > 0 or 'none', got {device_budget!r}")
     form: Witness = "log8" if witness == "log8" else "f32"
-    return [SchemeSpec(s.keys, s.values, form, budget, s.allocation) for s in specs]
+    return [SchemeSpec(s.keys, s.values, form, budget, s.allocation, exact_sinks) for s in specs]
 
 
 def parse_gate(text: str) -> Gate | None:
@@ -426,13 +434,14 @@ def ruler_variants(
     allocation: Path | None,
     gate: str,
     resident: ResidentSettings,
+    exact_sinks: int = 0,
 ) -> RulerVariants:
     """:func:`parse_schemes` with :func:`parse_storage`, ``--allocation``'s scheme (:func:`allocation_spec`, under the
     same storage options), :func:`parse_gate` and :func:`resident_plan` (the resident variants of the listed
     schemes, not the allocation's); ``ValueError`` naming the option at fault (also for a Tier-B gate over a scheme
     whose keys are not dithered)."""
-    plain = parse_storage(parse_schemes(schemes), witness, device_budget)
-    specs = plain + parse_storage(allocation_spec(allocation), witness, device_budget)
+    plain = parse_storage(parse_schemes(schemes), witness, device_budget, exact_sinks)
+    specs = plain + parse_storage(allocation_spec(allocation), witness, device_budget, exact_sinks)
     chosen = parse_gate(gate)
     plain_keys = [s.keys for s in plain if not get(s.keys).tier_b]
     if chosen is not None and chosen.tier_b and plain_keys:

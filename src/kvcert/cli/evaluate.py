@@ -13,6 +13,7 @@ from kvcert.cli.common import (
     AllocationOption,
     ContextOption,
     DeviceBudgetOption,
+    ExactSinksOption,
     GateOption,
     MaxNewTokensOption,
     ModelOption,
@@ -62,6 +63,7 @@ def evaluate(
     overwrite: OverwriteOption = False,
     witness: WitnessOption = "log8",
     device_budget: DeviceBudgetOption = "1.0",
+    exact_sinks: ExactSinksOption = 0,
     resident: ResidentOption = None,
     select: SelectOption = None,
     reselect: ReselectOption = None,
@@ -77,7 +79,7 @@ def evaluate(
     with checked_inputs("eval"):
         tasks = parse_task_option(task)
         settings = ResidentSettings(resident, select, reselect, summary, resident_alloc, recall)
-        variants = ruler_variants(schemes, witness, device_budget, allocation, gate, settings)
+        variants = ruler_variants(schemes, witness, device_budget, allocation, gate, settings, exact_sinks)
     job = RulerJob(
         "eval",
         model,

@@ -23,6 +23,7 @@ from kvcert.cli.common import (
     AllocationOption,
     ContextOption,
     DeviceBudgetOption,
+    ExactSinksOption,
     GateOption,
     MaxNewTokensOption,
     ModelOption,
@@ -147,6 +148,7 @@ def frontier(
     overwrite: OverwriteOption = False,
     witness: WitnessOption = "log8",
     device_budget: DeviceBudgetOption = "1.0",
+    exact_sinks: ExactSinksOption = 0,
     resident: ResidentOption = None,
     select: SelectOption = None,
     reselect: ReselectOption = None,
@@ -163,7 +165,7 @@ def frontier(
     with checked_inputs("frontier"):
         task_list = tuple(t.strip() for t in tasks.split(",") if t.strip())
         settings = ResidentSettings(resident, select, reselect, summary, resident_alloc, recall)
-        variants = ruler_variants(schemes, witness, device_budget, allocation, gate, settings)
+        variants = ruler_variants(schemes, witness, device_budget, allocation, gate, settings, exact_sinks)
         specs, chosen, plan = list(variants.specs), variants.gate, variants.plan
         peer_specs = parse_peers(peers, residual_length)
         positions = model_max_positions(model)
@@ -215,6 +217,7 @@ def frontier(
         "schemes": [s.label for s in specs],
         "witness": witness,
         "device_budget": device_budget,
+        "exact_sinks": exact_sinks,
         "gate": gate,
         "peers": [p.label for p in peer_specs],
         "residual_length": residual_length,

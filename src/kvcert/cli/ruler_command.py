@@ -47,6 +47,7 @@ class RulerJob:
             "schemes": [s.label for s in self.schemes],
             "witness": self.schemes[0].witness,
             "device_budget": self.schemes[0].device_budget,
+            "exact_sinks": self.schemes[0].exact_sinks,
             "gate": "auto" if self.gate is None else self.gate.describe(),
             "seed": self.seed,
             "max_new_tokens": self.max_new_tokens,

@@ -68,6 +68,7 @@ def _scheme(spec: SchemeSpec, gate: Gate, label: str, validate: bool) -> Scheme:
         witness=spec.witness,
         device_budget=spec.device_budget,
         allocation=spec.allocation,
+        exact_sinks=spec.exact_sinks,
     )
 
 
@@ -126,6 +127,7 @@ def run_workload(
                 recall=resident.recall,
                 witness=s.witness,
                 device_budget=s.device_budget,
+                exact_sinks=s.exact_sinks,
             )
             for s in resident.specs
         ]

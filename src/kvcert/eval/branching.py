@@ -54,6 +54,7 @@ class Scheme:
     witness: Witness = DEFAULT_WITNESS  # storage of the write-time witnesses (``StorageConfig(witness=)``)
     device_budget: float | None = 1.0  # ``StorageConfig(device_budget=)`` (its default: never above fp16)
     allocation: Allocation | None = None  # per-(layer, KV head) key widths and value codecs (replace keys/values)
+    exact_sinks: int = 0  # the first positions kept exact (``StorageConfig(exact_sinks=)``)
 
     @property
     def is_dense(self) -> bool:
@@ -73,6 +74,7 @@ class Scheme:
             key_options=dict(self.key_options),
             device_budget=self.device_budget,
             witness=self.witness,
+            exact_sinks=self.exact_sinks,
         )
 
     def eviction(self) -> EvictionConfig | None:

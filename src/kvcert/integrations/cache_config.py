@@ -43,8 +43,11 @@ class StorageConfig:
     (``None``: the cache draws one at random, so dither is never reused across caches), ``write_block`` (pending
     tokens encode in whole blocks of this many tokens, exact until then), the device budget of persistent repairs
     and recalled pages (a fraction of the live tokens' fp16 K/V bytes, default ``1.0``: never more than fp16;
-    ``None``: no cap; see ``docs/architecture.md``) and the storage of the write-time witnesses (``"log8"``: 8-bit
-    codes that decode to values never below the true ones, or ``"f32"``; see ``docs/math.md#compact-witnesses``)."""
+    ``None``: no cap; see ``docs/architecture.md``), the storage of the write-time witnesses (``"log8"``: 8-bit
+    codes that decode to values never below the true ones, or ``"f32"``; see ``docs/math.md#compact-witnesses``)
+    and ``exact_sinks``: the tokens at the first ``exact_sinks`` logical positions (attention sinks) are stored
+    exact, with zero residual and radius, and their bytes count as device bytes (default 0;
+    ``docs/read-path.md#exact-sinks``)."""
 
     keys: str | Codec | tuple[str | Codec, ...] = "int8"
     values: str | Codec | tuple[str | Codec, ...] = "int8"
@@ -56,6 +59,7 @@ class StorageConfig:
     write_block: int = 16
     device_budget: float | None = 1.0
     witness: Witness = DEFAULT_WITNESS
+    exact_sinks: int = 0
 
     def __post_init__(self) -> None:
         """Fail on a wrong type (each message names the argument); value ranges are the store's to check."""
@@ -89,6 +93,7 @@ class StorageConfig:
             write_block=self.write_block,
             device_budget=self.device_budget,
             witness=self.witness,
+            exact_sinks=self.exact_sinks,
         )
 
 

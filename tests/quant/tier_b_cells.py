@@ -1,0 +1,114 @@
+"""Adversarial end-to-end cells for the Tier-B gate's partial box (``docs/math.md#tier-b-in-the-box``), shared by
+``tests/quant/test_quant_tier_b_box.py`` and ``benchmarks/soundness_fuzz.py --tier-b-cells``.
+
+A cell is one read of a dithered key codec. Keys are drawn as for the codec forms (``codec_cells``: scales over
+three orders of magnitude, outlier channels, a massive sink token), fp16-exact, and encoded under a fresh dither
+seed per chunk. The Tier-B premise is a query independent of the dither, so the query is drawn from the keys alone,
+before the dither, and aimed where the dither hurts most: along one key token (a peaked read), on the channel group
+with the largest step (the group an outlier inflates), on that group's largest channel (one uniform residual per
+token: the proxy ``σ²`` is then the variance itself), or at random; its scale runs from flat to saturated logits.
+
+Per cell, in float64: the Tier-A radii ``c`` (band norms of the residual), the Tier-B radii ``u`` at ``δ_loc``, the
+realised logit errors ``ε``, the Tier-B event (every ``|ε_t| ≤ u_t``), the true TV, and the bound the read path
+serves on a partially certified head: the box over ``min(c, u)`` from the start ``min(meter(c), meter(u))``, with the
+gate's two-pass grid at a threshold ``τ`` (``box_refined``, the compiled evaluator). The claim checked is the one the
+gate relies on: **on the event, TV ≤ partial bound, in every cell** (no probability involved), and the event fails in
+at most a ``δ_loc`` share of cells (a one-sided binomial tail test, per ``δ_loc``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from codec_cells import _keys
+
+from kvcert.bounds import band_norms, tier_a_radius, tier_b_radius, tier_b_sigma2, true_tv, tv_meter
+from kvcert.bounds.tv_box import box_refined
+from kvcert.kernels import numba_box
+from kvcert.quant import get, sample_key
+
+F64 = torch.float64
+#: dithered key codecs whose partial box is fuzzed (the Tier-B gate accepts exactly these)
+TIER_B_FORMS: tuple[str, ...] = ("dither-int8", "dither-int6", "dither-int4", "dither-int3")
+#: (S, cells) per chunk; one round is 10^5 cells
+TIER_B_PLAN: tuple[tuple[int, int], ...] = ((2, 50_000), (8, 30_000), (32, 15_000), (128, 5_000))
+#: ``δ_loc`` drawn per chunk: large ones make the event fail often enough to be seen (and the binomial test to
+#: bite), the small one is the gate's scale
+TIER_B_DELTAS: tuple[float, ...] = (0.5, 0.1, 1e-3)
+#: ``τ`` drawn per chunk: the gate's default, a loose one and a strict one (the coarse pass alone, or both passes)
+TIER_B_TAUS: tuple[float, ...] = (0.2, 0.5, 0.02)
+SLACK = 1e-12
+GROUP = 32
+
+
+@dataclass(frozen=True)
+class TierBCells:
+    delta_loc: float
+    event: torch.Tensor  # [n] every |ε_t| ≤ u_t
+    partial: torch.Tensor  # [n] the box over min(c, u) from min(meter(c), meter(u))
+    certified: torch.Tensor  # [n] the box over c from meter(c) (what the certified gate alone serves)
+    tv: torch.Tensor  # [n] TV(exact, served)
+
+    def violations(self) -> int:
+        """Cells on the Tier-B event whose true TV exceeds the partial bound (must be 0)."""
+        return int((self.event & (self.partial + SLACK < self.tv)).sum())
+
+
+def _query(x: torch.Tensor, steps: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Queries ``[n, D]`` from the keys ``x[n, S, D]`` and their steps ``[n, S, D/GROUP]`` (both fixed before the
+    dither is drawn): one key token's direction, the largest-step group, its largest channel, or random; scaled so
+    that logits run from flat to saturated."""
+    n, s, d = x.shape
+    rows = torch.arange(n)
+    tok = x[rows, torch.randint(0, s, (n,), generator=gen)]
+    group = steps.amax(1).argmax(-1)  # [n]: the group with the largest step over the tokens
+    in_group = (torch.arange(d).view(1, d) // GROUP) == group.view(n, 1)
+    grouped = torch.where(in_group, torch.randn(n, d, generator=gen), 0.0)
+    chan = torch.where(in_group, x.abs().amax(1), -1.0).argmax(-1)
+    single = torch.zeros(n, d).index_put_((rows, chan), torch.ones(n))
+    rnd = torch.randn(n, d, generator=gen)
+    kind = torch.randint(0, 4, (n, 1), generator=gen)
+    q = torch.where(kind == 0, tok, torch.where(kind == 1, grouped, torch.where(kind == 2, single, rnd)))
+    q = q / q.norm(dim=-1, keepdim=True).clamp(min=1e-30)
+    scale = 10.0 ** (4 * torch.rand(n, 1, generator=gen) - 1) / x.norm(dim=-1).amax(-1, keepdim=True)
+    return (q * scale * d**0.5).to(F64)  # float32 values (the product of float32s), held in float64
+
+
+def make_tier_b_cells(
+    codec: str,
+    n: int,
+    s: int,
+    gen: torch.Generator,
+    d: int = 64,
+    bands: int = 8,
+    delta_loc: float | None = None,
+    tau: float | None = None,
+) -> tuple[TierBCells, float]:
+    """``n`` cells of ``s`` tokens for the dithered key ``codec`` (module doc) at ``delta_loc`` and ``tau`` (drawn from
+    :data:`TIER_B_DELTAS` / :data:`TIER_B_TAUS` when ``None``); returns the cells and the ``τ`` used."""
+    i_delta = int(torch.randint(0, len(TIER_B_DELTAS), (1,), generator=gen))
+    i_tau = int(torch.randint(0, len(TIER_B_TAUS), (1,), generator=gen))
+    delta = TIER_B_DELTAS[i_delta] if delta_loc is None else delta_loc
+    tau = TIER_B_TAUS[i_tau] if tau is None else tau
+    x = _keys(n, s, d, gen)
+    c = get(codec)
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+    packed, decoded = c.encode_decode(x[None], sample_key(x[None], seed))  # the store's write path
+    steps = c.steps(packed)[0].to(F64)  # a function of x alone (test_steps_do_not_depend_on_the_dither)
+    q = _query(x, steps, gen)  # from x and its steps: independent of the dither
+    k_hat = decoded[0].to(F64)
+    k = x.to(F64)
+    delta_k = k_hat - k
+    sc = d**-0.5
+    radius_a = tier_a_radius(q, band_norms(delta_k, bands), sc)  # [n, S]
+    radius_b = tier_b_radius(tier_b_sigma2(q, steps, sc, GROUP), s, delta)  # [n, S]
+    served = sc * torch.einsum("nd,nsd->ns", q, k_hat)
+    exact = sc * torch.einsum("nd,nsd->ns", q, k)
+    p_served, p_exact = torch.softmax(served, -1), torch.softmax(exact, -1)
+    meter_a = tv_meter(p_served, radius_a)
+    certified = box_refined(p_served, radius_a, meter_a, tau, numba_box.box_rows)
+    start = torch.minimum(certified, tv_meter(p_served, radius_b))
+    partial = box_refined(p_served, torch.minimum(radius_a, radius_b), start, tau, numba_box.box_rows)
+    event = ((served - exact).abs() <= radius_b).all(-1)
+    return TierBCells(delta, event, partial, certified, true_tv(p_exact, p_served)), tau

@@ -57,7 +57,6 @@ from codec_cells import (  # noqa: E402
     witness_element_violations,
 )
 from codec_cells import violations as codec_violations  # noqa: E402
-from tier_b_cells import SLACK as TIER_B_SLACK  # noqa: E402
 from tier_b_cells import TIER_B_FORMS, TIER_B_PLAN, make_tier_b_cells  # noqa: E402
 
 WITNESS_CODECS = tuple(codec for codec, _ in WITNESS_FORMS)
@@ -137,10 +136,9 @@ def tier_b_fuzz(n_cells: int, gen: torch.Generator, codecs: tuple[str, ...]) -> 
             for s, rows in TIER_B_PLAN:
                 batch, _ = make_tier_b_cells(codec, rows, s, gen)
                 cells, bad = cells + rows, bad + batch.violations()
-                tighter += int((batch.partial + TIER_B_SLACK < batch.certified).sum())
-                over += int((~batch.event & (batch.partial + TIER_B_SLACK < batch.tv)).sum())
+                tighter, over = tighter + batch.tightened(), over + batch.above_off_event()
                 seen = failed.setdefault(batch.delta_loc, [0, 0])
-                seen[0], seen[1] = seen[0] + rows, seen[1] + int((~batch.event).sum())
+                seen[0], seen[1] = seen[0] + rows, seen[1] + batch.off_event()
         tails = {d: binomial_sf(f, n, d) for d, (n, f) in failed.items()}
         per_delta = ", ".join(f"{d:g}: {f}/{n} ({tails[d]:.2g})" for d, (n, f) in sorted(failed.items()))
         print(f"{codec:>12} | {cells:>11,} | {bad:>14} | {per_delta:>44} | {tighter / cells:>9.3f} | {over:>21}")

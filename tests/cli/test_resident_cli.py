@@ -353,9 +353,8 @@ def test_resident_variant_takes_the_runs_storage_options(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str, task: list[str]
 ) -> None:
     """``--device-budget``, ``--witness`` and ``--exact-sinks`` reach the resident variant's cache as they reach the
-    schemes' (the
-    resident variant once ran under the default budget 1.0 whatever the run asked for). With a fixed gate every
-    variant decodes in one ``run_branches`` call, which is captured before it runs."""
+    schemes' (the resident variant once ran under the default budget 1.0 whatever the run asked for). With a fixed
+    gate every variant decodes in one ``run_branches`` call, which is captured before it runs."""
     seen: list[Scheme] = []
 
     def capture(model: object, ids: object, schemes: list[Scheme], *args: object, **kwargs: object) -> list[object]:

@@ -45,7 +45,9 @@ class CodecCells:
     tv: torch.Tensor  # [n] TV(exact, served)
 
 
-def _keys(n: int, s: int, d: int, gen: torch.Generator) -> torch.Tensor:
+def adversarial_keys(n: int, s: int, d: int, gen: torch.Generator) -> torch.Tensor:
+    """``n`` fp16-exact key sets ``[n, s, d]`` (module doc): Gaussian over three orders of magnitude, half with three
+    outlier channels, 30 % with a sink token."""
     x = torch.randn(n, s, d, generator=gen)
     x *= 10.0 ** (3 * torch.rand(n, 1, 1, generator=gen) - 2)
     outliers = torch.rand(n, 1, 1, generator=gen) < 0.5
@@ -75,7 +77,7 @@ def make_codec_cells(
 ) -> CodecCells:
     """``n`` adversarial cells of ``s`` tokens for ``codec`` (see the module docstring); ``witness="log8"`` serves
     the band norms through :func:`log8_stored` (what the store's compact witnesses hold)."""
-    x = _keys(n, s, d, gen)
+    x = adversarial_keys(n, s, d, gen)
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
     c = get(codec, seed=seed) if codec.startswith("hadamard") else get(codec)
     key = sample_key(x[None], seed) if c.needs_key else None

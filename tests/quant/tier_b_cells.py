@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from codec_cells import _keys
+from codec_cells import adversarial_keys
 
 from kvcert.bounds import band_norms, tier_a_radius, tier_b_radius, tier_b_sigma2, true_tv, tv_meter
 from kvcert.bounds.tv_box import box_refined
@@ -53,6 +53,18 @@ class TierBCells:
     def violations(self) -> int:
         """Cells on the Tier-B event whose true TV exceeds the partial bound (must be 0)."""
         return int((self.event & (self.partial + SLACK < self.tv)).sum())
+
+    def off_event(self) -> int:
+        """Cells where some ``|ε_t| > u_t`` (at most a ``δ_loc`` share is expected)."""
+        return int((~self.event).sum())
+
+    def above_off_event(self) -> int:
+        """Cells off the event whose true TV exceeds the partial bound (allowed; they show the event is needed)."""
+        return int((~self.event & (self.partial + SLACK < self.tv)).sum())
+
+    def tightened(self) -> int:
+        """Cells whose partial bound is below the certified box (where the Tier-B radii matter)."""
+        return int((self.partial + SLACK < self.certified).sum())
 
 
 def _query(x: torch.Tensor, steps: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -91,7 +103,7 @@ def make_tier_b_cells(
     i_tau = int(torch.randint(0, len(TIER_B_TAUS), (1,), generator=gen))
     delta = TIER_B_DELTAS[i_delta] if delta_loc is None else delta_loc
     tau = TIER_B_TAUS[i_tau] if tau is None else tau
-    x = _keys(n, s, d, gen)
+    x = adversarial_keys(n, s, d, gen)
     c = get(codec)
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
     packed, decoded = c.encode_decode(x[None], sample_key(x[None], seed))  # the store's write path

@@ -31,6 +31,7 @@ def test_serve_bad_configuration_fails_before_start(tmp_path):
         (["--gate", "certified:-1"], "threshold must be >= 0"),
         (["--port", "0"], "--port must be in"),
         (["--api-server-count", "0"], "--api-server-count must be >= 1"),
+        (["--exact-sinks", "-1"], "--exact-sinks must be a number of positions >= 0"),
     ):
         res = runner.invoke(app, ["serve", "--model", model, "--dry-run", *args])
         assert res.exit_code == 2 and text in res.output, (args, res.output)

@@ -56,7 +56,8 @@ DeviceBudgetOption = Annotated[
     typer.Option(help="cap on each layer's device bytes after persistent repair, a fraction of fp16 K/V (or 'none')"),
 ]
 ExactSinksOption = Annotated[
-    int, typer.Option(help="keep the tokens at the first N positions exact in every kvcert variant (attention sinks)")
+    int,
+    typer.Option(help="keep the tokens at the first N positions of every request exact (attention sinks)"),
 ]
 # Options shared by the RULER commands (``kvcert eval``, ``kvcert frontier``).
 ContextOption = Annotated[int, typer.Option(help="RULER sequence length in tokens")]

@@ -16,6 +16,7 @@ from typing import Annotated
 
 import typer
 
+from kvcert.cli.common import ExactSinksOption
 from kvcert.integrations.vllm.launch import check_ledger_dir, check_model, server_command
 from kvcert.integrations.vllm.settings import Settings, ledger_dir
 from kvcert.models.zoo import ZOO, converted_dir
@@ -42,6 +43,7 @@ def serve(
     allow_uncertified: Annotated[
         bool, typer.Option(help="serve layers/models kvcert cannot certify with vLLM's own attention")
     ] = False,
+    exact_sinks: ExactSinksOption = 0,
     max_model_len: Annotated[int, typer.Option(help="vLLM --max-model-len")] = 4096,
     api_server_count: Annotated[
         int, typer.Option(help="vLLM API server processes (N > 1: one port, /metrics in multiprocess mode)")
@@ -53,7 +55,16 @@ def serve(
     try:
         records_path = records or str(Path(tempfile.mkdtemp(prefix="kvcert-serve-")) / "records.sqlite")
         ledger_path = ledger_dir(str(Path(records_path).parent / "ledger") if ledger is None else ledger)
-        settings = Settings(keys, values, gate, validate, records_path, None, allow_uncertified, ledger_path)
+        settings = Settings(
+            keys,
+            values,
+            gate,
+            validate,
+            records_path,
+            allow_uncertified=allow_uncertified,
+            ledger=ledger_path,
+            exact_sinks=exact_sinks,
+        )
         model_dir = converted_dir(model) if model in ZOO else Path(model)
         check_model(model_dir, allow_uncertified)
         check_ledger_dir(settings.ledger)

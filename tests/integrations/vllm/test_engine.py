@@ -2,10 +2,10 @@
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the tests read the plugin's runtime
 directly. Two prompts are generated in one ``generate`` call (continuous batching: both sequences in every
-step) with ``Gate.certified(tau=0)`` in validate mode. The reference is vLLM's own CPU backend, run in a second
-process without the plugin (``vllm_reference.py``, started first so both engines load together) at the same
-``VLLM_CPU_KVCACHE_SPACE``: its tokens and its block count. The request ledger is on (``KVCERT_VLLM_LEDGER``):
-each request id must have its own account fed by its cache events.
+step) with ``Gate.certified(tau=0)`` in validate mode, the first ``SINKS`` positions kept exact. The reference is
+vLLM's own CPU backend, run in a second process without the plugin (``vllm_reference.py``, started first so both
+engines load together) at the same ``VLLM_CPU_KVCACHE_SPACE``: its tokens and its block count. The request ledger
+is on (``KVCERT_VLLM_LEDGER``): each request id must have its own account fed by its cache events.
 """
 
 import json
@@ -21,6 +21,7 @@ from vllm_reference import engine
 
 PROMPTS = ["The capital of France is", "Water boils at a temperature of 100 degrees"]
 MAX_TOKENS = 24  # > the write block (16) minus the prompt, so compressed entries are read
+SINKS = 2  # positions every request keeps exact (KVCERT_VLLM_EXACT_SINKS)
 
 ENV = {
     "KVCERT_VLLM": "1",
@@ -28,6 +29,7 @@ ENV = {
     "KVCERT_VLLM_VALUES": "int4",
     "KVCERT_VLLM_GATE": "certified:0",
     "KVCERT_VLLM_VALIDATE": "1",
+    "KVCERT_VLLM_EXACT_SINKS": str(SINKS),
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -142,7 +144,9 @@ def test_codes_read_from_vllm_blocks_decode_to_what_the_store_encoded(served):
                     for t in c.packed.tensors.values():
                         assert lo <= t.data_ptr() < hi  # a view of vLLM's KV allocation
                     dec = ts.codec.decode(c.packed, key=c.key).to(torch.float32)
-                    assert torch.equal(dec, ts.served.view()[:, :, c.start : c.stop])  # per element
+                    got = ts.served.view()[:, :, c.start : c.stop]
+                    coded = ~ts.exact.view()[:, :, c.start : c.stop]  # all but the exact sinks of the first chunk
+                    assert bool(coded.any()) and torch.equal(dec[coded], got[coded])  # per element
                     checked += 1
     assert checked >= 2 * 30 * len(PROMPTS)
 
@@ -237,6 +241,26 @@ def test_exact_kv_live_in_the_host_blocks_of_the_tokens_blocks(served):
             assert bool(flags[:, :, ts.n_encoded :].all()) and bool(flags.any())
             assert torch.equal(ts.served.view()[flags], x[flags])
         assert store.bytes_host() == sum(x.numel() for x in exact) * 4
+
+
+def test_exact_sinks_are_served_exact_with_zero_residual(served):
+    """``KVCERT_VLLM_EXACT_SINKS``: in every request's store of every layer the first ``SINKS`` positions are served
+    exact (the host blocks' K/V, bit for bit) and their witness codes in vLLM's blocks decode to a zero residual,
+    while later encoded positions are compressed."""
+    from kvcert.quant import logcode
+
+    for store, _, exact, _, _, _ in served["host_cells"]:
+        assert store.exact_sinks == SINKS and store.k.n_encoded > SINKS
+        for ts, x in zip((store.k, store.v), exact, strict=True):
+            flags = ts.exact.view()
+            assert bool(flags[:, :, :SINKS].all()) and not bool(flags[:, :, SINKS : ts.n_encoded].all())
+            assert torch.equal(ts.served.view()[:, :, :SINKS], x[:, :, :SINKS])
+    first = [(st, name, cell) for st, name, start, _, cell in served["witness_cells"] if start == 0]
+    first = [(st, name, cell) for st, name, cell in first if name in ("k_band", "v_res")]
+    assert len(first) == 2 * 30 * len(PROMPTS)
+    for store, name, cell in first:
+        got = logcode.decode(cell, getattr(store, name).base[0].view(-1, *[1] * (cell.dim() - 1)))
+        assert (got[:, :SINKS] == 0).all() and (got[:, SINKS:] > 0).any(), (store.layer, name)
 
 
 def test_certificates_finite_and_sound_per_cell(served):

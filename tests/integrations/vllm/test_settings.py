@@ -13,7 +13,9 @@ from kvcert.integrations.vllm.settings import Settings, enabled, gate_from_spec
 
 
 def test_settings_roundtrip_and_defaults():
-    s = Settings(keys="int8", values="int4", gate="certified:0.1", validate=True, records="/tmp/x.sqlite", seed=3)
+    s = Settings(
+        keys="int8", values="int4", gate="certified:0.1", validate=True, records="/tmp/x.sqlite", seed=3, exact_sinks=4
+    )
     assert Settings.from_env(s.to_env()) == s
     assert enabled(s.to_env()) and not enabled({})
     assert Settings.from_env({}) == Settings()
@@ -34,6 +36,8 @@ def test_settings_roundtrip_and_defaults():
         ({"KVCERT_VLLM_GATE": "certified:x"}, "'x' is not a number"),
         ({"KVCERT_VLLM_VALIDATE": "yes"}, "KVCERT_VLLM_VALIDATE must be 0 or 1"),
         ({"KVCERT_VLLM_SEED": "1.5"}, "KVCERT_VLLM_SEED must be an integer"),
+        ({"KVCERT_VLLM_EXACT_SINKS": "four"}, "KVCERT_VLLM_EXACT_SINKS must be an integer"),
+        ({"KVCERT_VLLM_EXACT_SINKS": "-1"}, "KVCERT_VLLM_EXACT_SINKS / --exact-sinks must be a number of positions"),
         ({"KVCERT_VLLM_KEYS": "kivi-4"}, "KVCERT_VLLM_KEYS.*only per-token codecs"),  # blocks of 32: no cell
     ],
 )

@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 
 from kvcert.cli.main import app
 from kvcert.integrations.vllm import plugin
-from kvcert.integrations.vllm.launch import check_ledger_dir
-from kvcert.integrations.vllm.settings import LEDGER, Settings
+from kvcert.integrations.vllm.launch import check_ledger_dir, server_command
+from kvcert.integrations.vllm.settings import EXACT_SINKS, LEDGER, Settings
 from kvcert.integrations.vllm.sse import annotate_stream
 
 
@@ -105,9 +105,17 @@ def test_serve_ledger_option(tmp_path):
     assert res.exit_code == 2 and "already holds a ledger log" in res.output
 
 
-def test_server_command_lets_the_worker_close_its_ledger(tmp_path):
-    from kvcert.integrations.vllm.launch import server_command
+def test_exact_sinks_setting_reaches_the_server_environment(tmp_path):
+    s = Settings(records=str(tmp_path / "r.sqlite"), exact_sinks=4)
+    _, env = server_command("py", tmp_path, s, port=8123, base_env={})
+    assert env[EXACT_SINKS] == "4" and Settings.from_env(env) == s
+    assert Settings.from_env({}).exact_sinks == 0
+    for bad in ("-2", "x"):
+        with pytest.raises(ValueError, match=EXACT_SINKS):
+            Settings.from_env({EXACT_SINKS: bad})
 
+
+def test_server_command_lets_the_worker_close_its_ledger(tmp_path):
     s = Settings(records=str(tmp_path / "r.sqlite"), ledger=str(tmp_path / "led"))
     argv, env = server_command("py", tmp_path, s, port=8123, base_env={})
     assert argv[argv.index("--shutdown-timeout") + 1] == "30"  # graceful exit: ledger.json written, log closed

@@ -78,8 +78,8 @@ def _host_holds(store, host, blocks, ks, vs):
         assert torch.equal(host.k[block, :, off], ks[t]) and torch.equal(host.v[block, :, off], vs[t]), t
 
 
-def _runtime(gate: str = "certified:0", keys: str = "dither-int8"):
-    settings = Settings(keys=keys, gate=gate, validate=True, seed=3)
+def _runtime(gate: str = "certified:0", keys: str = "dither-int8", sinks: int = 0):
+    settings = Settings(keys=keys, gate=gate, validate=True, seed=3, exact_sinks=sinks)
     layout = cell_layout(settings, D, D, torch.float32)
     pools = [
         (
@@ -208,3 +208,23 @@ def test_outlier_bypass_keys_serve_from_the_blocks():
     for rid in TABLE:
         rec = rt.record(rid)
         assert rec.validated_cells == rec.cells > 0 and rec.violations == 0
+
+
+def test_exact_sinks_are_kept_exact_in_every_request_store():
+    """``Settings(exact_sinks=3)`` (``KVCERT_VLLM_EXACT_SINKS``) reaches every request's store: its first three
+    positions are served exact with zero key-band and value-residual witnesses, later encoded ones are compressed,
+    and every row is still the exact attention under ``certified:0`` with no violation."""
+    rt, layout, pools = _runtime(sinks=3)
+    steps = [{"a": (20, 0), "b": (18, 0)}] + [{"a": (1, 20 + i), "b": (1, 18 + i)} for i in range(24)]
+    hist = {}
+    errors = _drive(rt, layout, pools, steps, TABLE, seed=19, hist=hist)
+    assert errors["prefill"] < 1e-5 and errors["decode"] < 1e-5, errors
+    for rid in TABLE:
+        assert rt.record(rid).violations == 0
+        for layer, store in rt.sequences[rid].stores.items():
+            assert store.exact_sinks == 3 and store.k.n_encoded > 3
+            for ts, x in zip((store.k, store.v), hist[rid, layer], strict=True):
+                assert bool(ts.exact.view()[:, :, :3].all()) and not bool(ts.exact.view()[:, :, 3 : ts.n_encoded].any())
+                assert torch.equal(ts.served.view()[0, :, :3], x[:3].transpose(0, 1))
+            assert (store.k_band.view()[:, :, :3] == 0).all() and (store.v_res.view()[:, :, :3] == 0).all()
+            assert (store.k_band.view()[:, :, 3 : store.k.n_encoded] > 0).all()

@@ -122,7 +122,12 @@ class Runtime:
         self.read_path = CertifiedReadPath(cfg)
         self.seed = int.from_bytes(os.urandom(4), "little") if settings.seed is None else settings.seed
         self.storage = StorageConfig(
-            keys=settings.keys, values=settings.values, bands=BANDS, seed=self.seed, write_block=WRITE_BLOCK
+            keys=settings.keys,
+            values=settings.values,
+            bands=BANDS,
+            seed=self.seed,
+            write_block=WRITE_BLOCK,
+            exact_sinks=settings.exact_sinks,
         )
 
     # ------------------------------------------------------------------------------------------- steps

@@ -17,6 +17,8 @@ variable                            meaning (default)
                                     snapshot and ``summary.json`` at shutdown); unset or ``off``: no ledger
 ``KVCERT_VLLM_ALLOW_UNCERTIFIED``   ``1``: serve a model/layer/platform the plugin cannot certify with vLLM's
                                     own attention instead of refusing to start (responses say so)
+``KVCERT_VLLM_EXACT_SINKS``         keep the tokens at the first N positions of every request exact
+                                    (attention sinks; ``0``), as ``StorageConfig(exact_sinks=N)``
 ==================================  =================================================================
 
 :meth:`Settings.from_env` validates everything (codec names, gate, seed) and raises ``ValueError`` naming the
@@ -43,6 +45,7 @@ RECORDS = "KVCERT_VLLM_RECORDS"
 SEED = "KVCERT_VLLM_SEED"
 LEDGER = "KVCERT_VLLM_LEDGER"
 ALLOW_UNCERTIFIED = "KVCERT_VLLM_ALLOW_UNCERTIFIED"
+EXACT_SINKS = "KVCERT_VLLM_EXACT_SINKS"
 #: the repair units a gate spec may name after its threshold ("" = whole KV heads)
 GATE_UNITS = ("", "block", "block-transient")
 
@@ -103,6 +106,17 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
     return value == "1"
 
 
+def _int(env: Mapping[str, str], name: str) -> int | None:
+    """``env[name]`` as an int (``None`` when unset); ``ValueError`` naming the variable for anything else."""
+    value = env.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
 @dataclass(frozen=True)
 class Settings:
     """The plugin configuration of one serving run (see the module docstring for the variables)."""
@@ -115,8 +129,13 @@ class Settings:
     seed: int | None = None
     allow_uncertified: bool = False
     ledger: str | None = None
+    exact_sinks: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.exact_sinks, bool) or not isinstance(self.exact_sinks, int) or self.exact_sinks < 0:
+            raise ValueError(
+                f"{EXACT_SINKS} / --exact-sinks must be a number of positions >= 0, got {self.exact_sinks!r}"
+            )
         if self.ledger == "off" or self.ledger == "":
             raise ValueError(f"{LEDGER} / --ledger: pass None for no ledger, not {self.ledger!r}")
         axes: tuple[tuple[str, str, Literal["key", "value"]], ...] = (
@@ -143,23 +162,17 @@ class Settings:
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         """Read and validate the ``KVCERT_VLLM_*`` variables (``ValueError`` naming the bad one)."""
         env = os.environ if env is None else env
-        seed = env.get(SEED)
-        if seed is not None:
-            try:
-                seed_value: int | None = int(seed)
-            except ValueError:
-                raise ValueError(f"{SEED} must be an integer, got {seed!r}") from None
-        else:
-            seed_value = None
+        sinks = _int(env, EXACT_SINKS)
         return cls(
             keys=env.get(KEYS, cls.keys),
             values=env.get(VALUES, cls.values),
             gate=env.get(GATE, cls.gate),
             validate=_flag(env, VALIDATE),
             records=env.get(RECORDS) or None,
-            seed=seed_value,
+            seed=_int(env, SEED),
             allow_uncertified=_flag(env, ALLOW_UNCERTIFIED),
             ledger=ledger_dir(env.get(LEDGER)),
+            exact_sinks=0 if sinks is None else sinks,
         )
 
     def to_env(self) -> dict[str, str]:
@@ -171,6 +184,7 @@ class Settings:
             GATE: self.gate,
             VALIDATE: "1" if self.validate else "0",
             ALLOW_UNCERTIFIED: "1" if self.allow_uncertified else "0",
+            EXACT_SINKS: str(self.exact_sinks),
         }
         if self.records is not None:
             env[RECORDS] = self.records

@@ -32,3 +32,31 @@ def test_readings_are_the_worst_query_and_stack_per_step():
     assert stack_records([prefill], layers=1, steps=1, attr="true_tv") is None
     with pytest.raises(ValueError, match="unknown step reading"):
         prefill.reading("certificate")
+
+
+def test_summary_reports_the_value_terms_quantiles_over_recorded_cells():
+    """``value_term_p50`` / ``value_term_p90`` are the quantiles of the recorded cells' value term (certified, output
+    units), ``None`` with no read; 2-bit values move the output more than 8-bit ones on the same keys and prompt."""
+    from kvcert.integrations.transformers import CertifiedCache
+    from kvcert.models.tiny import tiny_random
+
+    model = tiny_random("llama", head_dim=32)
+    ids = torch.randint(3, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
+    p90 = {}
+    for values in ("int8", "int2"):
+        cache = CertifiedCache(model, keys="dither-int8", values=values, seed=0)
+        feed = ids
+        for _ in range(4):
+            feed = model(feed, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        tel = cache.telemetry()
+        s = tel.summary()
+        rec = tel.value_term[tel.recorded].double()
+        assert rec.numel() == tel.cells > 0 and bool((rec > 0).all())
+        assert s["value_term_p50"] == float(torch.quantile(rec, 0.5)) <= s["value_term_p90"]
+        assert s["value_term_p90"] == float(torch.quantile(rec, 0.9)) <= float(rec.max())
+        assert tel.tiers["value_term"].startswith("certified")
+        p90[values] = s["value_term_p90"]
+    assert p90["int2"] > 4 * p90["int8"]
+    empty = CertifiedCache(model, keys="dither-int8", values="int4", seed=0)
+    empty.detach()
+    assert empty.telemetry().summary()["value_term_p90"] is None

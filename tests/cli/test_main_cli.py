@@ -78,7 +78,9 @@ def test_run_writes_report_and_reproduces(tmp_path: Path) -> None:
         if label != "dense":
             assert v["ci95_low"]["value"] <= v["diff_vs_dense"]["value"] <= v["ci95_high"]["value"]
             assert v["coverage_kv@0.2"]["tier"] == "certified" and v["accuracy"]["tier"] == "empirical"
+            assert v["value_term_p90"]["tier"] == "certified" and v["value_term_p90"]["value"] >= 0
             assert v["bytes_per_token_stored"]["value"] < v["bytes_per_token_fp16"]["value"]
+    assert variants["int4"]["value_term_p90"]["value"] > 0 and "value p90" in first.output  # raw int4 values
     assert len(doc["results"]["per_sample"]) == 2
     invoke(*args, "--overwrite")  # an existing report is replaced only on request
     again = load(out)

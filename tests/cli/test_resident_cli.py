@@ -115,7 +115,7 @@ def test_eval_resident_variant_reports_tiered_numbers(tmp_path: Path) -> None:
     assert context == variants["int4"]["bytes_fp16"]["value"]  # the plain scheme holds every token
     assert kept["bytes_device_sliding"]["value"] == 0  # no sliding-window layer: no ceiling
     # the summary table's capacity column shows the context capacity for the resident row, not the resident-only one
-    assert f"| {kept['capacity_context']['value']:.2g} |" in row
+    assert f"| {kept['capacity_context']['value']:.3g} |" in row
     assert "omitted_mass" not in json.dumps(variants["int4+gate"])  # only resident variants carry them
     html = (out / "report.html").read_text()
     assert "Resident variants" in html and "R = 0.25 chosen by streaming" in html

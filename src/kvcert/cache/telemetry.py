@@ -336,6 +336,16 @@ class Telemetry:
         rec = self.recorded
         return float((self.raw[rec] < 1).double().mean()) if rec.any() else float("nan")
 
+    def value_term_quantile(self, q: float) -> float:
+        """The ``q``-quantile (``torch.quantile``, linear) over the recorded cells of the output bound's value term
+        ``Σ_t p̃_t‖Δv_t‖`` (certified, in output units): how far the compressed values may move a read's output.
+        A gate's TV threshold bounds the key side only; the value side is gated only with ``value_tol``
+        (``docs/read-path.md#value-term``). NaN with no recorded cell."""
+        rec = self.recorded
+        if self.value_term is None or not rec.any():
+            return float("nan")
+        return float(torch.quantile(self.value_term[rec].double(), q))
+
     def _kv_share(self, flags: torch.Tensor) -> float:
         """Share of recorded KV-head reads (any of the G query heads recorded) that ``flags`` ``[steps, layers, B,
         Hkv]`` marks (NaN: none recorded)."""
@@ -405,6 +415,8 @@ class Telemetry:
             "informative_fraction": self.informative_fraction,
             "max_certificate": self.max_certificate,
             "fallback_rate": self.fallback_rate,
+            "value_term_p50": self.value_term_quantile(0.5),
+            "value_term_p90": self.value_term_quantile(0.9),
             "violations": self.violations if self.true_tv is not None else None,
             "out_violations": self.out_violations if self.true_out_err is not None else None,
             "bytes_device": self.bytes_device,

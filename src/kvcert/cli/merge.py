@@ -5,8 +5,10 @@ statistics on the concatenated per-sample scores, so the merged accuracy, paired
 are exactly those of one run over all samples. Telemetry-derived numbers are pooled from the shards:
 page-in bytes, cells, fail-closed entries and violations are summed, the maximum certificate is the maximum,
 and cell-weighted fractions (coverage, informative fraction, fallback rate, effective bits) are re-weighted
-by each shard's recorded cells — the same cell weighting one run applies over its samples. Stored bytes per
-token depend on each shard's token counts, which a results file does not hold: they are reported per shard.
+by each shard's recorded cells — the same cell weighting one run applies over its samples. Quantiles over cells
+(``value_term_p90``) are not merged: the quantile of the union is not a function of the shards' quantiles.
+Stored bytes per token depend on each shard's token counts, which a results file does not hold: they are
+reported per shard.
 Resident variants (``--resident``): shards must share ``--resident`` and ``--select``; pages / bytes recalled,
 summary bytes, recall violations and context fp16 bytes are summed, the omitted-mass maxima are the maximum, the
 resident fraction is the sample-weighted mean (as one run's mean over samples), and the recall ratio and context

@@ -54,6 +54,7 @@ def variant_numbers(rec: VariantRecord, dense: VariantRecord, seed: int, resampl
                     aggregate.pooled(tels, lambda t: t.coverage(COVERAGE_TAU, "kv_head")), CERTIFIED
                 ),
                 "informative_fraction": tiered(aggregate.pooled(tels, lambda t: t.informative_fraction), CERTIFIED),
+                "value_term_p90": tiered(aggregate.quantile(tels, "value_term", 0.9), CERTIFIED),
                 "max_certificate": tiered(  # samples with no cell (NaN) do not count, in any order
                     max((m for t in tels if (m := t.max_certificate) == m), default=None), CERTIFIED
                 ),
@@ -252,10 +253,11 @@ def summary_table(results: dict[str, Any]) -> ReportTable:
                 fmt(val("accuracy"), percent=True),
                 ci,
                 fmt(val("mcnemar_p"), 2),
-                *(fmt(x, d) for x, d in zip(whole_context(v), (4, 2, 3), strict=True)),
+                *(fmt(x, d) for x, d in zip(whole_context(v), (4, 3, 3), strict=True)),
                 fmt(val("fallback_rate"), percent=True),
                 fmt(val("coverage_kv@0.2"), percent=True),
                 fmt(val("informative_fraction"), percent=True),
+                fmt(val("value_term_p90"), 3),
             )
         )
     return ReportTable(
@@ -272,6 +274,7 @@ def summary_table(results: dict[str, Any]) -> ReportTable:
             "fallbk",
             "cov@0.2",
             "inform",
+            "value p90",
         ),
         tuple(rows),
         "acc = RULER accuracy; Δ CI95 = paired bootstrap CI of acc − dense acc; McN p = exact McNemar p; "
@@ -280,9 +283,11 @@ def summary_table(results: dict[str, Any]) -> ReportTable:
         "page-in ×fp16 = page-in traffic over the request / its fp16 K/V bytes (bandwidth, apart from capacity); "
         "fallbk = share of KV-head reads served partly from an exact copy (paged in, or kept by a persistent repair); "
         "cov@0.2 = share of KV-head cells whose certified TV bound is <= 0.2; inform = share of cells with "
-        "meter < 1. Resident rows (+resident): bytes, capacity and page-in against the fp16 K/V of the whole "
+        "meter < 1; value p90 = 90th percentile over cells of the output bound's value term Σ_t p̃_t‖Δv_t‖ (output "
+        "units: what the compressed values may move an output; no TV threshold covers it, only a gate's value_tol). "
+        "Resident rows (+resident): bytes, capacity and page-in against the fp16 K/V of the whole "
         "context (resident and omitted tokens). Tiers: acc, CI, p empirical; bytes, capacity, page-in, fallback "
-        "measured (empirical); cov and inform certified.",
+        "measured (empirical); cov, inform and value p90 certified.",
     )
 
 

@@ -74,6 +74,13 @@ def cells(tels: Sequence[Telemetry], attr: str) -> torch.Tensor:
     return torch.cat(out) if out else torch.empty(0, dtype=torch.float64)
 
 
+def quantile(tels: Sequence[Telemetry], attr: str, q: float) -> float:
+    """The ``q``-quantile (``torch.quantile``, linear) of :func:`cells` ``attr`` pooled over the samples' recorded cells
+    (NaN with none)."""
+    vals = cells(tels, attr)
+    return float(torch.quantile(vals, q)) if vals.numel() else float("nan")
+
+
 def layer_head(tels: Sequence[Telemetry], fn: Callable[[Telemetry], torch.Tensor]) -> torch.Tensor:
     """``[layers, Hq]`` mean over samples, steps and rows of the cell map ``fn(t)`` (recorded cells only)."""
     total = count = None

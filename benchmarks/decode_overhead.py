@@ -359,32 +359,29 @@ def _plot(
     path: str,
     title: str,
 ) -> None:
-    """ms/token per variant (every repetition, median marked) and the two target ratios per repetition."""
+    """ms/token per variant (every repetition, median marked) and each target ratio per repetition, one row each."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [3, 2]})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 4.8), gridspec_kw={"width_ratios": [3, 2]})
     names = list(times)
     for i, name in enumerate(names):
         left.scatter([i] * len(times[name]), times[name], s=12, color="tab:blue", alpha=0.6)
         left.hlines(statistics.median(times[name]), i - 0.3, i + 0.3, color="black")
-    left.set_xticks(range(len(names)), [_wrap(n) for n in names], fontsize=7, rotation=30)
+    left.set_xticks(range(len(names)), [_wrap(n) for n in names], fontsize=7, rotation=30, ha="right")
     left.set_ylabel("ms / token (each repetition; bar = median)")
     left.set_ylim(bottom=0)
-    for j, (num, den, target) in enumerate(targets):
+    for j, (num, den, target) in enumerate(targets):  # one row per ratio: long labels read on the y axis
         per = ratios[(num, den)]
-        right.scatter([j] * len(per), per, s=14, color="tab:orange", alpha=0.7)
-        right.hlines(target, j - 0.35, j + 0.35, color="tab:red", linestyles="dashed")
-        right.hlines(statistics.median(per), j - 0.25, j + 0.25, color="black")
-    right.set_xticks(
-        range(len(targets)),
-        [f"{_wrap(num)}\n/ {den}\n(target ≤ {t})" for num, den, t in targets],
-        fontsize=7,
-    )
-    right.set_ylabel("ratio per repetition (dashed: target)")
-    right.axhline(1.0, color="grey", linewidth=0.5)
+        right.scatter(per, [j] * len(per), s=14, color="tab:orange", alpha=0.7)
+        right.vlines(target, j - 0.35, j + 0.35, color="tab:red", linestyles="dashed")
+        right.vlines(statistics.median(per), j - 0.25, j + 0.25, color="black")
+    right.set_yticks(range(len(targets)), [f"{num}\n/ {den} (target ≤ {t})" for num, den, t in targets], fontsize=7)
+    right.invert_yaxis()
+    right.set_xlabel("ratio per repetition (dashed: target; bar = median)")
+    right.axvline(1.0, color="grey", linewidth=0.5)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -194,6 +194,14 @@ def band_sum_up(rho: torch.Tensor, bands: int) -> torch.Tensor:
 STORE_SETTINGS = ("bands", "pairing", "seed", "write_block", "device_budget", "witness", "exact_sinks")
 
 
+def check_exact_sinks(n: object, name: str = "exact_sinks") -> int:
+    """``n`` as a number of exact sink positions (``StorageConfig(exact_sinks=)``); ``ValueError`` naming ``name``
+    (an argument, option or variable) unless it is an int ``>= 0`` (not a bool)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"{name} must be a number of positions >= 0, got {n!r}")
+    return n
+
+
 class LayerStore:
     """All tiers of one layer; see the module docstring for the layout, the write protocol, the device bytes
     and the device budget."""
@@ -212,9 +220,9 @@ class LayerStore:
         witness: Witness = DEFAULT_WITNESS,
         exact_sinks: int = 0,
     ) -> None:
-        if isinstance(exact_sinks, bool) or not isinstance(exact_sinks, int) or exact_sinks < 0:
-            raise ValueError(f"exact_sinks must be a non-negative int, got {exact_sinks!r}")
-        self.exact_sinks = exact_sinks  # tokens at logical positions < exact_sinks are never compressed
+        self.exact_sinks = check_exact_sinks(
+            exact_sinks
+        )  # tokens at logical positions < exact_sinks are never compressed
         if witness not in WITNESS_FORMATS:
             raise ValueError(f"witness must be one of {WITNESS_FORMATS}, got {witness!r}")
         self.witness: Witness = witness

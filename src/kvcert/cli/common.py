@@ -20,7 +20,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase  # noqa
 from kvcert.attention.evict_driver import RESIDENT_ALLOCS, default_select  # noqa: E402
 from kvcert.attention.resident import RECALLS, SUMMARIES  # noqa: E402
 from kvcert.cache.gate import Gate  # noqa: E402
-from kvcert.cache.store import DEFAULT_WITNESS, WITNESS_FORMATS, Witness  # noqa: E402
+from kvcert.cache.store import DEFAULT_WITNESS, WITNESS_FORMATS, Witness, check_exact_sinks  # noqa: E402
 from kvcert.evict import H2O, RMM, EvictionPolicy, StreamingLLM, prefill_kept_count  # noqa: E402
 from kvcert.integrations.vllm.settings import gate_from_spec  # noqa: E402
 from kvcert.models.tiny import SUPPORTED_FAMILIES, tiny_random  # noqa: E402
@@ -201,8 +201,7 @@ def parse_storage(specs: list[SchemeSpec], witness: str, device_budget: str, exa
     """``specs`` with ``--witness`` (one of ``WITNESS_FORMATS``), ``--device-budget`` (a fraction > 0 of the fp16
     K/V bytes, or ``none``) and ``--exact-sinks`` (``>= 0``) applied to each; ``ValueError`` naming the option
     otherwise."""
-    if isinstance(exact_sinks, bool) or not isinstance(exact_sinks, int) or exact_sinks < 0:
-        raise ValueError(f"--exact-sinks: expected a number of positions >= 0, got {exact_sinks!r}")
+    check_exact_sinks(exact_sinks, "--exact-sinks")
     if witness not in WITNESS_FORMATS:
         raise ValueError(f"--witness: expected one of {', '.join(WITNESS_FORMATS)}, got {witness!r}")
     budget: float | None = None

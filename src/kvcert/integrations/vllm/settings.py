@@ -34,6 +34,7 @@ from typing import Literal
 
 from kvcert.cache.gate import Gate, Granularity
 from kvcert.cache.paged import check_per_token
+from kvcert.cache.store import check_exact_sinks
 from kvcert.quant import resolve
 
 ENABLE = "KVCERT_VLLM"
@@ -132,10 +133,7 @@ class Settings:
     exact_sinks: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.exact_sinks, bool) or not isinstance(self.exact_sinks, int) or self.exact_sinks < 0:
-            raise ValueError(
-                f"{EXACT_SINKS} / --exact-sinks must be a number of positions >= 0, got {self.exact_sinks!r}"
-            )
+        check_exact_sinks(self.exact_sinks, f"{EXACT_SINKS} / --exact-sinks")
         if self.ledger == "off" or self.ledger == "":
             raise ValueError(f"{LEDGER} / --ledger: pass None for no ledger, not {self.ledger!r}")
         axes: tuple[tuple[str, str, Literal["key", "value"]], ...] = (

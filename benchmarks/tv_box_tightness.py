@@ -14,13 +14,16 @@ Columns per codec: cells; violations (cells whose exact TV exceeds ``min(meter, 
 both certificates and of ``box / meter``; the share of cells each certifies at τ = 0.2 (the cells a
 ``Gate.certified(0.2)`` passes without repair); the informative fraction (unclipped meter < 1, unchanged by the
 box); the median exact TV; the CPU time per cell of each form, side by side, the box both as tensor operations and
-compiled (:func:`kvcert.kernels.numba_box.box_rows`), with the largest relative difference of the two. With
-``--plot``, the distribution of
-both certificates per codec (ECDF, τ marked).
+compiled (:func:`kvcert.kernels.numba_box.box_rows`), with the largest relative difference of the two. A second
+table gives what a head gate at τ passes (Tier A, and with ``--tier-b`` the box over ``min(Tier A, Tier B)``); a third
+what no sound certificate can beat: the share of KV-head reads whose exact TV is ``<= τ`` and the p-weighted form at
+the draw's own errors (``docs/math.md#p-weighted-form``). With ``--plot``, the distribution of both certificates per
+codec (ECDF, τ marked).
 
 Usage: ``OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/tv_box_tightness.py [--model smollm2-135m]
 [--samples 2] [--tokens 2048] [--queries 8] [--corpus pg-essays] [--seed 1] [--codecs int8,fp8-e4m3,int4,hadamard-int4]
-[--intervals 16] [--plot FILE]``. Tiers: both certificates certified (Tier A, any query); exact TV empirical.
+[--intervals 16] [--plot FILE] [--tier-b]``. Tiers: both certificates certified (Tier A, any query); the min(A, B) box
+partially certified; exact TV and the oracle ceilings empirical.
 """
 
 from __future__ import annotations
@@ -59,6 +62,15 @@ TAU = 0.2
 BANDS = 8
 
 
+def p_weighted_form(exact: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """``½(M + |Σ_t p_t (e^{ε_t} − 1)|)`` with ``M = Σ_t p_t |e^{ε_t} − 1|``: the p-weighted TV form at the draw's
+    own logit errors ``ε = s̃ − s`` and the exact ``p`` (``docs/math.md#p-weighted-form``). An upper bound on
+    ``TV(p, p̃)`` for every ``ε``; a Tier-B bound built on it bounds both sums from above with high probability, so
+    it is above this value except on its failure event: an oracle ceiling of that family, not a certificate."""
+    excess = exact * torch.expm1(eps)
+    return 0.5 * (excess.abs().sum(-1) + excess.sum(-1).abs())
+
+
 def cells(
     codec: str,
     qs: list[torch.Tensor],
@@ -78,7 +90,7 @@ def cells(
     With ``delta_loc`` and a dithered codec, also ``partial`` (and ``kv_partial``): ``min(meter, box)`` over the radii
     ``min(c_t, u_t)``, ``u_t`` the Tier-B union radius at ``delta_loc`` (``docs/math.md#tier-b-radius``): partially
     certified (non-adaptive queries; it fails with probability at most ``delta_loc`` per cell)."""
-    tv, meter, raw, box, gap, kv_box, partial, kv_partial = ([] for _ in range(8))
+    tv, meter, raw, box, gap, kv_box, kv_exact, pweighted, heaviest, partial, kv_partial = ([] for _ in range(11))
     spent = torch.zeros(3, dtype=torch.float64)
     cand = Candidate(codec, codec, {})
     codec_obj = get(codec)
@@ -95,8 +107,9 @@ def cells(
         vis = (r.t <= r.pos) & (r.t > r.pos - window) if window else r.t <= r.pos
         qq = r.q
         c = tier_a_radius(qq, band_norms(r.khat - r.k, BANDS).unsqueeze(0), sc).masked_fill(~vis, 0.0)
-        p = torch.softmax((sc * qq @ r.khat.T).masked_fill(~vis, float("-inf")), -1)
-        exact = torch.softmax((sc * qq @ r.k.T).masked_fill(~vis, float("-inf")), -1)
+        served_logit, exact_logit = sc * qq @ r.khat.T, sc * qq @ r.k.T
+        p = torch.softmax(served_logit.masked_fill(~vis, float("-inf")), -1)
+        exact = torch.softmax(exact_logit.masked_fill(~vis, float("-inf")), -1)
         t0 = time.thread_time()
         m, m_raw = meter_and_unclipped(p, c)
         t1 = time.thread_time()
@@ -105,7 +118,11 @@ def cells(
         b_compiled = tv_box(p, c, intervals=intervals, rows=numba_box.box_rows)
         spent += torch.tensor([t1 - t0, t2 - t1, time.thread_time() - t2], dtype=torch.float64)
         gap.append(((b_compiled - b).abs() / b.clamp(min=1e-12)).flatten())
-        tv.append(true_tv(exact, p).flatten())
+        cell_tv = true_tv(exact, p)  # [G, nq]
+        tv.append(cell_tv.flatten())
+        kv_exact.append((cell_tv <= TAU).all(0))
+        pweighted.append(p_weighted_form(exact, (served_logit - exact_logit).masked_fill(~vis, 0.0)).flatten())
+        heaviest.append(exact.amax(-1).flatten())
         meter.append(m.flatten())
         raw.append(m_raw.flatten())
         cell_box = torch.minimum(m, b)  # [G, nq]
@@ -119,7 +136,17 @@ def cells(
             cell_partial = torch.minimum(meter_and_unclipped(p, cp)[0], tv_box(p, cp, rows=numba_box.box_rows))
             partial.append(cell_partial.flatten())
             kv_partial.append((cell_partial <= TAU).all(0))
-    named = (("tv", tv), ("meter", meter), ("raw", raw), ("box", box), ("gap", gap), ("kv_box", kv_box))
+    named = (
+        ("tv", tv),
+        ("meter", meter),
+        ("raw", raw),
+        ("box", box),
+        ("gap", gap),
+        ("kv_box", kv_box),
+        ("kv_exact", kv_exact),
+        ("pweighted", pweighted),
+        ("heaviest", heaviest),
+    )
     out = {name: torch.cat(x) for name, x in named}
     if tier_b:
         out |= {"partial": torch.cat(partial), "kv_partial": torch.cat(kv_partial)}
@@ -221,6 +248,51 @@ def gate_table(results: dict[str, dict[str, torch.Tensor]], delta_loc: float | N
     )
 
 
+def ceiling_table(results: dict[str, dict[str, torch.Tensor]], model: str) -> ReportTable:
+    """Per codec, what no sound certificate can beat: a sound bound is at least the exact TV (Tier B: except on its
+    failure event), so a head gate at τ passes at most the KV-head reads whose exact TV is ``<= τ`` on every query
+    head; and the p-weighted form at the draw's own errors (:func:`p_weighted_form`)."""
+    rows = []
+    for codec, r in results.items():
+        tv, pw = r["tv"], r["pweighted"]
+        rows.append(
+            (
+                codec,
+                fmt(tv.numel()),
+                fmt(float(tv.median())),
+                fmt(float(tv.quantile(0.9))),
+                fmt(float(r["heaviest"].median())),
+                fmt(float((tv <= TAU).double().mean()), percent=True),
+                fmt(float(r["kv_exact"].double().mean()), percent=True),
+                fmt(float((pw < 1).double().mean()), percent=True),
+                fmt(float((pw <= TAU).double().mean()), percent=True),
+                fmt(int((tv > pw).sum())),
+            )
+        )
+    return ReportTable(
+        f"What no sound certificate can beat on {model}: the exact TV, and the p-weighted form at the draw's errors",
+        (
+            "key codec",
+            "cells",
+            "median exact TV",
+            "p90 exact TV",
+            "median heaviest p_t",
+            f"cells: exact TV <= {TAU}",
+            f"KV-head reads: exact TV <= {TAU}",
+            "p-weighted form < 1",
+            f"p-weighted form <= {TAU}",
+            "p-weighted form: violations",
+        ),
+        tuple(rows),
+        f"KV-head reads with exact TV <= {TAU} on every query head = the most a head gate at τ over any sound "
+        "bound can pass. heaviest p_t = the largest exact attention weight of a cell. p-weighted form = "
+        "½(Σ_t p_t |e^{ε_t} − 1| + |Σ_t p_t (e^{ε_t} − 1)|) with the exact p and this draw's logit errors "
+        "(docs/math.md#p-weighted-form): what a Tier-B bound of that form could reach at best; violations = cells "
+        "whose exact TV exceeds it (must be 0: the inequality holds for every ε). Tiers: all empirical (oracle "
+        "quantities, not certificates).",
+    )
+
+
 def plot(results: dict[str, dict[str, torch.Tensor]], path: Path, model: str = "smollm2-135m") -> None:
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     for i, (codec, r) in enumerate(results.items()):
@@ -287,11 +359,15 @@ def main() -> None:
     )
     print_table(console, table(results, args.intervals, args.model))
     print_table(console, gate_table(results, delta_loc, args.model))
+    print_table(console, ceiling_table(results, args.model))
     if args.plot is not None:
         plot(results, args.plot, args.model)
         console.print(f"figure: {args.plot}", highlight=False)
     if any(
-        int((r["tv"] > r["box"]).sum()) + int((r["tv"] > r.get("partial", r["box"])).sum()) for r in results.values()
+        int((r["tv"] > r["box"]).sum())
+        + int((r["tv"] > r.get("partial", r["box"])).sum())
+        + int((r["tv"] > r["pweighted"]).sum())
+        for r in results.values()
     ):
         raise SystemExit("VIOLATIONS FOUND")
 

@@ -142,9 +142,7 @@ def test_bad_input_is_refused(p, c, kwargs, match):
         tv_box(p, c, **kwargs)
 
 
-def test_tightness_benchmark_cells_table_and_figure(tmp_path):
-    """``benchmarks/tv_box_tightness.py`` on random post-RoPE queries and keys: every cell's exact TV is within
-    ``min(meter, box)``, the box is never above the meter, and the table and figure are written."""
+def _tightness_benchmark():  # noqa: ANN202 - the script's module
     import importlib.util
     import sys
     from pathlib import Path
@@ -155,6 +153,37 @@ def test_tightness_benchmark_cells_table_and_figure(tmp_path):
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench
     spec.loader.exec_module(bench)
+    return bench
+
+
+@settings(max_examples=300, deadline=None)
+@given(cell(max_tokens=12), st.integers(0, 2**31 - 1))
+def test_p_weighted_form_bounds_the_tv_for_every_error(pc, seed):
+    """``TV(p, softmax(log p + ε)) ≤ ½(Σ_t p_t|e^{ε_t} − 1| + |Σ_t p_t(e^{ε_t} − 1)|)``
+    (docs/math.md#p-weighted-form), for errors of every size, per cell."""
+    p, c = pc
+    gen = torch.Generator().manual_seed(seed)
+    eps = c * (2 * torch.rand(p.shape, generator=gen, dtype=F64) - 1) * 4
+    served = torch.softmax(torch.log(p) + eps, -1)
+    tv = float(0.5 * (served - p).abs().sum())
+    assert tv <= float(_tightness_benchmark().p_weighted_form(p, eps)) + BRUTE_SLACK
+
+
+@pytest.mark.parametrize("a", [0.1, 0.5, 0.9])
+def test_p_weighted_form_is_attained(a):
+    """Equality where one token's logit drops out (``p = (a, 1 − a)``, ``ε = (0, −50)``): the form is the TV
+    ``1 − a``, so no smaller multiple of it is a bound."""
+    p, eps = torch.tensor([a, 1 - a], dtype=F64), torch.tensor([0.0, -50.0], dtype=F64)
+    tv = float(0.5 * (torch.softmax(torch.log(p) + eps, -1) - p).abs().sum())
+    assert float(_tightness_benchmark().p_weighted_form(p, eps)) == pytest.approx(tv, rel=1e-12)
+    assert tv == pytest.approx(1 - a, rel=1e-12)
+
+
+def test_tightness_benchmark_cells_table_and_figure(tmp_path):
+    """``benchmarks/tv_box_tightness.py`` on random post-RoPE queries and keys: every cell's exact TV is within
+    ``min(meter, box)`` and within the p-weighted form, the box is never above the meter, and the tables and figure
+    are written."""
+    bench = _tightness_benchmark()
     gen = torch.Generator().manual_seed(11)
     qs = [torch.randn(4, 96, 64, generator=gen, dtype=F64) for _ in range(2)]
     ks = [torch.randn(2, 96, 64, generator=gen, dtype=F64) * 2 for _ in range(2)]
@@ -174,6 +203,13 @@ def test_tightness_benchmark_cells_table_and_figure(tmp_path):
     gates = bench.gate_table({"int4": r, "dither-int6": dithered}, 1e-7, "random")
     assert gates.rows[0][3:] == ("–",) * 4 and gates.rows[1][-1] == "0"
     assert float(r["gap"].max()) < 1e-8  # the compiled evaluation is the same bound
+    assert bool((r["tv"] <= r["pweighted"]).all()) and bool((dithered["tv"] <= dithered["pweighted"]).all())
+    # a KV-head read passes the exact-TV ceiling iff each of its query heads' exact TV is <= τ (cells: layer, head,
+    # then the G = 2 query heads of that KV head, then the steps)
+    per_cell = (r["tv"] <= bench.TAU).view(2, 2, 2, 3).all(2).flatten()
+    assert torch.equal(r["kv_exact"], per_cell) and bool((r["kv_exact"] >= r["kv_box"]).all())
+    ceiling = bench.ceiling_table({"int4": r}, "random")
+    assert ceiling.rows[0][-1] == "0" and len(ceiling.rows[0]) == len(ceiling.columns)
     table = bench.table({"int4": r}, 8)
     assert len(table.rows) == 1 and table.rows[0][2] == "0" and len(table.rows[0]) == len(table.columns)
     bench.plot({"int4": r, "dither-int6": dithered}, tmp_path / "box.png")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvcert import Gate
+from kvcert.cli import codecs as codecs_cli
 from kvcert.cli.audit import tightness
 from kvcert.cli.codecs import real_informative
 from kvcert.cli.main import app
@@ -108,6 +109,16 @@ def test_codecs_real_prompt_informative_fraction():
     assert dithered >= {"dither-int8", "dither-int4", "dither-int3"}
     assert {name for name, f in frac.items() if f.tier_b is not None} == dithered
     assert all(0.0 <= f.tier_b <= 1.0 for f in frac.values() if f.tier_b is not None)
+    assert all(f.violations == 0 for f in frac.values())  # validate mode
+    assert all(f.exact_within == 1.0 for f in frac.values())  # a random tiny model's attention is nearly flat
+
+
+def test_codecs_real_prompt_exact_tv_column_counts_cells_at_its_threshold(monkeypatch):
+    """At a threshold below the 1-bit keys' exact TV, the column separates exact keys (every cell) from them."""
+    monkeypatch.setattr(codecs_cli, "CEILING_TAU", 1e-4)
+    frac = real_informative("tiny:llama", context=512, steps=2, seed=0)
+    assert frac["none"].exact_within == 1.0 and frac["sign-1"].exact_within < 0.5
+    assert frac["sign-1"].exact_within < frac["dither-int8"].exact_within
 
 
 def test_merge_pools_capacity_from_summed_device_and_fp16_bytes():

@@ -11,7 +11,10 @@ first RULER ``niah_single_1`` sample at ``--context`` tokens, shared exact prefi
 steps through a :class:`~kvcert.integrations.transformers.CertifiedCache`), and the table adds the
 *informative fraction* there: the share of recorded (step, layer, query head) cells whose unclipped Tier-A
 meter is below 1 (certified), and for the dithered codecs the same share under their Tier-B meter (partially
-certified: queries that do not depend on the dither, failure probability at most the cache's δ).
+certified: queries that do not depend on the dither, failure probability at most the cache's δ). The reads run in
+validate mode, so the table also gives the share of cells whose *exact* TV is at most 0.2 (measured): a sound
+certificate is never below the exact TV, so no certificate of that codec can certify more cells at τ = 0.2
+(``docs/math.md#p-weighted-form``); and the cells whose exact TV exceeded the certificate (must be 0).
 """
 
 from __future__ import annotations
@@ -108,28 +111,34 @@ def codec_rows(d: int = 64, tokens: int = 512, seed: int = 0) -> list[CodecRow]:
 
 REAL_TASK = "niah_single_1"
 REAL_VALUES = "int8"  # the informative fraction is a key certificate: values do not change it
+CEILING_TAU = 0.2  # the exact-TV column: cells no sound certificate could certify at this τ are the others
 
 
 @dataclass(frozen=True)
 class RealInformative:
     """A key codec's informative fractions on a real prompt: ``tier_a`` (certified, sound for any query) and, for a
-    dithered codec, ``tier_b`` (partially certified: non-adaptive queries, failure budget δ; ``None`` otherwise)."""
+    dithered codec, ``tier_b`` (partially certified: non-adaptive queries, failure budget δ; ``None`` otherwise);
+    ``exact_within`` the share of cells whose exact TV is ``<= CEILING_TAU`` and ``violations`` the cells whose exact
+    TV exceeded the certificate (both measured in validate mode)."""
 
     tier_a: float
     tier_b: float | None
+    exact_within: float
+    violations: int
 
 
 def real_informative(model: str, context: int = 1024, steps: int = 8, seed: int = 0) -> dict[str, RealInformative]:
     """Informative fraction (unclipped meter < 1) of every built-in key codec on a real prompt: the first
     ``niah_single_1`` RULER sample at ``context`` tokens through ``model`` (zoo name, local folder or
     ``tiny:<family>``), one shared exact prefill, ``steps`` greedy decode steps per codec. Tier A for every codec;
-    Tier B (the dither radii under the cache's failure budget) for the dithered ones."""
+    Tier B (the dither radii under the cache's failure budget) for the dithered ones. The reads run in validate mode
+    (:class:`RealInformative`)."""
     if context < 64 or steps < 1:
         raise ValueError(f"context must be >= 64 and steps >= 1, got context={context}, steps={steps}")
     loaded = load_model(model, seed)
     sample = ruler.load_task(REAL_TASK, context, 1, seed, loaded.tokenizer_dir)[0]
     ids = prompt_ids(loaded.tokenizer, sample)
-    schemes = [Scheme(name, name, REAL_VALUES) for name in BUILTINS]
+    schemes = [Scheme(name, name, REAL_VALUES, validate=True) for name in BUILTINS]
     results = run_branches(loaded.model, ids, schemes, steps, [], seed)
     out = {}
     for r in results:
@@ -138,12 +147,15 @@ def real_informative(model: str, context: int = 1024, steps: int = 8, seed: int 
             continue
         rec = tel.recorded
         tier_b = None if tel.tier_b is None else float((tel.tier_b[rec] < 1).double().mean())
-        out[r.scheme.name] = RealInformative(tel.informative_fraction, tier_b)
+        assert tel.true_tv is not None  # validate mode records it
+        within = float((tel.true_tv[rec] <= CEILING_TAU).double().mean())
+        out[r.scheme.name] = RealInformative(tel.informative_fraction, tier_b, within, tel.violations)
     return out
 
 
-def _real_cells(frac: RealInformative) -> tuple[str, str]:
-    return f"{100 * frac.tier_a:.1f}%", "—" if frac.tier_b is None else f"{100 * frac.tier_b:.1f}%"
+def _real_cells(frac: RealInformative) -> tuple[str, str, str, str]:
+    tier_b = "—" if frac.tier_b is None else f"{100 * frac.tier_b:.1f}%"
+    return f"{100 * frac.tier_a:.1f}%", tier_b, f"{100 * frac.exact_within:.1f}%", str(frac.violations)
 
 
 def codecs(
@@ -160,7 +172,8 @@ def codecs(
     steps: Annotated[int, typer.Option(help="decode steps per codec on the real prompt (with --model)")] = 8,
 ) -> None:
     """Compare every built-in codec: measured bytes, empirical error, certified Tier-A meter and box, measured TV, and
-    (with ``--model``) the informative fractions on a real prompt (Tier A certified, Tier B partially certified)."""
+    (with ``--model``) the informative fractions on a real prompt (Tier A certified, Tier B partially certified), the
+    share of its cells with exact TV at most 0.2 and the violations (validate mode; exit status 1 on any)."""
     with checked_inputs("codecs"):
         rows = codec_rows(d, tokens, seed)
         if model is not None:
@@ -173,7 +186,16 @@ def codecs(
         "max Tier-A meter (certified)",
         "max box (certified)",
         "max true TV (measured)",
-        *(() if real is None else (f"informative on {model}, Tier A (certified)", "Tier B (partially certified)")),
+        *(
+            ()
+            if real is None
+            else (
+                f"informative on {model}, Tier A (certified)",
+                "Tier B (partially certified)",
+                f"exact TV <= {CEILING_TAU} (measured; no certificate certifies more)",
+                "violations (validate)",
+            )
+        ),
     )
     cells = tuple(
         (
@@ -190,4 +212,9 @@ def codecs(
     title = f"built-in codecs on synthetic post-RoPE keys (D={d}, T={tokens}, seed={seed})" + (
         "" if model is None else f"; real prompt: {model}, {REAL_TASK} at {context} tokens"
     )
-    print_table(Console(width=max(100, Console().width)), ReportTable(title, columns, cells))
+    console = Console(width=max(100, Console().width))
+    print_table(console, ReportTable(title, columns, cells))
+    violations = 0 if real is None else sum(f.violations for f in real.values())
+    if violations:
+        console.print(f"[bold red]SOUNDNESS VIOLATION: {violations} cell(s) with true TV > certificate[/]")
+        raise typer.Exit(1)

@@ -19,20 +19,24 @@ certificate is never below the exact TV, so no certificate of that codec can cer
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
 import torch
 import typer
 from rich.console import Console
 
 from kvcert.bounds import tier_a_radius, true_tv, tv_box, tv_meter
-from kvcert.cli.common import load_model
-from kvcert.cli.validate import checked_inputs, model_max_positions
+from kvcert.cli.common import command_line, load_model
+from kvcert.cli.validate import OverwriteOption, checked_inputs, model_max_positions, prepare_out
 from kvcert.eval import ruler
 from kvcert.eval.branching import Scheme, run_branches
 from kvcert.eval.harness import prompt_ids
 from kvcert.quant import BUILTINS, bytes_per_token_head, get, quantize, sample_key
+from kvcert.report import figures
+from kvcert.report.results import CERTIFIED, EMPIRICAL, PARTIAL, build_document, tiered, write_results
 from kvcert.report.tables import ReportTable, print_table
 
 HEADS, QUERIES, BANDS, OUTLIER_PAIRS, ROPE_BASE = 2, 4, 8, (1, 2), 10000.0
@@ -158,6 +162,54 @@ def _real_cells(frac: RealInformative) -> tuple[str, str, str, str]:
     return f"{100 * frac.tier_a:.1f}%", tier_b, f"{100 * frac.exact_within:.1f}%", str(frac.violations)
 
 
+def codec_results(rows: list[CodecRow], real: dict[str, RealInformative] | None) -> dict[str, Any]:
+    """The ``results`` of ``results.json``: per codec its synthetic measurements and, with a real prompt, its
+    fractions there, every number with its tier."""
+    out: dict[str, Any] = {}
+    for row in rows:
+        entry = {
+            "bytes_per_token_head": tiered(row.bytes_per_token_head, EMPIRICAL),
+            "relative_error": tiered(row.relative_error, EMPIRICAL),
+            "max_meter": tiered(float(row.certificate.max()), CERTIFIED),
+            "max_box": tiered(float(row.box.max()), CERTIFIED),
+            "max_true_tv": tiered(float(row.tv.max()), EMPIRICAL),
+        }
+        if real is not None:
+            frac = real[row.name]
+            entry |= {
+                "informative_tier_a": tiered(frac.tier_a, CERTIFIED),
+                "informative_tier_b": tiered(frac.tier_b, PARTIAL),
+                f"exact_tv_within_{CEILING_TAU}": tiered(frac.exact_within, EMPIRICAL),
+                "violations": tiered(frac.violations, EMPIRICAL),
+            }
+        out[row.name] = entry
+    return {"codecs": out}
+
+
+def codec_figure(rows: list[CodecRow], real: dict[str, RealInformative] | None, path: Path, title: str) -> Path:
+    """Shares per codec against its bytes: on the real prompt (informative Tier A, Tier B, exact TV within
+    ``CEILING_TAU``) with one, else on the synthetic cells (box and true TV within ``CEILING_TAU``)."""
+    size = {r.name: r.bytes_per_token_head for r in rows}
+    if real is None:
+        series = {
+            f"synthetic cells: box <= {CEILING_TAU} (certified)": {
+                r.name: float((r.box <= CEILING_TAU).double().mean()) for r in rows
+            },
+            f"synthetic cells: true TV <= {CEILING_TAU} (measured)": {
+                r.name: float((r.tv <= CEILING_TAU).double().mean()) for r in rows
+            },
+        }
+    else:
+        series = {
+            "informative, Tier A (certified)": {n: f.tier_a for n, f in real.items()},
+            "informative, Tier B (partially certified)": {n: f.tier_b for n, f in real.items() if f.tier_b is not None},
+            f"exact TV <= {CEILING_TAU} (measured; no certificate certifies more)": {
+                n: f.exact_within for n, f in real.items()
+            },
+        }
+    return figures.codec_shares(size, series, path, title)
+
+
 def codecs(
     d: Annotated[int, typer.Option(help="head dimension (multiple of 32)")] = 64,
     tokens: Annotated[int, typer.Option(help="cached tokens per head (>= 64)")] = 512,
@@ -170,14 +222,22 @@ def codecs(
     ] = None,
     context: Annotated[int, typer.Option(help="real prompt length in tokens (with --model)")] = 1024,
     steps: Annotated[int, typer.Option(help="decode steps per codec on the real prompt (with --model)")] = 8,
+    out: Annotated[
+        Path | None, typer.Option(help="also write results.json and codecs.png to this directory (default: print only)")
+    ] = None,
+    overwrite: OverwriteOption = False,
 ) -> None:
     """Compare every built-in codec: measured bytes, empirical error, certified Tier-A meter and box, measured TV, and
     (with ``--model``) the informative fractions on a real prompt (Tier A certified, Tier B partially certified), the
-    share of its cells with exact TV at most 0.2 and the violations (validate mode; exit status 1 on any)."""
+    share of its cells with exact TV at most 0.2 and the violations (validate mode; exit status 1 on any). With
+    ``--out`` also ``results.json`` (every number with its tier) and ``codecs.png`` (the shares against the bytes)."""
+    t0 = time.time()
     with checked_inputs("codecs"):
         rows = codec_rows(d, tokens, seed)
         if model is not None:
             model_max_positions(model)
+        if out is not None:
+            prepare_out(out, overwrite)
     real = None if model is None else real_informative(model, context, steps, seed)
     columns = (
         "codec",
@@ -214,6 +274,17 @@ def codecs(
     )
     console = Console(width=max(100, Console().width))
     print_table(console, ReportTable(title, columns, cells))
+    if out is not None:
+        config = {"d": d, "tokens": tokens, "model": model, "context": context, "steps": steps}
+        if model is not None:
+            config |= {"task": REAL_TASK, "values": REAL_VALUES}
+        doc = build_document(
+            "codecs", config, codec_results(rows, real), seed, {"seconds": time.time() - t0}, command_line().split()
+        )
+        json_path = write_results(out / "results.json", doc)
+        where = f"on {model}, {REAL_TASK} at {context} tokens" if model else f"on synthetic keys (D={d}, T={tokens})"
+        png = codec_figure(rows, real, out / "codecs.png", f"key codecs {where}; stored bytes per token and KV head")
+        console.print(f"results: {json_path}\nfigure: {png}", highlight=False)
     violations = 0 if real is None else sum(f.violations for f in real.values())
     if violations:
         console.print(f"[bold red]SOUNDNESS VIOLATION: {violations} cell(s) with true TV > certificate[/]")

@@ -164,3 +164,28 @@ def bound_scatter(x: torch.Tensor, y: torch.Tensor, path: Path, xlabel: str, yla
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     return _save(fig, path)
+
+
+def codec_shares(
+    bytes_per_token_head: Mapping[str, float], series: Mapping[str, Mapping[str, float]], path: Path, title: str
+) -> Path:
+    """Grouped horizontal bars: per codec (one row, ordered by its stored bytes per token and head, named with them)
+    one bar per ``series`` (a share of cells); a codec missing from a series has no bar there."""
+    names = sorted(bytes_per_token_head, key=lambda n: (bytes_per_token_head[n], n))
+    height = 0.8 / max(1, len(series))
+    fig, ax = plt.subplots(figsize=(7.5, 0.32 * len(names) * max(1, len(series)) / 2 + 1.6))
+    for i, (label, shares) in enumerate(series.items()):
+        rows = [k for k, n in enumerate(names) if n in shares]
+        ax.barh(
+            [k + (i - (len(series) - 1) / 2) * height for k in rows],
+            [shares[names[k]] for k in rows],
+            height=height,
+            label=label,
+        )
+    ax.set_yticks(range(len(names)), [f"{n} ({bytes_per_token_head[n]:g} B)" for n in names], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("share of cells")
+    ax.set_title(title, fontsize=9, wrap=True)
+    ax.legend(fontsize=7, loc="upper right")  # the narrowest codecs (top rows) have the shortest bars
+    return _save(fig, path)

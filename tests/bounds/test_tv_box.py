@@ -210,6 +210,8 @@ def test_tightness_benchmark_cells_table_and_figure(tmp_path):
     assert torch.equal(r["kv_exact"], per_cell) and bool((r["kv_exact"] >= r["kv_box"]).all())
     ceiling = bench.ceiling_table({"int4": r}, "random")
     assert ceiling.rows[0][-1] == "0" and len(ceiling.rows[0]) == len(ceiling.columns)
+    bench.plot_ceiling({"int4": r, "dither-int6": dithered}, 64, tmp_path / "ceiling.png", "random")
+    assert (tmp_path / "ceiling.png").stat().st_size > 0
     table = bench.table({"int4": r}, 8)
     assert len(table.rows) == 1 and table.rows[0][2] == "0" and len(table.rows[0]) == len(table.columns)
     bench.plot({"int4": r, "dither-int6": dithered}, tmp_path / "box.png")

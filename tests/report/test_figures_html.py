@@ -38,6 +38,7 @@ def make_figures(tmp_path: Path) -> list[Path]:
             tmp_path / "budget.png",
             "budget",
         ),
+        figures.codec_shares({"int8": 68.0, "int4": 36.0}, {"s": {"int8": 1.0, "int4": 0.2}}, tmp_path / "c.png", "c"),
     ]
 
 
@@ -131,3 +132,18 @@ def test_bytes_vs_accuracy_marks_resident_points_apart(tmp_path: Path, monkeypat
     offsets = [tuple(c.get_offsets()[0]) for c in ax.collections]
     assert offsets == [(290.0, 0.5), (95.0, 0.75), (1024.0, 1.0)]
     assert [a.get_text() for a in ax.texts] == ["int4", "int4+resident"]
+
+
+def test_codec_shares_orders_rows_by_bytes_and_skips_missing_bars(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows are the codecs by stored bytes, named with them; a codec absent from a series has no bar in it."""
+    drawn: list[figures.plt.Figure] = []
+    monkeypatch.setattr(figures, "_save", lambda fig, path: drawn.append(fig) or path)
+    size = {"int8": 68.0, "int4": 36.0, "dither-int6": 52.0}
+    series = {"a": {"int8": 1.0, "int4": 0.1, "dither-int6": 0.7}, "b": {"dither-int6": 0.75}}
+    figures.codec_shares(size, series, tmp_path / "c.png", "t")
+    (ax,) = drawn[0].axes
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["int4 (36 B)", "dither-int6 (52 B)", "int8 (68 B)"]
+    bars = [[(round(r.get_y() + r.get_height() / 2), r.get_width()) for r in c] for c in ax.containers]
+    assert bars == [[(0, 0.1), (1, 0.7), (2, 1.0)], [(1, 0.75)]]

@@ -167,10 +167,15 @@ def bound_scatter(x: torch.Tensor, y: torch.Tensor, path: Path, xlabel: str, yla
 
 
 def codec_shares(
-    bytes_per_token_head: Mapping[str, float], series: Mapping[str, Mapping[str, float]], path: Path, title: str
+    bytes_per_token_head: Mapping[str, float],
+    series: Mapping[str, Mapping[str, float]],
+    path: Path,
+    title: str,
+    xlabel: str = "share of cells",
 ) -> Path:
     """Grouped horizontal bars: per codec (one row, ordered by its stored bytes per token and head, named with them)
-    one bar per ``series`` (a share of cells); a codec missing from a series has no bar there."""
+    one bar per ``series`` (a share); a codec missing from a series has no bar there. The legend sits in a band
+    above the first row, clear of the bars."""
     names = sorted(bytes_per_token_head, key=lambda n: (bytes_per_token_head[n], n))
     height = 0.8 / max(1, len(series))
     fig, ax = plt.subplots(figsize=(7.5, 0.32 * len(names) * max(1, len(series)) / 2 + 1.6))
@@ -183,9 +188,9 @@ def codec_shares(
             label=label,
         )
     ax.set_yticks(range(len(names)), [f"{n} ({bytes_per_token_head[n]:g} B)" for n in names], fontsize=7)
-    ax.invert_yaxis()
+    ax.set_ylim(len(names) - 0.5, -0.9 - 0.4 * len(series))  # inverted: the first row on top, the legend above it
     ax.set_xlim(0, 1)
-    ax.set_xlabel("share of cells")
+    ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize=9, wrap=True)
-    ax.legend(fontsize=7, loc="upper right")  # the narrowest codecs (top rows) have the shortest bars
+    ax.legend(fontsize=7, loc="upper right")
     return _save(fig, path)

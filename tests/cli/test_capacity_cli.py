@@ -121,7 +121,7 @@ def test_codecs_real_prompt_exact_tv_column_counts_cells_at_its_threshold(monkey
     assert frac["sign-1"].exact_within < frac["dither-int8"].exact_within
 
 
-def test_merge_pools_capacity_from_summed_device_and_fp16_bytes():
+def test_merge_pools_capacity_and_page_in_from_summed_bytes():
     a = _shard("t1", [1, 1], [0, 1], cells=100, cov=0.2, page=10)
     b = _shard("t2", [1, 0, 1], [1, 0, 0], cells=300, cov=0.6, page=5)
     for doc, device, fp16 in ((a, 300, 1000), (b, 900, 2000)):
@@ -129,6 +129,7 @@ def test_merge_pools_capacity_from_summed_device_and_fp16_bytes():
     v = merge_results([a, b], [Path("a"), Path("b")], seed=0, resamples=100)["variants"]["int2"]
     assert v["bytes_device"]["value"] == 1200 and v["bytes_fp16"]["value"] == 3000
     assert v["capacity"] == {"value": 2.5, "tier": "empirical"}
+    assert v["page_in_ratio"] == {"value": 15 / 3000, "tier": "empirical"}  # Σ page-in / Σ fp16, not a mean of ratios
 
 
 def test_allocate_writes_an_allocation_the_cache_loads(tmp_path):

@@ -3,12 +3,12 @@
 A long evaluation can be split by task across processes or machines; merging recomputes the paired
 statistics on the concatenated per-sample scores, so the merged accuracy, paired bootstrap CI and McNemar p
 are exactly those of one run over all samples. Telemetry-derived numbers are pooled from the shards:
-page-in bytes, cells, fail-closed entries and violations are summed, the maximum certificate is the maximum,
-and cell-weighted fractions (coverage, informative fraction, fallback rate, effective bits) are re-weighted
-by each shard's recorded cells — the same cell weighting one run applies over its samples. Quantiles over cells
-(``value_term_p90``) are not merged: the quantile of the union is not a function of the shards' quantiles.
-Stored bytes per token depend on each shard's token counts, which a results file does not hold: they are
-reported per shard.
+page-in bytes, device and fp16 bytes, cells, fail-closed entries and violations are summed (capacity and the page-in
+ratio are recomputed from the summed bytes), the maximum certificate is the maximum, and cell-weighted fractions
+(coverage, informative fraction, fallback rate) are re-weighted by each shard's recorded cells — the same cell
+weighting one run applies over its samples. Quantiles over cells (``value_term_p90``) are not merged: the quantile
+of the union is not a function of the shards' quantiles. Stored bytes per token depend on each shard's token counts,
+which a results file does not hold: they are reported per shard.
 Resident variants (``--resident``): shards must share ``--resident`` and ``--select``; pages / bytes recalled,
 summary bytes, recall violations and context fp16 bytes are summed, the omitted-mass maxima are the maximum, the
 resident fraction is the sample-weighted mean (as one run's mean over samples), and the recall ratio and context
@@ -290,6 +290,9 @@ def merge_results(docs: list[dict[str, Any]], paths: list[Path], seed: int, resa
             out["bytes_per_token_stored_per_shard"] = [p["bytes_per_token_stored"] for p in parts]
             if "bytes_device" in out and _value(out, "bytes_device"):  # measured: Σ fp16 / Σ device bytes
                 out["capacity"] = tiered(_value(out, "bytes_fp16") / _value(out, "bytes_device"), EMPIRICAL)
+            paged, fp16 = _value(out, "page_in_bytes"), _value(out, "bytes_fp16")
+            if paged is not None and fp16:  # Σ page-in / Σ the requests' fp16 K/V, as one run divides
+                out["page_in_ratio"] = tiered(paged / fp16, EMPIRICAL)
         variants[lab] = out
     return {"variants": variants, "shards": [str(p) for p in paths], "per_sample": per_sample}
 
@@ -316,6 +319,7 @@ def _table(merged: dict[str, Any]) -> ReportTable:
                 fmt(_value(v, "mcnemar_p")),
                 fmt(_value(v, "capacity_context") or _value(v, "capacity")),
                 fmt(None if page is None else page / 1e6),
+                fmt(_value(v, "page_in_ratio_context") or _value(v, "page_in_ratio")),
                 fmt(_value(v, "fallback_rate"), percent=True),
                 fmt(_value(v, "coverage_kv@0.2"), percent=True),
             )
@@ -331,11 +335,13 @@ def _table(merged: dict[str, Any]) -> ReportTable:
             "McNemar p",
             "capacity",
             "page-in MB",
+            "page-in ×fp16",
             "fallback",
             "KV-head cov@0.2",
         ),
         tuple(rows),
-        "capacity = fp16 bytes / device bytes (resident variants: fp16 bytes of the whole context); "
+        "capacity = fp16 bytes / device bytes, page-in ×fp16 = page-in bytes / fp16 bytes (resident variants: fp16 "
+        "bytes of the whole context); "
         "accuracy, CI, p, capacity, page-in, fallback: empirical "
         "(bytes measured); coverage: certified (Tier-A)",
     )

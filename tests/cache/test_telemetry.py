@@ -60,3 +60,32 @@ def test_summary_reports_the_value_terms_quantiles_over_recorded_cells():
     empty = CertifiedCache(model, keys="dither-int8", values="int4", seed=0)
     empty.detach()
     assert empty.telemetry().summary()["value_term_p90"] is None
+
+
+def test_exact_tv_ceiling_counts_true_tv_cells_and_bounds_every_coverage():
+    """``coverage(τ, per, which="true_tv")`` (validate mode) is the share of cells, or of KV-head reads with every
+    query head, whose exact TV is ``<= τ``; a sound certificate is never below the exact TV, so no coverage exceeds
+    it; without validate mode it names what is missing."""
+    from kvcert.integrations.transformers import CertifiedCache
+    from kvcert.models.tiny import tiny_random
+
+    model = tiny_random("llama", head_dim=32)
+    ids = torch.randint(3, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(1))
+    cache = CertifiedCache(model, keys="int4", values="int8", seed=0, validate=True)
+    feed = ids
+    for _ in range(4):
+        feed = model(feed, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    tel = cache.telemetry()
+    rec = tel.recorded
+    assert tel.true_tv is not None
+    tau = float(torch.quantile(tel.true_tv[rec].double(), 0.5))  # a threshold some cells pass and some do not
+    assert tel.coverage(tau, "q_head", which="true_tv") == float((tel.true_tv[rec] <= tau).double().mean())
+    assert 0 < tel.coverage(tau, "kv_head", which="true_tv") <= tel.coverage(tau, "q_head", which="true_tv") < 1
+    for per in ("q_head", "kv_head"):
+        assert tel.coverage(tau, per) <= tel.coverage(tau, per, which="true_tv")
+    with pytest.raises(ValueError, match="which must be one of"):
+        tel.coverage(tau, which="exact")
+    plain = CertifiedCache(model, keys="int4", values="int8", seed=0)
+    model(ids, cache=plain, use_cache=True)
+    with pytest.raises(ValueError, match="validate mode"):
+        plain.telemetry().coverage(tau, which="true_tv")

@@ -160,6 +160,9 @@ def test_audit_validates_against_true_tv(tmp_path: Path) -> None:
     assert res["violations"] == {"value": 0, "tier": "empirical"}
     assert res["coverage_tier_b_kv@0.2"]["tier"] == "partial"
     assert res["max_true_tv"]["value"] <= res["max_certificate"]["value"]
+    # the exact-TV ceiling: no certificate covers more (empirical)
+    assert res["ceiling_kv@0.2"]["tier"] == "empirical"
+    assert res["coverage_kv@0.2"]["value"] <= res["ceiling_kv@0.2"]["value"] <= res["ceiling_q@0.2"]["value"]
     assert {
         "heatmap.png",
         "saturation.png",

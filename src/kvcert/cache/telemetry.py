@@ -308,17 +308,23 @@ class Telemetry:
         self,
         tau: float = 0.2,
         per: Literal["q_head", "kv_head"] = "q_head",
-        which: Literal["certificates", "tier_b", "tanh"] = "certificates",
+        which: Literal["certificates", "tier_b", "tanh", "true_tv"] = "certificates",
     ) -> float:
         """Fraction of cells with certificate ``<= tau``.
 
         ``per="kv_head"`` uses KV-head any-of-G: a KV-head cell counts only if all G query heads are certified.
+        ``which="true_tv"`` (validate mode) counts the exact TV instead: a sound certificate is never below it, so no
+        certificate of this cache's codecs covers more at ``tau`` (the exact-TV ceiling, docs/math.md#p-weighted-form).
         """
         if per not in ("q_head", "kv_head"):
             raise ValueError(f"per must be 'q_head' or 'kv_head', got {per!r}")
-        vals = {"certificates": self.certificates, "tier_b": self.tier_b, "tanh": self.tanh}[which]
+        named = {"certificates": self.certificates, "tier_b": self.tier_b, "tanh": self.tanh, "true_tv": self.true_tv}
+        if which not in named:
+            raise ValueError(f"which must be one of {', '.join(named)}, got {which!r}")
+        vals = named[which]
         if vals is None:
-            raise ValueError(f"no {which} recorded (Tier B needs a dithered key codec)")
+            need = "validate mode" if which == "true_tv" else "a dithered key codec"
+            raise ValueError(f"no {which} recorded ({which} needs {need})")
         rec = self.recorded
         if not rec.any():
             return float("nan")

@@ -220,9 +220,8 @@ class LayerStore:
         witness: Witness = DEFAULT_WITNESS,
         exact_sinks: int = 0,
     ) -> None:
-        self.exact_sinks = check_exact_sinks(
-            exact_sinks
-        )  # tokens at logical positions < exact_sinks are never compressed
+        # tokens at logical positions < exact_sinks are never compressed
+        self.exact_sinks = check_exact_sinks(exact_sinks)
         if witness not in WITNESS_FORMATS:
             raise ValueError(f"witness must be one of {WITNESS_FORMATS}, got {witness!r}")
         self.witness: Witness = witness

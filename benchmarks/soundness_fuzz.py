@@ -9,6 +9,10 @@ With ``--codec-cells N`` it then runs ``N`` end-to-end cells per key-codec form 
 adversarial keys, the codec, its Tier-A witness, queries up to the Cauchy–Schwarz equality direction) and checks
 ``radius ≥ |ε_t|`` per token and ``meter + 1e-12 ≥ TV`` per cell (``--cells 0`` runs only those).
 
+With ``--qsw-cells N`` it runs ``N`` end-to-end cells per query-subspace witness form (``make_qsw_cells``: a basis per
+cell, orthonormal or not, queries up to the equality direction of the term outside the span;
+``docs/math.md#query-subspace-witness``) with the same two checks.
+
 With ``--witness-cells N`` it runs the compact-witness forms (``docs/math.md#compact-witnesses``): ``N`` adversarial
 elements through the log8 code (decoded ≥ value per element) and ``N`` end-to-end cells per ``(key codec, log8)``
 form whose band norms go through the code before the Tier-A radius (radius ≥ ``|ε_t|``, meter ≥ TV);
@@ -30,7 +34,7 @@ second table gives each family's cells and violations. ``--page-seconds S`` stop
 whole round past ``S`` seconds and reports the cells reached (the header says so).
 
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soundness_fuzz.py [--cells 10000000] [--seed 0]
-[--codec-cells 10000000] [--witness-cells 10000000] [--tier-b-cells 10000000]``
+[--codec-cells 10000000] [--qsw-cells 10000000] [--witness-cells 10000000] [--tier-b-cells 10000000]``
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -50,10 +55,13 @@ from bounds_stats import binomial_sf  # noqa: E402
 from codec_cells import (  # noqa: E402
     CODEC_FORMS,
     CODEC_PLAN,
+    QSW_FORMS,
     WITNESS_FORMS,
     WITNESS_PLAN,
+    CodecCells,
     adversarial_witnesses,
     make_codec_cells,
+    make_qsw_cells,
     witness_element_violations,
 )
 from codec_cells import violations as codec_violations  # noqa: E402
@@ -70,21 +78,22 @@ from pages_adversarial import (  # noqa: E402
 )
 
 
-def codec_fuzz(n_cells: int, gen: torch.Generator) -> bool:
-    """End-to-end codec forms: ``n_cells`` (whole rounds) per codec; prints a table, returns True if clean."""
+def codec_fuzz(n_cells: int, gen: torch.Generator, forms: dict[str, Callable[[int, int], CodecCells]]) -> bool:
+    """End-to-end key-codec forms: ``n_cells`` (whole rounds) per form, each drawn by ``forms[label](rows, S)``;
+    prints a table, returns True if clean."""
     per_round = sum(rows for _, rows in CODEC_PLAN)
     rounds = -(-n_cells // per_round)
-    print(f"{'codec form':>14} | {'cells':>11} | {'radius viol.':>12} | {'meter viol.':>11} | {'max |eps|/c':>11}")
+    print(f"{'codec form':>22} | {'cells':>11} | {'radius viol.':>12} | {'meter viol.':>11} | {'max |eps|/c':>11}")
     clean = True
-    for codec in CODEC_FORMS:
+    for label, draw in forms.items():
         cells, bad_r, bad_m, tight = 0, 0, 0, 0.0
-        for _ in tqdm(range(rounds), desc=codec):
+        for _ in tqdm(range(rounds), desc=label):
             for s, rows in CODEC_PLAN:
-                batch = make_codec_cells(codec, rows, s, gen)
+                batch = draw(rows, s)
                 r, m = codec_violations(batch)
                 bad_r, bad_m, cells = bad_r + r, bad_m + m, cells + rows
                 tight = max(tight, float((batch.eps.abs() / batch.radius.clamp(min=1e-300)).max()))
-        print(f"{codec:>14} | {cells:>11,} | {bad_r:>12} | {bad_m:>11} | {tight:>11.6f}")
+        print(f"{label:>22} | {cells:>11,} | {bad_r:>12} | {bad_m:>11} | {tight:>11.6f}")
         clean = clean and bad_r == 0 and bad_m == 0
     return clean
 
@@ -151,6 +160,9 @@ def main() -> None:
     ap.add_argument("--cells", type=int, default=10_000_000, help="cells per form (whole rounds)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--codec-cells", type=int, default=0, help="end-to-end cells per key-codec form (0: skip)")
+    ap.add_argument(
+        "--qsw-cells", type=int, default=0, help="end-to-end cells per query-subspace witness form (0: skip)"
+    )
     ap.add_argument("--witness-cells", type=int, default=0, help="cells per compact-witness form (0: skip)")
     ap.add_argument("--tier-b-cells", type=int, default=0, help="cells per Tier-B partial-box form (0: skip)")
     ap.add_argument(
@@ -242,10 +254,18 @@ def main() -> None:
         print(f"{'page family':>12} | {'cells':>11} | {'cells with a violation (any form)':>33}")
         for name, n, bad in zip(FAMILIES, fam_cells, fam_bad, strict=True):
             print(f"{name:>12} | {n:>11,} | {bad:>33}")
-    codecs_clean = codec_fuzz(args.codec_cells, gen) if args.codec_cells else True
+    codec_forms: dict[str, Callable[[int, int], CodecCells]] = {
+        codec: lambda rows, s, codec=codec: make_codec_cells(codec, rows, s, gen) for codec in CODEC_FORMS
+    }
+    qsw_forms: dict[str, Callable[[int, int], CodecCells]] = {
+        f"{codec}+qsw-int{bits}": lambda rows, s, codec=codec, bits=bits: make_qsw_cells(codec, bits, rows, s, gen)
+        for codec, bits in QSW_FORMS
+    }
+    codecs_clean = codec_fuzz(args.codec_cells, gen, codec_forms) if args.codec_cells else True
+    qsw_clean = codec_fuzz(args.qsw_cells, gen, qsw_forms) if args.qsw_cells else True
     witness_clean = witness_fuzz(args.witness_cells, gen, witness_codecs) if args.witness_cells else True
     tier_b_clean = tier_b_fuzz(args.tier_b_cells, gen, tier_b_codecs) if args.tier_b_cells else True
-    if any(violations.values()) or not codecs_clean or not witness_clean or not tier_b_clean:
+    if any(violations.values()) or not codecs_clean or not qsw_clean or not witness_clean or not tier_b_clean:
         raise SystemExit("VIOLATIONS FOUND")
 
 

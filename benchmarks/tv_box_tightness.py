@@ -57,7 +57,7 @@ from kvcert.models.zoo import load  # noqa: E402
 from kvcert.quant import bytes_per_token_head, get  # noqa: E402
 from kvcert.report import figures  # noqa: E402
 from kvcert.report.tables import ReportTable, fmt, print_table  # noqa: E402
-from witness_tightness import Candidate, capture, encoded, head_reads, texts  # noqa: E402
+from witness_tightness import Candidate, Captured, capture, encoded, head_reads, texts  # noqa: E402
 
 TAU = 0.2
 BANDS = 8
@@ -73,20 +73,13 @@ def p_weighted_form(exact: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
 
 
 def cells(
-    codec: str,
-    qs: list[torch.Tensor],
-    ks: list[torch.Tensor],
-    sc: float,
-    nq: int,
-    intervals: int,
-    windows: list[int | None] | None = None,
-    delta_loc: float | None = None,
+    codec: str, seen: Captured, nq: int, intervals: int, delta_loc: float | None = None
 ) -> dict[str, torch.Tensor]:
     """Per cell of every layer and query head: exact TV, the meter (clipped, unclipped) and ``min(meter, box)``; and
     the seconds spent in the meter, in ``tv_box`` and in its compiled evaluation (one thread's clock, side by side on
     the same cells), and each cell's relative difference of the two evaluations (``gap``). ``kv_box``: per KV-head
     read (a decode step of one KV head), whether every query head's box is ``<= τ`` (what a head gate passes).
-    ``windows[layer]``: the layer's sliding window (its reads see the newest ``window`` tokens), ``None``: all.
+    A layer with a sliding window (``seen.windows``) reads only its window.
 
     With ``delta_loc`` and a dithered codec, also ``partial`` (and ``kv_partial``): ``min(meter, box)`` over the radii
     ``min(c_t, u_t)``, ``u_t`` the Tier-B union radius at ``delta_loc`` (``docs/math.md#tier-b-radius``): partially
@@ -103,10 +96,9 @@ def cells(
         khat, layer_steps[0] = encoded(cand, k)
         return khat
 
-    for r in head_reads(qs, ks, nq, serve):
-        window = None if windows is None else windows[r.layer]
-        vis = (r.t <= r.pos) & (r.t > r.pos - window) if window else r.t <= r.pos
-        qq = r.q
+    sc = seen.scale
+    for r in head_reads(seen, nq, serve):
+        vis, qq = r.vis, r.q
         c = tier_a_radius(qq, band_norms(r.khat - r.k, BANDS).unsqueeze(0), sc).masked_fill(~vis, 0.0)
         served_logit, exact_logit = sc * qq @ r.khat.T, sc * qq @ r.k.T
         p = torch.softmax(served_logit.masked_fill(~vis, float("-inf")), -1)
@@ -358,16 +350,15 @@ def main() -> None:
         get(name)  # an unknown codec fails here, before the model loads
     model, tok = load(args.model)
     cfg = model.config
-    windows = [cfg.sliding_window if kind == "sliding_attention" else None for kind in getattr(cfg, "layer_types", [])]
     delta_loc = ValidationConfig().delta_loc(cfg.num_hidden_layers, cfg.num_attention_heads) if args.tier_b else None
     parts: dict[str, list[dict[str, torch.Tensor]]] = {c: [] for c in codecs}
     console = Console()
     with progress_bar("samples x codecs", args.samples * len(codecs), console) as tick:
         for text in texts(args.corpus, args.samples, args.tokens, args.seed):
             ids = tok(text, return_tensors="pt").input_ids[:, : args.tokens]
-            qs, ks, sc = capture(model, ids)
+            seen = capture(model, ids)
             for codec in codecs:
-                parts[codec].append(cells(codec, qs, ks, sc, args.queries, args.intervals, windows or None, delta_loc))
+                parts[codec].append(cells(codec, seen, args.queries, args.intervals, delta_loc))
                 tick(1)
     results = {
         c: {k: torch.stack([p[k] for p in ps]).sum(0) if k == "spent" else torch.cat([p[k] for p in ps]) for k in ps[0]}
@@ -385,7 +376,7 @@ def main() -> None:
         plot(results, args.plot, args.model)
         console.print(f"figure: {args.plot}", highlight=False)
     if args.plot_ceiling is not None:
-        plot_ceiling(results, qs[0].shape[-1], args.plot_ceiling, args.model)
+        plot_ceiling(results, seen.qs[0].shape[-1], args.plot_ceiling, args.model)
         console.print(f"figure: {args.plot_ceiling}", highlight=False)
     if any(
         int((r["tv"] > r["box"]).sum())

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -143,17 +144,7 @@ def test_bad_input_is_refused(p, c, kwargs, match):
 
 
 def _tightness_benchmark():  # noqa: ANN202 - the script's module
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "tv_box_tightness.py"
-    spec = importlib.util.spec_from_file_location("tv_box_tightness", script)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
-    return bench
+    return load_benchmark("tv_box_tightness")
 
 
 @settings(max_examples=300, deadline=None)
@@ -187,15 +178,16 @@ def test_tightness_benchmark_cells_table_and_figure(tmp_path):
     gen = torch.Generator().manual_seed(11)
     qs = [torch.randn(4, 96, 64, generator=gen, dtype=F64) for _ in range(2)]
     ks = [torch.randn(2, 96, 64, generator=gen, dtype=F64) * 2 for _ in range(2)]
-    r = bench.cells("int4", qs, ks, 0.125, nq=3, intervals=8)
+    seen = bench.Captured(qs, ks, 0.125, [None, None])
+    r = bench.cells("int4", seen, nq=3, intervals=8)
     assert r["tv"].shape == r["box"].shape == (2 * 4 * 3,)
     assert bool((r["tv"] <= r["box"]).all()) and bool((r["box"] <= r["meter"]).all())
-    windowed = bench.cells("int4", qs, ks, 0.125, nq=3, intervals=8, windows=[None, 40])  # layer 1 reads 40 tokens
+    windowed = bench.cells("int4", bench.Captured(qs, ks, 0.125, [None, 40]), nq=3, intervals=8)  # layer 1: 40 tokens
     assert bool((windowed["tv"] <= windowed["box"]).all())
     assert torch.equal(windowed["tv"][:12], r["tv"][:12]) and not torch.equal(windowed["tv"][12:], r["tv"][12:])
     assert bool((r["box"] < r["meter"]).any()) and bool((r["spent"] > 0).all())
     # a codec that needs a dither key, with the partially certified min(Tier A, Tier B) box beside
-    dithered = bench.cells("dither-int6", qs, ks, 0.125, nq=3, intervals=8, delta_loc=1e-7)
+    dithered = bench.cells("dither-int6", seen, nq=3, intervals=8, delta_loc=1e-7)
     assert bool((dithered["tv"] <= dithered["box"]).all()) and bool((dithered["tv"] > 0).all())
     assert bool((dithered["tv"] <= dithered["partial"]).all()) and bool((dithered["partial"] <= dithered["box"]).all())
     assert dithered["kv_partial"].shape == dithered["kv_box"].shape == (2 * 2 * 3,)  # layers x KV heads x steps

@@ -3,7 +3,6 @@ variant against the fp16 K/V of every token its request wrote (tiny random Llama
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 
 from kvcert.cache.gate import Gate
 from kvcert.cli.common import SchemeSpec
@@ -19,7 +19,6 @@ from kvcert.quant import Allocation
 
 torch.set_num_threads(1)
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "capacity_ruler.py"
 ARGS = [
     "--model",
     "tiny:llama",
@@ -46,12 +45,7 @@ RESIDENT = ["--resident", "0.25", "--select", "streaming", "--summary", "int8", 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("capacity_ruler", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through it
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("capacity_ruler")
 
 
 def _main(bench: ModuleType, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -228,10 +222,7 @@ def test_recall_floor_script_reads_a_validated_run(
     request's K/V (the host tier's entry size measured from the variant: float32 here, so half the run's figures),
     the floor never above the recall; a run without a validated resident variant is refused by name."""
     out, doc = run
-    spec = importlib.util.spec_from_file_location("recall_floor", SCRIPT.with_name("recall_floor.py"))
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_benchmark("recall_floor")
     (row,) = script.rows_of(out)
     kept = doc["results"]["variants"]["int4+resident"]
     assert _v(kept, "bytes_host") == 2 * _v(kept, "bytes_fp16")  # the float32 host tier of the CPU runs

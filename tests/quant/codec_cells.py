@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcert.bounds import band_norms, tier_a_radius, true_tv, tv_meter
-from kvcert.quant import get, logcode, sample_key
+from kvcert.quant import QuerySubspaceWitness, get, logcode, sample_key
 
 F64 = torch.float64
 CODEC_FORMS: tuple[str, ...] = ("hadamard-int4", "hadamard-int2")
@@ -32,6 +32,10 @@ WITNESS_FORMS: tuple[tuple[str, str], ...] = (
 #: (S, cells) per chunk for the witness forms: short reads (the code acts per token and band; the dither hash
 #: costs per element), one round is 10^5 cells
 WITNESS_PLAN: tuple[tuple[int, int], ...] = ((2, 60_000), (4, 30_000), (8, 10_000))
+#: (key codec, witness bits) of the query-subspace witness forms (``docs/math.md#query-subspace-witness``)
+QSW_FORMS: tuple[tuple[str, int], ...] = (("hadamard-int4", 8), ("hadamard-int4", 4))
+#: basis ranks the query-subspace cells draw from (one per chunk), 1 to D − 1 at D = 64; 4-bit codes take the even ones
+QSW_RANKS: tuple[int, ...] = (1, 2, 16, 32, 63)
 #: (S, cells) per chunk for the codec forms; one round is 10^5 cells
 CODEC_PLAN: tuple[tuple[int, int], ...] = ((4, 60_000), (16, 30_000), (64, 8_000), (256, 2_000))
 SLACK = 1e-12
@@ -99,26 +103,69 @@ def make_codec_cells(
     kind = torch.randint(0, 4, (n, 1), generator=gen)
     mix = torch.rand(n, 1, generator=gen, dtype=F64)
 
-    def unit(v: torch.Tensor) -> torch.Tensor:
-        return v / v.norm(dim=-1, keepdim=True).clamp(min=1e-300)
-
     q = torch.where(
         kind == 0,
-        unit(aligned),
+        _unit(aligned),
         torch.where(
             kind == 1,
-            unit(summed),
-            torch.where(kind == 2, unit(rnd), unit(mix * unit(aligned) + (1 - mix) * unit(rnd))),
+            _unit(summed),
+            torch.where(kind == 2, _unit(rnd), _unit(mix * _unit(aligned) + (1 - mix) * _unit(rnd))),
         ),
     )
     q = q * (10.0 ** (4 * torch.rand(n, 1, generator=gen, dtype=F64) - 1)) / k.norm(dim=-1).amax(-1, keepdim=True)
     q = q.to(torch.float32).to(F64)  # a float32 query
-    sc = d**-0.5
-    radius = tier_a_radius(q, rho, sc)  # [n, S]
+    return _read(q, k, k_hat, tier_a_radius(q, rho, d**-0.5))
+
+
+def _unit(v: torch.Tensor) -> torch.Tensor:
+    return v / v.norm(dim=-1, keepdim=True).clamp(min=1e-300)
+
+
+def _read(q: torch.Tensor, k: torch.Tensor, k_hat: torch.Tensor, radius: torch.Tensor) -> CodecCells:
+    """The cells of queries ``q[n, D]`` over exact keys ``k`` and served keys ``k_hat`` ``[n, S, D]`` (float64), with
+    the radii ``radius[n, S]`` of those queries: logit errors, meter and exact TV."""
+    sc = k.shape[-1] ** -0.5
     served = sc * torch.einsum("nd,nsd->ns", q, k_hat)
     exact = sc * torch.einsum("nd,nsd->ns", q, k)
     p_served, p_exact = torch.softmax(served, -1), torch.softmax(exact, -1)
     return CodecCells(radius, served - exact, tv_meter(p_served, radius), true_tv(p_exact, p_served))
+
+
+def make_qsw_cells(codec: str, bits: int, n: int, s: int, gen: torch.Generator, d: int = 64) -> CodecCells:
+    """``n`` adversarial cells of ``s`` tokens for ``codec`` with a query-subspace witness at ``bits`` bits
+    (:class:`~kvcert.quant.QuerySubspaceWitness`). Each cell has its own basis ``U[D, k]`` (``k`` drawn per chunk
+    from :data:`QSW_RANKS`, even at 4 bits): orthonormal (QR of a Gaussian), in a quarter of the cells with its
+    first column along the residual ``Δ_j`` of the aimed token ``j``, in another quarter with columns rescaled by up
+    to ±50 % (not orthonormal: the radius must hold for any ``U``). The query is the equality direction of the last term
+    (``q ∝ Δ_j − UUᵀΔ_j``), a direction inside the span (``U UᵀΔ_j``), their sum, ``Δ_j`` itself, or random."""
+    x = adversarial_keys(n, s, d, gen)
+    c = get(codec, seed=int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    k_hat = c.decode(c.encode(x[None]))[0].to(F64)
+    k = x.to(F64)
+    delta = k_hat - k
+    j = torch.randint(0, s, (n,), generator=gen)
+    dj = delta[torch.arange(n), j]  # [n, D]
+    ranks = [r for r in QSW_RANKS if bits == 8 or r % 2 == 0]
+    rank = ranks[int(torch.randint(0, len(ranks), (1,), generator=gen))]
+    raw = torch.randn(n, d, rank, generator=gen, dtype=F64)
+    along = torch.rand(n, generator=gen) < 0.25
+    raw[:, :, 0] = torch.where(along.view(n, 1), dj, raw[:, :, 0])
+    u = torch.linalg.qr(raw).Q
+    skew = (torch.rand(n, generator=gen) < 0.25).view(n, 1, 1)
+    u = torch.where(skew, u * (1 + 0.5 * (2 * torch.rand(n, 1, rank, generator=gen, dtype=F64) - 1)), u)
+    u = u.to(torch.float32)
+    witness = QuerySubspaceWitness(u, bits)
+    packed = witness.encode(x[None], k_hat[None].to(torch.float32))
+    u64 = u.to(F64)
+    inside = (u64 @ (u64.transpose(-1, -2) @ dj.unsqueeze(-1))).squeeze(-1)
+    kind = torch.randint(0, 5, (n, 1), generator=gen)
+    options = torch.stack([_unit(dj - inside), _unit(inside), _unit(_unit(dj - inside) + _unit(inside)), _unit(dj)])
+    rnd = _unit(torch.randn(n, d, generator=gen, dtype=F64))
+    q = torch.where(kind < 4, options[kind.clamp(max=3).squeeze(-1), torch.arange(n)], rnd)
+    q = q * (10.0 ** (4 * torch.rand(n, 1, generator=gen, dtype=F64) - 1)) / k.norm(dim=-1).amax(-1, keepdim=True)
+    q = q.to(torch.float32).to(F64)  # a float32 query
+    radius = witness.radius(packed, q[None, :, None, :], d**-0.5)[0, :, 0]  # [n, S]
+    return _read(q, k, k_hat, radius)
 
 
 def violations(cells: CodecCells) -> tuple[int, int]:

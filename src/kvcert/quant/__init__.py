@@ -13,6 +13,7 @@ from kvcert.quant.base import (
 from kvcert.quant.bit_allocation import Allocation
 from kvcert.quant.dither import keyed_uniform
 from kvcert.quant.outlier import OutlierBypass
+from kvcert.quant.query_subspace import QuerySubspaceWitness, calibrate_basis
 from kvcert.quant.registry import BUILTINS, get, names, register, resolve, unregister
 
 __all__ = [
@@ -23,7 +24,9 @@ __all__ = [
     "OutlierBypass",
     "Packed",
     "Quantized",
+    "QuerySubspaceWitness",
     "bytes_per_token_head",
+    "calibrate_basis",
     "check_input",
     "get",
     "keyed_uniform",

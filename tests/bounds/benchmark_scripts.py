@@ -1,0 +1,22 @@
+"""Load a script of ``benchmarks/`` as a module, for the tests of its functions (shared by every test folder: this
+folder is on pytest's ``pythonpath``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` imported as module ``name``, registered in ``sys.modules`` (its dataclasses resolve
+    their annotations through it)."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

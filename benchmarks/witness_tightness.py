@@ -1,6 +1,6 @@
 """How informative are Tier-A key certificates at <= 4.5 bits? Informative fraction and stored bits per element
-of each key codec + witness on SmolLM2-135M (or Gemma-3-270m, ``--model``), keys and queries captured from a real
-forward over corpus text.
+of each key codec + witness on SmolLM2-135M (or another model, ``--model``: Gemma-3-270m, a local transformers
+folder), keys and queries captured from a real forward over corpus text.
 
 Per sample: ``--tokens`` tokens of a corpus at a seeded offset, one forward with an attention function that
 records the post-RoPE queries and keys of every layer; then, per (layer, query head) and each of the last
@@ -219,7 +219,9 @@ def measure(cand: Candidate, seen: Captured, nq: int, sub: list[torch.Tensor] | 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m", choices=("smollm2-135m", "gemma3-270m"))
+    ap.add_argument(
+        "--model", default="smollm2-135m", help="a zoo name (smollm2-135m, gemma3-270m) or a local transformers folder"
+    )
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--queries", type=int, default=32, help="last positions of each sample read as decode steps")

@@ -4,7 +4,6 @@ from kvcert.bounds.budget import telescoping_delta, uniform_split
 from kvcert.bounds.latent import effective_query, latent_band_norms, latent_tier_a_radius, latent_tier_b_sigma2
 from kvcert.bounds.output import output_error_bound
 from kvcert.bounds.pooling import PoolingProfile, pool_weights, pooled, pooling_profile
-from kvcert.bounds.query_subspace import query_subspace_radius
 from kvcert.bounds.radii import (
     dither_witness_moments,
     query_band_norms,
@@ -43,6 +42,7 @@ from kvcert.bounds.softmax_tv import (
     tv_two_sided,
     tv_uniform,
 )
+from kvcert.bounds.subspace_radius import query_subspace_radius
 from kvcert.bounds.tv_box import tv_box
 
 __all__ = [

@@ -10,7 +10,7 @@ witness stores, for the residual ``Δ = k̂ − k`` of a key codec:
 * ``η ≥ ‖ŵ − w‖`` and ``ρ ≥ ‖Δ − Uw‖``, measured in float64 and rounded *up* to fp16 (``+inf`` beyond its
   range: fail closed, the read cannot certify that token).
 
-:meth:`QuerySubspaceWitness.radius` is :func:`kvcert.bounds.query_subspace.query_subspace_radius` over them, sound
+:meth:`QuerySubspaceWitness.radius` is :func:`kvcert.bounds.query_subspace_radius` over them, sound
 for every query whatever ``U`` (orthonormality only makes it tight). Bytes (measured from the stored tensors):
 ``k·bits/8`` code bytes + 2 (scale) + 2 (``η``) + 2 (``ρ``) per token and KV head, plus the basis, ``H·D·k``
 float32 per layer, once. The witness is measured beside the store's band witness
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcert.bounds.query_subspace import query_subspace_radius
 from kvcert.bounds.rope import round_up_f32
+from kvcert.bounds.subspace_radius import query_subspace_radius
 from kvcert.checks import fail_if
 from kvcert.quant.base import Packed, check_input
 from kvcert.quant.rtn import RTNCodec

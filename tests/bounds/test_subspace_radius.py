@@ -1,4 +1,4 @@
-"""The query-subspace radius (``kvcert.bounds.query_subspace``): sound per cell for any basis, exact inside the span,
+"""The query-subspace radius (``kvcert.bounds.subspace_radius``): sound per cell for any basis, exact inside the span,
 attained outside it, every term needed, and fail-closed on bad input."""
 
 from __future__ import annotations

@@ -125,6 +125,8 @@ def test_bad_keys_are_refused_by_name():
         w.encode(x, x_hat[:1])
     with pytest.raises(ValueError, match="written by"):
         QuerySubspaceWitness(basis(), 4).decode(w.encode(x, x_hat))
+    with pytest.raises(ValueError, match=r"q must be \[B=2, H=3, Q, D=64\]"):
+        w.radius(w.encode(x, x_hat), torch.ones(2, 1, 5, 64))
 
 
 def test_witness_benchmark_measures_the_stored_witness():

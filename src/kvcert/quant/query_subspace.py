@@ -107,6 +107,10 @@ class QuerySubspaceWitness:
         return self._codes.decode(codes).to(F64), t["eta"].to(F64), t["rho"].to(F64)
 
     def radius(self, packed: Packed, q: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        """Radii ``c[B, H, Q, T] ≥ |scale·q·Δ_t|`` for queries ``q[B, H, Q, D]`` (one KV head's query, per head)."""
+        """Radii ``c[B, H, Q, T] ≥ |scale·q·Δ_t|`` for queries ``q[B, H, Q, D]`` (one KV head's query, per head).
+        Raises ``ValueError`` unless ``q`` has the packed tensor's ``B``, ``H`` and ``D``."""
+        b, h, _, d = packed.shape
+        if q.dim() != 4 or (q.shape[0], q.shape[1], q.shape[-1]) != (b, h, d):
+            raise ValueError(f"q must be [B={b}, H={h}, Q, D={d}] for this witness, got {tuple(q.shape)}")
         w_hat, eta, rho = self.decode(packed)
         return query_subspace_radius(q, self.basis.unsqueeze(0), w_hat, eta, rho, scale)

@@ -26,6 +26,7 @@ from kvcert.bounds.subspace_radius import query_subspace_radius
 from kvcert.checks import fail_if
 from kvcert.quant.base import Packed, check_input
 from kvcert.quant.rtn import RTNCodec
+from kvcert.quant.scales import FP16_MAX, fp16_up
 
 F64 = torch.float64
 BITS = (8, 4)
@@ -46,10 +47,10 @@ def calibrate_basis(queries: torch.Tensor, rank: int) -> torch.Tensor:
 
 
 def _fp16_up(x: torch.Tensor) -> torch.Tensor:
-    """A non-negative float64 tensor as fp16 rounded *up* (``+inf`` beyond the fp16 range)."""
+    """A non-negative float64 tensor as fp16 rounded *up*: :func:`~kvcert.quant.scales.fp16_up`, with ``+inf``
+    beyond the fp16 range instead of an error (a witness fails closed; a scale refuses the write)."""
     y = round_up_f32(x)
-    h = y.to(torch.float16)
-    return torch.where(h.to(torch.float32) < y, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
+    return torch.where(y > FP16_MAX, torch.inf, fp16_up(y.clamp(max=FP16_MAX), "witness")).to(torch.float16)
 
 
 class QuerySubspaceWitness:
@@ -91,8 +92,8 @@ class QuerySubspaceWitness:
         u = self.basis.to(F64).unsqueeze(0)  # [1, H, D, k]
         delta = x_hat.to(F64) - x.to(F64)
         w = delta @ u  # [B, H, T, k]
-        packed = self._codes.encode(w)
-        w_hat = self._codes.decode(packed).to(F64)
+        packed, w_hat32 = self._codes.encode_decode(w)
+        w_hat = w_hat32.to(F64)
         eta = _fp16_up(torch.linalg.vector_norm(w_hat - w, dim=-1))
         rho = _fp16_up(torch.linalg.vector_norm(delta - w @ u.transpose(-1, -2), dim=-1))
         return Packed(self.name, tuple(x.shape), {**packed.tensors, "eta": eta, "rho": rho})

@@ -22,8 +22,11 @@ codec (ECDF, τ marked).
 
 Usage: ``OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/tv_box_tightness.py [--model smollm2-135m]
 [--samples 2] [--tokens 2048] [--queries 8] [--corpus pg-essays] [--seed 1] [--codecs int8,fp8-e4m3,int4,hadamard-int4]
-[--intervals 16] [--plot FILE] [--plot-ceiling FILE] [--tier-b]``. Tiers: both certificates certified (Tier A, any
-query); the min(A, B) box partially certified; exact TV and the oracle ceilings empirical.
+[--intervals 16] [--plot FILE] [--plot-ceiling FILE] [--tier-b] [--heavy CODEC --heavy-fracs 0.1,0.2,0.3
+--tier-values int2/int4]``. With ``--heavy``, every row is a token-tier row (:class:`Tiers`): each ``--codecs`` entry is
+the light codec, and a fourth table gives the bytes, what the gate's box passes, the exact-TV ceiling and the ceiling
+of the light-atom form (``docs/math.md#light-atom``). Tiers: both certificates certified (Tier A, any query); the
+min(A, B) box partially certified; exact TV and the oracle ceilings empirical.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -41,7 +45,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kvcert import ValidationConfig  # noqa: E402
+from kvcert import StorageConfig, ValidationConfig  # noqa: E402
 from kvcert.bounds import (  # noqa: E402
     band_norms,
     meter_and_unclipped,
@@ -72,8 +76,83 @@ def p_weighted_form(exact: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     return 0.5 * (excess.abs().sum(-1) + excess.sum(-1).abs())
 
 
+@dataclass(frozen=True)
+class Tiers:
+    """Token tiers (``--heavy``): per KV head, ``frac`` of the tokens stored with ``codec`` (the heavy tier), the rest
+    with the row's codec (the light tier). The heavy tokens are fixed before the reads, SnapKV-style, from the prefill
+    alone (:func:`heavy_tokens`)."""
+
+    codec: str
+    frac: float
+    window: int = 32  # the observation window: the last prefill positions before the reads
+    sinks: int = 4
+
+
+def heavy_tokens(
+    q: torch.Tensor, k: torch.Tensor, scale: float, window: int | None, nq: int, tiers: Tiers
+) -> torch.Tensor:
+    """``[S]`` bool, the heavy tier of one KV head: the first ``tiers.sinks`` tokens, every token from the observation
+    window on (its ``tiers.window`` prefill positions and the ``nq`` reads'), and the prefix tokens with the most
+    attention from the observation window's queries (``q[G, S, D]``, the KV head's query group at every position,
+    over the exact keys ``k[S, D]``; summed over the query heads and the window, averaged over 7 neighbours), up to
+    ``round(frac·S)`` tokens in all. Nothing after the prefill is looked at. ``window``: the layer's sliding window."""
+    s = k.shape[0]
+    obs = s - nq - tiers.window
+    heavy = torch.zeros(s, dtype=torch.bool)
+    heavy[: tiers.sinks] = True
+    heavy[obs:] = True
+    n = round(tiers.frac * s) - int(heavy.sum())
+    if obs <= tiers.sinks or n < 0:
+        raise ValueError(
+            f"heavy fraction {tiers.frac} of {s} tokens is below the {int(heavy.sum())} tokens the tier always holds "
+            f"(sinks, observation window and reads)"
+        )
+    pos, t = torch.arange(obs, s - nq).view(-1, 1), torch.arange(s).view(1, -1)
+    vis = (t <= pos) & (pos - t < window) if window else t <= pos
+    att = torch.softmax((scale * q[:, obs : s - nq] @ k.T).masked_fill(~vis, float("-inf")), -1).sum((0, 1))
+    score = torch.nn.functional.avg_pool1d(att.view(1, 1, -1), 7, 1, 3, count_include_pad=False).view(-1)
+    heavy[score.masked_fill(heavy, float("-inf")).topk(n).indices] = True
+    return heavy
+
+
+def light_atom_form(
+    served: torch.Tensor,
+    exact: torch.Tensor,
+    served_logit: torch.Tensor,
+    exact_logit: torch.Tensor,
+    radius: torch.Tensor,
+    light: torch.Tensor,
+) -> torch.Tensor:
+    """``tv_box(P̃, (c_H, |ε_L|)) + M̃_L·TV(π, π̃)`` (``docs/math.md#light-atom``): the tokens outside ``light`` as atoms
+    with their ``radius``, the light tokens as one atom of served mass ``M̃_L`` and log-mass error
+    ``ε_L = lse_L(s̃) − lse_L(s)``, and ``π``, ``π̃`` the exact and served attention within the light set. An upper
+    bound on ``TV(p, p̃)`` whenever ``radius`` bounds the heavy tokens' logit errors; with this draw's own ``ε_L`` and
+    ``TV(π, π̃)`` it is the ceiling of the bounds that treat the light tokens as one atom, not a certificate. All
+    tensors ``[..., S]`` (``light`` broadcasts); a row without light tokens reduces to the box."""
+    light = light.expand_as(served)
+    ninf = float("-inf")
+    served_light, exact_light = served.masked_fill(~light, 0.0), exact.masked_fill(~light, 0.0)
+    mass = served_light.sum(-1, keepdim=True)
+    lse = lambda x: torch.logsumexp(x.masked_fill(~light, ninf), -1, keepdim=True)  # noqa: E731
+    eps_light = (lse(served_logit) - lse(exact_logit)).abs().nan_to_num(0.0)  # no light token: −inf − (−inf)
+    coarse = tv_box(
+        torch.cat([served.masked_fill(light, 0.0), mass], -1),
+        torch.cat([radius.masked_fill(light, 0.0), eps_light], -1),
+        rows=numba_box.box_rows,
+    )
+    within = true_tv(
+        exact_light / exact_light.sum(-1, keepdim=True).clamp(min=1e-300), served_light / mass.clamp(min=1e-300)
+    )
+    return coarse + mass.squeeze(-1) * within
+
+
 def cells(
-    codec: str, seen: Captured, nq: int, intervals: int, delta_loc: float | None = None
+    codec: str,
+    seen: Captured,
+    nq: int,
+    intervals: int,
+    delta_loc: float | None = None,
+    tiers: Tiers | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per cell of every layer and query head: exact TV, the meter (clipped, unclipped) and ``min(meter, box)``; and
     the seconds spent in the meter, in ``tv_box`` and in its compiled evaluation (one thread's clock, side by side on
@@ -83,24 +162,46 @@ def cells(
 
     With ``delta_loc`` and a dithered codec, also ``partial`` (and ``kv_partial``): ``min(meter, box)`` over the radii
     ``min(c_t, u_t)``, ``u_t`` the Tier-B union radius at ``delta_loc`` (``docs/math.md#tier-b-radius``): partially
-    certified (non-adaptive queries; it fails with probability at most ``delta_loc`` per cell)."""
+    certified (non-adaptive queries; it fails with probability at most ``delta_loc`` per cell).
+
+    With ``tiers`` (:class:`Tiers`), the heavy tokens of each KV head are served by ``tiers.codec`` (with its own
+    radii) and the rest by ``codec``; also ``light`` (the served attention mass on the light tokens, per cell),
+    ``light_form`` (:func:`light_atom_form`, per cell) and ``kv_light`` (per KV-head read, whether it is ``<= τ`` on
+    every query head); with Tier B also ``light_sigma`` (per cell, the largest proxy ``σ_t`` of a light token's logit
+    error, ``docs/math.md#light-atom``)."""
     tv, meter, raw, box, gap, kv_box, kv_exact, pweighted, heaviest, partial, kv_partial = ([] for _ in range(11))
+    light_mass, light_form, kv_light, light_sigma = [], [], [], []
     spent = torch.zeros(3, dtype=torch.float64)
-    cand = Candidate(codec, codec, {})
-    codec_obj = get(codec)
-    tier_b = delta_loc is not None and codec_obj.tier_b
-    group_size = getattr(codec_obj, "group_size", 0)
-    layer_steps: list[torch.Tensor | None] = [None]
+    tier_codecs = (codec,) if tiers is None else (codec, tiers.codec)
+    tier_b = delta_loc is not None and get(codec).tier_b
+    layer: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    sc = seen.scale
 
     def serve(k: torch.Tensor) -> torch.Tensor:  # one call per layer, before its heads' reads
-        khat, layer_steps[0] = encoded(cand, k)
-        return khat
+        layer[:] = [encoded(Candidate(name, name, {}), k) for name in tier_codecs]
+        return layer[0][0]
 
-    sc = seen.scale
+    def sigma2(qq: torch.Tensor, name: str, steps: torch.Tensor | None, head: int) -> torch.Tensor | None:
+        if delta_loc is None or steps is None or not get(name).tier_b:
+            return None
+        return tier_b_sigma2(qq, steps[head], sc, getattr(get(name), "group_size", 0))
+
+    def union_radius(qq: torch.Tensor, name: str, steps: torch.Tensor | None, head: int, s: int) -> torch.Tensor:
+        proxy = sigma2(qq, name, steps, head)
+        if proxy is None:
+            return torch.full((), float("inf"), dtype=torch.float64)  # no Tier-B radius: min(c, u) = c
+        return tier_b_radius(proxy, s, delta_loc)
+
     for r in head_reads(seen, nq, serve):
         vis, qq = r.vis, r.q
-        c = tier_a_radius(qq, band_norms(r.khat - r.k, BANDS).unsqueeze(0), sc).masked_fill(~vis, 0.0)
-        served_logit, exact_logit = sc * qq @ r.khat.T, sc * qq @ r.k.T
+        khat, heavy = r.khat, torch.zeros(r.k.shape[0], dtype=torch.bool)
+        if tiers is not None:
+            g = qq.shape[0]
+            q_group = seen.qs[r.layer][r.head * g : (r.head + 1) * g]
+            heavy = heavy_tokens(q_group, r.k, sc, seen.windows[r.layer], nq, tiers)
+            khat = torch.where(heavy[:, None], layer[1][0][r.head], khat)
+        c = tier_a_radius(qq, band_norms(khat - r.k, BANDS).unsqueeze(0), sc).masked_fill(~vis, 0.0)
+        served_logit, exact_logit = sc * qq @ khat.T, sc * qq @ r.k.T
         p = torch.softmax(served_logit.masked_fill(~vis, float("-inf")), -1)
         exact = torch.softmax(exact_logit.masked_fill(~vis, float("-inf")), -1)
         t0 = time.thread_time()
@@ -121,14 +222,25 @@ def cells(
         cell_box = torch.minimum(m, b)  # [G, nq]
         box.append(cell_box.flatten())
         kv_box.append((cell_box <= TAU).all(0))
+        radius = c
         if tier_b:
-            steps = layer_steps[0]
-            assert steps is not None  # a dithered codec stores its steps
-            u = tier_b_radius(tier_b_sigma2(qq, steps[r.head], sc, group_size), r.k.shape[0], delta_loc)
-            cp = torch.minimum(c, u).masked_fill(~vis, 0.0)
-            cell_partial = torch.minimum(meter_and_unclipped(p, cp)[0], tv_box(p, cp, rows=numba_box.box_rows))
+            s = r.k.shape[0]
+            u = union_radius(qq, codec, layer[0][1], r.head, s)
+            if tiers is not None:
+                u = torch.where(heavy, union_radius(qq, tiers.codec, layer[1][1], r.head, s), u)
+            radius = torch.minimum(c, u).masked_fill(~vis, 0.0)
+            cell_partial = torch.minimum(meter_and_unclipped(p, radius)[0], tv_box(p, radius, rows=numba_box.box_rows))
             partial.append(cell_partial.flatten())
             kv_partial.append((cell_partial <= TAU).all(0))
+        if tiers is not None:
+            light = vis & ~heavy
+            light_mass.append(p.masked_fill(~light, 0.0).sum(-1).flatten())
+            form = light_atom_form(p, exact, served_logit, exact_logit, radius, light)
+            light_form.append(form.flatten())
+            kv_light.append((form <= TAU).all(0))
+            proxy = sigma2(qq, codec, layer[0][1], r.head)
+            if proxy is not None:
+                light_sigma.append(proxy.sqrt().masked_fill(~light, 0.0).amax(-1).flatten())
     named = (
         ("tv", tv),
         ("meter", meter),
@@ -143,6 +255,10 @@ def cells(
     out = {name: torch.cat(x) for name, x in named}
     if tier_b:
         out |= {"partial": torch.cat(partial), "kv_partial": torch.cat(kv_partial)}
+    if tiers is not None:
+        out |= {"light": torch.cat(light_mass), "light_form": torch.cat(light_form), "kv_light": torch.cat(kv_light)}
+        if light_sigma:
+            out["light_sigma"] = torch.cat(light_sigma)
     return {**out, "spent": spent}
 
 
@@ -308,10 +424,20 @@ def plot(results: dict[str, dict[str, torch.Tensor]], path: Path, model: str = "
     plt.close(fig)
 
 
-def plot_ceiling(results: dict[str, dict[str, torch.Tensor]], head_dim: int, path: Path, model: str) -> None:
-    """Per codec (rows by stored bytes): the share of KV-head reads a head gate at τ passes over Tier A, over
+def key_bytes(codec: str, tiers: Tiers | None, head_dim: int) -> float:
+    """Measured code bytes per (token, KV head) of a row's keys: the codec's, or with ``tiers`` the mix
+    ``(1 − frac)·B(codec) + frac·B(tiers.codec)`` (the witnesses, the same for every row, not included)."""
+    light = bytes_per_token_head(get(codec), head_dim)
+    return (
+        light
+        if tiers is None
+        else (1 - tiers.frac) * light + tiers.frac * bytes_per_token_head(get(tiers.codec), head_dim)
+    )
+
+
+def plot_ceiling(results: dict[str, dict[str, torch.Tensor]], size: dict[str, float], path: Path, model: str) -> None:
+    """Per row (by its key bytes, ``size``): the share of KV-head reads a head gate at τ passes over Tier A, over
     min(Tier A, Tier B), and the most any sound gate could pass (exact TV ``<= τ`` on every query head)."""
-    size = {c: bytes_per_token_head(get(c), head_dim) for c in results}
     series = {
         f"exact TV <= {TAU} (no sound gate passes more; measured)": {
             c: float(r["kv_exact"].double().mean()) for c, r in results.items()
@@ -323,6 +449,67 @@ def plot_ceiling(results: dict[str, dict[str, torch.Tensor]], head_dim: int, pat
     }
     title = f"{model}: KV-head reads a head gate at τ = {TAU} passes"
     figures.codec_shares(size, series, path, title, xlabel="share of KV-head reads")
+
+
+def tier_table(
+    results: dict[str, dict[str, torch.Tensor]],
+    rows: dict[str, tuple[str, Tiers | None]],
+    values: tuple[str, str],
+    head_dim: int,
+    model: str,
+) -> ReportTable:
+    """Per token-tier row: the measured bytes (keys with witnesses, and keys + values with ``values`` = (light,
+    heavy) value codecs, as capacity against fp16), what a head gate at τ passes (Tier A; min(A, B)), the exact-TV
+    ceiling, the served light mass and the light-atom ceiling (:func:`light_atom_form`)."""
+    witness = StorageConfig(seed=0).store(0).cell_layout(head_dim, head_dim).witness_bytes
+    out = []
+    for label, r in results.items():
+        codec, tiers = rows[label]
+        if tiers is None:
+            continue
+        keys = key_bytes(codec, tiers, head_dim) + witness
+        light_v, heavy_v = (bytes_per_token_head(get(v), head_dim) for v in values)
+        kv = keys + (1 - tiers.frac) * light_v + tiers.frac * heavy_v
+        out.append(
+            (
+                label,
+                fmt(keys),
+                fmt(4 * head_dim / kv),
+                fmt(float(r["kv_box"].double().mean()), percent=True),
+                fmt(float(r["kv_partial"].double().mean()), percent=True) if "kv_partial" in r else "–",
+                fmt(float(r["kv_exact"].double().mean()), percent=True),
+                fmt(float(r["light"].median())),
+                fmt(float(r["light"].quantile(0.9))),
+                fmt(float(r["kv_light"].double().mean()), percent=True),
+                fmt(float(r["light_sigma"].median())) if "light_sigma" in r else "–",
+            )
+        )
+    return ReportTable(
+        f"Token tiers on {model}: heavy tokens (chosen from the prefill) in a wider code, the rest narrow",
+        (
+            "keys (light + heavy share)",
+            "key B/token/KV head",
+            f"capacity with {values[0]}/{values[1]} values",
+            f"Tier A: KV heads <= {TAU}",
+            f"min(A, B): KV heads <= {TAU}",
+            f"exact TV: KV heads <= {TAU}",
+            "median light mass",
+            "p90 light mass",
+            f"light-atom form: KV heads <= {TAU}",
+            "median max σ_t of the light tokens",
+        ),
+        tuple(out),
+        "Per KV head the heavy share of tokens is fixed before the reads from the prefill alone: the first 4 tokens, "
+        "the observation window (the last 32 prefill positions) and the reads, and the prefix tokens the window's "
+        "queries attend to most. Bytes measured from the packed tensors (codes, scales, bypassed pairs) plus the log8 "
+        "witnesses; capacity = fp16 K/V over keys + values (light value codec on the light tokens, heavy on the "
+        "heavy). light mass = served attention on the light tokens, per cell. light-atom form = tv_box over the heavy "
+        "tokens with their radii and the light set as one atom at this draw's own log-mass error, plus the light mass "
+        "times the exact within-light TV (docs/math.md#light-atom): the ceiling of the bounds that treat the light "
+        "tokens as one atom. max σ_t = the largest Tier-B proxy of a light token's logit error in a cell (what a sound "
+        "bound on the light atom pays for, times √(2 ln(1/δ)), docs/math.md#light-atom). Tiers: Tier A certified, "
+        "min(A, B) partially certified, the rest empirical.",
+    )
 
 
 def main() -> None:
@@ -344,6 +531,11 @@ def main() -> None:
         action="store_true",
         help="dithered codecs: also the box over min(Tier A, Tier B) radii (partially certified)",
     )
+    ap.add_argument(
+        "--heavy", default=None, help="token tiers: the heavy tokens' key codec (each --codecs is the light)"
+    )
+    ap.add_argument("--heavy-fracs", default="0.1,0.2,0.3", help="token tiers: the heavy shares of the tokens")
+    ap.add_argument("--tier-values", default="int2/int4", help="token tiers: value codecs LIGHT/HEAVY (bytes only)")
     args = ap.parse_args()
     codecs = args.codecs.split(",")
     for name in codecs:
@@ -351,19 +543,30 @@ def main() -> None:
     model, tok = load(args.model)
     cfg = model.config
     delta_loc = ValidationConfig().delta_loc(cfg.num_hidden_layers, cfg.num_attention_heads) if args.tier_b else None
-    parts: dict[str, list[dict[str, torch.Tensor]]] = {c: [] for c in codecs}
+    rows: dict[str, tuple[str, Tiers | None]] = {c: (c, None) for c in codecs}
+    if args.heavy is not None:
+        get(args.heavy)
+        fracs = [float(f) for f in args.heavy_fracs.split(",")]
+        rows = {f"{c} + {f:.0%} {args.heavy}": (c, Tiers(args.heavy, f)) for c in codecs for f in fracs}
+    values = tuple(args.tier_values.split("/"))
+    if len(values) != 2:
+        raise SystemExit(f"--tier-values wants LIGHT/HEAVY value codecs, got {args.tier_values!r}")
+    for name in values:
+        get(name)
+    parts: dict[str, list[dict[str, torch.Tensor]]] = {label: [] for label in rows}
     console = Console()
-    with progress_bar("samples x codecs", args.samples * len(codecs), console) as tick:
+    with progress_bar("samples x rows", args.samples * len(rows), console) as tick:
         for text in texts(args.corpus, args.samples, args.tokens, args.seed):
             ids = tok(text, return_tensors="pt").input_ids[:, : args.tokens]
             seen = capture(model, ids)
-            for codec in codecs:
-                parts[codec].append(cells(codec, seen, args.queries, args.intervals, delta_loc))
+            for label, (codec, tiers) in rows.items():
+                parts[label].append(cells(codec, seen, args.queries, args.intervals, delta_loc, tiers))
                 tick(1)
     results = {
         c: {k: torch.stack([p[k] for p in ps]).sum(0) if k == "spent" else torch.cat([p[k] for p in ps]) for k in ps[0]}
         for c, ps in parts.items()
     }
+    head_dim = seen.qs[0].shape[-1]
     console.print(
         f"{args.model}, {args.corpus}, samples={args.samples} tokens={args.tokens} queries/sample={args.queries} "
         f"seed={args.seed}",
@@ -372,16 +575,20 @@ def main() -> None:
     print_table(console, table(results, args.intervals, args.model))
     print_table(console, gate_table(results, delta_loc, args.model))
     print_table(console, ceiling_table(results, args.model))
+    if args.heavy is not None:
+        print_table(console, tier_table(results, rows, (values[0], values[1]), head_dim, args.model))
     if args.plot is not None:
         plot(results, args.plot, args.model)
         console.print(f"figure: {args.plot}", highlight=False)
     if args.plot_ceiling is not None:
-        plot_ceiling(results, seen.qs[0].shape[-1], args.plot_ceiling, args.model)
+        size = {label: key_bytes(codec, tiers, head_dim) for label, (codec, tiers) in rows.items()}
+        plot_ceiling(results, size, args.plot_ceiling, args.model)
         console.print(f"figure: {args.plot_ceiling}", highlight=False)
     if any(
         int((r["tv"] > r["box"]).sum())
         + int((r["tv"] > r.get("partial", r["box"])).sum())
         + int((r["tv"] > r["pweighted"]).sum())
+        + int((r["tv"] > r.get("light_form", r["box"])).sum())
         for r in results.values()
     ):
         raise SystemExit("VIOLATIONS FOUND")

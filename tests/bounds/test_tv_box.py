@@ -12,9 +12,12 @@ from benchmark_scripts import load_benchmark
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcert.bounds import tv_box, tv_meter
+from kvcert import StorageConfig
+from kvcert.bounds import true_tv, tv_box, tv_meter
 from kvcert.bounds.tv_box import box_rows
 from kvcert.kernels import numba_box
+from kvcert.quant import bytes_per_token_head, get
+from kvcert.report.tables import fmt
 
 #: the two evaluations of the prepared rows: tensor operations (any device) and the compiled CPU kernel
 ROWS = pytest.mark.parametrize("rows", [box_rows, numba_box.box_rows], ids=["tensor", "compiled"])
@@ -202,7 +205,9 @@ def test_tightness_benchmark_cells_table_and_figure(tmp_path):
     assert torch.equal(r["kv_exact"], per_cell) and bool((r["kv_exact"] >= r["kv_box"]).all())
     ceiling = bench.ceiling_table({"int4": r}, "random")
     assert ceiling.rows[0][-1] == "0" and len(ceiling.rows[0]) == len(ceiling.columns)
-    bench.plot_ceiling({"int4": r, "dither-int6": dithered}, 64, tmp_path / "ceiling.png", "random")
+    bench.plot_ceiling(
+        {"int4": r, "dither-int6": dithered}, {"int4": 36.0, "dither-int6": 52.0}, tmp_path / "ceiling.png", "random"
+    )
     assert (tmp_path / "ceiling.png").stat().st_size > 0
     table = bench.table({"int4": r}, 8)
     assert len(table.rows) == 1 and table.rows[0][2] == "0" and len(table.rows[0]) == len(table.columns)
@@ -284,3 +289,87 @@ def test_radius_classes_loosen_the_bound_by_less_than_a_class():
     assert bool((classed >= exact_radii - 1e-12).all())
     assert bool((classed <= raised + 1e-12)[informative].all()) and int(informative.sum()) > 200
     assert bool((classed > exact_radii).any())
+
+
+def _light_atom_case(p: torch.Tensor, c: torch.Tensor, seed: int) -> tuple[torch.Tensor, ...]:
+    """Exact logits ``log p``, served logits off by ``ε ∈ [−c, c]``, both softmaxes, and a random light set."""
+    gen = torch.Generator().manual_seed(seed)
+    exact_logit = torch.log(p)
+    served_logit = exact_logit + c * (2 * torch.rand(p.shape, generator=gen, dtype=F64) - 1)
+    light = torch.rand(p.shape, generator=gen) < 0.6
+    return torch.softmax(served_logit, -1), p, served_logit, exact_logit, light
+
+
+@settings(max_examples=300, deadline=None)
+@given(cell(max_tokens=12), st.integers(0, 2**31 - 1))
+def test_light_atom_form_bounds_the_tv(pc, seed):
+    """``TV(p, p̃) ≤ tv_box(P̃, (c_H, |ε_L|)) + M̃_L·TV(π, π̃)`` (docs/math.md#light-atom) per cell, for any light set,
+    whenever the radii bound the heavy tokens' logit errors (the light tokens' errors may be of any size)."""
+    p, c = pc
+    served, exact, served_logit, exact_logit, light = _light_atom_case(p, c, seed)
+    served_logit = torch.where(light, exact_logit + 40 * (served_logit - exact_logit), served_logit)  # light: any size
+    served = torch.softmax(served_logit, -1)
+    form = _tightness_benchmark().light_atom_form(served, exact, served_logit, exact_logit, c, light)
+    assert float(true_tv(exact, served)) <= float(form) + BRUTE_SLACK
+
+
+def test_light_atom_form_is_the_tv_when_every_token_is_light_and_the_box_when_none_is():
+    """Every token light: one atom, no coarse error, so the form is the exact TV. No token light: the box itself."""
+    bench = _tightness_benchmark()
+    gen = torch.Generator().manual_seed(5)
+    p = torch.softmax(3 * torch.randn(4, 50, generator=gen, dtype=F64), -1)
+    c = 0.5 * torch.rand(4, 50, generator=gen, dtype=F64)
+    served, exact, served_logit, exact_logit, _ = _light_atom_case(p, c, 6)
+    every = torch.ones(50, dtype=torch.bool)
+    form = bench.light_atom_form(served, exact, served_logit, exact_logit, c, every)
+    torch.testing.assert_close(form, true_tv(exact, served), rtol=1e-12, atol=1e-15)
+    none = bench.light_atom_form(served, exact, served_logit, exact_logit, c, ~every)
+    torch.testing.assert_close(none, tv_box(served, c, rows=numba_box.box_rows), rtol=1e-12, atol=1e-15)
+
+
+def test_heavy_tokens_come_from_the_prefill_alone():
+    """The heavy tier holds ``round(frac·S)`` tokens: the sinks, everything from the observation window on, and the
+    prefix tokens the window's queries attend to most; the reads' own queries never change it; too small a share is
+    refused by name."""
+    bench = _tightness_benchmark()
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 200, 16, generator=gen, dtype=F64), torch.randn(200, 16, generator=gen, dtype=F64)
+    mean = q[:, 160:192].mean((0, 1))
+    k[37] = 60 * mean / mean.square().sum()  # a key the observation window's queries attend to
+    tiers = bench.Tiers("int8", 0.3, window=32, sinks=4)
+    heavy = bench.heavy_tokens(q, k, 0.25, None, 8, tiers)
+    assert int(heavy.sum()) == 60 and bool(heavy[:4].all()) and bool(heavy[160:].all()) and bool(heavy[37])
+    moved = q.clone()
+    moved[:, 192:] = torch.randn(2, 8, 16, generator=gen, dtype=F64)  # the reads' queries
+    assert torch.equal(bench.heavy_tokens(moved, k, 0.25, None, 8, tiers), heavy)
+    windowed = bench.heavy_tokens(q, k, 0.25, 20, 8, tiers)  # a sliding window of 20: k[37] is out of every view
+    assert not bool(windowed[37]) and int(windowed.sum()) == 60
+    with pytest.raises(ValueError, match="heavy fraction 0.1 of 200 tokens is below the 44 tokens"):
+        bench.heavy_tokens(q, k, 0.25, None, 8, bench.Tiers("int8", 0.1))
+
+
+def test_tightness_benchmark_token_tiers():
+    """``cells`` with token tiers on random queries and keys: the heavy tokens take the wider code (so its box is
+    never above the narrow code's alone on these cells' median), every cell's exact TV is within the light-atom form
+    and the boxes, and the tier table has one row per tier row with measured bytes."""
+    bench = _tightness_benchmark()
+    gen = torch.Generator().manual_seed(13)
+    qs = [torch.randn(4, 128, 64, generator=gen, dtype=F64) for _ in range(2)]
+    ks = [torch.randn(2, 128, 64, generator=gen, dtype=F64) * 2 for _ in range(2)]
+    seen = bench.Captured(qs, ks, 0.125, [None, 80])
+    tiers = bench.Tiers("dither-int8", 0.5)
+    narrow = bench.cells("dither-int4", seen, nq=3, intervals=8, delta_loc=1e-7)
+    tiered = bench.cells("dither-int4", seen, nq=3, intervals=8, delta_loc=1e-7, tiers=tiers)
+    assert float(tiered["box"].median()) < float(narrow["box"].median())
+    for key in ("box", "partial", "light_form"):
+        assert bool((tiered["tv"] <= tiered[key]).all()), key
+    assert tiered["kv_light"].shape == tiered["kv_box"].shape == (2 * 2 * 3,)
+    assert bool((tiered["light"] >= 0).all()) and bool((tiered["light"] < 1).all()) and "light" not in narrow
+    assert bool((tiered["light_sigma"] > 0).all())
+    rows = {"narrow": ("dither-int4", None), "tiered": ("dither-int4", tiers)}
+    table = bench.tier_table({"narrow": narrow, "tiered": tiered}, rows, ("int2", "int4"), 64, "random")
+    assert len(table.rows) == 1 and len(table.rows[0]) == len(table.columns)
+    keys = 0.5 * (bytes_per_token_head(get("dither-int4"), 64) + bytes_per_token_head(get("dither-int8"), 64))
+    assert bench.key_bytes("dither-int4", tiers, 64) == keys
+    witness = StorageConfig(seed=0).store(0).cell_layout(64, 64).witness_bytes
+    assert table.rows[0][1] == fmt(keys + witness)

@@ -425,22 +425,27 @@ def plot(results: dict[str, dict[str, torch.Tensor]], path: Path, model: str = "
 
 
 def key_bytes(codec: str, tiers: Tiers | None, head_dim: int) -> float:
-    """Measured code bytes per (token, KV head) of a row's keys: the codec's, or with ``tiers`` the mix
-    ``(1 − frac)·B(codec) + frac·B(tiers.codec)`` (the witnesses, the same for every row, not included)."""
+    """Measured key bytes per (token, KV head) of a row: the codec's packed tensors, or with ``tiers`` the mix
+    ``(1 − frac)·B(codec) + frac·B(tiers.codec)``, plus the store's log8 witness codes (the same for every row)."""
     light = bytes_per_token_head(get(codec), head_dim)
-    return (
+    codes = (
         light
         if tiers is None
         else (1 - tiers.frac) * light + tiers.frac * bytes_per_token_head(get(tiers.codec), head_dim)
     )
+    return codes + StorageConfig(seed=0).store(0).cell_layout(head_dim, head_dim).witness_bytes
 
 
 def plot_ceiling(results: dict[str, dict[str, torch.Tensor]], size: dict[str, float], path: Path, model: str) -> None:
     """Per row (by its key bytes, ``size``): the share of KV-head reads a head gate at τ passes over Tier A, over
-    min(Tier A, Tier B), and the most any sound gate could pass (exact TV ``<= τ`` on every query head)."""
+    min(Tier A, Tier B), and the most any sound gate could pass (exact TV ``<= τ`` on every query head); for token-tier
+    rows also the light-atom ceiling."""
     series = {
         f"exact TV <= {TAU} (no sound gate passes more; measured)": {
             c: float(r["kv_exact"].double().mean()) for c, r in results.items()
+        },
+        f"light-atom form <= {TAU} at the draw's own errors (token tiers; measured)": {
+            c: float(r["kv_light"].double().mean()) for c, r in results.items() if "kv_light" in r
         },
         f"box over min(Tier A, Tier B) <= {TAU} (partially certified)": {
             c: float(r["kv_partial"].double().mean()) for c, r in results.items() if "kv_partial" in r
@@ -461,13 +466,12 @@ def tier_table(
     """Per token-tier row: the measured bytes (keys with witnesses, and keys + values with ``values`` = (light,
     heavy) value codecs, as capacity against fp16), what a head gate at τ passes (Tier A; min(A, B)), the exact-TV
     ceiling, the served light mass and the light-atom ceiling (:func:`light_atom_form`)."""
-    witness = StorageConfig(seed=0).store(0).cell_layout(head_dim, head_dim).witness_bytes
     out = []
     for label, r in results.items():
         codec, tiers = rows[label]
         if tiers is None:
             continue
-        keys = key_bytes(codec, tiers, head_dim) + witness
+        keys = key_bytes(codec, tiers, head_dim)
         light_v, heavy_v = (bytes_per_token_head(get(v), head_dim) for v in values)
         kv = keys + (1 - tiers.frac) * light_v + tiers.frac * heavy_v
         out.append(

@@ -348,7 +348,7 @@ def test_heavy_tokens_come_from_the_prefill_alone():
         bench.heavy_tokens(q, k, 0.25, None, 8, bench.Tiers("int8", 0.1))
 
 
-def test_tightness_benchmark_token_tiers():
+def test_tightness_benchmark_token_tiers(tmp_path):
     """``cells`` with token tiers on random queries and keys: the heavy tokens take the wider code (so its box is
     never above the narrow code's alone on these cells' median), every cell's exact TV is within the light-atom form
     and the boxes, and the tier table has one row per tier row with measured bytes."""
@@ -369,7 +369,8 @@ def test_tightness_benchmark_token_tiers():
     rows = {"narrow": ("dither-int4", None), "tiered": ("dither-int4", tiers)}
     table = bench.tier_table({"narrow": narrow, "tiered": tiered}, rows, ("int2", "int4"), 64, "random")
     assert len(table.rows) == 1 and len(table.rows[0]) == len(table.columns)
-    keys = 0.5 * (bytes_per_token_head(get("dither-int4"), 64) + bytes_per_token_head(get("dither-int8"), 64))
-    assert bench.key_bytes("dither-int4", tiers, 64) == keys
-    witness = StorageConfig(seed=0).store(0).cell_layout(64, 64).witness_bytes
-    assert table.rows[0][1] == fmt(keys + witness)
+    codes = 0.5 * (bytes_per_token_head(get("dither-int4"), 64) + bytes_per_token_head(get("dither-int8"), 64))
+    keys = codes + StorageConfig(seed=0).store(0).cell_layout(64, 64).witness_bytes
+    assert bench.key_bytes("dither-int4", tiers, 64) == keys and table.rows[0][1] == fmt(keys)
+    bench.plot_ceiling({"tiered": tiered}, {"tiered": keys}, tmp_path / "tiers.png", "random")
+    assert (tmp_path / "tiers.png").stat().st_size > 0

@@ -58,6 +58,7 @@ def refused(args: list[str], *words: str) -> str:
         (["eval", *TINY, "--gate", "certified:inf"], ["finite"]),
         (["eval", *TINY, "--gate", "certified:1e400"], ["finite"]),
         (["eval", *TINY, "--gate", "certified:nan"], [">= 0"]),
+        (["eval", *TINY, "--gate", "certified:5"], ["at most 1", "risk:TAU"]),
         (["eval", *TINY, "--gate", "certified:-0.5"], [">= 0"]),
         (["eval", *TINY, "--gate", "risk:inf"], ["finite"]),
         (["eval", *TINY, "--gate", "maybe:1"], ["--gate"]),

@@ -35,6 +35,16 @@ def test_gate_refuses_a_threshold_that_certifies_nothing(tau: float) -> None:
     assert Gate.certified(0.0).threshold == 0.0 and Gate.off().mode == "off"
 
 
+def test_certified_gate_refuses_a_tau_above_one() -> None:
+    """A certified tau bounds a total variation, so above 1 it would never repair (and label every read certified):
+    refused, pointing to the risk-ranked gate. ``tau = 1`` stays (it gates the values alone with ``value_tol``), and
+    a risk-ranked gate ranks the unclipped meter above 1."""
+    with pytest.raises(ValueError, match=r"at most 1; got 1\.5.*Gate\.risk_ranked"):
+        Gate.certified(1.5)
+    assert Gate.certified(1.0, value_tol=0.0).threshold == 1.0
+    assert Gate.risk_ranked(1.5).threshold == 1.5
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "gate", [Gate.off(), Gate.certified(0.05), Gate.certified(0.05, granularity="block", block_size=8)]

@@ -144,6 +144,8 @@ GATES = st.sampled_from(
         "off",
         "certified:0",
         "certified:0.2",
+        "certified:1",
+        "certified:5",
         "certified:inf",
         "certified:1e400",
         "certified:nan",
@@ -192,7 +194,8 @@ def _gate_ok(text: str) -> bool:
     if text in ("auto", "off"):
         return True
     try:
-        return kind in ("certified", "risk") and math.isfinite(float(value)) and float(value) >= 0
+        ok = kind in ("certified", "risk") and math.isfinite(float(value)) and float(value) >= 0
+        return ok and (kind == "risk" or float(value) <= 1)  # a certified tau bounds a TV: at most 1
     except ValueError:
         return False
 

@@ -5,8 +5,9 @@
   G query heads (KV-head any-of-G); unrepaired reads then carry a true certificate ``<= tau``.
   ``tau = 0`` repairs every read whose radius is not identically zero (with ``box=True``, below, not a read whose
   served distribution puts all its mass on one token: its TV is 0 whatever the keys' error, and the box says so,
-  while the values it serves stay the codec's). ``tau`` must be finite: an
-  infinite threshold would never repair and label an unrepaired read "certified" (``ValueError``).
+  while the values it serves stay the codec's). ``tau`` must lie in ``[0, 1]`` (``ValueError`` otherwise): the
+  clipped certificate is at most 1, so a larger threshold would never repair and label every read "certified".
+  ``tau = 1`` never repairs a key read; with ``value_tol`` it gates the values alone.
 * ``Gate.risk_ranked(tau_gate)`` — for saturated schemes: rank by the *unclipped* meter and repair the
   KV heads whose unclipped value exceeds ``tau_gate`` (values above 1 carry no certificate semantics
   but still rank risk). Reads left unrepaired carry only their (possibly vacuous) clipped certificate.
@@ -62,6 +63,11 @@ class Gate:
             raise ValueError(
                 f"a {self.mode} gate needs a finite threshold (tau >= 0); got {self.threshold} "
                 "(an infinite threshold never repairs: use Gate.off() to observe only)"
+            )
+        if self.mode == "certified" and self.threshold > 1:
+            raise ValueError(
+                f"a certified gate's tau bounds a total variation, so it is at most 1; got {self.threshold} (tau = 1 "
+                "never repairs a key read; thresholds above 1 rank the unclipped meter: Gate.risk_ranked, risk:TAU)"
             )
         if self.granularity not in ("head", "block"):
             raise ValueError(f"granularity must be 'head' or 'block', got {self.granularity!r}")

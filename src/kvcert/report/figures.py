@@ -26,7 +26,7 @@ TAUS = np.linspace(0.0, 1.0, 101)
 def _save(fig: plt.Figure, path: Path) -> Path:
     fig.tight_layout()
     png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=90, metadata={"Software": None})
+    fig.savefig(png, format="png", dpi=90, bbox_inches="tight", metadata={"Software": None})  # long labels too
     plt.close(fig)
     return write_atomic(path, png.getvalue())  # never through a link at ``path``
 

@@ -28,6 +28,7 @@ def test_settings_roundtrip_and_defaults():
         ({"KVCERT_VLLM_VALUES": "int3"}, "KVCERT_VLLM_VALUES.*unknown codec 'int3'"),
         ({"KVCERT_VLLM_GATE": "certified:-0.1"}, "KVCERT_VLLM_GATE.*threshold must be >= 0"),
         ({"KVCERT_VLLM_GATE": "certified:inf"}, "finite threshold"),
+        ({"KVCERT_VLLM_GATE": "certified:2:block"}, "KVCERT_VLLM_GATE.*at most 1"),
         (
             {"KVCERT_VLLM_GATE": "always"},
             r"expected off, certified:TAU\[:UNIT\]\[:box\[:tier-b\]\] or risk:TAU_GATE\[:UNIT\] \(UNIT: block",

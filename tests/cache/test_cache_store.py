@@ -234,6 +234,13 @@ def test_exact_sinks_keep_the_first_positions_exact_with_zero_residual():
         LayerStore(0, get("int8"), get("int8"), bands=8, pairing="rotate_half", seed=1, exact_sinks=-1)
 
 
+@pytest.mark.parametrize("bands", [0, -1, 2.5, True])
+def test_store_refuses_a_band_count_that_is_not_a_positive_int(bands):
+    """Named at construction (a negative count used to fail at the first write, allocating a negative dimension)."""
+    with pytest.raises(ValueError, match="bands must be an int >= 1"):
+        LayerStore(0, get("int8"), get("int8"), bands=bands, pairing="rotate_half", seed=1)
+
+
 def test_emptied_store_keeps_every_setting_and_holds_nothing():
     """A cache reset starts from ``emptied()``: the same layer, codecs and settings (exact sinks included), no tokens,
     and the same writes then store the same codes."""

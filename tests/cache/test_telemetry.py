@@ -85,6 +85,8 @@ def test_exact_tv_ceiling_counts_true_tv_cells_and_bounds_every_coverage():
         assert tel.coverage(tau, per) <= tel.coverage(tau, per, which="true_tv")
     with pytest.raises(ValueError, match="which must be one of"):
         tel.coverage(tau, which="exact")
+    with pytest.raises(ValueError, match="tau must be a number, got nan"):
+        tel.coverage(float("nan"))  # would read 0 (NaN compares false with every certificate)
     plain = CertifiedCache(model, keys="int4", values="int8", seed=0)
     model(ids, cache=plain, use_cache=True)
     with pytest.raises(ValueError, match="validate mode"):

@@ -227,6 +227,8 @@ class LayerStore:
         self.witness: Witness = witness
         if write_block < 1:
             raise ValueError(f"write_block must be >= 1, got {write_block}")
+        if isinstance(bands, bool) or not isinstance(bands, int) or bands < 1:
+            raise ValueError(f"bands must be an int >= 1 (witness bands of whole RoPE pairs), got {bands!r}")
         if device_budget is not None and not device_budget > 0:
             raise ValueError(
                 f"device_budget must be > 0 (a fraction of the fp16 K/V bytes) or None, got {device_budget!r}"

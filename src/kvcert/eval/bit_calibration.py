@@ -92,13 +92,13 @@ def kv_head_value_share(tel: Telemetry, value_tol: float) -> tuple[torch.Tensor,
 
 
 def check_calibration(steps: int, tau: float, widths: Sequence[int], value_tol: float | None) -> None:
-    """``ValueError`` naming the argument unless ``steps ≥ 1``, ``0 ≤ tau < 1`` (a bound on a total variation: at
-    ``tau ≥ 1`` every width certifies), ``value_tol`` (when given) is finite and ``≥ 0``, and ``widths`` are dithered
-    widths."""
+    """``ValueError`` naming the argument unless ``steps ≥ 1``, ``0 ≤ tau ≤ 1`` (a bound on a total variation: at
+    ``tau = 1`` every width already certifies every read), ``value_tol`` (when given) is finite and ``≥ 0``, and
+    ``widths`` are dithered widths."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    if not 0.0 <= tau < 1.0:
-        raise ValueError(f"tau must be in [0, 1) (a bound on a total variation; at 1 every width certifies), got {tau}")
+    if not 0.0 <= tau <= 1.0:
+        raise ValueError(f"tau must be in [0, 1] (a bound on a total variation, as a certified gate's), got {tau}")
     if not widths or any(b not in DITHER_BITS for b in widths):
         raise ValueError(f"widths must be dithered widths {DITHER_BITS}, got {tuple(widths)}")
     if value_tol is not None and not 0.0 <= value_tol < float("inf"):

@@ -241,6 +241,12 @@ def test_store_refuses_a_band_count_that_is_not_a_positive_int(bands):
         LayerStore(0, get("int8"), get("int8"), bands=bands, pairing="rotate_half", seed=1)
 
 
+def test_store_refuses_an_unknown_pairing_at_construction():
+    """Named before the first write (it used to surface there)."""
+    with pytest.raises(ValueError, match="pairing must be one of"):
+        LayerStore(0, get("int8"), get("int8"), bands=8, pairing="interleave", seed=1)  # type: ignore[arg-type]
+
+
 def test_emptied_store_keeps_every_setting_and_holds_nothing():
     """A cache reset starts from ``emptied()``: the same layer, codecs and settings (exact sinks included), no tokens,
     and the same writes then store the same codes."""

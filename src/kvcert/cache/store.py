@@ -67,7 +67,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from kvcert.bounds.rope import Pairing, band_norms, norm_up_f32, round_up_f32
+from kvcert.bounds.rope import Pairing, band_norms, check_pairing, norm_up_f32, round_up_f32
 from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex, WriteBatch, numpy_copyable
 from kvcert.cache.host_pages import HostPages, HostTokens
 from kvcert.cache.paged import CellLayout, CellTokens, PagedCodes
@@ -229,6 +229,7 @@ class LayerStore:
             raise ValueError(f"write_block must be >= 1, got {write_block}")
         if isinstance(bands, bool) or not isinstance(bands, int) or bands < 1:
             raise ValueError(f"bands must be an int >= 1 (witness bands of whole RoPE pairs), got {bands!r}")
+        check_pairing(pairing)
         if device_budget is not None and not device_budget > 0:
             raise ValueError(
                 f"device_budget must be > 0 (a fraction of the fp16 K/V bytes) or None, got {device_budget!r}"

@@ -172,22 +172,24 @@ def cells(
     tv, meter, raw, box, gap, kv_box, kv_exact, pweighted, heaviest, partial, kv_partial = ([] for _ in range(11))
     light_mass, light_form, kv_light, light_sigma = [], [], [], []
     spent = torch.zeros(3, dtype=torch.float64)
-    tier_codecs = (codec,) if tiers is None else (codec, tiers.codec)
-    tier_b = delta_loc is not None and get(codec).tier_b
-    layer: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    names = (codec,) if tiers is None else (codec, tiers.codec)  # the light tier first
+    codecs = [get(name) for name in names]
+    tier_b = delta_loc is not None and codecs[0].tier_b
+    layer: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # per tier: the served keys and steps of the layer
     sc = seen.scale
 
     def serve(k: torch.Tensor) -> torch.Tensor:  # one call per layer, before its heads' reads
-        layer[:] = [encoded(Candidate(name, name, {}), k) for name in tier_codecs]
+        layer[:] = [encoded(Candidate(name, name, {}), k) for name in names]
         return layer[0][0]
 
-    def sigma2(qq: torch.Tensor, name: str, steps: torch.Tensor | None, head: int) -> torch.Tensor | None:
-        if delta_loc is None or steps is None or not get(name).tier_b:
+    def sigma2(qq: torch.Tensor, tier: int, head: int) -> torch.Tensor | None:
+        """The Tier-B proxy of every token under tier ``tier``'s code (``None``: that code has no Tier-B radius)."""
+        steps = layer[tier][1]
+        if delta_loc is None or steps is None or not codecs[tier].tier_b:
             return None
-        return tier_b_sigma2(qq, steps[head], sc, getattr(get(name), "group_size", 0))
+        return tier_b_sigma2(qq, steps[head], sc, getattr(codecs[tier], "group_size", 0))
 
-    def union_radius(qq: torch.Tensor, name: str, steps: torch.Tensor | None, head: int, s: int) -> torch.Tensor:
-        proxy = sigma2(qq, name, steps, head)
+    def union_radius(proxy: torch.Tensor | None, s: int) -> torch.Tensor:
         if proxy is None:
             return torch.full((), float("inf"), dtype=torch.float64)  # no Tier-B radius: min(c, u) = c
         return tier_b_radius(proxy, s, delta_loc)
@@ -222,12 +224,12 @@ def cells(
         cell_box = torch.minimum(m, b)  # [G, nq]
         box.append(cell_box.flatten())
         kv_box.append((cell_box <= TAU).all(0))
-        radius = c
+        radius, proxy = c, sigma2(qq, 0, r.head)
         if tier_b:
             s = r.k.shape[0]
-            u = union_radius(qq, codec, layer[0][1], r.head, s)
+            u = union_radius(proxy, s)
             if tiers is not None:
-                u = torch.where(heavy, union_radius(qq, tiers.codec, layer[1][1], r.head, s), u)
+                u = torch.where(heavy, union_radius(sigma2(qq, 1, r.head), s), u)
             radius = torch.minimum(c, u).masked_fill(~vis, 0.0)
             cell_partial = torch.minimum(meter_and_unclipped(p, radius)[0], tv_box(p, radius, rows=numba_box.box_rows))
             partial.append(cell_partial.flatten())
@@ -238,7 +240,6 @@ def cells(
             form = light_atom_form(p, exact, served_logit, exact_logit, radius, light)
             light_form.append(form.flatten())
             kv_light.append((form <= TAU).all(0))
-            proxy = sigma2(qq, codec, layer[0][1], r.head)
             if proxy is not None:
                 light_sigma.append(proxy.sqrt().masked_fill(~light, 0.0).amax(-1).flatten())
     named = (

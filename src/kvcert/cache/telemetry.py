@@ -318,7 +318,7 @@ class Telemetry:
         """
         if per not in ("q_head", "kv_head"):
             raise ValueError(f"per must be 'q_head' or 'kv_head', got {per!r}")
-        if not tau == tau:  # NaN compares false with every certificate: the share would read 0 without a word
+        if math.isnan(tau):  # NaN compares false with every certificate: the share would read 0 without a word
             raise ValueError(f"tau must be a number, got {tau}")
         named = {"certificates": self.certificates, "tier_b": self.tier_b, "tanh": self.tanh, "true_tv": self.true_tv}
         if which not in named:

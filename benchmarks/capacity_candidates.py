@@ -23,7 +23,7 @@ from kvcert import StorageConfig
 from kvcert.cache.gate import Gate
 from kvcert.cli.common import load_model
 from kvcert.eval import ruler
-from kvcert.eval.branching import _copy_cache, exact_prefill, greedy_from
+from kvcert.eval.branching import copy_cache, exact_prefill, greedy_from
 from kvcert.eval.harness import prompt_ids
 from kvcert.integrations.transformers import CertifiedCache
 
@@ -47,7 +47,7 @@ def main() -> None:
     prefill = exact_prefill(loaded.model, ids)
     pre, first = prefill.cache, prefill.first
     dense = loaded.tokenizer.decode(
-        greedy_from(loaded.model, first, _copy_cache(loaded.model, pre), args.new_tokens, loaded.eos_ids)
+        greedy_from(loaded.model, first, copy_cache(loaded.model, pre), args.new_tokens, loaded.eos_ids)
     )
     print(f"prompt {ids.shape[1]} tokens; dense: {dense!r} score {ruler.score(sample, dense)}")
     print(

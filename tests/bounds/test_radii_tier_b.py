@@ -99,6 +99,21 @@ def test_tier_b_radius_formula_and_bad_inputs():
         tier_b_radius(torch.ones(2), 2, 0.0)
     with pytest.raises(ValueError, match="n_tokens"):
         tier_b_radius(torch.ones(2), 0, 0.1)
+    with pytest.raises(ValueError, match="n_tokens"):
+        tier_b_radius(torch.ones(2), 2.0, 0.1)
+
+
+def test_tier_b_radius_refuses_a_union_over_fewer_tokens_than_it_covers():
+    """A count below the tokens of ``sigma2`` would shrink the union's log factor (and the radius) without paying for
+    the other tokens' tails: refused by name. Counting more tokens (a window wider than the proxy's broadcast) only
+    widens the radius, and a count equal to the width is the sound union."""
+    sigma2 = torch.ones(3, 8, dtype=F64)
+    with pytest.raises(ValueError, match="n_tokens=2 is below the 8 tokens"):
+        tier_b_radius(sigma2, 2, 0.1)
+    assert (tier_b_radius(sigma2, 16, 0.1) > tier_b_radius(sigma2, 8, 0.1)).all()
+    torch.testing.assert_close(
+        tier_b_radius(sigma2, 8, 0.1), torch.full((3, 8), math.sqrt(2 * math.log(160.0)), dtype=F64)
+    )
     with pytest.raises(ValueError, match="sigma2"):
         tier_b_radius(torch.tensor([-1.0]), 2, 0.1)
     with pytest.raises(ValueError, match="steps"):

@@ -57,6 +57,31 @@ def test_uniform_and_tail_closed_forms():
     assert tv_tail(0.0, 0.3).item() == 0.0
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(2, 12),
+    seed=st.integers(0, 2**31 - 1),
+    delta=st.floats(0.0, 4.0),
+    extreme=st.booleans(),
+)
+def test_tail_form_bounds_every_cell(n, seed, delta, extreme):
+    """``tv_tail`` per cell (``docs/math.md#tail-form``): errors only on a token set ``T``, ``|ε_t| ≤ Δ`` there, ``α_T``
+    the exact mass of ``T``. ``extreme`` puts every error of ``T`` at ``±Δ`` with one sign (the worst case of the
+    proof's ``α_T(e^Δ − 1)``, half the form's ``α_T(e^{2Δ} − 1)`` at small ``Δ``)."""
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.softmax(3 * torch.randn(n, generator=gen, dtype=F64), -1)
+    tail = torch.rand(n, generator=gen) < 0.5
+    if extreme:
+        eps = torch.full((n,), delta if seed % 2 else -delta, dtype=F64)
+    else:
+        eps = (2 * torch.rand(n, generator=gen, dtype=F64) - 1) * delta
+    eps = torch.where(tail, eps, torch.zeros_like(eps))
+    served = torch.softmax(torch.log(p) + eps, -1)
+    alpha = float(p[tail].sum())
+    assert true_tv(p, served).item() <= tv_tail(alpha, delta).item() * (1 + 1e-12) + 1e-15
+    assert true_tv(p, served).item() <= alpha * math.expm1(delta) * (1 + 1e-12) + 1e-15  # the proof's tighter form
+
+
 # ---------------------------------------------------------------- hypothesis properties
 def _row(draw_logits: list[float], draw_c: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
     n = min(len(draw_logits), len(draw_c))

@@ -5,7 +5,7 @@ from transformers import DynamicCache
 
 from kvcert import EvictionConfig, Gate
 from kvcert.eval import branching
-from kvcert.eval.branching import Scheme, exact_prefill, run_branches
+from kvcert.eval.branching import Scheme, copy_cache, exact_prefill, greedy_from, run_branches
 from kvcert.evict import PrefillReads
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models import tiny_random
@@ -53,6 +53,34 @@ def test_exact_prefill_first_token_and_cache_match_a_full_forward(family):
     assert int(first) == int(logits[0, -1].argmax())
     for a, b in zip(pre.layers, full.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_copy_cache_clones_and_transforms_each_layer(family):
+    """``copy_cache`` holds clones of every layer's K/V (decoding from it leaves the source as it was, and gives the
+    tokens decoding from the source gives); with a transform, layer ``i`` holds what the transform returned for it,
+    and a sliding-window layer keeps its count of tokens seen (a Gemma-3 window shorter than the prompt)."""
+    model = tiny_random(family, seed=2, head_dim=32)
+    ids = torch.randint(0, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(2))
+    prefill = exact_prefill(model, ids)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in prefill.cache.layers]
+    plain = greedy_from(model, prefill.first, copy_cache(model, prefill.cache), 4, [])
+    assert all(
+        torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+        for layer, (k, v) in zip(prefill.cache.layers, before, strict=True)
+    )
+    seen = []
+
+    def halve(i, keys, values):
+        seen.append(i)
+        return keys / 2, values + i
+
+    copied = copy_cache(model, prefill.cache, halve)
+    assert seen == list(range(len(before)))
+    for i, (layer, (k, v)) in enumerate(zip(copied.layers, before, strict=True)):
+        assert torch.equal(layer.keys, k / 2) and torch.equal(layer.values, v + i)
+        assert getattr(layer, "cumulative_length", None) == getattr(prefill.cache.layers[i], "cumulative_length", None)
+    assert plain == greedy_from(model, prefill.first, prefill.cache, 4, [])  # last: it extends the source
 
 
 def _kept(cache) -> list[torch.Tensor]:

@@ -12,6 +12,7 @@ from transformers import DynamicCache
 from kvcert import CertifiedCache, Gate, StorageConfig
 from kvcert.models.tiny import tiny_random
 from kvcert.quant import Allocation
+from kvcert.quant.per_head import PerHeadCodec
 
 WIDTHS = (8, 6, 5, 4, 3)
 
@@ -67,11 +68,21 @@ def test_mixed_keys_repair_everything_equals_dynamic_cache(family):
     assert torch.equal(ref, got)
 
 
-def test_a_per_layer_tuple_shorter_than_the_model_is_refused():
+def test_a_per_layer_tuple_of_another_length_than_the_model_is_refused():
+    """Shorter (a layer without a codec) and longer (an allocation of another model, whose extra layers would be
+    dropped silently) are both refused at construction, as is a per-head codec built for another KV-head count."""
     model = tiny_random("llama", head_dim=32)
     alloc = _allocation(model)
-    with pytest.raises(ValueError, match="keys lists codecs for 1 layers; the model has a layer 1"):
+    n = model.config.num_hidden_layers
+    with pytest.raises(ValueError, match=f"keys lists codecs for 1 layers; the model has {n} decoder layers"):
         CertifiedCache(model, storage=StorageConfig(keys=alloc.key_codecs()[:1], values="int4"))
+    longer = alloc.value_codecs() + alloc.value_codecs()[:1]
+    with pytest.raises(ValueError, match=f"values lists codecs for {n + 1} layers; the model has {n} decoder layers"):
+        CertifiedCache(model, storage=StorageConfig(keys="int8", values=longer))
+    heads = model.config.num_key_value_heads
+    wide = PerHeadCodec(["int4"] * (heads + 1))
+    with pytest.raises(ValueError, match=f"built for {heads + 1} KV heads; the model has {heads}"):
+        CertifiedCache(model, storage=StorageConfig(keys="int8", values=wide))
     with pytest.raises(TypeError, match="tuple of them"):
         StorageConfig(keys=("int8", 3))
     with pytest.raises(TypeError, match="tuple of them"):

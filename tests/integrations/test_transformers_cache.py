@@ -280,6 +280,55 @@ def test_a_cache_that_is_not_the_models_active_one_raises_instead_of_serving_unc
     second.detach()
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_model_the_cache_was_not_built_for_is_refused_before_it_returns_output(family):
+    """Another instance of the model (same config, its own attention modules, no kvcert attention) would read the
+    compressed K/V the cache returns with plain SDPA, uncertified. The cache refuses at the next layer's write, so
+    that forward returns nothing; the layer named is the one read without a certificate."""
+    model, other = _tiny(family), _tiny(family)
+    ids = torch.randint(3, model.config.vocab_size, (1, 40))
+    cache = CertifiedCache(model, keys="int2", values="int2", gate=Gate.certified(0.0))
+    with pytest.raises(CacheNotActiveError, match="layer 0 of this CertifiedCache was written but no kvcert read"):
+        other(ids, cache=cache)
+    with pytest.raises(CacheNotActiveError):  # nothing of that request can be served certified any more
+        model(ids, cache=cache)
+    cache.detach()
+    with CertifiedCache(model, keys="int2", values="int2", gate=Gate.certified(0.0)) as fresh:
+        _greedy(model, ids, fresh, 3)  # the model it was built for reads every layer through kvcert
+        assert fresh.telemetry().cells > 0
+
+
+@pytest.mark.parametrize("ladder", [False, True])
+def test_reset_serves_a_new_request_as_a_fresh_cache_does(ladder):
+    """After ``reset()`` the cache serves a second prompt exactly as a fresh cache of the same configuration: the same
+    tokens, cells, steps, certificates, bytes and (ladder) rung counts; nothing of the first request is left."""
+    model = _tiny("llama")
+    first, second = (
+        torch.randint(3, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)) for n in (40, 36)
+    )
+    gate = Gate.off() if ladder else Gate.certified(0.2)
+    reused = CertifiedCache(model, keys="int4", values="int4", gate=gate, ladder=ladder, seed=1)
+    _greedy(model, first, reused, 4)
+    reused.reset()
+    again = _greedy(model, second, reused, 3)
+    got = reused.telemetry()
+    reused.detach()
+    with CertifiedCache(model, keys="int4", values="int4", gate=gate, ladder=ladder, seed=1) as fresh:
+        want_tokens = _greedy(model, second, fresh, 3)
+        want = fresh.telemetry()
+        want_rungs = fresh.ladder_stats
+    assert torch.equal(again, want_tokens)
+    assert got.certificates.shape[0] == want.certificates.shape[0]  # the steps
+    assert (got.cells, got.bytes_device, got.bytes_paged) == (
+        want.cells,
+        want.bytes_device,
+        want.bytes_paged,
+    )
+    assert torch.equal(got.certificates, want.certificates)
+    counters = ("reads", "cells", "rung1", "rung2", "rung3", "rung4", "blocks_paged")
+    assert [getattr(reused.ladder_stats, c) for c in counters] == [getattr(want_rungs, c) for c in counters]
+
+
 def test_unsupported_family_is_named():
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -12,6 +12,7 @@ KV head's slots.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -364,6 +365,21 @@ class DecodeScores:
         self._seen.clear()
 
 
+def _bind_budget_policy(policy: EvictionPolicy, driver: EvictionDriver) -> None:
+    """Bind a decode budget's policy to one cache's driver. The policy keeps the request's per-layer state (slots,
+    scores) from its prefill on, so a second live cache sharing it would mix two requests: ``ValueError`` naming the
+    remedy. A policy whose cache is gone is reset and bound again."""
+    owner = getattr(policy, "_kvcert_driver", None)
+    if owner is not None and owner() is not None and owner() is not driver:
+        raise ValueError(
+            f"this decode budget's {type(policy).__name__} policy already keeps the state of another CertifiedCache's "
+            "request: build a new policy (and EvictionConfig.decode_budget) for each cache"
+        )
+    if owner is not None:
+        policy.reset()
+    policy._kvcert_driver = weakref.ref(driver)  # type: ignore[attr-defined]
+
+
 class EvictionDriver:
     """Runs a cache's eviction policy (``cfg.policy`` not ``None``) over its layers' stores.
 
@@ -386,6 +402,8 @@ class EvictionDriver:
         layers: Sequence[int] | None = None,
     ) -> None:
         assert cfg.policy is not None
+        if cfg.budget is not None:
+            _bind_budget_policy(cfg.policy, self)
         self.cfg, self.policy, self.validate, self.pages, self.stores = cfg, cfg.policy, validate, pages, stores
         self.n_layers = n_layers
         self.layers = frozenset(range(n_layers) if layers is None else layers)
@@ -593,9 +611,26 @@ class EvictionDriver:
             if len(self._pending) == len(self.layers):
                 self._allocate(step)
             return
+        self._check_prefill_fits(keys.shape[2], ratio)
         keep = self.policy.prefill_keep(store.layer, keys, values, ratio, attn=attn, kappa=kappa)
         if keep.shape[-1] < store.n and (self.cfg.resident is None or can_omit(store)):
             self._apply(store, keep, step)
+
+    def _check_prefill_fits(self, s: int, ratio: float) -> None:
+        """``ValueError`` in the user's terms when compressing ``s`` prompt tokens by ``ratio`` keeps fewer tokens per
+        KV head than the policy always keeps (its sinks and its recent window): the prompt is too short for the
+        setting, which the policy alone could only report as a budget below its protected items."""
+        kept, protected = prefill_kept_count(s, ratio), self.policy.sinks + self.policy.recent
+        if s > protected and kept < protected:
+            setting = (
+                f"resident={self.cfg.resident:g}" if self.cfg.resident is not None else f"compression_ratio={ratio:g}"
+            )
+            raise ValueError(
+                f"{setting} keeps {kept} of the prompt's {s} tokens per KV head, fewer than the {protected} that "
+                f"{type(self.policy).__name__} always keeps ({self.policy.sinks} sinks + a recent window of "
+                f"{self.policy.recent}): keep a larger share, use a longer prompt, or a select policy with a shorter "
+                "window"
+            )
 
     def _allocate(self, step: int) -> None:
         """``resident_alloc="mass"``: keep ``C_l`` slots of every managed layer ``l``, ``Σ_l C_l = Σ_l

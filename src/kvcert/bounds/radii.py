@@ -133,11 +133,18 @@ def tier_b_radius(sigma2: torch.Tensor, n_tokens: int, delta_loc: float) -> torc
     """Union radius ``u_t = sqrt(2σ²_t ln(2S/δ_loc))``: all ``S = n_tokens`` tokens obey ``|ε_t| ≤ u_t``
     with probability ≥ 1−δ_loc.
 
-    The factor 2 in the logarithm pays for the two-sided tail ``P(|ε_t| > u) ≤ 2e^{−u²/(2σ²_t)}``.
+    The factor 2 in the logarithm pays for the two-sided tail ``P(|ε_t| > u) ≤ 2e^{−u²/(2σ²_t)}``. The union runs
+    over ``n_tokens``, so it must count every token ``sigma2[..., S]`` holds (``n_tokens >= S``; a smaller count would
+    give a radius the union does not pay for, and is refused).
     """
     s2 = check_nonneg_finite(sigma2, "sigma2")
-    if n_tokens < 1:
-        raise ValueError(f"n_tokens must be >= 1, got {n_tokens}")
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
+        raise ValueError(f"n_tokens must be an int >= 1, got {n_tokens!r}")
+    if s2.dim() > 0 and n_tokens < s2.shape[-1]:
+        raise ValueError(
+            f"n_tokens={n_tokens} is below the {s2.shape[-1]} tokens sigma2 holds: the union bound must count every "
+            "token it covers"
+        )
     if not (0.0 < delta_loc <= 1.0):
         raise ValueError(f"delta_loc must lie in (0, 1], got {delta_loc}")
     return torch.sqrt(2.0 * s2 * math.log(2.0 * n_tokens / delta_loc))

@@ -12,7 +12,7 @@ visible tokens outside ``F`` whose stored key is compressed. Phase 2 attends ove
 * **Mass lemma** (RC): ``α_T := Σ_{t∈T} p_t ≤ e^{2C}·α̂_T`` with ``α̂_T = Σ_{t∈T} p̃_t`` and
   ``C = max_t c_t`` over the visible tokens, because ``p_t/p̃_t = e^{s_t − s̃_t}·Z̃/Z ≤ e^{c_t}·e^{C}``.
 * **Key term.** With ``p'`` the softmax of the real-arithmetic mixed logits, ``TV(p^mix, p) ≤ TV(p^mix, p')
-  + TV(p', p) ≤ tanh(φ_max) + α_T(e^{2Δ_T} − 1)`` (Lean ``tv_le_tanh``; RC Lemma A.3 with
+  + TV(p', p) ≤ tanh(φ_max) + α_T(e^{2Δ_T} − 1)`` (Lean ``tv_le_tanh``; the tail form, ``docs/math.md#tail-form``, with
   ``Δ_T = max_{t∈T} c_t``), hence ``‖Σ_t (p^mix_t − p_t) v_t‖ ≤ 2·V_max·TV`` with ``V_max ≥ max_t ‖v_t‖``:
 
       E_key = 2·V_max·min(1, tanh(φ_max) + min(1, e^{2C}·α̂_T)·(e^{2Δ_T} − 1)).

@@ -259,7 +259,7 @@ def tv_uniform(eps: torch.Tensor | float, clip: bool = True) -> torch.Tensor:
 
 
 def tv_tail(alpha_t: torch.Tensor | float, delta: torch.Tensor | float, clip: bool = True) -> torch.Tensor:
-    """RC tail-restricted form ``TV ≤ α_T (e^{2Δ} − 1)``. [RC paper Lemma A.3]
+    """Tail-restricted form ``TV ≤ α_T (e^{2Δ} − 1)`` (proof: ``docs/math.md#tail-form``, via the p-weighted form).
 
     Premise: only the tokens in ``T`` carry logit error, ``|ε_t| ≤ Δ`` on ``T``, and ``α_T`` is the **exact**
     (not served) mass of ``T``. ``alpha_t ∈ [0, 1]``, ``delta ≥ 0``; they broadcast.

@@ -34,6 +34,7 @@ use the certified bounds only.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Literal
 
@@ -57,6 +58,14 @@ class Gate:
     def __post_init__(self) -> None:
         if self.mode not in ("off", "certified", "risk_ranked"):
             raise ValueError(f"gate mode must be off, certified or risk_ranked, got {self.mode!r}")
+        self._check_types()
+        if self.mode == "off" and (
+            self.threshold != float("inf") or self.value_tol is not None or self.persistent or self.box
+        ):
+            raise ValueError(
+                "an off gate never repairs: it takes no threshold, value_tol, persistent or box "
+                "(use Gate.certified or Gate.risk_ranked to repair)"
+            )
         if not self.threshold >= 0:
             raise ValueError(f"gate threshold must be >= 0, got {self.threshold}")
         if self.mode != "off" and not math.isfinite(self.threshold):
@@ -79,6 +88,21 @@ class Gate:
             raise ValueError(f"box=True refines a certified gate (a bound on the TV), got a {self.mode} gate")
         if self.tier_b and not self.box:
             raise ValueError("tier_b=True reads the Tier-B radii through the box supremum: it needs box=True")
+
+    def _check_types(self) -> None:
+        """``TypeError`` naming the field for a value of the wrong type (a string threshold, a float block size, a
+        flag that is not a bool: ``persistent="no"`` would otherwise read as true)."""
+        for name in ("threshold", "value_tol"):
+            value = getattr(self, name)
+            if value is None and name == "value_tol":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"gate {name} must be a real number, got {value!r}")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
+            raise TypeError(f"block_size must be an int, got {self.block_size!r}")
+        for name in ("persistent", "box", "tier_b"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"gate {name} must be a bool, got {getattr(self, name)!r}")
 
     @classmethod
     def off(cls) -> Gate:

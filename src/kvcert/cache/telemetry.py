@@ -245,8 +245,8 @@ class Telemetry:
     true_out_err: torch.Tensor | None
     repaired: torch.Tensor  # [steps, layers, B, Hkv] bool (head repair or any block paged)
     group_size: int
-    violations: int  # validate: cells with true TV > certificate
-    out_violations: int  # validate: cells with true output error > output bound
+    violations: int | None  # validate: cells with true TV > certificate (None without validate: nothing checked)
+    out_violations: int | None  # validate: cells with true output error > output bound (None without validate)
     bytes_stored: int  # device K/V: codes + exact entries (witnesses excluded; see bytes_device)
     bytes_fp16: int
     bytes_paged: int
@@ -671,8 +671,8 @@ def assemble(src: CacheReadings) -> Telemetry:
         **_cell_fields(src),
         **_byte_fields(src.stores),
         group_size=src.num_heads // src.num_kv_heads,
-        violations=sum(r.violations for r in src.records),
-        out_violations=sum(r.out_violations for r in src.records),
+        violations=sum(r.violations for r in src.records) if src.validate else None,
+        out_violations=sum(r.out_violations for r in src.records) if src.validate else None,
         bytes_paged=src.bytes_paged + (src.reselect.bytes_paged if src.reselect is not None else 0),
         tier_b_delta=src.tier_b_delta,
         gate=src.gate,

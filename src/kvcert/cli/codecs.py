@@ -152,6 +152,7 @@ def real_informative(model: str, context: int = 1024, steps: int = 8, seed: int 
         rec = tel.recorded
         tier_b = None if tel.tier_b is None else float((tel.tier_b[rec] < 1).double().mean())
         within = tel.coverage(CEILING_TAU, which="true_tv")  # the exact-TV ceiling (validate mode)
+        assert tel.violations is not None  # every scheme runs in validate mode
         out[r.scheme.name] = RealInformative(tel.informative_fraction, tier_b, within, tel.violations)
     return out
 

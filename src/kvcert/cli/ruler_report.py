@@ -62,8 +62,8 @@ def variant_numbers(rec: VariantRecord, dense: VariantRecord, seed: int, resampl
                 "fail_closed": tiered(sum(t.fail_closed for t in tels), EMPIRICAL),
             }
         )
-        if tels[0].true_tv is not None:
-            out["violations"] = tiered(sum(t.violations for t in tels), EMPIRICAL)
+        if all(t.violations is not None for t in tels):  # validate mode
+            out["violations"] = tiered(sum(t.violations or 0 for t in tels), EMPIRICAL)
         if tels[0].tier_b_reads is not None:
             out.update(tier_b_gate_numbers(tels))
         if tels[0].resident_fraction is not None:

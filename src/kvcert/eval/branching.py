@@ -143,11 +143,20 @@ def layer_kv(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
     return layer.keys, layer.values
 
 
-def _copy_cache(model: PreTrainedModel, src: DynamicCache) -> DynamicCache:
+def copy_cache(
+    model: PreTrainedModel,
+    src: DynamicCache,
+    transform: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> DynamicCache:
+    """A copy of ``src`` (each layer's keys and values cloned, a sliding-window layer's count of tokens seen kept);
+    with ``transform``, layer ``i`` holds ``transform(i, keys, values)`` of its clones instead (same shapes), e.g. the
+    entries a codec would serve."""
     out = DynamicCache(config=model.config)
     for i, layer in enumerate(src.layers):
-        keys, values = layer_kv(layer)
-        out.update(keys.clone(), values.clone(), i)
+        keys, values = (t.clone() for t in layer_kv(layer))
+        if transform is not None:
+            keys, values = transform(i, keys, values)
+        out.update(keys, values, i)
     for dst, s in zip(out.layers, src.layers, strict=True):
         if isinstance(s, DynamicSlidingWindowLayer) and isinstance(dst, DynamicSlidingWindowLayer):
             dst.cumulative_length = s.cumulative_length  # tokens seen, beyond the window it keeps
@@ -212,7 +221,7 @@ def run_branches(
     results = []
     for scheme in schemes:
         if scheme.keys is None:  # the dense baseline (Scheme.is_dense)
-            toks = greedy_from(model, first, _copy_cache(model, pre), max_new_tokens, eos_ids)
+            toks = greedy_from(model, first, copy_cache(model, pre), max_new_tokens, eos_ids)
             results.append(BranchResult(scheme, toks, None))
             continue
         cache = scheme.cache(model, seed)

@@ -135,12 +135,26 @@ class CertifiedLayer(CacheLayerMixin):
 
 def model_layers(text_config: Any, storage: StorageConfig) -> list[CertifiedLayer]:
     """One :class:`CertifiedLayer` per decoder layer of a model's text config, its store built by ``storage``; a
-    ``"sliding_attention"`` layer keeps the model's window."""
+    ``"sliding_attention"`` layer keeps the model's window. ``ValueError`` at construction, before any forward, for
+    per-layer codecs (a tuple, e.g. a bit allocation) listing another number of layers than the model has, and for a
+    per-head codec built for another number of KV heads."""
+    n = text_config.num_hidden_layers
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    for name in ("keys", "values"):
+        given = getattr(storage, name)
+        if isinstance(given, tuple) and len(given) != n:
+            raise ValueError(f"storage {name} lists codecs for {len(given)} layers; the model has {n} decoder layers")
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
     out = []
-    for i in range(text_config.num_hidden_layers):
+    for i in range(n):
         window = layer_kwargs[i].get("sliding_window") if layer_types[i] == "sliding_attention" else None
-        out.append(CertifiedLayer(storage.store(i), window))
+        store = storage.store(i)
+        for codec in (store.key_codec, store.value_codec):
+            if codec.heads is not None and codec.heads != kv_heads:
+                raise ValueError(
+                    f"layer {i}: codec {codec.name!r} is built for {codec.heads} KV heads; the model has {kv_heads}"
+                )
+        out.append(CertifiedLayer(store, window))
     return out
 
 

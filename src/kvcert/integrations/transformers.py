@@ -22,9 +22,11 @@ Around it: :mod:`~kvcert.integrations.certified_layer` (one layer's storage, pos
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -49,6 +51,7 @@ from kvcert.integrations.certified_layer import (
     uncompressible_sliding_layers,
 )
 from kvcert.integrations.model_attention import (
+    CacheNotActiveError,
     bind,
     check_bound,
     exact_attention,
@@ -56,6 +59,39 @@ from kvcert.integrations.model_attention import (
     unbind,
 )
 from kvcert.quant import Codec
+
+
+def _check_keywords(
+    validate: object, ladder: object, require_identity: object, observers: Sequence[CacheObserver]
+) -> None:
+    """``TypeError`` naming the keyword for a flag that is not a bool (``validate="no"`` would read as true) and for an
+    observer without the :class:`~kvcert.cache.events.CacheObserver` methods (it would fail mid-forward)."""
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool, got {validate!r}")
+    if not isinstance(ladder, (bool, LadderConfig)):
+        raise TypeError(f"ladder must be a bool or a LadderConfig, got {ladder!r}")
+    if require_identity is not None and not isinstance(require_identity, bool):
+        raise TypeError(f"require_identity must be a bool or None, got {require_identity!r}")
+    if isinstance(observers, (str, bytes)) or not isinstance(observers, Sequence):
+        raise TypeError(f"observers must be a sequence of CacheObserver, got {observers!r}")
+    for obs in observers:
+        missing = [m for m in ("on_write", "on_read") if not callable(getattr(obs, m, None))]
+        if missing:
+            raise TypeError(f"observers: {type(obs).__name__} has no {' or '.join(missing)} (see CacheObserver)")
+
+
+def _request_ids(ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """``ids`` as int64 ``[B]``; ``TypeError`` for non-integer ids (``0.7`` would silently become request 0)."""
+    bad = TypeError(f"request_ids must be a 1-d sequence of ints (one per batch row), got {ids!r}")
+    if isinstance(ids, (torch.Tensor, np.ndarray)):
+        t = torch.as_tensor(ids)
+    elif isinstance(ids, Sequence) and all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
+        t = torch.tensor([int(i) for i in ids], dtype=torch.int64)
+    else:
+        raise bad
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex() or t.dim() != 1:
+        raise bad
+    return t.to(torch.int64)
 
 
 class CertifiedCache(Cache):
@@ -117,6 +153,7 @@ class CertifiedCache(Cache):
         validation: ValidationConfig | None = None,
         eviction: EvictionConfig | None = None,
     ) -> None:
+        _check_keywords(validate, ladder, require_identity, observers)
         shape = model_shape(model)
         self.family, self.num_heads, self.num_kv_heads = shape.family, shape.num_heads, shape.num_kv_heads
         n_layers = shape.num_layers
@@ -129,7 +166,7 @@ class CertifiedCache(Cache):
         self.storage = resolve_storage(storage, keys, values, seed)
         self.observers = list(observers)
         self.require_identity = bool(self.observers) if require_identity is None else require_identity
-        self.request_ids = None if request_ids is None else torch.as_tensor(request_ids, dtype=torch.int64)
+        self.request_ids = None if request_ids is None else _request_ids(request_ids)
         layers = model_layers(shape.text_config, self.storage)
         hf_layers: list[Any] = list(layers)
         super().__init__(layers=hf_layers)
@@ -168,6 +205,7 @@ class CertifiedCache(Cache):
         self._sink = Recorder(self.observers)
         self.read_path = self._pick_read_path()
         self._step = -1
+        self._unread: int | None = None  # the layer written last whose K/V no kvcert read has served yet
         self._model: Any = model
         self.attached = False
         self.attach()
@@ -294,21 +332,53 @@ class CertifiedCache(Cache):
         layer = self._layers[layer_idx]
         if layer.closed or not self.attached:
             raise CacheClosedError("this CertifiedCache was detached/closed; build a new one")
+        if self._unread is not None:
+            raise CacheNotActiveError(
+                f"layer {self._unread} of this CertifiedCache was written but no kvcert read served it before this "
+                f"write of layer {layer_idx}: a model other than the one the cache was built for (or another attention "
+                "implementation) read its compressed K/V without a certificate, or that forward stopped midway; "
+                "build a new CertifiedCache for the request"
+            )
+        step = self._step + 1 if layer_idx == 0 else self._step  # counted once layer 0's write is stored
         if layer_idx == 0:
             self._check_active()
-            self._step += 1
-            if self._evictor is not None:
-                self._evictor.on_forward()
+        self._check_write(layer, key_states, value_states)
+        if layer_idx == 0 and self._evictor is not None:
+            self._evictor.on_forward()
         if self._evictor is not None:
-            self._evictor.before_write(layer.store, self._step)
+            self._evictor.before_write(layer.store, step)
         rows, keep_exact = self._rows(key_states.shape[0], key_states.device)
         store = layer.store
         nonfinite_before = store.nonfinite
         k, v = layer.update(key_states, value_states, rows, keep_exact)
+        self._step, self._unread = step, layer_idx
         assert store.k is not None
         if self.observers and store.k.last_encoded > 0:
             self._notify_write(store, rows, nonfinite_before)
         return k, v
+
+    def _check_write(self, layer: CertifiedLayer, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``ValueError`` naming what changed, before anything is stored, for a write whose batch, KV heads or head
+        dimension differ from what the layer holds (a request's batch is fixed: build a new cache or ``reset()``),
+        or whose KV heads are not the model's."""
+        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+            raise ValueError(
+                f"a write takes keys and values [B, Hkv, T, D] alike, got {tuple(k.shape)}, {tuple(v.shape)}"
+            )
+        if k.shape[1] != self.num_kv_heads:
+            raise ValueError(
+                f"the write has {k.shape[1]} KV heads; the model this cache serves has {self.num_kv_heads}"
+            )
+        held = layer.store.k
+        if held is None:
+            return
+        b, _, _, d = held.served.shape
+        if k.shape[0] != b:
+            raise ValueError(
+                f"the batch changed from {b} to {k.shape[0]} rows within a request; build a new cache or reset()"
+            )
+        if k.shape[-1] != d:
+            raise ValueError(f"the key head dimension changed from {d} to {k.shape[-1]} within a request")
 
     def _rows(self, b: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(request UID per row, rows stored exact)`` of a write of ``b`` rows on ``device`` (without a UID under
@@ -350,6 +420,7 @@ class CertifiedCache(Cache):
         for i, (src, layer) in enumerate(zip(sources, self._layers, strict=True)):
             if src.keys is None:
                 raise ValueError(f"layer {i} of the source cache is empty")
+            self._check_write(layer, src.keys, src.values)
             rows, keep = self._rows(src.keys.shape[0], src.keys.device)
             layer.update(src.keys, src.values, rows, keep)
             layer.cumulative_length = src.get_seq_length()
@@ -373,6 +444,8 @@ class CertifiedCache(Cache):
     ) -> torch.Tensor:
         store = layer.store
         assert store.k is not None and store.v is not None
+        if self._unread == module.layer_idx:
+            self._unread = None
         sc = float(module.scaling if scaling is None else scaling)  # type: ignore[arg-type]
         logical, mask, sdpa_mask = read_masks(layer, query, key.shape[2], mask, self.evict is not None)
         if not self.certify or (store.k.n_encoded == 0 and store.v.n_encoded == 0):
@@ -459,8 +532,13 @@ class CertifiedCache(Cache):
         )
 
     def reset(self) -> None:
-        """Drop all stored tokens and the eviction policy's state (the cache can serve a new request)."""
+        """Serve a new request: drop every stored token, the eviction policy's state, the recorded reads (telemetry
+        starts empty, as on a fresh cache) and the step count; the configuration and the observers stay."""
         super().reset()
         self._pages.clear()
         if self._evictor is not None:
             self._evictor.reset()
+        self._sink = Recorder(self.observers)
+        self.read_path = self._pick_read_path()  # the new recorder, and fresh ladder counters
+        self._step = -1
+        self._unread = None

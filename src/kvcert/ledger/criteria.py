@@ -24,9 +24,8 @@ COUPLED_FIELDS: tuple[str, ...] = (
     "n_authorized",
     "n_auth_violations",
 )
-"""Write-side account fields every rank must agree on (``docs/ledger.md#ledger-gate``; the design's
-``n_fallback_exact`` is
-``n_kept_exact`` + ``n_restored_exact`` here, both compared)."""
+"""Write-side account fields every rank must agree on (``docs/ledger.md#ledger-gate``; the entries served exact
+are counted as ``n_kept_exact`` and ``n_restored_exact``, both compared)."""
 
 COUPLED_EPROCESS_FIELDS: tuple[str, ...] = ("log_m", "n_factors")
 """E-process fields every rank must agree on: the realised draws enter the ledger only through the

@@ -64,6 +64,11 @@ def register(name: str, fn: Callable[[torch.Tensor], torch.Tensor], *, overwrite
     without ``overwrite=True``. Shape preservation is checked at every encode.
     """
     check_function(name, fn)
+    if any(c.isspace() or c in "/,:[]" for c in name):
+        raise ValueError(
+            f"codec name {name!r} must not contain whitespace or any of / , : [ ] (they separate codecs, schemes and "
+            "options on the command line and in mixed[...] names)"
+        )
     if BYPASS_SUFFIX in name:
         raise ValueError(f"codec name {name!r} must not contain {BYPASS_SUFFIX!r} (it names an outlier bypass)")
     if name in BUILTINS:
@@ -121,9 +126,14 @@ def resolve(spec: str | Codec, axis: Literal["key", "value"], options: Mapping[s
     """The codec of a cache's ``axis`` tensor: ``spec`` itself when it is a :class:`Codec`, else
     ``get(spec, **options)`` with KIVI's quantization axis defaulting to ``axis`` (per-channel keys, per-token
     values). Raises ``ValueError`` as :func:`get` does."""
+    if axis not in ("key", "value"):
+        raise ValueError(f"axis must be 'key' or 'value', got {axis!r}")
     if isinstance(spec, Codec):
         return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"a codec is a name or a kvcert.quant.Codec, got {spec!r}")
     opts = dict(options or {})
-    if spec.startswith("kivi"):
+    base = split_bypass(spec)[0]
+    if base in BUILTINS and base.startswith("kivi"):  # the built-in KIVI codecs only, not a registered name
         opts.setdefault("axis", axis)
     return get(spec, **opts)

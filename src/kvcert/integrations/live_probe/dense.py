@@ -101,6 +101,7 @@ def probe_dense_live(
     finally:
         cache.detach()
     tel = cache.telemetry()
+    assert tel.violations is not None  # validate mode (above)
     rec.counts["witness_violations"] += tel.violations
     for layer in cache.layers:
         assert isinstance(layer, CertifiedLayer)

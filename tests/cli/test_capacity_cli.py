@@ -134,7 +134,7 @@ def test_merge_pools_capacity_and_page_in_from_summed_bytes():
 
 def test_allocate_writes_an_allocation_the_cache_loads(tmp_path):
     out = tmp_path / "alloc.json"
-    args = ("allocate", *TINY, "--tokens", "48", "--prompts", "1", "--steps", "3", "--out", str(out))
+    args = ("allocate", *TINY, "--tokens", "48", "--prompts", "1", "--steps", "3", "--out", str(out), "--overwrite")
     result = invoke(*args, "--value-tol", "0.05")
     alloc = Allocation.load(out)
     model = tiny_random("llama", head_dim=64)
@@ -170,7 +170,7 @@ def test_allocate_writes_an_allocation_the_cache_loads(tmp_path):
         (("--corpus", "x"), "corpus"),
         (("--tau", "inf"), "tau must be in [0, 1]"),
         (("--tau", "1.5"), "a bound on a total variation"),
-        (("--steps", "0"), "steps must be >= 1"),
+        (("--steps", "1"), "--steps must be >= 2"),
         (("--value-tol", "-1"), "value_tol must be a finite number"),
         (("--widths", "8,7"), "--widths: expected distinct widths"),
         (("--widths", "8,8"), "--widths: expected distinct widths"),

@@ -54,6 +54,9 @@ def test_codecs_out_writes_tiered_results_and_a_figure(tmp_path):
     int8 = doc.results["codecs"]["int8"]
     assert int8["bytes_per_token_head"] == {"value": 34.0, "tier": "empirical"}
     assert int8["max_box"]["tier"] == "certified" and "informative_tier_a" not in int8  # no real prompt asked
+    # the two shares the figure draws are in the results too, with their tiers
+    assert int8["box_within_0.2"]["tier"] == "certified" and int8["true_tv_within_0.2"]["tier"] == "empirical"
+    assert 0 <= int8["box_within_0.2"]["value"] <= int8["true_tv_within_0.2"]["value"] <= 1  # sound: box >= true TV
     assert (out / "codecs.png").stat().st_size > 0
     again = CliRunner().invoke(_app(), args)  # an existing report is kept unless --overwrite
     assert again.exit_code != 0 and "--overwrite" in again.output

@@ -99,3 +99,30 @@ def test_parse_storage_applies_witness_device_budget_and_exact_sinks() -> None:
     for sinks in (-1, 1.5, True):
         with pytest.raises(ValueError, match="--exact-sinks"):
             parse_storage(specs, "log8", "1.0", sinks)  # type: ignore[arg-type]
+
+
+def test_schemes_the_loaded_model_cannot_hold_are_named():
+    """An allocation of another shape and a bypass wider than a head used to fail at the first sample; they are named
+    once the model is loaded. An allocation of this model's shape and a bypass within a head pass."""
+    from kvcert.cli.common import SchemeSpec, schemes_fit
+    from kvcert.models.tiny import tiny_random
+    from kvcert.quant import Allocation
+
+    model = tiny_random("llama", head_dim=32)
+    cfg = model.config
+    layers, heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+
+    def alloc(n_layers: int, n_heads: int) -> Allocation:
+        bits = tuple(tuple(8 for _ in range(n_heads)) for _ in range(n_layers))
+        return Allocation(
+            bits, tuple("int4" for _ in range(n_layers)), tau=0.2, max_loss=0.02, provenance={"model": "x"}
+        )
+
+    schemes_fit([SchemeSpec("dither-mixed", "per-head", allocation=alloc(layers, heads))], model)
+    schemes_fit([SchemeSpec("int8+bypass16", "int4")], model)  # 16 pairs: a whole head of 32 channels
+    with pytest.raises(ValueError, match=rf"--allocation was calibrated for {layers + 1} layers .* \(on x\)"):
+        schemes_fit([SchemeSpec("dither-mixed", "per-head", allocation=alloc(layers + 1, heads))], model)
+    with pytest.raises(ValueError, match="--allocation"):
+        schemes_fit([SchemeSpec("dither-mixed", "per-head", allocation=alloc(layers, heads + 1))], model)
+    with pytest.raises(ValueError, match="--schemes int8\\+bypass17: keeps 17 RoPE pairs exact; a head here has 16"):
+        schemes_fit([SchemeSpec("int8+bypass17", "int4")], model)

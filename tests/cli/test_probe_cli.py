@@ -102,13 +102,25 @@ def test_run_covers_latent_and_recurrent_models(tmp_path):
 
 
 def test_run_rejects_bad_options(tmp_path):
-    out = str(tmp_path / "x.json")
+    """One line ``kvcert probe run: error: ...`` naming the option, exit 2, nothing written (the options before any
+    model is built; ``--out`` a directory, a missing folder or an existing file without ``--overwrite``)."""
+    out = tmp_path / "x.json"
     for args, cause in (
-        (["--key-bits", "3"], "key_bits"),
-        (["--tokens", "1"], "tokens"),
+        (["--key-bits", "3"], "--key-bits"),
+        (["--tokens", "1"], "--tokens"),
+        (["--pool-block", "-1"], "--pool-block"),
         (["--model", "tiny:mamba2", "--prompt", "hi"], "tokenizer"),
-        (["--pool-weighting", "max"], "weighting"),
-        (["--model", "tiny:gpt2"], "model"),
+        (["--pool-weighting", "max"], "--pool-weighting"),
+        (["--model", "tiny:gpt2"], "mamba2"),  # every family the command takes is listed
+        (["--seed", "-1"], "--seed"),
+        (["--out", str(tmp_path)], "is a directory"),
+        (["--out", str(tmp_path / "no" / "x.json")], "does not exist"),
     ):
-        result = runner.invoke(app, ["run", "--out", out, *args])
+        result = runner.invoke(app, ["run", "--out", str(out), *args])
         assert result.exit_code == 2 and cause in result.output, (args, result.output)
+        assert result.output.startswith("kvcert probe run: error: ") and result.output.count("\n") == 1
+        assert not out.exists()
+    assert runner.invoke(app, ["run", "--out", str(out), "--tokens", "8"]).exit_code == 0
+    again = runner.invoke(app, ["run", "--out", str(out), "--tokens", "8"])
+    assert again.exit_code == 2 and "exists; pass --overwrite" in again.output
+    assert runner.invoke(app, ["run", "--out", str(out), "--tokens", "8", "--overwrite"]).exit_code == 0

@@ -78,6 +78,24 @@ def refused(args: list[str], *words: str) -> str:
         (["audit", "--keys", "nope", "--model", "tiny:llama", "--task", "niah_single_1"], ["'nope'"]),
         (["audit", "--keys", "int4", "--model", "tiny:llama"], ["exactly one"]),
         (["audit", "--keys", "int4", "--model", "tiny:llama", "--task", "niah_single_1", "--context", "100"], ["512"]),
+        # a seed RULER's generators cannot take used to fail after the model loaded (eval, audit, frontier, run)
+        (["eval", *TINY, "--seed", "-5"], ["--seed", "4294967295"]),
+        (["run", *TINY, "--seed", "4294967296"], ["--seed"]),
+        (["frontier", *TINY, "--seed", "-1"], ["--seed"]),
+        (["ppl", *TINY, "--seed", "-1"], ["--seed"]),
+        (["audit", "--keys", "int4", "--model", "tiny:llama", "--task", "niah_single_1", "--seed", "-1"], ["--seed"]),
+        (["codecs", "--seed", "-1"], ["--seed"]),
+        (["allocate", "--model", "tiny:llama", "--seed", "-1"], ["--seed"]),
+        # one token is the prefill's: nothing would read the compressed cache (an audit of 0 cells used to pass)
+        (
+            ["audit", "--keys", "int4", "--model", "tiny:llama", "--max-new-tokens", "1", "--task", "niah_single_1"],
+            ["--max-new-tokens", ">= 2"],
+        ),
+        (["codecs", "--model", "tiny:llama", "--steps", "1"], ["--steps", ">= 2"]),
+        (["codecs", "--context", "0"], ["--context"]),
+        (["codecs", "--model", "tiny:llama", "--context", "100"], ["512"]),
+        (["allocate", "--model", "tiny:llama", "--steps", "1"], ["--steps", ">= 2"]),
+        (["ppl", *TINY, "--gate", "certified:0.2:box:tier-b"], ["tier-b", "int4"]),  # used to fail after loading
     ],
 )
 def test_unusable_arguments_are_refused_before_loading(
@@ -184,9 +202,35 @@ def test_merge_writes_only_to_a_fresh_out(tmp_path: Path) -> None:
     ok = runner.invoke(app, ["merge", str(a), str(b), "--out", str(tmp_path / "m"), "--resamples", "50"])
     assert ok.exit_code == 0, ok.output
     refused(["merge", str(a), str(b), "--out", str(tmp_path / "m")], "--overwrite")
+    refused(["merge", str(a), str(b), "--out", str(tmp_path / "m2"), "--seed", "-5"], "--seed")
 
 
-@pytest.mark.parametrize("field", ["context", "model", "schemes", "gate", "max_new_tokens"])
+def test_one_file_outputs_are_checked_before_loading(no_loading: None, tmp_path: Path) -> None:
+    """``allocate --out`` (one JSON file): a directory, a missing folder, and an existing file without ``--overwrite``
+    used to fail after the whole calibration, or to be replaced silently."""
+    base = ["allocate", "--model", "tiny:llama", "--out"]
+    refused([*base, str(tmp_path)], "is a directory")
+    refused([*base, str(tmp_path / "no" / "a.json")], "does not exist")
+    done = tmp_path / "a.json"
+    done.write_text("{}")
+    refused([*base, str(done)], "exists; pass --overwrite")
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "context",
+        "model",
+        "schemes",
+        "gate",
+        "max_new_tokens",
+        "witness",
+        "device_budget",
+        "exact_sinks",
+        "recall",
+        "validate",
+    ],
+)
 def test_merge_refuses_shards_of_different_configurations(tmp_path: Path, field: str) -> None:
     a = _write(tmp_path / "a", _eval_doc("niah_single_1"))
     b = _write(tmp_path / "b", _eval_doc("niah_single_2", **{field: "other"}))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcert.bounds.softmax_tv import check_nonneg_finite, check_served
+from kvcert.bounds.softmax_tv import check_broadcast, check_nonneg_finite, check_served
 
 
 def output_error_bound(
@@ -32,6 +32,8 @@ def output_error_bound(
     ``centre[..., Dv]`` (default: the served output ``Σ p̃ v̂``). Float64 ``[...]`` outputs.
     """
     p, mass = check_served(p_served)
+    check_broadcast(p_served=p, v_res_norms=torch.as_tensor(v_res_norms), v_hat_tokens=v_hat.shape[:-1])
+    check_broadcast(p_served_rows=p.shape[:-1], tv=torch.as_tensor(tv))
     p = p / mass.unsqueeze(-1)
     t = torch.as_tensor(tv, dtype=torch.float64)
     if not bool((t >= 0).all()):  # NaN fails the comparison too; +inf (an unclipped overflow) is allowed

@@ -75,6 +75,17 @@ def check_nonneg_finite(x: torch.Tensor | float, name: str, dtype: torch.dtype |
     return x if dtype is None else x.to(dtype)
 
 
+def check_broadcast(**named: torch.Tensor | torch.Size) -> None:
+    """``ValueError`` naming every argument with its shape (a tensor's, or a shape given as such) unless the shapes
+    broadcast together (instead of torch's unnamed size error further in)."""
+    shapes = {name: t.shape if isinstance(t, torch.Tensor) else t for name, t in named.items()}
+    try:
+        torch.broadcast_shapes(*shapes.values())
+    except RuntimeError:
+        listed = ", ".join(f"{name} {tuple(s)}" for name, s in shapes.items())
+        raise ValueError(f"shapes do not broadcast: {listed}") from None
+
+
 def check_served(p_served: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate ``p_served[..., S]`` (entries finite and ``>= 0``, rows summing to 1 within ``1e-2``: each check
     through :func:`kvcert.checks.fail_if`) and return it (float64) with its row mass ``[...]``."""
@@ -117,6 +128,7 @@ def moments(p_served: torch.Tensor, radius: torch.Tensor) -> Moments:
     """
     p, mass = check_served(p_served)
     c = _check_range(radius, "radius").to(torch.float64)
+    check_broadcast(p_served=p, radius=c)
     if p.shape != c.shape:
         p, c = torch.broadcast_tensors(p, c)
         mass = mass.expand(p.shape[:-1])
@@ -274,7 +286,9 @@ def tv_tail(alpha_t: torch.Tensor | float, delta: torch.Tensor | float, clip: bo
 
 
 def true_tv(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Exact total variation ``½Σ_t |p_t − q_t|`` over the last dim, in float64."""
+    """Exact total variation ``½Σ_t |p_t − q_t|`` over the last dim, in float64 (``ValueError`` naming both shapes
+    when they do not broadcast)."""
+    check_broadcast(p=p, q=q)
     return 0.5 * (p.to(torch.float64) - q.to(torch.float64)).abs().sum(-1)
 
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvcert.bounds.softmax_tv import _EXP_SAFE, check_nonneg_finite, check_served, live_rows
+from kvcert.bounds.softmax_tv import _EXP_SAFE, check_broadcast, check_nonneg_finite, check_served, live_rows
 
 F64 = torch.float64
 _U = 2.0**-53
@@ -222,6 +222,7 @@ def _prepared(p_served: torch.Tensor, radius: torch.Tensor) -> tuple[torch.Tenso
     ``p`` is, and the batch shape (``ValueError`` as :func:`tv_box` says)."""
     p, mass = check_served(p_served)
     c = check_nonneg_finite(radius, "radius")
+    check_broadcast(p_served=p, radius=c)
     p, c = torch.broadcast_tensors(p / mass.unsqueeze(-1), c)
     batch, s = p.shape[:-1], p.shape[-1]
     return p.reshape(-1, s), torch.where(p > 0, c, 0.0).reshape(-1, s), batch

@@ -17,7 +17,7 @@ from rich.console import Console
 
 from kvcert.cli.common import load_model
 from kvcert.cli.progress import progress_bar
-from kvcert.cli.validate import checked_inputs, model_max_positions
+from kvcert.cli.validate import at_least, checked_inputs, model_max_positions, out_file, seed_in_range
 from kvcert.eval.bit_calibration import allocate as allocation_of
 from kvcert.eval.bit_calibration import calibrate, calibration_ids, check_calibration
 from kvcert.eval.corpora import CORPORA
@@ -94,11 +94,15 @@ def parse_value_candidates(text: str) -> tuple[str, ...]:
 
 def allocate(
     out: Annotated[Path, typer.Option(help="where to write the allocation (JSON)")] = Path("allocation.json"),
+    overwrite: Annotated[bool, typer.Option(help="replace an allocation file already at --out")] = False,
     model: Annotated[str, typer.Option(help="zoo name, local folder or tiny:<family>")] = "smollm2-135m",
     corpus: Annotated[str, typer.Option(help=f"calibration text, one of {sorted(CORPORA)}")] = "kjv",
     tokens: Annotated[int, typer.Option(help="tokens per calibration prompt")] = 1024,
     prompts: Annotated[int, typer.Option(help="calibration prompts (corpus windows at seeded offsets)")] = 2,
-    steps: Annotated[int, typer.Option(help="greedy decode steps per prompt and candidate")] = 16,
+    steps: Annotated[
+        int,
+        typer.Option(help="greedy tokens per prompt and candidate (>= 2; the first comes from the exact prefill)"),
+    ] = 16,
     tau: Annotated[float, typer.Option(help="the gate threshold a read must be certified at")] = 0.2,
     max_loss: Annotated[float, typer.Option(help="coverage a head may lose against the widest width")] = 0.02,
     value_tol: Annotated[
@@ -117,6 +121,9 @@ def allocate(
     write the allocation."""
     with checked_inputs("allocate"):
         model_max_positions(model)
+        seed_in_range(seed)
+        at_least("steps", steps, 2)
+        out_file(out, overwrite)
         if values not in BUILTINS:
             raise ValueError(f"--values: unknown codec {values!r}; known are {sorted(BUILTINS)}")
         candidate_values = parse_value_candidates(value_candidates)

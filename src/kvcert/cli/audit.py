@@ -27,6 +27,7 @@ from kvcert.cli.validate import (
     model_max_positions,
     prepare_out,
     ruler_tasks,
+    seed_in_range,
 )
 from kvcert.eval import ruler
 from kvcert.eval.branching import Scheme, run_branches
@@ -169,7 +170,7 @@ def _check_prompt(prompt_file: Path | None, task: str | None, context: int) -> N
             raise ValueError(f"--prompt-file {prompt_file} is not readable UTF-8 text ({type(exc).__name__})") from None
     else:
         assert task is not None
-        ruler_tasks((task,), context)
+        ruler_tasks((task,), context, "--task")
 
 
 def audit(
@@ -179,18 +180,23 @@ def audit(
     prompt_file: Annotated[Path | None, typer.Option(help="text file to use as the prompt")] = None,
     task: Annotated[str | None, typer.Option(help="RULER task whose first sample is the prompt")] = None,
     context: Annotated[int, typer.Option(help="RULER length for --task")] = 2048,
-    max_new_tokens: Annotated[int, typer.Option(help="greedy tokens decoded through the cache")] = 16,
+    max_new_tokens: Annotated[
+        int,
+        typer.Option(help="greedy tokens (>= 2: the first comes from the exact prefill, the rest read the cache)"),
+    ] = 16,
     seed: Annotated[int, typer.Option(help="seed for data and codecs")] = 0,
     out: Annotated[Path | None, typer.Option(help="report directory (default runs/audit-<timestamp>)")] = None,
     overwrite: OverwriteOption = False,
 ) -> None:
     """Per layer × head certificate heatmap, saturation map, coverage vs τ, Tier A vs Tier B (dithered keys)
-    and the validate-mode true TV beside the bound. Exits 1 if any cell's true TV exceeds its certificate."""
+    and the validate-mode true TV beside the bound. Exits 1 if any cell's true TV exceeds its certificate or any true
+    output error its output bound, and if no read went through the compressed cache (nothing audited)."""
     console = Console()
     out = out or default_out("audit")
     with checked_inputs("audit"):
         spec = parse_schemes(keys if values is None else f"{keys}/{values}")[0]
-        at_least("max-new-tokens", max_new_tokens, 1)
+        at_least("max-new-tokens", max_new_tokens, 2)
+        seed_in_range(seed)
         _check_prompt(prompt_file, task, context)
         positions = model_max_positions(model)
         if task is not None:
@@ -279,6 +285,12 @@ def audit(
     )
     print_table(console, table)
     console.print(f"results: {json_path}\nreport: [bold]{html_path}[/]")
-    if tel.violations:
-        console.print(f"[bold red]SOUNDNESS VIOLATION: {tel.violations} cell(s) with true TV > certificate[/]")
+    if tel.cells == 0:  # e.g. EOS first: nothing read the compressed cache, so nothing was audited
+        console.print("[bold red]NOTHING AUDITED: no decode read went through the compressed cache (0 cells)[/]")
+        raise typer.Exit(1)
+    if tel.violations or tel.out_violations:
+        console.print(
+            f"[bold red]SOUNDNESS VIOLATION: {tel.violations} cell(s) with true TV > certificate, "
+            f"{tel.out_violations} with true output error > output bound[/]"
+        )
         raise typer.Exit(1)

@@ -19,6 +19,7 @@ certificate is never below the exact TV, so no certificate of that codec can cer
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,15 @@ from rich.console import Console
 
 from kvcert.bounds import tier_a_radius, true_tv, tv_box, tv_meter
 from kvcert.cli.common import command_line, load_model
-from kvcert.cli.validate import OverwriteOption, checked_inputs, model_max_positions, prepare_out
+from kvcert.cli.validate import (
+    OverwriteOption,
+    at_least,
+    checked_inputs,
+    model_max_positions,
+    prepare_out,
+    ruler_tasks,
+    seed_in_range,
+)
 from kvcert.eval import ruler
 from kvcert.eval.branching import Scheme, run_branches
 from kvcert.eval.harness import prompt_ids
@@ -53,6 +62,16 @@ class CodecRow:
     certificate: torch.Tensor
     box: torch.Tensor
     tv: torch.Tensor
+
+    @property
+    def box_within(self) -> float:
+        """Share of the synthetic cells whose box bound is at most ``CEILING_TAU`` (certified)."""
+        return float((self.box <= CEILING_TAU).double().mean())
+
+    @property
+    def tv_within(self) -> float:
+        """Share of the synthetic cells whose exact TV is at most ``CEILING_TAU`` (measured)."""
+        return float((self.tv <= CEILING_TAU).double().mean())
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -137,8 +156,10 @@ def real_informative(model: str, context: int = 1024, steps: int = 8, seed: int 
     ``tiny:<family>``), one shared exact prefill, ``steps`` greedy decode steps per codec. Tier A for every codec;
     Tier B (the dither radii under the cache's failure budget) for the dithered ones. The reads run in validate mode
     (:class:`RealInformative`)."""
-    if context < 64 or steps < 1:
-        raise ValueError(f"context must be >= 64 and steps >= 1, got context={context}, steps={steps}")
+    if context < 64 or steps < 2:
+        raise ValueError(
+            f"context must be >= 64 and steps >= 2 (the first token is the prefill's), got {context}, {steps}"
+        )
     loaded = load_model(model, seed)
     sample = ruler.load_task(REAL_TASK, context, 1, seed, loaded.tokenizer_dir)[0]
     ids = prompt_ids(loaded.tokenizer, sample)
@@ -158,8 +179,11 @@ def real_informative(model: str, context: int = 1024, steps: int = 8, seed: int 
 
 
 def _real_cells(frac: RealInformative) -> tuple[str, str, str, str]:
-    tier_b = "—" if frac.tier_b is None else f"{100 * frac.tier_b:.1f}%"
-    return f"{100 * frac.tier_a:.1f}%", tier_b, f"{100 * frac.exact_within:.1f}%", str(frac.violations)
+    def pct(x: float) -> str:  # "–" for a share of no cells (docs/cli.md)
+        return "–" if math.isnan(x) else f"{100 * x:.1f}%"
+
+    tier_b = "—" if frac.tier_b is None else pct(frac.tier_b)  # no Tier-B radius for this codec
+    return pct(frac.tier_a), tier_b, pct(frac.exact_within), str(frac.violations)
 
 
 def codec_results(rows: list[CodecRow], real: dict[str, RealInformative] | None) -> dict[str, Any]:
@@ -173,6 +197,8 @@ def codec_results(rows: list[CodecRow], real: dict[str, RealInformative] | None)
             "max_meter": tiered(float(row.certificate.max()), CERTIFIED),
             "max_box": tiered(float(row.box.max()), CERTIFIED),
             "max_true_tv": tiered(float(row.tv.max()), EMPIRICAL),
+            f"box_within_{CEILING_TAU}": tiered(row.box_within, CERTIFIED),
+            f"true_tv_within_{CEILING_TAU}": tiered(row.tv_within, EMPIRICAL),
         }
         if real is not None:
             frac = real[row.name]
@@ -192,12 +218,8 @@ def codec_figure(rows: list[CodecRow], real: dict[str, RealInformative] | None, 
     size = {r.name: r.bytes_per_token_head for r in rows}
     if real is None:
         series = {
-            f"synthetic cells: box <= {CEILING_TAU} (certified)": {
-                r.name: float((r.box <= CEILING_TAU).double().mean()) for r in rows
-            },
-            f"synthetic cells: true TV <= {CEILING_TAU} (measured)": {
-                r.name: float((r.tv <= CEILING_TAU).double().mean()) for r in rows
-            },
+            f"synthetic cells: box <= {CEILING_TAU} (certified)": {r.name: r.box_within for r in rows},
+            f"synthetic cells: true TV <= {CEILING_TAU} (measured)": {r.name: r.tv_within for r in rows},
         }
     else:
         series = {
@@ -221,7 +243,12 @@ def codecs(
         ),
     ] = None,
     context: Annotated[int, typer.Option(help="real prompt length in tokens (with --model)")] = 1024,
-    steps: Annotated[int, typer.Option(help="decode steps per codec on the real prompt (with --model)")] = 8,
+    steps: Annotated[
+        int,
+        typer.Option(
+            help="greedy tokens per codec on the real prompt (with --model; >= 2: the first comes from the prefill)"
+        ),
+    ] = 8,
     out: Annotated[
         Path | None, typer.Option(help="also write results.json and codecs.png to this directory (default: print only)")
     ] = None,
@@ -233,6 +260,11 @@ def codecs(
     ``--out`` also ``results.json`` (every number with its tier) and ``codecs.png`` (the shares against the bytes)."""
     t0 = time.time()
     with checked_inputs("codecs"):
+        seed_in_range(seed)
+        at_least("context", context, 64)
+        at_least("steps", steps, 2)
+        if model is not None:
+            ruler_tasks((REAL_TASK,), context)
         rows = codec_rows(d, tokens, seed)
         if model is not None:
             model_max_positions(model)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -163,6 +163,39 @@ def allocation_spec(path: Path | None) -> list[SchemeSpec]:
     except (OSError, ValueError) as err:
         raise ValueError(f"--allocation: {err}") from None
     return [SchemeSpec("dither-mixed", "per-head", allocation=alloc)]
+
+
+def check_tier_b_gate(text: str, gate: Gate | None, specs: Sequence[SchemeSpec]) -> None:
+    """``ValueError`` naming ``--gate`` when a Tier-B gate (``text``, parsed as ``gate``) would run over a scheme whose
+    keys are not dithered (it reads the dither's Tier-B radii)."""
+    plain_keys = [s.keys for s in specs if not get(s.keys).tier_b]
+    if gate is not None and gate.tier_b and plain_keys:
+        raise ValueError(
+            f"--gate {text}: ':tier-b' reads the dither's Tier-B radii, so every scheme needs dithered keys "
+            f"(dither-int*); not {', '.join(plain_keys)}"
+        )
+
+
+def schemes_fit(specs: Sequence[SchemeSpec], model: Any) -> None:
+    """``ValueError`` naming the option for a scheme the loaded ``model`` cannot hold, checked once it is loaded and
+    before any sample: an ``--allocation`` calibrated for another number of layers or KV heads, or a ``+bypass<m>``
+    codec of ``--schemes`` keeping more RoPE pairs than a head has (both used to fail at the first sample)."""
+    cfg = model.config.get_text_config()
+    layers, heads = cfg.num_hidden_layers, cfg.num_key_value_heads or cfg.num_attention_heads
+    pairs = (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) // 2
+    for spec in specs:
+        alloc = spec.allocation
+        if alloc is not None and (len(alloc.key_bits) != layers or any(len(r) != heads for r in alloc.key_bits)):
+            shape = f"{len(alloc.key_bits)} layers × {len(alloc.key_bits[0]) if alloc.key_bits else 0} KV heads"
+            raise ValueError(
+                f"--allocation was calibrated for {shape} (on {alloc.provenance.get('model', 'an unnamed model')}); "
+                f"the model has {layers} layers × {heads} KV heads"
+            )
+        if alloc is None:
+            for name in (spec.keys, spec.values):
+                kept = split_bypass(name)[1]
+                if kept > pairs:
+                    raise ValueError(f"--schemes {name}: keeps {kept} RoPE pairs exact; a head here has {pairs}")
 
 
 def parse_schemes(text: str) -> list[SchemeSpec]:
@@ -443,12 +476,7 @@ def ruler_variants(
     plain = parse_storage(parse_schemes(schemes), witness, device_budget, exact_sinks)
     specs = plain + parse_storage(allocation_spec(allocation), witness, device_budget, exact_sinks)
     chosen = parse_gate(gate)
-    plain_keys = [s.keys for s in plain if not get(s.keys).tier_b]
-    if chosen is not None and chosen.tier_b and plain_keys:
-        raise ValueError(
-            f"--gate {gate}: ':tier-b' reads the dither's Tier-B radii, so every scheme needs dithered keys "
-            f"(dither-int*); not {', '.join(plain_keys)}"
-        )
+    check_tier_b_gate(gate, chosen, plain)
     plan = resident_plan(
         resident.resident,
         resident.select,

@@ -45,6 +45,7 @@ from kvcert.cli.common import (
     load_model,
     resident_fits,
     ruler_variants,
+    schemes_fit,
     set_seed,
 )
 from kvcert.cli.progress import progress_bar
@@ -57,6 +58,7 @@ from kvcert.cli.validate import (
     model_max_positions,
     prepare_out,
     ruler_tasks,
+    seed_in_range,
 )
 from kvcert.cli.workload import DENSE, VariantRecord, WorkloadResult, run_workload
 from kvcert.eval import ruler
@@ -175,6 +177,7 @@ def frontier(
         at_least("samples", samples, 1)
         at_least("resamples", resamples, 1)
         at_least("residual-length", residual_length, 0)
+        seed_in_range(seed)
         if max_new_tokens is not None:
             at_least("max-new-tokens", max_new_tokens, 1)
         prepare_out(out, overwrite)
@@ -184,6 +187,7 @@ def frontier(
     with checked_inputs("frontier"):
         if positions is None:  # a zoo model converted by this load: its limit is known only now
             context_fits(context, loaded.model.config.get_text_config().max_position_embeddings)
+        schemes_fit(specs, loaded.model)
         for p in peer_specs:  # before any decoding: a peer that cannot hold this model stops the run now
             try:
                 p.build(loaded.model)

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
+from kvcert.cli.validate import out_file
 from kvcert.ledger.criteria import Criterion, GateResult, check_snapshot, evaluate
 from kvcert.ledger.log import LogReader
 from kvcert.ledger.replay import diff_states, replay_verified
@@ -128,11 +129,14 @@ def replay(
     check_against: Annotated[Path | None, typer.Option("--check-against", help="live STATE.json to compare")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="write the rebuilt snapshot as JSON here")] = None,
     expect_head: Annotated[str | None, typer.Option("--expect-head", help=EXPECT_HEAD_HELP)] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace a file already at --out")] = False,
 ) -> None:
     """Verify LOG's hash chain, rebuild every account and slot from it and print a summary and the
     integrity line; compare field for field if asked. Exit 2 for an unreadable, malformed or tampered log,
     1 if the log is not verified end to end (legacy, not closed, head differs) or differs from STATE."""
     try:
+        if out is not None:
+            out_file(out, overwrite)  # before the log is read: a bad --out costs nothing
         ledger, reader = replay_verified(log)
         live = None if check_against is None else check_snapshot(strict_loads(check_against.read_text()))
     except (OSError, UnicodeDecodeError, ValueError) as exc:

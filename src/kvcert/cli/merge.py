@@ -27,7 +27,7 @@ from rich.console import Console
 from kvcert.cli.common import ResamplesOption, command_line
 from kvcert.cli.progress import progress_bar
 from kvcert.cli.ruler_report import context_ratios, resident_table, tier_b_table
-from kvcert.cli.validate import OverwriteOption, at_least, checked_inputs, prepare_out
+from kvcert.cli.validate import OverwriteOption, at_least, checked_inputs, prepare_out, seed_in_range
 from kvcert.cli.workload import DENSE
 from kvcert.eval.stats import mcnemar, paired_bootstrap
 from kvcert.report.figures import AccuracyPoint, accuracy_bars
@@ -87,7 +87,13 @@ SAME_CONFIG = (
     "select",
     "summary",
     "resident_alloc",
-)
+    "recall",
+    "reselect",
+    "witness",
+    "device_budget",
+    "exact_sinks",
+    "validate",
+)  # the run's seed may differ: shards of other seeds hold other samples, each still paired within itself
 
 
 def _value(node: dict[str, Any], key: str) -> Any:
@@ -358,6 +364,7 @@ def merge(
     console = Console()
     with checked_inputs("merge"):
         at_least("resamples", resamples, 1)
+        seed_in_range(seed)
         docs = []
         with progress_bar("reading shards", len(runs), console) as tick:
             for i, path in enumerate(runs):

@@ -30,6 +30,7 @@ from kvcert.cli.common import (
     SchemesOption,
     SchemeSpec,
     auto_gate,
+    check_tier_b_gate,
     command_line,
     default_out,
     load_model,
@@ -45,6 +46,7 @@ from kvcert.cli.validate import (
     context_fits,
     model_max_positions,
     prepare_out,
+    seed_in_range,
 )
 from kvcert.eval.corpora import CORPORA, load_corpus
 from kvcert.eval.harness import decode_text, perplexity
@@ -179,6 +181,8 @@ def ppl(
     with checked_inputs("ppl"):
         specs = parse_schemes(schemes)
         chosen = parse_gate(gate)
+        check_tier_b_gate(gate, chosen, specs)
+        seed_in_range(seed)
         if corpus not in CORPORA:
             raise ValueError(f"--corpus: expected one of {sorted(CORPORA)}, got {corpus!r}")
         if not 0.0 < prefix_fraction < 1.0:
@@ -257,8 +261,8 @@ def ppl(
             for r in records
         ),
         "dev B/tok = device-tier bytes per token at the end (dense: fp16 K/V); capacity = fp16 / device bytes; "
-        "page-in ×fp16 = page-in traffic / fp16 K/V bytes. perplexity: empirical; coverage: certified; bytes, "
-        "capacity, page-in: measured (empirical)",
+        "page-in ×fp16 = page-in traffic / fp16 K/V bytes. perplexity and Δ vs dense: empirical; coverage: certified; "
+        "bytes, capacity, page-in: measured (empirical)",
     )
     compressed = [r for r in records if r.telemetry and r.gate.mode == "off"]
     figs = (

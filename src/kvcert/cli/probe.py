@@ -17,10 +17,12 @@ import typer
 from transformers import PreTrainedModel
 
 from kvcert.cli.common import TINY_PREFIX, load_model
+from kvcert.cli.validate import at_least, checked_inputs, fail, out_file, seed_in_range
 from kvcert.integrations.forget_gates import tiny_recurrent_model
 from kvcert.integrations.live_probe.heterogeneous import ProbeConfig, probe_request
 from kvcert.integrations.mla import tiny_deepseek_v3
 from kvcert.integrations.pooled_attention import Weighting
+from kvcert.models.tiny import SUPPORTED_FAMILIES
 from kvcert.probe.verify import VerifyResult, verify_file
 from kvcert.probe.verify import verify as gate_snapshot
 from kvcert.quant.rtn import RTNCodec
@@ -30,7 +32,7 @@ KEY_BITS = (2, 4, 8)
 
 app = typer.Typer(help="Probe snapshot tools.", no_args_is_help=True)
 
-EXIT_OK, EXIT_FAIL, EXIT_NO_FILES, EXIT_BAD_INPUT = 0, 1, 2, 2
+EXIT_OK, EXIT_FAIL, EXIT_NO_FILES = 0, 1, 2
 
 
 @app.callback()
@@ -113,6 +115,7 @@ def run(
         ),
     ] = "tiny:llama",
     out: Annotated[Path, typer.Option(help="snapshot file to write")] = Path("probe.json"),
+    overwrite: Annotated[bool, typer.Option(help="replace a snapshot file already at --out")] = False,
     tokens: Annotated[int, typer.Option(help="request length (prefill ⌈T/2⌉, then decode steps)")] = 32,
     key_bits: Annotated[int, typer.Option(help="RTN bits of stored keys and pooled entries (group 8)")] = 4,
     pool_block: Annotated[int, typer.Option(help="tokens per pooled entry; 0 disables the pooling path")] = 4,
@@ -121,9 +124,22 @@ def run(
     seed: Annotated[int, typer.Option(help="weights (tiny models), token ids and dither seed")] = 0,
 ) -> None:
     """Probe one request on MODEL: per-layer chains, the snapshot in OUT, and its gate (exit 0 pass, 1 fail)."""
-    try:
+    with checked_inputs("probe run"):  # every option, before a model is built (one line, exit 2)
         if key_bits not in KEY_BITS:
-            raise ValueError(f"key_bits must be one of {KEY_BITS}, got {key_bits}")
+            raise ValueError(f"--key-bits must be one of {KEY_BITS}, got {key_bits}")
+        at_least("tokens", tokens, 2)
+        at_least("pool-block", pool_block, 0)
+        if pool_weighting not in ("attention", "mean"):
+            raise ValueError(f"--pool-weighting must be attention or mean, got {pool_weighting!r}")
+        seed_in_range(seed)
+        family = model[len(TINY_PREFIX) :] if model.startswith(TINY_PREFIX) else None
+        if family is not None and family not in (*SUPPORTED_FAMILIES, *HETEROGENEOUS_TINY):
+            raise ValueError(
+                f"--model: unknown tiny family {family!r}; supported are {', '.join(SUPPORTED_FAMILIES)} (dense) and "
+                f"{', '.join(HETEROGENEOUS_TINY)}"
+            )
+        out_file(out, overwrite)
+    try:
         cfg = ProbeConfig(
             key_codec=RTNCodec(key_bits, group_size=8),
             seed=seed,
@@ -134,8 +150,7 @@ def run(
         ids = request_ids(int(net.config.vocab_size), tokens, seed, tokenizer, prompt)
         res = probe_request(net, ids, run_id=f"{model}-seed{seed}", model_name=model, config=cfg)
     except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_BAD_INPUT) from None
+        fail("probe run", str(exc))
     typer.echo(f"{model}: {ids.shape[1]} tokens, paths {', '.join(res.snapshot.declared.paths)}")
     typer.echo("layer  path             chain value   tier       verdict      dominant stage")
     for c in res.chains:

@@ -6,13 +6,30 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import typer
 from rich.console import Console
 
 from kvcert.cache.gate import Gate
-from kvcert.cli.common import ResidentPlan, SchemeSpec, command_line, load_model, resident_fits, set_seed
+from kvcert.cli.common import (
+    ResidentPlan,
+    SchemeSpec,
+    command_line,
+    load_model,
+    resident_fits,
+    schemes_fit,
+    set_seed,
+)
 from kvcert.cli.progress import progress_bar
 from kvcert.cli.ruler_report import write_report
-from kvcert.cli.validate import at_least, checked_inputs, context_fits, model_max_positions, prepare_out, ruler_tasks
+from kvcert.cli.validate import (
+    at_least,
+    checked_inputs,
+    context_fits,
+    model_max_positions,
+    prepare_out,
+    ruler_tasks,
+    seed_in_range,
+)
 from kvcert.cli.workload import run_workload
 from kvcert.eval import ruler
 from kvcert.report.tables import print_table
@@ -70,20 +87,22 @@ def execute(job: RulerJob, console: Console) -> Path:
     t0 = time.time()
     with checked_inputs(job.name):
         positions = model_max_positions(job.model)
-        ruler_tasks(job.tasks, job.context)
+        ruler_tasks(job.tasks, job.context, "--task" if job.name == "eval" else "--tasks")
         context_fits(job.context, positions)
         resident_fits(job.resident, job.context)
         at_least("samples", job.samples, 1)
         at_least("resamples", job.resamples, 1)
+        seed_in_range(job.seed)
         if job.max_new_tokens is not None:
             at_least("max-new-tokens", job.max_new_tokens, 1)
         prepare_out(job.out, job.overwrite)
     set_seed(job.seed)
     console.print(f"loading model [bold]{job.model}[/] ...")
     loaded = load_model(job.model, job.seed)
-    if positions is None:  # a zoo model converted by this load: its limit is known only now
-        with checked_inputs(job.name):
+    with checked_inputs(job.name):
+        if positions is None:  # a zoo model converted by this load: its limit is known only now
             context_fits(job.context, loaded.model.config.get_text_config().max_position_embeddings)
+        schemes_fit(job.schemes, loaded.model)
     t_load = time.time()
     samples = []
     with progress_bar("generating RULER samples", len(job.tasks), console) as tick:
@@ -124,4 +143,8 @@ def execute(job: RulerJob, console: Console) -> Path:
         print_table(console, table)
     console.print(f"wall time {time.time() - t0:.0f} s; results: {json_path}")
     console.print(f"report: [bold]{html_path}[/]")
+    violations = sum(t.violations or 0 for v in result.variants for t in v.telemetry)
+    if violations:  # validate mode only (None otherwise): a bound the exact attention exceeded
+        console.print(f"[bold red]SOUNDNESS VIOLATION: {violations} cell(s) with true TV > certificate[/]")
+        raise typer.Exit(1)
     return html_path

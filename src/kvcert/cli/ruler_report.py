@@ -238,8 +238,10 @@ def whole_context(v: dict[str, Any]) -> tuple[float | None, float | None, float 
 
 
 def summary_table(results: dict[str, Any]) -> ReportTable:
-    """One row per variant: accuracy, paired CI vs dense, McNemar p, bytes, page-in, fallback, coverage."""
+    """One row per variant: accuracy, paired CI vs dense, McNemar p, bytes, page-in, fallback, coverage; in validate
+    mode also the violations (cells whose exact TV exceeded the certificate)."""
     rows = []
+    validated = any("violations" in v for v in results["variants"].values())
     for label, v in results["variants"].items():
 
         def val(key: str, v: dict[str, Any] = v) -> Any:
@@ -258,6 +260,7 @@ def summary_table(results: dict[str, Any]) -> ReportTable:
                 fmt(val("coverage_kv@0.2"), percent=True),
                 fmt(val("informative_fraction"), percent=True),
                 fmt(val("value_term_p90"), 3),
+                *((fmt(val("violations")),) if validated else ()),
             )
         )
     return ReportTable(
@@ -275,6 +278,7 @@ def summary_table(results: dict[str, Any]) -> ReportTable:
             "cov@0.2",
             "inform",
             "value p90",
+            *(("viol.",) if validated else ()),
         ),
         tuple(rows),
         "acc = RULER accuracy; Δ CI95 = paired bootstrap CI of acc − dense acc; McN p = exact McNemar p; "
@@ -286,8 +290,10 @@ def summary_table(results: dict[str, Any]) -> ReportTable:
         "meter < 1; value p90 = 90th percentile over cells of the output bound's value term Σ_t p̃_t‖Δv_t‖ (output "
         "units: what the compressed values may move an output; no TV threshold covers it, only a gate's value_tol). "
         "Resident rows (+resident): bytes, capacity and page-in against the fp16 K/V of the whole "
-        "context (resident and omitted tokens). Tiers: acc, CI, p empirical; bytes, capacity, page-in, fallback "
-        "measured (empirical); cov, inform and value p90 certified.",
+        "context (resident and omitted tokens). "
+        + ("viol. (validate mode) = cells whose exact TV exceeded the certificate (must be 0). " if validated else "")
+        + "Tiers: acc, CI, p empirical; bytes, capacity, page-in, fallback measured (empirical); cov, inform and value "
+        "p90 certified" + ("; viol. measured." if validated else "."),
     )
 
 

@@ -62,6 +62,30 @@ def at_least(name: str, value: int | float, minimum: int | float) -> None:
         raise InputError(f"--{name} must be >= {minimum}, got {value}")
 
 
+SEED_MAX = 2**32 - 1  # RULER's generators and numpy's legacy seeding take seeds in [0, 2^32 − 1]
+
+
+def seed_in_range(seed: int) -> None:
+    """``ValueError`` naming ``--seed`` unless ``0 <= seed <= 2^32 − 1``, the range every seeded part of a run takes
+    (a negative seed used to pass the checks and fail in RULER's generator after the model loaded)."""
+    if not 0 <= seed <= SEED_MAX:
+        raise InputError(f"--seed must be in [0, {SEED_MAX}], got {seed}")
+
+
+def out_file(path: Path, overwrite: bool, option: str = "--out") -> None:
+    """Check a one-file output (``allocate``, ``probe run``, ``ledger replay``) before any work: ``ValueError`` naming
+    ``option`` for a directory, a missing parent folder, a symbolic link, or an existing file without
+    ``overwrite``."""
+    if path.is_symlink():
+        raise InputError(f"{option} {path} is a symbolic link: results are never written through a link")
+    if path.is_dir():
+        raise InputError(f"{option} {path} is a directory; give the path of the file to write")
+    if not path.parent.is_dir():
+        raise InputError(f"{option} {path}: the folder {path.parent} does not exist")
+    if path.exists() and not overwrite:
+        raise InputError(f"{option} {path} exists; pass --overwrite to replace it")
+
+
 def model_max_positions(spec: str) -> int | None:
     """Check a ``--model`` spec without loading weights; return its ``max_position_embeddings`` if known.
 
@@ -124,17 +148,18 @@ def context_fits(context: int, max_positions: int | None) -> None:
         raise InputError(f"--context {context} exceeds the model's max_position_embeddings ({max_positions})")
 
 
-def ruler_tasks(tasks: Sequence[str], context: int) -> None:
-    """Known RULER tasks, each at least its generator's smallest context (see ``ruler.MIN_CONTEXT``)."""
+def ruler_tasks(tasks: Sequence[str], context: int, option: str = "--tasks") -> None:
+    """Known RULER tasks, each at least its generator's smallest context (see ``ruler.MIN_CONTEXT``), listed once;
+    ``option`` is the command's name for the list (``eval`` and ``audit`` call it ``--task``)."""
     if not tasks:
-        raise InputError("--tasks: no RULER task given")
+        raise InputError(f"{option}: no RULER task given")
     for task in tasks:
         if task not in ruler.TASK_NAMES:
             raise InputError(f"unknown RULER task {task!r}; supported are {', '.join(ruler.TASK_NAMES)}")
         if context < ruler.MIN_CONTEXT[task]:
             raise InputError(f"--context must be >= {ruler.MIN_CONTEXT[task]} tokens for {task}, got {context}")
     if len(set(tasks)) != len(tasks):
-        raise InputError(f"--tasks lists a task twice: {', '.join(tasks)}")
+        raise InputError(f"{option} lists a task twice: {', '.join(tasks)}")
 
 
 def _inside(path: Path, folder: Path) -> bool:

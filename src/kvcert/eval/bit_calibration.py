@@ -92,11 +92,12 @@ def kv_head_value_share(tel: Telemetry, value_tol: float) -> tuple[torch.Tensor,
 
 
 def check_calibration(steps: int, tau: float, widths: Sequence[int], value_tol: float | None) -> None:
-    """``ValueError`` naming the argument unless ``steps ≥ 1``, ``0 ≤ tau ≤ 1`` (a bound on a total variation: at
-    ``tau = 1`` every width already certifies every read), ``value_tol`` (when given) is finite and ``≥ 0``, and
-    ``widths`` are dithered widths."""
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+    """``ValueError`` naming the argument unless ``steps ≥ 2`` (the first token comes from the exact prefill, so
+    ``steps`` greedy tokens make ``steps − 1`` reads of the compressed cache, and a calibration needs one),
+    ``0 ≤ tau ≤ 1`` (a bound on a total variation: at ``tau = 1`` every width already certifies every read),
+    ``value_tol`` (when given) is finite and ``≥ 0``, and ``widths`` are dithered widths."""
+    if steps < 2:
+        raise ValueError(f"steps must be >= 2 (the first token comes from the exact prefill), got {steps}")
     if not 0.0 <= tau <= 1.0:
         raise ValueError(f"tau must be in [0, 1] (a bound on a total variation, as a certified gate's), got {tau}")
     if not widths or any(b not in DITHER_BITS for b in widths):

@@ -68,6 +68,13 @@ def test_replay_check_against(tmp_path):
     r = runner.invoke(app, ["replay", str(tmp_path / "ledger.db"), "--check-against", str(tmp_path / "state.json")])
     assert r.exit_code == 0, r.output
     assert "accounts=3" in r.output and "replay == live: yes" in r.output
+    assert "tiers: coverage empirical" in r.output  # every printed number carries its tier
+    snap = tmp_path / "snap.json"
+    assert runner.invoke(app, ["replay", str(tmp_path / "ledger.db"), "--out", str(snap)]).exit_code == 0
+    again = runner.invoke(app, ["replay", str(tmp_path / "ledger.db"), "--out", str(snap)])
+    assert again.exit_code == 2 and "exists; pass --overwrite" in again.output  # never replaced silently
+    assert runner.invoke(app, ["replay", str(tmp_path / "ledger.db"), "--out", str(snap), "--overwrite"]).exit_code == 0
+    assert runner.invoke(app, ["replay", str(tmp_path / "ledger.db"), "--out", str(tmp_path)]).exit_code == 2
     state = json.loads((tmp_path / "state.json").read_text())
     state["accounts"]["1"]["n_reads"] += 1
     (tmp_path / "bad.json").write_text(json.dumps(state))

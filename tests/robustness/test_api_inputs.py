@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import kvcert.quant as quant
-from kvcert import CertifiedCache, EvictionConfig, Gate
-from kvcert.evict import H2O
+from kvcert import CertifiedCache, EvictionConfig, Gate, StorageConfig
+from kvcert.bounds import telescoping_delta, uniform_split
+from kvcert.evict import H2O, StreamingLLM
 from kvcert.models.tiny import tiny_random
 
 
@@ -154,3 +155,43 @@ def test_a_registered_name_starting_with_kivi_is_a_plain_function():
         quant.resolve(123, "key")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="axis must be"):
         quant.resolve("int4", "kee")  # type: ignore[arg-type]
+
+
+def test_a_detached_cache_cannot_be_attached_again(model):
+    """``attach()`` after ``detach()`` used to put the model back on kvcert attention with a cache that refuses every
+    write; it is refused and the model keeps its own attention."""
+    from kvcert.integrations.certified_layer import CacheClosedError
+
+    before = model.config._attn_implementation
+    cache = CertifiedCache(model, keys="int4", values="int4")
+    cache.detach()
+    with pytest.raises(CacheClosedError):
+        cache.attach()
+    assert model.config._attn_implementation == before
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: uniform_split(0.1, 1.5, 2, 3), "layers must be an int"),
+        (lambda: telescoping_delta(0.5, 0.1), "k must be an int"),  # type: ignore[arg-type]
+        (lambda: StreamingLLM(sinks=2.5), "sinks must be an int"),  # type: ignore[arg-type]
+        (lambda: StorageConfig(write_block=2.5, seed=0).store(0), "write_block must be an int"),  # type: ignore[arg-type]
+    ],
+)
+def test_fractional_counts_are_refused(call, match):
+    """A fractional layer count or step index would under-split a failure budget (``uniform_split``: the union runs
+    over whole cells; ``telescoping_delta``: over whole steps); a fractional sink count or write block used to fail
+    later, inside torch."""
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_value_term_quantile_refuses_a_q_outside_zero_one(model):
+    with CertifiedCache(model, keys="int4", values="int4") as cache:
+        model(_ids(40), cache=cache)
+        model(_ids(1), cache=cache)
+        tel = cache.telemetry()
+    assert 0 <= tel.value_term_quantile(0.5) <= tel.value_term_quantile(1.0)
+    with pytest.raises(ValueError, match="quantile in"):
+        tel.value_term_quantile(1.5)

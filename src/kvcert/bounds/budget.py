@@ -26,8 +26,8 @@ def _divide_down(delta: Fraction, denominator: int) -> float:
 def uniform_split(delta_req: float, layers: int, heads: int, steps: int) -> float:
     """Per-cell share ``δ_loc = δ_req/(L·H·T)``; the union over all ``L·H·T`` cells fails w.p. ≤ ``δ_req``."""
     for name, n in (("layers", layers), ("heads", heads), ("steps", steps)):
-        if n < 1:
-            raise ValueError(f"{name} must be >= 1, got {n}")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:  # a fractional count would under-split δ_req
+            raise ValueError(f"{name} must be an int >= 1, got {n!r}")
     return _divide_down(_check_delta(delta_req), layers * heads * steps)
 
 
@@ -36,6 +36,6 @@ def telescoping_delta(k: int, delta_req: float) -> float:
 
     ``Σ_{k<n} δ_k = δ_req(1 − 1/(n+1)) < δ_req`` for every ``n`` (telescoping ``1/(k+1) − 1/(k+2)``).
     """
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:  # the telescoping sum runs over integer steps
+        raise ValueError(f"k must be an int >= 0, got {k!r}")
     return _divide_down(_check_delta(delta_req), (k + 1) * (k + 2))

@@ -225,8 +225,8 @@ class LayerStore:
         if witness not in WITNESS_FORMATS:
             raise ValueError(f"witness must be one of {WITNESS_FORMATS}, got {witness!r}")
         self.witness: Witness = witness
-        if write_block < 1:
-            raise ValueError(f"write_block must be >= 1, got {write_block}")
+        if isinstance(write_block, bool) or not isinstance(write_block, int) or write_block < 1:
+            raise ValueError(f"write_block must be an int >= 1, got {write_block!r}")
         if isinstance(bands, bool) or not isinstance(bands, int) or bands < 1:
             raise ValueError(f"bands must be an int >= 1 (witness bands of whole RoPE pairs), got {bands!r}")
         check_pairing(pairing)

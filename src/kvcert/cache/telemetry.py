@@ -348,7 +348,9 @@ class Telemetry:
         """The ``q``-quantile (``torch.quantile``, linear) over the recorded cells of the output bound's value term
         ``Σ_t p̃_t‖Δv_t‖`` (certified, in output units): how far the compressed values may move a read's output.
         A gate's TV threshold bounds the key side only; the value side is gated only with ``value_tol``
-        (``docs/read-path.md#value-term``). NaN with no recorded cell."""
+        (``docs/read-path.md#value-term``). NaN with no recorded cell; ``ValueError`` unless ``0 <= q <= 1``."""
+        if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 <= q <= 1.0:
+            raise ValueError(f"q must be a quantile in [0, 1], got {q!r}")
         rec = self.recorded
         if self.value_term is None or not rec.any():
             return float("nan")

@@ -149,6 +149,10 @@ def replay(
         f"auth_violations={s['n_auth_violations']} foreign_reads={s['n_read_foreign_owner']} "
         f"fail_closed={s['identity_fail_closed']} eprocess_log_m_max={s['eprocess']['log_m_max']}"
     )
+    typer.echo(  # the tiers of the line above, as the ledger's Prometheus gauges label them (kvcert.ledger.metrics)
+        "tiers: coverage empirical (share of reads served compressed); every count, delta_spent_max and the "
+        "e-process certified (ledger-decided)"
+    )
     integrity = _integrity(reader, expect_head)
     for c in integrity:
         typer.echo(f"integrity: {'PASS' if c.passed else 'FAIL'} {c.observed}")

@@ -468,8 +468,9 @@ class EvictionPolicy(ABC):
         return EVERY_ROW if self.needs_attention else PrefillReads()
 
     def __init__(self, sinks: int = 0, recent: int = 0) -> None:
-        if sinks < 0 or recent < 0:
-            raise ValueError(f"sinks and recent must be >= 0, got sinks={sinks}, recent={recent}")
+        for name, n in (("sinks", sinks), ("recent", recent)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {n!r}")
         self.sinks = sinks
         self.recent = recent
         self._layers: dict[int, LayerState] = {}

@@ -298,7 +298,11 @@ class CertifiedCache(Cache):
 
     # ------------------------------------------------------------------------------------ lifecycle
     def attach(self) -> CertifiedCache:
-        """Register the kvcert attention + mask functions and activate them on this model only (:func:`bind`)."""
+        """Register the kvcert attention + mask functions and activate them on this model only (:func:`bind`).
+        ``CacheClosedError`` for a detached cache (closed for good: binding it would leave the model on kvcert
+        attention with a cache that refuses every write)."""
+        if any(layer.closed for layer in self._layers):
+            raise CacheClosedError("this CertifiedCache was detached/closed; build a new one")
         self._first_attn = bind(self._model, self)
         self.attached = True
         return self

@@ -26,7 +26,8 @@ accuracy (with dense + CI whiskers) against capacity; ``--out`` writes ``results
 Usage: ``OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/token_tier_accuracy.py [--model gemma3-270m]
 [--tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2] [--context 2048] [--samples 4]
 [--seed 5] [--light dither-int5+bypass8] [--heavy dither-int8+bypass8] [--heavy-fracs 0,0.2] [--values int2/int4]
-[--max-new-tokens 32] [--plot FILE] [--out DIR]``
+[--max-new-tokens 32] [--plot FILE] [--out DIR]``; ``--report-only --out DIR [--plot FILE]`` prints the
+table and draws the figure again from ``DIR/results.json``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvcert.cli.common import load_model  # noqa: E402
@@ -52,6 +54,7 @@ from kvcert.eval import ruler  # noqa: E402
 from kvcert.eval.branching import copy_cache, exact_prefill, greedy_from  # noqa: E402
 from kvcert.eval.harness import prompt_ids  # noqa: E402
 from kvcert.eval.stats import mcnemar, paired_bootstrap  # noqa: E402
+from kvcert.models.zoo import converted_dir  # noqa: E402
 from kvcert.quant import bytes_per_token_head, get, sample_key  # noqa: E402
 from kvcert.report.tables import ReportTable, fmt, print_table, to_markdown  # noqa: E402
 from tv_box_tightness import Tiers, heavy_tokens, key_bytes  # noqa: E402
@@ -189,18 +192,79 @@ def plot(rows: list[Row], scores: dict[str, list[float]], head_dim: int, path: P
         got = scores[row.label]
         ci = paired_bootstrap(scores["dense"], got)
         acc, cap = sum(got) / len(got), row.capacity(head_dim)
-        ax.errorbar(
-            [cap], [acc], yerr=[[max(acc - dense - ci.low, 0)], [max(dense + ci.high - acc, 0)]], fmt="o", capsize=3
-        )
-        ax.annotate(row.label, (cap, acc), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        yerr = [[max(acc - dense - ci.low, 0)], [max(dense + ci.high - acc, 0)]]
+        ax.errorbar([cap], [acc], yerr=yerr, fmt="o", capsize=3, label=f"{row.label} ({cap:.2f}×)")
     ax.axhline(dense, color="k", linestyle="--", linewidth=1, label="dense")
     ax.set_xlabel("capacity: fp16 K/V / tiered bytes per token (measured per tier, nominal mix)")
     ax.set_ylabel("RULER accuracy (empirical)")
     ax.set_ylim(-0.05, 1.05)
     ax.set_title(f"{model}: token tiers, accuracy vs capacity; whiskers: dense + paired 95% CI of Δ", fontsize=8)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18))
     fig.savefig(path, dpi=130, bbox_inches="tight")
     plt.close(fig)
+
+
+def head_dim_of(model: str) -> int:
+    """The head dimension of ``model`` from its converted config (no weights loaded)."""
+    cfg = AutoConfig.from_pretrained(str(converted_dir(model)), local_files_only=True)
+    return int(cfg.get_text_config().head_dim)
+
+
+def report(
+    args: argparse.Namespace,
+    rows: list[Row],
+    scores: dict[str, list[float]],
+    same: dict[str, int],
+    head_dim: int,
+    console: Console,
+) -> None:
+    """Print the table; write ``--plot`` and, with ``--out``, ``table.md``."""
+    result = table(rows, scores, same, head_dim, args.model)
+    print_table(console, result)
+    if args.plot is not None:
+        plot(rows, scores, head_dim, args.plot, args.model)
+    if args.out is not None:
+        (args.out / "table.md").write_text(to_markdown(result) + "\n")
+
+
+def results_doc(
+    args: argparse.Namespace,
+    rows: list[Row],
+    scores: dict[str, list[float]],
+    same: dict[str, int],
+    head_dim: int,
+    texts: list[dict[str, str]],
+) -> dict[str, object]:
+    """``results.json``: the configuration, every row's numbers with their tier, the per-sample scores and texts."""
+    n = len(scores["dense"])
+    return {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "head_dim": head_dim,
+        "rows": {
+            r.label: {
+                "accuracy": {"value": sum(scores[r.label]) / n, "tier": EMPIRICAL},
+                "capacity": {"value": r.capacity(head_dim), "tier": EMPIRICAL},
+                "same_tokens": {"value": same[r.label], "tier": EMPIRICAL},
+            }
+            for r in rows
+        },
+        "dense_accuracy": {"value": sum(scores["dense"]) / n, "tier": EMPIRICAL},
+        "scores": scores,
+        "texts": texts,
+    }
+
+
+def from_results(args: argparse.Namespace, console: Console) -> None:
+    """``--report-only``: the table and the figure again from ``--out``'s ``results.json`` (its configuration)."""
+    if args.out is None:
+        raise SystemExit("--report-only reads --out DIR/results.json: give --out")
+    doc = json.loads((args.out / "results.json").read_text())
+    config = doc["config"]
+    for key in ("model", "light", "heavy", "heavy_fracs", "values"):
+        setattr(args, key, config[key])
+    rows = parse_rows(args)
+    same = {r.label: int(doc["rows"][r.label]["same_tokens"]["value"]) for r in rows}
+    report(args, rows, doc["scores"], same, int(doc.get("head_dim") or head_dim_of(args.model)), console)
 
 
 def main() -> None:
@@ -217,7 +281,12 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32, help="cap on RULER's per-task budget (0: none)")
     ap.add_argument("--plot", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--report-only", action="store_true", help="the table and figure again from --out's results")
     args = ap.parse_args()
+    console = Console()
+    if args.report_only:
+        from_results(args, console)
+        return
     if args.samples < 1 or args.context < 64:
         raise SystemExit("--samples must be >= 1 and --context >= 64")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -233,7 +302,6 @@ def main() -> None:
     scores: dict[str, list[float]] = {"dense": [], **{r.label: [] for r in rows}}
     same = {r.label: 0 for r in rows}
     texts: list[dict[str, str]] = []
-    console = Console()
     with progress_bar(f"samples (dense + {len(rows)} rows each)", len(samples), console) as tick:
         for sample in samples:
             ids = prompt_ids(loaded.tokenizer, sample)
@@ -256,29 +324,13 @@ def main() -> None:
                 same[row.label] += toks == dense
             texts.append({"task": sample.task, "index": str(sample.index), **text})
             tick(0)
-    result = table(rows, scores, same, head_dim, args.model)
-    print_table(console, result)
     console.print(f"{len(samples)} samples in {time.time() - t0:.0f} s")
-    if args.plot is not None:
-        plot(rows, scores, head_dim, args.plot, args.model)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "table.md").write_text(to_markdown(result) + "\n")
-        doc = {
-            "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "rows": {
-                r.label: {
-                    "accuracy": {"value": sum(scores[r.label]) / len(samples), "tier": EMPIRICAL},
-                    "capacity": {"value": r.capacity(head_dim), "tier": EMPIRICAL},
-                    "same_tokens": {"value": same[r.label], "tier": EMPIRICAL},
-                }
-                for r in rows
-            },
-            "dense_accuracy": {"value": sum(scores["dense"]) / len(samples), "tier": EMPIRICAL},
-            "scores": scores,
-            "texts": texts,
-        }
-        (args.out / "results.json").write_text(json.dumps(doc, indent=1))
+        (args.out / "results.json").write_text(
+            json.dumps(results_doc(args, rows, scores, same, head_dim, texts), indent=1)
+        )
+    report(args, rows, scores, same, head_dim, console)
 
 
 if __name__ == "__main__":

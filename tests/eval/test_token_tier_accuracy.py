@@ -2,10 +2,12 @@
 prefill copy, the capacity figure and the refusal of bad rows."""
 
 import argparse
+import json
 
 import pytest
 import torch
 from benchmark_scripts import load_benchmark
+from rich.console import Console
 
 from kvcert.eval.branching import exact_prefill
 from kvcert.models import tiny_random
@@ -113,3 +115,21 @@ def test_rows_and_their_refusals():
             tta.parse_rows(_args(**bad))
     with pytest.raises(ValueError, match="int9"):
         tta.parse_rows(_args(values="int2/int9"))
+
+
+def test_report_only_rebuilds_the_table_and_figure_from_results(tmp_path):
+    """``--report-only`` reads the configuration, the per-sample scores and the head dimension back from
+    ``results.json`` and gives the same table as the run (every number tiered there)."""
+    args = _args(model="smollm2-135m", out=tmp_path, plot=tmp_path / "f.png")
+    rows = tta.parse_rows(args)
+    scores = {"dense": [1.0, 1.0, 0.0], **{r.label: [1.0, 0.0, 0.0] for r in rows}}
+    same = {r.label: 1 for r in rows}
+    doc = tta.results_doc(args, rows, scores, same, 64, [])
+    assert doc["rows"][rows[1].label]["accuracy"] == {"value": 1 / 3, "tier": "empirical"}
+    (tmp_path / "results.json").write_text(json.dumps(doc))
+    console = Console(record=True, width=200)
+    again = _args(model="ignored", light="x", heavy="y", out=tmp_path, plot=tmp_path / "f.png")
+    tta.from_results(again, console)
+    shown = console.export_text()
+    assert "1 / 3" in shown and f"{rows[1].capacity(64):.2f}×" in shown and "-33.3" in shown
+    assert (tmp_path / "f.png").stat().st_size > 0 and (tmp_path / "table.md").exists()

@@ -1,4 +1,6 @@
 import json
+import subprocess
+import sys
 
 import numpy as np
 from typer.testing import CliRunner
@@ -113,3 +115,14 @@ def test_gate_replica_run_directory(tmp_path):
     assert r.exit_code == 1 and "missing data (a snapshot lacks rank or n_ranks)" in r.output
     (tmp_path / "rank1" / "ledger.json").unlink()
     assert runner.invoke(app, ["gate", str(tmp_path)]).exit_code == 2  # a rank directory without a ledger
+
+
+def test_the_ledger_commands_do_not_load_the_model_stack():
+    """The ledger's commands are imported beside a running vLLM engine (the server tests), whose kernel dispatcher
+    trips over numba's loaded library: importing them must not load numba, transformers or the RULER generators."""
+    code = (
+        "import sys, kvcert.cli.ledger_command; "
+        "print(sorted(m for m in ('numba', 'llvmlite.binding.ffi', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", out

@@ -16,8 +16,9 @@ import typer
 from rich.console import Console
 
 from kvcert.cli.common import load_model
+from kvcert.cli.output_checks import out_file
 from kvcert.cli.progress import progress_bar
-from kvcert.cli.validate import at_least, checked_inputs, model_max_positions, out_file, seed_in_range
+from kvcert.cli.validate import at_least, checked_inputs, model_max_positions, seed_in_range
 from kvcert.eval.bit_calibration import allocate as allocation_of
 from kvcert.eval.bit_calibration import calibrate, calibration_ids, check_calibration
 from kvcert.eval.corpora import CORPORA

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvcert.cli.validate import out_file
+from kvcert.cli.output_checks import out_file
 from kvcert.ledger.criteria import Criterion, GateResult, check_snapshot, evaluate
 from kvcert.ledger.log import LogReader
 from kvcert.ledger.replay import diff_states, replay_verified

@@ -17,7 +17,8 @@ import typer
 from transformers import PreTrainedModel
 
 from kvcert.cli.common import TINY_PREFIX, load_model
-from kvcert.cli.validate import at_least, checked_inputs, fail, out_file, seed_in_range
+from kvcert.cli.output_checks import out_file
+from kvcert.cli.validate import at_least, checked_inputs, fail, seed_in_range
 from kvcert.integrations.forget_gates import tiny_recurrent_model
 from kvcert.integrations.live_probe.heterogeneous import ProbeConfig, probe_request
 from kvcert.integrations.mla import tiny_deepseek_v3

@@ -23,6 +23,7 @@ from typing import Annotated, NoReturn
 import typer
 
 from kvcert.cli.common import TINY_PREFIX
+from kvcert.cli.output_checks import InputError
 from kvcert.eval import ruler
 from kvcert.integrations.model_attention import SUPPORTED_FAMILIES as CACHE_FAMILIES
 from kvcert.models.tiny import SUPPORTED_FAMILIES, tiny_config
@@ -30,10 +31,6 @@ from kvcert.models.zoo import ZOO, cache_root
 
 EXIT_USAGE = 2
 REPORT_FILES = ("results.json", "report.html")
-
-
-class InputError(ValueError):
-    """Unusable input (argument, input file or output location); the message names what is wrong."""
 
 
 def fail(command: str, message: str) -> NoReturn:
@@ -70,20 +67,6 @@ def seed_in_range(seed: int) -> None:
     (a negative seed used to pass the checks and fail in RULER's generator after the model loaded)."""
     if not 0 <= seed <= SEED_MAX:
         raise InputError(f"--seed must be in [0, {SEED_MAX}], got {seed}")
-
-
-def out_file(path: Path, overwrite: bool, option: str = "--out") -> None:
-    """Check a one-file output (``allocate``, ``probe run``, ``ledger replay``) before any work: ``ValueError`` naming
-    ``option`` for a directory, a missing parent folder, a symbolic link, or an existing file without
-    ``overwrite``."""
-    if path.is_symlink():
-        raise InputError(f"{option} {path} is a symbolic link: results are never written through a link")
-    if path.is_dir():
-        raise InputError(f"{option} {path} is a directory; give the path of the file to write")
-    if not path.parent.is_dir():
-        raise InputError(f"{option} {path}: the folder {path.parent} does not exist")
-    if path.exists() and not overwrite:
-        raise InputError(f"{option} {path} exists; pass --overwrite to replace it")
 
 
 def model_max_positions(spec: str) -> int | None:

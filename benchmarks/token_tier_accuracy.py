@@ -218,7 +218,7 @@ def report(
     head_dim: int,
     console: Console,
 ) -> None:
-    """Print the table; write ``--plot`` and, with ``--out``, ``table.md``."""
+    """Print the table; write ``--plot`` and, with ``--out``, the same table in markdown beside ``results.json``."""
     result = table(rows, scores, same, head_dim, args.model)
     print_table(console, result)
     if args.plot is not None:

@@ -369,7 +369,7 @@ def _bind_budget_policy(policy: EvictionPolicy, driver: EvictionDriver) -> None:
     """Bind a decode budget's policy to one cache's driver. The policy keeps the request's per-layer state (slots,
     scores) from its prefill on, so a second live cache sharing it would mix two requests: ``ValueError`` naming the
     remedy. A policy whose cache is gone is reset and bound again."""
-    owner = getattr(policy, "_kvcert_driver", None)
+    owner = policy.owner
     if owner is not None and owner() is not None and owner() is not driver:
         raise ValueError(
             f"this decode budget's {type(policy).__name__} policy already keeps the state of another CertifiedCache's "
@@ -377,7 +377,7 @@ def _bind_budget_policy(policy: EvictionPolicy, driver: EvictionDriver) -> None:
         )
     if owner is not None:
         policy.reset()
-    policy._kvcert_driver = weakref.ref(driver)  # type: ignore[attr-defined]
+    policy.owner = weakref.ref(driver)
 
 
 class EvictionDriver:

@@ -48,6 +48,7 @@ data-dependent host decision there.
 from __future__ import annotations
 
 import math
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Literal
@@ -474,6 +475,8 @@ class EvictionPolicy(ABC):
         self.sinks = sinks
         self.recent = recent
         self._layers: dict[int, LayerState] = {}
+        # the cache (its eviction driver) whose request this state belongs to, when a decode budget binds it
+        self.owner: weakref.ref[object] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def reset(self) -> None:

@@ -36,7 +36,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import matplotlib
@@ -154,13 +154,27 @@ def parse_rows(args: argparse.Namespace) -> list[Row]:
     return sorted(rows, key=lambda r: (r.frac, r.values))
 
 
-def table(
-    rows: list[Row], scores: dict[str, list[float]], same: dict[str, int], head_dim: int, model: str
-) -> ReportTable:
-    dense = scores["dense"]
-    out = [("dense", str(len(dense)), fmt(sum(dense) / len(dense), percent=True), "–", "–", "–", "1")]
-    for row in rows:
-        got = scores[row.label]
+@dataclass
+class Measured:
+    """What a run measured, for the table, the figure and ``results.json``: per row (and ``"dense"``) the per-sample
+    scores, per row the continuations token-identical to dense, the head dimension its capacity needs, the texts."""
+
+    rows: list[Row]
+    head_dim: int
+    scores: dict[str, list[float]]
+    same: dict[str, int]
+    texts: list[dict[str, str]] = field(default_factory=list)
+
+    def accuracy(self, label: str) -> float:
+        """Mean score of ``label`` (a row's label or ``"dense"``) over the samples."""
+        return sum(self.scores[label]) / len(self.scores[label])
+
+
+def table(m: Measured, model: str) -> ReportTable:
+    dense = m.scores["dense"]
+    out = [("dense", str(len(dense)), fmt(m.accuracy("dense"), percent=True), "–", "–", "–", "1")]
+    for row in m.rows:
+        got = m.scores[row.label]
         ci = paired_bootstrap(dense, got)
         exact = [float(s == 1.0) for s in got]
         p = mcnemar([float(s == 1.0) for s in dense], exact).p_exact
@@ -168,11 +182,11 @@ def table(
             (
                 row.label,
                 str(len(got)),
-                fmt(sum(got) / len(got), percent=True),
+                fmt(m.accuracy(row.label), percent=True),
                 f"{100 * ci.diff:+.1f} [{100 * ci.low:+.1f}, {100 * ci.high:+.1f}]",
                 fmt(p),
-                f"{same[row.label]} / {len(got)}",
-                f"{row.capacity(head_dim):.2f}×",
+                f"{m.same[row.label]} / {len(got)}",
+                f"{row.capacity(m.head_dim):.2f}×",
             )
         )
     return ReportTable(
@@ -185,13 +199,12 @@ def table(
     )
 
 
-def plot(rows: list[Row], scores: dict[str, list[float]], head_dim: int, path: Path, model: str) -> None:
-    dense = sum(scores["dense"]) / len(scores["dense"])
+def plot(m: Measured, path: Path, model: str) -> None:
+    dense = m.accuracy("dense")
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for row in rows:
-        got = scores[row.label]
-        ci = paired_bootstrap(scores["dense"], got)
-        acc, cap = sum(got) / len(got), row.capacity(head_dim)
+    for row in m.rows:
+        ci = paired_bootstrap(m.scores["dense"], m.scores[row.label])
+        acc, cap = m.accuracy(row.label), row.capacity(m.head_dim)
         yerr = [[max(acc - dense - ci.low, 0)], [max(dense + ci.high - acc, 0)]]
         ax.errorbar([cap], [acc], yerr=yerr, fmt="o", capsize=3, label=f"{row.label} ({cap:.2f}×)")
     ax.axhline(dense, color="k", linestyle="--", linewidth=1, label="dense")
@@ -210,47 +223,32 @@ def head_dim_of(model: str) -> int:
     return int(cfg.get_text_config().head_dim)
 
 
-def report(
-    args: argparse.Namespace,
-    rows: list[Row],
-    scores: dict[str, list[float]],
-    same: dict[str, int],
-    head_dim: int,
-    console: Console,
-) -> None:
+def report(args: argparse.Namespace, m: Measured, console: Console) -> None:
     """Print the table; write ``--plot`` and, with ``--out``, the same table in markdown beside ``results.json``."""
-    result = table(rows, scores, same, head_dim, args.model)
+    result = table(m, args.model)
     print_table(console, result)
     if args.plot is not None:
-        plot(rows, scores, head_dim, args.plot, args.model)
+        plot(m, args.plot, args.model)
     if args.out is not None:
         (args.out / "table.md").write_text(to_markdown(result) + "\n")
 
 
-def results_doc(
-    args: argparse.Namespace,
-    rows: list[Row],
-    scores: dict[str, list[float]],
-    same: dict[str, int],
-    head_dim: int,
-    texts: list[dict[str, str]],
-) -> dict[str, object]:
+def results_doc(args: argparse.Namespace, m: Measured) -> dict[str, object]:
     """``results.json``: the configuration, every row's numbers with their tier, the per-sample scores and texts."""
-    n = len(scores["dense"])
     return {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "head_dim": head_dim,
+        "head_dim": m.head_dim,
         "rows": {
             r.label: {
-                "accuracy": {"value": sum(scores[r.label]) / n, "tier": EMPIRICAL},
-                "capacity": {"value": r.capacity(head_dim), "tier": EMPIRICAL},
-                "same_tokens": {"value": same[r.label], "tier": EMPIRICAL},
+                "accuracy": {"value": m.accuracy(r.label), "tier": EMPIRICAL},
+                "capacity": {"value": r.capacity(m.head_dim), "tier": EMPIRICAL},
+                "same_tokens": {"value": m.same[r.label], "tier": EMPIRICAL},
             }
-            for r in rows
+            for r in m.rows
         },
-        "dense_accuracy": {"value": sum(scores["dense"]) / n, "tier": EMPIRICAL},
-        "scores": scores,
-        "texts": texts,
+        "dense_accuracy": {"value": m.accuracy("dense"), "tier": EMPIRICAL},
+        "scores": m.scores,
+        "texts": m.texts,
     }
 
 
@@ -264,7 +262,8 @@ def from_results(args: argparse.Namespace, console: Console) -> None:
         setattr(args, key, config[key])
     rows = parse_rows(args)
     same = {r.label: int(doc["rows"][r.label]["same_tokens"]["value"]) for r in rows}
-    report(args, rows, doc["scores"], same, int(doc.get("head_dim") or head_dim_of(args.model)), console)
+    head_dim = int(doc.get("head_dim") or head_dim_of(args.model))
+    report(args, Measured(rows, head_dim, doc["scores"], same, doc.get("texts", [])), console)
 
 
 def main() -> None:
@@ -295,13 +294,15 @@ def main() -> None:
     rows = parse_rows(args)
     t0 = time.time()
     loaded = load_model(args.model, args.seed)
-    head_dim = loaded.model.config.head_dim
     samples = [
         s for t in tasks for s in ruler.load_task(t, args.context, args.samples, args.seed, loaded.tokenizer_dir)
     ]
-    scores: dict[str, list[float]] = {"dense": [], **{r.label: [] for r in rows}}
-    same = {r.label: 0 for r in rows}
-    texts: list[dict[str, str]] = []
+    m = Measured(
+        rows,
+        loaded.model.config.head_dim,
+        {"dense": [], **{r.label: [] for r in rows}},
+        dict.fromkeys((r.label for r in rows), 0),
+    )
     with progress_bar(f"samples (dense + {len(rows)} rows each)", len(samples), console) as tick:
         for sample in samples:
             ids = prompt_ids(loaded.tokenizer, sample)
@@ -312,7 +313,7 @@ def main() -> None:
                 loaded.model, prefill.first, copy_cache(loaded.model, prefill.cache), budget, loaded.eos_ids
             )
             text = {"dense": loaded.tokenizer.decode(dense, skip_special_tokens=True)}
-            scores["dense"].append(ruler.score(sample, text["dense"]))
+            m.scores["dense"].append(ruler.score(sample, text["dense"]))
             masks = {}
             for row in rows:
                 if row.frac not in masks:
@@ -320,17 +321,15 @@ def main() -> None:
                 cache = tiered_cache(loaded.model, prefill.cache, masks[row.frac], row, args.seed)
                 toks = greedy_from(loaded.model, prefill.first, cache, budget, loaded.eos_ids)
                 text[row.label] = loaded.tokenizer.decode(toks, skip_special_tokens=True)
-                scores[row.label].append(ruler.score(sample, text[row.label]))
-                same[row.label] += toks == dense
-            texts.append({"task": sample.task, "index": str(sample.index), **text})
+                m.scores[row.label].append(ruler.score(sample, text[row.label]))
+                m.same[row.label] += toks == dense
+            m.texts.append({"task": sample.task, "index": str(sample.index), **text})
             tick(0)
     console.print(f"{len(samples)} samples in {time.time() - t0:.0f} s")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(
-            json.dumps(results_doc(args, rows, scores, same, head_dim, texts), indent=1)
-        )
-    report(args, rows, scores, same, head_dim, console)
+        (args.out / "results.json").write_text(json.dumps(results_doc(args, m), indent=1))
+    report(args, m, console)
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ def test_report_only_rebuilds_the_table_and_figure_from_results(tmp_path):
     rows = tta.parse_rows(args)
     scores = {"dense": [1.0, 1.0, 0.0], **{r.label: [1.0, 0.0, 0.0] for r in rows}}
     same = {r.label: 1 for r in rows}
-    doc = tta.results_doc(args, rows, scores, same, 64, [])
+    doc = tta.results_doc(args, tta.Measured(rows, 64, scores, same))
     assert doc["rows"][rows[1].label]["accuracy"] == {"value": 1 / 3, "tier": "empirical"}
     (tmp_path / "results.json").write_text(json.dumps(doc))
     console = Console(record=True, width=200)

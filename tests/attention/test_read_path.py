@@ -16,6 +16,7 @@ from kvcert.attention.read_path import (
     Recorder,
     ResidentReadPath,
     slot_mask,
+    step_record,
 )
 from kvcert.cache.events import ReadEvent
 from kvcert.cache.gate import Gate
@@ -52,6 +53,19 @@ def test_certified_path_serves_certified_read_and_records_every_cell_once() -> N
     (ev,) = events.reads
     assert torch.equal(ev.rows, rows) and ev.step == 3 and torch.equal(ev.certificate, want.cert[..., -1])
     assert torch.equal(ev.repaired, rec.reading("repaired")) and bool(ev.repaired.any())
+
+
+def test_a_nan_measurement_counts_as_a_violation_never_as_a_pass() -> None:
+    st, q, mask = _setup("int4", 96, 0, 3.0, nq=2)
+    cfg = ReadConfig(Gate.certified(0.05), True, 1e-6)
+    res = certified_read(q, st, mask, D**-0.5, cfg, _exact(st, q, mask, D**-0.5))
+    assert step_record(res, st.layer, 0, 2, None).violations == 0
+    res.true_tv = res.true_tv.clone()
+    res.true_tv.view(-1)[0] = float("nan")
+    res.true_out_err = res.true_out_err.clone()
+    res.true_out_err.view(-1)[:2] = float("nan")
+    rec = step_record(res, st.layer, 0, 2, None)
+    assert (rec.violations, rec.out_violations) == (1, 2)
 
 
 def test_ladder_path_is_ladder_read_without_chain_readings() -> None:

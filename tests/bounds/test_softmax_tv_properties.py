@@ -303,3 +303,17 @@ def test_shapes_that_do_not_broadcast_are_named():
         with pytest.raises(ValueError, match="shapes do not broadcast: .*" + match):
             call()
     assert tv_meter(p, torch.ones(2, 1, dtype=F64)).shape == (2,)  # a per-row radius still broadcasts
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.1])
+@pytest.mark.parametrize("side", ["p", "q"])
+def test_true_tv_refuses_what_no_distribution_holds(bad, side):
+    """A NaN distance used to come back from NaN input, and a NaN compares as no violation against any bound: the
+    argument holding it is named instead."""
+    good = torch.full((2, 4), 0.25, dtype=F64)
+    broken = good.clone()
+    broken[1, 2] = bad
+    args = (broken, good) if side == "p" else (good, broken)
+    with pytest.raises(ValueError, match=f"^{side} must be finite and non-negative"):
+        true_tv(*args)
+    assert float(true_tv(good, good).abs().max()) == 0.0

@@ -1,4 +1,4 @@
-"""Parsing of --schemes / --gate / --task and the auto-gate rule."""
+"""Parsing of --schemes / --gate / --tasks / --task and the auto-gate rule."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from kvcert.cache.gate import Gate
 from kvcert.cli.common import SchemeSpec, auto_gate, load_model, parse_gate, parse_schemes, parse_storage
-from kvcert.cli.evaluate import parse_task_option
+from kvcert.cli.evaluate import eval_tasks, parse_task_option
 
 
 def test_parse_schemes() -> None:
@@ -71,8 +71,16 @@ def test_auto_gate_rule_boundary() -> None:
 def test_parse_task_option() -> None:
     assert parse_task_option("ruler:niah_single_1,vt") == ("niah_single_1", "vt")
     for bad in ("niah_single_1", "ruler:"):
-        with pytest.raises(ValueError, match="task"):
+        with pytest.raises(ValueError, match="^--task: "):
             parse_task_option(bad)
+
+
+def test_eval_takes_tasks_as_run_does_or_the_older_task_spelling() -> None:
+    assert eval_tasks("niah_single_1, vt", None) == (("niah_single_1", "vt"), "--tasks")
+    assert eval_tasks(None, "ruler:niah_single_1,vt") == (("niah_single_1", "vt"), "--task")
+    assert eval_tasks(None, None) == (("niah_single_1",), "--tasks")
+    with pytest.raises(ValueError, match="give one of --tasks and --task"):
+        eval_tasks("vt", "ruler:vt")
 
 
 def test_load_model_rejects_unknown_specs() -> None:

@@ -54,6 +54,7 @@ def test_gate_missing_data(tmp_path):
     assert r.exit_code == 1 and "missing data" in r.output
     r = runner.invoke(app, ["gate", str(tmp_path / "nope.json")])
     assert r.exit_code == 2
+    assert r.output.startswith("kvcert ledger gate: error: ") and r.output.count("\n") == 1  # the CLI's one line
     (tmp_path / "junk.json").write_text("[1, 2]")
     assert runner.invoke(app, ["gate", str(tmp_path / "junk.json")]).exit_code == 2
     empty = tmp_path / "empty"
@@ -82,13 +83,15 @@ def test_replay_check_against(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(state))
     r = runner.invoke(app, ["replay", str(tmp_path / "ledger.db"), "--check-against", str(tmp_path / "bad.json")])
     assert r.exit_code == 1 and "$.accounts.1.n_reads" in r.output
-    assert runner.invoke(app, ["replay", str(tmp_path / "missing.db")]).exit_code == 2
+    r = runner.invoke(app, ["replay", str(tmp_path / "missing.db")])
+    assert r.exit_code == 2 and r.output.startswith("kvcert ledger replay: error: ") and "missing.db" in r.output
 
 
 def test_sentinel_command():
     r = runner.invoke(app, ["sentinel", "--slots", "1024", "--r", "128", "--bad", "4"])
     assert r.exit_code == 0 and "prob >= 0.99: 10" in r.output
-    assert runner.invoke(app, ["sentinel", "--slots", "10", "--r", "1", "--bad", "11"]).exit_code == 2
+    r = runner.invoke(app, ["sentinel", "--slots", "10", "--r", "1", "--bad", "11"])
+    assert r.exit_code == 2 and r.output.startswith("kvcert ledger sentinel: error: ")
 
 
 def test_gate_replica_run_directory(tmp_path):

@@ -94,8 +94,8 @@ def test_eval_fixed_gate_and_bad_task(tmp_path: Path) -> None:
         "eval",
         *TINY,
         *RULER,
-        "--task",
-        "ruler:niah_single_1",
+        "--tasks",
+        "niah_single_1",
         "--schemes",
         "int2",
         "--gate",
@@ -111,8 +111,15 @@ def test_eval_fixed_gate_and_bad_task(tmp_path: Path) -> None:
     assert gated["bootstrap_resamples"]["value"] == 200
     # tau = 0 repairs every read touching a compressed entry, so everything is paged in
     assert gated["fallback_rate"]["value"] == 1.0 and gated["page_in_bytes"]["value"] > 0
+    assert doc["config"]["tasks"] == ["niah_single_1"]  # --tasks, as run and frontier take it
     bad = runner.invoke(app, ["eval", *TINY, "--task", "niah_single_1", "--out", str(tmp_path / "x")])
-    assert bad.exit_code == 2 and "ruler:" in bad.output
+    assert bad.exit_code == 2 and "ruler:" in bad.output and "--tasks" in bad.output
+    both = ["--tasks", "niah_single_1", "--task", "ruler:niah_single_1"]
+    bad = runner.invoke(app, ["eval", *TINY, *both, "--out", str(tmp_path / "y")])
+    assert bad.exit_code == 2 and "give one of --tasks and --task" in bad.output
+    bad = runner.invoke(app, ["eval", *TINY, "--tasks", "niah_nope", "--out", str(tmp_path / "z")])
+    assert bad.exit_code == 2 and "unknown RULER task 'niah_nope'" in bad.output
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists() and not (tmp_path / "z").exists()
 
 
 def test_eval_tier_b_gate_reports_its_partial_reads(tmp_path: Path) -> None:

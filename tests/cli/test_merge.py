@@ -134,6 +134,20 @@ def test_cli_merges_two_real_eval_shards(tmp_path: Path):
     doc = json.loads((out / "results.json").read_text())
     assert doc["command"] == "merge" and untiered_numbers(doc["results"]) == []
     assert doc["results"]["variants"]["dense"]["samples"]["value"] == 4
+    # the merged table has eval's columns, and its bytes per token are what one run over both shards gives
+    shards = [json.loads((tmp_path / n / "results.json").read_text())["results"]["variants"] for n in "ab"]
+    merged = doc["results"]["variants"]
+    for lab in ("dense", "int2+gate"):
+        assert merged[lab]["bytes_per_token_fp16"] == shards[0][lab]["bytes_per_token_fp16"]
+    device = sum(v["int2+gate"]["bytes_device"]["value"] for v in shards)
+    fp16 = sum(v["int2+gate"]["bytes_fp16"]["value"] for v in shards)
+    want = shards[0]["int2+gate"]["bytes_per_token_fp16"]["value"] * device / fp16
+    assert abs(merged["int2+gate"]["bytes_per_token_device"]["value"] - want) <= 1e-9 * want
+    header = lambda text: next(line for line in text.splitlines() if "scheme" in line and "McN p" in line)  # noqa: E731
+    assert (
+        header(res.output).split()
+        == header(runner.invoke(app, ["eval", *common, "--out", str(tmp_path / "a"), "--overwrite"]).output).split()
+    )
     assert (out / "accuracy.png").stat().st_size > 1000
     assert "data:image/png;base64," in (out / "report.html").read_text()
     bad = runner.invoke(app, ["merge", str(tmp_path / "a"), str(tmp_path / "a"), "--out", str(tmp_path / "x")])

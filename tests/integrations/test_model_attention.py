@@ -37,6 +37,6 @@ def test_the_uncompressed_sliding_layers_warning_points_at_the_cache_constructio
         warnings.simplefilter("always")
         cache = CertifiedCache(model, seed=0)
     cache.detach()
-    named = [w for w in caught if "sliding-window layers" in str(w.message)]
+    named = [w for w in caught if "than one write block" in str(w.message)]
     assert len(named) == 1 and named[0].filename == __file__
     assert cache.uncompressed_layers == tuple(i for i, layer in enumerate(cache.layers) if layer.is_sliding)

@@ -29,7 +29,7 @@ def _assert_unusable(result, *needles: str) -> None:
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    lines = [x for x in result.output.splitlines() if x.startswith("FAIL:")]
+    lines = [x for x in result.output.splitlines() if x.startswith("kvcert ledger gate: error: ")]
     assert len(lines) == 1 and all(n in lines[0] for n in needles), result.output
 
 

@@ -3,6 +3,7 @@ chain, naming the first bad sequence number; events the live API would refuse ar
 the chain was recomputed; a legacy (unchained) or unclosed log never passes the gate."""
 
 import json
+import re
 import time
 
 import numpy as np
@@ -29,7 +30,7 @@ def _one_line_failure(result, code: int, *needles: str) -> None:
     assert result.exit_code == code, result.output
     assert "Traceback" not in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    line = next(x for x in result.output.splitlines() if x.startswith("FAIL:"))
+    line = next(x for x in result.output.splitlines() if re.match(r"kvcert ledger (gate|replay): error: ", x))
     for needle in needles:
         assert needle in line, line
 

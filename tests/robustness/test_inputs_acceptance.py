@@ -78,6 +78,25 @@ def test_half_precision_full_repair_equals_dynamic_cache() -> None:
     assert torch.equal(ref, got)
 
 
+@pytest.mark.parametrize(("write_block", "silent"), [(64, True), (65, False)])
+def test_a_write_block_longer_than_the_model_context_is_reported(write_block: int, silent: bool) -> None:
+    """A write block of more tokens than the model's ``max_position_embeddings`` (here 64) never fills: every layer
+    would stay exact with no word. The cache warns and telemetry names the layers; one token less is silent."""
+    model = tiny_random("llama", head_dim=32, max_position_embeddings=64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = CertifiedCache(
+            model, seed=0, storage=StorageConfig(keys="int4", values="int4", write_block=write_block)
+        )
+    cache.detach()
+    named = [w for w in caught if "than one write block" in str(w.message)]
+    n_layers = model.config.num_hidden_layers
+    if silent:
+        assert not named and cache.uncompressed_layers == ()
+    else:
+        assert named and cache.uncompressed_layers == tuple(range(n_layers))
+
+
 @pytest.mark.parametrize(("window", "silent"), [(8, True), (16, True), (17, False)])
 def test_sliding_window_smaller_than_a_write_block_is_reported(window: int, silent: bool) -> None:
     """A sliding layer holds window − 1 tokens when it encodes; with write_block=16 (int4: block 1) it can
@@ -90,7 +109,7 @@ def test_sliding_window_smaller_than_a_write_block_is_reported(window: int, sile
     _decode(model, ids, cache, 4)
     cache.detach()
     tel = cache.telemetry()
-    named = [w for w in caught if "sliding-window layers" in str(w.message)]
+    named = [w for w in caught if "than one write block" in str(w.message)]
     if silent:
         assert named and tel.uncompressed_layers == (0, 1) and tel.summary()["uncompressed_layers"] == 2
         assert tel.cells == 0  # what used to be reported with no word

@@ -113,7 +113,7 @@ def step_record(res: ReadResult, layer: int, step: int, nq: int, chain: ChainInp
     """The telemetry record of one read: every cell reading, the per-head flags and, when the read computed the
     exact reference (validate mode), the per-cell violation counts (true TV above the certificate before repair,
     true output error above the output bound, and with a Tier-B gate true TV above the partial bound on the reads
-    served on it)."""
+    served on it; a NaN on either side of a comparison counts as a violation)."""
     cells = {
         "cert": res.cert_pre,
         "raw": res.raw,
@@ -138,11 +138,12 @@ def step_record(res: ReadResult, layer: int, step: int, nq: int, chain: ChainInp
         tier_b_charged=res.tier_b_charged,
     )
     if res.true_tv is not None and res.true_out_err is not None:
-        rec.violations = int((res.true_tv > res.cert_pre).sum())
-        rec.out_violations = int((res.true_out_err > res.out_bound).sum())
+        # ``~(measured <= bound)``: a NaN on either side counts as a violation (fail closed), never as a pass
+        rec.violations = int((~(res.true_tv <= res.cert_pre)).sum())
+        rec.out_violations = int((~(res.true_out_err <= res.out_bound)).sum())
         if res.tier_b_heads is not None and res.cert_partial is not None:  # the reads served on the partial bound
             on_b = res.tier_b_heads.repeat_interleave(res.cert_partial.shape[1] // res.tier_b_heads.shape[1], 1)
-            rec.partial_violations = int(((res.true_tv > res.cert_partial) & on_b.unsqueeze(-1)).sum())
+            rec.partial_violations = int((~(res.true_tv <= res.cert_partial) & on_b.unsqueeze(-1)).sum())
     return rec
 
 

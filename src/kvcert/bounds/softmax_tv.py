@@ -286,10 +286,11 @@ def tv_tail(alpha_t: torch.Tensor | float, delta: torch.Tensor | float, clip: bo
 
 
 def true_tv(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Exact total variation ``½Σ_t |p_t − q_t|`` over the last dim, in float64 (``ValueError`` naming both shapes
-    when they do not broadcast)."""
+    """Exact total variation ``½Σ_t |p_t − q_t|`` over the last dim, in float64. ``ValueError`` naming both shapes
+    when they do not broadcast, and naming ``p`` or ``q`` when an entry is NaN, infinite or negative: a NaN distance
+    would compare as no violation wherever it is checked against a bound."""
     check_broadcast(p=p, q=q)
-    return 0.5 * (p.to(torch.float64) - q.to(torch.float64)).abs().sum(-1)
+    return 0.5 * (check_nonneg_finite(p, "p") - check_nonneg_finite(q, "q")).abs().sum(-1)
 
 
 _FORM_FNS: dict[str, Callable[[Moments], torch.Tensor]] = {

@@ -21,10 +21,10 @@ Live chain readings (per cell, the inputs of the per-layer dense contract chain
 ``qnorm`` the score-bridge coefficient ``sc·max‖q‖₂`` over the read's queries, ``logit_slack`` the largest
 float32 rounding slack ``φ_t`` of the read's logits. Recorded by the meter-gated read path (not the ladder).
 
-``uncompressed_layers``: sliding-window layers whose window can never hold one encodable write block, so
-they stay exact and contribute no cell (the cache warns at construction). With zero recorded cells every
-rate is NaN from its property and ``None`` in :meth:`Telemetry.summary` (whose key set never depends on
-what was read).
+``uncompressed_layers``: layers that can never hold one encodable write block (a sliding window, or the model's
+``max_position_embeddings``, shorter than the codecs' block), so they stay exact and contribute no cell (the cache
+warns at construction). With zero recorded cells every rate is NaN from its property and ``None`` in
+:meth:`Telemetry.summary` (whose key set never depends on what was read).
 
 Eviction (a selection operator): ``evicted_mass`` is the exact attention mass on evicted entries,
 ``TV(exact full attention, exact attention renormalised over the kept set)``, **measured** in validate
@@ -265,7 +265,7 @@ class Telemetry:
     value_term: torch.Tensor | None = None  # [steps, layers, B, Hq] the output bound's value term (None: no read)
     qnorm: torch.Tensor | None = None
     logit_slack: torch.Tensor | None = None
-    uncompressed_layers: tuple[int, ...] = ()  # sliding layers whose window never holds a write block
+    uncompressed_layers: tuple[int, ...] = ()  # layers that never hold a write block (window or context)
     bytes_device: int = 0  # everything resident on the device tier at the end
     fallback: torch.Tensor | None = None  # [steps, layers, B, Hkv] bool (see fallback_rate)
     transient_page_ins: int = 0  # persistent repairs the device budget served transient

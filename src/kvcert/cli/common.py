@@ -60,6 +60,7 @@ ExactSinksOption = Annotated[
     typer.Option(help="keep the tokens at the first N positions of every request exact (attention sinks)"),
 ]
 # Options shared by the RULER commands (``kvcert eval``, ``kvcert frontier``).
+TasksOption = Annotated[str, typer.Option(help="comma-separated RULER tasks")]
 ContextOption = Annotated[int, typer.Option(help="RULER sequence length in tokens")]
 SamplesOption = Annotated[int, typer.Option(help="samples per task")]
 SeedOption = Annotated[int, typer.Option(help="seed for data, codecs and bootstrap")]
@@ -196,6 +197,12 @@ def schemes_fit(specs: Sequence[SchemeSpec], model: Any) -> None:
                 kept = split_bypass(name)[1]
                 if kept > pairs:
                     raise ValueError(f"--schemes {name}: keeps {kept} RoPE pairs exact; a head here has {pairs}")
+
+
+def task_names(text: str) -> tuple[str, ...]:
+    """The tasks of a ``--tasks`` value: comma-separated names, blanks dropped (each checked by
+    :func:`kvcert.cli.validate.ruler_tasks`)."""
+    return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
 def parse_schemes(text: str) -> list[SchemeSpec]:

@@ -32,25 +32,41 @@ from kvcert.cli.common import (
     WitnessOption,
     default_out,
     ruler_variants,
+    task_names,
 )
 from kvcert.cli.ruler_command import RulerJob, execute
-from kvcert.cli.validate import OverwriteOption, checked_inputs
+from kvcert.cli.validate import OverwriteOption, checked_inputs, ruler_tasks
 
 TASK_PREFIX = "ruler:"
+DEFAULT_TASK = "niah_single_1"
 
 
 def parse_task_option(text: str) -> tuple[str, ...]:
-    """``ruler:t1,t2`` -> ``("t1", "t2")``; raises ``ValueError`` naming ``task`` otherwise."""
+    """``ruler:t1,t2`` -> ``("t1", "t2")`` (``--task``, the older spelling of ``--tasks t1,t2``); raises
+    ``ValueError`` naming ``--task`` otherwise."""
     if not text.startswith(TASK_PREFIX):
-        raise ValueError(f"task: expected ruler:<task1,task2,...>, got {text!r}")
-    tasks = tuple(t.strip() for t in text[len(TASK_PREFIX) :].split(",") if t.strip())
+        raise ValueError(f"--task: expected ruler:<task1,task2,...>, got {text!r} (or give --tasks <task1,task2,...>)")
+    tasks = task_names(text[len(TASK_PREFIX) :])
     if not tasks:
-        raise ValueError("task: no RULER task after 'ruler:'")
+        raise ValueError("--task: no RULER task after 'ruler:'")
     return tasks
 
 
+def eval_tasks(tasks: str | None, task: str | None) -> tuple[tuple[str, ...], str]:
+    """The tasks ``eval`` runs and the option that named them: ``--tasks t1,t2`` (as ``run`` and ``frontier`` take
+    them) or ``--task ruler:t1,t2``, not both (``ValueError``); neither: :data:`DEFAULT_TASK`."""
+    if tasks is not None and task is not None:
+        raise ValueError("give one of --tasks and --task (--task ruler:T1,T2 is the older spelling of --tasks T1,T2)")
+    if task is not None:
+        return parse_task_option(task), "--task"
+    return task_names(DEFAULT_TASK if tasks is None else tasks), "--tasks"
+
+
 def evaluate(
-    task: Annotated[str, typer.Option(help="ruler:<task1,task2,...>")] = "ruler:niah_single_1",
+    tasks: Annotated[
+        str | None, typer.Option(help=f"comma-separated RULER tasks (default {DEFAULT_TASK})", show_default=False)
+    ] = None,
+    task: Annotated[str | None, typer.Option(help="ruler:<task1,task2,...>, the older spelling of --tasks")] = None,
     context: ContextOption = 2048,
     samples: SamplesOption = 2,
     schemes: SchemesOption = DEFAULT_SCHEMES,
@@ -77,13 +93,14 @@ def evaluate(
     McNemar p against the uncompressed run on the same samples, plus bytes per token, host page-in bytes and
     fallback rate (and resident fraction, omitted-mass bound and recall for resident variants)."""
     with checked_inputs("eval"):
-        tasks = parse_task_option(task)
+        task_list, option = eval_tasks(tasks, task)
+        ruler_tasks(task_list, context, option)
         settings = ResidentSettings(resident, select, reselect, summary, resident_alloc, recall)
         variants = ruler_variants(schemes, witness, device_budget, allocation, gate, settings, exact_sinks)
     job = RulerJob(
         "eval",
         model,
-        tasks,
+        task_list,
         context,
         samples,
         variants.specs,

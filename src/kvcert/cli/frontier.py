@@ -38,6 +38,7 @@ from kvcert.cli.common import (
     SeedOption,
     SelectOption,
     SummaryOption,
+    TasksOption,
     ValidateOption,
     WitnessOption,
     command_line,
@@ -47,6 +48,7 @@ from kvcert.cli.common import (
     ruler_variants,
     schemes_fit,
     set_seed,
+    task_names,
 )
 from kvcert.cli.progress import progress_bar
 from kvcert.cli.ruler_report import results_section, variant_numbers, whole_context
@@ -133,7 +135,7 @@ def frontier_table(variants: dict[str, Any]) -> ReportTable:
 
 
 def frontier(
-    tasks: Annotated[str, typer.Option(help="comma-separated RULER tasks")] = "niah_single_1,niah_multikey_1",
+    tasks: TasksOption = "niah_single_1,niah_multikey_1",
     context: ContextOption = 2048,
     samples: SamplesOption = 2,
     schemes: SchemesOption = DEFAULT_SCHEMES,
@@ -165,7 +167,7 @@ def frontier(
     same samples: table, frontier.png and report.html."""
     out = out or default_out("frontier")
     with checked_inputs("frontier"):
-        task_list = tuple(t.strip() for t in tasks.split(",") if t.strip())
+        task_list = task_names(tasks)
         settings = ResidentSettings(resident, select, reselect, summary, resident_alloc, recall)
         variants = ruler_variants(schemes, witness, device_budget, allocation, gate, settings, exact_sinks)
         specs, chosen, plan = list(variants.specs), variants.gate, variants.plan

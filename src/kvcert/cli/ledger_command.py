@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvcert.cli.output_checks import out_file
+from kvcert.cli.output_checks import fail, out_file
 from kvcert.ledger.criteria import Criterion, GateResult, check_snapshot, evaluate
 from kvcert.ledger.log import LogReader
 from kvcert.ledger.replay import diff_states, replay_verified
@@ -109,8 +109,7 @@ def gate(
         snaps, evidence = _load_run(run, expect_head)
         result = evaluate(snaps, n_user_requests=requests)
     except ValueError as exc:
-        typer.echo(f"FAIL: {exc}", err=True)
-        raise typer.Exit(2) from None
+        fail("ledger gate", str(exc))
     result = GateResult(result.criteria + tuple(evidence))
     if not evidence:
         typer.echo("NOTE  a bare JSON snapshot is not tamper-evident: gate its event log or run directory")
@@ -140,8 +139,7 @@ def replay(
         ledger, reader = replay_verified(log)
         live = None if check_against is None else check_snapshot(strict_loads(check_against.read_text()))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        typer.echo(f"FAIL: {exc}", err=True)
-        raise typer.Exit(2) from None
+        fail("ledger replay", str(exc))
     s = ledger.summary()
     typer.echo(
         f"accounts={s['n_accounts']} user_requests={s['n_user_requests']} writes={s['n_written']} "
@@ -181,7 +179,6 @@ def sentinel(
     try:
         n = rounds_needed(bad, slots, r, delta)
     except ValueError as exc:
-        typer.echo(f"FAIL: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail("ledger sentinel", str(exc))
     typer.echo(f"rounds to detect >=1 of B={bad} bad among M={slots} with r={r}, prob >= {1 - delta:g}: {n}")
     typer.echo(latency_table(slots, r, deltas=(0.1, 0.01, 0.001)))

@@ -26,7 +26,7 @@ from rich.console import Console
 
 from kvcert.cli.common import ResamplesOption, command_line
 from kvcert.cli.progress import progress_bar
-from kvcert.cli.ruler_report import context_ratios, resident_table, tier_b_table
+from kvcert.cli.ruler_report import context_ratios, resident_table, summary_table, tier_b_table
 from kvcert.cli.validate import OverwriteOption, at_least, checked_inputs, prepare_out, seed_in_range
 from kvcert.cli.workload import DENSE
 from kvcert.eval.stats import mcnemar, paired_bootstrap
@@ -41,7 +41,7 @@ from kvcert.report.results import (
     tiered,
     write_results,
 )
-from kvcert.report.tables import ReportTable, fmt, print_table
+from kvcert.report.tables import print_table
 
 SUMMED = (
     "page_in_bytes",
@@ -222,6 +222,20 @@ def _check_compatible(docs: list[dict[str, Any]], paths: list[Path]) -> list[str
     return labels
 
 
+def _pool_bytes(out: dict[str, Any], parts: list[dict[str, Any]]) -> None:
+    """Add to a merged variant ``out`` (its summed byte counts already in) the byte figures one run derives from
+    them (:func:`kvcert.report.aggregate.byte_numbers`): capacity ``Σ fp16 / Σ device bytes``, device bytes per
+    token, page-in ratio ``Σ page-in / Σ fp16``; all empirical (bytes measured)."""
+    out["bytes_per_token_fp16"] = parts[0]["bytes_per_token_fp16"]
+    out["bytes_per_token_stored_per_shard"] = [p["bytes_per_token_stored"] for p in parts]
+    if "bytes_device" in out and _value(out, "bytes_device"):
+        out["capacity"] = tiered(_value(out, "bytes_fp16") / _value(out, "bytes_device"), EMPIRICAL)
+        out["bytes_per_token_device"] = tiered(_value(out, "bytes_per_token_fp16") / _value(out, "capacity"), EMPIRICAL)
+    paged, fp16 = _value(out, "page_in_bytes"), _value(out, "bytes_fp16")
+    if paged is not None and fp16:
+        out["page_in_ratio"] = tiered(paged / fp16, EMPIRICAL)
+
+
 def merge_results(docs: list[dict[str, Any]], paths: list[Path], seed: int, resamples: int) -> dict[str, Any]:
     """The merged ``results`` section (every number tiered)."""
     labels = _check_compatible(docs, paths)
@@ -292,65 +306,11 @@ def merge_results(docs: list[dict[str, Any]], paths: list[Path], seed: int, resa
                 floor, context = out.get("bytes_recall_floor"), _value(out, "bytes_fp16_context")
                 if floor is not None and floor["value"] is not None and context:  # validate mode, gate on
                     out["recall_floor_ratio"] = tiered(floor["value"] / context, EMPIRICAL)
+            _pool_bytes(out, parts)
+        elif "bytes_per_token_fp16" in parts[0]:  # dense: its fp16 bytes are its device bytes
             out["bytes_per_token_fp16"] = parts[0]["bytes_per_token_fp16"]
-            out["bytes_per_token_stored_per_shard"] = [p["bytes_per_token_stored"] for p in parts]
-            if "bytes_device" in out and _value(out, "bytes_device"):  # measured: Σ fp16 / Σ device bytes
-                out["capacity"] = tiered(_value(out, "bytes_fp16") / _value(out, "bytes_device"), EMPIRICAL)
-            paged, fp16 = _value(out, "page_in_bytes"), _value(out, "bytes_fp16")
-            if paged is not None and fp16:  # Σ page-in / Σ the requests' fp16 K/V, as one run divides
-                out["page_in_ratio"] = tiered(paged / fp16, EMPIRICAL)
         variants[lab] = out
     return {"variants": variants, "shards": [str(p) for p in paths], "per_sample": per_sample}
-
-
-def _table(merged: dict[str, Any]) -> ReportTable:
-    rows = []
-    for lab, v in merged["variants"].items():
-        ci = (
-            "–"
-            if lab == DENSE
-            else (
-                f"{fmt(_value(v, 'diff_vs_dense'), percent=True)} "
-                f"[{fmt(_value(v, 'ci95_low'), percent=True)}, "
-                f"{fmt(_value(v, 'ci95_high'), percent=True)}]"
-            )
-        )
-        page = _value(v, "page_in_bytes")
-        rows.append(
-            (
-                lab,
-                v["gate"],
-                fmt(_value(v, "accuracy"), percent=True),
-                ci,
-                fmt(_value(v, "mcnemar_p")),
-                fmt(_value(v, "capacity_context") or _value(v, "capacity")),
-                fmt(None if page is None else page / 1e6),
-                fmt(_value(v, "page_in_ratio_context") or _value(v, "page_in_ratio")),
-                fmt(_value(v, "fallback_rate"), percent=True),
-                fmt(_value(v, "coverage_kv@0.2"), percent=True),
-            )
-        )
-    n = _value(merged["variants"][DENSE], "samples")
-    return ReportTable(
-        f"merged accuracy vs dense, paired over all {n} samples of {len(merged['shards'])} shard(s)",
-        (
-            "variant",
-            "gate",
-            "accuracy",
-            "Δ vs dense [95% CI]",
-            "McNemar p",
-            "capacity",
-            "page-in MB",
-            "page-in ×fp16",
-            "fallback",
-            "KV-head cov@0.2",
-        ),
-        tuple(rows),
-        "capacity = fp16 bytes / device bytes, page-in ×fp16 = page-in bytes / fp16 bytes (resident variants: fp16 "
-        "bytes of the whole context); "
-        "accuracy, CI, p, capacity, page-in, fallback: empirical "
-        "(bytes measured); coverage: certified (Tier-A)",
-    )
 
 
 def merge(
@@ -372,7 +332,9 @@ def merge(
                 tick(i)
         merged = merge_results(docs, runs, seed, resamples)
         prepare_out(out, overwrite, inputs=[p / "results.json" if p.is_dir() else p for p in runs])
-    tables = [_table(merged)]
+    n = _value(merged["variants"][DENSE], "samples")
+    title = f"merged accuracy vs dense, paired over all {n} samples of {len(merged['shards'])} shard(s)"
+    tables = [summary_table(merged, title)]
     tables += [t for t in (resident_table(merged), tier_b_table(merged)) if t is not None]
     dense = _value(merged["variants"][DENSE], "accuracy")
     points = [

@@ -1,10 +1,24 @@
-"""Input errors and the check of a one-file output, without the model stack: the ledger's commands use them, and
-importing :mod:`kvcert.cli.validate` would load the models, the RULER generators and numba with them (``vllm``'s
-kernel dispatcher trips over numba's loaded library when the same process then starts an engine)."""
+"""Input errors, the one-line error contract (:func:`fail`) and the check of a one-file output, without the model
+stack: the ledger's commands use them, and importing :mod:`kvcert.cli.validate` would load the models, the RULER
+generators and numba with them (``vllm``'s kernel dispatcher trips over numba's loaded library when the same process
+then starts an engine)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NoReturn
+
+import typer
+
+#: the exit status of unusable input, the one click/typer give their own usage errors
+EXIT_USAGE = 2
+
+
+def fail(command: str, message: str) -> NoReturn:
+    """Print ``kvcert <command>: error: <message>`` as one line on stderr and exit with :data:`EXIT_USAGE`."""
+    line = " ".join(message.split())  # one line, whatever the message held
+    typer.echo(f"kvcert {command}: error: {line}", err=True)
+    raise typer.Exit(EXIT_USAGE)
 
 
 class InputError(ValueError):

@@ -87,7 +87,7 @@ def execute(job: RulerJob, console: Console) -> Path:
     t0 = time.time()
     with checked_inputs(job.name):
         positions = model_max_positions(job.model)
-        ruler_tasks(job.tasks, job.context, "--task" if job.name == "eval" else "--tasks")
+        ruler_tasks(job.tasks, job.context)
         context_fits(job.context, positions)
         resident_fits(job.resident, job.context)
         at_least("samples", job.samples, 1)

@@ -237,9 +237,12 @@ def whole_context(v: dict[str, Any]) -> tuple[float | None, float | None, float 
     )
 
 
-def summary_table(results: dict[str, Any]) -> ReportTable:
+def summary_table(
+    results: dict[str, Any], title: str = "RULER accuracy per scheme (paired against dense on the same samples)"
+) -> ReportTable:
     """One row per variant: accuracy, paired CI vs dense, McNemar p, bytes, page-in, fallback, coverage; in validate
-    mode also the violations (cells whose exact TV exceeded the certificate)."""
+    mode also the violations (cells whose exact TV exceeded the certificate). ``kvcert eval`` and ``kvcert merge``
+    print it with the same columns (a percentile, the value term's p90, does not pool across shards: ``–``)."""
     rows = []
     validated = any("violations" in v for v in results["variants"].values())
     for label, v in results["variants"].items():
@@ -264,7 +267,7 @@ def summary_table(results: dict[str, Any]) -> ReportTable:
             )
         )
     return ReportTable(
-        "RULER accuracy per scheme (paired against dense on the same samples)",
+        title,
         (
             "scheme",
             "gate",

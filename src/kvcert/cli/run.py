@@ -19,8 +19,10 @@ from kvcert.cli.common import (
     ResidentPlan,
     SchemesOption,
     SchemeSpec,
+    TasksOption,
     default_out,
     parse_schemes,
+    task_names,
 )
 from kvcert.cli.ruler_command import RulerJob, execute
 from kvcert.cli.validate import OverwriteOption, checked_inputs
@@ -31,7 +33,7 @@ DEFAULT_TASKS = "niah_single_1,niah_single_2,niah_multikey_1"
 def run(
     model: ModelOption = "smollm2-135m",
     context: Annotated[int, typer.Option(help="RULER sequence length in tokens")] = 2048,
-    tasks: Annotated[str, typer.Option(help="comma-separated RULER tasks")] = DEFAULT_TASKS,
+    tasks: TasksOption = DEFAULT_TASKS,
     samples: Annotated[int, typer.Option(help="samples per task")] = 2,
     schemes: SchemesOption = DEFAULT_SCHEMES,
     seed: Annotated[int, typer.Option(help="seed for data, codecs and bootstrap")] = 0,
@@ -48,7 +50,7 @@ def run(
     """
     with checked_inputs("run"):
         specs = parse_schemes(schemes)
-    task_list = tuple(t.strip() for t in tasks.split(",") if t.strip())
+    task_list = task_names(tasks)
     job = RulerJob(
         "run",
         model,

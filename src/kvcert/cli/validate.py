@@ -6,8 +6,8 @@ family, or a local folder holding a transformers ``config.json`` of a supported 
 tasks and their smallest context, the gate (a certified or risk-ranked gate needs a finite threshold
 ``>= 0``), ``--context`` against the model's ``max_position_embeddings``, and the output directory
 (:func:`prepare_out`). Unusable input ends the command with **one line** on stderr,
-``kvcert <command>: error: <what is wrong>``, and exit status :data:`EXIT_USAGE` (2), the status click/typer
-use for their own usage errors. Nothing is written for a refused command.
+``kvcert <command>: error: <what is wrong>``, and exit status 2, the status click/typer use for their own usage
+errors (:func:`~kvcert.cli.output_checks.fail`). Nothing is written for a refused command.
 """
 
 from __future__ import annotations
@@ -18,26 +18,18 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 
 from kvcert.cli.common import TINY_PREFIX
-from kvcert.cli.output_checks import InputError
+from kvcert.cli.output_checks import InputError, fail
 from kvcert.eval import ruler
 from kvcert.integrations.model_attention import SUPPORTED_FAMILIES as CACHE_FAMILIES
 from kvcert.models.tiny import SUPPORTED_FAMILIES, tiny_config
 from kvcert.models.zoo import ZOO, cache_root
 
-EXIT_USAGE = 2
 REPORT_FILES = ("results.json", "report.html")
-
-
-def fail(command: str, message: str) -> NoReturn:
-    """Print ``kvcert <command>: error: <message>`` as one line on stderr and exit with status 2."""
-    line = " ".join(message.split())  # one line, whatever the message held
-    typer.echo(f"kvcert {command}: error: {line}", err=True)
-    raise typer.Exit(EXIT_USAGE)
 
 
 @contextmanager

@@ -158,22 +158,24 @@ def model_layers(text_config: Any, storage: StorageConfig) -> list[CertifiedLaye
     return out
 
 
-def uncompressible_sliding_layers(layers: Sequence[CertifiedLayer]) -> tuple[int, ...]:
-    """Sliding layers that can never encode a token: a sliding layer holds at most ``window − 1`` tokens when
-    it encodes (:meth:`CertifiedLayer.update` trims before appending), and a codec encodes only whole blocks
-    of ``lcm(codec.block, write_block)`` tokens beyond its residual window; if that exceeds ``window − 1``
-    for both the key and the value codec, the layer stays exact forever (a ``UserWarning`` names them)."""
+def uncompressible_layers(layers: Sequence[CertifiedLayer], max_positions: int | None) -> tuple[int, ...]:
+    """Layers that can never encode a token. A codec encodes only whole blocks of ``lcm(codec.block, write_block)``
+    tokens beyond its residual window. A sliding layer holds at most ``window − 1`` tokens when it encodes
+    (:meth:`CertifiedLayer.update` trims before appending), and any layer at most ``max_positions`` (the model's
+    ``max_position_embeddings``; ``None``: unknown, not checked). If that is less than the key and the value codec
+    need, the layer stays exact forever (a ``UserWarning`` names the layers)."""
     out = []
     for i, layer in enumerate(layers):
         st = layer.store
         need = min(math.lcm(c.block, st.write_block) + c.residual_window for c in (st.key_codec, st.value_codec))
-        if layer.sliding_window is not None and layer.sliding_window - 1 < need:
+        held = [n for n in (max_positions, None if layer.sliding_window is None else layer.sliding_window - 1) if n]
+        if held and min(held) < need:
             out.append(i)
     if out:
         warnings.warn(
-            f"kvcert: sliding-window layers {out} hold fewer tokens than one write block of their codecs, so they "
-            "stay exact: nothing there is compressed, read through a certificate or counted in cells "
-            "(telemetry().uncompressed_layers)",
+            f"kvcert: layers {out} hold fewer tokens (their sliding window, or the model's max_position_embeddings) "
+            "than one write block of their codecs, so they stay exact: nothing there is compressed, read through a "
+            "certificate or counted in cells (telemetry().uncompressed_layers)",
             UserWarning,
             stacklevel=3,  # the CertifiedCache(...) call
         )

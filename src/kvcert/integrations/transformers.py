@@ -48,7 +48,7 @@ from kvcert.integrations.certified_layer import (
     check_ingest,
     model_layers,
     read_masks,
-    uncompressible_sliding_layers,
+    uncompressible_layers,
 )
 from kvcert.integrations.model_attention import (
     CacheNotActiveError,
@@ -171,7 +171,9 @@ class CertifiedCache(Cache):
         hf_layers: list[Any] = list(layers)
         super().__init__(layers=hf_layers)
         self._layers = layers
-        self.uncompressed_layers = uncompressible_sliding_layers(layers)
+        self.uncompressed_layers = uncompressible_layers(
+            layers, getattr(shape.text_config, "max_position_embeddings", None)
+        )
         stores = [layer.store for layer in layers]
         self.eviction.check(
             stores,

@@ -87,9 +87,9 @@ def cell_checks(
     into ``witness_violations``; returns ``(max certificate, max true TV)``.
     """
     err = (served - exact).abs()
-    rec.counts["witness_violations"] += int(((err > radius + RADIUS_ATOL) & visible).sum())
+    rec.counts["witness_violations"] += int((~(err <= radius + RADIUS_ATOL) & visible).sum())  # NaN counts
     p_served = served_softmax(served, visible)
     cert = tv_meter(p_served, torch.where(visible, radius, torch.zeros_like(radius)))
     tv = true_tv(served_softmax(exact, visible), p_served)
-    rec.counts["witness_violations"] += int((tv > cert + RADIUS_ATOL).sum())
+    rec.counts["witness_violations"] += int((~(tv <= cert + RADIUS_ATOL)).sum())
     return float(cert.max()), float(tv.max())

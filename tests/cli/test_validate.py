@@ -254,6 +254,13 @@ def test_merge_refuses_shards_of_different_configurations(tmp_path: Path, field:
             '{"dense": {"value": 7, "tier": "empirical"}}}]}}',
             "score in [0, 1]",
         ),
+        (  # the fuzz found it: the merged table read a malformed fp16 byte figure and raised KeyError
+            '{"command": "eval", "config": {}, "results": {"variants": '
+            '{"dense": {"gate": "off", "codecs": null, "bytes_per_token_fp16": {}}}, '
+            '"per_sample": [{"task": "t", "index": {"value": 0, "tier": "empirical"}, "scores": '
+            '{"dense": {"value": 1, "tier": "empirical"}}}]}}',
+            "bytes_per_token_fp16 is not a tiered number > 0",
+        ),
     ],
 )
 def test_merge_of_a_malformed_results_file_is_one_line(tmp_path: Path, content: str, word: str) -> None:

@@ -167,6 +167,12 @@ def check_shard(doc: dict[str, Any], where: Path) -> None:
             )
             for key in ("bytes_per_token_fp16", "bytes_per_token_stored"):
                 _need(key in v, where, f"results.variants[{lab!r}] lacks {key}")
+        if "bytes_per_token_fp16" in v:  # read by the byte figures and the table (dense: its device bytes)
+            _need(
+                _is_number(v["bytes_per_token_fp16"]) and v["bytes_per_token_fp16"]["value"] > 0,
+                where,
+                f"results.variants[{lab!r}].bytes_per_token_fp16 is not a tiered number > 0",
+            )
     if not isinstance(per_sample, list) or not per_sample:
         raise ValueError(f"{where}: results.per_sample is not a non-empty list")
     for i, s in enumerate(per_sample):

@@ -85,3 +85,11 @@ def test_band_columns_are_the_bands_of_band_norms(bands):
     assert torch.allclose(torch.stack([x[:, i].norm(dim=-1) for i in cols], -1), band_norms(x, bands))
     with pytest.raises(ValueError, match="cannot be split"):
         psf.band_columns(32, 3)
+
+
+def test_the_figure_draws_every_codec(tmp_path):
+    one = torch.linspace(0, 1, 50, dtype=F64)
+    rows = {name: (one, one > 0.5) for name in ("exact TV", "box", "best page form", "best of box and forms")}
+    path = tmp_path / "f.png"
+    psf.plot({"int4": rows, "dither-int5": rows}, path, "t")
+    assert path.stat().st_size > 10_000

@@ -34,8 +34,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from evict_ruler import POLICIES as RULER_POLICIES
-from evict_ruler import shared_prefill
+from evict_ruler import answer_free, shared_prefill
 from kvcert import EvictionConfig, ValidationConfig
 from kvcert.eval import load_task, score
 from kvcert.eval.multiturn import converse, dialogue_ids, split_queries
@@ -44,9 +43,10 @@ from kvcert.evict import RMM, EvictionPolicy
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models import converted_dir, load
 
-# evict_ruler's policies, with RMM weighting by the emitted-token probability (free decoding, no references)
+# evict_ruler's policies that read no answer trace, with RMM weighting by the emitted-token probability (free
+# decoding, no references)
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
-    **{name: make for name, make in RULER_POLICIES.items() if not name.startswith("rmm")},
+    **{name: make for name, make in answer_free().items() if not name.startswith("rmm")},
     "rmm(lag=32,emitted)": lambda: RMM(lag=32, kappa="emitted"),
 }
 

@@ -20,7 +20,7 @@ from rich.console import Console
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from evict_ruler import POLICIES, shared_prefill
+from evict_ruler import answer_free, shared_prefill
 from kvcert.eval import load_task
 from kvcert.eval.harness import prompt_ids
 from kvcert.eval.ruler import Sample
@@ -81,7 +81,7 @@ def main() -> None:
         kappa[:, :-1] = token_probability(logits[:, :-1], ids[:, 1:])
         del logits
         s = ids.shape[1]
-        for name, make in POLICIES.items():
+        for name, make in answer_free().items():
             for keep in keeps:
                 policy = make()
                 per_layer = []

@@ -51,7 +51,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import reduce
+from functools import partial, reduce
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +93,12 @@ POLICIES: dict[str, Callable[[torch.Tensor], EvictionPolicy]] = {  # argument: t
         answer, torch.ones(answer.shape[0]), variant="future_mass", first=answer.shape[-1] - answer.shape[0]
     ),
 }
+
+
+def answer_free() -> dict[str, Callable[[], EvictionPolicy]]:
+    """The :data:`POLICIES` that read no answer trace (all but Belady), as factories of no argument: for the scripts
+    that decode freely (``evict_multiturn.py``) or only select at prefill (``evict_needle_kept.py``)."""
+    return {name: partial(make, torch.empty(0)) for name, make in POLICIES.items() if not name.startswith("belady")}
 
 
 def shared_prefill(

@@ -63,6 +63,38 @@ def test_frontier_reports_every_variant_and_peer_with_device_bytes(tmp_path):
     assert (out / "frontier.png").is_file()
 
 
+def test_frontier_shows_violations_and_exits_1_on_any():
+    """``frontier --validate`` checked every cell and used to show and act on none of it: the table now has eval's
+    ``viol.`` column, and a violation ends the command with status 1 (after the report), as in ``eval``."""
+    from types import SimpleNamespace
+
+    import typer
+    from rich.console import Console
+
+    from kvcert.cli.frontier import frontier_table
+    from kvcert.cli.ruler_command import exit_on_violations
+    from kvcert.cli.workload import VariantRecord, WorkloadResult
+
+    def t(x):
+        return {"value": x, "tier": "empirical"}
+
+    def variant(**extra):
+        return {"kind": "gated", "gate": "g", "accuracy": t(1.0), "bytes_per_token_fp16": t(10.0), **extra}
+
+    checked = frontier_table({"a": variant(violations=t(0)), "b": variant(violations=t(3))})
+    assert checked.columns[-1] == "viol." and sorted(row[-1] for row in checked.rows) == ["0", "3"]
+    assert "viol." not in frontier_table({"a": variant()}).columns  # not validated: nothing was checked
+
+    def result(*counts):
+        tels = [SimpleNamespace(violations=c) for c in counts]
+        return WorkloadResult([], [VariantRecord("x", None, Gate.off(), telemetry=tels)], {})
+
+    exit_on_violations(result(0, None), Console())  # none found, or none checked: no exit
+    with pytest.raises(typer.Exit) as stop:
+        exit_on_violations(result(0, 2), Console())
+    assert stop.value.exit_code == 1
+
+
 def test_frontier_refuses_peers_the_model_cannot_hold_before_decoding(tmp_path):
     """transformers' QuantizedCache refuses models with sliding-window layers (Gemma-3): the run stops with one line
     naming the peer before any sample is decoded."""

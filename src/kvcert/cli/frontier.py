@@ -51,6 +51,7 @@ from kvcert.cli.common import (
     task_names,
 )
 from kvcert.cli.progress import progress_bar
+from kvcert.cli.ruler_command import exit_on_violations
 from kvcert.cli.ruler_report import results_section, variant_numbers, whole_context
 from kvcert.cli.validate import (
     OverwriteOption,
@@ -104,6 +105,7 @@ def frontier_table(variants: dict[str, Any]) -> ReportTable:
         return whole_context(v)[0] or float("inf")
 
     rows = []
+    validated = any("violations" in v for v in variants.values())
     for label, v in sorted(variants.items(), key=lambda kv: dev(kv[1])):
         low, high = val(v, "ci95_low"), val(v, "ci95_high")
         ci = "–" if low is None else f"[{100 * low:+.1f}, {100 * high:+.1f}]"
@@ -119,18 +121,25 @@ def frontier_table(variants: dict[str, Any]) -> ReportTable:
                 fmt(capacity, 2),
                 fmt(page_in, 3),
                 fmt(val(v, "coverage_kv@0.2"), percent=True),
+                *((fmt(val(v, "violations")),) if validated else ()),
             )
         )
+    columns = ("variant", "kind", "gate", "acc", "Δ CI95 (pp)", "dev B/tok", "capacity", "page-in ×fp16", "cov@0.2")
     return ReportTable(
         "accuracy vs device bytes (paired against dense on the same samples)",
-        ("variant", "kind", "gate", "acc", "Δ CI95 (pp)", "dev B/tok", "capacity", "page-in ×fp16", "cov@0.2"),
+        (*columns, *(("viol.",) if validated else ())),
         tuple(rows),
         "dev B/tok = bytes resident on the device tier per token at the end of the request, all layers (kvcert: "
         "codes, scales, witnesses, exact entries; peers: quantized states + residual window; dense: fp16 K/V); "
         "capacity = fp16 / device bytes; page-in ×fp16 = host page-in traffic / fp16 K/V bytes. Resident rows "
         "(kind resident, +resident): device bytes, capacity and page-in against the fp16 K/V of the whole context "
         "(resident and omitted tokens; device bytes include the summaries of the omitted keys). Tiers: acc, CI "
-        "empirical; bytes, capacity, page-in measured (empirical); cov@0.2 certified.",
+        "empirical; bytes, capacity, page-in measured (empirical); cov@0.2 certified."
+        + (
+            " viol. (--validate) = cells whose exact TV exceeded the certificate (must be 0; measured)."
+            if validated
+            else ""
+        ),
     )
 
 
@@ -264,6 +273,7 @@ def frontier(
     )
     print_table(console, table)
     console.print(f"results: {json_path}\nreport: [bold]{html}[/]")
+    exit_on_violations(result, console)
 
 
 def frontier_results(

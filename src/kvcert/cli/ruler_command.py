@@ -30,7 +30,7 @@ from kvcert.cli.validate import (
     ruler_tasks,
     seed_in_range,
 )
-from kvcert.cli.workload import run_workload
+from kvcert.cli.workload import WorkloadResult, run_workload
 from kvcert.eval import ruler
 from kvcert.report.tables import print_table
 
@@ -143,8 +143,13 @@ def execute(job: RulerJob, console: Console) -> Path:
         print_table(console, table)
     console.print(f"wall time {time.time() - t0:.0f} s; results: {json_path}")
     console.print(f"report: [bold]{html_path}[/]")
-    violations = sum(t.violations or 0 for v in result.variants for t in v.telemetry)
-    if violations:  # validate mode only (None otherwise): a bound the exact attention exceeded
-        console.print(f"[bold red]SOUNDNESS VIOLATION: {violations} cell(s) with true TV > certificate[/]")
-        raise typer.Exit(1)
+    exit_on_violations(result, console)
     return html_path
+
+
+def exit_on_violations(result: WorkloadResult, console: Console) -> None:
+    """Exit with status 1, saying how many, when a validated run found cells whose exact TV exceeded the certificate
+    (``eval``, ``frontier``; after the report is written)."""
+    if result.violations:
+        console.print(f"[bold red]SOUNDNESS VIOLATION: {result.violations} cell(s) with true TV > certificate[/]")
+        raise typer.Exit(1)

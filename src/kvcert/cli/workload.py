@@ -57,6 +57,12 @@ class WorkloadResult:
                 return v
         raise KeyError(label)
 
+    @property
+    def violations(self) -> int:
+        """Cells whose exact TV exceeded the certificate, over every variant and sample (validate mode; 0 without
+        it, where nothing was checked)."""
+        return sum(t.violations or 0 for v in self.variants for t in v.telemetry)
+
 
 def _scheme(spec: SchemeSpec, gate: Gate, label: str, validate: bool) -> Scheme:
     return Scheme(

@@ -44,24 +44,19 @@ from kvcert.cli.common import (
     command_line,
     default_out,
     load_model,
-    resident_fits,
     ruler_variants,
     schemes_fit,
     set_seed,
     task_names,
 )
 from kvcert.cli.progress import progress_bar
-from kvcert.cli.ruler_command import exit_on_violations
+from kvcert.cli.ruler_command import check_ruler_inputs, exit_on_violations
 from kvcert.cli.ruler_report import results_section, variant_numbers, whole_context
 from kvcert.cli.validate import (
     OverwriteOption,
     at_least,
     checked_inputs,
     context_fits,
-    model_max_positions,
-    prepare_out,
-    ruler_tasks,
-    seed_in_range,
 )
 from kvcert.cli.workload import DENSE, VariantRecord, WorkloadResult, run_workload
 from kvcert.eval import ruler
@@ -181,17 +176,10 @@ def frontier(
         variants = ruler_variants(schemes, witness, device_budget, allocation, gate, settings, exact_sinks)
         specs, chosen, plan = list(variants.specs), variants.gate, variants.plan
         peer_specs = parse_peers(peers, residual_length)
-        positions = model_max_positions(model)
-        ruler_tasks(task_list, context)
-        context_fits(context, positions)
-        resident_fits(plan, context)
-        at_least("samples", samples, 1)
-        at_least("resamples", resamples, 1)
         at_least("residual-length", residual_length, 0)
-        seed_in_range(seed)
-        if max_new_tokens is not None:
-            at_least("max-new-tokens", max_new_tokens, 1)
-        prepare_out(out, overwrite)
+        positions = check_ruler_inputs(
+            model, task_list, context, plan, samples, resamples, seed, max_new_tokens, out, overwrite
+        )
     console, t0 = Console(), time.time()
     set_seed(seed)
     loaded = load_model(model, seed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,20 +83,51 @@ class RulerJob:
         }
 
 
+def check_ruler_inputs(
+    model: str,
+    tasks: Sequence[str],
+    context: int,
+    resident: ResidentPlan | None,
+    samples: int,
+    resamples: int,
+    seed: int,
+    max_new_tokens: int | None,
+    out: Path,
+    overwrite: bool,
+) -> int | None:
+    """The checks every RULER command (``run``, ``eval``, ``frontier``) makes before loading, inside the caller's
+    :func:`~kvcert.cli.validate.checked_inputs`: tasks and context against the model's positions, the resident plan,
+    counts, seed and ``--out``. Returns the model's ``max_position_embeddings`` (``None``: known only once a zoo
+    model is converted, so the caller checks the context again after loading)."""
+    positions = model_max_positions(model)
+    ruler_tasks(tasks, context)
+    context_fits(context, positions)
+    resident_fits(resident, context)
+    at_least("samples", samples, 1)
+    at_least("resamples", resamples, 1)
+    seed_in_range(seed)
+    if max_new_tokens is not None:
+        at_least("max-new-tokens", max_new_tokens, 1)
+    prepare_out(out, overwrite)
+    return positions
+
+
 def execute(job: RulerJob, console: Console) -> Path:
     """Run ``job`` end to end; print the summary table and where the report is; return report.html."""
     t0 = time.time()
     with checked_inputs(job.name):
-        positions = model_max_positions(job.model)
-        ruler_tasks(job.tasks, job.context)
-        context_fits(job.context, positions)
-        resident_fits(job.resident, job.context)
-        at_least("samples", job.samples, 1)
-        at_least("resamples", job.resamples, 1)
-        seed_in_range(job.seed)
-        if job.max_new_tokens is not None:
-            at_least("max-new-tokens", job.max_new_tokens, 1)
-        prepare_out(job.out, job.overwrite)
+        positions = check_ruler_inputs(
+            job.model,
+            job.tasks,
+            job.context,
+            job.resident,
+            job.samples,
+            job.resamples,
+            job.seed,
+            job.max_new_tokens,
+            job.out,
+            job.overwrite,
+        )
     set_seed(job.seed)
     console.print(f"loading model [bold]{job.model}[/] ...")
     loaded = load_model(job.model, job.seed)

@@ -97,6 +97,18 @@ def test_a_write_block_longer_than_the_model_context_is_reported(write_block: in
         assert named and cache.uncompressed_layers == tuple(range(n_layers))
 
 
+def test_a_window_of_one_token_holds_none_and_is_reported() -> None:
+    """A sliding window of 1 holds ``window − 1 = 0`` tokens when it encodes: uncompressible, whatever the context."""
+    from kvcert.integrations.certified_layer import CertifiedLayer, uncompressible_layers
+
+    store = StorageConfig(keys="int4", values="int4", write_block=1, seed=0).store(0)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert uncompressible_layers([CertifiedLayer(store, 1), CertifiedLayer(store, 2)], 4096) == (0,)
+        assert uncompressible_layers([CertifiedLayer(store, None)], 1) == ()  # one token fills a block of one
+        assert uncompressible_layers([CertifiedLayer(store, None)], None) == ()  # context unknown: not checked
+
+
 @pytest.mark.parametrize(("window", "silent"), [(8, True), (16, True), (17, False)])
 def test_sliding_window_smaller_than_a_write_block_is_reported(window: int, silent: bool) -> None:
     """A sliding layer holds window − 1 tokens when it encodes; with write_block=16 (int4: block 1) it can

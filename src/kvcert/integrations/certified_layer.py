@@ -168,7 +168,8 @@ def uncompressible_layers(layers: Sequence[CertifiedLayer], max_positions: int |
     for i, layer in enumerate(layers):
         st = layer.store
         need = min(math.lcm(c.block, st.write_block) + c.residual_window for c in (st.key_codec, st.value_codec))
-        held = [n for n in (max_positions, None if layer.sliding_window is None else layer.sliding_window - 1) if n]
+        window = None if layer.sliding_window is None else layer.sliding_window - 1
+        held = [n for n in (max_positions, window) if n is not None]  # a window of 1 holds 0 tokens: counted
         if held and min(held) < need:
             out.append(i)
     if out:

@@ -190,7 +190,7 @@ def cells(
 
 def keys_label(codec: str, tiers: Tiers | None) -> str:
     """``codec``, or with token tiers ``codec + 20% heavy-codec``."""
-    return codec if tiers is None else f"{codec} + {tiers.frac:.0%} {tiers.codec}"
+    return codec if tiers is None else tiers.label(codec)
 
 
 def table(codec: str, rows: dict[str, tuple[torch.Tensor, torch.Tensor]], tiers: Tiers | None) -> ReportTable:

@@ -190,7 +190,7 @@ def main() -> None:
     delta_loc = ValidationConfig().delta_loc(cfg.num_hidden_layers, cfg.num_attention_heads) if args.tier_b else None
     tiers = Tiers(args.heavy, args.heavy_frac)
     codecs = args.codecs.split(",")
-    labels = {c: f"{c} + {tiers.frac:.0%} {tiers.codec}" for c in codecs}
+    labels = {c: tiers.label(c) for c in codecs}
     parts: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {labels[c]: [] for c in codecs}
     console = Console()
     head_dim = 0

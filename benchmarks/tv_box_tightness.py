@@ -87,6 +87,10 @@ class Tiers:
     window: int = 32  # the observation window: the last prefill positions before the reads
     sinks: int = 4
 
+    def label(self, light: str) -> str:
+        """The row's keys: ``light + 20% heavy``."""
+        return f"{light} + {self.frac:.0%} {self.codec}"
+
 
 def heavy_tokens(
     q: torch.Tensor, k: torch.Tensor, scale: float, window: int | None, nq: int, tiers: Tiers
@@ -552,7 +556,7 @@ def main() -> None:
     if args.heavy is not None:
         get(args.heavy)
         fracs = [float(f) for f in args.heavy_fracs.split(",")]
-        rows = {f"{c} + {f:.0%} {args.heavy}": (c, Tiers(args.heavy, f)) for c in codecs for f in fracs}
+        rows = {Tiers(args.heavy, f).label(c): (c, Tiers(args.heavy, f)) for c in codecs for f in fracs}
     values = tuple(args.tier_values.split("/"))
     if len(values) != 2:
         raise SystemExit(f"--tier-values wants LIGHT/HEAVY value codecs, got {args.tier_values!r}")

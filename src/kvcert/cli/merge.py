@@ -26,10 +26,9 @@ from rich.console import Console
 
 from kvcert.cli.common import ResamplesOption, command_line
 from kvcert.cli.progress import progress_bar
-from kvcert.cli.ruler_report import context_ratios, resident_table, summary_table, tier_b_table
+from kvcert.cli.ruler_report import context_ratios, paired_vs_dense, resident_table, summary_table, tier_b_table
 from kvcert.cli.validate import OverwriteOption, at_least, checked_inputs, prepare_out, seed_in_range
 from kvcert.cli.workload import DENSE
-from kvcert.eval.stats import mcnemar, paired_bootstrap
 from kvcert.report.figures import AccuracyPoint, accuracy_bars
 from kvcert.report.html import write_html
 from kvcert.report.results import (
@@ -258,17 +257,7 @@ def merge_results(docs: list[dict[str, Any]], paths: list[Path], seed: int, resa
             "samples": tiered(len(scores[lab]), EMPIRICAL),
         }
         if lab != DENSE:
-            boot = paired_bootstrap(scores[DENSE], scores[lab], resamples=resamples, seed=seed)
-            mc = mcnemar([s >= 1.0 for s in scores[DENSE]], [s >= 1.0 for s in scores[lab]])
-            out.update(
-                {
-                    "diff_vs_dense": tiered(boot.diff, EMPIRICAL),
-                    "ci95_low": tiered(boot.low, EMPIRICAL),
-                    "ci95_high": tiered(boot.high, EMPIRICAL),
-                    "mcnemar_p": tiered(mc.p_exact, EMPIRICAL),
-                    "bootstrap_resamples": tiered(boot.resamples, EMPIRICAL),
-                }
-            )
+            out.update(paired_vs_dense(scores[DENSE], scores[lab], seed, resamples))
         if "cells" in parts[0]:
             for key in SUMMED:
                 if all(key in p for p in parts):

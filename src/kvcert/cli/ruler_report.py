@@ -21,25 +21,30 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def paired_vs_dense(dense: list[float], scores: list[float], seed: int, resamples: int) -> dict[str, Any]:
+    """A variant's paired statistics against dense on the same samples, tiered empirical: the percentile bootstrap
+    of ``mean(scores) − mean(dense)`` (difference, 95 % CI, resamples) and the exact McNemar p of the two runs'
+    full-score outcomes (``score >= 1``)."""
+    boot = paired_bootstrap(dense, scores, resamples=resamples, seed=seed)
+    mc = mcnemar([s >= 1.0 for s in dense], [s >= 1.0 for s in scores])
+    return {
+        "diff_vs_dense": tiered(boot.diff, EMPIRICAL),
+        "ci95_low": tiered(boot.low, EMPIRICAL),
+        "ci95_high": tiered(boot.high, EMPIRICAL),
+        "mcnemar_p": tiered(mc.p_exact, EMPIRICAL),
+        "bootstrap_resamples": tiered(boot.resamples, EMPIRICAL),
+    }
+
+
 def variant_numbers(rec: VariantRecord, dense: VariantRecord, seed: int, resamples: int) -> dict[str, Any]:
-    """Tiered numbers of one variant: accuracy and paired stats vs dense (empirical), meter (certified),
-    bytes / page-in / fallback (empirical measurements)."""
+    """Tiered numbers of one variant: accuracy and paired stats vs dense (empirical, :func:`paired_vs_dense`), meter
+    (certified), bytes / page-in / fallback (empirical measurements)."""
     out: dict[str, Any] = {
         "accuracy": tiered(_mean(rec.scores), EMPIRICAL),
         "samples": tiered(len(rec.scores), EMPIRICAL),
     }
     if rec.label != DENSE:
-        boot = paired_bootstrap(dense.scores, rec.scores, resamples=resamples, seed=seed)
-        mc = mcnemar([s >= 1.0 for s in dense.scores], [s >= 1.0 for s in rec.scores])
-        out.update(
-            {
-                "diff_vs_dense": tiered(boot.diff, EMPIRICAL),
-                "ci95_low": tiered(boot.low, EMPIRICAL),
-                "ci95_high": tiered(boot.high, EMPIRICAL),
-                "mcnemar_p": tiered(mc.p_exact, EMPIRICAL),
-                "bootstrap_resamples": tiered(boot.resamples, EMPIRICAL),
-            }
-        )
+        out.update(paired_vs_dense(dense.scores, rec.scores, seed, resamples))
     tels = rec.telemetry
     if tels:
         fallback = aggregate.pooled(tels, lambda t: t.fallback_rate)

@@ -56,7 +56,7 @@ from kvcert.cli.validate import (
     OverwriteOption,
     at_least,
     checked_inputs,
-    context_fits,
+    loaded_context_fits,
 )
 from kvcert.cli.workload import DENSE, VariantRecord, WorkloadResult, run_workload
 from kvcert.eval import ruler
@@ -184,8 +184,7 @@ def frontier(
     set_seed(seed)
     loaded = load_model(model, seed)
     with checked_inputs("frontier"):
-        if positions is None:  # a zoo model converted by this load: its limit is known only now
-            context_fits(context, loaded.model.config.get_text_config().max_position_embeddings)
+        loaded_context_fits(context, positions, loaded.model)
         schemes_fit(specs, loaded.model)
         for p in peer_specs:  # before any decoding: a peer that cannot hold this model stops the run now
             try:

@@ -44,6 +44,7 @@ from kvcert.cli.validate import (
     at_least,
     checked_inputs,
     context_fits,
+    loaded_context_fits,
     model_max_positions,
     prepare_out,
     seed_in_range,
@@ -203,8 +204,7 @@ def ppl(
     set_seed(seed)
     loaded = load_model(model, seed)
     with checked_inputs("ppl"):
-        if positions is None:  # a zoo model converted by this load: its limit is known only now
-            context_fits(context, loaded.model.config.get_text_config().max_position_embeddings)
+        loaded_context_fits(context, positions, loaded.model)
         try:
             text = load_corpus(corpus)
         except ImportError as exc:

@@ -26,6 +26,7 @@ from kvcert.cli.validate import (
     at_least,
     checked_inputs,
     context_fits,
+    loaded_context_fits,
     model_max_positions,
     prepare_out,
     ruler_tasks,
@@ -132,8 +133,7 @@ def execute(job: RulerJob, console: Console) -> Path:
     console.print(f"loading model [bold]{job.model}[/] ...")
     loaded = load_model(job.model, job.seed)
     with checked_inputs(job.name):
-        if positions is None:  # a zoo model converted by this load: its limit is known only now
-            context_fits(job.context, loaded.model.config.get_text_config().max_position_embeddings)
+        loaded_context_fits(job.context, positions, loaded.model)
         schemes_fit(job.schemes, loaded.model)
     t_load = time.time()
     samples = []

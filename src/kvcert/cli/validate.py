@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -28,6 +28,9 @@ from kvcert.eval import ruler
 from kvcert.integrations.model_attention import SUPPORTED_FAMILIES as CACHE_FAMILIES
 from kvcert.models.tiny import SUPPORTED_FAMILIES, tiny_config
 from kvcert.models.zoo import ZOO, cache_root
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedModel
 
 REPORT_FILES = ("results.json", "report.html")
 
@@ -121,6 +124,14 @@ def context_fits(context: int, max_positions: int | None) -> None:
     extrapolated RoPE: the numbers would describe a model outside its trained range). ``None``: unknown."""
     if max_positions is not None and context > max_positions:
         raise InputError(f"--context {context} exceeds the model's max_position_embeddings ({max_positions})")
+
+
+def loaded_context_fits(context: int, positions: int | None, model: PreTrainedModel) -> None:
+    """:func:`context_fits` again once ``model`` is loaded, where the limit was unknown before the load
+    (``positions`` from :func:`model_max_positions` is ``None``: a zoo model converted by this load): against the
+    loaded text config's ``max_position_embeddings``. A known ``positions`` was checked before loading."""
+    if positions is None:
+        context_fits(context, model.config.get_text_config().max_position_embeddings)
 
 
 def ruler_tasks(tasks: Sequence[str], context: int, option: str = "--tasks") -> None:

@@ -78,16 +78,19 @@ def resident_cache(
     model,
     codec: str,
     policy: str,
-    gate: Gate,
+    gate: Gate | None,
     validate: bool = False,
     storage: StorageConfig | None = None,
+    resident: float = 0.25,
+    page_size: int = 4,
     **options,
 ) -> CertifiedCache:
-    """The resident cache of these tests: ``R = 0.25``, pages of 4, ``codec`` keys and values (in ``storage`` when
-    given), ``POLICIES[policy]`` selection, ``gate``, ``options`` added to the resident set."""
+    """The resident cache of these tests: ``R = resident`` (0.25), pages of ``page_size`` (4), ``codec`` keys and
+    values (in ``storage`` when given), ``POLICIES[policy]`` selection, ``gate`` (``None``: the cache's default),
+    ``options`` added to the resident set."""
     storage = dataclasses.replace(storage or StorageConfig(), keys=codec, values=codec)
-    resident = EvictionConfig.resident_set(0.25, select=POLICIES[policy](), page_size=4, **options)
-    return CertifiedCache(model, gate=gate, validate=validate, storage=storage, eviction=resident)
+    kept = EvictionConfig.resident_set(resident, select=POLICIES[policy](), page_size=page_size, **options)
+    return CertifiedCache(model, gate=gate, validate=validate, storage=storage, eviction=kept)
 
 
 #: the gate of the validate-mode runs of :func:`validated_runs`

@@ -15,7 +15,7 @@ from kvcert import EvictionConfig, Gate, StorageConfig, ValidationConfig
 from kvcert.attention.resident import can_omit
 from kvcert.cache.store import LayerStore
 from kvcert.cache.telemetry import Telemetry
-from kvcert.evict import H2O, StreamingLLM
+from kvcert.evict import H2O
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models.tiny import tiny_random
 
@@ -40,13 +40,7 @@ def test_tau_zero_is_token_identical_to_dynamic_cache(models, family, policy):
     ids = _ids(model, batch=2)
     ref = _decode(model, ids, DynamicCache(config=model.config))
     for resident in (0.1, 0.5):
-        with CertifiedCache(
-            model,
-            keys="int4",
-            values="int4",
-            gate=Gate.certified(0.0),
-            eviction=EvictionConfig.resident_set(resident, select=POLICIES[policy](), page_size=4),
-        ) as cache:
+        with resident_cache(model, "int4", policy, Gate.certified(0.0), resident=resident) as cache:
             assert torch.equal(_decode(model, ids, cache), ref)
             tel = cache.telemetry()
             assert tel.resident_fraction < 1 and tel.summary()["bytes_summary"] > 0
@@ -78,12 +72,7 @@ def test_basis_summary_bytes_are_its_stored_tensors(models, summary, tail_bits):
     model = models["llama"]
     cfg = model.config
     hkv, d = cfg.num_key_value_heads, 32
-    with CertifiedCache(
-        model,
-        keys="int8",
-        values="int8",
-        eviction=EvictionConfig.resident_set(0.25, select=StreamingLLM(sinks=2), page_size=4, summary=summary),
-    ) as cache:
+    with resident_cache(model, "int8", "streaming", None, summary=summary) as cache:
         _decode(model, _ids(model, seed=2), cache, steps=1)
         tel = cache.telemetry()
         omitted = PROMPT - (PROMPT - math.floor(0.75 * PROMPT + 1e-9))
@@ -145,13 +134,7 @@ def test_accounting_of_summaries_recall_and_resident_fraction(models):
     ids = _ids(model, seed=2)
     cfg = model.config
     hkv, d = cfg.num_key_value_heads, 32
-    with CertifiedCache(
-        model,
-        keys="int8",
-        values="int8",
-        gate=Gate.certified(0.3),
-        eviction=EvictionConfig.resident_set(0.25, select=StreamingLLM(sinks=2), page_size=5, summary="box"),
-    ) as cache:
+    with resident_cache(model, "int8", "streaming", Gate.certified(0.3), page_size=5, summary="box") as cache:
         _decode(model, ids, cache)
         tel = cache.telemetry()
         kept = PROMPT - math.floor(0.75 * PROMPT + 1e-9)
@@ -188,14 +171,7 @@ def test_a_tau_no_recall_can_meet_falls_back_to_exact_attention_over_every_token
     model = models["qwen2"]
     ids = _ids(model, seed=4)
     ref = _decode(model, ids, DynamicCache(config=model.config))
-    with CertifiedCache(
-        model,
-        keys="int8",
-        values="int8",
-        gate=Gate.certified(1e-9),
-        validate=True,
-        eviction=EvictionConfig.resident_set(0.25, select=H2O(recent=3), page_size=4),
-    ) as cache:
+    with resident_cache(model, "int8", "h2o", Gate.certified(1e-9), validate=True) as cache:
         assert torch.equal(_decode(model, ids, cache), ref)
         tel = cache.telemetry()
     rec = tel.recorded
@@ -209,14 +185,7 @@ def test_int8_sketch_summary_is_exact_at_tau_zero_and_counts_its_bytes(models, f
     model = models[family]
     ids = _ids(model, batch=2, seed=5)
     _tau_zero_identical(model, "int8", policy, "int8")
-    with CertifiedCache(
-        model,
-        keys="int4",
-        values="int4",
-        gate=Gate.certified(0.3),
-        validate=True,
-        eviction=EvictionConfig.resident_set(0.25, select=POLICIES[policy](), page_size=4, summary="int8"),
-    ) as cache:
+    with resident_cache(model, "int4", policy, Gate.certified(0.3), validate=True, summary="int8") as cache:
         _decode(model, ids, cache)
         tel = cache.telemetry()
     rec = tel.recorded
@@ -309,22 +278,9 @@ def test_left_padded_batch_masks_omitted_tokens_by_position(models):
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
     ref = _decode_padded(model, ids, mask, DynamicCache(config=model.config))
-    with CertifiedCache(
-        model,
-        keys="int8",
-        values="int8",
-        gate=Gate.certified(0.0),
-        eviction=EvictionConfig.resident_set(0.25, select=StreamingLLM(sinks=2), page_size=4),
-    ) as cache:
+    with resident_cache(model, "int8", "streaming", Gate.certified(0.0)) as cache:
         assert torch.equal(_decode_padded(model, ids, mask, cache), ref)
-    with CertifiedCache(
-        model,
-        keys="int8",
-        values="int8",
-        gate=Gate.certified(0.3),
-        validate=True,
-        eviction=EvictionConfig.resident_set(0.25, select=H2O(recent=3), page_size=4),
-    ) as cache:
+    with resident_cache(model, "int8", "h2o", Gate.certified(0.3), validate=True) as cache:
         _decode_padded(model, ids, mask, cache)
         tel = cache.telemetry()
     assert tel.violations == 0 and tel.out_violations == 0 and tel.recall_violations == 0
@@ -340,12 +296,8 @@ def test_persistent_recall_pages_in_once_within_the_device_budget(models, family
     ids = _ids(model, batch=2, seed=7)
     got = {}
     for recall in ("transient", "persistent"):
-        with CertifiedCache(
-            model,
-            gate=Gate.certified(0.1),
-            validate=True,
-            storage=StorageConfig(keys="int4", values="int4", device_budget=1.0),
-            eviction=EvictionConfig.resident_set(0.25, select=StreamingLLM(sinks=2), page_size=4, recall=recall),
+        with resident_cache(
+            model, "int4", "streaming", Gate.certified(0.1), True, StorageConfig(device_budget=1.0), recall=recall
         ) as cache:
             _decode(model, ids, cache, steps=10)
             tel = cache.telemetry()
@@ -366,13 +318,8 @@ def test_resident_codes_above_tau_are_read_exact_instead_of_dense(models):
     plus recalled pages (resident entries paged in, no dense read of the whole context), 0 violations."""
     model = models["llama"]
     ids = _ids(model, batch=2, seed=8)
-    with CertifiedCache(
-        model,
-        keys="int2",
-        values="int2",
-        gate=Gate.certified(0.05),
-        validate=True,
-        eviction=EvictionConfig.resident_set(0.5, select=StreamingLLM(sinks=2), page_size=4, recall="transient"),
+    with resident_cache(
+        model, "int2", "streaming", Gate.certified(0.05), validate=True, resident=0.5, recall="transient"
     ) as cache:
         _decode(model, ids, cache)
         tel = cache.telemetry()

@@ -76,14 +76,7 @@ def test_validate_mode_zero_violations_in_every_cell_with_mass(models, family, p
 def test_telemetry_reports_each_layers_resident_fraction(models):
     model = models["llama"]
     ids = _ids(model, seed=2)
-    with CertifiedCache(
-        model,
-        keys="int8",
-        values="int8",
-        eviction=EvictionConfig.resident_set(
-            0.25, select=SnapKV(window=3, kernel=3), page_size=4, resident_alloc="mass"
-        ),
-    ) as cache:
+    with resident_cache(model, "int8", "snapkv", None, resident_alloc="mass") as cache:
         greedy_decode(model, ids, cache, STEPS)
         tel = cache.telemetry()
         held = [layer.store.n for layer in cache.layers]
@@ -120,19 +113,8 @@ def test_reselect_keeps_each_layers_own_fraction(models):
     model = models["llama"]
     ids = _ids(model, seed=2)
     sizes = []
-    with CertifiedCache(
-        model,
-        keys="int8",
-        values="int8",
-        gate=Gate.certified(0.3),
-        eviction=EvictionConfig.resident_set(
-            0.25,
-            select=SnapKV(window=3, kernel=3),
-            page_size=4,
-            reselect=3,
-            reselect_score="key_proxy",
-            resident_alloc="mass",
-        ),
+    with resident_cache(
+        model, "int8", "snapkv", Gate.certified(0.3), reselect=3, reselect_score="key_proxy", resident_alloc="mass"
     ) as cache:
         greedy_decode(model, ids, cache, STEPS, each=lambda c: sizes.append([layer.store.n for layer in c.layers]))
         ratios = dict(cache._evictor.layer_ratio)
@@ -153,14 +135,16 @@ def test_a_layer_that_keeps_every_token_reads_plainly_beside_resident_ones(model
 
     monkeypatch.setattr(evict_driver, "allocate_kept", layer0_full)
     model = models["qwen2"]
-    with CertifiedCache(
+    with resident_cache(
         model,
-        gate=Gate.certified(0.1),
-        validate=True,
-        storage=StorageConfig(keys="int4", values="int4", device_budget=0.5),
-        eviction=EvictionConfig.resident_set(
-            0.4, select=SnapKV(window=3, kernel=3), page_size=4, recall="persistent", resident_alloc="mass"
-        ),
+        "int4",
+        "snapkv",
+        Gate.certified(0.1),
+        True,
+        StorageConfig(device_budget=0.5),
+        resident=0.4,
+        recall="persistent",
+        resident_alloc="mass",
     ) as cache:
         greedy_decode(model, _ids(model, batch=2, seed=7), cache, STEPS)
         tel = cache.telemetry()

@@ -84,13 +84,7 @@ def test_reselect_moves_tokens_pages_them_in_and_keeps_the_resident_fraction(mod
     ids = _ids(model, seed=2)
     d, layers, hkv = 32, model.config.num_hidden_layers, model.config.num_key_value_heads
     sizes = []
-    with CertifiedCache(
-        model,
-        keys="int8",
-        values="int8",
-        gate=Gate.certified(0.3),
-        eviction=EvictionConfig.resident_set(0.25, select=H2O(recent=3), page_size=4, recall="transient", reselect=3),
-    ) as cache:
+    with resident_cache(model, "int8", "h2o", Gate.certified(0.3), recall="transient", reselect=3) as cache:
         _decode(model, ids, cache, each=lambda c: sizes.append([layer.store.n for layer in c._layers]))
         tel = cache.telemetry()
         stats = cache.reselect_stats
@@ -130,13 +124,14 @@ def test_bytes_device_never_exceeds_the_device_budget_with_reselect(models, code
         seen.append(tel.bytes_device)
         assert tel.bytes_device <= 1.0 * tel.bytes_fp16_context + slack
 
-    with CertifiedCache(
+    with resident_cache(
         model,
-        gate=Gate.certified(0.05),
-        storage=StorageConfig(keys=codec, values=codec, device_budget=1.0),
-        eviction=EvictionConfig.resident_set(
-            0.25, select=SnapKV(window=3, kernel=3), page_size=4, reselect=2, reselect_score=score
-        ),
+        codec,
+        "snapkv",
+        Gate.certified(0.05),
+        storage=StorageConfig(device_budget=1.0),
+        reselect=2,
+        reselect_score=score,
     ) as cache:
         _decode(model, ids, cache, each=check)
         assert cache.reselect_stats is not None and cache.reselect_stats.reselections > 0
@@ -185,13 +180,15 @@ def test_held_tokens_that_stay_omitted_stay_held_across_a_re_paging(models, scor
     ids = _ids(model, seed=4)
     d = 32
     seen = {"carried": 0, "paged": 0}
-    with CertifiedCache(
+    with resident_cache(
         model,
-        gate=Gate.certified(0.05),
-        storage=StorageConfig(keys="int4", values="int4", device_budget=None),
-        eviction=EvictionConfig.resident_set(
-            0.25, select=SnapKV(window=3, kernel=3), page_size=page_size, reselect=2, reselect_score=score
-        ),
+        "int4",
+        "snapkv",
+        Gate.certified(0.05),
+        storage=StorageConfig(device_budget=None),
+        page_size=page_size,
+        reselect=2,
+        reselect_score=score,
     ) as cache:
         evictor = cache._evictor
         reselect = evictor._reselect

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -51,6 +52,15 @@ RESIDENT_FIELDS = {
     "reads_mass_bound_above": "certified",
 }
 RECALL_NEED = ("resident_reads", "reads_mass_bound_above", "reads_mass_above")
+
+
+def _eval_resident(out: Path, *args: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run ``kvcert eval`` on the tiny model with ``args``, writing to ``out``; assert it exited 0 and return its
+    results.json and the resident variant's numbers in it."""
+    result = runner.invoke(app, ["eval", *TINY, *args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "results.json").read_text())
+    return doc, doc["results"]["variants"]["int4+resident"]
 
 
 # Refused resident options and the message each gets; kvcert frontier refuses them with the same messages.
@@ -260,13 +270,9 @@ def test_eval_resident_validate_reports_exact_omitted_mass_and_zero_violations(t
     """``kvcert eval --resident R --select P --validate``: the resident variant carries the exact omitted mass (never
     above the largest bound), 0 recall violations and 0 certificate violations; page-in (recall + exact resident
     reads + dense fallback) is at least the recalled bytes, both against the whole context."""
-    out = tmp_path / "eval"
-    args = ["eval", *TINY, "--gate", "certified:0.2", "--resident", "0.25", "--select", "streaming", "--validate"]
-    result = runner.invoke(app, [*args, "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    doc = json.loads((out / "results.json").read_text())
+    args = ["--gate", "certified:0.2", "--resident", "0.25", "--select", "streaming", "--validate"]
+    doc, kept = _eval_resident(tmp_path / "eval", *args)
     assert doc["config"]["validate"] is True
-    kept = doc["results"]["variants"]["int4+resident"]
     assert kept["recall_violations"] == {"value": 0, "tier": "empirical"}
     assert kept["violations"]["value"] == 0
     assert 0.0 <= kept["max_omitted_mass"]["value"] <= kept["max_omitted_mass_bound"]["value"] <= 1.0
@@ -279,13 +285,9 @@ def test_eval_resident_validate_reports_exact_omitted_mass_and_zero_violations(t
 
 
 def test_eval_reselect_reports_what_reselection_moved(tmp_path: Path) -> None:
-    out = tmp_path / "eval"
     args = ["--gate", "certified:0.2", "--resident", "0.25", "--select", "streaming", "--reselect", "1"]
-    result = runner.invoke(app, ["eval", *TINY, *args, "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    doc = json.loads((out / "results.json").read_text())
+    doc, kept = _eval_resident(tmp_path / "eval", *args)
     assert untiered_numbers(doc["results"]) == [] and doc["config"]["reselect"] == 1
-    kept = doc["results"]["variants"]["int4+resident"]
     assert kept["reselections"]["value"] > 0 and kept["reselect_promoted"]["tier"] == "empirical"
     assert kept["reselect_bytes_paged"]["value"] >= 0
 
@@ -295,12 +297,8 @@ def test_eval_recall_option_reaches_the_cache(tmp_path: Path, recall: str) -> No
     """``--recall`` builds the resident variant with that recall form: recorded in the config and the variant, 0
     violations in validate mode; ``swap`` moves recalled pages into the resident set (counted as re-selections,
     the page-in of what it promotes included), ``transient`` keeps nothing and moves nothing."""
-    out = tmp_path / recall
     args = ["--gate", "certified:0.2", "--resident", "0.25", "--select", "h2o", "--validate", "--recall", recall]
-    result = runner.invoke(app, ["eval", *TINY, *args, "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    doc = json.loads((out / "results.json").read_text())
-    kept = doc["results"]["variants"]["int4+resident"]
+    doc, kept = _eval_resident(tmp_path / recall, *args)
     assert doc["config"]["recall"] == recall and kept["recall"] == recall
     assert kept["violations"]["value"] == 0 and kept["recall_violations"]["value"] == 0
     assert kept["pages_recalled"]["value"] > 0  # the tiny model's reads recall, so the forms differ in what follows
@@ -314,12 +312,8 @@ def test_eval_summary_option_reaches_the_cache(tmp_path: Path) -> None:
     same samples (the 2-bit tail's below the int4 tail's)."""
     summary_bytes = {}
     for summary in ("int8", "basis8", "basis8-t2"):
-        out = tmp_path / summary
         args = ["--gate", "certified:0.2", "--resident", "0.25", "--select", "streaming", "--validate"]
-        result = runner.invoke(app, ["eval", *TINY, *args, "--summary", summary, "--out", str(out)])
-        assert result.exit_code == 0, result.output
-        doc = json.loads((out / "results.json").read_text())
-        kept = doc["results"]["variants"]["int4+resident"]
+        doc, kept = _eval_resident(tmp_path / summary, *args, "--summary", summary)
         assert doc["config"]["summary"] == summary and kept["summary"] == summary
         assert kept["violations"]["value"] == 0 and kept["recall_violations"]["value"] == 0
         summary_bytes[summary] = kept["bytes_summary"]["value"]
@@ -333,12 +327,8 @@ def test_eval_resident_alloc_reaches_the_cache(tmp_path: Path) -> None:
     variant, 0 violations in validate mode, the same resident share as the uniform split on the same samples."""
     fractions = {}
     for alloc in ("uniform", "mass"):
-        out = tmp_path / alloc
         args = ["--gate", "certified:0.2", "--resident", "0.25", "--select", "h2o", "--validate"]
-        result = runner.invoke(app, ["eval", *TINY, *args, "--resident-alloc", alloc, "--out", str(out)])
-        assert result.exit_code == 0, result.output
-        doc = json.loads((out / "results.json").read_text())
-        kept = doc["results"]["variants"]["int4+resident"]
+        doc, kept = _eval_resident(tmp_path / alloc, *args, "--resident-alloc", alloc)
         assert doc["config"]["resident_alloc"] == alloc and kept["resident_alloc"] == alloc
         assert kept["violations"]["value"] == 0 and kept["recall_violations"]["value"] == 0
         fractions[alloc] = kept["resident_fraction"]["value"]

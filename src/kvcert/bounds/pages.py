@@ -306,11 +306,7 @@ def sketch_keys(keys: torch.Tensor) -> KeySketch:
     *stored* scale and codes, inflated by ``(D + 4)·2^-53`` and rounded up to float32. Raises ``ValueError`` for
     no tokens or non-finite keys.
     """
-    if keys.dim() < 2 or keys.shape[-2] == 0:
-        raise ValueError(
-            f"keys must be [..., N, D] with N > 0 (an empty page cannot be summarized), got shape {tuple(keys.shape)}"
-        )
-    _finite(keys, "keys")
+    _check_keys(keys)
     x = keys.to(F64)
     d = x.shape[-1]
     amax = x.abs().amax(-1)
@@ -559,6 +555,8 @@ def _check_tail_bits(tail_bits: object) -> None:
 
 
 def _check_keys(keys: torch.Tensor) -> None:
+    """``ValueError`` unless ``keys`` is ``[..., N, D]`` with ``N > 0`` and every entry finite (the keys a sketch
+    summarizes)."""
     if keys.dim() < 2 or keys.shape[-2] == 0:
         raise ValueError(
             f"keys must be [..., N, D] with N > 0 (an empty page cannot be summarized), got shape {tuple(keys.shape)}"

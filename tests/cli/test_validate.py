@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from kvcert.cli import audit, ppl, ruler_command
 from kvcert.cli.main import app
-from kvcert.cli.validate import model_max_positions, prepare_out
+from kvcert.cli.validate import InputError, loaded_context_fits, model_max_positions, prepare_out
 from kvcert.report.figures import AccuracyPoint, accuracy_bars
 from kvcert.report.html import write_html
 from kvcert.report.results import write_results
@@ -307,3 +307,16 @@ def test_an_empty_decode_reports_null_rates_end_to_end(tmp_path: Path, gate: str
         assert v["cells"]["value"] == 0
         for key in ("fallback_rate", "coverage_kv@0.2", "informative_fraction", "max_certificate"):
             assert v[key]["value"] is None, (label, key)
+
+
+def test_loaded_context_fits_checks_only_a_limit_unknown_before_the_load() -> None:
+    """A zoo model converted by this load (``positions`` None) is checked against its loaded config, on both sides of
+    the limit; a limit known before the load was checked then and is not read again."""
+    from types import SimpleNamespace
+
+    text = SimpleNamespace(max_position_embeddings=128)
+    model = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: text))
+    loaded_context_fits(128, None, model)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="--context 129 exceeds the model's max_position_embeddings \\(128\\)"):
+        loaded_context_fits(129, None, model)  # type: ignore[arg-type]
+    loaded_context_fits(129, 4096, model)  # type: ignore[arg-type]

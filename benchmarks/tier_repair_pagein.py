@@ -39,7 +39,7 @@ from kvcert.models.zoo import load  # noqa: E402
 from kvcert.quant import get  # noqa: E402
 from kvcert.report.tables import ReportTable, fmt, print_table  # noqa: E402
 from tv_box_tightness import BANDS, TAU, Tiers, heavy_tokens, key_bytes  # noqa: E402
-from witness_tightness import Candidate, Captured, capture, encoded, head_reads, texts  # noqa: E402
+from witness_tightness import Captured, capture, coded_reads, texts  # noqa: E402
 
 #: the repair counts tried, in order (a read that no count passes pages in every visible token)
 LADDER = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -92,15 +92,9 @@ def shares(
     cell (:func:`light_weights`) the light mass and ``π̃_max``."""
     names = (codec, tiers.codec)
     coded = [get(name) for name in names]
-    layer: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     out, masses, peaks = [], [], []
-
-    def serve(k: torch.Tensor) -> torch.Tensor:
-        layer[:] = [encoded(Candidate(name, name, {}), k) for name in names]
-        return layer[0][0]
-
     sc = seen.scale
-    for r in head_reads(seen, nq, serve):
+    for r, layer in coded_reads(seen, nq, names):
         g = r.q.shape[0]
         heavy = heavy_tokens(seen.qs[r.layer][r.head * g : (r.head + 1) * g], r.k, sc, seen.windows[r.layer], nq, tiers)
         khat = torch.where(heavy[:, None], layer[1][0][r.head], r.khat)

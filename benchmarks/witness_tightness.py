@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import argparse
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -181,6 +181,21 @@ def head_reads(seen: Captured, nq: int, serve: Callable[[torch.Tensor], torch.Te
         vis = (t <= pos) & (pos - t < window) if window else t <= pos
         for h in range(hkv):
             yield HeadRead(layer, h, q[h * g : (h + 1) * g, s - nq :], k[h], khat[h], pos, t, vis)
+
+
+def coded_reads(
+    seen: Captured, nq: int, names: Sequence[str]
+) -> Iterator[tuple[HeadRead, list[tuple[torch.Tensor, torch.Tensor | None]]]]:
+    """Every read of :func:`head_reads` with its keys served by the codec ``names[0]``, and per codec of ``names`` the
+    :func:`encoded` keys and steps ``[Hkv, S, ...]`` of the read's layer (one encoding per layer and codec)."""
+    layer: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    def serve(k: torch.Tensor) -> torch.Tensor:
+        layer[:] = [encoded(Candidate(name, name, {}), k) for name in names]
+        return layer[0][0]
+
+    for r in head_reads(seen, nq, serve):
+        yield r, layer
 
 
 def measure(cand: Candidate, seen: Captured, nq: int, sub: list[torch.Tensor] | None) -> dict[str, torch.Tensor | int]:

@@ -2,6 +2,7 @@
 
 from kvcert.bounds.budget import telescoping_delta, uniform_split
 from kvcert.bounds.latent import effective_query, latent_band_norms, latent_tier_a_radius, latent_tier_b_sigma2
+from kvcert.bounds.order_stats import exceedance_counts, order_stat_box
 from kvcert.bounds.output import output_error_bound
 from kvcert.bounds.pooling import PoolingProfile, pool_weights, pooled, pooling_profile
 from kvcert.bounds.radii import (
@@ -49,6 +50,7 @@ __all__ = [
     "dither_witness_moments",
     "band_norms",
     "effective_query",
+    "exceedance_counts",
     "FORMS",
     "gate_contraction",
     "GateContraction",
@@ -58,6 +60,7 @@ __all__ = [
     "latent_tier_a_radius",
     "latent_tier_b_sigma2",
     "lost_gained_mass",
+    "order_stat_box",
     "MassRatio",
     "meter_and_unclipped",
     "omitted_mass",

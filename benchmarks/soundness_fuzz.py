@@ -22,7 +22,9 @@ With ``--tier-b-cells N`` it runs the Tier-B gate's partial box (``docs/math.md#
 ``tests/quant/tier_b_cells.py``): ``N`` end-to-end cells per dithered key codec, queries drawn before the dither,
 ``δ_loc`` and ``τ`` drawn per chunk; per cell the partial bound (the box over ``min(c, u)``) must hold on the Tier-B
 event (0 violations), and per ``δ_loc`` the event may fail in at most that share of cells (one-sided binomial tail,
-p > 10^-6); ``--tier-b-codecs`` picks the codecs.
+p > 10^-6); ``--tier-b-codecs`` picks the codecs. With ``--order-stats`` the same cells also go through the
+order-statistics box (``docs/math.md#order-statistics-box``): on both events (the union and the counts) the least of
+the partial bound and that box must hold (0 violations), and its event too may fail in at most a ``δ_loc`` share.
 
 The page forms (``kvcert.bounds.pages``: page logit bound, omitted-mass bound, direct form, composed certificate of
 a resident read; the same per token for the int8 and the principal-basis key sketches, the latter with an int4
@@ -34,7 +36,8 @@ second table gives each family's cells and violations. ``--page-seconds S`` stop
 whole round past ``S`` seconds and reports the cells reached (the header says so).
 
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soundness_fuzz.py [--cells 10000000] [--seed 0]
-[--codec-cells 10000000] [--qsw-cells 10000000] [--witness-cells 10000000] [--tier-b-cells 10000000]``
+[--codec-cells 10000000] [--qsw-cells 10000000] [--witness-cells 10000000] [--tier-b-cells 10000000]
+[--order-stats]``
 """
 
 from __future__ import annotations
@@ -127,10 +130,11 @@ def witness_fuzz(n_cells: int, gen: torch.Generator, codecs: tuple[str, ...]) ->
     return clean
 
 
-def tier_b_fuzz(n_cells: int, gen: torch.Generator, codecs: tuple[str, ...]) -> bool:
+def tier_b_fuzz(n_cells: int, gen: torch.Generator, codecs: tuple[str, ...], order_stats: bool = False) -> bool:
     """The Tier-B partial box: ``n_cells`` (whole rounds) per dithered key codec in ``codecs``; prints a table (cells,
     violations on the event, off-event cells per ``δ_loc`` with the binomial tail, cells the Tier-B radii tightened,
-    off-event cells above the partial bound), returns True if clean."""
+    off-event cells above the partial bound), returns True if clean. ``order_stats``: a second line per codec for
+    the order-statistics box (violations on both events, its off-event cells per ``δ_loc``, cells it tightened)."""
     per_round = sum(rows for _, rows in TIER_B_PLAN)
     off = "off event / cells (tail p) per delta_loc"
     print(
@@ -139,19 +143,28 @@ def tier_b_fuzz(n_cells: int, gen: torch.Generator, codecs: tuple[str, ...]) -> 
     )
     clean = True
     for codec in codecs:
-        cells, bad, tighter, over = 0, 0, 0, 0
+        cells, bad, tighter, over, os_bad, os_tighter = 0, 0, 0, 0, 0, 0
         failed: dict[float, list[int]] = {}
+        os_failed: dict[float, list[int]] = {}
         for _ in tqdm(range(-(-n_cells // per_round)), desc=f"{codec} tier-b"):
             for s, rows in TIER_B_PLAN:
-                batch, _ = make_tier_b_cells(codec, rows, s, gen)
+                batch, _ = make_tier_b_cells(codec, rows, s, gen, order_stats=order_stats)
                 cells, bad = cells + rows, bad + batch.violations()
                 tighter, over = tighter + batch.tightened(), over + batch.above_off_event()
                 seen = failed.setdefault(batch.delta_loc, [0, 0])
                 seen[0], seen[1] = seen[0] + rows, seen[1] + batch.off_event()
-        tails = {d: binomial_sf(f, n, d) for d, (n, f) in failed.items()}
-        per_delta = ", ".join(f"{d:g}: {f}/{n} ({tails[d]:.2g})" for d, (n, f) in sorted(failed.items()))
-        print(f"{codec:>12} | {cells:>11,} | {bad:>14} | {per_delta:>44} | {tighter / cells:>9.3f} | {over:>21}")
-        clean = clean and bad == 0 and all(p > 1e-6 for p in tails.values())
+                if order_stats:
+                    os_bad, os_tighter = os_bad + batch.os_violations(), os_tighter + batch.os_tightened()
+                    seen = os_failed.setdefault(batch.delta_loc, [0, 0])
+                    seen[0], seen[1] = seen[0] + rows, seen[1] + batch.os_off_event()
+        for label, fails, viol, tight, above in (
+            (codec, failed, bad, tighter, str(over)),
+            *([("+order-stat", os_failed, os_bad, os_tighter, "–")] if order_stats else []),
+        ):
+            tails = {d: binomial_sf(f, n, d) for d, (n, f) in fails.items()}
+            per_delta = ", ".join(f"{d:g}: {f}/{n} ({tails[d]:.2g})" for d, (n, f) in sorted(fails.items()))
+            print(f"{label:>12} | {cells:>11,} | {viol:>14} | {per_delta:>44} | {tight / cells:>9.3f} | {above:>21}")
+            clean = clean and viol == 0 and all(p > 1e-6 for p in tails.values())
     return clean
 
 
@@ -165,6 +178,9 @@ def main() -> None:
     )
     ap.add_argument("--witness-cells", type=int, default=0, help="cells per compact-witness form (0: skip)")
     ap.add_argument("--tier-b-cells", type=int, default=0, help="cells per Tier-B partial-box form (0: skip)")
+    ap.add_argument(
+        "--order-stats", action="store_true", help="also the order-statistics box on the Tier-B cells (--tier-b-cells)"
+    )
     ap.add_argument(
         "--tier-b-codecs",
         default=",".join(TIER_B_FORMS),
@@ -264,7 +280,7 @@ def main() -> None:
     codecs_clean = codec_fuzz(args.codec_cells, gen, codec_forms) if args.codec_cells else True
     qsw_clean = codec_fuzz(args.qsw_cells, gen, qsw_forms) if args.qsw_cells else True
     witness_clean = witness_fuzz(args.witness_cells, gen, witness_codecs) if args.witness_cells else True
-    tier_b_clean = tier_b_fuzz(args.tier_b_cells, gen, tier_b_codecs) if args.tier_b_cells else True
+    tier_b_clean = tier_b_fuzz(args.tier_b_cells, gen, tier_b_codecs, args.order_stats) if args.tier_b_cells else True
     if any(violations.values()) or not codecs_clean or not qsw_clean or not witness_clean or not tier_b_clean:
         raise SystemExit("VIOLATIONS FOUND")
 

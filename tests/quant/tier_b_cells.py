@@ -14,6 +14,11 @@ serves on a partially certified head: the box over ``min(c, u)`` from the start 
 gate's two-pass grid at a threshold ``τ`` (``box_refined``, the compiled evaluator). The claim checked is the one the
 gate relies on: **on the event, TV ≤ partial bound, in every cell** (no probability involved), and the event fails in
 at most a ``δ_loc`` share of cells (a one-sided binomial tail test, per ``δ_loc``).
+
+With ``order_stats=True`` also the order-statistics box (``docs/math.md#order-statistics-box``) over the same radii,
+proxies and ``δ_loc``, and its own event (at most ``k_j`` tokens with ``|ε_t| > z_j·σ_t`` at every level): on both
+events, TV ≤ the least of the partial bound and the order-statistics box, in every cell; its event too fails in at
+most a ``δ_loc`` share of cells.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 from codec_cells import adversarial_keys
 
 from kvcert.bounds import band_norms, tier_a_radius, tier_b_radius, tier_b_sigma2, true_tv, tv_meter
+from kvcert.bounds.order_stats import LEVELS, exceedance_counts, order_stat_box
 from kvcert.bounds.tv_box import box_refined
 from kvcert.kernels import numba_box
 from kvcert.quant import get, sample_key
@@ -49,6 +55,8 @@ class TierBCells:
     partial: torch.Tensor  # [n] the box over min(c, u) from min(meter(c), meter(u))
     certified: torch.Tensor  # [n] the box over c from meter(c) (what the certified gate alone serves)
     tv: torch.Tensor  # [n] TV(exact, served)
+    order_stat: torch.Tensor | None = None  # [n] the order-statistics box (order_stats=True)
+    os_event: torch.Tensor | None = None  # [n] at most k_j tokens past z_j·σ_t at every level
 
     def violations(self) -> int:
         """Cells on the Tier-B event whose true TV exceeds the partial bound (must be 0)."""
@@ -65,6 +73,22 @@ class TierBCells:
     def tightened(self) -> int:
         """Cells whose partial bound is below the certified box (where the Tier-B radii matter)."""
         return int((self.partial + SLACK < self.certified).sum())
+
+    def os_violations(self) -> int:
+        """Cells on both events whose true TV exceeds the least of the partial bound and the order-statistics box."""
+        assert self.order_stat is not None and self.os_event is not None
+        both = torch.minimum(self.partial, self.order_stat)
+        return int((self.event & self.os_event & (both + SLACK < self.tv)).sum())
+
+    def os_off_event(self) -> int:
+        """Cells where some level has more than its count of tokens past it."""
+        assert self.os_event is not None
+        return int((~self.os_event).sum())
+
+    def os_tightened(self) -> int:
+        """Cells whose order-statistics box is below the partial bound (where it adds something)."""
+        assert self.order_stat is not None
+        return int((self.order_stat + SLACK < self.partial).sum())
 
 
 def _query(x: torch.Tensor, steps: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -96,9 +120,11 @@ def make_tier_b_cells(
     bands: int = 8,
     delta_loc: float | None = None,
     tau: float | None = None,
+    order_stats: bool = False,
 ) -> tuple[TierBCells, float]:
     """``n`` cells of ``s`` tokens for the dithered key ``codec`` (module doc) at ``delta_loc`` and ``tau`` (drawn from
-    :data:`TIER_B_DELTAS` / :data:`TIER_B_TAUS` when ``None``); returns the cells and the ``τ`` used."""
+    :data:`TIER_B_DELTAS` / :data:`TIER_B_TAUS` when ``None``), with the order-statistics box when ``order_stats``;
+    returns the cells and the ``τ`` used."""
     i_delta = int(torch.randint(0, len(TIER_B_DELTAS), (1,), generator=gen))
     i_tau = int(torch.randint(0, len(TIER_B_TAUS), (1,), generator=gen))
     delta = TIER_B_DELTAS[i_delta] if delta_loc is None else delta_loc
@@ -114,7 +140,8 @@ def make_tier_b_cells(
     delta_k = k_hat - k
     sc = d**-0.5
     radius_a = tier_a_radius(q, band_norms(delta_k, bands), sc)  # [n, S]
-    radius_b = tier_b_radius(tier_b_sigma2(q, steps, sc, GROUP), s, delta)  # [n, S]
+    sigma2 = tier_b_sigma2(q, steps, sc, GROUP)  # [n, S]
+    radius_b = tier_b_radius(sigma2, s, delta)
     served = sc * torch.einsum("nd,nsd->ns", q, k_hat)
     exact = sc * torch.einsum("nd,nsd->ns", q, k)
     p_served, p_exact = torch.softmax(served, -1), torch.softmax(exact, -1)
@@ -123,4 +150,13 @@ def make_tier_b_cells(
     start = torch.minimum(certified, tv_meter(p_served, radius_b))
     partial = box_refined(p_served, torch.minimum(radius_a, radius_b), start, tau, numba_box.box_rows)
     event = ((served - exact).abs() <= radius_b).all(-1)
-    return TierBCells(delta, event, partial, certified, true_tv(p_exact, p_served)), tau
+    tv = true_tv(p_exact, p_served)
+    if not order_stats:
+        return TierBCells(delta, event, partial, certified, tv), tau
+    counts = exceedance_counts(s, delta)
+    sigma = sigma2.sqrt()
+    radius = torch.minimum(radius_a, radius_b)
+    ordered = order_stat_box(p_served, radius, sigma, torch.zeros_like(sigma), counts, rows=numba_box.box_rows)
+    past = torch.stack([((served - exact).abs() > z * sigma).sum(-1) for z in LEVELS], -1)  # [n, J]
+    os_event = (past <= torch.tensor(counts)).all(-1)
+    return TierBCells(delta, event, partial, certified, tv, ordered, os_event), tau

@@ -18,7 +18,8 @@ and order-stat partially certified (non-adaptive queries), exact and the oracles
 
 Usage: ``OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/order_stat_box.py [--model gemma3-270m]
 [--codecs dither-int5+bypass8] [--heavy dither-int8+bypass8] [--heavy-frac 0.2] [--samples 2] [--tokens 2048]
-[--queries 8] [--seed 13] [--plot FILE]``. ``--heavy none``: every token in the row's codec.
+[--queries 8] [--seed 13] [--plot FILE] [--delta-loc D]``. ``--heavy none``: every token in the row's codec;
+``--delta-loc``: another per-cell failure budget than the model's default (what a larger budget would buy).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def cell_bounds(
     p = torch.softmax(served.masked_fill(~visible, ninf), -1)
     s = served.shape[-1]
     radius = torch.minimum(tier_a, tier_b_radius(sigma2, s, delta_loc / 2)).expand_as(p).masked_fill(~visible, 0.0)
-    sigma = sigma2.sqrt().expand_as(p).masked_fill(~visible, 0.0)
+    sigma = (sigma2.sqrt() * (1.0 + 2.0**-52)).expand_as(p).masked_fill(~visible, 0.0)  # sqrt rounded up
     union = tv_box(p, radius, rows=numba_box.box_rows)
     counts = exceedance_counts(s, delta_loc / 2)
     ordered = order_stat_box(p, radius, sigma, torch.zeros_like(p), counts, rows=numba_box.box_rows)
@@ -172,10 +173,15 @@ def main() -> None:
     ap.add_argument("--corpus", default="pg-essays")
     ap.add_argument("--seed", type=int, default=13)
     ap.add_argument("--plot", type=Path)
+    ap.add_argument(
+        "--delta-loc", type=float, default=None, help="the per-cell failure budget (default: the model's, as served)"
+    )
     args = ap.parse_args()
     model, tok = load(args.model)
     cfg = model.config.get_text_config()
-    delta_loc = ValidationConfig().delta_loc(cfg.num_hidden_layers, cfg.num_attention_heads)
+    delta_loc = args.delta_loc or ValidationConfig().delta_loc(cfg.num_hidden_layers, cfg.num_attention_heads)
+    if not 0.0 < delta_loc < 1.0:
+        ap.error(f"--delta-loc must lie in (0, 1), got {delta_loc}")
     tiers = None if args.heavy == "none" else Tiers(args.heavy, args.heavy_frac)
     codecs = args.codecs.split(",")
     labels = {c: c if tiers is None else tiers.label(c) for c in codecs}

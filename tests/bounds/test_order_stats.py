@@ -165,3 +165,19 @@ def test_the_logit_slack_widens_every_level() -> None:
     tv = float(true_tv(torch.softmax(torch.log(p) + err, -1), p))
     assert tv > float(tv_box(p, LEVELS[0] * sigma))
     assert tv <= float(order_stat_box(p, radius, sigma, slack, [0] * len(LEVELS)))
+
+
+def test_overflowing_radii_give_the_trivial_bound_never_nan() -> None:
+    """Radii past the float64 range of ``e^c`` (about 709): the bound is at most 1 and never NaN, also where a token
+    of zero served weight has such a radius, or two levels overflow at once."""
+    counts = [1] * len(LEVELS)
+    cases = [
+        (torch.tensor([1.0, 0.0]), torch.tensor([1.0, 800.0]), torch.tensor([0.1, 0.1])),
+        (torch.tensor([0.5, 0.5, 0.0]), torch.tensor([1.0, 1.0, 720.0]), torch.full((3,), 0.1)),
+        (torch.tensor([0.5, 0.5]), torch.full((2,), 1e4), torch.full((2,), 1000.0)),
+    ]
+    for p, radius, sigma in cases:
+        p, radius, sigma = p.to(F64), radius.to(F64), sigma.to(F64)
+        bound = order_stat_box(p, radius, sigma, torch.zeros_like(p), counts)
+        assert torch.isfinite(bound) and float(bound) <= 1.0
+        assert float(bound) >= float(tv_box(p, radius)) * (1 - 1e-12)

@@ -156,7 +156,8 @@ def make_tier_b_cells(
     counts = exceedance_counts(s, delta)
     sigma = sigma2.sqrt()
     radius = torch.minimum(radius_a, radius_b)
-    ordered = order_stat_box(p_served, radius, sigma, torch.zeros_like(sigma), counts, rows=numba_box.box_rows)
+    sigma_up = sigma * (1.0 + 2.0**-52)  # the bound takes the square root rounded up, the event the computed one
+    ordered = order_stat_box(p_served, radius, sigma_up, torch.zeros_like(sigma), counts, rows=numba_box.box_rows)
     past = torch.stack([((served - exact).abs() > z * sigma).sum(-1) for z in LEVELS], -1)  # [n, J]
     os_event = (past <= torch.tensor(counts)).all(-1)
     return TierBCells(delta, event, partial, certified, tv, ordered, os_event), tau

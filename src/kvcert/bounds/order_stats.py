@@ -115,9 +115,14 @@ def order_stat_box(
     the tokens. The least over the base levels is returned, and at most 1. ``p_served[..., S]`` (rows summing to 1),
     ``radius``, ``sigma``, ``slack`` non-negative and finite, broadcastable to it; ``counts`` one per level
     (:func:`exceedance_counts`).
-    Rounding: every exponential is widened by ``8u`` in the direction that enlarges the bound and each sum by
-    ``(S + 8)u``; the box is :func:`~kvcert.bounds.tv_box.tv_box`'s, itself never below its exact value.
-    ``ValueError`` on non-finite or negative input, shapes that do not broadcast, or a count per level missing."""
+    ``sigma`` must be at least the square root of the Tier-B proxy (a caller that takes a float square root rounds it
+    up). Rounding: each level ``z·σ_t + slack_t`` is widened by ``8u``; every exponential by ``8u`` and, for the
+    rounding of its argument (a difference ``d`` of two levels, computed within ``u·|d|``), by ``e^{u|d|}``, both in
+    the direction that enlarges the bound; each sum by ``(S + 8)u``; the box is
+    :func:`~kvcert.bounds.tv_box.tv_box`'s, itself never below its exact value. Radii so large that an exponential
+    overflows give a term of ``+∞`` (a token of zero served weight contributes nothing), so such a row gets the
+    trivial bound 1, never NaN. ``ValueError`` on non-finite or negative input, shapes that do not broadcast, or a
+    count per level missing."""
     _check_levels(levels)
     if len(counts) != len(levels) or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in counts):
         raise ValueError(f"counts must be {len(levels)} non-negative ints (one per level), got {list(counts)!r}")
@@ -130,17 +135,21 @@ def order_stat_box(
     s = p.shape[-1]
     up, down = 1.0 + 8 * _U, 1.0 - 8 * _U
     grow = 1.0 + (s + 8) * _U
-    ell = [torch.minimum(z * sig + phi, m) for z in levels] + [m]
+    ell = [torch.minimum((z * sig + phi) * up, m) for z in levels] + [m]
+    weighted = p > 0
     best = torch.full(p.shape[:-1], math.inf, dtype=F64, device=p.device)
     for b in range(len(levels)):
         base = ell[b]
         box = tv_box(p, base, rows=rows)
         norm = (p * torch.exp(-base)).sum(-1, keepdim=True) * down / grow
-        p_hat = (p * torch.exp(base) * up / norm).clamp(max=1.0)  # a weight of p' is at most 1
+        # a weight of p' is at most 1; a token of zero served weight has none (no 0·∞ where its radius overflows)
+        p_hat = torch.where(weighted, p * torch.exp(base) * up / norm, 0.0).clamp(max=1.0)
         extra = torch.zeros_like(box)
         for i in range(b, len(levels)):
-            hi = torch.exp(ell[i + 1] - base) * up
-            lo = torch.exp(ell[i] - base) * down
-            extra = extra + _topsum((p_hat * (hi - lo)).clamp(min=0.0), counts[i]) * grow
+            d_hi, d_lo = (ell[i + 1] - base).clamp(min=0.0), (ell[i] - base).clamp(min=0.0)
+            hi = torch.exp(d_hi * (1.0 + _U)) * up
+            lo = torch.exp(d_lo * (1.0 - _U)) * down
+            inc = torch.where(p_hat > 0, (p_hat * (hi - lo)).nan_to_num(nan=math.inf), 0.0)  # ∞ − ∞: overflow, ∞
+            extra = extra + _topsum(inc.clamp(min=0.0), counts[i]) * grow
         best = torch.minimum(best, (box + extra) * (1.0 + 4 * _U))
     return best.clamp(max=1.0)

@@ -1,10 +1,13 @@
-"""How many more real reads does the order-statistics box pass than the union box? Per KV-head read of a real model
+"""How many more real reads do the uniform-law box and the order-statistics box pass than the union box? Per KV-head
+read of a real model
 (the last ``--queries`` positions of a text, as in ``benchmarks/tv_box_tightness.py``), with dithered keys
 (``--codecs``, one row each), optionally in token tiers (``--heavy CODEC``: ``--heavy-frac`` of each KV head's tokens,
 those the prefill attends to most, in that codec; ``tv_box_tightness.py``'s :class:`Tiers`):
 
-* ``union box``: the box over ``min(Tier A, Tier B)`` radii, the Tier-B gate's bound
+* ``union box``: the box over ``min(Tier A, Tier B)`` radii, the sub-Gaussian union radius
   (``docs/math.md#tier-b-in-the-box``);
+* ``uniform box``: the same box over the uniform-law radii (:func:`kvcert.bounds.tier_b_radius_uniform`,
+  ``docs/math.md#tier-b-uniform``), the Tier-B gate's bound;
 * ``order-stat``: the least of it and :func:`kvcert.bounds.order_stats.order_stat_box`
   (``docs/math.md#order-statistics-box``): the union radius only on the counted tokens past each level ``z·σ_t``;
   the failure budget ``δ_loc`` split in halves between the union radius and the counts;
@@ -13,8 +16,10 @@ those the prefill attends to most, in that codec; ``tv_box_tightness.py``'s :cla
   ``z`` of its scale would give (an oracle of how tight a Tier-B bound must be, not a bound).
 
 Shares are of cells (query head × read) and of KV-head reads (every query head of the read within τ = 0.2: what a head
-gate passes). Violations: cells whose exact TV exceeds the order-stat bound (on this draw; must be 0). Tiers: union box
-and order-stat partially certified (non-adaptive queries), exact and the oracles empirical.
+gate passes). Every bound here takes ``δ_loc/2`` for its radii (the other half pays for the order statistics' counts),
+so the columns compare at one budget. Violations: cells whose exact TV exceeds the uniform box or the order-stat
+bound (on this draw; must be 0). Tiers: the boxes and order-stat partially certified (non-adaptive queries), exact
+and the oracles empirical.
 
 Usage: ``OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/order_stat_box.py [--model gemma3-270m]
 [--codecs dither-int5+bypass8] [--heavy dither-int8+bypass8] [--heavy-frac 0.2] [--samples 2] [--tokens 2048]
@@ -38,8 +43,9 @@ from rich.console import Console  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvcert import ValidationConfig  # noqa: E402
-from kvcert.bounds import band_norms, tier_a_radius, tier_b_radius, tier_b_sigma2, true_tv, tv_box  # noqa: E402
+from kvcert.bounds import band_norms, tier_a_radius, true_tv, tv_box  # noqa: E402
 from kvcert.bounds.order_stats import exceedance_counts, order_stat_box  # noqa: E402
+from kvcert.bounds.radii import tier_b_radius, tier_b_radius_uniform, tier_b_sigma2  # noqa: E402
 from kvcert.cli.progress import progress_bar  # noqa: E402
 from kvcert.kernels import numba_box  # noqa: E402
 from kvcert.models.zoo import load  # noqa: E402
@@ -50,7 +56,7 @@ from witness_tightness import Captured, capture, coded_reads, texts  # noqa: E40
 
 #: the oracle radii ``z·σ_t`` shown beside the bounds
 ORACLE_Z: tuple[float, ...] = (3.0, 2.0)
-COLUMNS: tuple[str, ...] = ("union box", "order-stat", *(f"{z:g}σ" for z in ORACLE_Z), "exact")
+COLUMNS: tuple[str, ...] = ("union box", "uniform box", "order-stat", *(f"{z:g}σ" for z in ORACLE_Z), "exact")
 
 
 def cell_bounds(
@@ -59,12 +65,14 @@ def cell_bounds(
     visible: torch.Tensor,
     tier_a: torch.Tensor,
     sigma2: torch.Tensor,
+    uniform: torch.Tensor,
     delta_loc: float,
 ) -> dict[str, torch.Tensor]:
     """Per cell of one read (logits ``served``, ``exact`` and ``visible`` ``[G, nq, S]``; Tier-A radii and Tier-B
-    proxies ``σ²`` broadcast to them): the value of each of :data:`COLUMNS`. The union radius and the counts take
-    ``δ_loc/2`` each, so the order-stat bound holds for a query independent of the dither with probability at least
-    ``1 − δ_loc`` per cell; the counts are over the read's ``S`` tokens (its visible ones are fewer, never more)."""
+    proxies ``σ²`` and uniform-law radii at ``δ_loc/2`` broadcast to them): the value of each of :data:`COLUMNS`. The
+    union radius and the counts take ``δ_loc/2`` each, so the order-stat bound holds for a query independent of the
+    dither with probability at least ``1 − δ_loc`` per cell; the counts are over the read's ``S`` tokens (its visible
+    ones are fewer, never more)."""
     ninf = float("-inf")
     p = torch.softmax(served.masked_fill(~visible, ninf), -1)
     s = served.shape[-1]
@@ -73,7 +81,9 @@ def cell_bounds(
     union = tv_box(p, radius, rows=numba_box.box_rows)
     counts = exceedance_counts(s, delta_loc / 2)
     ordered = order_stat_box(p, radius, sigma, torch.zeros_like(p), counts, rows=numba_box.box_rows)
-    out = {"union box": union, "order-stat": torch.minimum(union, ordered)}
+    boxed = torch.minimum(tier_a, uniform).expand_as(p).masked_fill(~visible, 0.0)
+    out = {"union box": union, "uniform box": tv_box(p, boxed, rows=numba_box.box_rows)}
+    out["order-stat"] = torch.minimum(union, ordered)
     for z in ORACLE_Z:
         out[f"{z:g}σ"] = tv_box(p, torch.minimum(z * sigma, radius), rows=numba_box.box_rows)
     out["exact"] = true_tv(torch.softmax(exact.masked_fill(~visible, ninf), -1), p)
@@ -95,7 +105,8 @@ class Row:
         return float(ok.double().mean()), float(ok.all(0).double().mean())
 
     def violations(self) -> int:
-        return int((self.stacked("exact") > self.stacked("order-stat")).sum())
+        exact = self.stacked("exact")
+        return int(((exact > self.stacked("order-stat")) | (exact > self.stacked("uniform box"))).sum())
 
 
 def measure(codec: str, seen: Captured, nq: int, tiers: Tiers | None, delta_loc: float, row: Row) -> None:
@@ -110,15 +121,17 @@ def measure(codec: str, seen: Captured, nq: int, tiers: Tiers | None, delta_loc:
             group = seen.qs[r.layer][r.head * g : (r.head + 1) * g]
             heavy = heavy_tokens(group, r.k, sc, seen.windows[r.layer], nq, tiers)
         khat = torch.where(heavy[:, None], layer[-1][0][r.head], r.khat)
-        sig2 = []
+        sig2, unif = [], []
+        s = r.k.shape[0]
         for (_, steps), c in zip(layer, coded, strict=True):
             if steps is None or not c.tier_b:
                 raise SystemExit(f"{c.name}: not a dithered codec, it has no Tier-B proxy")
-            sig2.append(tier_b_sigma2(r.q, steps[r.head], sc, getattr(c, "group_size", 0)))
-        sigma2 = torch.where(heavy, sig2[-1], sig2[0])
+            sig2.append(tier_b_sigma2(r.q, steps[r.head], sc, c.group_size))
+            unif.append(tier_b_radius_uniform(r.q, steps[r.head], sc, s, delta_loc / 2, c.group_size))
+        sigma2, uniform = torch.where(heavy, sig2[-1], sig2[0]), torch.where(heavy, unif[-1], unif[0])
         tier_a = tier_a_radius(r.q, band_norms(khat - r.k, BANDS).unsqueeze(0), sc)
         visible = r.vis.expand(g, -1, -1)
-        values = cell_bounds(sc * r.q @ khat.T, sc * r.q @ r.k.T, visible, tier_a, sigma2, delta_loc)
+        values = cell_bounds(sc * r.q @ khat.T, sc * r.q @ r.k.T, visible, tier_a, sigma2, uniform, delta_loc)
         for column, v in values.items():
             row.cells[column].append(v)
 
@@ -140,7 +153,7 @@ def table(rows: dict[str, Row]) -> ReportTable:
         f"cells / KV-head reads within τ = {TAU}",
         ("keys", "cells", *COLUMNS, "order-stat p50", "viol."),
         tuple(lines),
-        "union box and order-stat: partially certified (queries independent of the dither; δ_loc per cell); "
+        "the boxes and order-stat: partially certified (queries independent of the dither; δ_loc per cell); "
         f"{', '.join(f'{z:g}σ' for z in ORACLE_Z)}: the box at those radii, an oracle, not a bound; exact: empirical.",
     )
 

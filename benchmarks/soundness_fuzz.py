@@ -20,11 +20,12 @@ form whose band norms go through the code before the Tier-A radius (radius ≥ `
 
 With ``--tier-b-cells N`` it runs the Tier-B gate's partial box (``docs/math.md#tier-b-in-the-box``,
 ``tests/quant/tier_b_cells.py``): ``N`` end-to-end cells per dithered key codec, queries drawn before the dither,
-``δ_loc`` and ``τ`` drawn per chunk; per cell the partial bound (the box over ``min(c, u)``) must hold on the Tier-B
-event (0 violations), and per ``δ_loc`` the event may fail in at most that share of cells (one-sided binomial tail,
-p > 10^-6); ``--tier-b-codecs`` picks the codecs. With ``--order-stats`` the same cells also go through the
-order-statistics box (``docs/math.md#order-statistics-box``): on both events (the union and the counts) the least of
-the partial bound and that box must hold (0 violations), and its event too may fail in at most a ``δ_loc`` share.
+``δ_loc`` and ``τ`` drawn per chunk; per cell the partial bound (the box over ``min(c, x)``, ``x`` the uniform-law radii
+of ``docs/math.md#tier-b-uniform``) must hold on the Tier-B event (0 violations), and per ``δ_loc`` the event may fail
+in at most that share of cells (one-sided binomial tail, p > 10^-6); ``--tier-b-codecs`` picks the codecs. With
+``--order-stats`` the same cells also go through the order-statistics box (``docs/math.md#order-statistics-box``): on
+both events (the union and the counts) the least of the partial bound and that box must hold (0 violations), and its
+event too may fail in at most a ``δ_loc`` share.
 
 The page forms (``kvcert.bounds.pages``: page logit bound, omitted-mass bound, direct form, composed certificate of
 a resident read; the same per token for the int8 and the principal-basis key sketches, the latter with an int4
@@ -133,17 +134,18 @@ def witness_fuzz(n_cells: int, gen: torch.Generator, codecs: tuple[str, ...]) ->
 def tier_b_fuzz(n_cells: int, gen: torch.Generator, codecs: tuple[str, ...], order_stats: bool = False) -> bool:
     """The Tier-B partial box: ``n_cells`` (whole rounds) per dithered key codec in ``codecs``; prints a table (cells,
     violations on the event, off-event cells per ``δ_loc`` with the binomial tail, cells the Tier-B radii tightened,
-    off-event cells above the partial bound), returns True if clean. ``order_stats``: a second line per codec for
-    the order-statistics box (violations on both events, its off-event cells per ``δ_loc``, cells it tightened)."""
+    cells whose uniform-law radii are below the union radii, off-event cells above the partial bound), returns True if
+    clean. ``order_stats``: a second line per codec for the order-statistics box (violations on both events, its
+    off-event cells per ``δ_loc``, cells it tightened)."""
     per_round = sum(rows for _, rows in TIER_B_PLAN)
     off = "off event / cells (tail p) per delta_loc"
     print(
         f"{'tier-b form':>12} | {'cells':>11} | {'viol. on event':>14} | {off:>44} | {'tightened':>9}"
-        f" | {'above bound off event':>21}"
+        f" | {'uniform < union':>15} | {'above bound off event':>21}"
     )
     clean = True
     for codec in codecs:
-        cells, bad, tighter, over, os_bad, os_tighter = 0, 0, 0, 0, 0, 0
+        cells, bad, tighter, over, os_bad, os_tighter, shrunk = 0, 0, 0, 0, 0, 0, 0
         failed: dict[float, list[int]] = {}
         os_failed: dict[float, list[int]] = {}
         for _ in tqdm(range(-(-n_cells // per_round)), desc=f"{codec} tier-b"):
@@ -151,19 +153,23 @@ def tier_b_fuzz(n_cells: int, gen: torch.Generator, codecs: tuple[str, ...], ord
                 batch, _ = make_tier_b_cells(codec, rows, s, gen, order_stats=order_stats)
                 cells, bad = cells + rows, bad + batch.violations()
                 tighter, over = tighter + batch.tightened(), over + batch.above_off_event()
+                shrunk += batch.uniform_shrunk()
                 seen = failed.setdefault(batch.delta_loc, [0, 0])
                 seen[0], seen[1] = seen[0] + rows, seen[1] + batch.off_event()
                 if order_stats:
                     os_bad, os_tighter = os_bad + batch.os_violations(), os_tighter + batch.os_tightened()
                     seen = os_failed.setdefault(batch.delta_loc, [0, 0])
                     seen[0], seen[1] = seen[0] + rows, seen[1] + batch.os_off_event()
-        for label, fails, viol, tight, above in (
-            (codec, failed, bad, tighter, str(over)),
-            *([("+order-stat", os_failed, os_bad, os_tighter, "–")] if order_stats else []),
+        for label, fails, viol, tight, less, above in (
+            (codec, failed, bad, tighter, f"{shrunk / cells:.3f}", str(over)),
+            *([("+order-stat", os_failed, os_bad, os_tighter, "–", "–")] if order_stats else []),
         ):
             tails = {d: binomial_sf(f, n, d) for d, (n, f) in fails.items()}
             per_delta = ", ".join(f"{d:g}: {f}/{n} ({tails[d]:.2g})" for d, (n, f) in sorted(fails.items()))
-            print(f"{label:>12} | {cells:>11,} | {viol:>14} | {per_delta:>44} | {tight / cells:>9.3f} | {above:>21}")
+            print(
+                f"{label:>12} | {cells:>11,} | {viol:>14} | {per_delta:>44} | {tight / cells:>9.3f} | {less:>15}"
+                f" | {above:>21}"
+            )
             clean = clean and viol == 0 and all(p > 1e-6 for p in tails.values())
     return clean
 

@@ -28,17 +28,18 @@ def test_steps_do_not_depend_on_the_dither(codec):
 @pytest.mark.parametrize("codec", TIER_B_FORMS)
 def test_partial_box_sound_on_the_event_in_every_cell_of_the_ci_fuzz(codec):
     gen = torch.Generator().manual_seed(11 + TIER_B_FORMS.index(codec))
-    cells, bad, tighter = 0, 0, 0
+    cells, bad, tighter, shrunk = 0, 0, 0, 0
     failed: dict[float, tuple[int, int]] = {}  # δ_loc -> (cells, cells off the event)
     for s, rows in TIER_B_PLAN:  # one round: 10^5 cells
         batch, _ = make_tier_b_cells(codec, rows, s, gen)
         cells, bad = cells + rows, bad + batch.violations()
-        tighter += batch.tightened()
+        tighter, shrunk = tighter + batch.tightened(), shrunk + batch.uniform_shrunk()
         n, f = failed.get(batch.delta_loc, (0, 0))
         failed[batch.delta_loc] = (n + rows, f + batch.off_event())
     assert cells == 100_000
     assert bad == 0  # on the event, TV <= the partial bound in every cell
     assert tighter > cells // 4  # the Tier-B radii do tighten the box: the form is exercised, not the certified one
+    assert shrunk > cells // 4  # and the uniform law shrinks the union radii there
     for delta, (n, f) in failed.items():
         assert binomial_sf(f, n, delta) > 1e-6, (delta, n, f)  # the event fails in at most a δ_loc share
 

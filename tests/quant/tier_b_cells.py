@@ -8,10 +8,11 @@ before the dither, and aimed where the dither hurts most: along one key token (a
 with the largest step (the group an outlier inflates), on that group's largest channel (one uniform residual per
 token: the proxy ``σ²`` is then the variance itself), or at random; its scale runs from flat to saturated logits.
 
-Per cell, in float64: the Tier-A radii ``c`` (band norms of the residual), the Tier-B radii ``u`` at ``δ_loc``, the
-realised logit errors ``ε``, the Tier-B event (every ``|ε_t| ≤ u_t``), the true TV, and the bound the read path
-serves on a partially certified head: the box over ``min(c, u)`` from the start ``min(meter(c), meter(u))``, with the
-gate's two-pass grid at a threshold ``τ`` (``box_refined``, the compiled evaluator). The claim checked is the one the
+Per cell, in float64: the Tier-A radii ``c`` (band norms of the residual), the Tier-B union radii ``u`` and the
+uniform-law radii ``x ≤ u`` (``docs/math.md#tier-b-uniform``) at ``δ_loc``, the realised logit errors ``ε``, the
+Tier-B event (every ``|ε_t| ≤ x_t``, inside the union radii's), the true TV, and the bound the read path serves on a
+partially certified head: the box over ``min(c, x)`` from the start ``min(meter(c), meter(u))``, with the gate's
+two-pass grid at a threshold ``τ`` (``box_refined``, the compiled evaluator). The claim checked is the one the
 gate relies on: **on the event, TV ≤ partial bound, in every cell** (no probability involved), and the event fails in
 at most a ``δ_loc`` share of cells (a one-sided binomial tail test, per ``δ_loc``).
 
@@ -28,7 +29,15 @@ from dataclasses import dataclass
 import torch
 from codec_cells import adversarial_keys
 
-from kvcert.bounds import band_norms, tier_a_radius, tier_b_radius, tier_b_sigma2, true_tv, tv_meter
+from kvcert.bounds import (
+    band_norms,
+    tier_a_radius,
+    tier_b_radius,
+    tier_b_radius_uniform,
+    tier_b_sigma2,
+    true_tv,
+    tv_meter,
+)
 from kvcert.bounds.order_stats import LEVELS, exceedance_counts, order_stat_box
 from kvcert.bounds.tv_box import box_refined
 from kvcert.kernels import numba_box
@@ -51,10 +60,11 @@ GROUP = 32
 @dataclass(frozen=True)
 class TierBCells:
     delta_loc: float
-    event: torch.Tensor  # [n] every |ε_t| ≤ u_t
-    partial: torch.Tensor  # [n] the box over min(c, u) from min(meter(c), meter(u))
+    event: torch.Tensor  # [n] every |ε_t| ≤ x_t (the uniform-law radii)
+    partial: torch.Tensor  # [n] the box over min(c, x) from min(meter(c), meter(u))
     certified: torch.Tensor  # [n] the box over c from meter(c) (what the certified gate alone serves)
     tv: torch.Tensor  # [n] TV(exact, served)
+    shrunk: torch.Tensor  # [n] some token's uniform-law radius below its union radius
     order_stat: torch.Tensor | None = None  # [n] the order-statistics box (order_stats=True)
     os_event: torch.Tensor | None = None  # [n] at most k_j tokens past z_j·σ_t at every level
 
@@ -63,12 +73,16 @@ class TierBCells:
         return int((self.event & (self.partial + SLACK < self.tv)).sum())
 
     def off_event(self) -> int:
-        """Cells where some ``|ε_t| > u_t`` (at most a ``δ_loc`` share is expected)."""
+        """Cells where some ``|ε_t| > x_t`` (at most a ``δ_loc`` share is expected)."""
         return int((~self.event).sum())
 
     def above_off_event(self) -> int:
         """Cells off the event whose true TV exceeds the partial bound (allowed; they show the event is needed)."""
         return int((~self.event & (self.partial + SLACK < self.tv)).sum())
+
+    def uniform_shrunk(self) -> int:
+        """Cells where the uniform law shrinks some token's radius below the union radius (the form is exercised)."""
+        return int(self.shrunk.sum())
 
     def tightened(self) -> int:
         """Cells whose partial bound is below the certified box (where the Tier-B radii matter)."""
@@ -141,18 +155,20 @@ def make_tier_b_cells(
     sc = d**-0.5
     radius_a = tier_a_radius(q, band_norms(delta_k, bands), sc)  # [n, S]
     sigma2 = tier_b_sigma2(q, steps, sc, GROUP)  # [n, S]
-    radius_b = tier_b_radius(sigma2, s, delta)
+    radius_b = tier_b_radius(sigma2, s, delta)  # the meter's
+    radius_u = tier_b_radius_uniform(q, steps, sc, s, delta, GROUP)  # the box's, <= radius_b
     served = sc * torch.einsum("nd,nsd->ns", q, k_hat)
     exact = sc * torch.einsum("nd,nsd->ns", q, k)
     p_served, p_exact = torch.softmax(served, -1), torch.softmax(exact, -1)
     meter_a = tv_meter(p_served, radius_a)
     certified = box_refined(p_served, radius_a, meter_a, tau, numba_box.box_rows)
     start = torch.minimum(certified, tv_meter(p_served, radius_b))
-    partial = box_refined(p_served, torch.minimum(radius_a, radius_b), start, tau, numba_box.box_rows)
-    event = ((served - exact).abs() <= radius_b).all(-1)
+    partial = box_refined(p_served, torch.minimum(radius_a, radius_u), start, tau, numba_box.box_rows)
+    event = ((served - exact).abs() <= radius_u).all(-1)
     tv = true_tv(p_exact, p_served)
+    shrunk = (radius_u < radius_b).any(-1)
     if not order_stats:
-        return TierBCells(delta, event, partial, certified, tv), tau
+        return TierBCells(delta, event, partial, certified, tv, shrunk), tau
     counts = exceedance_counts(s, delta)
     sigma = sigma2.sqrt()
     radius = torch.minimum(radius_a, radius_b)
@@ -160,4 +176,4 @@ def make_tier_b_cells(
     ordered = order_stat_box(p_served, radius, sigma_up, torch.zeros_like(sigma), counts, rows=numba_box.box_rows)
     past = torch.stack([((served - exact).abs() > z * sigma).sum(-1) for z in LEVELS], -1)  # [n, J]
     os_event = (past <= torch.tensor(counts)).all(-1)
-    return TierBCells(delta, event, partial, certified, tv, ordered, os_event), tau
+    return TierBCells(delta, event, partial, certified, tv, shrunk, ordered, os_event), tau

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from kvcert.attention.exact import ExactAttention
-from kvcert.bounds import band_norms, round_up_f32, tier_b_radius, tier_b_sigma2
+from kvcert.bounds import band_norms, round_up_f32, tier_b_radius, tier_b_radius_uniform, tier_b_sigma2
 from kvcert.bounds.radii import tier_a_radius_f32
 from kvcert.bounds.rc import U_F32, gamma_f32
 from kvcert.bounds.softmax_tv import probs64, served_meter
@@ -509,23 +509,33 @@ def _dither_query(rd: _Read) -> torch.Tensor:
 
 
 def _tier_b_radii(
-    rd: _Read, sv: _Served, delta_loc: float, heads: tuple[torch.Tensor, torch.Tensor] | None = None
+    rd: _Read,
+    sv: _Served,
+    delta_loc: float,
+    heads: tuple[torch.Tensor, torch.Tensor] | None = None,
+    uniform: bool = False,
 ) -> torch.Tensor:
     """Tier-B radii ``u_t = sqrt(2σ²_t ln(2S/δ_loc)) + φ_t`` (:func:`kvcert.bounds.tier_b_radius` plus the Tier-A
     logit rounding slack ``φ_t``) ``[B, Hkv, M, S]`` float64, or ``[n, M, S]`` for the ``(row, KV head)`` index pair
     ``heads``: with probability at least ``1 − δ_loc`` every token of one cell has ``|s̃_t − s_t| ≤ u_t``, for a
-    query independent of the dither."""
+    query independent of the dither. ``uniform``: the dither part from the residual's uniform law instead
+    (:func:`kvcert.bounds.tier_b_radius_uniform`, never above the union radius: its event lies inside the union
+    radius's, so bounds from both hold together)."""
     store = rd.store
     assert store.k_steps is not None
     qm, steps = _dither_query(rd), store.k_steps.view()
     k_hat_norm, k_wit, qn = store.k_hat_norm.view(), store.k_wit.view(), sv.qn
     if heads is not None:
         qm, steps, k_hat_norm, k_wit, qn = (x[heads] for x in (qm, steps, k_hat_norm, k_wit, qn))
-    sig2 = tier_b_sigma2(qm, steps.unsqueeze(-3), rd.scaling, store.key_codec.group_size)
+    gs = store.key_codec.group_size
+    if uniform:
+        dither = tier_b_radius_uniform(qm, steps.unsqueeze(-3), rd.scaling, rd.s, delta_loc, gs)
+    else:
+        dither = tier_b_radius(tier_b_sigma2(qm, steps.unsqueeze(-3), rd.scaling, gs), rd.s, delta_loc)
     if sv.bad_cell is not None:
         k_hat_norm, k_wit = torch.nan_to_num(k_hat_norm, 0.0, 0.0, 0.0), torch.nan_to_num(k_wit, 0.0, 0.0, 0.0)
     rate, kfac = _logit_slack_factors(qn, k_hat_norm, k_wit, rd.scaling, rd.d)
-    return tier_b_radius(sig2, rd.s, delta_loc) + rate * kfac  # same rounding slack
+    return dither + rate * kfac  # same rounding slack
 
 
 @dataclass
@@ -664,18 +674,19 @@ def _tier_b_refine(
 ) -> list[bool]:
     """Phase *refine*, partial tier (``Gate.certified(tau, box=True, tier_b=True)``, dithered keys): the heads the
     certified box leaves above ``tau`` are certified a third time with the box over ``min(c, u)``
-    (``docs/math.md#tier-b-in-the-box``), ``u`` the Tier-B radii of :func:`_tier_b_radii`, starting from
-    ``min(certified, Tier-B meter)``. On the event that every token of a cell obeys ``|s̃_t − s_t| ≤ u_t``
-    (probability at least ``1 − δ_loc`` per cell, for a query independent of the dither) the true TV lies in that
-    box, so the result bounds it. A head whose partial bound is ``<= tau`` on every cell is spared if its row's
-    Tier-B budget (``cfg.tier_b_cells`` cells per row and layer, :attr:`LayerStore.tier_b_spent`) still pays for
-    the cells that rely on the event (those whose certified bound is above ``tau``); each is charged. Returns the
-    new spared flags; records the partial certificate of what is served (``ch.cert_partial``: the certified one
-    elsewhere), the heads spared on it and the cells charged per row."""
+    (``docs/math.md#tier-b-in-the-box``), ``u`` the uniform-law Tier-B radii of :func:`_tier_b_radii`
+    (``docs/math.md#tier-b-uniform``), starting from ``min(certified, Tier-B meter)``. On the event that every token of
+    a cell obeys ``|s̃_t − s_t| ≤ u_t`` (probability at least ``1 − δ_loc`` per cell, for a query independent of the
+    dither; it lies inside the meter's union-radius event) the true TV lies in that box, so the result bounds it. A head
+    whose partial bound is ``<= tau`` on every cell is spared if its row's Tier-B budget (``cfg.tier_b_cells`` cells per
+    row and layer, :attr:`LayerStore.tier_b_spent`) still pays for the cells that rely on the event (those whose
+    certified bound is above ``tau``); each is charged. Returns the new spared flags; records the partial certificate of
+    what is served (``ch.cert_partial``: the certified one elsewhere), the heads spared on it and the cells charged per
+    row."""
     sv, tau = dc.sv, cfg.gate.threshold
     todo = [i for i, ok in enumerate(spared) if not ok]
     bi, hi = torch.tensor([pairs[i] for i in todo], device=dc.need.device).unbind(-1)
-    u = _tier_b_radii(rd, sv, cfg.delta_loc, (bi, hi))
+    u = _tier_b_radii(rd, sv, cfg.delta_loc, (bi, hi), uniform=True)
     start = refined[todo] if dc.cert_b is None else torch.minimum(refined[todo], dc.cert_b[bi, hi])
     rows = numba_box.rows_for(rd.qg.device)
     partial = box_refined(sv.p64[bi, hi], torch.minimum(sv.c[bi, hi], u), start, tau, rows)  # [n, M]

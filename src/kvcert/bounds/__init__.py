@@ -11,6 +11,7 @@ from kvcert.bounds.radii import (
     tier_a_radius,
     tier_a_radius_from_qnorms,
     tier_b_radius,
+    tier_b_radius_uniform,
     tier_b_sigma2,
 )
 from kvcert.bounds.recurrent import GateContraction, gate_contraction, half_life, unrolled_state_error
@@ -87,6 +88,7 @@ __all__ = [
     "tier_a_radius",
     "tier_a_radius_from_qnorms",
     "tier_b_radius",
+    "tier_b_radius_uniform",
     "tier_b_sigma2",
     "topk_mask",
     "true_tv",

@@ -95,6 +95,33 @@ def tier_a_radius(
     return tier_a_radius_from_qnorms(query_band_norms(q, key_band_norms.shape[-1], pairing), key_band_norms, scale)
 
 
+def _dither_query(
+    q: torch.Tensor, steps: torch.Tensor, group_size: int, channel_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checked inputs of the Tier-B radii: the query in float64 with bypassed channels zeroed, and the steps."""
+    if not torch.isfinite(q).all():
+        raise ValueError("q contains non-finite entries")
+    s = check_nonneg_finite(steps, "steps")
+    d = q.shape[-1]
+    if group_size < 1 or d % group_size:
+        raise ValueError(f"group_size={group_size} must divide the head dimension D={d}")
+    if s.dim() < 2 or s.shape[-1] != d // group_size:
+        raise ValueError(f"steps must have shape [..., S, {d // group_size}], got {tuple(s.shape)}")
+    q64 = q.to(torch.float64)
+    if channel_mask is not None:
+        if channel_mask.shape != (d,):
+            raise ValueError(f"channel_mask must have shape ({d},), got {tuple(channel_mask.shape)}")
+        if not bool(((channel_mask == 0) | (channel_mask == 1)).all()):
+            raise ValueError("channel_mask entries must be 0 (bypassed) or 1 (quantised)")
+        q64 = q64 * channel_mask.to(torch.float64)
+    return q64, s
+
+
+def _group_sums(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``x[..., D] -> [..., D/group_size]``: the sum over each group of contiguous channels."""
+    return x.unflatten(-1, (x.shape[-1] // group_size, group_size)).sum(-1)
+
+
 def tier_b_sigma2(
     q: torch.Tensor,
     steps: torch.Tensor,
@@ -110,22 +137,8 @@ def tier_b_sigma2(
     (non-adaptive query); then ``E e^{λε_t} ≤ exp(λ²σ²_t/2)`` [Lean ``sinh_le_mul_exp_sq_div_six``].
     """
     sc = _check_scale(scale)
-    if not torch.isfinite(q).all():
-        raise ValueError("q contains non-finite entries")
-    s = check_nonneg_finite(steps, "steps")
-    d = q.shape[-1]
-    if group_size < 1 or d % group_size:
-        raise ValueError(f"group_size={group_size} must divide the head dimension D={d}")
-    if s.dim() < 2 or s.shape[-1] != d // group_size:
-        raise ValueError(f"steps must have shape [..., S, {d // group_size}], got {tuple(s.shape)}")
-    q2 = q.to(torch.float64).square()
-    if channel_mask is not None:
-        if channel_mask.shape != (d,):
-            raise ValueError(f"channel_mask must have shape ({d},), got {tuple(channel_mask.shape)}")
-        if not bool(((channel_mask == 0) | (channel_mask == 1)).all()):
-            raise ValueError("channel_mask entries must be 0 (bypassed) or 1 (quantised)")
-        q2 = q2 * channel_mask.to(torch.float64)
-    qg2 = q2.unflatten(-1, (d // group_size, group_size)).sum(-1)
+    q64, s = _dither_query(q, steps, group_size, channel_mask)
+    qg2 = _group_sums(q64.square(), group_size)
     return torch.matmul(s.square(), qg2.unsqueeze(-1)).squeeze(-1) * (sc * sc / 12.0)
 
 
@@ -148,6 +161,106 @@ def tier_b_radius(sigma2: torch.Tensor, n_tokens: int, delta_loc: float) -> torc
     if not (0.0 < delta_loc <= 1.0):
         raise ValueError(f"delta_loc must lie in (0, 1], got {delta_loc}")
     return torch.sqrt(2.0 * s2 * math.log(2.0 * n_tokens / delta_loc))
+
+
+#: channels per query whose exact uniform law enters the uniform-law radius (the rest enter through ``y²/6``)
+UNIFORM_CHANNELS = 16
+#: multiples of the sub-Gaussian optimum ``λ₀ = sqrt(2L)/σ_t`` at which the uniform-law Chernoff bound is evaluated
+UNIFORM_LAMBDAS: tuple[float, ...] = tuple(0.5 * 16.0 ** (j / 15) for j in range(16))
+#: points of the per-query table of ``F_g(μ) = Σ_{i∈top∩g} ψ(μ·w_i)`` (geometric over the arguments it serves)
+UNIFORM_TABLE = 512
+_PSI_ROUND = 1.0 + 2.0**-40  # covers the few-ulp error of each ψ and of the radius formula (docs/math.md)
+
+
+def psi_upper(y: torch.Tensor) -> torch.Tensor:
+    """An upper bound of ``ψ(y) = ln(sinh(y)/y)`` (the log-MGF of ``U[−1, 1]`` at ``y ≥ 0``), float64.
+
+    Below ``y = 1/2`` the polynomial ``y²/6 − y⁴/180 + y⁶/2835``, which bounds ψ from above for every ``y ≥ 0``
+    (``docs/math.md#tier-b-uniform``); above, ``y − ln(2y) + ln(1 − e^{−2y})``; each lifted by :data:`_PSI_ROUND`.
+    """
+    y = y.to(torch.float64)
+    small = y < 0.5
+    y2 = y * y
+    poly = y2 * (1.0 / 6.0 - y2 * (1.0 / 180.0 - y2 / 2835.0))
+    ys = torch.where(small, 1.0, y)
+    large = ys - torch.log(2.0 * ys) + torch.log1p(-torch.exp(-2.0 * ys))
+    return torch.where(small, poly, large) * _PSI_ROUND
+
+
+def _top_psi_sums(mu: torch.Tensor, w: torch.Tensor, group: torch.Tensor, member: torch.Tensor) -> torch.Tensor:
+    """Upper bounds of ``F(μ) = Σ_i ψ(μ_{g(i)}·w_i)`` (the top channels' log-MGF at ``λ``) for every column of
+    ``mu[..., G, N] ≥ 0`` (``μ_g = λ·s_g``); ``w[..., k]`` the channels' weights ``sc·|q_i|/2``, ``group[..., k]``
+    their groups ``g(i)`` and ``member[..., G, k]`` the same as 0/1. Few columns (``N ≤ G·`` :data:`UNIFORM_TABLE`):
+    ψ at each argument. Many: per group, ``F_g(μ) = Σ_{g(i)=g} ψ(μ·w_i)`` from a table of :data:`UNIFORM_TABLE`
+    geometric points at or above each argument (``F_g`` increases, so the next point up bounds it)."""
+    groups, n = mu.shape[-2], mu.shape[-1]
+    if n <= groups * UNIFORM_TABLE:
+        by_channel = mu.gather(-2, group.unsqueeze(-1).expand(*group.shape, n))  # [..., k, N]
+        return psi_upper(by_channel * w.unsqueeze(-1)).sum(-2)
+    pos = mu > 0
+    lo = torch.where(pos, mu, math.inf).amin(-1, keepdim=True)
+    hi = mu.amax(-1, keepdim=True)
+    lo = torch.where(torch.isfinite(lo), lo, 1.0)
+    hi = torch.maximum(hi, lo)
+    frac = torch.linspace(0.0, 1.0, UNIFORM_TABLE, dtype=torch.float64)
+    grid = (lo * torch.exp(torch.log(hi / lo) * frac)).cummax(-1).values  # [..., G, K]
+    grid[..., -1:] = hi  # the table reaches the largest argument exactly
+    table = (psi_upper(grid.unsqueeze(-1) * w.unsqueeze(-2).unsqueeze(-2)) * member.unsqueeze(-2)).sum(-1)
+    at = torch.searchsorted(grid.contiguous(), mu.contiguous())  # first point >= the argument
+    val = table.gather(-1, at.clamp(max=UNIFORM_TABLE - 1))
+    val = torch.where(at < UNIFORM_TABLE, val, math.inf)  # (cannot happen: hi is a table point)
+    return torch.where(pos, val, 0.0).sum(-2)
+
+
+def tier_b_radius_uniform(
+    q: torch.Tensor,
+    steps: torch.Tensor,
+    scale: float,
+    n_tokens: int,
+    delta_loc: float,
+    group_size: int = 32,
+    channel_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Tier-B radii from the residual's uniform law, never above the union radius :func:`tier_b_radius`: all
+    ``S = n_tokens`` tokens obey ``|ε_t| ≤ x_t`` with probability ≥ 1−δ_loc (``docs/math.md#tier-b-uniform``).
+
+    Under the Tier-B premise ``ε_t = Σ_i a_{t,i} U_i`` with ``a_{t,i} = sc·|q_i|·s_{t,g(i)}/2`` and ``U_i``
+    independent uniform on ``[−1, 1]``, so ``ln E e^{λε_t} = Σ_i ψ(λa_{t,i})`` exactly. The bound keeps ψ on the
+    :data:`UNIFORM_CHANNELS` largest ``|q_i|`` and ``ψ(y) ≤ y²/6`` on the rest (``R_t = Σ_rest a²``); Chernoff at
+    any ``λ > 0`` fixed before the dither gives ``P(|ε_t| > x_t(λ)) ≤ 2e^{−L}``, ``L = ln(2S/δ_loc)``, for
+
+    ``x_t(λ) = (Σ_top ψ(λa_{t,i}) + λ²R_t/6 + L)/λ``,
+
+    taken at the multiples :data:`UNIFORM_LAMBDAS` of ``sqrt(2L)/σ_t`` (the ψ sums from a per-query table, read at
+    or above each argument); also ``|ε_t| ≤ Σ_i a_{t,i}`` always. The least of these and the union radius is
+    returned, so the event ``{∀t: |ε_t| ≤ x_t}`` lies inside the union radius's event. Shapes as
+    :func:`tier_b_sigma2`: ``q[..., D]``, ``steps[..., S, D/group_size]`` -> ``[..., S]``.
+    """
+    sc = _check_scale(scale)
+    union = tier_b_radius(tier_b_sigma2(q, steps, scale, group_size, channel_mask), n_tokens, delta_loc)
+    q64, s = _dither_query(q, steps, group_size, channel_mask)
+    absq = q64.abs()
+    groups = s.shape[-1]
+    top, idx = absq.topk(min(UNIFORM_CHANNELS, absq.shape[-1]), dim=-1)  # [..., k]
+    group = idx // group_size  # [..., k]
+    member = (group.unsqueeze(-2) == torch.arange(groups).unsqueeze(-1)).to(torch.float64)  # [..., G, k]
+    rest2 = _group_sums(absq.scatter(-1, idx, 0.0).square(), group_size)  # [..., G]
+    r = torch.matmul(s.square(), rest2.unsqueeze(-1)).squeeze(-1) * (sc * sc / 4.0)  # Σ_rest a², [..., S]
+    top2 = torch.matmul(s.square(), (member * top.square().unsqueeze(-2)).sum(-1).unsqueeze(-1)).squeeze(-1)
+    m2 = r + top2 * (sc * sc / 4.0)  # Σ_i a_i² = 3σ²_t
+    log_term = math.log(2.0 * n_tokens / delta_loc)
+    lam = math.sqrt(6.0 * log_term) / m2.sqrt().clamp(min=1e-300)
+    lam = lam.unsqueeze(-1) * torch.tensor(UNIFORM_LAMBDAS, dtype=torch.float64)  # [..., S, J]
+    lead = torch.broadcast_shapes(s.shape[:-2], q64.shape[:-1])
+    mu = lam.unsqueeze(-2) * s.expand(*lead, *s.shape[-2:]).unsqueeze(-1)  # [..., S, G, J]: λ·s_{t,g}
+    n, j = mu.shape[-3], mu.shape[-1]
+    mu = (mu * (1.0 + 2.0**-50)).movedim(-2, -3).flatten(-2)  # [..., G, S·J], rounded up
+    psi_sum = _top_psi_sums(mu, (sc / 2.0) * top, group, member).unflatten(-1, (n, j))  # [..., S, J]
+    best = ((psi_sum + lam * lam * r.unsqueeze(-1) / 6.0 + log_term) / lam).amin(-1)
+    l1 = torch.matmul(s, _group_sums(absq, group_size).unsqueeze(-1)).squeeze(-1) * (sc / 2.0)
+    cheb = torch.minimum(best, l1) * _PSI_ROUND
+    cheb = torch.where(torch.isfinite(cheb), cheb, math.inf)
+    return torch.where(m2 > 0, torch.minimum(cheb, union), torch.zeros_like(union))
 
 
 def dither_witness_moments(

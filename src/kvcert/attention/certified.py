@@ -508,6 +508,10 @@ def _dither_query(rd: _Read) -> torch.Tensor:
     return rd.qg if mask is None else rd.qg * mask.view(1, rd.hkv, 1, rd.d).to(rd.qg)
 
 
+#: tokens per cell (by served weight) whose Tier-B radius the gate's box takes from the uniform law
+UNIFORM_TOKENS = 256
+
+
 def _tier_b_radii(
     rd: _Read,
     sv: _Served,
@@ -519,8 +523,10 @@ def _tier_b_radii(
     logit rounding slack ``φ_t``) ``[B, Hkv, M, S]`` float64, or ``[n, M, S]`` for the ``(row, KV head)`` index pair
     ``heads``: with probability at least ``1 − δ_loc`` every token of one cell has ``|s̃_t − s_t| ≤ u_t``, for a
     query independent of the dither. ``uniform``: the dither part from the residual's uniform law instead
-    (:func:`kvcert.bounds.tier_b_radius_uniform`, never above the union radius: its event lies inside the union
-    radius's, so bounds from both hold together)."""
+    (:func:`kvcert.bounds.tier_b_radius_uniform`) on each cell's :data:`UNIFORM_TOKENS` heaviest served tokens, the
+    union radius on the rest. Every radius is at least the all-uniform one and at most the union one, so the event
+    contains the all-uniform event (probability ≥ 1 − δ_loc, whichever tokens are picked) and lies inside the union
+    radius's: bounds from both hold together (``docs/math.md#tier-b-uniform``)."""
     store = rd.store
     assert store.k_steps is not None
     qm, steps = _dither_query(rd), store.k_steps.view()
@@ -528,10 +534,14 @@ def _tier_b_radii(
     if heads is not None:
         qm, steps, k_hat_norm, k_wit, qn = (x[heads] for x in (qm, steps, k_hat_norm, k_wit, qn))
     gs = store.key_codec.group_size
-    if uniform:
-        dither = tier_b_radius_uniform(qm, steps.unsqueeze(-3), rd.scaling, rd.s, delta_loc, gs)
-    else:
-        dither = tier_b_radius(tier_b_sigma2(qm, steps.unsqueeze(-3), rd.scaling, gs), rd.s, delta_loc)
+    dither = tier_b_radius(tier_b_sigma2(qm, steps.unsqueeze(-3), rd.scaling, gs), rd.s, delta_loc)
+    if uniform:  # on each cell's heaviest tokens; larger radii elsewhere only widen the event
+        p = sv.p64 if heads is None else sv.p64[heads]
+        top = p.topk(min(UNIFORM_TOKENS, rd.s), dim=-1).indices  # [..., M, k]
+        picked = steps.unsqueeze(-3).expand(*top.shape[:-1], *steps.shape[-2:])
+        picked = picked.gather(-2, top.unsqueeze(-1).expand(*top.shape, steps.shape[-1]))  # [..., M, k, G]
+        x = tier_b_radius_uniform(qm, picked, rd.scaling, rd.s, delta_loc, gs)
+        dither = dither.scatter(-1, top, torch.minimum(x, dither.gather(-1, top)))
     if sv.bad_cell is not None:
         k_hat_norm, k_wit = torch.nan_to_num(k_hat_norm, 0.0, 0.0, 0.0), torch.nan_to_num(k_wit, 0.0, 0.0, 0.0)
     rate, kfac = _logit_slack_factors(qn, k_hat_norm, k_wit, rd.scaling, rd.d)

@@ -11,6 +11,7 @@ from attention_cases import exact_fallback as _exact
 from attention_cases import setup_read as _setup
 
 from kvcert import kernels
+from kvcert.attention import certified
 from kvcert.attention.certified import ReadConfig, certified_read
 from kvcert.cache.gate import Gate
 
@@ -162,6 +163,23 @@ def test_tier_b_gate_spares_on_the_partial_bound_and_charges_each_cell(backend, 
         assert torch.equal(tb.out.transpose(1, 2)[heads], box.out.transpose(1, 2)[heads])
         spared += int(tb.tier_b_heads.sum())
     assert spared > 0
+
+
+def test_tier_b_gate_box_takes_the_uniform_law_radii(monkeypatch):
+    """The gate's third pass takes the uniform-law radii on the heaviest tokens (``docs/math.md#tier-b-uniform``):
+    with them it spares every head it spares on the union radii alone (``UNIFORM_TOKENS = 0``), and more; the partial
+    bound of every spared head still holds the exact TV."""
+    gained = 0
+    for seed in range(4):
+        (_, _), (uni, _), _ = _tier_b_reads("dither-int6", seed, 1.0, 10**9)
+        with monkeypatch.context() as m:
+            m.setattr(certified, "UNIFORM_TOKENS", 0)
+            (_, _), (union, _), _ = _tier_b_reads("dither-int6", seed, 1.0, 10**9)
+        assert torch.all(union.tier_b_heads <= uni.tier_b_heads)
+        on_b = uni.tier_b_heads.repeat_interleave(G, 1).unsqueeze(-1).expand_as(uni.cert_partial)
+        assert torch.all(uni.true_tv[on_b] <= uni.cert_partial[on_b])
+        gained += int((uni.tier_b_heads & ~union.tier_b_heads).sum())
+    assert gained > 0
 
 
 def test_tier_b_gate_fails_closed_on_an_empty_budget_and_plain_keys():

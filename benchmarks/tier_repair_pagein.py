@@ -16,9 +16,17 @@ head's visible tokens is the share of the request's fp16 K/V paged in per step; 
 every step. Everything measured here is empirical; no model is decoded (the reads are the last ``--queries`` positions
 of a text, as in ``tv_box_tightness.py``).
 
+With ``--promote`` the repair is persistent instead: a failing read moves the light tokens it needs to the heavy tier
+for good (their keys re-encoded from the exact copy, so each promoted token's fp16 key is paged in once), the reads
+are taken in decode order so a later read starts from the tiers the earlier ones left, and the least count that
+passes on the ranking is found by bisection below the first passing :data:`LADDER` count. It reports the share of
+tokens promoted after the first read and after all of them, the key bytes this adds and the page-in over the request
+(``--plot``: the promoted share per read). ``--uniform`` takes Tier B from the uniform law, as the Tier-B gate serves
+it (``docs/math.md#tier-b-uniform``).
+
 Usage: ``OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/tier_repair_pagein.py [--model gemma3-270m]
-[--codecs dither-int5+bypass8] [--heavy dither-int8+bypass8] [--heavy-frac 0.2] [--tier-b] [--samples 1]
-[--tokens 2048] [--queries 8] [--seed 11]``.
+[--codecs dither-int5+bypass8] [--heavy dither-int8+bypass8] [--heavy-frac 0.2] [--tier-b [--uniform]]
+[--promote [--plot PNG]] [--samples 1] [--tokens 2048] [--queries 8] [--seed 11]``.
 """
 
 from __future__ import annotations
@@ -27,19 +35,30 @@ import argparse
 import sys
 from pathlib import Path
 
+import matplotlib
 import torch
 from rich.console import Console
 
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvcert import ValidationConfig  # noqa: E402
-from kvcert.bounds import band_norms, tier_a_radius, tier_b_radius, tier_b_sigma2, tv_box  # noqa: E402
+from kvcert.bounds import (  # noqa: E402
+    band_norms,
+    tier_a_radius,
+    tier_b_radius,
+    tier_b_radius_uniform,
+    tier_b_sigma2,
+    tv_box,
+)
 from kvcert.cli.progress import progress_bar  # noqa: E402
 from kvcert.kernels import numba_box  # noqa: E402
 from kvcert.models.zoo import load  # noqa: E402
-from kvcert.quant import get  # noqa: E402
+from kvcert.quant import Codec, bytes_per_token_head, get  # noqa: E402
 from kvcert.report.tables import ReportTable, fmt, print_table  # noqa: E402
 from tv_box_tightness import BANDS, TAU, Tiers, heavy_tokens, key_bytes  # noqa: E402
-from witness_tightness import Captured, capture, coded_reads, texts  # noqa: E402
+from witness_tightness import Captured, HeadRead, capture, coded_reads, texts  # noqa: E402
 
 #: the repair counts tried, in order (a read that no count passes pages in every visible token)
 LADDER = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -85,8 +104,37 @@ def light_weights(served: torch.Tensor, light: torch.Tensor) -> tuple[torch.Tens
     return mass, p.amax(-1) / mass.clamp(min=1e-300)
 
 
+def tier_radii(
+    r: HeadRead,
+    layer: list[tuple[torch.Tensor, torch.Tensor | None]],
+    coded: list[Codec],
+    sc: float,
+    delta_loc: float | None,
+    uniform: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[G, nq, S]`` radii of every token of one read, as if all were served by the light codec (``layer[0]``) and
+    as if all were served by the heavy one (``layer[1]``): the Tier-A band radius, and with ``delta_loc`` its minimum
+    with the Tier-B radius at ``δ_loc`` over all ``S`` tokens (the union radius, or with ``uniform`` the uniform-law
+    radius the Tier-B gate serves, ``docs/math.md#tier-b-uniform``). A read takes each token's from its tier."""
+    out = []
+    for tier, codec in enumerate(coded):
+        radius = tier_a_radius(r.q, band_norms(layer[tier][0][r.head] - r.k, BANDS).unsqueeze(0), sc)
+        steps = layer[tier][1]
+        if delta_loc is not None and steps is not None and codec.tier_b:
+            group = getattr(codec, "group_size", 0)
+            n = r.k.shape[0]
+            b = (
+                tier_b_radius_uniform(r.q, steps[r.head], sc, n, delta_loc, group)
+                if uniform
+                else tier_b_radius(tier_b_sigma2(r.q, steps[r.head], sc, group), n, delta_loc)
+            )
+            radius = torch.minimum(radius, b)
+        out.append(radius)
+    return out[0], out[1]
+
+
 def shares(
-    codec: str, seen: Captured, nq: int, tiers: Tiers, delta_loc: float | None
+    codec: str, seen: Captured, nq: int, tiers: Tiers, delta_loc: float | None, uniform: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per KV-head read (every layer, KV head and read position): the share of its visible tokens paged in; and per
     cell (:func:`light_weights`) the light mass and ``π̃_max``."""
@@ -98,17 +146,8 @@ def shares(
         g = r.q.shape[0]
         heavy = heavy_tokens(seen.qs[r.layer][r.head * g : (r.head + 1) * g], r.k, sc, seen.windows[r.layer], nq, tiers)
         khat = torch.where(heavy[:, None], layer[1][0][r.head], r.khat)
-        radius = tier_a_radius(r.q, band_norms(khat - r.k, BANDS).unsqueeze(0), sc)
-        if delta_loc is not None:
-            union = []
-            for tier in (0, 1):
-                steps = layer[tier][1]
-                if steps is None or not coded[tier].tier_b:
-                    union.append(torch.full_like(radius, float("inf")))
-                    continue
-                proxy = tier_b_sigma2(r.q, steps[r.head], sc, getattr(coded[tier], "group_size", 0))
-                union.append(tier_b_radius(proxy, r.k.shape[0], delta_loc))
-            radius = torch.minimum(radius, torch.where(heavy, union[1], union[0]))
+        light_r, heavy_r = tier_radii(r, layer, coded, sc, delta_loc, uniform)
+        radius = torch.where(heavy, heavy_r, light_r)
         visible = r.vis.expand(g, -1, -1)
         served = sc * r.q @ khat.T
         need = tokens_to_pass(served, sc * r.q @ r.k.T, radius.masked_fill(~visible, 0.0), visible)
@@ -117,6 +156,84 @@ def shares(
         masses.append(mass.flatten())
         peaks.append(peak.flatten())
     return torch.cat(out), torch.cat(masses), torch.cat(peaks)
+
+
+def promote_reads(
+    served: tuple[torch.Tensor, torch.Tensor],
+    radius: tuple[torch.Tensor, torch.Tensor],
+    visible: torch.Tensor,
+    heavy: torch.Tensor,
+    tau: float = TAU,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One KV head's reads in decode order, repaired by promotion: a read whose query heads' boxes are not all within
+    ``tau`` moves light tokens to the heavy tier for good (their keys re-encoded from the exact copy), the ``k`` with
+    the largest ``max_g p̃_t(e^{c_t} − 1)``, for the least ``k`` that passes (the :data:`LADDER` count that first
+    passes, then bisection below it). ``served`` and ``radius``: the logits and radii ``[G, nq, S]`` of every token
+    served light and served heavy; ``visible[G, nq, S]``; ``heavy[S]``, the tier at the start. Returns the heavy tier
+    at the end ``[S]``, the tokens promoted by each read ``[nq]``, and which reads no promotion passes ``[nq]`` (bool:
+    even with every visible token heavy; such a read would fall back to a transient exact page-in)."""
+    ninf = float("-inf")
+    tier = heavy.clone()
+    nq = visible.shape[1]
+    promoted, failed = torch.zeros(nq, dtype=torch.long), torch.zeros(nq, dtype=torch.bool)
+    for i in range(nq):
+        vis = visible[:, i]
+
+        def box_of(on: torch.Tensor, i: int = i, vis: torch.Tensor = vis) -> tuple[bool, torch.Tensor, torch.Tensor]:
+            p = torch.softmax(torch.where(on, served[1][:, i], served[0][:, i]).masked_fill(~vis, ninf), -1)
+            rad = torch.where(on, radius[1][:, i], radius[0][:, i]).masked_fill(~vis, 0.0)
+            return bool((tv_box(p, rad, rows=numba_box.box_rows) <= tau).all()), p, rad
+
+        ok, p, rad = box_of(tier)
+        if ok:
+            continue
+        movable = vis.any(0) & ~tier
+        order = (p * torch.expm1(rad)).masked_fill(~movable, -1.0).amax(0).argsort(descending=True)
+        n = int(movable.sum())
+
+        def with_top(k: int, order: torch.Tensor = order, tier: torch.Tensor = tier) -> torch.Tensor:
+            return tier.clone().index_fill_(0, order[:k], True)
+
+        lo, hi = 0, n  # a failing count, and one to try
+        for k in LADDER[1:]:
+            if box_of(with_top(min(k, n)))[0]:
+                hi = min(k, n)
+                break
+            lo = min(k, n)
+            if k >= n:
+                break
+        else:
+            lo = n
+        if lo >= n:  # every visible token heavy and still above tau
+            failed[i] = True
+            hi = n
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if box_of(with_top(mid))[0] else (mid, hi)
+        tier = with_top(hi)
+        promoted[i] = hi
+    return tier, promoted, failed
+
+
+def promotions(
+    codec: str, seen: Captured, nq: int, tiers: Tiers, delta_loc: float | None, uniform: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per KV head (every layer and KV head), the share of its tokens promoted by its first ``i`` reads for ``i`` = 1
+    … ``nq`` (:func:`promote_reads`; ``[heads, nq]``); and per read whether it promoted anything and whether it
+    failed even fully promoted (``[reads, 2]`` bool)."""
+    names = (codec, tiers.codec)
+    coded = [get(name) for name in names]
+    curves, reads = [], []
+    sc = seen.scale
+    for r, layer in coded_reads(seen, nq, names):
+        g = r.q.shape[0]
+        heavy = heavy_tokens(seen.qs[r.layer][r.head * g : (r.head + 1) * g], r.k, sc, seen.windows[r.layer], nq, tiers)
+        served = (sc * r.q @ r.khat.T, sc * r.q @ layer[1][0][r.head].T)
+        radius = tier_radii(r, layer, coded, sc, delta_loc, uniform)
+        _, promoted, failed = promote_reads(served, radius, r.vis.expand(g, -1, -1), heavy)
+        curves.append(promoted.cumsum(0).to(torch.float64) / r.k.shape[0])
+        reads.append(torch.stack((promoted > 0, failed), -1))
+    return torch.stack(curves), torch.cat(reads)
 
 
 def table(
@@ -161,6 +278,71 @@ def table(
     )
 
 
+def promotion_table(
+    rows: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    key_b: dict[str, float],
+    extra_b: dict[str, float],
+    radii: str,
+) -> ReportTable:
+    """One line per codec row of :func:`promotions`: reads, the share that promoted nothing, the share of a KV head's
+    tokens promoted after the first read (mean) and after all of them (mean, p90 over KV heads), the key bytes per
+    token and KV head before and after (each promoted token costs the heavy codec's bytes instead of the light's),
+    the page-in over the request (each promoted token's fp16 key once: half its fp16 K/V) and the reads that fail
+    even with every visible token heavy. ``extra_b``: per row, the heavy codec's key bytes per token and KV head less
+    the light codec's."""
+    lines = []
+    for label, (curves, reads) in rows.items():
+        first, last = curves[:, 0], curves[:, -1]
+        lines.append(
+            (
+                label,
+                f"{reads.shape[0]:,}",
+                fmt(float((~reads[:, 0]).double().mean()), percent=True),
+                fmt(float(first.mean()), 3),
+                fmt(float(last.mean()), 3),
+                fmt(float(torch.quantile(last, 0.9)), 3),
+                f"{key_b[label]:.1f} → {key_b[label] + float(last.mean()) * extra_b[label]:.1f}",
+                fmt(float(last.mean()) / 2, 3),
+                fmt(float(reads[:, 1].double().mean()), percent=True),
+            )
+        )
+    return ReportTable(
+        f"token tiers repaired by promotion to the heavy tier at τ = {TAU} ({radii})",
+        (
+            "keys",
+            "reads",
+            "no promotion",
+            "promoted, 1st read",
+            "promoted, all reads",
+            "p90 over KV heads",
+            "key B / token / KV head",
+            "page-in ×fp16 (request)",
+            "fail fully promoted",
+        ),
+        tuple(lines),
+        "promoted = share of a KV head's tokens moved from the light to the heavy tier (mean over KV heads, reads in "
+        "decode order, each promotion kept); key bytes before → after; page-in = each promoted token's fp16 key once "
+        "(its re-encoding source), as a share of the request's fp16 K/V; fail = reads above τ even with every visible "
+        "token heavy. All empirical.",
+    )
+
+
+def plot_promotions(rows: dict[str, tuple[torch.Tensor, torch.Tensor]], path: Path, model: str) -> None:
+    """Per row, the mean share of a KV head's tokens promoted after each read (decode order)."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for label, (curves, _) in rows.items():
+        mean = curves.mean(0).numpy()
+        ax.plot(range(1, len(mean) + 1), mean, marker="o", ms=3, label=label)
+    ax.set_xlabel("reads (decode steps)")
+    ax.set_ylabel("share of tokens promoted (mean over KV heads)")
+    ax.set_title(f"{model}: light tokens promoted to the heavy tier at τ = {TAU} (measured)", fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
 def cat(parts: list[tuple[torch.Tensor, ...]], i: int) -> torch.Tensor:
     """Entry ``i`` of every sample's :func:`shares`, concatenated."""
     return torch.cat([part[i] for part in parts])
@@ -173,11 +355,14 @@ def main() -> None:
     ap.add_argument("--heavy", default="dither-int8+bypass8")
     ap.add_argument("--heavy-frac", type=float, default=0.2)
     ap.add_argument("--tier-b", action="store_true", help="radii min(Tier A, Tier B) at the model's δ_loc")
+    ap.add_argument("--uniform", action="store_true", help="Tier B from the uniform law (the Tier-B gate's radii)")
+    ap.add_argument("--promote", action="store_true", help="repair by promoting light tokens to the heavy tier")
     ap.add_argument("--samples", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--queries", type=int, default=8)
     ap.add_argument("--corpus", default="pg-essays")
     ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--plot", type=Path, default=None, help="with --promote: PNG of the promoted share per read")
     args = ap.parse_args()
     model, tok = load(args.model)
     cfg = model.config.get_text_config()
@@ -185,7 +370,7 @@ def main() -> None:
     tiers = Tiers(args.heavy, args.heavy_frac)
     codecs = args.codecs.split(",")
     labels = {c: tiers.label(c) for c in codecs}
-    parts: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {labels[c]: [] for c in codecs}
+    parts: dict[str, list[tuple[torch.Tensor, ...]]] = {labels[c]: [] for c in codecs}
     console = Console()
     head_dim = 0
     with progress_bar("samples x codecs", args.samples * len(codecs), console) as tick:
@@ -193,17 +378,31 @@ def main() -> None:
             seen = capture(model, tok(text, return_tensors="pt").input_ids[:, : args.tokens])
             head_dim = seen.qs[0].shape[-1]
             for c in codecs:
-                parts[labels[c]].append(shares(c, seen, args.queries, tiers, delta_loc))
+                run = promotions if args.promote else shares
+                parts[labels[c]].append(run(c, seen, args.queries, tiers, delta_loc, args.uniform))
                 tick(1)
-    rows = {label: (cat(p, 0), cat(p, 1), cat(p, 2)) for label, p in parts.items()}
     key_b = {labels[c]: key_bytes(c, tiers, head_dim) for c in codecs}
-    radii = "Tier A" if delta_loc is None else f"min(Tier A, Tier B), δ_loc = {delta_loc:.3g}"
+    radii = (
+        "Tier A"
+        if delta_loc is None
+        else f"min(Tier A, Tier B{' uniform law' * args.uniform}), δ_loc = {delta_loc:.3g}"
+    )
     console.print(
         f"{args.model}, {args.corpus}, samples={args.samples} tokens={args.tokens} queries={args.queries} "
         f"seed={args.seed}",
         highlight=False,
     )
-    print_table(console, table(rows, key_b, radii))
+    if args.promote:
+        heavy_b = bytes_per_token_head(get(args.heavy), head_dim)
+        extra = {labels[c]: heavy_b - bytes_per_token_head(get(c), head_dim) for c in codecs}
+        grown = {label: (cat(p, 0), cat(p, 1)) for label, p in parts.items()}
+        print_table(console, promotion_table(grown, key_b, extra, radii))
+        if args.plot:
+            plot_promotions(grown, args.plot, args.model)
+    else:
+        print_table(
+            console, table({label: (cat(p, 0), cat(p, 1), cat(p, 2)) for label, p in parts.items()}, key_b, radii)
+        )
 
 
 if __name__ == "__main__":

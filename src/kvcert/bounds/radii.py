@@ -179,12 +179,12 @@ def psi_upper(y: torch.Tensor) -> torch.Tensor:
     (``docs/math.md#tier-b-uniform``); above, ``y − ln(2y) + ln(1 − e^{−2y})``; each lifted by :data:`_PSI_ROUND`.
     """
     y = y.to(torch.float64)
-    small = y < 0.5
     y2 = y * y
-    poly = y2 * (1.0 / 6.0 - y2 * (1.0 / 180.0 - y2 / 2835.0))
-    ys = torch.where(small, 1.0, y)
-    large = ys - torch.log(2.0 * ys) + torch.log1p(-torch.exp(-2.0 * ys))
-    return torch.where(small, poly, large) * _PSI_ROUND
+    out = (y2 / 2835.0).sub_(1.0 / 180.0).mul_(y2).add_(1.0 / 6.0).mul_(y2)  # the polynomial, everywhere
+    large = y >= 0.5
+    yl = y[large]  # the identity only where it is taken
+    out.masked_scatter_(large, torch.exp(yl * -2.0).neg_().log1p_().sub_(torch.log(yl * 2.0)).add_(yl))
+    return out.mul_(_PSI_ROUND)
 
 
 def _top_psi_sums(mu: torch.Tensor, w: torch.Tensor, group: torch.Tensor, member: torch.Tensor) -> torch.Tensor:
@@ -205,7 +205,8 @@ def _top_psi_sums(mu: torch.Tensor, w: torch.Tensor, group: torch.Tensor, member
     frac = torch.linspace(0.0, 1.0, UNIFORM_TABLE, dtype=torch.float64)
     grid = (lo * torch.exp(torch.log(hi / lo) * frac)).cummax(-1).values  # [..., G, K]
     grid[..., -1:] = hi  # the table reaches the largest argument exactly
-    table = (psi_upper(grid.unsqueeze(-1) * w.unsqueeze(-2).unsqueeze(-2)) * member.unsqueeze(-2)).sum(-1)
+    own = grid.gather(-2, group.unsqueeze(-1).expand(*group.shape, UNIFORM_TABLE))  # [..., k, K]: g(i)'s points
+    table = torch.matmul(member, psi_upper(own * w.unsqueeze(-1)))  # [..., G, K]: Σ_{g(i)=g} ψ(point·w_i)
     at = torch.searchsorted(grid.contiguous(), mu.contiguous())  # first point >= the argument
     val = table.gather(-1, at.clamp(max=UNIFORM_TABLE - 1))
     val = torch.where(at < UNIFORM_TABLE, val, math.inf)  # (cannot happen: hi is a table point)

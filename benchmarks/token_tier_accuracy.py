@@ -19,6 +19,14 @@ from ``--values``):
   each tier's packed tensors, the store's log8 witnesses included, mixed by ``F`` (empirical; a sliding-window
   layer holds fewer tokens than a global one, which this per-token figure does not count).
 
+With ``--promote none,k,kv`` each tiered row is run once per mode: ``k`` and ``kv`` serve it through a simulated
+token-granular gate (:class:`Promoter`) at τ = 0.2 on ``min(Tier A, Tier B)`` radii (Tier B from the uniform law, as
+the Tier-B gate serves it): at every decode step a KV head whose box is above τ promotes the light tokens it needs to
+the heavy tier for good, keys (``k``) or keys and values (``kv``) re-encoded by the heavy codecs from the exact
+entries (the least count on the ranking of ``tier_repair_pagein.promote_reads``). Such a row also reports the share
+of prompt tokens promoted, the capacity with them at the heavy codecs' bytes, and the page-in (each promoted token's
+fp16 key, and value, once).
+
 Reported per row: accuracy, the paired bootstrap 95 % CI of (row − dense) and the exact McNemar p over the same
 samples, how many continuations are token-identical to dense, and the capacity; all empirical. ``--plot`` draws
 accuracy (with dense + CI whiskers) against capacity; ``--out`` writes ``results.json`` (every number with its tier).
@@ -26,8 +34,8 @@ accuracy (with dense + CI whiskers) against capacity; ``--out`` writes ``results
 Usage: ``OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/token_tier_accuracy.py [--model gemma3-270m]
 [--tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2] [--context 2048] [--samples 4]
 [--seed 5] [--light dither-int5+bypass8] [--heavy dither-int8+bypass8] [--heavy-fracs 0,0.2] [--values int2/int4]
-[--max-new-tokens 32] [--plot FILE] [--out DIR]``; ``--report-only --out DIR [--plot FILE]`` prints the
-table and draws the figure again from ``DIR/results.json``.
+[--promote none,kv] [--max-new-tokens 32] [--plot FILE] [--out DIR]``; ``--report-only --out DIR [--plot FILE]``
+prints the table and draws the figure again from ``DIR/results.json``.
 """
 
 from __future__ import annotations
@@ -46,18 +54,23 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kvcert import ValidationConfig  # noqa: E402
+from kvcert.bounds import band_norms, tier_a_radius, tier_b_radius_uniform  # noqa: E402
 from kvcert.cli.common import load_model  # noqa: E402
 from kvcert.cli.progress import progress_bar  # noqa: E402
 from kvcert.eval import ruler  # noqa: E402
 from kvcert.eval.branching import copy_cache, exact_prefill, greedy_from  # noqa: E402
 from kvcert.eval.harness import prompt_ids  # noqa: E402
 from kvcert.eval.stats import mcnemar, paired_bootstrap  # noqa: E402
+from kvcert.integrations.attention_impl import swapped_attention  # noqa: E402
 from kvcert.models.zoo import converted_dir  # noqa: E402
 from kvcert.quant import bytes_per_token_head, get, sample_key  # noqa: E402
 from kvcert.report.tables import ReportTable, fmt, print_table, to_markdown  # noqa: E402
-from tv_box_tightness import Tiers, heavy_tokens, key_bytes  # noqa: E402
+from tier_repair_pagein import promote_reads  # noqa: E402
+from tv_box_tightness import BANDS, TAU, Tiers, heavy_tokens, key_bytes  # noqa: E402
 from witness_tightness import Captured, capture  # noqa: E402
 
 EMPIRICAL = "empirical"
@@ -71,6 +84,7 @@ class Row:
     heavy: str
     frac: float
     values: tuple[str, str]
+    promote: str = ""  # "": none; "k": a failing read promotes keys; "kv": keys and values (:class:`Promoter`)
 
     @property
     def tiers(self) -> Tiers | None:
@@ -80,7 +94,16 @@ class Row:
     def label(self) -> str:
         keys = self.light if self.frac == 0 else f"{self.light} + {self.frac:.0%} {self.heavy}"
         vals = self.values[0] if self.frac == 0 else "/".join(self.values)
-        return f"{keys} | V {vals}"
+        return f"{keys} | V {vals}" + (f" | promote {self.promote.upper()}" if self.promote else "")
+
+    def extra_bytes(self, head_dim: int) -> float:
+        """Bytes per (token, KV head) a promotion adds: the heavy codecs' less the light ones', keys and (``kv``)
+        values (measured from each codec's packed tensors)."""
+        keys = bytes_per_token_head(get(self.heavy), head_dim) - bytes_per_token_head(get(self.light), head_dim)
+        if self.promote != "kv":
+            return keys
+        light_v, heavy_v = (bytes_per_token_head(get(v), head_dim) for v in self.values)
+        return keys + heavy_v - light_v
 
     def capacity(self, head_dim: int) -> float:
         """fp16 K/V bytes over the row's nominal bytes per token and KV head (measured per tier, mixed by the share)."""
@@ -106,36 +129,148 @@ def heavy_masks(seen: Captured, tiers: Tiers | None) -> list[torch.Tensor]:
     return out
 
 
+def tier_codes(x: torch.Tensor, name: str, seed: int, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x[1, Hkv, n, D]`` (the layer's last ``n`` prompt positions) as codec ``name`` serves it, and its Tier-B steps
+    ``[Hkv, n, G]`` (float64; ``None`` for a codec without them). Encoded with the codec's own per-token scales over
+    the whole layer, so a token's code does not depend on its tier's other tokens."""
+    codec = get(name)
+    if codec.block != 1 or codec.residual_window:
+        raise ValueError(f"token tiers need per-token codecs; {name!r} encodes blocks of tokens")
+    x32 = x.to(torch.float32)
+    key = sample_key(x32, seed, layer) if codec.needs_key else None
+    packed, out = codec.encode_decode(x32, key)
+    steps = codec.steps(packed)
+    return out.to(x.dtype), None if steps is None else steps[0].to(torch.float64)
+
+
 def served(
     x: torch.Tensor, heavy: torch.Tensor, light_codec: str, heavy_codec: str, seed: int, layer: int
 ) -> torch.Tensor:
-    """``x[1, Hkv, n, D]`` (the layer's last ``n`` prompt positions) as the tiers serve it: heavy tokens
-    (``heavy[Hkv, n]``) through ``heavy_codec``, the rest through ``light_codec``, each encoded with the codec's own
-    per-token scales over the whole layer (so a token's code does not depend on its tier's other tokens)."""
-    x32 = x.to(torch.float32)
-    out = []
-    for name in (light_codec, heavy_codec) if bool(heavy.any()) else (light_codec,):
-        codec = get(name)
-        if codec.block != 1 or codec.residual_window:
-            raise ValueError(f"token tiers need per-token codecs; {name!r} encodes blocks of tokens")
-        key = sample_key(x32, seed, layer) if codec.needs_key else None
-        out.append(codec.encode_decode(x32, key)[1])
-    if len(out) == 1:
-        return out[0].to(x.dtype)
-    return torch.where(heavy[None, :, :, None], out[1], out[0]).to(x.dtype)
+    """``x[1, Hkv, n, D]`` as the tiers serve it: heavy tokens (``heavy[Hkv, n]``) through ``heavy_codec``, the rest
+    through ``light_codec`` (:func:`tier_codes`)."""
+    light = tier_codes(x, light_codec, seed, layer)[0]
+    if not bool(heavy.any()):
+        return light
+    return torch.where(heavy[None, :, :, None], tier_codes(x, heavy_codec, seed, layer)[0], light)
 
 
-def tiered_cache(model, prefill_cache, masks: list[torch.Tensor], row: Row, seed: int):  # noqa: ANN001, ANN201
-    """A copy of the exact prefill whose prompt keys and values are what ``row``'s tiers serve."""
+@dataclass
+class LayerTiers:
+    """One layer's prompt positions as a promoting row holds them: per tier (light, heavy) the served keys and values
+    ``[Hkv, P, D]``, the key residuals' band norms ``[Hkv, P, B]``, the Tier-B steps (float64) and group size; the
+    exact keys and values; and which tokens are heavy now (``tier[Hkv, P]``, grown by promotions)."""
+
+    keys: tuple[torch.Tensor, torch.Tensor]
+    values: tuple[torch.Tensor, torch.Tensor]
+    bands: tuple[torch.Tensor, torch.Tensor]
+    steps: tuple[torch.Tensor | None, torch.Tensor | None]
+    groups: tuple[int, int]
+    exact: tuple[torch.Tensor, torch.Tensor]
+    tier: torch.Tensor
+
+
+@dataclass
+class Promoter:
+    """A token-granular gate at ``tau`` (0.2) over the tiered prompt K/V whose repair is promotion, simulated here from
+    the radii a cache would hold (the reads are not certified by a cache). At each decode step and KV head: the box over
+    ``min(Tier A, Tier B)`` radii of the current tiers (Tier B from the uniform law at ``delta_loc``, as the Tier-B
+    gate serves it); a read above τ moves the light tokens it needs to the heavy tier for good
+    (:func:`tier_repair_pagein.promote_reads`), their keys (with ``mode == "kv"`` their values too) replaced in the
+    cache by the heavy codecs' codes of the exact entries. A read that fails even fully promoted is served exact (a
+    transient page-in) and counted. Generated tokens are exact, radius 0."""
+
+    layers: dict[int, LayerTiers]
+    mode: str
+    delta_loc: float
+    tau: float = TAU
+    promoted: int = 0
+    reads: int = 0
+    failed: int = 0
+    steps: dict[int, int] = field(default_factory=dict)
+
+    def attend(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):  # noqa: ANN001, ANN003, ANN201
+        """The attention function of a decode step: promote, then sdpa over the cache's (updated) keys and values."""
+        st = self.layers[module.layer_idx]
+        j = self.steps[module.layer_idx] = self.steps.get(module.layer_idx, 0) + 1  # this layer's decode step
+        hkv, p = st.tier.shape
+        g, n = query.shape[1] // hkv, key.shape[2]
+        inside = n - j  # prompt slots still in the cache (a sliding layer drops its oldest)
+        a = p - inside  # the first of them among the stored prompt positions
+        vis = torch.ones(n, dtype=torch.bool)
+        if attention_mask is not None:
+            last = attention_mask[0, 0, -1]
+            vis = last if last.dtype == torch.bool else last == 0
+        sc = float(scaling)
+        read_k, read_v = key, value
+        for h in range(hkv):
+            q = query[0, h * g : (h + 1) * g, -1:].to(torch.float64)  # [G, 1, D]
+            gen = key[0, h, inside:].to(torch.float64)
+            logits, radii = [], []
+            for t in (0, 1):
+                logits.append(sc * q @ torch.cat([st.keys[t][h, a:].to(torch.float64), gen]).T)
+                c = tier_a_radius(q, st.bands[t][h, a:], sc)
+                steps = st.steps[t]
+                if steps is not None:
+                    c = torch.minimum(c, tier_b_radius_uniform(q, steps[h, a:], sc, n, self.delta_loc, st.groups[t]))
+                radii.append(torch.nn.functional.pad(c, (0, n - inside)))
+            start = torch.cat([st.tier[h, a:], torch.ones(n - inside, dtype=torch.bool)])
+            tier, _, failed = promote_reads(
+                (logits[0], logits[1]), (radii[0], radii[1]), vis.expand(g, 1, n), start, self.tau
+            )
+            new = tier[:inside] & ~st.tier[h, a:]
+            self.reads += 1
+            if bool(new.any()):
+                st.tier[h, a:] |= new
+                self.promoted += int(new.sum())
+                key[0, h, :inside][new] = st.keys[1][h, a:][new]  # the cache's own tensor: kept for later steps
+                if self.mode == "kv":
+                    value[0, h, :inside][new] = st.values[1][h, a:][new]
+            if bool(failed.any()):
+                self.failed += 1
+                if read_k is key:
+                    read_k, read_v = key.clone(), value.clone()
+                read_k[0, h, :inside] = st.exact[0][h, a:]
+                read_v[0, h, :inside] = st.exact[1][h, a:]
+        return sdpa_attention_forward(
+            module, query, read_k, read_v, attention_mask, dropout=dropout, scaling=scaling, **kw
+        )
+
+    def share(self) -> float:
+        """Promoted tokens over the prompt tokens the layers hold (every layer and KV head)."""
+        return self.promoted / sum(st.tier.numel() for st in self.layers.values())
+
+
+def tiered_cache(model, prefill_cache, masks: list[torch.Tensor], row: Row, seed: int, delta_loc: float = 0.0):  # noqa: ANN001, ANN201
+    """A copy of the exact prefill whose prompt keys and values are what ``row``'s tiers serve, and for a promoting
+    row its :class:`Promoter` at ``delta_loc`` (``None`` otherwise)."""
+    layers: dict[int, LayerTiers] = {}
 
     def transform(i: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         heavy = masks[i][:, -keys.shape[2] :]  # a sliding-window layer holds only its last positions
-        return (
-            served(keys, heavy, row.light, row.heavy, seed, i),
-            served(values, heavy, row.values[0], row.values[1], seed, i),
+        if not row.promote:
+            return (
+                served(keys, heavy, row.light, row.heavy, seed, i),
+                served(values, heavy, row.values[0], row.values[1], seed, i),
+            )
+        kt = [tier_codes(keys, c, seed, i) for c in (row.light, row.heavy)]
+        vt = [tier_codes(values, c, seed, i)[0] for c in row.values]
+        exact = keys[0].to(torch.float64)
+        bands = [band_norms(x[0][0].to(torch.float64) - exact, BANDS) for x in kt]
+        groups = [int(getattr(get(c), "group_size", 0)) for c in (row.light, row.heavy)]
+        layers[i] = LayerTiers(
+            (kt[0][0][0], kt[1][0][0]),
+            (vt[0][0], vt[1][0]),
+            (bands[0], bands[1]),
+            (kt[0][1], kt[1][1]),
+            (groups[0], groups[1]),
+            (keys[0].clone(), values[0].clone()),
+            heavy.clone(),
         )
+        on = heavy[None, :, :, None]
+        return torch.where(on, kt[1][0], kt[0][0]), torch.where(on, vt[1], vt[0])
 
-    return copy_cache(model, prefill_cache, transform)
+    cache = copy_cache(model, prefill_cache, transform)
+    return cache, (Promoter(layers, row.promote, delta_loc) if row.promote else None)
 
 
 def parse_rows(args: argparse.Namespace) -> list[Row]:
@@ -150,8 +285,17 @@ def parse_rows(args: argparse.Namespace) -> list[Row]:
         pairs.append((light, heavy))
     for name in {args.light, args.heavy, *(c for p in pairs for c in p)}:
         get(name)  # an unknown codec is refused by name before the model loads
-    rows = {Row(args.light, args.heavy, f, p if f > 0 else (p[0], p[0])) for f in fracs for p in pairs}
-    return sorted(rows, key=lambda r: (r.frac, r.values))
+    modes = [m.strip() for m in args.promote.split(",")] if args.promote else [""]
+    if any(m not in ("", "none", "k", "kv") for m in modes):
+        raise SystemExit(f"--promote: each mode must be none, k or kv, got {args.promote!r}")
+    modes = ["" if m == "none" else m for m in modes]
+    rows = {
+        Row(args.light, args.heavy, f, p if f > 0 else (p[0], p[0]), m if f > 0 else "")
+        for f in fracs
+        for p in pairs
+        for m in modes
+    }
+    return sorted(rows, key=lambda r: (r.frac, r.values, r.promote))
 
 
 @dataclass
@@ -164,6 +308,14 @@ class Measured:
     scores: dict[str, list[float]]
     same: dict[str, int]
     texts: list[dict[str, str]] = field(default_factory=list)
+    promoted: dict[str, list[float]] = field(default_factory=dict)  # per promoting row and sample: the share
+    failed: dict[str, list[float]] = field(default_factory=dict)  # ... the share of reads no promotion passed
+
+    def capacity(self, row: Row) -> float:
+        """The row's capacity: nominal, less what its promotions added (mean promoted share over the samples)."""
+        base = 4 * self.head_dim / row.capacity(self.head_dim)
+        share = self.promoted.get(row.label)
+        return 4 * self.head_dim / (base + (sum(share) / len(share) * row.extra_bytes(self.head_dim) if share else 0))
 
     def accuracy(self, label: str) -> float:
         """Mean score of ``label`` (a row's label or ``"dense"``) over the samples."""
@@ -172,7 +324,7 @@ class Measured:
 
 def table(m: Measured, model: str) -> ReportTable:
     dense = m.scores["dense"]
-    out = [("dense", str(len(dense)), fmt(m.accuracy("dense"), percent=True), "–", "–", "–", "1")]
+    out = [("dense", str(len(dense)), fmt(m.accuracy("dense"), percent=True), "–", "–", "–", "1", "–", "–", "–")]
     for row in m.rows:
         got = m.scores[row.label]
         ci = paired_bootstrap(dense, got)
@@ -187,16 +339,45 @@ def table(m: Measured, model: str) -> ReportTable:
                 fmt(p),
                 f"{m.same[row.label]} / {len(got)}",
                 f"{row.capacity(m.head_dim):.2f}×",
+                *promotion_cells(m, row),
             )
         )
     return ReportTable(
         f"Token tiers on {model}: RULER accuracy of the served prompt K/V against dense (reads not certified)",
-        ("keys | values", "samples", "accuracy", "Δ vs dense [95% CI] (pp)", "McNemar p", "same tokens", "capacity"),
+        (
+            "keys | values",
+            "samples",
+            "accuracy",
+            "Δ vs dense [95% CI] (pp)",
+            "McNemar p",
+            "same tokens",
+            "capacity",
+            "promoted",
+            "capacity after",
+            "page-in ×fp16",
+        ),
         tuple(out),
         "Every column empirical. Δ: paired bootstrap over the same samples; McNemar: exact, on all-correct answers; "
         "same tokens: continuations token-identical to dense; capacity: fp16 K/V over the measured bytes per token and "
-        "KV head of each tier's packed tensors plus the log8 witnesses, mixed by the heavy share (nominal per token).",
+        "KV head of each tier's packed tensors plus the log8 witnesses, mixed by the heavy share (nominal per token). "
+        "Promoting rows (a simulated token-granular gate at τ = 0.2 on min(Tier A, Tier B uniform-law) radii, whose "
+        "repair moves tokens to the heavy tier): promoted = mean share of the prompt tokens moved (every layer and KV "
+        "head), with the share of reads that failed even fully promoted (served exact) in brackets; capacity after = "
+        "with the promoted tokens at the heavy codecs' bytes; page-in = each promoted token's fp16 key (and value, "
+        "kv) once, over the prompt's fp16 K/V.",
     )
+
+
+def promotion_cells(m: Measured, row: Row) -> tuple[str, str, str]:
+    """The promotion columns of ``row``: promoted share (failed reads), capacity after, page-in (``–`` for a row
+    that does not promote)."""
+    share = m.promoted.get(row.label)
+    if not row.promote or not share:
+        return ("–", "–", "–")
+    mean = sum(share) / len(share)
+    failed = sum(m.failed[row.label]) / len(m.failed[row.label])
+    per_token = 1.0 if row.promote == "kv" else 0.5  # the fp16 K (and V) of a promoted token, over its fp16 K/V
+    return (f"{mean:.3f} ({failed:.1%})", f"{m.capacity(row):.2f}×", f"{mean * per_token:.3f}")
 
 
 def plot(m: Measured, path: Path, model: str) -> None:
@@ -204,7 +385,7 @@ def plot(m: Measured, path: Path, model: str) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for row in m.rows:
         ci = paired_bootstrap(m.scores["dense"], m.scores[row.label])
-        acc, cap = m.accuracy(row.label), row.capacity(m.head_dim)
+        acc, cap = m.accuracy(row.label), m.capacity(row)
         yerr = [[max(acc - dense - ci.low, 0)], [max(dense + ci.high - acc, 0)]]
         ax.errorbar([cap], [acc], yerr=yerr, fmt="o", capsize=3, label=f"{row.label} ({cap:.2f}×)")
     ax.axhline(dense, color="k", linestyle="--", linewidth=1, label="dense")
@@ -241,8 +422,16 @@ def results_doc(args: argparse.Namespace, m: Measured) -> dict[str, object]:
         "rows": {
             r.label: {
                 "accuracy": {"value": m.accuracy(r.label), "tier": EMPIRICAL},
-                "capacity": {"value": r.capacity(m.head_dim), "tier": EMPIRICAL},
+                "capacity": {"value": m.capacity(r), "tier": EMPIRICAL},
                 "same_tokens": {"value": m.same[r.label], "tier": EMPIRICAL},
+                **(
+                    {
+                        "promoted": {"value": m.promoted[r.label], "tier": EMPIRICAL},
+                        "failed_reads": {"value": m.failed[r.label], "tier": EMPIRICAL},
+                    }
+                    if r.label in m.promoted
+                    else {}
+                ),
             }
             for r in m.rows
         },
@@ -260,10 +449,16 @@ def from_results(args: argparse.Namespace, console: Console) -> None:
     config = doc["config"]
     for key in ("model", "light", "heavy", "heavy_fracs", "values"):
         setattr(args, key, config[key])
+    args.promote = config.get("promote", "")
     rows = parse_rows(args)
     same = {r.label: int(doc["rows"][r.label]["same_tokens"]["value"]) for r in rows}
     head_dim = int(doc.get("head_dim") or head_dim_of(args.model))
-    report(args, Measured(rows, head_dim, doc["scores"], same, doc.get("texts", [])), console)
+    measured = Measured(rows, head_dim, doc["scores"], same, doc.get("texts", []))
+    for r in rows:
+        if "promoted" in doc["rows"][r.label]:
+            measured.promoted[r.label] = doc["rows"][r.label]["promoted"]["value"]
+            measured.failed[r.label] = doc["rows"][r.label]["failed_reads"]["value"]
+    report(args, measured, console)
 
 
 def main() -> None:
@@ -277,6 +472,9 @@ def main() -> None:
     ap.add_argument("--heavy", default="dither-int8+bypass8")
     ap.add_argument("--heavy-fracs", default="0,0.2")
     ap.add_argument("--values", default="int2/int4", help="LIGHT/HEAVY value codec pairs")
+    ap.add_argument(
+        "--promote", default="", help="repair modes, a row each: none, k (keys promoted), kv (keys and values)"
+    )
     ap.add_argument("--max-new-tokens", type=int, default=32, help="cap on RULER's per-task budget (0: none)")
     ap.add_argument("--plot", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
@@ -294,6 +492,8 @@ def main() -> None:
     rows = parse_rows(args)
     t0 = time.time()
     loaded = load_model(args.model, args.seed)
+    cfg = loaded.model.config.get_text_config()
+    delta_loc = ValidationConfig().delta_loc(cfg.num_hidden_layers, cfg.num_attention_heads)
     samples = [
         s for t in tasks for s in ruler.load_task(t, args.context, args.samples, args.seed, loaded.tokenizer_dir)
     ]
@@ -318,8 +518,14 @@ def main() -> None:
             for row in rows:
                 if row.frac not in masks:
                     masks[row.frac] = heavy_masks(seen, row.tiers)
-                cache = tiered_cache(loaded.model, prefill.cache, masks[row.frac], row, args.seed)
-                toks = greedy_from(loaded.model, prefill.first, cache, budget, loaded.eos_ids)
+                cache, promoter = tiered_cache(loaded.model, prefill.cache, masks[row.frac], row, args.seed, delta_loc)
+                if promoter is None:
+                    toks = greedy_from(loaded.model, prefill.first, cache, budget, loaded.eos_ids)
+                else:
+                    with swapped_attention(loaded.model, "kvcert-tier-promotion", promoter.attend, mask=None):
+                        toks = greedy_from(loaded.model, prefill.first, cache, budget, loaded.eos_ids)
+                    m.promoted.setdefault(row.label, []).append(promoter.share())
+                    m.failed.setdefault(row.label, []).append(promoter.failed / max(promoter.reads, 1))
                 text[row.label] = loaded.tokenizer.decode(toks, skip_special_tokens=True)
                 m.scores[row.label].append(ruler.score(sample, text[row.label]))
                 m.same[row.label] += toks == dense

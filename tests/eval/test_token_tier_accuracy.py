@@ -74,7 +74,8 @@ def test_tiered_cache_serves_each_layer_by_tier(family):
     masks = tta.heavy_masks(seen, row.tiers)
     prefill = exact_prefill(model, ids)
     exact = [(layer.keys.clone(), layer.values.clone()) for layer in prefill.cache.layers]
-    cache = tta.tiered_cache(model, prefill.cache, masks, row, seed=2)
+    cache, promoter = tta.tiered_cache(model, prefill.cache, masks, row, seed=2)
+    assert promoter is None  # the row does not promote
     for i, (layer, (k, v)) in enumerate(zip(cache.layers, exact, strict=True)):
         heavy = masks[i][:, -k.shape[2] :]
         assert torch.equal(layer.keys, tta.served(k, heavy, "int2", "int8", 2, i))
@@ -100,16 +101,30 @@ def test_capacity_mixes_the_tiers_measured_bytes():
 
 
 def _args(**kw):
-    base = {"light": "dither-int5", "heavy": "dither-int8", "heavy_fracs": "0,0.2", "values": "int2/int4"}
+    base = {
+        "light": "dither-int5",
+        "heavy": "dither-int8",
+        "heavy_fracs": "0,0.2",
+        "values": "int2/int4",
+        "promote": "",
+    }
     return argparse.Namespace(**{**base, **kw})
 
 
 def test_rows_and_their_refusals():
     rows = tta.parse_rows(_args())
     assert [(r.frac, r.values) for r in rows] == [(0.0, ("int2", "int2")), (0.2, ("int2", "int4"))]
+    promoting = tta.parse_rows(_args(promote="none,kv"))
+    assert [(r.frac, r.promote) for r in promoting] == [
+        (0.0, ""),
+        (0.2, ""),
+        (0.2, "kv"),
+    ]  # no tiers: nothing to promote
+    assert promoting[2].label.endswith("| promote KV") and promoting[1].label == rows[1].label
     for bad, match in (
         ({"heavy_fracs": "0.2,1"}, "heavy-fracs"),
         ({"values": "int2"}, "LIGHT/HEAVY"),
+        ({"promote": "v"}, "--promote"),
     ):
         with pytest.raises(SystemExit, match=match):
             tta.parse_rows(_args(**bad))
@@ -133,3 +148,48 @@ def test_report_only_rebuilds_the_table_and_figure_from_results(tmp_path):
     shown = console.export_text()
     assert "1 / 3" in shown and f"{rows[1].capacity(64):.2f}×" in shown and "-33.3" in shown
     assert (tmp_path / "f.png").stat().st_size > 0 and (tmp_path / "table.md").exists()
+
+
+def test_extra_bytes_of_a_promotion_are_the_tiers_difference():
+    d = 64
+    size = {c: bytes_per_token_head(get(c), d) for c in ("dither-int5", "dither-int8+bypass2", "int2", "int4")}
+    k = tta.Row("dither-int5", "dither-int8+bypass2", 0.2, ("int2", "int4"), "k")
+    kv = tta.Row("dither-int5", "dither-int8+bypass2", 0.2, ("int2", "int4"), "kv")
+    assert k.extra_bytes(d) == pytest.approx(size["dither-int8+bypass2"] - size["dither-int5"])
+    assert kv.extra_bytes(d) == pytest.approx(k.extra_bytes(d) + size["int4"] - size["int2"])
+
+
+@pytest.mark.parametrize(
+    ("family", "light", "mode"), [("llama", "int2", "kv"), ("gemma3", "int2", "k"), ("gemma3", "dither-int4", "kv")]
+)
+def test_promotion_moves_tokens_to_the_heavy_codes_in_the_cache(family, light, mode):
+    """Decoding through a promoting row: each prompt token the cache holds is its light code until a read promotes
+    it and its heavy code after (keys; values too with ``kv``, else they stay light), the promoted count is what the
+    tiers grew by, the generated tokens are left exact, and the tiers only grow."""
+    model, ids, seen = _captured(family)
+    row = tta.Row(light, "int8" if light == "int2" else "dither-int8", 0.5, ("int2", "int4"), mode)
+    masks = tta.heavy_masks(seen, row.tiers)
+    prefill = exact_prefill(model, ids)
+    cache, promoter = tta.tiered_cache(model, prefill.cache, masks, row, seed=2, delta_loc=1e-3)
+    assert promoter is not None
+    promoter.tau = 0.02  # random weights attend nearly uniformly: a low threshold makes reads promote
+    start = {i: st.tier.clone() for i, st in promoter.layers.items()}
+    with tta.swapped_attention(model, "kvcert-tier-promotion", promoter.attend, mask=None):
+        toks = tta.greedy_from(model, prefill.first, cache, 6, eos_ids=[])
+    assert len(toks) == 6 and promoter.reads == 5 * model.config.num_hidden_layers * model.config.num_key_value_heads
+    grown = 0
+    for i, st in promoter.layers.items():
+        assert bool((st.tier >= start[i]).all())
+        grown += int((st.tier & ~start[i]).sum())
+        layer = cache.layers[i]
+        inside = layer.keys.shape[2] - 5  # the prompt slots still held (5 generated tokens written)
+        tier = st.tier[:, -inside:]
+        keys = torch.where(tier[..., None], st.keys[1][:, -inside:], st.keys[0][:, -inside:])
+        assert torch.equal(layer.keys[0, :, :inside], keys)
+        values_tier = tier if mode == "kv" else start[i][:, -inside:]
+        values = torch.where(values_tier[..., None], st.values[1][:, -inside:], st.values[0][:, -inside:])
+        assert torch.equal(layer.values[0, :, :inside], values)
+    assert grown == promoter.promoted and promoter.share() == grown / sum(
+        st.tier.numel() for st in promoter.layers.values()
+    )
+    assert grown > 0  # some read needed a promotion

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import matplotlib
@@ -55,7 +56,7 @@ from kvcert.bounds import (  # noqa: E402
 from kvcert.cli.progress import progress_bar  # noqa: E402
 from kvcert.kernels import numba_box  # noqa: E402
 from kvcert.models.zoo import load  # noqa: E402
-from kvcert.quant import Codec, bytes_per_token_head, get  # noqa: E402
+from kvcert.quant import bytes_per_token_head, get  # noqa: E402
 from kvcert.report.tables import ReportTable, fmt, print_table  # noqa: E402
 from tv_box_tightness import BANDS, TAU, Tiers, heavy_tokens, key_bytes  # noqa: E402
 from witness_tightness import Captured, HeadRead, capture, coded_reads, texts  # noqa: E402
@@ -104,33 +105,51 @@ def light_weights(served: torch.Tensor, light: torch.Tensor) -> tuple[torch.Tens
     return mass, p.amax(-1) / mass.clamp(min=1e-300)
 
 
-def tier_radii(
-    r: HeadRead,
-    layer: list[tuple[torch.Tensor, torch.Tensor | None]],
-    coded: list[Codec],
+def token_radius(
+    q: torch.Tensor,
+    bands: torch.Tensor,
+    steps: torch.Tensor | None,
+    group: int,
     sc: float,
+    n_tokens: int,
     delta_loc: float | None,
     uniform: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[G, nq, S]`` radii of every token of one read, as if all were served by the light codec (``layer[0]``) and
-    as if all were served by the heavy one (``layer[1]``): the Tier-A band radius, and with ``delta_loc`` its minimum
-    with the Tier-B radius at ``δ_loc`` over all ``S`` tokens (the union radius, or with ``uniform`` the uniform-law
-    radius the Tier-B gate serves, ``docs/math.md#tier-b-uniform``). A read takes each token's from its tier."""
-    out = []
-    for tier, codec in enumerate(coded):
-        radius = tier_a_radius(r.q, band_norms(layer[tier][0][r.head] - r.k, BANDS).unsqueeze(0), sc)
-        steps = layer[tier][1]
-        if delta_loc is not None and steps is not None and codec.tier_b:
-            group = getattr(codec, "group_size", 0)
-            n = r.k.shape[0]
-            b = (
-                tier_b_radius_uniform(r.q, steps[r.head], sc, n, delta_loc, group)
-                if uniform
-                else tier_b_radius(tier_b_sigma2(r.q, steps[r.head], sc, group), n, delta_loc)
-            )
-            radius = torch.minimum(radius, b)
-        out.append(radius)
-    return out[0], out[1]
+) -> torch.Tensor:
+    """``c[..., S]``: the Tier-A band radius of queries ``q[..., D]`` over key residual band norms ``bands[..., S, B]``
+    and, with ``delta_loc`` and a dithered codec's ``steps[..., S, D/group]``, its minimum with the Tier-B radius at
+    ``δ_loc`` over ``n_tokens`` tokens: the union radius, or with ``uniform`` the uniform-law radius the Tier-B gate
+    serves (``docs/math.md#tier-b-uniform``)."""
+    c = tier_a_radius(q, bands, sc)
+    if delta_loc is None or steps is None:
+        return c
+    b = (
+        tier_b_radius_uniform(q, steps, sc, n_tokens, delta_loc, group)
+        if uniform
+        else tier_b_radius(tier_b_sigma2(q, steps, sc, group), n_tokens, delta_loc)
+    )
+    return torch.minimum(c, b)
+
+
+def tiered_reads(
+    codec: str, seen: Captured, nq: int, tiers: Tiers, delta_loc: float | None, uniform: bool
+) -> Iterator[tuple[HeadRead, torch.Tensor, tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]:
+    """Every read of :func:`coded_reads` with light keys ``codec`` and heavy keys ``tiers.codec``: the read, its KV
+    head's heavy tokens ``[S]`` (:func:`heavy_tokens`), the logits ``[G, nq, S]`` of every token served light and
+    served heavy, and their radii (:func:`token_radius`; a token takes each from its tier)."""
+    names = (codec, tiers.codec)
+    coded = [get(name) for name in names]
+    sc = seen.scale
+    for r, layer in coded_reads(seen, nq, names):
+        g = r.q.shape[0]
+        heavy = heavy_tokens(seen.qs[r.layer][r.head * g : (r.head + 1) * g], r.k, sc, seen.windows[r.layer], nq, tiers)
+        logits, radii = [], []
+        for (khat, steps), c in zip(layer, coded, strict=True):
+            logits.append(sc * r.q @ khat[r.head].T)
+            bands = band_norms(khat[r.head] - r.k, BANDS).unsqueeze(0)
+            tier_steps = steps[r.head] if steps is not None and c.tier_b else None
+            group = getattr(c, "group_size", 0)
+            radii.append(token_radius(r.q, bands, tier_steps, group, sc, r.k.shape[0], delta_loc, uniform))
+        yield r, heavy, (logits[0], logits[1]), (radii[0], radii[1])
 
 
 def shares(
@@ -138,19 +157,12 @@ def shares(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per KV-head read (every layer, KV head and read position): the share of its visible tokens paged in; and per
     cell (:func:`light_weights`) the light mass and ``π̃_max``."""
-    names = (codec, tiers.codec)
-    coded = [get(name) for name in names]
     out, masses, peaks = [], [], []
-    sc = seen.scale
-    for r, layer in coded_reads(seen, nq, names):
-        g = r.q.shape[0]
-        heavy = heavy_tokens(seen.qs[r.layer][r.head * g : (r.head + 1) * g], r.k, sc, seen.windows[r.layer], nq, tiers)
-        khat = torch.where(heavy[:, None], layer[1][0][r.head], r.khat)
-        light_r, heavy_r = tier_radii(r, layer, coded, sc, delta_loc, uniform)
-        radius = torch.where(heavy, heavy_r, light_r)
-        visible = r.vis.expand(g, -1, -1)
-        served = sc * r.q @ khat.T
-        need = tokens_to_pass(served, sc * r.q @ r.k.T, radius.masked_fill(~visible, 0.0), visible)
+    for r, heavy, logits, radii in tiered_reads(codec, seen, nq, tiers, delta_loc, uniform):
+        radius = torch.where(heavy, radii[1], radii[0])
+        visible = r.vis.expand(r.q.shape[0], -1, -1)
+        served = torch.where(heavy, logits[1], logits[0])
+        need = tokens_to_pass(served, seen.scale * r.q @ r.k.T, radius.masked_fill(~visible, 0.0), visible)
         out.append(need.to(torch.float64) / visible[0].sum(-1))
         mass, peak = light_weights(served.masked_fill(~visible, float("-inf")), visible & ~heavy)
         masses.append(mass.flatten())
@@ -221,16 +233,9 @@ def promotions(
     """Per KV head (every layer and KV head), the share of its tokens promoted by its first ``i`` reads for ``i`` = 1
     … ``nq`` (:func:`promote_reads`; ``[heads, nq]``); and per read whether it promoted anything and whether it
     failed even fully promoted (``[reads, 2]`` bool)."""
-    names = (codec, tiers.codec)
-    coded = [get(name) for name in names]
     curves, reads = [], []
-    sc = seen.scale
-    for r, layer in coded_reads(seen, nq, names):
-        g = r.q.shape[0]
-        heavy = heavy_tokens(seen.qs[r.layer][r.head * g : (r.head + 1) * g], r.k, sc, seen.windows[r.layer], nq, tiers)
-        served = (sc * r.q @ r.khat.T, sc * r.q @ layer[1][0][r.head].T)
-        radius = tier_radii(r, layer, coded, sc, delta_loc, uniform)
-        _, promoted, failed = promote_reads(served, radius, r.vis.expand(g, -1, -1), heavy)
+    for r, heavy, logits, radii in tiered_reads(codec, seen, nq, tiers, delta_loc, uniform):
+        _, promoted, failed = promote_reads(logits, radii, r.vis.expand(r.q.shape[0], -1, -1), heavy)
         curves.append(promoted.cumsum(0).to(torch.float64) / r.k.shape[0])
         reads.append(torch.stack((promoted > 0, failed), -1))
     return torch.stack(curves), torch.cat(reads)

@@ -58,7 +58,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward  # n
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvcert import ValidationConfig  # noqa: E402
-from kvcert.bounds import band_norms, tier_a_radius, tier_b_radius_uniform  # noqa: E402
+from kvcert.bounds import band_norms  # noqa: E402
 from kvcert.cli.common import load_model  # noqa: E402
 from kvcert.cli.progress import progress_bar  # noqa: E402
 from kvcert.eval import ruler  # noqa: E402
@@ -69,7 +69,7 @@ from kvcert.integrations.attention_impl import swapped_attention  # noqa: E402
 from kvcert.models.zoo import converted_dir  # noqa: E402
 from kvcert.quant import bytes_per_token_head, get, sample_key  # noqa: E402
 from kvcert.report.tables import ReportTable, fmt, print_table, to_markdown  # noqa: E402
-from tier_repair_pagein import promote_reads  # noqa: E402
+from tier_repair_pagein import promote_reads, token_radius  # noqa: E402
 from tv_box_tightness import BANDS, TAU, Tiers, heavy_tokens, key_bytes  # noqa: E402
 from witness_tightness import Captured, capture  # noqa: E402
 
@@ -105,11 +105,14 @@ class Row:
         light_v, heavy_v = (bytes_per_token_head(get(v), head_dim) for v in self.values)
         return keys + heavy_v - light_v
 
-    def capacity(self, head_dim: int) -> float:
-        """fp16 K/V bytes over the row's nominal bytes per token and KV head (measured per tier, mixed by the share)."""
+    def kv_bytes(self, head_dim: int) -> float:
+        """The row's nominal K/V bytes per token and KV head (measured per tier, mixed by the share)."""
         light_v, heavy_v = (bytes_per_token_head(get(v), head_dim) for v in self.values)
-        kv = key_bytes(self.light, self.tiers, head_dim) + (1 - self.frac) * light_v + self.frac * heavy_v
-        return 4 * head_dim / kv
+        return key_bytes(self.light, self.tiers, head_dim) + (1 - self.frac) * light_v + self.frac * heavy_v
+
+    def capacity(self, head_dim: int) -> float:
+        """fp16 K/V bytes over :meth:`kv_bytes`."""
+        return 4 * head_dim / self.kv_bytes(head_dim)
 
 
 def heavy_masks(seen: Captured, tiers: Tiers | None) -> list[torch.Tensor]:
@@ -131,7 +134,7 @@ def heavy_masks(seen: Captured, tiers: Tiers | None) -> list[torch.Tensor]:
 
 def tier_codes(x: torch.Tensor, name: str, seed: int, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x[1, Hkv, n, D]`` (the layer's last ``n`` prompt positions) as codec ``name`` serves it, and its Tier-B steps
-    ``[Hkv, n, G]`` (float64; ``None`` for a codec without them). Encoded with the codec's own per-token scales over
+    ``[Hkv, n, G]`` (float64; ``None`` for a codec without Tier B). Encoded with the codec's own per-token scales over
     the whole layer, so a token's code does not depend on its tier's other tokens."""
     codec = get(name)
     if codec.block != 1 or codec.residual_window:
@@ -139,7 +142,7 @@ def tier_codes(x: torch.Tensor, name: str, seed: int, layer: int) -> tuple[torch
     x32 = x.to(torch.float32)
     key = sample_key(x32, seed, layer) if codec.needs_key else None
     packed, out = codec.encode_decode(x32, key)
-    steps = codec.steps(packed)
+    steps = codec.steps(packed) if codec.tier_b else None
     return out.to(x.dtype), None if steps is None else steps[0].to(torch.float64)
 
 
@@ -208,10 +211,17 @@ class Promoter:
             logits, radii = [], []
             for t in (0, 1):
                 logits.append(sc * q @ torch.cat([st.keys[t][h, a:].to(torch.float64), gen]).T)
-                c = tier_a_radius(q, st.bands[t][h, a:], sc)
                 steps = st.steps[t]
-                if steps is not None:
-                    c = torch.minimum(c, tier_b_radius_uniform(q, steps[h, a:], sc, n, self.delta_loc, st.groups[t]))
+                c = token_radius(
+                    q,
+                    st.bands[t][h, a:],
+                    None if steps is None else steps[h, a:],
+                    st.groups[t],
+                    sc,
+                    n,
+                    self.delta_loc,
+                    True,
+                )
                 radii.append(torch.nn.functional.pad(c, (0, n - inside)))
             start = torch.cat([st.tier[h, a:], torch.ones(n - inside, dtype=torch.bool)])
             tier, _, failed = promote_reads(
@@ -313,9 +323,9 @@ class Measured:
 
     def capacity(self, row: Row) -> float:
         """The row's capacity: nominal, less what its promotions added (mean promoted share over the samples)."""
-        base = 4 * self.head_dim / row.capacity(self.head_dim)
         share = self.promoted.get(row.label)
-        return 4 * self.head_dim / (base + (sum(share) / len(share) * row.extra_bytes(self.head_dim) if share else 0))
+        extra = sum(share) / len(share) * row.extra_bytes(self.head_dim) if share else 0.0
+        return 4 * self.head_dim / (row.kv_bytes(self.head_dim) + extra)
 
     def accuracy(self, label: str) -> float:
         """Mean score of ``label`` (a row's label or ``"dense"``) over the samples."""

@@ -616,6 +616,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(attention sinks; default 0)",
     )
     ap.add_argument(
+        "--upgrade",
+        default=None,
+        metavar="KEYCODEC/VALUECODEC",
+        help="StorageConfig(upgrade_keys=, upgrade_values=): persistent repairs re-encode the repaired entries in "
+        "these codecs instead of holding them exact (docs/read-path.md#upgrade-repair)",
+    )
+    ap.add_argument("--block-size", type=int, default=None, help="the block gates' block size (Gate default 64)")
+    ap.add_argument(
         "--resident",
         type=float,
         default=None,
@@ -651,6 +659,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--device-budget must be a finite fraction > 0")
     if args.exact_sinks < 0:
         ap.error(f"--exact-sinks must be >= 0, got {args.exact_sinks}")
+    if args.upgrade is not None and len(args.upgrade.split("/")) != 2:
+        ap.error(f"--upgrade takes KEYCODEC/VALUECODEC, got {args.upgrade!r}")
+    if args.block_size is not None and args.block_size < 1:
+        ap.error(f"--block-size must be >= 1, got {args.block_size}")
     if args.resident is None:
         given = [
             f"--{k.replace('_', '-')}"
@@ -696,8 +708,12 @@ def main() -> None:
     allocation = None if args.allocation is None else Allocation.load(args.allocation)
     gate = make_gate(args.gate)
     gate = gate if args.value_tol is None else dataclasses.replace(gate, value_tol=args.value_tol)
+    gate = gate if args.block_size is None else dataclasses.replace(gate, block_size=args.block_size)
     schemes = variants(specs, gate, args.raw, args.validate, args.device_budget, resident, args.gated, allocation)
-    schemes = [s if s.is_dense else dataclasses.replace(s, exact_sinks=args.exact_sinks) for s in schemes]
+    upgrade = None if args.upgrade is None else tuple(args.upgrade.split("/"))
+    schemes = [
+        s if s.is_dense else dataclasses.replace(s, exact_sinks=args.exact_sinks, upgrade=upgrade) for s in schemes
+    ]
     config = {
         "model": args.model,
         "tasks": tasks,
@@ -707,6 +723,8 @@ def main() -> None:
         "validate": args.validate,
         "device_budget": args.device_budget,
         "exact_sinks": args.exact_sinks,
+        **({} if upgrade is None else {"upgrade": list(upgrade)}),
+        **({} if args.block_size is None else {"block_size": args.block_size}),
         "max_new_tokens": args.max_new_tokens,
         **({} if resident is None else {"resident": resident.describe()}),
         **(

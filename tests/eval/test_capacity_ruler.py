@@ -240,3 +240,33 @@ def test_recall_floor_script_reads_a_validated_run(
         script.rows_of(bare)
     with pytest.raises(SystemExit, match="no results.json"):
         script.rows_of(tmp_path / "missing")
+
+
+def test_an_upgrade_run_carries_its_codecs_and_block_size_to_every_gated_variant(
+    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--upgrade K/V --block-size N``: the journal's config names the upgrade codecs and the gate's block size, and
+    the results report the upgraded entries with their tier (validate mode: 0 violations). Whether repairs re-encode
+    is ``tests/integrations/test_upgrade_repair.py``'s: a tiny random model's reads pass τ = 0.2 unrepaired."""
+    out = tmp_path / "run"
+    argv = [*ARGS, "--gate", "block-box", "--block-size", "8", "--upgrade", "int8/int4", "--no-raw"]
+    _main(bench, [*argv, "--out", str(out)], monkeypatch)
+    doc = json.loads((out / "results.json").read_text())
+    gated = doc["results"]["variants"]["int4+gate"]
+    assert _v(gated, "violations") == 0 and gated["upgraded_entries"]["tier"] == "empirical"
+    assert doc["config"]["upgrade"] == ["int8", "int4"] and doc["config"]["block_size"] == 8
+    schemes = bench.variants([SchemeSpec("int4", "int4")], Gate.certified(0.2), False, False, None)
+    upgraded = [bench.dataclasses.replace(s, upgrade=("int8", "int4")) for s in schemes if not s.is_dense]
+    assert [(s.storage().upgrade_keys, s.storage().upgrade_values) for s in upgraded] == [("int8", "int4")]
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [(["--upgrade", "int8"], "--upgrade takes KEYCODEC/VALUECODEC"), (["--block-size", "0"], "--block-size must be")],
+)
+def test_bad_upgrade_options_are_refused(
+    bench: ModuleType, extra: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args([*ARGS, *extra, "--out", "unused"])
+    assert exc.value.code == 2 and needle in capsys.readouterr().err

@@ -55,7 +55,7 @@ from kvcert.kernels.numba_read import (
     softmax_meter,
 )
 from kvcert.kernels.numba_tier_b import tier_b_meter
-from kvcert.kernels.repair import repair_blocks
+from kvcert.kernels.repair import BlockRepairs, repair_blocks
 
 _U = U_F32
 
@@ -82,6 +82,7 @@ class ReadResult:
     bytes_paged: int
     attn_kv: torch.Tensor | None = None  # [B, Hkv, Q, S] served attention summed over each KV head's G heads
     true_tv: torch.Tensor | None = None  # validate: TV(exact, served before repair)
+    true_tv_served: torch.Tensor | None = None  # validate: TV(exact, what was served, after any repair)
     true_out_err: torch.Tensor | None = None  # validate: ‖served output − exact output‖₂
     q_norm: torch.Tensor | None = None  # [B, Hq, Q] ‖q‖₂ of the float32 query (float64)
     witness_max: torch.Tensor | None = None  # [B, Hkv] max_t W_t over the stored tokens
@@ -748,18 +749,70 @@ def _kv_bytes(store: LayerStore) -> int:
     return (store.k.host.shape[-1] + store.v.host.shape[-1]) * store.k.host.dtype.itemsize
 
 
-def _repair_block_heads(rd: _Read, sv: _Served, ch: _Changes, dc: _Decision, gate: Gate) -> None:
+def _repair_block_heads(rd: _Read, sv: _Served, ch: _Changes, dc: _Decision, cfg: ReadConfig) -> None:
     """Phase *repair*, block granularity: page in token blocks of every needing (row, KV head) at once until every
-    cell of it is under the threshold (:func:`kvcert.kernels.repair.repair_blocks`, on the read's device)."""
+    cell of it is under the threshold (:func:`kvcert.kernels.repair.repair_blocks`, on the read's device). On a
+    Tier-B gate over a store with upgrade codecs the rounds of the heads its row's Tier-B budget can pay for take the
+    partial radii ``min(c, u)`` (:func:`_partial_upgrade`)."""
     assert ch.out is not None and ch.cert is not None and ch.p_served is not None and ch.value_term is not None
     ch.cert, ch.p_served, ch.value_term = ch.cert.clone(), ch.p_served.clone(), ch.value_term.clone()
-    need = dc.need
-    res = repair_blocks(rd.qg, rd.store, need, dc.need_pairs, rd.grouped_mask(), sv.c, sv.p64, rd.scaling, gate)
+    need, c = dc.need, sv.c
+    pairs = dc.need_pairs
+    reserved = _partial_upgrade(rd, cfg, pairs)
+    partial = None
+    if any(reserved):
+        bi, hi = torch.tensor([pr for pr, y in zip(pairs, reserved, strict=True) if y], device=need.device).unbind(-1)
+        u = _tier_b_radii(rd, sv, cfg.delta_loc, (bi, hi), True)
+        partial = c.clone().index_put_((bi, hi), torch.minimum(c[bi, hi], u))
+    res = repair_blocks(rd.qg, rd.store, need, pairs, rd.grouped_mask(), c, sv.p64, rd.scaling, cfg.gate, partial)
     bi, hi = res.heads.unbind(-1)
     ch.out[bi, hi], ch.cert[bi, hi], ch.p_served[bi, hi] = res.out, res.cert, res.p
     ch.value_term[bi, hi] = torch.linalg.vecdot(res.p, res.v_res.to(torch.float64).unsqueeze(-2))
     ch.blocks = torch.zeros(rd.b, rd.hkv, dtype=torch.int64, device=need.device).index_put_((bi, hi), res.n_blocks)
     ch.bytes_paged += res.n_tokens * _kv_bytes(rd.store)
+    if any(reserved):
+        _served_partial(rd, ch, res, [r and u for r, u in zip(reserved, res.upgraded.tolist(), strict=True)])
+
+
+def _partial_upgrade(rd: _Read, cfg: ReadConfig, pairs: list[tuple[int, int]]) -> list[bool]:
+    """Per head of ``pairs``, whether its block repair sizes its upgrade on the partial bound: a Tier-B gate
+    (``Gate.certified(tau, box=True, tier_b=True)``) over dithered keys with upgrade codecs, and the head's row can
+    still pay ``δ_loc`` for each of its cells (the Tier-B budget, every cell charged if the read is served on the
+    partial bound: :func:`_served_partial`). A read so served pages in the light entries of the chosen blocks (radius
+    0, the served entries exact) and keeps the partial radii ``min(c, u)`` elsewhere; on the event that every token's
+    logit error is within ``u`` its true TV lies in the box over those radii, as for a read the Tier-B gate spares."""
+    store = rd.store
+    if not (cfg.gate.tier_b and store.upgrade is not None and store.k_steps is not None):
+        return [False] * len(pairs)
+    spent, cells = list(store.tier_b_spent(rd.b)), rd.g * rd.nq
+    out = []
+    for b_i, _ in pairs:
+        ok = spent[b_i] + cells <= cfg.tier_b_cells
+        spent[b_i] += cells if ok else 0
+        out.append(ok)
+    return out
+
+
+def _served_partial(rd: _Read, ch: _Changes, res: BlockRepairs, partial: list[bool]) -> None:
+    """Record the heads of ``res`` (``partial[j]``: served on the partial bound, :func:`_partial_upgrade`) as Tier-B
+    reads: their partial bound is the rounds' certificate, their certified bound the meter of the same served
+    distribution over the Tier-A radii (paged entries 0), and each of their cells is charged ``δ_loc`` to its row."""
+    if not any(partial):
+        return
+    assert ch.cert is not None and res.certified is not None
+    j = torch.tensor([i for i, y in enumerate(partial) if y], device=res.heads.device)
+    bi, hi = res.heads[j].unbind(-1)
+    ch.cert_partial = ch.cert.clone() if ch.cert_partial is None else ch.cert_partial
+    ch.cert_partial[bi, hi] = torch.minimum(res.cert[j], res.certified[j])  # a certified bound is a partial one too
+    ch.cert[bi, hi] = res.certified[j]
+    heads = torch.zeros(rd.b, rd.hkv, dtype=torch.bool, device=ch.cert.device).index_put_((bi, hi), torch.tensor(True))
+    ch.tier_b_heads = heads if ch.tier_b_heads is None else ch.tier_b_heads | heads.to(ch.tier_b_heads.device)
+    charged = torch.zeros(rd.b, dtype=torch.int64) if ch.tier_b_charged is None else ch.tier_b_charged.clone()
+    spent = rd.store.tier_b_spent(rd.b)
+    for b_i in bi.tolist():
+        spent[b_i] += rd.g * rd.nq
+        charged[b_i] += rd.g * rd.nq
+    ch.tier_b_charged = charged
 
 
 def _repair(rd: _Read, ch: _Changes, dc: _Decision, cfg: ReadConfig, exact: ExactAttention) -> None:
@@ -772,7 +825,7 @@ def _repair(rd: _Read, ch: _Changes, dc: _Decision, cfg: ReadConfig, exact: Exac
     if by_head:
         _repair_heads(rd, ch, dc, cfg, exact)
     else:
-        _repair_block_heads(rd, sv, ch, dc, cfg.gate)
+        _repair_block_heads(rd, sv, ch, dc, cfg)
     assert ch.out is not None and ch.cert is not None and ch.value_term is not None
     bound, key_term, slack = _out_bound(ch.value_term, ch.cert, sv.spread, sv.vmax, rd.s, ch.out.shape[-1], sv.phi_max)
     if by_head:  # an exactly repaired head: no key or value term, only the slack
@@ -853,10 +906,12 @@ def _add_partial_fields(result: ReadResult, rd: _Read, sv: _Served, ch: _Changes
 
 
 def _validate(rd: _Read, sv: _Served, ch: _Changes, result: ReadResult) -> None:
-    """Validate mode: the true TV of the served distribution before repair and the true output error of what was
-    served, per cell, against exact attention over the host tier."""
+    """Validate mode: the true TV of the served distribution before repair and after it, and the true output error of
+    what was served, per cell, against exact attention over the host tier."""
     p_exact = rd.exact_probs()
     true_tv = (0.5 * (sv.p64 - p_exact).abs().sum(-1)).clamp(max=1.0)  # TV <= 1; the sum may round above
+    served = sv.p64 if ch.p_served is None else ch.p_served.to(torch.float64)
+    result.true_tv_served = ungroup_heads((0.5 * (served - p_exact).abs().sum(-1)).clamp(max=1.0), rd.hq, rd.nq)
     o_exact = torch.matmul(p_exact, rd.host()[1].to(rd.qg.device, torch.float64))
     err = ((sv.out if ch.out is None else ch.out).to(torch.float64) - o_exact).norm(dim=-1)
     result.true_tv = ungroup_heads(true_tv, rd.hq, rd.nq)

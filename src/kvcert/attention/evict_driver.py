@@ -273,6 +273,8 @@ class EvictionConfig:
         promoted token is re-encoded, and the dither key holds one position per row for every KV head)."""
         moves = "reselect" if self.reselect is not None else 'recall="swap"' if self.recall == "swap" else None
         for store in stores:
+            if store.upgrade is not None:
+                raise ValueError("eviction cannot be combined with upgrade codecs (StorageConfig(upgrade_keys=...))")
             for codec in (store.key_codec, store.value_codec):
                 if codec.block != 1 or codec.residual_window:
                     raise ValueError(

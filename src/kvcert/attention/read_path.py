@@ -112,8 +112,8 @@ class ReadSink(Protocol):
 def step_record(res: ReadResult, layer: int, step: int, nq: int, chain: ChainInputs | None) -> StepRecord:
     """The telemetry record of one read: every cell reading, the per-head flags and, when the read computed the
     exact reference (validate mode), the per-cell violation counts (true TV above the certificate before repair,
-    true output error above the output bound, and with a Tier-B gate true TV above the partial bound on the reads
-    served on it; a NaN on either side of a comparison counts as a violation)."""
+    true output error above the output bound, and with a Tier-B gate the true TV of what was served above the partial
+    bound on the reads served on it; a NaN on either side of a comparison counts as a violation)."""
     cells = {
         "cert": res.cert_pre,
         "raw": res.raw,
@@ -124,6 +124,7 @@ def step_record(res: ReadResult, layer: int, step: int, nq: int, chain: ChainInp
         "tier_b": res.cert_b,
         "served_partial": res.cert_partial,
         "true_tv": res.true_tv,
+        "true_tv_served": res.true_tv_served,
         "true_out_err": res.true_out_err,
     }
     rec = StepRecord(
@@ -143,7 +144,8 @@ def step_record(res: ReadResult, layer: int, step: int, nq: int, chain: ChainInp
         rec.out_violations = int((~(res.true_out_err <= res.out_bound)).sum())
         if res.tier_b_heads is not None and res.cert_partial is not None:  # the reads served on the partial bound
             on_b = res.tier_b_heads.repeat_interleave(res.cert_partial.shape[1] // res.tier_b_heads.shape[1], 1)
-            rec.partial_violations = int((~(res.true_tv <= res.cert_partial) & on_b.unsqueeze(-1)).sum())
+            served = res.true_tv if res.true_tv_served is None else res.true_tv_served  # TV of what was served
+            rec.partial_violations = int((~(served <= res.cert_partial) & on_b.unsqueeze(-1)).sum())
     return rec
 
 

@@ -72,7 +72,7 @@ from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex, WriteBatch, n
 from kvcert.cache.host_pages import HostPages, HostTokens
 from kvcert.cache.paged import CellLayout, CellTokens, PagedCodes
 from kvcert.checks import deferred
-from kvcert.quant import Codec, DitherKey, Packed
+from kvcert.quant import Codec, DitherKey, OutlierBypass, Packed
 from kvcert.quant.kernel_env import fused_log8
 
 
@@ -84,6 +84,32 @@ class _Chunk:
     stop: int
     packed: Packed
     key: DitherKey | None = None  # the dither key it was encoded with (re-decoding on budget release)
+
+
+@dataclass
+class _Upgrade:
+    """The codes one upgrade repair (:meth:`LayerStore.persist` with upgrade codecs) stored: the entries of row ``b``,
+    KV head ``h`` at absolute slot indices ``slots`` (ascending), re-encoded by the upgrade codec from their exact
+    originals into ``packed`` (``[1, 1, len(slots), ·]``: real code and scale tensors of that head only)."""
+
+    b: int
+    h: int
+    slots: torch.Tensor
+    packed: Packed
+    order: int  # the store's count of upgrade records before this one (the budget releases the newest first)
+
+    def after(self, start: int) -> _Upgrade | None:
+        """The part of this record at absolute slots ``>= start`` (its codes sliced on the token axis), ``None`` when
+        nothing is left."""
+        keep = self.slots >= start
+        if bool(keep.all()):
+            return self
+        if not bool(keep.any()):
+            return None
+        idx = keep.nonzero().view(-1)
+        tensors = {name: t.index_select(2, idx.to(t.device)) for name, t in self.packed.tensors.items()}
+        shape = (*self.packed.shape[:2], len(idx), *self.packed.shape[3:])
+        return _Upgrade(self.b, self.h, self.slots[idx], Packed(self.packed.codec, shape, tensors), self.order)
 
 
 def _fused_codes(buf: object) -> GrowBuffer | None:
@@ -126,6 +152,8 @@ class _Tensorstore:
         self.n_exact = 0  # entries of ``exact`` set (kept as it changes: every device-budget check reads it)
         self.held = GrowBuffer(torch.zeros(b, h, 1, dtype=torch.bool, device=device))  # persistent repairs
         self.chunks = []  # (the setter also resets the packed byte count)
+        self.upgrades: list[_Upgrade] = []  # upgrade repairs, oldest first (through add_upgrade / pop_upgrade)
+        self._upgrade_bytes = 0
         self.n_encoded = 0  # tokens [0, n_encoded) went through the codec (relative to live window)
         self.last_encoded = 0  # tokens encoded by the most recent encode_pending call
 
@@ -155,9 +183,34 @@ class _Tensorstore:
         return max(avail // self.block, 0) * self.block
 
     def packed_nbytes(self) -> int:
-        """``Σ`` of the chunks' :attr:`Packed.nbytes` (kept as the chunks change: the device-budget checks of every
-        write read it, and the sum over every chunk grows with the context)."""
-        return self._packed_bytes
+        """``Σ`` of the chunks' and the upgrade records' :attr:`Packed.nbytes` (kept as they change: the device-budget
+        checks of every write read it, and the sum over every chunk grows with the context)."""
+        return self._packed_bytes + self._upgrade_bytes
+
+    def add_upgrade(self, upgrade: _Upgrade) -> None:
+        """Keep one more upgrade record (newest last)."""
+        self.upgrades.append(upgrade)
+        self._upgrade_bytes += upgrade.packed.nbytes
+
+    def pop_upgrade(self) -> _Upgrade:
+        """Remove and return the newest upgrade record."""
+        upgrade = self.upgrades.pop()
+        self._upgrade_bytes -= upgrade.packed.nbytes
+        return upgrade
+
+    def keep_upgrades_after(self, start: int) -> None:
+        """Keep only the upgraded entries at absolute slots ``>= start`` (a sliding-window trim)."""
+        kept = [u.after(start) for u in self.upgrades]
+        self.upgrades = [u for u in kept if u is not None]
+        self._upgrade_bytes = sum(u.packed.nbytes for u in self.upgrades)
+
+    def upgraded(self, b: int, h: int, n: int, base: int) -> torch.Tensor:
+        """``[n]`` bool over the physical slots of (row ``b``, KV head ``h``): the entries an upgrade record holds."""
+        mask = torch.zeros(n, dtype=torch.bool)
+        for u in self.upgrades:
+            if u.b == b and u.h == h:
+                mask[u.slots - base] = True
+        return mask
 
     def exact_nbytes(self, head_dim: int) -> int:
         """16-bit bytes of the entries held exact: :attr:`n_exact` (``= exact.view().sum()``, counted as the flags
@@ -191,7 +244,54 @@ def band_sum_up(rho: torch.Tensor, bands: int) -> torch.Tensor:
 
 
 #: the keyword settings of a :class:`LayerStore` (besides its layer and codecs), kept as attributes of the same names
-STORE_SETTINGS = ("bands", "pairing", "seed", "write_block", "device_budget", "witness", "exact_sinks")
+STORE_SETTINGS = ("bands", "pairing", "seed", "write_block", "device_budget", "witness", "exact_sinks", "upgrade")
+
+#: mixed into the store's seed for the dither of upgraded entries: a stream apart from the one their first codes drew
+UPGRADE_STREAM = 0x5550_4752
+
+
+def check_upgrade(key_codec: Codec, upgrade: object) -> tuple[Codec, Codec] | None:
+    """``upgrade`` as the ``(key codec, value codec)`` an upgrade repair re-encodes into, or ``None``; ``ValueError``
+    naming the problem unless both are per-token codecs (``block == 1``, no residual window, not per-head: a repair
+    re-encodes single tokens of one KV head) and, when the key codec has Tier-B steps, the upgrade key codec has them
+    too with the same group size and bypassed channels (the Tier-B radius of every token is read with the key codec's
+    groups and channel mask, ``docs/read-path.md#upgrade-repair``)."""
+    if upgrade is None:
+        return None
+    if not (isinstance(upgrade, tuple) and len(upgrade) == 2 and all(isinstance(c, Codec) for c in upgrade)):
+        raise ValueError(f"upgrade must be a (key codec, value codec) pair of Codec or None, got {upgrade!r}")
+    for codec in upgrade:
+        if codec.block != 1 or codec.residual_window or codec.heads is not None:
+            raise ValueError(
+                f"an upgrade codec must encode each token of each KV head on its own (block 1, no residual window, "
+                f"not per-head); {codec.name!r} does not"
+            )
+    up = upgrade[0]
+    if key_codec.tier_b and not (
+        up.tier_b and up.group_size == key_codec.group_size and _bypass_of(up) == _bypass_of(key_codec)
+    ):
+        raise ValueError(
+            f"the key codec {key_codec.name!r} has Tier-B steps, so the upgrade key codec must have them too, with "
+            f"the same group size ({key_codec.group_size}) and bypassed channels; {up.name!r} does not"
+        )
+    return upgrade[0], upgrade[1]
+
+
+def _bypass_of(codec: Codec) -> tuple[int, str] | None:
+    """``(pairs, pairing)`` an outlier-bypass codec keeps exact, ``None`` for a codec without bypass."""
+    return (codec.m, codec.pairing) if isinstance(codec, OutlierBypass) else None
+
+
+def _share_bypass(key_codec: Codec, up: Codec) -> None:
+    """Give the upgrade key codec ``up`` the bypassed channels ``key_codec`` fixed at its first encode, when both keep
+    the same number of pairs exact: the Tier-B radius of every token masks the query with ``key_codec``'s channels,
+    so an upgraded token must keep exactly those channels exact."""
+    if (
+        isinstance(up, OutlierBypass)
+        and isinstance(key_codec, OutlierBypass)
+        and _bypass_of(up) == _bypass_of(key_codec)
+    ):
+        up.channels, up.channel_mask = key_codec.channels, key_codec.channel_mask
 
 
 def check_exact_sinks(n: object, name: str = "exact_sinks") -> int:
@@ -219,7 +319,10 @@ class LayerStore:
         device_budget: float | None = None,
         witness: Witness = DEFAULT_WITNESS,
         exact_sinks: int = 0,
+        upgrade: tuple[Codec, Codec] | None = None,
     ) -> None:
+        # persistent repairs re-encode in these codecs instead of holding entries exact (None: hold them exact)
+        self.upgrade = check_upgrade(key_codec, upgrade)
         # tokens at logical positions < exact_sinks are never compressed
         self.exact_sinks = check_exact_sinks(exact_sinks)
         if witness not in WITNESS_FORMATS:
@@ -239,6 +342,8 @@ class LayerStore:
         self.bytes_transient = 0  # their page-in bytes
         self.released = 0  # held (repaired) entries released back to their codes by the budget
         self.n_held = 0  # entries (K and V counted apart) currently held exact by persistent repair
+        self.upgraded = 0  # entries (K and V counted apart) an upgrade repair re-encoded (ever)
+        self._upgrade_records = 0  # upgrade records ever kept (each record's order)
         self._held_heads: torch.Tensor | None = None  # held_heads() until the held flags change (None: recompute)
         self.compacted = False  # an eviction merged the chunks (dither keys of the codes are lost)
         self.write_block = write_block
@@ -581,7 +686,13 @@ class LayerStore:
         ts.encoded(n, [_Chunk(lo, hi, packed, key) for lo, hi, packed, key in pieces])
 
     def _witnesses(
-        self, is_key: bool, x: torch.Tensor, xhat: torch.Tensor, keep: torch.Tensor, steps: torch.Tensor | None
+        self,
+        is_key: bool,
+        x: torch.Tensor,
+        xhat: torch.Tensor,
+        keep: torch.Tensor,
+        steps: torch.Tensor | None,
+        centre: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Write-time witnesses ``{buffer name: [B, H, n(, ·)] values}`` of a token range with exact values
         ``x``, served values ``xhat`` (the decoded codes, or ``x`` itself where ``keep``) and ``keep`` (entries
@@ -589,7 +700,8 @@ class LayerStore:
         ``W_t ≥ Σ_b ρ_{t,b}`` (float64 summation slack included), ``‖k̂_t‖`` and the Tier-B steps; for values
         ``‖Δv_t‖``, ``‖v̂_t‖`` and ``‖v̂_t − c‖``, all rounded up to float32. The norms are those of what is
         *served*, exact entries included (the logit slack and the output bound's spread and ``vmax`` range over
-        them); only non-finite entries, whose reads fail closed, get 0 so the witnesses stay finite."""
+        them); only non-finite entries, whose reads fail closed, get 0 so the witnesses stay finite. ``centre``: the
+        value centre of the rows and heads ``x`` holds (default: the whole ``[B, H]`` one)."""
         resid = torch.where(keep.unsqueeze(-1), 0.0, xhat.to(torch.float64) - x.to(torch.float64))
         served = torch.where(torch.isfinite(xhat).all(-1, keepdim=True), xhat, 0.0)
         if is_key:
@@ -601,7 +713,7 @@ class LayerStore:
         return {
             "v_res": torch.where(keep, 0.0, norm_up_f32(resid)),  # exactly 0 where served exact (0 ↦ 0 in log8)
             "v_hat_norm": norm_up_f32(served),
-            "v_dist": norm_up_f32(served.to(torch.float64) - self.v_centre),
+            "v_dist": norm_up_f32(served.to(torch.float64) - (self.v_centre if centre is None else centre)),
         }
 
     def _write_witnesses(self, index: TokenIndex, wit: Mapping[str, torch.Tensor | float], writes: WriteBatch) -> None:
@@ -751,13 +863,16 @@ class LayerStore:
         tokens = [_as_slots(t) for t in tokens]
         kept = [self._persist(b, h, t) for (b, h), t in zip(heads, tokens, strict=True)]
         held = [(b, h, t) for (b, h), t, k in zip(heads, tokens, kept, strict=True) if k]
-        if held:
+        if held and self.upgrade is None:
             self._write_exact_witnesses(held)
         return kept
 
     def _persist(self, b: int, h: int, tokens: slice | torch.Tensor) -> bool:
-        """:meth:`persist` but for the witnesses of a kept repair (:meth:`_hold_exact` only)."""
+        """:meth:`persist` but for the witnesses of a kept exact repair (:meth:`_hold_exact` only); with upgrade
+        codecs :meth:`_upgrade_entries`, witnesses included."""
         assert self.k is not None and self.v is not None
+        if self.upgrade is not None:
+            return self._upgrade_entries(b, h, tokens)
         if self.device_budget is None:
             self._hold_exact(b, h, tokens)
             return True
@@ -765,12 +880,71 @@ class LayerStore:
             int((~ts.exact.view()[b, h, tokens]).sum()) * ts.host.shape[-1] * EXACT_BYTES for ts in (self.k, self.v)
         )
         locked = self.compacted and (self.key_codec.needs_key or self.value_codec.needs_key)
-        if locked or self.bytes_device() + added > self.device_budget * self.bytes_fp16():
-            n = int(torch.ones(self.n, dtype=torch.bool)[tokens].sum())
-            self.transient_repairs += 1
-            self.bytes_transient += n * (self.k.host.shape[-1] + self.v.host.shape[-1]) * self.k.host.dtype.itemsize
+        if locked or self._over_budget(added):
+            self._refuse(tokens)
             return False
         self._hold_exact(b, h, tokens)
+        return True
+
+    def _over_budget(self, added: int) -> bool:
+        """Whether ``added`` more device bytes would take :meth:`bytes_device` past the device budget."""
+        return self.device_budget is not None and self.bytes_device() + added > self.device_budget * self.bytes_fp16()
+
+    def _refuse(self, tokens: slice | torch.Tensor) -> None:
+        """Count a persistent repair of ``tokens`` the device budget refused: a transient page-in of their exact K/V."""
+        assert self.k is not None and self.v is not None
+        n = int(torch.ones(self.n, dtype=torch.bool)[tokens].sum())
+        self.transient_repairs += 1
+        self.bytes_transient += n * (self.k.host.shape[-1] + self.v.host.shape[-1]) * self.k.host.dtype.itemsize
+
+    def _upgrade_entries(self, b: int, h: int, tokens: slice | torch.Tensor) -> bool:
+        """:meth:`persist` with upgrade codecs (``upgrade=``): each entry of ``tokens`` of (row b, KV head h) still
+        served from its first codes (neither exact nor upgraded before) is re-encoded by the upgrade codec from its
+        exact original and served from those codes from now on, with the write-time witnesses of the new codes
+        (:meth:`_witnesses`: the same inequalities, for the new residual; the dither of an upgrade codec is drawn
+        from a stream of its own, keyed by the request, layer, KV head and position as every dither is). Kept iff
+        ``bytes_device + added <= device_budget·bytes_fp16``, ``added`` the measured bytes of the new codes (the
+        first codes stay: the chunks are rectangular); otherwise nothing changes and the refusal is counted as
+        :meth:`persist` counts it. ``docs/read-path.md#upgrade-repair``."""
+        assert self.k is not None and self.v is not None and self.upgrade is not None
+        self._unpaged("an upgrade repair")
+        n = self.n
+        planned = []
+        _share_bypass(self.key_codec, self.upgrade[0])
+        for is_key, ts, codec in ((True, self.k, self.upgrade[0]), (False, self.v, self.upgrade[1])):
+            sel = torch.zeros(n, dtype=torch.bool)
+            sel[tokens.cpu() if isinstance(tokens, torch.Tensor) else tokens] = True
+            sel &= ~ts.exact.view()[b, h].cpu() & ~ts.upgraded(b, h, n, self.base)
+            slots = sel.nonzero().view(-1)
+            if len(slots) == 0:
+                continue
+            dev = ts.served.view().device
+            x = ts.host.view()[b : b + 1, :, slots.to(ts.host.view().device)].to(dev, torch.float32)  # [1, H, T, D]
+            key = None
+            if codec.needs_key:
+                pos = self.positions.view()[b : b + 1, h, slots.to(dev)]  # [1, T]: the same on every head
+                key = DitherKey(self.seed ^ UPGRADE_STREAM, self.rows[b : b + 1].to(torch.int64), self.layer, pos)
+            packed, decoded = codec.encode_decode(x, key=key)
+            one = _head_packed(packed, h)
+            xhat = decoded[:, h : h + 1].to(torch.float32)
+            steps = codec.steps(one) if is_key and self.k_steps is not None else None
+            centre = self.v_centre[b : b + 1, h : h + 1]
+            keep = torch.zeros(1, 1, len(slots), dtype=torch.bool, device=dev)
+            wit = self._witnesses(is_key, x[:, h : h + 1], xhat, keep, steps, centre)
+            planned.append((ts, slots, one, xhat, wit))
+        if self._over_budget(sum(one.nbytes for _, _, one, _, _ in planned)):
+            self._refuse(tokens)
+            return False
+        writes = WriteBatch()
+        for ts, slots, one, xhat, wit in planned:
+            on = slots.to(ts.served.view().device)
+            ts.served.view()[b, h, on] = xhat[0, 0]
+            ts.add_upgrade(_Upgrade(b, h, slots + self.base, one, self._upgrade_records))
+            self._upgrade_records += 1
+            self.upgraded += len(slots)
+            where = (torch.full_like(on, b), torch.full_like(on, h), on)
+            self._write_witnesses(where, {name: val[0, 0] for name, val in wit.items()}, writes)
+        self._commit(writes)
         return True
 
     def held_heads(self) -> torch.Tensor:
@@ -783,44 +957,40 @@ class LayerStore:
         return self._held_heads.clone()
 
     def _release_over_budget(self) -> None:
-        """Release held (persistently repaired) entries, newest chunk first, K then V, until
-        ``bytes_device <= device_budget·bytes_fp16`` or nothing is held. A released entry is served from its
-        codes again with the write-time witnesses :meth:`_witnesses` computes from its exact original — the
-        same values as at encode time, so every later certificate stays valid."""
-        if self.device_budget is None or self.k is None or self.n_held == 0:  # O(1) on the decode path
+        """Release repaired entries until ``bytes_device <= device_budget·bytes_fp16`` or none is left: upgrade
+        records newest first (K then V), then held (persistently repaired) entries, newest chunk first, K then V. A
+        released entry is served from its first codes again with the write-time witnesses :meth:`_witnesses`
+        computes from its exact original — the same values as at encode time, so every later certificate stays
+        valid."""
+        if self.device_budget is None or self.k is None:  # O(1) on the decode path
             return
         assert self.v is not None
+        if self.n_held == 0 and not self.k.upgrades and not self.v.upgrades:
+            return
         limit = self.device_budget * self.bytes_fp16()
         if self.bytes_device() <= limit:
             return
+        while self.k.upgrades or self.v.upgrades:  # the newest record of either tensor first
+            newest_k = self.k.upgrades[-1].order if self.k.upgrades else -1
+            is_key = newest_k > (self.v.upgrades[-1].order if self.v.upgrades else -1)
+            ts = self.k if is_key else self.v
+            u = ts.pop_upgrade()
+            sel = torch.zeros(ts.held.shape, dtype=torch.bool, device=ts.held.view().device)
+            sel[u.b, u.h, (u.slots - self.base).to(sel.device)] = True
+            for c in ts.chunks:
+                lo, hi = max(c.start - self.base, 0), c.stop - self.base
+                if hi > lo and bool(sel[:, :, lo:hi].any()):
+                    self._restore_codes(is_key, ts, c, lo, hi, sel[:, :, lo:hi])
+            self.released += len(u.slots)
+            if self.bytes_device() <= limit:
+                return
         for is_key, ts in ((True, self.k), (False, self.v)):
             for c in reversed(ts.chunks):
                 lo, hi = max(c.start - self.base, 0), c.stop - self.base
                 held = ts.held.view()[:, :, lo:hi]
                 if hi <= lo or not bool(held.any()) or (ts.codec.needs_key and c.key is None):
                     continue
-                off = lo - (c.start - self.base)
-                x = ts.host.view()[:, :, lo:hi].to(torch.float32)
-                xhat = ts.codec.decode(c.packed, key=c.key).to(torch.float32)[:, :, off:]
-                steps = ts.codec.steps(c.packed)
-                wit = self._witnesses(
-                    is_key, x, xhat, torch.zeros_like(held), None if steps is None else steps[:, :, off:]
-                )
-                served = ts.served.view()[:, :, lo:hi]
-                served.copy_(torch.where(held.unsqueeze(-1), xhat, served))
-                where = (slice(None), slice(None), slice(lo, hi))
-                writes = WriteBatch()
-                self._write_witnesses(  # a decoded value written back re-encodes to its own code
-                    where,
-                    {
-                        name: torch.where(
-                            held.view(*held.shape, *([1] * (val.dim() - 3))), val, getattr(self, name).view()[where]
-                        )
-                        for name, val in wit.items()
-                    },
-                    writes,
-                )
-                self._commit(writes)
+                self._restore_codes(is_key, ts, c, lo, hi, held)
                 ts.add_exact(-int((ts.exact.view()[:, :, lo:hi] & held).sum()))
                 ts.exact.view()[:, :, lo:hi] &= ~held
                 self.released += int(held.sum())
@@ -829,6 +999,33 @@ class LayerStore:
                 self._held_heads = None
                 if self.bytes_device() <= limit:
                     return
+
+    def _restore_codes(self, is_key: bool, ts: _Tensorstore, c: _Chunk, lo: int, hi: int, sel: torch.Tensor) -> None:
+        """Serve the entries ``sel[B, H, hi − lo]`` of physical slots ``[lo, hi)`` (inside chunk ``c``) from ``c``'s
+        codes again, with the write-time witnesses of those codes (a decoded value written back re-encodes to its own
+        log8 code)."""
+        assert not (ts.codec.needs_key and c.key is None), "a dithered chunk without its key cannot be decoded again"
+        off = lo - (c.start - self.base)
+        x = ts.host.view()[:, :, lo:hi].to(torch.float32)
+        xhat = ts.codec.decode(c.packed, key=c.key).to(torch.float32)[:, :, off : off + hi - lo]
+        steps = ts.codec.steps(c.packed)
+        steps = None if steps is None else steps[:, :, off : off + hi - lo]
+        wit = self._witnesses(is_key, x, xhat, torch.zeros_like(sel), steps)
+        served = ts.served.view()[:, :, lo:hi]
+        served.copy_(torch.where(sel.unsqueeze(-1), xhat, served))
+        where = (slice(None), slice(None), slice(lo, hi))
+        writes = WriteBatch()
+        self._write_witnesses(
+            where,
+            {
+                name: torch.where(
+                    sel.view(*sel.shape, *([1] * (val.dim() - 3))), val, getattr(self, name).view()[where]
+                )
+                for name, val in wit.items()
+            },
+            writes,
+        )
+        self._commit(writes)
 
     def _token_buffers(self) -> tuple[GrowBuffer | LogBuffer, ...]:
         """The per-token witness and position buffers (trimmed and gathered together with the tiers)."""
@@ -852,6 +1049,7 @@ class LayerStore:
             ts.recount_exact()
             ts.n_encoded = max(ts.n_encoded - start, 0)
             ts.chunks = [c for c in ts.chunks if c.stop > self.base + start]
+            ts.keep_upgrades_after(self.base + start)
         self.n_held = sum(int(ts.held.view().sum()) for ts in (self.k, self.v))
         self._held_heads = None
         for token_buf in self._token_buffers():
@@ -869,6 +1067,8 @@ class LayerStore:
         """
         assert self.k is not None and self.v is not None
         self._unpaged("gather")
+        if self.upgrade is not None:
+            raise ValueError("eviction is not supported on a store with upgrade codecs (upgrade repairs hold slots)")
         for ts in (self.k, self.v):
             if ts.codec.block != 1 or ts.codec.residual_window:
                 raise ValueError(f"eviction needs a per-token codec; {ts.codec.name!r} encodes token blocks")
@@ -956,6 +1156,16 @@ def _as_slots(tokens: slice | torch.Tensor) -> slice | torch.Tensor:
     if isinstance(tokens, torch.Tensor) and tokens.dtype == torch.bool:
         return tokens.nonzero().view(-1)
     return tokens
+
+
+def _head_packed(packed: Packed, h: int) -> Packed:
+    """The codes of KV head ``h`` alone of ``packed`` (every tensor sliced on its head axis, dim 1)."""
+    heads = packed.shape[1]
+    for name, t in packed.tensors.items():
+        if t.dim() < 2 or t.shape[1] != heads:
+            raise ValueError(f"codec {packed.codec!r} stores {name!r} without a head axis: it cannot upgrade one head")
+    tensors = {name: t[:, h : h + 1].clone() for name, t in packed.tensors.items()}
+    return Packed(packed.codec, (packed.shape[0], 1, *packed.shape[2:]), tensors)
 
 
 def _gather_packed(chunks: list[_Chunk], keep: torch.Tensor, n: int) -> Packed:

@@ -87,13 +87,15 @@ TIERS: dict[str, str] = {
     "value_term": "certified (the output bound's value term Σ_t p̃_t‖Δv_t‖ of what was served)",
     "tier_b": "partially certified (non-adaptive queries only)",
     "served_partial": "partially certified (Tier-B gate: the box over min(Tier A, Tier B) radii on the reads it "
-    "served unrepaired, w.p. >= 1 - δ_loc per charged cell for non-adaptive queries; certified elsewhere)",
-    "tier_b_reads": "measured (KV-head reads a Tier-B gate served on the partial bound alone; tier_b_read_share "
-    "their share of the recorded KV-head reads)",
+    "served unrepaired or after an upgrade repair, w.p. >= 1 - δ_loc per charged cell for non-adaptive queries; "
+    "certified elsewhere)",
+    "tier_b_reads": "measured (KV-head reads a Tier-B gate served on the partial bound alone, unrepaired or after an "
+    "upgrade repair; tier_b_read_share their share of the recorded KV-head reads)",
     "tier_b_cells": "measured (cells a Tier-B gate charged δ_loc each; tier_b_delta_spent the most δ a row spent)",
-    "partial_violations": "measured (validate mode; cells of Tier-B reads with true TV above the partial bound)",
+    "partial_violations": "measured (validate mode; cells of Tier-B reads whose served TV is above the partial bound)",
     "true_tv": "measured (validate mode)",
     "true_out_err": "measured (validate mode)",
+    "true_tv_served": "measured (validate mode; the TV of what was served, after any repair)",
     "evicted_mass": "measured (validate mode; exact TV of eviction = attention mass on evicted entries)",
     "evicted_mass_serving": "empirical (serving mode; last served mass of entries at their eviction)",
     "belady_overlap": "empirical (validate mode; kept-set overlap |P ∩ R| / |R| with Belady(next use) on the run's "
@@ -173,7 +175,7 @@ class StepRecord:
     step: int
     layer: int
     cells: dict[str, torch.Tensor | None]  # cert (before gating), raw, served, tanh, out_bound, tier_b, true_tv,
-    # true_out_err
+    # true_tv_served, true_out_err
     heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # repaired, blocks, values promoted ([B, Hkv])
     queries: int
     violations: int = 0
@@ -270,7 +272,8 @@ class Telemetry:
     fallback: torch.Tensor | None = None  # [steps, layers, B, Hkv] bool (see fallback_rate)
     transient_page_ins: int = 0  # persistent repairs the device budget served transient
     bytes_transient: int = 0  # their page-in bytes (included in bytes_paged)
-    released_entries: int = 0  # held entries released back to their codes by the budget
+    released_entries: int = 0  # held or upgraded entries released back to their codes by the budget
+    upgraded_entries: int = 0  # entries (K and V apart) upgrade repairs re-encoded in the upgrade codecs
     device_budget: float | None = None  # fraction of bytes_fp16 the repair path may fill
     omitted_mass_bound: torch.Tensor | None = None  # [steps, layers, B, Hq] resident set, all forward steps
     omitted_mass: torch.Tensor | None = None  # (as evicted_mass; NaN: no resident read), validate mode
@@ -288,6 +291,7 @@ class Telemetry:
     bytes_device_sliding: int = 0  # resident set: device bytes of the sliding-window layers (part of bytes_device)
     reselect: ReselectStats | None = None  # resident set with reselect=N (None: no re-selection configured)
     served_partial: torch.Tensor | None = None  # [steps, layers, B, Hq] Tier-B gate (None: no such gate)
+    true_tv_served: torch.Tensor | None = None  # [steps, layers, B, Hq] validate: TV(exact, served after any repair)
     tier_b_reads: torch.Tensor | None = None  # [steps, layers, B, Hkv] bool, Tier-B gate
     tier_b_cells: int = 0  # cells a Tier-B gate charged δ_loc each, over every row and layer
     tier_b_delta_spent: float | None = None  # Tier-B gate: the most δ any row spent (cells · δ_loc)
@@ -436,6 +440,7 @@ class Telemetry:
             "bytes_paged": self.bytes_paged,
             "page_in_ratio": self.page_in_ratio,
             "transient_page_ins": self.transient_page_ins,
+            "upgraded_entries": self.upgraded_entries,
             "bytes_stored": self.bytes_stored,
             "nonfinite": self.nonfinite,
             "fail_closed": self.fail_closed,
@@ -581,7 +586,12 @@ def _cell_fields(src: CacheReadings) -> dict[str, Any]:
     if certs is None:
         certs = torch.full((0, n_layers, 1, src.num_heads), float("nan"), dtype=torch.float64)
     keep = ~torch.isnan(certs).flatten(1).all(1)
-    produced = {"tier_b": src.tier_b, "true_tv": src.validate, "true_out_err": src.validate}
+    produced = {
+        "tier_b": src.tier_b,
+        "true_tv": src.validate,
+        "true_tv_served": src.validate,
+        "true_out_err": src.validate,
+    }
     empty = certs.clone()
 
     def sel(name: str) -> torch.Tensor | None:
@@ -595,6 +605,7 @@ def _cell_fields(src: CacheReadings) -> dict[str, Any]:
         "value_term",
         "tier_b",
         "true_tv",
+        "true_tv_served",
         "true_out_err",
         "witness",
         "qnorm",
@@ -629,6 +640,7 @@ def _byte_fields(stores: Sequence[LayerStore]) -> dict[str, Any]:
         "transient_page_ins": sum(s.transient_repairs for s in stores),
         "bytes_transient": sum(s.bytes_transient for s in stores),
         "released_entries": sum(s.released for s in stores),
+        "upgraded_entries": sum(s.upgraded for s in stores),
         "device_budget": first.device_budget,
     }
 

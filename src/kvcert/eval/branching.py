@@ -55,6 +55,7 @@ class Scheme:
     device_budget: float | None = 1.0  # ``StorageConfig(device_budget=)`` (its default: never above fp16)
     allocation: Allocation | None = None  # per-(layer, KV head) key widths and value codecs (replace keys/values)
     exact_sinks: int = 0  # the first positions kept exact (``StorageConfig(exact_sinks=)``)
+    upgrade: tuple[str, str] | None = None  # persistent repairs re-encode in these (``StorageConfig(upgrade_keys=)``)
 
     @property
     def is_dense(self) -> bool:
@@ -75,6 +76,8 @@ class Scheme:
             device_budget=self.device_budget,
             witness=self.witness,
             exact_sinks=self.exact_sinks,
+            upgrade_keys=None if self.upgrade is None else self.upgrade[0],
+            upgrade_values=None if self.upgrade is None else self.upgrade[1],
         )
 
     def eviction(self) -> EvictionConfig | None:

@@ -47,7 +47,9 @@ class StorageConfig:
     codes that decode to values never below the true ones, or ``"f32"``; see ``docs/math.md#compact-witnesses``)
     and ``exact_sinks``: the tokens at the first ``exact_sinks`` logical positions (attention sinks) are stored
     exact, with zero residual and radius, and their bytes count as device bytes (default 0;
-    ``docs/read-path.md#exact-sinks``)."""
+    ``docs/read-path.md#exact-sinks``). ``upgrade_keys`` / ``upgrade_values`` (both or neither; options as
+    ``key_options`` / ``value_options``): a persistent repair re-encodes the repaired entries in these wider codecs
+    instead of holding them exact, within the device budget (``docs/read-path.md#upgrade-repair``)."""
 
     keys: str | Codec | tuple[str | Codec, ...] = "int8"
     values: str | Codec | tuple[str | Codec, ...] = "int8"
@@ -60,6 +62,8 @@ class StorageConfig:
     device_budget: float | None = 1.0
     witness: Witness = DEFAULT_WITNESS
     exact_sinks: int = 0
+    upgrade_keys: str | Codec | None = None
+    upgrade_values: str | Codec | None = None
 
     def __post_init__(self) -> None:
         """Fail on a wrong type (each message names the argument); value ranges are the store's to check."""
@@ -75,6 +79,13 @@ class StorageConfig:
         for name in ("key_options", "value_options"):
             if not isinstance(getattr(self, name), dict):
                 raise TypeError(f"{name} must be a dict of codec options, got {type(getattr(self, name)).__name__}")
+        if (self.upgrade_keys is None) != (self.upgrade_values is None):
+            raise ValueError("upgrade_keys and upgrade_values go together: give both codecs or neither")
+        for name in ("upgrade_keys", "upgrade_values"):
+            if not isinstance(getattr(self, name), (str, Codec, type(None))):
+                raise TypeError(
+                    f"{name} must be a codec name, a Codec or None, got {type(getattr(self, name)).__name__}"
+                )
         seed = self.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
@@ -94,6 +105,15 @@ class StorageConfig:
             device_budget=self.device_budget,
             witness=self.witness,
             exact_sinks=self.exact_sinks,
+            upgrade=self._upgrade(),
+        )
+
+    def _upgrade(self) -> tuple[Codec, Codec] | None:
+        """The resolved upgrade codecs, or ``None``."""
+        if self.upgrade_keys is None or self.upgrade_values is None:
+            return None
+        return resolve(self.upgrade_keys, "key", self.key_options), resolve(
+            self.upgrade_values, "value", self.value_options
         )
 
 

@@ -57,6 +57,8 @@ class BlockRepairs:
     tokens: torch.Tensor  # [n, S] bool, the paged tokens
     n_blocks: torch.Tensor  # [n] int64 blocks paged
     n_tokens: int
+    upgraded: torch.Tensor  # [n] bool, sized for upgrade codecs (False: paged everything it needed exact)
+    certified: torch.Tensor | None = None  # [n, M] with partial radii: the meter over the Tier-A radii
 
 
 def block_contributions(p: torch.Tensor, c: torch.Tensor, block: int) -> torch.Tensor:
@@ -91,13 +93,16 @@ def repair_blocks(
     p: torch.Tensor,
     scaling: float,
     gate: Gate,
+    partial: torch.Tensor | None = None,
 ) -> BlockRepairs:
     """Page in token blocks of every (row, KV head) with ``need[B, Hkv]`` until each of its cells is under
     ``gate.threshold`` (see the module docstring). ``pairs``: the same heads on the host, ``need.nonzero()`` as
     ``(row, KV head)`` pairs in row-major order (the caller's read-back of its decision; no sync here).
     ``qg[B, Hkv, M, D]`` float32 grouped queries, ``mask[B, Hkv, M, S]`` visibility, ``c`` / ``p`` ``[B, Hkv, M, S]``
     the read's radii and served distribution. Persistent gates keep the paged entries exact within the store's
-    device budget (:meth:`LayerStore.persist`).
+    device budget (:meth:`LayerStore.persist`). ``partial`` (``[B, Hkv, M, S]``, ``<= c``; a Tier-B gate's
+    ``min(c, u)``): the radii the rounds take instead of ``c``, so their certificate is the partial bound; the meter of
+    the last round over ``c`` (paged entries 0) is then returned as :attr:`BlockRepairs.certified`.
     """
     assert store.k is not None and store.v is not None
     if not pairs:
@@ -111,11 +116,15 @@ def repair_blocks(
     hosts = store.k.host.view(), store.v.host.view()
     hk, hv = (None, None) if _in_place(dev, hosts) else (_page(hosts[0], pairs, dev), _page(hosts[1], pairs, dev))
     vres = store.v_res.view()[bi, hi]
-    q, m, cc, pp = qg[bi, hi], mask[bi, hi], c[bi, hi], p[bi, hi]
+    q, m, cc, pp = qg[bi, hi], mask[bi, hi], (c if partial is None else partial)[bi, hi], p[bi, hi]
     n, rows, s = pp.shape
     bs = gate.block_size
     nb = (s + bs - 1) // bs
-    contrib = block_contributions(pp, cc, bs)  # [n, M, nb]
+    # upgrade repair: only entries still at their first codes are paged in; the rounds size the prefix as if they were
+    # served at the upgrade codec's radii (scale·c), so that the reads after this one pass on the upgraded codes
+    scale = torch.full((n,), _upgrade_scale(store), dtype=cc.dtype, device=dev)
+    light = _light(store, pairs, s, dev)  # [n, S] (all True without upgrade codecs)
+    contrib = block_contributions(pp, torch.where(light.unsqueeze(1), cc, 0.0), bs)  # [n, M, nb]
     order = torch.argsort(contrib.amax(1), dim=-1, descending=True, stable=True)  # [n, nb]
     ordered = torch.gather(contrib, 2, order.unsqueeze(1).expand(n, rows, nb))
     remaining = contrib.sum(-1, keepdim=True) - ordered.cumsum(-1)  # [n, M, nb]
@@ -136,25 +145,58 @@ def repair_blocks(
     checks = Checks()
     while True:
         tok = (rank < k.unsqueeze(-1)).repeat_interleave(bs, -1)[:, :s]  # [n, S] the first k blocks in order
+        tok &= light | (scale == 0).unsqueeze(-1)
         kmix = _mix(khat, hosts[0], hk, tok, pairs)
         logits = (q @ kmix.transpose(-1, -2) * scaling).masked_fill(~m, float("-inf"))
-        radii = torch.where(tok.unsqueeze(1), 0.0, cc)
+        paged = torch.where(scale.view(n, 1, 1) > 0, scale.view(n, 1, 1) * cc, 0.0)  # >= 0 (their true radius)
+        radii = torch.where(tok.unsqueeze(1), paged, cc)
         with deferred(checks):  # the meter's fail-closed checks come back with the round's decision
             pm, cert, raw = repaired_read(logits, radii, fused)
             if gate.box:
                 cert = box_refined(pm, radii, cert, gate.threshold, numba_box.rows_for(dev))
-        done = ((raw if gate.uses_unclipped else cert) <= gate.threshold).all(-1) | (k >= nb)
+        under = ((raw if gate.uses_unclipped else cert) <= gate.threshold).all(-1)
+        done = under | ((k >= nb) & (scale == 0))
         back = checks.read_back([done.all(), tok.sum()])  # one synchronisation per doubling round
         assert back is not None  # no guard: None is never returned
         all_done, n_tokens = back
         if all_done:
             break
-        k = torch.where(done, k, torch.where(k < k_meter, k_meter, 2 * k))
+        last = ~done & (k >= nb)  # every block at the upgrade radii and still over: page in everything, radius 0
+        scale = torch.where(last, 0.0, scale)
+        k = torch.where(done | last, k, torch.where(k < k_meter, k_meter, 2 * k))
     if gate.persistent:  # kept within the store's device budget, else a transient page-in
-        store.persist_heads(pairs, tok.unbind(0))  # one commit for every head
+        kept = (scale > 0).tolist() if store.upgrade is not None else [True] * n  # never upgrade a whole failing head
+        store.persist_heads(
+            [pr for pr, y in zip(pairs, kept, strict=True) if y],
+            [t for t, y in zip(tok.unbind(0), kept, strict=True) if y],
+        )
+    certified = None
+    if partial is not None:  # the same served read under the Tier-A radii (a certified bound)
+        certified = repaired_read(logits, torch.where(tok.unsqueeze(1), 0.0, c[bi, hi]), fused)[1]
     out = pm.to(torch.float32) @ _mix(vhat, hosts[1], hv, tok, pairs)
     v_res = torch.where(tok, 0.0, vres)
-    return BlockRepairs(heads, out, cert, raw, pm, v_res, tok, k.clamp(max=nb), n_tokens)
+    return BlockRepairs(heads, out, cert, raw, pm, v_res, tok, k.clamp(max=nb), n_tokens, scale > 0, certified)
+
+
+def _upgrade_scale(store: LayerStore) -> float:
+    """The factor the doubling rounds apply to the radii of the paged entries: 0 without upgrade codecs (paged entries
+    are kept exact); with them, ``(2^b − 1)/(2^b' − 1)`` for key codecs of ``b`` and ``b'`` bits, the ratio of their
+    rounding steps over the same range: an estimate of the radius an upgraded entry will have, used to size the
+    prefix only. The read itself serves the paged entries exact (radius 0 <= the scaled one), so its certificate
+    holds whatever the estimate."""
+    if store.upgrade is None:
+        return 0.0
+    return (2.0**store.key_codec.bits - 1.0) / (2.0 ** store.upgrade[0].bits - 1.0)
+
+
+def _light(store: LayerStore, pairs: list[tuple[int, int]], s: int, dev: torch.device) -> torch.Tensor:
+    """``[n, S]`` bool: the keys of each (row, KV head) of ``pairs`` still served from their first codes (neither
+    exact nor upgraded); all True without upgrade codecs (every entry may be paged in)."""
+    if store.upgrade is None:
+        return torch.ones(len(pairs), s, dtype=torch.bool, device=dev)
+    assert store.k is not None
+    exact = store.k.exact.view()
+    return torch.stack([~exact[b, h].cpu() & ~store.k.upgraded(b, h, s, store.base) for b, h in pairs]).to(dev)
 
 
 def _in_place(dev: torch.device, hosts: tuple[torch.Tensor, ...]) -> bool:

@@ -29,9 +29,9 @@ def stored_fraction(tels: Sequence[Telemetry]) -> float:
 def byte_numbers(tels: Sequence[Telemetry]) -> dict[str, float]:
     """Measured byte figures of a variant pooled over its samples, capacity and bandwidth kept apart.
 
-    ``bytes_device`` / ``bytes_fp16`` / ``page_in_bytes`` / ``transient_page_ins`` are sums over samples;
-    ``capacity = Σ bytes_fp16 / Σ bytes_device``; ``page_in_ratio = Σ bytes_paged / Σ bytes_fp16`` (page-in
-    traffic relative to the requests' fp16 K/V); ``bytes_per_token_*`` scale the fp16 bytes of one token
+    ``bytes_device`` / ``bytes_fp16`` / ``page_in_bytes`` / ``transient_page_ins`` / ``upgraded_entries`` are sums
+    over samples; ``capacity = Σ bytes_fp16 / Σ bytes_device``; ``page_in_ratio = Σ bytes_paged / Σ bytes_fp16``
+    (page-in traffic relative to the requests' fp16 K/V); ``bytes_per_token_*`` scale the fp16 bytes of one token
     (:func:`fp16_bytes_per_token`) by the device resp. stored (codes + exact entries) fraction.
     """
     fp16 = sum(t.bytes_fp16 for t in tels)
@@ -50,6 +50,7 @@ def byte_numbers(tels: Sequence[Telemetry]) -> dict[str, float]:
         "page_in_bytes": paged,
         "page_in_ratio": paged / fp16 if fp16 else nan,
         "transient_page_ins": sum(t.transient_page_ins for t in tels),
+        "upgraded_entries": sum(t.upgraded_entries for t in tels),
     }
 
 

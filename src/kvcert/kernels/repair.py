@@ -18,6 +18,13 @@ it replaces:
    before step 2's (the one predicted under twice the threshold), so it never pages more blocks than the meter's
    gate.
 
+With upgrade codecs (``LayerStore.upgrade``, ``docs/read-path.md#upgrade-repair``) only entries still at their
+first codes are paged in, and the rounds give the paged entries the radius ``scale·c`` (``scale`` from
+:func:`_upgrade_scale`, an estimate of the upgraded radius) instead of 0, so the prefix is sized for the reads after
+this one; a head no prefix passes that way pages in every entry (radius 0) and keeps nothing. With ``partial`` radii
+(a Tier-B gate's ``min(c, u)``) the rounds' certificate is the partial bound, and the meter over ``c`` is returned
+beside it.
+
 The meter of the recomputed read is the certificate of what is served (paged tokens have radius 0, the others
 keep their radii, which bound their logit errors whatever the other tokens are). On the numba backend its softmax
 and meter are the decode read's fused row kernel (:func:`kvcert.kernels.numba_read.softmax_meter`, with that

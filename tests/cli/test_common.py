@@ -134,3 +134,18 @@ def test_schemes_the_loaded_model_cannot_hold_are_named():
         schemes_fit([SchemeSpec("dither-mixed", "per-head", allocation=alloc(layers, heads + 1))], model)
     with pytest.raises(ValueError, match="--schemes int8\\+bypass17: keeps 17 RoPE pairs exact; a head here has 16"):
         schemes_fit([SchemeSpec("int8+bypass17", "int4")], model)
+
+
+def test_parse_storage_applies_upgrade_codecs_checked_as_a_store_checks_them() -> None:
+    specs = parse_storage(parse_schemes("dither-int5/int2,int4"), "log8", "1.0", 0, "dither-int8/int4")
+    assert [s.upgrade for s in specs] == [("dither-int8", "int4")] * 2
+    assert parse_storage(specs, "log8", "1.0")[0].upgrade is None
+    for text, match in (
+        ("dither-int8", "expected KEYCODEC/VALUECODEC"),
+        ("dither-int8/", "expected KEYCODEC/VALUECODEC"),
+        ("nosuch/int4", "unknown codec"),
+        ("int8/int4", "Tier-B"),  # dither-int5 keys: the upgraded keys need Tier-B steps too
+        ("dither-int8/kivi-2", "block 1"),
+    ):
+        with pytest.raises(ValueError, match=f"--upgrade: .*{match}"):
+            parse_storage(parse_schemes("dither-int5/int2"), "log8", "1.0", 0, text)

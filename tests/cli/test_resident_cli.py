@@ -360,3 +360,37 @@ def test_resident_variant_takes_the_runs_storage_options(
     got = {sc.name: (sc.device_budget, sc.witness, sc.exact_sinks) for sc in seen if sc.keys is not None}
     assert got == dict.fromkeys(["int4", "int4+gate", "int4+resident"], (0.3333, "f32", 4))
     assert all(sc.storage().exact_sinks == 4 for sc in seen if sc.keys is not None)
+
+
+@pytest.mark.parametrize(
+    ("command", "task"),
+    [("eval", ["--task", "ruler:niah_single_1"]), ("frontier", ["--tasks", "niah_single_1", "--peers", ""])],
+)
+def test_upgrade_reaches_the_schemes_and_not_the_resident_variant(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str, task: list[str]
+) -> None:
+    """``--upgrade K/V`` reaches every scheme's cache (its persistent repairs re-encode there); the resident variant,
+    an eviction the store refuses upgrade codecs with, is built without them."""
+    seen: list[Scheme] = []
+
+    def capture(model: object, ids: object, schemes: list[Scheme], *args: object, **kwargs: object) -> list[object]:
+        seen.extend(schemes)
+        raise RuntimeError("captured")
+
+    monkeypatch.setattr("kvcert.cli.workload.run_branches", capture)
+    opts = ["--gate", "certified:0.2:block", "--upgrade", "int8/int4", "--resident", "0.25"]
+    tiny = ["--model", "tiny:llama", "--context", "512", "--samples", "1", "--schemes", "int4"]
+    result = runner.invoke(app, [command, *tiny, *task, *opts, "--out", str(tmp_path / "out")])
+    assert isinstance(result.exception, RuntimeError) and str(result.exception) == "captured", result.output
+    got = {sc.name: sc.storage().upgrade_keys for sc in seen if sc.keys is not None}
+    assert got == {"int4": "int8", "int4+gate": "int8", "int4+resident": None}
+
+
+def test_an_eval_run_records_its_upgrade_codecs(tmp_path: Path) -> None:
+    tiny = ["--model", "tiny:llama", "--context", "512", "--samples", "1", "--schemes", "int4", "--max-new-tokens", "2"]
+    opts = ["--task", "ruler:niah_single_1", "--gate", "certified:0.2:block", "--upgrade", "int8/int4"]
+    result = runner.invoke(app, ["eval", *tiny, *opts, "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert doc["config"]["upgrade"] == "int8/int4"
+    assert doc["results"]["variants"]["int4+gate"]["upgraded_entries"]["tier"] == "empirical"

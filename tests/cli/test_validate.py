@@ -64,6 +64,11 @@ def refused(args: list[str], *words: str) -> str:
         (["eval", *TINY, "--gate", "maybe:1"], ["--gate"]),
         (["eval", *TINY, "--exact-sinks", "-1"], ["--exact-sinks", ">= 0"]),
         (["frontier", *TINY, "--exact-sinks", "-4"], ["--exact-sinks", ">= 0"]),
+        (["eval", *TINY, "--upgrade", "int8"], ["--upgrade", "KEYCODEC/VALUECODEC"]),
+        (
+            ["eval", "--model", "tiny:llama", "--schemes", "dither-int5", "--upgrade", "int8/int4"],
+            ["--upgrade", "Tier-B"],
+        ),
         (["eval", *TINY, "--context", "8192"], ["max_position_embeddings", "4096"]),
         (["ppl", *TINY, "--context", "5000"], ["max_position_embeddings", "4096"]),
         (["ppl", *TINY, "--context", "2"], ["--context"]),

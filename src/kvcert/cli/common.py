@@ -20,13 +20,19 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase  # noqa
 from kvcert.attention.evict_driver import RESIDENT_ALLOCS, default_select  # noqa: E402
 from kvcert.attention.resident import RECALLS, SUMMARIES  # noqa: E402
 from kvcert.cache.gate import Gate  # noqa: E402
-from kvcert.cache.store import DEFAULT_WITNESS, WITNESS_FORMATS, Witness, check_exact_sinks  # noqa: E402
+from kvcert.cache.store import (  # noqa: E402
+    DEFAULT_WITNESS,
+    WITNESS_FORMATS,
+    Witness,
+    check_exact_sinks,
+    check_upgrade,
+)
 from kvcert.evict import H2O, RMM, EvictionPolicy, StreamingLLM, prefill_kept_count  # noqa: E402
 from kvcert.integrations.vllm.settings import gate_from_spec  # noqa: E402
 from kvcert.models.tiny import SUPPORTED_FAMILIES, tiny_random  # noqa: E402
 from kvcert.models.zoo import ZOO, converted_dir  # noqa: E402
 from kvcert.models.zoo import load as zoo_load  # noqa: E402
-from kvcert.quant import BUILTINS, Allocation, get  # noqa: E402
+from kvcert.quant import BUILTINS, Allocation, get, resolve  # noqa: E402
 from kvcert.quant.registry import BYPASS_SUFFIX, split_bypass  # noqa: E402
 
 TINY_PREFIX = "tiny:"
@@ -58,6 +64,13 @@ DeviceBudgetOption = Annotated[
 ExactSinksOption = Annotated[
     int,
     typer.Option(help="keep the tokens at the first N positions of every request exact (attention sinks)"),
+]
+UpgradeOption = Annotated[
+    str | None,
+    typer.Option(
+        help="KEYCODEC/VALUECODEC: persistent block repairs keep the repaired entries re-encoded in these codecs "
+        "instead of exact (docs/read-path.md#upgrade-repair)"
+    ),
 ]
 # Options shared by the RULER commands (``kvcert eval``, ``kvcert frontier``).
 TasksOption = Annotated[str, typer.Option(help="comma-separated RULER tasks")]
@@ -137,6 +150,7 @@ class SchemeSpec:
     device_budget: float | None = 1.0
     allocation: Allocation | None = None
     exact_sinks: int = 0
+    upgrade: tuple[str, str] | None = None  # ``StorageConfig(upgrade_keys=, upgrade_values=)``
 
     @property
     def label(self) -> str:
@@ -237,11 +251,14 @@ def parse_schemes(text: str) -> list[SchemeSpec]:
     return out
 
 
-def parse_storage(specs: list[SchemeSpec], witness: str, device_budget: str, exact_sinks: int = 0) -> list[SchemeSpec]:
+def parse_storage(
+    specs: list[SchemeSpec], witness: str, device_budget: str, exact_sinks: int = 0, upgrade: str | None = None
+) -> list[SchemeSpec]:
     """``specs`` with ``--witness`` (one of ``WITNESS_FORMATS``), ``--device-budget`` (a fraction > 0 of the fp16
-    K/V bytes, or ``none``) and ``--exact-sinks`` (``>= 0``) applied to each; ``ValueError`` naming the option
-    otherwise."""
+    K/V bytes, or ``none``), ``--exact-sinks`` (``>= 0``) and ``--upgrade`` (:func:`parse_upgrade`) applied to each;
+    ``ValueError`` naming the option otherwise."""
     check_exact_sinks(exact_sinks, "--exact-sinks")
+    codecs = parse_upgrade(upgrade, specs)
     if witness not in WITNESS_FORMATS:
         raise ValueError(f"--witness: expected one of {', '.join(WITNESS_FORMATS)}, got {witness!r}")
     budget: float | None = None
@@ -253,7 +270,26 @@ def parse_storage(specs: list[SchemeSpec], witness: str, device_budget: str, exa
         if not 0.0 < budget < float("inf"):
             raise ValueError(f"--device-budget: expected a finite fraction > 0 or 'none', got {device_budget!r}")
     form: Witness = "log8" if witness == "log8" else "f32"
-    return [SchemeSpec(s.keys, s.values, form, budget, s.allocation, exact_sinks) for s in specs]
+    return [SchemeSpec(s.keys, s.values, form, budget, s.allocation, exact_sinks, codecs) for s in specs]
+
+
+def parse_upgrade(text: str | None, specs: list[SchemeSpec]) -> tuple[str, str] | None:
+    """``--upgrade KEYCODEC/VALUECODEC`` as the pair of codec names (``None`` when not given), checked against every
+    scheme of ``specs`` as a store would check it (:func:`kvcert.cache.store.check_upgrade`: per-token codecs; Tier-B
+    keys need Tier-B upgrade keys of the same group size and bypass); ``ValueError`` naming ``--upgrade`` otherwise."""
+    if text is None:
+        return None
+    parts = text.split("/")
+    if len(parts) != 2 or not all(parts):
+        raise ValueError(f"--upgrade: expected KEYCODEC/VALUECODEC, got {text!r}")
+    try:
+        up = (resolve(parts[0], "key"), resolve(parts[1], "value"))
+        for spec in specs:
+            if spec.allocation is None:
+                check_upgrade(resolve(spec.keys, "key"), up)
+    except ValueError as err:
+        raise ValueError(f"--upgrade: {err}") from None
+    return parts[0], parts[1]
 
 
 def parse_gate(text: str) -> Gate | None:
@@ -475,13 +511,14 @@ def ruler_variants(
     gate: str,
     resident: ResidentSettings,
     exact_sinks: int = 0,
+    upgrade: str | None = None,
 ) -> RulerVariants:
     """:func:`parse_schemes` with :func:`parse_storage`, ``--allocation``'s scheme (:func:`allocation_spec`, under the
     same storage options), :func:`parse_gate` and :func:`resident_plan` (the resident variants of the listed
     schemes, not the allocation's); ``ValueError`` naming the option at fault (also for a Tier-B gate over a scheme
     whose keys are not dithered)."""
-    plain = parse_storage(parse_schemes(schemes), witness, device_budget, exact_sinks)
-    specs = plain + parse_storage(allocation_spec(allocation), witness, device_budget, exact_sinks)
+    plain = parse_storage(parse_schemes(schemes), witness, device_budget, exact_sinks, upgrade)
+    specs = plain + parse_storage(allocation_spec(allocation), witness, device_budget, exact_sinks, upgrade)
     chosen = parse_gate(gate)
     check_tier_b_gate(gate, chosen, plain)
     plan = resident_plan(

@@ -28,6 +28,7 @@ from kvcert.cli.common import (
     SeedOption,
     SelectOption,
     SummaryOption,
+    UpgradeOption,
     ValidateOption,
     WitnessOption,
     default_out,
@@ -80,6 +81,7 @@ def evaluate(
     witness: WitnessOption = "log8",
     device_budget: DeviceBudgetOption = "1.0",
     exact_sinks: ExactSinksOption = 0,
+    upgrade: UpgradeOption = None,
     resident: ResidentOption = None,
     select: SelectOption = None,
     reselect: ReselectOption = None,
@@ -96,7 +98,7 @@ def evaluate(
         task_list, option = eval_tasks(tasks, task)
         ruler_tasks(task_list, context, option)
         settings = ResidentSettings(resident, select, reselect, summary, resident_alloc, recall)
-        variants = ruler_variants(schemes, witness, device_budget, allocation, gate, settings, exact_sinks)
+        variants = ruler_variants(schemes, witness, device_budget, allocation, gate, settings, exact_sinks, upgrade)
     job = RulerJob(
         "eval",
         model,

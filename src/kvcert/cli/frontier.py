@@ -39,6 +39,7 @@ from kvcert.cli.common import (
     SelectOption,
     SummaryOption,
     TasksOption,
+    UpgradeOption,
     ValidateOption,
     WitnessOption,
     command_line,
@@ -157,6 +158,7 @@ def frontier(
     witness: WitnessOption = "log8",
     device_budget: DeviceBudgetOption = "1.0",
     exact_sinks: ExactSinksOption = 0,
+    upgrade: UpgradeOption = None,
     resident: ResidentOption = None,
     select: SelectOption = None,
     reselect: ReselectOption = None,
@@ -173,7 +175,7 @@ def frontier(
     with checked_inputs("frontier"):
         task_list = task_names(tasks)
         settings = ResidentSettings(resident, select, reselect, summary, resident_alloc, recall)
-        variants = ruler_variants(schemes, witness, device_budget, allocation, gate, settings, exact_sinks)
+        variants = ruler_variants(schemes, witness, device_budget, allocation, gate, settings, exact_sinks, upgrade)
         specs, chosen, plan = list(variants.specs), variants.gate, variants.plan
         peer_specs = parse_peers(peers, residual_length)
         at_least("residual-length", residual_length, 0)
@@ -220,6 +222,7 @@ def frontier(
         "witness": witness,
         "device_budget": device_budget,
         "exact_sinks": exact_sinks,
+        "upgrade": upgrade,
         "gate": gate,
         "peers": [p.label for p in peer_specs],
         "residual_length": residual_length,

@@ -91,6 +91,7 @@ SAME_CONFIG = (
     "witness",
     "device_budget",
     "exact_sinks",
+    "upgrade",
     "validate",
 )  # the run's seed may differ: shards of other seeds hold other samples, each still paired within itself
 

@@ -67,6 +67,7 @@ class RulerJob:
             "witness": self.schemes[0].witness,
             "device_budget": self.schemes[0].device_budget,
             "exact_sinks": self.schemes[0].exact_sinks,
+            "upgrade": None if self.schemes[0].upgrade is None else "/".join(self.schemes[0].upgrade),
             "gate": "auto" if self.gate is None else self.gate.describe(),
             "seed": self.seed,
             "max_new_tokens": self.max_new_tokens,

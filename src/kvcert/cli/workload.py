@@ -75,6 +75,7 @@ def _scheme(spec: SchemeSpec, gate: Gate, label: str, validate: bool) -> Scheme:
         device_budget=spec.device_budget,
         allocation=spec.allocation,
         exact_sinks=spec.exact_sinks,
+        upgrade=spec.upgrade,
     )
 
 

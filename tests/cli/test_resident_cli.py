@@ -335,16 +335,9 @@ def test_eval_resident_alloc_reaches_the_cache(tmp_path: Path) -> None:
     assert fractions["mass"] == pytest.approx(fractions["uniform"])
 
 
-@pytest.mark.parametrize(
-    ("command", "task"),
-    [("eval", ["--task", "ruler:niah_single_1"]), ("frontier", ["--tasks", "niah_single_1", "--peers", ""])],
-)
-def test_resident_variant_takes_the_runs_storage_options(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str, task: list[str]
-) -> None:
-    """``--device-budget``, ``--witness`` and ``--exact-sinks`` reach the resident variant's cache as they reach the
-    schemes' (the resident variant once ran under the default budget 1.0 whatever the run asked for). With a fixed
-    gate every variant decodes in one ``run_branches`` call, which is captured before it runs."""
+def _captured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str, task: list[str], opts: list[str]):
+    """The schemes one ``kvcert <command>`` run on a tiny model would decode: with a fixed gate every variant decodes
+    in one ``run_branches`` call, which is captured before it runs."""
     seen: list[Scheme] = []
 
     def capture(model: object, ids: object, schemes: list[Scheme], *args: object, **kwargs: object) -> list[object]:
@@ -352,37 +345,37 @@ def test_resident_variant_takes_the_runs_storage_options(
         raise RuntimeError("captured")
 
     monkeypatch.setattr("kvcert.cli.workload.run_branches", capture)
-    storage = ["--device-budget", "0.3333", "--witness", "f32", "--exact-sinks", "4", "--gate", "certified:0.2"]
-    storage += ["--resident", "0.25"]
     tiny = ["--model", "tiny:llama", "--context", "512", "--samples", "1", "--schemes", "int4"]
-    result = runner.invoke(app, [command, *tiny, *task, *storage, "--out", str(tmp_path / "out")])
+    result = runner.invoke(app, [command, *tiny, *task, *opts, "--out", str(tmp_path / "out")])
     assert isinstance(result.exception, RuntimeError) and str(result.exception) == "captured", result.output
-    got = {sc.name: (sc.device_budget, sc.witness, sc.exact_sinks) for sc in seen if sc.keys is not None}
+    return [sc for sc in seen if sc.keys is not None]
+
+
+COMMANDS = [("eval", ["--task", "ruler:niah_single_1"]), ("frontier", ["--tasks", "niah_single_1", "--peers", ""])]
+
+
+@pytest.mark.parametrize(("command", "task"), COMMANDS)
+def test_resident_variant_takes_the_runs_storage_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str, task: list[str]
+) -> None:
+    """``--device-budget``, ``--witness`` and ``--exact-sinks`` reach the resident variant's cache as they reach the
+    schemes' (the resident variant once ran under the default budget 1.0 whatever the run asked for)."""
+    storage = ["--device-budget", "0.3333", "--witness", "f32", "--exact-sinks", "4", "--gate", "certified:0.2"]
+    seen = _captured(tmp_path, monkeypatch, command, task, [*storage, "--resident", "0.25"])
+    got = {sc.name: (sc.device_budget, sc.witness, sc.exact_sinks) for sc in seen}
     assert got == dict.fromkeys(["int4", "int4+gate", "int4+resident"], (0.3333, "f32", 4))
-    assert all(sc.storage().exact_sinks == 4 for sc in seen if sc.keys is not None)
+    assert all(sc.storage().exact_sinks == 4 for sc in seen)
 
 
-@pytest.mark.parametrize(
-    ("command", "task"),
-    [("eval", ["--task", "ruler:niah_single_1"]), ("frontier", ["--tasks", "niah_single_1", "--peers", ""])],
-)
+@pytest.mark.parametrize(("command", "task"), COMMANDS)
 def test_upgrade_reaches_the_schemes_and_not_the_resident_variant(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str, task: list[str]
 ) -> None:
     """``--upgrade K/V`` reaches every scheme's cache (its persistent repairs re-encode there); the resident variant,
     an eviction the store refuses upgrade codecs with, is built without them."""
-    seen: list[Scheme] = []
-
-    def capture(model: object, ids: object, schemes: list[Scheme], *args: object, **kwargs: object) -> list[object]:
-        seen.extend(schemes)
-        raise RuntimeError("captured")
-
-    monkeypatch.setattr("kvcert.cli.workload.run_branches", capture)
     opts = ["--gate", "certified:0.2:block", "--upgrade", "int8/int4", "--resident", "0.25"]
-    tiny = ["--model", "tiny:llama", "--context", "512", "--samples", "1", "--schemes", "int4"]
-    result = runner.invoke(app, [command, *tiny, *task, *opts, "--out", str(tmp_path / "out")])
-    assert isinstance(result.exception, RuntimeError) and str(result.exception) == "captured", result.output
-    got = {sc.name: sc.storage().upgrade_keys for sc in seen if sc.keys is not None}
+    seen = _captured(tmp_path, monkeypatch, command, task, opts)
+    got = {sc.name: sc.storage().upgrade_keys for sc in seen}
     assert got == {"int4": "int8", "int4+gate": "int8", "int4+resident": None}
 
 

@@ -89,7 +89,7 @@ class ReadResult:
     key_norm_max: torch.Tensor | None = None  # [B, Hkv] max_t (2‖k̂_t‖ + W_t) over the stored tokens
     held: torch.Tensor | None = None  # [B, Hkv] served entries kept exact by an earlier persistent repair
     cert_partial: torch.Tensor | None = None  # Tier-B gate: partially certified bound of what was served
-    tier_b_heads: torch.Tensor | None = None  # [B, Hkv] Tier-B gate: served unrepaired on the partial bound
+    tier_b_heads: torch.Tensor | None = None  # [B, Hkv] Tier-B gate: reads served on the partial bound
     tier_b_charged: torch.Tensor | None = None  # [B] Tier-B gate: cells charged δ_loc each at this read
     tier_b_delta_loc: float | None = None  # Tier-B gate: the δ_loc each charged cell spent
 

@@ -28,7 +28,8 @@ certified a third time, with the box over ``min(c, u)``, ``u`` the Tier-B radii 
 read is **partially certified**: the bound holds with probability at least ``1 − δ_loc`` per cell that relies on
 it, for queries independent of the dither. Each such cell is charged ``δ_loc`` against the request's Tier-B budget;
 a row whose budget cannot pay for a head's cells has that head repaired instead (fail closed). Block repair rounds
-use the certified bounds only.
+use the certified bounds only, except an upgrade repair's (``StorageConfig(upgrade_keys=)``,
+``docs/read-path.md#upgrade-repair``), which may serve the head on the partial bound after paging in some entries.
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ class StepRecord:
     out_violations: int = 0
     chain: ChainInputs | None = None  # the dense chain's inputs (certified reads of the default path)
     held: torch.Tensor | None = None  # [B, Hkv] entries kept exact by an earlier persistent repair
-    tier_b_heads: torch.Tensor | None = None  # [B, Hkv] Tier-B gate: served unrepaired on the partial bound
+    tier_b_heads: torch.Tensor | None = None  # [B, Hkv] Tier-B gate: reads served on the partial bound
     tier_b_charged: torch.Tensor | None = None  # [B] Tier-B gate: cells charged δ_loc each
     partial_violations: int = 0  # validate, Tier-B gate: cells of tier_b_heads with true TV above the partial bound
 

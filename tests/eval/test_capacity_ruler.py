@@ -117,9 +117,11 @@ def test_resident_variants_carry_every_option(bench: ModuleType) -> None:
         (["--resident", "0.25", "--resident-alloc", "greedy"], "invalid choice: 'greedy'"),
         (["--resident", "0.25", "--select", "streaming", "--resident-alloc", "mass"], "splits by attention scores"),
         (["--no-raw", "--no-gated"], "leaves no variant to compare with dense"),
+        (["--upgrade", "int8"], "--upgrade takes KEYCODEC/VALUECODEC"),
+        (["--block-size", "0"], "--block-size must be"),
     ],
 )
-def test_bad_resident_options_are_refused(
+def test_bad_options_are_refused(
     bench: ModuleType, extra: list[str], needle: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -258,15 +260,3 @@ def test_an_upgrade_run_carries_its_codecs_and_block_size_to_every_gated_variant
     schemes = bench.variants([SchemeSpec("int4", "int4")], Gate.certified(0.2), False, False, None)
     upgraded = [bench.dataclasses.replace(s, upgrade=("int8", "int4")) for s in schemes if not s.is_dense]
     assert [(s.storage().upgrade_keys, s.storage().upgrade_values) for s in upgraded] == [("int8", "int4")]
-
-
-@pytest.mark.parametrize(
-    ("extra", "needle"),
-    [(["--upgrade", "int8"], "--upgrade takes KEYCODEC/VALUECODEC"), (["--block-size", "0"], "--block-size must be")],
-)
-def test_bad_upgrade_options_are_refused(
-    bench: ModuleType, extra: list[str], needle: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as exc:
-        bench.parse_args([*ARGS, *extra, "--out", "unused"])
-    assert exc.value.code == 2 and needle in capsys.readouterr().err

@@ -622,6 +622,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="StorageConfig(upgrade_keys=, upgrade_values=): persistent repairs re-encode the repaired entries in "
         "these codecs instead of holding them exact (docs/read-path.md#upgrade-repair)",
     )
+    ap.add_argument(
+        "--heavy-share",
+        type=float,
+        default=None,
+        help="StorageConfig(heavy_share=): token tiers, this share of each KV head's prompt tokens (those its prefill "
+        "attention singles out) stored in the --upgrade codecs instead of the light ones "
+        "(docs/read-path.md#token-tiers)",
+    )
     ap.add_argument("--block-size", type=int, default=None, help="the block gates' block size (Gate default 64)")
     ap.add_argument(
         "--resident",
@@ -663,6 +671,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--upgrade takes KEYCODEC/VALUECODEC, got {args.upgrade!r}")
     if args.block_size is not None and args.block_size < 1:
         ap.error(f"--block-size must be >= 1, got {args.block_size}")
+    if args.heavy_share is not None and (args.upgrade is None or not 0.0 < args.heavy_share < 1.0):
+        ap.error(f"--heavy-share takes a fraction in (0, 1) and needs --upgrade, got {args.heavy_share}")
     if args.resident is None:
         given = [
             f"--{k.replace('_', '-')}"
@@ -712,7 +722,10 @@ def main() -> None:
     schemes = variants(specs, gate, args.raw, args.validate, args.device_budget, resident, args.gated, allocation)
     upgrade = None if args.upgrade is None else tuple(args.upgrade.split("/"))
     schemes = [
-        s if s.is_dense else dataclasses.replace(s, exact_sinks=args.exact_sinks, upgrade=upgrade) for s in schemes
+        s
+        if s.is_dense
+        else dataclasses.replace(s, exact_sinks=args.exact_sinks, upgrade=upgrade, heavy_share=args.heavy_share)
+        for s in schemes
     ]
     config = {
         "model": args.model,
@@ -725,6 +738,7 @@ def main() -> None:
         "exact_sinks": args.exact_sinks,
         **({} if upgrade is None else {"upgrade": list(upgrade)}),
         **({} if args.block_size is None else {"block_size": args.block_size}),
+        **({} if args.heavy_share is None else {"heavy_share": args.heavy_share}),
         "max_new_tokens": args.max_new_tokens,
         **({} if resident is None else {"resident": resident.describe()}),
         **(

@@ -18,7 +18,12 @@ repetition first):
                       box supremum (``docs/math.md#box-supremum``) before it repairs, and ``kvcert-gated`` also as
                       ``kvcert-gated (tau=0.2, box)``; with ``--tier-b`` the first (a dithered one) also as
                       ``capacity-gated (tau=0.2, block, box, tier-b)``, under the box gate that also serves heads on
-                      the partially certified box over the Tier-B radii (``docs/read-path.md#tier-b-gate``)
+                      the partially certified box over the Tier-B radii (``docs/read-path.md#tier-b-gate``); with
+                      ``--token-tiers K/V:F`` the first also as ``capacity-gated (tau=0.2, token tiers, ...)``, under
+                      that Tier-B gate on single-token blocks upgraded into ``K/V``
+                      (``docs/read-path.md#upgrade-repair``) with the share ``F`` of the prompt stored in ``K/V`` from
+                      the prefill (``docs/read-path.md#token-tiers``), the configuration of
+                      ``docs/results.md#token-tiers-served``
 * ``resident-3x``     issue 16's 3x configuration as ``docs/results.md#three-x-at-ruler-scale`` runs it: fp16 keys and
                       int4 values for a SnapKV resident set of 20 % of the tokens (chosen from the shared prefill's
                       attention), the omitted pages summarised as ``basis16-qspec`` (page spectra in the
@@ -133,7 +138,20 @@ def _args() -> argparse.Namespace:
         action="store_true",
         help=f"also time the first capacity scheme (dithered keys) under the Tier-B box gate as '{CAPACITY_TIER_B}'",
     )
-    return ap.parse_args()
+    ap.add_argument(
+        "--token-tiers",
+        metavar="KEYCODEC/VALUECODEC:SHARE",
+        default=None,
+        help=f"also time the first capacity scheme (dithered keys) as '{CAPACITY_TIERS}': token tiers in these upgrade "
+        "codecs with this heavy share, the Tier-B gate on single-token blocks upgrading failing reads",
+    )
+    args = ap.parse_args()
+    if args.token_tiers is not None:
+        codecs, _, share = args.token_tiers.partition(":")
+        if len(codecs.split("/")) != 2 or not share:
+            ap.error(f"--token-tiers takes KEYCODEC/VALUECODEC:SHARE, got {args.token_tiers!r}")
+        args.token_tiers = (tuple(codecs.split("/")), float(share))
+    return args
 
 
 def main() -> None:
@@ -149,7 +167,9 @@ def main() -> None:
     torch.manual_seed(0)
     model, tok = load(args.model)
     ids = tok(load_corpus("pg-essays")[: args.context * 8], return_tensors="pt").input_ids[:, : args.context]
-    reads = RESIDENT_3X[RESIDENT].prefill_reads if resident_3x else PrefillReads()  # all read the same (SnapKV)
+    reads = PrefillReads()
+    if resident_3x or args.token_tiers is not None:  # all read the same (SnapKV): its newest 32 query rows
+        reads = default_select().prefill_reads
     prefill = exact_prefill(model, ids, reads)
     pre, first = prefill.cache, prefill.first
     if not args.no_gc_freeze:
@@ -169,7 +189,7 @@ def main() -> None:
 
     def scheme_cache(scheme: Scheme) -> CertifiedCache:
         c = scheme.cache(model)
-        c.ingest(pre, None if scheme.resident is None else prefill.attentions)
+        c.ingest(pre, prefill.attentions if scheme.prefill_reads.anything else None)
         return c
 
     def hfq() -> QuantizedCache:
@@ -201,6 +221,10 @@ def main() -> None:
         **{_capacity_name(s): functools.partial(kv, True, CAPACITY_GATE, s.keys, s.values) for s in more_capacity},
         **{name: functools.partial(scheme_cache, scheme) for name, scheme in resident_3x.items()},
     }
+    if args.token_tiers is not None:
+        upgrade, share = args.token_tiers
+        tiers = Scheme(CAPACITY_TIERS, capacity.keys, capacity.values, TIERS_GATE, upgrade=upgrade, heavy_share=share)
+        variants[CAPACITY_TIERS] = functools.partial(scheme_cache, tiers)
     if not _builds(hfq):  # transformers refuses models with sliding-window layers (Gemma-3); said so
         del variants["hf-quantized (fp8)"]
     if allocation is not None:
@@ -276,7 +300,8 @@ def _report(
         " (empirical; target <= 1.3)"
     )
     more = [_capacity_name(s) for s in capacity[1:]]  # further --capacity-scheme ones
-    for name in (n for n in (GATED_BOX, CAPACITY_BOX, CAPACITY_TIER_B, *more, *RESIDENT_3X, ALLOCATED) if n in best):
+    named = (GATED_BOX, CAPACITY_BOX, CAPACITY_TIER_B, CAPACITY_TIERS, *more, *RESIDENT_3X, ALLOCATED)
+    for name in (n for n in named if n in best):
         console.print(f"{name} / dense = {best[name] / best['dense']:.3f} (empirical; target <= 1.3)")
     # the same ratios per repetition (the variants of a repetition take turns step by step), then their median:
     # less sensitive than best-of to a slow spell on a shared machine hitting one variant only
@@ -285,6 +310,7 @@ def _report(
         (GATED_BOX, "dense", 1.5),
         (CAPACITY_BOX, "dense", 1.3),
         (CAPACITY_TIER_B, "dense", 1.3),
+        (CAPACITY_TIERS, "dense", 1.3),
         *((n, "dense", 1.3) for n in more),
         (ALLOCATED, "dense", 1.3),
     )
@@ -313,6 +339,9 @@ GATED_BOX = "kvcert-gated (tau=0.2, box)"
 #: ``--tier-b``: the capacity scheme under the box gate that also serves heads on the partially certified Tier-B box
 CAPACITY_TIER_B = "capacity-gated (tau=0.2, block, box, tier-b)"
 CAPACITY_TIER_B_GATE = dataclasses.replace(CAPACITY_BOX_GATE, tier_b=True)
+#: ``--token-tiers``: the first capacity scheme as token tiers, its failing reads upgraded token by token
+CAPACITY_TIERS = "capacity-gated (tau=0.2, token tiers, block 1, box, tier-b)"
+TIERS_GATE = dataclasses.replace(CAPACITY_TIER_B_GATE, block_size=1)
 
 
 def _capacity_name(spec: SchemeSpec) -> str:

@@ -149,3 +149,14 @@ def test_parse_storage_applies_upgrade_codecs_checked_as_a_store_checks_them() -
     ):
         with pytest.raises(ValueError, match=f"--upgrade: .*{match}"):
             parse_storage(parse_schemes("dither-int5/int2"), "log8", "1.0", 0, text)
+
+
+def test_parse_storage_applies_a_heavy_share_only_with_upgrade_codecs() -> None:
+    specs = parse_storage(parse_schemes("dither-int5/int2,int4"), "log8", "1.0", 0, "dither-int8/int4", 0.2)
+    assert [s.heavy_share for s in specs] == [0.2, 0.2]
+    assert parse_storage(specs, "log8", "1.0", 0, "dither-int8/int4")[0].heavy_share is None
+    with pytest.raises(ValueError, match="--heavy-share .* give --upgrade too"):
+        parse_storage(parse_schemes("int4"), "log8", "1.0", 0, None, 0.2)
+    for share in (0.0, 1.0, 1.5, -0.2):
+        with pytest.raises(ValueError, match="--heavy-share: heavy_share must be a fraction in"):
+            parse_storage(parse_schemes("int4"), "log8", "1.0", 0, "int8/int4", share)

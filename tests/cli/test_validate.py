@@ -65,6 +65,8 @@ def refused(args: list[str], *words: str) -> str:
         (["eval", *TINY, "--exact-sinks", "-1"], ["--exact-sinks", ">= 0"]),
         (["frontier", *TINY, "--exact-sinks", "-4"], ["--exact-sinks", ">= 0"]),
         (["eval", *TINY, "--upgrade", "int8"], ["--upgrade", "KEYCODEC/VALUECODEC"]),
+        (["eval", *TINY, "--heavy-share", "0.2"], ["--heavy-share", "--upgrade"]),
+        (["frontier", *TINY, "--upgrade", "int8/int4", "--heavy-share", "1"], ["--heavy-share", "(0, 1)"]),
         (
             ["eval", "--model", "tiny:llama", "--schemes", "dither-int5", "--upgrade", "int8/int4"],
             ["--upgrade", "Tier-B"],

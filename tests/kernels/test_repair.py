@@ -119,6 +119,93 @@ def test_repaired_certificate_bounds_the_true_tv_per_cell(backend, monkeypatch) 
         assert bool((res.cert[j] <= 0.05).all())
 
 
+def _upgrade_case(tau: float, scale: float = 1.0):
+    """A store of int2 keys and values with upgrade codecs int8 / int4, a read of it with Cauchy–Schwarz radii from
+    its witnesses, and its block repair under ``tau`` (persistent)."""
+    gen = torch.Generator().manual_seed(7)
+    b, h, m_rows, d, s = 1, 2, 3, 32, 80
+    store = LayerStore(
+        0, get("int2"), get("int2"), bands=4, pairing="rotate_half", seed=1, upgrade=(get("int8"), get("int4"))
+    )
+    k, v = torch.randn(b, h, s, d, generator=gen) * scale, torch.randn(b, h, s, d, generator=gen)
+    store.append(k, v, torch.arange(b), torch.zeros(b, dtype=torch.bool))
+    store.encode_pending(flush=True)
+    q = torch.randn(b, h, m_rows, d, generator=gen) * scale
+    mask = torch.ones(b, h, m_rows, s, dtype=torch.bool)
+
+    def radii(heads, k_band, k_hat_norm, k_wit):  # Cauchy–Schwarz on the residual witness plus the float32 slack
+        qn = q[heads].to(torch.float64).norm(dim=-1, keepdim=True)
+        w, kn = k_wit.to(torch.float64).unsqueeze(-2), k_hat_norm.to(torch.float64).unsqueeze(-2)
+        return (SC * qn * w + SC * gamma_f32(d + 1) * qn * (2 * kn + w)) * (1 + 1e-12)
+
+    every = (torch.arange(b).repeat_interleave(h), torch.arange(h).repeat(b))
+    wit = [x.view()[every] for x in (store.k_band, store.k_hat_norm, store.k_wit)]
+    c = radii(every, *wit).view(b, h, m_rows, s)
+    p = probs64((SC * q) @ store.k.served.view().transpose(-1, -2))
+    gate = Gate.certified(tau, granularity="block", block_size=8, persistent=True)
+    need = torch.ones(b, h, dtype=torch.bool)
+    res = repair_blocks(q, store, need, _pairs(need), mask, c, p, SC, gate, key_radii=radii)
+    return store, k, q, res
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_upgrade_repair_serves_the_new_codes_within_their_certificate_per_cell(backend, monkeypatch) -> None:
+    """With upgrade codecs the repaired read serves the chosen entries from their new codes (radii from the new
+    codes' witnesses), keeps exactly those codes, pages nothing in exact, and its traffic is the new codes' and
+    witnesses' measured bytes; per cell its certificate bounds the TV to the dense read."""
+    monkeypatch.setenv(kernel_env.ENV, backend)
+    store, k, q, res = _upgrade_case(0.05)
+    assert bool(res.upgraded.all()) and res.n_tokens == 0 and bool(res.tokens.any())
+    exact = probs64(q @ k.transpose(-1, -2) * SC)
+    for j, (bi, hi) in enumerate(res.heads.tolist()):
+        tv = true_tv(exact[bi, hi], res.p[j])
+        assert bool((tv <= res.cert[j] + 1e-9).all()), float((tv - res.cert[j]).max())
+        assert bool((res.cert[j] <= 0.05).all())
+    records = store.k.upgrades + store.v.upgrades
+    for ts, codec in ((store.k, get("int8")), (store.v, get("int4"))):  # what is kept is what was served
+        for u in ts.upgrades:
+            assert torch.equal(ts.served.view()[u.b, u.h, u.slots], codec.decode(u.packed)[0, 0])
+    assert {(u.b, u.h): u.slots.tolist() for u in store.k.upgrades} == {
+        (bi, hi): res.tokens[j].nonzero().view(-1).tolist() for j, (bi, hi) in enumerate(res.heads.tolist())
+    }
+    entries = sum(len(u.slots) for u in store.k.upgrades)
+    assert res.upgrade_bytes == sum(u.packed.nbytes for u in records) + entries * (4 + 1 + 1 + 1 + 1)  # log8: 4 bands
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_head_no_upgrade_passes_gets_every_light_entry_upgraded_and_the_blocks_it_needs_exact(
+    backend, monkeypatch
+) -> None:
+    """When even every light entry upgraded leaves a cell over the threshold, the repair serves the head with its light
+    entries upgraded and pages in exact, over that, the blocks it still needs (radius 0): the exact ones are held
+    exact, the others keep their new codes; per cell the certificate bounds the TV to the dense read."""
+    monkeypatch.setenv(kernel_env.ENV, backend)
+    store, k, q, res = _upgrade_case(0.02)
+    assert not bool(res.upgraded.any()) and 0 < res.n_tokens < res.tokens.numel() and bool(res.tokens.all())
+    exact = probs64(q @ k.transpose(-1, -2) * SC)
+    for j, (bi, hi) in enumerate(res.heads.tolist()):
+        tv = true_tv(exact[bi, hi], res.p[j])
+        assert bool((tv <= res.cert[j] + 1e-9).all()), float((tv - res.cert[j]).max())
+        assert bool((res.cert[j] <= 0.02).all())
+    held = store.k.held.view()[0] & store.v.held.view()[0]
+    assert int(held.sum()) == res.n_tokens and store.n_held == 2 * res.n_tokens
+    upgraded = torch.zeros_like(held)
+    for u in store.k.upgrades:
+        upgraded[u.h, u.slots] = True
+    assert not bool((held & upgraded).any()) and bool((held | upgraded).all())  # every entry one or the other
+    assert torch.equal(store.k.served.view()[0][held], k[0][held])  # the held ones are exact
+    entries = sum(len(u.slots) for u in store.k.upgrades)
+    records = sum(u.packed.nbytes for u in store.k.upgrades + store.v.upgrades)
+    assert res.upgrade_bytes == records + entries * (4 + 1 + 1 + 1 + 1)
+
+
+def test_at_tau_0_an_upgrade_repair_pages_everything_in_exact() -> None:
+    store, k, q, res = _upgrade_case(0.0)  # no nonzero radius passes tau = 0
+    assert not bool(res.upgraded.any()) and bool(res.tokens.all()) and res.n_tokens == res.tokens.numel()
+    assert res.upgrade_bytes == 0 and not store.k.upgrades and not store.v.upgrades
+    assert bool((res.cert == 0).all()) and store.n_held == 2 * res.n_tokens
+
+
 def test_fused_repaired_read_refines_the_eager_one_per_cell() -> None:
     """The fused evaluation of a repaired read (CPU row kernel) against the eager forms on the same logits and
     radii, per cell: the same distribution up to float64 rounding, a meter never below the eager one by more than

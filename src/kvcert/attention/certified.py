@@ -55,7 +55,7 @@ from kvcert.kernels.numba_read import (
     softmax_meter,
 )
 from kvcert.kernels.numba_tier_b import tier_b_meter
-from kvcert.kernels.repair import BlockRepairs, repair_blocks
+from kvcert.kernels.repair import BlockRepairs, KeyRadii, repair_blocks
 
 _U = U_F32
 
@@ -764,23 +764,42 @@ def _repair_block_heads(rd: _Read, sv: _Served, ch: _Changes, dc: _Decision, cfg
         bi, hi = torch.tensor([pr for pr, y in zip(pairs, reserved, strict=True) if y], device=need.device).unbind(-1)
         u = _tier_b_radii(rd, sv, cfg.delta_loc, (bi, hi), True)
         partial = c.clone().index_put_((bi, hi), torch.minimum(c[bi, hi], u))
-    res = repair_blocks(rd.qg, rd.store, need, pairs, rd.grouped_mask(), c, sv.p64, rd.scaling, cfg.gate, partial)
+    res = repair_blocks(
+        rd.qg, rd.store, need, pairs, rd.grouped_mask(), c, sv.p64, rd.scaling, cfg.gate, partial, _key_radii(rd, sv)
+    )
     bi, hi = res.heads.unbind(-1)
     ch.out[bi, hi], ch.cert[bi, hi], ch.p_served[bi, hi] = res.out, res.cert, res.p
     ch.value_term[bi, hi] = torch.linalg.vecdot(res.p, res.v_res.to(torch.float64).unsqueeze(-2))
     ch.blocks = torch.zeros(rd.b, rd.hkv, dtype=torch.int64, device=need.device).index_put_((bi, hi), res.n_blocks)
-    ch.bytes_paged += res.n_tokens * _kv_bytes(rd.store)
+    ch.bytes_paged += res.n_tokens * _kv_bytes(rd.store) + res.upgrade_bytes
     if any(reserved):
         _served_partial(rd, ch, res, [r and u for r, u in zip(reserved, res.upgraded.tolist(), strict=True)])
+
+
+def _key_radii(rd: _Read, sv: _Served) -> KeyRadii:
+    """The Tier-A radii of this read's cells over keys with other witnesses (the upgraded entries of an upgrade
+    repair, :func:`kvcert.kernels.repair.repair_blocks`), computed as :func:`_eager_served` computes the read's own:
+    ``c_t = tier_a_radius_f32(‖q_b‖, ρ_{t,b}) + φ_t``."""
+
+    def radii(
+        heads: tuple[torch.Tensor, torch.Tensor], k_band: torch.Tensor, k_hat_norm: torch.Tensor, k_wit: torch.Tensor
+    ) -> torch.Tensor:
+        qg = rd.qg[heads]  # [n, M, D]
+        qb = round_up_f32(band_norms(qg, rd.store.bands, rd.store.pairing))
+        rate, kfac = _logit_slack_factors(sv.qn[heads], k_hat_norm, k_wit, rd.scaling, rd.d)
+        return tier_a_radius_f32(qb, k_band.unsqueeze(-3), rd.scaling).addcmul_(rate, kfac)
+
+    return radii
 
 
 def _partial_upgrade(rd: _Read, cfg: ReadConfig, pairs: list[tuple[int, int]]) -> list[bool]:
     """Per head of ``pairs``, whether its block repair sizes its upgrade on the partial bound: a Tier-B gate
     (``Gate.certified(tau, box=True, tier_b=True)``) over dithered keys with upgrade codecs, and the head's row can
     still pay ``δ_loc`` for each of its cells (the Tier-B budget, every cell charged if the read is served on the
-    partial bound: :func:`_served_partial`). A read so served pages in the light entries of the chosen blocks (radius
-    0, the served entries exact) and keeps the partial radii ``min(c, u)`` elsewhere; on the event that every token's
-    logit error is within ``u`` its true TV lies in the box over those radii, as for a read the Tier-B gate spares."""
+    partial bound: :func:`_served_partial`). A read so served serves the light entries of the chosen blocks from their
+    upgraded codes (at the Tier-A radii of their new witnesses) and keeps the partial radii ``min(c, u)`` elsewhere;
+    on the event that every token's logit error is within ``u`` its true TV lies in the box over those radii, as for a
+    read the Tier-B gate spares."""
     store = rd.store
     if not (cfg.gate.tier_b and store.upgrade is not None and store.k_steps is not None):
         return [False] * len(pairs)
@@ -796,7 +815,8 @@ def _partial_upgrade(rd: _Read, cfg: ReadConfig, pairs: list[tuple[int, int]]) -
 def _served_partial(rd: _Read, ch: _Changes, res: BlockRepairs, partial: list[bool]) -> None:
     """Record the heads of ``res`` (``partial[j]``: served on the partial bound, :func:`_partial_upgrade`) as Tier-B
     reads: their partial bound is the rounds' certificate, their certified bound the meter of the same served
-    distribution over the Tier-A radii (paged entries 0), and each of their cells is charged ``δ_loc`` to its row."""
+    distribution over the Tier-A radii (upgraded entries at their new codes' radii), and each of their cells is charged
+    ``δ_loc`` to its row."""
     if not any(partial):
         return
     assert ch.cert is not None and res.certified is not None

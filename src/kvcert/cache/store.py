@@ -40,6 +40,11 @@ tokens raise the floor (codes + witnesses + pending entries) above the budget, h
 (newest chunk first) back to their codes and write-time witnesses, recomputed exactly as at encode time,
 so ``bytes_device <= max(F·bytes_fp16, floor)`` holds after every write and every read.
 
+Token tiers (``token_tiers=True``, with upgrade codecs): the codes of each write are a
+:class:`~kvcert.quant.token_tiers.TokenTiers` form, the entries :meth:`LayerStore.choose_heavy` named (the prefill's
+heavy tokens, ``docs/read-path.md#token-tiers``) in the upgrade codecs and the others in the light ones, each entry's
+codes once; their witnesses are those of the codes they were stored in.
+
 Write protocol: new tokens are appended exact and *pending*; at the start of a later write, pending
 tokens are encoded in whole blocks of ``write_block`` tokens (so the forward that produced them attends
 to them exactly, as in-flight K/V, and a partial block stays exact until it fills). The witness is
@@ -72,8 +77,9 @@ from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex, WriteBatch, n
 from kvcert.cache.host_pages import HostPages, HostTokens
 from kvcert.cache.paged import CellLayout, CellTokens, PagedCodes
 from kvcert.checks import deferred
-from kvcert.quant import Codec, DitherKey, OutlierBypass, Packed
+from kvcert.quant import Codec, DitherKey, Packed
 from kvcert.quant.kernel_env import fused_log8
+from kvcert.quant.token_tiers import TokenTiers, check_wide, share_bypass
 
 
 @dataclass
@@ -84,6 +90,7 @@ class _Chunk:
     stop: int
     packed: Packed
     key: DitherKey | None = None  # the dither key it was encoded with (re-decoding on budget release)
+    heavy: torch.Tensor | None = None  # [B, H, stop − start] bool (CPU): the tokens in a token-tier codec's heavy codes
 
 
 @dataclass
@@ -110,6 +117,58 @@ class _Upgrade:
         tensors = {name: t.index_select(2, idx.to(t.device)) for name, t in self.packed.tensors.items()}
         shape = (*self.packed.shape[:2], len(idx), *self.packed.shape[3:])
         return _Upgrade(self.b, self.h, self.slots[idx], Packed(self.packed.codec, shape, tensors), self.order)
+
+
+@dataclass(frozen=True)
+class UpgradePart:
+    """One tensor's part of an :class:`UpgradePlan`: the physical ``slots`` (ascending) of the entries, their new
+    codes ``packed`` (``[1, 1, len(slots), ·]``), the values they decode to ``xhat[len(slots), D]`` and their
+    write-time witnesses (``{buffer name: [len(slots)(, ·)]}``)."""
+
+    is_key: bool
+    slots: torch.Tensor
+    packed: Packed
+    xhat: torch.Tensor
+    witnesses: dict[str, torch.Tensor]
+
+    def subset(self, keep: torch.Tensor) -> UpgradePart | None:
+        """The entries at the physical slots ``keep[S]`` marks (``None`` when none is left)."""
+        idx = keep.to(self.slots.device)[self.slots].nonzero().view(-1)
+        if len(idx) == 0:
+            return None
+        tensors = {name: t.index_select(2, idx.to(t.device)) for name, t in self.packed.tensors.items()}
+        packed = Packed(self.packed.codec, (*self.packed.shape[:2], len(idx), *self.packed.shape[3:]), tensors)
+        on = idx.to(self.xhat.device)
+        return UpgradePart(
+            self.is_key,
+            self.slots[idx],
+            packed,
+            self.xhat[on],
+            {name: val.index_select(0, idx.to(val.device)) for name, val in self.witnesses.items()},
+        )
+
+
+@dataclass(frozen=True)
+class UpgradePlan:
+    """What :meth:`LayerStore.plan_upgrade` computed for (row ``b``, KV head ``h``): the K and V parts (either may be
+    absent: no entry of it was light) and ``witness_bytes``, the stored witness bytes of one entry (K and V)."""
+
+    b: int
+    h: int
+    parts: tuple[UpgradePart, ...]
+    witness_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        """The measured bytes of the new codes and of their stored witnesses: what a host-side encoder of these
+        entries sends to the device (witnesses counted once per entry, on the key part's entries when there is one)."""
+        codes = sum(part.packed.nbytes for part in self.parts)
+        return codes + self.witness_bytes * max((len(part.slots) for part in self.parts), default=0)
+
+    def subset(self, keep: torch.Tensor) -> UpgradePlan:
+        """The plan of the entries at the physical slots ``keep[S]`` marks."""
+        parts = (part.subset(keep) for part in self.parts)
+        return UpgradePlan(self.b, self.h, tuple(p for p in parts if p is not None), self.witness_bytes)
 
 
 def _fused_codes(buf: object) -> GrowBuffer | None:
@@ -153,6 +212,7 @@ class _Tensorstore:
         self.held = GrowBuffer(torch.zeros(b, h, 1, dtype=torch.bool, device=device))  # persistent repairs
         self.chunks = []  # (the setter also resets the packed byte count)
         self.upgrades: list[_Upgrade] = []  # upgrade repairs, oldest first (through add_upgrade / pop_upgrade)
+        self.heavy_chunks: list[_Chunk] = []  # the chunks holding heavy tokens of a token-tier codec, oldest first
         self._upgrade_bytes = 0
         self.n_encoded = 0  # tokens [0, n_encoded) went through the codec (relative to live window)
         self.last_encoded = 0  # tokens encoded by the most recent encode_pending call
@@ -173,6 +233,8 @@ class _Tensorstore:
         for chunk in chunks:
             self._chunks.append(chunk)
             self._packed_bytes += chunk.packed.nbytes
+            if chunk.heavy is not None:
+                self.heavy_chunks.append(chunk)
         self.n_encoded += n
 
     def encodable(self) -> int:
@@ -204,12 +266,17 @@ class _Tensorstore:
         self.upgrades = [u for u in kept if u is not None]
         self._upgrade_bytes = sum(u.packed.nbytes for u in self.upgrades)
 
-    def upgraded(self, b: int, h: int, n: int, base: int) -> torch.Tensor:
-        """``[n]`` bool over the physical slots of (row ``b``, KV head ``h``): the entries an upgrade record holds."""
+    def wide(self, b: int, h: int, n: int, base: int) -> torch.Tensor:
+        """``[n]`` bool over the physical slots of (row ``b``, KV head ``h``): the entries in the wide codes, those an
+        upgrade record holds and those a token-tier codec stored heavy."""
         mask = torch.zeros(n, dtype=torch.bool)
         for u in self.upgrades:
             if u.b == b and u.h == h:
                 mask[u.slots - base] = True
+        for c in self.heavy_chunks:
+            assert c.heavy is not None
+            lo, hi = c.start - base, c.stop - base
+            mask[max(lo, 0) : hi] |= c.heavy[b, h, max(-lo, 0) :]
         return mask
 
     def exact_nbytes(self, head_dim: int) -> int:
@@ -244,7 +311,17 @@ def band_sum_up(rho: torch.Tensor, bands: int) -> torch.Tensor:
 
 
 #: the keyword settings of a :class:`LayerStore` (besides its layer and codecs), kept as attributes of the same names
-STORE_SETTINGS = ("bands", "pairing", "seed", "write_block", "device_budget", "witness", "exact_sinks", "upgrade")
+STORE_SETTINGS = (
+    "bands",
+    "pairing",
+    "seed",
+    "write_block",
+    "device_budget",
+    "witness",
+    "exact_sinks",
+    "upgrade",
+    "token_tiers",
+)
 
 #: mixed into the store's seed for the dither of upgraded entries: a stream apart from the one their first codes drew
 UPGRADE_STREAM = 0x5550_4752
@@ -254,44 +331,16 @@ def check_upgrade(key_codec: Codec, upgrade: object) -> tuple[Codec, Codec] | No
     """``upgrade`` as the ``(key codec, value codec)`` an upgrade repair re-encodes into, or ``None``; ``ValueError``
     naming the problem unless both are per-token codecs (``block == 1``, no residual window, not per-head: a repair
     re-encodes single tokens of one KV head) and, when the key codec has Tier-B steps, the upgrade key codec has them
-    too with the same group size and bypassed channels (the Tier-B radius of every token is read with the key codec's
-    groups and channel mask, ``docs/read-path.md#upgrade-repair``)."""
+    too with the same group size and bypassed channels (:func:`~kvcert.quant.token_tiers.check_wide`; the Tier-B
+    radius of every token is read with the key codec's groups and channel mask,
+    ``docs/read-path.md#upgrade-repair``)."""
     if upgrade is None:
         return None
     if not (isinstance(upgrade, tuple) and len(upgrade) == 2 and all(isinstance(c, Codec) for c in upgrade)):
         raise ValueError(f"upgrade must be a (key codec, value codec) pair of Codec or None, got {upgrade!r}")
-    for codec in upgrade:
-        if codec.block != 1 or codec.residual_window or codec.heads is not None:
-            raise ValueError(
-                f"an upgrade codec must encode each token of each KV head on its own (block 1, no residual window, "
-                f"not per-head); {codec.name!r} does not"
-            )
-    up = upgrade[0]
-    if key_codec.tier_b and not (
-        up.tier_b and up.group_size == key_codec.group_size and _bypass_of(up) == _bypass_of(key_codec)
-    ):
-        raise ValueError(
-            f"the key codec {key_codec.name!r} has Tier-B steps, so the upgrade key codec must have them too, with "
-            f"the same group size ({key_codec.group_size}) and bypassed channels; {up.name!r} does not"
-        )
+    check_wide(key_codec, upgrade[0], "an upgrade key codec")
+    check_wide(upgrade[1], upgrade[1], "an upgrade value codec")
     return upgrade[0], upgrade[1]
-
-
-def _bypass_of(codec: Codec) -> tuple[int, str] | None:
-    """``(pairs, pairing)`` an outlier-bypass codec keeps exact, ``None`` for a codec without bypass."""
-    return (codec.m, codec.pairing) if isinstance(codec, OutlierBypass) else None
-
-
-def _share_bypass(key_codec: Codec, up: Codec) -> None:
-    """Give the upgrade key codec ``up`` the bypassed channels ``key_codec`` fixed at its first encode, when both keep
-    the same number of pairs exact: the Tier-B radius of every token masks the query with ``key_codec``'s channels,
-    so an upgraded token must keep exactly those channels exact."""
-    if (
-        isinstance(up, OutlierBypass)
-        and isinstance(key_codec, OutlierBypass)
-        and _bypass_of(up) == _bypass_of(key_codec)
-    ):
-        up.channels, up.channel_mask = key_codec.channels, key_codec.channel_mask
 
 
 def check_exact_sinks(n: object, name: str = "exact_sinks") -> int:
@@ -320,9 +369,15 @@ class LayerStore:
         witness: Witness = DEFAULT_WITNESS,
         exact_sinks: int = 0,
         upgrade: tuple[Codec, Codec] | None = None,
+        token_tiers: bool = False,
     ) -> None:
         # persistent repairs re-encode in these codecs instead of holding entries exact (None: hold them exact)
         self.upgrade = check_upgrade(key_codec, upgrade)
+        if token_tiers and self.upgrade is None:
+            raise ValueError("token tiers store their heavy tokens in the upgrade codecs: give upgrade= too")
+        # the codes are token tiers: the tokens choose_heavy names in the upgrade codecs, the others light
+        self.token_tiers = bool(token_tiers)
+        self._heavy_hint: torch.Tensor | None = None  # [B, H, n] bool over physical slots (choose_heavy)
         # tokens at logical positions < exact_sinks are never compressed
         self.exact_sinks = check_exact_sinks(exact_sinks)
         if witness not in WITNESS_FORMATS:
@@ -343,6 +398,7 @@ class LayerStore:
         self.released = 0  # held (repaired) entries released back to their codes by the budget
         self.n_held = 0  # entries (K and V counted apart) currently held exact by persistent repair
         self.upgraded = 0  # entries (K and V counted apart) an upgrade repair re-encoded (ever)
+        self.heavy_entries = 0  # entries (K and V counted apart) token tiers encoded in the heavy codes (ever)
         self._upgrade_records = 0  # upgrade records ever kept (each record's order)
         self._held_heads: torch.Tensor | None = None  # held_heads() until the held flags change (None: recompute)
         self.compacted = False  # an eviction merged the chunks (dither keys of the codes are lost)
@@ -398,8 +454,12 @@ class LayerStore:
         self.v_res: GrowBuffer | LogBuffer = stored("v_res", z)
         self.v_hat_norm: GrowBuffer | LogBuffer = stored("v_hat_norm", z)
         self.v_dist: GrowBuffer | LogBuffer = stored("v_dist", z)
-        self.k = _Tensorstore(self.key_codec, like_k, pin, self.write_block, k.device, host_k)
-        self.v = _Tensorstore(self.value_codec, like_v, pin, self.write_block, v.device, host_v)
+        key_codec, value_codec = self.key_codec, self.value_codec
+        if self.token_tiers:
+            assert self.upgrade is not None
+            key_codec, value_codec = TokenTiers(key_codec, self.upgrade[0]), TokenTiers(value_codec, self.upgrade[1])
+        self.k = _Tensorstore(key_codec, like_k, pin, self.write_block, k.device, host_k)
+        self.v = _Tensorstore(value_codec, like_v, pin, self.write_block, v.device, host_v)
         # any fixed centre makes the spread max_t ‖v̂_t − c‖ valid; the first write's mean keeps it small
         self.v_centre = torch.nan_to_num(v.to(torch.float32), 0.0, 0.0, 0.0).mean(2, keepdim=True)
         self.k_steps: GrowBuffer | None = None
@@ -621,6 +681,10 @@ class LayerStore:
         writes = WriteBatch()
         self._encode(flush, writes)
         self._commit(writes)
+        hint = self._heavy_hint
+        if hint is not None and self.k is not None and self.v is not None:
+            if min(self.k.n_encoded, self.v.n_encoded) >= hint.shape[-1]:
+                self._heavy_hint = None  # every chosen entry is encoded
 
     def _encode(self, flush: bool, writes: WriteBatch) -> None:
         """:meth:`encode_pending` recorded in ``writes``: the codecs and witnesses are computed on the device, their
@@ -648,8 +712,13 @@ class LayerStore:
                 # logical positions (equal to base + slot without eviction): dither is never reused
                 # after an eviction compacts the slots; pending tokens share positions across heads
                 key = DitherKey(self.seed, self.rows.to(torch.int64), self.layer, self.positions.view()[:, 0, lo:hi])
+            heavy = None
             with deferred(writes.require):
-                packed, decoded = ts.codec.encode_decode(xin, key=key)
+                if isinstance(ts.codec, TokenTiers):
+                    heavy = self._heavy_of(lo, hi, xin.device)
+                    packed, decoded = ts.codec.encode_decode_split(xin, key, heavy)
+                else:
+                    packed, decoded = ts.codec.encode_decode(xin, key=key)
                 xhat = torch.where(keep.unsqueeze(-1), x, decoded.to(torch.float32))
                 wit = self._witnesses(is_key, x, xhat, keep, ts.codec.steps(packed))
             where = (slice(None), slice(None), slice(lo, hi))
@@ -668,17 +737,52 @@ class LayerStore:
                         )
                     )
             self._write_witnesses(where, wit, writes)
-            writes.then(
-                partial(
-                    self._store_codes, "k" if is_key else "v", n, _Chunk(self.base + lo, self.base + hi, packed, key)
-                )
-            )
+            stored_heavy = heavy.cpu() if heavy is not None and bool(heavy.any()) else None
+            chunk = _Chunk(self.base + lo, self.base + hi, packed, key, stored_heavy)
+            writes.then(partial(self._store_codes, "k" if is_key else "v", n, chunk))
+
+    def choose_heavy(self, slots: torch.Tensor) -> None:
+        """Store the entries at physical ``slots[B, H, C]`` (distinct per (row, KV head)) in the heavy codes when they
+        are encoded (a token-tier store, ``token_tiers=True``): typically the prefill's pending tokens its attention
+        singled out. A write encodes the chosen tokens it covers, and, where a (row, KV head) has fewer of them in it
+        than another, also its newest light ones up to that count (:meth:`_heavy_of`; the stored form is
+        rectangular); an entry encoded before the choice keeps its codes. ``ValueError`` without token tiers, on
+        pages, or on a bad shape or repeated slots."""
+        if not self.token_tiers:
+            raise ValueError("choose_heavy needs a token-tier store (StorageConfig(heavy_share=...))")
+        self._unpaged("token tiers")
+        assert self.k is not None
+        b, h = self.k.served.shape[:2]
+        if slots.dim() != 3 or tuple(slots.shape[:2]) != (b, h) or slots.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"slots must be integer [B, H, C] with (B, H) = {(b, h)}, got {tuple(slots.shape)}")
+        if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < self.n):
+            raise ValueError(f"slots must lie in [0, {self.n}), the live slots of this store")
+        hint = torch.zeros(b, h, self.n, dtype=torch.bool, device=slots.device).scatter(2, slots.to(torch.int64), True)
+        if bool((hint.sum(-1) != slots.shape[-1]).any()):
+            raise ValueError("slots repeat a slot of some (row, KV head): name each chosen entry once")
+        self._heavy_hint = hint
+
+    def _heavy_of(self, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+        """``[B, H, hi − lo]`` bool: the chosen heavy entries (:meth:`choose_heavy`) among physical slots ``[lo, hi)``,
+        and in each (row, KV head) with fewer of them than the most, its newest others up to that count."""
+        assert self.k is not None
+        b, h = self.k.served.shape[:2]
+        out = torch.zeros(b, h, hi - lo, dtype=torch.bool, device=device)
+        hint = self._heavy_hint
+        if hint is not None and lo < hint.shape[-1]:
+            part = hint[:, :, lo:hi].to(device)
+            out[:, :, : part.shape[-1]] = part
+        count = out.sum(-1, keepdim=True)
+        newer_light = (~out).flip(-1).cumsum(-1).flip(-1)  # light entries at or after each slot
+        return out | (~out & (newer_light <= count.max() - count))
 
     def _store_codes(self, tensor: str, n: int, chunk: _Chunk) -> None:
         """Keep the codes of ``n`` newly encoded tokens: as ``chunk`` itself, or, with :attr:`pages`, copied into
         the pages it covers, one chunk of page views per page (:meth:`~kvcert.cache.paged.PagedCodes.place`)."""
         ts = self.k if tensor == "k" else self.v
         assert ts is not None
+        if chunk.heavy is not None:
+            self.heavy_entries += int(chunk.heavy.sum())
         if self.pages is None:
             ts.encoded(n, [chunk])
             return
@@ -853,25 +957,28 @@ class LayerStore:
         """
         return self.persist_heads([(b, h)], [tokens])[0]
 
-    def persist_heads(self, heads: Sequence[tuple[int, int]], tokens: Sequence[slice | torch.Tensor]) -> list[bool]:
+    def persist_heads(
+        self, heads: Sequence[tuple[int, int]], tokens: Sequence[slice | torch.Tensor], exact: bool = False
+    ) -> list[bool]:
         """:meth:`persist` of ``tokens[j]`` of each (row, KV head) ``heads[j]``, in order (each budget check sees
         the entries the earlier ones kept), with the witnesses of every kept head stored together
-        (:meth:`_write_exact_witnesses`: one host sync instead of one per head). Returns the per-head
+        (:meth:`_write_exact_witnesses`: one host sync instead of one per head). ``exact``: hold the entries exact
+        even with upgrade codecs (what an upgrade repair pages in exact when no upgrade passes). Returns the per-head
         :meth:`persist` results."""
         if len(heads) != len(tokens):
             raise ValueError(f"persist_heads: {len(heads)} heads but {len(tokens)} token selections")
         tokens = [_as_slots(t) for t in tokens]
-        kept = [self._persist(b, h, t) for (b, h), t in zip(heads, tokens, strict=True)]
+        kept = [self._persist(b, h, t, exact) for (b, h), t in zip(heads, tokens, strict=True)]
         held = [(b, h, t) for (b, h), t, k in zip(heads, tokens, kept, strict=True) if k]
-        if held and self.upgrade is None:
+        if held and (self.upgrade is None or exact):
             self._write_exact_witnesses(held)
         return kept
 
-    def _persist(self, b: int, h: int, tokens: slice | torch.Tensor) -> bool:
+    def _persist(self, b: int, h: int, tokens: slice | torch.Tensor, exact: bool = False) -> bool:
         """:meth:`persist` but for the witnesses of a kept exact repair (:meth:`_hold_exact` only); with upgrade
-        codecs :meth:`_upgrade_entries`, witnesses included."""
+        codecs and not ``exact``, :meth:`_upgrade_entries`, witnesses included."""
         assert self.k is not None and self.v is not None
-        if self.upgrade is not None:
+        if self.upgrade is not None and not exact:
             return self._upgrade_entries(b, h, tokens)
         if self.device_budget is None:
             self._hold_exact(b, h, tokens)
@@ -898,54 +1005,82 @@ class LayerStore:
         self.bytes_transient += n * (self.k.host.shape[-1] + self.v.host.shape[-1]) * self.k.host.dtype.itemsize
 
     def _upgrade_entries(self, b: int, h: int, tokens: slice | torch.Tensor) -> bool:
-        """:meth:`persist` with upgrade codecs (``upgrade=``): each entry of ``tokens`` of (row b, KV head h) still
-        served from its first codes (neither exact nor upgraded before) is re-encoded by the upgrade codec from its
-        exact original and served from those codes from now on, with the write-time witnesses of the new codes
-        (:meth:`_witnesses`: the same inequalities, for the new residual; the dither of an upgrade codec is drawn
-        from a stream of its own, keyed by the request, layer, KV head and position as every dither is). Kept iff
-        ``bytes_device + added <= device_budget·bytes_fp16``, ``added`` the measured bytes of the new codes (the
-        first codes stay: the chunks are rectangular); otherwise nothing changes and the refusal is counted as
-        :meth:`persist` counts it. ``docs/read-path.md#upgrade-repair``."""
+        """:meth:`persist` with upgrade codecs (``upgrade=``): :meth:`commit_upgrade` of :meth:`plan_upgrade`."""
+        return self.commit_upgrade(self.plan_upgrade(b, h, tokens))
+
+    def plan_upgrade(self, b: int, h: int, tokens: slice | torch.Tensor) -> UpgradePlan:
+        """What an upgrade repair of ``tokens`` of (row b, KV head h) would store, computed and not stored: each entry
+        still served from light codes (neither exact nor in the wide codes) re-encoded by the upgrade codec from its
+        exact original, its served value and the write-time witnesses of the new codes (:meth:`_witnesses`: the same
+        inequalities, for the new residual). The dither of an upgrade codec is drawn from a stream of its own, keyed
+        by the request, layer, KV head and position as every dither is, so planning the same entry twice gives the
+        same codes. ``docs/read-path.md#upgrade-repair``."""
         assert self.k is not None and self.v is not None and self.upgrade is not None
         self._unpaged("an upgrade repair")
         n = self.n
-        planned = []
-        _share_bypass(self.key_codec, self.upgrade[0])
+        parts = []
+        share_bypass(self.key_codec, self.upgrade[0])
         for is_key, ts, codec in ((True, self.k, self.upgrade[0]), (False, self.v, self.upgrade[1])):
             sel = torch.zeros(n, dtype=torch.bool)
             sel[tokens.cpu() if isinstance(tokens, torch.Tensor) else tokens] = True
-            sel &= ~ts.exact.view()[b, h].cpu() & ~ts.upgraded(b, h, n, self.base)
+            sel &= ~ts.exact.view()[b, h].cpu() & ~ts.wide(b, h, n, self.base)
             slots = sel.nonzero().view(-1)
             if len(slots) == 0:
                 continue
-            dev = ts.served.view().device
-            x = ts.host.view()[b : b + 1, :, slots.to(ts.host.view().device)].to(dev, torch.float32)  # [1, H, T, D]
+            # encoded where the exact originals live (the host tier): only the codes and witnesses move to the device
+            dev, at = ts.served.view().device, ts.host.view().device
+            x = ts.host.view()[b : b + 1, :, slots.to(at)].to(torch.float32)  # [1, H, T, D]
             key = None
             if codec.needs_key:
-                pos = self.positions.view()[b : b + 1, h, slots.to(dev)]  # [1, T]: the same on every head
-                key = DitherKey(self.seed ^ UPGRADE_STREAM, self.rows[b : b + 1].to(torch.int64), self.layer, pos)
+                pos = self.positions.view()[b : b + 1, h, slots.to(self.positions.view().device)].to(at)  # [1, T]
+                key = DitherKey(self.seed ^ UPGRADE_STREAM, self.rows[b : b + 1].to(at, torch.int64), self.layer, pos)
             packed, decoded = codec.encode_decode(x, key=key)
             one = _head_packed(packed, h)
+            one = Packed(one.codec, one.shape, {name: t.to(dev) for name, t in one.tensors.items()}, one.heads)
             xhat = decoded[:, h : h + 1].to(torch.float32)
             steps = codec.steps(one) if is_key and self.k_steps is not None else None
-            centre = self.v_centre[b : b + 1, h : h + 1]
-            keep = torch.zeros(1, 1, len(slots), dtype=torch.bool, device=dev)
-            wit = self._witnesses(is_key, x[:, h : h + 1], xhat, keep, steps, centre)
-            planned.append((ts, slots, one, xhat, wit))
-        if self._over_budget(sum(one.nbytes for _, _, one, _, _ in planned)):
-            self._refuse(tokens)
+            centre = self.v_centre[b : b + 1, h : h + 1].to(at)
+            keep = torch.zeros(1, 1, len(slots), dtype=torch.bool, device=at)
+            wit = self._witnesses(is_key, x[:, h : h + 1], xhat, keep, None if steps is None else steps.to(at), centre)
+            witnesses = {name: val[0, 0].to(dev) for name, val in wit.items()}
+            parts.append(UpgradePart(is_key, slots, one, xhat[0, 0].to(dev), witnesses))
+        return UpgradePlan(b, h, tuple(parts), self._witness_entry_bytes())
+
+    def commit_upgrade(self, plan: UpgradePlan) -> bool:
+        """Store ``plan`` (:meth:`plan_upgrade`, possibly a :meth:`UpgradePlan.subset`): its entries are served from
+        the new codes, with their witnesses, from now on. Kept iff ``bytes_device + added <= device_budget·bytes_fp16``,
+        ``added`` the measured bytes of the new codes (the first codes stay: the chunks are rectangular); otherwise
+        nothing changes and the refusal is counted as :meth:`persist` counts it, its traffic the plan's
+        :attr:`UpgradePlan.nbytes`."""
+        if self._over_budget(sum(part.packed.nbytes for part in plan.parts)):
+            self.transient_repairs += 1
+            self.bytes_transient += plan.nbytes
             return False
         writes = WriteBatch()
-        for ts, slots, one, xhat, wit in planned:
-            on = slots.to(ts.served.view().device)
-            ts.served.view()[b, h, on] = xhat[0, 0]
-            ts.add_upgrade(_Upgrade(b, h, slots + self.base, one, self._upgrade_records))
+        b, h = plan.b, plan.h
+        for part in plan.parts:
+            ts = self.k if part.is_key else self.v
+            assert ts is not None
+            on = part.slots.to(ts.served.view().device)
+            ts.served.view()[b, h, on] = part.xhat
+            ts.add_upgrade(_Upgrade(b, h, part.slots + self.base, part.packed, self._upgrade_records))
             self._upgrade_records += 1
-            self.upgraded += len(slots)
+            self.upgraded += len(part.slots)
             where = (torch.full_like(on, b), torch.full_like(on, h), on)
-            self._write_witnesses(where, {name: val[0, 0] for name, val in wit.items()}, writes)
+            self._write_witnesses(where, part.witnesses, writes)
         self._commit(writes)
         return True
+
+    def _witness_entry_bytes(self) -> int:
+        """Device bytes of the stored witnesses of one entry of one KV head, K and V together (measured from the
+        buffers: in ``"log8"`` one code each, ``bands`` for the key band norms; in ``"f32"`` the float32 values, the
+        derived ``W_t`` and Tier-B steps included)."""
+        names = STORED_WITNESSES if self.witness == "log8" else (*STORED_WITNESSES, "k_wit")
+        bufs = [getattr(self, name) for name in names]
+        if self.witness == "f32" and self.k_steps is not None:
+            bufs.append(self.k_steps)
+        one = [(buf.codes if isinstance(buf, LogBuffer) else buf).view()[0, 0, :1] for buf in bufs]
+        return sum(t.nbytes for t in one)
 
     def held_heads(self) -> torch.Tensor:
         """``[B, H]`` bool: the (row, KV head) holds an entry kept exact by a persistent repair (a new tensor; the
@@ -1049,7 +1184,10 @@ class LayerStore:
             ts.recount_exact()
             ts.n_encoded = max(ts.n_encoded - start, 0)
             ts.chunks = [c for c in ts.chunks if c.stop > self.base + start]
+            ts.heavy_chunks = [c for c in ts.heavy_chunks if c.stop > self.base + start]
             ts.keep_upgrades_after(self.base + start)
+        if self._heavy_hint is not None:
+            self._heavy_hint = self._heavy_hint[:, :, start:]
         self.n_held = sum(int(ts.held.view().sum()) for ts in (self.k, self.v))
         self._held_heads = None
         for token_buf in self._token_buffers():

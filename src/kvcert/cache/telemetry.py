@@ -274,6 +274,7 @@ class Telemetry:
     bytes_transient: int = 0  # their page-in bytes (included in bytes_paged)
     released_entries: int = 0  # held or upgraded entries released back to their codes by the budget
     upgraded_entries: int = 0  # entries (K and V apart) upgrade repairs re-encoded in the upgrade codecs
+    heavy_entries: int = 0  # entries (K and V apart) token tiers stored in the heavy (upgrade) codecs
     device_budget: float | None = None  # fraction of bytes_fp16 the repair path may fill
     omitted_mass_bound: torch.Tensor | None = None  # [steps, layers, B, Hq] resident set, all forward steps
     omitted_mass: torch.Tensor | None = None  # (as evicted_mass; NaN: no resident read), validate mode
@@ -441,6 +442,7 @@ class Telemetry:
             "page_in_ratio": self.page_in_ratio,
             "transient_page_ins": self.transient_page_ins,
             "upgraded_entries": self.upgraded_entries,
+            "heavy_entries": self.heavy_entries,
             "bytes_stored": self.bytes_stored,
             "nonfinite": self.nonfinite,
             "fail_closed": self.fail_closed,
@@ -641,6 +643,7 @@ def _byte_fields(stores: Sequence[LayerStore]) -> dict[str, Any]:
         "bytes_transient": sum(s.bytes_transient for s in stores),
         "released_entries": sum(s.released for s in stores),
         "upgraded_entries": sum(s.upgraded for s in stores),
+        "heavy_entries": sum(s.heavy_entries for s in stores),
         "device_budget": first.device_budget,
     }
 

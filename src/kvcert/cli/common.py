@@ -19,6 +19,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase  # noqa
 
 from kvcert.attention.evict_driver import RESIDENT_ALLOCS, default_select  # noqa: E402
 from kvcert.attention.resident import RECALLS, SUMMARIES  # noqa: E402
+from kvcert.attention.tier_choice import check_heavy_share  # noqa: E402
 from kvcert.cache.gate import Gate  # noqa: E402
 from kvcert.cache.store import (  # noqa: E402
     DEFAULT_WITNESS,
@@ -70,6 +71,13 @@ UpgradeOption = Annotated[
     typer.Option(
         help="KEYCODEC/VALUECODEC: persistent block repairs keep the repaired entries re-encoded in these codecs "
         "instead of exact (docs/read-path.md#upgrade-repair)"
+    ),
+]
+HeavyShareOption = Annotated[
+    float | None,
+    typer.Option(
+        help="token tiers (needs --upgrade): this share of each KV head's prompt tokens, those its prefill attention "
+        "singles out, stored in the --upgrade codecs instead of the light ones (docs/read-path.md#token-tiers)"
     ),
 ]
 # Options shared by the RULER commands (``kvcert eval``, ``kvcert frontier``).
@@ -151,6 +159,7 @@ class SchemeSpec:
     allocation: Allocation | None = None
     exact_sinks: int = 0
     upgrade: tuple[str, str] | None = None  # ``StorageConfig(upgrade_keys=, upgrade_values=)``
+    heavy_share: float | None = None  # ``StorageConfig(heavy_share=)`` (token tiers)
 
     @property
     def label(self) -> str:
@@ -252,13 +261,26 @@ def parse_schemes(text: str) -> list[SchemeSpec]:
 
 
 def parse_storage(
-    specs: list[SchemeSpec], witness: str, device_budget: str, exact_sinks: int = 0, upgrade: str | None = None
+    specs: list[SchemeSpec],
+    witness: str,
+    device_budget: str,
+    exact_sinks: int = 0,
+    upgrade: str | None = None,
+    heavy_share: float | None = None,
 ) -> list[SchemeSpec]:
     """``specs`` with ``--witness`` (one of ``WITNESS_FORMATS``), ``--device-budget`` (a fraction > 0 of the fp16
-    K/V bytes, or ``none``), ``--exact-sinks`` (``>= 0``) and ``--upgrade`` (:func:`parse_upgrade`) applied to each;
-    ``ValueError`` naming the option otherwise."""
+    K/V bytes, or ``none``), ``--exact-sinks`` (``>= 0``), ``--upgrade`` (:func:`parse_upgrade`) and
+    ``--heavy-share`` (a fraction in (0, 1), with ``--upgrade``) applied to each; ``ValueError`` naming the option
+    otherwise."""
     check_exact_sinks(exact_sinks, "--exact-sinks")
     codecs = parse_upgrade(upgrade, specs)
+    if heavy_share is not None:
+        if codecs is None:
+            raise ValueError("--heavy-share stores the heavy tokens in the --upgrade codecs: give --upgrade too")
+        try:
+            check_heavy_share(heavy_share)
+        except ValueError as err:
+            raise ValueError(f"--heavy-share: {err}") from None
     if witness not in WITNESS_FORMATS:
         raise ValueError(f"--witness: expected one of {', '.join(WITNESS_FORMATS)}, got {witness!r}")
     budget: float | None = None
@@ -270,7 +292,7 @@ def parse_storage(
         if not 0.0 < budget < float("inf"):
             raise ValueError(f"--device-budget: expected a finite fraction > 0 or 'none', got {device_budget!r}")
     form: Witness = "log8" if witness == "log8" else "f32"
-    return [SchemeSpec(s.keys, s.values, form, budget, s.allocation, exact_sinks, codecs) for s in specs]
+    return [SchemeSpec(s.keys, s.values, form, budget, s.allocation, exact_sinks, codecs, heavy_share) for s in specs]
 
 
 def parse_upgrade(text: str | None, specs: list[SchemeSpec]) -> tuple[str, str] | None:
@@ -512,13 +534,15 @@ def ruler_variants(
     resident: ResidentSettings,
     exact_sinks: int = 0,
     upgrade: str | None = None,
+    heavy_share: float | None = None,
 ) -> RulerVariants:
     """:func:`parse_schemes` with :func:`parse_storage`, ``--allocation``'s scheme (:func:`allocation_spec`, under the
     same storage options), :func:`parse_gate` and :func:`resident_plan` (the resident variants of the listed
     schemes, not the allocation's); ``ValueError`` naming the option at fault (also for a Tier-B gate over a scheme
     whose keys are not dithered)."""
-    plain = parse_storage(parse_schemes(schemes), witness, device_budget, exact_sinks, upgrade)
-    specs = plain + parse_storage(allocation_spec(allocation), witness, device_budget, exact_sinks, upgrade)
+    storage = (witness, device_budget, exact_sinks, upgrade, heavy_share)
+    plain = parse_storage(parse_schemes(schemes), *storage)
+    specs = plain + parse_storage(allocation_spec(allocation), *storage)
     chosen = parse_gate(gate)
     check_tier_b_gate(gate, chosen, plain)
     plan = resident_plan(

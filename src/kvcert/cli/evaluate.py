@@ -15,6 +15,7 @@ from kvcert.cli.common import (
     DeviceBudgetOption,
     ExactSinksOption,
     GateOption,
+    HeavyShareOption,
     MaxNewTokensOption,
     ModelOption,
     RecallOption,
@@ -82,6 +83,7 @@ def evaluate(
     device_budget: DeviceBudgetOption = "1.0",
     exact_sinks: ExactSinksOption = 0,
     upgrade: UpgradeOption = None,
+    heavy_share: HeavyShareOption = None,
     resident: ResidentOption = None,
     select: SelectOption = None,
     reselect: ReselectOption = None,
@@ -98,7 +100,9 @@ def evaluate(
         task_list, option = eval_tasks(tasks, task)
         ruler_tasks(task_list, context, option)
         settings = ResidentSettings(resident, select, reselect, summary, resident_alloc, recall)
-        variants = ruler_variants(schemes, witness, device_budget, allocation, gate, settings, exact_sinks, upgrade)
+        variants = ruler_variants(
+            schemes, witness, device_budget, allocation, gate, settings, exact_sinks, upgrade, heavy_share
+        )
     job = RulerJob(
         "eval",
         model,

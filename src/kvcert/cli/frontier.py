@@ -25,6 +25,7 @@ from kvcert.cli.common import (
     DeviceBudgetOption,
     ExactSinksOption,
     GateOption,
+    HeavyShareOption,
     MaxNewTokensOption,
     ModelOption,
     RecallOption,
@@ -159,6 +160,7 @@ def frontier(
     device_budget: DeviceBudgetOption = "1.0",
     exact_sinks: ExactSinksOption = 0,
     upgrade: UpgradeOption = None,
+    heavy_share: HeavyShareOption = None,
     resident: ResidentOption = None,
     select: SelectOption = None,
     reselect: ReselectOption = None,
@@ -175,7 +177,9 @@ def frontier(
     with checked_inputs("frontier"):
         task_list = task_names(tasks)
         settings = ResidentSettings(resident, select, reselect, summary, resident_alloc, recall)
-        variants = ruler_variants(schemes, witness, device_budget, allocation, gate, settings, exact_sinks, upgrade)
+        variants = ruler_variants(
+            schemes, witness, device_budget, allocation, gate, settings, exact_sinks, upgrade, heavy_share
+        )
         specs, chosen, plan = list(variants.specs), variants.gate, variants.plan
         peer_specs = parse_peers(peers, residual_length)
         at_least("residual-length", residual_length, 0)
@@ -223,6 +227,7 @@ def frontier(
         "device_budget": device_budget,
         "exact_sinks": exact_sinks,
         "upgrade": upgrade,
+        "heavy_share": heavy_share,
         "gate": gate,
         "peers": [p.label for p in peer_specs],
         "residual_length": residual_length,

@@ -92,6 +92,7 @@ SAME_CONFIG = (
     "device_budget",
     "exact_sinks",
     "upgrade",
+    "heavy_share",
     "validate",
 )  # the run's seed may differ: shards of other seeds hold other samples, each still paired within itself
 

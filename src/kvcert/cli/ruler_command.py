@@ -68,6 +68,7 @@ class RulerJob:
             "device_budget": self.schemes[0].device_budget,
             "exact_sinks": self.schemes[0].exact_sinks,
             "upgrade": None if self.schemes[0].upgrade is None else "/".join(self.schemes[0].upgrade),
+            "heavy_share": self.schemes[0].heavy_share,
             "gate": "auto" if self.gate is None else self.gate.describe(),
             "seed": self.seed,
             "max_new_tokens": self.max_new_tokens,

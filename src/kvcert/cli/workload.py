@@ -76,6 +76,7 @@ def _scheme(spec: SchemeSpec, gate: Gate, label: str, validate: bool) -> Scheme:
         allocation=spec.allocation,
         exact_sinks=spec.exact_sinks,
         upgrade=spec.upgrade,
+        heavy_share=spec.heavy_share,
     )
 
 

@@ -56,6 +56,7 @@ class Scheme:
     allocation: Allocation | None = None  # per-(layer, KV head) key widths and value codecs (replace keys/values)
     exact_sinks: int = 0  # the first positions kept exact (``StorageConfig(exact_sinks=)``)
     upgrade: tuple[str, str] | None = None  # persistent repairs re-encode in these (``StorageConfig(upgrade_keys=)``)
+    heavy_share: float | None = None  # token tiers: this share of the prompt in the upgrade codecs (``heavy_share=``)
 
     @property
     def is_dense(self) -> bool:
@@ -78,6 +79,7 @@ class Scheme:
             exact_sinks=self.exact_sinks,
             upgrade_keys=None if self.upgrade is None else self.upgrade[0],
             upgrade_values=None if self.upgrade is None else self.upgrade[1],
+            heavy_share=self.heavy_share,
         )
 
     def eviction(self) -> EvictionConfig | None:
@@ -107,11 +109,15 @@ class Scheme:
 
     @property
     def prefill_reads(self) -> PrefillReads:
-        """What this scheme's cache reads of a recorded prefill attention (:func:`ingest_reads` of its resident set's
-        policy; nothing without a resident set)."""
+        """What this scheme's cache reads of a recorded prefill attention: :func:`ingest_reads` of its resident set's
+        policy, and the attention rows its token tiers are chosen from (the default select policy's); nothing
+        without either."""
+        reads = PrefillReads()
+        if self.heavy_share is not None:
+            reads = default_select().prefill_reads
         if self.resident is None:
-            return PrefillReads()
-        return ingest_reads(default_select() if self.select is None else self.select())
+            return reads
+        return reads | ingest_reads(default_select() if self.select is None else self.select())
 
 
 @dataclass
@@ -229,7 +235,7 @@ def run_branches(
             continue
         cache = scheme.cache(model, seed)
         try:
-            cache.ingest(pre, None if scheme.resident is None else prefill.attentions)
+            cache.ingest(pre, prefill.attentions if scheme.prefill_reads.anything else None)
             toks = greedy_from(model, first, cache, max_new_tokens, eos_ids)
         finally:
             cache.detach()

@@ -15,12 +15,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvcert.attention.evict_driver import EvictionConfig
+from kvcert.attention.evict_driver import EvictionConfig, default_select
 from kvcert.attention.ladder import LadderConfig
+from kvcert.attention.tier_choice import check_heavy_share
 from kvcert.bounds import uniform_split
 from kvcert.bounds.rope import Pairing
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import DEFAULT_WITNESS, LayerStore, Witness
+from kvcert.evict import EvictionPolicy
 from kvcert.quant import Codec, resolve
 
 __all__ = ["EvictionConfig", "GateConfig", "StorageConfig", "ValidationConfig", "expect", "resolve_storage"]
@@ -49,7 +51,10 @@ class StorageConfig:
     exact, with zero residual and radius, and their bytes count as device bytes (default 0;
     ``docs/read-path.md#exact-sinks``). ``upgrade_keys`` / ``upgrade_values`` (both or neither; options as
     ``key_options`` / ``value_options``): a persistent repair re-encodes the repaired entries in these wider codecs
-    instead of holding them exact, within the device budget (``docs/read-path.md#upgrade-repair``)."""
+    instead of holding them exact, within the device budget (``docs/read-path.md#upgrade-repair``). ``heavy_share``
+    (needs the upgrade codecs): token tiers, the share of each (layer, KV head)'s prompt tokens its prefill attention
+    singles out (ranked by ``heavy_select``, default :func:`~kvcert.attention.evict_driver.default_select`) is stored
+    in the upgrade codecs *instead of* the light ones (``docs/read-path.md#token-tiers``)."""
 
     keys: str | Codec | tuple[str | Codec, ...] = "int8"
     values: str | Codec | tuple[str | Codec, ...] = "int8"
@@ -64,6 +69,8 @@ class StorageConfig:
     exact_sinks: int = 0
     upgrade_keys: str | Codec | None = None
     upgrade_values: str | Codec | None = None
+    heavy_share: float | None = None
+    heavy_select: EvictionPolicy | None = None
 
     def __post_init__(self) -> None:
         """Fail on a wrong type (each message names the argument); value ranges are the store's to check."""
@@ -86,9 +93,28 @@ class StorageConfig:
                 raise TypeError(
                     f"{name} must be a codec name, a Codec or None, got {type(getattr(self, name)).__name__}"
                 )
+        self._check_tiers()
         seed = self.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+
+    def _check_tiers(self) -> None:
+        """``ValueError`` naming the argument unless the token-tier settings fit (module doc of
+        :mod:`kvcert.attention.tier_choice`)."""
+        if self.heavy_share is None:
+            if self.heavy_select is not None:
+                raise ValueError("heavy_select ranks the heavy tokens of token tiers: give heavy_share too")
+            return
+        check_heavy_share(self.heavy_share)
+        if self.upgrade_keys is None:
+            raise ValueError("heavy_share stores the heavy tokens in the upgrade codecs: give upgrade_keys/_values")
+        select = self.tier_select()
+        if not isinstance(select, EvictionPolicy):
+            raise TypeError(f"heavy_select must be a kvcert.evict.EvictionPolicy, got {type(select).__name__}")
+
+    def tier_select(self) -> EvictionPolicy:
+        """The policy that ranks the heavy tokens (``heavy_select`` or the default)."""
+        return default_select() if self.heavy_select is None else self.heavy_select
 
     def store(self, layer: int) -> LayerStore:
         """A fresh store for decoder layer ``layer`` (codecs resolved per layer); the seed must be set."""
@@ -106,6 +132,7 @@ class StorageConfig:
             witness=self.witness,
             exact_sinks=self.exact_sinks,
             upgrade=self._upgrade(),
+            token_tiers=self.heavy_share is not None,
         )
 
     def _upgrade(self) -> tuple[Codec, Codec] | None:

@@ -36,6 +36,7 @@ from kvcert.attention.evict_driver import EvictionConfig, EvictionDriver
 from kvcert.attention.ladder import LadderConfig, LadderStats
 from kvcert.attention.read_path import CertifiedReadPath, LadderReadPath, ReadPath, Recorder, ResidentReadPath
 from kvcert.attention.resident import OmittedPages, ResidentRecord
+from kvcert.attention.tier_choice import choose_heavy, read_rows, tier_rows
 from kvcert.cache.events import CacheObserver, last_write_event
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
@@ -164,6 +165,9 @@ class CertifiedCache(Cache):
         self._delta_loc = self.validation.delta_loc(n_layers, self.num_heads)
         self.eviction = expect(eviction, EvictionConfig, "eviction") or EvictionConfig()
         self.storage = resolve_storage(storage, keys, values, seed)
+        # token tiers: the policy that picks each layer's heavy prompt tokens at the prefill (None: no tiers)
+        self._tier_select = None if self.storage.heavy_share is None else self.storage.tier_select()
+        self._heavy_share = self.storage.heavy_share or 0.0
         self.observers = list(observers)
         self.require_identity = bool(self.observers) if require_identity is None else require_identity
         self.request_ids = None if request_ids is None else _request_ids(request_ids)
@@ -430,6 +434,9 @@ class CertifiedCache(Cache):
             rows, keep = self._rows(src.keys.shape[0], src.keys.device)
             layer.update(src.keys, src.values, rows, keep)
             layer.cumulative_length = src.get_seq_length()
+            if self._tier_select is not None:
+                given = None if attentions is None else attentions[i]
+                choose_heavy(layer.store, self._tier_select, self._heavy_share, tier_rows(given, layer.store))
             layer.store.encode_pending()  # the prefill is complete: nothing is in flight any more
             if self._evictor is not None:
                 attn = None if attentions is None else attentions[i]
@@ -461,6 +468,9 @@ class CertifiedCache(Cache):
             out, _ = sdpa_attention_forward(
                 module, query, key.to(query.dtype), value.to(query.dtype), sdpa_mask, scaling=sc, **kwargs
             )
+            if self._tier_select is not None and query.shape[2] > 1 and store.k.n_encoded == 0:
+                rows = read_rows(query, key, mask, sc, self._tier_select.prefill_reads)
+                choose_heavy(store, self._tier_select, self._heavy_share, rows)
             if self._evictor is not None:
                 assert logical is not None
                 self._evictor.after_read(store, query, key, logical, sc, None, self._step)

@@ -18,23 +18,31 @@ it replaces:
    before step 2's (the one predicted under twice the threshold), so it never pages more blocks than the meter's
    gate.
 
-With upgrade codecs (``LayerStore.upgrade``, ``docs/read-path.md#upgrade-repair``) only entries still at their
-first codes are paged in, and the rounds give the paged entries the radius ``scale·c`` (``scale`` from
-:func:`_upgrade_scale`, an estimate of the upgraded radius) instead of 0, so the prefix is sized for the reads after
-this one; a head no prefix passes that way pages in every entry (radius 0) and keeps nothing. With ``partial`` radii
-(a Tier-B gate's ``min(c, u)``) the rounds' certificate is the partial bound, and the meter over ``c`` is returned
-beside it.
+With upgrade codecs (``LayerStore.upgrade``, ``docs/read-path.md#upgrade-repair``) a repair does not page exact
+entries in: it serves the chosen entries from their *upgraded codes*. Every entry of the head still at light codes is
+planned (:meth:`LayerStore.plan_upgrade`: the upgrade codec's codes from the exact original, their decode and
+witnesses, as a host-side encoder would send them), and the rounds recompute the read with the chosen blocks' entries
+at their new values and at the Tier-A radii of their new witnesses (``key_radii``, computed as the read computes its
+own). That recomputed read is served, its certificate is that of what is served, and a persistent gate keeps exactly
+those codes (:meth:`LayerStore.commit_upgrade`, within the device budget). Its traffic is the new codes' and
+witnesses' measured bytes (:attr:`BlockRepairs.upgrade_bytes`). A head that no prefix passes even with every light
+entry upgraded is served with every light entry upgraded, and second rounds page in exact, over that, the blocks it
+still needs (radius 0; a persistent gate holds them exact, :meth:`LayerStore.persist_heads` with ``exact=True``).
+With ``partial`` radii (a Tier-B gate's ``min(c, u)``) the rounds' certificate is the partial bound (upgraded entries
+at their Tier-A radii, which bound their errors on any event), and the meter over ``c`` is returned beside it.
 
-The meter of the recomputed read is the certificate of what is served (paged tokens have radius 0, the others
-keep their radii, which bound their logit errors whatever the other tokens are). On the numba backend its softmax
-and meter are the decode read's fused row kernel (:func:`kvcert.kernels.numba_read.softmax_meter`, with that
-kernel's rounding allowance, ``docs/math.md#kernel-rounding``), elsewhere the eager forms (:func:`repaired_read`).
+The meter of the recomputed read is the certificate of what is served (paged tokens have radius 0, upgraded ones the
+radii of their new codes, the others keep their radii, which bound their logit errors whatever the other tokens
+are). On the numba backend its softmax and meter are the decode read's fused row kernel
+(:func:`kvcert.kernels.numba_read.softmax_meter`, with that kernel's rounding allowance,
+``docs/math.md#kernel-rounding``), elsewhere the eager forms (:func:`repaired_read`).
 The host tier's K/V of the gated heads are paged to the device once, head by head from the host tier's slices
 (pinned memory beside a GPU: asynchronous copies).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,12 +50,17 @@ import torch
 from kvcert.bounds.softmax_tv import probs64, served_meter
 from kvcert.bounds.tv_box import box_refined
 from kvcert.cache.gate import Gate
-from kvcert.cache.store import LayerStore
+from kvcert.cache.store import LayerStore, UpgradePlan
 from kvcert.checks import Checks, deferred
 from kvcert.kernels import active, numba_box
 from kvcert.kernels.numba_read import softmax_meter
 
-__all__ = ["BlockRepairs", "block_contributions", "repair_blocks", "repaired_read"]
+__all__ = ["BlockRepairs", "KeyRadii", "block_contributions", "repair_blocks", "repaired_read"]
+
+#: ``(heads, k_band [n, S, bands], k_hat_norm [n, S], k_wit [n, S]) -> [n, M, S]``: the Tier-A radii (float64, the
+#: logit rounding slack included) of the read's cells of the (row, KV head) index pair ``heads`` over keys with these
+#: witnesses, exactly as the read computes its own (:mod:`kvcert.attention.certified`)
+KeyRadii = Callable[[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -63,8 +76,9 @@ class BlockRepairs:
     v_res: torch.Tensor  # [n, S] value residual norms, 0 on paged tokens
     tokens: torch.Tensor  # [n, S] bool, the paged tokens
     n_blocks: torch.Tensor  # [n] int64 blocks paged
-    n_tokens: int
-    upgraded: torch.Tensor  # [n] bool, sized for upgrade codecs (False: paged everything it needed exact)
+    n_tokens: int  # entries paged in exact
+    upgrade_bytes: int  # the measured bytes of the upgraded entries' codes and witnesses served (host-side encoding)
+    upgraded: torch.Tensor  # [n] bool, served on upgraded codes (False: paged everything it needed exact)
     certified: torch.Tensor | None = None  # [n, M] with partial radii: the meter over the Tier-A radii
 
 
@@ -101,6 +115,7 @@ def repair_blocks(
     scaling: float,
     gate: Gate,
     partial: torch.Tensor | None = None,
+    key_radii: KeyRadii | None = None,
 ) -> BlockRepairs:
     """Page in token blocks of every (row, KV head) with ``need[B, Hkv]`` until each of its cells is under
     ``gate.threshold`` (see the module docstring). ``pairs``: the same heads on the host, ``need.nonzero()`` as
@@ -109,7 +124,8 @@ def repair_blocks(
     the read's radii and served distribution. Persistent gates keep the paged entries exact within the store's
     device budget (:meth:`LayerStore.persist`). ``partial`` (``[B, Hkv, M, S]``, ``<= c``; a Tier-B gate's
     ``min(c, u)``): the radii the rounds take instead of ``c``, so their certificate is the partial bound; the meter of
-    the last round over ``c`` (paged entries 0) is then returned as :attr:`BlockRepairs.certified`.
+    the last round over ``c`` is then returned as :attr:`BlockRepairs.certified`. With upgrade codecs ``key_radii``
+    gives the Tier-A radii of the upgraded entries (module docstring).
     """
     assert store.k is not None and store.v is not None
     if not pairs:
@@ -120,90 +136,234 @@ def repair_blocks(
     heads = torch.stack([bi, hi], -1)
     khat, vhat = store.k.served.view()[bi, hi], store.v.served.view()[bi, hi]  # [n, S, D] (copies: written below)
     dev = khat.device
-    hosts = store.k.host.view(), store.v.host.view()
-    hk, hv = (None, None) if _in_place(dev, hosts) else (_page(hosts[0], pairs, dev), _page(hosts[1], pairs, dev))
     vres = store.v_res.view()[bi, hi]
     q, m, cc, pp = qg[bi, hi], mask[bi, hi], (c if partial is None else partial)[bi, hi], p[bi, hi]
-    n, rows, s = pp.shape
-    bs = gate.block_size
-    nb = (s + bs - 1) // bs
-    # upgrade repair: only entries still at their first codes are paged in; the rounds size the prefix as if they were
-    # served at the upgrade codec's radii (scale·c), so that the reads after this one pass on the upgraded codes
-    scale = torch.full((n,), _upgrade_scale(store), dtype=cc.dtype, device=dev)
-    light = _light(store, pairs, s, dev)  # [n, S] (all True without upgrade codecs)
-    contrib = block_contributions(pp, torch.where(light.unsqueeze(1), cc, 0.0), bs)  # [n, M, nb]
-    order = torch.argsort(contrib.amax(1), dim=-1, descending=True, stable=True)  # [n, nb]
-    ordered = torch.gather(contrib, 2, order.unsqueeze(1).expand(n, rows, nb))
-    remaining = contrib.sum(-1, keepdim=True) - ordered.cumsum(-1)  # [n, M, nb]
-    predicted = 0.5 * ((1.0 + remaining.clamp(min=0)) ** 2 - 1.0)  # [n, M, nb]
-
-    def first_under(level: float) -> torch.Tensor:  # per head, the shortest prefix predicted under ``level``
-        ok = (predicted <= level).all(1)
-        return torch.where(ok.any(-1), ok.to(torch.int64).argmax(-1) + 1, nb)
-
-    k_meter = first_under(gate.threshold)
-    # a box gate tries first the prefix predicted under twice the threshold (to first order in the radii the e-form
-    # is Σ p̃ c and the box supremum half of it where the radii are even, tanh(c/2) against c), then the meter's
-    # prefix, then doubles as the meter's gate does: any prefix where the meter certifies the box certifies too, so it
-    # never pages more blocks than the meter's gate (one round more at most)
-    k = first_under(2.0 * gate.threshold) if gate.box else k_meter
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(nb, device=dev).expand(n, nb))
-    fused = active(dev) == "numba"
-    checks = Checks()
-    while True:
-        tok = (rank < k.unsqueeze(-1)).repeat_interleave(bs, -1)[:, :s]  # [n, S] the first k blocks in order
-        tok &= light | (scale == 0).unsqueeze(-1)
-        kmix = _mix(khat, hosts[0], hk, tok, pairs)
-        logits = (q @ kmix.transpose(-1, -2) * scaling).masked_fill(~m, float("-inf"))
-        paged = torch.where(scale.view(n, 1, 1) > 0, scale.view(n, 1, 1) * cc, 0.0)  # >= 0 (their true radius)
-        radii = torch.where(tok.unsqueeze(1), paged, cc)
-        with deferred(checks):  # the meter's fail-closed checks come back with the round's decision
-            pm, cert, raw = repaired_read(logits, radii, fused)
-            if gate.box:
-                cert = box_refined(pm, radii, cert, gate.threshold, numba_box.rows_for(dev))
-        under = ((raw if gate.uses_unclipped else cert) <= gate.threshold).all(-1)
-        done = under | ((k >= nb) & (scale == 0))
-        back = checks.read_back([done.all(), tok.sum()])  # one synchronisation per doubling round
-        assert back is not None  # no guard: None is never returned
-        all_done, n_tokens = back
-        if all_done:
-            break
-        last = ~done & (k >= nb)  # every block at the upgrade radii and still over: page in everything, radius 0
-        scale = torch.where(last, 0.0, scale)
-        k = torch.where(done | last, k, torch.where(k < k_meter, k_meter, 2 * k))
-    if gate.persistent:  # kept within the store's device budget, else a transient page-in
-        kept = (scale > 0).tolist() if store.upgrade is not None else [True] * n  # never upgrade a whole failing head
-        store.persist_heads(
-            [pr for pr, y in zip(pairs, kept, strict=True) if y],
-            [t for t, y in zip(tok.unbind(0), kept, strict=True) if y],
-        )
+    rounds = _Rounds(q, m, scaling, gate, active(dev) == "numba", (store.k.host.view(), store.v.host.view()), pairs)
+    light = _light(store, pairs, pp.shape[-1], dev)  # [n, S] (all True without upgrade codecs)
+    if store.upgrade is None:  # exact blocks, radius 0
+        got = rounds.run(khat, cc, pp, light)
+        exact, coded, on_codes, plans = got.tok, torch.zeros_like(got.under), torch.zeros_like(got.tok), []
+        values, v_res, exact_heads = vhat, vres, list(range(len(pairs)))
+    else:
+        # upgrade repair: the chosen light entries served from their upgraded codes (radii from the new codes'
+        # witnesses); a head that no choice of them passes is served with every light entry upgraded and the blocks it
+        # still needs paged in exact over that (radius 0)
+        up = _Upgrades.of(store, pairs, light, khat, vhat, vres, key_radii, (bi, hi))
+        got = rounds.run(khat, cc, pp, light, up.k, up.radii)
+        coded = got.under
+        on_codes, exact = torch.where(coded.unsqueeze(-1), got.tok, light), torch.zeros_like(got.tok)
+        failed = exact_heads = [i for i, ok in enumerate(got.under_host) if not ok]
+        if failed:
+            j = torch.tensor(failed, device=dev)
+            base_k = torch.where(light[j].unsqueeze(-1), up.k[j], khat[j])
+            base_c = torch.where(light[j].unsqueeze(1), up.radii[j], cc[j])
+            again = rounds.subset(failed).run(base_k, base_c, got.pm[j], torch.ones_like(light[j]))
+            exact[j], on_codes[j] = again.tok, on_codes[j] & ~again.tok
+            got = got.with_rows(j, again)
+        plans = [plan.subset(on_codes[i]) for i, plan in enumerate(up.plans)]
+        values = torch.where(on_codes.unsqueeze(-1), up.v, vhat)
+        v_res = torch.where(on_codes, up.v_res, vres)
+    if gate.persistent:  # kept within the store's device budget, else served for this read only
+        for plan in plans:
+            store.commit_upgrade(plan)
+        store.persist_heads([pairs[i] for i in exact_heads], [exact[i] for i in exact_heads], exact=True)
     certified = None
     if partial is not None:  # the same served read under the Tier-A radii (a certified bound)
-        certified = repaired_read(logits, torch.where(tok.unsqueeze(1), 0.0, c[bi, hi]), fused)[1]
-    out = pm.to(torch.float32) @ _mix(vhat, hosts[1], hv, tok, pairs)
-    v_res = torch.where(tok, 0.0, vres)
-    return BlockRepairs(heads, out, cert, raw, pm, v_res, tok, k.clamp(max=nb), n_tokens, scale > 0, certified)
+        tier_a = torch.where(on_codes.unsqueeze(1), got.radii, c[bi, hi])
+        certified = repaired_read(got.logits, torch.where(exact.unsqueeze(1), 0.0, tier_a), rounds.fused)[1]
+    if got.n_exact:  # the exact entries' values, from the host tier
+        values = _mix(values.clone(), rounds.hosts[1], rounds.paged(1, dev), exact, pairs)
+    out = got.pm.to(torch.float32) @ values
+    return BlockRepairs(
+        heads,
+        out,
+        got.cert,
+        got.raw,
+        got.pm,
+        torch.where(exact, 0.0, v_res),
+        exact | on_codes,
+        got.blocks,
+        got.n_exact,
+        sum(plan.nbytes for plan in plans),  # what a host-side encoder sends: the new codes and witnesses
+        coded,
+        certified,
+    )
 
 
-def _upgrade_scale(store: LayerStore) -> float:
-    """The factor the doubling rounds apply to the radii of the paged entries: 0 without upgrade codecs (paged entries
-    are kept exact); with them, ``(2^b − 1)/(2^b' − 1)`` for key codecs of ``b`` and ``b'`` bits, the ratio of their
-    rounding steps over the same range: an estimate of the radius an upgraded entry will have, used to size the
-    prefix only. The read itself serves the paged entries exact (radius 0 <= the scaled one), so its certificate
-    holds whatever the estimate."""
-    if store.upgrade is None:
-        return 0.0
-    return (2.0**store.key_codec.bits - 1.0) / (2.0 ** store.upgrade[0].bits - 1.0)
+@dataclass(frozen=True)
+class _Round:
+    """The doubling rounds' outcome for ``n`` heads: the substituted entries ``tok`` ``[n, S]``, whether every cell
+    of the head is under the threshold (``under`` ``[n]``, and on the host ``under_host``), the last round's served
+    distribution, certificates, logits and radii, the blocks substituted and the exact entries paged (``n_exact``)."""
+
+    tok: torch.Tensor
+    under: torch.Tensor
+    under_host: list[bool]
+    pm: torch.Tensor
+    cert: torch.Tensor
+    raw: torch.Tensor
+    logits: torch.Tensor
+    radii: torch.Tensor
+    blocks: torch.Tensor
+    n_exact: int
+
+    def with_rows(self, rows: torch.Tensor, other: _Round) -> _Round:
+        """This outcome with the heads ``rows`` taken from ``other`` (their substituted entries added to ours: the
+        second rounds substitute over the first's)."""
+        tensors = {
+            name: getattr(self, name).index_copy(0, rows, getattr(other, name))
+            for name in ("under", "pm", "cert", "raw", "logits", "radii", "blocks")
+        }
+        under = list(self.under_host)
+        for i, ok in zip(rows.tolist(), other.under_host, strict=True):
+            under[i] = ok
+        tok = self.tok.index_copy(0, rows, self.tok[rows] | other.tok)
+        return _Round(tok=tok, under_host=under, n_exact=self.n_exact + other.n_exact, **tensors)
+
+
+@dataclass(frozen=True)
+class _Rounds:
+    """The doubling rounds of one read's repaired heads (module docstring, steps 1–3): queries ``q[n, M, D]``, their
+    visibility ``m``, the gate, whether the fused row kernel evaluates them, the host tier's K and V (``hosts``) and
+    the heads as (row, KV head) ``pairs``."""
+
+    q: torch.Tensor
+    m: torch.Tensor
+    scaling: float
+    gate: Gate
+    fused: bool
+    hosts: tuple[torch.Tensor, torch.Tensor]
+    pairs: list[tuple[int, int]]
+
+    def subset(self, rows: list[int]) -> _Rounds:
+        """The same rounds over the heads ``rows`` only."""
+        j = torch.tensor(rows, device=self.q.device)
+        return _Rounds(
+            self.q[j], self.m[j], self.scaling, self.gate, self.fused, self.hosts, [self.pairs[i] for i in rows]
+        )
+
+    def paged(self, tensor: int, device: torch.device) -> torch.Tensor | None:
+        """The heads' slices of the host tier's ``tensor`` (0: K, 1: V) paged to ``device``; ``None`` where
+        :func:`_mix` copies in place (CPU)."""
+        return None if _in_place(device, self.hosts) else _page(self.hosts[tensor], self.pairs, device)
+
+    def run(
+        self,
+        keys: torch.Tensor,
+        radii: torch.Tensor,
+        p: torch.Tensor,
+        pageable: torch.Tensor,
+        sub_keys: torch.Tensor | None = None,
+        sub_radii: torch.Tensor | None = None,
+    ) -> _Round:
+        """Substitute blocks of the ``pageable[n, S]`` entries into the read of ``keys[n, S, D]`` at ``radii[n, M,
+        S]`` (served distribution ``p``), in order of their contributions, doubling the prefix until every cell is
+        under the threshold or every block is substituted: by ``sub_keys`` at ``sub_radii`` (upgraded codes), or
+        without them by the exact entries at radius 0."""
+        gate = self.gate
+        n, rows, s = p.shape
+        bs = gate.block_size
+        nb = (s + bs - 1) // bs
+        contrib = block_contributions(p, torch.where(pageable.unsqueeze(1), radii, 0.0), bs)  # [n, M, nb]
+        order = torch.argsort(contrib.amax(1), dim=-1, descending=True, stable=True)  # [n, nb]
+        ordered = torch.gather(contrib, 2, order.unsqueeze(1).expand(n, rows, nb))
+        remaining = contrib.sum(-1, keepdim=True) - ordered.cumsum(-1)  # [n, M, nb]
+        predicted = 0.5 * ((1.0 + remaining.clamp(min=0)) ** 2 - 1.0)  # [n, M, nb]
+
+        def first_under(level: float) -> torch.Tensor:  # per head, the shortest prefix predicted under ``level``
+            ok = (predicted <= level).all(1)
+            return torch.where(ok.any(-1), ok.to(torch.int64).argmax(-1) + 1, nb)
+
+        k_meter = first_under(gate.threshold)
+        # a box gate tries first the prefix predicted under twice the threshold (to first order in the radii the
+        # e-form is Σ p̃ c and the box supremum half of it where the radii are even, tanh(c/2) against c), then the
+        # meter's prefix, then doubles as the meter's gate does: any prefix where the meter certifies the box
+        # certifies too, so it never pages more blocks than the meter's gate (one round more at most)
+        k = first_under(2.0 * gate.threshold) if gate.box else k_meter
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(nb, device=p.device).expand(n, nb))
+        substituted = keys.clone() if sub_keys is None else keys  # the exact entries are written into the copy
+        host_keys = self.paged(0, keys.device) if sub_keys is None else None
+        checks = Checks()
+        while True:
+            tok = (rank < k.unsqueeze(-1)).repeat_interleave(bs, -1)[:, :s] & pageable  # the first k blocks in order
+            if sub_keys is None:
+                mixed = _mix(substituted, self.hosts[0], host_keys, tok, self.pairs)
+                r = torch.where(tok.unsqueeze(1), 0.0, radii)
+            else:
+                assert sub_radii is not None
+                mixed = torch.where(tok.unsqueeze(-1), sub_keys, keys)
+                r = torch.where(tok.unsqueeze(1), sub_radii, radii)
+            logits = (self.q @ mixed.transpose(-1, -2) * self.scaling).masked_fill(~self.m, float("-inf"))
+            with deferred(checks):  # the meter's fail-closed checks come back with the round's decision
+                pm, cert, raw = repaired_read(logits, r, self.fused)
+                if gate.box:
+                    cert = box_refined(pm, r, cert, gate.threshold, numba_box.rows_for(p.device))
+            under = ((raw if gate.uses_unclipped else cert) <= gate.threshold).all(-1)
+            done = under | (k >= nb)
+            back = checks.read_back([done.all(), tok.sum(), under])  # one synchronisation per doubling round
+            assert back is not None  # no guard: None is never returned
+            all_done, n_tok, *under_host = back
+            if all_done:
+                n_exact = n_tok if sub_keys is None else 0
+                under_list = [bool(x) for x in under_host]
+                return _Round(tok, under, under_list, pm, cert, raw, logits, r, k.clamp(max=nb), n_exact)
+            k = torch.where(done, k, torch.where(k < k_meter, k_meter, 2 * k))
+
+
+@dataclass(frozen=True)
+class _Upgrades:
+    """Every light entry of the repaired heads as an upgrade repair would store it (:meth:`LayerStore.plan_upgrade`):
+    the served keys and values with the light entries replaced by their new codes' decode (``k``, ``v`` ``[n, S, D]``),
+    the value residual norms with theirs (``v_res`` ``[n, S]``), the Tier-A radii of the new keys in every cell
+    (``radii`` ``[n, M, S]``, from their witnesses) and the plans themselves, one per head."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    v_res: torch.Tensor
+    radii: torch.Tensor
+    plans: list[UpgradePlan]
+
+    @classmethod
+    def of(
+        cls,
+        store: LayerStore,
+        pairs: list[tuple[int, int]],
+        light: torch.Tensor,
+        khat: torch.Tensor,
+        vhat: torch.Tensor,
+        vres: torch.Tensor,
+        key_radii: KeyRadii | None,
+        heads: tuple[torch.Tensor, torch.Tensor],
+    ) -> _Upgrades:
+        """Plan every light entry of ``pairs`` (``light[n, S]``) over the served ``khat``, ``vhat`` and ``vres``."""
+        assert key_radii is not None, "upgrade repair needs the key radii of the new codes"
+        k, v, v_res = khat.clone(), vhat.clone(), vres.clone()
+        band = store.k_band.view()[heads].clone()
+        hat_norm, wit = store.k_hat_norm.view()[heads].clone(), store.k_wit.view()[heads].clone()
+        plans = [store.plan_upgrade(b, h, light[j].cpu()) for j, (b, h) in enumerate(pairs)]
+        for j, plan in enumerate(plans):
+            for part in plan.parts:
+                on = part.slots.to(k.device)
+                if part.is_key:
+                    k[j, on] = part.xhat
+                    band[j, on] = part.witnesses["k_band"]
+                    hat_norm[j, on] = part.witnesses["k_hat_norm"]
+                    wit[j, on] = part.witnesses["k_wit"]
+                else:
+                    v[j, on] = part.xhat
+                    v_res[j, on] = part.witnesses["v_res"]
+        return cls(k, v, v_res, key_radii(heads, band, hat_norm, wit), plans)
 
 
 def _light(store: LayerStore, pairs: list[tuple[int, int]], s: int, dev: torch.device) -> torch.Tensor:
-    """``[n, S]`` bool: the keys of each (row, KV head) of ``pairs`` still served from their first codes (neither
-    exact nor upgraded); all True without upgrade codecs (every entry may be paged in)."""
+    """``[n, S]`` bool: the keys of each (row, KV head) of ``pairs`` served from light codes (neither exact nor in the
+    wide codes: upgraded, or stored heavy by token tiers); all True without upgrade codecs (every entry may be paged
+    in)."""
     if store.upgrade is None:
         return torch.ones(len(pairs), s, dtype=torch.bool, device=dev)
     assert store.k is not None
     exact = store.k.exact.view()
-    return torch.stack([~exact[b, h].cpu() & ~store.k.upgraded(b, h, s, store.base) for b, h in pairs]).to(dev)
+    return torch.stack([~exact[b, h].cpu() & ~store.k.wide(b, h, s, store.base) for b, h in pairs]).to(dev)
 
 
 def _in_place(dev: torch.device, hosts: tuple[torch.Tensor, ...]) -> bool:

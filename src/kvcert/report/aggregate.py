@@ -29,10 +29,11 @@ def stored_fraction(tels: Sequence[Telemetry]) -> float:
 def byte_numbers(tels: Sequence[Telemetry]) -> dict[str, float]:
     """Measured byte figures of a variant pooled over its samples, capacity and bandwidth kept apart.
 
-    ``bytes_device`` / ``bytes_fp16`` / ``page_in_bytes`` / ``transient_page_ins`` / ``upgraded_entries`` are sums
-    over samples; ``capacity = Σ bytes_fp16 / Σ bytes_device``; ``page_in_ratio = Σ bytes_paged / Σ bytes_fp16``
-    (page-in traffic relative to the requests' fp16 K/V); ``bytes_per_token_*`` scale the fp16 bytes of one token
-    (:func:`fp16_bytes_per_token`) by the device resp. stored (codes + exact entries) fraction.
+    ``bytes_device`` / ``bytes_fp16`` / ``page_in_bytes`` / ``transient_page_ins`` / ``upgraded_entries`` /
+    ``heavy_entries`` are sums over samples; ``capacity = Σ bytes_fp16 / Σ bytes_device``;
+    ``page_in_ratio = Σ bytes_paged / Σ bytes_fp16`` (page-in traffic relative to the requests' fp16 K/V);
+    ``bytes_per_token_*`` scale the fp16 bytes of one token (:func:`fp16_bytes_per_token`) by the device resp. stored
+    (codes + exact entries) fraction.
     """
     fp16 = sum(t.bytes_fp16 for t in tels)
     device = sum(t.bytes_device for t in tels)
@@ -51,6 +52,7 @@ def byte_numbers(tels: Sequence[Telemetry]) -> dict[str, float]:
         "page_in_ratio": paged / fp16 if fp16 else nan,
         "transient_page_ins": sum(t.transient_page_ins for t in tels),
         "upgraded_entries": sum(t.upgraded_entries for t in tels),
+        "heavy_entries": sum(t.heavy_entries for t in tels),
     }
 
 

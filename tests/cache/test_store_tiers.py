@@ -1,0 +1,157 @@
+"""Token tiers in the store (``LayerStore(upgrade=..., token_tiers=True)``): the entries ``choose_heavy`` names are
+stored in the upgrade codecs instead of the light ones, served as those codes decode, with witnesses of those codes;
+the bytes are the stored tensors'; upgrade repairs leave them alone; bad choices are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcert.bounds import band_norms
+from kvcert.cache.store import LayerStore
+from kvcert.quant import DitherKey, get
+from kvcert.quant.token_tiers import TokenTiers
+
+from .test_cache_store import _assert_norm_witnesses, _kv, _rows
+
+
+def _store(keys="dither-int4", values="int2", up=("dither-int8", "int4"), **kw):
+    return LayerStore(
+        0,
+        get(keys),
+        get(values),
+        bands=8,
+        pairing="rotate_half",
+        seed=1,
+        upgrade=(get(up[0]), get(up[1])),
+        token_tiers=True,
+        **kw,
+    )
+
+
+def _chosen(t=32, c=6):
+    """Slots ``[2, 3, c]``: a different set per (row, KV head), the same count."""
+    g = torch.Generator().manual_seed(2)
+    return torch.stack(
+        [torch.stack([torch.randperm(t, generator=g)[:c].sort().values for _ in range(3)]) for _ in range(2)]
+    )
+
+
+def _filled(st, slots, t=32):
+    k, v = _kv(t=t)
+    st.append(k, v, *_rows())
+    st.choose_heavy(slots)
+    st.append(*_kv(t=1, seed=9), *_rows())  # encodes the first t tokens; one pending (exact) token
+    return k, v
+
+
+def test_chosen_entries_are_served_from_the_upgrade_codes_and_witnessed_as_such():
+    st = _store()
+    slots = _chosen()
+    k, v = _filled(st, slots)
+    heavy = torch.zeros(2, 3, 32, dtype=torch.bool).scatter(2, slots, True)
+    key = DitherKey(1, torch.arange(2), 0, torch.arange(32).expand(2, 32).contiguous())
+    light, wide = get("dither-int4"), get("dither-int8")
+    want_k = torch.where(
+        heavy.unsqueeze(-1), wide.decode(wide.encode(k, key), key), light.decode(light.encode(k, key), key)
+    )
+    want_v = torch.where(
+        heavy.unsqueeze(-1), get("int4").decode(get("int4").encode(v)), get("int2").decode(get("int2").encode(v))
+    )
+    assert torch.equal(st.k.served.view()[:, :, :32], want_k) and torch.equal(st.v.served.view()[:, :, :32], want_v)
+    steps = torch.where(heavy.unsqueeze(-1), wide.steps(wide.encode(k, key)), light.steps(light.encode(k, key)))
+    assert torch.equal(st.k_steps.view()[:, :, :32], steps)  # Tier B reads each token's own steps
+    resid = st.k.served.view()[:, :, :32].double() - k.double()
+    assert torch.all(st.k_band.view()[:, :, :32].double() >= band_norms(resid, 8, "rotate_half"))
+    dv = st.v.served.view()[:, :, :32].double() - v.double()
+    assert torch.all(st.v_res.view()[:, :, :32].double() >= dv.norm(dim=-1))
+    _assert_norm_witnesses(st)
+    for b in range(2):
+        for h in range(3):
+            assert torch.equal(st.k.wide(b, h, 33, st.base)[:32], heavy[b, h])
+    assert st.heavy_entries == 2 * 2 * 3 * 6  # K and V apart
+
+
+def test_the_bytes_are_the_stored_tensors_and_each_token_is_stored_once():
+    tiered, light = _store(), LayerStore(0, get("dither-int4"), get("int2"), bands=8, pairing="rotate_half", seed=1)
+    _filled(tiered, _chosen())
+    k, v = _kv(t=32)
+    light.append(k, v, *_rows())
+    light.append(*_kv(t=1, seed=9), *_rows())
+    packed = sum(c.packed.nbytes for ts in (tiered.k, tiered.v) for c in ts.chunks)
+    assert packed == sum(
+        t.numel() * t.element_size()
+        for ts in (tiered.k, tiered.v)
+        for c in ts.chunks
+        for t in c.packed.tensors.values()
+    )
+    assert tiered.bytes_device() - light.bytes_device() == packed - sum(
+        c.packed.nbytes for ts in (light.k, light.v) for c in ts.chunks
+    )
+    # 6 of 32 tokens per head wider: int8 keys over int4 (+32 B), int4 values over int2 (+16 B), and the bit masks
+    assert (
+        packed - sum(c.packed.nbytes for ts in (light.k, light.v) for c in ts.chunks)
+        == 2 * 3 * 6 * (32 + 16) + 2 * 2 * 3 * 4
+    )
+    assert isinstance(tiered.k.codec, TokenTiers) and tiered.key_codec.name == "dither-int4"
+
+
+def test_upgrade_repairs_leave_heavy_entries_alone():
+    st = _store()
+    slots = _chosen()
+    _filled(st, slots)
+    assert st.persist(0, 1, slice(0, 32))
+    light_count = 32 - 6
+    assert st.upgraded == 2 * light_count  # only the light entries of (0, 1), K and V
+    assert bool(st.k.wide(0, 1, 33, st.base)[:32].all())
+
+
+def test_entries_encoded_after_the_choice_are_light_and_a_trim_keeps_the_tiers_aligned():
+    st = _store(write_block=8)
+    k, v = _kv(t=30)
+    st.append(k, v, *_rows())
+    slots = torch.arange(22, 30).expand(2, 3, 8).contiguous()  # the newest 8: the 6 still pending stay chosen
+    st.choose_heavy(slots)
+    st.append(*_kv(t=10, seed=3), *_rows())  # encodes [0, 24): 2 chosen per head, the rest light
+    st.append(*_kv(t=1, seed=4), *_rows())  # encodes [24, 40): the 6 chosen pending ones, then new tokens
+    assert st.heavy_entries == 2 * 2 * 3 * 8
+    st.drop_before(20)
+    assert torch.equal(st.k.wide(0, 0, st.n, st.base)[:10], torch.tensor([False] * 2 + [True] * 8))
+    assert not st.k.wide(1, 2, st.n, st.base)[10:].any()
+
+
+def test_bad_choices_are_refused_by_name():
+    with pytest.raises(ValueError, match="give upgrade= too"):
+        LayerStore(0, get("int4"), get("int4"), bands=8, pairing="rotate_half", seed=0, token_tiers=True)
+    plain = LayerStore(0, get("int4"), get("int4"), bands=8, pairing="rotate_half", seed=0)
+    plain.append(*_kv(t=4), *_rows())
+    with pytest.raises(ValueError, match="token-tier store"):
+        plain.choose_heavy(torch.zeros(2, 3, 1, dtype=torch.int64))
+    st = _store()
+    st.append(*_kv(t=8), *_rows())
+    with pytest.raises(ValueError, match=r"\[B, H, C\]"):
+        st.choose_heavy(torch.zeros(3, 3, 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="live slots"):
+        st.choose_heavy(torch.full((2, 3, 1), 8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="repeat a slot"):
+        st.choose_heavy(torch.zeros(2, 3, 2, dtype=torch.int64))
+
+
+def test_a_write_with_uneven_chosen_counts_tops_them_up_with_the_newest_entries():
+    st = _store(write_block=8)
+    st.append(*_kv(t=16), *_rows())
+    slots = torch.tensor([3, 9]).expand(2, 3, 2).clone()
+    slots[1, 2] = torch.tensor([3, 4])  # (1, 2) has both in [0, 8), every other head one in each block
+    st.choose_heavy(slots)
+    st.append(*_kv(t=1, seed=3), *_rows())  # encodes [0, 16) in one write: 2 chosen on every head
+    want = torch.zeros(2, 3, 16, dtype=torch.bool)
+    want[:, :, [3, 9]] = True
+    want[1, 2] = False
+    want[1, 2, [3, 4]] = True
+    assert torch.equal(st.k.chunks[0].heavy, want)
+    st2 = _store(write_block=8)
+    st2.append(*_kv(t=12), *_rows())
+    st2.choose_heavy(slots)  # the write encodes [0, 8) only: (1, 2) has 2 chosen there, the others 1
+    st2.append(*_kv(t=1, seed=3), *_rows())
+    first = st2.k.chunks[0].heavy
+    assert bool((first.sum(-1) == 2).all()) and bool(first[0, 0, [3, 7]].all())  # topped up with the newest

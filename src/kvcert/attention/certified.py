@@ -773,7 +773,9 @@ def _repair_block_heads(rd: _Read, sv: _Served, ch: _Changes, dc: _Decision, cfg
     ch.blocks = torch.zeros(rd.b, rd.hkv, dtype=torch.int64, device=need.device).index_put_((bi, hi), res.n_blocks)
     ch.bytes_paged += res.n_tokens * _kv_bytes(rd.store) + res.upgrade_bytes
     if any(reserved):
-        _served_partial(rd, ch, res, [r and u for r, u in zip(reserved, res.upgraded.tolist(), strict=True)])
+        # every reserved head's rounds ran on the partial radii (a head no upgrade passes too: its second rounds keep
+        # them on the entries not paged exact), so each is served on the partial bound
+        _served_partial(rd, ch, res, reserved)
 
 
 def _key_radii(rd: _Read, sv: _Served) -> KeyRadii:

@@ -48,6 +48,7 @@ def test_every_cell_is_within_its_certificate_with_token_tiers(family):
     cache.detach()
     tel = cache.telemetry()
     assert tel.heavy_entries > 0 and tel.summary()["heavy_entries"] == tel.heavy_entries
+    assert tel.tiers["heavy_entries"].startswith("measured") and tel.tiers["upgraded_entries"].startswith("measured")
     assert tel.violations == 0 and tel.out_violations == 0 and tel.partial_violations == 0
     seen = ~torch.isnan(tel.true_tv)
     assert bool(seen.any()) and bool((tel.true_tv[seen] <= tel.certificates[seen]).all())  # per cell

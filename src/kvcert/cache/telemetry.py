@@ -108,6 +108,9 @@ TIERS: dict[str, str] = {
     "bytes_host": "measured (exact host-tier copy)",
     "bytes_paged": "measured (host -> device page-in traffic over the request)",
     "capacity": "measured (bytes_fp16 / bytes_device)",
+    "transient_page_ins": "measured (persistent repairs the device budget served for their read only)",
+    "upgraded_entries": "measured (entries, K and V apart, upgrade repairs re-encoded in the upgrade codecs)",
+    "heavy_entries": "measured (entries, K and V apart, token tiers stored in the heavy codecs)",
     "reselect": "measured (re-selections of the resident set; tokens promoted / demoted; page-in bytes of the "
     "promoted tokens, included in bytes_paged)",
     "fallback_rate": "measured (share of recorded KV-head reads served partly from an exact copy: paged in at the "

@@ -630,6 +630,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "attention singles out) stored in the --upgrade codecs instead of the light ones "
         "(docs/read-path.md#token-tiers)",
     )
+    ap.add_argument(
+        "--bands",
+        type=int,
+        default=8,
+        help="StorageConfig(bands=): key-witness bands of whole RoPE pairs per KV head (default 8; fewer store "
+        "fewer witness bytes and loosen the Tier-A radius, docs/math.md#compact-witnesses)",
+    )
     ap.add_argument("--block-size", type=int, default=None, help="the block gates' block size (Gate default 64)")
     ap.add_argument(
         "--resident",
@@ -724,7 +731,9 @@ def main() -> None:
     schemes = [
         s
         if s.is_dense
-        else dataclasses.replace(s, exact_sinks=args.exact_sinks, upgrade=upgrade, heavy_share=args.heavy_share)
+        else dataclasses.replace(
+            s, exact_sinks=args.exact_sinks, upgrade=upgrade, heavy_share=args.heavy_share, bands=args.bands
+        )
         for s in schemes
     ]
     config = {
@@ -739,6 +748,7 @@ def main() -> None:
         **({} if upgrade is None else {"upgrade": list(upgrade)}),
         **({} if args.block_size is None else {"block_size": args.block_size}),
         **({} if args.heavy_share is None else {"heavy_share": args.heavy_share}),
+        **({} if args.bands == 8 else {"bands": args.bands}),
         "max_new_tokens": args.max_new_tokens,
         **({} if resident is None else {"resident": resident.describe()}),
         **(

@@ -137,21 +137,64 @@ def test_bad_choices_are_refused_by_name():
         st.choose_heavy(torch.zeros(2, 3, 2, dtype=torch.int64))
 
 
-def test_a_write_with_uneven_chosen_counts_tops_them_up_with_the_newest_entries():
+def test_a_write_stores_each_heads_own_chosen_count():
     st = _store(write_block=8)
-    st.append(*_kv(t=16), *_rows())
+    st.append(*_kv(t=12), *_rows())
     slots = torch.tensor([3, 9]).expand(2, 3, 2).clone()
     slots[1, 2] = torch.tensor([3, 4])  # (1, 2) has both in [0, 8), every other head one in each block
     st.choose_heavy(slots)
-    st.append(*_kv(t=1, seed=3), *_rows())  # encodes [0, 16) in one write: 2 chosen on every head
-    want = torch.zeros(2, 3, 16, dtype=torch.bool)
-    want[:, :, [3, 9]] = True
-    want[1, 2] = False
-    want[1, 2, [3, 4]] = True
-    assert torch.equal(st.k.chunks[0].heavy, want)
-    st2 = _store(write_block=8)
-    st2.append(*_kv(t=12), *_rows())
-    st2.choose_heavy(slots)  # the write encodes [0, 8) only: (1, 2) has 2 chosen there, the others 1
-    st2.append(*_kv(t=1, seed=3), *_rows())
-    first = st2.k.chunks[0].heavy
-    assert bool((first.sum(-1) == 2).all()) and bool(first[0, 0, [3, 7]].all())  # topped up with the newest
+    st.append(*_kv(t=1, seed=3), *_rows())  # encodes [0, 8) only
+    want = torch.zeros(2, 3, 8, dtype=torch.bool)
+    want[:, :, 3] = True
+    want[1, 2, 4] = True
+    assert torch.equal(st.k.chunks[0].heavy, want) and torch.equal(TokenTiers.heavy_mask(st.v.chunks[0].packed), want)
+    assert st.heavy_entries == 2 * 7
+
+
+def _light_codes(st, ts):
+    """``[B, H, S]`` bool: the entries whose light codes a chunk of ``ts`` still holds."""
+    return torch.cat([~TokenTiers.heavy_mask(c.packed) & ~TokenTiers.dropped_mask(c.packed) for c in ts.chunks], -1)
+
+
+def test_an_upgrade_drops_the_light_codes_it_replaces_and_counts_the_net_bytes():
+    st = _store()
+    slots = _chosen()
+    _filled(st, slots)
+    served = st.k.served.view().clone()
+    before, light_before = st.bytes_device(), _light_codes(st, st.k)
+    assert st.persist(0, 1, slice(0, 20))
+    upgraded = torch.zeros(2, 3, 32, dtype=torch.bool)
+    upgraded[0, 1, :20] = light_before[0, 1, :20]
+    for ts in (st.k, st.v):
+        assert torch.equal(_light_codes(st, ts), light_before & ~upgraded)  # dropped where upgraded, nowhere else
+        assert torch.equal(TokenTiers.dropped_mask(ts.chunks[0].packed), upgraded)
+        decoded = ts.codec.decode(ts.chunks[0].packed, ts.chunks[0].key)
+        assert bool(decoded[upgraded].isnan().all())  # fail closed: a dropped entry is never served from the chunk
+    others = ~torch.nn.functional.pad(upgraded, (0, 1))  # the pending slot 32 included
+    assert torch.equal(st.k.served.view()[others], served[others])
+    n = int(upgraded.sum())
+    # per entry: the new codes (dither-int8 64 + 4, int4 32 + 4) in, the light ones (dither-int4 32 + 4, int2 16 + 4)
+    # out; plus the dropped-entry bit masks (4 bytes per (row, head) for 32 slots, K and V)
+    assert st.bytes_device() - before == n * ((68 + 36) - (36 + 20)) + 2 * (2 * 3 * 4)
+    assert st.bytes_device() == sum(c.packed.nbytes for ts in (st.k, st.v) for c in ts.chunks + ts.upgrades) + (
+        st.bytes_witness() + st.k.exact_nbytes(64) + st.v.exact_nbytes(64)
+    )
+
+
+def test_the_budget_gives_the_dropped_light_codes_back_bit_for_bit():
+    st = _store()
+    slots = _chosen()
+    _filled(st, slots)
+    chunks = {name: dict(ts.chunks[0].packed.tensors) for name, ts in (("k", st.k), ("v", st.v))}  # never mutated
+    served = (st.k.served.view().clone(), st.v.served.view().clone())
+    first = st.bytes_device()
+    assert st.persist(0, 1, slice(0, 16)) and st.persist(1, 0, slice(8, 24))
+    st.device_budget = first / st.bytes_fp16()  # below what the upgrades hold: every record is released
+    st.append(*_kv(t=1, seed=11), *_rows())
+    assert not st.k.upgrades and not st.v.upgrades and st.released > 0
+    for name, ts in (("k", st.k), ("v", st.v)):
+        now = ts.chunks[0].packed.tensors
+        assert now.keys() == chunks[name].keys() and all(torch.equal(now[n], chunks[name][n]) for n in now)
+    assert torch.equal(st.k.served.view()[:, :, :32], served[0][:, :, :32])
+    assert torch.equal(st.v.served.view()[:, :, :32], served[1][:, :, :32])
+    _assert_norm_witnesses(st)

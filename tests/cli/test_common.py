@@ -151,6 +151,15 @@ def test_parse_storage_applies_upgrade_codecs_checked_as_a_store_checks_them() -
             parse_storage(parse_schemes("dither-int5/int2"), "log8", "1.0", 0, text)
 
 
+def test_parse_storage_applies_the_bands_to_every_scheme_and_refuses_fewer_than_one() -> None:
+    specs = parse_storage(parse_schemes("dither-int5/int2,int4"), "log8", "1.0", 0, None, None, 2)
+    assert [s.bands for s in specs] == [2, 2]
+    assert parse_storage(specs, "log8", "1.0")[0].bands == 8
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="--bands: expected an integer >= 1"):
+            parse_storage(parse_schemes("int4"), "log8", "1.0", 0, None, None, bad)
+
+
 def test_parse_storage_applies_a_heavy_share_only_with_upgrade_codecs() -> None:
     specs = parse_storage(parse_schemes("dither-int5/int2,int4"), "log8", "1.0", 0, "dither-int8/int4", 0.2)
     assert [s.heavy_share for s in specs] == [0.2, 0.2]

@@ -391,13 +391,27 @@ def test_a_heavy_share_reaches_the_schemes_and_not_the_resident_variant(
     assert got == {"int4": 0.2, "int4+gate": 0.2, "int4+resident": None}
 
 
+@pytest.mark.parametrize(("command", "task"), COMMANDS)
+def test_the_bands_reach_every_variant(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str, task: list[str]
+) -> None:
+    """``--bands N`` is a witness option of every store: the scheme, its gated variant and its resident variant."""
+    seen = _captured(
+        tmp_path, monkeypatch, command, task, ["--bands", "2", "--gate", "certified:0.2", "--resident", "0.25"]
+    )
+    assert {sc.name: sc.storage().bands for sc in seen} == {"int4": 2, "int4+gate": 2, "int4+resident": 2}
+
+
 def test_an_eval_run_records_its_upgrade_codecs_and_heavy_share(tmp_path: Path) -> None:
     tiny = ["--model", "tiny:llama", "--context", "512", "--samples", "1", "--schemes", "int4", "--max-new-tokens", "2"]
     opts = ["--task", "ruler:niah_single_1", "--gate", "certified:0.2:block", "--upgrade", "int8/int4"]
-    result = runner.invoke(app, ["eval", *tiny, *opts, "--heavy-share", "0.2", "--out", str(tmp_path / "out")])
+    result = runner.invoke(
+        app, ["eval", *tiny, *opts, "--heavy-share", "0.2", "--bands", "4", "--out", str(tmp_path / "out")]
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
     assert doc["config"]["upgrade"] == "int8/int4" and doc["config"]["heavy_share"] == 0.2
+    assert doc["config"]["bands"] == 4
     gated = doc["results"]["variants"]["int4+gate"]
     assert gated["upgraded_entries"]["tier"] == gated["heavy_entries"]["tier"] == "empirical"
     assert gated["heavy_entries"]["value"] > 0

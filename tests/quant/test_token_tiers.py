@@ -1,6 +1,6 @@
 """The token-tier codec (``TokenTiers(light, heavy)``): each token decodes to what its own tier's codec decodes it to,
-its Tier-B steps are its own tier's, each token's codes are stored once (bytes measured), and choices a rectangular
-stored form cannot hold are refused by name."""
+its Tier-B steps are its own tier's, each token's codes are stored once (bytes measured), each (row, head) may have
+its own heavy count, dropped codes decode to NaN and come back bit for bit, and bad choices are refused by name."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from kvcert.quant.token_tiers import TokenTiers, check_wide
 PAIRS = [("dither-int5", "dither-int8"), ("dither-int4+bypass2", "dither-int8+bypass2"), ("int2", "int4")]
 
 
-def _choice(b=2, h=3, t=21, k=5, seed=0):
+def _choice(b=2, h=3, t=21, k=5, seed=0, uneven=False):
+    """``k`` heavy tokens per (row, head) at random slots (``uneven``: ``(i + j) % (k + 1)`` instead)."""
     g = torch.Generator().manual_seed(seed)
     heavy = torch.zeros(b, h, t, dtype=torch.bool)
     for i in range(b):
         for j in range(h):
-            heavy[i, j, torch.randperm(t, generator=g)[:k]] = True
+            heavy[i, j, torch.randperm(t, generator=g)[: (i + j) % (k + 1) if uneven else k]] = True
     return heavy
 
 
@@ -26,10 +27,12 @@ def _x(t=21, seed=1):
     return torch.randn(2, 3, t, 64, generator=torch.Generator().manual_seed(seed)) * 3
 
 
+@pytest.mark.parametrize("uneven", [False, True])
 @pytest.mark.parametrize(("light", "heavy"), PAIRS)
-def test_every_token_decodes_as_its_own_tiers_codec_decodes_it(light, heavy):
+def test_every_token_decodes_as_its_own_tiers_codec_decodes_it(light, heavy, uneven):
     codec = TokenTiers(get(light), get(heavy))
-    x, choice = _x(), _choice()
+    x, choice = _x(), _choice(uneven=uneven)
+    assert len(set(choice.sum(-1).flatten().tolist())) == (4 if uneven else 1)  # counts 0..3 per (row, head)
     key = sample_key(x, seed=5) if codec.needs_key else None
     packed, decoded = codec.encode_decode_split(x, key, choice)
     # reference: each codec alone on the whole tensor (per-token codes: a token's codes depend on it alone)
@@ -71,13 +74,48 @@ def test_without_a_choice_every_token_is_light():
     assert torch.equal(codec.decode(packed, key), get("dither-int5").decode(get("dither-int5").encode(x, key), key))
 
 
-def test_choices_a_rectangular_form_cannot_hold_are_refused():
+@pytest.mark.parametrize(("light", "heavy"), PAIRS)
+def test_dropped_codes_decode_to_nan_free_their_bytes_and_come_back_bit_for_bit(light, heavy):
+    codec = TokenTiers(get(light), get(heavy))
+    x, choice = _x(), _choice(uneven=True)
+    key = sample_key(x, seed=3) if codec.needs_key else None
+    packed, decoded = codec.encode_decode_split(x, key, choice)
+    which = torch.zeros_like(choice)
+    which[0, 1, [0, 4, 9]] = True  # light and heavy entries of one head
+    which[1, 2, 20] = True
+    which[1, 2, choice[1, 2].nonzero().view(-1)[:1]] = True
+    dropped = codec.drop(packed, which)
+    assert torch.equal(TokenTiers.dropped_mask(dropped), which)
+    assert torch.equal(TokenTiers.heavy_mask(dropped), choice)
+    out = codec.decode(dropped, key)
+    assert bool(out[which].isnan().all()) and torch.equal(out[~which], decoded[~which])  # every other cell as before
+    if codec.tier_b:
+        steps = codec.steps(dropped)
+        assert bool(steps[which].isnan().all()) and torch.equal(steps[~which], codec.steps(packed)[~which])
+    # the bytes: the dropped entries' codes are gone, a second bit mask (3 bytes per (row, head) for 21 slots) is added
+    full_light = get(light).encode(x, key).nbytes // (2 * 3 * 21)
+    full_heavy = (codec.heavy.encode(x, key).nbytes) // (2 * 3 * 21)
+    n_light, n_heavy = int((which & ~choice).sum()), int((which & choice).sum())
+    assert dropped.nbytes == packed.nbytes - n_light * full_light - n_heavy * full_heavy + 2 * 3 * 3
+    # given back: bit for bit the form before the drop (x outside the restored entries is not read)
+    x_other = torch.where(which.unsqueeze(-1), x, torch.zeros_like(x))
+    back = codec.restore(dropped, x_other, key, which)
+    assert back.tensors.keys() == packed.tensors.keys()
+    assert all(torch.equal(back.tensors[n], packed.tensors[n]) for n in packed.tensors)
+    # a part at a time, and a drop of a dropped entry keeps it dropped
+    part = which.clone()
+    part[1] = False
+    half = codec.restore(codec.drop(dropped, part), x, key, part)
+    assert torch.equal(TokenTiers.dropped_mask(half), which & ~part)
+    with pytest.raises(ValueError, match="dropped entries only"):
+        codec.restore(half, x, key, which)
+    with pytest.raises(ValueError, match=r"which must be a bool \[B, H, T\]"):
+        codec.drop(packed, which[:, :, :3])
+
+
+def test_bad_choices_are_refused():
     codec = TokenTiers(get("int2"), get("int4"))
     x = _x()
-    uneven = _choice()
-    uneven[0, 0] = False
-    with pytest.raises(ValueError, match="same number of heavy tokens"):
-        codec.encode_split(x, None, uneven)
     with pytest.raises(ValueError, match=r"bool \[B, H, T\]"):
         codec.encode_split(x, None, _choice()[:, :, :5])
     with pytest.raises(ValueError, match=r"bool \[B, H, T\]"):

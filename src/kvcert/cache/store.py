@@ -30,7 +30,8 @@ every tensor of every :class:`Packed` chunk), the stored witness buffers (every 
 uint8 codes and the per-(row, head) base exponents, not the decoded copy) and the value centre,
 and every entry held exact on the device tier (pending / in-flight tokens, non-finite and fail-closed
 entries, persistently repaired entries) at 16 bits per element. A repaired entry keeps its codes (the
-chunks are rectangular), so repair *adds* bytes. Not counted: the decode scratch, the host tier and the
+chunks are rectangular), so repair *adds* bytes; an upgrade repair in a token-tier store drops the light
+codes it replaces (:meth:`LayerStore.commit_upgrade`). Not counted: the decode scratch, the host tier and the
 bookkeeping masks / logical positions (``exact``, ``held``, ``positions``).
 
 Device budget (``device_budget=F``, a fraction of the live tokens' fp16 K/V bytes): a persistent repair
@@ -43,7 +44,8 @@ so ``bytes_device <= max(F·bytes_fp16, floor)`` holds after every write and eve
 Token tiers (``token_tiers=True``, with upgrade codecs): the codes of each write are a
 :class:`~kvcert.quant.token_tiers.TokenTiers` form, the entries :meth:`LayerStore.choose_heavy` named (the prefill's
 heavy tokens, ``docs/read-path.md#token-tiers``) in the upgrade codecs and the others in the light ones, each entry's
-codes once; their witnesses are those of the codes they were stored in.
+codes once; their witnesses are those of the codes they were stored in. An upgrade repair drops the light codes of
+the entries it re-encodes, and a budget release encodes them again (the same codes).
 
 Write protocol: new tokens are appended exact and *pending*; at the start of a later write, pending
 tokens are encoded in whole blocks of ``write_block`` tokens (so the forward that produced them attends
@@ -243,6 +245,15 @@ class _Tensorstore:
         quantises a full page atomically; the trailing partial block stays exact until it fills."""
         avail = self.host.n - self.codec.residual_window - self.n_encoded
         return max(avail // self.block, 0) * self.block
+
+    def repack(self, chunk: _Chunk, packed: Packed) -> None:
+        """Replace ``chunk``'s codes by ``packed`` (the same entries, some codes dropped or given back)."""
+        self._packed_bytes += packed.nbytes - chunk.packed.nbytes
+        chunk.packed = packed
+
+    def covering(self, lo: int, hi: int) -> list[_Chunk]:
+        """The chunks holding any absolute slot in ``[lo, hi)``."""
+        return [c for c in self._chunks if c.start < hi and c.stop > lo]
 
     def packed_nbytes(self) -> int:
         """``Σ`` of the chunks' and the upgrade records' :attr:`Packed.nbytes` (kept as they change: the device-budget
@@ -744,9 +755,8 @@ class LayerStore:
     def choose_heavy(self, slots: torch.Tensor) -> None:
         """Store the entries at physical ``slots[B, H, C]`` (distinct per (row, KV head)) in the heavy codes when they
         are encoded (a token-tier store, ``token_tiers=True``): typically the prefill's pending tokens its attention
-        singled out. A write encodes the chosen tokens it covers, and, where a (row, KV head) has fewer of them in it
-        than another, also its newest light ones up to that count (:meth:`_heavy_of`; the stored form is
-        rectangular); an entry encoded before the choice keeps its codes. ``ValueError`` without token tiers, on
+        singled out. A write encodes the chosen tokens it covers (each (row, KV head) its own count); an entry encoded
+        before the choice keeps its codes. ``ValueError`` without token tiers, on
         pages, or on a bad shape or repeated slots."""
         if not self.token_tiers:
             raise ValueError("choose_heavy needs a token-tier store (StorageConfig(heavy_share=...))")
@@ -763,8 +773,7 @@ class LayerStore:
         self._heavy_hint = hint
 
     def _heavy_of(self, lo: int, hi: int, device: torch.device) -> torch.Tensor:
-        """``[B, H, hi − lo]`` bool: the chosen heavy entries (:meth:`choose_heavy`) among physical slots ``[lo, hi)``,
-        and in each (row, KV head) with fewer of them than the most, its newest others up to that count."""
+        """``[B, H, hi − lo]`` bool: the chosen heavy entries (:meth:`choose_heavy`) among the slots ``[lo, hi)``."""
         assert self.k is not None
         b, h = self.k.served.shape[:2]
         out = torch.zeros(b, h, hi - lo, dtype=torch.bool, device=device)
@@ -772,9 +781,7 @@ class LayerStore:
         if hint is not None and lo < hint.shape[-1]:
             part = hint[:, :, lo:hi].to(device)
             out[:, :, : part.shape[-1]] = part
-        count = out.sum(-1, keepdim=True)
-        newer_light = (~out).flip(-1).cumsum(-1).flip(-1)  # light entries at or after each slot
-        return out | (~out & (newer_light <= count.max() - count))
+        return out
 
     def _store_codes(self, tensor: str, n: int, chunk: _Chunk) -> None:
         """Keep the codes of ``n`` newly encoded tokens: as ``chunk`` itself, or, with :attr:`pages`, copied into
@@ -1048,11 +1055,14 @@ class LayerStore:
 
     def commit_upgrade(self, plan: UpgradePlan) -> bool:
         """Store ``plan`` (:meth:`plan_upgrade`, possibly a :meth:`UpgradePlan.subset`): its entries are served from
-        the new codes, with their witnesses, from now on. Kept iff ``bytes_device + added <= device_budget·bytes_fp16``,
-        ``added`` the measured bytes of the new codes (the first codes stay: the chunks are rectangular); otherwise
-        nothing changes and the refusal is counted as :meth:`persist` counts it, its traffic the plan's
-        :attr:`UpgradePlan.nbytes`."""
-        if self._over_budget(sum(part.packed.nbytes for part in plan.parts)):
+        the new codes, with their witnesses, from now on. In a token-tier store the entries' first (light) codes are
+        dropped from their chunks (:meth:`~kvcert.quant.token_tiers.TokenTiers.drop`); elsewhere they stay beside the
+        new ones (the chunks are rectangular). Kept iff ``bytes_device + added <= device_budget·bytes_fp16``, ``added``
+        the measured bytes of the new codes less those of the dropped ones; otherwise nothing changes and the refusal
+        is counted as :meth:`persist` counts it, its traffic the plan's :attr:`UpgradePlan.nbytes`."""
+        drops = self._light_drops(plan)
+        freed = sum(chunk.packed.nbytes - packed.nbytes for _, chunk, packed in drops)
+        if self._over_budget(sum(part.packed.nbytes for part in plan.parts) - freed):
             self.transient_repairs += 1
             self.bytes_transient += plan.nbytes
             return False
@@ -1069,7 +1079,28 @@ class LayerStore:
             where = (torch.full_like(on, b), torch.full_like(on, h), on)
             self._write_witnesses(where, part.witnesses, writes)
         self._commit(writes)
+        for ts, chunk, packed in drops:
+            ts.repack(chunk, packed)
         return True
+
+    def _light_drops(self, plan: UpgradePlan) -> list[tuple[_Tensorstore, _Chunk, Packed]]:
+        """``(tensor store, chunk, its codes without those of the plan's entries)`` for each token-tier chunk holding
+        an entry of ``plan`` (none in a store without token tiers)."""
+        drops = []
+        for part in plan.parts:
+            ts = self.k if part.is_key else self.v
+            assert ts is not None
+            if not isinstance(ts.codec, TokenTiers):
+                continue
+            slots = part.slots + self.base
+            for chunk in ts.covering(int(slots.min()), int(slots.max()) + 1):
+                inside = slots[(slots >= chunk.start) & (slots < chunk.stop)] - chunk.start
+                if len(inside) == 0:
+                    continue
+                which = torch.zeros(chunk.packed.shape[:3], dtype=torch.bool)
+                which[plan.b, plan.h, inside] = True
+                drops.append((ts, chunk, ts.codec.drop(chunk.packed, which)))
+        return drops
 
     def _witness_entry_bytes(self) -> int:
         """Device bytes of the stored witnesses of one entry of one KV head, K and V together (measured from the
@@ -1115,6 +1146,7 @@ class LayerStore:
             for c in ts.chunks:
                 lo, hi = max(c.start - self.base, 0), c.stop - self.base
                 if hi > lo and bool(sel[:, :, lo:hi].any()):
+                    self._give_back_codes(ts, c, sel[:, :, lo:hi])
                     self._restore_codes(is_key, ts, c, lo, hi, sel[:, :, lo:hi])
             self.released += len(u.slots)
             if self.bytes_device() <= limit:
@@ -1135,16 +1167,38 @@ class LayerStore:
                 if self.bytes_device() <= limit:
                     return
 
+    def _give_back_codes(self, ts: _Tensorstore, c: _Chunk, sel: torch.Tensor) -> None:
+        """Give chunk ``c`` of a token-tier store back the codes an upgrade repair dropped among the live entries
+        ``sel[B, H, ·]`` (its slots from the live window's start on), encoded again from their exact originals with
+        the chunk's dither key: the codes it was written with (:meth:`~kvcert.quant.token_tiers.TokenTiers.restore`).
+        Nothing happens in a store without token tiers or where nothing of ``sel`` was dropped."""
+        if not isinstance(ts.codec, TokenTiers):
+            return
+        off = max(self.base - c.start, 0)  # chunk slots before the live window (a sliding trim) are not read
+        which = torch.zeros(c.packed.shape[:3], dtype=torch.bool)
+        which[:, :, off:] = sel.cpu()
+        which &= TokenTiers.dropped_mask(c.packed)
+        if not bool(which.any()):
+            return
+        dev = ts.served.view().device  # encoded where the chunk was (the device tier), as at the write
+        x = torch.zeros(c.packed.shape, dtype=torch.float32, device=dev)
+        live = ts.host.view()[:, :, max(c.start - self.base, 0) : c.stop - self.base].to(dev, torch.float32)
+        x[:, :, off:] = torch.where(which[:, :, off:].unsqueeze(-1).to(dev), live, torch.zeros_like(live))
+        ts.repack(c, ts.codec.restore(c.packed, x, c.key, which))
+
     def _restore_codes(self, is_key: bool, ts: _Tensorstore, c: _Chunk, lo: int, hi: int, sel: torch.Tensor) -> None:
         """Serve the entries ``sel[B, H, hi − lo]`` of physical slots ``[lo, hi)`` (inside chunk ``c``) from ``c``'s
         codes again, with the write-time witnesses of those codes (a decoded value written back re-encodes to its own
-        log8 code)."""
+        log8 code). Entries outside ``sel`` are not read from ``c`` (a token-tier chunk's dropped ones decode to
+        NaN)."""
         assert not (ts.codec.needs_key and c.key is None), "a dithered chunk without its key cannot be decoded again"
         off = lo - (c.start - self.base)
         x = ts.host.view()[:, :, lo:hi].to(torch.float32)
         xhat = ts.codec.decode(c.packed, key=c.key).to(torch.float32)[:, :, off : off + hi - lo]
+        on = sel.unsqueeze(-1).to(xhat.device)
+        xhat = torch.where(on, xhat, x.to(xhat.device))
         steps = ts.codec.steps(c.packed)
-        steps = None if steps is None else steps[:, :, off : off + hi - lo]
+        steps = None if steps is None else torch.where(on, steps[:, :, off : off + hi - lo], 0.0)
         wit = self._witnesses(is_key, x, xhat, torch.zeros_like(sel), steps)
         served = ts.served.view()[:, :, lo:hi]
         served.copy_(torch.where(sel.unsqueeze(-1), xhat, served))

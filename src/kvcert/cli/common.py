@@ -80,6 +80,13 @@ HeavyShareOption = Annotated[
         "singles out, stored in the --upgrade codecs instead of the light ones (docs/read-path.md#token-tiers)"
     ),
 ]
+BandsOption = Annotated[
+    int,
+    typer.Option(
+        help="key-witness bands of whole RoPE pairs per KV head (StorageConfig(bands=)): fewer store fewer witness "
+        "bytes and loosen the Tier-A radius, not the Tier-B one (docs/math.md#compact-witnesses)"
+    ),
+]
 # Options shared by the RULER commands (``kvcert eval``, ``kvcert frontier``).
 TasksOption = Annotated[str, typer.Option(help="comma-separated RULER tasks")]
 ContextOption = Annotated[int, typer.Option(help="RULER sequence length in tokens")]
@@ -160,6 +167,7 @@ class SchemeSpec:
     exact_sinks: int = 0
     upgrade: tuple[str, str] | None = None  # ``StorageConfig(upgrade_keys=, upgrade_values=)``
     heavy_share: float | None = None  # ``StorageConfig(heavy_share=)`` (token tiers)
+    bands: int = 8  # ``StorageConfig(bands=)``: key-witness bands
 
     @property
     def label(self) -> str:
@@ -267,12 +275,15 @@ def parse_storage(
     exact_sinks: int = 0,
     upgrade: str | None = None,
     heavy_share: float | None = None,
+    bands: int = 8,
 ) -> list[SchemeSpec]:
     """``specs`` with ``--witness`` (one of ``WITNESS_FORMATS``), ``--device-budget`` (a fraction > 0 of the fp16
-    K/V bytes, or ``none``), ``--exact-sinks`` (``>= 0``), ``--upgrade`` (:func:`parse_upgrade`) and
-    ``--heavy-share`` (a fraction in (0, 1), with ``--upgrade``) applied to each; ``ValueError`` naming the option
-    otherwise."""
+    K/V bytes, or ``none``), ``--exact-sinks`` (``>= 0``), ``--upgrade`` (:func:`parse_upgrade`),
+    ``--heavy-share`` (a fraction in (0, 1), with ``--upgrade``) and ``--bands`` (``>= 1``) applied to each;
+    ``ValueError`` naming the option otherwise."""
     check_exact_sinks(exact_sinks, "--exact-sinks")
+    if isinstance(bands, bool) or not isinstance(bands, int) or bands < 1:
+        raise ValueError(f"--bands: expected an integer >= 1 (witness bands of whole RoPE pairs), got {bands!r}")
     codecs = parse_upgrade(upgrade, specs)
     if heavy_share is not None:
         if codecs is None:
@@ -292,7 +303,9 @@ def parse_storage(
         if not 0.0 < budget < float("inf"):
             raise ValueError(f"--device-budget: expected a finite fraction > 0 or 'none', got {device_budget!r}")
     form: Witness = "log8" if witness == "log8" else "f32"
-    return [SchemeSpec(s.keys, s.values, form, budget, s.allocation, exact_sinks, codecs, heavy_share) for s in specs]
+    return [
+        SchemeSpec(s.keys, s.values, form, budget, s.allocation, exact_sinks, codecs, heavy_share, bands) for s in specs
+    ]
 
 
 def parse_upgrade(text: str | None, specs: list[SchemeSpec]) -> tuple[str, str] | None:
@@ -535,12 +548,13 @@ def ruler_variants(
     exact_sinks: int = 0,
     upgrade: str | None = None,
     heavy_share: float | None = None,
+    bands: int = 8,
 ) -> RulerVariants:
     """:func:`parse_schemes` with :func:`parse_storage`, ``--allocation``'s scheme (:func:`allocation_spec`, under the
     same storage options), :func:`parse_gate` and :func:`resident_plan` (the resident variants of the listed
     schemes, not the allocation's); ``ValueError`` naming the option at fault (also for a Tier-B gate over a scheme
     whose keys are not dithered)."""
-    storage = (witness, device_budget, exact_sinks, upgrade, heavy_share)
+    storage = (witness, device_budget, exact_sinks, upgrade, heavy_share, bands)
     plain = parse_storage(parse_schemes(schemes), *storage)
     specs = plain + parse_storage(allocation_spec(allocation), *storage)
     chosen = parse_gate(gate)

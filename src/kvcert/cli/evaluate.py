@@ -11,6 +11,7 @@ from rich.console import Console
 from kvcert.cli.common import (
     DEFAULT_SCHEMES,
     AllocationOption,
+    BandsOption,
     ContextOption,
     DeviceBudgetOption,
     ExactSinksOption,
@@ -84,6 +85,7 @@ def evaluate(
     exact_sinks: ExactSinksOption = 0,
     upgrade: UpgradeOption = None,
     heavy_share: HeavyShareOption = None,
+    bands: BandsOption = 8,
     resident: ResidentOption = None,
     select: SelectOption = None,
     reselect: ReselectOption = None,
@@ -101,7 +103,7 @@ def evaluate(
         ruler_tasks(task_list, context, option)
         settings = ResidentSettings(resident, select, reselect, summary, resident_alloc, recall)
         variants = ruler_variants(
-            schemes, witness, device_budget, allocation, gate, settings, exact_sinks, upgrade, heavy_share
+            schemes, witness, device_budget, allocation, gate, settings, exact_sinks, upgrade, heavy_share, bands
         )
     job = RulerJob(
         "eval",

@@ -21,6 +21,7 @@ from kvcert.cache.gate import Gate
 from kvcert.cli.common import (
     DEFAULT_SCHEMES,
     AllocationOption,
+    BandsOption,
     ContextOption,
     DeviceBudgetOption,
     ExactSinksOption,
@@ -161,6 +162,7 @@ def frontier(
     exact_sinks: ExactSinksOption = 0,
     upgrade: UpgradeOption = None,
     heavy_share: HeavyShareOption = None,
+    bands: BandsOption = 8,
     resident: ResidentOption = None,
     select: SelectOption = None,
     reselect: ReselectOption = None,
@@ -178,7 +180,7 @@ def frontier(
         task_list = task_names(tasks)
         settings = ResidentSettings(resident, select, reselect, summary, resident_alloc, recall)
         variants = ruler_variants(
-            schemes, witness, device_budget, allocation, gate, settings, exact_sinks, upgrade, heavy_share
+            schemes, witness, device_budget, allocation, gate, settings, exact_sinks, upgrade, heavy_share, bands
         )
         specs, chosen, plan = list(variants.specs), variants.gate, variants.plan
         peer_specs = parse_peers(peers, residual_length)
@@ -228,6 +230,7 @@ def frontier(
         "exact_sinks": exact_sinks,
         "upgrade": upgrade,
         "heavy_share": heavy_share,
+        "bands": bands,
         "gate": gate,
         "peers": [p.label for p in peer_specs],
         "residual_length": residual_length,

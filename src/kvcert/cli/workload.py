@@ -77,6 +77,7 @@ def _scheme(spec: SchemeSpec, gate: Gate, label: str, validate: bool) -> Scheme:
         exact_sinks=spec.exact_sinks,
         upgrade=spec.upgrade,
         heavy_share=spec.heavy_share,
+        bands=spec.bands,
     )
 
 
@@ -136,6 +137,7 @@ def run_workload(
                 witness=s.witness,
                 device_budget=s.device_budget,
                 exact_sinks=s.exact_sinks,
+                bands=s.bands,
             )
             for s in resident.specs
         ]

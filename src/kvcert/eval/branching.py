@@ -57,6 +57,7 @@ class Scheme:
     exact_sinks: int = 0  # the first positions kept exact (``StorageConfig(exact_sinks=)``)
     upgrade: tuple[str, str] | None = None  # persistent repairs re-encode in these (``StorageConfig(upgrade_keys=)``)
     heavy_share: float | None = None  # token tiers: this share of the prompt in the upgrade codecs (``heavy_share=``)
+    bands: int = 8  # key-witness bands of whole RoPE pairs (``StorageConfig(bands=)``)
 
     @property
     def is_dense(self) -> bool:
@@ -80,6 +81,7 @@ class Scheme:
             upgrade_keys=None if self.upgrade is None else self.upgrade[0],
             upgrade_values=None if self.upgrade is None else self.upgrade[1],
             heavy_share=self.heavy_share,
+            bands=self.bands,
         )
 
     def eviction(self) -> EvictionConfig | None:

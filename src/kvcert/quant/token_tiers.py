@@ -2,17 +2,22 @@
 
 ``TokenTiers(light, heavy)`` encodes a write of ``T`` tokens with a boolean choice ``heavy[B, H, T]``: the chosen
 tokens in the ``heavy`` (wider) codec, every other one in the ``light`` codec, each token's codes stored *once*. The
-stored form holds the light codec's tensors over the ``T − k`` light tokens, the heavy codec's over the ``k`` heavy
-ones (in slot order within each tier) and the choice as a bit mask (``⌈T/8⌉`` bytes per head): every byte is a real
-tensor. A rectangular stored form needs the same ``k`` on every (row, head); :meth:`TokenTiers.encode_split` refuses
-anything else by name. :meth:`Codec.encode` (no choice) stores every token light.
+stored form holds the light codec's tensors over the light entries and the heavy codec's over the heavy ones, each
+flattened in (row, head, slot) order (``[N, ·]``, so every (row, head) may have its own count), and the choice as a
+bit mask (``⌈T/8⌉`` bytes per head): every byte is a real tensor. :meth:`Codec.encode` (no choice) stores every token
+light.
+
+An entry's codes can be dropped (:meth:`TokenTiers.drop`, e.g. once a cache serves the entry from other codes) and
+given back (:meth:`TokenTiers.restore`, by encoding its original again): a second bit mask ``gone`` records the
+dropped entries, which decode to NaN (fail closed: nothing serves them by mistake).
 
 Both codecs must encode each token of each head on its own (block 1, no residual window, not per-head): the codes of
-a token do not depend on the others, so a token decodes to what its own tier's codec decodes it to, and the Tier-A
-witnesses (computed from the decoded value) hold for either. With Tier-B steps (dithered keys), the heavy codec must
-have them too, with the same group size and bypassed channels, so every token's radius is read with one channel mask:
-:func:`check_wide` states the conditions, shared with the cache's upgrade repair. Both tiers draw their dither from the
-same key: each token is stored in one tier only, so its dither is used once.
+a token depend on that token, its position and the dither key alone, so a token decodes to what its own tier's codec
+decodes it to, the Tier-A witnesses (computed from the decoded value) hold for either, and encoding it again gives
+back the same codes. With Tier-B steps (dithered keys), the heavy codec must have them too, with the same group size
+and bypassed channels, so every token's radius is read with one channel mask: :func:`check_wide` states the
+conditions, shared with the cache's upgrade repair. Both tiers draw their dither from the same key: each token is
+stored in one tier only, so its dither is used once.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from kvcert.quant.base import Codec, DitherKey, Packed
 from kvcert.quant.outlier import OutlierBypass
 from kvcert.quant.packing import pack_bits, unpack_bits
 
-_LIGHT, _HEAVY, _MASK = "light.", "heavy.", "tier"
+_LIGHT, _HEAVY, _MASK, _GONE = "light.", "heavy.", "tier", "gone"
 
 
 def bypass_of(codec: Codec) -> tuple[int, str] | None:
@@ -89,8 +94,8 @@ class TokenTiers(Codec):
         raise AttributeError("a token-tier codec's channel mask is its light codec's")
 
     def encode_split(self, x: torch.Tensor, key: DitherKey | None, heavy: torch.Tensor) -> Packed:
-        """Encode ``x[B, H, T, D]`` with the tokens of ``heavy[B, H, T]`` (bool, the same count on every (row,
-        head)) in the heavy codec; ``ValueError`` on a bad shape or uneven counts."""
+        """Encode ``x[B, H, T, D]`` with the tokens of ``heavy[B, H, T]`` (bool) in the heavy codec; ``ValueError`` on
+        a bad shape."""
         return self.encode_decode_split(x, key, heavy)[0]
 
     def encode_decode_split(
@@ -98,19 +103,7 @@ class TokenTiers(Codec):
     ) -> tuple[Packed, torch.Tensor]:
         """``(encode_split(x, key, heavy), its decode)`` with :meth:`Codec.encode`'s checks."""
         self._check_encode(x, key)
-        return self._split(x, key, self._check_choice(heavy, tuple(x.shape)))
-
-    def _check_choice(self, heavy: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        if not isinstance(heavy, torch.Tensor) or heavy.dtype != torch.bool or tuple(heavy.shape) != shape[:3]:
-            got = f"{heavy.dtype} {tuple(heavy.shape)}" if isinstance(heavy, torch.Tensor) else type(heavy).__name__
-            raise ValueError(f"heavy must be a bool [B, H, T] = {shape[:3]} tensor, got {got}")
-        counts = heavy.sum(-1)
-        if bool((counts != counts.flatten()[0]).any()):
-            raise ValueError(
-                f"codec {self.name!r} stores the same number of heavy tokens on every (row, head) of a write, got "
-                f"counts from {int(counts.min())} to {int(counts.max())}"
-            )
-        return heavy
+        return self._split(x, key, _check_mask(heavy, tuple(x.shape), "heavy"))
 
     def _encode(self, x: torch.Tensor, key: DitherKey | None) -> Packed:
         return self._split(x, key, torch.zeros(x.shape[:3], dtype=torch.bool, device=x.device))[0]
@@ -118,64 +111,139 @@ class TokenTiers(Codec):
     def _encode_decode(self, x: torch.Tensor, key: DitherKey | None) -> tuple[Packed, torch.Tensor]:
         return self._split(x, key, torch.zeros(x.shape[:3], dtype=torch.bool, device=x.device))
 
+    def _both(self, x: torch.Tensor, key: DitherKey | None) -> tuple[tuple[Packed, torch.Tensor], ...]:
+        """Every token of ``x`` encoded and decoded by the light codec, then by the heavy one."""
+        light = self.light.encode_decode(x, key=key if self.light.needs_key else None)
+        share_bypass(self.light, self.heavy)
+        return light, self.heavy.encode_decode(x, key=key if self.heavy.needs_key else None)
+
     def _split(self, x: torch.Tensor, key: DitherKey | None, heavy: torch.Tensor) -> tuple[Packed, torch.Tensor]:
         """Encode every token in both codecs (a codec's codes of a token depend on that token alone), keep each
         token's codes of its own tier, and decode as :meth:`_decode` would."""
-        lp, lx = self.light.encode_decode(x, key=key if self.light.needs_key else None)
-        share_bypass(self.light, self.heavy)
-        hp, hx = self.heavy.encode_decode(x, key=key if self.heavy.needs_key else None)
-        b, h, t = x.shape[:3]
-        k = int(heavy[0, 0].sum()) if heavy.numel() else 0
+        (lp, lx), (hp, hx) = self._both(x, key)
         tensors = {_MASK: _pack_mask(heavy)}
-        for prefix, packed, keep, n in ((_LIGHT, lp, ~heavy, t - k), (_HEAVY, hp, heavy, k)):
-            idx = _slots(keep, n)
+        for prefix, packed, keep in ((_LIGHT, lp, ~heavy), (_HEAVY, hp, heavy)):
             for name, tensor in packed.tensors.items():
-                if tensor.dim() < 3 or tensor.shape[:3] != (b, h, t):
+                if tensor.dim() < 3 or tensor.shape[:3] != x.shape[:3]:
                     raise ValueError(
                         f"codec {packed.codec!r} stores {name!r} as {tuple(tensor.shape)}, not per token [B, H, T, ·]"
                     )
-                tensors[prefix + name] = _take(tensor, idx)
+                tensors[prefix + name] = tensor[keep.to(tensor.device)]
         return Packed(self.name, tuple(x.shape), tensors), torch.where(heavy.unsqueeze(-1), hx, lx)
 
-    def _parts(self, packed: Packed) -> tuple[torch.Tensor, Packed, Packed]:
-        """``(heavy[B, H, T], the light codec's form, the heavy codec's form)``, each over all ``T`` slots (the
-        other tier's slots hold zeros: decoded, they are discarded)."""
-        b, h, t = packed.shape[:3]
+    def _masks(self, packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(heavy, gone)``, each ``[B, H, T]`` bool, of a tiered form."""
+        t = packed.shape[2]
         heavy = _unpack_mask(packed.tensors[_MASK], t)
-        k = int(heavy[0, 0].sum()) if heavy.numel() else 0
-        parts: dict[str, dict[str, torch.Tensor]] = {_LIGHT: {}, _HEAVY: {}}
+        gone = _unpack_mask(packed.tensors[_GONE], t) if _GONE in packed.tensors else torch.zeros_like(heavy)
+        return heavy, gone
+
+    def _full(self, packed: Packed) -> dict[str, dict[str, torch.Tensor]]:
+        """``{prefix: {name: [B, H, T, ·]}}``: each tier's stored tensors put back at their slots (zeros at the other
+        tier's slots and at dropped entries)."""
+        heavy, gone = self._masks(packed)
+        full: dict[str, dict[str, torch.Tensor]] = {_LIGHT: {}, _HEAVY: {}}
         for name, tensor in packed.tensors.items():
             split = _tiered(name)
             if split is None:
                 continue
             prefix, inner = split
-            keep = heavy if prefix == _HEAVY else ~heavy
-            parts[prefix][inner] = _put(tensor, _slots(keep, k if prefix == _HEAVY else t - k), t)
+            keep = (heavy if prefix == _HEAVY else ~heavy) & ~gone
+            out = tensor.new_zeros(*packed.shape[:3], *tensor.shape[1:])
+            out[keep.to(out.device)] = tensor
+            full[prefix][inner] = out
+        return full
+
+    def _stored(
+        self, full: dict[str, dict[str, torch.Tensor]], heavy: torch.Tensor, gone: torch.Tensor, shape: tuple[int, ...]
+    ) -> Packed:
+        """The stored form (of ``shape``) of the full-size tensors ``full`` (:meth:`_full`) with the masks ``heavy``
+        and ``gone``."""
+        tensors = {_MASK: _pack_mask(heavy)}
+        if bool(gone.any()):
+            tensors[_GONE] = _pack_mask(gone)
+        for prefix, names in full.items():
+            keep = (heavy if prefix == _HEAVY else ~heavy) & ~gone
+            for inner, tensor in names.items():
+                tensors[prefix + inner] = tensor[keep.to(tensor.device)]
+        return Packed(self.name, shape, tensors)
+
+    def _parts(self, packed: Packed) -> tuple[torch.Tensor, torch.Tensor, Packed, Packed]:
+        """``(heavy, gone, the light codec's form, the heavy codec's form)``, each form over all ``T`` slots."""
+        heavy, gone = self._masks(packed)
+        full = self._full(packed)
         return (
             heavy,
-            Packed(self.light.name, packed.shape, parts[_LIGHT]),
-            Packed(self.heavy.name, packed.shape, parts[_HEAVY]),
+            gone,
+            Packed(self.light.name, packed.shape, full[_LIGHT]),
+            Packed(self.heavy.name, packed.shape, full[_HEAVY]),
         )
 
     def _decode(self, packed: Packed, key: DitherKey | None) -> torch.Tensor:
-        heavy, lp, hp = self._parts(packed)
+        heavy, gone, lp, hp = self._parts(packed)
         lx = self.light.decode(lp, key if self.light.needs_key else None)
         hx = self.heavy.decode(hp, key if self.heavy.needs_key else None)
-        return torch.where(heavy.unsqueeze(-1), hx, lx)
+        return _nan_at(gone, torch.where(heavy.unsqueeze(-1), hx, lx))
 
     def steps(self, packed: Packed) -> torch.Tensor | None:
-        """Each token's Tier-B steps from its own tier's codec (``None`` without Tier B)."""
+        """Each token's Tier-B steps from its own tier's codec (``None`` without Tier B; NaN at dropped entries)."""
         if not self.tier_b:
             return None
-        heavy, lp, hp = self._parts(packed)
+        heavy, gone, lp, hp = self._parts(packed)
         ls, hs = self.light.steps(lp), self.heavy.steps(hp)
         assert ls is not None and hs is not None  # check_wide: both codecs have steps
-        return torch.where(heavy.unsqueeze(-1), hs, ls)
+        return _nan_at(gone, torch.where(heavy.unsqueeze(-1), hs, ls))
+
+    def drop(self, packed: Packed, which: torch.Tensor) -> Packed:
+        """``packed`` without the codes of the entries ``which[B, H, T]`` (bool; already dropped ones stay dropped):
+        they decode to NaN until :meth:`restore` gives them back. ``ValueError`` on a bad mask."""
+        heavy, gone = self._masks(packed)
+        which = _check_mask(which, packed.shape, "which").to(heavy.device)
+        return self._stored(self._full(packed), heavy, gone | which, packed.shape)
+
+    def restore(self, packed: Packed, x: torch.Tensor, key: DitherKey | None, which: torch.Tensor) -> Packed:
+        """``packed`` with the codes of the dropped entries ``which[B, H, T]`` given back: ``x[B, H, T, D]`` holds the
+        originals the form was encoded from at those entries (finite everywhere; other entries are not read) and
+        ``key`` the form's dither key. A token's codes depend on it, its position and the key alone, so encoding it
+        again gives the codes it was stored with. ``ValueError`` on a bad mask or an entry that was not dropped."""
+        heavy, gone = self._masks(packed)
+        which = _check_mask(which, packed.shape, "which").to(heavy.device)
+        if bool((which & ~gone).any()):
+            raise ValueError("restore gives back dropped entries only; some entries of which were not dropped")
+        self._check_encode(x, key)
+        if tuple(x.shape) != tuple(packed.shape):
+            raise ValueError(f"x must be the form's shape {tuple(packed.shape)}, got {tuple(x.shape)}")
+        full = self._full(packed)
+        for prefix, (fresh, _) in zip((_LIGHT, _HEAVY), self._both(x, key), strict=True):
+            put = (which & (heavy if prefix == _HEAVY else ~heavy)).to(x.device)
+            for inner, tensor in full[prefix].items():
+                tensor[put.to(tensor.device)] = fresh.tensors[inner][put.to(fresh.tensors[inner].device)]
+        return self._stored(full, heavy, gone & ~which, packed.shape)
 
     @staticmethod
     def heavy_mask(packed: Packed) -> torch.Tensor:
         """``[B, H, T]`` bool: the tokens of a tiered form stored in the heavy codec."""
         return _unpack_mask(packed.tensors[_MASK], packed.shape[2])
+
+    @staticmethod
+    def dropped_mask(packed: Packed) -> torch.Tensor:
+        """``[B, H, T]`` bool: the entries of a tiered form whose codes were dropped (:meth:`drop`)."""
+        if _GONE not in packed.tensors:
+            return torch.zeros(packed.shape[:3], dtype=torch.bool)
+        return _unpack_mask(packed.tensors[_GONE], packed.shape[2])
+
+
+def _check_mask(mask: torch.Tensor, shape: tuple[int, ...], what: str) -> torch.Tensor:
+    """``mask`` when it is a bool ``[B, H, T]`` tensor of the form ``shape``; ``ValueError`` naming ``what`` else."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != tuple(shape[:3]):
+        got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"{what} must be a bool [B, H, T] = {tuple(shape[:3])} tensor, got {got}")
+    return mask
+
+
+def _nan_at(gone: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x[B, H, T, ·]`` with NaN at the dropped entries ``gone[B, H, T]``."""
+    return x.masked_fill(gone.to(x.device).unsqueeze(-1), float("nan"))
 
 
 def _pack_mask(heavy: torch.Tensor) -> torch.Tensor:
@@ -187,22 +255,3 @@ def _pack_mask(heavy: torch.Tensor) -> torch.Tensor:
 
 def _unpack_mask(bits: torch.Tensor, t: int) -> torch.Tensor:
     return unpack_bits(bits, 1)[..., :t].to(torch.bool)
-
-
-def _slots(keep: torch.Tensor, n: int) -> torch.Tensor:
-    """``[B, H, n]`` int64: the slots of ``keep[B, H, T]`` (``n`` on every (row, head)), ascending."""
-    order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)  # kept slots first, in slot order
-    return order[..., :n]
-
-
-def _take(tensor: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``tensor[B, H, T, ·]`` at the token slots ``idx[B, H, n]``."""
-    tail = tensor.shape[3:]
-    return tensor.gather(2, idx.view(*idx.shape, *([1] * len(tail))).expand(*idx.shape, *tail))
-
-
-def _put(tensor: torch.Tensor, idx: torch.Tensor, t: int) -> torch.Tensor:
-    """The inverse of :func:`_take` into zeros over ``t`` slots."""
-    tail = tensor.shape[3:]
-    out = tensor.new_zeros(*tensor.shape[:2], t, *tail)
-    return out.scatter(2, idx.view(*idx.shape, *([1] * len(tail))).expand(*idx.shape, *tail), tensor)

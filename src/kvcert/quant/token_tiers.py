@@ -196,10 +196,17 @@ class TokenTiers(Codec):
 
     def drop(self, packed: Packed, which: torch.Tensor) -> Packed:
         """``packed`` without the codes of the entries ``which[B, H, T]`` (bool; already dropped ones stay dropped):
-        they decode to NaN until :meth:`restore` gives them back. ``ValueError`` on a bad mask."""
+        they decode to NaN until :meth:`restore` gives them back. ``ValueError`` on a bad mask. Each stored tensor
+        loses the rows of its newly dropped entries, in place of a rebuild (the cost of a row selection)."""
         heavy, gone = self._masks(packed)
         which = _check_mask(which, packed.shape, "which").to(heavy.device)
-        return self._stored(self._full(packed), heavy, gone | which, packed.shape)
+        tensors = {_MASK: packed.tensors[_MASK], _GONE: _pack_mask(gone | which)}
+        stays = {prefix: ~which[(heavy if prefix == _HEAVY else ~heavy) & ~gone] for prefix in (_LIGHT, _HEAVY)}
+        for name, tensor in packed.tensors.items():
+            split = _tiered(name)
+            if split is not None:
+                tensors[name] = tensor[stays[split[0]].to(tensor.device)]
+        return Packed(self.name, packed.shape, tensors)
 
     def restore(self, packed: Packed, x: torch.Tensor, key: DitherKey | None, which: torch.Tensor) -> Packed:
         """``packed`` with the codes of the dropped entries ``which[B, H, T]`` given back: ``x[B, H, T, D]`` holds the

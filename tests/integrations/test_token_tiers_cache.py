@@ -14,6 +14,7 @@ from kvcert.eval.attention_record import recorded_attention
 from kvcert.evict import SnapKV
 from kvcert.integrations.transformers import CertifiedCache
 from kvcert.models.tiny import tiny_random
+from kvcert.quant.token_tiers import TokenTiers
 
 from ..cache.test_device_bytes import walk_device_bytes
 from .test_device_budget import _stepwise
@@ -32,7 +33,7 @@ def _ids(model, n=80, seed=7):
 
 
 def _storage(**kw):
-    return StorageConfig(keys="dither-int4", values="int2", write_block=4, device_budget=None, **TIERS | kw)
+    return StorageConfig(keys="dither-int4", values="int2", write_block=4, **{"device_budget": None} | TIERS | kw)
 
 
 def _heavy(cache):
@@ -116,3 +117,32 @@ def test_token_tier_settings_that_cannot_be_served_are_refused():
         _storage(heavy_select="snapkv")
     with pytest.raises(ValueError, match="upgrade"):  # eviction refuses the upgrade codecs the tiers live in
         CertifiedCache(model, storage=_storage(), eviction=EvictionConfig.prefill(SnapKV(), 0.5))
+
+
+
+def _dropped_are_the_upgraded(store) -> bool:
+    """Every entry whose light codes a chunk dropped is one a live upgrade record holds, and the reverse."""
+    for ts in (store.k, store.v):
+        dropped = torch.cat([TokenTiers.dropped_mask(c.packed) for c in ts.chunks], -1)
+        held = torch.zeros_like(dropped)
+        for u in ts.upgrades:
+            held[u.b, u.h, u.slots - ts.chunks[0].start] = True
+        if not torch.equal(dropped, held):
+            return False
+    return True
+
+
+def test_a_binding_budget_gives_dropped_codes_back_and_every_cell_stays_certified():
+    model = tiny_random("llama", head_dim=32)
+    cache = CertifiedCache(model, gate=_gate(0.005), seed=3, storage=_storage(device_budget=0.45), validate=True)
+    _stepwise(model, _ids(model), cache, 16)
+    cache.detach()
+    tel = cache.telemetry()
+    assert tel.upgraded_entries > 0 and tel.released_entries > 0  # upgrades kept, some given back
+    assert tel.violations == 0 and tel.out_violations == 0 and tel.partial_violations == 0
+    seen = ~torch.isnan(tel.true_tv)
+    assert bool((tel.true_tv_served[seen] <= tel.served[seen] + 1e-15).all())  # per cell, after the releases
+    assert all(_dropped_are_the_upgraded(layer.store) for layer in cache.layers)
+    assert all(bool(torch.isfinite(layer.store.k.served.view()).all()) for layer in cache.layers)
+    assert tel.bytes_device == sum(walk_device_bytes(layer.store) for layer in cache.layers)
+    assert tel.bytes_device <= 0.45 * tel.bytes_fp16

@@ -119,7 +119,6 @@ def test_token_tier_settings_that_cannot_be_served_are_refused():
         CertifiedCache(model, storage=_storage(), eviction=EvictionConfig.prefill(SnapKV(), 0.5))
 
 
-
 def _dropped_are_the_upgraded(store) -> bool:
     """Every entry whose light codes a chunk dropped is one a live upgrade record holds, and the reverse."""
     for ts in (store.k, store.v):

@@ -637,6 +637,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="StorageConfig(bands=): key-witness bands of whole RoPE pairs per KV head (default 8; fewer store "
         "fewer witness bytes and loosen the Tier-A radius, docs/math.md#compact-witnesses)",
     )
+    ap.add_argument(
+        "--write-block",
+        type=int,
+        default=16,
+        help="StorageConfig(write_block=): pending tokens stay exact until this many can be encoded together "
+        "(default 16)",
+    )
     ap.add_argument("--block-size", type=int, default=None, help="the block gates' block size (Gate default 64)")
     ap.add_argument(
         "--resident",
@@ -676,6 +683,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--exact-sinks must be >= 0, got {args.exact_sinks}")
     if args.upgrade is not None and len(args.upgrade.split("/")) != 2:
         ap.error(f"--upgrade takes KEYCODEC/VALUECODEC, got {args.upgrade!r}")
+    if args.write_block < 1 or args.bands < 1:
+        ap.error(f"--write-block and --bands must be >= 1, got {args.write_block} and {args.bands}")
     if args.block_size is not None and args.block_size < 1:
         ap.error(f"--block-size must be >= 1, got {args.block_size}")
     if args.heavy_share is not None and (args.upgrade is None or not 0.0 < args.heavy_share < 1.0):
@@ -732,7 +741,12 @@ def main() -> None:
         s
         if s.is_dense
         else dataclasses.replace(
-            s, exact_sinks=args.exact_sinks, upgrade=upgrade, heavy_share=args.heavy_share, bands=args.bands
+            s,
+            exact_sinks=args.exact_sinks,
+            upgrade=upgrade,
+            heavy_share=args.heavy_share,
+            bands=args.bands,
+            write_block=args.write_block,
         )
         for s in schemes
     ]
@@ -749,6 +763,7 @@ def main() -> None:
         **({} if args.block_size is None else {"block_size": args.block_size}),
         **({} if args.heavy_share is None else {"heavy_share": args.heavy_share}),
         **({} if args.bands == 8 else {"bands": args.bands}),
+        **({} if args.write_block == 16 else {"write_block": args.write_block}),
         "max_new_tokens": args.max_new_tokens,
         **({} if resident is None else {"resident": resident.describe()}),
         **(

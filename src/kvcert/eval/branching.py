@@ -58,6 +58,7 @@ class Scheme:
     upgrade: tuple[str, str] | None = None  # persistent repairs re-encode in these (``StorageConfig(upgrade_keys=)``)
     heavy_share: float | None = None  # token tiers: this share of the prompt in the upgrade codecs (``heavy_share=``)
     bands: int = 8  # key-witness bands of whole RoPE pairs (``StorageConfig(bands=)``)
+    write_block: int = 16  # pending tokens are encoded in blocks of this many (``StorageConfig(write_block=)``)
 
     @property
     def is_dense(self) -> bool:
@@ -82,6 +83,7 @@ class Scheme:
             upgrade_values=None if self.upgrade is None else self.upgrade[1],
             heavy_share=self.heavy_share,
             bands=self.bands,
+            write_block=self.write_block,
         )
 
     def eviction(self) -> EvictionConfig | None:

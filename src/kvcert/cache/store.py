@@ -1177,7 +1177,7 @@ class LayerStore:
         off = max(self.base - c.start, 0)  # chunk slots before the live window (a sliding trim) are not read
         which = torch.zeros(c.packed.shape[:3], dtype=torch.bool)
         which[:, :, off:] = sel.cpu()
-        which &= TokenTiers.dropped_mask(c.packed)
+        which &= TokenTiers.dropped_mask(c.packed).cpu()
         if not bool(which.any()):
             return
         dev = ts.served.view().device  # encoded where the chunk was (the device tier), as at the write

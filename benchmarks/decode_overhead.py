@@ -23,7 +23,8 @@ repetition first):
                       that Tier-B gate on single-token blocks upgraded into ``K/V``
                       (``docs/read-path.md#upgrade-repair``) with the share ``F`` of the prompt stored in ``K/V`` from
                       the prefill (``docs/read-path.md#token-tiers``), the configuration of
-                      ``docs/results.md#token-tiers-served``
+                      ``docs/results.md#token-tiers-served`` (``--tiers-bands N``: its witness bands, as in
+                      ``docs/results.md#fold-and-bands``)
 * ``resident-3x``     issue 16's 3x configuration as ``docs/results.md#three-x-at-ruler-scale`` runs it: fp16 keys and
                       int4 values for a SnapKV resident set of 20 % of the tokens (chosen from the shared prefill's
                       attention), the omitted pages summarised as ``basis16-qspec`` (page spectra in the
@@ -145,7 +146,15 @@ def _args() -> argparse.Namespace:
         help=f"also time the first capacity scheme (dithered keys) as '{CAPACITY_TIERS}': token tiers in these upgrade "
         "codecs with this heavy share, the Tier-B gate on single-token blocks upgrading failing reads",
     )
+    ap.add_argument(
+        "--tiers-bands",
+        type=int,
+        default=8,
+        help="the key-witness bands of the --token-tiers variant (StorageConfig(bands=); default 8)",
+    )
     args = ap.parse_args()
+    if args.tiers_bands < 1:
+        ap.error(f"--tiers-bands must be >= 1, got {args.tiers_bands}")
     if args.token_tiers is not None:
         codecs, _, share = args.token_tiers.partition(":")
         if len(codecs.split("/")) != 2 or not share:
@@ -223,7 +232,15 @@ def main() -> None:
     }
     if args.token_tiers is not None:
         upgrade, share = args.token_tiers
-        tiers = Scheme(CAPACITY_TIERS, capacity.keys, capacity.values, TIERS_GATE, upgrade=upgrade, heavy_share=share)
+        tiers = Scheme(
+            CAPACITY_TIERS,
+            capacity.keys,
+            capacity.values,
+            TIERS_GATE,
+            upgrade=upgrade,
+            heavy_share=share,
+            bands=args.tiers_bands,
+        )
         variants[CAPACITY_TIERS] = functools.partial(scheme_cache, tiers)
     if not _builds(hfq):  # transformers refuses models with sliding-window layers (Gemma-3); said so
         del variants["hf-quantized (fp8)"]

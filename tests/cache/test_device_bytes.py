@@ -97,8 +97,16 @@ def test_bytes_device_is_the_sum_of_the_stored_tensors(keys, values, witness):
     st.append(*_kv(t=1, seed=1), *_rows())
     assert st.bytes_device() == walk_device_bytes(st) > 0
     assert st.bytes_device() == st.bytes_stored() + st.bytes_witness()
+    parts = st.device_bytes_by_part()
+    assert sum(parts.values()) == st.bytes_device() and parts["witnesses"] == st.bytes_witness()
+    pending = (st.k.host.n - st.k.n_encoded) * 2 * 3 * 64 * 2  # the tail not yet encoded, 16 bits, every (row, head)
+    assert parts["k exact, not yet encoded"] == pending and parts["k exact, held"] == 0
     st.make_exact(1, 2, slice(3, 40))  # repaired entries add 16-bit copies, codes stay
     assert st.bytes_device() == walk_device_bytes(st)
+    parts = st.device_bytes_by_part()
+    assert sum(parts.values()) == st.bytes_device()
+    for t, ts in (("k", st.k), ("v", st.v)):  # slots 3..39 of one head, less those still pending (exact already)
+        assert parts[f"{t} exact, held"] == (min(40, ts.n_encoded) - 3) * 64 * 2
     st.append(*_kv(t=3, seed=2), *_rows())
     st.drop_before(20)  # sliding trim frees whole chunks
     assert st.bytes_device() == walk_device_bytes(st)

@@ -179,6 +179,12 @@ def test_an_upgrade_drops_the_light_codes_it_replaces_and_counts_the_net_bytes()
     assert st.bytes_device() == sum(c.packed.nbytes for ts in (st.k, st.v) for c in ts.chunks + ts.upgrades) + (
         st.bytes_witness() + st.k.exact_nbytes(64) + st.v.exact_nbytes(64)
     )
+    parts = st.device_bytes_by_part()
+    assert sum(parts.values()) == st.bytes_device()
+    light, heavy = int((light_before & ~upgraded).sum()), int(TokenTiers.heavy_mask(st.k.chunks[0].packed).sum())
+    assert parts["k light codes"] == light * (32 + 4) and parts["v light codes"] == light * (16 + 4)
+    assert parts["k heavy codes"] == heavy * (64 + 4) and parts["k upgrade codes"] == n * (64 + 4)
+    assert parts["k tier masks"] == 2 * (2 * 3 * 4)  # the choice and the dropped entries, 4 bytes per (row, head)
 
 
 def test_the_budget_gives_the_dropped_light_codes_back_bit_for_bit():

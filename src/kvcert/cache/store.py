@@ -1334,6 +1334,37 @@ class LayerStore:
         zero-points, exact entries at 16 bits) + :meth:`bytes_witness`. See the module docstring."""
         return self.bytes_stored() + self.bytes_witness()
 
+    def device_bytes_by_part(self) -> dict[str, int]:
+        """:meth:`bytes_device` split by what holds it (measured from the same tensors; the parts sum to it): per
+        tensor ``t`` (``k``, ``v``) ``"{t} codes"`` (a single codec's chunks) or, in a token-tier store, ``"{t} light
+        codes"``, ``"{t} heavy codes"`` and ``"{t} tier masks"`` (the choice and the dropped-entry bits);
+        ``"{t} upgrade codes"`` (the records of upgrade repairs); ``"{t} exact, not yet encoded"`` (the pending tail and
+        a codec's residual window) and ``"{t} exact, held"`` (persistent repairs, non-finite and fail-closed entries,
+        exact sinks), both at 16 bits; and ``"witnesses"`` (:meth:`bytes_witness`)."""
+        parts: dict[str, int] = {}
+        if self.k is None:
+            return parts
+        assert self.v is not None
+        for t, ts in (("k", self.k), ("v", self.v)):
+            for chunk in ts.chunks:
+                for name, tensor in chunk.packed.tensors.items():
+                    tier = name.split(".", 1)[0] if isinstance(ts.codec, TokenTiers) else ""
+                    part = (
+                        f"{t} {tier} codes"
+                        if tier in ("light", "heavy")
+                        else f"{t} tier masks"
+                        if tier
+                        else f"{t} codes"
+                    )
+                    parts[part] = parts.get(part, 0) + tensor.nbytes
+            parts[f"{t} upgrade codes"] = sum(u.packed.nbytes for u in ts.upgrades)
+            b, h, _, d = ts.host.shape
+            pending = (ts.host.n - ts.n_encoded) * b * h * d * EXACT_BYTES
+            parts[f"{t} exact, not yet encoded"] = pending
+            parts[f"{t} exact, held"] = ts.exact_nbytes(d) - pending
+        parts["witnesses"] = self.bytes_witness()
+        return parts
+
     def bytes_host(self) -> int:
         """Host-tier bytes (exact originals)."""
         if self.k is None:

@@ -138,10 +138,9 @@ class TokenTiers(Codec):
         gone = _unpack_mask(packed.tensors[_GONE], t) if _GONE in packed.tensors else torch.zeros_like(heavy)
         return heavy, gone
 
-    def _full(self, packed: Packed) -> dict[str, dict[str, torch.Tensor]]:
+    def _full(self, packed: Packed, heavy: torch.Tensor, gone: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
         """``{prefix: {name: [B, H, T, ·]}}``: each tier's stored tensors put back at their slots (zeros at the other
-        tier's slots and at dropped entries)."""
-        heavy, gone = self._masks(packed)
+        tier's slots and at dropped entries), given the form's masks (:meth:`_masks`)."""
         full: dict[str, dict[str, torch.Tensor]] = {_LIGHT: {}, _HEAVY: {}}
         for name, tensor in packed.tensors.items():
             split = _tiered(name)
@@ -171,7 +170,7 @@ class TokenTiers(Codec):
     def _parts(self, packed: Packed) -> tuple[torch.Tensor, torch.Tensor, Packed, Packed]:
         """``(heavy, gone, the light codec's form, the heavy codec's form)``, each form over all ``T`` slots."""
         heavy, gone = self._masks(packed)
-        full = self._full(packed)
+        full = self._full(packed, heavy, gone)
         return (
             heavy,
             gone,
@@ -220,7 +219,7 @@ class TokenTiers(Codec):
         self._check_encode(x, key)
         if tuple(x.shape) != tuple(packed.shape):
             raise ValueError(f"x must be the form's shape {tuple(packed.shape)}, got {tuple(x.shape)}")
-        full = self._full(packed)
+        full = self._full(packed, heavy, gone)
         for prefix, (fresh, _) in zip((_LIGHT, _HEAVY), self._both(x, key), strict=True):
             put = (which & (heavy if prefix == _HEAVY else ~heavy)).to(x.device)
             for inner, tensor in full[prefix].items():

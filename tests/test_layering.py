@@ -53,8 +53,6 @@ LAZY_OK: dict[str, str] = {
     "cache package, which the vLLM plugin imports in every vLLM process (kvcert.quant.kernel_env)",
     "kvcert.quant.norms_numba": "imports numba at its top: loaded on the first fused norm of an entry served exact, "
     "never with the cache package (as kvcert.quant.logcode_numba)",
-    "kvcert.quant.pending_numba": "imports numba at its top: loaded on the first fused pending or repair witness "
-    "write, never with the cache package (as kvcert.quant.logcode_numba)",
     "kvcert.quant.dither_numba": "imports numba at its top: loaded on the first dither drawn on the numba backend, "
     "never with the quant package, which the cache package imports (as kvcert.quant.logcode_numba)",
     "kvcert.quant.rtn_numba": "imports numba at its top: loaded on the first RTN write block encoded on the numba "

@@ -39,17 +39,17 @@ def _rows(b=2):
 def walk_device_bytes(st: LayerStore) -> int:
     """Σ nbytes of the tensors the device tier holds, walked one by one (independent of bytes_device()):
     every packed chunk and upgrade record tensor, every stored witness buffer's live prefix (``"f32"``: the float32
-    values, ``k_wit`` and the steps included; ``"log8"``: the uint8 codes and base exponents, ``k_wit`` and the
-    steps being derived), the value centre, and the entries held exact, materialised at 16 bits from the exact
-    originals."""
+    values, the served norms, ``k_wit`` and the steps included; ``"log8"``: the uint8 codes and base exponents of
+    the residual witnesses, the served norms, ``k_wit`` and the steps being derived), the value centre, and the
+    entries held exact, materialised at 16 bits from the exact originals."""
     total = 0
     for ts in (st.k, st.v):
         for packed in [c.packed for c in ts.chunks] + [u.packed for u in ts.upgrades]:
             total += sum(t.nbytes for t in packed.tensors.values())
         total += ts.host.view()[ts.exact.view()].to(torch.float16).nbytes
-    stored = (st.k_band, st.k_hat_norm, st.v_res, st.v_hat_norm, st.v_dist)
+    stored = (st.k_band, st.v_res)
     if st.witness == "f32":
-        for buf in (*stored, st.k_wit, st.k_steps):
+        for buf in (*stored, st.k_hat_norm, st.v_hat_norm, st.v_dist, st.k_wit, st.k_steps):
             if buf is not None:
                 total += buf.view().nbytes
     else:

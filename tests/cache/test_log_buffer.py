@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvcert.cache.buffer import GrowBuffer, LogBuffer, TokenIndex, WriteBatch
-from kvcert.cache.store import STORED_WITNESSES, LayerStore, band_sum_up
+from kvcert.cache.store import SERVED_NORMS, STORED_WITNESSES, LayerStore, band_sum_up
 from kvcert.checks import deferred, fail_if
 from kvcert.quant import get, kernel_env, logcode
 
@@ -74,18 +74,21 @@ def test_log8_witnesses_dominate_f32_per_element(keys, values):
         a, b = getattr(f32, name).view(), getattr(log8, name).view()
         assert (b >= a).all(), name
         assert torch.equal(a == 0, b == 0), name
+    for name in SERVED_NORMS:  # float32 in both formats: the same values
+        assert torch.equal(getattr(f32, name).view(), getattr(log8, name).view()), name
     assert torch.equal(log8.k_wit.view(), band_sum_up(log8.k_band.view(), 8))
-    b, h = 2, 3  # 12 B per token per KV head (8 band codes + 4 norm codes), one int32 base per head and buffer
-    assert log8.bytes_witness() == 12 * log8.n * b * h + log8.v_centre.nbytes + 5 * b * h * 4
+    b, h = 2, 3  # 9 B per token per KV head (8 band codes + 1 value-residual code), one int32 base per head and buffer
+    assert log8.bytes_witness() == 9 * log8.n * b * h + log8.v_centre.nbytes + 2 * b * h * 4
     assert log8.bytes_witness() < f32.bytes_witness() / 3
 
 
 def test_log8_store_bytes_per_token():
-    """12 witness bytes per token per KV head with 8 bands (plus per-head bases and the value centre)."""
+    """9 witness bytes per token per KV head with 8 bands (plus per-head bases and the value centre); the served
+    norms are derived, not counted."""
     _, st = _pair("dither-int8", "int4")
     st.append(torch.randn(1, 3, 512, 64), torch.randn(1, 3, 512, 64), torch.arange(1), torch.zeros(1, dtype=torch.bool))
-    fixed = st.v_centre.nbytes + 5 * 3 * 4  # centre + five base-exponent tensors [1, 3] int32
-    assert st.bytes_witness() == 512 * 3 * (8 + 4) + fixed
+    fixed = st.v_centre.nbytes + 2 * 3 * 4  # centre + two base-exponent tensors [1, 3] int32
+    assert st.bytes_witness() == 512 * 3 * (8 + 1) + fixed
 
 
 def test_unknown_witness_format_is_refused():

@@ -86,8 +86,8 @@ def test_a_refused_upgrade_changes_nothing_and_is_counted():
     state = _state(st)
     assert not st.persist(0, 0, slice(0, 16))
     # its traffic is what a host-side encoder would send: per entry the new codes (dither-int8 key: 64 codes and two
-    # fp16 scales; int4 value: 32 bytes of codes and two scales) and the 12 bytes of log8 witnesses
-    assert st.transient_repairs == 1 and st.bytes_transient == 16 * ((64 + 4) + (32 + 4) + 12)
+    # fp16 scales; int4 value: 32 bytes of codes and two scales) and the 9 bytes of log8 witnesses (8 bands, 1 v_res)
+    assert st.transient_repairs == 1 and st.bytes_transient == 16 * ((64 + 4) + (32 + 4) + 9)
     assert st.upgraded == 0 and not st.k.upgrades and not st.v.upgrades
     assert all(torch.equal(state[name], now) for name, now in _state(st).items())
 

@@ -133,7 +133,7 @@ def _dropped_are_the_upgraded(store) -> bool:
 
 def test_a_binding_budget_gives_dropped_codes_back_and_every_cell_stays_certified():
     model = tiny_random("llama", head_dim=32)
-    cache = CertifiedCache(model, gate=_gate(0.005), seed=3, storage=_storage(device_budget=0.45), validate=True)
+    cache = CertifiedCache(model, gate=_gate(0.005), seed=3, storage=_storage(device_budget=0.41), validate=True)
     _stepwise(model, _ids(model), cache, 16)
     cache.detach()
     tel = cache.telemetry()

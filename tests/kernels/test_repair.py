@@ -169,7 +169,7 @@ def test_upgrade_repair_serves_the_new_codes_within_their_certificate_per_cell(b
         (bi, hi): res.tokens[j].nonzero().view(-1).tolist() for j, (bi, hi) in enumerate(res.heads.tolist())
     }
     entries = sum(len(u.slots) for u in store.k.upgrades)
-    assert res.upgrade_bytes == sum(u.packed.nbytes for u in records) + entries * (4 + 1 + 1 + 1 + 1)  # log8: 4 bands
+    assert res.upgrade_bytes == sum(u.packed.nbytes for u in records) + entries * (4 + 1)  # log8: 4 bands and v_res
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -196,7 +196,7 @@ def test_a_head_no_upgrade_passes_gets_every_light_entry_upgraded_and_the_blocks
     assert torch.equal(store.k.served.view()[0][held], k[0][held])  # the held ones are exact
     entries = sum(len(u.slots) for u in store.k.upgrades)
     records = sum(u.packed.nbytes for u in store.k.upgrades + store.v.upgrades)
-    assert res.upgrade_bytes == records + entries * (4 + 1 + 1 + 1 + 1)
+    assert res.upgrade_bytes == records + entries * (4 + 1)
 
 
 def test_at_tau_0_an_upgrade_repair_pages_everything_in_exact() -> None:

@@ -15,11 +15,12 @@ Layout per layer (``B`` batch rows, ``H`` KV heads, ``S`` tokens, ``D`` head dim
   floating-point slack), the value residual norm ``‖Δv_t‖``, the served value norm ``‖v̂_t‖`` and its
   distance ``‖v̂_t − c‖`` to a fixed per-head centre ``c`` (the output bound's spread), all rounded up to
   float32, and, for the dithered codec, the per-group steps (Tier B). Every read reuses them instead of
-  re-reducing the ``[S, D]`` tensors. Storage (``witness=``): ``"log8"`` (default) keeps the band norms and
-  the four norms as 8-bit logarithmic codes that decode to values never below the true ones
+  re-reducing the ``[S, D]`` tensors. Storage (``witness=``): ``"log8"`` (default) keeps the residual witnesses
+  (the band norms and ``‖Δv_t‖``) as 8-bit logarithmic codes that decode to values never below the true ones
   (:class:`~kvcert.cache.buffer.LogBuffer`, ``docs/math.md#compact-witnesses``), derives ``W_t`` from the
-  decoded bands and the steps from the codec's stored scales (nothing extra stored: 12 B per token per KV
-  head with 8 bands); ``"f32"`` stores every witness as float32 (52 B, plus the steps). A store whose codes live
+  decoded bands, the steps from the codec's stored scales and the three served norms from the served entries a
+  read decodes anyway (float32, not counted: 9 B per token per KV head with 8 bands); ``"f32"`` stores every
+  witness as float32 (52 B, plus the steps). A store whose codes live
   in a serving engine's pages (:attr:`LayerStore.pages`) keeps the ``"log8"`` codes in the same cells
   (:class:`~kvcert.cache.paged.CellTokens`; the bases stay with the store);
 * **decode scratch** — the dequantized keys/values the read path attends over. A fused kernel would
@@ -311,8 +312,13 @@ EXACT_BYTES = 2
 Witness = Literal["f32", "log8"]
 WITNESS_FORMATS: tuple[Witness, ...] = ("f32", "log8")
 DEFAULT_WITNESS: Witness = "log8"
-#: the witnesses stored per token (``k_wit`` and the Tier-B steps are stored too in ``"f32"``; derived in ``"log8"``)
-STORED_WITNESSES = ("k_band", "k_hat_norm", "v_res", "v_hat_norm", "v_dist")
+#: the witnesses of each entry's *residual* (what only the exact entry gives), stored per token: float32 in ``"f32"``,
+#: ``log8`` codes in ``"log8"`` (``k_wit`` and the Tier-B steps are stored too in ``"f32"``; derived in ``"log8"``)
+STORED_WITNESSES = ("k_band", "v_res")
+#: the norms of each entry *as served* (``‖k̂_t‖``, ``‖v̂_t‖``, ``‖v̂_t − c‖``), float32 rounded up in either format:
+#: functions of the served entries alone, which every read decodes, so stored in ``"f32"`` and derived in ``"log8"``
+#: (a kernel computes them in the pass that decodes the codes; ``docs/math.md#compact-witnesses``)
+SERVED_NORMS = ("k_hat_norm", "v_hat_norm", "v_dist")
 
 
 def band_sum_up(rho: torch.Tensor, bands: int) -> torch.Tensor:
@@ -461,10 +467,9 @@ class LayerStore:
         stored = self._witness_buffer
         self.k_band: GrowBuffer | LogBuffer = stored("k_band", k.new_zeros((b, h, 0, self.bands), dtype=torch.float32))
         self.k_wit = GrowBuffer(z)  # in "log8": derived from the decoded bands (band_sum_up), not stored
-        self.k_hat_norm: GrowBuffer | LogBuffer = stored("k_hat_norm", z)
         self.v_res: GrowBuffer | LogBuffer = stored("v_res", z)
-        self.v_hat_norm: GrowBuffer | LogBuffer = stored("v_hat_norm", z)
-        self.v_dist: GrowBuffer | LogBuffer = stored("v_dist", z)
+        # SERVED_NORMS: float32 in both formats (stored in "f32", derived in "log8")
+        self.k_hat_norm, self.v_hat_norm, self.v_dist = GrowBuffer(z), GrowBuffer(z), GrowBuffer(z)
         key_codec, value_codec = self.key_codec, self.value_codec
         if self.token_tiers:
             assert self.upgrade is not None
@@ -601,7 +606,7 @@ class LayerStore:
             writes.append_fill(ts.exact, t, True)
             writes.then(partial(ts.add_exact, b * h * t))
             writes.append_fill(ts.held, t, False)
-        # pending entries are exact: residual witnesses 0; the norms of "log8" settle their exponents together
+        # pending entries are exact: residual witnesses 0, the served norms those of the entries themselves
         writes.append_zeros(self.k_band, (b, h, t, self.bands))
         writes.append_zeros(self.k_wit, (b, h, t))
         writes.append_zeros(self.v_res, (b, h, t))
@@ -616,16 +621,13 @@ class LayerStore:
         self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, writes: WriteBatch
     ) -> bool:
         """:meth:`_append_pending` in two numpy-side steps, where it applies: on the numba backend, ``"log8"``
-        witnesses, float32 ``k, v`` of the host tier's dtype, every buffer copying through numpy, and the pending
-        norms' codes leaving every base as it is (the steady state of a decode). One fused kernel
-        (:func:`kvcert.quant.pending_numba.pending_codes`) plans the three norms against the bases the writes
-        recorded before leave (:meth:`WriteBatch.base_of`), and one recorded change appends every buffer's entries
-        with numpy copies at the commit: the same elements as the general path stores (a zero witness is code 0,
-        decoded 0, against any base; ``tests/cache/test_cache_store.py`` pins every buffer per element). It must
-        be the batch's last record of these buffers (as in :meth:`_encode_and_append`). Returns False, recording
-        nothing, where it does not apply."""
+        witnesses, float32 ``k, v`` of the host tier's dtype, and every buffer copying through numpy (the steady
+        state of a decode). One fused kernel (:func:`kvcert.quant.norms_numba.norms_up`, as :func:`_norms_up` runs
+        it) gives the three served norms, and one recorded change appends every buffer's entries with numpy copies
+        at the commit: the same elements as the general path stores (a zero residual witness is code 0, decoded 0,
+        against any base; ``tests/cache/test_cache_store.py`` pins every buffer per element). Returns False,
+        recording nothing, where it does not apply."""
         assert self.k is not None and self.v is not None
-        logs = (self.k_hat_norm, self.v_hat_norm, self.v_dist)
         grows: tuple[GrowBuffer | HostTokens, ...] = (
             self.k.host,
             self.k.served,
@@ -635,7 +637,8 @@ class LayerStore:
             self.v.served,
             self.v.exact,
         )
-        grows += (self.v.held, self.k_wit, self.positions) + (() if self.k_steps is None else (self.k_steps,))
+        grows += (self.v.held, self.k_wit, self.positions, self.k_hat_norm, self.v_hat_norm, self.v_dist)
+        grows += () if self.k_steps is None else (self.k_steps,)
         if not (
             self.witness == "log8"
             and fused_log8(k.device)
@@ -646,22 +649,18 @@ class LayerStore:
             and numpy_copyable(v)
             and numpy_copyable(positions)
             and all(buf.numpy_ok for buf in grows)
-            and all(_fused_codes(buf) is not None for buf in (*logs, self.k_band, self.v_res))
+            and all(_fused_codes(buf) is not None for buf in (self.k_band, self.v_res))
         ):
             return False
-        from kvcert.quant.pending_numba import pending_codes  # numba on first use only (kernel_env says why)
-
-        planned = pending_codes(k, v, self.v_centre, tuple(writes.base_of(buf) for buf in logs))  # type: ignore[arg-type]
-        if planned is None:
-            return False
-        writes.then(partial(self._store_pending, k.numpy(), v.numpy(), positions.numpy(), *planned))
+        norms = _norms_up(k, v, self.v_centre)
+        writes.then(partial(self._store_pending, k.numpy(), v.numpy(), positions.numpy(), norms))
         return True
 
     def _store_pending(
-        self, k: np.ndarray, v: np.ndarray, positions: np.ndarray, codes: np.ndarray, decoded: np.ndarray
+        self, k: np.ndarray, v: np.ndarray, positions: np.ndarray, norms: tuple[torch.Tensor, ...]
     ) -> None:
-        """Append the pending entries ``k, v[B, H, t, D]`` at ``positions[B, H, t]`` with the ``log8`` codes and
-        decoded values ``[3, B, H, t]`` of their three norms (:meth:`_append_pending_fused`), every buffer by numpy."""
+        """Append the pending entries ``k, v[B, H, t, D]`` at ``positions[B, H, t]`` with their three served norms
+        ``[B, H, t]`` (:data:`SERVED_NORMS` order; :meth:`_append_pending_fused`), every buffer by numpy."""
         assert self.k is not None and self.v is not None
         b, h, t = k.shape[:3]
         for ts, x in ((self.k, k), (self.v, v)):
@@ -675,10 +674,8 @@ class LayerStore:
             _own_codes(zero).append_fill(t, 0)
             zero.decoded.append_fill(t, 0.0)
         self.k_wit.append_fill(t, 0.0)
-        for buf, c, d in zip((self.k_hat_norm, self.v_hat_norm, self.v_dist), codes, decoded, strict=True):
-            assert isinstance(buf, LogBuffer)
-            _own_codes(buf).append_array(c)
-            buf.decoded.append_array(d)
+        for buf, norm in zip((self.k_hat_norm, self.v_hat_norm, self.v_dist), norms, strict=True):
+            buf.append_array(norm.numpy())
         self.positions.append_array(positions)
         if self.k_steps is not None:
             self.k_steps.append_fill(t, 0.0)
@@ -907,13 +904,12 @@ class LayerStore:
 
     def _exact_witnesses_fused(self, where: tuple[torch.Tensor, ...]) -> bool:
         """:meth:`_write_exact_witnesses` at the places ``where`` (``(rows, heads, tokens)`` index arrays) by numpy,
-        where it applies: on the numba backend, ``"log8"`` witnesses, every buffer numpy-backed, and the served
-        entries' norms leaving every base as it is. One fused kernel (:func:`kvcert.quant.pending_numba.held_codes`:
-        the norms and codes of :func:`_norms_up` and the fused plan) and a numpy assignment per buffer store what
-        the general path's writes and commit store (radius 0 is code 0, decoded 0; ``W_t`` of zero bands is 0),
-        element for element (``tests/cache/test_cache_store.py``). Returns False, storing nothing, elsewhere."""
+        where it applies: on the numba backend, ``"log8"`` witnesses and every buffer numpy-backed. One fused kernel
+        (:func:`_norms_up` of the served entries) and a numpy assignment per buffer store what the general path's
+        writes and commit store (radius 0 is code 0, decoded 0; ``W_t`` of zero bands is 0), element for element
+        (``tests/cache/test_cache_store.py``). Returns False, storing nothing, elsewhere."""
         assert self.k is not None and self.v is not None
-        logs = (self.k_hat_norm, self.v_hat_norm, self.v_dist)
+        norms = (self.k_hat_norm, self.v_hat_norm, self.v_dist)
         zeros = (self.k_band, self.v_res)
         flat = (self.k.served, self.v.served, self.k_wit) + (() if self.k_steps is None else (self.k_steps,))
         if not (
@@ -921,29 +917,15 @@ class LayerStore:
             and fused_log8(self.k.served.device)
             and self.v_centre.dtype == torch.float32
             and numpy_copyable(self.v_centre)
-            and all(buf.numpy_ok for buf in flat)
-            and all(_fused_codes(buf) is not None for buf in (*logs, *zeros))
+            and all(buf.numpy_ok for buf in (*flat, *norms))
+            and all(_fused_codes(buf) is not None for buf in zeros)
         ):
             return False
-        from kvcert.quant.pending_numba import held_codes  # numba on first use only (kernel_env says why)
-
-        hat_k, hat_v, dist = logs
-        assert isinstance(hat_k, LogBuffer) and isinstance(hat_v, LogBuffer) and isinstance(dist, LogBuffer)
-
         b, h, t = (i.numpy() for i in where)
-        planned = held_codes(
-            self.k.served.array()[b, h, t],
-            self.v.served.array()[b, h, t],
-            self.v_centre.numpy()[b, h, 0],
-            b * self.k.served.shape[1] + h,
-            (hat_k.base.numpy(), hat_v.base.numpy(), dist.base.numpy()),
-        )
-        if planned is None:
-            return False
-        for buf, codes, decoded in zip(logs, *planned, strict=True):
-            assert isinstance(buf, LogBuffer)
-            _own_codes(buf).array()[b, h, t] = codes
-            buf.decoded.array()[b, h, t] = decoded
+        centre = torch.from_numpy(self.v_centre.numpy()[b, h, 0])
+        k_served, v_served = (torch.from_numpy(ts.served.array()[b, h, t]) for ts in (self.k, self.v))
+        for buf, x in zip(norms, _norms_up(k_served, v_served, centre), strict=True):
+            buf.array()[b, h, t] = x.numpy()
         for zero in zeros:
             assert isinstance(zero, LogBuffer)
             _own_codes(zero).array()[b, h, t] = 0
@@ -1106,7 +1088,7 @@ class LayerStore:
         """Device bytes of the stored witnesses of one entry of one KV head, K and V together (measured from the
         buffers: in ``"log8"`` one code each, ``bands`` for the key band norms; in ``"f32"`` the float32 values, the
         derived ``W_t`` and Tier-B steps included)."""
-        names = STORED_WITNESSES if self.witness == "log8" else (*STORED_WITNESSES, "k_wit")
+        names = STORED_WITNESSES if self.witness == "log8" else (*STORED_WITNESSES, *SERVED_NORMS, "k_wit")
         bufs = [getattr(self, name) for name in names]
         if self.witness == "f32" and self.k_steps is not None:
             bufs.append(self.k_steps)
@@ -1318,12 +1300,13 @@ class LayerStore:
 
     def bytes_witness(self) -> int:
         """Write-time witness bytes: the stored witness buffers (:data:`STORED_WITNESSES`; in ``"f32"`` also
-        ``k_wit`` and the Tier-B steps) and the value centre. In ``"log8"`` the codes and base exponents count;
-        ``k_wit`` (a sum of decoded bands) and the Tier-B steps (the dithered codec's stored scales, 0 on exact
-        entries) are derived from tensors already counted, as a kernel would recompute them."""
+        :data:`SERVED_NORMS`, ``k_wit`` and the Tier-B steps) and the value centre. In ``"log8"`` the codes and base
+        exponents count; ``k_wit`` (a sum of decoded bands), the Tier-B steps (the dithered codec's stored scales, 0
+        on exact entries) and the served norms (of the entries every read decodes) are derived from tensors already
+        counted, as a kernel would recompute them."""
         if self.k is None:
             return 0
-        names = STORED_WITNESSES if self.witness == "log8" else (*STORED_WITNESSES, "k_wit")
+        names = STORED_WITNESSES if self.witness == "log8" else (*STORED_WITNESSES, *SERVED_NORMS, "k_wit")
         total = sum(getattr(self, name).nbytes for name in names) + self.v_centre.nbytes
         if self.witness == "f32" and self.k_steps is not None:
             total += self.k_steps.nbytes
@@ -1415,12 +1398,16 @@ def _norms_up(k: torch.Tensor, v: torch.Tensor, centre: torch.Tensor) -> tuple[t
     and value head dims one call on the three stacked (each row's reduction is the one a call of its own makes); on
     CPU with float32 entries one fused kernel (:func:`kvcert.quant.norms_numba.norms_up`: the same rounding up,
     never below the exact norm, within two float32 steps of the tensor form). ``tests/cache/test_cache_store.py``
-    pins the stored values per element on both paths."""
+    pins the stored values per element on both paths. A non-finite entry's norm is ``+inf`` (NaN included): every
+    bound it enters is then ``+inf`` and its read fails closed."""
     if fused_log8(k.device) and k.dtype == v.dtype == centre.dtype == torch.float32:
         from kvcert.quant.norms_numba import norms_up  # numba on first use only (kvcert.quant.kernel_env says why)
 
-        return norms_up(k, v, centre)
-    v64 = v.to(torch.float64)
-    if k.shape[-1] != v.shape[-1]:
-        return norm_up_f32(k), norm_up_f32(v), norm_up_f32(v64 - centre)
-    return norm_up_f32(torch.stack([k.to(torch.float64), v64, v64 - centre])).unbind(0)
+        norms: tuple[torch.Tensor, ...] = norms_up(k, v, centre)
+    else:
+        v64 = v.to(torch.float64)
+        if k.shape[-1] != v.shape[-1]:
+            norms = norm_up_f32(k), norm_up_f32(v), norm_up_f32(v64 - centre)
+        else:
+            norms = norm_up_f32(torch.stack([k.to(torch.float64), v64, v64 - centre])).unbind(0)
+    return tuple(x.nan_to_num(nan=math.inf, posinf=math.inf) for x in norms)

@@ -119,7 +119,7 @@ def test_backend_publishes_the_measured_packed_cell(monkeypatch):
     packed = bytes_per_token_head(resolve("dither-int8", "key"), 64) + bytes_per_token_head(
         resolve("int2", "value"), 64
     )
-    witness = 8 + 4  # the log8 witness codes per (token, KV head): 8 band codes and 4 norm codes
+    witness = 8 + 1  # the log8 witness codes per (token, KV head): 8 band codes and 1 value-residual code
     assert spec.state_content_bytes == -(-(packed + witness) // 4) * 4  # fp32 views of the blocks: a multiple of 4
     assert spec.page_size_bytes == 3 * 128 * spec.state_content_bytes < _spec().page_size_bytes
     with pytest.raises(backend.PackingError, match="cannot store packed codes"):

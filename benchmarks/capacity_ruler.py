@@ -590,6 +590,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the gate's value_tol: also serve a KV head's exact values (paged in for the read) when its output "
         "bound's value term exceeds this and its key term (docs/read-path.md#repair)",
     )
+    ap.add_argument(
+        "--value-rel",
+        type=float,
+        default=None,
+        help="the gate's value_rel: serve every cell with its value term under this times the head's value spread, "
+        "by value upgrades (or exact values) (docs/read-path.md#value-upgrades)",
+    )
     ap.add_argument("--no-raw", dest="raw", action="store_false", help="skip the ungated variants")
     ap.add_argument(
         "--allocation", type=Path, default=None, help="also run this kvcert-allocate JSON as 'allocated' (module doc)"
@@ -734,6 +741,7 @@ def main() -> None:
     allocation = None if args.allocation is None else Allocation.load(args.allocation)
     gate = make_gate(args.gate)
     gate = gate if args.value_tol is None else dataclasses.replace(gate, value_tol=args.value_tol)
+    gate = gate if args.value_rel is None else dataclasses.replace(gate, value_rel=args.value_rel)
     gate = gate if args.block_size is None else dataclasses.replace(gate, block_size=args.block_size)
     schemes = variants(specs, gate, args.raw, args.validate, args.device_budget, resident, args.gated, allocation)
     upgrade = None if args.upgrade is None else tuple(args.upgrade.split("/"))

@@ -187,6 +187,32 @@ def test_an_upgrade_drops_the_light_codes_it_replaces_and_counts_the_net_bytes()
     assert parts["k tier masks"] == 2 * (2 * 3 * 4)  # the choice and the dropped entries, 4 bytes per (row, head)
 
 
+def test_a_value_upgrade_drops_the_light_value_codes_only_and_sends_the_value_witness_only():
+    st = _store()
+    _filled(st, _chosen())
+    keys, k_light, v_light = st.k.served.view().clone(), _light_codes(st, st.k), _light_codes(st, st.v)
+    assert torch.equal(st.light(0, 1, is_key=False)[:32], v_light[0, 1])
+    before = st.bytes_device()
+    plan = st.plan_upgrade(0, 1, slice(0, 20), keys=False)
+    (part,) = plan.parts
+    assert not part.is_key and torch.equal(part.slots, v_light[0, 1, :20].nonzero().view(-1))
+    n = len(part.slots)
+    assert plan.witness_bytes == 1 and plan.nbytes == n * (32 + 4) + n  # int4 codes and scales, one log8 code each
+    assert st.commit_upgrade(plan)
+    assert torch.equal(_light_codes(st, st.k), k_light) and torch.equal(st.k.served.view(), keys)  # keys untouched
+    upgraded = torch.zeros_like(v_light)
+    upgraded[0, 1, part.slots] = True
+    assert torch.equal(_light_codes(st, st.v), v_light & ~upgraded)
+    assert not bool(st.light(0, 1, is_key=False)[part.slots].any()) and bool(
+        st.light(0, 1, is_key=True)[part.slots].all()
+    )
+    assert st.bytes_device() - before == n * (36 - 20) + 2 * 3 * 4  # int4 over int2 values; the dropped-entry mask
+    _assert_norm_witnesses(st)
+    # a later key upgrade of the same entries re-encodes the keys only
+    (kpart,) = st.plan_upgrade(0, 1, slice(0, 20)).parts
+    assert kpart.is_key and torch.equal(kpart.slots, part.slots)
+
+
 def test_the_budget_gives_the_dropped_light_codes_back_bit_for_bit():
     st = _store()
     slots = _chosen()

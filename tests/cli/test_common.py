@@ -45,7 +45,14 @@ def test_parse_gate() -> None:
     assert parse_gate("certified:0.2:block-transient:box") == Gate.certified(0.2, **transient, box=True)
     tier_b = Gate.certified(0.2, **transient, box=True, tier_b=True)
     assert parse_gate("certified:0.2:block-transient:box:tier-b") == tier_b
+    values = Gate.certified(0.2, **block, box=True, tier_b=True, value_rel=0.1)
+    assert parse_gate("certified:0.2:block:box:tier-b:values=0.1") == values
+    assert parse_gate("certified:0.2:values=0.05") == Gate.certified(0.2, value_rel=0.05)
     bad_specs = (
+        "certified:0.2:values=0.1:box",
+        "certified:0.2:values=x",
+        "certified:0.2:values=-1",
+        "risk:5:values=0.1",
         "certified:0.2:tier-b",
         "certified:0.2:tier-b:box",
         "certified",

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from kvcert.attention.exact import ExactAttention
-from kvcert.bounds import band_norms, round_up_f32, tier_b_radius, tier_b_radius_uniform, tier_b_sigma2
+from kvcert.attention.value_gate import ServedValues, gate_values
+from kvcert.bounds import band_norms, norm_up_f32, round_up_f32, tier_b_radius, tier_b_radius_uniform, tier_b_sigma2
 from kvcert.bounds.radii import tier_a_radius_f32
 from kvcert.bounds.rc import U_F32, gamma_f32
 from kvcert.bounds.softmax_tv import probs64, served_meter
@@ -92,6 +93,7 @@ class ReadResult:
     tier_b_heads: torch.Tensor | None = None  # [B, Hkv] Tier-B gate: reads served on the partial bound
     tier_b_charged: torch.Tensor | None = None  # [B] Tier-B gate: cells charged δ_loc each at this read
     tier_b_delta_loc: float | None = None  # Tier-B gate: the δ_loc each charged cell spent
+    values_upgraded: torch.Tensor | None = None  # [B, Hkv] values served upgraded by the value gate (Gate.value_rel)
 
 
 def masked_logits(
@@ -568,6 +570,8 @@ class _Changes:
     cert_partial: torch.Tensor | None = None
     tier_b_heads: torch.Tensor | None = None
     tier_b_charged: torch.Tensor | None = None
+    repairs: BlockRepairs | None = None  # the block repair's served heads (the value gate starts from them)
+    values_upgraded: torch.Tensor | None = None
     bytes_paged: int = 0
 
     def cells(self, sv: _Served, name: str, hq: int, nq: int) -> torch.Tensor:
@@ -767,6 +771,7 @@ def _repair_block_heads(rd: _Read, sv: _Served, ch: _Changes, dc: _Decision, cfg
     res = repair_blocks(
         rd.qg, rd.store, need, pairs, rd.grouped_mask(), c, sv.p64, rd.scaling, cfg.gate, partial, _key_radii(rd, sv)
     )
+    ch.repairs = res
     bi, hi = res.heads.unbind(-1)
     ch.out[bi, hi], ch.cert[bi, hi], ch.p_served[bi, hi] = res.out, res.cert, res.p
     ch.value_term[bi, hi] = torch.linalg.vecdot(res.p, res.v_res.to(torch.float64).unsqueeze(-2))
@@ -849,13 +854,69 @@ def _repair(rd: _Read, ch: _Changes, dc: _Decision, cfg: ReadConfig, exact: Exac
     else:
         _repair_block_heads(rd, sv, ch, dc, cfg)
     assert ch.out is not None and ch.cert is not None and ch.value_term is not None
-    bound, key_term, slack = _out_bound(ch.value_term, ch.cert, sv.spread, sv.vmax, rd.s, ch.out.shape[-1], sv.phi_max)
+    vmax = _served_vmax(sv.vmax, ch.repairs)
+    bound, key_term, slack = _out_bound(ch.value_term, ch.cert, sv.spread, vmax, rd.s, ch.out.shape[-1], sv.phi_max)
     if by_head:  # an exactly repaired head: no key or value term, only the slack
         zero = ch.repaired.view(rd.b, rd.hkv, 1)
         key_term = torch.where(zero, 0.0, key_term)
         ch.value_term = torch.where(zero, 0.0, ch.value_term)
         bound = torch.where(zero, slack, bound)
     ch.bound, ch.key_term, ch.slack = bound, key_term, slack
+
+
+def _served_vmax(vmax: torch.Tensor, repairs: BlockRepairs | None) -> torch.Tensor:
+    """``vmax [B, Hkv, 1]`` raised, on the heads of an upgrade repair, to the norms of the values it served: an
+    upgraded value ``v̂'_t`` is within ``‖Δv'_t‖`` of ``v_t``, not within the light witnesses' bound, and the slack's
+    ``vmax`` must bound every value the output sums (``_out_bound``)."""
+    if repairs is None:
+        return vmax
+    bi, hi = repairs.heads.unbind(-1)
+    served = norm_up_f32(repairs.values).amax(-1).to(vmax.dtype)  # [n]
+    return vmax.clone().index_put_((bi, hi), torch.maximum(vmax[bi, hi, 0], served).unsqueeze(-1))
+
+
+def _gate_values(rd: _Read, sv: _Served, ch: _Changes, cfg: ReadConfig) -> None:
+    """Phase *repair*, the value gate (``Gate.value_rel = ν``): every KV head not served exact with a cell whose value
+    term is above ``ν·spread`` is served upgraded values, or exact ones, until no cell is
+    (:func:`kvcert.attention.value_gate.gate_values`, ``docs/read-path.md#value-upgrades``); its output bound follows
+    (the same key term, the new value term, the slack over the raised ``vmax``). A block-repaired head starts from
+    what its repair served. One host sync."""
+    store = rd.store
+    assert cfg.gate.value_rel is not None and store.v is not None
+    vt = sv.value_term if ch.value_term is None else ch.value_term
+    tol = cfg.gate.value_rel * sv.spread  # [B, Hkv, 1]
+    flags = (vt > tol).any(-1) & ~ch.repaired.to(vt.device) & ~ch.promoted.to(vt.device)
+    pairs = [(b, h) for b, row in enumerate(flags.tolist()) for h, flag in enumerate(row) if flag]
+    if not pairs:
+        return
+    bi, hi = torch.tensor(pairs, device=vt.device).unbind(-1)
+    values = store.v.served.view()[bi, hi].to(torch.float32)
+    v_res = store.v_res.view()[bi, hi].to(torch.float64)
+    subst = torch.zeros(v_res.shape, dtype=torch.bool, device=v_res.device)
+    if ch.repairs is not None:  # a block-repaired head: its served values, residuals and substituted entries
+        at = {pair: j for j, pair in enumerate(map(tuple, ch.repairs.heads.tolist()))}
+        for i, pair in enumerate(pairs):
+            if (j := at.get(pair)) is not None:
+                values[i], v_res[i], subst[i] = ch.repairs.values[j], ch.repairs.v_res[j], ch.repairs.tokens[j]
+    p = (sv.p64 if ch.p_served is None else ch.p_served)[bi, hi]
+    vmax = _served_vmax(sv.vmax, ch.repairs)
+    res = gate_values(
+        store, pairs, ServedValues(p, values, v_res, subst), tol[bi, hi, 0], vmax[bi, hi, 0], cfg.gate.persistent
+    )
+    ch.out = (sv.out if ch.out is None else ch.out).clone()
+    ch.out[bi, hi] = res.out
+    ch.value_term = vt.clone().index_put_((bi, hi), res.value_term)
+    vmax = vmax.clone().index_put_((bi, hi), res.vmax.unsqueeze(-1))
+    cert = sv.cert if ch.cert is None else ch.cert
+    bound, key_term, slack = _out_bound(ch.value_term, cert, sv.spread, vmax, rd.s, ch.out.shape[-1], sv.phi_max)
+    ch.bound = (sv.bound if ch.bound is None else ch.bound).clone().index_put_((bi, hi), bound[bi, hi])
+    ch.key_term = (sv.key_term if ch.key_term is None else ch.key_term).clone().index_put_((bi, hi), key_term[bi, hi])
+    ch.slack = (sv.slack if ch.slack is None else ch.slack).clone().index_put_((bi, hi), slack[bi, hi])
+    exact = torch.tensor(res.exact, device=ch.promoted.device)
+    ch.promoted = ch.promoted.clone().index_put_((bi, hi), exact)
+    upgraded = torch.tensor(res.upgraded_heads, device=vt.device)
+    ch.values_upgraded = torch.zeros(rd.b, rd.hkv, dtype=torch.bool, device=vt.device).index_put_((bi, hi), upgraded)
+    ch.bytes_paged += res.nbytes
 
 
 def _promote_flags(sv: _Served, ch: _Changes, value_tol: float) -> torch.Tensor:
@@ -903,6 +964,9 @@ def _result(rd: _Read, sv: _Served, ch: _Changes, cert_b: torch.Tensor | None, c
         repaired=ch.repaired,
         blocks=ch.blocks,
         values_promoted=ch.promoted,
+        values_upgraded=_no_heads(b, rd.hkv, torch.bool, rd.qg.device)
+        if ch.values_upgraded is None
+        else ch.values_upgraded,
         bytes_paged=ch.bytes_paged,
         attn_kv=attn_kv,
         q_norm=q_norm,
@@ -965,6 +1029,11 @@ def certified_read(
     if any(map(any, dc.need_rows)):
         _repair(rd, ch, dc, cfg, exact)
         if cfg.gate.value_tol is not None:  # the repair changed the terms: decide again (one sync, repairs only)
+            promote = _promote_flags(sv, ch, cfg.gate.value_tol)
+            promote_rows = promote.tolist()
+    if cfg.gate.value_rel is not None:
+        _gate_values(rd, sv, ch, cfg)
+        if cfg.gate.value_tol is not None:  # the value gate changed the terms
             promote = _promote_flags(sv, ch, cfg.gate.value_tol)
             promote_rows = promote.tolist()
     n_promoted = sum(map(sum, promote_rows))

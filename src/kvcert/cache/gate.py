@@ -17,6 +17,12 @@ largest contributions ``Σ_{t∈b} p̃_t(e^{c_t} − 1)`` until the cell is back
 ``persistent=True`` writes repaired blocks back exact, so their radius is 0 from then on.
 ``value_tol`` promotes values to exact for a KV head whose output-error value term dominates its key
 term and exceeds ``value_tol``.
+``value_rel=ν`` (certified gates) bounds the value side relative to the head's value spread: every cell of a read is
+served with its value term ``Σ_t p̃_t‖Δv_t‖ <= ν·max_t(‖v̂_t − c‖ + ‖Δv_t‖)``. Over a store with upgrade codecs a
+KV head above it has the values of its light tokens upgraded, largest ``max_cells p̃_t‖Δv_t‖`` first, doubling the
+count until every cell is under (kept by a persistent gate within the device budget); a head that is still above with
+every light value upgraded, or a store without upgrade codecs, is served its exact values for the read
+(``docs/read-path.md#value-upgrades``).
 ``box=True`` (certified gates): before a KV head is repaired, its cells are certified again with ``min(meter,
 tv_box)`` (the box supremum, ``docs/math.md#box-supremum``) on the same served distribution and radii; a head whose
 cells are then all ``<= tau`` is served as is and reports the refined certificates. A block repair stops at the first
@@ -55,16 +61,21 @@ class Gate:
     value_tol: float | None = None
     box: bool = False
     tier_b: bool = False
+    value_rel: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("off", "certified", "risk_ranked"):
             raise ValueError(f"gate mode must be off, certified or risk_ranked, got {self.mode!r}")
         self._check_types()
         if self.mode == "off" and (
-            self.threshold != float("inf") or self.value_tol is not None or self.persistent or self.box
+            self.threshold != float("inf")
+            or self.value_tol is not None
+            or self.value_rel is not None
+            or self.persistent
+            or self.box
         ):
             raise ValueError(
-                "an off gate never repairs: it takes no threshold, value_tol, persistent or box "
+                "an off gate never repairs: it takes no threshold, value_tol, value_rel, persistent or box "
                 "(use Gate.certified or Gate.risk_ranked to repair)"
             )
         if not self.threshold >= 0:
@@ -85,6 +96,10 @@ class Gate:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.value_tol is not None and not self.value_tol >= 0:
             raise ValueError(f"value_tol must be >= 0, got {self.value_tol}")
+        if self.value_rel is not None and not 0 <= self.value_rel < float("inf"):
+            raise ValueError(f"value_rel must be finite and >= 0, got {self.value_rel}")
+        if self.value_rel is not None and self.mode != "certified":
+            raise ValueError(f"value_rel bounds the value term of a certified gate's reads, got a {self.mode} gate")
         if self.box and self.mode != "certified":
             raise ValueError(f"box=True refines a certified gate (a bound on the TV), got a {self.mode} gate")
         if self.tier_b and not self.box:
@@ -93,9 +108,9 @@ class Gate:
     def _check_types(self) -> None:
         """``TypeError`` naming the field for a value of the wrong type (a string threshold, a float block size, a
         flag that is not a bool: ``persistent="no"`` would otherwise read as true)."""
-        for name in ("threshold", "value_tol"):
+        for name in ("threshold", "value_tol", "value_rel"):
             value = getattr(self, name)
-            if value is None and name == "value_tol":
+            if value is None and name != "threshold":
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"gate {name} must be a real number, got {value!r}")
@@ -121,11 +136,13 @@ class Gate:
         value_tol: float | None = None,
         box: bool = False,
         tier_b: bool = False,
+        value_rel: float | None = None,
     ) -> Gate:
         """Repair every KV head whose clipped certificate exceeds ``tau`` for any of its query heads (with ``box``:
         whose ``min(meter, tv_box)`` does; with ``tier_b`` as well: whose partially certified box over the Tier-B
-        radii does, module doc)."""
-        return cls("certified", tau, granularity, block_size, persistent, value_tol, box, tier_b)
+        radii does; with ``value_rel``: upgrade or page in values until each cell's value term is under ``value_rel``
+        times the head's value spread, module doc)."""
+        return cls("certified", tau, granularity, block_size, persistent, value_tol, box, tier_b, value_rel)
 
     @classmethod
     def risk_ranked(
@@ -155,4 +172,5 @@ class Gate:
         extra += ", box" if self.box else ""
         extra += ", tier-b" if self.tier_b else ""
         extra += f", value_tol={self.value_tol:g}" if self.value_tol is not None else ""
+        extra += f", value_rel={self.value_rel:g}" if self.value_rel is not None else ""
         return f"{self.mode}({name}={self.threshold:g}, {self.granularity}{extra})"

@@ -997,22 +997,31 @@ class LayerStore:
         """:meth:`persist` with upgrade codecs (``upgrade=``): :meth:`commit_upgrade` of :meth:`plan_upgrade`."""
         return self.commit_upgrade(self.plan_upgrade(b, h, tokens))
 
-    def plan_upgrade(self, b: int, h: int, tokens: slice | torch.Tensor) -> UpgradePlan:
+    def light(self, b: int, h: int, is_key: bool) -> torch.Tensor:
+        """``[n]`` bool (CPU) over the physical slots of (row ``b``, KV head ``h``): the keys (``is_key``) or values
+        served from light codes, neither exact nor in the wide codes (upgraded, or stored heavy by token tiers)."""
+        ts = self.k if is_key else self.v
+        assert ts is not None
+        return ~ts.exact.view()[b, h].cpu() & ~ts.wide(b, h, self.n, self.base)
+
+    def plan_upgrade(self, b: int, h: int, tokens: slice | torch.Tensor, keys: bool = True) -> UpgradePlan:
         """What an upgrade repair of ``tokens`` of (row b, KV head h) would store, computed and not stored: each entry
-        still served from light codes (neither exact nor in the wide codes) re-encoded by the upgrade codec from its
-        exact original, its served value and the write-time witnesses of the new codes (:meth:`_witnesses`: the same
-        inequalities, for the new residual). The dither of an upgrade codec is drawn from a stream of its own, keyed
-        by the request, layer, KV head and position as every dither is, so planning the same entry twice gives the
-        same codes. ``docs/read-path.md#upgrade-repair``."""
+        still served from light codes (:meth:`light`) re-encoded by the upgrade codec from its exact original, its
+        served value and the write-time witnesses of the new codes (:meth:`_witnesses`: the same inequalities, for
+        the new residual); the values only when ``keys`` is False (a value upgrade,
+        ``docs/read-path.md#value-upgrades``). The dither of an upgrade codec is drawn from a stream of its own,
+        keyed by the request, layer, KV head and position as every dither is, so planning the same entry twice gives
+        the same codes. ``docs/read-path.md#upgrade-repair``."""
         assert self.k is not None and self.v is not None and self.upgrade is not None
         self._unpaged("an upgrade repair")
         n = self.n
         parts = []
         share_bypass(self.key_codec, self.upgrade[0])
-        for is_key, ts, codec in ((True, self.k, self.upgrade[0]), (False, self.v, self.upgrade[1])):
+        tensors = ((True, self.k, self.upgrade[0]), (False, self.v, self.upgrade[1]))
+        for is_key, ts, codec in tensors if keys else tensors[1:]:
             sel = torch.zeros(n, dtype=torch.bool)
             sel[tokens.cpu() if isinstance(tokens, torch.Tensor) else tokens] = True
-            sel &= ~ts.exact.view()[b, h].cpu() & ~ts.wide(b, h, n, self.base)
+            sel &= self.light(b, h, is_key)
             slots = sel.nonzero().view(-1)
             if len(slots) == 0:
                 continue
@@ -1033,7 +1042,7 @@ class LayerStore:
             wit = self._witnesses(is_key, x[:, h : h + 1], xhat, keep, None if steps is None else steps.to(at), centre)
             witnesses = {name: val[0, 0].to(dev) for name, val in wit.items()}
             parts.append(UpgradePart(is_key, slots, one, xhat[0, 0].to(dev), witnesses))
-        return UpgradePlan(b, h, tuple(parts), self._witness_entry_bytes())
+        return UpgradePlan(b, h, tuple(parts), self._witness_entry_bytes(keys))
 
     def commit_upgrade(self, plan: UpgradePlan) -> bool:
         """Store ``plan`` (:meth:`plan_upgrade`, possibly a :meth:`UpgradePlan.subset`): its entries are served from
@@ -1084,13 +1093,16 @@ class LayerStore:
                 drops.append((ts, chunk, ts.codec.drop(chunk.packed, which)))
         return drops
 
-    def _witness_entry_bytes(self) -> int:
-        """Device bytes of the stored witnesses of one entry of one KV head, K and V together (measured from the
-        buffers: in ``"log8"`` one code each, ``bands`` for the key band norms; in ``"f32"`` the float32 values, the
-        derived ``W_t`` and Tier-B steps included)."""
-        names = STORED_WITNESSES if self.witness == "log8" else (*STORED_WITNESSES, *SERVED_NORMS, "k_wit")
+    def _witness_entry_bytes(self, keys: bool = True) -> int:
+        """Device bytes of the stored witnesses of one entry of one KV head, K and V together (the value's alone
+        without ``keys``; measured from the buffers: in ``"log8"`` one code each, ``bands`` for the key band norms;
+        in ``"f32"`` the float32 values, the derived ``W_t`` and Tier-B steps included)."""
+        every: tuple[str, ...] = (
+            STORED_WITNESSES if self.witness == "log8" else (*STORED_WITNESSES, *SERVED_NORMS, "k_wit")
+        )
+        names = every if keys else tuple(name for name in every if name.startswith("v_"))
         bufs = [getattr(self, name) for name in names]
-        if self.witness == "f32" and self.k_steps is not None:
+        if keys and self.witness == "f32" and self.k_steps is not None:
             bufs.append(self.k_steps)
         one = [(buf.codes if isinstance(buf, LogBuffer) else buf).view()[0, 0, :1] for buf in bufs]
         return sum(t.nbytes for t in one)

@@ -79,6 +79,7 @@ class BlockRepairs:
     n_tokens: int  # entries paged in exact
     upgrade_bytes: int  # the measured bytes of the upgraded entries' codes and witnesses served (host-side encoding)
     upgraded: torch.Tensor  # [n] bool, served on upgraded codes (False: paged everything it needed exact)
+    values: torch.Tensor  # [n, S, Dv] float32 the values served (exact, upgraded or as stored)
     certified: torch.Tensor | None = None  # [n, M] with partial radii: the meter over the Tier-A radii
 
 
@@ -186,6 +187,7 @@ def repair_blocks(
         got.n_exact,
         sum(plan.nbytes for plan in plans),  # what a host-side encoder sends: the new codes and witnesses
         coded,
+        values,
         certified,
     )
 
@@ -361,9 +363,7 @@ def _light(store: LayerStore, pairs: list[tuple[int, int]], s: int, dev: torch.d
     in)."""
     if store.upgrade is None:
         return torch.ones(len(pairs), s, dtype=torch.bool, device=dev)
-    assert store.k is not None
-    exact = store.k.exact.view()
-    return torch.stack([~exact[b, h].cpu() & ~store.k.wide(b, h, s, store.base) for b, h in pairs]).to(dev)
+    return torch.stack([store.light(b, h, is_key=True) for b, h in pairs]).to(dev)
 
 
 def _in_place(dev: torch.device, hosts: tuple[torch.Tensor, ...]) -> bool:

@@ -58,7 +58,9 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral")
 def gate_from_spec(
     text: str,
     label: str = f"{GATE} / --gate",
-    accepted: str = "off, certified:TAU[:UNIT][:box[:tier-b]] or risk:TAU_GATE[:UNIT] (UNIT: block | block-transient)",
+    accepted: str = (
+        "off, certified:TAU[:UNIT][:box[:tier-b]][:values=NU] or risk:TAU_GATE[:UNIT] (UNIT: block | block-transient)"
+    ),
 ) -> Gate:
     """``off`` | ``certified:TAU`` | ``risk:TAU_GATE``, each optionally ``:block`` or ``:block-transient`` ->
     :class:`~kvcert.cache.gate.Gate`; ``ValueError`` naming ``label`` otherwise (the threshold checks are
@@ -69,35 +71,50 @@ def gate_from_spec(
     (certified gates only, e.g. ``certified:0.2:box`` or ``certified:0.2:block:box``) certifies the heads the meter
     would repair again with the box supremum first (``Gate.certified(tau, ..., box=True)``); ``:box:tier-b`` also
     serves a head unrepaired on the partially certified box over the Tier-B radii (``tier_b=True``, dithered keys).
-    Also the CLI's ``--gate`` parser."""
+    A last ``:values=NU`` (certified gates) adds the value gate (``value_rel=NU``,
+    ``docs/read-path.md#value-upgrades``). Also the CLI's ``--gate`` parser."""
     if text == "off":
         return Gate.off()
     kind, _, rest = text.partition(":")
     value, *tail = rest.split(":")
+    value_rel = None
+    if tail and tail[-1].startswith("values="):
+        value_rel = _number(tail.pop()[len("values=") :], label, accepted)
     tier_b = tail[-1:] == ["tier-b"]
     tail = tail[:-1] if tier_b else tail
     box = tail[-1:] == ["box"]
     tail = tail[:-1] if box else tail
     unit = tail[0] if len(tail) == 1 else "" if not tail else None
-    if kind not in ("certified", "risk") or unit not in GATE_UNITS or (box and kind != "certified"):
+    if (
+        kind not in ("certified", "risk")
+        or unit not in GATE_UNITS
+        or (box and kind != "certified")
+        or (value_rel is not None and kind != "certified")
+    ):
         raise ValueError(f"{label}: expected {accepted}, got {text!r}")
     if tier_b and not box:
         raise ValueError(
             f"{label}: ':tier-b' reads the Tier-B radii through the box: write ':box:tier-b', got {text!r}"
         )
-    try:
-        threshold = float(value)
-    except ValueError:
-        raise ValueError(f"{label}: expected {accepted}; {value!r} is not a number") from None
+    threshold = _number(value, label, accepted)
     granularity: Granularity = "block" if unit else "head"
     try:
         if kind == "certified":
+            persistent = unit == "block"
             return Gate.certified(
-                threshold, granularity=granularity, persistent=unit == "block", box=box, tier_b=tier_b
+                threshold, granularity=granularity, persistent=persistent, box=box, tier_b=tier_b, value_rel=value_rel
             )
         return Gate.risk_ranked(threshold, granularity=granularity, persistent=unit == "block")
     except ValueError as exc:
         raise ValueError(f"{label} {text!r}: {exc}") from None
+
+
+def _number(value: str, label: str, accepted: str) -> float:
+    """``value`` as a float; ``ValueError`` naming ``label`` otherwise (the range checks are :class:`Gate`'s)."""
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{label}: expected {accepted}; {value!r} is not a number") from None
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
@@ -145,7 +162,13 @@ class Settings:
                 check_per_token(resolve(name, axis))  # its codes go into vLLM's blocks, one cell per token
             except ValueError as exc:
                 raise ValueError(f"{var} / --{axis}s: {exc}") from None
-        if gate_from_spec(self.gate).tier_b and not resolve(self.keys, "key").tier_b:
+        gate = gate_from_spec(self.gate)
+        if gate.value_rel is not None:
+            raise ValueError(
+                f"{GATE} / --gate {self.gate!r}: the value gate (':values=') is not served on vLLM's pages yet "
+                "(docs/serving-vllm.md#what-is-not-done-yet); drop ':values=...'"
+            )
+        if gate.tier_b and not resolve(self.keys, "key").tier_b:
             raise ValueError(
                 f"{GATE} / --gate {self.gate!r}: ':tier-b' reads the dither's Tier-B radii; {KEYS} / --keys must be "
                 f"a dithered codec (dither-int*), got {self.keys!r}"

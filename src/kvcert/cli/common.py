@@ -52,11 +52,11 @@ GateOption = Annotated[
     str,
     typer.Option(
         help="auto | off | certified:TAU | risk:TAU_GATE, either with :block or :block-transient; certified gates "
-        "may end in :box (the box supremum before repair)"
+        "may end in :box (the box supremum before repair), :box:tier-b, and last :values=NU (the value gate)"
     ),
 ]
 WitnessOption = Annotated[
-    str, typer.Option(help="witness storage: log8 (8-bit codes decoding upwards, 12 B/token/KV head) | f32")
+    str, typer.Option(help="witness storage: log8 (8-bit codes decoding upwards, bands + 1 B/token/KV head) | f32")
 ]
 DeviceBudgetOption = Annotated[
     str,
@@ -329,7 +329,8 @@ def parse_upgrade(text: str | None, specs: list[SchemeSpec]) -> tuple[str, str] 
 
 def parse_gate(text: str) -> Gate | None:
     """Parse ``auto`` (``None``: each scheme by its meter), ``off``, ``certified:TAU``, ``risk:TAU`` (each with an
-    optional repair unit, certified ones with an optional trailing ``:box`` or ``:box:tier-b``;
+    optional repair unit, certified ones with an optional trailing ``:box`` or ``:box:tier-b`` and a last
+    ``:values=NU``, the value gate;
     :func:`gate_from_spec`).
 
     ``TAU`` must be a finite number ``>= 0`` (``inf``, ``1e400``, ``nan`` and negatives are refused by
@@ -340,7 +341,7 @@ def parse_gate(text: str) -> Gate | None:
     return gate_from_spec(
         text,
         "--gate",
-        "auto, off, certified:TAU[:UNIT][:box[:tier-b]] or risk:TAU[:UNIT] (UNIT: block | block-transient)",
+        "auto, off, certified:TAU[:UNIT][:box[:tier-b]][:values=NU] or risk:TAU[:UNIT] (UNIT: block | block-transient)",
     )
 
 

@@ -31,7 +31,8 @@ def test_settings_roundtrip_and_defaults():
         ({"KVCERT_VLLM_GATE": "certified:2:block"}, "KVCERT_VLLM_GATE.*at most 1"),
         (
             {"KVCERT_VLLM_GATE": "always"},
-            r"expected off, certified:TAU\[:UNIT\]\[:box\[:tier-b\]\] or risk:TAU_GATE\[:UNIT\] \(UNIT: block",
+            r"expected off, certified:TAU\[:UNIT\]\[:box\[:tier-b\]\]\[:values=NU\] or risk:TAU_GATE\[:UNIT\] "
+            r"\(UNIT: block",
         ),
         ({"KVCERT_VLLM_GATE": "certified:0.2:page"}, "expected off, certified"),
         ({"KVCERT_VLLM_GATE": "certified:x"}, "'x' is not a number"),

@@ -119,18 +119,21 @@ def test_repaired_certificate_bounds_the_true_tv_per_cell(backend, monkeypatch) 
         assert bool((res.cert[j] <= 0.05).all())
 
 
-def _upgrade_case(tau: float, scale: float = 1.0):
-    """A store of int2 keys and values with upgrade codecs int8 / int4, a read of it with Cauchy–Schwarz radii from
-    its witnesses, and its block repair under ``tau`` (persistent)."""
+def _upgrade_case(tau: float, scale: float = 1.0, keys: str = "int2", block_size: int = 8, aimed: bool = False):
+    """A store of ``keys`` keys and int2 values with upgrade codecs int8 / int4, a read of it with Cauchy–Schwarz
+    radii from its witnesses (``aimed``: each query a stored key times ``scale``, a concentrated read), and its block
+    repair under ``tau`` (persistent, blocks of ``block_size``)."""
     gen = torch.Generator().manual_seed(7)
     b, h, m_rows, d, s = 1, 2, 3, 32, 80
     store = LayerStore(
-        0, get("int2"), get("int2"), bands=4, pairing="rotate_half", seed=1, upgrade=(get("int8"), get("int4"))
+        0, get(keys), get("int2"), bands=4, pairing="rotate_half", seed=1, upgrade=(get("int8"), get("int4"))
     )
     k, v = torch.randn(b, h, s, d, generator=gen) * scale, torch.randn(b, h, s, d, generator=gen)
     store.append(k, v, torch.arange(b), torch.zeros(b, dtype=torch.bool))
     store.encode_pending(flush=True)
     q = torch.randn(b, h, m_rows, d, generator=gen) * scale
+    if aimed:
+        q = k[:, :, torch.randint(0, s, (m_rows,), generator=gen)] * 2.0
     mask = torch.ones(b, h, m_rows, s, dtype=torch.bool)
 
     def radii(heads, k_band, k_hat_norm, k_wit):  # Cauchy–Schwarz on the residual witness plus the float32 slack
@@ -142,7 +145,7 @@ def _upgrade_case(tau: float, scale: float = 1.0):
     wit = [x.view()[every] for x in (store.k_band, store.k_hat_norm, store.k_wit)]
     c = radii(every, *wit).view(b, h, m_rows, s)
     p = probs64((SC * q) @ store.k.served.view().transpose(-1, -2))
-    gate = Gate.certified(tau, granularity="block", block_size=8, persistent=True)
+    gate = Gate.certified(tau, granularity="block", block_size=block_size, persistent=True)
     need = torch.ones(b, h, dtype=torch.bool)
     res = repair_blocks(q, store, need, _pairs(need), mask, c, p, SC, gate, key_radii=radii)
     return store, k, q, res
@@ -197,6 +200,44 @@ def test_a_head_no_upgrade_passes_gets_every_light_entry_upgraded_and_the_blocks
     entries = sum(len(u.slots) for u in store.k.upgrades)
     records = sum(u.packed.nbytes for u in store.k.upgrades + store.v.upgrades)
     assert res.upgrade_bytes == records + entries * (4 + 1)
+
+
+@pytest.mark.parametrize(
+    ("tau", "case"),
+    [(0.2, {"keys": "int4", "block_size": 1, "aimed": True}), (0.05, {"keys": "int4", "block_size": 1, "aimed": True})]
+    + [(tau, {}) for tau in (0.05, 0.02, 0.0)],
+)
+def test_lazy_planning_makes_the_choice_planning_every_light_entry_makes(tau, case, monkeypatch) -> None:
+    """An upgrade repair plans only the light entries of each head's first blocks and runs a head again, with every
+    light entry planned, when its rounds would go past them: what it serves, keeps and sends is what planning every
+    light entry at once gives, bit for bit, whether no head, some or every head goes past its first plan."""
+    from kvcert.kernels import repair as repair_module
+
+    def run(min_blocks: int, rounds: int):
+        monkeypatch.setattr(repair_module, "PLAN_MIN_BLOCKS", min_blocks)
+        monkeypatch.setattr(repair_module, "PLAN_ROUNDS", rounds)
+        store, _, _, res = _upgrade_case(tau, **case)
+        return store, res
+
+    every_store, every = run(10**9, 0)  # the first plan holds every light entry
+    replanned = []
+    replaced = repair_module._Upgrades.replaced
+    monkeypatch.setattr(
+        repair_module._Upgrades,
+        "replaced",
+        lambda self, rows, other: replanned.append(rows) or replaced(self, rows, other),
+    )
+    for min_blocks, rounds in ((1, 0), (2, 1), (4, 2)):
+        store, res = run(min_blocks, rounds)
+        for name in ("tokens", "cert", "raw", "p", "out", "v_res", "n_blocks", "upgraded", "values"):
+            assert torch.equal(getattr(res, name), getattr(every, name)), name
+        assert (res.n_tokens, res.upgrade_bytes) == (every.n_tokens, every.upgrade_bytes)
+        for ts, ref in ((store.k, every_store.k), (store.v, every_store.v)):
+            assert [(u.b, u.h, u.slots.tolist()) for u in ts.upgrades] == [
+                (u.b, u.h, u.slots.tolist()) for u in ref.upgrades
+            ]
+            assert torch.equal(ts.served.view(), ref.served.view())
+    assert bool(replanned) == (case != {})  # the concentrated reads double past their first plan; the others do not
 
 
 def test_at_tau_0_an_upgrade_repair_pages_everything_in_exact() -> None:

@@ -19,11 +19,14 @@ it replaces:
    gate.
 
 With upgrade codecs (``LayerStore.upgrade``, ``docs/read-path.md#upgrade-repair``) a repair does not page exact
-entries in: it serves the chosen entries from their *upgraded codes*. Every entry of the head still at light codes is
+entries in: it serves the chosen entries from their *upgraded codes*. The entries of the head still at light codes are
 planned (:meth:`LayerStore.plan_upgrade`: the upgrade codec's codes from the exact original, their decode and
 witnesses, as a host-side encoder would send them), and the rounds recompute the read with the chosen blocks' entries
 at their new values and at the Tier-A radii of their new witnesses (``key_radii``, computed as the read computes its
-own). That recomputed read is served, its certificate is that of what is served, and a persistent gate keeps exactly
+own). Planning is lazy: first only the light entries of the blocks up to :data:`PLAN_ROUNDS` doublings past the
+meter's predicted prefix (at least :data:`PLAN_MIN_BLOCKS`); a head whose rounds would go past them runs again from
+the start with every light entry planned, so the choice is the one planning every entry at once makes (tested bit
+for bit). That recomputed read is served, its certificate is that of what is served, and a persistent gate keeps exactly
 those codes (:meth:`LayerStore.commit_upgrade`, within the device budget). Its traffic is the new codes' and
 witnesses' measured bytes (:attr:`BlockRepairs.upgrade_bytes`). A head that no prefix passes even with every light
 entry upgraded is served with every light entry upgraded, and second rounds page in exact, over that, the blocks it
@@ -148,9 +151,22 @@ def repair_blocks(
     else:
         # upgrade repair: the chosen light entries served from their upgraded codes (radii from the new codes'
         # witnesses); a head that no choice of them passes is served with every light entry upgraded and the blocks it
-        # still needs paged in exact over that (radius 0)
-        up = _Upgrades.of(store, pairs, light, khat, vhat, vres, key_radii, (bi, hi))
-        got = rounds.run(khat, cc, pp, light, up.k, up.radii)
+        # still needs paged in exact over that (radius 0). Planned lazily: the light entries of each head's first
+        # blocks in the rounds' order; a head whose rounds would go past them runs again from the start with every
+        # light entry planned (the same rounds, so the same choice as planning every light entry at once)
+        limit = rounds.plan_limit(cc, pp, light)
+        planned = rounds.leading(cc, pp, light, limit)
+        up = _Upgrades.of(store, pairs, planned, khat, vhat, vres, key_radii, (bi, hi))
+        got = rounds.run(khat, cc, pp, light, up.k, up.radii, limit)
+        assert got.short_host is not None
+        short = [i for i, gone in enumerate(got.short_host) if gone]
+        if short:
+            j = torch.tensor(short, device=dev)
+            full = _Upgrades.of(
+                store, [pairs[i] for i in short], light[j], khat[j], vhat[j], vres[j], key_radii, (bi[j], hi[j])
+            )
+            got = got.replaced(j, rounds.subset(short).run(khat[j], cc[j], pp[j], light[j], full.k, full.radii))
+            up = up.replaced(short, full)
         coded = got.under
         on_codes, exact = torch.where(coded.unsqueeze(-1), got.tok, light), torch.zeros_like(got.tok)
         failed = exact_heads = [i for i, ok in enumerate(got.under_host) if not ok]
@@ -208,6 +224,16 @@ class _Round:
     radii: torch.Tensor
     blocks: torch.Tensor
     n_exact: int
+    short_host: list[bool] | None = None  # per head: stopped at the planned limit, not under (run again with more)
+
+    def replaced(self, rows: torch.Tensor, other: _Round) -> _Round:
+        """This outcome with the heads ``rows`` replaced by ``other``'s (their rounds run again from the start)."""
+        names = ("tok", "under", "pm", "cert", "raw", "logits", "radii", "blocks")
+        tensors = {name: getattr(self, name).index_copy(0, rows, getattr(other, name)) for name in names}
+        under = list(self.under_host)
+        for i, ok in zip(rows.tolist(), other.under_host, strict=True):
+            under[i] = ok
+        return _Round(under_host=under, n_exact=self.n_exact + other.n_exact, **tensors)
 
     def with_rows(self, rows: torch.Tensor, other: _Round) -> _Round:
         """This outcome with the heads ``rows`` taken from ``other`` (their substituted entries added to ours: the
@@ -249,19 +275,12 @@ class _Rounds:
         :func:`_mix` copies in place (CPU)."""
         return None if _in_place(device, self.hosts) else _page(self.hosts[tensor], self.pairs, device)
 
-    def run(
-        self,
-        keys: torch.Tensor,
-        radii: torch.Tensor,
-        p: torch.Tensor,
-        pageable: torch.Tensor,
-        sub_keys: torch.Tensor | None = None,
-        sub_radii: torch.Tensor | None = None,
-    ) -> _Round:
-        """Substitute blocks of the ``pageable[n, S]`` entries into the read of ``keys[n, S, D]`` at ``radii[n, M,
-        S]`` (served distribution ``p``), in order of their contributions, doubling the prefix until every cell is
-        under the threshold or every block is substituted: by ``sub_keys`` at ``sub_radii`` (upgraded codes), or
-        without them by the exact entries at radius 0."""
+    def _order(
+        self, radii: torch.Tensor, p: torch.Tensor, pageable: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(rank [n, nb], k_first [n], k_meter [n])``: each block's place in the order of the rounds (descending
+        largest contribution over the cells, stable), the prefix the rounds try first and the meter's predicted
+        prefix (module docstring, steps 1–2)."""
         gate = self.gate
         n, rows, s = p.shape
         bs = gate.block_size
@@ -283,10 +302,51 @@ class _Rounds:
         # certifies too, so it never pages more blocks than the meter's gate (one round more at most)
         k = first_under(2.0 * gate.threshold) if gate.box else k_meter
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(nb, device=p.device).expand(n, nb))
+        return rank, k, k_meter
+
+    def plan_limit(self, radii: torch.Tensor, p: torch.Tensor, pageable: torch.Tensor) -> torch.Tensor:
+        """``[n]``: the blocks an upgrade repair plans first, :data:`PLAN_ROUNDS` doublings past the meter's
+        predicted prefix and at least :data:`PLAN_MIN_BLOCKS` (the rounds of most heads end within them)."""
+        _, k, k_meter = self._order(radii, p, pageable)
+        return torch.maximum(torch.maximum(k, k_meter) * 2**PLAN_ROUNDS, torch.full_like(k, PLAN_MIN_BLOCKS))
+
+    def leading(
+        self, radii: torch.Tensor, p: torch.Tensor, pageable: torch.Tensor, limit: torch.Tensor
+    ) -> torch.Tensor:
+        """``[n, S]`` bool: the ``pageable`` entries of each head's first ``limit`` blocks in the rounds' order."""
+        rank, _, _ = self._order(radii, p, pageable)
+        s = p.shape[-1]
+        return (rank < limit.unsqueeze(-1)).repeat_interleave(self.gate.block_size, -1)[:, :s] & pageable
+
+    def run(
+        self,
+        keys: torch.Tensor,
+        radii: torch.Tensor,
+        p: torch.Tensor,
+        pageable: torch.Tensor,
+        sub_keys: torch.Tensor | None = None,
+        sub_radii: torch.Tensor | None = None,
+        limit: torch.Tensor | None = None,
+    ) -> _Round:
+        """Substitute blocks of the ``pageable[n, S]`` entries into the read of ``keys[n, S, D]`` at ``radii[n, M,
+        S]`` (served distribution ``p``), in order of their contributions, doubling the prefix until every cell is
+        under the threshold or every block is substituted: by ``sub_keys`` at ``sub_radii`` (upgraded codes), or
+        without them by the exact entries at radius 0. With ``limit[n]`` (blocks) a head whose next prefix would be
+        longer stops there, not under, flagged in :attr:`_Round.short_host` (its substitutes were planned only for
+        the first ``limit`` blocks)."""
+        gate = self.gate
+        n, _, s = p.shape
+        bs = gate.block_size
+        nb = (s + bs - 1) // bs
+        rank, k, k_meter = self._order(radii, p, pageable)
+        short = torch.zeros(n, dtype=torch.bool, device=p.device)
         substituted = keys.clone() if sub_keys is None else keys  # the exact entries are written into the copy
         host_keys = self.paged(0, keys.device) if sub_keys is None else None
         checks = Checks()
         while True:
+            if limit is not None:  # a prefix past the planned blocks is not evaluated: that head runs again
+                short = short | (k.clamp(max=nb) > limit)
+                k = torch.where(short, torch.minimum(k, limit), k)
             tok = (rank < k.unsqueeze(-1)).repeat_interleave(bs, -1)[:, :s] & pageable  # the first k blocks in order
             if sub_keys is None:
                 mixed = _mix(substituted, self.hosts[0], host_keys, tok, self.pairs)
@@ -301,15 +361,22 @@ class _Rounds:
                 if gate.box:
                     cert = box_refined(pm, r, cert, gate.threshold, numba_box.rows_for(p.device))
             under = ((raw if gate.uses_unclipped else cert) <= gate.threshold).all(-1)
-            done = under | (k >= nb)
-            back = checks.read_back([done.all(), tok.sum(), under])  # one synchronisation per doubling round
+            done = under | (k >= nb) | short
+            back = checks.read_back([done.all(), tok.sum(), under, short])  # one synchronisation per doubling round
             assert back is not None  # no guard: None is never returned
-            all_done, n_tok, *under_host = back
+            all_done, n_tok, *flags = back
             if all_done:
                 n_exact = n_tok if sub_keys is None else 0
-                under_list = [bool(x) for x in under_host]
-                return _Round(tok, under, under_list, pm, cert, raw, logits, r, k.clamp(max=nb), n_exact)
+                under_list, short_list = [bool(x) for x in flags[:n]], [bool(x) for x in flags[n:]]
+                cut = k.clamp(max=nb)
+                return _Round(tok, under, under_list, pm, cert, raw, logits, r, cut, n_exact, short_list)
             k = torch.where(done, k, torch.where(k < k_meter, k_meter, 2 * k))
+
+
+#: an upgrade repair first plans the light entries of the blocks up to this many doublings past the meter's
+#: predicted prefix (:meth:`_Rounds.plan_limit`), and at least :data:`PLAN_MIN_BLOCKS` blocks
+PLAN_ROUNDS = 2
+PLAN_MIN_BLOCKS = 16
 
 
 @dataclass(frozen=True)
@@ -355,6 +422,20 @@ class _Upgrades:
                     v[j, on] = part.xhat
                     v_res[j, on] = part.witnesses["v_res"]
         return cls(k, v, v_res, key_radii(heads, band, hat_norm, wit), plans)
+
+    def replaced(self, rows: list[int], other: _Upgrades) -> _Upgrades:
+        """These upgrades with the heads ``rows`` replaced by ``other``'s (planned again, every light entry)."""
+        j = torch.tensor(rows, device=self.k.device)
+        plans = list(self.plans)
+        for i, plan in zip(rows, other.plans, strict=True):
+            plans[i] = plan
+        k, v, v_res, radii = (
+            mine.index_copy(0, j, theirs)
+            for mine, theirs in zip(
+                (self.k, self.v, self.v_res, self.radii), (other.k, other.v, other.v_res, other.radii), strict=True
+            )
+        )
+        return _Upgrades(k, v, v_res, radii, plans)
 
 
 def _light(store: LayerStore, pairs: list[tuple[int, int]], s: int, dev: torch.device) -> torch.Tensor:

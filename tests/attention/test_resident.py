@@ -237,6 +237,7 @@ def _resident(resident: object = 0.5, **kw) -> Callable[[], EvictionConfig]:
         (lambda: EvictionConfig(H2O(recent=2), compression_ratio=0.25, resident=0.5), {}, "resident_set"),
         (_resident(), {"gate": Gate.certified(0.2, granularity="block")}, "head granularity"),
         (_resident(), {"gate": Gate.risk_ranked(5.0)}, "head granularity"),
+        (_resident(), {"gate": Gate.certified(0.2, value_rel=0.1)}, "value_rel=0.1"),
         (_resident(), {"validation": ValidationConfig(certify=False)}, "certify=True"),
     ],
 )

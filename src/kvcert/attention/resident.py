@@ -123,11 +123,12 @@ def check_resident(
         or gate.granularity != "head"
         or gate.persistent
         or gate.value_tol is not None
+        or gate.value_rel is not None
         or gate.box
     ):
         raise ValueError(
             f"resident=... supports Gate.off() and Gate.certified(tau) with head granularity, not "
-            f"{gate.describe()} (persistent={gate.persistent}, value_tol={gate.value_tol})"
+            f"{gate.describe()} (persistent={gate.persistent}, value_tol={gate.value_tol}, value_rel={gate.value_rel})"
         )
     return float(resident)
 

@@ -19,7 +19,7 @@ the key gate did not already serve exact. A head above it:
    entry of a store without upgrade codecs) exact from the host tier; recomputes every cell's value term with the
    new residuals and doubles the prefix until every cell is under or every ranked entry is repaired;
 4. if a cell is still above (the upgraded values' own error), the shortest prefix of the upgraded entries by
-   ``max_cells p̃_t‖Δv'_t‖`` is served exact instead, which passes by construction;
+   ``max_cells p̃_t‖Δv'_t‖`` that passes is served exact instead (every one of them exact passes);
 5. a persistent gate keeps the upgraded codes (:meth:`LayerStore.commit_upgrade`, within the device budget); exact
    values are served for the read only.
 
@@ -109,10 +109,15 @@ def _repair_head(store: LayerStore, b: int, h: int, sv: ServedValues, i: int, to
         k = min(2 * k, len(order))
     if not bool((p @ head.res <= tol).all()):  # every entry with error repaired: the upgraded ones' left, exact next
         rest = _ranked(p, head.res, ~head.exact)
-        more = rest[: _prefix(p, head.res, rest, tol)]
-        head.exact[more] = True
-        head.values[more] = host[more.to(host.device)].to(head.values.device, torch.float32)
-        head.res[more] = 0.0
+        n = _prefix(p, head.res, rest, tol)
+        while True:  # one more at a time only if the recomputed sum rounds above where the prefix's did
+            more = rest[:n]
+            head.exact[more] = True
+            head.values[more] = host[more.to(host.device)].to(head.values.device, torch.float32)
+            head.res[more] = 0.0
+            if bool((p @ head.res <= tol).all()) or n >= len(rest):
+                break
+            n += 1
         if head.plan is not None:
             keep = ~head.exact.cpu()
             kept = head.plan.subset(keep)

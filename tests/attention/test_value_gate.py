@@ -12,6 +12,7 @@ from attention_cases import HKV, B, D, G
 from attention_cases import exact_fallback as _exact
 
 from kvcert.attention.certified import ReadConfig, certified_read
+from kvcert.attention.value_gate import ServedValues, gate_values
 from kvcert.cache.gate import Gate
 from kvcert.cache.store import LayerStore
 from kvcert.quant import get, kernel_env
@@ -54,6 +55,16 @@ def _spread(st: LayerStore, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.any(-2), dist, 0.0).amax(-1)
 
 
+def _assert_slack_covers_the_served_values(st: LayerStore, res) -> None:
+    """Per cell, the output bound's float32 slack (bound − key term − value term) is at least ``2(S + D)u`` times the
+    largest norm of the values the head serves: after a persistent read the store's served values are the upgraded
+    ones it served, whose norms may exceed the light witnesses' bound (an exact value's never does)."""
+    slack = (res.out_bound - res.key_term - res.value_term).view(B, HKV, G)
+    served = st.v.served.view().to(torch.float64).norm(dim=-1).amax(-1)  # [B, HKV]
+    floor = 2.0 * (st.n + D) * 2.0**-24 * served
+    assert bool((slack >= floor.unsqueeze(-1) * (1 - 1e-9)).all()), float((floor.unsqueeze(-1) - slack).max())
+
+
 def _read(st, q, mask, gate, validate=True):
     return certified_read(q, st, mask, SC, ReadConfig(gate, validate, 1e-6), _exact(st, q, mask, SC))
 
@@ -84,11 +95,30 @@ def test_every_cell_is_served_under_its_tolerance_and_its_output_bound_holds(
             light = int(st.light(b, h, is_key=False).sum())
             kept = persistent and bool(res.values_upgraded[b, h])
             assert (light < light_before[b][h]) if kept else (light == light_before[b][h])
+    if persistent:
+        _assert_slack_covers_the_served_values(st, res)
     if persistent:  # later reads serve the kept upgrades (and may upgrade more: the stored witnesses round up)
         spread = _spread(st, mask).repeat_interleave(G, 1).unsqueeze(-1)  # smaller: upgraded values err less
         again = _read(st, q, mask, gate)
         assert bool((again.value_term <= nu * spread * (1 + 1e-12)).all())
         assert bool((again.true_out_err <= again.out_bound).all())
+
+
+def test_the_gates_vmax_bounds_the_norm_of_every_upgraded_value_it_serves():
+    """``ValueRepairs.vmax`` enters the output bound's slack, which must cover every value the head sums: given 0 for
+    the read's own bound, it comes back at least the norm of each value the gate upgraded (kept, then read back)."""
+    st, _, _ = _store(8)
+    g = torch.Generator().manual_seed(8)
+    p = torch.softmax(torch.randn(1, G, st.n, generator=g, dtype=torch.float64) * 4, -1)
+    served = ServedValues(
+        p, st.v.served.view()[:1, 0].to(torch.float32), st.v_res.view()[:1, 0], torch.zeros(1, st.n, dtype=torch.bool)
+    )
+    tol = 0.5 * (p[0] @ st.v_res.view()[0, 0].to(torch.float64)).amin().reshape(1)  # every cell above it
+    res = gate_values(st, [(0, 0)], served, tol, torch.zeros(1, dtype=torch.float64), persistent=True)
+    assert res.upgraded > 0 and res.upgraded_heads == [True]
+    slots = torch.cat([u.slots - st.base for u in st.v.upgrades])
+    norms = st.v.served.view()[0, 0, slots].to(torch.float64).norm(dim=-1)
+    assert float(res.vmax[0]) >= float(norms.max()) * (1 - 1e-7)
 
 
 def test_a_head_under_its_tolerance_is_served_as_without_the_gate():
@@ -164,9 +194,28 @@ def test_after_a_key_upgrade_repair_the_value_gate_starts_from_what_the_repair_s
     assert bool((res.value_term <= 0.04 * spread * (1 + 1e-12)).all())
     assert bool((res.true_out_err <= res.out_bound).all()), float((res.true_out_err - res.out_bound).max())
     assert bool((res.cert <= 0.2).all())
+    if persistent:
+        _assert_slack_covers_the_served_values(st, res)
     if persistent:  # every kept record holds entries no other record of its head holds
         for ts in (st.k, st.v):
             for b in range(B):
                 for h in range(HKV):
                     slots = torch.cat([u.slots for u in ts.upgrades if (u.b, u.h) == (b, h)] or [torch.zeros(0)])
                     assert len(slots) == len(slots.unique())
+
+
+def test_after_an_upgrade_repair_vmax_bounds_the_values_it_served():
+    """The key gate's upgrade repair serves upgraded values too: the slack's ``vmax`` of its heads is raised to their
+    norms (never lowered), the other heads' left as they were."""
+    from types import SimpleNamespace
+
+    from kvcert.attention.certified import _served_vmax
+
+    vmax = torch.tensor([[[1.0], [5.0]], [[2.0], [3.0]]], dtype=torch.float64)  # [B, HKV, 1]
+    values = torch.zeros(2, 4, D)
+    values[0, 1, 0], values[1, 2, 3] = 4.0, 1.0  # norms 4 (above the head's 2) and 1 (below its 5)
+    repairs = SimpleNamespace(heads=torch.tensor([[1, 0], [0, 1]]), values=values)
+    out = _served_vmax(vmax, repairs)
+    assert out[0, 0, 0] == 1.0 and out[0, 1, 0] == 5.0 and out[1, 1, 0] == 3.0  # unrepaired, or already above
+    assert 4.0 <= float(out[1, 0, 0]) <= 4.0 * (1 + 2**-20) and vmax[1, 0, 0] == 2.0  # raised (norm rounded up)
+    assert _served_vmax(vmax, None) is vmax

@@ -96,9 +96,8 @@ class _Head:
 
 def _repair_head(store: LayerStore, b: int, h: int, sv: ServedValues, i: int, tol: float) -> _Head:
     """Steps 1–4 of the module docstring for pair ``i`` = (row ``b``, KV head ``h``)."""
-    p, r = sv.p[i], sv.v_res[i].to(torch.float64)
-    host = store.v.host.view()[b, h] if store.v is not None else None
-    assert host is not None
+    assert store.v is not None
+    p, r, host = sv.p[i], sv.v_res[i].to(torch.float64), store.v.host.view()[b, h]
     light = (store.light(b, h, is_key=False).to(p.device) & ~sv.subst[i]) if store.upgrade is not None else None
     order = _ranked(p, r, torch.ones_like(sv.subst[i]))
     k = _prefix(p, r, order, tol)

@@ -154,8 +154,7 @@ def repair_blocks(
         # still needs paged in exact over that (radius 0). Planned lazily: the light entries of each head's first
         # blocks in the rounds' order; a head whose rounds would go past them runs again from the start with every
         # light entry planned (the same rounds, so the same choice as planning every light entry at once)
-        limit = rounds.plan_limit(cc, pp, light)
-        planned = rounds.leading(cc, pp, light, limit)
+        limit, planned = rounds.first_plan(cc, pp, light)
         up = _Upgrades.of(store, pairs, planned, khat, vhat, vres, key_radii, (bi, hi))
         got = rounds.run(khat, cc, pp, light, up.k, up.radii, limit)
         assert got.short_host is not None
@@ -304,19 +303,17 @@ class _Rounds:
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(nb, device=p.device).expand(n, nb))
         return rank, k, k_meter
 
-    def plan_limit(self, radii: torch.Tensor, p: torch.Tensor, pageable: torch.Tensor) -> torch.Tensor:
-        """``[n]``: the blocks an upgrade repair plans first, :data:`PLAN_ROUNDS` doublings past the meter's
-        predicted prefix and at least :data:`PLAN_MIN_BLOCKS` (the rounds of most heads end within them)."""
-        _, k, k_meter = self._order(radii, p, pageable)
-        return torch.maximum(torch.maximum(k, k_meter) * 2**PLAN_ROUNDS, torch.full_like(k, PLAN_MIN_BLOCKS))
-
-    def leading(
-        self, radii: torch.Tensor, p: torch.Tensor, pageable: torch.Tensor, limit: torch.Tensor
-    ) -> torch.Tensor:
-        """``[n, S]`` bool: the ``pageable`` entries of each head's first ``limit`` blocks in the rounds' order."""
-        rank, _, _ = self._order(radii, p, pageable)
+    def first_plan(
+        self, radii: torch.Tensor, p: torch.Tensor, pageable: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(limit [n], planned [n, S])``: the blocks an upgrade repair plans first, :data:`PLAN_ROUNDS` doublings
+        past the meter's predicted prefix and at least :data:`PLAN_MIN_BLOCKS` (the rounds of most heads end within
+        them), and the ``pageable`` entries of each head's first ``limit`` blocks in the rounds' order."""
+        rank, k, k_meter = self._order(radii, p, pageable)
+        limit = torch.maximum(torch.maximum(k, k_meter) * 2**PLAN_ROUNDS, torch.full_like(k, PLAN_MIN_BLOCKS))
         s = p.shape[-1]
-        return (rank < limit.unsqueeze(-1)).repeat_interleave(self.gate.block_size, -1)[:, :s] & pageable
+        planned = (rank < limit.unsqueeze(-1)).repeat_interleave(self.gate.block_size, -1)[:, :s] & pageable
+        return limit, planned
 
     def run(
         self,
@@ -374,7 +371,7 @@ class _Rounds:
 
 
 #: an upgrade repair first plans the light entries of the blocks up to this many doublings past the meter's
-#: predicted prefix (:meth:`_Rounds.plan_limit`), and at least :data:`PLAN_MIN_BLOCKS` blocks
+#: predicted prefix (:meth:`_Rounds.first_plan`), and at least :data:`PLAN_MIN_BLOCKS` blocks
 PLAN_ROUNDS = 2
 PLAN_MIN_BLOCKS = 16
 

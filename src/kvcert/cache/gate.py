@@ -18,11 +18,11 @@ largest contributions ``Σ_{t∈b} p̃_t(e^{c_t} − 1)`` until the cell is back
 ``value_tol`` promotes values to exact for a KV head whose output-error value term dominates its key
 term and exceeds ``value_tol``.
 ``value_rel=ν`` (certified gates) bounds the value side relative to the head's value spread: every cell of a read is
-served with its value term ``Σ_t p̃_t‖Δv_t‖ <= ν·max_t(‖v̂_t − c‖ + ‖Δv_t‖)``. Over a store with upgrade codecs a
-KV head above it has the values of its light tokens upgraded, largest ``max_cells p̃_t‖Δv_t‖`` first, doubling the
-count until every cell is under (kept by a persistent gate within the device budget); a head that is still above with
-every light value upgraded, or a store without upgrade codecs, is served its exact values for the read
-(``docs/read-path.md#value-upgrades``).
+served with its value term ``Σ_t p̃_t‖Δv_t‖ <= ν·max_t(‖v̂_t − c‖ + ‖Δv_t‖)``. A KV head above it has the entries
+with the largest ``max_cells p̃_t‖Δv_t‖`` repaired, doubling their count until every cell is under: light values from
+their upgraded codes (kept by a persistent gate within the device budget), other entries (and every entry of a store
+without upgrade codecs) exact for the read; if the upgraded values' own error still leaves a cell above, the fewest
+of them that pass are served exact instead (``docs/read-path.md#value-upgrades``).
 ``box=True`` (certified gates): before a KV head is repaired, its cells are certified again with ``min(meter,
 tv_box)`` (the box supremum, ``docs/math.md#box-supremum``) on the same served distribution and radii; a head whose
 cells are then all ``<= tau`` is served as is and reports the refined certificates. A block repair stops at the first

@@ -90,6 +90,7 @@ from kvcert.cli.common import (
     SchemeSpec,
     load_model,
     parse_gate,
+    parse_heavy_values,
     parse_schemes,
     resident_fits,
     resident_gate,
@@ -638,6 +639,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(docs/read-path.md#token-tiers)",
     )
     ap.add_argument(
+        "--heavy-values",
+        default=None,
+        metavar="CODEC:SHARE",
+        help="StorageConfig(heavy_values=, heavy_value_share=): token tiers' heavy values in CODEC, the top SHARE of "
+        "the same ranking, instead of the --upgrade value codec on the --heavy-share (docs/read-path.md#heavy-values)",
+    )
+    ap.add_argument(
         "--bands",
         type=int,
         default=8,
@@ -696,6 +704,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--block-size must be >= 1, got {args.block_size}")
     if args.heavy_share is not None and (args.upgrade is None or not 0.0 < args.heavy_share < 1.0):
         ap.error(f"--heavy-share takes a fraction in (0, 1) and needs --upgrade, got {args.heavy_share}")
+    if args.heavy_values is not None and args.heavy_share is None:
+        ap.error("--heavy-values is a setting of token tiers: give --heavy-share too")
     if args.resident is None:
         given = [
             f"--{k.replace('_', '-')}"
@@ -745,6 +755,7 @@ def main() -> None:
     gate = gate if args.block_size is None else dataclasses.replace(gate, block_size=args.block_size)
     schemes = variants(specs, gate, args.raw, args.validate, args.device_budget, resident, args.gated, allocation)
     upgrade = None if args.upgrade is None else tuple(args.upgrade.split("/"))
+    heavy_values = parse_heavy_values(args.heavy_values)
     schemes = [
         s
         if s.is_dense
@@ -753,6 +764,7 @@ def main() -> None:
             exact_sinks=args.exact_sinks,
             upgrade=upgrade,
             heavy_share=args.heavy_share,
+            heavy_values=heavy_values,
             bands=args.bands,
             write_block=args.write_block,
         )
@@ -770,6 +782,7 @@ def main() -> None:
         **({} if upgrade is None else {"upgrade": list(upgrade)}),
         **({} if args.block_size is None else {"block_size": args.block_size}),
         **({} if args.heavy_share is None else {"heavy_share": args.heavy_share}),
+        **({} if heavy_values is None else {"heavy_values": list(heavy_values)}),
         **({} if args.bands == 8 else {"bands": args.bands}),
         **({} if args.write_block == 16 else {"write_block": args.write_block}),
         "max_new_tokens": args.max_new_tokens,

@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from capacity_ruler import make_gate  # noqa: E402
-from kvcert.cli.common import load_model, parse_schemes  # noqa: E402
+from kvcert.cli.common import load_model, parse_heavy_values, parse_schemes  # noqa: E402
 from kvcert.cli.progress import progress_bar  # noqa: E402
 from kvcert.eval import ruler  # noqa: E402
 from kvcert.eval.branching import Scheme, exact_prefill, greedy_from  # noqa: E402
@@ -41,6 +41,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--scheme", required=True, help="KEYCODEC/VALUECODEC (light codecs with --heavy-share)")
     ap.add_argument("--upgrade", default=None, metavar="KEYCODEC/VALUECODEC")
     ap.add_argument("--heavy-share", type=float, default=None)
+    ap.add_argument("--heavy-values", default=None, metavar="CODEC:SHARE")
     ap.add_argument("--bands", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=1)
     ap.add_argument("--tasks", required=True, help="comma-separated RULER tasks")
@@ -69,6 +70,7 @@ def main() -> None:
         gate,
         upgrade=upgrade,  # type: ignore[arg-type]
         heavy_share=args.heavy_share,
+        heavy_values=parse_heavy_values(args.heavy_values),
         bands=args.bands,
     )
     loaded = load_model(args.model, args.seed)

@@ -15,6 +15,7 @@ from kvcert.attention.read_path import (
     LadderReadPath,
     Recorder,
     ResidentReadPath,
+    measured_tv_slack,
     slot_mask,
     step_record,
 )
@@ -103,3 +104,18 @@ def test_slot_mask_gathers_the_logical_mask_at_each_slot_position() -> None:
     assert got.tolist() == [[[[True, True, True]], [[False, True, True]]]]
     with pytest.raises(ValueError, match="covering every logical position"):
         slot_mask(logical[..., :3], positions)
+
+
+def test_a_measured_tv_meets_its_bound_within_its_float64_rounding_only() -> None:
+    """A read served exact has certificate 0 and a measured TV of a few ulps: within ``measured_tv_slack`` it is
+    no violation, a TV one slack above it is one."""
+    st, q, mask = _setup("int4", 96, 0, 3.0, nq=2)
+    cfg = ReadConfig(Gate.certified(0.05), True, 1e-6)
+    res = certified_read(q, st, mask, D**-0.5, cfg, _exact(st, q, mask, D**-0.5))
+    slack = measured_tv_slack(96)
+    assert slack == 194 * 2.0**-53
+    res.cert_pre = torch.zeros_like(res.cert_pre)
+    res.true_tv = torch.full_like(res.true_tv, 5e-17)
+    assert step_record(res, st.layer, 0, 2, None, keys=96).violations == 0
+    res.true_tv.view(-1)[0] = 2 * slack
+    assert step_record(res, st.layer, 0, 2, None, keys=96).violations == 1

@@ -230,3 +230,63 @@ def test_the_budget_gives_the_dropped_light_codes_back_bit_for_bit():
     assert torch.equal(st.k.served.view()[:, :, :32], served[0][:, :, :32])
     assert torch.equal(st.v.served.view()[:, :, :32], served[1][:, :, :32])
     _assert_norm_witnesses(st)
+
+
+def test_heavy_values_take_their_own_codec_and_slots():
+    """``heavy_values=`` and ``choose_heavy(slots, value_slots)``: the heavy keys are ``slots`` in the upgrade key
+    codec, the heavy values ``value_slots`` in their own codec, every other value light; each value witnessed as
+    served; a value upgrade re-encodes the light values only, the heavy keys' tokens' among them, in the upgrade
+    value codec; the bytes are the stored tensors'."""
+    st = _store(heavy_values=get("int8"))
+    slots = _chosen()
+    value_slots = slots[:, :, :2].contiguous()
+    k, v = _kv(t=32)
+    st.append(k, v, *_rows())
+    st.choose_heavy(slots, value_slots)
+    st.append(*_kv(t=1, seed=9), *_rows())
+    heavy_k = torch.zeros(2, 3, 32, dtype=torch.bool).scatter(2, slots, True)
+    heavy_v = torch.zeros(2, 3, 32, dtype=torch.bool).scatter(2, value_slots, True)
+    want_v = torch.where(
+        heavy_v.unsqueeze(-1), get("int8").decode(get("int8").encode(v)), get("int2").decode(get("int2").encode(v))
+    )
+    assert torch.equal(st.v.served.view()[:, :, :32], want_v)
+    dv = st.v.served.view()[:, :, :32].double() - v.double()
+    assert torch.all(st.v_res.view()[:, :, :32].double() >= dv.norm(dim=-1))
+    _assert_norm_witnesses(st)
+    for b in range(2):
+        for h in range(3):
+            assert torch.equal(st.k.wide(b, h, 33, st.base)[:32], heavy_k[b, h])
+            assert torch.equal(st.v.wide(b, h, 33, st.base)[:32], heavy_v[b, h])
+    assert st.heavy_entries == 2 * 3 * (6 + 2)
+    plan = st.plan_upgrade(0, 1, slice(0, 32), keys=False)
+    (part,) = plan.parts
+    assert torch.equal(part.slots, (~heavy_v[0, 1]).nonzero().view(-1))  # the heavy keys' light values included
+    assert part.packed.codec == "int4"
+    assert st.emptied().heavy_values is st.heavy_values
+    # 6 keys of 32 per head in int8 over dither-int4 (+32 B), 2 values in int8 over int2 (+48 B), and the bit masks
+    light = LayerStore(0, get("dither-int4"), get("int2"), bands=8, pairing="rotate_half", seed=1)
+    light.append(k, v, *_rows())
+    light.append(*_kv(t=1, seed=9), *_rows())
+    extra = sum(c.packed.nbytes for ts in (st.k, st.v) for c in ts.chunks) - sum(
+        c.packed.nbytes for ts in (light.k, light.v) for c in ts.chunks
+    )
+    assert extra == 2 * 3 * (6 * 32 + 2 * 48) + 2 * 2 * 3 * 4
+
+
+def test_heavy_values_without_value_slots_follow_the_keys_and_bad_ones_are_refused():
+    st = _store(heavy_values=get("int8"))
+    slots = _chosen()
+    _, v = _filled(st, slots)
+    heavy = torch.zeros(2, 3, 32, dtype=torch.bool).scatter(2, slots, True)
+    want_v = torch.where(
+        heavy.unsqueeze(-1), get("int8").decode(get("int8").encode(v)), get("int2").decode(get("int2").encode(v))
+    )
+    assert torch.equal(st.v.served.view()[:, :, :32], want_v)
+    with pytest.raises(ValueError, match="token_tiers=True"):
+        LayerStore(0, get("int4"), get("int4"), bands=8, pairing="rotate_half", seed=0, heavy_values=get("int8"))
+    with pytest.raises(ValueError, match="residual window"):
+        _store(heavy_values=get("kivi-2"))
+    st = _store()
+    st.append(*_kv(t=8), *_rows())
+    with pytest.raises(ValueError, match="value_slots repeat a slot"):
+        st.choose_heavy(torch.zeros(2, 3, 1, dtype=torch.int64), torch.zeros(2, 3, 2, dtype=torch.int64))

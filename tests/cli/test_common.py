@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from kvcert.cache.gate import Gate
-from kvcert.cli.common import SchemeSpec, auto_gate, load_model, parse_gate, parse_schemes, parse_storage
+from kvcert.cli.common import (
+    SchemeSpec,
+    auto_gate,
+    load_model,
+    parse_gate,
+    parse_heavy_values,
+    parse_schemes,
+    parse_storage,
+)
 from kvcert.cli.evaluate import eval_tasks, parse_task_option
 
 
@@ -176,3 +184,23 @@ def test_parse_storage_applies_a_heavy_share_only_with_upgrade_codecs() -> None:
     for share in (0.0, 1.0, 1.5, -0.2):
         with pytest.raises(ValueError, match="--heavy-share: heavy_share must be a fraction in"):
             parse_storage(parse_schemes("int4"), "log8", "1.0", 0, "int8/int4", share)
+
+
+def test_parse_storage_applies_heavy_values_only_with_a_heavy_share() -> None:
+    specs = parse_storage(
+        parse_schemes("dither-int5/minmax-int2"), "log8", "1.0", 0, "dither-int8/minmax-int4", 0.3, 2, "int8:0.1"
+    )
+    assert specs[0].heavy_values == ("int8", 0.1) and specs[0].heavy_share == 0.3
+    assert parse_heavy_values(None) is None and parse_heavy_values("dither-int8:0.25") == ("dither-int8", 0.25)
+    with pytest.raises(ValueError, match="--heavy-values is a setting of token tiers: give --heavy-share too"):
+        parse_storage(parse_schemes("int4"), "log8", "1.0", 0, "dither-int8/int4", None, 8, "int8:0.1")
+    for bad, why in (
+        ("int8", "expected CODEC:SHARE"),
+        (":0.1", "expected CODEC:SHARE"),
+        ("int8:x", "the share must be a number"),
+        ("int8:1.0", "heavy_share must be a fraction"),
+        ("nope:0.1", "unknown codec 'nope'"),
+        ("kivi-2:0.1", "residual window"),
+    ):
+        with pytest.raises(ValueError, match=f"--heavy-values: .*{why}"):
+            parse_heavy_values(bad)

@@ -35,7 +35,9 @@ def _ids(model, n=80, seed=7):
 
 
 def _storage(**kw):
-    return StorageConfig(keys="dither-int4", values="int2", write_block=4, **{"device_budget": None} | TIERS | kw)
+    return StorageConfig(
+        **{"keys": "dither-int4", "values": "int2", "write_block": 4, "device_budget": None} | TIERS | kw
+    )
 
 
 def _heavy(cache):
@@ -79,6 +81,44 @@ def test_the_value_gate_keeps_every_cell_within_its_output_bound(family):
     off = tel["off"]
     assert on.upgraded_entries > off.upgraded_entries or on.bytes_paged > off.bytes_paged
     assert float(on.value_term.max()) < float(off.value_term.max())
+
+
+HEAVY_VALUES = {"values": "minmax-int2", "upgrade_values": "minmax-int4", "heavy_values": "int8"}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_heavy_values_of_their_own_keep_every_cell_within_its_bounds(family):
+    """Heavy values in their own codec and share (``heavy_values``, ``heavy_value_share``), under the value gate:
+    every cell within its certificate and its output bound (validate mode, per cell)."""
+    model = tiny_random(family, head_dim=32)
+    gate = dataclasses.replace(_gate(0.005), value_rel=0.02)
+    storage = _storage(**HEAVY_VALUES, heavy_value_share=0.15)
+    cache = CertifiedCache(model, gate=gate, seed=3, storage=storage, validate=True)
+    _stepwise(model, _ids(model, n=96), cache, 12)
+    cache.detach()
+    tel = cache.telemetry()
+    assert tel.violations == 0 and tel.out_violations == 0 and tel.partial_violations == 0
+    seen = ~torch.isnan(tel.true_tv)
+    assert bool(seen.any()) and bool((tel.true_tv[seen] <= tel.certificates[seen]).all())
+    seen = ~torch.isnan(tel.true_out_err)
+    assert bool(seen.any()) and bool((tel.true_out_err[seen] <= tel.out_bound[seen]).all())
+    assert tel.bytes_device == sum(walk_device_bytes(layer.store) for layer in cache.layers)
+
+
+def test_heavy_values_are_the_top_of_the_same_ranking():
+    model = tiny_random("llama", head_dim=32)
+    ids = _ids(model, n=400)
+    storage = _storage(**HEAVY_VALUES, heavy_share=0.3, heavy_value_share=0.1)
+    cache = CertifiedCache(model, gate=_gate(0.005), seed=3, storage=storage)
+    _stepwise(model, ids, cache, 2)
+    cache.detach()
+    for layer in cache.layers:
+        keys, values = layer.store.k.chunks[0], layer.store.v.chunks[0]
+        assert keys.heavy is not None and values.heavy is not None
+        assert bool((keys.heavy.sum(-1) == 120).all()) and bool((values.heavy.sum(-1) == 40).all())
+        assert not bool((values.heavy & ~keys.heavy).any())  # the heaviest of the heavy keys' tokens
+        assert bool(values.heavy[..., -32:].all())  # the protected window first
+        assert values.packed.tensors["heavy.codes"].dtype == torch.int8  # int8 codes, one byte each
 
 
 def test_heavy_tokens_are_the_prefill_attentions_choice_at_the_share():
@@ -139,6 +179,15 @@ def test_token_tier_settings_that_cannot_be_served_are_refused():
         StorageConfig(heavy_select=SnapKV())
     with pytest.raises(TypeError, match="heavy_select must be"):
         _storage(heavy_select="snapkv")
+    for name, value in (("heavy_values", "int8"), ("heavy_value_share", 0.1)):
+        with pytest.raises(ValueError, match=f"{name} is a setting of token tiers: give heavy_share too"):
+            StorageConfig(**{name: value})
+    with pytest.raises(ValueError, match="heavy_value_share: heavy_share must be a fraction"):
+        _storage(heavy_value_share=1.5)
+    with pytest.raises(TypeError, match="heavy_values must be"):
+        _storage(heavy_values=8)
+    with pytest.raises(ValueError, match="residual window"):
+        StorageConfig(**TIERS, heavy_values="kivi-2", seed=1).store(0)
     with pytest.raises(ValueError, match="upgrade"):  # eviction refuses the upgrade codecs the tiers live in
         CertifiedCache(model, storage=_storage(), eviction=EvictionConfig.prefill(SnapKV(), 0.5))
 

@@ -69,6 +69,8 @@ def test_bytes_per_token_head_measured_at_d64():
         "fp8-e5m2-scaled": 68,
         "kivi-2": 24,
         "kivi-4": 40,
+        "minmax-int2": 20,  # 16 B of codes + one fp16 scale and zero per 64 channels
+        "minmax-int4": 36,
         "kvquant-4": (1024 + 256 + 21 * 4) / 32,
         "sign-1": 12,
         "hadamard-int4": 34,

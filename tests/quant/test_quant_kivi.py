@@ -6,7 +6,8 @@ from kvcert.quant import get
 
 
 def _params(codec, packed):
-    return codec.expand(packed.tensors["scales"]).to(torch.float64), codec.expand(packed.tensors["zeros"])
+    d = packed.shape[-1]
+    return codec.expand(packed.tensors["scales"], d).to(torch.float64), codec.expand(packed.tensors["zeros"], d)
 
 
 @pytest.mark.parametrize("bits", [2, 4])

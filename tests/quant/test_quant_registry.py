@@ -20,6 +20,8 @@ BUILTIN_NAMES = [
     "fp8-e5m2-scaled",
     "kivi-2",
     "kivi-4",
+    "minmax-int2",
+    "minmax-int4",
     "kvquant-4",
     "sign-1",
     "hadamard-int4",

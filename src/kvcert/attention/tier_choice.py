@@ -5,8 +5,10 @@ codecs: the share ``F`` its prefill attention singles out in the wide (upgrade) 
 each token's codes once. The choice is an eviction policy's prefill ranking (:meth:`EvictionPolicy.prefill_scores`,
 by default :func:`~kvcert.attention.evict_driver.default_select`): the tokens it would keep at compression ratio
 ``1 − F`` are the heavy ones, at least its protected tokens (sinks and recent window), so every (row, KV head) gets
-the same count. It reads only the prefill: the decode's queries never move a token between tiers (a failing read's
-repair upgrades the light tokens it pages in, ``docs/read-path.md#upgrade-repair``).
+the same count. The values may take a share of their own (``StorageConfig(heavy_value_share=F_v)``): the
+``F_v`` share at the top of the same ranking, so with ``F_v < F`` the heavy values are the heaviest of the heavy
+keys' tokens (``docs/read-path.md#heavy-values``). It reads only the prefill: the decode's queries never move a token
+between tiers (a failing read's repair upgrades the light tokens it pages in, ``docs/read-path.md#upgrade-repair``).
 
 The choice changes what is stored, never what a certificate assumes: the witnesses of every token are those of the
 codes it was stored in.
@@ -67,14 +69,20 @@ def tier_rows(attn: torch.Tensor | PrefillAttention | None, store: LayerStore) -
 
 
 def choose_heavy(
-    store: LayerStore, policy: EvictionPolicy, share: float, attn: torch.Tensor | PrefillAttention | None
+    store: LayerStore,
+    policy: EvictionPolicy,
+    share: float,
+    attn: torch.Tensor | PrefillAttention | None,
+    value_share: float | None = None,
 ) -> None:
     """Mark the heavy tokens of ``store``'s pending prompt (:meth:`LayerStore.choose_heavy`): the
     :func:`heavy_count` with the highest ``policy`` prefill scores, its protected tokens first, from ``attn`` (the
-    prefill's attention rows, :func:`read_rows`, :func:`tier_rows`; ``None`` for a policy that reads none)."""
+    prefill's attention rows, :func:`read_rows`, :func:`tier_rows`; ``None`` for a policy that reads none); the
+    heavy values apart, by the same scores, when ``value_share`` is given."""
     assert store.k is not None and store.v is not None
     keys, values = store.k.host.view(), store.v.host.view()
     b, _, s, _ = keys.shape
     kappa = torch.ones(b, s, dtype=torch.float64, device=keys.device)
     scores, protected = policy.prefill_scores(store.layer, keys, values, attn=attn, kappa=kappa)
-    store.choose_heavy(keep_top(scores, protected, heavy_count(s, share, policy)))
+    apart = None if value_share is None else keep_top(scores, protected, heavy_count(s, value_share, policy))
+    store.choose_heavy(keep_top(scores, protected, heavy_count(s, share, policy)), apart)

@@ -45,8 +45,9 @@ so ``bytes_device <= max(F·bytes_fp16, floor)`` holds after every write and eve
 Token tiers (``token_tiers=True``, with upgrade codecs): the codes of each write are a
 :class:`~kvcert.quant.token_tiers.TokenTiers` form, the entries :meth:`LayerStore.choose_heavy` named (the prefill's
 heavy tokens, ``docs/read-path.md#token-tiers``) in the upgrade codecs and the others in the light ones, each entry's
-codes once; their witnesses are those of the codes they were stored in. An upgrade repair drops the light codes of
-the entries it re-encodes, and a budget release encodes them again (the same codes).
+codes once; their witnesses are those of the codes they were stored in. The heavy values may have a codec and a
+share of their own (``heavy_values=``, :meth:`LayerStore.choose_heavy`'s ``value_slots``). An upgrade repair drops
+the light codes of the entries it re-encodes, and a budget release encodes them again (the same codes).
 
 Write protocol: new tokens are appended exact and *pending*; at the start of a later write, pending
 tokens are encoded in whole blocks of ``write_block`` tokens (so the forward that produced them attends
@@ -338,6 +339,7 @@ STORE_SETTINGS = (
     "exact_sinks",
     "upgrade",
     "token_tiers",
+    "heavy_values",
 )
 
 #: mixed into the store's seed for the dither of upgraded entries: a stream apart from the one their first codes drew
@@ -358,6 +360,19 @@ def check_upgrade(key_codec: Codec, upgrade: object) -> tuple[Codec, Codec] | No
     check_wide(key_codec, upgrade[0], "an upgrade key codec")
     check_wide(upgrade[1], upgrade[1], "an upgrade value codec")
     return upgrade[0], upgrade[1]
+
+
+def check_heavy_values(codec: object, token_tiers: bool) -> Codec | None:
+    """``codec`` as the heavy values' codec of a token-tier store, or ``None``; ``ValueError`` naming the problem
+    unless it is a per-token codec (:func:`~kvcert.quant.token_tiers.check_wide`) of a store with token tiers."""
+    if codec is None:
+        return None
+    if not isinstance(codec, Codec):
+        raise ValueError(f"heavy_values must be a Codec or None, got {codec!r}")
+    if not token_tiers:
+        raise ValueError("heavy_values is the codec of token tiers' heavy values: give token_tiers=True too")
+    check_wide(codec, codec, "a heavy value codec")
+    return codec
 
 
 def check_exact_sinks(n: object, name: str = "exact_sinks") -> int:
@@ -387,6 +402,7 @@ class LayerStore:
         exact_sinks: int = 0,
         upgrade: tuple[Codec, Codec] | None = None,
         token_tiers: bool = False,
+        heavy_values: Codec | None = None,
     ) -> None:
         # persistent repairs re-encode in these codecs instead of holding entries exact (None: hold them exact)
         self.upgrade = check_upgrade(key_codec, upgrade)
@@ -394,7 +410,10 @@ class LayerStore:
             raise ValueError("token tiers store their heavy tokens in the upgrade codecs: give upgrade= too")
         # the codes are token tiers: the tokens choose_heavy names in the upgrade codecs, the others light
         self.token_tiers = bool(token_tiers)
-        self._heavy_hint: torch.Tensor | None = None  # [B, H, n] bool over physical slots (choose_heavy)
+        # the heavy values' codec of token tiers (None: the upgrade value codec)
+        self.heavy_values = check_heavy_values(heavy_values, self.token_tiers)
+        # per tensor ("k", "v"): [B, H, n] bool over physical slots, the entries choose_heavy named
+        self._heavy_hint: dict[str, torch.Tensor] | None = None
         # tokens at logical positions < exact_sinks are never compressed
         self.exact_sinks = check_exact_sinks(exact_sinks)
         if witness not in WITNESS_FORMATS:
@@ -473,7 +492,8 @@ class LayerStore:
         key_codec, value_codec = self.key_codec, self.value_codec
         if self.token_tiers:
             assert self.upgrade is not None
-            key_codec, value_codec = TokenTiers(key_codec, self.upgrade[0]), TokenTiers(value_codec, self.upgrade[1])
+            heavy_values = self.upgrade[1] if self.heavy_values is None else self.heavy_values
+            key_codec, value_codec = TokenTiers(key_codec, self.upgrade[0]), TokenTiers(value_codec, heavy_values)
         self.k = _Tensorstore(key_codec, like_k, pin, self.write_block, k.device, host_k)
         self.v = _Tensorstore(value_codec, like_v, pin, self.write_block, v.device, host_v)
         # any fixed centre makes the spread max_t ‖v̂_t − c‖ valid; the first write's mean keeps it small
@@ -691,7 +711,7 @@ class LayerStore:
         self._commit(writes)
         hint = self._heavy_hint
         if hint is not None and self.k is not None and self.v is not None:
-            if min(self.k.n_encoded, self.v.n_encoded) >= hint.shape[-1]:
+            if min(self.k.n_encoded, self.v.n_encoded) >= hint["k"].shape[-1]:
                 self._heavy_hint = None  # every chosen entry is encoded
 
     def _encode(self, flush: bool, writes: WriteBatch) -> None:
@@ -723,7 +743,7 @@ class LayerStore:
             heavy = None
             with deferred(writes.require):
                 if isinstance(ts.codec, TokenTiers):
-                    heavy = self._heavy_of(lo, hi, xin.device)
+                    heavy = self._heavy_of("k" if is_key else "v", lo, hi, xin.device)
                     packed, decoded = ts.codec.encode_decode_split(xin, key, heavy)
                 else:
                     packed, decoded = ts.codec.encode_decode(xin, key=key)
@@ -749,32 +769,42 @@ class LayerStore:
             chunk = _Chunk(self.base + lo, self.base + hi, packed, key, stored_heavy)
             writes.then(partial(self._store_codes, "k" if is_key else "v", n, chunk))
 
-    def choose_heavy(self, slots: torch.Tensor) -> None:
+    def choose_heavy(self, slots: torch.Tensor, value_slots: torch.Tensor | None = None) -> None:
         """Store the entries at physical ``slots[B, H, C]`` (distinct per (row, KV head)) in the heavy codes when they
         are encoded (a token-tier store, ``token_tiers=True``): typically the prefill's pending tokens its attention
-        singled out. A write encodes the chosen tokens it covers (each (row, KV head) its own count); an entry encoded
-        before the choice keeps its codes. ``ValueError`` without token tiers, on
-        pages, or on a bad shape or repeated slots."""
+        singled out. ``value_slots[B, H, C']`` (same rules) names the heavy values apart, when they are not those of
+        ``slots`` (the heavy values' own share, ``docs/read-path.md#heavy-values``). A write encodes the chosen
+        tokens it covers (each (row, KV head) its own count); an entry encoded before the choice keeps its codes.
+        ``ValueError`` without token tiers, on pages, or on a bad shape or repeated slots."""
         if not self.token_tiers:
             raise ValueError("choose_heavy needs a token-tier store (StorageConfig(heavy_share=...))")
         self._unpaged("token tiers")
         assert self.k is not None
+        keys = self._slot_mask(slots, "slots")
+        values = keys if value_slots is None else self._slot_mask(value_slots, "value_slots")
+        self._heavy_hint = {"k": keys, "v": values}
+
+    def _slot_mask(self, slots: torch.Tensor, name: str) -> torch.Tensor:
+        """``[B, H, n]`` bool, true at ``slots[B, H, C]``; ``ValueError`` naming ``name`` on a bad shape, a slot
+        outside the live ones or a repeated slot."""
+        assert self.k is not None
         b, h = self.k.served.shape[:2]
         if slots.dim() != 3 or tuple(slots.shape[:2]) != (b, h) or slots.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"slots must be integer [B, H, C] with (B, H) = {(b, h)}, got {tuple(slots.shape)}")
+            raise ValueError(f"{name} must be integer [B, H, C] with (B, H) = {(b, h)}, got {tuple(slots.shape)}")
         if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < self.n):
-            raise ValueError(f"slots must lie in [0, {self.n}), the live slots of this store")
-        hint = torch.zeros(b, h, self.n, dtype=torch.bool, device=slots.device).scatter(2, slots.to(torch.int64), True)
-        if bool((hint.sum(-1) != slots.shape[-1]).any()):
-            raise ValueError("slots repeat a slot of some (row, KV head): name each chosen entry once")
-        self._heavy_hint = hint
+            raise ValueError(f"{name} must lie in [0, {self.n}), the live slots of this store")
+        mask = torch.zeros(b, h, self.n, dtype=torch.bool, device=slots.device).scatter(2, slots.to(torch.int64), True)
+        if bool((mask.sum(-1) != slots.shape[-1]).any()):
+            raise ValueError(f"{name} repeat a slot of some (row, KV head): name each chosen entry once")
+        return mask
 
-    def _heavy_of(self, lo: int, hi: int, device: torch.device) -> torch.Tensor:
-        """``[B, H, hi − lo]`` bool: the chosen heavy entries (:meth:`choose_heavy`) among the slots ``[lo, hi)``."""
+    def _heavy_of(self, tensor: str, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+        """``[B, H, hi − lo]`` bool: the chosen heavy entries of ``tensor`` (``"k"`` or ``"v"``,
+        :meth:`choose_heavy`) among the slots ``[lo, hi)``."""
         assert self.k is not None
         b, h = self.k.served.shape[:2]
         out = torch.zeros(b, h, hi - lo, dtype=torch.bool, device=device)
-        hint = self._heavy_hint
+        hint = None if self._heavy_hint is None else self._heavy_hint[tensor]
         if hint is not None and lo < hint.shape[-1]:
             part = hint[:, :, lo:hi].to(device)
             out[:, :, : part.shape[-1]] = part
@@ -1235,7 +1265,7 @@ class LayerStore:
             ts.heavy_chunks = [c for c in ts.heavy_chunks if c.stop > self.base + start]
             ts.keep_upgrades_after(self.base + start)
         if self._heavy_hint is not None:
-            self._heavy_hint = self._heavy_hint[:, :, start:]
+            self._heavy_hint = {t: hint[:, :, start:] for t, hint in self._heavy_hint.items()}
         self.n_held = sum(int(ts.held.view().sum()) for ts in (self.k, self.v))
         self._held_heads = None
         for token_buf in self._token_buffers():

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -26,6 +26,7 @@ from kvcert.cache.store import (  # noqa: E402
     WITNESS_FORMATS,
     Witness,
     check_exact_sinks,
+    check_heavy_values,
     check_upgrade,
 )
 from kvcert.evict import H2O, RMM, EvictionPolicy, StreamingLLM, prefill_kept_count  # noqa: E402
@@ -78,6 +79,14 @@ HeavyShareOption = Annotated[
     typer.Option(
         help="token tiers (needs --upgrade): this share of each KV head's prompt tokens, those its prefill attention "
         "singles out, stored in the --upgrade codecs instead of the light ones (docs/read-path.md#token-tiers)"
+    ),
+]
+HeavyValuesOption = Annotated[
+    str | None,
+    typer.Option(
+        metavar="CODEC:SHARE",
+        help="token tiers (needs --heavy-share): the heavy values in CODEC (a per-token codec), the top SHARE of the "
+        "same ranking, instead of the --upgrade value codec on the --heavy-share (docs/read-path.md#heavy-values)",
     ),
 ]
 BandsOption = Annotated[
@@ -168,6 +177,7 @@ class SchemeSpec:
     upgrade: tuple[str, str] | None = None  # ``StorageConfig(upgrade_keys=, upgrade_values=)``
     heavy_share: float | None = None  # ``StorageConfig(heavy_share=)`` (token tiers)
     bands: int = 8  # ``StorageConfig(bands=)``: key-witness bands
+    heavy_values: tuple[str, float] | None = None  # ``StorageConfig(heavy_values=, heavy_value_share=)``
 
     @property
     def label(self) -> str:
@@ -276,11 +286,13 @@ def parse_storage(
     upgrade: str | None = None,
     heavy_share: float | None = None,
     bands: int = 8,
+    heavy_values: str | None = None,
 ) -> list[SchemeSpec]:
     """``specs`` with ``--witness`` (one of ``WITNESS_FORMATS``), ``--device-budget`` (a fraction > 0 of the fp16
     K/V bytes, or ``none``), ``--exact-sinks`` (``>= 0``), ``--upgrade`` (:func:`parse_upgrade`),
-    ``--heavy-share`` (a fraction in (0, 1), with ``--upgrade``) and ``--bands`` (``>= 1``) applied to each;
-    ``ValueError`` naming the option otherwise."""
+    ``--heavy-share`` (a fraction in (0, 1), with ``--upgrade``), ``--bands`` (``>= 1``) and ``--heavy-values``
+    (:func:`parse_heavy_values`, with ``--heavy-share``) applied to each; ``ValueError`` naming the option
+    otherwise."""
     check_exact_sinks(exact_sinks, "--exact-sinks")
     if isinstance(bands, bool) or not isinstance(bands, int) or bands < 1:
         raise ValueError(f"--bands: expected an integer >= 1 (witness bands of whole RoPE pairs), got {bands!r}")
@@ -292,6 +304,9 @@ def parse_storage(
             check_heavy_share(heavy_share)
         except ValueError as err:
             raise ValueError(f"--heavy-share: {err}") from None
+    elif heavy_values is not None:
+        raise ValueError("--heavy-values is a setting of token tiers: give --heavy-share too")
+    tiers = parse_heavy_values(heavy_values)
     if witness not in WITNESS_FORMATS:
         raise ValueError(f"--witness: expected one of {', '.join(WITNESS_FORMATS)}, got {witness!r}")
     budget: float | None = None
@@ -304,7 +319,8 @@ def parse_storage(
             raise ValueError(f"--device-budget: expected a finite fraction > 0 or 'none', got {device_budget!r}")
     form: Witness = "log8" if witness == "log8" else "f32"
     return [
-        SchemeSpec(s.keys, s.values, form, budget, s.allocation, exact_sinks, codecs, heavy_share, bands) for s in specs
+        SchemeSpec(s.keys, s.values, form, budget, s.allocation, exact_sinks, codecs, heavy_share, bands, tiers)
+        for s in specs
     ]
 
 
@@ -325,6 +341,28 @@ def parse_upgrade(text: str | None, specs: list[SchemeSpec]) -> tuple[str, str] 
     except ValueError as err:
         raise ValueError(f"--upgrade: {err}") from None
     return parts[0], parts[1]
+
+
+def parse_heavy_values(text: str | None) -> tuple[str, float] | None:
+    """``--heavy-values CODEC:SHARE`` (``StorageConfig(heavy_values=, heavy_value_share=)``: the heavy values of
+    token tiers in ``CODEC``, the top ``SHARE`` of the prompt's ranking) as ``(codec name, share)``, ``None`` when not
+    given; ``ValueError`` naming ``--heavy-values`` unless ``CODEC`` is a per-token codec and ``SHARE`` a fraction in
+    (0, 1)."""
+    if text is None:
+        return None
+    name, sep, share = text.rpartition(":")
+    try:
+        if not sep or not name:
+            raise ValueError(f"expected CODEC:SHARE (e.g. int8:0.1), got {text!r}")
+        try:
+            fraction = float(share)
+        except ValueError:
+            raise ValueError(f"the share must be a number, got {share!r}") from None
+        check_heavy_share(fraction)
+        check_heavy_values(resolve(name, "value"), token_tiers=True)
+    except ValueError as err:
+        raise ValueError(f"--heavy-values: {err}") from None
+    return name, fraction
 
 
 def parse_gate(text: str) -> Gate | None:
@@ -539,23 +577,25 @@ class RulerVariants:
     plan: ResidentPlan | None
 
 
+class StorageOptions(NamedTuple):
+    """The storage options of a RULER command, as :func:`parse_storage` takes them after the schemes."""
+
+    witness: str
+    device_budget: str
+    exact_sinks: int = 0
+    upgrade: str | None = None
+    heavy_share: float | None = None
+    bands: int = 8
+    heavy_values: str | None = None
+
+
 def ruler_variants(
-    schemes: str,
-    witness: str,
-    device_budget: str,
-    allocation: Path | None,
-    gate: str,
-    resident: ResidentSettings,
-    exact_sinks: int = 0,
-    upgrade: str | None = None,
-    heavy_share: float | None = None,
-    bands: int = 8,
+    schemes: str, storage: StorageOptions, allocation: Path | None, gate: str, resident: ResidentSettings
 ) -> RulerVariants:
-    """:func:`parse_schemes` with :func:`parse_storage`, ``--allocation``'s scheme (:func:`allocation_spec`, under the
-    same storage options), :func:`parse_gate` and :func:`resident_plan` (the resident variants of the listed
-    schemes, not the allocation's); ``ValueError`` naming the option at fault (also for a Tier-B gate over a scheme
-    whose keys are not dithered)."""
-    storage = (witness, device_budget, exact_sinks, upgrade, heavy_share, bands)
+    """:func:`parse_schemes` with :func:`parse_storage` of ``storage``, ``--allocation``'s scheme
+    (:func:`allocation_spec`, under the same storage options), :func:`parse_gate` and :func:`resident_plan` (the
+    resident variants of the listed schemes, not the allocation's); ``ValueError`` naming the option at fault (also
+    for a Tier-B gate over a scheme whose keys are not dithered)."""
     plain = parse_storage(parse_schemes(schemes), *storage)
     specs = plain + parse_storage(allocation_spec(allocation), *storage)
     chosen = parse_gate(gate)

@@ -17,6 +17,7 @@ from kvcert.cli.common import (
     ExactSinksOption,
     GateOption,
     HeavyShareOption,
+    HeavyValuesOption,
     MaxNewTokensOption,
     ModelOption,
     RecallOption,
@@ -29,6 +30,7 @@ from kvcert.cli.common import (
     SchemesOption,
     SeedOption,
     SelectOption,
+    StorageOptions,
     SummaryOption,
     UpgradeOption,
     ValidateOption,
@@ -85,6 +87,7 @@ def evaluate(
     exact_sinks: ExactSinksOption = 0,
     upgrade: UpgradeOption = None,
     heavy_share: HeavyShareOption = None,
+    heavy_values: HeavyValuesOption = None,
     bands: BandsOption = 8,
     resident: ResidentOption = None,
     select: SelectOption = None,
@@ -102,9 +105,8 @@ def evaluate(
         task_list, option = eval_tasks(tasks, task)
         ruler_tasks(task_list, context, option)
         settings = ResidentSettings(resident, select, reselect, summary, resident_alloc, recall)
-        variants = ruler_variants(
-            schemes, witness, device_budget, allocation, gate, settings, exact_sinks, upgrade, heavy_share, bands
-        )
+        storage = StorageOptions(witness, device_budget, exact_sinks, upgrade, heavy_share, bands, heavy_values)
+        variants = ruler_variants(schemes, storage, allocation, gate, settings)
     job = RulerJob(
         "eval",
         model,

@@ -27,6 +27,7 @@ from kvcert.cli.common import (
     ExactSinksOption,
     GateOption,
     HeavyShareOption,
+    HeavyValuesOption,
     MaxNewTokensOption,
     ModelOption,
     RecallOption,
@@ -39,6 +40,7 @@ from kvcert.cli.common import (
     SchemesOption,
     SeedOption,
     SelectOption,
+    StorageOptions,
     SummaryOption,
     TasksOption,
     UpgradeOption,
@@ -162,6 +164,7 @@ def frontier(
     exact_sinks: ExactSinksOption = 0,
     upgrade: UpgradeOption = None,
     heavy_share: HeavyShareOption = None,
+    heavy_values: HeavyValuesOption = None,
     bands: BandsOption = 8,
     resident: ResidentOption = None,
     select: SelectOption = None,
@@ -179,9 +182,8 @@ def frontier(
     with checked_inputs("frontier"):
         task_list = task_names(tasks)
         settings = ResidentSettings(resident, select, reselect, summary, resident_alloc, recall)
-        variants = ruler_variants(
-            schemes, witness, device_budget, allocation, gate, settings, exact_sinks, upgrade, heavy_share, bands
-        )
+        storage = StorageOptions(witness, device_budget, exact_sinks, upgrade, heavy_share, bands, heavy_values)
+        variants = ruler_variants(schemes, storage, allocation, gate, settings)
         specs, chosen, plan = list(variants.specs), variants.gate, variants.plan
         peer_specs = parse_peers(peers, residual_length)
         at_least("residual-length", residual_length, 0)
@@ -230,6 +232,7 @@ def frontier(
         "exact_sinks": exact_sinks,
         "upgrade": upgrade,
         "heavy_share": heavy_share,
+        "heavy_values": heavy_values,
         "bands": bands,
         "gate": gate,
         "peers": [p.label for p in peer_specs],

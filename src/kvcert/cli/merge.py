@@ -93,6 +93,7 @@ SAME_CONFIG = (
     "exact_sinks",
     "upgrade",
     "heavy_share",
+    "heavy_values",
     "bands",
     "validate",
 )  # the run's seed may differ: shards of other seeds hold other samples, each still paired within itself

@@ -69,6 +69,9 @@ class RulerJob:
             "exact_sinks": self.schemes[0].exact_sinks,
             "upgrade": None if self.schemes[0].upgrade is None else "/".join(self.schemes[0].upgrade),
             "heavy_share": self.schemes[0].heavy_share,
+            "heavy_values": None
+            if self.schemes[0].heavy_values is None
+            else ":".join(map(str, self.schemes[0].heavy_values)),
             "bands": self.schemes[0].bands,
             "gate": "auto" if self.gate is None else self.gate.describe(),
             "seed": self.seed,

@@ -77,6 +77,7 @@ def _scheme(spec: SchemeSpec, gate: Gate, label: str, validate: bool) -> Scheme:
         exact_sinks=spec.exact_sinks,
         upgrade=spec.upgrade,
         heavy_share=spec.heavy_share,
+        heavy_values=spec.heavy_values,
         bands=spec.bands,
     )
 

@@ -57,6 +57,7 @@ class Scheme:
     exact_sinks: int = 0  # the first positions kept exact (``StorageConfig(exact_sinks=)``)
     upgrade: tuple[str, str] | None = None  # persistent repairs re-encode in these (``StorageConfig(upgrade_keys=)``)
     heavy_share: float | None = None  # token tiers: this share of the prompt in the upgrade codecs (``heavy_share=``)
+    heavy_values: tuple[str, float] | None = None  # token tiers' heavy values: (codec, share) (``heavy_values=``)
     bands: int = 8  # key-witness bands of whole RoPE pairs (``StorageConfig(bands=)``)
     write_block: int = 16  # pending tokens are encoded in blocks of this many (``StorageConfig(write_block=)``)
 
@@ -82,6 +83,8 @@ class Scheme:
             upgrade_keys=None if self.upgrade is None else self.upgrade[0],
             upgrade_values=None if self.upgrade is None else self.upgrade[1],
             heavy_share=self.heavy_share,
+            heavy_values=None if self.heavy_values is None else self.heavy_values[0],
+            heavy_value_share=None if self.heavy_values is None else self.heavy_values[1],
             bands=self.bands,
             write_block=self.write_block,
         )

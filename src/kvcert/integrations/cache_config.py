@@ -54,7 +54,9 @@ class StorageConfig:
     instead of holding them exact, within the device budget (``docs/read-path.md#upgrade-repair``). ``heavy_share``
     (needs the upgrade codecs): token tiers, the share of each (layer, KV head)'s prompt tokens its prefill attention
     singles out (ranked by ``heavy_select``, default :func:`~kvcert.attention.evict_driver.default_select`) is stored
-    in the upgrade codecs *instead of* the light ones (``docs/read-path.md#token-tiers``)."""
+    in the upgrade codecs *instead of* the light ones (``docs/read-path.md#token-tiers``); ``heavy_values`` (a
+    per-token codec, default the upgrade value codec) and ``heavy_value_share`` (default ``heavy_share``) give the
+    heavy values a codec and a share of their own, the top of the same ranking (``docs/read-path.md#heavy-values``)."""
 
     keys: str | Codec | tuple[str | Codec, ...] = "int8"
     values: str | Codec | tuple[str | Codec, ...] = "int8"
@@ -71,6 +73,8 @@ class StorageConfig:
     upgrade_values: str | Codec | None = None
     heavy_share: float | None = None
     heavy_select: EvictionPolicy | None = None
+    heavy_values: str | Codec | None = None
+    heavy_value_share: float | None = None
 
     def __post_init__(self) -> None:
         """Fail on a wrong type (each message names the argument); value ranges are the store's to check."""
@@ -102,10 +106,20 @@ class StorageConfig:
         """``ValueError`` naming the argument unless the token-tier settings fit (module doc of
         :mod:`kvcert.attention.tier_choice`)."""
         if self.heavy_share is None:
-            if self.heavy_select is not None:
-                raise ValueError("heavy_select ranks the heavy tokens of token tiers: give heavy_share too")
+            for name in ("heavy_select", "heavy_values", "heavy_value_share"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is a setting of token tiers: give heavy_share too")
             return
         check_heavy_share(self.heavy_share)
+        if self.heavy_value_share is not None:
+            try:
+                check_heavy_share(self.heavy_value_share)
+            except ValueError as err:
+                raise ValueError(f"heavy_value_share: {err}") from None
+        if not isinstance(self.heavy_values, (str, Codec, type(None))):
+            raise TypeError(
+                f"heavy_values must be a codec name, a Codec or None, got {type(self.heavy_values).__name__}"
+            )
         if self.upgrade_keys is None:
             raise ValueError("heavy_share stores the heavy tokens in the upgrade codecs: give upgrade_keys/_values")
         select = self.tier_select()
@@ -133,6 +147,7 @@ class StorageConfig:
             exact_sinks=self.exact_sinks,
             upgrade=self._upgrade(),
             token_tiers=self.heavy_share is not None,
+            heavy_values=None if self.heavy_values is None else resolve(self.heavy_values, "value", self.value_options),
         )
 
     def _upgrade(self) -> tuple[Codec, Codec] | None:

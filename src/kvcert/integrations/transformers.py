@@ -436,7 +436,9 @@ class CertifiedCache(Cache):
             layer.cumulative_length = src.get_seq_length()
             if self._tier_select is not None:
                 given = None if attentions is None else attentions[i]
-                choose_heavy(layer.store, self._tier_select, self._heavy_share, tier_rows(given, layer.store))
+                attn_rows = tier_rows(given, layer.store)
+                share, value_share = self._heavy_share, self.storage.heavy_value_share
+                choose_heavy(layer.store, self._tier_select, share, attn_rows, value_share)
             layer.store.encode_pending()  # the prefill is complete: nothing is in flight any more
             if self._evictor is not None:
                 attn = None if attentions is None else attentions[i]
@@ -470,7 +472,7 @@ class CertifiedCache(Cache):
             )
             if self._tier_select is not None and query.shape[2] > 1 and store.k.n_encoded == 0:
                 rows = read_rows(query, key, mask, sc, self._tier_select.prefill_reads)
-                choose_heavy(store, self._tier_select, self._heavy_share, rows)
+                choose_heavy(store, self._tier_select, self._heavy_share, rows, self.storage.heavy_value_share)
             if self._evictor is not None:
                 assert logical is not None
                 self._evictor.after_read(store, query, key, logical, sc, None, self._step)

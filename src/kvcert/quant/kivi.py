@@ -48,11 +48,16 @@ class KiviCodec(Codec):
         self.block = group_size if axis == "key" else 1
         self.residual_window = residual_window
 
-    def expand(self, p: torch.Tensor) -> torch.Tensor:
-        """Broadcast stored per-group parameters (``scales`` or ``zeros``) to ``[B, H, T, D]`` (float32)."""
+    def expand(self, p: torch.Tensor, d: int) -> torch.Tensor:
+        """Broadcast stored per-group parameters (``scales`` or ``zeros``) to ``[B, H, T, d]`` (float32), ``d`` the
+        head dimension (a value-axis group holds ``d / G`` channels, ``G`` the groups stored per token)."""
         if self.axis == "key":
             return p.to(torch.float32).repeat_interleave(self.block, dim=-2)
-        return per_group(p, self.group_size)
+        return per_group(p, d // p.shape[-1])
+
+    def channel_group(self, d: int) -> int:
+        """The channels per value-axis group at head dimension ``d``: ``group_size``."""
+        return self.group_size
 
     def _encode(self, x: torch.Tensor, key: DitherKey | None) -> Packed:
         x32 = x.to(torch.float32)
@@ -60,10 +65,11 @@ class KiviCodec(Codec):
             blocks = x32.unflatten(-2, (x.shape[-2] // self.block, self.block))
             lo, hi = blocks.amin(-2), blocks.amax(-2)  # [B, H, T/block, D]
         else:
-            g = grouped(x32, self.group_size)
+            g = grouped(x32, self.channel_group(x.shape[-1]))
             lo, hi = g.amin(-1), g.amax(-1)  # [B, H, T, D/group_size]
         scale, zero = minmax_params(lo, hi, self.levels)
-        code = torch.round(safe_div(x32 - self.expand(zero), self.expand(scale)))
+        d = x.shape[-1]
+        code = torch.round(safe_div(x32 - self.expand(zero, d), self.expand(scale, d)))
         return Packed(
             self.name,
             tuple(x.shape),
@@ -72,4 +78,5 @@ class KiviCodec(Codec):
 
     def _decode(self, packed: Packed, key: DitherKey | None) -> torch.Tensor:
         code = unpack_bits(packed.tensors["codes"], int(self.bits)).to(torch.float32)
-        return self.expand(packed.tensors["zeros"]) + code * self.expand(packed.tensors["scales"])
+        d = packed.shape[-1]
+        return self.expand(packed.tensors["zeros"], d) + code * self.expand(packed.tensors["scales"], d)

@@ -23,6 +23,7 @@ from kvcert.quant.hadamard import HadamardCodec
 from kvcert.quant.identity import NoneCodec
 from kvcert.quant.kivi import KiviCodec
 from kvcert.quant.kvquant import KVQuantCodec
+from kvcert.quant.minmax import MinMaxCodec
 from kvcert.quant.outlier import OutlierBypass
 from kvcert.quant.rtn import RTNCodec
 from kvcert.quant.sign import SignCodec
@@ -43,6 +44,8 @@ BUILTINS: dict[str, Callable[..., Codec]] = {
     "fp8-e5m2-scaled": partial(Fp8Codec, "e5m2", True),
     "kivi-2": partial(KiviCodec, 2),
     "kivi-4": partial(KiviCodec, 4),
+    "minmax-int2": partial(MinMaxCodec, 2),
+    "minmax-int4": partial(MinMaxCodec, 4),
     "kvquant-4": KVQuantCodec,
     "sign-1": SignCodec,
     "hadamard-int4": partial(HadamardCodec, 4),

@@ -228,3 +228,23 @@ def test_exact_sinks_are_kept_exact_in_every_request_store():
                 assert torch.equal(ts.served.view()[0, :, :3], x[:3].transpose(0, 1))
             assert (store.k_band.view()[:, :, :3] == 0).all() and (store.v_res.view()[:, :, :3] == 0).all()
             assert (store.k_band.view()[:, :, 3 : store.k.n_encoded] > 0).all()
+
+
+def test_the_value_gate_serves_exact_values_from_the_host_blocks():
+    """``certified:0.2:values=NU`` on pages: with no upgrade codecs there, a head whose value term is above
+    ``NU·spread`` is served its exact values from the host blocks for the read (counted as a value repair and as
+    page-in); validate mode counts no cell above its certificate nor above its output bound, and at ``NU = 0`` every
+    value is exact, so each decode row errs less than under the same gate without it."""
+    steps = [{"a": (20, 0), "b": (18, 0)}] + [{"a": (1, 20 + i), "b": (1, 18 + i)} for i in range(24)]
+    errors = {}
+    for gate in ("certified:0.2", "certified:0.2:values=0.05", "certified:0.2:values=0"):
+        rt, layout, pools = _runtime(gate)
+        errors[gate] = _drive(rt, layout, pools, steps, TABLE, seed=14)
+        for rid in TABLE:
+            rec = rt.record(rid)
+            assert rec.validated_cells == rec.cells > 0 and rec.violations == 0 and rec.out_violations == 0
+            if gate == "certified:0.2":
+                assert rec.value_repaired_reads == 0
+            else:
+                assert rec.value_repaired_reads > 0 and rec.bytes_paged > 0
+    assert errors["certified:0.2:values=0"]["decode"] < errors["certified:0.2"]["decode"]

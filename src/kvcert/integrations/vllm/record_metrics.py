@@ -75,6 +75,12 @@ class RecordCollector(Collector):
             ),
             ("kvcert_repaired_blocks", "token blocks paged in by block repairs", "exact", total.repaired_blocks),
             (
+                "kvcert_value_repaired_reads",
+                "KV-head reads the value gate served exact values from the host tier",
+                "exact",
+                total.value_repaired_reads,
+            ),
+            (
                 "kvcert_cells_over_tau",
                 "cells whose certificate exceeded tau before repair",
                 "certified",
@@ -86,6 +92,12 @@ class RecordCollector(Collector):
                 "validate mode: cells whose true TV exceeded the certificate",
                 "measured",
                 total.violations,
+            ),
+            (
+                "kvcert_out_violations",
+                "validate mode: cells whose true output error exceeded the output bound",
+                "measured",
+                total.out_violations,
             ),
         )
         for name, doc, tier, value in counters:

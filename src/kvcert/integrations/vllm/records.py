@@ -8,8 +8,9 @@ Tiers of the fields: ``max_certificate``, ``max_certificate_pre`` and ``cells_ov
 (each is a maximum / count over per-cell Tier-A certificates, sound upper bounds on the total-variation
 distance between served and exact attention); ``repaired_reads``, ``bytes_paged``, ``exact_reads`` and
 ``prefill_tokens`` are exact counts of what the plugin did; ``coverage`` is an **empirical** share of this
-request's traffic; ``violations`` / ``max_true_tv`` exist only in validate mode (measured against exact
-attention recomputed from the host tier). ``ledger_*`` exist when the request ledger is on
+request's traffic; ``violations`` / ``out_violations`` / ``max_true_tv`` exist only in validate mode (measured
+against exact attention recomputed from the host tier: cells whose true TV exceeded the certificate, or whose true
+output error exceeded the output bound). ``ledger_*`` exist when the request ledger is on
 (:mod:`kvcert.integrations.vllm.ledger_feed`): the request's account UID and lane pool, the δ its account
 spent (certified: an upper bound on the failure budget used) and its located read incidents (unwritten, stale or
 foreign-owner slot reads; 0 expected). ``device_bytes`` / ``fp16_bytes`` / ``host_bytes`` are measured from
@@ -37,7 +38,8 @@ class RequestRecord:
     ``reads`` counts (layer, KV head, decode step) reads that went through the certified path; ``cells`` the
     (layer, query head, decode step) cells certified; ``repaired_reads`` the KV-head reads the gate repaired from
     the host tier (the whole head, or some of its token blocks under a ``:block`` gate); ``repaired_blocks`` the
-    token blocks block repairs paged in; ``exact_reads`` the per-layer decode reads that saw no compressed entry
+    token blocks block repairs paged in; ``value_repaired_reads`` the KV-head reads the value gate (``:values=NU``)
+    served exact values from the host tier; ``exact_reads`` the per-layer decode reads that saw no compressed entry
     yet (all entries still pending/exact: served exact over the host tier, certificate 0); ``prefill_tokens`` the
     prompt tokens, served exact over the host tier.
     """
@@ -50,6 +52,7 @@ class RequestRecord:
     cells: int = 0
     repaired_reads: int = 0
     repaired_blocks: int = 0
+    value_repaired_reads: int = 0
     exact_reads: int = 0
     cells_over_tau: int = 0
     max_certificate: float = 0.0
@@ -57,6 +60,7 @@ class RequestRecord:
     bytes_paged: int = 0
     validated_cells: int = 0
     violations: int = 0
+    out_violations: int = 0
     max_true_tv: float = 0.0
     device_bytes: int = 0
     fp16_bytes: int = 0
@@ -89,6 +93,7 @@ class RequestRecord:
             "coverage": "empirical",
             "fallback_share": "empirical",
             "violations": "measured (validate mode)",
+            "out_violations": "measured (validate mode)",
             "ledger_delta_spent": "certified",
             "ledger_incidents": "exact",
         }

@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcert.attention.certified import ReadConfig, ReadResult
+from kvcert.attention.certified import ReadConfig
 from kvcert.attention.exact import ExactAttention
-from kvcert.attention.read_path import CertifiedReadPath, read_event
+from kvcert.attention.read_path import CertifiedReadPath, ReadOutcome, read_event
 from kvcert.bounds import uniform_split
 from kvcert.cache.events import last_write_event
 from kvcert.cache.paged import BlockPool, CellLayout
@@ -296,14 +296,15 @@ class Runtime:
         out.copy_(outcome.out[0, 0].to(out.dtype))
         if seq.lease is not None:
             seq.lease.observer.on_read(read_event(store, outcome, torch.tensor([seq.uid], dtype=torch.int64)))
-        self._account(seq, layer, outcome.result)
+        self._account(seq, layer, outcome)
 
-    def _account(self, seq: _Sequence, layer: int, res: ReadResult) -> None:
-        rec = seq.record
+    def _account(self, seq: _Sequence, layer: int, outcome: ReadOutcome) -> None:
+        res, rec = outcome.result, seq.record
         rec.reads += int(res.repaired.numel())
         rec.cells += int(res.cert.numel())
         rec.repaired_reads += int((res.repaired | (res.blocks > 0)).sum())
         rec.repaired_blocks += int(res.blocks.sum())
+        rec.value_repaired_reads += int(res.values_promoted.sum())
         rec.bytes_paged += int(res.bytes_paged)
         rec.max_certificate = max(rec.max_certificate, float(res.cert.max()))
         rec.max_certificate_pre = max(rec.max_certificate_pre, float(res.cert_pre.max()))
@@ -312,7 +313,8 @@ class Runtime:
             rec.cells_over_tau += int((res.cert_pre > tau).sum())
         if res.true_tv is not None:
             rec.validated_cells += int(res.true_tv.numel())
-            rec.violations += int((res.true_tv > res.cert_pre).sum())
+            rec.violations += outcome.record.violations  # per cell, NaN counted, within the measurement's rounding
+            rec.out_violations += outcome.record.out_violations
             rec.max_true_tv = max(rec.max_true_tv, float(res.true_tv.max()))
             if self.keep_cells:
                 self.cells.append(

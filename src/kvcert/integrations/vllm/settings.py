@@ -163,11 +163,6 @@ class Settings:
             except ValueError as exc:
                 raise ValueError(f"{var} / --{axis}s: {exc}") from None
         gate = gate_from_spec(self.gate)
-        if gate.value_rel is not None:
-            raise ValueError(
-                f"{GATE} / --gate {self.gate!r}: the value gate (':values=') is not served on vLLM's pages yet "
-                "(docs/serving-vllm.md#what-is-not-done-yet); drop ':values=...'"
-            )
         if gate.tier_b and not resolve(self.keys, "key").tier_b:
             raise ValueError(
                 f"{GATE} / --gate {self.gate!r}: ':tier-b' reads the dither's Tier-B radii; {KEYS} / --keys must be "
